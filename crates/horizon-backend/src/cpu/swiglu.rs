@@ -1,0 +1,66 @@
+//! SwiGLU on the CPU: `out = silu(gate) * up` over a fused `[gate | up]` row, and its backward.
+//!
+//! Data flow: gate_up (N, 2F) -> silu(gate) * up -> out (N, F).
+
+use rayon::prelude::*;
+
+/// Logistic sigmoid `1 / (1 + exp(-x))`; saturates cleanly to 0 or 1 for large `|x|`.
+#[inline]
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// SwiGLU forward: `out[n, j] = silu(g) * u` with `g = gate_up[n, j]`, `u = gate_up[n, F + j]`,
+/// `silu(g) = g * sigmoid(g)`.
+///
+/// out: (N, F), overwrites.
+/// gate_up: (N, 2F), row = `[gate (F) | up (F)]`.
+pub fn swiglu_forward(out: &mut [f32], gate_up: &[f32], n: usize, f: usize) {
+    assert_eq!(out.len(), n * f, "swiglu_forward: out must be (N, F)");
+    assert_eq!(gate_up.len(), n * 2 * f, "swiglu_forward: gate_up must be (N, 2F)");
+    if f == 0 {
+        return;
+    }
+    out.par_chunks_mut(f).zip(gate_up.par_chunks(2 * f)).for_each(|(o, gu)| {
+        let (gate, up) = gu.split_at(f);
+        for ((o, &g), &u) in o.iter_mut().zip(gate).zip(up) {
+            *o = g * sigmoid(g) * u;
+        }
+    });
+}
+
+// SwiGLU backward, per element with s = sigmoid(g):
+//
+//   out = silu(g) * u,   silu(g) = g s,   s' = s (1 - s)
+//   d silu / d g = s + g s (1 - s) = s (1 + g (1 - s))
+//   dL/dg = dout * u * s (1 + g (1 - s))
+//   dL/du = dout * g s
+//
+// Implemented exactly as:
+//   dgate_up[n, j]     = dout * u * (s * (1 + g * (1 - s)))        (overwrites)
+//   dgate_up[n, F + j] = dout * (g * s)                            (overwrites)
+
+/// SwiGLU backward; see the derivation above.
+///
+/// dgate_up: (N, 2F), overwrites.
+/// dout: (N, F).
+/// gate_up: (N, 2F).
+pub fn swiglu_backward(dgate_up: &mut [f32], dout: &[f32], gate_up: &[f32], n: usize, f: usize) {
+    assert_eq!(dgate_up.len(), n * 2 * f, "swiglu_backward: dgate_up must be (N, 2F)");
+    assert_eq!(dout.len(), n * f, "swiglu_backward: dout must be (N, F)");
+    assert_eq!(gate_up.len(), n * 2 * f, "swiglu_backward: gate_up must be (N, 2F)");
+    if f == 0 {
+        return;
+    }
+    dgate_up.par_chunks_mut(2 * f).zip(dout.par_chunks(f)).zip(gate_up.par_chunks(2 * f)).for_each(
+        |((dgu, dy), gu)| {
+            let (dgate, dup) = dgu.split_at_mut(f);
+            let (gate, up) = gu.split_at(f);
+            for ((((dg, du), &dy), &g), &u) in dgate.iter_mut().zip(dup).zip(dy).zip(gate).zip(up) {
+                let s = sigmoid(g);
+                *dg = dy * u * (s * (1.0 + g * (1.0 - s)));
+                *du = dy * (g * s);
+            }
+        },
+    );
+}

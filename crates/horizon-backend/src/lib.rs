@@ -1,0 +1,265 @@
+//! Horizon's compute boundary: the [`Backend`] trait and the CPU reference backend.
+//!
+//! This crate knows nothing about models, files or schedules. It offers ops (each a forward and
+//! a hand-written backward) over flat fp32 buffers, in the argument order of llm.c: outputs
+//! (`&mut`) first, then inputs, then sizes.
+//!
+//! Shape legend, used in every doc line: `B T C H KVH D F V` = batch, time, hidden, query heads,
+//! kv heads, head dim, FFN dim, vocab; `N = B*T` rows; `QKV = (H + 2*KVH)*D`.
+//!
+//! Gradient convention: every backward says per output whether it **overwrites** or
+//! **accumulates (+=)**. Parameter gradients accumulate; activation gradients overwrite, except
+//! the residual stream (`rmsnorm_backward`'s `dinp`), which accumulates.
+
+pub mod cpu;
+
+pub use cpu::CpuBackend;
+
+use std::ops::Range;
+
+/// A contiguous run of elements that lives on a backend's device. On the CPU backend it is a
+/// plain slice; the CUDA backend will implement it for its device views.
+pub trait DeviceSlice {
+    /// Number of elements.
+    fn len(&self) -> usize;
+    /// True when the slice holds no element.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// A sub-range view.
+    fn slice(&self, r: Range<usize>) -> &Self;
+    /// A mutable sub-range view.
+    fn slice_mut(&mut self, r: Range<usize>) -> &mut Self;
+    /// Two disjoint mutable views, `[0, mid)` and `[mid, len)`.
+    fn split_at_mut(&mut self, mid: usize) -> (&mut Self, &mut Self);
+}
+
+impl<T> DeviceSlice for [T] {
+    fn len(&self) -> usize {
+        <[T]>::len(self)
+    }
+    fn slice(&self, r: Range<usize>) -> &Self {
+        &self[r]
+    }
+    fn slice_mut(&mut self, r: Range<usize>) -> &mut Self {
+        &mut self[r]
+    }
+    fn split_at_mut(&mut self, mid: usize) -> (&mut Self, &mut Self) {
+        <[T]>::split_at_mut(self, mid)
+    }
+}
+
+/// Sizes of one attention call: `B` sequences of `T` positions, `H` query heads sharing `KVH`
+/// key/value heads (GQA; `H % KVH == 0`), head dim `D`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttnDims {
+    pub b: usize,
+    pub t: usize,
+    pub h: usize,
+    pub kvh: usize,
+    pub d: usize,
+}
+
+impl AttnDims {
+    /// Rows `N = B*T`.
+    pub fn n(&self) -> usize {
+        self.b * self.t
+    }
+    /// Width of one fused q|k|v row: `(H + 2*KVH)*D`.
+    pub fn qkv_width(&self) -> usize {
+        (self.h + 2 * self.kvh) * self.d
+    }
+}
+
+/// The device boundary. Everything a model step computes goes through these methods; the CPU
+/// backend is the reference every other backend is checked against.
+///
+/// Buffers of `f32` are `Self::Buf`, buffers of token ids / targets are `Self::IBuf` (`i32`,
+/// `-100` = ignored target).
+pub trait Backend: Send + Sync {
+    /// A device buffer of f32 (unsized view, like `[f32]`).
+    type Buf: ?Sized + DeviceSlice;
+    /// A device buffer of i32 (token ids, targets).
+    type IBuf: ?Sized + DeviceSlice;
+
+    /// Short name for logs (`cpu`, `cuda`).
+    fn name(&self) -> &'static str;
+
+    // ---- memory -----------------------------------------------------------------------------
+
+    /// Host -> device copy. `dst.len() == src.len()`.
+    fn upload(&self, dst: &mut Self::Buf, src: &[f32]);
+    /// Host -> device copy of i32 data.
+    fn upload_i32(&self, dst: &mut Self::IBuf, src: &[i32]);
+    /// Device -> host copy. `dst.len() == src.len()`.
+    fn download(&self, dst: &mut [f32], src: &Self::Buf);
+    /// `dst = src` on the device.
+    fn copy(&self, dst: &mut Self::Buf, src: &Self::Buf);
+    /// `buf = 0`.
+    fn zero(&self, buf: &mut Self::Buf);
+
+    // ---- ops ----------------------------------------------------------------------------------
+
+    /// Embedding lookup.
+    /// out: (N, C), overwrites. ids: (N), each in `0..V`. table: (V, C).
+    fn embedding_forward(&self, out: &mut Self::Buf, ids: &Self::IBuf, table: &Self::Buf, c: usize);
+    /// dtable: (V, C), accumulates (+=) into the rows named by `ids` only. ids: (N). dout: (N, C).
+    fn embedding_backward(
+        &self,
+        dtable: &mut Self::Buf,
+        ids: &Self::IBuf,
+        dout: &Self::Buf,
+        c: usize,
+    );
+
+    /// RMSNorm: `out = inp * rstd * weight`, `rstd = 1/sqrt(mean(inp^2) + eps)` per row.
+    /// out: (N, C), overwrites. rstd: (N), overwrites. inp: (N, C). weight: (C).
+    fn rmsnorm_forward(
+        &self,
+        out: &mut Self::Buf,
+        rstd: &mut Self::Buf,
+        inp: &Self::Buf,
+        weight: &Self::Buf,
+        c: usize,
+        eps: f32,
+    );
+    /// dinp: (N, C), accumulates (+=). dweight: (C), accumulates (+=). dout, inp: (N, C).
+    /// weight: (C). rstd: (N) as saved by the forward.
+    #[allow(clippy::too_many_arguments)]
+    fn rmsnorm_backward(
+        &self,
+        dinp: &mut Self::Buf,
+        dweight: &mut Self::Buf,
+        dout: &Self::Buf,
+        inp: &Self::Buf,
+        weight: &Self::Buf,
+        rstd: &Self::Buf,
+        c: usize,
+    );
+
+    /// Linear layer: `out = inp @ weight^T + bias`.
+    /// out: (N, OC), overwrites. inp: (N, IC). weight: (OC, IC). bias: (OC).
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_forward(
+        &self,
+        out: &mut Self::Buf,
+        inp: &Self::Buf,
+        weight: &Self::Buf,
+        bias: Option<&Self::Buf>,
+        n: usize,
+        ic: usize,
+        oc: usize,
+    );
+    /// dinp: (N, IC), overwrites (skipped when `None`). dweight: (OC, IC), accumulates (+=).
+    /// dbias: (OC), accumulates (+=). dout: (N, OC). inp: (N, IC). weight: (OC, IC).
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_backward(
+        &self,
+        dinp: Option<&mut Self::Buf>,
+        dweight: &mut Self::Buf,
+        dbias: Option<&mut Self::Buf>,
+        dout: &Self::Buf,
+        inp: &Self::Buf,
+        weight: &Self::Buf,
+        n: usize,
+        ic: usize,
+        oc: usize,
+    );
+
+    /// Rotary embedding (rotate-half convention), in place on the q and k parts of each row.
+    /// qkv: (N, QKV), row = `[q (H*D) | k (KVH*D) | v (KVH*D)]`; position of row `r` is `r % T`.
+    /// cos, sin: (T, D/2), for pair `(j, j + D/2)` of each head.
+    fn rope_forward(&self, qkv: &mut Self::Buf, cos: &Self::Buf, sin: &Self::Buf, dims: AttnDims);
+    /// In place on the dq and dk parts of dqkv: (N, QKV) (the inverse rotation); dv untouched.
+    fn rope_backward(&self, dqkv: &mut Self::Buf, cos: &Self::Buf, sin: &Self::Buf, dims: AttnDims);
+
+    /// Causal grouped-query attention with scale `1/sqrt(D)`; query head `h` reads kv head
+    /// `h / (H/KVH)`.
+    /// out: (N, H*D), overwrites. lse: (B, H, T), overwrites (log-sum-exp of each score row).
+    /// qkv: (N, QKV) after rope.
+    fn attention_forward(
+        &self,
+        out: &mut Self::Buf,
+        lse: &mut Self::Buf,
+        qkv: &Self::Buf,
+        dims: AttnDims,
+    );
+    /// dqkv: (N, QKV), overwrites (dq, dk, dv w.r.t. the post-rope q, k). dout: (N, H*D).
+    /// qkv, out, lse: as used and produced by the forward.
+    fn attention_backward(
+        &self,
+        dqkv: &mut Self::Buf,
+        dout: &Self::Buf,
+        qkv: &Self::Buf,
+        out: &Self::Buf,
+        lse: &Self::Buf,
+        dims: AttnDims,
+    );
+
+    /// SwiGLU: `out = silu(gate) * up`.
+    /// out: (N, F), overwrites. gate_up: (N, 2F), row = `[gate (F) | up (F)]`.
+    fn swiglu_forward(&self, out: &mut Self::Buf, gate_up: &Self::Buf, n: usize, f: usize);
+    /// dgate_up: (N, 2F), overwrites. dout: (N, F). gate_up: (N, 2F).
+    fn swiglu_backward(
+        &self,
+        dgate_up: &mut Self::Buf,
+        dout: &Self::Buf,
+        gate_up: &Self::Buf,
+        n: usize,
+        f: usize,
+    );
+
+    /// Residual add: out = a + b. All of one length; out overwrites.
+    fn residual_forward(&self, out: &mut Self::Buf, a: &Self::Buf, b: &Self::Buf);
+    /// acc += x (the residual backward, and gradient accumulation).
+    fn add_inplace(&self, acc: &mut Self::Buf, x: &Self::Buf);
+
+    /// Cross-entropy of each row, forward only (evaluation).
+    /// losses: (N), overwrites: `-log softmax(logits[r])[targets[r]]`, 0 where `targets[r] == -100`.
+    /// logits: (N, V). targets: (N).
+    fn cross_entropy_forward(
+        &self,
+        losses: &mut Self::Buf,
+        logits: &Self::Buf,
+        targets: &Self::IBuf,
+        n: usize,
+        v: usize,
+    );
+    /// Fused cross-entropy forward and backward, in place on one chunk of rows.
+    /// logits: (N, V); on return holds `dlogits = scale * (softmax(logits) - onehot(target))`,
+    /// all zero on ignored rows. losses: (N), overwrites, as in `cross_entropy_forward`.
+    /// `scale` is `1 / (number of loss-carrying positions in the whole batch)`.
+    fn cross_entropy_fused(
+        &self,
+        logits: &mut Self::Buf,
+        losses: &mut Self::Buf,
+        targets: &Self::IBuf,
+        n: usize,
+        v: usize,
+        scale: f32,
+    );
+}
+
+/// Owned device memory for a [`Backend`]: the model code asks for its buffers here, once, sized
+/// by the plan, and views them as `Backend::Buf` / `Backend::IBuf`.
+pub trait DeviceAlloc: Backend {
+    /// An owned f32 device buffer.
+    type Mem: std::ops::DerefMut<Target = Self::Buf> + Send;
+    /// An owned i32 device buffer.
+    type IMem: std::ops::DerefMut<Target = Self::IBuf> + Send;
+    /// A zeroed f32 buffer of `len` elements.
+    fn alloc(&self, len: usize) -> Self::Mem;
+    /// A zeroed i32 buffer of `len` elements.
+    fn alloc_i32(&self, len: usize) -> Self::IMem;
+}
+
+impl DeviceAlloc for CpuBackend {
+    type Mem = Vec<f32>;
+    type IMem = Vec<i32>;
+    fn alloc(&self, len: usize) -> Vec<f32> {
+        vec![0.0; len]
+    }
+    fn alloc_i32(&self, len: usize) -> Vec<i32> {
+        vec![0; len]
+    }
+}

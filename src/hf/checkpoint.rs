@@ -1,0 +1,622 @@
+//! Hugging Face safetensors checkpoints: memory-mapped reading (single file or sharded with an
+//! index) with dtype conversion to f32, and streaming writing.
+//!
+//! Architecture Invariant: a checkpoint is never copied whole into memory. Reading maps every file
+//! and converts one tensor straight into the caller's buffer; writing computes the header first,
+//! then converts and writes one tensor at a time through a bounded buffer.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use memmap2::Mmap;
+use rayon::prelude::*;
+use safetensors::Dtype;
+use safetensors::tensor::Metadata;
+
+/// Single-file checkpoint name.
+pub const SINGLE_FILE: &str = "model.safetensors";
+/// Index of a sharded checkpoint.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// One memory-mapped safetensors file with its parsed header.
+struct MappedFile {
+    path: PathBuf,
+    mmap: Mmap,
+    /// Byte offset of the data section (8 + header length).
+    data_start: usize,
+    meta: Metadata,
+}
+
+impl MappedFile {
+    /// Maps `path` and validates its header against the file size.
+    fn open(path: &Path) -> Result<Self> {
+        let file = File::open(path)
+            .with_context(|| format!("opening safetensors file {}", path.display()))?;
+        let len = file
+            .metadata()
+            .with_context(|| format!("reading the size of {}", path.display()))?
+            .len();
+        if len < 8 {
+            bail!(
+                "{}: {len} bytes is too short for a safetensors file (truncated?)",
+                path.display()
+            );
+        }
+        // SAFETY: the map is read-only and lives as long as `MappedFile`. The one hazard of a
+        // file map is another process truncating or rewriting the file while it is mapped;
+        // Horizon never writes a checkpoint it has open (writes go to a temporary file that is
+        // renamed over the target, which leaves existing maps of the old inode intact).
+        let mmap = unsafe { Mmap::map(&file) }
+            .with_context(|| format!("memory-mapping {}", path.display()))?;
+        let (data_start, meta) = parse_header(&mmap, path)?;
+        Ok(MappedFile { path: path.to_path_buf(), mmap, data_start, meta })
+    }
+
+    /// The bytes, dtype and shape of tensor `name`, if present.
+    fn tensor(&self, name: &str) -> Option<(&[u8], Dtype, &[usize])> {
+        let info = self.meta.info(name)?;
+        let (s, e) = info.data_offsets;
+        let bytes = &self.mmap[self.data_start + s..self.data_start + e];
+        Some((bytes, info.dtype, &info.shape))
+    }
+}
+
+/// Parses and validates the header of a whole safetensors file held in `buf`; returns the start
+/// of the data section and the metadata.
+fn parse_header(buf: &[u8], path: &Path) -> Result<(usize, Metadata)> {
+    let corrupt =
+        "hint: the file is truncated or not a safetensors file (an interrupted download?)";
+    let mut n_bytes = [0u8; 8];
+    n_bytes.copy_from_slice(&buf[..8]);
+    let n = u64::from_le_bytes(n_bytes);
+    let data_start = usize::try_from(n)
+        .ok()
+        .and_then(|n| n.checked_add(8))
+        .filter(|&end| end <= buf.len())
+        .with_context(|| {
+            format!(
+                "{}: header length {n} runs past the end of the {}-byte file; {corrupt}",
+                path.display(),
+                buf.len()
+            )
+        })?;
+    let meta: Metadata = serde_json::from_slice(&buf[8..data_start])
+        .with_context(|| format!("{}: invalid safetensors header; {corrupt}", path.display()))?;
+    let expected = data_start + meta.data_len();
+    if expected != buf.len() {
+        bail!(
+            "{}: header describes {expected} bytes but the file holds {}; {corrupt}",
+            path.display(),
+            buf.len()
+        );
+    }
+    Ok((data_start, meta))
+}
+
+/// A Hugging Face checkpoint directory, every file memory-mapped.
+pub struct Checkpoint {
+    /// `model.safetensors` or the index file: what error messages name.
+    source: PathBuf,
+    files: Vec<MappedFile>,
+    /// Tensor name -> index into `files`.
+    tensors: BTreeMap<String, usize>,
+}
+
+impl Checkpoint {
+    /// Opens `dir` holding `model.safetensors`, or shards listed by `model.safetensors.index.json`
+    /// (`weight_map`: name -> file). `dir` may also be a single `.safetensors` file.
+    pub fn open(dir: &Path) -> Result<Self> {
+        if !dir.exists() {
+            bail!("checkpoint directory {} does not exist", dir.display());
+        }
+        if dir.is_file() {
+            return Self::open_single(dir);
+        }
+        let single = dir.join(SINGLE_FILE);
+        if single.exists() {
+            return Self::open_single(&single);
+        }
+        let index = dir.join(INDEX_FILE);
+        if index.exists() {
+            return Self::open_sharded(dir, &index);
+        }
+        let hint = if dir.join("pytorch_model.bin").exists()
+            || dir.join("pytorch_model.bin.index.json").exists()
+        {
+            "; hint: only PyTorch .bin weights are present, convert them to safetensors first"
+        } else {
+            ""
+        };
+        bail!("{} holds neither {SINGLE_FILE} nor {INDEX_FILE}{hint}", dir.display())
+    }
+
+    fn open_single(path: &Path) -> Result<Self> {
+        let file = MappedFile::open(path)?;
+        let tensors = file.meta.tensors().into_keys().map(|name| (name, 0)).collect();
+        Ok(Checkpoint { source: path.to_path_buf(), files: vec![file], tensors })
+    }
+
+    fn open_sharded(dir: &Path, index: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(index)
+            .with_context(|| format!("reading checkpoint index {}", index.display()))?;
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .with_context(|| format!("{}: not valid JSON", index.display()))?;
+        let weight_map = v
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .with_context(|| format!("{}: missing object 'weight_map'", index.display()))?;
+        let mut shard_of: BTreeMap<&str, &str> = BTreeMap::new();
+        for (name, file) in weight_map {
+            let file = file.as_str().with_context(|| {
+                format!("{}: weight_map['{name}'] must be a file name, got {file}", index.display())
+            })?;
+            shard_of.insert(name, file);
+        }
+        let mut shard_names: Vec<&str> = shard_of.values().copied().collect();
+        shard_names.sort_unstable();
+        shard_names.dedup();
+
+        let mut files: Vec<MappedFile> = Vec::with_capacity(shard_names.len());
+        let mut file_index = HashMap::new();
+        for shard in &shard_names {
+            let path = dir.join(shard);
+            let file = MappedFile::open(&path).with_context(|| {
+                format!("opening shard '{shard}' listed in {}", index.display())
+            })?;
+            file_index.insert(*shard, files.len());
+            files.push(file);
+        }
+
+        let mut tensors: BTreeMap<String, usize> = BTreeMap::new();
+        for (i, file) in files.iter().enumerate() {
+            for name in file.meta.tensors().into_keys() {
+                if let Some(&j) = tensors.get(&name) {
+                    bail!(
+                        "tensor '{name}' is stored twice, in {} and in {}",
+                        files[j].path.display(),
+                        file.path.display()
+                    );
+                }
+                tensors.insert(name, i);
+            }
+        }
+        for (name, shard) in &shard_of {
+            let i = file_index[shard];
+            if tensors.get(*name) != Some(&i) {
+                bail!(
+                    "{} maps tensor '{name}' to {}, but that shard does not hold it",
+                    index.display(),
+                    files[i].path.display()
+                );
+            }
+        }
+        Ok(Checkpoint { source: index.to_path_buf(), files, tensors })
+    }
+
+    /// `model.safetensors` or the index file this checkpoint was opened from.
+    pub fn source(&self) -> &Path {
+        &self.source
+    }
+
+    /// Every tensor name, sorted.
+    pub fn names(&self) -> Vec<String> {
+        self.tensors.keys().cloned().collect()
+    }
+
+    /// Shape of tensor `name`, if present.
+    pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        let &i = self.tensors.get(name)?;
+        self.files[i].meta.info(name).map(|info| info.shape.clone())
+    }
+
+    /// Whether tensor `name` is present.
+    pub fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    /// Reads tensor `name`, which must have `shape`, converting f32, bf16, f16 or f64 to f32.
+    /// dst: (product of `shape`,), overwritten.
+    pub fn read_f32(&self, name: &str, shape: &[usize], dst: &mut [f32]) -> Result<()> {
+        let numel: usize = shape.iter().product();
+        assert_eq!(dst.len(), numel, "read_f32('{name}'): dst length does not match {shape:?}");
+        let &i = self.tensors.get(name).with_context(|| {
+            format!(
+                "tensor '{name}' not found in {} ({} tensors); hint: does the checkpoint match \
+                 config.json?",
+                self.source.display(),
+                self.tensors.len()
+            )
+        })?;
+        let file = &self.files[i];
+        let (bytes, dtype, got) = file.tensor(name).expect("tensor map and file agree");
+        if got != shape {
+            bail!(
+                "tensor '{name}' in {} has shape {got:?}, expected {shape:?}; hint: does the \
+                 checkpoint match config.json?",
+                file.path.display()
+            );
+        }
+        match dtype {
+            Dtype::F32 => convert(dst, bytes, f32::from_le_bytes),
+            Dtype::BF16 => convert(dst, bytes, |b| half::bf16::from_le_bytes(b).to_f32()),
+            Dtype::F16 => convert(dst, bytes, |b| half::f16::from_le_bytes(b).to_f32()),
+            Dtype::F64 => convert(dst, bytes, |b| f64::from_le_bytes(b) as f32),
+            other => bail!(
+                "tensor '{name}' in {} has dtype {other:?}; supported: F32, BF16, F16, F64",
+                file.path.display()
+            ),
+        }
+        Ok(())
+    }
+
+    /// Checks the set of names: every `expected` present, nothing outside `expected` and
+    /// `optional`. The error lists the first missing and unexpected names.
+    pub fn check_names(&self, expected: &[String], optional: &[String]) -> Result<()> {
+        const SHOW: usize = 8;
+        let missing: Vec<&str> =
+            expected.iter().filter(|n| !self.contains(n)).map(String::as_str).collect();
+        let known: std::collections::HashSet<&str> =
+            expected.iter().chain(optional).map(String::as_str).collect();
+        let unexpected: Vec<&str> =
+            self.tensors.keys().map(String::as_str).filter(|n| !known.contains(n)).collect();
+        if missing.is_empty() && unexpected.is_empty() {
+            return Ok(());
+        }
+        let list = |names: &[&str]| {
+            let mut s = names[..names.len().min(SHOW)].join(", ");
+            if names.len() > SHOW {
+                s.push_str(&format!(", ... ({} more)", names.len() - SHOW));
+            }
+            s
+        };
+        let mut msg = format!("{}: tensor names do not match the model", self.source.display());
+        if !missing.is_empty() {
+            msg.push_str(&format!("; {} missing: {}", missing.len(), list(&missing)));
+        }
+        if !unexpected.is_empty() {
+            msg.push_str(&format!("; {} unexpected: {}", unexpected.len(), list(&unexpected)));
+        }
+        msg.push_str(
+            "; hint: check that config.json (num_hidden_layers, tie_word_embeddings, biases) \
+             describes this checkpoint",
+        );
+        bail!(msg)
+    }
+}
+
+/// Decodes little-endian elements of `N` bytes from `src` into `dst`, in parallel tiles.
+/// dst: (n,), overwritten; src: (n * N,) bytes.
+fn convert<T: Send, const N: usize>(dst: &mut [T], src: &[u8], f: impl Fn([u8; N]) -> T + Sync) {
+    const TILE: usize = 1 << 16;
+    assert_eq!(src.len(), dst.len() * N, "convert: byte count does not match element count");
+    dst.par_chunks_mut(TILE).zip(src.par_chunks(TILE * N)).for_each(|(d, s)| {
+        for (x, b) in d.iter_mut().zip(s.chunks_exact(N)) {
+            *x = f(b.try_into().expect("chunks_exact yields N bytes"));
+        }
+    });
+}
+
+/// Element type written by [`write_safetensors`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SaveDtype {
+    /// float32, exact.
+    F32,
+    /// bfloat16, rounded to nearest, ties to even.
+    Bf16,
+}
+
+impl SaveDtype {
+    fn name(self) -> &'static str {
+        match self {
+            SaveDtype::F32 => "F32",
+            SaveDtype::Bf16 => "BF16",
+        }
+    }
+
+    fn size(self) -> usize {
+        match self {
+            SaveDtype::F32 => 4,
+            SaveDtype::Bf16 => 2,
+        }
+    }
+}
+
+/// Writes `tensors` (name, shape, data) as one safetensors file at `path`, in the given order,
+/// converting to `dtype`, with metadata `{"format": "pt"}`. The header is computed first, then
+/// each tensor is converted and written through a bounded buffer; the file is written to a
+/// temporary sibling and renamed over `path`, so a reader never sees a partial file.
+pub fn write_safetensors(
+    path: &Path,
+    tensors: &[(String, Vec<usize>, &[f32])],
+    dtype: SaveDtype,
+) -> Result<()> {
+    let esize = dtype.size();
+    let mut header = serde_json::Map::new();
+    header.insert("__metadata__".into(), serde_json::json!({"format": "pt"}));
+    let mut offset = 0usize;
+    for (name, shape, data) in tensors {
+        let numel: usize = shape.iter().product();
+        if numel != data.len() {
+            bail!(
+                "writing {}: tensor '{name}' has shape {shape:?} ({numel} elements) but {} values",
+                path.display(),
+                data.len()
+            );
+        }
+        if name == "__metadata__" || header.contains_key(name) {
+            bail!("writing {}: tensor name '{name}' is duplicated or reserved", path.display());
+        }
+        let end = offset + numel * esize;
+        header.insert(
+            name.clone(),
+            serde_json::json!({"dtype": dtype.name(), "shape": shape, "data_offsets": [offset, end]}),
+        );
+        offset = end;
+    }
+    let mut header = serde_json::to_vec(&serde_json::Value::Object(header))?;
+    header.resize(header.len().next_multiple_of(8), b' ');
+
+    let file_name =
+        path.file_name().with_context(|| format!("writing {}: not a file path", path.display()))?;
+    let mut tmp_name = std::ffi::OsString::from(".");
+    tmp_name.push(file_name);
+    tmp_name.push(format!(".tmp-{}", std::process::id()));
+    let tmp = path.with_file_name(tmp_name);
+
+    let result = (|| -> Result<()> {
+        let file = File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+        let mut w = BufWriter::with_capacity(1 << 20, file);
+        w.write_all(&(header.len() as u64).to_le_bytes())?;
+        w.write_all(&header)?;
+        let mut buf = Vec::with_capacity((1 << 16) * esize);
+        for (_, _, data) in tensors {
+            for tile in data.chunks(1 << 16) {
+                buf.clear();
+                match dtype {
+                    SaveDtype::F32 => tile.iter().for_each(|x| buf.extend(x.to_le_bytes())),
+                    SaveDtype::Bf16 => {
+                        tile.iter().for_each(|&x| buf.extend(half::bf16::from_f32(x).to_le_bytes()))
+                    }
+                }
+                w.write_all(&buf)?;
+            }
+        }
+        let file = w.into_inner().map_err(|e| e.into_error())?;
+        file.sync_all()?;
+        Ok(())
+    })()
+    .with_context(|| format!("writing {}", tmp.display()));
+    if let Err(e) = result {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    std::fs::rename(&tmp, path).with_context(|| {
+        let _ = std::fs::remove_file(&tmp);
+        format!("renaming {} to {}", tmp.display(), path.display())
+    })
+}
+
+/// Reads tensor `name` of the safetensors file `path` as f64 (from f64, f32, bf16 or f16);
+/// returns its shape and data.
+pub fn read_tensor_f64(path: &Path, name: &str) -> Result<(Vec<usize>, Vec<f64>)> {
+    let file = MappedFile::open(path)?;
+    let (bytes, dtype, shape) = file
+        .tensor(name)
+        .with_context(|| format!("tensor '{name}' not found in {}", path.display()))?;
+    let mut out = vec![0.0f64; shape.iter().product()];
+    match dtype {
+        Dtype::F64 => convert(&mut out, bytes, f64::from_le_bytes),
+        Dtype::F32 => convert(&mut out, bytes, |b| f32::from_le_bytes(b) as f64),
+        Dtype::BF16 => convert(&mut out, bytes, |b| half::bf16::from_le_bytes(b).to_f64()),
+        Dtype::F16 => convert(&mut out, bytes, |b| half::f16::from_le_bytes(b).to_f64()),
+        other => bail!(
+            "tensor '{name}' in {} has dtype {other:?}; supported: F64, F32, BF16, F16",
+            path.display()
+        ),
+    }
+    Ok((shape.to_vec(), out))
+}
+
+/// Names of the tensors of the safetensors file `path`, in file order.
+pub fn list_tensors(path: &Path) -> Result<Vec<String>> {
+    Ok(MappedFile::open(path)?.meta.offset_keys())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixture(case: &str) -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(case).join("model")
+    }
+
+    fn err(r: Result<impl Sized>) -> String {
+        match r {
+            Ok(_) => panic!("expected an error"),
+            Err(e) => format!("{e:#}"),
+        }
+    }
+
+    /// Writes a raw safetensors file with one tensor of `dtype` holding `bytes`.
+    fn write_raw(path: &Path, name: &str, dtype: &str, shape: &[usize], bytes: &[u8]) {
+        let mut header = serde_json::to_vec(&serde_json::json!({
+            name: {"dtype": dtype, "shape": shape, "data_offsets": [0, bytes.len()]}
+        }))
+        .unwrap();
+        header.resize(header.len().next_multiple_of(8), b' ');
+        let mut out = (header.len() as u64).to_le_bytes().to_vec();
+        out.extend(header);
+        out.extend(bytes);
+        std::fs::write(path, out).unwrap();
+    }
+
+    #[test]
+    fn opens_fixture_models() {
+        let ckpt = Checkpoint::open(&fixture("llama_gqa")).unwrap();
+        assert!(ckpt.contains("model.embed_tokens.weight"));
+        assert!(ckpt.contains("lm_head.weight"));
+        assert_eq!(ckpt.shape("model.layers.0.self_attn.k_proj.weight"), Some(vec![32, 64]));
+        assert_eq!(ckpt.names().len(), 2 * 9 + 3);
+        let mut w = vec![0.0f32; 64];
+        ckpt.read_f32("model.norm.weight", &[64], &mut w).unwrap();
+        assert!(w.iter().all(|x| x.is_finite()));
+
+        let ckpt = Checkpoint::open(&fixture("qwen2_tied_padded")).unwrap();
+        assert!(!ckpt.contains("lm_head.weight"));
+        assert_eq!(ckpt.shape("model.layers.2.self_attn.k_proj.bias"), Some(vec![16]));
+        assert_eq!(ckpt.names().len(), 3 * 12 + 2);
+    }
+
+    #[test]
+    fn f32_round_trip_is_exact_and_bf16_rounds_to_nearest_even() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.safetensors");
+        let a: Vec<f32> = (0..300).map(|i| (i as f32 * 0.37).sin() * 1e3 + 1e-30).collect();
+        let b = [1.0f32 + 1.0 / 256.0, 1.0 + 3.0 / 256.0, -3.0, f32::MIN_POSITIVE];
+        let tensors = [("a".to_string(), vec![3, 100], &a[..]), ("b".to_string(), vec![4], &b[..])];
+        write_safetensors(&path, &tensors, SaveDtype::F32).unwrap();
+        assert_eq!(list_tensors(&path).unwrap(), vec!["a", "b"]);
+        let ckpt = Checkpoint::open(&path).unwrap();
+        let mut got = vec![0.0f32; 300];
+        ckpt.read_f32("a", &[3, 100], &mut got).unwrap();
+        assert_eq!(got, a);
+        let (shape, got64) = read_tensor_f64(&path, "b").unwrap();
+        assert_eq!(shape, vec![4]);
+        assert_eq!(got64, b.iter().map(|&x| x as f64).collect::<Vec<_>>());
+
+        write_safetensors(&path, &tensors, SaveDtype::Bf16).unwrap();
+        let ckpt = Checkpoint::open(&path).unwrap();
+        let mut got = vec![0.0f32; 4];
+        ckpt.read_f32("b", &[4], &mut got).unwrap();
+        // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties to the even mantissa, 1.0.
+        // 1 + 3*2^-8 is halfway between 1 + 2^-7 and 1 + 2^-6: ties to the even one, 1 + 2^-6.
+        assert_eq!(got, vec![1.0, 1.015625, -3.0, f32::MIN_POSITIVE]);
+        // Only the temporary file's rename leaves anything behind.
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn converts_bf16_f16_and_f64_inputs() {
+        let dir = tempfile::tempdir().unwrap();
+        let vals = [0.5f32, -2.25, 448.0, 1.0 / 1024.0];
+        let cases: [(&str, Vec<u8>); 3] = [
+            ("BF16", vals.iter().flat_map(|&x| half::bf16::from_f32(x).to_le_bytes()).collect()),
+            ("F16", vals.iter().flat_map(|&x| half::f16::from_f32(x).to_le_bytes()).collect()),
+            ("F64", vals.iter().flat_map(|&x| (x as f64).to_le_bytes()).collect()),
+        ];
+        for (dtype, bytes) in cases {
+            let path = dir.path().join(format!("{dtype}.safetensors"));
+            write_raw(&path, "w", dtype, &[2, 2], &bytes);
+            let mut got = vec![0.0f32; 4];
+            Checkpoint::open(&path).unwrap().read_f32("w", &[2, 2], &mut got).unwrap();
+            assert_eq!(got, vals, "{dtype}");
+            let (_, got64) = read_tensor_f64(&path, "w").unwrap();
+            assert_eq!(got64, vals.iter().map(|&x| x as f64).collect::<Vec<_>>(), "{dtype}");
+        }
+        let path = dir.path().join("i32.safetensors");
+        write_raw(&path, "ids", "I32", &[1], &[1, 0, 0, 0]);
+        let msg = err(Checkpoint::open(&path).unwrap().read_f32("ids", &[1], &mut [0.0]));
+        assert!(msg.contains("'ids'") && msg.contains("I32") && msg.contains("i32.safetensors"));
+    }
+
+    #[test]
+    fn opens_sharded_checkpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = [1.0f32; 6];
+        let b = [2.0f32; 4];
+        let c = [3.0f32; 2];
+        write_safetensors(
+            &dir.path().join("model-00001-of-00002.safetensors"),
+            &[("a".into(), vec![2, 3], &a[..]), ("b".into(), vec![4], &b[..])],
+            SaveDtype::F32,
+        )
+        .unwrap();
+        write_safetensors(
+            &dir.path().join("model-00002-of-00002.safetensors"),
+            &[("c".into(), vec![2], &c[..])],
+            SaveDtype::Bf16,
+        )
+        .unwrap();
+        let index = serde_json::json!({"metadata": {"total_size": 44}, "weight_map": {
+            "a": "model-00001-of-00002.safetensors",
+            "b": "model-00001-of-00002.safetensors",
+            "c": "model-00002-of-00002.safetensors"}});
+        let index_path = dir.path().join(INDEX_FILE);
+        std::fs::write(&index_path, index.to_string()).unwrap();
+        let ckpt = Checkpoint::open(dir.path()).unwrap();
+        assert_eq!(ckpt.names(), vec!["a", "b", "c"]);
+        assert_eq!(ckpt.shape("a"), Some(vec![2, 3]));
+        let mut got = vec![0.0f32; 2];
+        ckpt.read_f32("c", &[2], &mut got).unwrap();
+        assert_eq!(got, c);
+        let all: Vec<String> = ["a", "b", "c"].map(String::from).to_vec();
+        ckpt.check_names(&all, &[]).unwrap();
+
+        // An index pointing at a shard that is not there.
+        let mut bad = index.clone();
+        bad["weight_map"]["c"] = "model-00003-of-00002.safetensors".into();
+        std::fs::write(&index_path, bad.to_string()).unwrap();
+        let msg = err(Checkpoint::open(dir.path()));
+        assert!(
+            msg.contains("model-00003-of-00002.safetensors") && msg.contains(INDEX_FILE),
+            "{msg}"
+        );
+        // An index mapping a tensor to a shard that does not hold it.
+        let mut bad = index;
+        bad["weight_map"]["c"] = "model-00001-of-00002.safetensors".into();
+        std::fs::write(&index_path, bad.to_string()).unwrap();
+        let msg = err(Checkpoint::open(dir.path()));
+        assert!(msg.contains("'c'") && msg.contains("does not hold it"), "{msg}");
+    }
+
+    #[test]
+    fn errors_name_file_and_tensor() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("nope");
+        assert!(err(Checkpoint::open(&missing)).contains("nope"));
+        let msg = err(Checkpoint::open(dir.path()));
+        assert!(msg.contains(SINGLE_FILE) && msg.contains(INDEX_FILE), "{msg}");
+
+        let path = dir.path().join(SINGLE_FILE);
+        let w = [0.5f32; 12];
+        write_safetensors(&path, &[("w".into(), vec![3, 4], &w[..])], SaveDtype::F32).unwrap();
+        let ckpt = Checkpoint::open(dir.path()).unwrap();
+        let mut dst = vec![0.0f32; 12];
+        let msg = err(ckpt.read_f32("w", &[4, 3], &mut dst));
+        assert!(
+            msg.contains("'w'") && msg.contains("[3, 4]") && msg.contains(SINGLE_FILE),
+            "{msg}"
+        );
+        let msg = err(ckpt.read_f32("v", &[3, 4], &mut dst));
+        assert!(msg.contains("'v'") && msg.contains(SINGLE_FILE), "{msg}");
+
+        let names = |n: &[&str]| n.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        ckpt.check_names(&names(&["w"]), &names(&["lm_head.weight"])).unwrap();
+        let msg = err(ckpt.check_names(&names(&["w", "x"]), &[]));
+        assert!(msg.contains("1 missing: x") && !msg.contains("unexpected"), "{msg}");
+        let msg = err(ckpt.check_names(&[], &[]));
+        assert!(msg.contains("1 unexpected: w") && msg.contains(SINGLE_FILE), "{msg}");
+        drop(ckpt);
+
+        // Truncated: drop the last bytes of the data, then most of the header.
+        let bytes = std::fs::read(&path).unwrap();
+        std::fs::write(&path, &bytes[..bytes.len() - 5]).unwrap();
+        let msg = err(Checkpoint::open(dir.path()));
+        assert!(msg.contains(SINGLE_FILE) && msg.contains("truncated"), "{msg}");
+        std::fs::write(&path, &bytes[..20]).unwrap();
+        let msg = err(Checkpoint::open(dir.path()));
+        assert!(msg.contains(SINGLE_FILE) && msg.contains("truncated"), "{msg}");
+        std::fs::write(&path, &bytes[..3]).unwrap();
+        assert!(err(Checkpoint::open(dir.path())).contains("truncated"));
+        std::fs::write(&path, b"\x08\0\0\0\0\0\0\0not json").unwrap();
+        assert!(err(Checkpoint::open(dir.path())).contains("invalid safetensors header"));
+
+        let msg = err(read_tensor_f64(&path, "w"));
+        assert!(msg.contains(SINGLE_FILE), "{msg}");
+        let msg = err(write_safetensors(&path, &[("w".into(), vec![5], &w[..])], SaveDtype::F32));
+        assert!(msg.contains("'w'") && msg.contains("12 values"), "{msg}");
+    }
+}

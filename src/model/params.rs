@@ -1,0 +1,139 @@
+//! Host-resident flat parameter buffers: one `Vec<f32>` per decoder layer plus embedding, final
+//! norm and LM head. The same type holds master weights, gradients and AdamW moments, all sized
+//! from one [`ModelLayout`].
+
+use std::path::Path;
+
+use anyhow::{Context, Result};
+
+use crate::hf::checkpoint::{Checkpoint, SaveDtype, write_safetensors};
+use crate::model::layout::{EMBED, FINAL_NORM, LM_HEAD, ModelLayout};
+
+/// A full set of model-shaped fp32 buffers in host RAM.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParamStore {
+    /// (V, C)
+    pub embed: Vec<f32>,
+    /// L buffers of `LayerLayout::len`.
+    pub layers: Vec<Vec<f32>>,
+    /// (C)
+    pub final_norm: Vec<f32>,
+    /// (V, C), `None` when the head is tied to the embedding.
+    pub lm_head: Option<Vec<f32>>,
+}
+
+impl ParamStore {
+    /// All zeros, shaped by `layout`.
+    pub fn zeros(layout: &ModelLayout) -> Self {
+        let d = &layout.dims;
+        ParamStore {
+            embed: vec![0.0; d.v * d.c],
+            layers: (0..d.layers).map(|_| vec![0.0; layout.layer.len]).collect(),
+            final_norm: vec![0.0; d.c],
+            lm_head: (!layout.tied).then(|| vec![0.0; d.v * d.c]),
+        }
+    }
+
+    /// Every buffer, in a fixed order (embedding, layers, final norm, head).
+    pub fn buffers(&self) -> Vec<&[f32]> {
+        let mut v: Vec<&[f32]> = vec![&self.embed];
+        v.extend(self.layers.iter().map(|l| l.as_slice()));
+        v.push(&self.final_norm);
+        if let Some(h) = &self.lm_head {
+            v.push(h);
+        }
+        v
+    }
+
+    /// Every buffer, mutably, in the order of [`ParamStore::buffers`].
+    pub fn buffers_mut(&mut self) -> Vec<&mut [f32]> {
+        let mut v: Vec<&mut [f32]> = vec![&mut self.embed];
+        v.extend(self.layers.iter_mut().map(|l| l.as_mut_slice()));
+        v.push(&mut self.final_norm);
+        if let Some(h) = &mut self.lm_head {
+            v.push(h);
+        }
+        v
+    }
+
+    /// Set every element to zero (no allocation).
+    pub fn fill_zero(&mut self) {
+        for b in self.buffers_mut() {
+            b.fill(0.0);
+        }
+    }
+
+    /// The slice holding HF tensor `name`, if the layout has it.
+    pub fn tensor(&self, layout: &ModelLayout, name: &str) -> Option<&[f32]> {
+        match name {
+            EMBED => Some(&self.embed),
+            FINAL_NORM => Some(&self.final_norm),
+            LM_HEAD => self.lm_head.as_deref(),
+            _ => {
+                let (i, spec) = find_layer_tensor(layout, name)?;
+                Some(&self.layers[i][spec])
+            }
+        }
+    }
+
+    /// Mutable slice of HF tensor `name`.
+    pub fn tensor_mut(&mut self, layout: &ModelLayout, name: &str) -> Option<&mut [f32]> {
+        match name {
+            EMBED => Some(&mut self.embed),
+            FINAL_NORM => Some(&mut self.final_norm),
+            LM_HEAD => self.lm_head.as_deref_mut(),
+            _ => {
+                let (i, spec) = find_layer_tensor(layout, name)?;
+                Some(&mut self.layers[i][spec])
+            }
+        }
+    }
+
+    /// Load fp32 master weights from a HF checkpoint directory. Missing, unexpected or wrongly
+    /// shaped tensors are errors naming the tensor and file. With tied embeddings a stored
+    /// `lm_head.weight` is accepted and ignored (HF writes it for some tied models).
+    pub fn load_hf(layout: &ModelLayout, dir: &Path) -> Result<Self> {
+        let ckpt = Checkpoint::open(dir)?;
+        let tensors = layout.hf_tensors();
+        let expected: Vec<String> = tensors.iter().map(|(n, _)| n.clone()).collect();
+        let optional: Vec<String> = if layout.tied { vec![LM_HEAD.to_string()] } else { vec![] };
+        ckpt.check_names(&expected, &optional)?;
+        let mut store = ParamStore::zeros(layout);
+        for (name, shape) in &tensors {
+            let dst = store.tensor_mut(layout, name).expect("layout names its own tensors");
+            ckpt.read_f32(name, shape, dst)?;
+        }
+        Ok(store)
+    }
+
+    /// Write every tensor under its HF name as one safetensors file.
+    pub fn save_safetensors(
+        &self,
+        layout: &ModelLayout,
+        path: &Path,
+        dtype: SaveDtype,
+    ) -> Result<()> {
+        let tensors: Vec<(String, Vec<usize>, &[f32])> = layout
+            .hf_tensors()
+            .into_iter()
+            .map(|(name, shape)| {
+                let data = self.tensor(layout, &name).expect("layout names its own tensors");
+                (name, shape, data)
+            })
+            .collect();
+        write_safetensors(path, &tensors, dtype)
+            .with_context(|| format!("writing weights to {}", path.display()))
+    }
+}
+
+/// Parse `model.layers.{i}.{suffix}` into the layer index and the range in its flat buffer.
+fn find_layer_tensor(layout: &ModelLayout, name: &str) -> Option<(usize, std::ops::Range<usize>)> {
+    let rest = name.strip_prefix("model.layers.")?;
+    let (idx, suffix) = rest.split_once('.')?;
+    let i: usize = idx.parse().ok()?;
+    if i >= layout.dims.layers {
+        return None;
+    }
+    let spec = layout.layer.tensors.iter().find(|t| t.name == suffix)?;
+    Some((i, spec.range()))
+}

@@ -1,0 +1,452 @@
+//! AdamW on fp32 master weights, bit-exact with `torch.optim.AdamW`'s single-tensor CPU path, and
+//! the global-L2-norm clip coefficient of `torch.nn.utils.clip_grad_norm_`.
+//!
+//! # How this maps to PyTorch
+//!
+//! `torch.optim.AdamW(foreach=False, fused=False, amsgrad=False, maximize=False)` runs
+//! `_single_tensor_adam(..., decoupled_weight_decay=True)`, which for each parameter tensor does
+//! (float32 tensors, Python-float scalars):
+//!
+//! | PyTorch (`torch/optim/adam.py`)                              | here (`update_one`)                          |
+//! |--------------------------------------------------------------|----------------------------------------------|
+//! | `clip_grad_norm_`: `grad.mul_(clip_coef_clamped)`            | `g = grad * grad_scale`                      |
+//! | `step_t += 1`                                                | caller passes the 1-based `t` to [`AdamWStep::new`] |
+//! | `param.mul_(1 - lr * weight_decay)`                          | `p = param * decay`                          |
+//! | `exp_avg.lerp_(grad, 1 - beta1)`                             | `m = m + w * (g - m)` (`\|w\| < 0.5`), else `g - (g - m) * (1 - w)` |
+//! | `exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)` | `v = v * beta2 + ((1 - beta2) * g) * g`    |
+//! | `bias_correction1 = 1 - beta1 ** step`, `step_size = lr / bias_correction1` | [`AdamWStep::neg_step_size`], in f64 |
+//! | `bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5`         | [`AdamWStep::bias_correction2_sqrt`], in f64 |
+//! | `denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)` | `denom = sqrt(v) / bc2_sqrt + eps`        |
+//! | `param.addcdiv_(exp_avg, denom, value=-step_size)`           | `p = p + (neg_step_size * m) / denom`        |
+//!
+//! Every Python-float scalar is computed in f64 as Python does and becomes an f32 operand when it
+//! meets an f32 tensor (ATen casts a CPU scalar to the tensor's `opmath_t`, `float` for f32). Each
+//! elementwise op rounds to f32 once, in the association order of ATen's CPU kernels (`addcmul`:
+//! `self + value * t1 * t2`; `addcdiv`: `self + value * t1 / t2`; `div` by a scalar is a true
+//! division on CPU, not a reciprocal multiply).
+//!
+//! Known FMA subtlety: ATen's *vectorised* `lerp` body on AVX2/AVX-512 builds computes
+//! `fmadd(w, end - self, self)` (one rounding) while its scalar tail computes
+//! `self + w * (end - self)` (two roundings). We implement the two-rounding form everywhere (no FMA
+//! in any path, so the SIMD and scalar paths here agree bit for bit); against a real PyTorch run,
+//! `m` may therefore differ, on elements PyTorch handled in its vector body, by the rounding of the
+//! product `w * (g - m)`: half an ulp of that product, usually 1 ulp of `m` or less, more in ulps of
+//! `m` where the sum nearly cancels (switching this code to FMA moved `m` by up to 25 ulp on the
+//! 22-element fixture). In absolute terms that is at most about 3e-9 times `|g - m|`, far
+//! below every tolerance the model fixtures use. `scripts/adamw_reference.py` emulates the formula
+//! above in numpy float32 and `tests/adamw.rs` checks this code against it bit for bit.
+//!
+//! # Execution
+//!
+//! The rule is elementwise, so one call can update a flat buffer holding many tensors.
+//! [`adamw_update`] splits the buffer into fixed chunks of [`ADAMW_CHUNK`] elements run in
+//! parallel (rayon); each chunk is a body over lanes of 8 (auto-vectorised; compiled a second time
+//! with AVX2 and picked by runtime detection on x86-64) plus a scalar tail. No reduction crosses
+//! elements, so the result does not depend on the chunking, the thread count or the SIMD width:
+//! serial, parallel, SIMD and scalar runs are bit-identical (tested).
+
+use rayon::prelude::*;
+
+/// Elements per parallel task of [`adamw_update`] (a multiple of the lane width 8).
+pub const ADAMW_CHUNK: usize = 1 << 15;
+
+/// Elements per partial sum of [`sum_squares`]. Fixed, so the result does not depend on threads.
+pub const SUM_SQUARES_CHUNK: usize = 1 << 16;
+
+/// Lane width of the vectorised body.
+const LANES: usize = 8;
+
+/// AdamW hyper-parameters, with PyTorch's names and meanings.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWConfig {
+    /// Peak learning rate (a schedule may pass a different `lr` to [`AdamWStep::new`]).
+    pub lr: f64,
+    /// Decay of the first moment (`betas[0]`).
+    pub beta1: f64,
+    /// Decay of the second moment (`betas[1]`).
+    pub beta2: f64,
+    /// Added to `sqrt(v_hat)` in the denominator.
+    pub eps: f64,
+    /// Decoupled weight decay: `param *= 1 - lr * weight_decay` every step.
+    pub weight_decay: f64,
+}
+
+/// The scalars of optimizer step `t` (1-based), computed in f64 as PyTorch's Python code does, then
+/// cast to f32 where PyTorch uses them as scalar operands of f32 tensor ops.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWStep {
+    /// `1 - lr * weight_decay` (`param.mul_`).
+    pub decay: f32,
+    /// `1 - beta1`, the weight of `exp_avg.lerp_(grad, weight)`.
+    pub lerp_weight: f32,
+    /// `beta2` (`exp_avg_sq.mul_`).
+    pub beta2: f32,
+    /// `1 - beta2`, the value of `addcmul_`.
+    pub one_minus_beta2: f32,
+    /// `(1 - beta2^t) ** 0.5`.
+    pub bias_correction2_sqrt: f32,
+    /// `eps` (`add_`).
+    pub eps: f32,
+    /// `-lr / (1 - beta1^t)`, the value of `addcdiv_`.
+    pub neg_step_size: f32,
+}
+
+impl AdamWStep {
+    /// Scalars for step `step` (1-based, as PyTorch's `state["step"]` after its increment) at
+    /// learning rate `lr` (`cfg.lr` is not read, so a schedule can pass its own value).
+    pub fn new(cfg: &AdamWConfig, step: u64, lr: f64) -> Self {
+        assert!(step >= 1, "AdamW steps are 1-based, got step {step}");
+        // Python: `beta ** step` with `step` a float (from `step_t.item()`): C `pow`.
+        let t = step as f64;
+        let bias_correction1 = 1.0 - cfg.beta1.powf(t);
+        let bias_correction2 = 1.0 - cfg.beta2.powf(t);
+        let step_size = lr / bias_correction1;
+        Self {
+            decay: (1.0 - lr * cfg.weight_decay) as f32,
+            lerp_weight: (1.0 - cfg.beta1) as f32,
+            beta2: cfg.beta2 as f32,
+            one_minus_beta2: (1.0 - cfg.beta2) as f32,
+            // Python's `** 0.5`; sqrt is correctly rounded, as glibc's pow is in practice.
+            bias_correction2_sqrt: bias_correction2.sqrt() as f32,
+            eps: cfg.eps as f32,
+            neg_step_size: (-step_size) as f32,
+        }
+    }
+
+    /// ATen's `is_lerp_weight_small`: which of `lerp`'s two formulas applies.
+    fn lerp_weight_small(&self) -> bool {
+        self.lerp_weight.abs() < 0.5
+    }
+}
+
+/// One element of the update: returns the new `(param, m, v)`. Every operation rounds to f32,
+/// in ATen's order (see the module table); no FMA.
+#[inline(always)]
+fn update_one<const SMALL_LERP: bool>(
+    p: f32,
+    grad: f32,
+    m: f32,
+    v: f32,
+    s: &AdamWStep,
+    grad_scale: f32,
+) -> (f32, f32, f32) {
+    let g = grad * grad_scale;
+    let p = p * s.decay;
+    let m =
+        if SMALL_LERP { m + s.lerp_weight * (g - m) } else { g - (g - m) * (1.0 - s.lerp_weight) };
+    let v = v * s.beta2 + s.one_minus_beta2 * g * g;
+    let denom = v.sqrt() / s.bias_correction2_sqrt + s.eps;
+    let p = p + s.neg_step_size * m / denom;
+    (p, m, v)
+}
+
+/// Scalar loop over one slice.
+#[inline(always)]
+fn update_scalar<const SMALL_LERP: bool>(
+    param: &mut [f32],
+    grad: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    s: &AdamWStep,
+    grad_scale: f32,
+) {
+    for (((p, &g), m), v) in param.iter_mut().zip(grad).zip(m.iter_mut()).zip(v.iter_mut()) {
+        (*p, *m, *v) = update_one::<SMALL_LERP>(*p, g, *m, *v, s, grad_scale);
+    }
+}
+
+/// Body over lanes of [`LANES`] (fixed-size arrays the compiler turns into vector instructions),
+/// then the scalar tail. Bit-identical to [`update_scalar`]: the same IEEE operations per element.
+#[inline(always)]
+fn update_lanes<const SMALL_LERP: bool>(
+    param: &mut [f32],
+    grad: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    s: &AdamWStep,
+    grad_scale: f32,
+) {
+    let body = param.len() / LANES * LANES;
+    let (p_body, p_tail) = param.split_at_mut(body);
+    let (g_body, g_tail) = grad.split_at(body);
+    let (m_body, m_tail) = m.split_at_mut(body);
+    let (v_body, v_tail) = v.split_at_mut(body);
+    for (((p, g), m), v) in p_body
+        .chunks_exact_mut(LANES)
+        .zip(g_body.chunks_exact(LANES))
+        .zip(m_body.chunks_exact_mut(LANES))
+        .zip(v_body.chunks_exact_mut(LANES))
+    {
+        let p: &mut [f32; LANES] = p.try_into().unwrap();
+        let g: &[f32; LANES] = g.try_into().unwrap();
+        let m: &mut [f32; LANES] = m.try_into().unwrap();
+        let v: &mut [f32; LANES] = v.try_into().unwrap();
+        for l in 0..LANES {
+            (p[l], m[l], v[l]) = update_one::<SMALL_LERP>(p[l], g[l], m[l], v[l], s, grad_scale);
+        }
+    }
+    update_scalar::<SMALL_LERP>(p_tail, g_tail, m_tail, v_tail, s, grad_scale);
+}
+
+/// [`update_lanes`] compiled with AVX2 enabled (8 f32 lanes per instruction). Enabling AVX2 does
+/// not enable FMA contraction: Rust never fuses a separate multiply and add.
+///
+/// # Safety
+/// The CPU must support AVX2 (checked by the caller with `is_x86_feature_detected!`).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn update_lanes_avx2<const SMALL_LERP: bool>(
+    param: &mut [f32],
+    grad: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    s: &AdamWStep,
+    grad_scale: f32,
+) {
+    update_lanes::<SMALL_LERP>(param, grad, m, v, s, grad_scale);
+}
+
+/// The fastest body this CPU runs, for one chunk.
+fn update_chunk<const SMALL_LERP: bool>(
+    param: &mut [f32],
+    grad: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    s: &AdamWStep,
+    grad_scale: f32,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 support was just detected at run time, the only requirement of
+        // `update_lanes_avx2`.
+        unsafe { update_lanes_avx2::<SMALL_LERP>(param, grad, m, v, s, grad_scale) };
+        return;
+    }
+    update_lanes::<SMALL_LERP>(param, grad, m, v, s, grad_scale);
+}
+
+fn check_lengths(param: &[f32], grad: &[f32], m: &[f32], v: &[f32]) {
+    let n = param.len();
+    assert!(
+        grad.len() == n && m.len() == n && v.len() == n,
+        "adamw_update: lengths differ: param {n}, grad {}, m {}, v {}",
+        grad.len(),
+        m.len(),
+        v.len()
+    );
+}
+
+/// One AdamW step on a flat buffer (one tensor, or many laid end to end), in parallel and
+/// vectorised.
+///
+/// - `param`: (N) fp32 master weights, updated in place.
+/// - `grad`: (N) gradient before clipping; read only (the clip is applied on the fly).
+/// - `m`, `v`: (N) first and second moments, updated in place (zeros before step 1).
+/// - `step`: the scalars of this step, from [`AdamWStep::new`].
+/// - `grad_scale`: the clip coefficient ([`clip_coefficient`]); `1.0` leaves the gradient as is.
+///
+/// Bit-identical to [`adamw_update_serial`].
+pub fn adamw_update(
+    param: &mut [f32],
+    grad: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    step: &AdamWStep,
+    grad_scale: f32,
+) {
+    check_lengths(param, grad, m, v);
+    let small = step.lerp_weight_small();
+    param
+        .par_chunks_mut(ADAMW_CHUNK)
+        .zip(grad.par_chunks(ADAMW_CHUNK))
+        .zip(m.par_chunks_mut(ADAMW_CHUNK))
+        .zip(v.par_chunks_mut(ADAMW_CHUNK))
+        .for_each(|(((p, g), m), v)| {
+            if small {
+                update_chunk::<true>(p, g, m, v, step, grad_scale);
+            } else {
+                update_chunk::<false>(p, g, m, v, step, grad_scale);
+            }
+        });
+}
+
+/// [`adamw_update`] as one plain scalar loop on the calling thread: the reference path.
+pub fn adamw_update_serial(
+    param: &mut [f32],
+    grad: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    step: &AdamWStep,
+    grad_scale: f32,
+) {
+    check_lengths(param, grad, m, v);
+    if step.lerp_weight_small() {
+        update_scalar::<true>(param, grad, m, v, step, grad_scale);
+    } else {
+        update_scalar::<false>(param, grad, m, v, step, grad_scale);
+    }
+}
+
+/// Sum of squares of one chunk in f64: 8 lane accumulators, combined in a fixed tree, then the
+/// tail.
+fn sum_squares_chunk(x: &[f32]) -> f64 {
+    let mut acc = [0.0f64; LANES];
+    let mut lanes = x.chunks_exact(LANES);
+    for c in &mut lanes {
+        for l in 0..LANES {
+            let y = f64::from(c[l]);
+            acc[l] += y * y;
+        }
+    }
+    let mut tail = 0.0f64;
+    for &y in lanes.remainder() {
+        let y = f64::from(y);
+        tail += y * y;
+    }
+    ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail
+}
+
+/// Sum of squares of `x` (N) in f64, in parallel and deterministic: partial sums over fixed
+/// chunks of [`SUM_SQUARES_CHUNK`] elements, added in chunk order. The result depends only on
+/// `x`, never on the thread count. The global gradient norm is `sqrt` of the sum over all
+/// gradient buffers.
+pub fn sum_squares(x: &[f32]) -> f64 {
+    let partials: Vec<f64> = x.par_chunks(SUM_SQUARES_CHUNK).map(sum_squares_chunk).collect();
+    partials.iter().fold(0.0, |acc, &s| acc + s)
+}
+
+/// `torch.nn.utils.clip_grad_norm_`'s factor for the gradients: `min(1, max_norm / (total_norm +
+/// 1e-6))`, `1.0` when `max_norm <= 0` (clipping off).
+///
+/// Emulates PyTorch's float32 arithmetic: `total_norm` is an f32 tensor there, and
+/// `max_norm / tensor` is `Tensor.__rtruediv__`, i.e. `tensor.reciprocal() * max_norm`, two
+/// roundings. A NaN norm gives a NaN coefficient, as `clamp(max=1.0)` propagates NaN.
+pub fn clip_coefficient(total_norm: f64, max_norm: f64) -> f32 {
+    if max_norm <= 0.0 {
+        return 1.0;
+    }
+    let denom = total_norm as f32 + 1e-6f32;
+    let coef = (1.0f32 / denom) * max_norm as f32;
+    if coef > 1.0 { 1.0 } else { coef }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> AdamWConfig {
+        AdamWConfig { lr: 1e-3, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 }
+    }
+
+    /// Deterministic values in [-1, 1), exactly representable.
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        (0..n as u32)
+            .map(|i| {
+                let mut x = i.wrapping_mul(0x9E37_79B1) ^ seed.wrapping_mul(0x85EB_CA77);
+                x ^= x >> 15;
+                x = x.wrapping_mul(0x2C1B_3C6D);
+                x ^= x >> 12;
+                (x >> 8) as f32 * (1.0 / 8_388_608.0) - 1.0
+            })
+            .collect()
+    }
+
+    fn bits(x: &[f32]) -> Vec<u32> {
+        x.iter().map(|y| y.to_bits()).collect()
+    }
+
+    #[test]
+    fn step_scalars() {
+        let s = AdamWStep::new(&cfg(), 1, 1e-3);
+        assert_eq!(s.decay, (1.0f64 - 1e-4) as f32);
+        assert_eq!(s.lerp_weight, (1.0f64 - 0.9) as f32);
+        assert_eq!(s.one_minus_beta2, (1.0f64 - 0.95) as f32);
+        assert_eq!(s.neg_step_size, (-1e-3f64 / (1.0 - 0.9)) as f32);
+        assert_eq!(s.bias_correction2_sqrt, (1.0f64 - 0.95).sqrt() as f32);
+        // Weight decay off: the decay factor is exactly 1.
+        let s = AdamWStep::new(&AdamWConfig { weight_decay: 0.0, ..cfg() }, 5, 1e-3);
+        assert_eq!(s.decay, 1.0);
+    }
+
+    #[test]
+    fn first_step_moves_by_about_lr() {
+        // At step 1 Adam's update is lr * g / (|g| + eps'), i.e. about -lr * sign(g).
+        let c = AdamWConfig { weight_decay: 0.0, ..cfg() };
+        let s = AdamWStep::new(&c, 1, c.lr);
+        let mut p = vec![1.0f32, 1.0, 1.0];
+        let mut m = vec![0.0f32; 3];
+        let mut v = vec![0.0f32; 3];
+        adamw_update(&mut p, &[0.5, -2.0, 0.0], &mut m, &mut v, &s, 1.0);
+        assert!((p[0] - (1.0 - 1e-3)).abs() < 1e-6, "{p:?}");
+        assert!((p[1] - (1.0 + 1e-3)).abs() < 1e-6, "{p:?}");
+        assert_eq!(p[2], 1.0);
+    }
+
+    #[test]
+    fn simd_parallel_and_serial_are_bit_identical() {
+        // Sizes around the lane width and the chunk size, to cover every tail.
+        for n in [0, 1, 7, 8, 9, 15, 17, 63, ADAMW_CHUNK - 1, ADAMW_CHUNK + 9, 3 * ADAMW_CHUNK + 5]
+        {
+            for beta1 in [0.9, 0.3] {
+                let c = AdamWConfig { beta1, ..cfg() };
+                let p0 = values(n, 1);
+                let (mut pa, mut ma, mut va) = (p0.clone(), vec![0.0; n], vec![0.0; n]);
+                let (mut pb, mut mb, mut vb) = (p0.clone(), vec![0.0; n], vec![0.0; n]);
+                for t in 1..=3u64 {
+                    let g = values(n, 10 + t as u32);
+                    let s = AdamWStep::new(&c, t, c.lr);
+                    let scale = if t == 2 { 0.37 } else { 1.0 };
+                    adamw_update(&mut pa, &g, &mut ma, &mut va, &s, scale);
+                    adamw_update_serial(&mut pb, &g, &mut mb, &mut vb, &s, scale);
+                }
+                assert_eq!(bits(&pa), bits(&pb), "param, n = {n}, beta1 = {beta1}");
+                assert_eq!(bits(&ma), bits(&mb), "m, n = {n}, beta1 = {beta1}");
+                assert_eq!(bits(&va), bits(&vb), "v, n = {n}, beta1 = {beta1}");
+            }
+        }
+    }
+
+    #[test]
+    fn portable_lanes_match_scalar() {
+        // The non-AVX2 body (what a CPU without AVX2 runs) against the scalar loop.
+        let n = 8 * 5 + 3;
+        let s = AdamWStep::new(&cfg(), 2, 1e-3);
+        let g = values(n, 7);
+        let (mut pa, mut ma, mut va) = (values(n, 1), values(n, 2), values(n, 3));
+        va.iter_mut().for_each(|x| *x = x.abs());
+        let (mut pb, mut mb, mut vb) = (pa.clone(), ma.clone(), va.clone());
+        update_lanes::<true>(&mut pa, &g, &mut ma, &mut va, &s, 0.5);
+        update_scalar::<true>(&mut pb, &g, &mut mb, &mut vb, &s, 0.5);
+        assert_eq!(bits(&pa), bits(&pb));
+        assert_eq!(bits(&ma), bits(&mb));
+        assert_eq!(bits(&va), bits(&vb));
+    }
+
+    #[test]
+    #[should_panic(expected = "lengths differ")]
+    fn length_mismatch_panics() {
+        let s = AdamWStep::new(&cfg(), 1, 1e-3);
+        adamw_update(&mut [0.0; 3], &[0.0; 2], &mut [0.0; 3], &mut [0.0; 3], &s, 1.0);
+    }
+
+    #[test]
+    fn sum_squares_small_and_exact() {
+        assert_eq!(sum_squares(&[]), 0.0);
+        assert_eq!(sum_squares(&[3.0, 4.0]), 25.0);
+        let x: Vec<f32> = (0..1000).map(|i| i as f32).collect();
+        let want: f64 = (0..1000u64).map(|i| (i * i) as f64).sum();
+        assert_eq!(sum_squares(&x), want);
+    }
+
+    #[test]
+    fn clip_coefficient_cases() {
+        assert_eq!(clip_coefficient(5.0, 0.0), 1.0);
+        assert_eq!(clip_coefficient(5.0, -1.0), 1.0);
+        assert_eq!(clip_coefficient(0.5, 1.0), 1.0);
+        assert_eq!(clip_coefficient(0.0, 1.0), 1.0);
+        let c = clip_coefficient(4.0, 1.0);
+        assert_eq!(c, (1.0f32 / (4.0f32 + 1e-6f32)) * 1.0f32);
+        assert!((c - 0.25).abs() < 1e-6);
+        assert!(clip_coefficient(f64::NAN, 1.0).is_nan());
+    }
+}

@@ -1,0 +1,255 @@
+//! The `horizon` binary end to end: `horizon train --config` on each fixture case reproduces the
+//! Hugging Face numbers, two runs are bit-identical, and bad input gets a clear one-line error
+//! (never a panic).
+
+mod common;
+
+use std::fs;
+use std::path::Path;
+use std::process::{Command, Output};
+
+use common::*;
+use horizon::hf::checkpoint::read_tensor_f64;
+use serde_json::Value;
+
+fn horizon(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_horizon")).args(args).output().expect("run horizon")
+}
+
+/// A config for a fixture case, written into `dir`, with overrides of the model and data paths.
+fn write_config(
+    dir: &Path,
+    case: &str,
+    model: &Path,
+    data: &Path,
+    extra: &str,
+) -> std::path::PathBuf {
+    let e = expected(case);
+    let betas = f64s(&e["betas"]);
+    let yaml = format!(
+        "model: {{ path: '{}' }}\ndata: {{ path: '{}', format: pretokenized }}\n\
+         train: {{ steps: {}, batch_size: {}, max_seq_len: 64 }}\n\
+         optimizer: {{ lr: {}, betas: [{}, {}], eps: {}, weight_decay: {}, grad_clip: {} }}\n\
+         output: {{ dir: '{}' }}\n{extra}",
+        model.display(),
+        data.display(),
+        e["steps"],
+        e["batch"],
+        e["lr"],
+        betas[0],
+        betas[1],
+        e["eps"],
+        e["weight_decay"],
+        e["grad_clip"],
+        dir.join("out").display(),
+    );
+    let path = dir.join("config.yaml");
+    fs::write(&path, yaml).unwrap();
+    path
+}
+
+fn fixture_config(dir: &Path, case: &str) -> std::path::PathBuf {
+    write_config(dir, case, &case_dir(case).join("model"), &case_dir(case).join("data.jsonl"), "")
+}
+
+fn train(config: &Path) -> Output {
+    horizon(&["train", "--config", config.to_str().unwrap()])
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Run and expect failure with a message containing every one of `needles`, and no panic.
+fn expect_error(config: &Path, needles: &[&str]) {
+    let o = train(config);
+    let err = stderr(&o);
+    assert!(!o.status.success(), "expected failure, got success; stderr: {err}");
+    assert!(!err.contains("panicked"), "panicked instead of an error: {err}");
+    for n in needles {
+        assert!(err.contains(n), "error should mention {n:?}: {err}");
+    }
+}
+
+#[test]
+fn train_reproduces_fixtures() {
+    for case in CASES {
+        let tmp = tempfile::tempdir().unwrap();
+        let o = train(&fixture_config(tmp.path(), case));
+        assert!(o.status.success(), "{case}: {}", stderr(&o));
+        let e = expected(case);
+        let metrics: Vec<Value> = fs::read_to_string(tmp.path().join("out/metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let (losses, norms) = (f64s(&e["loss_per_step"]), f64s(&e["grad_norm_per_step"]));
+        assert_eq!(metrics.len(), losses.len());
+        for (k, m) in metrics.iter().enumerate() {
+            assert_eq!(m["step"].as_u64(), Some(k as u64 + 1));
+            for key in ["lr", "tokens", "step_s"] {
+                assert!(m[key].is_number(), "{case}: metrics line {k} lacks {key}");
+            }
+            assert_rel(&format!("{case} loss {k}"), m["loss"].as_f64().unwrap(), losses[k], 1e-5);
+            assert_rel(
+                &format!("{case} grad_norm {k}"),
+                m["grad_norm"].as_f64().unwrap(),
+                norms[k],
+                1e-5,
+            );
+        }
+        // final/ is a HF directory with HF tensor names, compared by the update error.
+        let final_dir = tmp.path().join("out/final");
+        let cfg: Value =
+            serde_json::from_str(&fs::read_to_string(final_dir.join("config.json")).unwrap())
+                .unwrap();
+        assert_eq!(cfg["model_type"], e["arch"]);
+        let names = e["param_names"].as_array().unwrap();
+        for name in names.iter().map(|n| n.as_str().unwrap()) {
+            let (_, got) = read_tensor_f64(&final_dir.join("model.safetensors"), name).unwrap();
+            let got: Vec<f32> = got.iter().map(|&x| x as f32).collect();
+            let (_, init) =
+                read_tensor_f64(&case_dir(case).join("model/model.safetensors"), name).unwrap();
+            let init: Vec<f32> = init.iter().map(|&x| x as f32).collect();
+            let want = tensor(case, "final.safetensors", name);
+            let err = update_rel_err(&got, &init, &want);
+            let tol = update_tol(e["pytorch_fp32"]["update_rel_l2_err"][name].as_f64().unwrap());
+            assert!(err <= tol, "{case} {name}: update error {err:.3e} > {tol:.1e}");
+        }
+    }
+}
+
+#[test]
+fn two_runs_are_bit_identical() {
+    let case = "qwen2_tied_padded";
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    for d in [&a, &b] {
+        let o = train(&fixture_config(d.path(), case));
+        assert!(o.status.success(), "{}", stderr(&o));
+    }
+    let wa = fs::read(a.path().join("out/final/model.safetensors")).unwrap();
+    let wb = fs::read(b.path().join("out/final/model.safetensors")).unwrap();
+    assert!(wa == wb, "two identical runs wrote different weights");
+}
+
+#[test]
+fn missing_model_directory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let missing = tmp.path().join("no-such-model");
+    let cfg = write_config(
+        tmp.path(),
+        "llama_gqa",
+        &missing,
+        &case_dir("llama_gqa").join("data.jsonl"),
+        "",
+    );
+    expect_error(&cfg, &["no-such-model", "model.path"]);
+}
+
+/// A copy of a fixture model directory that the test may damage.
+fn model_copy(tmp: &Path, case: &str) -> std::path::PathBuf {
+    let dst = tmp.join("model");
+    fs::create_dir_all(&dst).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        fs::copy(case_dir(case).join("model").join(f), dst.join(f)).unwrap();
+    }
+    dst
+}
+
+#[test]
+fn truncated_safetensors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = model_copy(tmp.path(), "llama_gqa");
+    let file = model.join("model.safetensors");
+    let len = fs::metadata(&file).unwrap().len();
+    fs::OpenOptions::new().write(true).open(&file).unwrap().set_len(len / 2).unwrap();
+    let cfg = write_config(
+        tmp.path(),
+        "llama_gqa",
+        &model,
+        &case_dir("llama_gqa").join("data.jsonl"),
+        "",
+    );
+    expect_error(&cfg, &["model.safetensors"]);
+}
+
+#[test]
+fn misspelled_config_key() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = write_config(
+        tmp.path(),
+        "llama_gqa",
+        &case_dir("llama_gqa").join("model"),
+        &case_dir("llama_gqa").join("data.jsonl"),
+        "engine: { head_chunk_rowz: 4 }\n",
+    );
+    expect_error(&cfg, &["head_chunk_rowz", "config.yaml"]);
+}
+
+#[test]
+fn tensor_missing_from_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = model_copy(tmp.path(), "llama_gqa");
+    // Rewrite the checkpoint without one tensor.
+    let file = model.join("model.safetensors");
+    let names = horizon::hf::checkpoint::list_tensors(&file).unwrap();
+    let dropped = "model.layers.1.mlp.up_proj.weight";
+    let kept: Vec<(String, Vec<usize>, Vec<f32>)> = names
+        .iter()
+        .filter(|n| n.as_str() != dropped)
+        .map(|n| {
+            let (shape, data) = read_tensor_f64(&file, n).unwrap();
+            (n.clone(), shape, data.iter().map(|&x| x as f32).collect())
+        })
+        .collect();
+    let views: Vec<(String, Vec<usize>, &[f32])> =
+        kept.iter().map(|(n, s, d)| (n.clone(), s.clone(), d.as_slice())).collect();
+    horizon::hf::checkpoint::write_safetensors(
+        &file,
+        &views,
+        horizon::hf::checkpoint::SaveDtype::F32,
+    )
+    .unwrap();
+    let cfg = write_config(
+        tmp.path(),
+        "llama_gqa",
+        &model,
+        &case_dir("llama_gqa").join("data.jsonl"),
+        "",
+    );
+    expect_error(&cfg, &[dropped]);
+}
+
+#[test]
+fn token_or_label_outside_vocabulary() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("bad.jsonl");
+    // llama_gqa has a vocabulary of 256.
+    fs::write(
+        &data,
+        "{\"input_ids\": [1, 2, 3], \"labels\": [1, 2, 3]}\n{\"input_ids\": [1, 256, 3]}\n",
+    )
+    .unwrap();
+    let cfg =
+        write_config(tmp.path(), "llama_gqa", &case_dir("llama_gqa").join("model"), &data, "");
+    expect_error(&cfg, &["bad.jsonl", ":2", "256"]);
+    fs::write(&data, "{\"input_ids\": [1, 2, 3], \"labels\": [1, 999, 3]}\n").unwrap();
+    expect_error(&cfg, &["bad.jsonl", ":1", "999"]);
+}
+
+#[test]
+fn empty_dataset() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("empty.jsonl");
+    fs::write(&data, "\n").unwrap();
+    let cfg =
+        write_config(tmp.path(), "llama_gqa", &case_dir("llama_gqa").join("model"), &data, "");
+    expect_error(&cfg, &["empty.jsonl"]);
+}
+
+#[test]
+fn no_config_is_a_clear_error() {
+    let o = horizon(&["train"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("--config"), "{}", stderr(&o));
+}

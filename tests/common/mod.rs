@@ -1,0 +1,73 @@
+//! Shared helpers of the integration tests: fixture cases and the comparisons the tolerance
+//! table of ARCHITECTURE.md names.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+use horizon::hf::checkpoint::read_tensor_f64;
+use serde_json::Value;
+
+/// The fixture cases copied from ../shared/fixtures.
+pub const CASES: [&str; 2] = ["llama_gqa", "qwen2_tied_padded"];
+
+pub fn case_dir(case: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(case)
+}
+
+pub fn expected(case: &str) -> Value {
+    let text = std::fs::read_to_string(case_dir(case).join("expected.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+pub fn f64s(v: &Value) -> Vec<f64> {
+    v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect()
+}
+
+/// A fixture tensor as f64.
+pub fn tensor(case: &str, file: &str, name: &str) -> Vec<f64> {
+    read_tensor_f64(&case_dir(case).join(file), name).unwrap().1
+}
+
+/// |got - want| / |want| <= tol, with a message naming the quantity.
+pub fn assert_rel(name: &str, got: f64, want: f64, tol: f64) {
+    let rel = (got - want).abs() / want.abs().max(1e-30);
+    assert!(
+        rel <= tol,
+        "{name}: got {got:.10e}, want {want:.10e}, relative error {rel:.3e} > {tol:.1e}"
+    );
+}
+
+/// Largest |got - want| over `scale`, printing the worst index.
+pub fn max_err_over(got: &[f32], want: &[f64], scale: f64) -> (f64, usize) {
+    assert_eq!(got.len(), want.len(), "length mismatch");
+    let mut worst = (0.0f64, 0usize);
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let e = (g as f64 - w).abs() / scale;
+        if e > worst.0 || e.is_nan() {
+            worst = (e, i);
+        }
+    }
+    worst
+}
+
+/// ||(w - w0) - (w_ref - w0)|| / ||w_ref - w0||: the error of the update, per tensor.
+pub fn update_rel_err(got: &[f32], init: &[f32], want: &[f64]) -> f64 {
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for ((&g, &i), &w) in got.iter().zip(init).zip(want) {
+        let du = g as f64 - i as f64;
+        let dr = w - i as f64;
+        num += (du - dr) * (du - dr);
+        den += dr * dr;
+    }
+    (num / den.max(1e-300)).sqrt()
+}
+
+/// The tolerance on a tensor's update error: 10x what PyTorch's own float32 run reaches, never
+/// more than 1e-3 — except for a tensor whose update is rounding noise even in PyTorch (its own
+/// error above 1e-4: the key biases, whose gradient is a near-total cancellation), where it is
+/// 3x PyTorch's. See the tolerance table in ARCHITECTURE.md for why no fp32 implementation can
+/// do better there.
+pub fn update_tol(pytorch_err: f64) -> f64 {
+    if pytorch_err > 1e-4 { 3.0 * pytorch_err } else { (10.0 * pytorch_err).min(1e-3) }
+}
