@@ -8,6 +8,8 @@
 //! `x (N,C) -> rmsnorm -> h1 -> qkv (N,QKV) -> rope -> attention -> att (N,H*D) -> o_proj -> +x ->
 //!  x2 -> rmsnorm -> h2 -> gate|up (N,2F) -> swiglu -> s (N,F) -> down -> +x2 -> y (N,C)`
 
+use std::ops::{Deref, DerefMut};
+
 use anyhow::{Result, bail};
 use horizon_backend::{AttnDims, Backend, CpuBackend, DeviceAlloc, DeviceSlice};
 
@@ -44,47 +46,47 @@ pub struct Capacity {
 }
 
 /// Activations of one layer on the device (each sized for the capacity, viewed per pass).
-struct LayerActs<M> {
+pub(crate) struct LayerActs<M> {
     /// (N, C)
-    h1: M,
+    pub(crate) h1: M,
     /// (N)
-    rstd1: M,
+    pub(crate) rstd1: M,
     /// (N, QKV), after rope
-    qkv: M,
+    pub(crate) qkv: M,
     /// (N, H*D)
-    att: M,
+    pub(crate) att: M,
     /// (B, H, T)
-    lse: M,
+    pub(crate) lse: M,
     /// (N, C)
-    x2: M,
+    pub(crate) x2: M,
     /// (N, C)
-    h2: M,
+    pub(crate) h2: M,
     /// (N)
-    rstd2: M,
+    pub(crate) rstd2: M,
     /// (N, 2F)
-    gu: M,
+    pub(crate) gu: M,
     /// (N, F)
-    s: M,
+    pub(crate) s: M,
     /// (N, C) scratch for the o_proj and down_proj outputs
-    tmp: M,
+    pub(crate) tmp: M,
 }
 
 /// Gradient scratch of one layer on the device.
-struct LayerGrads<M> {
+pub(crate) struct LayerGrads<M> {
     /// (N, C) gradient of the layer output, then of its input (the residual stream)
-    dres: M,
+    pub(crate) dres: M,
     /// (N, C) gradient of x2
-    dx2: M,
+    pub(crate) dx2: M,
     /// (N, C) gradient of a norm output
-    dh: M,
+    pub(crate) dh: M,
     /// (N, QKV)
-    dqkv: M,
+    pub(crate) dqkv: M,
     /// (N, H*D)
-    datt: M,
+    pub(crate) datt: M,
     /// (N, 2F)
-    dgu: M,
+    pub(crate) dgu: M,
     /// (N, F)
-    ds: M,
+    pub(crate) ds: M,
 }
 
 /// The step runner: owns the backend, the device workspace (allocated once, sized by
@@ -120,7 +122,7 @@ pub struct Transformer<B: DeviceAlloc> {
     dhead_w: B::Mem,
     /// (chunk, V) logits, then dlogits.
     logits: B::Mem,
-    /// (chunk) per-row losses.
+    /// (N) per-row losses.
     losses: B::Mem,
     /// (N) token ids, (N) shifted targets.
     ids: B::IMem,
@@ -128,19 +130,22 @@ pub struct Transformer<B: DeviceAlloc> {
     /// Host: L+1 layer-boundary checkpoints, each (N, C): inputs of layers 0..L and the last
     /// layer's output.
     ckpt: Vec<Vec<f32>>,
-    /// Host scratch: (layer len) gradient download, (V*C) head gradient, (chunk) losses.
+    /// Host scratch: (layer len) gradient download, (V*C) head gradient, (N) losses.
     host_dw: Vec<f32>,
     host_dhead: Vec<f32>,
     host_losses: Vec<f32>,
 }
 
 /// A buffer's first `len` elements.
-fn v<B: DeviceAlloc>(m: &B::Mem, len: usize) -> &B::Buf {
+pub(crate) fn v<T: ?Sized + DeviceSlice, M: Deref<Target = T>>(m: &M, len: usize) -> &T {
     m.slice(0..len)
 }
 
 /// A buffer's first `len` elements, mutably.
-fn vm<B: DeviceAlloc>(m: &mut B::Mem, len: usize) -> &mut B::Buf {
+pub(crate) fn vm<T: ?Sized + DeviceSlice, M: DerefMut<Target = T>>(
+    m: &mut M,
+    len: usize,
+) -> &mut T {
     m.slice_mut(0..len)
 }
 
@@ -192,13 +197,13 @@ impl<B: DeviceAlloc> Transformer<B> {
             head_w: be.alloc(d.v * d.c),
             dhead_w: be.alloc(d.v * d.c),
             logits: be.alloc(chunk * d.v),
-            losses: be.alloc(chunk),
+            losses: be.alloc(n),
             ids: be.alloc_i32(n),
             targets: be.alloc_i32(n),
             ckpt: (0..=d.layers).map(|_| vec![0.0; n * d.c]).collect(),
             host_dw: vec![0.0; layout.layer.len],
             host_dhead: vec![0.0; d.v * d.c],
-            host_losses: vec![0.0; chunk],
+            host_losses: vec![0.0; n],
             cos,
             sin,
             acts,
@@ -240,29 +245,29 @@ impl<B: DeviceAlloc> Transformer<B> {
         CpuBackend.embedding_forward(&mut self.ckpt[0][..nc], &batch.input_ids, &params.embed, d.c);
         self.be.upload_i32(self.ids.slice_mut(0..n), &batch.input_ids);
         self.be.upload_i32(self.targets.slice_mut(0..n), &batch.targets);
-        self.be.upload(vm::<B>(&mut self.x, nc), &self.ckpt[0][..nc]);
+        self.be.upload(vm(&mut self.x, nc), &self.ckpt[0][..nc]);
         for l in 0..d.layers {
             self.be.upload(&mut self.w, &params.layers[l]);
-            layer_forward::<B>(
+            layer_forward(
                 &self.be,
                 &mut self.acts,
                 &self.w,
                 &self.layout.layer,
-                v::<B>(&self.x, nc),
-                vm::<B>(&mut self.y, nc),
-                (v::<B>(&self.cos, batch.t * d.d / 2), v::<B>(&self.sin, batch.t * d.d / 2)),
+                v(&self.x, nc),
+                vm(&mut self.y, nc),
+                (v(&self.cos, batch.t * d.d / 2), v(&self.sin, batch.t * d.d / 2)),
                 ad,
                 d.f,
                 eps,
             );
             std::mem::swap(&mut self.x, &mut self.y);
-            self.be.download(&mut self.ckpt[l + 1][..nc], v::<B>(&self.x, nc));
+            self.be.download(&mut self.ckpt[l + 1][..nc], v(&self.x, nc));
         }
         self.be.upload(&mut self.norm_w, &params.final_norm);
         self.be.rmsnorm_forward(
-            vm::<B>(&mut self.hf, nc),
-            vm::<B>(&mut self.rstd_f, n),
-            v::<B>(&self.x, nc),
+            vm(&mut self.hf, nc),
+            vm(&mut self.rstd_f, n),
+            v(&self.x, nc),
             &self.norm_w,
             d.c,
             eps,
@@ -286,14 +291,14 @@ impl<B: DeviceAlloc> Transformer<B> {
         let mut hidden: Vec<Vec<f32>> =
             self.ckpt[..d.layers].iter().map(|c| c[..nc].to_vec()).collect();
         let mut hf = vec![0.0; nc];
-        self.be.download(&mut hf, v::<B>(&self.hf, nc));
+        self.be.download(&mut hf, v(&self.hf, nc));
         hidden.push(hf);
         let mut logits = vec![0.0; n * d.v];
         let chunk = self.cap.head_chunk_rows;
         for r0 in (0..n).step_by(chunk) {
             let rows = chunk.min(n - r0);
             self.be.matmul_forward(
-                vm::<B>(&mut self.logits, rows * d.v),
+                vm(&mut self.logits, rows * d.v),
                 self.hf.slice(r0 * d.c..(r0 + rows) * d.c),
                 &self.head_w,
                 None,
@@ -301,10 +306,7 @@ impl<B: DeviceAlloc> Transformer<B> {
                 d.c,
                 d.v,
             );
-            self.be.download(
-                &mut logits[r0 * d.v..(r0 + rows) * d.v],
-                v::<B>(&self.logits, rows * d.v),
-            );
+            self.be.download(&mut logits[r0 * d.v..(r0 + rows) * d.v], v(&self.logits, rows * d.v));
         }
         Ok((hidden, logits))
     }
@@ -319,7 +321,7 @@ impl<B: DeviceAlloc> Transformer<B> {
         for r0 in (0..n).step_by(chunk) {
             let rows = chunk.min(n - r0);
             self.be.matmul_forward(
-                vm::<B>(&mut self.logits, rows * d.v),
+                vm(&mut self.logits, rows * d.v),
                 self.hf.slice(r0 * d.c..(r0 + rows) * d.c),
                 &self.head_w,
                 None,
@@ -328,13 +330,13 @@ impl<B: DeviceAlloc> Transformer<B> {
                 d.v,
             );
             self.be.cross_entropy_forward(
-                vm::<B>(&mut self.losses, rows),
-                v::<B>(&self.logits, rows * d.v),
+                vm(&mut self.losses, rows),
+                v(&self.logits, rows * d.v),
                 self.targets.slice(r0..r0 + rows),
                 rows,
                 d.v,
             );
-            self.be.download(&mut self.host_losses[..rows], v::<B>(&self.losses, rows));
+            self.be.download(&mut self.host_losses[..rows], v(&self.losses, rows));
             loss_sum += self.host_losses[..rows].iter().map(|&x| x as f64).sum::<f64>();
         }
         Ok(PassOutput { loss_sum, num_targets: batch.num_targets })
@@ -358,89 +360,64 @@ impl<B: DeviceAlloc> Transformer<B> {
         let eps = self.layout.eps;
         let scale = 1.0 / loss_norm.max(1) as f32;
 
-        // LM head + cross-entropy, chunk by chunk: the (N, V) logits never exist at once.
-        let chunk = self.cap.head_chunk_rows;
-        let mut loss_sum = 0.0f64;
+        // Final norm, LM head and cross-entropy, forward and backward, chunk by chunk.
         self.be.zero(&mut self.dhead_w);
-        for r0 in (0..n).step_by(chunk) {
-            let rows = chunk.min(n - r0);
-            let hf_rows = r0 * d.c..(r0 + rows) * d.c;
-            self.be.matmul_forward(
-                vm::<B>(&mut self.logits, rows * d.v),
-                self.hf.slice(hf_rows.clone()),
-                &self.head_w,
-                None,
-                rows,
-                d.c,
-                d.v,
-            );
-            self.be.cross_entropy_fused(
-                vm::<B>(&mut self.logits, rows * d.v),
-                vm::<B>(&mut self.losses, rows),
-                self.targets.slice(r0..r0 + rows),
-                rows,
-                d.v,
-                scale,
-            );
-            self.be.matmul_backward(
-                Some(self.dhf.slice_mut(hf_rows.clone())),
-                &mut self.dhead_w,
-                None,
-                v::<B>(&self.logits, rows * d.v),
-                self.hf.slice(hf_rows),
-                &self.head_w,
-                rows,
-                d.c,
-                d.v,
-            );
-            self.be.download(&mut self.host_losses[..rows], v::<B>(&self.losses, rows));
-            loss_sum += self.host_losses[..rows].iter().map(|&x| x as f64).sum::<f64>();
-        }
+        self.be.zero(&mut self.dnorm_w);
+        let mut hb = HeadBufs {
+            hf: &mut *self.hf,
+            dhf: &mut *self.dhf,
+            rstd: &mut *self.rstd_f,
+            logits: &mut *self.logits,
+        };
+        head_forward_backward(
+            &self.be,
+            &mut hb,
+            HeadGrads {
+                losses: vm(&mut self.losses, n),
+                dres: vm(&mut self.grads.dres, nc),
+                dnorm_w: &mut self.dnorm_w,
+                dhead_w: &mut self.dhead_w,
+            },
+            v(&self.x, nc),
+            &self.norm_w,
+            &self.head_w,
+            self.targets.slice(0..n),
+            HeadDims { n, c: d.c, v: d.v, chunk: self.cap.head_chunk_rows, eps, scale },
+        );
+        self.be.download(&mut self.host_losses[..n], v(&self.losses, n));
+        let loss_sum = self.host_losses[..n].iter().map(|&x| x as f64).sum::<f64>();
         self.be.download(&mut self.host_dhead, &self.dhead_w);
         let ghead = grads.lm_head.as_deref_mut().unwrap_or(&mut grads.embed);
         add_host(ghead, &self.host_dhead);
-
-        // Final norm backward: the residual-stream gradient starts here.
-        self.be.zero(vm::<B>(&mut self.grads.dres, nc));
-        self.be.zero(&mut self.dnorm_w);
-        self.be.rmsnorm_backward(
-            vm::<B>(&mut self.grads.dres, nc),
-            &mut self.dnorm_w,
-            v::<B>(&self.dhf, nc),
-            v::<B>(&self.x, nc),
-            &self.norm_w,
-            v::<B>(&self.rstd_f, n),
-            d.c,
-        );
         self.be.download(&mut self.host_dw[..d.c], &self.dnorm_w);
         add_host(&mut grads.final_norm, &self.host_dw[..d.c]);
 
         // Layers, last to first: recompute from the checkpoint, then backward.
         for l in (0..d.layers).rev() {
             self.be.upload(&mut self.w, &params.layers[l]);
-            self.be.upload(vm::<B>(&mut self.x, nc), &self.ckpt[l][..nc]);
-            let rope = (v::<B>(&self.cos, batch.t * d.d / 2), v::<B>(&self.sin, batch.t * d.d / 2));
-            layer_forward::<B>(
+            self.be.upload(vm(&mut self.x, nc), &self.ckpt[l][..nc]);
+            let rope = (v(&self.cos, batch.t * d.d / 2), v(&self.sin, batch.t * d.d / 2));
+            layer_forward(
                 &self.be,
                 &mut self.acts,
                 &self.w,
                 &self.layout.layer,
-                v::<B>(&self.x, nc),
-                vm::<B>(&mut self.y, nc),
+                v(&self.x, nc),
+                vm(&mut self.y, nc),
                 rope,
                 ad,
                 d.f,
                 eps,
             );
             self.be.zero(&mut self.dw);
-            layer_backward::<B>(
+            layer_backward(
                 &self.be,
                 &mut self.grads,
                 &mut self.dw,
                 &self.acts,
                 &self.w,
                 &self.layout.layer,
-                v::<B>(&self.x, nc),
+                v(&self.x, nc),
                 rope,
                 ad,
                 d.f,
@@ -451,7 +428,7 @@ impl<B: DeviceAlloc> Transformer<B> {
 
         // Embedding backward on the host: scatter-add into the rows the batch touched.
         let dx = &mut self.ckpt[0][..nc];
-        self.be.download(dx, v::<B>(&self.grads.dres, nc));
+        self.be.download(dx, v(&self.grads.dres, nc));
         CpuBackend.embedding_backward(&mut grads.embed, &batch.input_ids, dx, d.c);
 
         Ok(PassOutput { loss_sum, num_targets: batch.num_targets })
@@ -481,9 +458,9 @@ pub fn rope_tables(inv_freq: &[f32], t_max: usize) -> (Vec<f32>, Vec<f32>) {
 
 /// One decoder layer forward: `x -> y`, keeping every internal the backward needs in `a`.
 #[allow(clippy::too_many_arguments)]
-fn layer_forward<B: DeviceAlloc>(
+pub(crate) fn layer_forward<B: Backend, M: DerefMut<Target = B::Buf>>(
     be: &B,
-    a: &mut LayerActs<B::Mem>,
+    a: &mut LayerActs<M>,
     w: &B::Buf,
     lay: &LayerLayout,
     x: &B::Buf,
@@ -496,68 +473,56 @@ fn layer_forward<B: DeviceAlloc>(
     let n = ad.n();
     let c = x.len() / n;
     let (nc, qkv, hd) = (n * c, ad.qkv_width(), ad.h * ad.d);
-    be.rmsnorm_forward(
-        vm::<B>(&mut a.h1, nc),
-        vm::<B>(&mut a.rstd1, n),
-        x,
-        w.slice(lay.ln1.clone()),
-        c,
-        eps,
-    );
+    be.rmsnorm_forward(vm(&mut a.h1, nc), vm(&mut a.rstd1, n), x, w.slice(lay.ln1.clone()), c, eps);
     be.matmul_forward(
-        vm::<B>(&mut a.qkv, n * qkv),
-        v::<B>(&a.h1, nc),
+        vm(&mut a.qkv, n * qkv),
+        v(&a.h1, nc),
         w.slice(lay.wqkv.clone()),
         lay.bqkv.clone().map(|r| w.slice(r)),
         n,
         c,
         qkv,
     );
-    be.rope_forward(vm::<B>(&mut a.qkv, n * qkv), cos, sin, ad);
-    be.attention_forward(
-        vm::<B>(&mut a.att, n * hd),
-        vm::<B>(&mut a.lse, n * ad.h),
-        v::<B>(&a.qkv, n * qkv),
-        ad,
-    );
+    be.rope_forward(vm(&mut a.qkv, n * qkv), cos, sin, ad);
+    be.attention_forward(vm(&mut a.att, n * hd), vm(&mut a.lse, n * ad.h), v(&a.qkv, n * qkv), ad);
     be.matmul_forward(
-        vm::<B>(&mut a.tmp, nc),
-        v::<B>(&a.att, n * hd),
+        vm(&mut a.tmp, nc),
+        v(&a.att, n * hd),
         w.slice(lay.wo.clone()),
         None,
         n,
         hd,
         c,
     );
-    be.residual_forward(vm::<B>(&mut a.x2, nc), x, v::<B>(&a.tmp, nc));
+    be.residual_forward(vm(&mut a.x2, nc), x, v(&a.tmp, nc));
     be.rmsnorm_forward(
-        vm::<B>(&mut a.h2, nc),
-        vm::<B>(&mut a.rstd2, n),
-        v::<B>(&a.x2, nc),
+        vm(&mut a.h2, nc),
+        vm(&mut a.rstd2, n),
+        v(&a.x2, nc),
         w.slice(lay.ln2.clone()),
         c,
         eps,
     );
     be.matmul_forward(
-        vm::<B>(&mut a.gu, n * 2 * f),
-        v::<B>(&a.h2, nc),
+        vm(&mut a.gu, n * 2 * f),
+        v(&a.h2, nc),
         w.slice(lay.wgu.clone()),
         None,
         n,
         c,
         2 * f,
     );
-    be.swiglu_forward(vm::<B>(&mut a.s, n * f), v::<B>(&a.gu, n * 2 * f), n, f);
+    be.swiglu_forward(vm(&mut a.s, n * f), v(&a.gu, n * 2 * f), n, f);
     be.matmul_forward(
-        vm::<B>(&mut a.tmp, nc),
-        v::<B>(&a.s, n * f),
+        vm(&mut a.tmp, nc),
+        v(&a.s, n * f),
         w.slice(lay.wdown.clone()),
         None,
         n,
         f,
         c,
     );
-    be.residual_forward(y, v::<B>(&a.x2, nc), v::<B>(&a.tmp, nc));
+    be.residual_forward(y, v(&a.x2, nc), v(&a.tmp, nc));
 }
 
 /// One decoder layer backward. On entry `g.dres` holds dL/dy (N, C); on return it holds dL/dx
@@ -566,11 +531,11 @@ fn layer_forward<B: DeviceAlloc>(
 /// Derivation (y = x2 + down(swiglu(gu(norm2(x2)))), x2 = x + o(attn(rope(qkv(norm1(x)))))):
 /// dL/dx2 = dy + norm2ᵀ(gu ᵀ(swigluᵀ(downᵀ dy))), dL/dx = dx2 + norm1ᵀ(qkvᵀ(ropeᵀ(attnᵀ(oᵀ dx2)))).
 #[allow(clippy::too_many_arguments)]
-fn layer_backward<B: DeviceAlloc>(
+pub(crate) fn layer_backward<B: Backend, M: DerefMut<Target = B::Buf>>(
     be: &B,
-    g: &mut LayerGrads<B::Mem>,
+    g: &mut LayerGrads<M>,
     dw: &mut B::Buf,
-    a: &LayerActs<B::Mem>,
+    a: &LayerActs<M>,
     w: &B::Buf,
     lay: &LayerLayout,
     x: &B::Buf,
@@ -582,68 +547,62 @@ fn layer_backward<B: DeviceAlloc>(
     let c = x.len() / n;
     let (nc, qkv, hd) = (n * c, ad.qkv_width(), ad.h * ad.d);
     // y = x2 + m: the residual passes dy to x2 unchanged.
-    be.copy(vm::<B>(&mut g.dx2, nc), v::<B>(&g.dres, nc));
+    be.copy(vm(&mut g.dx2, nc), v(&g.dres, nc));
     // m = s @ Wdownᵀ
     be.matmul_backward(
-        Some(vm::<B>(&mut g.ds, n * f)),
+        Some(vm(&mut g.ds, n * f)),
         dw.slice_mut(lay.wdown.clone()),
         None,
-        v::<B>(&g.dres, nc),
-        v::<B>(&a.s, n * f),
+        v(&g.dres, nc),
+        v(&a.s, n * f),
         w.slice(lay.wdown.clone()),
         n,
         f,
         c,
     );
-    be.swiglu_backward(
-        vm::<B>(&mut g.dgu, n * 2 * f),
-        v::<B>(&g.ds, n * f),
-        v::<B>(&a.gu, n * 2 * f),
-        n,
-        f,
-    );
+    be.swiglu_backward(vm(&mut g.dgu, n * 2 * f), v(&g.ds, n * f), v(&a.gu, n * 2 * f), n, f);
     be.matmul_backward(
-        Some(vm::<B>(&mut g.dh, nc)),
+        Some(vm(&mut g.dh, nc)),
         dw.slice_mut(lay.wgu.clone()),
         None,
-        v::<B>(&g.dgu, n * 2 * f),
-        v::<B>(&a.h2, nc),
+        v(&g.dgu, n * 2 * f),
+        v(&a.h2, nc),
         w.slice(lay.wgu.clone()),
         n,
         c,
         2 * f,
     );
     be.rmsnorm_backward(
-        vm::<B>(&mut g.dx2, nc),
+        vm(&mut g.dx2, nc),
         dw.slice_mut(lay.ln2.clone()),
-        v::<B>(&g.dh, nc),
-        v::<B>(&a.x2, nc),
+        v(&g.dh, nc),
+        v(&a.x2, nc),
         w.slice(lay.ln2.clone()),
-        v::<B>(&a.rstd2, n),
+        v(&a.rstd2, n),
         c,
     );
     // x2 = x + o: dx starts as dx2.
-    be.copy(vm::<B>(&mut g.dres, nc), v::<B>(&g.dx2, nc));
+    be.copy(vm(&mut g.dres, nc), v(&g.dx2, nc));
     be.matmul_backward(
-        Some(vm::<B>(&mut g.datt, n * hd)),
+        Some(vm(&mut g.datt, n * hd)),
         dw.slice_mut(lay.wo.clone()),
         None,
-        v::<B>(&g.dx2, nc),
-        v::<B>(&a.att, n * hd),
+        v(&g.dx2, nc),
+        v(&a.att, n * hd),
         w.slice(lay.wo.clone()),
         n,
         hd,
         c,
     );
     be.attention_backward(
-        vm::<B>(&mut g.dqkv, n * qkv),
-        v::<B>(&g.datt, n * hd),
-        v::<B>(&a.qkv, n * qkv),
-        v::<B>(&a.att, n * hd),
-        v::<B>(&a.lse, n * ad.h),
+        vm(&mut g.dqkv, n * qkv),
+        v(&g.datt, n * hd),
+        v(&a.qkv, n * qkv),
+        v(&a.att, n * hd),
+        v(&a.lse, n * ad.h),
         ad,
     );
-    be.rope_backward(vm::<B>(&mut g.dqkv, n * qkv), cos, sin, ad);
+    be.rope_backward(vm(&mut g.dqkv, n * qkv), cos, sin, ad);
     {
         // dW_qkv and db_qkv are disjoint ranges of one buffer: split it once.
         let (dweight, dbias) = match &lay.bqkv {
@@ -654,11 +613,11 @@ fn layer_backward<B: DeviceAlloc>(
             None => (dw.slice_mut(lay.wqkv.clone()), None),
         };
         be.matmul_backward(
-            Some(vm::<B>(&mut g.dh, nc)),
+            Some(vm(&mut g.dh, nc)),
             dweight,
             dbias,
-            v::<B>(&g.dqkv, n * qkv),
-            v::<B>(&a.h1, nc),
+            v(&g.dqkv, n * qkv),
+            v(&a.h1, nc),
             w.slice(lay.wqkv.clone()),
             n,
             c,
@@ -666,12 +625,102 @@ fn layer_backward<B: DeviceAlloc>(
         );
     }
     be.rmsnorm_backward(
-        vm::<B>(&mut g.dres, nc),
+        vm(&mut g.dres, nc),
         dw.slice_mut(lay.ln1.clone()),
-        v::<B>(&g.dh, nc),
+        v(&g.dh, nc),
         x,
         w.slice(lay.ln1.clone()),
-        v::<B>(&a.rstd1, n),
+        v(&a.rstd1, n),
         c,
     );
+}
+
+/// Sizes of one head pass: `n` rows, chunks of `chunk` rows.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct HeadDims {
+    pub n: usize,
+    pub c: usize,
+    pub v: usize,
+    pub chunk: usize,
+    pub eps: f32,
+    /// 1 / (loss-carrying positions of the whole batch).
+    pub scale: f32,
+}
+
+/// Scratch of the head pass.
+pub(crate) struct HeadBufs<M> {
+    /// (N, C) final norm output.
+    pub hf: M,
+    /// (N, C) its gradient.
+    pub dhf: M,
+    /// (N) final norm rstd.
+    pub rstd: M,
+    /// (chunk, V) logits, then dlogits.
+    pub logits: M,
+}
+
+/// Outputs of the head pass.
+pub(crate) struct HeadGrads<'a, B: Backend + ?Sized> {
+    /// (N) per-row losses, overwrites.
+    pub losses: &'a mut B::Buf,
+    /// (N, C) dL/d(last layer output), overwrites.
+    pub dres: &'a mut B::Buf,
+    /// (C) accumulates (+=).
+    pub dnorm_w: &'a mut B::Buf,
+    /// (V, C) accumulates (+=).
+    pub dhead_w: &'a mut B::Buf,
+}
+
+/// Final norm, LM head and cross-entropy of one micro-batch, forward and backward:
+/// `x (N,C) -> rmsnorm -> hf -> [per chunk of rows: logits = hf Wᵀ -> fused CE -> dlogits ->
+///  dhf rows, dW +=] -> rmsnorm backward -> dres`. The (N, V) logits never exist at once.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn head_forward_backward<B: Backend, M: DerefMut<Target = B::Buf>>(
+    be: &B,
+    hb: &mut HeadBufs<M>,
+    out: HeadGrads<'_, B>,
+    x: &B::Buf,
+    norm_w: &B::Buf,
+    head_w: &B::Buf,
+    targets: &B::IBuf,
+    hd: HeadDims,
+) {
+    let HeadDims { n, c, v: vocab, chunk, eps, scale } = hd;
+    let nc = n * c;
+    be.rmsnorm_forward(vm(&mut hb.hf, nc), vm(&mut hb.rstd, n), x, norm_w, c, eps);
+    for r0 in (0..n).step_by(chunk) {
+        let rows = chunk.min(n - r0);
+        let hf_rows = r0 * c..(r0 + rows) * c;
+        be.matmul_forward(
+            vm(&mut hb.logits, rows * vocab),
+            hb.hf.slice(hf_rows.clone()),
+            head_w,
+            None,
+            rows,
+            c,
+            vocab,
+        );
+        be.cross_entropy_fused(
+            vm(&mut hb.logits, rows * vocab),
+            out.losses.slice_mut(r0..r0 + rows),
+            targets.slice(r0..r0 + rows),
+            rows,
+            vocab,
+            scale,
+        );
+        be.matmul_backward(
+            Some(hb.dhf.slice_mut(hf_rows.clone())),
+            &mut *out.dhead_w,
+            None,
+            v(&hb.logits, rows * vocab),
+            hb.hf.slice(hf_rows),
+            head_w,
+            rows,
+            c,
+            vocab,
+        );
+    }
+    // The final norm's backward starts the residual-stream gradient.
+    be.zero(&mut *out.dres);
+    be.rmsnorm_backward(out.dres, out.dnorm_w, v(&hb.dhf, nc), x, norm_w, v(&hb.rstd, n), c);
 }
