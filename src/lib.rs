@@ -3,6 +3,7 @@
 
 pub mod config;
 pub mod data;
+pub mod engine;
 pub mod hf;
 pub mod model;
 pub mod optim;

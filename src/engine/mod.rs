@@ -1,0 +1,7 @@
+//! The streaming engine: host RAM holds the model; the device borrows one layer at a time.
+//! `plan` builds the step as data and checks it for hazards; `exec` runs it on a [`Device`];
+//! `memory` says before allocating what the run will need.
+//!
+//! [`Device`]: horizon_backend::Device
+
+pub mod plan;

@@ -1,0 +1,821 @@
+//! The step as data: the list of operations of one optimizer step (uploads, forward, checkpoint
+//! saves, recompute, backward, gradient downloads and accumulation, optimizer updates), each
+//! on a queue, with the resources it reads and writes and the earlier operations it waits for.
+//!
+//! Waits are derived from the resource accesses ([`Scheduler`]), and checked independently by
+//! [`check`], which rejects any plan in which two conflicting accesses on different queues are
+//! not ordered by a chain of waits (read-after-write, write-after-read, write-after-write).
+
+use std::collections::HashMap;
+use std::fmt;
+
+use horizon_backend::Queue;
+
+/// A host parameter-shaped buffer (one of masters, gradients, moments).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ParamBuf {
+    Embed,
+    Layer(usize),
+    FinalNorm,
+    /// The untied LM head. A tied head is [`ParamBuf::Embed`].
+    Head,
+}
+
+/// Every buffer an operation can touch, device and host.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Res {
+    /// Device weight slot (double-buffered layer weights, or final norm + LM head).
+    Slot(usize),
+    /// Device parameter-gradient accumulator (double-buffered).
+    Dw(usize),
+    /// Device residual-stream buffer `set` of micro-batch `m` (layer inputs and outputs).
+    Act {
+        set: usize,
+        m: usize,
+    },
+    /// Device residual-stream gradient of micro-batch `m`.
+    Dres(usize),
+    /// Device scratch of the compute queue (one layer's internals, head scratch).
+    Scratch,
+    /// Device token ids and targets of micro-batch `m`.
+    Ids(usize),
+    /// Device per-row losses of micro-batch `m`.
+    Losses(usize),
+    /// Host parameters / gradients / AdamW moments of one buffer.
+    Params(ParamBuf),
+    Grads(ParamBuf),
+    Moments(ParamBuf),
+    /// Host checkpoint: input of the first layer of `block`, micro-batch `m`.
+    Ckpt {
+        block: usize,
+        m: usize,
+    },
+    /// Host gradient slab.
+    Slab(usize),
+    /// Host staging: embedding rows of micro-batch `m`; residual gradient of micro-batch `m`.
+    EmbStage(usize),
+    DxStage(usize),
+    /// Host per-row losses of micro-batch `m`.
+    LossHost(usize),
+    /// The global gradient norm of the step.
+    Norm,
+}
+
+/// What a weight slot holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SlotContent {
+    Layer(usize),
+    /// Final norm weight followed by the LM head weight.
+    Head,
+}
+
+/// Where an uploaded residual-stream buffer comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ActSource {
+    /// The embedding rows gathered on the host.
+    Embedding,
+    /// A host checkpoint.
+    Ckpt(usize),
+}
+
+/// The gradient a slab carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GradTarget {
+    Layer(usize),
+    /// Final norm followed by the LM head.
+    Head,
+}
+
+/// One operation of the step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OpKind {
+    /// Host: gather the embedding rows of micro-batch `m` into its staging buffer.
+    EmbedGather { m: usize },
+    /// H2D: token ids and targets of micro-batch `m`.
+    UploadIds { m: usize },
+    /// H2D: a residual-stream buffer of micro-batch `m`.
+    UploadAct { m: usize, set: usize, from: ActSource },
+    /// H2D: weights into a slot.
+    UploadWeights { slot: usize, what: SlotContent },
+    /// D2H: the input of a block's first layer, to the host checkpoint.
+    SaveCkpt { block: usize, m: usize, set: usize },
+    /// Compute: one layer forward of micro-batch `m`, `Act{src}` -> `Act{dst}`.
+    Forward { layer: usize, slot: usize, m: usize, src: usize, dst: usize },
+    /// Compute: zero a gradient accumulator.
+    ZeroDw { dw: usize },
+    /// Compute: final norm, LM head and cross-entropy of micro-batch `m`, forward and backward.
+    Head { slot: usize, m: usize, src: usize, dw: usize },
+    /// Compute: recompute layer internals from `Act{set}`, then the layer's backward.
+    Backward { layer: usize, slot: usize, m: usize, set: usize, dw: usize },
+    /// D2H: per-row losses of micro-batch `m`.
+    DownloadLosses { m: usize },
+    /// D2H: a gradient accumulator into a slab.
+    DownloadDw { dw: usize, slab: usize, what: GradTarget },
+    /// Host: add a slab into the host gradients.
+    AccumulateGrads { slab: usize, what: GradTarget },
+    /// D2H: the residual gradient of micro-batch `m` (the embedding output's gradient).
+    DownloadDres { m: usize },
+    /// Host: scatter-add it into the embedding rows micro-batch `m` touched.
+    EmbedScatter { m: usize },
+    /// Host: the global gradient norm.
+    GradNorm,
+    /// Host: clip and AdamW-update one buffer, then zero its gradient for the next step.
+    Update { what: ParamBuf },
+}
+
+/// An operation, its queue, what it touches, and the operations it waits for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Op {
+    pub kind: OpKind,
+    pub queue: Queue,
+    pub reads: Vec<Res>,
+    pub writes: Vec<Res>,
+    /// Earlier operations (global indices) that must have finished first.
+    pub waits: Vec<usize>,
+}
+
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?} on {:?}", self.kind, self.queue)
+    }
+}
+
+/// The sizes a plan is built for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PlanShape {
+    /// Decoder layers L.
+    pub layers: usize,
+    /// Micro-batches per step M.
+    pub micro_batches: usize,
+    /// Checkpoint every K layers.
+    pub checkpoint_every: usize,
+    /// Host gradient slabs.
+    pub grad_slabs: usize,
+    /// Whether the LM head is tied to the embedding.
+    pub tied: bool,
+}
+
+impl PlanShape {
+    /// Residual-stream buffer sets per micro-batch: the forward ping-pongs between two, the
+    /// block recompute keeps the inputs of a block's K layers.
+    pub fn act_sets(&self) -> usize {
+        self.checkpoint_every.max(2)
+    }
+    /// Number of checkpoint blocks.
+    pub fn blocks(&self) -> usize {
+        self.layers.div_ceil(self.checkpoint_every)
+    }
+    /// The buffer the LM head's parameters live in.
+    pub fn head_buf(&self) -> ParamBuf {
+        if self.tied { ParamBuf::Embed } else { ParamBuf::Head }
+    }
+    /// Every host parameter buffer, in the optimizer's (and the gradient norm's) order.
+    pub fn param_bufs(&self) -> Vec<ParamBuf> {
+        let mut v = vec![ParamBuf::Embed];
+        v.extend((0..self.layers).map(ParamBuf::Layer));
+        v.push(ParamBuf::FinalNorm);
+        if !self.tied {
+            v.push(ParamBuf::Head);
+        }
+        v
+    }
+}
+
+/// Builds the operations of one step, in submission order, without waits.
+struct Builder {
+    shape: PlanShape,
+    ops: Vec<Op>,
+    slots: [Option<SlotContent>; 2],
+    /// Index of the last op that used each slot (for choosing the slot to overwrite).
+    slot_used: [usize; 2],
+    next_dw: usize,
+    next_slab: usize,
+}
+
+impl Builder {
+    fn push(&mut self, kind: OpKind, queue: Queue, reads: Vec<Res>, writes: Vec<Res>) {
+        self.ops.push(Op { kind, queue, reads, writes, waits: Vec::new() });
+    }
+
+    /// The slot holding `what`, uploading it into the least recently used slot if needed.
+    fn ensure(&mut self, what: SlotContent) -> usize {
+        if let Some(s) = self.slots.iter().position(|c| *c == Some(what)) {
+            self.slot_used[s] = self.ops.len();
+            return s;
+        }
+        let s = if self.slots[0].is_none() {
+            0
+        } else if self.slots[1].is_none() {
+            1
+        } else if self.slot_used[0] <= self.slot_used[1] {
+            0
+        } else {
+            1
+        };
+        let reads = match what {
+            SlotContent::Layer(i) => vec![Res::Params(ParamBuf::Layer(i))],
+            SlotContent::Head => {
+                vec![Res::Params(ParamBuf::FinalNorm), Res::Params(self.shape.head_buf())]
+            }
+        };
+        self.push(OpKind::UploadWeights { slot: s, what }, Queue::H2D, reads, vec![Res::Slot(s)]);
+        self.slots[s] = Some(what);
+        self.slot_used[s] = self.ops.len();
+        s
+    }
+
+    fn take_dw(&mut self) -> usize {
+        let d = self.next_dw;
+        self.next_dw = (self.next_dw + 1) % 2;
+        d
+    }
+
+    fn take_slab(&mut self) -> usize {
+        let s = self.next_slab;
+        self.next_slab = (self.next_slab + 1) % self.shape.grad_slabs;
+        s
+    }
+
+    /// Download a gradient accumulator and add it into the host gradients.
+    fn return_grads(&mut self, dw: usize, what: GradTarget) {
+        let slab = self.take_slab();
+        self.push(
+            OpKind::DownloadDw { dw, slab, what },
+            Queue::D2H,
+            vec![Res::Dw(dw)],
+            vec![Res::Slab(slab)],
+        );
+        let target = match what {
+            GradTarget::Layer(i) => vec![Res::Grads(ParamBuf::Layer(i))],
+            GradTarget::Head => {
+                vec![Res::Grads(ParamBuf::FinalNorm), Res::Grads(self.shape.head_buf())]
+            }
+        };
+        self.push(
+            OpKind::AccumulateGrads { slab, what },
+            Queue::Host,
+            vec![Res::Slab(slab)],
+            target,
+        );
+    }
+}
+
+/// The operations of one optimizer step, in submission order, without waits.
+pub fn step_ops(shape: PlanShape) -> Vec<Op> {
+    assert!(shape.layers > 0 && shape.micro_batches > 0 && shape.checkpoint_every > 0);
+    assert!(shape.grad_slabs > 0);
+    let (l_count, mbs, k) = (shape.layers, shape.micro_batches, shape.checkpoint_every);
+    let mut b = Builder {
+        shape,
+        ops: Vec::new(),
+        slots: [None, None],
+        slot_used: [0, 0],
+        next_dw: 0,
+        next_slab: 0,
+    };
+    let embed = Res::Params(ParamBuf::Embed);
+
+    // Inputs: token ids, and the embedding rows gathered on the host.
+    for m in 0..mbs {
+        b.push(OpKind::UploadIds { m }, Queue::H2D, vec![], vec![Res::Ids(m)]);
+        b.push(OpKind::EmbedGather { m }, Queue::Host, vec![embed], vec![Res::EmbStage(m)]);
+        b.push(
+            OpKind::UploadAct { m, set: 0, from: ActSource::Embedding },
+            Queue::H2D,
+            vec![Res::EmbStage(m)],
+            vec![Res::Act { set: 0, m }],
+        );
+    }
+
+    // Forward, layer-major: every micro-batch passes layer i while its weights are resident.
+    for i in 0..l_count {
+        let slot = b.ensure(SlotContent::Layer(i));
+        let (src, dst) = (i % 2, (i + 1) % 2);
+        for m in 0..mbs {
+            if i % k == 0 {
+                b.push(
+                    OpKind::SaveCkpt { block: i / k, m, set: src },
+                    Queue::D2H,
+                    vec![Res::Act { set: src, m }],
+                    vec![Res::Ckpt { block: i / k, m }],
+                );
+            }
+            b.push(
+                OpKind::Forward { layer: i, slot, m, src, dst },
+                Queue::Compute,
+                vec![Res::Slot(slot), Res::Act { set: src, m }],
+                vec![Res::Act { set: dst, m }, Res::Scratch],
+            );
+        }
+    }
+
+    // Final norm + LM head + cross-entropy, forward and backward, per micro-batch.
+    let slot = b.ensure(SlotContent::Head);
+    let dw = b.take_dw();
+    b.push(OpKind::ZeroDw { dw }, Queue::Compute, vec![], vec![Res::Dw(dw)]);
+    let src = l_count % 2;
+    for m in 0..mbs {
+        b.push(
+            OpKind::Head { slot, m, src, dw },
+            Queue::Compute,
+            vec![Res::Slot(slot), Res::Act { set: src, m }, Res::Ids(m)],
+            vec![Res::Dw(dw), Res::Dres(m), Res::Losses(m), Res::Scratch],
+        );
+        b.push(
+            OpKind::DownloadLosses { m },
+            Queue::D2H,
+            vec![Res::Losses(m)],
+            vec![Res::LossHost(m)],
+        );
+    }
+    b.return_grads(dw, GradTarget::Head);
+
+    // Backward, block by block from the last: restore the block's checkpoint, recompute the
+    // inputs of its layers, then walk its layers backwards, recomputing each layer's internals.
+    for block in (0..shape.blocks()).rev() {
+        let first = block * k;
+        let last = (first + k).min(l_count) - 1;
+        for m in 0..mbs {
+            b.push(
+                OpKind::UploadAct { m, set: 0, from: ActSource::Ckpt(block) },
+                Queue::H2D,
+                vec![Res::Ckpt { block, m }],
+                vec![Res::Act { set: 0, m }],
+            );
+        }
+        for i in first..last {
+            let slot = b.ensure(SlotContent::Layer(i));
+            for m in 0..mbs {
+                let (src, dst) = (i - first, i - first + 1);
+                b.push(
+                    OpKind::Forward { layer: i, slot, m, src, dst },
+                    Queue::Compute,
+                    vec![Res::Slot(slot), Res::Act { set: src, m }],
+                    vec![Res::Act { set: dst, m }, Res::Scratch],
+                );
+            }
+        }
+        for i in (first..=last).rev() {
+            let slot = b.ensure(SlotContent::Layer(i));
+            let dw = b.take_dw();
+            b.push(OpKind::ZeroDw { dw }, Queue::Compute, vec![], vec![Res::Dw(dw)]);
+            for m in 0..mbs {
+                let set = i - first;
+                b.push(
+                    OpKind::Backward { layer: i, slot, m, set, dw },
+                    Queue::Compute,
+                    vec![Res::Slot(slot), Res::Act { set, m }],
+                    vec![Res::Dw(dw), Res::Dres(m), Res::Scratch],
+                );
+            }
+            b.return_grads(dw, GradTarget::Layer(i));
+        }
+    }
+
+    // Embedding gradient: only the rows the batch touched.
+    for m in 0..mbs {
+        b.push(OpKind::DownloadDres { m }, Queue::D2H, vec![Res::Dres(m)], vec![Res::DxStage(m)]);
+        b.push(
+            OpKind::EmbedScatter { m },
+            Queue::Host,
+            vec![Res::DxStage(m)],
+            vec![Res::Grads(ParamBuf::Embed)],
+        );
+    }
+
+    // Optimizer: exact global norm, then each buffer's update in the order the next step
+    // needs them, so the next forward of layer i waits only for layer i's update.
+    let all_grads: Vec<Res> = shape.param_bufs().into_iter().map(Res::Grads).collect();
+    b.push(OpKind::GradNorm, Queue::Host, all_grads, vec![Res::Norm]);
+    for p in shape.param_bufs() {
+        b.push(
+            OpKind::Update { what: p },
+            Queue::Host,
+            vec![Res::Norm],
+            vec![Res::Params(p), Res::Grads(p), Res::Moments(p)],
+        );
+    }
+    b.ops
+}
+
+/// Vector clock: for each queue, how many of its operations happen before (inclusive).
+type Vc = [u64; 4];
+
+#[derive(Clone, Copy, Debug)]
+struct Access {
+    op: usize,
+    queue: Queue,
+    /// 1-based position of the op on its queue.
+    seq: u64,
+    vc: Vc,
+}
+
+impl Access {
+    fn happens_before(&self, vc: &Vc) -> bool {
+        vc[self.queue.index()] >= self.seq
+    }
+}
+
+#[derive(Clone, Debug, Default)]
+struct ResState {
+    write: Option<Access>,
+    /// Latest read on each queue since the last write.
+    reads: [Option<Access>; 4],
+}
+
+/// Tracks, across the steps of a run, who last touched each resource and what is ordered
+/// before what. Feeding it operations in submission order gives each one the waits it needs.
+#[derive(Clone, Debug, Default)]
+pub struct Scheduler {
+    queue_vc: [Vc; 4],
+    queue_seq: [u64; 4],
+    res: HashMap<Res, ResState>,
+    next_op: usize,
+}
+
+fn merge(a: &mut Vc, b: &Vc) {
+    for (x, y) in a.iter_mut().zip(b) {
+        *x = (*x).max(*y);
+    }
+}
+
+impl Scheduler {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The global index the next scheduled op will get.
+    pub fn next_op(&self) -> usize {
+        self.next_op
+    }
+
+    /// The accesses of `op` that conflict with earlier ones, latest first.
+    fn conflicts(&self, op: &Op) -> Vec<Access> {
+        let mut out = Vec::new();
+        for r in op.reads.iter().chain(&op.writes) {
+            if let Some(st) = self.res.get(r) {
+                out.extend(st.write);
+                if op.writes.contains(r) {
+                    out.extend(st.reads.iter().flatten().copied());
+                }
+            }
+        }
+        out.sort_by_key(|a| std::cmp::Reverse(a.op));
+        out
+    }
+
+    fn commit(&mut self, op: &Op, vc: Vc, seq: u64) {
+        let q = op.queue.index();
+        let me = Access { op: self.next_op, queue: op.queue, seq, vc };
+        for r in &op.reads {
+            if !op.writes.contains(r) {
+                self.res.entry(*r).or_default().reads[q] = Some(me);
+            }
+        }
+        for r in &op.writes {
+            let st = self.res.entry(*r).or_default();
+            st.write = Some(me);
+            st.reads = [None; 4];
+        }
+        self.queue_vc[q] = vc;
+        self.queue_seq[q] = seq;
+        self.next_op += 1;
+    }
+
+    /// Give `op` the waits that order it after every conflicting earlier access (on other
+    /// queues; a queue is ordered in itself), and record its accesses.
+    pub fn schedule(&mut self, op: &mut Op) {
+        let q = op.queue.index();
+        let seq = self.queue_seq[q] + 1;
+        let mut vc = self.queue_vc[q];
+        vc[q] = seq;
+        op.waits.clear();
+        for a in self.conflicts(op) {
+            if !a.happens_before(&vc) {
+                op.waits.push(a.op);
+                merge(&mut vc, &a.vc);
+            }
+        }
+        op.waits.sort_unstable();
+        self.commit(op, vc, seq);
+    }
+}
+
+/// A hazard the checker found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Hazard {
+    pub earlier: usize,
+    pub later: usize,
+    pub res: Res,
+    pub what: &'static str,
+}
+
+impl fmt::Display for Hazard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} hazard on {:?}: op {} is not ordered after op {} (missing wait)",
+            self.what, self.res, self.later, self.earlier
+        )
+    }
+}
+
+/// Check a sequence of operations (global indices `base..base + ops.len()`, in submission
+/// order) for hazards: every pair of accesses to one resource, at least one a write, on
+/// different queues, must be ordered by a chain of waits. Waits must name earlier ops.
+pub fn check(ops: &[Op], base: usize) -> Result<(), Hazard> {
+    let mut queue_vc = [[0u64; 4]; 4];
+    let mut queue_seq = [0u64; 4];
+    let mut vcs: Vec<Vc> = Vec::with_capacity(ops.len());
+    let mut seqs: Vec<u64> = Vec::with_capacity(ops.len());
+    let mut last_write: HashMap<Res, usize> = HashMap::new();
+    let mut reads_since: HashMap<Res, Vec<usize>> = HashMap::new();
+    for (j, op) in ops.iter().enumerate() {
+        let q = op.queue.index();
+        let seq = queue_seq[q] + 1;
+        let mut vc = queue_vc[q];
+        vc[q] = seq;
+        for &w in &op.waits {
+            if w < base || w >= base + j {
+                return Err(Hazard {
+                    earlier: w,
+                    later: base + j,
+                    res: Res::Norm,
+                    what: "invalid wait",
+                });
+            }
+            merge(&mut vc, &vcs[w - base]);
+        }
+        let ordered = |i: usize, vc: &Vc| vc[ops[i].queue.index()] >= seqs[i];
+        for r in op.reads.iter().chain(&op.writes) {
+            if let Some(&w) = last_write.get(r) {
+                if !ordered(w, &vc) {
+                    let what = if op.writes.contains(r) {
+                        "write-after-write"
+                    } else {
+                        "read-after-write"
+                    };
+                    return Err(Hazard { earlier: base + w, later: base + j, res: *r, what });
+                }
+            }
+            if op.writes.contains(r) {
+                for &rd in reads_since.get(r).map(Vec::as_slice).unwrap_or(&[]) {
+                    if !ordered(rd, &vc) {
+                        return Err(Hazard {
+                            earlier: base + rd,
+                            later: base + j,
+                            res: *r,
+                            what: "write-after-read",
+                        });
+                    }
+                }
+            }
+        }
+        for r in &op.reads {
+            if !op.writes.contains(r) {
+                reads_since.entry(*r).or_default().push(j);
+            }
+        }
+        for r in &op.writes {
+            last_write.insert(*r, j);
+            reads_since.remove(r);
+        }
+        queue_vc[q] = vc;
+        queue_seq[q] = seq;
+        vcs.push(vc);
+        seqs.push(seq);
+    }
+    Ok(())
+}
+
+/// The plans a run executes: the first step's (from an idle device), then the steady state
+/// every later step repeats. Waits in `steady` that point before its own first op name ops
+/// of the previous step (`index - ops.len()` in the previous step's numbering).
+#[derive(Clone, Debug)]
+pub struct Schedule {
+    pub shape: PlanShape,
+    pub first: Vec<Op>,
+    pub steady: Vec<Op>,
+}
+
+/// A wait of an op of step k: on an op of the same step, or of step k-1.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Wait {
+    This(usize),
+    Prev(usize),
+}
+
+impl Schedule {
+    /// Build and schedule three consecutive steps; the third must repeat the second.
+    pub fn new(shape: PlanShape) -> Self {
+        let ops = step_ops(shape);
+        let n = ops.len();
+        let mut sched = Scheduler::new();
+        let mut steps: Vec<Vec<Op>> = Vec::new();
+        for _ in 0..3 {
+            let mut step = ops.clone();
+            for op in &mut step {
+                sched.schedule(op);
+            }
+            steps.push(step);
+        }
+        let rebase = |step: &[Op], base: usize| -> Vec<Op> {
+            step.iter()
+                .map(|op| Op {
+                    waits: op.waits.iter().map(|w| w + n - base).collect(),
+                    ..op.clone()
+                })
+                .collect()
+        };
+        let steady = rebase(&steps[1], n);
+        assert_eq!(steady, rebase(&steps[2], 2 * n), "the schedule must reach a steady state");
+        Schedule { shape, first: steps.swap_remove(0), steady }
+    }
+
+    /// Ops per step.
+    pub fn len(&self) -> usize {
+        self.first.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.first.is_empty()
+    }
+
+    /// The ops of step `k` (0-based).
+    pub fn ops(&self, k: u64) -> &[Op] {
+        if k == 0 { &self.first } else { &self.steady }
+    }
+
+    /// Waits of op `j` of step `k`, split into this step's and the previous step's.
+    pub fn waits(&self, k: u64, j: usize) -> impl Iterator<Item = Wait> + '_ {
+        let n = self.len();
+        self.ops(k)[j]
+            .waits
+            .iter()
+            .map(move |&w| if w >= n { Wait::This(w - n) } else { Wait::Prev(w) })
+    }
+
+    /// The ops of `steps` consecutive steps with global wait indices, for the checker.
+    pub fn unrolled(&self, steps: usize) -> Vec<Op> {
+        let n = self.len();
+        let mut out = self.first.clone();
+        for s in 1..steps {
+            out.extend(self.steady.iter().map(|op| Op {
+                waits: op.waits.iter().map(|w| w + (s - 1) * n).collect(),
+                ..op.clone()
+            }));
+        }
+        out
+    }
+
+    /// Weight uploads per layer per step (steady state).
+    pub fn uploads_per_layer(&self) -> Vec<usize> {
+        let mut c = vec![0; self.shape.layers];
+        for op in &self.steady {
+            if let OpKind::UploadWeights { what: SlotContent::Layer(i), .. } = op.kind {
+                c[i] += 1;
+            }
+        }
+        c
+    }
+
+    /// A text timeline of one steady step: each op with its queue and waits.
+    pub fn timeline(&self) -> String {
+        let n = self.len();
+        let mut s = String::new();
+        for (j, op) in self.steady.iter().enumerate() {
+            let waits: Vec<String> = op
+                .waits
+                .iter()
+                .map(|&w| if w >= n { format!("{}", w - n) } else { format!("prev.{w}") })
+                .collect();
+            let q = format!("{:?}", op.queue);
+            s.push_str(&format!("{j:>4} {q:<8} {:?}", op.kind));
+            if !waits.is_empty() {
+                s.push_str(&format!("  waits [{}]", waits.join(", ")));
+            }
+            s.push('\n');
+        }
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(layers: usize, mbs: usize, k: usize) -> PlanShape {
+        PlanShape { layers, micro_batches: mbs, checkpoint_every: k, grad_slabs: 2, tied: false }
+    }
+
+    #[test]
+    fn generated_plans_are_hazard_free() {
+        for layers in [1, 2, 3, 4, 7] {
+            for mbs in [1, 2, 3] {
+                for k in [1, 2, 3, 4] {
+                    for tied in [false, true] {
+                        let s = Schedule::new(PlanShape { tied, ..shape(layers, mbs, k) });
+                        check(&s.unrolled(3), 0)
+                            .unwrap_or_else(|h| panic!("L{layers} M{mbs} K{k}: {h}"));
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_wait_is_needed() {
+        // Removing any single wait from an unrolled two-step plan must be caught: the
+        // derivation adds a wait only where the ops are not yet ordered.
+        let s = Schedule::new(shape(4, 2, 2));
+        let ops = s.unrolled(2);
+        let mut rejected = 0;
+        let mut total = 0;
+        for j in 0..ops.len() {
+            for w in 0..ops[j].waits.len() {
+                total += 1;
+                let mut broken = ops.clone();
+                broken[j].waits.remove(w);
+                if check(&broken, 0).is_err() {
+                    rejected += 1;
+                }
+            }
+        }
+        assert!(total > 0);
+        assert_eq!(rejected, total, "{} of {total} waits were redundant", total - rejected);
+    }
+
+    #[test]
+    fn checker_rejects_missing_waits() {
+        use Queue::*;
+        let op = |queue, reads: Vec<Res>, writes: Vec<Res>, waits: Vec<usize>| Op {
+            kind: OpKind::GradNorm,
+            queue,
+            reads,
+            writes,
+            waits,
+        };
+        // Upload into a slot, compute reads it without waiting: read-after-write.
+        let raw = vec![
+            op(H2D, vec![], vec![Res::Slot(0)], vec![]),
+            op(Compute, vec![Res::Slot(0)], vec![], vec![]),
+        ];
+        assert_eq!(check(&raw, 0).unwrap_err().what, "read-after-write");
+        // Compute reads the slot, the next upload overwrites it without waiting: write-after-read.
+        let war = vec![
+            op(H2D, vec![], vec![Res::Slot(0)], vec![]),
+            op(Compute, vec![Res::Slot(0)], vec![], vec![0]),
+            op(H2D, vec![], vec![Res::Slot(0)], vec![]),
+        ];
+        assert_eq!(check(&war, 0).unwrap_err().what, "write-after-read");
+        let mut fixed = war.clone();
+        fixed[2].waits.push(1);
+        check(&fixed, 0).unwrap();
+        // Ordering through a chain of waits across a third queue counts.
+        let chain = vec![
+            op(H2D, vec![], vec![Res::Slot(0)], vec![]),
+            op(Host, vec![], vec![Res::Norm], vec![0]),
+            op(Compute, vec![Res::Slot(0), Res::Norm], vec![], vec![1]),
+        ];
+        check(&chain, 0).unwrap();
+        // A wait on a later op is invalid.
+        let bad = vec![op(H2D, vec![], vec![], vec![1]), op(H2D, vec![], vec![], vec![])];
+        assert!(check(&bad, 0).is_err());
+    }
+
+    #[test]
+    fn removing_a_slot_wait_from_a_real_plan_is_caught() {
+        let s = Schedule::new(shape(4, 1, 2));
+        let mut ops = s.unrolled(2);
+        let j = ops
+            .iter()
+            .position(|op| matches!(op.kind, OpKind::Forward { .. }) && !op.waits.is_empty())
+            .expect("a forward that waits for its upload");
+        ops[j].waits.clear();
+        assert!(check(&ops, 0).is_err());
+    }
+
+    #[test]
+    fn uploads_per_layer() {
+        // K = 1: each layer is uploaded for the forward and once more for its recompute and
+        // backward; the last layer is still resident from the forward when its backward runs.
+        let s = Schedule::new(shape(4, 2, 1));
+        assert_eq!(s.uploads_per_layer(), vec![2, 2, 2, 1]);
+        // K = 2: a block's first layer is uploaded for the recompute and stays for its backward;
+        // its last layer is uploaded for backward only.
+        let s = Schedule::new(shape(4, 2, 2));
+        assert_eq!(s.uploads_per_layer(), vec![2, 2, 2, 2]);
+        // K = 4: the middle layers of a block are recomputed, then uploaded once more for
+        // backward, except the one still resident when the backward reaches it.
+        let s = Schedule::new(shape(8, 1, 4));
+        assert_eq!(s.uploads_per_layer(), vec![3, 3, 2, 2, 3, 3, 2, 2]);
+    }
+
+    #[test]
+    fn micro_batches_do_not_multiply_uploads() {
+        for mbs in [1, 2, 4] {
+            let s = Schedule::new(shape(4, mbs, 2));
+            assert_eq!(s.uploads_per_layer(), vec![2, 2, 2, 2], "M = {mbs}");
+        }
+    }
+}
