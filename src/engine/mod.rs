@@ -4,4 +4,5 @@
 //!
 //! [`Device`]: horizon_backend::Device
 
+pub mod exec;
 pub mod plan;

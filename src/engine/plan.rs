@@ -648,11 +648,18 @@ impl Schedule {
 
     /// Waits of op `j` of step `k`, split into this step's and the previous step's.
     pub fn waits(&self, k: u64, j: usize) -> impl Iterator<Item = Wait> + '_ {
-        let n = self.len();
-        self.ops(k)[j]
-            .waits
-            .iter()
-            .map(move |&w| if w >= n { Wait::This(w - n) } else { Wait::Prev(w) })
+        // The first step's waits are its own op indices; the steady state's are shifted by
+        // one step (see `new`).
+        let (n, first) = (self.len(), k == 0);
+        self.ops(k)[j].waits.iter().map(move |&w| {
+            if first {
+                Wait::This(w)
+            } else if w >= n {
+                Wait::This(w - n)
+            } else {
+                Wait::Prev(w)
+            }
+        })
     }
 
     /// The ops of `steps` consecutive steps with global wait indices, for the checker.

@@ -12,8 +12,13 @@
 //! the residual stream (`rmsnorm_backward`'s `dinp`), which accumulates.
 
 pub mod cpu;
+pub mod device;
 
 pub use cpu::CpuBackend;
+pub use device::{
+    DevBuf, Device, DeviceStats, Event, HostPtr, HostPtrMut, HostWork, Kernel, OutOfDeviceMemory,
+    Queue, Views,
+};
 
 use std::ops::Range;
 

@@ -7,6 +7,7 @@
 
 pub mod attention;
 pub mod cross_entropy;
+pub mod device;
 pub mod embedding;
 pub mod matmul;
 pub mod residual;
@@ -17,6 +18,7 @@ pub mod testing;
 
 pub use attention::{attention_backward, attention_forward};
 pub use cross_entropy::{IGNORE_INDEX, cross_entropy_forward, cross_entropy_fused};
+pub use device::{CpuDevice, CpuDeviceConfig};
 pub use embedding::{embedding_backward, embedding_forward};
 pub use matmul::{matmul_backward, matmul_forward};
 pub use residual::{add_inplace, residual_forward};

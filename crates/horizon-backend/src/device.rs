@@ -1,0 +1,298 @@
+//! The device abstraction the streaming engine runs on: a fixed-capacity memory pool, ordered
+//! queues that run concurrently (compute, host-to-device copy, device-to-host copy, host work),
+//! and events that make one queue wait for a point in another. The CPU backend implements it
+//! with worker threads ([`crate::cpu::CpuDevice`]); the CUDA backend will with streams.
+//!
+//! Memory is addressed by [`DevBuf`] handles (offset + length into the pool), not references:
+//! work submitted to a queue runs later, on another thread, and resolves its handles to views
+//! only when it runs. Which views may be live at once is the schedule's business; the engine's
+//! plan is checked for hazards before it runs (see `horizon::engine::plan`).
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::sync::{Condvar, Mutex};
+
+use crate::Backend;
+
+/// The ordered queues of a device. Work on one queue runs in submission order; work on
+/// different queues runs concurrently unless an [`Event`] orders it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Queue {
+    /// Kernels.
+    Compute,
+    /// Host -> device copies.
+    H2D,
+    /// Device -> host copies.
+    D2H,
+    /// Host-side work ordered with the device (gradient accumulation, optimizer updates).
+    Host,
+}
+
+impl Queue {
+    pub const ALL: [Queue; 4] = [Queue::Compute, Queue::H2D, Queue::D2H, Queue::Host];
+    /// Index into per-queue arrays.
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// A region of device memory: `len` 4-byte elements (f32, or i32 where an op wants ids) at
+/// element offset `off` of the device pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct DevBuf {
+    pub off: usize,
+    pub len: usize,
+}
+
+impl DevBuf {
+    /// A sub-range (in elements, relative to this buffer).
+    #[allow(clippy::should_implement_trait)]
+    pub fn sub(self, r: Range<usize>) -> DevBuf {
+        assert!(r.start <= r.end && r.end <= self.len, "DevBuf::sub {r:?} out of 0..{}", self.len);
+        DevBuf { off: self.off + r.start, len: r.end - r.start }
+    }
+    /// The first `len` elements.
+    pub fn prefix(self, len: usize) -> DevBuf {
+        self.sub(0..len)
+    }
+    /// Size in bytes.
+    pub fn bytes(self) -> usize {
+        self.len * 4
+    }
+    /// Element range in the pool.
+    pub fn range(self) -> Range<usize> {
+        self.off..self.off + self.len
+    }
+}
+
+/// A host buffer handed to a queue. Built only through `unsafe` constructors whose contract
+/// is that the memory stays alive, and is not written by anyone else (for `HostPtr`) or not
+/// accessed by anyone else (for `HostPtrMut`), until the queued work that uses it has run.
+#[derive(Clone, Copy, Debug)]
+pub struct HostPtr {
+    ptr: *const f32,
+    len: usize,
+}
+
+/// A mutable host buffer handed to a queue; see [`HostPtr`].
+#[derive(Clone, Copy, Debug)]
+pub struct HostPtrMut {
+    ptr: *mut f32,
+    len: usize,
+}
+
+// SAFETY: a HostPtr is only a promise about memory the constructor's caller keeps alive and
+// unwritten until the queued work ran; moving that promise to a worker thread is the point.
+unsafe impl Send for HostPtr {}
+// SAFETY: as for HostPtr; the caller promises exclusive access for the queued work.
+unsafe impl Send for HostPtrMut {}
+// SAFETY: sharing the handle shares no access by itself; every dereference is `unsafe` and
+// governed by the constructor's contract (the schedule decides who touches the memory when).
+unsafe impl Sync for HostPtr {}
+// SAFETY: as above.
+unsafe impl Sync for HostPtrMut {}
+
+impl HostPtr {
+    /// # Safety
+    /// `s` must stay alive and unwritten until every queued use of the returned pointer has run.
+    pub unsafe fn new(s: &[f32]) -> Self {
+        HostPtr { ptr: s.as_ptr(), len: s.len() }
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// A sub-range (in elements).
+    #[allow(clippy::should_implement_trait)]
+    pub fn sub(self, r: Range<usize>) -> Self {
+        assert!(r.start <= r.end && r.end <= self.len, "HostPtr::sub {r:?} out of 0..{}", self.len);
+        // SAFETY: in bounds of the original buffer, checked above.
+        HostPtr { ptr: unsafe { self.ptr.add(r.start) }, len: r.end - r.start }
+    }
+    /// # Safety
+    /// Only inside queued work, under the constructor's contract.
+    pub unsafe fn as_slice<'a>(self) -> &'a [f32] {
+        // SAFETY: the constructor's caller guarantees the memory is alive and unwritten.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl HostPtrMut {
+    /// # Safety
+    /// `s` must stay alive and otherwise unaccessed until every queued use of the returned
+    /// pointer has run.
+    pub unsafe fn new(s: &mut [f32]) -> Self {
+        HostPtrMut { ptr: s.as_mut_ptr(), len: s.len() }
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// A sub-range (in elements).
+    #[allow(clippy::should_implement_trait)]
+    pub fn sub(self, r: Range<usize>) -> Self {
+        assert!(
+            r.start <= r.end && r.end <= self.len,
+            "HostPtrMut::sub {r:?} out of 0..{}",
+            self.len
+        );
+        // SAFETY: in bounds of the original buffer, checked above.
+        HostPtrMut { ptr: unsafe { self.ptr.add(r.start) }, len: r.end - r.start }
+    }
+    /// The same memory, for reading.
+    pub fn as_const(self) -> HostPtr {
+        HostPtr { ptr: self.ptr, len: self.len }
+    }
+    /// # Safety
+    /// Only inside queued work, under the constructor's contract.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn as_mut_slice<'a>(self) -> &'a mut [f32] {
+        // SAFETY: the constructor's caller guarantees exclusive access while the work runs.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+/// A point in a queue's stream of work. Recorded once on a queue; any queue (or the host) can
+/// wait for it. Cloning shares the same event.
+#[derive(Clone, Debug, Default)]
+pub struct Event(Arc<(Mutex<bool>, Condvar)>);
+
+impl Event {
+    pub fn new() -> Self {
+        Event::default()
+    }
+    /// Mark the event as reached (called by the queue that recorded it).
+    pub fn signal(&self) {
+        let (lock, cv) = &*self.0;
+        *lock.lock().expect("event lock poisoned") = true;
+        cv.notify_all();
+    }
+    /// True once the recording queue has passed the event.
+    pub fn is_done(&self) -> bool {
+        *self.0.0.lock().expect("event lock poisoned")
+    }
+    /// Make the event unreached again, for reuse. Only once nothing waits for it any more.
+    pub fn reset(&self) {
+        *self.0.0.lock().expect("event lock poisoned") = false;
+    }
+    /// Block the calling thread until the event is reached.
+    pub fn wait_host(&self) {
+        let (lock, cv) = &*self.0;
+        let mut done = lock.lock().expect("event lock poisoned");
+        while !*done {
+            done = cv.wait(done).expect("event lock poisoned");
+        }
+    }
+}
+
+/// Counters a device keeps, for the summary and the benchmarks.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct DeviceStats {
+    /// The pool's fixed capacity.
+    pub capacity_bytes: usize,
+    /// Bytes currently allocated from the pool.
+    pub in_use_bytes: usize,
+    /// Highest `in_use_bytes` seen.
+    pub peak_bytes: usize,
+    /// Bytes copied host -> device and device -> host.
+    pub h2d_bytes: u64,
+    pub d2h_bytes: u64,
+    /// Seconds each queue spent running work (waiting excluded).
+    pub compute_busy_s: f64,
+    pub h2d_busy_s: f64,
+    pub d2h_busy_s: f64,
+    pub host_busy_s: f64,
+    /// Seconds during which at least one copy queue was moving data.
+    pub link_busy_s: f64,
+}
+
+/// The device asked for more memory than its pool has left.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OutOfDeviceMemory {
+    pub requested_bytes: usize,
+    pub in_use_bytes: usize,
+    pub capacity_bytes: usize,
+}
+
+impl std::fmt::Display for OutOfDeviceMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "device memory exhausted: {} bytes requested, {} of {} in use",
+            self.requested_bytes, self.in_use_bytes, self.capacity_bytes
+        )
+    }
+}
+
+impl std::error::Error for OutOfDeviceMemory {}
+
+/// Resolves [`DevBuf`] handles to views while queued work runs.
+pub trait Views<B: Backend + ?Sized> {
+    /// The kernels.
+    fn backend(&self) -> &B;
+    /// A read view of `b` as f32.
+    fn buf(&self, b: DevBuf) -> &B::Buf;
+    /// A read view of `b` as i32.
+    fn ibuf(&self, b: DevBuf) -> &B::IBuf;
+    /// A write view of `b` as f32.
+    ///
+    /// # Safety
+    /// No other view of any element of `b` may be live while the returned one is, on this or
+    /// any queue (the plan's hazard check and the events it names guarantee it across queues;
+    /// within one piece of work the caller passes disjoint buffers).
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn buf_mut(&self, b: DevBuf) -> &mut B::Buf;
+}
+
+/// Work for the compute queue: given the views, run kernels.
+pub type Kernel<B> = Box<dyn for<'a> FnOnce(&'a dyn Views<B>) + Send>;
+/// Work for the host queue.
+pub type HostWork = Box<dyn FnOnce() + Send>;
+
+/// A device: memory pool, queues, events. Every method only *enqueues*; nothing waits unless
+/// it says so.
+///
+/// Copies and kernels on different queues are ordered only by events: a download is not
+/// ordered after an earlier launch unless the download queue waits for an event the compute
+/// queue recorded. The engine's plan names every such wait and is hazard-checked (see
+/// `horizon::engine::plan`); that check is what keeps `upload`, `download`, `launch` and
+/// `free` sound. Never call `synchronize` from queued work (it would wait for itself).
+pub trait Device: Send + Sync {
+    /// The kernels this device runs.
+    type Backend: Backend;
+
+    /// Short name for logs.
+    fn name(&self) -> String;
+    /// Take `len` elements from the pool. Fails when the pool's capacity would be exceeded.
+    fn alloc(&self, len: usize) -> Result<DevBuf, OutOfDeviceMemory>;
+    /// Return a buffer to the pool. Call only after every queued use of it has run.
+    fn free(&self, b: DevBuf);
+    /// Enqueue a signal of `e` on queue `q`: `e` is reached when `q` has run all work submitted
+    /// before.
+    fn record(&self, q: Queue, e: &Event);
+    /// Enqueue a wait: work submitted to `q` afterwards runs only once `e` is reached.
+    fn wait(&self, q: Queue, e: &Event);
+    /// Enqueue a host -> device copy on [`Queue::H2D`]. `dst.len == src.len()`.
+    fn upload(&self, dst: DevBuf, src: HostPtr);
+    /// Enqueue an i32 host -> device copy on [`Queue::H2D`].
+    fn upload_i32(&self, dst: DevBuf, src: Arc<Vec<i32>>);
+    /// Enqueue a device -> host copy on [`Queue::D2H`]. `dst.len() == src.len`.
+    fn download(&self, dst: HostPtrMut, src: DevBuf);
+    /// Enqueue kernels on [`Queue::Compute`].
+    fn launch(&self, k: Kernel<Self::Backend>);
+    /// Enqueue host work on [`Queue::Host`].
+    fn host(&self, w: HostWork);
+    /// Block until every queue has run everything submitted so far.
+    fn synchronize(&self);
+    /// Counters so far.
+    fn stats(&self) -> DeviceStats;
+
+    /// Host staging memory: page-locked where the device has it, plain memory otherwise.
+    type Staging: std::ops::DerefMut<Target = [f32]> + Send + Sync;
+    /// A zeroed staging buffer of `len` f32.
+    fn alloc_staging(&self, len: usize) -> Self::Staging;
+}

@@ -1,0 +1,860 @@
+//! The executor: allocates every device and host buffer once (sizes from [`Sizes`]), then runs
+//! the [`Schedule`]'s operations on a [`Device`]'s queues, step after step. The host store
+//! (`TrainState`) is owned here; queued host work reaches it through raw handles built once,
+//! and the plan's hazard-checked waits decide who touches what when.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use anyhow::{Context, Result, bail};
+use horizon_backend::cpu::{add_inplace, embedding_backward, embedding_forward};
+use horizon_backend::{AttnDims, Backend, DevBuf, Device, Event, HostPtr, HostPtrMut, Views};
+
+use crate::data::pretokenized::{Row, make_batch};
+use crate::engine::plan::{
+    ActSource, GradTarget, OpKind, ParamBuf, PlanShape, Schedule, SlotContent, Wait,
+};
+use crate::hf::config::ModelConfig;
+use crate::model::layout::ModelLayout;
+use crate::model::transformer::{
+    HeadBufs, HeadDims, HeadGrads, LayerActs, LayerGrads, head_forward_backward, layer_backward,
+    layer_forward, rope_tables,
+};
+use crate::optim::adamw::{AdamWConfig, AdamWStep, adamw_update, clip_coefficient, sum_squares};
+use crate::train::TrainState;
+
+/// How the engine runs a step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct EngineConfig {
+    /// Rows per optimizer step.
+    pub batch_size: usize,
+    /// Rows per micro-batch (`batch_size` when not splitting).
+    pub micro_batch_size: usize,
+    /// Longest row.
+    pub seq_len: usize,
+    /// A host checkpoint every K layers.
+    pub checkpoint_every: usize,
+    /// Host gradient slabs.
+    pub grad_slabs: usize,
+    /// Rows per LM-head chunk.
+    pub head_chunk_rows: usize,
+    /// AdamW and clipping.
+    pub adamw: AdamWConfig,
+    pub lr: f64,
+    pub grad_clip: f64,
+}
+
+impl EngineConfig {
+    pub fn micro_batches(&self) -> usize {
+        self.batch_size.div_ceil(self.micro_batch_size)
+    }
+}
+
+/// Sizes (in f32 elements) of every buffer the engine allocates: the single source for the
+/// allocation and for the memory plan.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Sizes {
+    /// One weight slot / gradient accumulator / slab: the largest of a layer and norm + head.
+    pub slot: usize,
+    /// Rows of a micro-batch at the longest row length.
+    pub mb_rows: usize,
+    /// One residual-stream buffer: (mb_rows, C).
+    pub act: usize,
+    /// Residual-stream sets per micro-batch.
+    pub act_sets: usize,
+    pub micro_batches: usize,
+    /// Host checkpoint blocks.
+    pub blocks: usize,
+    pub grad_slabs: usize,
+    /// The compute queue's scratch: one layer's internals and gradients for one micro-batch,
+    /// the head scratch, the rope tables.
+    pub scratch: usize,
+    /// Per micro-batch: ids + targets + losses (mb_rows each).
+    pub per_mb_small: usize,
+    /// Parameters of the model.
+    pub params: usize,
+}
+
+impl Sizes {
+    pub fn new(layout: &ModelLayout, cfg: &EngineConfig) -> Self {
+        let d = &layout.dims;
+        let mb_rows = cfg.micro_batch_size * cfg.seq_len;
+        let chunk = cfg.head_chunk_rows.clamp(1, mb_rows.max(1));
+        let n = mb_rows;
+        let layer_scratch = n * d.c * 4 // h1, x2, h2, tmp
+            + 2 * n // rstd1, rstd2
+            + n * d.qkv()
+            + n * d.hd()
+            + n * d.h // lse
+            + n * 2 * d.f
+            + n * d.f
+            + n * d.c; // y
+        let grad_scratch = n * d.c * 2 + n * d.qkv() + n * d.hd() + n * 2 * d.f + n * d.f;
+        let head_scratch = n * d.c * 2 + n + chunk * d.v;
+        let rope = 2 * cfg.seq_len * d.d / 2;
+        Sizes {
+            slot: layout.layer.len.max(d.c + d.v * d.c),
+            mb_rows,
+            act: n * d.c,
+            act_sets: cfg.checkpoint_every.max(2),
+            micro_batches: cfg.micro_batches(),
+            blocks: d.layers.div_ceil(cfg.checkpoint_every),
+            grad_slabs: cfg.grad_slabs,
+            scratch: layer_scratch + grad_scratch + head_scratch + rope,
+            per_mb_small: 3 * n,
+            params: layout.num_params(),
+        }
+    }
+
+    /// Device bytes by kind: (weight slots, gradient accumulators, activations, scratch).
+    pub fn device_bytes(&self) -> [(&'static str, usize); 4] {
+        let m = self.micro_batches;
+        [
+            ("weight slots (2)", 2 * self.slot * 4),
+            ("gradient accumulators (2)", 2 * self.slot * 4),
+            (
+                "activations (residual streams, checkpoint block, gradients, ids)",
+                (m * self.act_sets * self.act + m * self.act + m * self.per_mb_small) * 4,
+            ),
+            ("workspace (one layer's internals, head chunk, rope)", self.scratch * 4),
+        ]
+    }
+
+    /// Host bytes by kind.
+    pub fn host_bytes(&self) -> [(&'static str, usize); 5] {
+        let m = self.micro_batches;
+        [
+            ("master weights (fp32)", self.params * 4),
+            ("AdamW moments (fp32 m, v)", self.params * 8),
+            ("gradients (fp32)", self.params * 4),
+            (
+                "staging (gradient slabs, embedding rows, residual gradients, losses)",
+                (self.grad_slabs * self.slot + m * (2 * self.act + self.mb_rows)) * 4,
+            ),
+            ("checkpoints", self.blocks * m * self.act * 4),
+        ]
+    }
+
+    pub fn device_total(&self) -> usize {
+        self.device_bytes().iter().map(|(_, b)| b).sum()
+    }
+
+    pub fn host_total(&self) -> usize {
+        self.host_bytes().iter().map(|(_, b)| b).sum()
+    }
+}
+
+/// Gradient scratch of one layer (the residual gradient is each micro-batch's own `dres`).
+struct GradScratch {
+    dx2: DevBuf,
+    dh: DevBuf,
+    dqkv: DevBuf,
+    datt: DevBuf,
+    dgu: DevBuf,
+    ds: DevBuf,
+}
+
+/// The compute queue's scratch buffers.
+struct Scratch {
+    acts: LayerActs<DevBuf>,
+    grads: GradScratch,
+    y: DevBuf,
+    head: HeadBufs<DevBuf>,
+    cos: DevBuf,
+    sin: DevBuf,
+}
+
+/// Everything queued work needs, shared by reference count with the closures.
+struct Ctx {
+    layout: ModelLayout,
+    shape: PlanShape,
+    head_chunk: usize,
+    adamw: AdamWConfig,
+    lr: f64,
+    grad_clip: f64,
+    slots: [DevBuf; 2],
+    dws: [DevBuf; 2],
+    /// [set][m]
+    acts: Vec<Vec<DevBuf>>,
+    dres: Vec<DevBuf>,
+    ids: Vec<DevBuf>,
+    targets: Vec<DevBuf>,
+    losses: Vec<DevBuf>,
+    scratch: Scratch,
+    /// Host store, by `param_index`: masters, gradients, moments.
+    params: Vec<HostPtrMut>,
+    grads: Vec<HostPtrMut>,
+    m: Vec<HostPtrMut>,
+    v: Vec<HostPtrMut>,
+    /// Host buffers: [block][m] checkpoints, slabs, per-micro-batch staging.
+    ckpt: Vec<Vec<HostPtrMut>>,
+    slabs: Vec<HostPtrMut>,
+    emb_stage: Vec<HostPtrMut>,
+    dx_stage: Vec<HostPtrMut>,
+    loss_host: Vec<HostPtrMut>,
+    /// The step's global gradient norm (f64 bits).
+    norm: AtomicU64,
+}
+
+impl Ctx {
+    fn param_index(&self, p: ParamBuf) -> usize {
+        let l = self.layout.dims.layers;
+        match p {
+            ParamBuf::Embed => 0,
+            ParamBuf::Layer(i) => 1 + i,
+            ParamBuf::FinalNorm => l + 1,
+            ParamBuf::Head => l + 2,
+        }
+    }
+    fn head_param(&self) -> ParamBuf {
+        self.shape.head_buf()
+    }
+}
+
+/// One micro-batch of the step being run.
+struct MicroBatch {
+    b: usize,
+    t: usize,
+    ids: Arc<Vec<i32>>,
+    targets: Arc<Vec<i32>>,
+}
+
+impl MicroBatch {
+    fn n(&self) -> usize {
+        self.b * self.t
+    }
+}
+
+/// The step being run, shared with its queued work.
+struct StepData {
+    mbs: Vec<MicroBatch>,
+    /// 1 / (loss-carrying positions of the whole batch).
+    scale: f32,
+    /// 1-based optimizer step.
+    step: u64,
+}
+
+/// What one step produced.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepOutput {
+    pub loss_sum: f64,
+    pub num_targets: usize,
+    pub grad_norm: f64,
+}
+
+impl StepOutput {
+    pub fn loss(&self) -> f64 {
+        self.loss_sum / self.num_targets.max(1) as f64
+    }
+}
+
+/// Host buffers the engine owns (the closures reach them through `Ctx`'s handles).
+struct HostBuffers<S> {
+    _ckpt: Vec<Vec<S>>,
+    _slabs: Vec<S>,
+    _emb_stage: Vec<S>,
+    _dx_stage: Vec<S>,
+    _loss_host: Vec<S>,
+}
+
+/// The streaming engine. Field order matters: the device is dropped first, which runs all
+/// queued work to completion before the host buffers that work points into are freed.
+pub struct Engine<D: Device> {
+    dev: D,
+    ctx: Arc<Ctx>,
+    state: Box<TrainState>,
+    _host: HostBuffers<D::Staging>,
+    schedule: Schedule,
+    /// Events of the ops of the current and the previous step (by step parity).
+    events: [Vec<Event>; 2],
+    cfg: EngineConfig,
+    sizes: Sizes,
+    /// Steps run so far.
+    steps: u64,
+}
+
+/// A raw handle to a host buffer that stays where it is for the engine's life.
+fn handle(s: &mut [f32]) -> HostPtrMut {
+    // SAFETY: every buffer handed out here is owned by the engine (boxed state or staging
+    // vectors that are never resized) and outlives the device, which is dropped first; who
+    // touches it when is decided by the hazard-checked schedule.
+    unsafe { HostPtrMut::new(s) }
+}
+
+impl<D: Device> Engine<D>
+where
+    D::Backend: 'static,
+{
+    /// Allocate every buffer the run needs and take ownership of the host state.
+    pub fn new(dev: D, model: &ModelConfig, state: TrainState, cfg: EngineConfig) -> Result<Self> {
+        let layout = ModelLayout::new(model);
+        let d = layout.dims;
+        if cfg.micro_batch_size == 0
+            || cfg.batch_size == 0
+            || cfg.checkpoint_every == 0
+            || cfg.grad_slabs == 0
+        {
+            bail!("engine sizes must be at least 1: {cfg:?}");
+        }
+        let sizes = Sizes::new(&layout, &cfg);
+        let shape = PlanShape {
+            layers: d.layers,
+            micro_batches: cfg.micro_batches(),
+            checkpoint_every: cfg.checkpoint_every,
+            grad_slabs: cfg.grad_slabs,
+            tied: layout.tied,
+        };
+        let schedule = Schedule::new(shape);
+        let alloc = |len: usize| -> Result<DevBuf> {
+            dev.alloc(len).with_context(|| {
+                format!(
+                    "the device cannot hold the plan ({} bytes planned)\nhint: raise device.memory, or lower train.micro_batch_size / train.max_seq_len",
+                    sizes.device_total()
+                )
+            })
+        };
+        let (n, mbs) = (sizes.mb_rows, sizes.micro_batches);
+        let slots = [alloc(sizes.slot)?, alloc(sizes.slot)?];
+        let dws = [alloc(sizes.slot)?, alloc(sizes.slot)?];
+        let acts = (0..sizes.act_sets)
+            .map(|_| (0..mbs).map(|_| alloc(sizes.act)).collect::<Result<Vec<_>>>())
+            .collect::<Result<Vec<_>>>()?;
+        let per_mb = |len: usize| (0..mbs).map(|_| alloc(len)).collect::<Result<Vec<_>>>();
+        let dres = per_mb(sizes.act)?;
+        let ids = per_mb(n)?;
+        let targets = per_mb(n)?;
+        let losses = per_mb(n)?;
+        let chunk = cfg.head_chunk_rows.clamp(1, n.max(1));
+        let acts_scratch = LayerActs {
+            h1: alloc(n * d.c)?,
+            rstd1: alloc(n)?,
+            qkv: alloc(n * d.qkv())?,
+            att: alloc(n * d.hd())?,
+            lse: alloc(n * d.h)?,
+            x2: alloc(n * d.c)?,
+            h2: alloc(n * d.c)?,
+            rstd2: alloc(n)?,
+            gu: alloc(n * 2 * d.f)?,
+            s: alloc(n * d.f)?,
+            tmp: alloc(n * d.c)?,
+        };
+        let grads_scratch = GradScratch {
+            dx2: alloc(n * d.c)?,
+            dh: alloc(n * d.c)?,
+            dqkv: alloc(n * d.qkv())?,
+            datt: alloc(n * d.hd())?,
+            dgu: alloc(n * 2 * d.f)?,
+            ds: alloc(n * d.f)?,
+        };
+        let half = d.d / 2;
+        let scratch = Scratch {
+            acts: acts_scratch,
+            grads: grads_scratch,
+            y: alloc(n * d.c)?,
+            head: HeadBufs {
+                hf: alloc(n * d.c)?,
+                dhf: alloc(n * d.c)?,
+                rstd: alloc(n)?,
+                logits: alloc(chunk * d.v)?,
+            },
+            cos: alloc(cfg.seq_len * half)?,
+            sin: alloc(cfg.seq_len * half)?,
+        };
+
+        // Host staging buffers, allocated once.
+        let mut state = Box::new(state);
+        let stage = |len: usize| dev.alloc_staging(len);
+        let mut ckpt: Vec<Vec<D::Staging>> =
+            (0..sizes.blocks).map(|_| (0..mbs).map(|_| stage(sizes.act)).collect()).collect();
+        let mut slabs: Vec<D::Staging> = (0..cfg.grad_slabs).map(|_| stage(sizes.slot)).collect();
+        let mut emb_stage: Vec<D::Staging> = (0..mbs).map(|_| stage(sizes.act)).collect();
+        let mut dx_stage: Vec<D::Staging> = (0..mbs).map(|_| stage(sizes.act)).collect();
+        let mut loss_host: Vec<D::Staging> = (0..mbs).map(|_| stage(n)).collect();
+        let bufs = |ps: &mut crate::model::params::ParamStore| -> Vec<HostPtrMut> {
+            ps.buffers_mut().into_iter().map(handle).collect()
+        };
+        let ctx = Ctx {
+            layout: layout.clone(),
+            shape,
+            head_chunk: chunk,
+            adamw: cfg.adamw,
+            lr: cfg.lr,
+            grad_clip: cfg.grad_clip,
+            slots,
+            dws,
+            acts,
+            dres,
+            ids,
+            targets,
+            losses,
+            scratch,
+            params: bufs(&mut state.params),
+            grads: bufs(&mut state.grads),
+            m: bufs(&mut state.m),
+            v: bufs(&mut state.v),
+            ckpt: ckpt.iter_mut().map(|b| b.iter_mut().map(|s| handle(s)).collect()).collect(),
+            slabs: slabs.iter_mut().map(|s| handle(s)).collect(),
+            emb_stage: emb_stage.iter_mut().map(|s| handle(s)).collect(),
+            dx_stage: dx_stage.iter_mut().map(|s| handle(s)).collect(),
+            loss_host: loss_host.iter_mut().map(|s| handle(s)).collect(),
+            norm: AtomicU64::new(0),
+        };
+        // The rope tables are uploaded once.
+        let (cos, sin) = rope_tables(&model.rope_inv_freq(), cfg.seq_len);
+        let (cos_buf, sin_buf) = (ctx.scratch.cos, ctx.scratch.sin);
+        // Events start reached: "step -1" and "step -2" have nothing pending.
+        let reached = || {
+            let e = Event::new();
+            e.signal();
+            e
+        };
+        let events = [
+            (0..schedule.len()).map(|_| reached()).collect(),
+            (0..schedule.len()).map(|_| reached()).collect(),
+        ];
+        let engine = Engine {
+            ctx: Arc::new(ctx),
+            state,
+            _host: HostBuffers {
+                _ckpt: ckpt,
+                _slabs: slabs,
+                _emb_stage: emb_stage,
+                _dx_stage: dx_stage,
+                _loss_host: loss_host,
+            },
+            schedule,
+            events,
+            cfg,
+            sizes,
+            steps: 0,
+            dev,
+        };
+        // SAFETY: the tables are kept alive until the synchronize below.
+        engine.dev.upload(cos_buf, unsafe { HostPtr::new(&cos) });
+        engine.dev.upload(sin_buf, unsafe { HostPtr::new(&sin) });
+        engine.dev.synchronize();
+        Ok(engine)
+    }
+
+    /// The schedule the engine runs.
+    pub fn schedule(&self) -> &Schedule {
+        &self.schedule
+    }
+
+    /// The buffer sizes the engine allocated.
+    pub fn sizes(&self) -> &Sizes {
+        &self.sizes
+    }
+
+    /// The device.
+    pub fn device(&self) -> &D {
+        &self.dev
+    }
+
+    /// Wait for all queued work (optimizer updates included) and look at the host state.
+    pub fn state(&mut self) -> &TrainState {
+        self.dev.synchronize();
+        self.state.step = self.steps;
+        &self.state
+    }
+
+    /// Wait for all queued work and hand the host state back.
+    pub fn into_state(self) -> TrainState {
+        self.dev.synchronize();
+        let Engine { dev, state, _host, steps, .. } = self;
+        drop(dev);
+        drop(_host);
+        let mut state = *state;
+        state.step = steps;
+        state
+    }
+
+    /// Run one optimizer step on `rows` (the whole batch; split into micro-batches here).
+    /// Returns when the loss and the gradient norm are known; the optimizer updates run on,
+    /// overlapped with the next step's work.
+    pub fn step(&mut self, rows: &[&Row]) -> Result<StepOutput> {
+        if rows.is_empty() || rows.len() > self.cfg.batch_size {
+            bail!("a step takes 1..={} rows, got {}", self.cfg.batch_size, rows.len());
+        }
+        let mbs: Vec<MicroBatch> = rows
+            .chunks(self.cfg.micro_batch_size)
+            .map(|chunk| {
+                let b = make_batch(chunk);
+                MicroBatch {
+                    b: b.b,
+                    t: b.t,
+                    ids: Arc::new(b.input_ids),
+                    targets: Arc::new(b.targets),
+                }
+            })
+            .collect();
+        if mbs.len() != self.sizes.micro_batches {
+            bail!(
+                "a step of {} rows makes {} micro-batches; the engine was planned for {}",
+                rows.len(),
+                mbs.len(),
+                self.sizes.micro_batches
+            );
+        }
+        if let Some(mb) = mbs.iter().find(|mb| mb.t > self.cfg.seq_len) {
+            bail!(
+                "a row of {} tokens exceeds the planned sequence length {}",
+                mb.t,
+                self.cfg.seq_len
+            );
+        }
+        let num_targets: usize =
+            mbs.iter().map(|mb| mb.targets.iter().filter(|&&t| t != -100).count()).sum();
+        let k = self.steps;
+        let sd = Arc::new(StepData { mbs, scale: 1.0 / num_targets.max(1) as f32, step: k + 1 });
+
+        // Events of step k-2 are reused: every one of them has been reached.
+        let par = (k % 2) as usize;
+        for e in &self.events[par] {
+            e.wait_host();
+            e.reset();
+        }
+        let n_ops = self.schedule.len();
+        for j in 0..n_ops {
+            let op = &self.schedule.ops(k)[j];
+            for w in self.schedule.waits(k, j) {
+                let e = match w {
+                    Wait::This(i) => &self.events[par][i],
+                    Wait::Prev(i) => &self.events[1 - par][i],
+                };
+                self.dev.wait(op.queue, e);
+            }
+            self.dispatch(op.kind, &sd);
+            self.dev.record(op.queue, &self.events[par][j]);
+        }
+        self.steps += 1;
+
+        // Wait for what the metrics need: the losses and the gradient norm.
+        let mut loss_sum = 0.0f64;
+        for (j, op) in self.schedule.ops(k).iter().enumerate() {
+            match op.kind {
+                OpKind::DownloadLosses { .. } | OpKind::GradNorm => self.events[par][j].wait_host(),
+                _ => {}
+            }
+        }
+        for (m, mb) in sd.mbs.iter().enumerate() {
+            // SAFETY: the loss download of this micro-batch has finished (waited above) and
+            // nothing writes the buffer until the next step's download.
+            let losses = unsafe { self.ctx.loss_host[m].as_const().sub(0..mb.n()).as_slice() };
+            loss_sum += losses.iter().map(|&x| x as f64).sum::<f64>();
+        }
+        let grad_norm = f64::from_bits(self.ctx.norm.load(Ordering::Acquire));
+        Ok(StepOutput { loss_sum, num_targets, grad_norm })
+    }
+
+    /// Submit one operation to its queue.
+    fn dispatch(&self, kind: OpKind, sd: &Arc<StepData>) {
+        let c = &self.ctx;
+        let d = c.layout.dims;
+        match kind {
+            OpKind::UploadIds { m } => {
+                let n = sd.mbs[m].n();
+                self.dev.upload_i32(c.ids[m].prefix(n), sd.mbs[m].ids.clone());
+                self.dev.upload_i32(c.targets[m].prefix(n), sd.mbs[m].targets.clone());
+            }
+            OpKind::EmbedGather { m } => {
+                let (c, sd) = (c.clone(), sd.clone());
+                self.dev.host(Box::new(move || {
+                    let nc = sd.mbs[m].n() * d.c;
+                    // SAFETY: the schedule orders this gather after every write of the
+                    // embedding and of this staging buffer, and before their next uses.
+                    let (out, table) = unsafe {
+                        (
+                            c.emb_stage[m].sub(0..nc).as_mut_slice(),
+                            c.params[0].as_const().as_slice(),
+                        )
+                    };
+                    embedding_forward(out, &sd.mbs[m].ids, table, d.c);
+                }));
+            }
+            OpKind::UploadAct { m, set, from } => {
+                let nc = sd.mbs[m].n() * d.c;
+                let src = match from {
+                    ActSource::Embedding => c.emb_stage[m],
+                    ActSource::Ckpt(b) => c.ckpt[b][m],
+                };
+                self.dev.upload(c.acts[set][m].prefix(nc), src.as_const().sub(0..nc));
+            }
+            OpKind::UploadWeights { slot, what } => match what {
+                SlotContent::Layer(i) => {
+                    let src = c.params[c.param_index(ParamBuf::Layer(i))].as_const();
+                    self.dev.upload(c.slots[slot].prefix(src.len()), src);
+                }
+                SlotContent::Head => {
+                    let norm = c.params[c.param_index(ParamBuf::FinalNorm)].as_const();
+                    let head = c.params[c.param_index(c.head_param())].as_const();
+                    self.dev.upload(c.slots[slot].sub(0..d.c), norm);
+                    self.dev.upload(c.slots[slot].sub(d.c..d.c + head.len()), head);
+                }
+            },
+            OpKind::SaveCkpt { block, m, set } => {
+                let nc = sd.mbs[m].n() * d.c;
+                self.dev.download(c.ckpt[block][m].sub(0..nc), c.acts[set][m].prefix(nc));
+            }
+            OpKind::Forward { slot, m, src, dst, .. } => {
+                let (c, sd) = (c.clone(), sd.clone());
+                self.dev.launch(Box::new(move |vw: &dyn Views<D::Backend>| {
+                    let mb = &sd.mbs[m];
+                    let nc = mb.n() * d.c;
+                    // SAFETY: the buffers viewed are distinct, and the schedule orders this
+                    // kernel against every other queue's use of them.
+                    unsafe {
+                        let mut acts = scratch_acts(vw, &c.scratch.acts);
+                        layer_forward(
+                            vw.backend(),
+                            &mut acts,
+                            vw.buf(c.slots[slot].prefix(c.layout.layer.len)),
+                            &c.layout.layer,
+                            vw.buf(c.acts[src][m].prefix(nc)),
+                            vw.buf_mut(c.acts[dst][m].prefix(nc)),
+                            rope(vw, &c, mb.t),
+                            attn_dims(&c, mb),
+                            d.f,
+                            c.layout.eps,
+                        );
+                    }
+                }));
+            }
+            OpKind::ZeroDw { dw } => {
+                let c = c.clone();
+                self.dev.launch(Box::new(move |vw: &dyn Views<D::Backend>| {
+                    // SAFETY: the schedule orders this kernel after the accumulator's last
+                    // download.
+                    unsafe { vw.backend().zero(vw.buf_mut(c.dws[dw])) };
+                }));
+            }
+            OpKind::Head { slot, m, src, dw } => {
+                let (c, sd) = (c.clone(), sd.clone());
+                self.dev.launch(Box::new(move |vw: &dyn Views<D::Backend>| {
+                    let mb = &sd.mbs[m];
+                    let (n, nc, vc) = (mb.n(), mb.n() * d.c, d.v * d.c);
+                    let h = &c.scratch.head;
+                    // SAFETY: as for the forward kernel.
+                    unsafe {
+                        let mut hb = HeadBufs {
+                            hf: vw.buf_mut(h.hf),
+                            dhf: vw.buf_mut(h.dhf),
+                            rstd: vw.buf_mut(h.rstd),
+                            logits: vw.buf_mut(h.logits),
+                        };
+                        head_forward_backward(
+                            vw.backend(),
+                            &mut hb,
+                            HeadGrads {
+                                losses: vw.buf_mut(c.losses[m].prefix(n)),
+                                dres: vw.buf_mut(c.dres[m].prefix(nc)),
+                                dnorm_w: vw.buf_mut(c.dws[dw].sub(0..d.c)),
+                                dhead_w: vw.buf_mut(c.dws[dw].sub(d.c..d.c + vc)),
+                            },
+                            vw.buf(c.acts[src][m].prefix(nc)),
+                            vw.buf(c.slots[slot].sub(0..d.c)),
+                            vw.buf(c.slots[slot].sub(d.c..d.c + vc)),
+                            vw.ibuf(c.targets[m].prefix(n)),
+                            HeadDims {
+                                n,
+                                c: d.c,
+                                v: d.v,
+                                chunk: c.head_chunk,
+                                eps: c.layout.eps,
+                                scale: sd.scale,
+                            },
+                        );
+                    }
+                }));
+            }
+            OpKind::Backward { slot, m, set, dw, .. } => {
+                let (c, sd) = (c.clone(), sd.clone());
+                self.dev.launch(Box::new(move |vw: &dyn Views<D::Backend>| {
+                    let mb = &sd.mbs[m];
+                    let nc = mb.n() * d.c;
+                    let lay = &c.layout.layer;
+                    // SAFETY: as for the forward kernel.
+                    unsafe {
+                        let w = vw.buf(c.slots[slot].prefix(lay.len));
+                        let x = vw.buf(c.acts[set][m].prefix(nc));
+                        let mut acts = scratch_acts(vw, &c.scratch.acts);
+                        // Recompute the layer's internals from its input.
+                        layer_forward(
+                            vw.backend(),
+                            &mut acts,
+                            w,
+                            lay,
+                            x,
+                            vw.buf_mut(c.scratch.y.prefix(nc)),
+                            rope(vw, &c, mb.t),
+                            attn_dims(&c, mb),
+                            d.f,
+                            c.layout.eps,
+                        );
+                        let g = &c.scratch.grads;
+                        let mut grads = LayerGrads {
+                            dres: vw.buf_mut(c.dres[m]),
+                            dx2: vw.buf_mut(g.dx2),
+                            dh: vw.buf_mut(g.dh),
+                            dqkv: vw.buf_mut(g.dqkv),
+                            datt: vw.buf_mut(g.datt),
+                            dgu: vw.buf_mut(g.dgu),
+                            ds: vw.buf_mut(g.ds),
+                        };
+                        layer_backward(
+                            vw.backend(),
+                            &mut grads,
+                            vw.buf_mut(c.dws[dw].prefix(lay.len)),
+                            &acts,
+                            w,
+                            lay,
+                            x,
+                            rope(vw, &c, mb.t),
+                            attn_dims(&c, mb),
+                            d.f,
+                        );
+                    }
+                }));
+            }
+            OpKind::DownloadLosses { m } => {
+                let n = sd.mbs[m].n();
+                self.dev.download(c.loss_host[m].sub(0..n), c.losses[m].prefix(n));
+            }
+            OpKind::DownloadDw { dw, slab, what } => {
+                let len = grad_len(c, what);
+                self.dev.download(c.slabs[slab].sub(0..len), c.dws[dw].prefix(len));
+            }
+            OpKind::AccumulateGrads { slab, what } => {
+                let c = c.clone();
+                self.dev.host(Box::new(move || {
+                    // SAFETY: the schedule orders this after the slab's download and before
+                    // its next one; the gradients are only touched by the host queue.
+                    unsafe {
+                        let s = c.slabs[slab].as_const();
+                        match what {
+                            GradTarget::Layer(i) => {
+                                let g = c.grads[c.param_index(ParamBuf::Layer(i))];
+                                add_inplace(g.as_mut_slice(), s.sub(0..g.len()).as_slice());
+                            }
+                            GradTarget::Head => {
+                                let head = c.grads[c.param_index(c.head_param())];
+                                let norm = c.grads[c.param_index(ParamBuf::FinalNorm)];
+                                add_inplace(
+                                    head.as_mut_slice(),
+                                    s.sub(d.c..d.c + head.len()).as_slice(),
+                                );
+                                add_inplace(norm.as_mut_slice(), s.sub(0..d.c).as_slice());
+                            }
+                        }
+                    }
+                }));
+            }
+            OpKind::DownloadDres { m } => {
+                let nc = sd.mbs[m].n() * d.c;
+                self.dev.download(c.dx_stage[m].sub(0..nc), c.dres[m].prefix(nc));
+            }
+            OpKind::EmbedScatter { m } => {
+                let (c, sd) = (c.clone(), sd.clone());
+                self.dev.host(Box::new(move || {
+                    let nc = sd.mbs[m].n() * d.c;
+                    // SAFETY: ordered after the residual gradient's download; the embedding
+                    // gradient is only touched by the host queue.
+                    unsafe {
+                        embedding_backward(
+                            c.grads[0].as_mut_slice(),
+                            &sd.mbs[m].ids,
+                            c.dx_stage[m].as_const().sub(0..nc).as_slice(),
+                            d.c,
+                        );
+                    }
+                }));
+            }
+            OpKind::GradNorm => {
+                let c = c.clone();
+                self.dev.host(Box::new(move || {
+                    // SAFETY: every gradient is complete (the schedule orders this after every
+                    // accumulation) and only the host queue touches them.
+                    let sq: f64 = c
+                        .grads
+                        .iter()
+                        .map(|g| sum_squares(unsafe { g.as_const().as_slice() }))
+                        .sum();
+                    c.norm.store(sq.sqrt().to_bits(), Ordering::Release);
+                }));
+            }
+            OpKind::Update { what } => {
+                let (c, step) = (c.clone(), sd.step);
+                self.dev.host(Box::new(move || {
+                    let i = c.param_index(what);
+                    let norm = f64::from_bits(c.norm.load(Ordering::Acquire));
+                    let coef = clip_coefficient(norm, c.grad_clip);
+                    let st = AdamWStep::new(&c.adamw, step, c.lr);
+                    // SAFETY: the schedule orders this update after every read of these
+                    // parameters in this step and before every read in the next.
+                    unsafe {
+                        let g = c.grads[i].as_mut_slice();
+                        adamw_update(
+                            c.params[i].as_mut_slice(),
+                            g,
+                            c.m[i].as_mut_slice(),
+                            c.v[i].as_mut_slice(),
+                            &st,
+                            coef,
+                        );
+                        g.fill(0.0);
+                    }
+                }));
+            }
+        }
+    }
+}
+
+/// Elements of a gradient download.
+fn grad_len(c: &Ctx, what: GradTarget) -> usize {
+    match what {
+        GradTarget::Layer(_) => c.layout.layer.len,
+        GradTarget::Head => c.layout.dims.c + c.layout.dims.v * c.layout.dims.c,
+    }
+}
+
+fn attn_dims(c: &Ctx, mb: &MicroBatch) -> AttnDims {
+    let d = &c.layout.dims;
+    AttnDims { b: mb.b, t: mb.t, h: d.h, kvh: d.kvh, d: d.d }
+}
+
+/// The rope tables for sequences of `t` positions.
+fn rope<'a, B: Backend + ?Sized>(
+    vw: &'a dyn Views<B>,
+    c: &Ctx,
+    t: usize,
+) -> (&'a B::Buf, &'a B::Buf) {
+    let len = t * c.layout.dims.d / 2;
+    (vw.buf(c.scratch.cos.prefix(len)), vw.buf(c.scratch.sin.prefix(len)))
+}
+
+/// Views of the layer-internals scratch.
+///
+/// # Safety
+/// No other view of the scratch may be live; only the compute queue uses it.
+#[allow(clippy::mut_from_ref)]
+unsafe fn scratch_acts<'a, B: Backend + ?Sized>(
+    vw: &'a dyn Views<B>,
+    a: &LayerActs<DevBuf>,
+) -> LayerActs<&'a mut B::Buf> {
+    // SAFETY: the scratch buffers are distinct; the caller guarantees exclusivity.
+    unsafe {
+        LayerActs {
+            h1: vw.buf_mut(a.h1),
+            rstd1: vw.buf_mut(a.rstd1),
+            qkv: vw.buf_mut(a.qkv),
+            att: vw.buf_mut(a.att),
+            lse: vw.buf_mut(a.lse),
+            x2: vw.buf_mut(a.x2),
+            h2: vw.buf_mut(a.h2),
+            rstd2: vw.buf_mut(a.rstd2),
+            gu: vw.buf_mut(a.gu),
+            s: vw.buf_mut(a.s),
+            tmp: vw.buf_mut(a.tmp),
+        }
+    }
+}
