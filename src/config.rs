@@ -27,14 +27,39 @@ pub struct RawConfig {
     /// How the step is executed.
     #[serde(default)]
     pub engine: EngineSection,
+    /// The compute device.
+    #[serde(default)]
+    pub device: DeviceSection,
 }
 
-#[derive(Clone, Debug, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
+/// Which model to train: a Hugging Face directory, or a randomly initialised one described by
+/// HF `config.json` keys written here.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
 pub struct ModelSection {
     /// A Hugging Face model directory: `config.json` + `model.safetensors` (or shards with
     /// `model.safetensors.index.json`). Relative paths are taken from the working directory.
-    pub path: PathBuf,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<PathBuf>,
+    /// `random`: initialise the weights HF-style (normal(0, `initializer_range`) matrices, unit
+    /// norms, zero biases) instead of loading them. Default: load from `path`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init: Option<ModelInit>,
+    /// Seed of the random initialisation. Default 0.
+    #[serde(default)]
+    pub seed: u64,
+    /// `model_type` of a random model (`llama`, `qwen2`, `mistral`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub arch: Option<String>,
+    /// Any other key is a HF `config.json` key (`hidden_size`, `num_hidden_layers`, ...),
+    /// overriding the directory's `config.json` when there is one.
+    #[serde(flatten)]
+    pub hf: serde_json::Map<String, serde_json::Value>,
+}
+
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum ModelInit {
+    Random,
 }
 
 #[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
@@ -44,13 +69,16 @@ pub enum DataFormat {
     /// unshifted, -100 = no loss).
     #[default]
     Pretokenized,
+    /// Uniformly random tokens, `train.max_seq_len` per row (benchmarks); needs no file.
+    Synthetic,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct DataSection {
-    /// The JSONL file.
-    pub path: PathBuf,
+    /// The JSONL file (not needed for `synthetic`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<PathBuf>,
     /// Record format. Default `pretokenized`.
     #[serde(default)]
     pub format: DataFormat,
@@ -67,6 +95,11 @@ pub struct TrainSection {
     pub steps: usize,
     /// Rows per optimizer step. Default 8.
     pub batch_size: usize,
+    /// Rows per micro-batch: the batch is split, every micro-batch passes a layer while its
+    /// weights are on the device, and the loss is normalised over the whole batch. Default:
+    /// the whole batch.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub micro_batch_size: Option<usize>,
     /// Longest row accepted; longer rows are refused with their line number. Default 2048.
     pub max_seq_len: usize,
     /// Seed of every random choice (shuffling). Default 0.
@@ -75,7 +108,13 @@ pub struct TrainSection {
 
 impl Default for TrainSection {
     fn default() -> Self {
-        TrainSection { steps: 100, batch_size: 8, max_seq_len: 2048, seed: 0 }
+        TrainSection {
+            steps: 100,
+            batch_size: 8,
+            micro_batch_size: None,
+            max_seq_len: 2048,
+            seed: 0,
+        }
     }
 }
 
@@ -122,6 +161,11 @@ impl Default for OutputSection {
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct EngineSection {
+    /// Keep a host checkpoint of the residual stream every K layers; backward recomputes each
+    /// block of K layers from it. Default 4.
+    pub checkpoint_every: usize,
+    /// Host slabs that parameter gradients return through. Default 4.
+    pub grad_slabs: usize,
     /// Rows of the LM head + cross-entropy chunk: the (rows, V) logits never exceed this.
     /// Default 256.
     pub head_chunk_rows: usize,
@@ -129,7 +173,99 @@ pub struct EngineSection {
 
 impl Default for EngineSection {
     fn default() -> Self {
-        EngineSection { head_chunk_rows: 256 }
+        EngineSection { checkpoint_every: 4, grad_slabs: 4, head_chunk_rows: 256 }
+    }
+}
+
+/// The compute device.
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    /// The CPU backend: device memory is a pool in host RAM, queues are worker threads.
+    #[default]
+    Cpu,
+    /// NVIDIA GPUs (not built yet).
+    Cuda,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DeviceSection {
+    /// `cpu` (default) or `cuda`.
+    pub backend: BackendKind,
+    /// Device memory budget: bytes (`64MiB`, `2GiB`, `500MB`, `1048576`) or `auto` (exactly
+    /// what the plan needs). The run refuses to start when the plan does not fit. Default auto.
+    pub memory: ByteSize,
+    /// CPU backend: simulated link bandwidth in GB/s for host<->device copies, each direction;
+    /// 0 = unthrottled. Default 0.
+    pub link_gbps: f64,
+}
+
+impl Default for DeviceSection {
+    fn default() -> Self {
+        DeviceSection { backend: BackendKind::Cpu, memory: ByteSize::Auto, link_gbps: 0.0 }
+    }
+}
+
+/// A byte count written as `64MiB`, `1.5GiB`, `500MB`, `4096`, or `auto`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum ByteSize {
+    #[default]
+    Auto,
+    Bytes(u64),
+}
+
+impl ByteSize {
+    /// Parse `64MiB`, `2GB`, `4096`, `auto`.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        let t = s.trim();
+        if t.eq_ignore_ascii_case("auto") {
+            return Ok(ByteSize::Auto);
+        }
+        let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+        let (num, unit) = t.split_at(split);
+        let x: f64 = num
+            .parse()
+            .map_err(|_| format!("'{s}' is not a size (e.g. 64MiB, 2GB, 4096, auto)"))?;
+        let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+            "" | "b" => 1.0,
+            "kb" => 1e3,
+            "mb" => 1e6,
+            "gb" => 1e9,
+            "tb" => 1e12,
+            "kib" => 1024.0,
+            "mib" => 1024.0 * 1024.0,
+            "gib" => 1024.0 * 1024.0 * 1024.0,
+            "tib" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
+            u => {
+                return Err(format!("'{s}': unknown unit '{u}' (use B, KB, MB, GB, KiB, MiB, GiB)"));
+            }
+        };
+        Ok(ByteSize::Bytes((x * mult).round() as u64))
+    }
+}
+
+impl Serialize for ByteSize {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            ByteSize::Auto => s.serialize_str("auto"),
+            ByteSize::Bytes(b) => s.serialize_u64(*b),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for ByteSize {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            N(u64),
+            S(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::N(n) => Ok(ByteSize::Bytes(n)),
+            Raw::S(s) => ByteSize::parse(&s).map_err(serde::de::Error::custom),
+        }
     }
 }
 
@@ -166,6 +302,9 @@ impl RawConfig {
             ("train.batch_size", t.batch_size),
             ("train.max_seq_len", t.max_seq_len),
             ("engine.head_chunk_rows", self.engine.head_chunk_rows),
+            ("engine.checkpoint_every", self.engine.checkpoint_every),
+            ("engine.grad_slabs", self.engine.grad_slabs),
+            ("train.micro_batch_size", t.micro_batch_size.unwrap_or(1)),
         ] {
             if val == 0 {
                 bail!("{origin}: {key} must be at least 1 (got 0)");
@@ -190,6 +329,41 @@ impl RawConfig {
         }
         if !(o.grad_clip.is_finite() && o.grad_clip >= 0.0) {
             bail!("{origin}: optimizer.grad_clip must be >= 0, 0 = off (got {})", o.grad_clip);
+        }
+        if let Some(mbs) = t.micro_batch_size {
+            if mbs > t.batch_size {
+                bail!(
+                    "{origin}: train.micro_batch_size ({mbs}) is larger than train.batch_size ({})",
+                    t.batch_size
+                );
+            }
+        }
+        if !(self.device.link_gbps.is_finite() && self.device.link_gbps >= 0.0) {
+            bail!(
+                "{origin}: device.link_gbps must be >= 0, 0 = unthrottled (got {})",
+                self.device.link_gbps
+            );
+        }
+        if self.device.backend == BackendKind::Cuda {
+            bail!(
+                "{origin}: device.backend = cuda: this binary has no CUDA backend yet\nhint: use device.backend = cpu"
+            );
+        }
+        match (&self.model.path, self.model.init) {
+            (None, None) => bail!(
+                "{origin}: model.path is missing\nhint: give model.path (a HF directory), or model.init: random with HF config keys"
+            ),
+            (None, Some(ModelInit::Random))
+                if self.model.arch.is_none() && !self.model.hf.contains_key("model_type") =>
+            {
+                bail!("{origin}: a random model needs model.arch (llama, qwen2 or mistral)")
+            }
+            _ => {}
+        }
+        if self.data.format != DataFormat::Synthetic && self.data.path.is_none() {
+            bail!(
+                "{origin}: data.path is missing\nhint: give data.path (a JSONL file), or data.format: synthetic for a benchmark"
+            );
         }
         Ok(RunConfig { raw: self, origin: origin.to_string() })
     }
@@ -243,5 +417,50 @@ mod tests {
         let again = RawConfig::from_yaml(&c.to_yaml(), "again").unwrap();
         assert_eq!(again.train.steps, c.train.steps);
         assert_eq!(again.model.path, c.model.path);
+    }
+}
+
+#[cfg(test)]
+mod size_tests {
+    use super::*;
+
+    #[test]
+    fn byte_sizes() {
+        assert_eq!(ByteSize::parse("64MiB"), Ok(ByteSize::Bytes(64 << 20)));
+        assert_eq!(ByteSize::parse("2GB"), Ok(ByteSize::Bytes(2_000_000_000)));
+        assert_eq!(ByteSize::parse("1.5GiB"), Ok(ByteSize::Bytes(3 << 29)));
+        assert_eq!(ByteSize::parse("4096"), Ok(ByteSize::Bytes(4096)));
+        assert_eq!(ByteSize::parse("auto"), Ok(ByteSize::Auto));
+        assert!(ByteSize::parse("64 parsecs").is_err());
+        let c = RawConfig::from_yaml(
+            "model: {path: m}\ndata: {path: d.jsonl}\ndevice: {memory: 8MiB, link_gbps: 12}\n",
+            "t.yaml",
+        )
+        .unwrap();
+        assert_eq!(c.device.memory, ByteSize::Bytes(8 << 20));
+        let e = RawConfig::from_yaml(
+            "model: {path: m}\ndata: {path: d.jsonl}\ndevice: {memory: lots}\n",
+            "t.yaml",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("lots"), "{e}");
+    }
+
+    #[test]
+    fn random_models_need_no_path() {
+        let c = RawConfig::from_yaml(
+            "model: {init: random, arch: llama, hidden_size: 64, num_hidden_layers: 2}\ndata: {format: synthetic}\n",
+            "t.yaml",
+        )
+        .unwrap();
+        assert_eq!(c.model.hf["hidden_size"], 64);
+        c.resolve("t.yaml").unwrap();
+        let e = RawConfig::from_yaml("model: {}\ndata: {format: synthetic}\n", "t.yaml")
+            .unwrap()
+            .resolve("t.yaml")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("model.path"), "{e}");
     }
 }

@@ -23,6 +23,16 @@ enum Command {
         #[arg(long, short)]
         config: Option<PathBuf>,
     },
+    /// Run a config's steps on the streaming engine without exporting, and report throughput,
+    /// overlap (wall time over the busier of compute and link) and memory, after warm-up.
+    Bench {
+        /// The run configuration (YAML); `data.format: synthetic` needs no data file.
+        #[arg(long, short)]
+        config: PathBuf,
+        /// Steps excluded from the timings.
+        #[arg(long, default_value_t = 1)]
+        warmup: usize,
+    },
 }
 
 fn main() -> ExitCode {
@@ -46,7 +56,25 @@ fn try_main(cli: Cli) -> Result<()> {
             };
             let cfg = horizon::config::RawConfig::from_file(&path)?
                 .resolve(&path.display().to_string())?;
-            horizon::train::run(cfg)?;
+            horizon::train::run_streaming(cfg, true, 0)?;
+            Ok(())
+        }
+        Command::Bench { config, warmup } => {
+            let cfg = horizon::config::RawConfig::from_file(&config)?
+                .resolve(&config.display().to_string())?;
+            let s = horizon::train::run_streaming(cfg, false, warmup)?;
+            println!(
+                "bench: {:.1} tokens/s; wall {:.3} s, device compute {:.3} s, link busy {:.3} s, overlap ratio wall/max(compute, link) = {:.3}; peak RSS {} vs planned host {}; peak device {} vs planned {}",
+                s.tokens_per_s,
+                s.wall_s,
+                s.device_compute_s,
+                s.link_busy_s,
+                s.overlap_ratio,
+                s.peak_rss_bytes,
+                s.planned_host_bytes,
+                s.peak_device_bytes,
+                s.planned_device_bytes
+            );
             Ok(())
         }
     }

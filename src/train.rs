@@ -10,13 +10,18 @@ use anyhow::{Context, Result, bail};
 use horizon_backend::CpuBackend;
 use serde::Serialize;
 
-use crate::config::RunConfig;
+use crate::config::{ByteSize, DataFormat, ModelInit, RawConfig, RunConfig};
 use crate::data::pretokenized::{Batch, PretokenizedDataset, Row, load_pretokenized, make_batch};
+use crate::engine::exec::{Engine, EngineConfig, Sizes};
+use crate::engine::memory::{MemoryPlan, peak_rss_bytes};
 use crate::hf::checkpoint::SaveDtype;
 use crate::hf::config::ModelConfig;
+use crate::model::layout::ModelLayout;
 use crate::model::params::ParamStore;
 use crate::model::transformer::{Capacity, Transformer};
 use crate::optim::adamw::{AdamWConfig, AdamWStep, adamw_update, clip_coefficient, sum_squares};
+use horizon_backend::Device;
+use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig};
 
 /// One line of `metrics.jsonl`.
 #[derive(Clone, Debug, Serialize, PartialEq)]
@@ -118,15 +123,8 @@ impl Trainer {
     /// Load model and data, and allocate every buffer the run needs.
     pub fn new(cfg: RunConfig) -> Result<Self> {
         let raw = &cfg.raw;
-        let model_dir = &raw.model.path;
-        if !model_dir.is_dir() {
-            bail!(
-                "model.path {}: no such directory\nhint: point model.path at a Hugging Face model directory (config.json + model.safetensors)",
-                model_dir.display()
-            );
-        }
-        let model_cfg = ModelConfig::from_file(&model_dir.join("config.json"))?;
-        let data = load_pretokenized(&raw.data.path, raw.train.max_seq_len, model_cfg.vocab_size)?;
+        let (model_cfg, params) = load_model(raw)?;
+        let data = load_data(raw, model_cfg.vocab_size)?;
         let engine = Transformer::new(
             CpuBackend,
             &model_cfg,
@@ -136,16 +134,12 @@ impl Trainer {
                 head_chunk_rows: raw.engine.head_chunk_rows,
             },
         );
-        let params = ParamStore::load_hf(&engine.layout, model_dir)?;
         Ok(Trainer { state: TrainState::new(params), cfg, model_cfg, data, engine })
     }
 
     /// The batch of optimizer step `k` (0-based), and its count of real (non-padding) tokens.
     pub fn batch(&self, k: usize) -> (Batch, usize) {
-        let t = &self.cfg.raw.train;
-        let idx =
-            batch_indices(self.data.rows.len(), k, t.batch_size, self.cfg.raw.data.shuffle, t.seed);
-        let rows: Vec<&Row> = idx.iter().map(|&i| &self.data.rows[i]).collect();
+        let rows = step_rows(&self.cfg, &self.data, k);
         let tokens = rows.iter().map(|r| r.input_ids.len()).sum();
         (make_batch(&rows), tokens)
     }
@@ -183,21 +177,216 @@ impl Trainer {
 
     /// Write the trained model as a HF directory (`config.json` + fp32 `model.safetensors`).
     pub fn export(&self, dir: &Path) -> Result<()> {
-        fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-        let cfg_path = dir.join("config.json");
-        let text = serde_json::to_string_pretty(&self.model_cfg.to_hf_json())?;
-        fs::write(&cfg_path, text)
-            .with_context(|| format!("cannot write {}", cfg_path.display()))?;
-        self.state.params.save_safetensors(
-            &self.engine.layout,
-            &dir.join("model.safetensors"),
-            SaveDtype::F32,
-        )
+        export(&self.model_cfg, &self.state.params, dir)
     }
 }
 
-/// Run a whole training job: steps, metrics, final export. Returns the per-step metrics.
-pub fn run(cfg: RunConfig) -> Result<Vec<StepMetrics>> {
+/// Write a model as a HF directory (`config.json` + fp32 `model.safetensors`).
+pub fn export(model_cfg: &ModelConfig, params: &ParamStore, dir: &Path) -> Result<()> {
+    fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let cfg_path = dir.join("config.json");
+    let text = serde_json::to_string_pretty(&model_cfg.to_hf_json())?;
+    fs::write(&cfg_path, text).with_context(|| format!("cannot write {}", cfg_path.display()))?;
+    params.save_safetensors(
+        &ModelLayout::new(model_cfg),
+        &dir.join("model.safetensors"),
+        SaveDtype::F32,
+    )
+}
+
+/// The model description a config names (no weights): a HF directory's `config.json` with
+/// the config's own keys on top.
+pub fn model_config(raw: &RawConfig) -> Result<ModelConfig> {
+    let m = &raw.model;
+    let mut json = serde_json::Map::new();
+    let mut origin = "config model".to_string();
+    if let Some(dir) = &m.path {
+        if !dir.is_dir() {
+            bail!(
+                "model.path {}: no such directory\nhint: point model.path at a Hugging Face model directory (config.json + model.safetensors)",
+                dir.display()
+            );
+        }
+        let path = dir.join("config.json");
+        let text =
+            fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .with_context(|| format!("{}: not valid JSON", path.display()))?;
+        if let serde_json::Value::Object(o) = v {
+            json = o;
+        }
+        origin = path.display().to_string();
+    }
+    for (k, v) in &m.hf {
+        json.insert(k.clone(), v.clone());
+    }
+    if let Some(arch) = &m.arch {
+        json.insert("model_type".into(), serde_json::Value::String(arch.clone()));
+    }
+    ModelConfig::from_json(&serde_json::Value::Object(json), &origin)
+}
+
+/// The model a config names: loaded from a HF directory, or randomly initialised.
+pub fn load_model(raw: &RawConfig) -> Result<(ModelConfig, ParamStore)> {
+    let model_cfg = model_config(raw)?;
+    let layout = ModelLayout::new(&model_cfg);
+    let params = match (raw.model.init, &raw.model.path) {
+        (Some(ModelInit::Random), _) => {
+            let std =
+                raw.model.hf.get("initializer_range").and_then(|v| v.as_f64()).unwrap_or(0.02);
+            ParamStore::random(&layout, raw.model.seed, std as f32)
+        }
+        (None, Some(dir)) => ParamStore::load_hf(&layout, dir)?,
+        (None, None) => bail!("model.path is missing"),
+    };
+    Ok((model_cfg, params))
+}
+
+/// The rows a config names.
+pub fn load_data(raw: &RawConfig, vocab_size: usize) -> Result<PretokenizedDataset> {
+    match raw.data.format {
+        DataFormat::Pretokenized => {
+            let path = raw.data.path.as_deref().context("data.path is missing")?;
+            load_pretokenized(path, raw.train.max_seq_len, vocab_size)
+        }
+        DataFormat::Synthetic => {
+            let t = &raw.train;
+            let n = t.batch_size * t.steps.min(16);
+            Ok(PretokenizedDataset {
+                rows: synthetic_rows(n, t.max_seq_len, vocab_size, t.seed),
+                path: "synthetic".into(),
+            })
+        }
+    }
+}
+
+/// `n` rows of `len` uniformly random tokens.
+pub fn synthetic_rows(n: usize, len: usize, vocab: usize, seed: u64) -> Vec<Row> {
+    let mut state = seed ^ 0x5DEE_CE66_D1CE_4E5B;
+    let mut next = || {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    };
+    (0..n)
+        .map(|_| {
+            let ids: Vec<i32> = (0..len).map(|_| (next() % vocab as u64) as i32).collect();
+            Row { labels: ids.clone(), input_ids: ids }
+        })
+        .collect()
+}
+
+/// The rows of optimizer step `k`.
+pub fn step_rows<'a>(cfg: &RunConfig, data: &'a PretokenizedDataset, k: usize) -> Vec<&'a Row> {
+    let t = &cfg.raw.train;
+    batch_indices(data.rows.len(), k, t.batch_size, cfg.raw.data.shuffle, t.seed)
+        .iter()
+        .map(|&i| &data.rows[i])
+        .collect()
+}
+
+/// What a run reports at the end (`OUT/summary.json`).
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Summary {
+    pub steps: usize,
+    pub tokens: usize,
+    pub wall_s: f64,
+    pub tokens_per_s: f64,
+    pub peak_rss_bytes: u64,
+    pub planned_host_bytes: u64,
+    pub peak_device_bytes: u64,
+    pub planned_device_bytes: u64,
+    pub h2d_bytes: u64,
+    pub d2h_bytes: u64,
+    pub device_compute_s: f64,
+    pub link_busy_s: f64,
+    /// `wall_s / max(device_compute_s, link_busy_s)`: 1.0 is perfect overlap.
+    pub overlap_ratio: f64,
+    pub final_loss: f64,
+}
+
+/// A run on the streaming engine: the model in host RAM, the CPU device borrowing one layer at
+/// a time.
+pub struct StreamTrainer {
+    pub cfg: RunConfig,
+    pub model_cfg: ModelConfig,
+    pub data: PretokenizedDataset,
+    pub plan: MemoryPlan,
+    pub engine: Engine<CpuDevice>,
+}
+
+impl StreamTrainer {
+    /// Load, plan (refusing what does not fit, before allocating), allocate.
+    pub fn new(cfg: RunConfig) -> Result<Self> {
+        let raw = &cfg.raw;
+        let model_cfg = model_config(raw)?;
+        let layout = ModelLayout::new(&model_cfg);
+        let t = &raw.train;
+        let ecfg = EngineConfig {
+            batch_size: t.batch_size,
+            micro_batch_size: t.micro_batch_size.unwrap_or(t.batch_size),
+            seq_len: t.max_seq_len,
+            checkpoint_every: raw.engine.checkpoint_every,
+            grad_slabs: raw.engine.grad_slabs,
+            head_chunk_rows: raw.engine.head_chunk_rows,
+            adamw: adamw_config(raw),
+            lr: raw.optimizer.lr,
+            grad_clip: raw.optimizer.grad_clip,
+        };
+        let sizes = Sizes::new(&layout, &ecfg);
+        let budget = match raw.device.memory {
+            ByteSize::Auto => None,
+            ByteSize::Bytes(b) => Some(b),
+        };
+        let plan = MemoryPlan::new(&sizes, budget, true);
+        print!("{plan}");
+        plan.check()?;
+        let (model_cfg, params) = load_model(raw)?;
+        let data = load_data(raw, model_cfg.vocab_size)?;
+        let dev = CpuDevice::new(CpuDeviceConfig {
+            capacity_bytes: plan.device_capacity() as usize,
+            link_gbps: raw.device.link_gbps,
+            copy_jitter_us: 0,
+            jitter_seed: 0,
+        });
+        let engine = Engine::new(dev, &model_cfg, TrainState::new(params), ecfg)?;
+        Ok(StreamTrainer { cfg, model_cfg, data, plan, engine })
+    }
+
+    /// One optimizer step on batch `k` (0-based).
+    pub fn step(&mut self, k: usize) -> Result<StepMetrics> {
+        let t0 = Instant::now();
+        let rows = step_rows(&self.cfg, &self.data, k);
+        let tokens = rows.iter().map(|r| r.input_ids.len()).sum();
+        let out = self.engine.step(&rows)?;
+        Ok(StepMetrics {
+            step: k + 1,
+            loss: out.loss(),
+            grad_norm: out.grad_norm,
+            lr: self.cfg.raw.optimizer.lr,
+            tokens,
+            step_s: t0.elapsed().as_secs_f64(),
+        })
+    }
+}
+
+fn adamw_config(raw: &RawConfig) -> AdamWConfig {
+    let o = &raw.optimizer;
+    AdamWConfig {
+        lr: o.lr,
+        beta1: o.betas[0],
+        beta2: o.betas[1],
+        eps: o.eps,
+        weight_decay: o.weight_decay,
+    }
+}
+
+/// Run a job on the streaming engine: steps, `metrics.jsonl`, `summary.json`, and (unless
+/// `export` is false, as for benchmarks) the final HF directory. `warmup` steps are excluded
+/// from the summary's timings.
+pub fn run_streaming(cfg: RunConfig, export_final: bool, warmup: usize) -> Result<Summary> {
     let out_dir = cfg.raw.output.dir.clone();
     fs::create_dir_all(&out_dir).with_context(|| {
         format!(
@@ -210,21 +399,33 @@ pub fn run(cfg: RunConfig) -> Result<Vec<StepMetrics>> {
     fs::write(out_dir.join("config.yaml"), &yaml)
         .with_context(|| format!("output.dir {}: cannot write config.yaml", out_dir.display()))?;
 
-    let mut trainer = Trainer::new(cfg)?;
-    let steps = trainer.cfg.raw.train.steps;
+    let mut tr = StreamTrainer::new(cfg)?;
+    let steps = tr.cfg.raw.train.steps;
     println!(
-        "model: {} layers, hidden {}, {} params; data: {} rows",
-        trainer.model_cfg.num_layers,
-        trainer.model_cfg.hidden_size,
-        trainer.engine.layout.num_params(),
-        trainer.data.rows.len()
+        "model: {} layers, hidden {}, {} params; data: {} rows; {} micro-batch(es) per step, checkpoint every {} layers",
+        tr.model_cfg.num_layers,
+        tr.model_cfg.hidden_size,
+        tr.engine.sizes().params,
+        tr.data.rows.len(),
+        tr.engine.sizes().micro_batches,
+        tr.cfg.raw.engine.checkpoint_every
     );
     let metrics_path = out_dir.join("metrics.jsonl");
     let mut metrics_file = fs::File::create(&metrics_path)
         .with_context(|| format!("cannot create {}", metrics_path.display()))?;
-    let mut all = Vec::with_capacity(steps);
+    let mut base = tr.engine.device().stats();
+    let mut t0 = Instant::now();
+    let (mut tokens, mut timed_steps, mut last_loss) = (0usize, 0usize, f64::NAN);
     for k in 0..steps {
-        let m = trainer.step(k)?;
+        if k == warmup.min(steps - 1) && k > 0 {
+            // Timings start after the warm-up, once its queued work is done.
+            tr.engine.state();
+            base = tr.engine.device().stats();
+            t0 = Instant::now();
+            tokens = 0;
+            timed_steps = 0;
+        }
+        let m = tr.step(k)?;
         writeln!(metrics_file, "{}", serde_json::to_string(&m)?)
             .with_context(|| format!("cannot write {}", metrics_path.display()))?;
         println!(
@@ -235,11 +436,47 @@ pub fn run(cfg: RunConfig) -> Result<Vec<StepMetrics>> {
             m.lr,
             m.tokens as f64 / m.step_s.max(1e-9)
         );
-        all.push(m);
+        tokens += m.tokens;
+        timed_steps += 1;
+        last_loss = m.loss;
     }
     metrics_file.flush()?;
-    let final_dir = out_dir.join("final");
-    trainer.export(&final_dir)?;
-    println!("wrote {} and {}", metrics_path.display(), final_dir.display());
-    Ok(all)
+    let state_step = tr.engine.state().step;
+    debug_assert_eq!(state_step as usize, steps);
+    let wall_s = t0.elapsed().as_secs_f64();
+    let st = tr.engine.device().stats();
+    let compute = st.compute_busy_s - base.compute_busy_s;
+    let link = st.link_busy_s - base.link_busy_s;
+    let summary = Summary {
+        steps: timed_steps,
+        tokens,
+        wall_s,
+        tokens_per_s: tokens as f64 / wall_s.max(1e-9),
+        peak_rss_bytes: peak_rss_bytes().unwrap_or(0),
+        planned_host_bytes: tr.plan.host_total(),
+        peak_device_bytes: st.peak_bytes as u64,
+        planned_device_bytes: tr.plan.device_total(),
+        h2d_bytes: st.h2d_bytes - base.h2d_bytes,
+        d2h_bytes: st.d2h_bytes - base.d2h_bytes,
+        device_compute_s: compute,
+        link_busy_s: link,
+        overlap_ratio: wall_s / compute.max(link).max(1e-9),
+        final_loss: last_loss,
+    };
+    let summary_path = out_dir.join("summary.json");
+    fs::write(&summary_path, serde_json::to_string_pretty(&summary)?)
+        .with_context(|| format!("cannot write {}", summary_path.display()))?;
+    println!("{}", serde_json::to_string_pretty(&summary)?);
+    if export_final {
+        let final_dir = out_dir.join("final");
+        let params = &tr.engine.state().params;
+        export(&tr.model_cfg, params, &final_dir)?;
+        println!(
+            "wrote {}, {} and {}",
+            metrics_path.display(),
+            summary_path.display(),
+            final_dir.display()
+        );
+    }
+    Ok(summary)
 }

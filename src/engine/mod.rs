@@ -5,4 +5,5 @@
 //! [`Device`]: horizon_backend::Device
 
 pub mod exec;
+pub mod memory;
 pub mod plan;
