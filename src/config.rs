@@ -238,7 +238,9 @@ impl ByteSize {
             "gib" => 1024.0 * 1024.0 * 1024.0,
             "tib" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
             u => {
-                return Err(format!("'{s}': unknown unit '{u}' (use B, KB, MB, GB, KiB, MiB, GiB)"));
+                return Err(format!(
+                    "'{s}': unknown unit '{u}' (use B, KB, MB, GB, KiB, MiB, GiB)"
+                ));
             }
         };
         Ok(ByteSize::Bytes((x * mult).round() as u64))

@@ -8,7 +8,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use anyhow::{Context, Result, bail};
 use horizon_backend::cpu::{add_inplace, embedding_backward, embedding_forward};
-use horizon_backend::{AttnDims, Backend, DevBuf, Device, Event, HostPtr, HostPtrMut, Views};
+use horizon_backend::{
+    AttnDims, Backend, DevBuf, Device, Event, HostPtr, HostPtrMut, Queue, Views,
+};
 
 use crate::data::pretokenized::{Row, make_batch};
 use crate::engine::plan::{
@@ -559,18 +561,21 @@ where
             }
             OpKind::EmbedGather { m } => {
                 let (c, sd) = (c.clone(), sd.clone());
-                self.dev.host(Box::new(move || {
-                    let nc = sd.mbs[m].n() * d.c;
-                    // SAFETY: the schedule orders this gather after every write of the
-                    // embedding and of this staging buffer, and before their next uses.
-                    let (out, table) = unsafe {
-                        (
-                            c.emb_stage[m].sub(0..nc).as_mut_slice(),
-                            c.params[0].as_const().as_slice(),
-                        )
-                    };
-                    embedding_forward(out, &sd.mbs[m].ids, table, d.c);
-                }));
+                self.dev.host_on(
+                    Queue::H2D,
+                    Box::new(move || {
+                        let nc = sd.mbs[m].n() * d.c;
+                        // SAFETY: the schedule orders this gather after every write of the
+                        // embedding and of this staging buffer, and before their next uses.
+                        let (out, table) = unsafe {
+                            (
+                                c.emb_stage[m].sub(0..nc).as_mut_slice(),
+                                c.params[0].as_const().as_slice(),
+                            )
+                        };
+                        embedding_forward(out, &sd.mbs[m].ids, table, d.c);
+                    }),
+                );
             }
             OpKind::UploadAct { m, set, from } => {
                 let nc = sd.mbs[m].n() * d.c;

@@ -89,7 +89,8 @@ pub enum GradTarget {
 /// One operation of the step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OpKind {
-    /// Host: gather the embedding rows of micro-batch `m` into its staging buffer.
+    /// H2D (host work on the copy queue): gather the embedding rows of micro-batch `m` into
+    /// its staging buffer.
     EmbedGather { m: usize },
     /// H2D: token ids and targets of micro-batch `m`.
     UploadIds { m: usize },
@@ -275,10 +276,12 @@ pub fn step_ops(shape: PlanShape) -> Vec<Op> {
     };
     let embed = Res::Params(ParamBuf::Embed);
 
-    // Inputs: token ids, and the embedding rows gathered on the host.
+    // Inputs: token ids, and the embedding rows, gathered by the host-to-device queue itself
+    // (as a host function on that queue), so that the next step's forward waits only for the
+    // embedding's update, not for the whole optimizer on the host queue.
     for m in 0..mbs {
         b.push(OpKind::UploadIds { m }, Queue::H2D, vec![], vec![Res::Ids(m)]);
-        b.push(OpKind::EmbedGather { m }, Queue::Host, vec![embed], vec![Res::EmbStage(m)]);
+        b.push(OpKind::EmbedGather { m }, Queue::H2D, vec![embed], vec![Res::EmbStage(m)]);
         b.push(
             OpKind::UploadAct { m, set: 0, from: ActSource::Embedding },
             Queue::H2D,
@@ -335,6 +338,10 @@ pub fn step_ops(shape: PlanShape) -> Vec<Op> {
     for block in (0..shape.blocks()).rev() {
         let first = block * k;
         let last = (first + k).min(l_count) - 1;
+        // The block's first weights go ahead of its checkpoint on the copy queue: the checkpoint
+        // must wait until the previous block's backward is done with the buffer it lands in,
+        // the weights only until their slot is free, which is earlier.
+        b.ensure(SlotContent::Layer(if first < last { first } else { last }));
         for m in 0..mbs {
             b.push(
                 OpKind::UploadAct { m, set: 0, from: ActSource::Ckpt(block) },
@@ -819,10 +826,69 @@ mod tests {
     }
 
     #[test]
+    fn the_next_forward_waits_only_for_its_own_update() {
+        let s = Schedule::new(shape(4, 2, 2));
+        let update_of = |p: ParamBuf| {
+            s.first.iter().position(|op| op.kind == OpKind::Update { what: p }).unwrap()
+        };
+        for (j, op) in s.steady.iter().enumerate() {
+            let prev: Vec<usize> = s
+                .waits(1, j)
+                .filter_map(|w| if let Wait::Prev(i) = w { Some(i) } else { None })
+                .collect();
+            match op.kind {
+                OpKind::UploadWeights { what: SlotContent::Layer(i), .. } if !prev.is_empty() => {
+                    assert_eq!(prev, vec![update_of(ParamBuf::Layer(i))], "{op}");
+                }
+                OpKind::EmbedGather { m: 0 } => assert_eq!(prev, vec![update_of(ParamBuf::Embed)]),
+                _ => {}
+            }
+        }
+        // Layer 0's first upload of a step waits for layer 0's update of the previous step.
+        let j = s
+            .steady
+            .iter()
+            .position(|op| {
+                matches!(op.kind, OpKind::UploadWeights { what: SlotContent::Layer(0), .. })
+            })
+            .unwrap();
+        assert!(s.waits(1, j).any(|w| w == Wait::Prev(update_of(ParamBuf::Layer(0)))));
+    }
+
+    #[test]
     fn micro_batches_do_not_multiply_uploads() {
         for mbs in [1, 2, 4] {
             let s = Schedule::new(shape(4, mbs, 2));
             assert_eq!(s.uploads_per_layer(), vec![2, 2, 2, 2], "M = {mbs}");
         }
+    }
+}
+
+#[cfg(test)]
+mod doc_tests {
+    use super::*;
+
+    /// ARCHITECTURE.md shows the steady-state timeline of one step for 4 layers, K = 2, one
+    /// micro-batch; this keeps it true.
+    #[test]
+    fn architecture_md_shows_the_current_timeline() {
+        let s = Schedule::new(PlanShape {
+            layers: 4,
+            micro_batches: 1,
+            checkpoint_every: 2,
+            grad_slabs: 2,
+            tied: false,
+        });
+        let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/ARCHITECTURE.md"))
+            .unwrap();
+        let timeline = s.timeline();
+        if std::env::var_os("HORIZON_PRINT_TIMELINE").is_some() {
+            println!("{timeline}");
+        }
+        assert!(
+            doc.contains(&timeline),
+            "ARCHITECTURE.md's timeline is stale; regenerate it with\n\
+             HORIZON_PRINT_TIMELINE=1 cargo test --lib architecture_md -- --nocapture\n{timeline}"
+        );
     }
 }

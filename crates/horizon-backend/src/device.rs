@@ -284,8 +284,13 @@ pub trait Device: Send + Sync {
     fn download(&self, dst: HostPtrMut, src: DevBuf);
     /// Enqueue kernels on [`Queue::Compute`].
     fn launch(&self, k: Kernel<Self::Backend>);
+    /// Enqueue host work on queue `q`, ordered with that queue's other work (on CUDA, a host
+    /// function launched on the stream).
+    fn host_on(&self, q: Queue, w: HostWork);
     /// Enqueue host work on [`Queue::Host`].
-    fn host(&self, w: HostWork);
+    fn host(&self, w: HostWork) {
+        self.host_on(Queue::Host, w);
+    }
     /// Block until every queue has run everything submitted so far.
     fn synchronize(&self);
     /// Counters so far.

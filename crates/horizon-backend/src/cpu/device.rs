@@ -184,8 +184,8 @@ impl Device for CpuDevice {
         self.submit(Queue::Compute, Task::Kernel(k));
     }
 
-    fn host(&self, w: HostWork) {
-        self.submit(Queue::Host, Task::Host(w));
+    fn host_on(&self, q: Queue, w: HostWork) {
+        self.submit(q, Task::Host(w));
     }
 
     /// Records a fresh event on every queue and waits for all of them; then panics if any

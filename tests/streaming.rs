@@ -1,0 +1,113 @@
+//! Streaming-engine properties on the CPU device: device memory does not grow with depth, a
+//! model whose weights are 10x the device budget trains, a plan that does not fit is refused
+//! before anything is allocated, and `summary.json` reports what it should.
+
+use std::process::Command;
+
+use horizon::config::RawConfig;
+use horizon::train::StreamTrainer;
+use horizon_backend::Device;
+
+/// A small random Llama of `layers` layers.
+fn config(layers: usize, memory: &str, out: &std::path::Path) -> String {
+    format!(
+        "model: {{ init: random, arch: llama, hidden_size: 64, intermediate_size: 176, num_hidden_layers: {layers},\n\
+         \x20        num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 256 }}\n\
+         data: {{ format: synthetic }}\n\
+         train: {{ steps: 2, batch_size: 2, micro_batch_size: 1, max_seq_len: 16 }}\n\
+         engine: {{ checkpoint_every: 2, grad_slabs: 2 }}\n\
+         device: {{ memory: {memory} }}\n\
+         output: {{ dir: '{}' }}\n",
+        out.display()
+    )
+}
+
+fn trainer(layers: usize, memory: &str) -> anyhow::Result<StreamTrainer> {
+    let tmp = tempfile::tempdir().unwrap();
+    let raw = RawConfig::from_yaml(&config(layers, memory, tmp.path()), "test")?;
+    StreamTrainer::new(raw.resolve("test")?)
+}
+
+#[test]
+fn device_memory_does_not_grow_with_depth() {
+    let mut peaks = Vec::new();
+    for layers in [4, 32] {
+        let mut t = trainer(layers, "auto").unwrap();
+        for k in 0..2 {
+            let m = t.step(k).unwrap();
+            assert!(m.loss.is_finite());
+        }
+        t.engine.state();
+        let st = t.engine.device().stats();
+        let planned = t.plan.device_total();
+        assert!(
+            st.peak_bytes as u64 <= planned,
+            "{layers} layers: peak {} > planned {planned}",
+            st.peak_bytes
+        );
+        peaks.push(st.peak_bytes as f64);
+    }
+    let rel = (peaks[0] - peaks[1]).abs() / peaks[0];
+    assert!(
+        rel <= 0.01,
+        "peak device bytes of 4 and 32 layers differ by {:.2}%: {peaks:?}",
+        rel * 100.0
+    );
+}
+
+#[test]
+fn a_model_ten_times_the_device_budget_trains() {
+    let probe = trainer(64, "auto").unwrap();
+    let budget = probe.plan.device_total();
+    let weights = probe.engine.sizes().params as u64 * 4;
+    assert!(weights >= 10 * budget, "weights {weights} B are not 10x the device budget {budget} B");
+    drop(probe);
+    let mut t = trainer(64, &budget.to_string()).unwrap();
+    let first = t.step(0).unwrap().loss;
+    let second = t.step(1).unwrap().loss;
+    assert!(first.is_finite() && second.is_finite());
+    t.engine.state();
+    assert!(t.engine.device().stats().peak_bytes as u64 <= budget);
+}
+
+#[test]
+fn a_plan_that_does_not_fit_is_refused_before_allocating() {
+    let err = trainer(4, "64KiB").err().expect("must refuse").to_string();
+    assert!(err.contains("device.memory"), "{err}");
+    assert!(err.contains("GiB"), "the refusal gives the numbers: {err}");
+}
+
+#[test]
+fn train_writes_a_summary() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = tmp.path().join("c.yaml");
+    std::fs::write(&cfg, config(4, "auto", &tmp.path().join("out"))).unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_horizon"))
+        .args(["train", "--config", cfg.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let s: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(tmp.path().join("out/summary.json")).unwrap(),
+    )
+    .unwrap();
+    for key in [
+        "steps",
+        "tokens",
+        "wall_s",
+        "tokens_per_s",
+        "peak_rss_bytes",
+        "planned_host_bytes",
+        "peak_device_bytes",
+        "planned_device_bytes",
+        "h2d_bytes",
+        "d2h_bytes",
+        "device_compute_s",
+        "link_busy_s",
+    ] {
+        assert!(s[key].is_number(), "summary.json lacks {key}: {s}");
+    }
+    assert_eq!(s["steps"], 2);
+    assert!(s["peak_device_bytes"].as_u64() <= s["planned_device_bytes"].as_u64());
+    assert!(s["h2d_bytes"].as_u64().unwrap() > 0 && s["d2h_bytes"].as_u64().unwrap() > 0);
+}
