@@ -7,4 +7,5 @@ pub mod engine;
 pub mod hf;
 pub mod model;
 pub mod optim;
+pub mod rng;
 pub mod train;

@@ -20,6 +20,7 @@ use crate::model::layout::ModelLayout;
 use crate::model::params::ParamStore;
 use crate::model::transformer::{Capacity, Transformer};
 use crate::optim::adamw::{AdamWConfig, AdamWStep, adamw_update, clip_coefficient, sum_squares};
+use crate::rng::SplitMix64;
 use horizon_backend::Device;
 use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig};
 
@@ -94,17 +95,11 @@ pub fn batch_indices(len: usize, k: usize, b: usize, shuffle: bool, seed: u64) -
 
 /// Fisher-Yates permutation of `0..len` from a splitmix64 stream seeded by (seed, epoch).
 fn epoch_permutation(len: usize, seed: u64, epoch: u64) -> Vec<usize> {
-    let mut state = seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
-    let mut next = || {
-        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    };
+    let mut rng =
+        SplitMix64::new(seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03);
     let mut p: Vec<usize> = (0..len).collect();
     for i in (1..len).rev() {
-        let j = (next() % (i as u64 + 1)) as usize;
+        let j = rng.below(i as u64 + 1) as usize;
         p.swap(i, j);
     }
     p
@@ -262,17 +257,10 @@ pub fn load_data(raw: &RawConfig, vocab_size: usize) -> Result<PretokenizedDatas
 
 /// `n` rows of `len` uniformly random tokens.
 pub fn synthetic_rows(n: usize, len: usize, vocab: usize, seed: u64) -> Vec<Row> {
-    let mut state = seed ^ 0x5DEE_CE66_D1CE_4E5B;
-    let mut next = || {
-        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    };
+    let mut rng = SplitMix64::new(seed ^ 0x5DEE_CE66_D1CE_4E5B);
     (0..n)
         .map(|_| {
-            let ids: Vec<i32> = (0..len).map(|_| (next() % vocab as u64) as i32).collect();
+            let ids: Vec<i32> = (0..len).map(|_| rng.below(vocab as u64) as i32).collect();
             Row { labels: ids.clone(), input_ids: ids }
         })
         .collect()

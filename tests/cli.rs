@@ -24,27 +24,8 @@ fn write_config(
     data: &Path,
     extra: &str,
 ) -> std::path::PathBuf {
-    let e = expected(case);
-    let betas = f64s(&e["betas"]);
-    let yaml = format!(
-        "model: {{ path: '{}' }}\ndata: {{ path: '{}', format: pretokenized }}\n\
-         train: {{ steps: {}, batch_size: {}, max_seq_len: 64 }}\n\
-         optimizer: {{ lr: {}, betas: [{}, {}], eps: {}, weight_decay: {}, grad_clip: {} }}\n\
-         output: {{ dir: '{}' }}\n{extra}",
-        model.display(),
-        data.display(),
-        e["steps"],
-        e["batch"],
-        e["lr"],
-        betas[0],
-        betas[1],
-        e["eps"],
-        e["weight_decay"],
-        e["grad_clip"],
-        dir.join("out").display(),
-    );
     let path = dir.join("config.yaml");
-    fs::write(&path, yaml).unwrap();
+    fs::write(&path, fixture_yaml(case, model, data, &dir.join("out"), extra)).unwrap();
     path
 }
 

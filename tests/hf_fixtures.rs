@@ -11,25 +11,7 @@ use horizon::model::layout::ModelLayout;
 use horizon::train::Trainer;
 
 fn trainer(case: &str, head_chunk_rows: usize) -> Trainer {
-    let e = expected(case);
-    let dir = case_dir(case);
-    let betas = f64s(&e["betas"]);
-    let yaml = format!(
-        "model: {{ path: '{}' }}\ndata: {{ path: '{}' }}\n\
-         train: {{ steps: {}, batch_size: {}, max_seq_len: 64 }}\n\
-         optimizer: {{ lr: {}, betas: [{}, {}], eps: {}, weight_decay: {}, grad_clip: {} }}\n\
-         output: {{ dir: unused }}\nengine: {{ head_chunk_rows: {head_chunk_rows} }}\n",
-        dir.join("model").display(),
-        dir.join("data.jsonl").display(),
-        e["steps"],
-        e["batch"],
-        e["lr"],
-        betas[0],
-        betas[1],
-        e["eps"],
-        e["weight_decay"],
-        e["grad_clip"],
-    );
+    let yaml = case_yaml(case, &format!("engine: {{ head_chunk_rows: {head_chunk_rows} }}\n"));
     let cfg = RawConfig::from_yaml(&yaml, case).unwrap().resolve(case).unwrap();
     Trainer::new(cfg).unwrap()
 }

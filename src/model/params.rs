@@ -8,6 +8,7 @@ use anyhow::{Context, Result};
 
 use crate::hf::checkpoint::{Checkpoint, SaveDtype, write_safetensors};
 use crate::model::layout::{EMBED, FINAL_NORM, LM_HEAD, ModelLayout};
+use crate::rng::SplitMix64;
 
 /// A full set of model-shaped fp32 buffers in host RAM.
 #[derive(Clone, Debug, PartialEq)]
@@ -150,8 +151,8 @@ impl ParamStore {
         let is_norm = |name: &str| name.contains("layernorm") || name == FINAL_NORM;
         let mut bufs = store.buffers_mut();
         bufs.par_iter_mut().enumerate().for_each(|(i, buf)| {
-            let mut rng = Normal::new(seed ^ (i as u64).wrapping_mul(0xA24B_AED4_963E_E407));
-            rng.fill(buf, std);
+            let mut rng = SplitMix64::new(seed ^ (i as u64).wrapping_mul(0xA24B_AED4_963E_E407));
+            rng.fill_normal(buf, std);
         });
         drop(bufs);
         store.final_norm.fill(1.0);
@@ -165,36 +166,5 @@ impl ParamStore {
             }
         }
         store
-    }
-}
-
-/// Normal samples from a splitmix64 stream (Box-Muller).
-struct Normal(u64);
-
-impl Normal {
-    fn new(seed: u64) -> Self {
-        Normal(seed)
-    }
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in (0, 1].
-    fn uniform(&mut self) -> f64 {
-        ((self.next_u64() >> 11) as f64 + 1.0) / (1u64 << 53) as f64
-    }
-    fn fill(&mut self, out: &mut [f32], std: f32) {
-        for pair in out.chunks_mut(2) {
-            let (u1, u2) = (self.uniform(), self.uniform());
-            let r = (-2.0 * u1.ln()).sqrt();
-            let th = std::f64::consts::TAU * u2;
-            pair[0] = (r * th.cos()) as f32 * std;
-            if pair.len() > 1 {
-                pair[1] = (r * th.sin()) as f32 * std;
-            }
-        }
     }
 }

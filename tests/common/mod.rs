@@ -71,3 +71,33 @@ pub fn update_rel_err(got: &[f32], init: &[f32], want: &[f64]) -> f64 {
 pub fn update_tol(pytorch_err: f64) -> f64 {
     if pytorch_err > 1e-4 { 3.0 * pytorch_err } else { (10.0 * pytorch_err).min(1e-3) }
 }
+
+/// A run config reproducing fixture `case`'s hyper-parameters, with the given model directory,
+/// data file and output directory, followed by `extra` YAML (more top-level sections).
+pub fn fixture_yaml(case: &str, model: &Path, data: &Path, out: &Path, extra: &str) -> String {
+    let e = expected(case);
+    let betas = f64s(&e["betas"]);
+    format!(
+        "model: {{ path: '{}' }}\ndata: {{ path: '{}', format: pretokenized }}\n\
+         train: {{ steps: {}, batch_size: {}, max_seq_len: 64 }}\n\
+         optimizer: {{ lr: {}, betas: [{}, {}], eps: {}, weight_decay: {}, grad_clip: {} }}\n\
+         output: {{ dir: '{}' }}\n{extra}",
+        model.display(),
+        data.display(),
+        e["steps"],
+        e["batch"],
+        e["lr"],
+        betas[0],
+        betas[1],
+        e["eps"],
+        e["weight_decay"],
+        e["grad_clip"],
+        out.display(),
+    )
+}
+
+/// `fixture_yaml` for the case's own model and data.
+pub fn case_yaml(case: &str, extra: &str) -> String {
+    let dir = case_dir(case);
+    fixture_yaml(case, &dir.join("model"), &dir.join("data.jsonl"), Path::new("unused"), extra)
+}
