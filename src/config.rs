@@ -6,6 +6,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 
+use crate::schedule::{LrSchedule, ScheduleKind};
+
 /// The YAML file as written by the user. Every key except `model.path` and `data.path` has a
 /// default.
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -104,6 +106,14 @@ pub struct TrainSection {
     pub max_seq_len: usize,
     /// Seed of every random choice (shuffling). Default 0.
     pub seed: u64,
+    /// Write a resumable checkpoint every this many steps (and on SIGINT/SIGTERM); 0 = only on
+    /// a signal. Default 0.
+    pub save_every: usize,
+    /// Resumable checkpoints kept in `OUT/checkpoints` (oldest removed first). Default 2.
+    pub keep_checkpoints: usize,
+    /// Consecutive steps with a non-finite loss or gradient norm (each skipped, nothing
+    /// written) after which the run stops. Default 5.
+    pub max_bad_steps: usize,
 }
 
 impl Default for TrainSection {
@@ -114,6 +124,9 @@ impl Default for TrainSection {
             micro_batch_size: None,
             max_seq_len: 2048,
             seed: 0,
+            save_every: 0,
+            keep_checkpoints: 2,
+            max_bad_steps: 5,
         }
     }
 }
@@ -121,8 +134,14 @@ impl Default for TrainSection {
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct OptimizerSection {
-    /// Learning rate (constant). Default 1e-4.
+    /// Peak learning rate. Default 1e-4.
     pub lr: f64,
+    /// `constant`, `cosine` or `linear` (decay to `min_lr` at the last step). Default constant.
+    pub schedule: ScheduleKind,
+    /// Linear warm-up from 0 over this many steps. Default 0.
+    pub warmup_steps: usize,
+    /// The floor the decay reaches at the last step. Default 0.
+    pub min_lr: f64,
     /// AdamW betas. Default [0.9, 0.999] (torch's).
     pub betas: [f64; 2],
     /// AdamW epsilon. Default 1e-8.
@@ -137,6 +156,9 @@ impl Default for OptimizerSection {
     fn default() -> Self {
         OptimizerSection {
             lr: 1e-4,
+            schedule: ScheduleKind::Constant,
+            warmup_steps: 0,
+            min_lr: 0.0,
             betas: [0.9, 0.999],
             eps: 1e-8,
             weight_decay: 0.01,
@@ -271,6 +293,20 @@ impl<'de> Deserialize<'de> for ByteSize {
     }
 }
 
+impl RawConfig {
+    /// The learning-rate schedule of the run.
+    pub fn lr_schedule(&self) -> LrSchedule {
+        let o = &self.optimizer;
+        LrSchedule {
+            kind: o.schedule,
+            lr: o.lr,
+            min_lr: o.min_lr,
+            warmup_steps: o.warmup_steps,
+            total_steps: self.train.steps,
+        }
+    }
+}
+
 /// The validated configuration a run uses.
 #[derive(Clone, Debug)]
 pub struct RunConfig {
@@ -325,6 +361,9 @@ impl RawConfig {
             if !(0.0..1.0).contains(b) {
                 bail!("{origin}: optimizer.betas[{i}] must be in [0, 1) (got {b})");
             }
+        }
+        if !(o.min_lr.is_finite() && o.min_lr >= 0.0 && o.min_lr <= o.lr) {
+            bail!("{origin}: optimizer.min_lr must be in [0, optimizer.lr] (got {})", o.min_lr);
         }
         if !(o.weight_decay.is_finite() && o.weight_decay >= 0.0) {
             bail!("{origin}: optimizer.weight_decay must be >= 0 (got {})", o.weight_decay);

@@ -7,5 +7,7 @@ pub mod engine;
 pub mod hf;
 pub mod model;
 pub mod optim;
+pub mod resume;
 pub mod rng;
+pub mod schedule;
 pub mod train;

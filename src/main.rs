@@ -22,6 +22,9 @@ enum Command {
         /// The run configuration (YAML). See README.md for every key.
         #[arg(long, short)]
         config: Option<PathBuf>,
+        /// Continue from a checkpoint directory, or `latest` (the newest in OUT/checkpoints).
+        #[arg(long)]
+        resume: Option<String>,
     },
     /// Run a config's steps on the streaming engine without exporting, and report throughput,
     /// overlap (wall time over the busier of compute and link) and memory, after warm-up.
@@ -48,7 +51,7 @@ fn main() -> ExitCode {
 
 fn try_main(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Train { config } => {
+        Command::Train { config, resume } => {
             let Some(path) = config else {
                 bail!(
                     "no config given\nhint: horizon train --config configs/llama_gqa.yaml (see README.md)"
@@ -56,13 +59,13 @@ fn try_main(cli: Cli) -> Result<()> {
             };
             let cfg = horizon::config::RawConfig::from_file(&path)?
                 .resolve(&path.display().to_string())?;
-            horizon::train::run_streaming(cfg, true, 0)?;
+            horizon::train::run_streaming(cfg, true, 0, resume.as_deref())?;
             Ok(())
         }
         Command::Bench { config, warmup } => {
             let cfg = horizon::config::RawConfig::from_file(&config)?
                 .resolve(&config.display().to_string())?;
-            let s = horizon::train::run_streaming(cfg, false, warmup)?;
+            let s = horizon::train::run_streaming(cfg, false, warmup, None)?;
             println!(
                 "bench: {:.1} tokens/s; wall {:.3} s, device compute {:.3} s, link busy {:.3} s, overlap ratio wall/max(compute, link) = {:.3}; peak RSS {} vs planned host {}; peak device {} vs planned {}",
                 s.tokens_per_s,

@@ -3,7 +3,9 @@
 
 use std::fs;
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
@@ -12,7 +14,7 @@ use serde::Serialize;
 
 use crate::config::{ByteSize, DataFormat, ModelInit, RawConfig, RunConfig};
 use crate::data::pretokenized::{Batch, PretokenizedDataset, Row, load_pretokenized, make_batch};
-use crate::engine::exec::{Engine, EngineConfig, Sizes};
+use crate::engine::exec::{Engine, EngineConfig, Sizes, StepParams};
 use crate::engine::memory::{MemoryPlan, peak_rss_bytes};
 use crate::hf::checkpoint::SaveDtype;
 use crate::hf::config::ModelConfig;
@@ -39,6 +41,8 @@ pub struct StepMetrics {
     pub tokens: usize,
     /// Wall time of the step in seconds.
     pub step_s: f64,
+    /// The update was skipped: the loss or the gradient norm was not finite.
+    pub skipped: bool,
 }
 
 /// The model's optimizer state in host RAM: masters, gradients, AdamW moments.
@@ -47,8 +51,11 @@ pub struct TrainState {
     pub grads: ParamStore,
     pub m: ParamStore,
     pub v: ParamStore,
-    /// Optimizer steps taken.
+    /// Optimizer steps run (the data and schedule position), skipped ones included.
     pub step: u64,
+    /// Updates applied to the masters (AdamW's bias-correction count): `step` minus the steps
+    /// skipped for a non-finite loss or gradient.
+    pub updates: u64,
 }
 
 impl TrainState {
@@ -58,7 +65,12 @@ impl TrainState {
             z.fill_zero();
             z
         };
-        TrainState { grads: zeros(), m: zeros(), v: zeros(), params, step: 0 }
+        TrainState { grads: zeros(), m: zeros(), v: zeros(), params, step: 0, updates: 0 }
+    }
+
+    /// Copies of the masters and both moments (for tests and comparisons).
+    pub fn clone_params_and_moments(&self) -> (ParamStore, ParamStore, ParamStore) {
+        (self.params.clone(), self.m.clone(), self.v.clone())
     }
 
     /// Global L2 norm of the gradients, accumulated in f64 in a fixed order.
@@ -69,8 +81,9 @@ impl TrainState {
     /// Clip by the global norm (`max_norm` 0 = off) and take one AdamW step on every buffer.
     pub fn optimizer_step(&mut self, cfg: &AdamWConfig, lr: f64, grad_norm: f64, max_norm: f64) {
         self.step += 1;
+        self.updates += 1;
         let coef = clip_coefficient(grad_norm, max_norm);
-        let st = AdamWStep::new(cfg, self.step, lr);
+        let st = AdamWStep::new(cfg, self.updates, lr);
         let p = self.params.buffers_mut();
         let g = self.grads.buffers();
         let m = self.m.buffers_mut();
@@ -159,14 +172,16 @@ impl Trainer {
             eps: o.eps,
             weight_decay: o.weight_decay,
         };
-        self.state.optimizer_step(&acfg, o.lr, grad_norm, o.grad_clip);
+        let lr = self.cfg.raw.lr_schedule().lr_at(k + 1);
+        self.state.optimizer_step(&acfg, lr, grad_norm, o.grad_clip);
         Ok(StepMetrics {
             step: k + 1,
             loss: out.loss(),
             grad_norm,
-            lr: o.lr,
+            lr,
             tokens,
             step_s: t0.elapsed().as_secs_f64(),
+            skipped: false,
         })
     }
 
@@ -303,11 +318,18 @@ pub struct StreamTrainer {
     pub data: PretokenizedDataset,
     pub plan: MemoryPlan,
     pub engine: Engine<CpuDevice>,
+    /// Fault injection for tests: steps (0-based) whose gradient gets a NaN.
+    pub inject_nan_at: Vec<usize>,
 }
 
 impl StreamTrainer {
     /// Load, plan (refusing what does not fit, before allocating), allocate.
     pub fn new(cfg: RunConfig) -> Result<Self> {
+        Self::with_resume(cfg, None)
+    }
+
+    /// As [`StreamTrainer::new`], continuing from a resumable checkpoint directory.
+    pub fn with_resume(cfg: RunConfig, resume: Option<&Path>) -> Result<Self> {
         let raw = &cfg.raw;
         let model_cfg = model_config(raw)?;
         let layout = ModelLayout::new(&model_cfg);
@@ -320,7 +342,6 @@ impl StreamTrainer {
             grad_slabs: raw.engine.grad_slabs,
             head_chunk_rows: raw.engine.head_chunk_rows,
             adamw: adamw_config(raw),
-            lr: raw.optimizer.lr,
             grad_clip: raw.optimizer.grad_clip,
         };
         let sizes = Sizes::new(&layout, &ecfg);
@@ -331,7 +352,10 @@ impl StreamTrainer {
         let plan = MemoryPlan::new(&sizes, budget, true);
         print!("{plan}");
         plan.check()?;
-        let (model_cfg, params) = load_model(raw)?;
+        let state = match resume {
+            Some(dir) => crate::resume::load(dir, &model_cfg)?,
+            None => TrainState::new(load_model(raw)?.1),
+        };
         let data = load_data(raw, model_cfg.vocab_size)?;
         let dev = CpuDevice::new(CpuDeviceConfig {
             capacity_bytes: plan.device_capacity() as usize,
@@ -339,8 +363,8 @@ impl StreamTrainer {
             copy_jitter_us: 0,
             jitter_seed: 0,
         });
-        let engine = Engine::new(dev, &model_cfg, TrainState::new(params), ecfg)?;
-        Ok(StreamTrainer { cfg, model_cfg, data, plan, engine })
+        let engine = Engine::new(dev, &model_cfg, state, ecfg)?;
+        Ok(StreamTrainer { cfg, model_cfg, data, plan, engine, inject_nan_at: Vec::new() })
     }
 
     /// One optimizer step on batch `k` (0-based).
@@ -348,14 +372,17 @@ impl StreamTrainer {
         let t0 = Instant::now();
         let rows = step_rows(&self.cfg, &self.data, k);
         let tokens = rows.iter().map(|r| r.input_ids.len()).sum();
-        let out = self.engine.step(&rows)?;
+        let lr = self.cfg.raw.lr_schedule().lr_at(k + 1);
+        let inject_nan = self.inject_nan_at.contains(&k);
+        let out = self.engine.step(&rows, StepParams { lr, inject_nan })?;
         Ok(StepMetrics {
             step: k + 1,
             loss: out.loss(),
             grad_norm: out.grad_norm,
-            lr: self.cfg.raw.optimizer.lr,
+            lr,
             tokens,
             step_s: t0.elapsed().as_secs_f64(),
+            skipped: out.skipped,
         })
     }
 }
@@ -374,7 +401,12 @@ fn adamw_config(raw: &RawConfig) -> AdamWConfig {
 /// Run a job on the streaming engine: steps, `metrics.jsonl`, `summary.json`, and (unless
 /// `export` is false, as for benchmarks) the final HF directory. `warmup` steps are excluded
 /// from the summary's timings.
-pub fn run_streaming(cfg: RunConfig, export_final: bool, warmup: usize) -> Result<Summary> {
+pub fn run_streaming(
+    cfg: RunConfig,
+    export_final: bool,
+    warmup: usize,
+    resume: Option<&str>,
+) -> Result<Summary> {
     let out_dir = cfg.raw.output.dir.clone();
     fs::create_dir_all(&out_dir).with_context(|| {
         format!(
@@ -387,8 +419,26 @@ pub fn run_streaming(cfg: RunConfig, export_final: bool, warmup: usize) -> Resul
     fs::write(out_dir.join("config.yaml"), &yaml)
         .with_context(|| format!("output.dir {}: cannot write config.yaml", out_dir.display()))?;
 
-    let mut tr = StreamTrainer::new(cfg)?;
+    let resume_dir = resume.map(|r| crate::resume::resolve(r, &out_dir)).transpose()?;
+    let mut tr = StreamTrainer::with_resume(cfg, resume_dir.as_deref())?;
     let steps = tr.cfg.raw.train.steps;
+    let start = tr.engine.state().step as usize;
+    if let Some(d) = &resume_dir {
+        println!("resuming from {} at step {start}", d.display());
+    }
+    // SIGINT / SIGTERM: finish the step in flight, write a checkpoint, stop.
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, stop.clone())
+            .context("cannot install the signal handler")?;
+    }
+    let t = tr.cfg.raw.train.clone();
+    let mut last_ckpt: Option<PathBuf> = resume_dir.clone();
+    let mut bad_run = 0usize;
+    // Test hook: steps (0-based) whose gradient gets a NaN (exercises the non-finite path).
+    if let Ok(v) = std::env::var("HORIZON_TEST_NAN_STEPS") {
+        tr.inject_nan_at = v.split(',').filter_map(|x| x.trim().parse().ok()).collect();
+    }
     println!(
         "model: {} layers, hidden {}, {} params; data: {} rows; {} micro-batch(es) per step, checkpoint every {} layers",
         tr.model_cfg.num_layers,
@@ -399,13 +449,18 @@ pub fn run_streaming(cfg: RunConfig, export_final: bool, warmup: usize) -> Resul
         tr.cfg.raw.engine.checkpoint_every
     );
     let metrics_path = out_dir.join("metrics.jsonl");
-    let mut metrics_file = fs::File::create(&metrics_path)
+    let mut metrics_file = fs::OpenOptions::new()
+        .create(true)
+        .append(start > 0)
+        .write(true)
+        .truncate(start == 0)
+        .open(&metrics_path)
         .with_context(|| format!("cannot create {}", metrics_path.display()))?;
     let mut base = tr.engine.device().stats();
     let mut t0 = Instant::now();
     let (mut tokens, mut timed_steps, mut last_loss) = (0usize, 0usize, f64::NAN);
-    for k in 0..steps {
-        if k == warmup.min(steps - 1) && k > 0 {
+    for k in start..steps {
+        if k == (start + warmup).min(steps - 1) && k > start {
             // Timings start after the warm-up, once its queued work is done.
             tr.engine.state();
             base = tr.engine.device().stats();
@@ -424,9 +479,46 @@ pub fn run_streaming(cfg: RunConfig, export_final: bool, warmup: usize) -> Resul
             m.lr,
             m.tokens as f64 / m.step_s.max(1e-9)
         );
+        std::io::stdout().flush()?;
         tokens += m.tokens;
         timed_steps += 1;
         last_loss = m.loss;
+        if m.skipped {
+            bad_run += 1;
+            eprintln!(
+                "step {}: non-finite loss or gradient norm; update skipped ({bad_run} in a row)",
+                m.step
+            );
+            if bad_run >= t.max_bad_steps {
+                let last =
+                    last_ckpt.as_ref().map_or("none".to_string(), |p| p.display().to_string());
+                bail!(
+                    "stopping: {bad_run} consecutive steps with a non-finite loss or gradient norm (train.max_bad_steps = {}); last good checkpoint: {last}\nhint: lower optimizer.lr, or check the data of those steps",
+                    t.max_bad_steps
+                );
+            }
+        } else {
+            bad_run = 0;
+        }
+        let signalled = stop.load(Ordering::Relaxed);
+        // Periodic checkpoints only after good steps: the last one stays the last good state.
+        if (t.save_every > 0 && (k + 1) % t.save_every == 0 && !m.skipped) || signalled {
+            let state = tr.engine.state();
+            println!("saving checkpoint step-{:08}", state.step);
+            std::io::stdout().flush()?;
+            let dir =
+                crate::resume::save(&out_dir, state, &tr.model_cfg, &yaml, t.keep_checkpoints)?;
+            println!("checkpoint: {}", dir.display());
+            last_ckpt = Some(dir);
+        }
+        if signalled {
+            println!(
+                "interrupted after step {}; resume with: horizon train --config {} --resume latest",
+                k + 1,
+                tr.cfg.origin
+            );
+            break;
+        }
     }
     metrics_file.flush()?;
     let state_step = tr.engine.state().step;

@@ -7,7 +7,7 @@ mod common;
 use common::*;
 use horizon::config::RawConfig;
 use horizon::data::pretokenized::Row;
-use horizon::engine::exec::{Engine, EngineConfig};
+use horizon::engine::exec::{Engine, EngineConfig, StepParams};
 use horizon::hf::config::ModelConfig;
 use horizon::model::layout::ModelLayout;
 use horizon::model::params::ParamStore;
@@ -61,7 +61,6 @@ fn streamed(
             eps: e["eps"].as_f64().unwrap(),
             weight_decay: e["weight_decay"].as_f64().unwrap(),
         },
-        lr: e["lr"].as_f64().unwrap(),
         grad_clip: e["grad_clip"].as_f64().unwrap(),
     };
     let dev = CpuDevice::new(CpuDeviceConfig {
@@ -76,7 +75,8 @@ fn streamed(
     let mut out = Vec::new();
     for s in 0..steps {
         let batch_rows: Vec<&Row> = data[s * batch..(s + 1) * batch].iter().collect();
-        let o = engine.step(&batch_rows).unwrap();
+        let sp = StepParams { lr: e["lr"].as_f64().unwrap(), inject_nan: false };
+        let o = engine.step(&batch_rows, sp).unwrap();
         out.push((o.loss(), o.grad_norm));
     }
     let state = engine.into_state();

@@ -4,7 +4,7 @@
 //! and the plan's hazard-checked waits decide who touches what when.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use anyhow::{Context, Result, bail};
 use horizon_backend::cpu::{add_inplace, embedding_backward, embedding_forward};
@@ -40,9 +40,8 @@ pub struct EngineConfig {
     pub grad_slabs: usize,
     /// Rows per LM-head chunk.
     pub head_chunk_rows: usize,
-    /// AdamW and clipping.
+    /// AdamW and clipping (the learning rate comes with each step, from the schedule).
     pub adamw: AdamWConfig,
-    pub lr: f64,
     pub grad_clip: f64,
 }
 
@@ -172,7 +171,6 @@ struct Ctx {
     shape: PlanShape,
     head_chunk: usize,
     adamw: AdamWConfig,
-    lr: f64,
     grad_clip: f64,
     slots: [DevBuf; 2],
     dws: [DevBuf; 2],
@@ -196,6 +194,8 @@ struct Ctx {
     loss_host: Vec<HostPtrMut>,
     /// The step's global gradient norm (f64 bits).
     norm: AtomicU64,
+    /// The step is skipped: its loss or gradient norm is not finite.
+    skip: AtomicBool,
 }
 
 impl Ctx {
@@ -232,8 +232,20 @@ struct StepData {
     mbs: Vec<MicroBatch>,
     /// 1 / (loss-carrying positions of the whole batch).
     scale: f32,
-    /// 1-based optimizer step.
-    step: u64,
+    /// AdamW's step count if this step's update is applied (1-based).
+    adam_step: u64,
+    /// Learning rate of this step.
+    lr: f64,
+    /// Test hook: poison the gradient before its norm is taken.
+    inject_nan: bool,
+}
+
+/// Per-step inputs besides the rows.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepParams {
+    pub lr: f64,
+    /// Write a NaN into the gradient before the norm (fault injection for tests).
+    pub inject_nan: bool,
 }
 
 /// What one step produced.
@@ -242,6 +254,8 @@ pub struct StepOutput {
     pub loss_sum: f64,
     pub num_targets: usize,
     pub grad_norm: f64,
+    /// The update was skipped (non-finite loss or gradient norm): masters and moments untouched.
+    pub skipped: bool,
 }
 
 impl StepOutput {
@@ -271,8 +285,10 @@ pub struct Engine<D: Device> {
     events: [Vec<Event>; 2],
     cfg: EngineConfig,
     sizes: Sizes,
-    /// Steps run so far.
+    /// Steps run so far (skipped ones included).
     steps: u64,
+    /// Updates applied so far.
+    updates: u64,
 }
 
 /// A raw handle to a host buffer that stays where it is for the engine's life.
@@ -380,7 +396,6 @@ where
             shape,
             head_chunk: chunk,
             adamw: cfg.adamw,
-            lr: cfg.lr,
             grad_clip: cfg.grad_clip,
             slots,
             dws,
@@ -400,6 +415,7 @@ where
             dx_stage: dx_stage.iter_mut().map(|s| handle(s)).collect(),
             loss_host: loss_host.iter_mut().map(|s| handle(s)).collect(),
             norm: AtomicU64::new(0),
+            skip: AtomicBool::new(false),
         };
         // The rope tables are uploaded once.
         let (cos, sin) = rope_tables(&model.rope_inv_freq(), cfg.seq_len);
@@ -414,6 +430,7 @@ where
             (0..schedule.len()).map(|_| reached()).collect(),
             (0..schedule.len()).map(|_| reached()).collect(),
         ];
+        let (steps, updates) = (state.step, state.updates);
         let engine = Engine {
             ctx: Arc::new(ctx),
             state,
@@ -428,7 +445,8 @@ where
             events,
             cfg,
             sizes,
-            steps: 0,
+            steps,
+            updates,
             dev,
         };
         // SAFETY: the tables are kept alive until the synchronize below.
@@ -457,24 +475,26 @@ where
     pub fn state(&mut self) -> &TrainState {
         self.dev.synchronize();
         self.state.step = self.steps;
+        self.state.updates = self.updates;
         &self.state
     }
 
     /// Wait for all queued work and hand the host state back.
     pub fn into_state(self) -> TrainState {
         self.dev.synchronize();
-        let Engine { dev, state, _host, steps, .. } = self;
+        let Engine { dev, state, _host, steps, updates, .. } = self;
         drop(dev);
         drop(_host);
         let mut state = *state;
         state.step = steps;
+        state.updates = updates;
         state
     }
 
     /// Run one optimizer step on `rows` (the whole batch; split into micro-batches here).
     /// Returns when the loss and the gradient norm are known; the optimizer updates run on,
     /// overlapped with the next step's work.
-    pub fn step(&mut self, rows: &[&Row]) -> Result<StepOutput> {
+    pub fn step(&mut self, rows: &[&Row], sp: StepParams) -> Result<StepOutput> {
         if rows.is_empty() || rows.len() > self.cfg.batch_size {
             bail!("a step takes 1..={} rows, got {}", self.cfg.batch_size, rows.len());
         }
@@ -508,7 +528,13 @@ where
         let num_targets: usize =
             mbs.iter().map(|mb| mb.targets.iter().filter(|&&t| t != -100).count()).sum();
         let k = self.steps;
-        let sd = Arc::new(StepData { mbs, scale: 1.0 / num_targets.max(1) as f32, step: k + 1 });
+        let sd = Arc::new(StepData {
+            mbs,
+            scale: 1.0 / num_targets.max(1) as f32,
+            adam_step: self.updates + 1,
+            lr: sp.lr,
+            inject_nan: sp.inject_nan,
+        });
 
         // Events of step k-2 are reused: every one of them has been reached.
         let par = (k % 2) as usize;
@@ -546,7 +572,11 @@ where
             loss_sum += losses.iter().map(|&x| x as f64).sum::<f64>();
         }
         let grad_norm = f64::from_bits(self.ctx.norm.load(Ordering::Acquire));
-        Ok(StepOutput { loss_sum, num_targets, grad_norm })
+        let skipped = self.ctx.skip.load(Ordering::Acquire);
+        if !skipped {
+            self.updates += 1;
+        }
+        Ok(StepOutput { loss_sum, num_targets, grad_norm, skipped })
     }
 
     /// Submit one operation to its queue.
@@ -775,37 +805,52 @@ where
                 }));
             }
             OpKind::GradNorm => {
-                let c = c.clone();
+                let (c, sd) = (c.clone(), sd.clone());
                 self.dev.host(Box::new(move || {
-                    // SAFETY: every gradient is complete (the schedule orders this after every
-                    // accumulation) and only the host queue touches them.
-                    let sq: f64 = c
-                        .grads
-                        .iter()
-                        .map(|g| sum_squares(unsafe { g.as_const().as_slice() }))
-                        .sum();
-                    c.norm.store(sq.sqrt().to_bits(), Ordering::Release);
+                    // SAFETY: every gradient is complete and every loss downloaded (the schedule
+                    // orders this after them); only the host queue touches the gradients.
+                    unsafe {
+                        if sd.inject_nan {
+                            c.grads[0].as_mut_slice()[0] = f32::NAN;
+                        }
+                        let sq: f64 =
+                            c.grads.iter().map(|g| sum_squares(g.as_const().as_slice())).sum();
+                        let loss: f64 = sd
+                            .mbs
+                            .iter()
+                            .enumerate()
+                            .map(|(m, mb)| {
+                                let l = c.loss_host[m].as_const().sub(0..mb.n()).as_slice();
+                                l.iter().map(|&x| x as f64).sum::<f64>()
+                            })
+                            .sum();
+                        let norm = sq.sqrt();
+                        c.skip.store(!(norm.is_finite() && loss.is_finite()), Ordering::Release);
+                        c.norm.store(norm.to_bits(), Ordering::Release);
+                    }
                 }));
             }
             OpKind::Update { what } => {
-                let (c, step) = (c.clone(), sd.step);
+                let (c, sd) = (c.clone(), sd.clone());
                 self.dev.host(Box::new(move || {
                     let i = c.param_index(what);
                     let norm = f64::from_bits(c.norm.load(Ordering::Acquire));
-                    let coef = clip_coefficient(norm, c.grad_clip);
-                    let st = AdamWStep::new(&c.adamw, step, c.lr);
                     // SAFETY: the schedule orders this update after every read of these
                     // parameters in this step and before every read in the next.
                     unsafe {
                         let g = c.grads[i].as_mut_slice();
-                        adamw_update(
-                            c.params[i].as_mut_slice(),
-                            g,
-                            c.m[i].as_mut_slice(),
-                            c.v[i].as_mut_slice(),
-                            &st,
-                            coef,
-                        );
+                        if !c.skip.load(Ordering::Acquire) {
+                            let coef = clip_coefficient(norm, c.grad_clip);
+                            let st = AdamWStep::new(&c.adamw, sd.adam_step, sd.lr);
+                            adamw_update(
+                                c.params[i].as_mut_slice(),
+                                g,
+                                c.m[i].as_mut_slice(),
+                                c.v[i].as_mut_slice(),
+                                &st,
+                                coef,
+                            );
+                        }
                         g.fill(0.0);
                     }
                 }));

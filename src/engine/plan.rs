@@ -118,9 +118,10 @@ pub enum OpKind {
     DownloadDres { m: usize },
     /// Host: scatter-add it into the embedding rows micro-batch `m` touched.
     EmbedScatter { m: usize },
-    /// Host: the global gradient norm.
+    /// Host: the global gradient norm, and whether the step is finite (loss and norm).
     GradNorm,
-    /// Host: clip and AdamW-update one buffer, then zero its gradient for the next step.
+    /// Host: clip and AdamW-update one buffer (unless the step is skipped for a non-finite loss
+    /// or norm), then zero its gradient for the next step.
     Update { what: ParamBuf },
 }
 
@@ -392,8 +393,10 @@ pub fn step_ops(shape: PlanShape) -> Vec<Op> {
 
     // Optimizer: exact global norm, then each buffer's update in the order the next step
     // needs them, so the next forward of layer i waits only for layer i's update.
-    let all_grads: Vec<Res> = shape.param_bufs().into_iter().map(Res::Grads).collect();
-    b.push(OpKind::GradNorm, Queue::Host, all_grads, vec![Res::Norm]);
+    // The norm op also checks the losses: a non-finite loss or norm skips every update.
+    let mut reads: Vec<Res> = shape.param_bufs().into_iter().map(Res::Grads).collect();
+    reads.extend((0..mbs).map(Res::LossHost));
+    b.push(OpKind::GradNorm, Queue::Host, reads, vec![Res::Norm]);
     for p in shape.param_bufs() {
         b.push(
             OpKind::Update { what: p },

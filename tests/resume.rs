@@ -1,0 +1,125 @@
+//! Checkpoints that lose nothing: a run killed with SIGKILL mid-training and mid-save resumes
+//! to bit-identical weights; a non-finite gradient skips the update (weights untouched) and
+//! enough of them in a row stop the run with its last good checkpoint intact.
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use horizon::config::RawConfig;
+use horizon::train::StreamTrainer;
+
+fn config(out: &Path, steps: usize, link_gbps: f64, extra: &str) -> String {
+    format!(
+        "model: {{ init: random, arch: llama, hidden_size: 64, intermediate_size: 176, num_hidden_layers: 4,\n\
+         \x20        num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 256 }}\n\
+         data: {{ format: synthetic, shuffle: true }}\n\
+         train: {{ steps: {steps}, batch_size: 2, max_seq_len: 16, save_every: 1, keep_checkpoints: 2, {extra} }}\n\
+         optimizer: {{ lr: 1.0e-3, schedule: cosine, warmup_steps: 2 }}\n\
+         engine: {{ checkpoint_every: 2 }}\n\
+         device: {{ link_gbps: {link_gbps} }}\n\
+         output: {{ dir: '{}' }}\n",
+        out.display()
+    )
+}
+
+fn write(dir: &Path, yaml: &str) -> std::path::PathBuf {
+    let p = dir.join("c.yaml");
+    std::fs::write(&p, yaml).unwrap();
+    p
+}
+
+/// Run `horizon train`, killing it with SIGKILL right after a stdout line starting with
+/// `kill_after` appears (after `delay_ms`). Returns whether it was killed.
+fn run_until(cfg: &Path, resume: bool, kill_after: Option<&str>, delay_ms: u64) -> bool {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_horizon"));
+    cmd.args(["train", "--config", cfg.to_str().unwrap()]);
+    if resume {
+        cmd.args(["--resume", "latest"]);
+    }
+    cmd.env("HORIZON_TEST_SAVE_PAUSE_MS", "400").stdout(Stdio::piped()).stderr(Stdio::null());
+    let mut child = cmd.spawn().unwrap();
+    let out = child.stdout.take().unwrap();
+    let mut killed = false;
+    for line in BufReader::new(out).lines() {
+        let line = line.unwrap();
+        if let Some(k) = kill_after {
+            if line.starts_with(k) {
+                std::thread::sleep(std::time::Duration::from_millis(delay_ms));
+                child.kill().unwrap();
+                killed = true;
+                break;
+            }
+        }
+    }
+    let status = child.wait().unwrap();
+    assert!(killed || status.success(), "horizon train failed: {status}");
+    killed
+}
+
+#[test]
+fn sigkill_mid_training_and_mid_save_resumes_bit_identically() {
+    let steps = 7;
+    let base = tempfile::tempdir().unwrap();
+    let cfg = write(base.path(), &config(&base.path().join("out"), steps, 0.004, ""));
+    run_until(&cfg, false, None, 0);
+    let want = std::fs::read(base.path().join("out/final/model.safetensors")).unwrap();
+
+    let run = tempfile::tempdir().unwrap();
+    let out = run.path().join("out");
+    let cfg = write(run.path(), &config(&out, steps, 0.004, ""));
+    // Killed mid-step 3 (after step 2's line, while step 3 computes).
+    assert!(run_until(&cfg, false, Some("step     2/"), 30));
+    // Killed in the middle of writing step 4's checkpoint: the temporary directory is left
+    // behind, the previous checkpoint is intact, and `latest` ignores the partial one.
+    assert!(run_until(&cfg, true, Some("saving checkpoint step-00000004"), 150));
+    let leftovers: Vec<_> = std::fs::read_dir(out.join("checkpoints"))
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with(".tmp-"))
+        .collect();
+    assert!(!leftovers.is_empty(), "the kill did not land mid-save");
+    assert!(!out.join("checkpoints/step-00000004").exists());
+    // Resume to the end.
+    run_until(&cfg, true, None, 0);
+    let got = std::fs::read(out.join("final/model.safetensors")).unwrap();
+    assert!(got == want, "resumed weights differ from the uninterrupted run");
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    assert!(metrics.lines().count() >= steps);
+}
+
+#[test]
+fn a_nan_gradient_skips_the_update() {
+    let tmp = tempfile::tempdir().unwrap();
+    let raw = RawConfig::from_yaml(&config(&tmp.path().join("out"), 4, 0.0, ""), "t").unwrap();
+    let mut t = StreamTrainer::new(raw.resolve("t").unwrap()).unwrap();
+    t.inject_nan_at = vec![1];
+    assert!(!t.step(0).unwrap().skipped);
+    let before = t.engine.state().clone_params_and_moments();
+    let m = t.step(1).unwrap();
+    assert!(m.skipped && !m.grad_norm.is_finite(), "{m:?}");
+    let after = t.engine.state().clone_params_and_moments();
+    assert!(before == after, "a skipped step wrote to the masters or moments");
+    assert_eq!(t.engine.state().updates, 1);
+    // The next step is normal again.
+    assert!(!t.step(2).unwrap().skipped);
+    assert_eq!(t.engine.state().updates, 2);
+}
+
+#[test]
+fn consecutive_bad_steps_stop_the_run_with_the_last_checkpoint_intact() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let cfg = write(tmp.path(), &config(&out, 10, 0.0, "max_bad_steps: 3"));
+    let o = Command::new(env!("CARGO_BIN_EXE_horizon"))
+        .args(["train", "--config", cfg.to_str().unwrap()])
+        .env("HORIZON_TEST_NAN_STEPS", "2,3,4,5")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "the run should stop");
+    assert!(err.contains("3 consecutive steps") && err.contains("step-00000002"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    // The last good checkpoint (after step 2) is intact and resumable.
+    assert!(out.join("checkpoints/step-00000002/state.json").is_file());
+}
