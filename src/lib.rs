@@ -10,4 +10,5 @@ pub mod optim;
 pub mod resume;
 pub mod rng;
 pub mod schedule;
+pub mod tokenizer;
 pub mod train;

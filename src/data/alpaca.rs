@@ -1,0 +1,230 @@
+//! The `alpaca` dataset format: JSONL records `{"instruction": ..., "input"?: ..., "output": ...}`
+//! for instruction tuning.
+//!
+//! Each record becomes one row: `[BOS] prompt output EOS`, the prompt rendered with the Stanford
+//! Alpaca template ([`alpaca_prompt`]) and tokenized together with the output. Loss is carried by
+//! the output tokens and EOS only, or by every token but BOS with `train_on_prompt`. Masking is
+//! [`example_from_spans`](super::records::example_from_spans)'s: the loss span is the output's
+//! byte range, so a token straddling the prompt/output boundary carries no loss.
+
+use std::path::Path;
+
+use anyhow::{Result, bail};
+
+use super::pretokenized::Row;
+use super::records::{
+    LoadReport, OnError, Outcome, check_max_seq_len, encode_spans, masked_labels, no_rows_error,
+    opt_str_field, read_jsonl, str_field, token_i32,
+};
+use crate::tokenizer::Tokenizer;
+
+/// The Alpaca prompt for a record with an input.
+const PROMPT_INPUT: &str = "Below is an instruction that describes a task, paired with an input \
+                            that provides further context. Write a response that appropriately \
+                            completes the request.\n\n### Instruction:\n{instruction}\n\n### \
+                            Input:\n{input}\n\n### Response:\n";
+
+/// The Alpaca prompt for a record without an input.
+const PROMPT_NO_INPUT: &str = "Below is an instruction that describes a task. Write a response \
+                               that appropriately completes the request.\n\n### Instruction:\n\
+                               {instruction}\n\n### Response:\n";
+
+/// The Alpaca prompt: the template with an input when `input` is present and not empty (as in
+/// Stanford Alpaca), the one without otherwise. Ends with `"### Response:\n"`.
+pub fn alpaca_prompt(instruction: &str, input: Option<&str>) -> String {
+    match input {
+        Some(input) if !input.is_empty() => {
+            PROMPT_INPUT.replace("{instruction}", instruction).replace("{input}", input)
+        }
+        _ => PROMPT_NO_INPUT.replace("{instruction}", instruction),
+    }
+}
+
+/// Loads an `alpaca` JSONL file, one row per record (see the module doc).
+///
+/// A row longer than `max_seq_len` is cut from the end (its EOS is lost) and counted in
+/// [`LoadReport::truncated`]; a record whose prompt alone (BOS included) leaves no room for a
+/// response token is left out under either policy and listed in [`LoadReport::skipped`].
+///
+/// Errors: the tokenizer has no EOS, `max_seq_len < 2`, an unusable record under
+/// [`OnError::Fail`] (`FILE:LINE: <what>`: malformed JSON, missing or non-string `"instruction"`
+/// or `"output"`, an `"input"` that is neither a string nor null, text the tokenizer refuses), or
+/// no row at all.
+pub fn load_alpaca(
+    path: &Path,
+    tok: &dyn Tokenizer,
+    max_seq_len: usize,
+    train_on_prompt: bool,
+    on_error: OnError,
+) -> Result<(Vec<Row>, LoadReport)> {
+    check_max_seq_len(max_seq_len)?;
+    let Some(eos) = tok.eos_id() else {
+        bail!(
+            "the tokenizer has no EOS token; the alpaca format ends every example with EOS \
+             (dataset {})",
+            path.display()
+        );
+    };
+    let eos = token_i32(eos)?;
+    let mut report = LoadReport::default();
+    let mut truncated = 0;
+    let rows = read_jsonl(path, on_error, &mut report, |obj| {
+        let instruction = str_field(obj, "instruction")?;
+        let input = opt_str_field(obj, "input")?;
+        let output = str_field(obj, "output")?;
+        let prompt = alpaca_prompt(instruction, input);
+        let text = prompt.clone() + output;
+        let response = prompt.len()..text.len();
+        let (mut ids, mut in_span) = encode_spans(tok, &text, &[response], true)?;
+        ids.push(eos);
+        in_span.push(true);
+        // The prompt: every token before the first one of the output (or EOS).
+        let prompt_tokens = in_span.iter().position(|&x| x).unwrap_or(in_span.len());
+        if prompt_tokens >= max_seq_len {
+            return Ok(Outcome::Skip(format!(
+                "the prompt is {prompt_tokens} tokens, leaving no room for the response in \
+                 max_seq_len = {max_seq_len}"
+            )));
+        }
+        if ids.len() > max_seq_len {
+            ids.truncate(max_seq_len);
+            truncated += 1;
+        }
+        let labels = masked_labels(&ids, &in_span, train_on_prompt, tok.bos_id().is_some());
+        Ok(Outcome::Keep(Row { input_ids: ids, labels }))
+    })?;
+    report.truncated = truncated;
+    if rows.is_empty() {
+        return Err(no_rows_error(path, &report));
+    }
+    report.rows = rows.len();
+    Ok((rows, report))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::records::test_tokenizer::WordTokenizer;
+    use super::*;
+    use std::io::Write;
+
+    fn write(content: &str) -> tempfile::NamedTempFile {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(content.as_bytes()).unwrap();
+        f
+    }
+
+    fn words(text: &str) -> Vec<i32> {
+        text.split_whitespace().map(|w| WordTokenizer::word_id(w) as i32).collect()
+    }
+
+    #[test]
+    fn templates() {
+        assert_eq!(
+            alpaca_prompt("Add.", Some("1 2")),
+            "Below is an instruction that describes a task, paired with an input that provides \
+             further context. Write a response that appropriately completes the request.\n\n\
+             ### Instruction:\nAdd.\n\n### Input:\n1 2\n\n### Response:\n"
+        );
+        let no_input = "Below is an instruction that describes a task. Write a response that \
+                        appropriately completes the request.\n\n### Instruction:\nAdd.\n\n\
+                        ### Response:\n";
+        assert_eq!(alpaca_prompt("Add.", None), no_input);
+        assert_eq!(alpaca_prompt("Add.", Some("")), no_input);
+    }
+
+    #[test]
+    fn masks_the_prompt() {
+        let f = write(
+            "{\"instruction\": \"Add.\", \"input\": \"1 2\", \"output\": \"3 .\"}\n\
+             {\"instruction\": \"Hi.\", \"input\": null, \"output\": \"Hello\"}\n",
+        );
+        let tok = WordTokenizer::new();
+        for train_on_prompt in [false, true] {
+            let (rows, report) =
+                load_alpaca(f.path(), &tok, 512, train_on_prompt, OnError::Fail).unwrap();
+            assert_eq!(report.rows, 2);
+            for (row, (instruction, input, output)) in
+                rows.iter().zip([("Add.", Some("1 2"), "3 ."), ("Hi.", None, "Hello")])
+            {
+                let prompt = words(&alpaca_prompt(instruction, input));
+                let output = words(output);
+                let mut ids = vec![1];
+                ids.extend(&prompt);
+                ids.extend(&output);
+                ids.push(2);
+                assert_eq!(row.input_ids, ids);
+                let mut labels = vec![-100];
+                if train_on_prompt {
+                    labels.extend(&prompt);
+                } else {
+                    labels.extend(vec![-100; prompt.len()]);
+                }
+                labels.extend(&output);
+                labels.push(2);
+                assert_eq!(row.labels, labels, "train_on_prompt = {train_on_prompt}");
+            }
+        }
+    }
+
+    #[test]
+    fn truncates_or_skips() {
+        let tok = WordTokenizer::new();
+        let prompt_tokens = 1 + words(&alpaca_prompt("Hi.", None)).len();
+        let f = write(
+            "{\"instruction\": \"Hi.\", \"output\": \"a b c\"}\n\
+             {\"instruction\": \"Hi. Hi. Hi.\", \"output\": \"a\"}\n",
+        );
+        // Room for the prompt and two output tokens of the first record; the second record's
+        // prompt is two tokens longer and does not fit.
+        let max = prompt_tokens + 2;
+        let (rows, report) = load_alpaca(f.path(), &tok, max, false, OnError::Fail).unwrap();
+        assert_eq!(rows.len(), 1);
+        assert_eq!(rows[0].input_ids.len(), max);
+        assert_eq!(rows[0].labels[prompt_tokens..], words("a b"));
+        assert_eq!(report.truncated, 1);
+        assert_eq!(report.skipped.len(), 1);
+        assert_eq!(report.skipped[0].0, 2);
+        assert!(report.skipped[0].1.contains("leaving no room for the response"));
+        // A prompt that fills max_seq_len exactly does not fit either.
+        let err = load_alpaca(f.path(), &tok, prompt_tokens, false, OnError::Fail).unwrap_err();
+        assert!(err.to_string().contains("all 2 records were skipped"), "{err}");
+        // One token of room: the first output token only, no EOS.
+        let (rows, _) =
+            load_alpaca(f.path(), &tok, prompt_tokens + 1, false, OnError::Fail).unwrap();
+        assert_eq!(*rows[0].labels.last().unwrap(), words("a")[0]);
+    }
+
+    #[test]
+    fn wrong_types() {
+        let tok = WordTokenizer::new();
+        let f = write(
+            "{\"instruction\": \"x\", \"output\": \"y\"}\n\
+             {\"instruction\": \"x\", \"input\": 3, \"output\": \"y\"}\n\
+             {\"instruction\": \"x\"}\n",
+        );
+        let err = load_alpaca(f.path(), &tok, 512, false, OnError::Fail).unwrap_err();
+        let want =
+            format!("{}:2: field \"input\" is a number, expected a string", f.path().display());
+        assert_eq!(err.to_string(), want);
+        let (rows, report) = load_alpaca(f.path(), &tok, 512, false, OnError::Skip).unwrap();
+        assert_eq!(rows.len(), 1);
+        assert_eq!(
+            report.skipped,
+            vec![
+                (2, "field \"input\" is a number, expected a string".to_string()),
+                (3, "missing field \"output\"".to_string())
+            ]
+        );
+    }
+
+    #[test]
+    fn without_bos() {
+        let f = write("{\"instruction\": \"x\", \"output\": \"y\"}\n");
+        let tok = WordTokenizer { bos: None, eos: Some(2), add_bos: false };
+        let (rows, _) = load_alpaca(f.path(), &tok, 512, false, OnError::Fail).unwrap();
+        let prompt = words(&alpaca_prompt("x", None));
+        assert_eq!(rows[0].input_ids[..prompt.len()], prompt);
+        assert_eq!(rows[0].input_ids.len(), prompt.len() + 2);
+        assert_eq!(rows[0].labels[prompt.len()..], [words("y")[0], 2]);
+    }
+}
