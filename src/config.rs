@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 
+use crate::data::OnError;
 use crate::schedule::{LrSchedule, ScheduleKind};
 
 /// The YAML file as written by the user. Every key except `model.path` and `data.path` has a
@@ -73,6 +74,13 @@ pub enum DataFormat {
     Pretokenized,
     /// Uniformly random tokens, `train.max_seq_len` per row (benchmarks); needs no file.
     Synthetic,
+    /// `{"text": ...}`: tokenized, EOS-terminated, cut into `train.max_seq_len` windows.
+    Text,
+    /// `{"instruction", "input"?, "output"}` in the Alpaca prompt; loss on the output.
+    Alpaca,
+    /// `{"messages": [{"role", "content"}, ...]}` rendered with the tokenizer's chat template;
+    /// loss on assistant turns.
+    Chat,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -88,6 +96,21 @@ pub struct DataSection {
     /// k takes rows `[k*B, (k+1)*B)` in file order, cycling.
     #[serde(default)]
     pub shuffle: bool,
+    /// Tokenizer of the text formats: `byte`, or a directory with `tokenizer.json` (and
+    /// `tokenizer_config.json`). Default: `model.path`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<String>,
+    /// Also train on prompt tokens (alpaca, chat). Default false: loss on responses only.
+    #[serde(default)]
+    pub train_on_prompt: bool,
+    /// Pack short examples into rows of up to `train.max_seq_len` tokens (the loss never
+    /// crosses an example boundary). Default false.
+    #[serde(default)]
+    pub pack: bool,
+    /// A bad record: `fail` (default) stops with its file and line; `skip` leaves it out and
+    /// counts it.
+    #[serde(default)]
+    pub on_error: OnError,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize)]

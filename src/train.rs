@@ -14,6 +14,7 @@ use serde::Serialize;
 
 use crate::config::{ByteSize, DataFormat, ModelInit, RawConfig, RunConfig};
 use crate::data::pretokenized::{Batch, PretokenizedDataset, Row, load_pretokenized, make_batch};
+use crate::data::{load_alpaca, load_chat, load_text, pack, shuffled_order};
 use crate::engine::exec::{Engine, EngineConfig, Sizes, StepParams};
 use crate::engine::memory::{MemoryPlan, peak_rss_bytes};
 use crate::hf::checkpoint::SaveDtype;
@@ -23,6 +24,7 @@ use crate::model::params::ParamStore;
 use crate::model::transformer::{Capacity, Transformer};
 use crate::optim::adamw::{AdamWConfig, AdamWStep, adamw_update, clip_coefficient, sum_squares};
 use crate::rng::SplitMix64;
+use crate::tokenizer::{ByteTokenizer, HfTokenizer, Tokenizer};
 use horizon_backend::Device;
 use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig};
 
@@ -97,25 +99,20 @@ impl TrainState {
 /// Row indices of batch `k`: `[k*B, (k+1)*B)` cycling through the data; with `shuffle`, each
 /// epoch reads the rows in its own seeded permutation.
 pub fn batch_indices(len: usize, k: usize, b: usize, shuffle: bool, seed: u64) -> Vec<usize> {
+    let mut perm: Option<(usize, Vec<usize>)> = None;
     (0..b)
         .map(|i| {
             let g = k * b + i;
             let (epoch, pos) = (g / len, g % len);
-            if shuffle { epoch_permutation(len, seed, epoch as u64)[pos] } else { pos }
+            if !shuffle {
+                return pos;
+            }
+            if perm.as_ref().is_none_or(|(e, _)| *e != epoch) {
+                perm = Some((epoch, shuffled_order(len, seed, epoch as u64)));
+            }
+            perm.as_ref().expect("set above").1[pos]
         })
         .collect()
-}
-
-/// Fisher-Yates permutation of `0..len` from a splitmix64 stream seeded by (seed, epoch).
-fn epoch_permutation(len: usize, seed: u64, epoch: u64) -> Vec<usize> {
-    let mut rng =
-        SplitMix64::new(seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03);
-    let mut p: Vec<usize> = (0..len).collect();
-    for i in (1..len).rev() {
-        let j = rng.below(i as u64 + 1) as usize;
-        p.swap(i, j);
-    }
-    p
 }
 
 /// Everything a run needs, loaded and checked before the first step.
@@ -252,22 +249,56 @@ pub fn load_model(raw: &RawConfig) -> Result<(ModelConfig, ParamStore)> {
     Ok((model_cfg, params))
 }
 
+/// The tokenizer a config names for its text formats.
+pub fn load_tokenizer(raw: &RawConfig) -> Result<Box<dyn Tokenizer>> {
+    let dir = match (&raw.data.tokenizer, &raw.model.path) {
+        (Some(t), _) if t == "byte" => return Ok(Box::new(ByteTokenizer::new())),
+        (Some(t), _) => PathBuf::from(t),
+        (None, Some(p)) => p.clone(),
+        (None, None) => bail!(
+            "data.format {:?} needs a tokenizer\nhint: set data.tokenizer to `byte` or to a directory with tokenizer.json",
+            raw.data.format
+        ),
+    };
+    Ok(Box::new(HfTokenizer::from_dir(&dir)?))
+}
+
 /// The rows a config names.
 pub fn load_data(raw: &RawConfig, vocab_size: usize) -> Result<PretokenizedDataset> {
-    match raw.data.format {
-        DataFormat::Pretokenized => {
-            let path = raw.data.path.as_deref().context("data.path is missing")?;
-            load_pretokenized(path, raw.train.max_seq_len, vocab_size)
-        }
+    let d = &raw.data;
+    let max = raw.train.max_seq_len;
+    let path = || d.path.as_deref().context("data.path is missing");
+    let (rows, report) = match d.format {
+        DataFormat::Pretokenized => return load_pretokenized(path()?, max, vocab_size),
         DataFormat::Synthetic => {
             let t = &raw.train;
             let n = t.batch_size * t.steps.min(16);
-            Ok(PretokenizedDataset {
-                rows: synthetic_rows(n, t.max_seq_len, vocab_size, t.seed),
+            return Ok(PretokenizedDataset {
+                rows: synthetic_rows(n, max, vocab_size, t.seed),
                 path: "synthetic".into(),
-            })
+            });
         }
-    }
+        DataFormat::Text | DataFormat::Alpaca | DataFormat::Chat => {
+            let tok = load_tokenizer(raw)?;
+            if tok.vocab_size() > vocab_size {
+                bail!(
+                    "the tokenizer has {} ids but the model's vocab_size is {vocab_size}\nhint: the tokenizer and the model must match",
+                    tok.vocab_size()
+                );
+            }
+            let p = path()?;
+            match d.format {
+                DataFormat::Text => load_text(p, tok.as_ref(), max, d.on_error)?,
+                DataFormat::Alpaca => {
+                    load_alpaca(p, tok.as_ref(), max, d.train_on_prompt, d.on_error)?
+                }
+                _ => load_chat(p, tok.as_ref(), max, d.train_on_prompt, d.on_error)?,
+            }
+        }
+    };
+    println!("data: {}", report.summary());
+    let rows = if d.pack { pack(rows, max) } else { rows };
+    Ok(PretokenizedDataset { rows, path: path()?.to_path_buf() })
 }
 
 /// `n` rows of `len` uniformly random tokens.

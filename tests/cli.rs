@@ -234,3 +234,100 @@ fn no_config_is_a_clear_error() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("--config"), "{}", stderr(&o));
 }
+
+/// A small random model and the Qwen-style fixture tokenizer (500 ids).
+fn chat_config(dir: &Path, data: &str, extra_data: &str) -> std::path::PathBuf {
+    let data_path = dir.join("chat.jsonl");
+    fs::write(&data_path, data).unwrap();
+    let tok = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizers/qwen2");
+    let yaml = format!(
+        "model: {{ init: random, arch: qwen2, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2,\n\
+         \x20        num_attention_heads: 2, num_key_value_heads: 1, vocab_size: 512 }}\n\
+         data: {{ path: '{}', format: chat, tokenizer: '{}'{extra_data} }}\n\
+         train: {{ steps: 2, batch_size: 2, max_seq_len: 64 }}\n\
+         output: {{ dir: '{}' }}\n",
+        data_path.display(),
+        tok.display(),
+        dir.join("out").display()
+    );
+    let path = dir.join("config.yaml");
+    fs::write(&path, yaml).unwrap();
+    path
+}
+
+const CHAT: &str = "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}, {\"role\": \"assistant\", \"content\": \"hello there\"}]}\n\
+{\"messages\": [{\"role\": \"system\", \"content\": \"be brief\"}, {\"role\": \"user\", \"content\": \"2+2?\"}, {\"role\": \"assistant\", \"content\": \"4\"}]}\n";
+
+#[test]
+fn chat_data_trains() {
+    let tmp = tempfile::tempdir().unwrap();
+    let o = train(&chat_config(tmp.path(), CHAT, ""));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let metrics = fs::read_to_string(tmp.path().join("out/metrics.jsonl")).unwrap();
+    assert_eq!(metrics.lines().count(), 2);
+}
+
+#[test]
+fn wrong_role_in_chat() {
+    let tmp = tempfile::tempdir().unwrap();
+    let bad = format!(
+        "{CHAT}{{\"messages\": [{{\"role\": \"bot\", \"content\": \"x\"}}, {{\"role\": \"assistant\", \"content\": \"y\"}}]}}\n"
+    );
+    expect_error(&chat_config(tmp.path(), &bad, ""), &["chat.jsonl:3", "bot"]);
+}
+
+#[test]
+fn chat_template_missing() {
+    let tmp = tempfile::tempdir().unwrap();
+    // The byte tokenizer has a built-in template; a tokenizer directory without one fails.
+    let tokdir = tmp.path().join("tok");
+    fs::create_dir_all(&tokdir).unwrap();
+    let src = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/tokenizers/qwen2/tokenizer.json");
+    fs::copy(src, tokdir.join("tokenizer.json")).unwrap();
+    let cfg = chat_config(tmp.path(), CHAT, "");
+    let yaml = fs::read_to_string(&cfg).unwrap().replace("tokenizers/qwen2", "NOPE");
+    let yaml = yaml.replace(
+        &format!("{}", Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/NOPE").display()),
+        &tokdir.display().to_string(),
+    );
+    fs::write(&cfg, yaml).unwrap();
+    expect_error(&cfg, &["chat template"]);
+}
+
+#[test]
+fn output_directory_not_writable() {
+    let tmp = tempfile::tempdir().unwrap();
+    let blocker = tmp.path().join("file");
+    fs::write(&blocker, "not a directory").unwrap();
+    let cfg = fixture_config(tmp.path(), "llama_gqa");
+    let yaml = fs::read_to_string(&cfg).unwrap().replace(
+        &format!("dir: '{}'", tmp.path().join("out").display()),
+        &format!("dir: '{}'", blocker.join("out").display()),
+    );
+    fs::write(&cfg, yaml).unwrap();
+    expect_error(&cfg, &["output.dir"]);
+}
+
+#[test]
+fn resume_from_a_different_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = fixture_config(tmp.path(), "llama_gqa");
+    let yaml = fs::read_to_string(&cfg)
+        .unwrap()
+        .replace("max_seq_len: 64 }", "max_seq_len: 64, save_every: 1 }");
+    fs::write(&cfg, &yaml).unwrap();
+    let o = train(&cfg);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let ckpt = tmp.path().join("out/checkpoints/step-00000003");
+    assert!(ckpt.is_dir());
+    let other = tempfile::tempdir().unwrap();
+    let cfg2 = fixture_config(other.path(), "qwen2_tied_padded");
+    let o =
+        horizon(&["train", "--config", cfg2.to_str().unwrap(), "--resume", ckpt.to_str().unwrap()]);
+    let err = stderr(&o);
+    assert!(
+        !o.status.success() && err.contains("different model") && !err.contains("panicked"),
+        "{err}"
+    );
+}

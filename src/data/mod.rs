@@ -6,6 +6,7 @@
 //! split ([`split_eval`]), packed ([`pack`]) and shuffled ([`shuffled_order`]).
 
 pub mod alpaca;
+pub mod chat;
 pub mod pack;
 pub mod pretokenized;
 pub mod records;
@@ -13,6 +14,7 @@ pub mod split;
 pub mod text;
 
 pub use alpaca::{alpaca_prompt, load_alpaca};
+pub use chat::load_chat;
 pub use pack::pack;
 pub use pretokenized::{
     Batch, IGNORE_INDEX, PretokenizedDataset, Row, batch_rows, load_pretokenized, make_batch,

@@ -18,7 +18,7 @@ pub type JsonObject = Map<String, Value>;
 
 /// What to do with a record that cannot be used (malformed JSON, missing field, wrong type, text
 /// the tokenizer refuses).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum OnError {
     /// Stop with a one-line error `FILE:LINE: <what>` (the default).
