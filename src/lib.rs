@@ -3,6 +3,7 @@
 
 pub mod config;
 pub mod data;
+pub mod default_job;
 pub mod engine;
 pub mod hf;
 pub mod model;

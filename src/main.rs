@@ -53,9 +53,10 @@ fn try_main(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Train { config, resume } => {
             let Some(path) = config else {
-                bail!(
-                    "no config given\nhint: horizon train --config configs/llama_gqa.yaml (see README.md)"
-                );
+                if resume.is_some() {
+                    bail!("--resume needs the run's --config");
+                }
+                return horizon::default_job::run(&horizon::default_job::default_out());
             };
             let cfg = horizon::config::RawConfig::from_file(&path)?
                 .resolve(&path.display().to_string())?;

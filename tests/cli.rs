@@ -229,8 +229,10 @@ fn empty_dataset() {
 }
 
 #[test]
-fn no_config_is_a_clear_error() {
-    let o = horizon(&["train"]);
+fn resume_without_a_config_is_a_clear_error() {
+    // `horizon train` alone runs the built-in default job (tests/default_job.rs); resuming
+    // needs the run's config.
+    let o = horizon(&["train", "--resume", "latest"]);
     assert!(!o.status.success());
     assert!(stderr(&o).contains("--config"), "{}", stderr(&o));
 }
