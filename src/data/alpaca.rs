@@ -13,7 +13,7 @@ use anyhow::{Result, bail};
 
 use super::pretokenized::Row;
 use super::records::{
-    LoadReport, OnError, Outcome, check_max_seq_len, encode_spans, masked_labels, no_rows_error,
+    LoadReport, OnError, Outcome, check_max_seq_len, encode_spans, finish_load, masked_labels,
     opt_str_field, read_jsonl, str_field, token_i32,
 };
 use crate::tokenizer::Tokenizer;
@@ -93,12 +93,7 @@ pub fn load_alpaca(
         let labels = masked_labels(&ids, &in_span, train_on_prompt, tok.bos_id().is_some());
         Ok(Outcome::Keep(Row { input_ids: ids, labels }))
     })?;
-    report.truncated = truncated;
-    if rows.is_empty() {
-        return Err(no_rows_error(path, &report));
-    }
-    report.rows = rows.len();
-    Ok((rows, report))
+    finish_load(path, rows, report, truncated)
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@ use anyhow::{Context, Result, bail};
 
 use crate::data::pretokenized::Row;
 use crate::data::records::{
-    LoadReport, OnError, Outcome, check_max_seq_len, example_from_spans, no_rows_error, read_jsonl,
+    LoadReport, OnError, Outcome, check_max_seq_len, example_from_spans, finish_load, read_jsonl,
 };
 use crate::tokenizer::{Message, Tokenizer};
 
@@ -45,10 +45,5 @@ pub fn load_chat(
         }
         Ok(Outcome::Keep(row))
     })?;
-    report.truncated = truncated;
-    if rows.is_empty() {
-        return Err(no_rows_error(path, &report));
-    }
-    report.rows = rows.len();
-    Ok((rows, report))
+    finish_load(path, rows, report, truncated)
 }

@@ -106,6 +106,21 @@ pub fn read_jsonl<T>(
     Ok(kept)
 }
 
+/// Close a load: record the counts in the report, and refuse an empty result naming the file.
+pub fn finish_load(
+    path: &Path,
+    rows: Vec<Row>,
+    mut report: LoadReport,
+    truncated: usize,
+) -> Result<(Vec<Row>, LoadReport)> {
+    report.truncated = truncated;
+    if rows.is_empty() {
+        return Err(no_rows_error(path, &report));
+    }
+    report.rows = rows.len();
+    Ok((rows, report))
+}
+
 /// The error for a dataset that produced no row, naming the file and why.
 pub fn no_rows_error(path: &Path, report: &LoadReport) -> anyhow::Error {
     let file = path.display();
