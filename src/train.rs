@@ -162,15 +162,8 @@ impl Trainer {
             batch.num_targets,
         )?;
         let grad_norm = self.state.grad_norm();
-        let acfg = AdamWConfig {
-            lr: o.lr,
-            beta1: o.betas[0],
-            beta2: o.betas[1],
-            eps: o.eps,
-            weight_decay: o.weight_decay,
-        };
         let lr = self.cfg.raw.lr_schedule().lr_at(k + 1);
-        self.state.optimizer_step(&acfg, lr, grad_norm, o.grad_clip);
+        self.state.optimizer_step(&adamw_config(&self.cfg.raw), lr, grad_norm, o.grad_clip);
         Ok(StepMetrics {
             step: k + 1,
             loss: out.loss(),

@@ -100,12 +100,9 @@ pub fn load_alpaca(
 mod tests {
     use super::super::records::test_tokenizer::WordTokenizer;
     use super::*;
-    use std::io::Write;
 
     fn write(content: &str) -> tempfile::NamedTempFile {
-        let mut f = tempfile::NamedTempFile::new().unwrap();
-        f.write_all(content.as_bytes()).unwrap();
-        f
+        crate::data::records::test_tokenizer::write_temp(content)
     }
 
     fn words(text: &str) -> Vec<i32> {

@@ -183,12 +183,9 @@ pub fn batch_rows(ds: &PretokenizedDataset, k: usize, b: usize) -> Vec<&Row> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::io::Write;
 
     fn write(content: &str) -> tempfile::NamedTempFile {
-        let mut f = tempfile::NamedTempFile::new().unwrap();
-        f.write_all(content.as_bytes()).unwrap();
-        f
+        crate::data::records::test_tokenizer::write_temp(content)
     }
 
     fn load(content: &str) -> Result<PretokenizedDataset> {

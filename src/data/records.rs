@@ -271,7 +271,15 @@ pub fn masked_labels(
 /// A tiny tokenizer for the unit tests of the data formats.
 #[cfg(test)]
 pub(crate) mod test_tokenizer {
+    use std::io::Write;
     use std::ops::Range;
+
+    /// A temporary file holding `content` (for loader tests).
+    pub(crate) fn write_temp(content: &str) -> tempfile::NamedTempFile {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(content.as_bytes()).unwrap();
+        f
+    }
 
     use anyhow::{Result, bail};
 
@@ -357,12 +365,9 @@ pub(crate) mod test_tokenizer {
 mod tests {
     use super::test_tokenizer::WordTokenizer;
     use super::*;
-    use std::io::Write;
 
     fn write(content: &str) -> tempfile::NamedTempFile {
-        let mut f = tempfile::NamedTempFile::new().unwrap();
-        f.write_all(content.as_bytes()).unwrap();
-        f
+        crate::data::records::test_tokenizer::write_temp(content)
     }
 
     fn w(word: &str) -> i32 {

@@ -84,12 +84,9 @@ fn windows(stream: &[i32], max_seq_len: usize) -> Vec<Row> {
 mod tests {
     use super::super::records::test_tokenizer::WordTokenizer;
     use super::*;
-    use std::io::Write;
 
     fn write(content: &str) -> tempfile::NamedTempFile {
-        let mut f = tempfile::NamedTempFile::new().unwrap();
-        f.write_all(content.as_bytes()).unwrap();
-        f
+        crate::data::records::test_tokenizer::write_temp(content)
     }
 
     fn w(word: &str) -> i32 {

@@ -118,16 +118,18 @@ impl fmt::Display for MemoryPlan {
 
 /// MemAvailable from /proc/meminfo, where there is one.
 pub fn host_available_bytes() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
+    proc_kib("/proc/meminfo", "MemAvailable:")
 }
 
 /// The process's peak resident set (VmHWM), where the OS reports it.
 pub fn peak_rss_bytes() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = text.lines().find(|l| l.starts_with("VmHWM:"))?;
+    proc_kib("/proc/self/status", "VmHWM:")
+}
+
+/// The `key: N kB` line of a /proc file, in bytes.
+fn proc_kib(path: &str, key: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let line = text.lines().find(|l| l.starts_with(key))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
 }
