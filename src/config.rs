@@ -111,6 +111,18 @@ pub struct DataSection {
     /// counts it.
     #[serde(default)]
     pub on_error: OnError,
+    /// Hold out this fraction of the examples (chosen from `train.seed`, before packing) for
+    /// evaluation. Default 0: no held-out split.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub eval_fraction: f64,
+    /// A separate JSONL file of evaluation examples, in `format`. Exclusive with
+    /// `eval_fraction`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_path: Option<PathBuf>,
+}
+
+fn is_zero(x: &f64) -> bool {
+    *x == 0.0
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -137,6 +149,9 @@ pub struct TrainSection {
     /// Consecutive steps with a non-finite loss or gradient norm (each skipped, nothing
     /// written) after which the run stops. Default 5.
     pub max_bad_steps: usize,
+    /// With a held-out split, report the eval loss every this many steps (and after the last
+    /// step); 0 = only after the last step. Default 0.
+    pub eval_every: usize,
 }
 
 impl Default for TrainSection {
@@ -150,6 +165,7 @@ impl Default for TrainSection {
             save_every: 0,
             keep_checkpoints: 2,
             max_bad_steps: 5,
+            eval_every: 0,
         }
     }
 }
@@ -193,13 +209,55 @@ impl Default for OptimizerSection {
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct OutputSection {
-    /// Output directory: `metrics.jsonl`, `config.yaml`, `final/`. Default `out`.
+    /// Output directory: `metrics.jsonl`, `config.yaml`, `summary.json`, `report.md`,
+    /// `training.png`, `checkpoints/`, `final/`. Default `out`.
     pub dir: PathBuf,
+    /// Weight type of the exported `final/` directory: `fp32` (default) or `bf16` (rounded to
+    /// nearest even).
+    pub dtype: WeightDtype,
+    /// Split the exported weights into shards of at most this size (with
+    /// `model.safetensors.index.json`). Default 5GB, as `transformers`.
+    pub max_shard_size: ByteSize,
 }
 
 impl Default for OutputSection {
     fn default() -> Self {
-        OutputSection { dir: PathBuf::from("out") }
+        OutputSection {
+            dir: PathBuf::from("out"),
+            dtype: WeightDtype::Fp32,
+            max_shard_size: ByteSize::Bytes(crate::export::DEFAULT_MAX_SHARD_BYTES),
+        }
+    }
+}
+
+/// Element type of exported weights.
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum WeightDtype {
+    #[default]
+    Fp32,
+    Bf16,
+}
+
+impl WeightDtype {
+    pub fn save_dtype(self) -> crate::hf::checkpoint::SaveDtype {
+        match self {
+            WeightDtype::Fp32 => crate::hf::checkpoint::SaveDtype::F32,
+            WeightDtype::Bf16 => crate::hf::checkpoint::SaveDtype::Bf16,
+        }
+    }
+}
+
+impl OutputSection {
+    /// The export options of `final/`.
+    pub fn export_options(&self) -> crate::export::ExportOptions {
+        crate::export::ExportOptions {
+            dtype: self.dtype.save_dtype(),
+            max_shard_bytes: match self.max_shard_size {
+                ByteSize::Auto => crate::export::DEFAULT_MAX_SHARD_BYTES,
+                ByteSize::Bytes(b) => b.max(1),
+            },
+        }
     }
 }
 
@@ -350,9 +408,34 @@ impl RawConfig {
 
     /// Read and parse a YAML file.
     pub fn from_file(path: &Path) -> Result<Self> {
+        Self::from_file_with(path, &[])
+    }
+
+    /// Read and parse a YAML file, then apply command-line `--set key=value` overrides.
+    pub fn from_file_with(path: &Path, overrides: &[String]) -> Result<Self> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read config file {}", path.display()))?;
-        Self::from_yaml(&text, &path.display().to_string())
+        Self::from_yaml_with(&text, &path.display().to_string(), overrides)
+    }
+
+    /// Parse YAML text with `--set` overrides applied: each is `dotted.key=value`, the value
+    /// read as YAML (`train.steps=200`, `optimizer.betas=[0.9, 0.95]`, `data.path=x.jsonl`).
+    /// A key that does not exist is refused by name, as in the file.
+    pub fn from_yaml_with(text: &str, origin: &str, overrides: &[String]) -> Result<Self> {
+        if overrides.is_empty() {
+            return Self::from_yaml(text, origin);
+        }
+        let mut doc: serde_json::Value = if text.trim().is_empty() {
+            serde_json::Value::Object(Default::default())
+        } else {
+            serde_saphyr::from_str(text).map_err(|e| anyhow::anyhow!("{origin}: {e}"))?
+        };
+        for o in overrides {
+            apply_override(&mut doc, o)?;
+        }
+        let yaml = serde_saphyr::to_string(&doc)
+            .map_err(|e| anyhow::anyhow!("{origin}: cannot apply --set overrides: {e}"))?;
+        Self::from_yaml(&yaml, &format!("{origin} (with --set {})", overrides.join(" ")))
     }
 
     /// Validate and derive.
@@ -424,6 +507,20 @@ impl RawConfig {
             }
             _ => {}
         }
+        let d = &self.data;
+        if !(d.eval_fraction.is_finite() && (0.0..1.0).contains(&d.eval_fraction)) {
+            bail!("{origin}: data.eval_fraction must be in [0, 1) (got {})", d.eval_fraction);
+        }
+        if d.eval_fraction > 0.0 && d.eval_path.is_some() {
+            bail!(
+                "{origin}: data.eval_fraction and data.eval_path are both set\nhint: hold out a fraction of data.path, or give a separate eval file, not both"
+            );
+        }
+        if t.eval_every > 0 && d.eval_fraction == 0.0 && d.eval_path.is_none() {
+            bail!(
+                "{origin}: train.eval_every is set but there is no held-out data\nhint: set data.eval_fraction (e.g. 0.05) or data.eval_path"
+            );
+        }
         if self.data.format != DataFormat::Synthetic && self.data.path.is_none() {
             bail!(
                 "{origin}: data.path is missing\nhint: give data.path (a JSONL file), or data.format: synthetic for a benchmark"
@@ -438,9 +535,98 @@ impl RawConfig {
     }
 }
 
+/// Apply one `dotted.key=value` override to a parsed config document.
+fn apply_override(doc: &mut serde_json::Value, o: &str) -> Result<()> {
+    let hint = "hint: write --set section.key=value, e.g. --set train.steps=200";
+    let Some((key, val)) = o.split_once('=') else {
+        bail!("--set {o}: no '=' in the override\n{hint}");
+    };
+    let key = key.trim();
+    let parts: Vec<&str> = key.split('.').collect();
+    if key.is_empty() || parts.iter().any(|p| p.is_empty()) {
+        bail!("--set {o}: '{key}' is not a dotted key\n{hint}");
+    }
+    let value: serde_json::Value = if val.trim().is_empty() {
+        serde_json::Value::Null
+    } else {
+        serde_saphyr::from_str(val).unwrap_or_else(|_| serde_json::Value::String(val.to_string()))
+    };
+    let mut node = doc;
+    for (i, part) in parts.iter().enumerate() {
+        let serde_json::Value::Object(map) = node else {
+            bail!("--set {o}: '{}' is not a section\n{hint}", parts[..i].join("."));
+        };
+        if i + 1 == parts.len() {
+            map.insert(part.to_string(), value);
+            return Ok(());
+        }
+        node = map
+            .entry(part.to_string())
+            .or_insert_with(|| serde_json::Value::Object(Default::default()));
+    }
+    unreachable!("the loop returns at the last part")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn set_overrides_any_key_and_refuses_unknown_ones() {
+        let yaml = "model: {path: m}\ndata: {path: d.jsonl}\ntrain: {steps: 5}\n";
+        let c = RawConfig::from_yaml_with(
+            yaml,
+            "t.yaml",
+            &[
+                "train.steps=200".into(),
+                "optimizer.betas=[0.9, 0.95]".into(),
+                "model.hidden_size=64".into(),
+                "data.path=other.jsonl".into(),
+                "output.dir=runs/a".into(),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.train.steps, 200);
+        assert_eq!(c.optimizer.betas, [0.9, 0.95]);
+        assert_eq!(c.model.hf["hidden_size"], 64);
+        assert_eq!(c.data.path.as_deref(), Some(Path::new("other.jsonl")));
+        assert_eq!(c.output.dir, Path::new("runs/a"));
+        let e = RawConfig::from_yaml_with(yaml, "t.yaml", &["train.stepz=3".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("stepz") && e.contains("t.yaml"), "{e}");
+        let e = RawConfig::from_yaml_with(yaml, "t.yaml", &["train.steps".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("no '='"), "{e}");
+        let e = RawConfig::from_yaml_with(yaml, "t.yaml", &["train.steps.x=1".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("train.steps") && e.contains("not a section"), "{e}");
+    }
+
+    #[test]
+    fn eval_keys_are_checked() {
+        let base = "model: {path: m}\ndata: {path: d.jsonl";
+        let ok = RawConfig::from_yaml(
+            &format!("{base}, eval_fraction: 0.1}}\ntrain: {{eval_every: 5}}\n"),
+            "t",
+        )
+        .unwrap();
+        ok.resolve("t").unwrap();
+        for (extra, want) in [
+            (", eval_fraction: 1.5}\n", "data.eval_fraction"),
+            (", eval_fraction: 0.1, eval_path: e.jsonl}\n", "both set"),
+            ("}\ntrain: {eval_every: 5}\n", "train.eval_every"),
+        ] {
+            let e = RawConfig::from_yaml(&format!("{base}{extra}"), "t")
+                .unwrap()
+                .resolve("t")
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(want), "{e}");
+        }
+    }
 
     #[test]
     fn defaults_fill_everything_but_paths() {

@@ -7,16 +7,15 @@ use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result};
-use horizon_backend::CpuBackend;
-
 use crate::config::RawConfig;
-use crate::data::pretokenized::{Batch, Row};
+use crate::data::pretokenized::Row;
+use crate::generate::{Generator, SampleOptions};
+use crate::model::layout::ModelLayout;
 use crate::model::params::ParamStore;
-use crate::model::transformer::{Capacity, Transformer};
 use crate::rng::SplitMix64;
 use crate::tokenizer::{ByteTokenizer, Tokenizer};
 use crate::train::{model_config, run_streaming};
+use anyhow::{Context, Result};
 
 /// Optimizer steps of the default job.
 pub const STEPS: usize = 1200;
@@ -26,7 +25,7 @@ pub fn config_yaml(out: &Path, steps: usize) -> String {
     format!(
         "# Built-in default job: two-digit addition, a small Llama from scratch, byte tokenizer.\n\
 model:\n  init: random\n  arch: llama\n  seed: 0\n  hidden_size: 96\n  intermediate_size: 256\n  num_hidden_layers: 3\n  num_attention_heads: 4\n  num_key_value_heads: 4\n  vocab_size: 259\n  max_position_embeddings: 16\n\
-data:\n  path: '{data}'\n  format: pretokenized\n  shuffle: true\n\
+data:\n  path: '{data}'\n  format: pretokenized\n  tokenizer: byte\n  shuffle: true\n\
 train:\n  steps: {steps}\n  batch_size: 64\n  max_seq_len: 12\n  seed: 0\n\
 optimizer:\n  lr: 3.0e-3\n  schedule: cosine\n  warmup_steps: 40\n  min_lr: 1.0e-4\n  betas: [0.9, 0.98]\n  weight_decay: 0.0\n  grad_clip: 1.0\n\
 engine:\n  checkpoint_every: 1\n\
@@ -73,12 +72,14 @@ fn row(tok: &ByteTokenizer, a: u32, b: u32) -> Result<Row> {
 }
 
 /// Write the training data, run the job on the streaming engine, then evaluate.
-pub fn run(out: &Path) -> Result<()> {
-    run_with(out, STEPS).map(|_| ())
+/// `overrides` are `--set key=value` pairs applied to its config.
+pub fn run(out: &Path, overrides: &[String]) -> Result<()> {
+    run_with(out, STEPS, overrides).map(|_| ())
 }
 
-/// The default job with `steps` optimizer steps; returns the held-out accuracy.
-pub fn run_with(out: &Path, steps: usize) -> Result<f64> {
+/// The default job with `steps` optimizer steps (and `--set` overrides); returns the held-out
+/// accuracy.
+pub fn run_with(out: &Path, steps: usize, overrides: &[String]) -> Result<f64> {
     fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
     let tok = ByteTokenizer::new();
     let (train, held_out) = problems(0);
@@ -91,16 +92,16 @@ pub fn run_with(out: &Path, steps: usize) -> Result<f64> {
     }
     drop(f);
     let yaml = config_yaml(out, steps);
-    let raw = RawConfig::from_yaml(&yaml, "built-in default job")?;
+    let raw = RawConfig::from_yaml_with(&yaml, "built-in default job", overrides)?;
     let cfg = raw.clone().resolve("built-in default job")?;
     println!(
         "Horizon default job: a {}-layer Llama learns two-digit addition from {} examples ({} held out).",
-        3,
+        model_config(&raw)?.num_layers,
         train.len(),
         held_out.len()
     );
     run_streaming(cfg, true, 0, None)?;
-    evaluate(&raw, &out.join("final"), &tok, &held_out)
+    evaluate(&raw, &raw.output.dir.join("final"), &tok, &held_out)
 }
 
 /// Greedy answers to held-out problems with the trained model; prints some and the accuracy.
@@ -111,18 +112,14 @@ fn evaluate(
     held_out: &[Problem],
 ) -> Result<f64> {
     let model_cfg = model_config(raw)?;
-    let mut tr = Transformer::new(
-        CpuBackend,
-        &model_cfg,
-        Capacity { batch: 1, seq_len: 12, head_chunk_rows: 12 },
-    );
-    let params = ParamStore::load_hf(&tr.layout, final_dir)?;
+    let params = ParamStore::load_hf(&ModelLayout::new(&model_cfg), final_dir)?;
+    let mut g = Generator::new(&model_cfg, params, Box::new(ByteTokenizer::new()));
     let n = 200.min(held_out.len());
     let mut correct = 0;
     println!("\nheld-out problems (greedy answers):");
     for (i, &(a, b)) in held_out[..n].iter().enumerate() {
         let prompt = prompt_text(a, b);
-        let answer = greedy(&mut tr, &params, tok, &prompt, 5)?;
+        let answer = g.generate(&tok.encode(&prompt)?, SampleOptions::greedy(5), &mut |_| {})?;
         let ok = answer == answer_text(a, b);
         correct += ok as usize;
         if i < 8 {
@@ -134,38 +131,6 @@ fn evaluate(
         100.0 * correct as f64 / n as f64
     );
     Ok(correct as f64 / n as f64)
-}
-
-/// Decode greedily from `prompt` until EOS or `max_new` tokens.
-fn greedy(
-    tr: &mut Transformer<CpuBackend>,
-    params: &ParamStore,
-    tok: &ByteTokenizer,
-    prompt: &str,
-    max_new: usize,
-) -> Result<String> {
-    let mut ids: Vec<i32> = tok.encode(prompt)?.iter().map(|&t| t as i32).collect();
-    let eos = tok.eos_id().expect("byte tokenizer has EOS") as i32;
-    let v = tr.layout.dims.v;
-    let mut out = Vec::new();
-    for _ in 0..max_new {
-        let t = ids.len();
-        let batch =
-            Batch { b: 1, t, input_ids: ids.clone(), targets: vec![-100; t], num_targets: 0 };
-        let (_, logits) = tr.forward_inspect(params, &batch)?;
-        let last = &logits[(t - 1) * v..t * v];
-        let next = last
-            .iter()
-            .enumerate()
-            .fold((0, f32::NEG_INFINITY), |m, (i, &x)| if x > m.1 { (i, x) } else { m })
-            .0 as i32;
-        if next == eos {
-            break;
-        }
-        out.push(next as u32);
-        ids.push(next);
-    }
-    tok.decode(&out, true)
 }
 
 /// Where the default job writes.

@@ -25,6 +25,9 @@ enum Command {
         /// Continue from a checkpoint directory, or `latest` (the newest in OUT/checkpoints).
         #[arg(long)]
         resume: Option<String>,
+        /// Override a config key: `--set train.steps=200` (repeatable; the value is YAML).
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        set: Vec<String>,
     },
     /// Run a config's steps on the streaming engine without exporting, and report throughput,
     /// overlap (wall time over the busier of compute and link) and memory, after warm-up.
@@ -35,11 +38,57 @@ enum Command {
         /// Steps excluded from the timings.
         #[arg(long, default_value_t = 1)]
         warmup: usize,
+        /// Override a config key: `--set train.steps=20` (repeatable; the value is YAML).
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        set: Vec<String>,
+    },
+    /// Write a Hugging Face directory (config.json, safetensors shards + index, tokenizer files)
+    /// from a checkpoint, a run's output directory (its newest checkpoint) or a HF directory.
+    Export {
+        /// A checkpoint (OUT/checkpoints/step-N), a run's output directory, or a HF directory.
+        source: PathBuf,
+        /// The directory to write.
+        #[arg(long)]
+        out: PathBuf,
+        /// Weight type: fp32 (exact) or bf16 (rounded to nearest even).
+        #[arg(long, default_value = "fp32", value_parser = ["fp32", "bf16"])]
+        dtype: String,
+        /// Largest shard, e.g. 5GB, 500MB (more weights than this are split, with an index).
+        #[arg(long, default_value = "5GB")]
+        max_shard_size: String,
+    },
+    /// Generate text from a HF model directory on the CPU backend, streaming tokens as they come.
+    Generate {
+        /// A HF model directory with its tokenizer (e.g. OUT/final).
+        #[arg(long)]
+        model: PathBuf,
+        /// The prompt.
+        #[arg(long)]
+        prompt: String,
+        /// Render the prompt as a user turn with the tokenizer's chat template.
+        #[arg(long)]
+        chat: bool,
+        /// With --chat: a system message before the user turn.
+        #[arg(long)]
+        system: Option<String>,
+        /// Tokens to generate at most.
+        #[arg(long, default_value_t = 128)]
+        max_new_tokens: usize,
+        /// 0 = greedy; otherwise sample from softmax(logits / temperature).
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f64,
+        /// Nucleus sampling: keep the most likely tokens up to this probability mass.
+        #[arg(long, default_value_t = 1.0)]
+        top_p: f64,
+        /// Seed of the sampling.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
     },
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    init_logging();
     match try_main(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -49,22 +98,93 @@ fn main() -> ExitCode {
     }
 }
 
+/// `tracing` events to stderr, at the level `HORIZON_LOG` names (error, warn, info, debug,
+/// trace; default info).
+fn init_logging() {
+    use std::io::IsTerminal;
+    let level = match std::env::var("HORIZON_LOG").unwrap_or_default().to_lowercase().as_str() {
+        "error" => tracing::Level::ERROR,
+        "warn" => tracing::Level::WARN,
+        "debug" => tracing::Level::DEBUG,
+        "trace" => tracing::Level::TRACE,
+        _ => tracing::Level::INFO,
+    };
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_target(false)
+        .with_max_level(level)
+        .init();
+}
+
 fn try_main(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Train { config, resume } => {
+        Command::Train { config, resume, set } => {
             let Some(path) = config else {
                 if resume.is_some() {
                     bail!("--resume needs the run's --config");
                 }
-                return horizon::default_job::run(&horizon::default_job::default_out());
+                return horizon::default_job::run(&horizon::default_job::default_out(), &set);
             };
-            let cfg = horizon::config::RawConfig::from_file(&path)?
+            let cfg = horizon::config::RawConfig::from_file_with(&path, &set)?
                 .resolve(&path.display().to_string())?;
             horizon::train::run_streaming(cfg, true, 0, resume.as_deref())?;
             Ok(())
         }
-        Command::Bench { config, warmup } => {
-            let cfg = horizon::config::RawConfig::from_file(&config)?
+        Command::Export { source, out, dtype, max_shard_size } => {
+            let max_shard_bytes = match horizon::config::ByteSize::parse(&max_shard_size) {
+                Ok(horizon::config::ByteSize::Bytes(b)) if b > 0 => b,
+                Ok(_) => bail!("--max-shard-size must be a positive size such as 5GB"),
+                Err(e) => bail!("--max-shard-size: {e}"),
+            };
+            let dtype = if dtype == "bf16" {
+                horizon::hf::checkpoint::SaveDtype::Bf16
+            } else {
+                horizon::hf::checkpoint::SaveDtype::F32
+            };
+            let opts = horizon::export::ExportOptions { dtype, max_shard_bytes };
+            let e = horizon::export::export_dir(&source, &out, opts)?;
+            println!(
+                "exported {} ({} shard(s), {:.1} MB of weights; tokenizer files: {})",
+                out.display(),
+                e.shards.len(),
+                e.total_bytes as f64 / 1e6,
+                if e.tokenizer_files.is_empty() {
+                    "none".to_string()
+                } else {
+                    e.tokenizer_files.join(", ")
+                }
+            );
+            Ok(())
+        }
+        Command::Generate {
+            model,
+            prompt,
+            chat,
+            system,
+            max_new_tokens,
+            temperature,
+            top_p,
+            seed,
+        } => {
+            use std::io::Write;
+            let opts =
+                horizon::generate::SampleOptions { max_new_tokens, temperature, top_p, seed };
+            let mut g = horizon::generate::Generator::load(&model)?;
+            let ids = g.prompt_ids(&prompt, chat, system.as_deref())?;
+            let mut stdout = std::io::stdout();
+            if !chat {
+                print!("{prompt}");
+            }
+            g.generate(&ids, opts, &mut |piece| {
+                let _ = write!(stdout, "{piece}");
+                let _ = stdout.flush();
+            })?;
+            println!();
+            Ok(())
+        }
+        Command::Bench { config, warmup, set } => {
+            let cfg = horizon::config::RawConfig::from_file_with(&config, &set)?
                 .resolve(&config.display().to_string())?;
             let s = horizon::train::run_streaming(cfg, false, warmup, None)?;
             println!(

@@ -20,7 +20,8 @@ use crate::model::layout::ModelLayout;
 use crate::model::params::ParamStore;
 use crate::train::TrainState;
 
-const PARAMS: &str = "params.safetensors";
+/// The masters' file in a checkpoint.
+pub const PARAMS: &str = "params.safetensors";
 const EXP_AVG: &str = "exp_avg.safetensors";
 const EXP_AVG_SQ: &str = "exp_avg_sq.safetensors";
 const STATE: &str = "state.json";
@@ -151,13 +152,19 @@ pub fn resolve(arg: &str, out_dir: &Path) -> Result<PathBuf> {
     Ok(p)
 }
 
-/// Load a checkpoint for `model_cfg`; refuses one written for another model.
-pub fn load(dir: &Path, model_cfg: &ModelConfig) -> Result<TrainState> {
+/// A checkpoint's `state.json`.
+pub fn read_state(dir: &Path) -> Result<CheckpointState> {
     let path = dir.join(STATE);
     let text =
         fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
-    let meta: CheckpointState = serde_json::from_str(&text)
-        .with_context(|| format!("{}: not a checkpoint state", path.display()))?;
+    serde_json::from_str(&text)
+        .with_context(|| format!("{}: not a checkpoint state", path.display()))
+}
+
+/// Load a checkpoint for `model_cfg`; refuses one written for another model.
+pub fn load(dir: &Path, model_cfg: &ModelConfig) -> Result<TrainState> {
+    let path = dir.join(STATE);
+    let meta = read_state(dir)?;
     let theirs = ModelConfig::from_json(&meta.model, &path.display().to_string())?;
     let mine = model_cfg;
     let fields: [(&str, usize, usize); 8] = [

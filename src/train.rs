@@ -14,10 +14,11 @@ use serde::Serialize;
 
 use crate::config::{ByteSize, DataFormat, ModelInit, RawConfig, RunConfig};
 use crate::data::pretokenized::{Batch, PretokenizedDataset, Row, load_pretokenized, make_batch};
-use crate::data::{load_alpaca, load_chat, load_text, pack, shuffled_order};
+use crate::data::{
+    LoadReport, load_alpaca, load_chat, load_text, pack, shuffled_order, split_eval,
+};
 use crate::engine::exec::{Engine, EngineConfig, Sizes, StepParams};
-use crate::engine::memory::{MemoryPlan, peak_rss_bytes};
-use crate::hf::checkpoint::SaveDtype;
+use crate::engine::memory::{MemoryPlan, gib, peak_rss_bytes};
 use crate::hf::config::ModelConfig;
 use crate::model::layout::ModelLayout;
 use crate::model::params::ParamStore;
@@ -45,6 +46,9 @@ pub struct StepMetrics {
     pub step_s: f64,
     /// The update was skipped: the loss or the gradient norm was not finite.
     pub skipped: bool,
+    /// Mean loss over the held-out rows after this step's update, on steps that evaluate.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eval_loss: Option<f64>,
 }
 
 /// The model's optimizer state in host RAM: masters, gradients, AdamW moments.
@@ -172,6 +176,7 @@ impl Trainer {
             tokens,
             step_s: t0.elapsed().as_secs_f64(),
             skipped: false,
+            eval_loss: None,
         })
     }
 
@@ -181,17 +186,16 @@ impl Trainer {
     }
 }
 
-/// Write a model as a HF directory (`config.json` + fp32 `model.safetensors`).
+/// Write a model as a HF directory (`config.json` + fp32 `model.safetensors`, no tokenizer).
 pub fn export(model_cfg: &ModelConfig, params: &ParamStore, dir: &Path) -> Result<()> {
-    fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let cfg_path = dir.join("config.json");
-    let text = serde_json::to_string_pretty(&model_cfg.to_hf_json())?;
-    fs::write(&cfg_path, text).with_context(|| format!("cannot write {}", cfg_path.display()))?;
-    params.save_safetensors(
-        &ModelLayout::new(model_cfg),
-        &dir.join("model.safetensors"),
-        SaveDtype::F32,
+    crate::export::export_model(
+        model_cfg,
+        params,
+        dir,
+        crate::export::ExportOptions::default(),
+        &crate::export::TokenizerSource::None,
     )
+    .map(|_| ())
 }
 
 /// The model description a config names (no weights): a HF directory's `config.json` with
@@ -256,20 +260,85 @@ pub fn load_tokenizer(raw: &RawConfig) -> Result<Box<dyn Tokenizer>> {
     Ok(Box::new(HfTokenizer::from_dir(&dir)?))
 }
 
-/// The rows a config names.
+/// The rows a config names (the training part, when a held-out split is configured).
 pub fn load_data(raw: &RawConfig, vocab_size: usize) -> Result<PretokenizedDataset> {
+    Ok(load_datasets(raw, vocab_size)?.train)
+}
+
+/// The training rows, the held-out rows if any, and what loading left out.
+pub struct Datasets {
+    pub train: PretokenizedDataset,
+    /// `data.eval_fraction` of the examples, or the rows of `data.eval_path`.
+    pub eval: Option<PretokenizedDataset>,
+    /// Records left out under `data.on_error: skip` (or whose prompt alone is too long), over
+    /// both files.
+    pub skipped_records: usize,
+    /// Examples cut at `train.max_seq_len`.
+    pub truncated_records: usize,
+}
+
+/// Load the training data and the held-out split the config names: split before packing, so
+/// that evaluation holds whole examples, then pack each part.
+pub fn load_datasets(raw: &RawConfig, vocab_size: usize) -> Result<Datasets> {
+    let d = &raw.data;
+    let t = &raw.train;
+    let path = d.path.clone().unwrap_or_else(|| "synthetic".into());
+    let (rows, report) = load_rows(raw, d.path.as_deref(), vocab_size)?;
+    let (mut skipped, mut truncated) = (report.skipped.len(), report.truncated);
+    let (rows, eval_rows) = match &d.eval_path {
+        Some(p) => {
+            let (eval, r) = load_rows(raw, Some(p), vocab_size)?;
+            skipped += r.skipped.len();
+            truncated += r.truncated;
+            (rows, Some((eval, p.clone())))
+        }
+        None if d.eval_fraction > 0.0 => {
+            let (train, eval) = split_eval(rows, d.eval_fraction, t.seed);
+            if eval.is_empty() {
+                bail!(
+                    "data.eval_fraction {}: {} has too few examples to hold any out\nhint: add data, or give data.eval_path",
+                    d.eval_fraction,
+                    path.display()
+                );
+            }
+            (train, Some((eval, path.clone())))
+        }
+        None => (rows, None),
+    };
+    let packed = |rows: Vec<Row>| if d.pack { pack(rows, t.max_seq_len) } else { rows };
+    let eval = eval_rows.map(|(rows, path)| PretokenizedDataset { rows: packed(rows), path });
+    if let Some(e) = &eval {
+        println!("eval: {} rows held out ({})", e.rows.len(), e.path.display());
+    }
+    Ok(Datasets {
+        train: PretokenizedDataset { rows: packed(rows), path },
+        eval,
+        skipped_records: skipped,
+        truncated_records: truncated,
+    })
+}
+
+/// The rows of one JSONL file in the config's format (`None`: synthetic rows), unpacked.
+fn load_rows(
+    raw: &RawConfig,
+    path: Option<&Path>,
+    vocab_size: usize,
+) -> Result<(Vec<Row>, LoadReport)> {
     let d = &raw.data;
     let max = raw.train.max_seq_len;
-    let path = || d.path.as_deref().context("data.path is missing");
+    let path = || path.context("data.path is missing");
     let (rows, report) = match d.format {
-        DataFormat::Pretokenized => return load_pretokenized(path()?, max, vocab_size),
+        DataFormat::Pretokenized => {
+            let rows = load_pretokenized(path()?, max, vocab_size)?.rows;
+            let report = LoadReport { rows: rows.len(), records: rows.len(), ..Default::default() };
+            (rows, report)
+        }
         DataFormat::Synthetic => {
             let t = &raw.train;
             let n = t.batch_size * t.steps.min(16);
-            return Ok(PretokenizedDataset {
-                rows: synthetic_rows(n, max, vocab_size, t.seed),
-                path: "synthetic".into(),
-            });
+            let rows = synthetic_rows(n, max, vocab_size, t.seed);
+            let report = LoadReport { rows: rows.len(), records: rows.len(), ..Default::default() };
+            return Ok((rows, report));
         }
         DataFormat::Text | DataFormat::Alpaca | DataFormat::Chat => {
             let tok = load_tokenizer(raw)?;
@@ -289,9 +358,8 @@ pub fn load_data(raw: &RawConfig, vocab_size: usize) -> Result<PretokenizedDatas
             }
         }
     };
-    println!("data: {}", report.summary());
-    let rows = if d.pack { pack(rows, max) } else { rows };
-    Ok(PretokenizedDataset { rows, path: path()?.to_path_buf() })
+    println!("data: {}: {}", path()?.display(), report.summary());
+    Ok((rows, report))
 }
 
 /// `n` rows of `len` uniformly random tokens.
@@ -317,7 +385,18 @@ pub fn step_rows<'a>(cfg: &RunConfig, data: &'a PretokenizedDataset, k: usize) -
 /// What a run reports at the end (`OUT/summary.json`).
 #[derive(Clone, Debug, Serialize, PartialEq)]
 pub struct Summary {
+    /// Steps timed (after the warm-up) in this process.
     pub steps: usize,
+    /// Optimizer steps the run has taken in all (a resumed run counts the earlier ones).
+    pub total_steps: usize,
+    /// Steps whose update was skipped for a non-finite loss or gradient norm (this process).
+    pub skipped_steps: usize,
+    /// Data records left out by the loaders (`data.on_error: skip`, or a prompt too long).
+    pub skipped_records: usize,
+    /// Mean loss over the held-out rows after the last step, when there are any.
+    pub eval_loss: Option<f64>,
+    /// Held-out rows.
+    pub eval_rows: usize,
     pub tokens: usize,
     pub wall_s: f64,
     pub tokens_per_s: f64,
@@ -340,6 +419,12 @@ pub struct StreamTrainer {
     pub cfg: RunConfig,
     pub model_cfg: ModelConfig,
     pub data: PretokenizedDataset,
+    /// The held-out rows (`data.eval_fraction` / `data.eval_path`).
+    pub eval: Option<PretokenizedDataset>,
+    /// Forward-only runner for the held-out rows (allocated once, when there are any).
+    evaluator: Option<Transformer<CpuBackend>>,
+    /// Records the data loaders left out (`data.on_error: skip`, or prompt too long).
+    pub skipped_records: usize,
     pub plan: MemoryPlan,
     pub engine: Engine<CpuDevice>,
     /// Fault injection for tests: steps (0-based) whose gradient gets a NaN.
@@ -380,7 +465,19 @@ impl StreamTrainer {
             Some(dir) => crate::resume::load(dir, &model_cfg)?,
             None => TrainState::new(load_model(raw)?.1),
         };
-        let data = load_data(raw, model_cfg.vocab_size)?;
+        let sets = load_datasets(raw, model_cfg.vocab_size)?;
+        let evaluator = sets.eval.as_ref().map(|e| {
+            let seq_len = e.rows.iter().map(|r| r.input_ids.len()).max().unwrap_or(1);
+            Transformer::new(
+                CpuBackend,
+                &model_cfg,
+                Capacity {
+                    batch: ecfg.micro_batch_size,
+                    seq_len,
+                    head_chunk_rows: raw.engine.head_chunk_rows,
+                },
+            )
+        });
         let dev = CpuDevice::new(CpuDeviceConfig {
             capacity_bytes: plan.device_capacity() as usize,
             link_gbps: raw.device.link_gbps,
@@ -388,7 +485,17 @@ impl StreamTrainer {
             jitter_seed: 0,
         });
         let engine = Engine::new(dev, &model_cfg, state, ecfg)?;
-        Ok(StreamTrainer { cfg, model_cfg, data, plan, engine, inject_nan_at: Vec::new() })
+        Ok(StreamTrainer {
+            cfg,
+            model_cfg,
+            data: sets.train,
+            eval: sets.eval,
+            evaluator,
+            skipped_records: sets.skipped_records,
+            plan,
+            engine,
+            inject_nan_at: Vec::new(),
+        })
     }
 
     /// One optimizer step on batch `k` (0-based).
@@ -407,7 +514,30 @@ impl StreamTrainer {
             tokens,
             step_s: t0.elapsed().as_secs_f64(),
             skipped: out.skipped,
+            eval_loss: None,
         })
+    }
+
+    /// Mean loss over the held-out rows with the current weights (`None` without a held-out
+    /// split). Runs forward only, micro-batch by micro-batch, on the CPU reference path.
+    pub fn evaluate(&mut self) -> Result<Option<f64>> {
+        let (Some(eval), Some(tr)) = (&self.eval, &mut self.evaluator) else {
+            return Ok(None);
+        };
+        let params = &self.engine.state().params;
+        let mbs = self.cfg.raw.train.micro_batch_size.unwrap_or(self.cfg.raw.train.batch_size);
+        let (mut loss_sum, mut targets) = (0.0f64, 0usize);
+        for chunk in eval.rows.chunks(mbs) {
+            let rows: Vec<&Row> = chunk.iter().collect();
+            let batch = make_batch(&rows);
+            if batch.num_targets == 0 {
+                continue;
+            }
+            let out = tr.forward_loss(params, &batch)?;
+            loss_sum += out.loss_sum;
+            targets += out.num_targets;
+        }
+        Ok(Some(loss_sum / targets.max(1) as f64))
     }
 }
 
@@ -480,9 +610,12 @@ pub fn run_streaming(
         .truncate(start == 0)
         .open(&metrics_path)
         .with_context(|| format!("cannot create {}", metrics_path.display()))?;
+    let mut progress = Progress::new(start, steps);
     let mut base = tr.engine.device().stats();
     let mut t0 = Instant::now();
+    let run_t0 = Instant::now();
     let (mut tokens, mut timed_steps, mut last_loss) = (0usize, 0usize, f64::NAN);
+    let (mut skipped_steps, mut eval_loss) = (0usize, None);
     for k in start..steps {
         if k == (start + warmup).min(steps - 1) && k > start {
             // Timings start after the warm-up, once its queued work is done.
@@ -492,27 +625,29 @@ pub fn run_streaming(
             tokens = 0;
             timed_steps = 0;
         }
-        let m = tr.step(k)?;
+        let mut m = tr.step(k)?;
+        let last = k + 1 == steps;
+        if tr.eval.is_some() && ((t.eval_every > 0 && (k + 1) % t.eval_every == 0) || last) {
+            m.eval_loss = tr.evaluate()?;
+            eval_loss = m.eval_loss;
+            if let Some(e) = m.eval_loss {
+                tracing::info!(step = m.step, eval_loss = e, "evaluated the held-out rows");
+            }
+        }
         writeln!(metrics_file, "{}", serde_json::to_string(&m)?)
             .with_context(|| format!("cannot write {}", metrics_path.display()))?;
-        println!(
-            "step {:>5}/{steps}  loss {:.6}  grad_norm {:.4}  lr {:.3e}  {:.0} tok/s",
-            m.step,
-            m.loss,
-            m.grad_norm,
-            m.lr,
-            m.tokens as f64 / m.step_s.max(1e-9)
-        );
-        std::io::stdout().flush()?;
+        let eta = run_t0.elapsed().as_secs_f64() / (k + 1 - start) as f64 * (steps - k - 1) as f64;
+        progress.step(&m, steps, eta);
         tokens += m.tokens;
         timed_steps += 1;
         last_loss = m.loss;
         if m.skipped {
             bad_run += 1;
-            eprintln!(
+            skipped_steps += 1;
+            progress.println(&format!(
                 "step {}: non-finite loss or gradient norm; update skipped ({bad_run} in a row)",
                 m.step
-            );
+            ));
             if bad_run >= t.max_bad_steps {
                 let last =
                     last_ckpt.as_ref().map_or("none".to_string(), |p| p.display().to_string());
@@ -528,14 +663,14 @@ pub fn run_streaming(
         // Periodic checkpoints only after good steps: the last one stays the last good state.
         if (t.save_every > 0 && (k + 1) % t.save_every == 0 && !m.skipped) || signalled {
             let state = tr.engine.state();
-            println!("saving checkpoint step-{:08}", state.step);
-            std::io::stdout().flush()?;
+            progress.println(&format!("saving checkpoint step-{:08}", state.step));
             let dir =
                 crate::resume::save(&out_dir, state, &tr.model_cfg, &yaml, t.keep_checkpoints)?;
-            println!("checkpoint: {}", dir.display());
+            tracing::info!(dir = %dir.display(), "checkpoint written");
             last_ckpt = Some(dir);
         }
         if signalled {
+            progress.finish();
             println!(
                 "interrupted after step {}; resume with: horizon train --config {} --resume latest",
                 k + 1,
@@ -544,15 +679,20 @@ pub fn run_streaming(
             break;
         }
     }
+    progress.finish();
     metrics_file.flush()?;
     let state_step = tr.engine.state().step;
-    debug_assert_eq!(state_step as usize, steps);
     let wall_s = t0.elapsed().as_secs_f64();
     let st = tr.engine.device().stats();
     let compute = st.compute_busy_s - base.compute_busy_s;
     let link = st.link_busy_s - base.link_busy_s;
     let summary = Summary {
         steps: timed_steps,
+        total_steps: state_step as usize,
+        skipped_steps,
+        skipped_records: tr.skipped_records,
+        eval_loss,
+        eval_rows: tr.eval.as_ref().map_or(0, |e| e.rows.len()),
         tokens,
         wall_s,
         tokens_per_s: tokens as f64 / wall_s.max(1e-9),
@@ -572,15 +712,124 @@ pub fn run_streaming(
         .with_context(|| format!("cannot write {}", summary_path.display()))?;
     println!("{}", serde_json::to_string_pretty(&summary)?);
     if export_final {
+        let plot_path = out_dir.join("training.png");
+        let title = format!("{} ({} steps)", tr.cfg.origin, state_step);
+        // The plot is a convenience: failing to draw it does not fail the run.
+        let plotted = crate::report::read_metrics(&metrics_path)
+            .and_then(|pts| crate::report::plot(&pts, &plot_path, &title));
+        if let Err(e) = &plotted {
+            eprintln!("warning: no plot: {e:#}");
+        }
+        let report = crate::report::write_report(
+            &out_dir,
+            &tr.cfg.origin,
+            &summary,
+            plotted.is_ok().then_some(plot_path.as_path()),
+        )?;
         let final_dir = out_dir.join("final");
         let params = &tr.engine.state().params;
-        export(&tr.model_cfg, params, &final_dir)?;
+        let raw = &tr.cfg.raw;
+        let exported = crate::export::export_model(
+            &tr.model_cfg,
+            params,
+            &final_dir,
+            raw.output.export_options(),
+            &crate::export::TokenizerSource::of_config(raw),
+        )?;
+        tracing::info!(
+            shards = exported.shards.len(),
+            bytes = exported.total_bytes,
+            tokenizer_files = exported.tokenizer_files.len(),
+            "exported final/"
+        );
         println!(
-            "wrote {}, {} and {}",
+            "wrote {}, {}, {} and {}",
             metrics_path.display(),
             summary_path.display(),
+            report.display(),
             final_dir.display()
         );
     }
     Ok(summary)
+}
+
+/// What a person watching a run sees: on a terminal, a progress bar (loss, tokens/s, peak
+/// memory, ETA) with a step line every few percent; otherwise (a log file, a pipe) one line per
+/// step.
+struct Progress {
+    bar: Option<indicatif::ProgressBar>,
+    /// On a terminal, print a step line every this many steps.
+    every: usize,
+}
+
+impl Progress {
+    fn new(start: usize, steps: usize) -> Self {
+        use std::io::IsTerminal;
+        if !std::io::stderr().is_terminal() {
+            return Progress { bar: None, every: 1 };
+        }
+        let bar = indicatif::ProgressBar::new(steps as u64);
+        let style = indicatif::ProgressStyle::with_template(
+            "{elapsed_precise} [{bar:30.cyan/blue}] {pos}/{len} {msg} eta {eta}",
+        )
+        .expect("the template is valid")
+        .progress_chars("=> ");
+        bar.set_style(style);
+        bar.set_position(start as u64);
+        Progress { bar: Some(bar), every: steps.div_ceil(25).max(1) }
+    }
+
+    fn step(&mut self, m: &StepMetrics, steps: usize, eta_s: f64) {
+        let tps = m.tokens as f64 / m.step_s.max(1e-9);
+        let rss = peak_rss_bytes().map_or(String::new(), |b| format!("  peak RSS {}", gib(b)));
+        let eval = m.eval_loss.map_or(String::new(), |e| format!("  eval_loss {e:.6}"));
+        let line = format!(
+            "step {:>5}/{steps}  loss {:.6}  grad_norm {:.4}  lr {:.3e}  {:.0} tok/s{eval}  eta {}{rss}",
+            m.step,
+            m.loss,
+            m.grad_norm,
+            m.lr,
+            tps,
+            hms(eta_s)
+        );
+        match &self.bar {
+            Some(bar) => {
+                bar.set_message(format!("loss {:.4}  {tps:.0} tok/s{rss}", m.loss));
+                bar.inc(1);
+                if m.step % self.every == 0 || m.step == steps || m.eval_loss.is_some() {
+                    bar.println(line);
+                }
+            }
+            None => {
+                println!("{line}");
+                let _ = std::io::stdout().flush();
+            }
+        }
+    }
+
+    fn println(&self, line: &str) {
+        match &self.bar {
+            Some(bar) => bar.println(line),
+            None => {
+                println!("{line}");
+                let _ = std::io::stdout().flush();
+            }
+        }
+    }
+
+    fn finish(&mut self) {
+        if let Some(bar) = self.bar.take() {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+/// `1h02m03s`, `4m05s`, `6s`.
+fn hms(s: f64) -> String {
+    let s = s.max(0.0).round() as u64;
+    match (s / 3600, s / 60 % 60, s % 60) {
+        (0, 0, sec) => format!("{sec}s"),
+        (0, m, sec) => format!("{m}m{sec:02}s"),
+        (h, m, sec) => format!("{h}h{m:02}m{sec:02}s"),
+    }
 }

@@ -5,7 +5,7 @@
 fn the_default_job_learns() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("out");
-    horizon::default_job::run_with(&out, 120).unwrap();
+    horizon::default_job::run_with(&out, 120, &[]).unwrap();
     let metrics: Vec<serde_json::Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
         .unwrap()
         .lines()

@@ -311,6 +311,29 @@ impl<B: DeviceAlloc> Transformer<B> {
         Ok((hidden, logits))
     }
 
+    /// Forward only: the logits (V) of the batch's last position (generation).
+    pub fn last_logits(
+        &mut self,
+        params: &ParamStore,
+        batch: &Batch,
+        out: &mut [f32],
+    ) -> Result<()> {
+        self.forward_layers(params, batch)?;
+        let d = self.layout.dims;
+        let r = batch.b * batch.t - 1;
+        self.be.matmul_forward(
+            vm(&mut self.logits, d.v),
+            self.hf.slice(r * d.c..(r + 1) * d.c),
+            &self.head_w,
+            None,
+            1,
+            d.c,
+            d.v,
+        );
+        self.be.download(out, v(&self.logits, d.v));
+        Ok(())
+    }
+
     /// Forward only, loss of the batch (evaluation).
     pub fn forward_loss(&mut self, params: &ParamStore, batch: &Batch) -> Result<PassOutput> {
         self.forward_layers(params, batch)?;

@@ -53,6 +53,50 @@ impl ByteTokenizer {
     pub fn chat_template(&self) -> &ChatTemplate {
         &self.chat
     }
+
+    /// This tokenizer as Hugging Face files, `(tokenizer.json, tokenizer_config.json)`, so that
+    /// an exported model carries it: a byte-level BPE without merges whose vocabulary lists the
+    /// 256 bytes in id order (GPT-2's byte-to-character map), the specials as added tokens, and
+    /// the chat template. `transformers` and [`super::HfTokenizer`] then give the same ids.
+    pub fn hf_files() -> (serde_json::Value, serde_json::Value) {
+        let vocab: serde_json::Map<String, serde_json::Value> =
+            (0..=255u8).map(|b| (byte_char(b).to_string(), serde_json::Value::from(b))).collect();
+        let added: Vec<serde_json::Value> = SPECIALS
+            .iter()
+            .zip(BOS_ID..)
+            .map(|(s, id)| {
+                serde_json::json!({"id": id, "content": s, "single_word": false, "lstrip": false,
+                    "rstrip": false, "normalized": false, "special": true})
+            })
+            .collect();
+        let byte_level = serde_json::json!({"type": "ByteLevel", "add_prefix_space": false,
+            "trim_offsets": false, "use_regex": false});
+        let tokenizer = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
+            "normalizer": null, "pre_tokenizer": byte_level, "post_processor": null,
+            "decoder": byte_level,
+            "model": {"type": "BPE", "dropout": null, "unk_token": null,
+                "continuing_subword_prefix": null, "end_of_word_suffix": null, "fuse_unk": false,
+                "byte_fallback": false, "ignore_merges": false, "vocab": vocab, "merges": []}
+        });
+        let config = serde_json::json!({
+            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIALS[0],
+            "eos_token": SPECIALS[1], "pad_token": SPECIALS[2], "add_bos_token": false,
+            "clean_up_tokenization_spaces": false, "chat_template": CHAT_TEMPLATE
+        });
+        (tokenizer, config)
+    }
+}
+
+/// GPT-2's printable character for byte `b` (`bytes_to_unicode`): printable Latin-1 bytes stand
+/// for themselves, the others for 256, 257, ... in byte order.
+fn byte_char(b: u8) -> char {
+    let printable = |x: u8| (b'!'..=b'~').contains(&x) || (0xA1..=0xAC).contains(&x) || x >= 0xAE;
+    if printable(b) {
+        return char::from(b);
+    }
+    let n = (0..b).filter(|&x| !printable(x)).count() as u32;
+    char::from_u32(256 + n).expect("256..324 are valid chars")
 }
 
 /// The special token starting at `bytes[0]`, if any: (id, length in bytes).
@@ -145,6 +189,30 @@ mod tests {
         let (ids, offsets) = tok.encode_with_offsets("a<|eos|><|x").unwrap();
         assert_eq!(ids, [97, EOS_ID, 60, 124, 120]);
         assert_eq!(offsets, [0..1, 1..8, 8..9, 9..10, 10..11]);
+    }
+
+    #[test]
+    fn hf_files_give_the_same_ids() {
+        let dir = tempfile::tempdir().unwrap();
+        let (tok, cfg) = ByteTokenizer::hf_files();
+        std::fs::write(dir.path().join("tokenizer.json"), tok.to_string()).unwrap();
+        std::fs::write(dir.path().join("tokenizer_config.json"), cfg.to_string()).unwrap();
+        let hf = crate::tokenizer::HfTokenizer::from_dir(dir.path()).unwrap();
+        let ours = ByteTokenizer::new();
+        let all_bytes: String = (0..128u8).map(char::from).collect();
+        for text in ["47+38=85<|eos|>", "héllo wörld ✓ 🙂\n\t", "<|bos|>a<|pad|>", &all_bytes]
+        {
+            let want = ours.encode(text).unwrap();
+            assert_eq!(hf.encode(text).unwrap(), want, "{text:?}");
+            assert_eq!(hf.decode(&want, false).unwrap(), text);
+        }
+        assert_eq!(hf.eos_id(), Some(EOS_ID));
+        assert_eq!(hf.vocab_size(), ours.vocab_size());
+        let msgs = [super::super::Message::new("user", "1+1=")];
+        assert_eq!(
+            hf.chat().unwrap().render(&msgs, true).unwrap(),
+            ours.chat().unwrap().render(&msgs, true).unwrap()
+        );
     }
 
     #[test]

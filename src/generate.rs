@@ -1,0 +1,290 @@
+//! `horizon generate`: a quick look at what a model writes, on the CPU backend. Greedy decoding
+//! or temperature / top-p (nucleus) sampling, streaming text as tokens come.
+//!
+//! Each new token runs a full forward over the sequence (no KV cache): fine for a look at a
+//! small model, quadratic in the length for a long one.
+
+use std::path::Path;
+
+use anyhow::{Context, Result, bail};
+use horizon_backend::CpuBackend;
+
+use crate::data::pretokenized::Batch;
+use crate::hf::config::ModelConfig;
+use crate::model::layout::ModelLayout;
+use crate::model::params::ParamStore;
+use crate::model::transformer::{Capacity, Transformer};
+use crate::rng::SplitMix64;
+use crate::tokenizer::{HfTokenizer, Message, Tokenizer};
+
+/// How the next token is chosen.
+#[derive(Clone, Copy, Debug)]
+pub struct SampleOptions {
+    /// Tokens to generate at most (generation also stops at an end-of-sequence token).
+    pub max_new_tokens: usize,
+    /// 0 = greedy (the most likely token); otherwise logits are divided by this.
+    pub temperature: f64,
+    /// Sample from the smallest set of tokens whose probabilities sum to at least this (1 = all).
+    pub top_p: f64,
+    /// Seed of the sampling.
+    pub seed: u64,
+}
+
+impl SampleOptions {
+    /// Greedy decoding of at most `max_new_tokens`.
+    pub fn greedy(max_new_tokens: usize) -> Self {
+        SampleOptions { max_new_tokens, temperature: 0.0, top_p: 1.0, seed: 0 }
+    }
+
+    fn check(&self) -> Result<()> {
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            bail!("--temperature must be >= 0, 0 = greedy (got {})", self.temperature);
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            bail!("--top-p must be in (0, 1] (got {})", self.top_p);
+        }
+        Ok(())
+    }
+}
+
+/// A model ready to generate: fp32 weights, tokenizer, and a forward workspace sized for the
+/// longest sequence asked for so far.
+pub struct Generator {
+    model_cfg: ModelConfig,
+    params: ParamStore,
+    tok: Box<dyn Tokenizer>,
+    /// The forward workspace and the sequence length it holds.
+    tr: Option<(usize, Transformer<CpuBackend>)>,
+    /// Ids that end generation: the tokenizer's EOS and `generation_config.json`'s.
+    stop_ids: Vec<u32>,
+    /// (V) scratch for the last position's logits.
+    logits: Vec<f32>,
+}
+
+impl Generator {
+    /// A generator over given weights and tokenizer.
+    pub fn new(model_cfg: &ModelConfig, params: ParamStore, tok: Box<dyn Tokenizer>) -> Self {
+        let stop_ids = tok.eos_id().into_iter().collect();
+        let logits = vec![0.0; model_cfg.vocab_size];
+        Generator { model_cfg: model_cfg.clone(), params, tok, tr: None, stop_ids, logits }
+    }
+
+    /// Load a HF directory (`config.json`, safetensors, `tokenizer.json`).
+    pub fn load(dir: &Path) -> Result<Self> {
+        if !dir.join("config.json").is_file() {
+            bail!(
+                "--model {}: no config.json, not a Hugging Face model directory\nhint: point --model at OUT/final or at a directory written by `horizon export`",
+                dir.display()
+            );
+        }
+        let model_cfg = ModelConfig::from_file(&dir.join("config.json"))?;
+        let params = ParamStore::load_hf(&ModelLayout::new(&model_cfg), dir)?;
+        let tok = HfTokenizer::from_dir(dir).with_context(|| {
+            format!(
+                "--model {}: no tokenizer\nhint: export with `horizon export` (it writes the tokenizer files), or copy tokenizer.json into the directory",
+                dir.display()
+            )
+        })?;
+        let mut g = Generator::new(&model_cfg, params, Box::new(tok));
+        g.stop_ids.extend(generation_config_eos(dir)?);
+        Ok(g)
+    }
+
+    /// The tokenizer.
+    pub fn tokenizer(&self) -> &dyn Tokenizer {
+        self.tok.as_ref()
+    }
+
+    /// The longest sequence (prompt + generated) the model takes.
+    pub fn max_len(&self) -> usize {
+        self.model_cfg.max_position_embeddings.max(1)
+    }
+
+    /// The ids of `prompt`: as plain text (with BOS when the tokenizer adds one), or as one user
+    /// turn (after an optional system turn) rendered with the chat template, ready for the
+    /// assistant's answer.
+    pub fn prompt_ids(&self, prompt: &str, chat: bool, system: Option<&str>) -> Result<Vec<u32>> {
+        if !chat {
+            let mut ids: Vec<u32> = Vec::new();
+            if self.tok.add_bos_token() {
+                ids.extend(self.tok.bos_id());
+            }
+            ids.extend(self.tok.encode(prompt)?);
+            return Ok(ids);
+        }
+        let Some(template) = self.tok.chat() else {
+            bail!(
+                "--chat: the tokenizer has no chat template\nhint: add chat_template to tokenizer_config.json, or drop --chat"
+            );
+        };
+        let mut msgs = Vec::new();
+        if let Some(s) = system {
+            msgs.push(Message::new("system", s));
+        }
+        msgs.push(Message::new("user", prompt));
+        self.tok.encode(&template.render(&msgs, true)?)
+    }
+
+    /// Continue `ids`; `on_text` receives the text as it grows (decoded pieces, never a split
+    /// UTF-8 character). Returns the generated text.
+    pub fn generate(
+        &mut self,
+        ids: &[u32],
+        opts: SampleOptions,
+        on_text: &mut dyn FnMut(&str),
+    ) -> Result<String> {
+        opts.check()?;
+        if ids.is_empty() {
+            bail!("the prompt is empty (no tokens to continue)");
+        }
+        let max_len = (ids.len() + opts.max_new_tokens).min(self.max_len());
+        if ids.len() >= max_len {
+            bail!(
+                "the prompt has {} tokens; the model takes at most {} in all\nhint: shorten the prompt",
+                ids.len(),
+                self.max_len()
+            );
+        }
+        if self.tr.as_ref().is_none_or(|(cap, _)| *cap < max_len) {
+            let cap = Capacity { batch: 1, seq_len: max_len, head_chunk_rows: 1 };
+            self.tr = Some((max_len, Transformer::new(CpuBackend, &self.model_cfg, cap)));
+        }
+        let tr = &mut self.tr.as_mut().expect("built above").1;
+        let vocab = self.logits.len();
+        let mut seq: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
+        let mut new_ids: Vec<u32> = Vec::new();
+        let mut shown = 0usize;
+        let mut rng = SplitMix64::new(opts.seed);
+        let mut order: Vec<usize> = Vec::with_capacity(vocab);
+        while new_ids.len() < opts.max_new_tokens && seq.len() < max_len {
+            let t = seq.len();
+            let batch =
+                Batch { b: 1, t, input_ids: seq.clone(), targets: vec![-100; t], num_targets: 0 };
+            tr.last_logits(&self.params, &batch, &mut self.logits)?;
+            let next = sample(&mut self.logits, &opts, &mut rng, &mut order) as u32;
+            if self.stop_ids.contains(&next) {
+                break;
+            }
+            new_ids.push(next);
+            seq.push(next as i32);
+            let text = self.tok.decode(&new_ids, true)?;
+            // Hold back a trailing replacement character: the rest of its bytes may follow.
+            let ready = text.trim_end_matches('\u{FFFD}');
+            if ready.len() > shown && text.is_char_boundary(shown) {
+                on_text(&ready[shown..]);
+                shown = ready.len();
+            }
+        }
+        let text = self.tok.decode(&new_ids, true)?;
+        if text.len() > shown && text.is_char_boundary(shown) {
+            on_text(&text[shown..]);
+        }
+        Ok(text)
+    }
+}
+
+/// `eos_token_id` of a HF directory's `generation_config.json` (a number or a list), if any.
+fn generation_config_eos(dir: &Path) -> Result<Vec<u32>> {
+    let path = dir.join("generation_config.json");
+    if !path.is_file() {
+        return Ok(Vec::new());
+    }
+    let text = std::fs::read_to_string(&path)
+        .with_context(|| format!("cannot read {}", path.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&text)
+        .with_context(|| format!("{}: not valid JSON", path.display()))?;
+    Ok(match &v["eos_token_id"] {
+        serde_json::Value::Number(n) => n.as_u64().map(|x| x as u32).into_iter().collect(),
+        serde_json::Value::Array(a) => {
+            a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect()
+        }
+        _ => Vec::new(),
+    })
+}
+
+/// The next token from `logits` (V), which it overwrites: greedy at temperature 0 (the first
+/// maximum), else softmax(logits / temperature) restricted to the top-p nucleus. `order` is
+/// scratch.
+pub fn sample(
+    logits: &mut [f32],
+    opts: &SampleOptions,
+    rng: &mut SplitMix64,
+    order: &mut Vec<usize>,
+) -> usize {
+    let argmax = logits
+        .iter()
+        .enumerate()
+        .fold((0, f32::NEG_INFINITY), |m, (i, &x)| if x > m.1 { (i, x) } else { m })
+        .0;
+    if opts.temperature == 0.0 {
+        return argmax;
+    }
+    let max = logits[argmax] as f64;
+    let mut total = 0.0f64;
+    for x in logits.iter_mut() {
+        let p = ((*x as f64 - max) / opts.temperature).exp();
+        *x = p as f32;
+        total += p;
+    }
+    order.clear();
+    order.extend(0..logits.len());
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    // The nucleus: the most likely tokens until their mass reaches top_p.
+    let (mut kept, mut mass) = (0usize, 0.0f64);
+    for &i in order.iter() {
+        kept += 1;
+        mass += logits[i] as f64 / total;
+        if mass >= opts.top_p {
+            break;
+        }
+    }
+    let nucleus = &order[..kept];
+    let sum: f64 = nucleus.iter().map(|&i| logits[i] as f64).sum();
+    let mut u = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64 * sum;
+    for &i in nucleus {
+        u -= logits[i] as f64;
+        if u < 0.0 {
+            return i;
+        }
+    }
+    *nucleus.last().expect("the nucleus holds at least one token")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_takes_the_first_maximum() {
+        let mut l = vec![0.1, 3.0, -1.0, 3.0];
+        let mut order = Vec::new();
+        let got = sample(&mut l, &SampleOptions::greedy(1), &mut SplitMix64::new(0), &mut order);
+        assert_eq!(got, 1);
+    }
+
+    #[test]
+    fn top_p_keeps_only_the_nucleus() {
+        // Probabilities about 0.64, 0.24, 0.09, 0.03: top_p 0.8 keeps the first two.
+        let base = [2.0f32, 1.0, 0.0, -1.0];
+        let opts = SampleOptions { max_new_tokens: 1, temperature: 1.0, top_p: 0.8, seed: 0 };
+        let mut rng = SplitMix64::new(7);
+        let mut counts = [0usize; 4];
+        let mut order = Vec::new();
+        for _ in 0..4000 {
+            let mut l = base.to_vec();
+            counts[sample(&mut l, &opts, &mut rng, &mut order)] += 1;
+        }
+        assert_eq!(counts[2] + counts[3], 0, "{counts:?}");
+        // Renormalised: 0.64 / 0.88 = 0.73 of the draws are token 0.
+        let f0 = counts[0] as f64 / 4000.0;
+        assert!((f0 - 0.731).abs() < 0.03, "{counts:?}");
+        // top_p 1 samples everything, in proportion.
+        let all = SampleOptions { top_p: 1.0, ..opts };
+        let mut counts = [0usize; 4];
+        for _ in 0..4000 {
+            let mut l = base.to_vec();
+            counts[sample(&mut l, &all, &mut rng, &mut order)] += 1;
+        }
+        assert!(counts.iter().all(|&c| c > 0), "{counts:?}");
+    }
+}

@@ -1,0 +1,210 @@
+//! What a run leaves for a person to look at: `OUT/training.png` (training and eval loss,
+//! throughput) and `OUT/report.md` (a short summary), both made from `OUT/metrics.jsonl`, so a
+//! resumed run's plot covers every step.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::sync::Once;
+
+use anyhow::{Context, Result, anyhow};
+use plotters::prelude::*;
+
+use crate::train::Summary;
+
+/// The font every label is drawn with, embedded so that plots need no system fonts
+/// (DejaVu Sans Mono; licence in `assets/fonts/LICENSE-DejaVu.txt`).
+static FONT: &[u8] = include_bytes!("../assets/fonts/DejaVuSansMono.ttf");
+const FAMILY: &str = "horizon-mono";
+
+/// One step read back from `metrics.jsonl`.
+#[derive(Clone, Debug, Default)]
+pub struct Point {
+    pub step: usize,
+    pub loss: f64,
+    pub tokens_per_s: f64,
+    pub eval_loss: Option<f64>,
+    pub skipped: bool,
+}
+
+/// The steps of a `metrics.jsonl` (a later line for the same step, as after a resume,
+/// replaces an earlier one).
+pub fn read_metrics(path: &Path) -> Result<Vec<Point>> {
+    let text =
+        fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let mut points: Vec<Point> = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let v: serde_json::Value = serde_json::from_str(line)
+            .with_context(|| format!("{}:{}: not valid JSON", path.display(), i + 1))?;
+        let f = |k: &str| v[k].as_f64();
+        let Some(step) = v["step"].as_u64() else { continue };
+        let p = Point {
+            step: step as usize,
+            loss: f("loss").unwrap_or(f64::NAN),
+            tokens_per_s: f("tokens").unwrap_or(0.0) / f("step_s").unwrap_or(f64::NAN),
+            eval_loss: f("eval_loss"),
+            skipped: v["skipped"].as_bool().unwrap_or(false),
+        };
+        points.retain(|q| q.step < p.step);
+        points.push(p);
+    }
+    Ok(points)
+}
+
+/// Draw the loss (training, and eval where measured) and the throughput against the step into
+/// a PNG at `path`.
+pub fn plot(points: &[Point], path: &Path, title: &str) -> Result<()> {
+    static REGISTER: Once = Once::new();
+    REGISTER.call_once(|| {
+        // The embedded font is valid; a failure would only leave the labels out.
+        let _ = plotters::style::register_font(FAMILY, FontStyle::Normal, FONT);
+    });
+    let err = |e: &dyn std::fmt::Display| anyhow!("drawing {}: {e}", path.display());
+    let root = BitMapBackend::new(path, (1000, 700)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let root = root.titled(title, (FAMILY, 22)).map_err(|e| err(&e))?;
+    let (top, bottom) = root.split_vertically(420);
+    let good: Vec<&Point> = points.iter().filter(|p| p.loss.is_finite()).collect();
+    let max_step = points.iter().map(|p| p.step).max().unwrap_or(1).max(2) as f64;
+    let evals: Vec<(f64, f64)> =
+        points.iter().filter_map(|p| p.eval_loss.map(|e| (p.step as f64, e))).collect();
+    let losses = good.iter().map(|p| p.loss).chain(evals.iter().map(|e| e.1));
+    let (lo, hi) =
+        losses.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), x| (a.min(x), b.max(x)));
+    let (lo, hi) = if lo.is_finite() { (lo.min(hi - 1e-6), hi) } else { (0.0, 1.0) };
+    let pad = 0.05 * (hi - lo);
+
+    let mut chart = ChartBuilder::on(&top)
+        .margin(12)
+        .x_label_area_size(36)
+        .y_label_area_size(64)
+        .caption("loss", (FAMILY, 18))
+        .build_cartesian_2d(1f64..max_step, (lo - pad)..(hi + pad))
+        .map_err(|e| err(&e))?;
+    chart
+        .configure_mesh()
+        .x_desc("step")
+        .x_label_formatter(&|x| format!("{x:.0}"))
+        .label_style((FAMILY, 13))
+        .draw()
+        .map_err(|e| err(&e))?;
+    chart
+        .draw_series(LineSeries::new(good.iter().map(|p| (p.step as f64, p.loss)), &BLUE))
+        .map_err(|e| err(&e))?
+        .label("train")
+        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], BLUE));
+    if !evals.is_empty() {
+        chart
+            .draw_series(LineSeries::new(evals.iter().copied(), RED.stroke_width(2)))
+            .map_err(|e| err(&e))?
+            .label("eval")
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], RED));
+        chart
+            .draw_series(evals.iter().map(|&(x, y)| Circle::new((x, y), 3, RED.filled())))
+            .map_err(|e| err(&e))?;
+    }
+    chart
+        .configure_series_labels()
+        .label_font((FAMILY, 13))
+        .border_style(BLACK)
+        .background_style(WHITE.mix(0.8))
+        .draw()
+        .map_err(|e| err(&e))?;
+
+    let tps: Vec<(f64, f64)> = points
+        .iter()
+        .filter(|p| p.tokens_per_s.is_finite())
+        .map(|p| (p.step as f64, p.tokens_per_s))
+        .collect();
+    let tmax = tps.iter().map(|p| p.1).fold(1.0f64, f64::max);
+    let mut chart = ChartBuilder::on(&bottom)
+        .margin(12)
+        .x_label_area_size(36)
+        .y_label_area_size(64)
+        .caption("throughput (tokens/s)", (FAMILY, 18))
+        .build_cartesian_2d(1f64..max_step, 0f64..tmax * 1.1)
+        .map_err(|e| err(&e))?;
+    chart
+        .configure_mesh()
+        .x_desc("step")
+        .x_label_formatter(&|x| format!("{x:.0}"))
+        .label_style((FAMILY, 13))
+        .draw()
+        .map_err(|e| err(&e))?;
+    chart.draw_series(LineSeries::new(tps, GREEN.stroke_width(1))).map_err(|e| err(&e))?;
+    root.present().map_err(|e| err(&e))?;
+    Ok(())
+}
+
+/// `OUT/report.md`: the run in a few lines, with the plot.
+pub fn write_report(
+    out_dir: &Path,
+    origin: &str,
+    s: &Summary,
+    plot: Option<&Path>,
+) -> Result<PathBuf> {
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let mut r = format!("# Training report\n\nconfig: `{origin}`\n\n");
+    r += "| | |\n|---|---|\n";
+    r += &format!(
+        "| steps | {} ({} skipped: non-finite loss or gradient) |\n",
+        s.total_steps, s.skipped_steps
+    );
+    r += &format!("| final training loss | {:.4} |\n", s.final_loss);
+    if let Some(e) = s.eval_loss {
+        r += &format!("| final eval loss | {e:.4} ({} held-out rows) |\n", s.eval_rows);
+    }
+    r += &format!(
+        "| throughput | {:.0} tokens/s over {} timed steps, {:.1} s |\n",
+        s.tokens_per_s, s.steps, s.wall_s
+    );
+    r += &format!(
+        "| host memory | peak RSS {:.2} GiB, planned {:.2} GiB |\n",
+        gib(s.peak_rss_bytes),
+        gib(s.planned_host_bytes)
+    );
+    r += &format!(
+        "| device memory | peak {:.2} GiB, planned {:.2} GiB |\n",
+        gib(s.peak_device_bytes),
+        gib(s.planned_device_bytes)
+    );
+    r += &format!("| data records skipped | {} |\n", s.skipped_records);
+    if let Some(p) = plot {
+        let name = p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        r += &format!("\n![training]({name})\n");
+    }
+    let path = out_dir.join("report.md");
+    fs::write(&path, r).with_context(|| format!("cannot write {}", path.display()))?;
+    Ok(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plots_a_resumed_run_from_its_metrics() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = dir.path().join("metrics.jsonl");
+        let mut text = String::new();
+        for step in 1..=30 {
+            let loss = 5.0 / step as f64;
+            text += &format!(
+                "{{\"step\":{step},\"loss\":{loss},\"tokens\":100,\"step_s\":0.5,\"skipped\":false}}\n"
+            );
+        }
+        // A resume repeats steps 21..: the later lines win.
+        text += "{\"step\":21,\"loss\":0.1,\"tokens\":100,\"step_s\":0.25,\"skipped\":false,\"eval_loss\":0.3}\n";
+        std::fs::write(&m, text).unwrap();
+        let pts = read_metrics(&m).unwrap();
+        assert_eq!(pts.len(), 21);
+        assert_eq!(pts[20].eval_loss, Some(0.3));
+        assert_eq!(pts[20].tokens_per_s, 400.0);
+        let png = dir.path().join("training.png");
+        plot(&pts, &png, "test").unwrap();
+        let bytes = std::fs::read(&png).unwrap();
+        assert_eq!(&bytes[1..4], b"PNG");
+    }
+}

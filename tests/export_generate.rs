@@ -1,0 +1,329 @@
+//! What a run leaves behind and what a person does with it: `horizon export` (fp32 exact, bf16
+//! rounded to nearest even, shards + index, tokenizer files), `horizon generate`, the held-out
+//! eval loss, `--set` overrides, skipped counts in the summary, and the plot and report.
+
+mod common;
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use common::*;
+use horizon::data::pretokenized::{Row, make_batch};
+use horizon::hf::config::ModelConfig;
+use horizon::model::layout::ModelLayout;
+use horizon::model::params::ParamStore;
+use horizon::model::transformer::{Capacity, Transformer};
+use horizon_backend::CpuBackend;
+use serde_json::Value;
+
+fn horizon(args: &[&str]) -> Output {
+    let o = Command::new(env!("CARGO_BIN_EXE_horizon")).args(args).output().expect("run horizon");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!err.contains("panicked"), "panicked: {err}");
+    o
+}
+
+fn ok(o: Output) -> String {
+    assert!(o.status.success(), "failed: {}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn err(o: Output) -> String {
+    assert!(!o.status.success(), "expected a failure: {}", String::from_utf8_lossy(&o.stdout));
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Train fixture case llama_gqa for its steps with a checkpoint at the end; returns the run's
+/// output directory.
+fn trained_case(tmp: &Path, extra: &str) -> PathBuf {
+    let case = "llama_gqa";
+    let dir = case_dir(case);
+    let out = tmp.join("out");
+    let cfg = tmp.join("c.yaml");
+    let mut yaml = fixture_yaml(case, &dir.join("model"), &dir.join("data.jsonl"), &out, extra);
+    yaml = yaml.replace("max_seq_len: 64 }", "max_seq_len: 64, save_every: 1 }");
+    fs::write(&cfg, yaml).unwrap();
+    ok(horizon(&["train", "--config", cfg.to_str().unwrap()]));
+    out
+}
+
+fn loss_of(dir: &Path, rows: &[Row]) -> f64 {
+    let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    let params = ParamStore::load_hf(&ModelLayout::new(&cfg), dir).unwrap();
+    let refs: Vec<&Row> = rows.iter().collect();
+    let batch = make_batch(&refs);
+    let cap = Capacity { batch: batch.b, seq_len: batch.t, head_chunk_rows: 16 };
+    let mut tr = Transformer::new(CpuBackend, &cfg, cap);
+    tr.forward_loss(&params, &batch).unwrap().loss()
+}
+
+fn fixture_rows() -> Vec<Row> {
+    let path = case_dir("llama_gqa").join("data.jsonl");
+    horizon::data::load_pretokenized(&path, 64, 1 << 20).unwrap().rows
+}
+
+/// bf16 round-to-nearest-even of a finite f32, by bit arithmetic (independent of `half`).
+fn bf16_rne(x: f32) -> f32 {
+    let b = x.to_bits();
+    let rounded = b.wrapping_add(0x7FFF + ((b >> 16) & 1)) & 0xFFFF_0000;
+    f32::from_bits(rounded)
+}
+
+#[test]
+fn export_round_trips_fp32_exactly_and_bf16_rounded() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = trained_case(tmp.path(), "");
+    let final_dir = out.join("final");
+    let ckpt =
+        fs::read_dir(out.join("checkpoints")).unwrap().flatten().map(|e| e.path()).max().unwrap();
+    let cfg = ModelConfig::from_file(&final_dir.join("config.json")).unwrap();
+    let layout = ModelLayout::new(&cfg);
+    let masters = ParamStore::load_hf(&layout, &ckpt.join("params.safetensors")).unwrap();
+
+    // fp32 from the checkpoint: the masters, bit for bit, and the same loss as final/.
+    let fp32 = tmp.path().join("fp32");
+    ok(horizon(&["export", ckpt.to_str().unwrap(), "--out", fp32.to_str().unwrap()]));
+    let got = ParamStore::load_hf(&layout, &fp32).unwrap();
+    for (a, b) in got.buffers().iter().zip(masters.buffers()) {
+        assert!(a.iter().zip(b.iter()).all(|(x, y)| x.to_bits() == y.to_bits()));
+    }
+    let rows = fixture_rows();
+    let want = loss_of(&final_dir, &rows);
+    assert_eq!(loss_of(&fp32, &rows), want, "same loss on a batch after export + reload");
+
+    // bf16 from the run directory (its newest checkpoint), sharded: every value is the
+    // nearest-even bf16 of its master, and the loss moves only by bf16 rounding.
+    let bf16 = tmp.path().join("bf16");
+    let stdout = ok(horizon(&[
+        "export",
+        out.to_str().unwrap(),
+        "--out",
+        bf16.to_str().unwrap(),
+        "--dtype",
+        "bf16",
+        "--max-shard-size",
+        "20KB",
+    ]));
+    assert!(stdout.contains("shard(s)"), "{stdout}");
+    let index: Value = serde_json::from_str(
+        &fs::read_to_string(bf16.join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    let shards: std::collections::BTreeSet<&str> =
+        index["weight_map"].as_object().unwrap().values().map(|v| v.as_str().unwrap()).collect();
+    assert!(shards.len() > 1, "{index}");
+    for s in &shards {
+        assert!(bf16.join(s).is_file(), "{s}");
+    }
+    let cfg_json: Value =
+        serde_json::from_str(&fs::read_to_string(bf16.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg_json["torch_dtype"], "bfloat16");
+    let got = ParamStore::load_hf(&layout, &bf16).unwrap();
+    let mut changed = 0usize;
+    for (a, b) in got.buffers().iter().zip(masters.buffers()) {
+        for (&x, &y) in a.iter().zip(b.iter()) {
+            assert_eq!(x.to_bits(), bf16_rne(y).to_bits(), "{y:e} exported as {x:e}");
+            changed += (x != y) as usize;
+        }
+    }
+    assert!(changed > 0, "bf16 export should round some values");
+    let l = loss_of(&bf16, &rows);
+    assert!((l - want).abs() / want < 1e-2, "bf16 loss {l} vs fp32 {want}");
+
+    // Exporting again into the same directory, unsharded, leaves no stale shard behind.
+    ok(horizon(&["export", ckpt.to_str().unwrap(), "--out", bf16.to_str().unwrap()]));
+    assert!(!bf16.join("model.safetensors.index.json").exists());
+    assert_eq!(loss_of(&bf16, &rows), want);
+
+    // Bad sources are one-line errors naming the path.
+    let e = err(horizon(&["export", "/nonexistent/ckpt", "--out", fp32.to_str().unwrap()]));
+    assert!(e.contains("/nonexistent/ckpt"), "{e}");
+    let e = err(horizon(&["export", tmp.path().to_str().unwrap(), "--out", "x"]));
+    assert!(e.contains("neither a checkpoint"), "{e}");
+}
+
+#[test]
+fn final_export_carries_the_tokenizer() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tok_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizers/llama3");
+    let extra = "engine: { head_chunk_rows: 16 }\n";
+    let case = "llama_gqa";
+    let dir = case_dir(case);
+    let out = tmp.path().join("out");
+    let yaml = fixture_yaml(case, &dir.join("model"), &dir.join("data.jsonl"), &out, extra)
+        .replace(
+            "format: pretokenized }",
+            &format!("format: pretokenized, tokenizer: '{}' }}", tok_dir.display()),
+        );
+    let cfg = tmp.path().join("c.yaml");
+    fs::write(&cfg, yaml).unwrap();
+    ok(horizon(&["train", "--config", cfg.to_str().unwrap()]));
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        assert_eq!(
+            fs::read(out.join("final").join(f)).unwrap(),
+            fs::read(tok_dir.join(f)).unwrap(),
+            "{f} copied"
+        );
+    }
+    // The run's plot and report are there.
+    let png = fs::read(out.join("training.png")).unwrap();
+    assert_eq!(&png[1..4], b"PNG");
+    let report = fs::read_to_string(out.join("report.md")).unwrap();
+    assert!(report.contains("final training loss"), "{report}");
+}
+
+/// A byte-tokenizer model trained from scratch on text, with a held-out split.
+fn byte_text_run(tmp: &Path, extra_train: &str, set: &[&str]) -> (PathBuf, Output) {
+    let data = tmp.join("text.jsonl");
+    let mut lines = String::new();
+    for i in 0..40 {
+        lines += &format!("{{\"text\": \"abc {i} abc {i} abc\"}}\n");
+    }
+    fs::write(&data, lines).unwrap();
+    let out = tmp.join("out");
+    let yaml = format!(
+        "model: {{ init: random, arch: llama, seed: 1, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 259, max_position_embeddings: 64 }}\n\
+         data: {{ path: '{}', format: text, tokenizer: byte, eval_fraction: 0.2 }}\n\
+         train: {{ steps: 6, batch_size: 4, max_seq_len: 16{extra_train} }}\n\
+         optimizer: {{ lr: 0.01 }}\n\
+         output: {{ dir: '{}' }}\n",
+        data.display(),
+        out.display()
+    );
+    let cfg = tmp.join("c.yaml");
+    fs::write(&cfg, yaml).unwrap();
+    let mut args = vec!["train", "--config", cfg.to_str().unwrap()];
+    for s in set {
+        args.extend(["--set", s]);
+    }
+    let o = horizon(&args);
+    (out, o)
+}
+
+#[test]
+fn eval_loss_is_reported_and_is_the_held_out_loss() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (out, o) = byte_text_run(tmp.path(), ", eval_every: 2", &[]);
+    ok(o);
+    let metrics: Vec<Value> = fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let eval_steps: Vec<u64> = metrics
+        .iter()
+        .filter(|m| m.get("eval_loss").is_some())
+        .map(|m| m["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(eval_steps, [2, 4, 6]);
+    let summary: Value =
+        serde_json::from_str(&fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    let last_eval = metrics.last().unwrap()["eval_loss"].as_f64().unwrap();
+    assert_eq!(summary["eval_loss"].as_f64().unwrap(), last_eval);
+    assert!(summary["eval_rows"].as_u64().unwrap() > 0);
+
+    // The reported number is the loss of the held-out rows under the exported weights.
+    let raw = horizon::config::RawConfig::from_file(&tmp.path().join("c.yaml")).unwrap();
+    let sets = horizon::train::load_datasets(&raw, 259).unwrap();
+    let eval = sets.eval.unwrap();
+    assert_eq!(eval.rows.len() as u64, summary["eval_rows"].as_u64().unwrap());
+    let train_rows = sets.train.rows.len();
+    assert!(train_rows > 0 && eval.rows.iter().all(|r| !sets.train.rows.contains(r)));
+    let want = loss_of(&out.join("final"), &eval.rows);
+    assert!((want - last_eval).abs() <= 1e-9 * want, "eval {last_eval} vs recomputed {want}");
+}
+
+#[test]
+fn generate_streams_from_an_exported_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (out, o) = byte_text_run(tmp.path(), "", &[]);
+    ok(o);
+    let model = out.join("final");
+    let m = model.to_str().unwrap();
+    let greedy =
+        ok(horizon(&["generate", "--model", m, "--prompt", "abc", "--max-new-tokens", "6"]));
+    assert!(greedy.starts_with("abc"), "{greedy:?}");
+    let sample = |seed: &str| {
+        ok(horizon(&[
+            "generate",
+            "--model",
+            m,
+            "--prompt",
+            "abc",
+            "--max-new-tokens",
+            "6",
+            "--temperature",
+            "1.0",
+            "--top-p",
+            "0.9",
+            "--seed",
+            seed,
+        ]))
+    };
+    assert_eq!(sample("5"), sample("5"), "sampling is a function of the seed");
+    let chat = ok(horizon(&[
+        "generate",
+        "--model",
+        m,
+        "--prompt",
+        "hi",
+        "--chat",
+        "--max-new-tokens",
+        "3",
+    ]));
+    assert!(!chat.contains("panicked"));
+    let e = err(horizon(&["generate", "--model", m, "--prompt", "abc", "--top-p", "0"]));
+    assert!(e.contains("--top-p"), "{e}");
+    let e = err(horizon(&["generate", "--model", out.to_str().unwrap(), "--prompt", "x"]));
+    assert!(e.contains("config.json"), "{e}");
+}
+
+#[test]
+fn set_overrides_keys_and_refuses_unknown_ones() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (out, o) = byte_text_run(tmp.path(), "", &["train.steps=3", "optimizer.lr=0.002"]);
+    ok(o);
+    let summary: Value =
+        serde_json::from_str(&fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["total_steps"], 3);
+    let saved = fs::read_to_string(out.join("config.yaml")).unwrap();
+    assert!(saved.contains("0.002"), "the saved config holds the override: {saved}");
+    let tmp = tempfile::tempdir().unwrap();
+    let (_, o) = byte_text_run(tmp.path(), "", &["train.stepz=3"]);
+    let e = err(o);
+    assert!(e.contains("stepz"), "{e}");
+}
+
+#[test]
+fn skipped_records_and_steps_are_counted_in_the_summary() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("alpaca.jsonl");
+    let mut lines = String::new();
+    for i in 0..12 {
+        lines += &format!("{{\"instruction\": \"say {i}\", \"output\": \"{i}\"}}\n");
+    }
+    lines += "{\"instruction\": \"no output\"}\nnot json\n";
+    fs::write(&data, lines).unwrap();
+    let out = tmp.path().join("out");
+    let yaml = format!(
+        "model: {{ init: random, arch: llama, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 4, num_key_value_heads: 4, vocab_size: 259 }}\n\
+         data: {{ path: '{}', format: alpaca, tokenizer: byte, on_error: skip }}\n\
+         train: {{ steps: 3, batch_size: 4, max_seq_len: 256 }}\n\
+         output: {{ dir: '{}' }}\n",
+        data.display(),
+        out.display()
+    );
+    let cfg = tmp.path().join("c.yaml");
+    fs::write(&cfg, yaml).unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_horizon"))
+        .args(["train", "--config", cfg.to_str().unwrap()])
+        .env("HORIZON_TEST_NAN_STEPS", "1")
+        .output()
+        .unwrap();
+    ok(o);
+    let summary: Value =
+        serde_json::from_str(&fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["skipped_records"], 2, "{summary}");
+    assert_eq!(summary["skipped_steps"], 1, "{summary}");
+}
