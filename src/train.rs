@@ -103,20 +103,46 @@ impl TrainState {
 /// Row indices of batch `k`: `[k*B, (k+1)*B)` cycling through the data; with `shuffle`, each
 /// epoch reads the rows in its own seeded permutation.
 pub fn batch_indices(len: usize, k: usize, b: usize, shuffle: bool, seed: u64) -> Vec<usize> {
-    let mut perm: Option<(usize, Vec<usize>)> = None;
-    (0..b)
-        .map(|i| {
-            let g = k * b + i;
-            let (epoch, pos) = (g / len, g % len);
-            if !shuffle {
-                return pos;
+    let mut out = Vec::with_capacity(b);
+    BatchOrder::new(len, b, shuffle, seed).indices(k, &mut out);
+    out
+}
+
+/// The order batches read rows in ([`batch_indices`]), keeping the current epoch's permutation
+/// so that a step costs O(batch), not O(rows).
+#[derive(Clone, Debug)]
+pub struct BatchOrder {
+    len: usize,
+    b: usize,
+    shuffle: bool,
+    seed: u64,
+    /// The permutation of epoch `epoch` (shuffling only).
+    perm: Vec<usize>,
+    epoch: Option<usize>,
+}
+
+impl BatchOrder {
+    pub fn new(len: usize, b: usize, shuffle: bool, seed: u64) -> Self {
+        BatchOrder { len, b, shuffle, seed, perm: Vec::new(), epoch: None }
+    }
+
+    /// The row indices of batch `k` into `out` (cleared first).
+    pub fn indices(&mut self, k: usize, out: &mut Vec<usize>) {
+        out.clear();
+        for i in 0..self.b {
+            let g = k * self.b + i;
+            let (epoch, pos) = (g / self.len, g % self.len);
+            if !self.shuffle {
+                out.push(pos);
+                continue;
             }
-            if perm.as_ref().is_none_or(|(e, _)| *e != epoch) {
-                perm = Some((epoch, shuffled_order(len, seed, epoch as u64)));
+            if self.epoch != Some(epoch) {
+                self.perm = shuffled_order(self.len, self.seed, epoch as u64);
+                self.epoch = Some(epoch);
             }
-            perm.as_ref().expect("set above").1[pos]
-        })
-        .collect()
+            out.push(self.perm[pos]);
+        }
+    }
 }
 
 /// Everything a run needs, loaded and checked before the first step.
@@ -148,7 +174,8 @@ impl Trainer {
 
     /// The batch of optimizer step `k` (0-based), and its count of real (non-padding) tokens.
     pub fn batch(&self, k: usize) -> (Batch, usize) {
-        let rows = step_rows(&self.cfg, &self.data, k);
+        let mut order = batch_order(&self.cfg, &self.data);
+        let rows = step_rows(&mut order, &self.data, k);
         let tokens = rows.iter().map(|r| r.input_ids.len()).sum();
         (make_batch(&rows), tokens)
     }
@@ -374,12 +401,20 @@ pub fn synthetic_rows(n: usize, len: usize, vocab: usize, seed: u64) -> Vec<Row>
 }
 
 /// The rows of optimizer step `k`.
-pub fn step_rows<'a>(cfg: &RunConfig, data: &'a PretokenizedDataset, k: usize) -> Vec<&'a Row> {
+pub fn step_rows<'a>(
+    order: &mut BatchOrder,
+    data: &'a PretokenizedDataset,
+    k: usize,
+) -> Vec<&'a Row> {
+    let mut idx = Vec::new();
+    order.indices(k, &mut idx);
+    idx.iter().map(|&i| &data.rows[i]).collect()
+}
+
+/// The batch order a config and dataset give.
+fn batch_order(cfg: &RunConfig, data: &PretokenizedDataset) -> BatchOrder {
     let t = &cfg.raw.train;
-    batch_indices(data.rows.len(), k, t.batch_size, cfg.raw.data.shuffle, t.seed)
-        .iter()
-        .map(|&i| &data.rows[i])
-        .collect()
+    BatchOrder::new(data.rows.len(), t.batch_size, cfg.raw.data.shuffle, t.seed)
 }
 
 /// What a run reports at the end (`OUT/summary.json`).
@@ -419,6 +454,8 @@ pub struct StreamTrainer {
     pub cfg: RunConfig,
     pub model_cfg: ModelConfig,
     pub data: PretokenizedDataset,
+    /// The order batches read `data`'s rows in.
+    order: BatchOrder,
     /// The held-out rows (`data.eval_fraction` / `data.eval_path`).
     pub eval: Option<PretokenizedDataset>,
     /// Forward-only runner for the held-out rows (allocated once, when there are any).
@@ -485,9 +522,11 @@ impl StreamTrainer {
             jitter_seed: 0,
         });
         let engine = Engine::new(dev, &model_cfg, state, ecfg)?;
+        let order = batch_order(&cfg, &sets.train);
         Ok(StreamTrainer {
             cfg,
             model_cfg,
+            order,
             data: sets.train,
             eval: sets.eval,
             evaluator,
@@ -501,7 +540,7 @@ impl StreamTrainer {
     /// One optimizer step on batch `k` (0-based).
     pub fn step(&mut self, k: usize) -> Result<StepMetrics> {
         let t0 = Instant::now();
-        let rows = step_rows(&self.cfg, &self.data, k);
+        let rows = step_rows(&mut self.order, &self.data, k);
         let tokens = rows.iter().map(|r| r.input_ids.len()).sum();
         let lr = self.cfg.raw.lr_schedule().lr_at(k + 1);
         let inject_nan = self.inject_nan_at.contains(&k);
@@ -831,5 +870,32 @@ fn hms(s: f64) -> String {
         (0, 0, sec) => format!("{sec}s"),
         (0, m, sec) => format!("{m}m{sec:02}s"),
         (h, m, sec) => format!("{h}h{m:02}m{sec:02}s"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batch_order_visits_each_row_once_per_epoch_and_matches_a_fresh_order() {
+        let (len, b) = (10, 4);
+        let mut order = BatchOrder::new(len, b, true, 7);
+        let mut seen = Vec::new();
+        let mut idx = Vec::new();
+        for k in 0..5 {
+            order.indices(k, &mut idx);
+            assert_eq!(idx, batch_indices(len, k, b, true, 7), "batch {k}");
+            seen.extend_from_slice(&idx);
+        }
+        for epoch in seen.chunks(len) {
+            let mut e = epoch.to_vec();
+            e.sort();
+            assert_eq!(e, (0..len).collect::<Vec<_>>());
+        }
+        assert_ne!(seen[..len], seen[len..], "each epoch has its own permutation");
+        let mut plain = BatchOrder::new(len, b, false, 7);
+        plain.indices(2, &mut idx);
+        assert_eq!(idx, [8, 9, 0, 1]);
     }
 }
