@@ -16,10 +16,9 @@ fn without_a_driver_construction_is_a_clear_error() {
         "this binary was built without CUDA"
     };
     let err = CudaDevice::new(CudaDeviceConfig::with_capacity(1 << 20))
-        .err()
-        .expect("a device without a driver");
+        .expect_err("a device without a driver");
     assert!(err.to_string().contains(want), "{err}");
-    let err = CudaBackend::new(0, MatmulPrecision::Fp32).err().expect("a backend without a driver");
+    let err = CudaBackend::new(0, MatmulPrecision::Fp32).expect_err("a backend without a driver");
     assert!(err.to_string().contains(want), "{err}");
     assert!(probe().is_err());
 }

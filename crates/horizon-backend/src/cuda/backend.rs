@@ -44,6 +44,12 @@ impl Drop for Blas {
     }
 }
 
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend").field("precision", &self.inner.precision).finish()
+    }
+}
+
 impl CudaBackend {
     /// A backend on a new stream of GPU `ordinal`: probes the libraries, creates the context,
     /// compiles the kernels. For tests and tools; the engine gets its backend from

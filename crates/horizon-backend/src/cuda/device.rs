@@ -149,6 +149,12 @@ impl CudaDevice {
     }
 }
 
+impl std::fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaDevice").field("gpu", &self.gpu_name).field("cfg", &self.cfg).finish()
+    }
+}
+
 impl Device for CudaDevice {
     type Backend = CudaBackend;
     type Staging = PinnedBuf;
