@@ -492,7 +492,7 @@ struct WireRing {
 
 /// A queue's dispatcher thread: runs (host queue) or enqueues (stream queues) its tasks in
 /// order until `Stop`. Panics in tasks are caught and kept for `synchronize`.
-fn dispatcher(q: Queue, rx: &Receiver<Task>, shared: &Shared, mut jitter: Jitter) {
+fn dispatcher(q: Queue, rx: &Receiver<Task>, shared: &Arc<Shared>, mut jitter: Jitter) {
     if let Err(e) = shared.ctx.bind_to_thread() {
         shared.note_panic(q, format!("cannot bind the CUDA context: {e:?}"));
     }
@@ -500,16 +500,10 @@ fn dispatcher(q: Queue, rx: &Receiver<Task>, shared: &Shared, mut jitter: Jitter
         (None, None)
     } else {
         let (tx, done_rx) = mpsc::channel::<Done>();
-        // SAFETY of the borrow: the completer is joined before this function returns, and
-        // `shared` outlives it (the caller's Arc lives as long as this thread).
-        let shared_ptr = shared as *const Shared as usize;
+        let shared = Arc::clone(shared);
         let handle = thread::Builder::new()
             .name(format!("horizon-cuda-{q:?}-done").to_lowercase())
-            .spawn(move || {
-                // SAFETY: see above: `shared` outlives this thread, which is joined first.
-                let shared = unsafe { &*(shared_ptr as *const Shared) };
-                completer(q, &done_rx, shared);
-            })
+            .spawn(move || completer(q, &done_rx, &shared))
             .expect("cannot start a CUDA completion thread");
         (Some(tx), Some(handle))
     };
