@@ -19,16 +19,21 @@ use horizon_backend::Device;
 use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig};
 use horizon_backend::cuda::{CudaDevice, CudaDeviceConfig, MatmulPrecision, WireFormat, probe};
 
+/// Prints why a test is skipped, past the test harness's output capture.
+fn skip(why: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "SKIPPED: {why}");
+}
 /// True when a GPU is usable; otherwise prints why the test is skipped.
 fn gpu_present() -> bool {
     if !probe::driver_present() {
-        eprintln!("SKIPPED: no CUDA driver on this machine (libcuda.so not found)");
+        skip("no CUDA driver on this machine (libcuda.so not found)");
         return false;
     }
     match CudaDevice::new(CudaDeviceConfig::with_capacity(1 << 20)) {
         Ok(_) => true,
         Err(e) => {
-            eprintln!("SKIPPED: no usable GPU: {e}");
+            skip(&format!("no usable GPU: {e}"));
             false
         }
     }

@@ -8,6 +8,11 @@
 use horizon_backend::cuda::kernels::{SOURCES, compile_cubin};
 use horizon_backend::cuda::probe;
 
+/// Prints why a test is skipped, past the test harness's output capture.
+fn skip(why: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "SKIPPED: {why}");
+}
 /// True when NVRTC is there; otherwise prints why the test is skipped (or fails in CI).
 fn nvrtc() -> bool {
     if probe::nvrtc_present() {
@@ -19,7 +24,7 @@ fn nvrtc() -> bool {
         std::env::var_os("HORIZON_REQUIRE_NVRTC").is_none(),
         "{why} (HORIZON_REQUIRE_NVRTC is set)"
     );
-    eprintln!("SKIPPED: {why}");
+    skip(why);
     false
 }
 

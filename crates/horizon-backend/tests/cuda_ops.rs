@@ -19,16 +19,21 @@ const GUARD: usize = 37;
 /// A NaN with a payload no kernel produces.
 const SENTINEL: u32 = 0x7fa5_a5a5;
 
+/// Prints why a test is skipped, past the test harness's output capture.
+fn skip(why: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "SKIPPED: {why}");
+}
 /// The GPU backend, or `None` (after printing why) where there is none.
 fn gpu(precision: MatmulPrecision) -> Option<CudaBackend> {
     if !probe::driver_present() {
-        eprintln!("SKIPPED: no CUDA driver on this machine (libcuda.so not found)");
+        skip("no CUDA driver on this machine (libcuda.so not found)");
         return None;
     }
     match CudaBackend::new(0, precision) {
         Ok(be) => Some(be),
         Err(e) => {
-            eprintln!("SKIPPED: no usable GPU: {e}");
+            skip(&format!("no usable GPU: {e}"));
             None
         }
     }

@@ -4,10 +4,15 @@
 
 use horizon_backend::cuda::{CudaBackend, CudaDevice, CudaDeviceConfig, MatmulPrecision, probe};
 
+/// Prints why a test is skipped, past the test harness's output capture.
+fn skip(why: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "SKIPPED: {why}");
+}
 #[test]
 fn without_a_driver_construction_is_a_clear_error() {
     if probe::driver_present() {
-        eprintln!("SKIPPED: a CUDA driver is present on this machine");
+        skip("a CUDA driver is present on this machine");
         return;
     }
     let want = if cfg!(feature = "cuda") {
