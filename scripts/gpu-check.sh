@@ -38,7 +38,10 @@ for line in sys.stdin:
         print(m["executable"])' \
         | while read -r exe; do cp "$exe" "$DIR/tests/$(basename "$exe" | sed 's/-[0-9a-f]*$//')"; done
     cp "$0" "$DIR/gpu-check.sh"
-    [[ -d tests/fixtures ]] && cp -r tests/fixtures "$DIR/tests/"
+    # The engine tests find their fixtures at the build machine's path (CARGO_MANIFEST_DIR):
+    # ship them, and the path, so the run can link them there.
+    [[ -d tests/fixtures ]] && cp -r tests/fixtures "$DIR/"
+    echo "$ROOT" > "$DIR/manifest_dir"
     echo "bundle in $DIR: $(ls "$DIR" "$DIR/tests" | tr '\n' ' ')"
     exit 0
 fi
@@ -66,6 +69,13 @@ if [[ -z "${HORIZON_BIN:-}" ]]; then
 fi
 
 echo "== parity tests"
+if [[ -f "$HERE/manifest_dir" && -d "$HERE/fixtures" ]]; then
+    m="$(cat "$HERE/manifest_dir")"
+    if [[ ! -e "$m/tests/fixtures" ]]; then
+        mkdir -p "$m/tests" && ln -s "$HERE/fixtures" "$m/tests/fixtures" \
+            || echo "warning: cannot link the fixtures at $m/tests/fixtures; cuda_engine will fail" >&2
+    fi
+fi
 if [[ -n "${TEST_BIN_DIR:-}" ]]; then
     fail=0
     for t in "$TEST_BIN_DIR"/cuda_*; do
@@ -80,6 +90,7 @@ fi
 
 # ---- benchmarks ----------------------------------------------------------------------------
 mkdir -p "$OUT"
+status=0
 avail_kb=$(awk '/MemAvailable/ {print $2}' /proc/meminfo)
 gpu_bytes=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 | awk '{print $1 * 1048576}')
 gpu_bytes=${gpu_bytes:-150000000000}
@@ -111,7 +122,13 @@ device: {backend: cuda, memory: auto}
 output: {dir: $OUT/$name}
 YAML
     echo "== bench $name: $l layers, hidden $c, ffn $f, heads $h/$kvh, vocab $v, $b x $t tokens/step"
-    "$HORIZON_BIN" bench --config "$cfg" --warmup 1 | tail -n 25
+    if ! "$HORIZON_BIN" bench --config "$cfg" --warmup 1 > "$OUT/$name.log" 2>&1; then
+        tail -n 30 "$OUT/$name.log"
+        echo "bench $name FAILED (log: $OUT/$name.log)" >&2
+        status=1
+        return 0
+    fi
+    grep -E "^(step|model:|  total|device|host)" "$OUT/$name.log" | tail -n 12
     python3 - "$OUT/$name/summary.json" "$c" "$f" "$l" "$h" "$kvh" "$v" "$t" "$PEAK_TFLOPS" <<'PY'
 import json, sys
 s = json.load(open(sys.argv[1]))
@@ -153,4 +170,5 @@ else
     bench deep-half 2048 8192 $((LD / 2)) 16 4 32000 8 4 2048 4
     bench deep 2048 8192 "$LD" 16 4 32000 8 4 2048 4
 fi
-echo "== done: summaries under $OUT"
+echo "== done: summaries and logs under $OUT"
+exit "$status"
