@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 use std::ffi::CString;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{CudaContext, CudaFunction, sys};
 use cudarc::nvrtc;
@@ -99,6 +99,23 @@ pub fn arch_of(ctx: &CudaContext) -> Result<String, CudaError> {
     Ok(format!("sm_{major}{minor}"))
 }
 
+/// Compiled images by (op, arch).
+type CubinCache = HashMap<(&'static str, String), Vec<u8>>;
+
+/// [`compile_cubin`], once per (op, arch) in the process: every device or backend built later
+/// (tests build many) loads the same image.
+fn cached_cubin(op: &'static str, src: &str, arch: &str) -> Result<Vec<u8>, CudaError> {
+    static CACHE: OnceLock<Mutex<CubinCache>> = OnceLock::new();
+    let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
+    let key = (op, arch.to_string());
+    if let Some(image) = cache.lock().expect("CUBIN cache lock poisoned").get(&key) {
+        return Ok(image.clone());
+    }
+    let image = compile_cubin(op, src, arch)?;
+    cache.lock().expect("CUBIN cache lock poisoned").insert(key, image.clone());
+    Ok(image)
+}
+
 /// Every kernel, compiled and loaded into one context, looked up by name.
 pub struct Kernels {
     funcs: HashMap<&'static str, CudaFunction>,
@@ -111,7 +128,7 @@ impl Kernels {
         let mut funcs = HashMap::new();
         for ((op, src), (op2, names)) in SOURCES.iter().zip(FUNCTIONS.iter()) {
             debug_assert_eq!(op, op2);
-            let image = compile_cubin(op, src, &arch)?;
+            let image = cached_cubin(op, src, &arch)?;
             let module = ctx
                 .load_module(nvrtc::Ptx::from_binary(image))
                 .map_err(|e| CudaError::driver(&format!("loading kernels/{op}.cu"), e))?;
