@@ -491,9 +491,9 @@ impl RawConfig {
                 self.device.link_gbps
             );
         }
-        if self.device.backend == BackendKind::Cuda {
+        if self.device.backend == BackendKind::Cuda && !horizon_backend::cuda::BUILT_WITH_CUDA {
             bail!(
-                "{origin}: device.backend = cuda: this binary has no CUDA backend yet\nhint: use device.backend = cpu"
+                "{origin}: device.backend = cuda: this binary was built without CUDA\nhint: rebuild with `cargo build --release --features cuda`, or use device.backend = cpu"
             );
         }
         match (&self.model.path, self.model.init) {

@@ -12,7 +12,7 @@ use anyhow::{Context, Result, bail};
 use horizon_backend::CpuBackend;
 use serde::Serialize;
 
-use crate::config::{ByteSize, DataFormat, ModelInit, RawConfig, RunConfig};
+use crate::config::{BackendKind, ByteSize, DataFormat, ModelInit, RawConfig, RunConfig};
 use crate::data::pretokenized::{Batch, PretokenizedDataset, Row, load_pretokenized, make_batch};
 use crate::data::{
     LoadReport, load_alpaca, load_chat, load_text, pack, shuffled_order, split_eval,
@@ -28,6 +28,7 @@ use crate::rng::SplitMix64;
 use crate::tokenizer::{ByteTokenizer, HfTokenizer, Tokenizer};
 use horizon_backend::Device;
 use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig};
+use horizon_backend::cuda::{CudaDevice, CudaDeviceConfig};
 
 /// One line of `metrics.jsonl`.
 #[derive(Clone, Debug, Serialize, PartialEq)]
@@ -450,7 +451,7 @@ pub struct Summary {
 
 /// A run on the streaming engine: the model in host RAM, the CPU device borrowing one layer at
 /// a time.
-pub struct StreamTrainer {
+pub struct StreamTrainer<D: Device = CpuDevice> {
     pub cfg: RunConfig,
     pub model_cfg: ModelConfig,
     pub data: PretokenizedDataset,
@@ -463,7 +464,7 @@ pub struct StreamTrainer {
     /// Records the data loaders left out (`data.on_error: skip`, or prompt too long).
     pub skipped_records: usize,
     pub plan: MemoryPlan,
-    pub engine: Engine<CpuDevice>,
+    pub engine: Engine<D>,
     /// Fault injection for tests: steps (0-based) whose gradient gets a NaN.
     pub inject_nan_at: Vec<usize>,
 }
@@ -476,6 +477,28 @@ impl StreamTrainer {
 
     /// As [`StreamTrainer::new`], continuing from a resumable checkpoint directory.
     pub fn with_resume(cfg: RunConfig, resume: Option<&Path>) -> Result<Self> {
+        StreamTrainer::on_device(cfg, resume, |raw, plan| {
+            Ok(CpuDevice::new(CpuDeviceConfig {
+                capacity_bytes: plan.device_capacity() as usize,
+                link_gbps: raw.device.link_gbps,
+                copy_jitter_us: 0,
+                jitter_seed: 0,
+            }))
+        })
+    }
+}
+
+impl<D: Device> StreamTrainer<D>
+where
+    D::Backend: 'static,
+{
+    /// As [`StreamTrainer::with_resume`], on the device `make_dev` builds once the memory plan
+    /// is known (and checked).
+    pub fn on_device(
+        cfg: RunConfig,
+        resume: Option<&Path>,
+        make_dev: impl FnOnce(&RawConfig, &MemoryPlan) -> Result<D>,
+    ) -> Result<Self> {
         let raw = &cfg.raw;
         let model_cfg = model_config(raw)?;
         let layout = ModelLayout::new(&model_cfg);
@@ -515,12 +538,7 @@ impl StreamTrainer {
                 },
             )
         });
-        let dev = CpuDevice::new(CpuDeviceConfig {
-            capacity_bytes: plan.device_capacity() as usize,
-            link_gbps: raw.device.link_gbps,
-            copy_jitter_us: 0,
-            jitter_seed: 0,
-        });
+        let dev = make_dev(raw, &plan)?;
         let engine = Engine::new(dev, &model_cfg, state, ecfg)?;
         let order = batch_order(&cfg, &sets.train);
         Ok(StreamTrainer {
@@ -613,7 +631,38 @@ pub fn run_streaming(
         .with_context(|| format!("output.dir {}: cannot write config.yaml", out_dir.display()))?;
 
     let resume_dir = resume.map(|r| crate::resume::resolve(r, &out_dir)).transpose()?;
-    let mut tr = StreamTrainer::with_resume(cfg, resume_dir.as_deref())?;
+    match cfg.raw.device.backend {
+        BackendKind::Cpu => {
+            let tr = StreamTrainer::with_resume(cfg, resume_dir.as_deref())?;
+            drive(tr, out_dir, yaml, resume_dir, export_final, warmup)
+        }
+        BackendKind::Cuda => {
+            let tr = StreamTrainer::on_device(cfg, resume_dir.as_deref(), cuda_device)?;
+            drive(tr, out_dir, yaml, resume_dir, export_final, warmup)
+        }
+    }
+}
+
+/// The CUDA device of a run (`device.backend: cuda`): GPU 0, a pool of the plan's device bytes,
+/// bf16 weights on the wire, bf16 tensor-core matmuls with fp32 accumulation. In a binary built
+/// without the `cuda` feature this is an error saying so.
+fn cuda_device(_raw: &RawConfig, plan: &MemoryPlan) -> Result<CudaDevice> {
+    let cfg = CudaDeviceConfig::with_capacity(plan.device_capacity() as usize);
+    CudaDevice::new(cfg).context("device.backend = cuda")
+}
+
+/// The step loop of [`run_streaming`], on any device.
+fn drive<D: Device>(
+    mut tr: StreamTrainer<D>,
+    out_dir: PathBuf,
+    yaml: String,
+    resume_dir: Option<PathBuf>,
+    export_final: bool,
+    warmup: usize,
+) -> Result<Summary>
+where
+    D::Backend: 'static,
+{
     let steps = tr.cfg.raw.train.steps;
     let start = tr.engine.state().step as usize;
     if let Some(d) = &resume_dir {

@@ -618,13 +618,13 @@ where
             OpKind::UploadWeights { slot, what } => match what {
                 SlotContent::Layer(i) => {
                     let src = c.params[c.param_index(ParamBuf::Layer(i))].as_const();
-                    self.dev.upload(c.slots[slot].prefix(src.len()), src);
+                    self.dev.upload_weights(c.slots[slot].prefix(src.len()), src);
                 }
                 SlotContent::Head => {
                     let norm = c.params[c.param_index(ParamBuf::FinalNorm)].as_const();
                     let head = c.params[c.param_index(c.head_param())].as_const();
-                    self.dev.upload(c.slots[slot].sub(0..d.c), norm);
-                    self.dev.upload(c.slots[slot].sub(d.c..d.c + head.len()), head);
+                    self.dev.upload_weights(c.slots[slot].sub(0..d.c), norm);
+                    self.dev.upload_weights(c.slots[slot].sub(d.c..d.c + head.len()), head);
                 }
             },
             OpKind::SaveCkpt { block, m, set } => {

@@ -1,7 +1,8 @@
 //! The device abstraction the streaming engine runs on: a fixed-capacity memory pool, ordered
 //! queues that run concurrently (compute, host-to-device copy, device-to-host copy, host work),
 //! and events that make one queue wait for a point in another. The CPU backend implements it
-//! with worker threads ([`crate::cpu::CpuDevice`]); the CUDA backend will with streams.
+//! with worker threads ([`crate::cpu::CpuDevice`]), the CUDA backend with streams
+//! (`crate::cuda::CudaDevice`).
 //!
 //! Memory is addressed by [`DevBuf`] handles (offset + length into the pool), not references:
 //! work submitted to a queue runs later, on another thread, and resolves its handles to views
@@ -278,6 +279,13 @@ pub trait Device: Send + Sync {
     fn wait(&self, q: Queue, e: &Event);
     /// Enqueue a host -> device copy on [`Queue::H2D`]. `dst.len == src.len()`.
     fn upload(&self, dst: DevBuf, src: HostPtr);
+    /// Enqueue a host -> device copy of *weights* on [`Queue::H2D`]. A device may carry them in
+    /// a narrower format than fp32 (the CUDA device: bf16 on the wire, expanded to fp32 on
+    /// arrival, so the device computes with bf16-exact weights). The default is [`Device::upload`]:
+    /// exact, as on the CPU device.
+    fn upload_weights(&self, dst: DevBuf, src: HostPtr) {
+        self.upload(dst, src);
+    }
     /// Enqueue an i32 host -> device copy on [`Queue::H2D`].
     fn upload_i32(&self, dst: DevBuf, src: Arc<Vec<i32>>);
     /// Enqueue a device -> host copy on [`Queue::D2H`]. `dst.len() == src.len`.

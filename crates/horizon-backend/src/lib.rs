@@ -1,4 +1,6 @@
-//! Horizon's compute boundary: the [`Backend`] trait and the CPU reference backend.
+//! Horizon's compute boundary: the [`Backend`] trait, the CPU reference backend and (feature
+//! `cuda`) the CUDA backend; without the feature, [`cuda`] is a stub whose constructors say the
+//! binary was built without CUDA.
 //!
 //! This crate knows nothing about models, files or schedules. It offers ops (each a forward and
 //! a hand-written backward) over flat fp32 buffers, in the argument order of llm.c: outputs
@@ -12,6 +14,11 @@
 //! the residual stream (`rmsnorm_backward`'s `dinp`), which accumulates.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+#[cfg(not(feature = "cuda"))]
+#[path = "cuda_stub.rs"]
+pub mod cuda;
 pub mod device;
 
 pub use cpu::CpuBackend;
@@ -23,7 +30,7 @@ pub use device::{
 use std::ops::Range;
 
 /// A contiguous run of elements that lives on a backend's device. On the CPU backend it is a
-/// plain slice; the CUDA backend will implement it for its device views.
+/// plain slice; on the CUDA backend a `cuda::DevSlice`, a view of device memory.
 pub trait DeviceSlice {
     /// Number of elements.
     fn len(&self) -> usize;

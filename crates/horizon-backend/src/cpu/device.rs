@@ -254,19 +254,19 @@ impl Drop for CpuDevice {
 /// The allocator's book-keeping, in elements. Invariants: free blocks and live allocations
 /// tile `0..len` exactly; no two free blocks are adjacent (freeing coalesces); every offset and
 /// length is a multiple of [`ALIGN_ELEMS`].
-struct Pool {
+pub(crate) struct Pool {
     /// Free blocks, offset -> length, in address order.
     free: BTreeMap<usize, usize>,
     /// Live allocations, offset -> aligned length.
     live: HashMap<usize, usize>,
     /// Sum of the live aligned lengths.
-    in_use: usize,
+    pub(crate) in_use: usize,
     /// Highest `in_use` seen.
-    peak: usize,
+    pub(crate) peak: usize,
 }
 
 impl Pool {
-    fn new(len: usize) -> Self {
+    pub(crate) fn new(len: usize) -> Self {
         let mut free = BTreeMap::new();
         if len > 0 {
             free.insert(0, len);
@@ -275,7 +275,7 @@ impl Pool {
     }
 
     /// First fit: the lowest-addressed free block that holds `aligned` elements.
-    fn alloc(&mut self, aligned: usize) -> Option<usize> {
+    pub(crate) fn alloc(&mut self, aligned: usize) -> Option<usize> {
         let (&off, &len) = self.free.iter().find(|&(_, &len)| len >= aligned)?;
         self.free.remove(&off);
         if len > aligned {
@@ -288,7 +288,7 @@ impl Pool {
     }
 
     /// Returns `b` (exactly as `alloc` returned it) and merges it with free neighbours.
-    fn free(&mut self, b: DevBuf) {
+    pub(crate) fn free(&mut self, b: DevBuf) {
         let aligned = self.live.remove(&b.off).unwrap_or_else(|| {
             panic!("free of {b:?}, which is not a live allocation (freed twice, or a sub-buffer?)")
         });

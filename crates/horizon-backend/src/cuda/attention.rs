@@ -1,0 +1,115 @@
+//! Launchers of `kernels/attention.cu`: causal GQA attention, flash style (the (T x T) scores
+//! never exist in global memory), forward and backward (dq, then dk and dv). Derivation:
+//! `cpu/attention.rs`.
+
+use super::CudaBackend;
+use super::backend::{arg, expect_len, int};
+use super::slice::DevSlice;
+use crate::AttnDims;
+
+/// Rows (warps) per block and rows per shared tile; must match the kernel's ROWS and TILE.
+const ROWS: usize = 8;
+const TILE: usize = 32;
+/// Largest head dim the kernels hold in registers (8 per lane).
+pub const MAX_HEAD_DIM: usize = 256;
+
+fn check_dims(op: &str, dims: AttnDims) {
+    assert!(
+        dims.d > 0 && dims.d <= MAX_HEAD_DIM,
+        "{op}: head dim D = {} is outside 1..={MAX_HEAD_DIM}, which the CUDA kernels support",
+        dims.d
+    );
+    assert!(
+        dims.kvh > 0 && dims.h % dims.kvh == 0,
+        "{op}: H = {} is not a multiple of KVH = {}",
+        dims.h,
+        dims.kvh
+    );
+}
+
+/// Dynamic shared memory of a kernel, allowed above 48 KiB where needed.
+fn shared(be: &CudaBackend, name: &str, floats: usize) -> u32 {
+    let bytes = (floats * 4) as u32;
+    if bytes > 48 * 1024 {
+        be.allow_shared(name, bytes);
+    }
+    bytes
+}
+
+/// out: (N, H*D), overwrites. lse: (B, H, T), overwrites. qkv: (N, QKV) after rope.
+pub(crate) fn attention_forward(
+    be: &CudaBackend,
+    out: &mut DevSlice<f32>,
+    lse: &mut DevSlice<f32>,
+    qkv: &DevSlice<f32>,
+    dims: AttnDims,
+) {
+    check_dims("attention_forward", dims);
+    expect_len("attention_forward", "qkv", qkv.len(), dims.n() * dims.qkv_width());
+    expect_len("attention_forward", "out", out.len(), dims.n() * dims.h * dims.d);
+    expect_len("attention_forward", "lse", lse.len(), dims.b * dims.h * dims.t);
+    let smem = shared(be, "attention_forward", 2 * TILE * (dims.d + 1) + ROWS * dims.d);
+    let (o, l, x) = (out.addr(), lse.addr(), qkv.addr());
+    let (t, h, kvh, d) =
+        (int(dims.t, "T"), int(dims.h, "H"), int(dims.kvh, "KVH"), int(dims.d, "D"));
+    // SAFETY: argument types match; the grid covers (T/ROWS, H, B) and every index the kernel
+    // forms lies inside the buffers whose lengths are checked above.
+    unsafe {
+        be.launch(
+            "attention_forward",
+            (dims.t.div_ceil(ROWS) as u32, dims.h as u32, dims.b as u32),
+            (32 * ROWS as u32, 1, 1),
+            smem,
+            &mut [arg(&o), arg(&l), arg(&x), arg(&t), arg(&h), arg(&kvh), arg(&d)],
+        );
+    }
+}
+
+/// dqkv: (N, QKV), overwrites. dout: (N, H*D). qkv, out, lse: as the forward used and made.
+pub(crate) fn attention_backward(
+    be: &CudaBackend,
+    dqkv: &mut DevSlice<f32>,
+    dout: &DevSlice<f32>,
+    qkv: &DevSlice<f32>,
+    out: &DevSlice<f32>,
+    lse: &DevSlice<f32>,
+    dims: AttnDims,
+) {
+    check_dims("attention_backward", dims);
+    expect_len("attention_backward", "qkv", qkv.len(), dims.n() * dims.qkv_width());
+    expect_len("attention_backward", "dqkv", dqkv.len(), dims.n() * dims.qkv_width());
+    expect_len("attention_backward", "out", out.len(), dims.n() * dims.h * dims.d);
+    expect_len("attention_backward", "dout", dout.len(), dims.n() * dims.h * dims.d);
+    expect_len("attention_backward", "lse", lse.len(), dims.b * dims.h * dims.t);
+    let (dx, dy, x, o, l) = (dqkv.addr(), dout.addr(), qkv.addr(), out.addr(), lse.addr());
+    let (t, h, kvh, d) =
+        (int(dims.t, "T"), int(dims.h, "H"), int(dims.kvh, "KVH"), int(dims.d, "D"));
+    let rows = dims.t.div_ceil(ROWS) as u32;
+    let smem_dq = shared(be, "attention_backward_dq", 2 * TILE * (dims.d + 1) + 2 * ROWS * dims.d);
+    let smem_dkv = shared(
+        be,
+        "attention_backward_dkv",
+        2 * TILE * (dims.d + 1) + 2 * ROWS * dims.d + 2 * TILE,
+    );
+    let mut args =
+        [arg(&dx), arg(&dy), arg(&x), arg(&o), arg(&l), arg(&t), arg(&h), arg(&kvh), arg(&d)];
+    // SAFETY: argument types match both kernels; the dq kernel writes only the q part of each
+    // row and the dk/dv kernel only the k and v parts, so together they overwrite dqkv; every
+    // index lies inside the buffers whose lengths are checked above.
+    unsafe {
+        be.launch(
+            "attention_backward_dq",
+            (rows, dims.h as u32, dims.b as u32),
+            (32 * ROWS as u32, 1, 1),
+            smem_dq,
+            &mut args,
+        );
+        be.launch(
+            "attention_backward_dkv",
+            (rows, dims.kvh as u32, dims.b as u32),
+            (32 * ROWS as u32, 1, 1),
+            smem_dkv,
+            &mut args,
+        );
+    }
+}

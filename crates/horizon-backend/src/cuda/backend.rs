@@ -1,0 +1,481 @@
+//! [`CudaBackend`]: the [`Backend`] trait on one CUDA stream. Every op enqueues its kernels (or
+//! cuBLAS calls) on the stream and returns; `upload` / `download` wait for their copy. The
+//! launchers live one op per file next to this one; this file is the trait's switchboard.
+
+use std::ffi::c_void;
+use std::ops::{Deref, DerefMut};
+use std::sync::{Arc, Mutex};
+
+use cudarc::cublas;
+use cudarc::driver::{CudaContext, CudaStream, result as cu, sys};
+
+use super::kernels::Kernels;
+use super::slice::DevSlice;
+use super::{CudaError, MatmulPrecision, check};
+use crate::{AttnDims, Backend, DeviceAlloc};
+
+/// The CUDA backend: a context, the stream its ops run on, the compiled kernels and a cuBLAS
+/// handle. Cloning shares all of them.
+#[derive(Clone)]
+pub struct CudaBackend {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    kernels: Arc<Kernels>,
+    blas: Mutex<Blas>,
+    precision: MatmulPrecision,
+}
+
+/// A cuBLAS handle bound to the backend's stream. Behind a mutex: a handle must not be used by
+/// two threads at once.
+pub(crate) struct Blas(pub(crate) cublas::sys::cublasHandle_t);
+
+// SAFETY: the handle is only used under the backend's mutex, one thread at a time; cuBLAS
+// handles may move between threads.
+unsafe impl Send for Blas {}
+
+impl Drop for Blas {
+    fn drop(&mut self) {
+        // SAFETY: created in `CudaBackend::on_stream`, destroyed only here.
+        let _ = unsafe { cublas::result::destroy_handle(self.0) };
+    }
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend").field("precision", &self.inner.precision).finish()
+    }
+}
+
+impl CudaBackend {
+    /// A backend on a new stream of GPU `ordinal`: probes the libraries, creates the context,
+    /// compiles the kernels. For tests and tools; the engine gets its backend from
+    /// [`super::CudaDevice`].
+    pub fn new(ordinal: usize, precision: MatmulPrecision) -> Result<Self, CudaError> {
+        super::probe()?;
+        let ctx = context(ordinal)?;
+        let stream = ctx.new_stream().map_err(|e| CudaError::driver("creating a stream", e))?;
+        let kernels = Arc::new(Kernels::load(&ctx)?);
+        Self::on_stream(ctx, stream, kernels, precision)
+    }
+
+    /// A backend whose ops run on `stream`.
+    pub(crate) fn on_stream(
+        ctx: Arc<CudaContext>,
+        stream: Arc<CudaStream>,
+        kernels: Arc<Kernels>,
+        precision: MatmulPrecision,
+    ) -> Result<Self, CudaError> {
+        ctx.bind_to_thread().map_err(|e| CudaError::driver("binding the context", e))?;
+        let handle = cublas::result::create_handle()
+            .map_err(|e| CudaError(format!("cuBLAS: cannot create a handle: {e:?}")))?;
+        let blas = Blas(handle);
+        // SAFETY: a live handle and a live stream of the same context.
+        unsafe { cublas::result::set_stream(handle, stream.cu_stream() as _) }
+            .map_err(|e| CudaError(format!("cuBLAS: cannot set the stream: {e:?}")))?;
+        Ok(CudaBackend {
+            inner: Arc::new(Inner { ctx, stream, kernels, blas: Mutex::new(blas), precision }),
+        })
+    }
+
+    /// The context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.inner.ctx
+    }
+
+    /// The stream the ops run on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.inner.stream
+    }
+
+    /// Precision of the matrix products.
+    pub fn precision(&self) -> MatmulPrecision {
+        self.inner.precision
+    }
+
+    /// Blocks until the stream has run everything enqueued; a failure of queued work (an
+    /// illegal address, a lost device) is returned here.
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.inner.stream.synchronize().map_err(|e| CudaError::driver("stream synchronize", e))
+    }
+
+    /// Enqueue kernel `name` on the stream.
+    ///
+    /// # Safety
+    /// `args` must point to values of exactly the kernel's parameter types, in order; every
+    /// device address among them must be valid for what the kernel reads and writes, and
+    /// nothing else may use the memory it writes until the launch has run.
+    pub(crate) unsafe fn launch(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        smem: u32,
+        args: &mut [*mut c_void],
+    ) {
+        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+            return;
+        }
+        let f = self.inner.kernels.get(name);
+        // SAFETY: `f` is a loaded function of this context; the arguments are the caller's
+        // contract.
+        let r =
+            unsafe { cu::launch_kernel(f, grid, block, smem, self.inner.stream.cu_stream(), args) };
+        check(&format!("launching {name} grid {grid:?} block {block:?} smem {smem}"), r);
+    }
+
+    /// Runs `f` with the cuBLAS handle (bound to this backend's stream).
+    pub(crate) fn with_blas<R>(&self, f: impl FnOnce(cublas::sys::cublasHandle_t) -> R) -> R {
+        let blas = self.inner.blas.lock().expect("cuBLAS handle lock poisoned");
+        f(blas.0)
+    }
+
+    /// Sets a function's dynamic shared memory limit to `bytes` (needed above 48 KiB).
+    pub(crate) fn allow_shared(&self, name: &str, bytes: u32) {
+        let f = self.inner.kernels.get(name);
+        // SAFETY: `f` is a live function of this context.
+        let r = unsafe {
+            cu::function::set_function_attribute(
+                f,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+        };
+        check(&format!("allowing {bytes} bytes of shared memory for {name}"), r);
+    }
+
+    /// `bytes` zero bytes at `addr`, on the stream.
+    pub(crate) fn memset0(&self, addr: u64, bytes: usize) {
+        if bytes > 0 {
+            // SAFETY: the caller passes a device range it may write (a `&mut DevSlice`).
+            let r = unsafe { cu::memset_d8_async(addr, 0, bytes, self.inner.stream.cu_stream()) };
+            check("memset", r);
+        }
+    }
+}
+
+/// The primary context of GPU `ordinal`, with errors that say what to do.
+pub(crate) fn context(ordinal: usize) -> Result<Arc<CudaContext>, CudaError> {
+    let count = cu::init().and_then(|()| cu::device::get_count()).map_err(|e| {
+        CudaError(format!(
+            "no usable CUDA device: the driver failed to start ({e:?}); use device.backend = cpu"
+        ))
+    })?;
+    if ordinal >= count as usize {
+        return Err(CudaError(format!(
+            "no CUDA device {ordinal}: the driver sees {count}; use device.backend = cpu"
+        )));
+    }
+    CudaContext::new(ordinal)
+        .map_err(|e| CudaError::driver(&format!("creating a context on GPU {ordinal}"), e))
+}
+
+/// Pointer to a kernel argument.
+pub(crate) fn arg<T>(x: &T) -> *mut c_void {
+    (x as *const T).cast_mut().cast()
+}
+
+/// A size as the kernels' `int`; a bug if it does not fit.
+pub(crate) fn int(x: usize, what: &str) -> i32 {
+    i32::try_from(x).unwrap_or_else(|_| panic!("{what} = {x} exceeds the CUDA kernels' int range"))
+}
+
+/// Blocks of `block` threads covering `n` elements.
+pub(crate) fn blocks(n: usize, block: u32) -> u32 {
+    u32::try_from(n.div_ceil(block as usize)).expect("grid larger than 2^32 blocks")
+}
+
+/// `assert_eq!` of two lengths, naming the op and the buffer.
+#[track_caller]
+pub(crate) fn expect_len(op: &str, what: &str, got: usize, want: usize) {
+    assert_eq!(got, want, "{op}: {what} has {got} elements, expected {want}");
+}
+
+impl Backend for CudaBackend {
+    type Buf = DevSlice<f32>;
+    type IBuf = DevSlice<i32>;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn upload(&self, dst: &mut DevSlice<f32>, src: &[f32]) {
+        expect_len("upload", "src", src.len(), dst.len());
+        copy_htod(self, dst.addr(), src);
+    }
+
+    fn upload_i32(&self, dst: &mut DevSlice<i32>, src: &[i32]) {
+        expect_len("upload_i32", "src", src.len(), dst.len());
+        copy_htod(self, dst.addr(), src);
+    }
+
+    fn download(&self, dst: &mut [f32], src: &DevSlice<f32>) {
+        expect_len("download", "dst", dst.len(), src.len());
+        if dst.is_empty() {
+            return;
+        }
+        self.inner.ctx.bind_to_thread().expect("binding the CUDA context");
+        // SAFETY: `src` is device memory of `dst.len()` f32; `dst` is borrowed until the
+        // stream synchronize below, after which the copy has finished.
+        let r = unsafe { cu::memcpy_dtoh_async(dst, src.addr(), self.inner.stream.cu_stream()) };
+        check("download", r);
+        check("download: synchronize", self.synchronize());
+    }
+
+    fn copy(&self, dst: &mut DevSlice<f32>, src: &DevSlice<f32>) {
+        expect_len("copy", "src", src.len(), dst.len());
+        if dst.is_empty() {
+            return;
+        }
+        // SAFETY: both ranges are device memory of `dst.bytes()` bytes; `dst` is exclusive.
+        let r = unsafe {
+            cu::memcpy_dtod_async(
+                dst.addr(),
+                src.addr(),
+                dst.bytes(),
+                self.inner.stream.cu_stream(),
+            )
+        };
+        check("copy", r);
+    }
+
+    fn zero(&self, buf: &mut DevSlice<f32>) {
+        self.memset0(buf.addr(), buf.bytes());
+    }
+
+    fn embedding_forward(
+        &self,
+        out: &mut DevSlice<f32>,
+        ids: &DevSlice<i32>,
+        table: &DevSlice<f32>,
+        c: usize,
+    ) {
+        super::embedding::embedding_forward(self, out, ids, table, c);
+    }
+
+    fn embedding_backward(
+        &self,
+        dtable: &mut DevSlice<f32>,
+        ids: &DevSlice<i32>,
+        dout: &DevSlice<f32>,
+        c: usize,
+    ) {
+        super::embedding::embedding_backward(self, dtable, ids, dout, c);
+    }
+
+    fn rmsnorm_forward(
+        &self,
+        out: &mut DevSlice<f32>,
+        rstd: &mut DevSlice<f32>,
+        inp: &DevSlice<f32>,
+        weight: &DevSlice<f32>,
+        c: usize,
+        eps: f32,
+    ) {
+        super::rmsnorm::rmsnorm_forward(self, out, rstd, inp, weight, c, eps);
+    }
+
+    fn rmsnorm_backward(
+        &self,
+        dinp: &mut DevSlice<f32>,
+        dweight: &mut DevSlice<f32>,
+        dout: &DevSlice<f32>,
+        inp: &DevSlice<f32>,
+        weight: &DevSlice<f32>,
+        rstd: &DevSlice<f32>,
+        c: usize,
+    ) {
+        super::rmsnorm::rmsnorm_backward(self, dinp, dweight, dout, inp, weight, rstd, c);
+    }
+
+    fn matmul_forward(
+        &self,
+        out: &mut DevSlice<f32>,
+        inp: &DevSlice<f32>,
+        weight: &DevSlice<f32>,
+        bias: Option<&DevSlice<f32>>,
+        n: usize,
+        ic: usize,
+        oc: usize,
+    ) {
+        super::matmul::matmul_forward(self, out, inp, weight, bias, n, ic, oc);
+    }
+
+    fn matmul_backward(
+        &self,
+        dinp: Option<&mut DevSlice<f32>>,
+        dweight: &mut DevSlice<f32>,
+        dbias: Option<&mut DevSlice<f32>>,
+        dout: &DevSlice<f32>,
+        inp: &DevSlice<f32>,
+        weight: &DevSlice<f32>,
+        n: usize,
+        ic: usize,
+        oc: usize,
+    ) {
+        super::matmul::matmul_backward(self, dinp, dweight, dbias, dout, inp, weight, n, ic, oc);
+    }
+
+    fn rope_forward(
+        &self,
+        qkv: &mut DevSlice<f32>,
+        cos: &DevSlice<f32>,
+        sin: &DevSlice<f32>,
+        dims: AttnDims,
+    ) {
+        super::rope::rope_rotate(self, "rope_forward", qkv, cos, sin, dims, 1.0);
+    }
+
+    fn rope_backward(
+        &self,
+        dqkv: &mut DevSlice<f32>,
+        cos: &DevSlice<f32>,
+        sin: &DevSlice<f32>,
+        dims: AttnDims,
+    ) {
+        super::rope::rope_rotate(self, "rope_backward", dqkv, cos, sin, dims, -1.0);
+    }
+
+    fn attention_forward(
+        &self,
+        out: &mut DevSlice<f32>,
+        lse: &mut DevSlice<f32>,
+        qkv: &DevSlice<f32>,
+        dims: AttnDims,
+    ) {
+        super::attention::attention_forward(self, out, lse, qkv, dims);
+    }
+
+    fn attention_backward(
+        &self,
+        dqkv: &mut DevSlice<f32>,
+        dout: &DevSlice<f32>,
+        qkv: &DevSlice<f32>,
+        out: &DevSlice<f32>,
+        lse: &DevSlice<f32>,
+        dims: AttnDims,
+    ) {
+        super::attention::attention_backward(self, dqkv, dout, qkv, out, lse, dims);
+    }
+
+    fn swiglu_forward(&self, out: &mut DevSlice<f32>, gate_up: &DevSlice<f32>, n: usize, f: usize) {
+        super::swiglu::swiglu_forward(self, out, gate_up, n, f);
+    }
+
+    fn swiglu_backward(
+        &self,
+        dgate_up: &mut DevSlice<f32>,
+        dout: &DevSlice<f32>,
+        gate_up: &DevSlice<f32>,
+        n: usize,
+        f: usize,
+    ) {
+        super::swiglu::swiglu_backward(self, dgate_up, dout, gate_up, n, f);
+    }
+
+    fn residual_forward(&self, out: &mut DevSlice<f32>, a: &DevSlice<f32>, b: &DevSlice<f32>) {
+        super::residual::residual_forward(self, out, a, b);
+    }
+
+    fn add_inplace(&self, acc: &mut DevSlice<f32>, x: &DevSlice<f32>) {
+        super::residual::add_inplace(self, acc, x);
+    }
+
+    fn cross_entropy_forward(
+        &self,
+        losses: &mut DevSlice<f32>,
+        logits: &DevSlice<f32>,
+        targets: &DevSlice<i32>,
+        n: usize,
+        v: usize,
+    ) {
+        super::cross_entropy::cross_entropy_forward(self, losses, logits, targets, n, v);
+    }
+
+    fn cross_entropy_fused(
+        &self,
+        logits: &mut DevSlice<f32>,
+        losses: &mut DevSlice<f32>,
+        targets: &DevSlice<i32>,
+        n: usize,
+        v: usize,
+        scale: f32,
+    ) {
+        super::cross_entropy::cross_entropy_fused(self, logits, losses, targets, n, v, scale);
+    }
+}
+
+/// Host -> device copy on the backend's stream, waited for.
+fn copy_htod<T>(be: &CudaBackend, dst: u64, src: &[T]) {
+    if src.is_empty() {
+        return;
+    }
+    be.inner.ctx.bind_to_thread().expect("binding the CUDA context");
+    // SAFETY: `dst` is a device range of `size_of_val(src)` bytes (a `&mut DevSlice` of equal
+    // length); `src` stays borrowed until the synchronize below.
+    let r = unsafe { cu::memcpy_htod_async(dst, src, be.inner.stream.cu_stream()) };
+    check("upload", r);
+    check("upload: synchronize", be.synchronize());
+}
+
+/// Owned device memory of `len` elements of `T` (cuMemAlloc), freed on drop. What
+/// [`DeviceAlloc`] hands out; the engine uses the [`super::CudaDevice`] pool instead.
+pub struct CudaMem<T> {
+    ctx: Arc<CudaContext>,
+    addr: u64,
+    len: usize,
+    _t: std::marker::PhantomData<T>,
+}
+
+impl<T> CudaMem<T> {
+    fn new(be: &CudaBackend, len: usize) -> Self {
+        be.inner.ctx.bind_to_thread().expect("binding the CUDA context");
+        let bytes = (len * size_of::<T>()).max(1);
+        // SAFETY: a plain allocation; zeroed below before anyone reads it.
+        let addr = unsafe { cu::malloc_sync(bytes) }
+            .unwrap_or_else(|e| panic!("cannot allocate {bytes} bytes of device memory: {e:?}"));
+        // SAFETY: the fresh allocation of `bytes` bytes.
+        check("zeroing new device memory", unsafe { cu::memset_d8_sync(addr, 0, bytes) });
+        CudaMem { ctx: be.inner.ctx.clone(), addr, len, _t: std::marker::PhantomData }
+    }
+}
+
+// SAFETY: owned device memory; nothing thread-bound.
+unsafe impl<T> Send for CudaMem<T> {}
+
+impl<T> Deref for CudaMem<T> {
+    type Target = DevSlice<T>;
+    fn deref(&self) -> &DevSlice<T> {
+        // SAFETY: the allocation lives as long as `self`.
+        unsafe { DevSlice::from_raw(self.addr, self.len) }
+    }
+}
+
+impl<T> DerefMut for CudaMem<T> {
+    fn deref_mut(&mut self) -> &mut DevSlice<T> {
+        // SAFETY: as above, borrowed exclusively through `self`.
+        unsafe { DevSlice::from_raw_mut(self.addr, self.len) }
+    }
+}
+
+impl<T> Drop for CudaMem<T> {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: allocated in `new`, freed only here; cuMemFree waits for pending work on it.
+        let _ = unsafe { cu::free_sync(self.addr) };
+    }
+}
+
+impl DeviceAlloc for CudaBackend {
+    type Mem = CudaMem<f32>;
+    type IMem = CudaMem<i32>;
+    fn alloc(&self, len: usize) -> CudaMem<f32> {
+        CudaMem::new(self, len)
+    }
+    fn alloc_i32(&self, len: usize) -> CudaMem<i32> {
+        CudaMem::new(self, len)
+    }
+}

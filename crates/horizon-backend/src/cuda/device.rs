@@ -1,0 +1,720 @@
+//! [`CudaDevice`], the [`Device`] of the CUDA backend: one device pool allocated once, three
+//! streams (compute, H2D, D2H) and a host thread, page-locked staging buffers, and weights
+//! carried as bf16 over the link.
+//!
+//! Data flow: every [`Queue`] has a dispatcher thread fed by a channel (as on the CPU device).
+//! The compute, H2D and D2H dispatchers turn their tasks into asynchronous work on their
+//! stream: kernels, `cuMemcpy*Async`. An [`Event`] recorded on a stream becomes a CUDA event
+//! recorded there; the stream's completion thread waits for it (`cuEventSynchronize`) and then
+//! signals the [`Event`], so any queue and the host can wait for it. A wait on a stream queue
+//! blocks that queue's dispatcher until the event is reached: it delays only the *enqueueing* of
+//! later work, never a stream, and no CUDA callback ever blocks (so no driver thread can
+//! deadlock). Host work on a stream queue (`host_on`) runs on its dispatcher after the stream
+//! has drained.
+//!
+//! Weights (`upload_weights`) cross the link as bf16: the H2D dispatcher rounds a chunk of the
+//! fp32 masters into a page-locked bf16 ring buffer, copies it to a device landing buffer and
+//! expands it to fp32 in the weight slot with a kernel on the H2D stream, two chunks in flight.
+
+use std::panic::{self, AssertUnwindSafe};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{CudaContext, CudaStream, result as cu, sys};
+
+use super::backend::{CudaBackend, context};
+use super::convert::{expand_bf16, round_to_bf16};
+use super::kernels::Kernels;
+use super::pinned::{Pinned, PinnedBuf};
+use super::slice::DevSlice;
+use super::{CudaDeviceConfig, CudaError, WireFormat, check};
+use crate::cpu::device::{ALIGN_ELEMS, Pool};
+use crate::device::{
+    DevBuf, Device, DeviceStats, Event, HostPtr, HostPtrMut, HostWork, Kernel, OutOfDeviceMemory,
+    Queue, Views,
+};
+
+/// Elements per bf16 chunk of a weight upload (16 MiB of bf16); two chunks are in flight.
+const WIRE_CHUNK: usize = 8 << 20;
+
+/// The CUDA device. Dropping it runs everything already queued, then stops the threads and
+/// frees the device memory.
+pub struct CudaDevice {
+    cfg: CudaDeviceConfig,
+    shared: Arc<Shared>,
+    pool: Mutex<Pool>,
+    queues: [Sender<Task>; 4],
+    workers: Vec<JoinHandle<()>>,
+    gpu_name: String,
+}
+
+impl CudaDevice {
+    /// Probes the libraries, opens GPU `cfg.ordinal`, compiles the kernels, allocates the pool
+    /// (`cfg.capacity_bytes`) and the bf16 landing buffers, and starts the queues. Every failure
+    /// is an error that says what to do; nothing here panics on a missing driver or GPU.
+    pub fn new(cfg: CudaDeviceConfig) -> Result<Self, CudaError> {
+        super::probe()?;
+        let ctx = context(cfg.ordinal)?;
+        let gpu_name = ctx.name().unwrap_or_else(|_| "unknown GPU".to_string());
+        let stream = |what: &str| -> Result<Arc<CudaStream>, CudaError> {
+            ctx.new_stream()
+                .map_err(|e| CudaError::driver(&format!("creating the {what} stream"), e))
+        };
+        let streams = [stream("compute")?, stream("H2D")?, stream("D2H")?];
+        let kernels = Arc::new(Kernels::load(&ctx)?);
+        let compute =
+            CudaBackend::on_stream(ctx.clone(), streams[0].clone(), kernels.clone(), cfg.matmul)?;
+        let h2d = CudaBackend::on_stream(ctx.clone(), streams[1].clone(), kernels, cfg.matmul)?;
+        let len = cfg.capacity_bytes / 4 / ALIGN_ELEMS * ALIGN_ELEMS;
+        let (free, total) = cu::mem_get_info().unwrap_or((0, 0));
+        let landing_bytes = 2 * WIRE_CHUNK * 2;
+        let alloc = |bytes: usize, what: &str| -> Result<u64, CudaError> {
+            // SAFETY: a plain device allocation, zeroed below.
+            let addr = unsafe { cu::malloc_sync(bytes.max(4)) }.map_err(|e| {
+                CudaError(format!(
+                    "cannot allocate the {what} ({bytes} bytes) on GPU {}: {e:?}; {free} of \
+                     {total} bytes are free\nhint: lower device.memory, train.micro_batch_size or \
+                     train.max_seq_len",
+                    cfg.ordinal
+                ))
+            })?;
+            // SAFETY: the allocation just made, of at least `bytes` bytes.
+            unsafe { cu::memset_d8_sync(addr, 0, bytes.max(4)) }
+                .map_err(|e| CudaError::driver("zeroing the device pool", e))?;
+            Ok(addr)
+        };
+        let base = alloc(len * 4, "device pool")?;
+        let landing = [
+            alloc(landing_bytes / 2, "bf16 landing buffer")?,
+            alloc(landing_bytes / 2, "bf16 landing buffer")?,
+        ];
+        let event_pool = EventPool { ctx: ctx.clone(), free: Mutex::new(Vec::new()) };
+        let shared = Arc::new(Shared {
+            ctx: ctx.clone(),
+            base,
+            len,
+            landing,
+            streams,
+            compute,
+            h2d,
+            wire: cfg.weights_wire,
+            events: event_pool,
+            counters: Mutex::new(Counters::default()),
+            first_panic: Mutex::new(None),
+        });
+        let mut workers = Vec::with_capacity(4);
+        let mut senders = Vec::with_capacity(4);
+        for q in Queue::ALL {
+            let (tx, rx) = mpsc::channel();
+            let shared = Arc::clone(&shared);
+            let jitter = match q {
+                Queue::H2D | Queue::D2H => Jitter::new(cfg.copy_jitter_us, cfg.jitter_seed, q),
+                Queue::Compute | Queue::Host => Jitter::new(0, 0, q),
+            };
+            let handle = thread::Builder::new()
+                .name(format!("horizon-cuda-{q:?}").to_lowercase())
+                .spawn(move || dispatcher(q, &rx, &shared, jitter))
+                .map_err(|e| CudaError(format!("cannot start the {q:?} queue thread: {e}")))?;
+            workers.push(handle);
+            senders.push(tx);
+        }
+        let queues: [Sender<Task>; 4] =
+            senders.try_into().unwrap_or_else(|_| unreachable!("one sender per queue"));
+        Ok(CudaDevice { cfg, shared, pool: Mutex::new(Pool::new(len)), queues, workers, gpu_name })
+    }
+
+    /// The configuration the device was built with.
+    pub fn config(&self) -> &CudaDeviceConfig {
+        &self.cfg
+    }
+
+    /// The kernels, on the compute stream (for tools and tests that want to run ops directly).
+    pub fn backend(&self) -> &CudaBackend {
+        &self.shared.compute
+    }
+
+    /// Device bytes besides the pool: the two bf16 landing buffers of weight uploads.
+    pub fn landing_bytes(&self) -> usize {
+        2 * WIRE_CHUNK * 2
+    }
+
+    fn submit(&self, q: Queue, task: Task) {
+        self.queues[q.index()].send(task).expect("CUDA device queue thread is gone");
+    }
+
+    fn pool(&self) -> MutexGuard<'_, Pool> {
+        self.pool.lock().expect("CUDA device pool lock poisoned")
+    }
+}
+
+impl std::fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaDevice").field("gpu", &self.gpu_name).field("cfg", &self.cfg).finish()
+    }
+}
+
+impl Device for CudaDevice {
+    type Backend = CudaBackend;
+    type Staging = PinnedBuf;
+
+    fn name(&self) -> String {
+        format!("cuda:{} ({})", self.cfg.ordinal, self.gpu_name)
+    }
+
+    fn alloc(&self, len: usize) -> Result<DevBuf, OutOfDeviceMemory> {
+        let mut pool = self.pool();
+        let oom = |pool: &Pool| OutOfDeviceMemory {
+            requested_bytes: len.saturating_mul(4),
+            in_use_bytes: pool.in_use * 4,
+            capacity_bytes: self.shared.len * 4,
+        };
+        if len == 0 {
+            return Ok(DevBuf { off: 0, len: 0 });
+        }
+        let Some(aligned) = len.checked_next_multiple_of(ALIGN_ELEMS) else {
+            return Err(oom(&pool));
+        };
+        match pool.alloc(aligned) {
+            Some(off) => Ok(DevBuf { off, len }),
+            None => Err(oom(&pool)),
+        }
+    }
+
+    fn free(&self, b: DevBuf) {
+        if b.len > 0 {
+            self.pool().free(b);
+        }
+    }
+
+    fn record(&self, q: Queue, e: &Event) {
+        self.submit(q, Task::Signal(e.clone()));
+    }
+
+    fn wait(&self, q: Queue, e: &Event) {
+        self.submit(q, Task::Wait(e.clone()));
+    }
+
+    fn upload(&self, dst: DevBuf, src: HostPtr) {
+        assert_eq!(dst.len, src.len(), "upload: dst has {} elements, src {}", dst.len, src.len());
+        self.shared.check(dst);
+        self.submit(Queue::H2D, Task::Upload { dst, src, weights: false });
+    }
+
+    fn upload_weights(&self, dst: DevBuf, src: HostPtr) {
+        assert_eq!(
+            dst.len,
+            src.len(),
+            "upload_weights: dst has {} elements, src {}",
+            dst.len,
+            src.len()
+        );
+        self.shared.check(dst);
+        self.submit(Queue::H2D, Task::Upload { dst, src, weights: true });
+    }
+
+    fn upload_i32(&self, dst: DevBuf, src: Arc<Vec<i32>>) {
+        assert_eq!(
+            dst.len,
+            src.len(),
+            "upload_i32: dst has {} elements, src {}",
+            dst.len,
+            src.len()
+        );
+        self.shared.check(dst);
+        self.submit(Queue::H2D, Task::UploadI32 { dst, src });
+    }
+
+    fn download(&self, dst: HostPtrMut, src: DevBuf) {
+        assert_eq!(dst.len(), src.len, "download: dst has {} elements, src {}", dst.len(), src.len);
+        self.shared.check(src);
+        self.submit(Queue::D2H, Task::Download { dst, src });
+    }
+
+    fn launch(&self, k: Kernel<CudaBackend>) {
+        self.submit(Queue::Compute, Task::Kernel(k));
+    }
+
+    fn host_on(&self, q: Queue, w: HostWork) {
+        self.submit(q, Task::Host(w));
+    }
+
+    /// Records a fresh event on every queue and waits for all of them; then panics if any
+    /// queued work (or the GPU) failed since the last call. Must not be called from queued work.
+    fn synchronize(&self) {
+        let events = Queue::ALL.map(|q| {
+            let e = Event::new();
+            self.record(q, &e);
+            e
+        });
+        for e in &events {
+            e.wait_host();
+        }
+        let msg = self.shared.first_panic.lock().expect("CUDA device panic lock poisoned").take();
+        if let Some(msg) = msg {
+            panic!("device work failed: {msg}");
+        }
+    }
+
+    fn stats(&self) -> DeviceStats {
+        let (in_use, peak) = {
+            let pool = self.pool();
+            (pool.in_use, pool.peak)
+        };
+        let c = self.shared.counters();
+        let busy = |q: Queue| c.busy[q.index()].as_secs_f64();
+        DeviceStats {
+            capacity_bytes: self.shared.len * 4,
+            in_use_bytes: in_use * 4,
+            peak_bytes: peak * 4,
+            h2d_bytes: c.h2d_bytes,
+            d2h_bytes: c.d2h_bytes,
+            compute_busy_s: busy(Queue::Compute),
+            h2d_busy_s: busy(Queue::H2D),
+            d2h_busy_s: busy(Queue::D2H),
+            host_busy_s: busy(Queue::Host),
+            // The link is full duplex: it is busy as long as the busier direction.
+            link_busy_s: busy(Queue::H2D).max(busy(Queue::D2H)),
+        }
+    }
+
+    /// Page-locked (flags 0: cached, not write-combined), zeroed.
+    fn alloc_staging(&self, len: usize) -> PinnedBuf {
+        Pinned::new(&self.shared.ctx, len)
+    }
+}
+
+impl Drop for CudaDevice {
+    /// Lets every queue finish what was submitted, stops and joins the threads, frees the
+    /// device memory. Never panics.
+    fn drop(&mut self) {
+        for tx in &self.queues {
+            let _ = tx.send(Task::Stop);
+        }
+        for handle in self.workers.drain(..) {
+            let _ = handle.join();
+        }
+        let s = &self.shared;
+        let _ = s.ctx.bind_to_thread();
+        for &addr in [s.base].iter().chain(&s.landing) {
+            // SAFETY: allocated in `new`; every queue has stopped, nothing uses them any more.
+            let _ = unsafe { cu::free_sync(addr) };
+        }
+    }
+}
+
+// ---- shared state -----------------------------------------------------------------------------
+
+/// State the device and its threads share.
+struct Shared {
+    ctx: Arc<CudaContext>,
+    /// The pool: `len` f32 at device address `base`.
+    base: u64,
+    len: usize,
+    /// Two device buffers of WIRE_CHUNK bf16, where weight chunks land before expansion.
+    landing: [u64; 2],
+    /// Compute, H2D, D2H.
+    streams: [Arc<CudaStream>; 3],
+    /// The kernels on the compute stream, and on the H2D stream (for the bf16 expansion).
+    compute: CudaBackend,
+    h2d: CudaBackend,
+    wire: WireFormat,
+    events: EventPool,
+    counters: Mutex<Counters>,
+    first_panic: Mutex<Option<String>>,
+}
+
+#[derive(Default)]
+struct Counters {
+    /// Time each queue's work ran (GPU time for the streams, measured by CUDA events).
+    busy: [Duration; 4],
+    h2d_bytes: u64,
+    d2h_bytes: u64,
+}
+
+impl Shared {
+    fn counters(&self) -> MutexGuard<'_, Counters> {
+        self.counters.lock().expect("CUDA device counters lock poisoned")
+    }
+
+    /// Panics unless `b` lies inside the pool.
+    fn check(&self, b: DevBuf) {
+        let end = b.off.checked_add(b.len);
+        assert!(
+            end.is_some_and(|end| end <= self.len),
+            "{b:?} is outside the device pool (0..{} elements)",
+            self.len
+        );
+    }
+
+    fn addr(&self, b: DevBuf) -> u64 {
+        self.check(b);
+        self.base + (b.off * 4) as u64
+    }
+
+    fn stream(&self, q: Queue) -> &Arc<CudaStream> {
+        match q {
+            Queue::Compute => &self.streams[0],
+            Queue::H2D => &self.streams[1],
+            Queue::D2H => &self.streams[2],
+            Queue::Host => unreachable!("the host queue has no stream"),
+        }
+    }
+
+    fn note_panic(&self, q: Queue, msg: String) {
+        let mut first = match self.first_panic.lock() {
+            Ok(first) => first,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        first.get_or_insert_with(|| format!("{msg} (on the {q:?} queue)"));
+    }
+}
+
+/// Recycled CUDA events (blocking sync, timing enabled), so the step loop creates none after
+/// the first steps.
+struct EventPool {
+    ctx: Arc<CudaContext>,
+    free: Mutex<Vec<usize>>,
+}
+
+impl EventPool {
+    fn get(&self) -> sys::CUevent {
+        if let Some(e) = self.free.lock().expect("CUDA event pool lock poisoned").pop() {
+            return e as sys::CUevent;
+        }
+        check("binding the context", self.ctx.bind_to_thread());
+        check("cuEventCreate", cu::event::create(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))
+    }
+
+    fn put(&self, e: sys::CUevent) {
+        self.free.lock().expect("CUDA event pool lock poisoned").push(e as usize);
+    }
+}
+
+impl Drop for EventPool {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        let free = match self.free.get_mut() {
+            Ok(v) => std::mem::take(v),
+            Err(p) => std::mem::take(p.into_inner()),
+        };
+        for e in free {
+            // SAFETY: created by `get`, no longer recorded anywhere (every queue has stopped).
+            let _ = unsafe { cu::event::destroy(e as sys::CUevent) };
+        }
+    }
+}
+
+/// What kernels see: views of the pool.
+struct CudaViews<'a> {
+    shared: &'a Shared,
+}
+
+impl Views<CudaBackend> for CudaViews<'_> {
+    fn backend(&self) -> &CudaBackend {
+        &self.shared.compute
+    }
+
+    fn buf(&self, b: DevBuf) -> &DevSlice<f32> {
+        // SAFETY: inside the pool (checked by `addr`), which outlives the device's threads.
+        unsafe { DevSlice::from_raw(self.shared.addr(b), b.len) }
+    }
+
+    fn ibuf(&self, b: DevBuf) -> &DevSlice<i32> {
+        // SAFETY: as above; i32 and f32 have the same size.
+        unsafe { DevSlice::from_raw(self.shared.addr(b), b.len) }
+    }
+
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn buf_mut(&self, b: DevBuf) -> &mut DevSlice<f32> {
+        // SAFETY: inside the pool; exclusivity is the caller's contract (Views::buf_mut).
+        unsafe { DevSlice::from_raw_mut(self.shared.addr(b), b.len) }
+    }
+}
+
+// ---- the queues -------------------------------------------------------------------------------
+
+/// One unit of queued work.
+enum Task {
+    Kernel(Kernel<CudaBackend>),
+    Host(HostWork),
+    Upload { dst: DevBuf, src: HostPtr, weights: bool },
+    UploadI32 { dst: DevBuf, src: Arc<Vec<i32>> },
+    Download { dst: HostPtrMut, src: DevBuf },
+    Signal(Event),
+    Wait(Event),
+    Stop,
+}
+
+/// What a stream's completion thread waits for, in stream order.
+enum Done {
+    /// Signal the event once the CUDA event is reached.
+    Signal(sys::CUevent, Event),
+    /// Add the GPU time between two CUDA events to a queue's busy time.
+    Busy(Queue, sys::CUevent, sys::CUevent),
+    Stop,
+}
+
+// SAFETY: CUDA events are handles usable from any thread of the process.
+unsafe impl Send for Done {}
+
+/// The random delay before each copy is enqueued: uniform in `0..=max_us` microseconds.
+struct Jitter {
+    max_us: u64,
+    state: u64,
+}
+
+impl Jitter {
+    fn new(max_us: u64, seed: u64, q: Queue) -> Self {
+        let stream = (q.index() as u64 + 1).wrapping_mul(0xd1b5_4a32_d192_ed03);
+        Jitter { max_us, state: seed ^ stream }
+    }
+
+    fn delay(&mut self) {
+        if self.max_us == 0 {
+            return;
+        }
+        self.state = self.state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        thread::sleep(Duration::from_micros((z ^ (z >> 31)) % (self.max_us + 1)));
+    }
+}
+
+/// The bf16 ring of the H2D dispatcher: two page-locked chunks and the events of their copies.
+struct WireRing {
+    host: [Pinned<u16>; 2],
+    copied: [sys::CUevent; 2],
+    next: usize,
+}
+
+/// A queue's dispatcher thread: runs (host queue) or enqueues (stream queues) its tasks in
+/// order until `Stop`. Panics in tasks are caught and kept for `synchronize`.
+fn dispatcher(q: Queue, rx: &Receiver<Task>, shared: &Arc<Shared>, mut jitter: Jitter) {
+    if let Err(e) = shared.ctx.bind_to_thread() {
+        shared.note_panic(q, format!("cannot bind the CUDA context: {e:?}"));
+    }
+    let (done_tx, completer) = if q == Queue::Host {
+        (None, None)
+    } else {
+        let (tx, done_rx) = mpsc::channel::<Done>();
+        let shared = Arc::clone(shared);
+        let handle = thread::Builder::new()
+            .name(format!("horizon-cuda-{q:?}-done").to_lowercase())
+            .spawn(move || completer(q, &done_rx, &shared))
+            .expect("cannot start a CUDA completion thread");
+        (Some(tx), Some(handle))
+    };
+    let mut ring = (q == Queue::H2D).then(|| WireRing {
+        host: [Pinned::new(&shared.ctx, WIRE_CHUNK), Pinned::new(&shared.ctx, WIRE_CHUNK)],
+        copied: [shared.events.get(), shared.events.get()],
+        next: 0,
+    });
+    for task in rx {
+        if matches!(task, Task::Stop) {
+            break;
+        }
+        let result = panic::catch_unwind(AssertUnwindSafe(|| {
+            run(q, task, shared, done_tx.as_ref(), &mut jitter, ring.as_mut());
+        }));
+        if let Err(payload) = result {
+            let msg = if let Some(s) = payload.downcast_ref::<&str>() {
+                (*s).to_string()
+            } else if let Some(s) = payload.downcast_ref::<String>() {
+                s.clone()
+            } else {
+                "(a non-string panic payload)".to_string()
+            };
+            shared.note_panic(q, msg);
+        }
+    }
+    if let Some(tx) = done_tx {
+        let _ = tx.send(Done::Stop);
+    }
+    if let Some(h) = completer {
+        let _ = h.join();
+    }
+    if let Some(ring) = ring {
+        for e in ring.copied {
+            // SAFETY: the ring's events; the stream has drained (the completer waited for all).
+            let _ = unsafe { cu::event::synchronize(e) };
+            shared.events.put(e);
+        }
+    }
+}
+
+/// Runs one task of queue `q`.
+fn run(
+    q: Queue,
+    task: Task,
+    shared: &Shared,
+    done: Option<&Sender<Done>>,
+    jitter: &mut Jitter,
+    ring: Option<&mut WireRing>,
+) {
+    let send = |d: Done| {
+        done.expect("a stream queue has a completion thread")
+            .send(d)
+            .expect("CUDA completion thread is gone");
+    };
+    // Busy time of stream work: CUDA events around it, read by the completion thread.
+    let timed = |work: &mut dyn FnMut()| {
+        let stream = shared.stream(q).cu_stream();
+        let (start, end) = (shared.events.get(), shared.events.get());
+        // SAFETY: live events and stream of this context.
+        check("cuEventRecord", unsafe { cu::event::record(start, stream) });
+        work();
+        // SAFETY: as above.
+        check("cuEventRecord", unsafe { cu::event::record(end, stream) });
+        send(Done::Busy(q, start, end));
+    };
+    match task {
+        Task::Stop => unreachable!("Stop is handled by the dispatcher"),
+        Task::Wait(e) => e.wait_host(),
+        Task::Signal(e) => {
+            if q == Queue::Host {
+                e.signal();
+            } else {
+                let ev = shared.events.get();
+                // SAFETY: a live event and stream of this context.
+                check("cuEventRecord", unsafe {
+                    cu::event::record(ev, shared.stream(q).cu_stream())
+                });
+                send(Done::Signal(ev, e));
+            }
+        }
+        Task::Host(w) => {
+            if q != Queue::Host {
+                check("stream synchronize", shared.stream(q).synchronize());
+            }
+            let start = Instant::now();
+            w();
+            shared.counters().busy[q.index()] += start.elapsed();
+        }
+        Task::Kernel(k) => {
+            let mut k = Some(k);
+            timed(&mut || {
+                if let Some(k) = k.take() {
+                    k(&CudaViews { shared });
+                }
+            });
+        }
+        Task::Upload { dst, src, weights } => {
+            jitter.delay();
+            let stream = shared.stream(q).cu_stream();
+            let bytes = match (weights, shared.wire, ring) {
+                (true, WireFormat::Bf16, Some(ring)) => {
+                    timed(&mut || upload_bf16(shared, ring, dst, src));
+                    dst.len * 2
+                }
+                _ => {
+                    timed(&mut || {
+                        // SAFETY: `dst` is inside the pool (checked at submission); `src` stays
+                        // alive and unwritten until this queue's next event is reached
+                        // (HostPtr's contract), which is after the copy.
+                        let s = unsafe { src.as_slice() };
+                        if !s.is_empty() {
+                            // SAFETY: as above.
+                            let r = unsafe { cu::memcpy_htod_async(shared.addr(dst), s, stream) };
+                            check("cuMemcpyHtoDAsync", r);
+                        }
+                    });
+                    dst.bytes()
+                }
+            };
+            shared.counters().h2d_bytes += bytes as u64;
+        }
+        Task::UploadI32 { dst, src } => {
+            jitter.delay();
+            let stream = shared.stream(q).cu_stream();
+            timed(&mut || {
+                if !src.is_empty() {
+                    // SAFETY: `dst` is inside the pool; `src` is pageable, so the call returns
+                    // only once the driver has staged it, and the Arc may go afterwards.
+                    let r = unsafe { cu::memcpy_htod_async(shared.addr(dst), &src[..], stream) };
+                    check("cuMemcpyHtoDAsync", r);
+                }
+            });
+            shared.counters().h2d_bytes += dst.bytes() as u64;
+        }
+        Task::Download { dst, src } => {
+            jitter.delay();
+            let stream = shared.stream(q).cu_stream();
+            timed(&mut || {
+                // SAFETY: `download`'s caller gives this queue exclusive use of `dst` until its
+                // next event is reached, which is after the copy (HostPtrMut's contract).
+                let d = unsafe { dst.as_mut_slice() };
+                if !d.is_empty() {
+                    // SAFETY: as above; `src` is inside the pool.
+                    let r = unsafe { cu::memcpy_dtoh_async(d, shared.addr(src), stream) };
+                    check("cuMemcpyDtoHAsync", r);
+                }
+            });
+            shared.counters().d2h_bytes += src.bytes() as u64;
+        }
+    }
+}
+
+/// A weight upload as bf16: per chunk, round the fp32 masters into the page-locked ring (once
+/// the ring slot's previous copy has finished), copy to the landing buffer, expand into `dst`.
+fn upload_bf16(shared: &Shared, ring: &mut WireRing, dst: DevBuf, src: HostPtr) {
+    let stream = shared.stream(Queue::H2D).cu_stream();
+    let mut off = 0;
+    while off < dst.len {
+        let len = WIRE_CHUNK.min(dst.len - off);
+        let slot = ring.next;
+        ring.next = 1 - ring.next;
+        // SAFETY: the event of this ring slot's last copy (or never recorded: returns at once).
+        check("cuEventSynchronize", unsafe { cu::event::synchronize(ring.copied[slot]) });
+        // SAFETY: HostPtr's contract: `src` is alive and unwritten until this queue's next event.
+        let s = unsafe { src.sub(off..off + len).as_slice() };
+        let host = &mut ring.host[slot][..len];
+        round_to_bf16(host, s);
+        // SAFETY: the landing buffer holds WIRE_CHUNK bf16 >= len; the host chunk is
+        // page-locked and not touched again until `copied[slot]` is reached.
+        unsafe {
+            check("cuMemcpyHtoDAsync", cu::memcpy_htod_async(shared.landing[slot], &*host, stream));
+            check("cuEventRecord", cu::event::record(ring.copied[slot], stream));
+            let out = DevSlice::from_raw_mut(shared.addr(dst.sub(off..off + len)), len);
+            expand_bf16(&shared.h2d, out, shared.landing[slot]);
+        }
+        off += len;
+    }
+}
+
+/// A stream's completion thread: waits for each CUDA event in stream order, then signals the
+/// host event or adds the busy time. A failed wait (a GPU fault) is reported to `synchronize`
+/// and the event is still signalled, so nothing deadlocks.
+fn completer(q: Queue, rx: &Receiver<Done>, shared: &Shared) {
+    let _ = shared.ctx.bind_to_thread();
+    for d in rx {
+        match d {
+            Done::Stop => break,
+            Done::Signal(ev, e) => {
+                // SAFETY: a live event recorded by the dispatcher.
+                if let Err(err) = unsafe { cu::event::synchronize(ev) } {
+                    shared.note_panic(q, format!("the GPU failed: {err:?}"));
+                }
+                shared.events.put(ev);
+                e.signal();
+            }
+            Done::Busy(bq, start, end) => {
+                // SAFETY: live events recorded by the dispatcher, start before end.
+                let ms = unsafe {
+                    cu::event::synchronize(end).and_then(|()| cu::event::elapsed(start, end))
+                };
+                match ms {
+                    Ok(ms) => {
+                        shared.counters().busy[bq.index()] +=
+                            Duration::from_secs_f64(f64::from(ms) / 1e3);
+                    }
+                    Err(err) => shared.note_panic(q, format!("the GPU failed: {err:?}")),
+                }
+                shared.events.put(start);
+                shared.events.put(end);
+            }
+        }
+    }
+}

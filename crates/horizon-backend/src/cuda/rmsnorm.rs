@@ -1,0 +1,79 @@
+//! Launchers of `kernels/rmsnorm.cu`. Derivation of the backward: `cpu/rmsnorm.rs`.
+
+use super::CudaBackend;
+use super::backend::{arg, expect_len, int};
+use super::slice::DevSlice;
+
+/// out: (N, C), overwrites. rstd: (N), overwrites. inp: (N, C). weight: (C).
+pub(crate) fn rmsnorm_forward(
+    be: &CudaBackend,
+    out: &mut DevSlice<f32>,
+    rstd: &mut DevSlice<f32>,
+    inp: &DevSlice<f32>,
+    weight: &DevSlice<f32>,
+    c: usize,
+    eps: f32,
+) {
+    assert!(c > 0, "rmsnorm_forward: C must be positive");
+    let n = inp.len() / c;
+    expect_len("rmsnorm_forward", "inp", inp.len(), n * c);
+    expect_len("rmsnorm_forward", "out", out.len(), n * c);
+    expect_len("rmsnorm_forward", "rstd", rstd.len(), n);
+    expect_len("rmsnorm_forward", "weight", weight.len(), c);
+    let (o, r, x, w) = (out.addr(), rstd.addr(), inp.addr(), weight.addr());
+    let (nn, cc) = (int(n, "N"), int(c, "C"));
+    // SAFETY: argument types match; one block of 256 threads per row of (N, C) buffers.
+    unsafe {
+        be.launch(
+            "rmsnorm_forward",
+            (n as u32, 1, 1),
+            (256, 1, 1),
+            0,
+            &mut [arg(&o), arg(&r), arg(&x), arg(&w), arg(&nn), arg(&cc), arg(&eps)],
+        );
+    }
+}
+
+/// dinp: (N, C), accumulates (+=). dweight: (C), accumulates (+=). dout, inp: (N, C).
+/// weight: (C). rstd: (N).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn rmsnorm_backward(
+    be: &CudaBackend,
+    dinp: &mut DevSlice<f32>,
+    dweight: &mut DevSlice<f32>,
+    dout: &DevSlice<f32>,
+    inp: &DevSlice<f32>,
+    weight: &DevSlice<f32>,
+    rstd: &DevSlice<f32>,
+    c: usize,
+) {
+    assert!(c > 0, "rmsnorm_backward: C must be positive");
+    let n = inp.len() / c;
+    expect_len("rmsnorm_backward", "inp", inp.len(), n * c);
+    expect_len("rmsnorm_backward", "dinp", dinp.len(), n * c);
+    expect_len("rmsnorm_backward", "dout", dout.len(), n * c);
+    expect_len("rmsnorm_backward", "rstd", rstd.len(), n);
+    expect_len("rmsnorm_backward", "weight", weight.len(), c);
+    expect_len("rmsnorm_backward", "dweight", dweight.len(), c);
+    let (dx, dw, dy, x, w, r) =
+        (dinp.addr(), dweight.addr(), dout.addr(), inp.addr(), weight.addr(), rstd.addr());
+    let (nn, cc) = (int(n, "N"), int(c, "C"));
+    // SAFETY: argument types match; one block per row for dinp, 32 columns per block for
+    // dweight; every buffer has the length checked above.
+    unsafe {
+        be.launch(
+            "rmsnorm_backward_dinp",
+            (n as u32, 1, 1),
+            (256, 1, 1),
+            0,
+            &mut [arg(&dx), arg(&dy), arg(&x), arg(&w), arg(&r), arg(&nn), arg(&cc)],
+        );
+        be.launch(
+            "rmsnorm_backward_dweight",
+            (c.div_ceil(32) as u32, 1, 1),
+            (32, 8, 1),
+            0,
+            &mut [arg(&dw), arg(&dy), arg(&x), arg(&r), arg(&nn), arg(&cc)],
+        );
+    }
+}

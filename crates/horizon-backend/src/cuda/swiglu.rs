@@ -1,0 +1,54 @@
+//! Launchers of `kernels/swiglu.cu`. Derivation of the backward: `cpu/swiglu.rs`.
+
+use super::CudaBackend;
+use super::backend::{arg, blocks, expect_len, int};
+use super::slice::DevSlice;
+
+/// out: (N, F), overwrites. gate_up: (N, 2F).
+pub(crate) fn swiglu_forward(
+    be: &CudaBackend,
+    out: &mut DevSlice<f32>,
+    gate_up: &DevSlice<f32>,
+    n: usize,
+    f: usize,
+) {
+    expect_len("swiglu_forward", "out", out.len(), n * f);
+    expect_len("swiglu_forward", "gate_up", gate_up.len(), n * 2 * f);
+    let (o, g, nn, ff) = (out.addr(), gate_up.addr(), int(n, "N"), int(f, "F"));
+    // SAFETY: argument types match; one thread per element of out, lengths checked.
+    unsafe {
+        be.launch(
+            "swiglu_forward",
+            (blocks(n * f, 256), 1, 1),
+            (256, 1, 1),
+            0,
+            &mut [arg(&o), arg(&g), arg(&nn), arg(&ff)],
+        );
+    }
+}
+
+/// dgate_up: (N, 2F), overwrites. dout: (N, F). gate_up: (N, 2F).
+pub(crate) fn swiglu_backward(
+    be: &CudaBackend,
+    dgate_up: &mut DevSlice<f32>,
+    dout: &DevSlice<f32>,
+    gate_up: &DevSlice<f32>,
+    n: usize,
+    f: usize,
+) {
+    expect_len("swiglu_backward", "dgate_up", dgate_up.len(), n * 2 * f);
+    expect_len("swiglu_backward", "dout", dout.len(), n * f);
+    expect_len("swiglu_backward", "gate_up", gate_up.len(), n * 2 * f);
+    let (dg, dy, g, nn, ff) =
+        (dgate_up.addr(), dout.addr(), gate_up.addr(), int(n, "N"), int(f, "F"));
+    // SAFETY: argument types match; one thread per element of dout, lengths checked.
+    unsafe {
+        be.launch(
+            "swiglu_backward",
+            (blocks(n * f, 256), 1, 1),
+            (256, 1, 1),
+            0,
+            &mut [arg(&dg), arg(&dy), arg(&g), arg(&nn), arg(&ff)],
+        );
+    }
+}

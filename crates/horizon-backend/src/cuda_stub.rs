@@ -1,0 +1,235 @@
+//! The CUDA backend's stand-in when the `cuda` feature is off: the same names exist, so code
+//! above the backend needs no `#[cfg]`, and every constructor returns an error saying the binary
+//! was built without CUDA. [`CudaDevice`] and [`CudaBackend`] are uninhabited: no value of them
+//! can exist, so their trait methods are unreachable by construction.
+
+#[path = "cuda/config.rs"]
+mod config;
+
+pub use config::{CudaDeviceConfig, CudaError, MatmulPrecision, WireFormat};
+
+use std::sync::Arc;
+
+use crate::device::{
+    DevBuf, Device, DeviceStats, Event, HostPtr, HostPtrMut, HostWork, Kernel, OutOfDeviceMemory,
+    Queue,
+};
+use crate::{AttnDims, Backend};
+
+/// Whether this binary was built with the CUDA backend.
+pub const BUILT_WITH_CUDA: bool = false;
+
+fn built_without() -> CudaError {
+    CudaError(
+        "this binary was built without CUDA\nhint: rebuild with `cargo build --release --features \
+         cuda`, or use device.backend = cpu"
+            .into(),
+    )
+}
+
+/// Always fails: this binary was built without CUDA.
+pub fn probe() -> Result<(), CudaError> {
+    Err(built_without())
+}
+
+/// Library checks (the built-without-CUDA answers).
+pub mod probe {
+    /// Always false without the `cuda` feature.
+    pub fn driver_present() -> bool {
+        false
+    }
+    /// Always false without the `cuda` feature.
+    pub fn nvrtc_present() -> bool {
+        false
+    }
+}
+
+/// The CUDA backend; cannot exist in a binary built without CUDA.
+#[derive(Clone, Copy, Debug)]
+pub enum CudaBackend {}
+
+impl CudaBackend {
+    /// Always fails: this binary was built without CUDA.
+    pub fn new(_ordinal: usize, _precision: MatmulPrecision) -> Result<Self, CudaError> {
+        Err(built_without())
+    }
+}
+
+/// The CUDA device; cannot exist in a binary built without CUDA.
+#[derive(Debug)]
+pub enum CudaDevice {}
+
+impl CudaDevice {
+    /// Always fails: this binary was built without CUDA.
+    pub fn new(_cfg: CudaDeviceConfig) -> Result<Self, CudaError> {
+        Err(built_without())
+    }
+}
+
+impl Backend for CudaBackend {
+    type Buf = [f32];
+    type IBuf = [i32];
+    fn name(&self) -> &'static str {
+        match *self {}
+    }
+    fn upload(&self, _: &mut [f32], _: &[f32]) {
+        match *self {}
+    }
+    fn upload_i32(&self, _: &mut [i32], _: &[i32]) {
+        match *self {}
+    }
+    fn download(&self, _: &mut [f32], _: &[f32]) {
+        match *self {}
+    }
+    fn copy(&self, _: &mut [f32], _: &[f32]) {
+        match *self {}
+    }
+    fn zero(&self, _: &mut [f32]) {
+        match *self {}
+    }
+    fn embedding_forward(&self, _: &mut [f32], _: &[i32], _: &[f32], _: usize) {
+        match *self {}
+    }
+    fn embedding_backward(&self, _: &mut [f32], _: &[i32], _: &[f32], _: usize) {
+        match *self {}
+    }
+    fn rmsnorm_forward(
+        &self,
+        _: &mut [f32],
+        _: &mut [f32],
+        _: &[f32],
+        _: &[f32],
+        _: usize,
+        _: f32,
+    ) {
+        match *self {}
+    }
+    fn rmsnorm_backward(
+        &self,
+        _: &mut [f32],
+        _: &mut [f32],
+        _: &[f32],
+        _: &[f32],
+        _: &[f32],
+        _: &[f32],
+        _: usize,
+    ) {
+        match *self {}
+    }
+    fn matmul_forward(
+        &self,
+        _: &mut [f32],
+        _: &[f32],
+        _: &[f32],
+        _: Option<&[f32]>,
+        _: usize,
+        _: usize,
+        _: usize,
+    ) {
+        match *self {}
+    }
+    fn matmul_backward(
+        &self,
+        _: Option<&mut [f32]>,
+        _: &mut [f32],
+        _: Option<&mut [f32]>,
+        _: &[f32],
+        _: &[f32],
+        _: &[f32],
+        _: usize,
+        _: usize,
+        _: usize,
+    ) {
+        match *self {}
+    }
+    fn rope_forward(&self, _: &mut [f32], _: &[f32], _: &[f32], _: AttnDims) {
+        match *self {}
+    }
+    fn rope_backward(&self, _: &mut [f32], _: &[f32], _: &[f32], _: AttnDims) {
+        match *self {}
+    }
+    fn attention_forward(&self, _: &mut [f32], _: &mut [f32], _: &[f32], _: AttnDims) {
+        match *self {}
+    }
+    fn attention_backward(
+        &self,
+        _: &mut [f32],
+        _: &[f32],
+        _: &[f32],
+        _: &[f32],
+        _: &[f32],
+        _: AttnDims,
+    ) {
+        match *self {}
+    }
+    fn swiglu_forward(&self, _: &mut [f32], _: &[f32], _: usize, _: usize) {
+        match *self {}
+    }
+    fn swiglu_backward(&self, _: &mut [f32], _: &[f32], _: &[f32], _: usize, _: usize) {
+        match *self {}
+    }
+    fn residual_forward(&self, _: &mut [f32], _: &[f32], _: &[f32]) {
+        match *self {}
+    }
+    fn add_inplace(&self, _: &mut [f32], _: &[f32]) {
+        match *self {}
+    }
+    fn cross_entropy_forward(&self, _: &mut [f32], _: &[f32], _: &[i32], _: usize, _: usize) {
+        match *self {}
+    }
+    fn cross_entropy_fused(
+        &self,
+        _: &mut [f32],
+        _: &mut [f32],
+        _: &[i32],
+        _: usize,
+        _: usize,
+        _: f32,
+    ) {
+        match *self {}
+    }
+}
+
+impl Device for CudaDevice {
+    type Backend = CudaBackend;
+    type Staging = Vec<f32>;
+    fn name(&self) -> String {
+        match *self {}
+    }
+    fn alloc(&self, _: usize) -> Result<DevBuf, OutOfDeviceMemory> {
+        match *self {}
+    }
+    fn free(&self, _: DevBuf) {
+        match *self {}
+    }
+    fn record(&self, _: Queue, _: &Event) {
+        match *self {}
+    }
+    fn wait(&self, _: Queue, _: &Event) {
+        match *self {}
+    }
+    fn upload(&self, _: DevBuf, _: HostPtr) {
+        match *self {}
+    }
+    fn upload_i32(&self, _: DevBuf, _: Arc<Vec<i32>>) {
+        match *self {}
+    }
+    fn download(&self, _: HostPtrMut, _: DevBuf) {
+        match *self {}
+    }
+    fn launch(&self, _: Kernel<CudaBackend>) {
+        match *self {}
+    }
+    fn host_on(&self, _: Queue, _: HostWork) {
+        match *self {}
+    }
+    fn synchronize(&self) {
+        match *self {}
+    }
+    fn stats(&self) -> DeviceStats {
+        match *self {}
+    }
+    fn alloc_staging(&self, _: usize) -> Vec<f32> {
+        match *self {}
+    }
+}

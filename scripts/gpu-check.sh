@@ -1,0 +1,174 @@
+#!/usr/bin/env bash
+# The CUDA backend's check on a GPU machine, in one go (issue 5): parity tests, then
+# `horizon bench` on a Qwen2.5-7B-shaped random model (~16K tokens per step) and on a model
+# deeper than the first; prints tokens/s, model TFLOP/s, MFU against 989 dense bf16 TFLOP/s
+# (H100/H200 SXM), H2D and D2H GB/s, the compute stream's idle fraction and peak device memory
+# against the plan.
+#
+# Usage:
+#   scripts/gpu-check.sh                    # with cargo: build (release, --features cuda), test, bench
+#   scripts/gpu-check.sh --bundle DIR       # with cargo, no GPU needed: put the binary, the test
+#                                           # executables and this script in DIR, for a GPU
+#                                           # machine without Rust
+#   DIR/gpu-check.sh                        # on the GPU machine: runs what DIR holds
+# Environment: HORIZON_BIN (the horizon binary), TEST_BIN_DIR (test executables cuda_*),
+# BENCH_STEPS (default 3, after one warm-up step), OUT (default out/gpu-check).
+# Libraries: the NVIDIA driver (libcuda), NVRTC 13 and cuBLAS 13 must be loadable; pip wheels
+# (nvidia-cuda-nvrtc, nvidia-cublas) in the current Python are found and put on LD_LIBRARY_PATH.
+set -euo pipefail
+HERE="$(cd "$(dirname "$0")" && pwd)"
+ROOT="$(cd "$HERE/.." && pwd)"
+OUT="${OUT:-$PWD/out/gpu-check}"
+STEPS="${BENCH_STEPS:-3}"
+PEAK_TFLOPS=989
+
+if [[ "${1:-}" == "--bundle" ]]; then
+    DIR="${2:?--bundle needs a directory}"
+    mkdir -p "$DIR/tests"
+    cd "$ROOT"
+    cargo build --release --locked --features cuda
+    cp target/release/horizon "$DIR/"
+    cargo test --release --locked --features cuda --no-run --message-format=json \
+        -p horizon-backend -p horizon 2>/dev/null \
+        | python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"].startswith("cuda_"):
+        print(m["executable"])' \
+        | while read -r exe; do cp "$exe" "$DIR/tests/$(basename "$exe" | sed 's/-[0-9a-f]*$//')"; done
+    cp "$0" "$DIR/gpu-check.sh"
+    # The engine tests find their fixtures at the build machine's path (CARGO_MANIFEST_DIR):
+    # ship them, and the path, so the run can link them there.
+    [[ -d tests/fixtures ]] && cp -r tests/fixtures "$DIR/"
+    echo "$ROOT" > "$DIR/manifest_dir"
+    echo "bundle in $DIR: $(ls "$DIR" "$DIR/tests" | tr '\n' ' ')"
+    exit 0
+fi
+
+# ---- libraries -----------------------------------------------------------------------------
+for d in $(python3 -c 'import site,glob; [print(p) for s in site.getsitepackages()+[site.getusersitepackages()] for p in glob.glob(s+"/nvidia/*/lib")]' 2>/dev/null); do
+    LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
+done
+export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
+for lib in libcuda.so.1 libnvrtc.so.13 libcublas.so.13 libcublasLt.so.13; do
+    if ! ldconfig -p 2>/dev/null | grep -q "$lib" && ! ls ${LD_LIBRARY_PATH//:/\/$lib } 2>/dev/null | grep -q .; then
+        echo "warning: $lib not found (ldconfig, LD_LIBRARY_PATH); the CUDA backend will say what is missing" >&2
+    fi
+done
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "nvidia-smi: not available" >&2
+
+# ---- binaries ------------------------------------------------------------------------------
+if [[ -z "${HORIZON_BIN:-}" && -x "$HERE/horizon" ]]; then HORIZON_BIN="$HERE/horizon"; fi
+if [[ -z "${TEST_BIN_DIR:-}" && -d "$HERE/tests" ]]; then TEST_BIN_DIR="$HERE/tests"; fi
+if [[ -z "${HORIZON_BIN:-}" ]]; then
+    command -v cargo >/dev/null || { echo "no cargo and no HORIZON_BIN: use --bundle on a machine with Rust" >&2; exit 1; }
+    echo "== build (release, --features cuda)"
+    (cd "$ROOT" && cargo build --release --locked --features cuda)
+    HORIZON_BIN="$ROOT/target/release/horizon"
+fi
+
+echo "== parity tests"
+if [[ -f "$HERE/manifest_dir" && -d "$HERE/fixtures" ]]; then
+    m="$(cat "$HERE/manifest_dir")"
+    if [[ ! -e "$m/tests/fixtures" ]]; then
+        mkdir -p "$m/tests" && ln -s "$HERE/fixtures" "$m/tests/fixtures" \
+            || echo "warning: cannot link the fixtures at $m/tests/fixtures; cuda_engine will fail" >&2
+    fi
+fi
+if [[ -n "${TEST_BIN_DIR:-}" ]]; then
+    fail=0
+    for t in "$TEST_BIN_DIR"/cuda_*; do
+        echo "-- $(basename "$t")"
+        (cd "$ROOT" && "$t" --test-threads=1) || fail=1
+    done
+    [[ $fail == 0 ]] || { echo "parity tests FAILED" >&2; exit 1; }
+else
+    (cd "$ROOT" && cargo test --release --locked --features cuda -p horizon-backend --test 'cuda_*' -- --test-threads=1)
+    (cd "$ROOT" && cargo test --release --locked --features cuda --test 'cuda_*' -- --test-threads=1)
+fi
+
+# ---- benchmarks ----------------------------------------------------------------------------
+mkdir -p "$OUT"
+status=0
+avail_kb=$(awk '/MemAvailable/ {print $2}' /proc/meminfo)
+gpu_bytes=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 | awk '{print $1 * 1048576}')
+gpu_bytes=${gpu_bytes:-150000000000}
+
+# Host bytes per parameter: fp32 master + gradient + two moments.
+layers_that_fit() { # hidden inter vocab heads kvh -> layers whose host state fits in 85% of MemAvailable
+    python3 - "$@" "$avail_kb" <<'PY'
+import sys
+c, f, v, h, kvh, avail_kb = map(int, sys.argv[1:])
+d = c // h
+layer = c * (h + 2 * kvh) * d + (h + 2 * kvh) * d + h * d * c + 3 * c * f + 2 * c
+fixed = 2 * v * c + c
+budget = 0.85 * avail_kb * 1024 / 16 - 4 * v * c  # minus staging slabs (~4 slots of the head)
+print(max(1, min(28 * 8, int((budget - fixed) / layer))))
+PY
+}
+
+bench() { # name hidden inter layers heads kvh vocab batch mbs seq ckpt
+    local name=$1 c=$2 f=$3 l=$4 h=$5 kvh=$6 v=$7 b=$8 mbs=$9 t=${10} k=${11}
+    local cfg="$OUT/$name.yaml"
+    cat > "$cfg" <<YAML
+model: {init: random, arch: qwen2, hidden_size: $c, intermediate_size: $f, num_hidden_layers: $l,
+        num_attention_heads: $h, num_key_value_heads: $kvh, vocab_size: $v, rope_theta: 1000000.0,
+        tie_word_embeddings: false}
+data: {format: synthetic}
+train: {steps: $((STEPS + 1)), batch_size: $b, micro_batch_size: $mbs, max_seq_len: $t}
+engine: {checkpoint_every: $k, grad_slabs: 4, head_chunk_rows: 2048}
+device: {backend: cuda, memory: auto}
+output: {dir: $OUT/$name}
+YAML
+    echo "== bench $name: $l layers, hidden $c, ffn $f, heads $h/$kvh, vocab $v, $b x $t tokens/step"
+    if ! "$HORIZON_BIN" bench --config "$cfg" --warmup 1 > "$OUT/$name.log" 2>&1; then
+        tail -n 30 "$OUT/$name.log"
+        echo "bench $name FAILED (log: $OUT/$name.log)" >&2
+        status=1
+        return 0
+    fi
+    grep -E "^(step|model:|  total|device|host)" "$OUT/$name.log" | tail -n 12
+    python3 - "$OUT/$name/summary.json" "$c" "$f" "$l" "$h" "$kvh" "$v" "$t" "$PEAK_TFLOPS" <<'PY'
+import json, sys
+s = json.load(open(sys.argv[1]))
+c, f, l, h, kvh, v, t, peak = map(float, sys.argv[2:])
+d = c / h
+layer = c * (h + 2 * kvh) * d + (h + 2 * kvh) * d + h * d * c + 3 * c * f + 2 * c
+n = l * layer + v * c + c  # non-embedding parameters (the LM head counts)
+flops_tok = 6 * n + 6 * l * t * h * d  # fwd + bwd matmuls; causal attention (half of 12 L T H D)
+tps = s["tokens_per_s"]
+tflops = flops_tok * tps / 1e12
+wall = max(s["wall_s"], 1e-9)
+link = max(s["link_busy_s"], 1e-9)
+print(f"  tokens/s            {tps:,.0f}")
+print(f"  model TFLOP/s       {tflops:,.1f}   MFU {100 * tflops / peak:.1f}% of {peak:.0f}")
+print(f"  H2D                 {s['h2d_bytes'] / wall / 1e9:.1f} GB/s over the run, {s['h2d_bytes'] / link / 1e9:.1f} GB/s while busy")
+print(f"  D2H                 {s['d2h_bytes'] / wall / 1e9:.1f} GB/s over the run")
+print(f"  compute idle        {100 * max(0.0, 1 - s['device_compute_s'] / wall):.1f}% of wall time")
+print(f"  peak device memory  {s['peak_device_bytes'] / 2**30:.2f} GiB (plan {s['planned_device_bytes'] / 2**30:.2f} GiB)")
+print(f"  overlap ratio       {s['overlap_ratio']:.2f}   final loss {s['final_loss']:.4f}")
+PY
+}
+
+# Qwen2.5-7B per layer: hidden 3584, FFN 18944, 28 heads / 4 kv heads, vocab 152064; 28 layers
+# where host RAM holds fp32 masters, gradients and moments (16 bytes per parameter), fewer
+# otherwise (every layer is the same, so the per-layer figures stand).
+L7=$(layers_that_fit 3584 18944 152064 28 4)
+L7=$(( L7 < 28 ? L7 : 28 ))
+[[ $L7 -lt 28 ]] && echo "note: host RAM holds $L7 of Qwen2.5-7B's 28 layers; benchmarking $L7"
+bench qwen7b-shape 3584 18944 "$L7" 28 4 152064 8 4 2048 4
+
+# Deeper: weights several times GPU memory if host RAM allows; else the same width at twice
+# the depth of a smaller model, to show peak device memory does not grow with depth.
+LD=$(layers_that_fit 2048 8192 32000 16 4)
+need=$(python3 -c "print(int(3 * $gpu_bytes / (4 * (2048*2048*2 + 2*2048*512 + 3*2048*8192))) + 1)")
+if (( LD >= need )); then
+    bench deep 2048 8192 "$need" 16 4 32000 8 4 2048 4
+else
+    echo "note: host RAM holds $LD layers of the deep model; weights 3x GPU memory need $need: comparing depth $((LD / 2)) and $LD instead"
+    bench deep-half 2048 8192 $((LD / 2)) 16 4 32000 8 4 2048 4
+    bench deep 2048 8192 "$LD" 16 4 32000 8 4 2048 4
+fi
+echo "== done: summaries and logs under $OUT"
+exit "$status"
