@@ -27,14 +27,21 @@ enum Command {
         resume: Option<String>,
     },
     /// Run a config's steps on the streaming engine without exporting, and report throughput,
-    /// overlap (wall time over the busier of compute and link) and memory, after warm-up.
+    /// FLOP rates, time by phase, overlap (wall time over the busier of compute and link) and
+    /// memory, after warm-up.
     Bench {
         /// The run configuration (YAML); `data.format: synthetic` needs no data file.
-        #[arg(long, short)]
-        config: PathBuf,
+        #[arg(long, short, conflicts_with = "model", required_unless_present = "model")]
+        config: Option<PathBuf>,
+        /// A named benchmark shape instead of a config: `llama-58m`.
+        #[arg(long)]
+        model: Option<String>,
         /// Steps excluded from the timings.
         #[arg(long, default_value_t = 1)]
         warmup: usize,
+        /// Print the summary as one JSON object on the last line.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -63,22 +70,19 @@ fn try_main(cli: Cli) -> Result<()> {
             horizon::train::run_streaming(cfg, true, 0, resume.as_deref())?;
             Ok(())
         }
-        Command::Bench { config, warmup } => {
-            let cfg = horizon::config::RawConfig::from_file(&config)?
-                .resolve(&config.display().to_string())?;
+        Command::Bench { config, model, warmup, json } => {
+            let cfg = match (config, model) {
+                (Some(path), _) => horizon::config::RawConfig::from_file(&path)?
+                    .resolve(&path.display().to_string())?,
+                (None, Some(name)) => horizon::bench::named_config(&name)?,
+                (None, None) => bail!("bench needs --config FILE or --model NAME"),
+            };
             let s = horizon::train::run_streaming(cfg, false, warmup, None)?;
-            println!(
-                "bench: {:.1} tokens/s; wall {:.3} s, device compute {:.3} s, link busy {:.3} s, overlap ratio wall/max(compute, link) = {:.3}; peak RSS {} vs planned host {}; peak device {} vs planned {}",
-                s.tokens_per_s,
-                s.wall_s,
-                s.device_compute_s,
-                s.link_busy_s,
-                s.overlap_ratio,
-                s.peak_rss_bytes,
-                s.planned_host_bytes,
-                s.peak_device_bytes,
-                s.planned_device_bytes
-            );
+            if json {
+                println!("{}", serde_json::to_string(&s)?);
+            } else {
+                println!("{}", horizon::bench::report(&s));
+            }
             Ok(())
         }
     }

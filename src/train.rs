@@ -17,6 +17,7 @@ use crate::data::pretokenized::{Batch, PretokenizedDataset, Row, load_pretokeniz
 use crate::data::{load_alpaca, load_chat, load_text, pack, shuffled_order};
 use crate::engine::exec::{Engine, EngineConfig, Sizes, StepParams};
 use crate::engine::memory::{MemoryPlan, peak_rss_bytes};
+use crate::engine::phases::{PhaseSeconds, StepFlops, step_flops};
 use crate::hf::checkpoint::SaveDtype;
 use crate::hf::config::ModelConfig;
 use crate::model::layout::ModelLayout;
@@ -332,6 +333,20 @@ pub struct Summary {
     /// `wall_s / max(device_compute_s, link_busy_s)`: 1.0 is perfect overlap.
     pub overlap_ratio: f64,
     pub final_loss: f64,
+    /// Seconds of queue work by phase (compute: forward, recompute, backward, head; host:
+    /// embedding, gradients, optimizer).
+    pub phase_s: PhaseSeconds,
+    /// Seconds the host -> device and device -> host queues spent copying.
+    pub h2d_busy_s: f64,
+    pub d2h_busy_s: f64,
+    /// Wall seconds the compute queue was not running a kernel.
+    pub compute_idle_s: f64,
+    /// FLOPs of the timed steps (at `train.max_seq_len`): every product the schedule ran,
+    /// recompute included, and the model's `6 * N * tokens + attention`.
+    pub flops: StepFlops,
+    /// `flops.schedule / wall_s` and `flops.model / wall_s`, in GFLOP/s.
+    pub achieved_gflops: f64,
+    pub model_gflops: f64,
 }
 
 /// A run on the streaming engine: the model in host RAM, the CPU device borrowing one layer at
@@ -481,6 +496,7 @@ pub fn run_streaming(
         .open(&metrics_path)
         .with_context(|| format!("cannot create {}", metrics_path.display()))?;
     let mut base = tr.engine.device().stats();
+    let mut base_phases = tr.engine.phase_seconds();
     let mut t0 = Instant::now();
     let (mut tokens, mut timed_steps, mut last_loss) = (0usize, 0usize, f64::NAN);
     for k in start..steps {
@@ -488,6 +504,7 @@ pub fn run_streaming(
             // Timings start after the warm-up, once its queued work is done.
             tr.engine.state();
             base = tr.engine.device().stats();
+            base_phases = tr.engine.phase_seconds();
             t0 = Instant::now();
             tokens = 0;
             timed_steps = 0;
@@ -551,6 +568,18 @@ pub fn run_streaming(
     let st = tr.engine.device().stats();
     let compute = st.compute_busy_s - base.compute_busy_s;
     let link = st.link_busy_s - base.link_busy_s;
+    let per_step = step_flops(
+        tr.engine.schedule(),
+        &ModelLayout::new(&tr.model_cfg).dims,
+        tr.cfg.raw.train.micro_batch_size.unwrap_or(tr.cfg.raw.train.batch_size),
+        tr.cfg.raw.train.max_seq_len,
+    );
+    let k = timed_steps as f64;
+    let flops = StepFlops {
+        schedule: per_step.schedule * k,
+        recompute: per_step.recompute * k,
+        model: per_step.model * k,
+    };
     let summary = Summary {
         steps: timed_steps,
         tokens,
@@ -566,6 +595,13 @@ pub fn run_streaming(
         link_busy_s: link,
         overlap_ratio: wall_s / compute.max(link).max(1e-9),
         final_loss: last_loss,
+        phase_s: tr.engine.phase_seconds().since(&base_phases),
+        h2d_busy_s: st.h2d_busy_s - base.h2d_busy_s,
+        d2h_busy_s: st.d2h_busy_s - base.d2h_busy_s,
+        compute_idle_s: (wall_s - compute).max(0.0),
+        flops,
+        achieved_gflops: flops.schedule / wall_s.max(1e-9) * 1e-9,
+        model_gflops: flops.model / wall_s.max(1e-9) * 1e-9,
     };
     let summary_path = out_dir.join("summary.json");
     fs::write(&summary_path, serde_json::to_string_pretty(&summary)?)

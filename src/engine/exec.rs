@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use horizon_backend::cpu::{add_inplace, embedding_backward, embedding_forward};
@@ -13,6 +14,7 @@ use horizon_backend::{
 };
 
 use crate::data::pretokenized::{Row, make_batch};
+use crate::engine::phases::{Phase, PhaseClock, PhaseSeconds};
 use crate::engine::plan::{
     ActSource, GradTarget, OpKind, ParamBuf, PlanShape, Schedule, SlotContent, Wait,
 };
@@ -196,6 +198,8 @@ struct Ctx {
     norm: AtomicU64,
     /// The step is skipped: its loss or gradient norm is not finite.
     skip: AtomicBool,
+    /// Seconds of queue work by phase.
+    phases: PhaseClock,
 }
 
 impl Ctx {
@@ -416,6 +420,7 @@ where
             loss_host: loss_host.iter_mut().map(|s| handle(s)).collect(),
             norm: AtomicU64::new(0),
             skip: AtomicBool::new(false),
+            phases: PhaseClock::default(),
         };
         // The rope tables are uploaded once.
         let (cos, sin) = rope_tables(&model.rope_inv_freq(), cfg.seq_len);
@@ -472,6 +477,12 @@ where
     }
 
     /// Wait for all queued work (optimizer updates included) and look at the host state.
+    /// Seconds of queue work by phase since the engine started (work still queued not
+    /// included: read after [`Engine::state`] for a whole step).
+    pub fn phase_seconds(&self) -> PhaseSeconds {
+        self.ctx.phases.seconds()
+    }
+
     pub fn state(&mut self) -> &TrainState {
         self.dev.synchronize();
         self.state.step = self.steps;
@@ -543,6 +554,8 @@ where
             e.reset();
         }
         let n_ops = self.schedule.len();
+        // Layer forwards after the head are block recompute (for the phase clock).
+        let mut after_head = false;
         for j in 0..n_ops {
             let op = &self.schedule.ops(k)[j];
             for w in self.schedule.waits(k, j) {
@@ -552,7 +565,8 @@ where
                 };
                 self.dev.wait(op.queue, e);
             }
-            self.dispatch(op.kind, &sd);
+            self.dispatch(op.kind, &sd, after_head);
+            after_head |= matches!(op.kind, OpKind::Head { .. });
             self.dev.record(op.queue, &self.events[par][j]);
         }
         self.steps += 1;
@@ -580,7 +594,7 @@ where
     }
 
     /// Submit one operation to its queue.
-    fn dispatch(&self, kind: OpKind, sd: &Arc<StepData>) {
+    fn dispatch(&self, kind: OpKind, sd: &Arc<StepData>, after_head: bool) {
         let c = &self.ctx;
         let d = c.layout.dims;
         match kind {
@@ -594,6 +608,7 @@ where
                 self.dev.host_on(
                     Queue::H2D,
                     Box::new(move || {
+                        let t0 = Instant::now();
                         let nc = sd.mbs[m].n() * d.c;
                         // SAFETY: the schedule orders this gather after every write of the
                         // embedding and of this staging buffer, and before their next uses.
@@ -604,6 +619,7 @@ where
                             )
                         };
                         embedding_forward(out, &sd.mbs[m].ids, table, d.c);
+                        c.phases.add(Phase::Embedding, t0);
                     }),
                 );
             }
@@ -634,6 +650,7 @@ where
             OpKind::Forward { slot, m, src, dst, .. } => {
                 let (c, sd) = (c.clone(), sd.clone());
                 self.dev.launch(Box::new(move |vw: &dyn Views<D::Backend>| {
+                    let t0 = Instant::now();
                     let mb = &sd.mbs[m];
                     let nc = mb.n() * d.c;
                     // SAFETY: the buffers viewed are distinct, and the schedule orders this
@@ -653,19 +670,24 @@ where
                             c.layout.eps,
                         );
                     }
+                    let phase = if after_head { Phase::Recompute } else { Phase::Forward };
+                    c.phases.add(phase, t0);
                 }));
             }
             OpKind::ZeroDw { dw } => {
                 let c = c.clone();
                 self.dev.launch(Box::new(move |vw: &dyn Views<D::Backend>| {
+                    let t0 = Instant::now();
                     // SAFETY: the schedule orders this kernel after the accumulator's last
                     // download.
                     unsafe { vw.backend().zero(vw.buf_mut(c.dws[dw])) };
+                    c.phases.add(Phase::Backward, t0);
                 }));
             }
             OpKind::Head { slot, m, src, dw } => {
                 let (c, sd) = (c.clone(), sd.clone());
                 self.dev.launch(Box::new(move |vw: &dyn Views<D::Backend>| {
+                    let t0 = Instant::now();
                     let mb = &sd.mbs[m];
                     let (n, nc, vc) = (mb.n(), mb.n() * d.c, d.v * d.c);
                     let h = &c.scratch.head;
@@ -700,11 +722,13 @@ where
                             },
                         );
                     }
+                    c.phases.add(Phase::Head, t0);
                 }));
             }
             OpKind::Backward { slot, m, set, dw, .. } => {
                 let (c, sd) = (c.clone(), sd.clone());
                 self.dev.launch(Box::new(move |vw: &dyn Views<D::Backend>| {
+                    let t0 = Instant::now();
                     let mb = &sd.mbs[m];
                     let nc = mb.n() * d.c;
                     let lay = &c.layout.layer;
@@ -726,6 +750,8 @@ where
                             d.f,
                             c.layout.eps,
                         );
+                        c.phases.add(Phase::Recompute, t0);
+                        let t0 = Instant::now();
                         let g = &c.scratch.grads;
                         let mut grads = LayerGrads {
                             dres: vw.buf_mut(c.dres[m]),
@@ -748,6 +774,7 @@ where
                             attn_dims(&c, mb),
                             d.f,
                         );
+                        c.phases.add(Phase::Backward, t0);
                     }
                 }));
             }
@@ -762,6 +789,7 @@ where
             OpKind::AccumulateGrads { slab, what } => {
                 let c = c.clone();
                 self.dev.host(Box::new(move || {
+                    let t0 = Instant::now();
                     // SAFETY: the schedule orders this after the slab's download and before
                     // its next one; the gradients are only touched by the host queue.
                     unsafe {
@@ -782,6 +810,7 @@ where
                             }
                         }
                     }
+                    c.phases.add(Phase::Gradients, t0);
                 }));
             }
             OpKind::DownloadDres { m } => {
@@ -791,6 +820,7 @@ where
             OpKind::EmbedScatter { m } => {
                 let (c, sd) = (c.clone(), sd.clone());
                 self.dev.host(Box::new(move || {
+                    let t0 = Instant::now();
                     let nc = sd.mbs[m].n() * d.c;
                     // SAFETY: ordered after the residual gradient's download; the embedding
                     // gradient is only touched by the host queue.
@@ -802,11 +832,13 @@ where
                             d.c,
                         );
                     }
+                    c.phases.add(Phase::Gradients, t0);
                 }));
             }
             OpKind::GradNorm => {
                 let (c, sd) = (c.clone(), sd.clone());
                 self.dev.host(Box::new(move || {
+                    let t0 = Instant::now();
                     // SAFETY: every gradient is complete and every loss downloaded (the schedule
                     // orders this after them); only the host queue touches the gradients.
                     unsafe {
@@ -828,11 +860,13 @@ where
                         c.skip.store(!(norm.is_finite() && loss.is_finite()), Ordering::Release);
                         c.norm.store(norm.to_bits(), Ordering::Release);
                     }
+                    c.phases.add(Phase::Optimizer, t0);
                 }));
             }
             OpKind::Update { what } => {
                 let (c, sd) = (c.clone(), sd.clone());
                 self.dev.host(Box::new(move || {
+                    let t0 = Instant::now();
                     let i = c.param_index(what);
                     let norm = f64::from_bits(c.norm.load(Ordering::Acquire));
                     // SAFETY: the schedule orders this update after every read of these
@@ -853,6 +887,7 @@ where
                         }
                         g.fill(0.0);
                     }
+                    c.phases.add(Phase::Optimizer, t0);
                 }));
             }
         }
