@@ -12,7 +12,7 @@ use anyhow::{Context, Result, bail};
 use horizon_backend::CpuBackend;
 use serde::Serialize;
 
-use crate::config::{ByteSize, DataFormat, ModelInit, RawConfig, RunConfig};
+use crate::config::{ByteSize, DataFormat, ModelInit, RawConfig, Recompute, RunConfig};
 use crate::data::pretokenized::{Batch, PretokenizedDataset, Row, load_pretokenized, make_batch};
 use crate::data::{load_alpaca, load_chat, load_text, pack, shuffled_order};
 use crate::engine::exec::{Engine, EngineConfig, Sizes, StepParams};
@@ -382,13 +382,40 @@ impl StreamTrainer {
             head_chunk_rows: raw.engine.head_chunk_rows,
             adamw: adamw_config(raw),
             grad_clip: raw.optimizer.grad_clip,
+            keep_internals: false,
         };
-        let sizes = Sizes::new(&layout, &ecfg);
         let budget = match raw.device.memory {
             ByteSize::Auto => None,
             ByteSize::Bytes(b) => Some(b),
         };
-        let plan = MemoryPlan::new(&sizes, budget, true);
+        // engine.recompute: keeping a layer's internals means a checkpoint every layer (no
+        // block recompute) and every layer's internals on the device; `auto` keeps them when
+        // an explicit device.memory holds that plan (`auto` memory is the smallest plan).
+        let planned = |keep: bool| {
+            let e = EngineConfig {
+                keep_internals: keep,
+                checkpoint_every: if keep { 1 } else { ecfg.checkpoint_every },
+                ..ecfg
+            };
+            (e, MemoryPlan::new(&Sizes::new(&layout, &e), budget, true))
+        };
+        let (ecfg, plan) = match raw.engine.recompute {
+            Recompute::Always => planned(false),
+            Recompute::Never => planned(true),
+            Recompute::Auto => {
+                let keep = planned(true);
+                if budget.is_some() && keep.1.check().is_ok() { keep } else { planned(false) }
+            }
+        };
+        println!(
+            "engine.recompute: {:?} -> {}",
+            raw.engine.recompute,
+            if ecfg.keep_internals {
+                "every layer's internals kept for its backward (no recompute)"
+            } else {
+                "the backward recomputes each block's inputs and each layer's internals"
+            }
+        );
         print!("{plan}");
         plan.check()?;
         let state = match resume {

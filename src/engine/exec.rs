@@ -45,6 +45,9 @@ pub struct EngineConfig {
     /// AdamW and clipping (the learning rate comes with each step, from the schedule).
     pub adamw: AdamWConfig,
     pub grad_clip: f64,
+    /// Keep every layer's forward internals on the device for its backward instead of
+    /// recomputing them (`engine.recompute` resolved); needs `checkpoint_every == 1`.
+    pub keep_internals: bool,
 }
 
 impl EngineConfig {
@@ -74,6 +77,8 @@ pub struct Sizes {
     pub scratch: usize,
     /// Per micro-batch: ids + targets + losses (mb_rows each).
     pub per_mb_small: usize,
+    /// Kept forward internals, every layer and micro-batch (0 when the backward recomputes).
+    pub stash: usize,
     /// Parameters of the model.
     pub params: usize,
 }
@@ -84,14 +89,14 @@ impl Sizes {
         let mb_rows = cfg.micro_batch_size * cfg.seq_len;
         let chunk = cfg.head_chunk_rows.clamp(1, mb_rows.max(1));
         let n = mb_rows;
-        let layer_scratch = n * d.c * 4 // h1, x2, h2, tmp
+        let layer_acts = n * d.c * 4 // h1, x2, h2, tmp
             + 2 * n // rstd1, rstd2
             + n * d.qkv()
             + n * d.hd()
             + n * d.h // lse
             + n * 2 * d.f
-            + n * d.f
-            + n * d.c; // y
+            + n * d.f;
+        let layer_scratch = layer_acts + n * d.c; // y
         let grad_scratch = n * d.c * 2 + n * d.qkv() + n * d.hd() + n * 2 * d.f + n * d.f;
         let head_scratch = n * d.c * 2 + n + chunk * d.v;
         let rope = 2 * cfg.seq_len * d.d / 2;
@@ -105,12 +110,14 @@ impl Sizes {
             grad_slabs: cfg.grad_slabs,
             scratch: layer_scratch + grad_scratch + head_scratch + rope,
             per_mb_small: 3 * n,
+            stash: if cfg.keep_internals { d.layers * cfg.micro_batches() * layer_acts } else { 0 },
             params: layout.num_params(),
         }
     }
 
-    /// Device bytes by kind: (weight slots, gradient accumulators, activations, scratch).
-    pub fn device_bytes(&self) -> [(&'static str, usize); 4] {
+    /// Device bytes by kind: (weight slots, gradient accumulators, activations, scratch, kept
+    /// internals).
+    pub fn device_bytes(&self) -> [(&'static str, usize); 5] {
         let m = self.micro_batches;
         [
             ("weight slots (2)", 2 * self.slot * 4),
@@ -120,6 +127,7 @@ impl Sizes {
                 (m * self.act_sets * self.act + m * self.act + m * self.per_mb_small) * 4,
             ),
             ("workspace (one layer's internals, head chunk, rope)", self.scratch * 4),
+            ("kept layer internals (engine.recompute: no recompute)", self.stash * 4),
         ]
     }
 
@@ -200,6 +208,8 @@ struct Ctx {
     skip: AtomicBool,
     /// Seconds of queue work by phase.
     phases: PhaseClock,
+    /// [layer][m]: forward internals kept for the backward (empty when it recomputes them).
+    stash: Vec<Vec<LayerActs<DevBuf>>>,
 }
 
 impl Ctx {
@@ -325,7 +335,11 @@ where
             checkpoint_every: cfg.checkpoint_every,
             grad_slabs: cfg.grad_slabs,
             tied: layout.tied,
+            keep_internals: cfg.keep_internals,
         };
+        if cfg.keep_internals && cfg.checkpoint_every != 1 {
+            bail!("kept layer internals need checkpoint_every 1: {cfg:?}");
+        }
         let schedule = Schedule::new(shape);
         let alloc = |len: usize| -> Result<DevBuf> {
             dev.alloc(len).with_context(|| {
@@ -347,18 +361,28 @@ where
         let targets = per_mb(n)?;
         let losses = per_mb(n)?;
         let chunk = cfg.head_chunk_rows.clamp(1, n.max(1));
-        let acts_scratch = LayerActs {
-            h1: alloc(n * d.c)?,
-            rstd1: alloc(n)?,
-            qkv: alloc(n * d.qkv())?,
-            att: alloc(n * d.hd())?,
-            lse: alloc(n * d.h)?,
-            x2: alloc(n * d.c)?,
-            h2: alloc(n * d.c)?,
-            rstd2: alloc(n)?,
-            gu: alloc(n * 2 * d.f)?,
-            s: alloc(n * d.f)?,
-            tmp: alloc(n * d.c)?,
+        let layer_acts = || -> Result<LayerActs<DevBuf>> {
+            Ok(LayerActs {
+                h1: alloc(n * d.c)?,
+                rstd1: alloc(n)?,
+                qkv: alloc(n * d.qkv())?,
+                att: alloc(n * d.hd())?,
+                lse: alloc(n * d.h)?,
+                x2: alloc(n * d.c)?,
+                h2: alloc(n * d.c)?,
+                rstd2: alloc(n)?,
+                gu: alloc(n * 2 * d.f)?,
+                s: alloc(n * d.f)?,
+                tmp: alloc(n * d.c)?,
+            })
+        };
+        let acts_scratch = layer_acts()?;
+        let stash = if cfg.keep_internals {
+            (0..d.layers)
+                .map(|_| (0..mbs).map(|_| layer_acts()).collect::<Result<Vec<_>>>())
+                .collect::<Result<Vec<_>>>()?
+        } else {
+            Vec::new()
         };
         let grads_scratch = GradScratch {
             dx2: alloc(n * d.c)?,
@@ -421,6 +445,7 @@ where
             norm: AtomicU64::new(0),
             skip: AtomicBool::new(false),
             phases: PhaseClock::default(),
+            stash,
         };
         // The rope tables are uploaded once.
         let (cos, sin) = rope_tables(&model.rope_inv_freq(), cfg.seq_len);
@@ -647,7 +672,7 @@ where
                 let nc = sd.mbs[m].n() * d.c;
                 self.dev.download(c.ckpt[block][m].sub(0..nc), c.acts[set][m].prefix(nc));
             }
-            OpKind::Forward { slot, m, src, dst, .. } => {
+            OpKind::Forward { layer, slot, m, src, dst } => {
                 let (c, sd) = (c.clone(), sd.clone());
                 self.dev.launch(Box::new(move |vw: &dyn Views<D::Backend>| {
                     let t0 = Instant::now();
@@ -656,7 +681,8 @@ where
                     // SAFETY: the buffers viewed are distinct, and the schedule orders this
                     // kernel against every other queue's use of them.
                     unsafe {
-                        let mut acts = scratch_acts(vw, &c.scratch.acts);
+                        let kept = c.stash.get(layer).map(|s| &s[m]);
+                        let mut acts = scratch_acts(vw, kept.unwrap_or(&c.scratch.acts));
                         layer_forward(
                             vw.backend(),
                             &mut acts,
@@ -725,7 +751,7 @@ where
                     c.phases.add(Phase::Head, t0);
                 }));
             }
-            OpKind::Backward { slot, m, set, dw, .. } => {
+            OpKind::Backward { layer, slot, m, set, dw } => {
                 let (c, sd) = (c.clone(), sd.clone());
                 self.dev.launch(Box::new(move |vw: &dyn Views<D::Backend>| {
                     let t0 = Instant::now();
@@ -736,20 +762,27 @@ where
                     unsafe {
                         let w = vw.buf(c.slots[slot].prefix(lay.len));
                         let x = vw.buf(c.acts[set][m].prefix(nc));
-                        let mut acts = scratch_acts(vw, &c.scratch.acts);
-                        // Recompute the layer's internals from its input.
-                        layer_forward(
-                            vw.backend(),
-                            &mut acts,
-                            w,
-                            lay,
-                            x,
-                            vw.buf_mut(c.scratch.y.prefix(nc)),
-                            rope(vw, &c, mb.t),
-                            attn_dims(&c, mb),
-                            d.f,
-                            c.layout.eps,
-                        );
+                        let acts = match c.stash.get(layer) {
+                            // Kept by this layer's forward.
+                            Some(kept) => scratch_acts(vw, &kept[m]),
+                            None => {
+                                // Recompute the layer's internals from its input.
+                                let mut acts = scratch_acts(vw, &c.scratch.acts);
+                                layer_forward(
+                                    vw.backend(),
+                                    &mut acts,
+                                    w,
+                                    lay,
+                                    x,
+                                    vw.buf_mut(c.scratch.y.prefix(nc)),
+                                    rope(vw, &c, mb.t),
+                                    attn_dims(&c, mb),
+                                    d.f,
+                                    c.layout.eps,
+                                );
+                                acts
+                            }
+                        };
                         c.phases.add(Phase::Recompute, t0);
                         let t0 = Instant::now();
                         let g = &c.scratch.grads;
