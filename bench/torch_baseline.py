@@ -7,7 +7,7 @@ tokens, 4 x 256 tokens per step, fp32, torch.optim.AdamW(lr 1e-4, weight decay 0
 torch.nn.utils.clip_grad_norm_(1.0) -- the full step, optimizer included. Attention is
 F.scaled_dot_product_attention (what Hugging Face's LlamaForCausalLM uses by default).
 
-    python bench/torch_baseline.py [--steps 4] [--warmup 1] [--threads N] [--json]
+    python bench/torch_baseline.py [--steps 3] [--warmup 1] [--threads N] [--json]
 
 Prints tokens/s over the timed steps (after warm-up); --json prints one JSON object instead.
 """
@@ -96,7 +96,7 @@ class Llama(nn.Module):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=4, help="timed steps")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")

@@ -3,7 +3,7 @@
 
 use anyhow::{Result, bail};
 
-use crate::config::{RawConfig, RunConfig};
+use crate::config::{RawConfig, Recompute, RunConfig};
 use crate::train::Summary;
 
 /// Benchmark shapes `horizon bench --model NAME` runs: (name, config, what it is).
@@ -21,6 +21,16 @@ pub fn named_config(name: &str) -> Result<RunConfig> {
     };
     let origin = format!("bench shape {name}");
     RawConfig::from_yaml(yaml, &origin)?.resolve(&origin)
+}
+
+/// `--recompute auto|always|never`.
+pub fn parse_recompute(s: &str) -> Result<Recompute> {
+    Ok(match s {
+        "auto" => Recompute::Auto,
+        "always" => Recompute::Always,
+        "never" => Recompute::Never,
+        _ => bail!("--recompute {s:?}: expected auto, always or never"),
+    })
 }
 
 /// The human-readable report of a benchmark run.

@@ -42,6 +42,9 @@ enum Command {
         /// Print the summary as one JSON object on the last line.
         #[arg(long)]
         json: bool,
+        /// Override `engine.recompute`: auto, always or never.
+        #[arg(long)]
+        recompute: Option<String>,
     },
 }
 
@@ -70,13 +73,16 @@ fn try_main(cli: Cli) -> Result<()> {
             horizon::train::run_streaming(cfg, true, 0, resume.as_deref())?;
             Ok(())
         }
-        Command::Bench { config, model, warmup, json } => {
-            let cfg = match (config, model) {
+        Command::Bench { config, model, warmup, json, recompute } => {
+            let mut cfg = match (config, model) {
                 (Some(path), _) => horizon::config::RawConfig::from_file(&path)?
                     .resolve(&path.display().to_string())?,
                 (None, Some(name)) => horizon::bench::named_config(&name)?,
                 (None, None) => bail!("bench needs --config FILE or --model NAME"),
             };
+            if let Some(r) = recompute {
+                cfg.raw.engine.recompute = horizon::bench::parse_recompute(&r)?;
+            }
             let s = horizon::train::run_streaming(cfg, false, warmup, None)?;
             if json {
                 println!("{}", serde_json::to_string(&s)?);
