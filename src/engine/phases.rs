@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::engine::plan::{OpKind, Schedule};
+use crate::engine::plan::{OpKind, Res, Schedule};
 use crate::model::layout::Dims;
 
 /// A phase of the step, as the executor times it.
@@ -130,6 +130,10 @@ pub fn step_flops(schedule: &Schedule, d: &Dims, b: usize, t: usize) -> StepFlop
                 f.recompute += fwd;
             }
             OpKind::Forward { .. } => f.schedule += fwd,
+            // A backward that reads kept internals recomputes nothing.
+            OpKind::Backward { .. } if op.reads.iter().any(|r| matches!(r, Res::Stash { .. })) => {
+                f.schedule += bwd;
+            }
             OpKind::Backward { .. } => {
                 f.schedule += fwd + bwd;
                 f.recompute += fwd;

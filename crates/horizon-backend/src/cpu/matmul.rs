@@ -164,8 +164,15 @@ fn pack_b(strip: &mut [f32], b: View, p0: usize, kc: usize, j0: usize, n: usize)
     if b.cs == 1 {
         for (k, row) in strip.chunks_exact_mut(NR).enumerate() {
             let src = &b.data[(p0 + k) * b.rs + j0..][..nr];
-            row[..nr].copy_from_slice(src);
-            row[nr..].fill(0.0);
+            if let (Ok(dst), Ok(src)) =
+                (<&mut [f32; NR]>::try_from(&mut *row), <&[f32; NR]>::try_from(src))
+            {
+                // Whole strips: a fixed-size copy the compiler inlines (no memmove call).
+                *dst = *src;
+            } else {
+                row[..nr].copy_from_slice(src);
+                row[nr..].fill(0.0);
+            }
         }
     } else {
         // Columns past nr read column 0 again (their results are dropped); k outer, as in
