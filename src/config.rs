@@ -272,12 +272,36 @@ pub struct EngineSection {
     /// Rows of the LM head + cross-entropy chunk: the (rows, V) logits never exceed this.
     /// Default 256.
     pub head_chunk_rows: usize,
+    /// Whether the backward recomputes layer internals: `auto` (default) keeps every layer's
+    /// forward internals on the device when an explicit `device.memory` holds that plan, else
+    /// recomputes (`device.memory: auto` is the smallest plan, so it recomputes); `always`
+    /// recomputes (the device holds one layer's internals); `never` keeps them, or refuses to
+    /// start when they do not fit. Keeping implies a checkpoint every layer.
+    pub recompute: Recompute,
 }
 
 impl Default for EngineSection {
     fn default() -> Self {
-        EngineSection { checkpoint_every: 4, grad_slabs: 4, head_chunk_rows: 256 }
+        EngineSection {
+            checkpoint_every: 4,
+            grad_slabs: 4,
+            head_chunk_rows: 256,
+            recompute: Recompute::Auto,
+        }
     }
+}
+
+/// `engine.recompute`.
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Recompute {
+    /// Keep the internals when the plan fits with them, else recompute.
+    #[default]
+    Auto,
+    /// Recompute every layer's internals (and each block's inputs) in the backward.
+    Always,
+    /// Keep every layer's internals from the forward to its backward.
+    Never,
 }
 
 /// The compute device.

@@ -30,17 +30,27 @@ enum Command {
         set: Vec<String>,
     },
     /// Run a config's steps on the streaming engine without exporting, and report throughput,
-    /// overlap (wall time over the busier of compute and link) and memory, after warm-up.
+    /// FLOP rates, time by phase, overlap (wall time over the busier of compute and link) and
+    /// memory, after warm-up.
     Bench {
         /// The run configuration (YAML); `data.format: synthetic` needs no data file.
-        #[arg(long, short)]
-        config: PathBuf,
+        #[arg(long, short, conflicts_with = "model", required_unless_present = "model")]
+        config: Option<PathBuf>,
+        /// A named benchmark shape instead of a config: `llama-58m`.
+        #[arg(long)]
+        model: Option<String>,
         /// Steps excluded from the timings.
         #[arg(long, default_value_t = 1)]
         warmup: usize,
         /// Override a config key: `--set train.steps=20` (repeatable; the value is YAML).
         #[arg(long = "set", value_name = "KEY=VALUE")]
         set: Vec<String>,
+        /// Print the summary as one JSON object on the last line.
+        #[arg(long)]
+        json: bool,
+        /// Override `engine.recompute`: auto, always or never.
+        #[arg(long)]
+        recompute: Option<String>,
     },
     /// Write a Hugging Face directory (config.json, safetensors shards + index, tokenizer files)
     /// from a checkpoint, a run's output directory (its newest checkpoint) or a HF directory.
@@ -183,22 +193,22 @@ fn try_main(cli: Cli) -> Result<()> {
             println!();
             Ok(())
         }
-        Command::Bench { config, warmup, set } => {
-            let cfg = horizon::config::RawConfig::from_file_with(&config, &set)?
-                .resolve(&config.display().to_string())?;
+        Command::Bench { config, model, warmup, json, recompute, set } => {
+            let mut cfg = match (config, model) {
+                (Some(path), _) => horizon::config::RawConfig::from_file_with(&path, &set)?
+                    .resolve(&path.display().to_string())?,
+                (None, Some(name)) => horizon::bench::named_config(&name)?,
+                (None, None) => bail!("bench needs --config FILE or --model NAME"),
+            };
+            if let Some(r) = recompute {
+                cfg.raw.engine.recompute = horizon::bench::parse_recompute(&r)?;
+            }
             let s = horizon::train::run_streaming(cfg, false, warmup, None)?;
-            println!(
-                "bench: {:.1} tokens/s; wall {:.3} s, device compute {:.3} s, link busy {:.3} s, overlap ratio wall/max(compute, link) = {:.3}; peak RSS {} vs planned host {}; peak device {} vs planned {}",
-                s.tokens_per_s,
-                s.wall_s,
-                s.device_compute_s,
-                s.link_busy_s,
-                s.overlap_ratio,
-                s.peak_rss_bytes,
-                s.planned_host_bytes,
-                s.peak_device_bytes,
-                s.planned_device_bytes
-            );
+            if json {
+                println!("{}", serde_json::to_string(&s)?);
+            } else {
+                println!("{}", horizon::bench::report(&s));
+            }
             Ok(())
         }
     }

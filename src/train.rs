@@ -12,13 +12,16 @@ use anyhow::{Context, Result, bail};
 use horizon_backend::CpuBackend;
 use serde::Serialize;
 
-use crate::config::{BackendKind, ByteSize, DataFormat, ModelInit, RawConfig, RunConfig};
+use crate::config::{
+    BackendKind, ByteSize, DataFormat, ModelInit, RawConfig, Recompute, RunConfig,
+};
 use crate::data::pretokenized::{Batch, PretokenizedDataset, Row, load_pretokenized, make_batch};
 use crate::data::{
     LoadReport, load_alpaca, load_chat, load_text, pack, shuffled_order, split_eval,
 };
 use crate::engine::exec::{Engine, EngineConfig, Sizes, StepParams};
 use crate::engine::memory::{MemoryPlan, gib, peak_rss_bytes};
+use crate::engine::phases::{PhaseSeconds, StepFlops, step_flops};
 use crate::hf::config::ModelConfig;
 use crate::model::layout::ModelLayout;
 use crate::model::params::ParamStore;
@@ -447,6 +450,20 @@ pub struct Summary {
     /// `wall_s / max(device_compute_s, link_busy_s)`: 1.0 is perfect overlap.
     pub overlap_ratio: f64,
     pub final_loss: f64,
+    /// Seconds of queue work by phase (compute: forward, recompute, backward, head; host:
+    /// embedding, gradients, optimizer).
+    pub phase_s: PhaseSeconds,
+    /// Seconds the host -> device and device -> host queues spent copying.
+    pub h2d_busy_s: f64,
+    pub d2h_busy_s: f64,
+    /// Wall seconds the compute queue was not running a kernel.
+    pub compute_idle_s: f64,
+    /// FLOPs of the timed steps (at `train.max_seq_len`): every product the schedule ran,
+    /// recompute included, and the model's `6 * N * tokens + attention`.
+    pub flops: StepFlops,
+    /// `flops.schedule / wall_s` and `flops.model / wall_s`, in GFLOP/s.
+    pub achieved_gflops: f64,
+    pub model_gflops: f64,
 }
 
 /// A run on the streaming engine: the model in host RAM, the CPU device borrowing one layer at
@@ -512,13 +529,40 @@ where
             head_chunk_rows: raw.engine.head_chunk_rows,
             adamw: adamw_config(raw),
             grad_clip: raw.optimizer.grad_clip,
+            keep_internals: false,
         };
-        let sizes = Sizes::new(&layout, &ecfg);
         let budget = match raw.device.memory {
             ByteSize::Auto => None,
             ByteSize::Bytes(b) => Some(b),
         };
-        let plan = MemoryPlan::new(&sizes, budget, true);
+        // engine.recompute: keeping a layer's internals means a checkpoint every layer (no
+        // block recompute) and every layer's internals on the device; `auto` keeps them when
+        // an explicit device.memory holds that plan (`auto` memory is the smallest plan).
+        let planned = |keep: bool| {
+            let e = EngineConfig {
+                keep_internals: keep,
+                checkpoint_every: if keep { 1 } else { ecfg.checkpoint_every },
+                ..ecfg
+            };
+            (e, MemoryPlan::new(&Sizes::new(&layout, &e), budget, true))
+        };
+        let (ecfg, plan) = match raw.engine.recompute {
+            Recompute::Always => planned(false),
+            Recompute::Never => planned(true),
+            Recompute::Auto => {
+                let keep = planned(true);
+                if budget.is_some() && keep.1.check().is_ok() { keep } else { planned(false) }
+            }
+        };
+        println!(
+            "engine.recompute: {:?} -> {}",
+            raw.engine.recompute,
+            if ecfg.keep_internals {
+                "every layer's internals kept for its backward (no recompute)"
+            } else {
+                "the backward recomputes each block's inputs and each layer's internals"
+            }
+        );
         print!("{plan}");
         plan.check()?;
         let state = match resume {
@@ -700,6 +744,7 @@ where
         .with_context(|| format!("cannot create {}", metrics_path.display()))?;
     let mut progress = Progress::new(start, steps);
     let mut base = tr.engine.device().stats();
+    let mut base_phases = tr.engine.phase_seconds();
     let mut t0 = Instant::now();
     let run_t0 = Instant::now();
     let (mut tokens, mut timed_steps, mut last_loss) = (0usize, 0usize, f64::NAN);
@@ -709,6 +754,7 @@ where
             // Timings start after the warm-up, once its queued work is done.
             tr.engine.state();
             base = tr.engine.device().stats();
+            base_phases = tr.engine.phase_seconds();
             t0 = Instant::now();
             tokens = 0;
             timed_steps = 0;
@@ -774,6 +820,18 @@ where
     let st = tr.engine.device().stats();
     let compute = st.compute_busy_s - base.compute_busy_s;
     let link = st.link_busy_s - base.link_busy_s;
+    let per_step = step_flops(
+        tr.engine.schedule(),
+        &ModelLayout::new(&tr.model_cfg).dims,
+        tr.cfg.raw.train.micro_batch_size.unwrap_or(tr.cfg.raw.train.batch_size),
+        tr.cfg.raw.train.max_seq_len,
+    );
+    let k = timed_steps as f64;
+    let flops = StepFlops {
+        schedule: per_step.schedule * k,
+        recompute: per_step.recompute * k,
+        model: per_step.model * k,
+    };
     let summary = Summary {
         steps: timed_steps,
         total_steps: state_step as usize,
@@ -794,6 +852,13 @@ where
         link_busy_s: link,
         overlap_ratio: wall_s / compute.max(link).max(1e-9),
         final_loss: last_loss,
+        phase_s: tr.engine.phase_seconds().since(&base_phases),
+        h2d_busy_s: st.h2d_busy_s - base.h2d_busy_s,
+        d2h_busy_s: st.d2h_busy_s - base.d2h_busy_s,
+        compute_idle_s: (wall_s - compute).max(0.0),
+        flops,
+        achieved_gflops: flops.schedule / wall_s.max(1e-9) * 1e-9,
+        model_gflops: flops.model / wall_s.max(1e-9) * 1e-9,
     };
     let summary_path = out_dir.join("summary.json");
     fs::write(&summary_path, serde_json::to_string_pretty(&summary)?)

@@ -40,6 +40,18 @@ fn streamed(
     jitter_us: u64,
     seed: u64,
 ) -> (Vec<(f64, f64)>, ParamStore, ParamStore) {
+    streamed_with(case, k, false, mbs, jitter_us, seed)
+}
+
+/// As [`streamed`]; `keep` keeps every layer's internals for its backward (needs K = 1).
+fn streamed_with(
+    case: &str,
+    k: usize,
+    keep: bool,
+    mbs: usize,
+    jitter_us: u64,
+    seed: u64,
+) -> (Vec<(f64, f64)>, ParamStore, ParamStore) {
     let e = expected(case);
     let model = ModelConfig::from_file(&case_dir(case).join("model/config.json")).unwrap();
     let layout = ModelLayout::new(&model);
@@ -62,6 +74,7 @@ fn streamed(
             weight_decay: e["weight_decay"].as_f64().unwrap(),
         },
         grad_clip: e["grad_clip"].as_f64().unwrap(),
+        keep_internals: keep,
     };
     let dev = CpuDevice::new(CpuDeviceConfig {
         capacity_bytes: 64 << 20,
@@ -97,25 +110,26 @@ fn whole_batch_is_bit_identical_to_the_reference_path() {
     for case in CASES {
         let (ref_steps, ref_params) = reference(case);
         let batch = expected(case)["batch"].as_u64().unwrap() as usize;
-        for k in [1, 2, 3] {
-            let (steps, _, params) = streamed(case, k, batch, 0, 0);
+        // K = 1, 2, 3 recomputing; K = 1 keeping every layer's internals (no recompute).
+        for (k, keep) in [(1, false), (2, false), (3, false), (1, true)] {
+            let (steps, _, params) = streamed_with(case, k, keep, batch, 0, 0);
             for (s, (a, b)) in steps.iter().zip(&ref_steps).enumerate() {
                 assert_eq!(
                     a.0.to_bits(),
                     b.0.to_bits(),
-                    "{case} K={k} step {s} loss {} vs {}",
+                    "{case} K={k} keep={keep} step {s} loss {} vs {}",
                     a.0,
                     b.0
                 );
                 assert_eq!(
                     a.1.to_bits(),
                     b.1.to_bits(),
-                    "{case} K={k} step {s} grad norm {} vs {}",
+                    "{case} K={k} keep={keep} step {s} grad norm {} vs {}",
                     a.1,
                     b.1
                 );
             }
-            assert_bit_identical(&format!("{case} K={k}"), &params, &ref_params);
+            assert_bit_identical(&format!("{case} K={k} keep={keep}"), &params, &ref_params);
         }
     }
 }

@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use horizon_backend::cpu::{add_inplace, embedding_backward, embedding_forward};
@@ -13,6 +14,7 @@ use horizon_backend::{
 };
 
 use crate::data::pretokenized::{Row, make_batch};
+use crate::engine::phases::{Phase, PhaseClock, PhaseSeconds};
 use crate::engine::plan::{
     ActSource, GradTarget, OpKind, ParamBuf, PlanShape, Schedule, SlotContent, Wait,
 };
@@ -43,6 +45,9 @@ pub struct EngineConfig {
     /// AdamW and clipping (the learning rate comes with each step, from the schedule).
     pub adamw: AdamWConfig,
     pub grad_clip: f64,
+    /// Keep every layer's forward internals on the device for its backward instead of
+    /// recomputing them (`engine.recompute` resolved); needs `checkpoint_every == 1`.
+    pub keep_internals: bool,
 }
 
 impl EngineConfig {
@@ -72,6 +77,8 @@ pub struct Sizes {
     pub scratch: usize,
     /// Per micro-batch: ids + targets + losses (mb_rows each).
     pub per_mb_small: usize,
+    /// Kept forward internals, every layer and micro-batch (0 when the backward recomputes).
+    pub stash: usize,
     /// Parameters of the model.
     pub params: usize,
 }
@@ -82,14 +89,14 @@ impl Sizes {
         let mb_rows = cfg.micro_batch_size * cfg.seq_len;
         let chunk = cfg.head_chunk_rows.clamp(1, mb_rows.max(1));
         let n = mb_rows;
-        let layer_scratch = n * d.c * 4 // h1, x2, h2, tmp
+        let layer_acts = n * d.c * 4 // h1, x2, h2, tmp
             + 2 * n // rstd1, rstd2
             + n * d.qkv()
             + n * d.hd()
             + n * d.h // lse
             + n * 2 * d.f
-            + n * d.f
-            + n * d.c; // y
+            + n * d.f;
+        let layer_scratch = layer_acts + n * d.c; // y
         let grad_scratch = n * d.c * 2 + n * d.qkv() + n * d.hd() + n * 2 * d.f + n * d.f;
         let head_scratch = n * d.c * 2 + n + chunk * d.v;
         let rope = 2 * cfg.seq_len * d.d / 2;
@@ -103,12 +110,14 @@ impl Sizes {
             grad_slabs: cfg.grad_slabs,
             scratch: layer_scratch + grad_scratch + head_scratch + rope,
             per_mb_small: 3 * n,
+            stash: if cfg.keep_internals { d.layers * cfg.micro_batches() * layer_acts } else { 0 },
             params: layout.num_params(),
         }
     }
 
-    /// Device bytes by kind: (weight slots, gradient accumulators, activations, scratch).
-    pub fn device_bytes(&self) -> [(&'static str, usize); 4] {
+    /// Device bytes by kind: (weight slots, gradient accumulators, activations, scratch, kept
+    /// internals).
+    pub fn device_bytes(&self) -> [(&'static str, usize); 5] {
         let m = self.micro_batches;
         [
             ("weight slots (2)", 2 * self.slot * 4),
@@ -118,6 +127,7 @@ impl Sizes {
                 (m * self.act_sets * self.act + m * self.act + m * self.per_mb_small) * 4,
             ),
             ("workspace (one layer's internals, head chunk, rope)", self.scratch * 4),
+            ("kept layer internals (engine.recompute: no recompute)", self.stash * 4),
         ]
     }
 
@@ -196,6 +206,10 @@ struct Ctx {
     norm: AtomicU64,
     /// The step is skipped: its loss or gradient norm is not finite.
     skip: AtomicBool,
+    /// Seconds of queue work by phase.
+    phases: PhaseClock,
+    /// [layer][m]: forward internals kept for the backward (empty when it recomputes them).
+    stash: Vec<Vec<LayerActs<DevBuf>>>,
 }
 
 impl Ctx {
@@ -321,7 +335,11 @@ where
             checkpoint_every: cfg.checkpoint_every,
             grad_slabs: cfg.grad_slabs,
             tied: layout.tied,
+            keep_internals: cfg.keep_internals,
         };
+        if cfg.keep_internals && cfg.checkpoint_every != 1 {
+            bail!("kept layer internals need checkpoint_every 1: {cfg:?}");
+        }
         let schedule = Schedule::new(shape);
         let alloc = |len: usize| -> Result<DevBuf> {
             dev.alloc(len).with_context(|| {
@@ -343,18 +361,28 @@ where
         let targets = per_mb(n)?;
         let losses = per_mb(n)?;
         let chunk = cfg.head_chunk_rows.clamp(1, n.max(1));
-        let acts_scratch = LayerActs {
-            h1: alloc(n * d.c)?,
-            rstd1: alloc(n)?,
-            qkv: alloc(n * d.qkv())?,
-            att: alloc(n * d.hd())?,
-            lse: alloc(n * d.h)?,
-            x2: alloc(n * d.c)?,
-            h2: alloc(n * d.c)?,
-            rstd2: alloc(n)?,
-            gu: alloc(n * 2 * d.f)?,
-            s: alloc(n * d.f)?,
-            tmp: alloc(n * d.c)?,
+        let layer_acts = || -> Result<LayerActs<DevBuf>> {
+            Ok(LayerActs {
+                h1: alloc(n * d.c)?,
+                rstd1: alloc(n)?,
+                qkv: alloc(n * d.qkv())?,
+                att: alloc(n * d.hd())?,
+                lse: alloc(n * d.h)?,
+                x2: alloc(n * d.c)?,
+                h2: alloc(n * d.c)?,
+                rstd2: alloc(n)?,
+                gu: alloc(n * 2 * d.f)?,
+                s: alloc(n * d.f)?,
+                tmp: alloc(n * d.c)?,
+            })
+        };
+        let acts_scratch = layer_acts()?;
+        let stash = if cfg.keep_internals {
+            (0..d.layers)
+                .map(|_| (0..mbs).map(|_| layer_acts()).collect::<Result<Vec<_>>>())
+                .collect::<Result<Vec<_>>>()?
+        } else {
+            Vec::new()
         };
         let grads_scratch = GradScratch {
             dx2: alloc(n * d.c)?,
@@ -416,6 +444,8 @@ where
             loss_host: loss_host.iter_mut().map(|s| handle(s)).collect(),
             norm: AtomicU64::new(0),
             skip: AtomicBool::new(false),
+            phases: PhaseClock::default(),
+            stash,
         };
         // The rope tables are uploaded once.
         let (cos, sin) = rope_tables(&model.rope_inv_freq(), cfg.seq_len);
@@ -472,6 +502,12 @@ where
     }
 
     /// Wait for all queued work (optimizer updates included) and look at the host state.
+    /// Seconds of queue work by phase since the engine started (work still queued not
+    /// included: read after [`Engine::state`] for a whole step).
+    pub fn phase_seconds(&self) -> PhaseSeconds {
+        self.ctx.phases.seconds()
+    }
+
     pub fn state(&mut self) -> &TrainState {
         self.dev.synchronize();
         self.state.step = self.steps;
@@ -543,6 +579,8 @@ where
             e.reset();
         }
         let n_ops = self.schedule.len();
+        // Layer forwards after the head are block recompute (for the phase clock).
+        let mut after_head = false;
         for j in 0..n_ops {
             let op = &self.schedule.ops(k)[j];
             for w in self.schedule.waits(k, j) {
@@ -552,7 +590,8 @@ where
                 };
                 self.dev.wait(op.queue, e);
             }
-            self.dispatch(op.kind, &sd);
+            self.dispatch(op.kind, &sd, after_head);
+            after_head |= matches!(op.kind, OpKind::Head { .. });
             self.dev.record(op.queue, &self.events[par][j]);
         }
         self.steps += 1;
@@ -580,7 +619,7 @@ where
     }
 
     /// Submit one operation to its queue.
-    fn dispatch(&self, kind: OpKind, sd: &Arc<StepData>) {
+    fn dispatch(&self, kind: OpKind, sd: &Arc<StepData>, after_head: bool) {
         let c = &self.ctx;
         let d = c.layout.dims;
         match kind {
@@ -594,6 +633,7 @@ where
                 self.dev.host_on(
                     Queue::H2D,
                     Box::new(move || {
+                        let t0 = Instant::now();
                         let nc = sd.mbs[m].n() * d.c;
                         // SAFETY: the schedule orders this gather after every write of the
                         // embedding and of this staging buffer, and before their next uses.
@@ -604,6 +644,7 @@ where
                             )
                         };
                         embedding_forward(out, &sd.mbs[m].ids, table, d.c);
+                        c.phases.add(Phase::Embedding, t0);
                     }),
                 );
             }
@@ -631,15 +672,17 @@ where
                 let nc = sd.mbs[m].n() * d.c;
                 self.dev.download(c.ckpt[block][m].sub(0..nc), c.acts[set][m].prefix(nc));
             }
-            OpKind::Forward { slot, m, src, dst, .. } => {
+            OpKind::Forward { layer, slot, m, src, dst } => {
                 let (c, sd) = (c.clone(), sd.clone());
                 self.dev.launch(Box::new(move |vw: &dyn Views<D::Backend>| {
+                    let t0 = Instant::now();
                     let mb = &sd.mbs[m];
                     let nc = mb.n() * d.c;
                     // SAFETY: the buffers viewed are distinct, and the schedule orders this
                     // kernel against every other queue's use of them.
                     unsafe {
-                        let mut acts = scratch_acts(vw, &c.scratch.acts);
+                        let kept = c.stash.get(layer).map(|s| &s[m]);
+                        let mut acts = scratch_acts(vw, kept.unwrap_or(&c.scratch.acts));
                         layer_forward(
                             vw.backend(),
                             &mut acts,
@@ -653,19 +696,24 @@ where
                             c.layout.eps,
                         );
                     }
+                    let phase = if after_head { Phase::Recompute } else { Phase::Forward };
+                    c.phases.add(phase, t0);
                 }));
             }
             OpKind::ZeroDw { dw } => {
                 let c = c.clone();
                 self.dev.launch(Box::new(move |vw: &dyn Views<D::Backend>| {
+                    let t0 = Instant::now();
                     // SAFETY: the schedule orders this kernel after the accumulator's last
                     // download.
                     unsafe { vw.backend().zero(vw.buf_mut(c.dws[dw])) };
+                    c.phases.add(Phase::Backward, t0);
                 }));
             }
             OpKind::Head { slot, m, src, dw } => {
                 let (c, sd) = (c.clone(), sd.clone());
                 self.dev.launch(Box::new(move |vw: &dyn Views<D::Backend>| {
+                    let t0 = Instant::now();
                     let mb = &sd.mbs[m];
                     let (n, nc, vc) = (mb.n(), mb.n() * d.c, d.v * d.c);
                     let h = &c.scratch.head;
@@ -700,11 +748,13 @@ where
                             },
                         );
                     }
+                    c.phases.add(Phase::Head, t0);
                 }));
             }
-            OpKind::Backward { slot, m, set, dw, .. } => {
+            OpKind::Backward { layer, slot, m, set, dw } => {
                 let (c, sd) = (c.clone(), sd.clone());
                 self.dev.launch(Box::new(move |vw: &dyn Views<D::Backend>| {
+                    let t0 = Instant::now();
                     let mb = &sd.mbs[m];
                     let nc = mb.n() * d.c;
                     let lay = &c.layout.layer;
@@ -712,20 +762,29 @@ where
                     unsafe {
                         let w = vw.buf(c.slots[slot].prefix(lay.len));
                         let x = vw.buf(c.acts[set][m].prefix(nc));
-                        let mut acts = scratch_acts(vw, &c.scratch.acts);
-                        // Recompute the layer's internals from its input.
-                        layer_forward(
-                            vw.backend(),
-                            &mut acts,
-                            w,
-                            lay,
-                            x,
-                            vw.buf_mut(c.scratch.y.prefix(nc)),
-                            rope(vw, &c, mb.t),
-                            attn_dims(&c, mb),
-                            d.f,
-                            c.layout.eps,
-                        );
+                        let acts = match c.stash.get(layer) {
+                            // Kept by this layer's forward.
+                            Some(kept) => scratch_acts(vw, &kept[m]),
+                            None => {
+                                // Recompute the layer's internals from its input.
+                                let mut acts = scratch_acts(vw, &c.scratch.acts);
+                                layer_forward(
+                                    vw.backend(),
+                                    &mut acts,
+                                    w,
+                                    lay,
+                                    x,
+                                    vw.buf_mut(c.scratch.y.prefix(nc)),
+                                    rope(vw, &c, mb.t),
+                                    attn_dims(&c, mb),
+                                    d.f,
+                                    c.layout.eps,
+                                );
+                                acts
+                            }
+                        };
+                        c.phases.add(Phase::Recompute, t0);
+                        let t0 = Instant::now();
                         let g = &c.scratch.grads;
                         let mut grads = LayerGrads {
                             dres: vw.buf_mut(c.dres[m]),
@@ -748,6 +807,7 @@ where
                             attn_dims(&c, mb),
                             d.f,
                         );
+                        c.phases.add(Phase::Backward, t0);
                     }
                 }));
             }
@@ -762,6 +822,7 @@ where
             OpKind::AccumulateGrads { slab, what } => {
                 let c = c.clone();
                 self.dev.host(Box::new(move || {
+                    let t0 = Instant::now();
                     // SAFETY: the schedule orders this after the slab's download and before
                     // its next one; the gradients are only touched by the host queue.
                     unsafe {
@@ -782,6 +843,7 @@ where
                             }
                         }
                     }
+                    c.phases.add(Phase::Gradients, t0);
                 }));
             }
             OpKind::DownloadDres { m } => {
@@ -791,6 +853,7 @@ where
             OpKind::EmbedScatter { m } => {
                 let (c, sd) = (c.clone(), sd.clone());
                 self.dev.host(Box::new(move || {
+                    let t0 = Instant::now();
                     let nc = sd.mbs[m].n() * d.c;
                     // SAFETY: ordered after the residual gradient's download; the embedding
                     // gradient is only touched by the host queue.
@@ -802,11 +865,13 @@ where
                             d.c,
                         );
                     }
+                    c.phases.add(Phase::Gradients, t0);
                 }));
             }
             OpKind::GradNorm => {
                 let (c, sd) = (c.clone(), sd.clone());
                 self.dev.host(Box::new(move || {
+                    let t0 = Instant::now();
                     // SAFETY: every gradient is complete and every loss downloaded (the schedule
                     // orders this after them); only the host queue touches the gradients.
                     unsafe {
@@ -828,11 +893,13 @@ where
                         c.skip.store(!(norm.is_finite() && loss.is_finite()), Ordering::Release);
                         c.norm.store(norm.to_bits(), Ordering::Release);
                     }
+                    c.phases.add(Phase::Optimizer, t0);
                 }));
             }
             OpKind::Update { what } => {
                 let (c, sd) = (c.clone(), sd.clone());
                 self.dev.host(Box::new(move || {
+                    let t0 = Instant::now();
                     let i = c.param_index(what);
                     let norm = f64::from_bits(c.norm.load(Ordering::Acquire));
                     // SAFETY: the schedule orders this update after every read of these
@@ -853,6 +920,7 @@ where
                         }
                         g.fill(0.0);
                     }
+                    c.phases.add(Phase::Optimizer, t0);
                 }));
             }
         }

@@ -1,9 +1,11 @@
 //! The streaming engine: host RAM holds the model; the device borrows one layer at a time.
 //! `plan` builds the step as data and checks it for hazards; `exec` runs it on a [`Device`];
-//! `memory` says before allocating what the run will need.
+//! `memory` says before allocating what the run will need; `phases` times the step by phase and
+//! counts its FLOPs.
 //!
 //! [`Device`]: horizon_backend::Device
 
 pub mod exec;
 pub mod memory;
+pub mod phases;
 pub mod plan;

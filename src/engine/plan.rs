@@ -45,6 +45,12 @@ pub enum Res {
     Params(ParamBuf),
     Grads(ParamBuf),
     Moments(ParamBuf),
+    /// Device: layer `layer`'s forward internals for micro-batch `m`, kept for its backward
+    /// (`PlanShape::keep_internals`).
+    Stash {
+        layer: usize,
+        m: usize,
+    },
     /// Host checkpoint: input of the first layer of `block`, micro-batch `m`.
     Ckpt {
         block: usize,
@@ -155,6 +161,9 @@ pub struct PlanShape {
     pub grad_slabs: usize,
     /// Whether the LM head is tied to the embedding.
     pub tied: bool,
+    /// Each layer's forward keeps its internals on the device for the backward, which then
+    /// recomputes nothing (`engine.recompute: never`); needs `checkpoint_every == 1`.
+    pub keep_internals: bool,
 }
 
 impl PlanShape {
@@ -266,6 +275,11 @@ impl Builder {
 pub fn step_ops(shape: PlanShape) -> Vec<Op> {
     assert!(shape.layers > 0 && shape.micro_batches > 0 && shape.checkpoint_every > 0);
     assert!(shape.grad_slabs > 0);
+    assert!(!shape.keep_internals || shape.checkpoint_every == 1, "kept internals need K = 1");
+    // Where a layer forward leaves its internals, and where its backward finds them.
+    let internals = |layer: usize, m: usize| {
+        if shape.keep_internals { Res::Stash { layer, m } } else { Res::Scratch }
+    };
     let (l_count, mbs, k) = (shape.layers, shape.micro_batches, shape.checkpoint_every);
     let mut b = Builder {
         shape,
@@ -308,7 +322,7 @@ pub fn step_ops(shape: PlanShape) -> Vec<Op> {
                 OpKind::Forward { layer: i, slot, m, src, dst },
                 Queue::Compute,
                 vec![Res::Slot(slot), Res::Act { set: src, m }],
-                vec![Res::Act { set: dst, m }, Res::Scratch],
+                vec![Res::Act { set: dst, m }, internals(i, m)],
             );
         }
     }
@@ -369,10 +383,14 @@ pub fn step_ops(shape: PlanShape) -> Vec<Op> {
             b.push(OpKind::ZeroDw { dw }, Queue::Compute, vec![], vec![Res::Dw(dw)]);
             for m in 0..mbs {
                 let set = i - first;
+                let mut reads = vec![Res::Slot(slot), Res::Act { set, m }];
+                if shape.keep_internals {
+                    reads.push(internals(i, m));
+                }
                 b.push(
                     OpKind::Backward { layer: i, slot, m, set, dw },
                     Queue::Compute,
-                    vec![Res::Slot(slot), Res::Act { set, m }],
+                    reads,
                     vec![Res::Dw(dw), Res::Dres(m), Res::Scratch],
                 );
             }
@@ -722,7 +740,14 @@ mod tests {
     use super::*;
 
     fn shape(layers: usize, mbs: usize, k: usize) -> PlanShape {
-        PlanShape { layers, micro_batches: mbs, checkpoint_every: k, grad_slabs: 2, tied: false }
+        PlanShape {
+            layers,
+            micro_batches: mbs,
+            checkpoint_every: k,
+            grad_slabs: 2,
+            tied: false,
+            keep_internals: false,
+        }
     }
 
     #[test]
@@ -736,6 +761,23 @@ mod tests {
                             .unwrap_or_else(|h| panic!("L{layers} M{mbs} K{k}: {h}"));
                     }
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn kept_internals_are_hazard_free_and_recompute_nothing() {
+        for layers in [1, 3, 4] {
+            for mbs in [1, 2] {
+                let s = Schedule::new(PlanShape { keep_internals: true, ..shape(layers, mbs, 1) });
+                check(&s.unrolled(3), 0).unwrap_or_else(|h| panic!("L{layers} M{mbs}: {h}"));
+                let ops = s.ops(2);
+                let head = ops.iter().position(|o| matches!(o.kind, OpKind::Head { .. }));
+                let after = &ops[head.unwrap()..];
+                assert!(!after.iter().any(|o| matches!(o.kind, OpKind::Forward { .. })));
+                let kept = |o: &Op| o.reads.iter().any(|r| matches!(r, Res::Stash { .. }));
+                let backwards = after.iter().filter(|o| kept(o)).count();
+                assert_eq!(backwards, layers * mbs, "every backward reads kept internals");
             }
         }
     }
@@ -881,6 +923,7 @@ mod doc_tests {
             checkpoint_every: 2,
             grad_slabs: 2,
             tied: false,
+            keep_internals: false,
         });
         let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/ARCHITECTURE.md"))
             .unwrap();

@@ -2,58 +2,286 @@
 //!
 //! Data flow: inp (N, IC) x weight (OC, IC) -> out (N, OC).
 //!
-//! Speed without external crates: every output element is one dot product over contiguous `IC`
-//! (8 lanes, autovectorised), four input rows share each weight row load, and tiles keep a block
-//! of weight rows hot in cache while a block of input rows sweeps it. Rayon splits work into
-//! fixed-size tiles; each output element is summed inside one task in a fixed order, so results
-//! do not depend on the thread count.
+//! All three products (forward, `dinp`, `dweight`) go through one packed GEMM, [`gemm`]:
+//! `C (M, N) = or += A (M, K) . B (K, N)`, with A and B given by strides so transposes cost
+//! nothing. B is packed, one block of `KC x NC` at a time, into strips of `NR` columns; a
+//! register-blocked micro-kernel (`MR x NR` = 6 x 16, AVX2 + FMA when the CPU has them, a
+//! portable loop otherwise) broadcasts A straight from memory. Rayon splits a block's rows into
+//! tasks; every output element is one FMA chain over `k` ascending inside one task, and the only
+//! blocking of `k` is the fixed `KC`, so results never depend on the number of threads, on
+//! `M`, or on where a row falls in a tile.
+
+use std::cell::RefCell;
+use std::thread::LocalKey;
 
 use rayon::prelude::*;
 
-use super::{axpy, dot, reduce8};
+/// Rows of one micro-kernel call.
+const MR: usize = 6;
+/// Columns of one micro-kernel call (two AVX vectors).
+const NR: usize = 16;
+/// Depth of one `k` block when C is overwritten: C = p(0..KC), then C += p(KC..2KC), ... A fixed
+/// constant, so the order of additions depends on `K` only.
+const KC: usize = 256;
+/// Packed B floats per block (`kc * nc`), 512 KiB: fits in L2 next to the A rows it meets.
+const B_BLOCK: usize = 128 * 1024;
+/// Rows of C per parallel task at most.
+const MC_MAX: usize = 96;
 
-/// Rows of `out` (or `dinp`) per parallel task.
-const ROW_TILE: usize = 32;
-/// Weight rows swept by one row tile before moving on (keeps them in cache).
-const OC_TILE: usize = 64;
-/// Input rows per micro-kernel call: each weight row load is shared by `MR` dot products.
-const MR: usize = 4;
-/// Rows of `dweight` per parallel task in the backward.
-const DW_ROWS: usize = 16;
-/// Columns of `dweight` summed at once in a stack accumulator (`DW_ROWS * DW_COLS` floats).
-const DW_COLS: usize = 64;
+/// How a product reaches C.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Mode {
+    /// `C = A.B`: summed in `k` blocks of `KC` (the first block stores, the next ones add).
+    Overwrite,
+    /// `C += A.B`: the whole `k` sum is formed in registers first, then added once, so calling
+    /// twice on a zeroed C gives exactly `2 * (A.B)`.
+    Accumulate,
+}
 
-/// Four dot products `rows[k] . w` at once, sharing each load of `w`. Per output it performs
-/// exactly the additions of [`dot`] (8 lanes, fixed tree, scalar tail), so a row gets the same
-/// bits whether it is computed here or by `dot`.
-#[inline(always)]
-fn dot4(rows: [&[f32]; MR], w: &[f32]) -> [f32; MR] {
-    let [a0, a1, a2, a3] = rows;
-    let mut acc = [[0.0f32; 8]; MR];
-    let lanes = w
-        .chunks_exact(8)
-        .zip(a0.chunks_exact(8))
-        .zip(a1.chunks_exact(8))
-        .zip(a2.chunks_exact(8))
-        .zip(a3.chunks_exact(8));
-    for ((((wv, x0), x1), x2), x3) in lanes {
-        for l in 0..8 {
-            acc[0][l] += x0[l] * wv[l];
-            acc[1][l] += x1[l] * wv[l];
-            acc[2][l] += x2[l] * wv[l];
-            acc[3][l] += x3[l] * wv[l];
-        }
+/// A read-only matrix view: element `(i, j)` is `data[i * rs + j * cs]`.
+#[derive(Clone, Copy)]
+struct View<'a> {
+    data: &'a [f32],
+    rs: usize,
+    cs: usize,
+}
+
+thread_local! {
+    /// Packed B of the calling thread and packed A of each worker: the buffers a kernel keeps
+    /// between calls, grown to the largest block once (nothing is allocated once shapes repeat).
+    static PACK_B: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    static PACK_A: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// `C (M, N) = or += A (M, K) . B (K, N)`; C is row-major with row stride `n`.
+fn gemm(c: &mut [f32], a: View, b: View, m: usize, n: usize, k: usize, mode: Mode) {
+    debug_assert_eq!(c.len(), m * n);
+    if m == 0 || n == 0 {
+        return;
     }
-    let main = w.len() - w.len() % 8;
-    std::array::from_fn(|k| {
-        let mut s = reduce8(acc[k]);
-        for (x, y) in rows[k][main..].iter().zip(&w[main..]) {
-            s += x * y;
+    if k == 0 {
+        if mode == Mode::Overwrite {
+            c.fill(0.0);
         }
-        s
+        return;
+    }
+    let kc_max = match mode {
+        Mode::Overwrite => KC.min(k),
+        Mode::Accumulate => k,
+    };
+    // Columns per packed block: a multiple of NR, as many as fit the block budget. (NC changes
+    // which block a column is in, never the order of its sum.)
+    let nc = (B_BLOCK / kc_max / NR).max(1) * NR;
+    // Rows per task: about eight tasks per block, whole micro-kernels, at most MC_MAX.
+    let mc = (m.div_ceil(8).div_ceil(MR) * MR).clamp(MR, MC_MAX);
+
+    let need = kc_max * nc.min(n.div_ceil(NR) * NR);
+    with_scratch(&PACK_B, need, |packed| {
+        let mut p0 = 0;
+        while p0 < k {
+            let kc = kc_max.min(k - p0);
+            let store = mode == Mode::Overwrite && p0 == 0;
+            for j0 in (0..n).step_by(nc) {
+                let ncb = nc.min(n - j0);
+                let strips = ncb.div_ceil(NR);
+                let pb = &mut packed[..strips * NR * kc];
+                pb.par_chunks_mut(NR * kc)
+                    .enumerate()
+                    .for_each(|(s, strip)| pack_b(strip, b, p0, kc, j0 + s * NR, n));
+                let pb = &*pb;
+                c.par_chunks_mut(mc * n).enumerate().for_each(|(t, c_rows)| {
+                    let i0 = t * mc;
+                    let rows = c_rows.len() / n;
+                    with_scratch(&PACK_A, rows.div_ceil(MR) * MR * kc, |pa| {
+                        for (r, panel) in pa.chunks_exact_mut(MR * kc).enumerate() {
+                            pack_a(panel, a, i0 + r * MR, MR.min(rows - r * MR), p0, kc);
+                        }
+                        for s in 0..strips {
+                            let bs = &pb[s * NR * kc..][..NR * kc];
+                            let jj = j0 + s * NR;
+                            let nr = NR.min(n - jj);
+                            for (r, panel) in pa.chunks_exact(MR * kc).enumerate() {
+                                let mr = MR.min(rows - r * MR);
+                                let c = &mut c_rows[r * MR * n + jj..];
+                                micro(Tile { c, ldc: n, mr, nr, store }, panel, bs, kc);
+                            }
+                        }
+                    });
+                });
+            }
+            p0 += kc;
+        }
+    });
+}
+
+/// Runs `f` on the first `len` floats of this thread's scratch buffer `key`, grown once to the
+/// largest size asked for and then reused; a fresh buffer if the thread is already using it (a
+/// rayon worker running a nested product while it waits).
+fn with_scratch<R>(
+    key: &'static LocalKey<RefCell<Vec<f32>>>,
+    len: usize,
+    f: impl FnOnce(&mut [f32]) -> R,
+) -> R {
+    key.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut buf) => {
+            if buf.len() < len {
+                buf.resize(len, 0.0);
+            }
+            f(&mut buf[..len])
+        }
+        Err(_) => f(&mut vec![0.0; len]),
     })
 }
 
+/// Packs A rows `i0..i0+mr`, columns `p0..p0+kc` as `panel[k * MR + r]` (rows past `mr` are
+/// zero or a copy of row `i0`: their results are never written).
+fn pack_a(panel: &mut [f32], a: View, i0: usize, mr: usize, p0: usize, kc: usize) {
+    if a.rs == 1 {
+        for (k, dst) in panel.chunks_exact_mut(MR).enumerate() {
+            let src = &a.data[i0 + (p0 + k) * a.cs..][..mr];
+            dst[..mr].copy_from_slice(src);
+            dst[mr..].fill(0.0);
+        }
+    } else {
+        // Rows past mr read row 0 again (their results are dropped); k outer, so the panel is
+        // written in order and each source row is read sequentially.
+        let rows: [&[f32]; MR] = std::array::from_fn(|r| {
+            let r = if r < mr { r } else { 0 };
+            &a.data[(i0 + r) * a.rs + p0 * a.cs..][..(kc - 1) * a.cs + 1]
+        });
+        for (k, dst) in panel.chunks_exact_mut(MR).enumerate() {
+            for (d, row) in dst.iter_mut().zip(&rows) {
+                *d = row[k * a.cs];
+            }
+        }
+    }
+}
+
+/// Packs B rows `p0..p0+kc`, columns `j0..j0+NR` as `strip[k * NR + j]` (columns past `n` are
+/// zero or a copy of column `j0`: their results are never written).
+fn pack_b(strip: &mut [f32], b: View, p0: usize, kc: usize, j0: usize, n: usize) {
+    let nr = NR.min(n - j0);
+    if b.cs == 1 {
+        for (k, row) in strip.chunks_exact_mut(NR).enumerate() {
+            let src = &b.data[(p0 + k) * b.rs + j0..][..nr];
+            if let (Ok(dst), Ok(src)) =
+                (<&mut [f32; NR]>::try_from(&mut *row), <&[f32; NR]>::try_from(src))
+            {
+                // Whole strips: a fixed-size copy the compiler inlines (no memmove call).
+                *dst = *src;
+            } else {
+                row[..nr].copy_from_slice(src);
+                row[nr..].fill(0.0);
+            }
+        }
+    } else {
+        // Columns past nr read column 0 again (their results are dropped); k outer, as in
+        // `pack_a`.
+        let cols: [&[f32]; NR] = std::array::from_fn(|j| {
+            let j = if j < nr { j } else { 0 };
+            &b.data[(j0 + j) * b.cs + p0 * b.rs..][..(kc - 1) * b.rs + 1]
+        });
+        for (k, dst) in strip.chunks_exact_mut(NR).enumerate() {
+            for (d, col) in dst.iter_mut().zip(&cols) {
+                *d = col[k * b.rs];
+            }
+        }
+    }
+}
+
+/// Where one micro-kernel's `mr x nr` results go: `c[r * ldc + j]`, stored or added.
+struct Tile<'a> {
+    c: &'a mut [f32],
+    ldc: usize,
+    mr: usize,
+    nr: usize,
+    store: bool,
+}
+
+impl Tile<'_> {
+    /// Writes (or adds) the valid part of a full `MR x NR` accumulator.
+    #[inline(always)]
+    fn write(self, acc: &[[f32; NR]; MR]) {
+        for (r, acc_r) in acc.iter().enumerate().take(self.mr) {
+            let dst = &mut self.c[r * self.ldc..][..self.nr];
+            if self.store {
+                dst.copy_from_slice(&acc_r[..self.nr]);
+            } else {
+                for (d, x) in dst.iter_mut().zip(acc_r) {
+                    *d += x;
+                }
+            }
+        }
+    }
+}
+
+/// One `MR x NR` block: `panel (kc, MR) . strip (kc, NR)`, written into `tile`.
+#[inline]
+fn micro(tile: Tile, panel: &[f32], strip: &[f32], kc: usize) {
+    assert!(panel.len() >= kc * MR && strip.len() >= kc * NR);
+    #[cfg(target_arch = "x86_64")]
+    {
+        if avx2_fma() {
+            // SAFETY: the CPU supports AVX2 and FMA (checked just above); the panel holds
+            // kc * MR floats and the strip kc * NR (asserted above).
+            let acc = unsafe { micro_avx2(panel.as_ptr(), strip.as_ptr(), kc) };
+            tile.write(&acc);
+            return;
+        }
+    }
+    tile.write(&micro_portable(panel, strip, kc));
+}
+
+/// The portable micro-kernel: `acc[r][j] = sum_k a[k][r] * b[k][j]`, k ascending.
+fn micro_portable(panel: &[f32], strip: &[f32], kc: usize) -> [[f32; NR]; MR] {
+    let mut acc = [[0.0f32; NR]; MR];
+    for (a, b) in panel.chunks_exact(MR).zip(strip.chunks_exact(NR)).take(kc) {
+        for (acc_r, &x) in acc.iter_mut().zip(a) {
+            for (s, &bj) in acc_r.iter_mut().zip(b) {
+                *s += x * bj;
+            }
+        }
+    }
+    acc
+}
+
+/// True when the CPU has AVX2 and FMA (detected once, then cached by std).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+fn avx2_fma() -> bool {
+    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+}
+
+/// The AVX2 micro-kernel: 12 accumulators (6 rows x 2 vectors of 8), one FMA per element per
+/// `k`, `k` ascending.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; `a` must hold `kc * MR` floats and `b` `kc * NR`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn micro_avx2(a: *const f32, b: *const f32, kc: usize) -> [[f32; NR]; MR] {
+    use std::arch::x86_64::*;
+    // SAFETY (whole body): the caller guarantees the reads below are in bounds (see above).
+    unsafe {
+        let mut c = [[_mm256_setzero_ps(); 2]; MR];
+        for k in 0..kc {
+            let pb = b.add(k * NR);
+            let b0 = _mm256_loadu_ps(pb);
+            let b1 = _mm256_loadu_ps(pb.add(8));
+            for (r, cr) in c.iter_mut().enumerate() {
+                let x = _mm256_broadcast_ss(&*a.add(k * MR + r));
+                cr[0] = _mm256_fmadd_ps(x, b0, cr[0]);
+                cr[1] = _mm256_fmadd_ps(x, b1, cr[1]);
+            }
+        }
+        let mut out = [[0.0f32; NR]; MR];
+        for (o, cr) in out.iter_mut().zip(&c) {
+            _mm256_storeu_ps(o.as_mut_ptr(), cr[0]);
+            _mm256_storeu_ps(o.as_mut_ptr().add(8), cr[1]);
+        }
+        out
+    }
+}
 /// Linear forward: `out[n, o] = sum_i inp[n, i] * weight[o, i] + bias[o]`.
 ///
 /// out: (N, OC), overwrites.
@@ -78,32 +306,17 @@ pub fn matmul_forward(
     if n == 0 || oc == 0 {
         return;
     }
-    let bias_of = |o: usize| bias.map_or(0.0, |b| b[o]);
-
-    out.par_chunks_mut(ROW_TILE * oc).enumerate().for_each(|(tile, out_tile)| {
-        let r0 = tile * ROW_TILE;
-        let rows = out_tile.len() / oc;
-        for o0 in (0..oc).step_by(OC_TILE) {
-            let o1 = (o0 + OC_TILE).min(oc);
-            let mut r = 0;
-            while r + MR <= rows {
-                let a: [&[f32]; MR] = std::array::from_fn(|k| &inp[(r0 + r + k) * ic..][..ic]);
-                for o in o0..o1 {
-                    let s = dot4(a, &weight[o * ic..][..ic]);
-                    for (k, sk) in s.iter().enumerate() {
-                        out_tile[(r + k) * oc + o] = sk + bias_of(o);
-                    }
-                }
-                r += MR;
+    // A = inp (N, IC) row-major; B[i, o] = weight[o, i].
+    let a = View { data: inp, rs: ic, cs: 1 };
+    let b = View { data: weight, rs: 1, cs: ic };
+    gemm(out, a, b, n, oc, ic, Mode::Overwrite);
+    if let Some(bias) = bias {
+        out.par_chunks_mut(oc).for_each(|row| {
+            for (o, b) in row.iter_mut().zip(bias) {
+                *o += b;
             }
-            for r in r..rows {
-                let a = &inp[(r0 + r) * ic..][..ic];
-                for o in o0..o1 {
-                    out_tile[r * oc + o] = dot(a, &weight[o * ic..][..ic]) + bias_of(o);
-                }
-            }
-        }
-    });
+        });
+    }
 }
 
 // Linear backward.
@@ -113,7 +326,7 @@ pub fn matmul_forward(
 //   dL/dw[o,i]   = sum_n dout[n,o] inp[n,i]
 //   dL/db[o]     = sum_n dout[n,o]
 // Implemented exactly as:
-//   dinp[n,i]  =  sum_{o ascending} dout[n,o] * w[o,i]           (overwrites)
+//   dinp[n,i]  =  sum_{o ascending} dout[n,o] * w[o,i]           (overwrites; blocks of KC)
 //   dw[o,i]   +=  (sum_{n ascending} dout[n,o] * inp[n,i])       (accumulates: the sum is formed
 //                                                                  first, then added once)
 //   db[o]     +=  (sum_{n ascending} dout[n,o])                   (accumulates, likewise)
@@ -144,49 +357,18 @@ pub fn matmul_backward(
     assert_eq!(inp.len(), n * ic, "matmul_backward: inp must be (N, IC)");
     assert_eq!(weight.len(), oc * ic, "matmul_backward: weight must be (OC, IC)");
 
-    // dinp = dout @ weight: each row of dinp is a sum of weight rows, o ascending. A row tile
-    // of dinp stays in cache while the weight rows stream past it once.
+    // dinp (N, IC) = dout (N, OC) . weight (OC, IC).
     if let Some(dinp) = dinp {
         assert_eq!(dinp.len(), n * ic, "matmul_backward: dinp must be (N, IC)");
-        if ic > 0 {
-            dinp.par_chunks_mut(ROW_TILE * ic).enumerate().for_each(|(tile, dinp_tile)| {
-                let r0 = tile * ROW_TILE;
-                dinp_tile.fill(0.0);
-                for o in 0..oc {
-                    let w = &weight[o * ic..][..ic];
-                    for (r, drow) in dinp_tile.chunks_exact_mut(ic).enumerate() {
-                        axpy(drow, dout[(r0 + r) * oc + o], w);
-                    }
-                }
-            });
-        }
+        let a = View { data: dout, rs: oc, cs: 1 };
+        let b = View { data: weight, rs: ic, cs: 1 };
+        gemm(dinp, a, b, n, ic, oc, Mode::Overwrite);
     }
 
-    // dweight += dout^T @ inp: parallel over blocks of DW_ROWS output rows; each block sums
-    // over all N (ascending) into a stack accumulator of DW_COLS columns, then adds it once.
-    if ic > 0 {
-        dweight.par_chunks_mut(DW_ROWS * ic).enumerate().for_each(|(blk, dw)| {
-            let o0 = blk * DW_ROWS;
-            let orows = dw.len() / ic;
-            for i0 in (0..ic).step_by(DW_COLS) {
-                let i1 = (i0 + DW_COLS).min(ic);
-                let width = i1 - i0;
-                let mut acc = [[0.0f32; DW_COLS]; DW_ROWS];
-                for r in 0..n {
-                    let x = &inp[r * ic + i0..r * ic + i1];
-                    let g = &dout[r * oc + o0..][..orows];
-                    for (acc_k, &gk) in acc.iter_mut().zip(g) {
-                        axpy(&mut acc_k[..width], gk, x);
-                    }
-                }
-                for (k, acc_k) in acc.iter().enumerate().take(orows) {
-                    for (d, a) in dw[k * ic + i0..k * ic + i1].iter_mut().zip(acc_k) {
-                        *d += a;
-                    }
-                }
-            }
-        });
-    }
+    // dweight (OC, IC) += dout^T (OC, N) . inp (N, IC).
+    let a = View { data: dout, rs: 1, cs: oc };
+    let b = View { data: inp, rs: ic, cs: 1 };
+    gemm(dweight, a, b, oc, ic, n, Mode::Accumulate);
 
     // dbias += column sums of dout, each summed over N ascending by one task, in f64: a bias
     // gradient is often a small sum of large cancelling terms (the key bias under RoPE), and

@@ -1,0 +1,168 @@
+//! Where a step's time goes: seconds of queue work by phase (what `horizon bench` prints), and
+//! the FLOPs a schedule really performs (recompute included) against the model's own.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::engine::plan::{OpKind, Res, Schedule};
+use crate::model::layout::Dims;
+
+/// A phase of the step, as the executor times it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// Compute: layer forwards before the head.
+    Forward,
+    /// Compute: layer forwards after the head (block recompute) and the internals every
+    /// backward rebuilds before it runs.
+    Recompute,
+    /// Compute: layer backwards and zeroing the gradient accumulators.
+    Backward,
+    /// Compute: final norm, LM head and cross-entropy, forward and backward.
+    Head,
+    /// Host work on the copy queue: gathering embedding rows.
+    Embedding,
+    /// Host: adding gradient slabs into the host gradients, the embedding scatter-add.
+    Gradients,
+    /// Host: the global gradient norm and the AdamW updates.
+    Optimizer,
+}
+
+const PHASES: usize = 7;
+
+/// Nanoseconds of work per phase, added to by the queue threads.
+#[derive(Debug, Default)]
+pub struct PhaseClock([AtomicU64; PHASES]);
+
+impl PhaseClock {
+    /// Adds the time since `since` to `phase`.
+    pub fn add(&self, phase: Phase, since: Instant) {
+        let ns = since.elapsed().as_nanos() as u64;
+        self.0[phase as usize].fetch_add(ns, Ordering::Relaxed);
+    }
+
+    /// Seconds per phase so far.
+    pub fn seconds(&self) -> PhaseSeconds {
+        let s = |p: Phase| self.0[p as usize].load(Ordering::Relaxed) as f64 * 1e-9;
+        PhaseSeconds {
+            forward: s(Phase::Forward),
+            recompute: s(Phase::Recompute),
+            backward: s(Phase::Backward),
+            head: s(Phase::Head),
+            embedding: s(Phase::Embedding),
+            gradients: s(Phase::Gradients),
+            optimizer: s(Phase::Optimizer),
+        }
+    }
+}
+
+/// Seconds of work per phase (see [`Phase`]); the first four are the compute queue's.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct PhaseSeconds {
+    pub forward: f64,
+    pub recompute: f64,
+    pub backward: f64,
+    pub head: f64,
+    pub embedding: f64,
+    pub gradients: f64,
+    pub optimizer: f64,
+}
+
+impl PhaseSeconds {
+    /// `self - base`, phase by phase.
+    pub fn since(&self, base: &PhaseSeconds) -> PhaseSeconds {
+        PhaseSeconds {
+            forward: self.forward - base.forward,
+            recompute: self.recompute - base.recompute,
+            backward: self.backward - base.backward,
+            head: self.head - base.head,
+            embedding: self.embedding - base.embedding,
+            gradients: self.gradients - base.gradients,
+            optimizer: self.optimizer - base.optimizer,
+        }
+    }
+}
+
+// FLOPs. A multiply-add is 2 FLOPs; elementwise work is not counted. For N = B*T rows:
+//   layer forward   = 2*N*C*QKV (q|k|v) + 2*N*(H*D)*C (o) + 2*N*C*2F (gate|up) + 2*N*F*C (down)
+//                   + attention: per causal (query, key) pair and head, q.k and p*v, 4*D
+//                     -> 4*D*H*B*T(T+1)/2
+//   layer backward  = 2x the forward's products (dinp and dweight of each); attention 2.5x the
+//                     forward's (dq, dk, dv, dp, and the scores recomputed from lse)
+//   head            = 2*N*C*V forward, 4*N*C*V backward
+// Model FLOPs per step: 6 * (parameters in matrix products: layers and head, not the embedding
+// gather) * tokens, plus the causal attention forward and backward (3x the forward's).
+
+/// FLOPs of one step: what the schedule performs, and the model's own.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct StepFlops {
+    /// Every product the schedule runs, forward recompute included.
+    pub schedule: f64,
+    /// Of which recompute (block recompute and rebuilt internals).
+    pub recompute: f64,
+    /// `6 * N * tokens + attention`, the usual model FLOPs.
+    pub model: f64,
+}
+
+/// The products of one layer forward over `b` sequences of `t` positions: (matrices, attention).
+fn layer_forward_flops(d: &Dims, b: usize, t: usize) -> (f64, f64) {
+    let n = (b * t) as f64;
+    let (c, f, hd) = (d.c as f64, d.f as f64, (d.h * d.d) as f64);
+    let qkv = ((d.h + 2 * d.kvh) * d.d) as f64;
+    let mat = 2.0 * n * (c * qkv + hd * c + c * 2.0 * f + f * c);
+    let attn = 4.0 * (d.d * d.h) as f64 * (b * t * (t + 1) / 2) as f64;
+    (mat, attn)
+}
+
+/// FLOPs of one step of `schedule`, every micro-batch `b` sequences of `t` positions.
+pub fn step_flops(schedule: &Schedule, d: &Dims, b: usize, t: usize) -> StepFlops {
+    let (mat, attn) = layer_forward_flops(d, b, t);
+    let fwd = mat + attn;
+    let bwd = 2.0 * mat + 2.5 * attn;
+    let head = 6.0 * (b * t * d.c * d.v) as f64;
+    let mut f = StepFlops::default();
+    let mut after_head = false;
+    for op in schedule.ops(2) {
+        match op.kind {
+            OpKind::Forward { .. } if after_head => {
+                f.schedule += fwd;
+                f.recompute += fwd;
+            }
+            OpKind::Forward { .. } => f.schedule += fwd,
+            // A backward that reads kept internals recomputes nothing.
+            OpKind::Backward { .. } if op.reads.iter().any(|r| matches!(r, Res::Stash { .. })) => {
+                f.schedule += bwd;
+            }
+            OpKind::Backward { .. } => {
+                f.schedule += fwd + bwd;
+                f.recompute += fwd;
+            }
+            OpKind::Head { .. } => {
+                f.schedule += head;
+                after_head = true;
+            }
+            _ => {}
+        }
+    }
+    let micro_batches =
+        schedule.ops(2).iter().filter(|op| matches!(op.kind, OpKind::Head { .. })).count();
+    f.model = micro_batches as f64 * (3.0 * (mat + attn) * d.layers as f64 + head);
+    f
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn model_flops_are_six_n_tokens_plus_attention() {
+        let d = Dims { c: 8, h: 2, kvh: 1, d: 4, f: 16, v: 32, layers: 1 };
+        let (mat, attn) = layer_forward_flops(&d, 2, 3);
+        // Matrix parameters of the layer: q 8x8, k and v 4x8 each, o 8x8, gate|up 2x16x8, down.
+        let params = 64 + 32 + 32 + 64 + 256 + 128;
+        assert_eq!(mat, 2.0 * 6.0 * params as f64);
+        // 2 sequences x 6 causal pairs x 2 heads x 4*D.
+        assert_eq!(attn, 2.0 * 6.0 * 2.0 * 16.0);
+    }
+}
