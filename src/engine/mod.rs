@@ -7,3 +7,4 @@
 pub mod exec;
 pub mod memory;
 pub mod plan;
+pub mod plan_cmd;
