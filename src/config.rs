@@ -189,6 +189,44 @@ pub struct OptimizerSection {
     pub weight_decay: f64,
     /// Global L2-norm gradient clipping threshold; 0 turns clipping off. Default 1.0.
     pub grad_clip: f64,
+    /// Where the optimizer state lives and how gradients reach it: `exact` (fp32 gradients of
+    /// the whole model, exact global-norm clipping, ~16 B/param), `lean` (each layer updated as
+    /// its gradient completes, clipping by the previous step's norm, ~12 B/param) or `compact`
+    /// (lean with blockwise 8-bit AdamW moments, ~6 B/param). Default exact.
+    pub memory: OptimizerMemory,
+}
+
+/// `optimizer.memory`: how much host memory the optimizer state takes (see README).
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimizerMemory {
+    /// fp32 masters, m, v and a whole-model fp32 gradient; exact global-norm clipping.
+    #[default]
+    Exact,
+    /// fp32 masters, m, v; no whole-model gradient: each buffer is updated as soon as its
+    /// gradient is complete; clipping by the previous step's global norm.
+    Lean,
+    /// `lean` with m and v quantised to 8 bits per block of 256 (dynamic quantisation).
+    Compact,
+}
+
+impl OptimizerMemory {
+    pub const ALL: [OptimizerMemory; 3] =
+        [OptimizerMemory::Exact, OptimizerMemory::Lean, OptimizerMemory::Compact];
+
+    /// The name used in configs and messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            OptimizerMemory::Exact => "exact",
+            OptimizerMemory::Lean => "lean",
+            OptimizerMemory::Compact => "compact",
+        }
+    }
+
+    /// Whether gradients are consumed layer by layer (no whole-model gradient buffer).
+    pub fn streams_updates(self) -> bool {
+        self != OptimizerMemory::Exact
+    }
 }
 
 impl Default for OptimizerSection {
@@ -202,6 +240,7 @@ impl Default for OptimizerSection {
             eps: 1e-8,
             weight_decay: 0.01,
             grad_clip: 1.0,
+            memory: OptimizerMemory::Exact,
         }
     }
 }

@@ -36,7 +36,7 @@ output:\n  dir: '{out}'\n",
 }
 
 /// `(a, b)`: the problem `a+b=`.
-type Problem = (u32, u32);
+pub type Problem = (u32, u32);
 
 /// Every problem `a+b=` with a, b in 0..100, split into train and held-out sets.
 fn problems(seed: u64) -> (Vec<Problem>, Vec<Problem>) {
@@ -77,9 +77,9 @@ pub fn run(out: &Path, overrides: &[String]) -> Result<()> {
     run_with(out, STEPS, overrides).map(|_| ())
 }
 
-/// The default job with `steps` optimizer steps (and `--set` overrides); returns the held-out
-/// accuracy.
-pub fn run_with(out: &Path, steps: usize, overrides: &[String]) -> Result<f64> {
+/// Write the job's training data into `out` (`addition-train.jsonl`, which
+/// [`config_yaml`] names); returns the training and held-out problems.
+pub fn write_data(out: &Path) -> Result<(Vec<Problem>, Vec<Problem>)> {
     fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
     let tok = ByteTokenizer::new();
     let (train, held_out) = problems(0);
@@ -90,7 +90,14 @@ pub fn run_with(out: &Path, steps: usize, overrides: &[String]) -> Result<f64> {
         let r = row(&tok, a, b)?;
         writeln!(f, "{}", serde_json::json!({"input_ids": r.input_ids, "labels": r.labels}))?;
     }
-    drop(f);
+    Ok((train, held_out))
+}
+
+/// The default job with `steps` optimizer steps (and `--set` overrides); returns the held-out
+/// accuracy.
+pub fn run_with(out: &Path, steps: usize, overrides: &[String]) -> Result<f64> {
+    let tok = ByteTokenizer::new();
+    let (train, held_out) = write_data(out)?;
     let yaml = config_yaml(out, steps);
     let raw = RawConfig::from_yaml_with(&yaml, "built-in default job", overrides)?;
     let cfg = raw.clone().resolve("built-in default job")?;

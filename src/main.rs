@@ -94,6 +94,15 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         seed: u64,
     },
+    /// Print a config's memory plan without training: host bytes by kind and per parameter,
+    /// device bytes, the deepest model of this shape each optimizer.memory mode fits in the
+    /// available memory, the largest micro-batch the device budget fits. Exit status 1 if the
+    /// config does not fit.
+    Plan {
+        /// The run configuration (YAML).
+        #[arg(long, short)]
+        config: PathBuf,
+    },
 }
 
 fn main() -> ExitCode {
@@ -140,6 +149,11 @@ fn try_main(cli: Cli) -> Result<()> {
                 .resolve(&path.display().to_string())?;
             horizon::train::run_streaming(cfg, true, 0, resume.as_deref())?;
             Ok(())
+        }
+        Command::Plan { config } => {
+            let cfg = horizon::config::RawConfig::from_file(&config)?
+                .resolve(&config.display().to_string())?;
+            horizon::engine::plan_cmd::run(&cfg)
         }
         Command::Export { source, out, dtype, max_shard_size } => {
             let max_shard_bytes = match horizon::config::ByteSize::parse(&max_shard_size) {

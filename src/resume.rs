@@ -3,7 +3,8 @@
 //! save leaves the previous checkpoint intact; `keep` bounds how many stay on disk.
 //!
 //! A checkpoint is `OUT/checkpoints/step-NNNNNNNN/` holding `params.safetensors`,
-//! `exp_avg.safetensors`, `exp_avg_sq.safetensors` (HF tensor names) and `state.json`. The data
+//! `exp_avg.safetensors`, `exp_avg_sq.safetensors` (HF tensor names; `moments8.bin` instead under
+//! `optimizer.memory: compact`) and `state.json`. The data
 //! position and every random choice follow from the step and `train.seed`, so resuming at step
 //! N continues bit-identically.
 
@@ -14,10 +15,12 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 
+use crate::config::OptimizerMemory;
 use crate::hf::checkpoint::SaveDtype;
 use crate::hf::config::ModelConfig;
 use crate::model::layout::ModelLayout;
 use crate::model::params::ParamStore;
+use crate::optim::adamw8bit::Moments8;
 use crate::train::TrainState;
 
 /// The masters' file in a checkpoint.
@@ -25,6 +28,9 @@ pub const PARAMS: &str = "params.safetensors";
 const EXP_AVG: &str = "exp_avg.safetensors";
 const EXP_AVG_SQ: &str = "exp_avg_sq.safetensors";
 const STATE: &str = "state.json";
+/// `optimizer.memory: compact`: the 8-bit moments, instead of the two fp32 moment files.
+const MOMENTS8: &str = "moments8.bin";
+const MOMENTS8_MAGIC: &[u8; 8] = b"HZNQ8v1\0";
 
 /// `state.json`.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -38,6 +44,12 @@ pub struct CheckpointState {
     pub model: serde_json::Value,
     /// The run's resolved config (YAML).
     pub config: String,
+    /// `optimizer.memory` of the run that wrote it: what the moments files hold.
+    #[serde(default)]
+    pub memory: OptimizerMemory,
+    /// The last finite global gradient norm (`lean`/`compact` clip the next step with it).
+    #[serde(default)]
+    pub last_norm: Option<f64>,
 }
 
 /// Where checkpoints of an output directory live.
@@ -69,14 +81,21 @@ pub fn save(
     fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
     let layout = ModelLayout::new(model_cfg);
     state.params.save_safetensors(&layout, &tmp.join(PARAMS), SaveDtype::F32)?;
-    state.m.save_safetensors(&layout, &tmp.join(EXP_AVG), SaveDtype::F32)?;
-    state.v.save_safetensors(&layout, &tmp.join(EXP_AVG_SQ), SaveDtype::F32)?;
+    match &state.q8 {
+        Some(q8) => save_moments8(&tmp.join(MOMENTS8), q8)?,
+        None => {
+            state.m.save_safetensors(&layout, &tmp.join(EXP_AVG), SaveDtype::F32)?;
+            state.v.save_safetensors(&layout, &tmp.join(EXP_AVG_SQ), SaveDtype::F32)?;
+        }
+    }
     let meta = CheckpointState {
         format: 1,
         step: state.step,
         updates: state.updates,
         model: model_cfg.to_hf_json(),
         config: config_yaml.to_string(),
+        memory: state.memory(),
+        last_norm: state.last_norm,
     };
     let path = tmp.join(STATE);
     let mut f =
@@ -152,6 +171,78 @@ pub fn resolve(arg: &str, out_dir: &Path) -> Result<PathBuf> {
     Ok(p)
 }
 
+/// `moments8.bin`: magic, buffer count (u64), then per buffer its length n (u64), the n codes
+/// of m, the n codes of sqrt(v), and the ceil(n / 256) fp32 scales of each (little-endian).
+fn save_moments8(path: &Path, q8: &[Moments8]) -> Result<()> {
+    let f = fs::File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
+    let mut w = std::io::BufWriter::new(f);
+    w.write_all(MOMENTS8_MAGIC)?;
+    w.write_all(&(q8.len() as u64).to_le_bytes())?;
+    for q in q8 {
+        w.write_all(&(q.len() as u64).to_le_bytes())?;
+        w.write_all(&q.m_codes)?;
+        w.write_all(&q.v_codes)?;
+        for x in q.m_absmax.iter().chain(&q.v_absmax) {
+            w.write_all(&x.to_le_bytes())?;
+        }
+    }
+    let f = w.into_inner().map_err(|e| e.into_error())?;
+    f.sync_all().with_context(|| format!("cannot sync {}", path.display()))
+}
+
+/// Read `moments8.bin`, checking it against the buffer lengths of the model.
+fn load_moments8(path: &Path, lens: &[usize]) -> Result<Vec<Moments8>> {
+    use std::io::Read;
+    let bad = |what: &str| anyhow::anyhow!("{}: {what}; the checkpoint is damaged", path.display());
+    let f = fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    let mut r = std::io::BufReader::new(f);
+    let mut u64buf = [0u8; 8];
+    r.read_exact(&mut u64buf).map_err(|_| bad("truncated"))?;
+    if &u64buf != MOMENTS8_MAGIC {
+        return Err(bad("not an 8-bit moments file"));
+    }
+    let mut read_u64 = |r: &mut std::io::BufReader<fs::File>| -> Result<u64> {
+        r.read_exact(&mut u64buf).map_err(|_| bad("truncated"))?;
+        Ok(u64::from_le_bytes(u64buf))
+    };
+    if read_u64(&mut r)? != lens.len() as u64 {
+        return Err(bad("wrong number of buffers for this model"));
+    }
+    let mut out = Vec::with_capacity(lens.len());
+    for &n in lens {
+        if read_u64(&mut r)? != n as u64 {
+            return Err(bad("a buffer's length does not match this model"));
+        }
+        let mut q = Moments8::zeros(n);
+        r.read_exact(&mut q.m_codes).map_err(|_| bad("truncated"))?;
+        r.read_exact(&mut q.v_codes).map_err(|_| bad("truncated"))?;
+        let mut b4 = [0u8; 4];
+        for x in q.m_absmax.iter_mut().chain(q.v_absmax.iter_mut()) {
+            r.read_exact(&mut b4).map_err(|_| bad("truncated"))?;
+            *x = f32::from_le_bytes(b4);
+        }
+        out.push(q);
+    }
+    Ok(out)
+}
+
+/// Load a checkpoint for `model_cfg`, laid out for `optimizer.memory` `mode`. `exact` and
+/// `lean` hold the same state and resume each other; `compact` stores 8-bit moments and is
+/// refused across modes (decoding would need the fp32 moments' memory, encoding loses bits).
+pub fn load_for(dir: &Path, model_cfg: &ModelConfig, mode: OptimizerMemory) -> Result<TrainState> {
+    let meta = read_state(dir)?;
+    if (meta.memory == OptimizerMemory::Compact) != (mode == OptimizerMemory::Compact) {
+        bail!(
+            "--resume {}: the checkpoint holds optimizer.memory {} moments, this run is configured for {}\nhint: resume with optimizer.memory: {} (exact and lean resume each other; compact only compact)",
+            dir.display(),
+            meta.memory.name(),
+            mode.name(),
+            meta.memory.name()
+        );
+    }
+    load_with(dir, model_cfg, meta, mode)
+}
+
 /// A checkpoint's `state.json`.
 pub fn read_state(dir: &Path) -> Result<CheckpointState> {
     let path = dir.join(STATE);
@@ -161,10 +252,21 @@ pub fn read_state(dir: &Path) -> Result<CheckpointState> {
         .with_context(|| format!("{}: not a checkpoint state", path.display()))
 }
 
-/// Load a checkpoint for `model_cfg`; refuses one written for another model.
+/// Load a checkpoint for `model_cfg` in the memory mode it was written in; refuses one
+/// written for another model.
 pub fn load(dir: &Path, model_cfg: &ModelConfig) -> Result<TrainState> {
-    let path = dir.join(STATE);
     let meta = read_state(dir)?;
+    let mode = meta.memory;
+    load_with(dir, model_cfg, meta, mode)
+}
+
+fn load_with(
+    dir: &Path,
+    model_cfg: &ModelConfig,
+    meta: CheckpointState,
+    mode: OptimizerMemory,
+) -> Result<TrainState> {
+    let path = dir.join(STATE);
     let theirs = ModelConfig::from_json(&meta.model, &path.display().to_string())?;
     let mine = model_cfg;
     let fields: [(&str, usize, usize); 8] = [
@@ -191,10 +293,26 @@ pub fn load(dir: &Path, model_cfg: &ModelConfig) -> Result<TrainState> {
     }
     let layout = ModelLayout::new(model_cfg);
     let params = ParamStore::load_hf(&layout, &dir.join(PARAMS))?;
-    let mut state = TrainState::new(params);
-    state.m = ParamStore::load_hf(&layout, &dir.join(EXP_AVG))?;
-    state.v = ParamStore::load_hf(&layout, &dir.join(EXP_AVG_SQ))?;
-    state.step = meta.step;
-    state.updates = meta.updates;
-    Ok(state)
+    // Allocate only what `mode` keeps: fresh zeros are filled from the files, never doubled.
+    let (m, v, q8) = if meta.memory == OptimizerMemory::Compact {
+        let lens: Vec<usize> = params.buffers().iter().map(|b| b.len()).collect();
+        let q8 = load_moments8(&dir.join(MOMENTS8), &lens)?;
+        (ParamStore::empty_like(&params), ParamStore::empty_like(&params), Some(q8))
+    } else {
+        let m = ParamStore::load_hf(&layout, &dir.join(EXP_AVG))?;
+        let v = ParamStore::load_hf(&layout, &dir.join(EXP_AVG_SQ))?;
+        (m, v, None)
+    };
+    let grads = params.zeros_like(meta.memory.streams_updates());
+    let state = TrainState {
+        params,
+        grads,
+        m,
+        v,
+        step: meta.step,
+        updates: meta.updates,
+        q8,
+        last_norm: meta.last_norm,
+    };
+    Ok(state.into_memory(mode))
 }

@@ -13,7 +13,7 @@ use horizon_backend::CpuBackend;
 use serde::Serialize;
 
 use crate::config::{
-    BackendKind, ByteSize, DataFormat, ModelInit, RawConfig, Recompute, RunConfig,
+    BackendKind, ByteSize, DataFormat, ModelInit, OptimizerMemory, RawConfig, Recompute, RunConfig,
 };
 use crate::data::pretokenized::{Batch, PretokenizedDataset, Row, load_pretokenized, make_batch};
 use crate::data::{
@@ -27,6 +27,7 @@ use crate::model::layout::ModelLayout;
 use crate::model::params::ParamStore;
 use crate::model::transformer::{Capacity, Transformer};
 use crate::optim::adamw::{AdamWConfig, AdamWStep, adamw_update, clip_coefficient, sum_squares};
+use crate::optim::adamw8bit::Moments8;
 use crate::rng::SplitMix64;
 use crate::tokenizer::{ByteTokenizer, HfTokenizer, Tokenizer};
 use horizon_backend::Device;
@@ -66,6 +67,11 @@ pub struct TrainState {
     /// Updates applied to the masters (AdamW's bias-correction count): `step` minus the steps
     /// skipped for a non-finite loss or gradient.
     pub updates: u64,
+    /// `optimizer.memory: compact`: the 8-bit moments, one per buffer (then `m` and `v` hold
+    /// empty buffers).
+    pub q8: Option<Vec<Moments8>>,
+    /// The last finite global gradient norm: what `lean`/`compact` clip the next step with.
+    pub last_norm: Option<f64>,
 }
 
 impl TrainState {
@@ -75,7 +81,94 @@ impl TrainState {
             z.fill_zero();
             z
         };
-        TrainState { grads: zeros(), m: zeros(), v: zeros(), params, step: 0, updates: 0 }
+        TrainState {
+            grads: zeros(),
+            m: zeros(),
+            v: zeros(),
+            params,
+            step: 0,
+            updates: 0,
+            q8: None,
+            last_norm: None,
+        }
+    }
+
+    /// Fresh state holding only what `mode` keeps: no layer gradients in `lean`/`compact`, 8-bit
+    /// moments in `compact`. Allocates nothing it does not keep.
+    pub fn for_memory(params: ParamStore, mode: OptimizerMemory) -> Self {
+        let empty = ParamStore::empty_like(&params);
+        let mut state = TrainState {
+            grads: empty.clone(),
+            m: empty.clone(),
+            v: empty,
+            params,
+            step: 0,
+            updates: 0,
+            q8: None,
+            last_norm: None,
+        };
+        state.grads = state.params.zeros_like(mode.streams_updates());
+        if mode == OptimizerMemory::Compact {
+            state.q8 =
+                Some(state.params.buffers().iter().map(|b| Moments8::zeros(b.len())).collect());
+        } else {
+            state.m = state.params.zeros_like(false);
+            state.v = state.params.zeros_like(false);
+        }
+        state
+    }
+
+    /// The memory mode this state is laid out for.
+    pub fn memory(&self) -> OptimizerMemory {
+        if self.q8.is_some() {
+            OptimizerMemory::Compact
+        } else if self.grads.layers.iter().all(|l| l.is_empty()) && !self.params.layers.is_empty() {
+            OptimizerMemory::Lean
+        } else {
+            OptimizerMemory::Exact
+        }
+    }
+
+    /// Re-lay the state out for `mode`: `exact` and `lean` hold the same optimizer state (lean
+    /// drops the layer gradients, which are zero between steps); `compact` quantises the fp32
+    /// moments, and leaving `compact` decodes them.
+    pub fn into_memory(mut self, mode: OptimizerMemory) -> Self {
+        if self.memory() == mode {
+            return self;
+        }
+        let streamed = mode.streams_updates();
+        if self.grads.layers.iter().any(|l| l.is_empty()) != streamed
+            || self.params.layers.is_empty()
+        {
+            self.grads = self.params.zeros_like(streamed);
+        }
+        match (self.q8.is_some(), mode == OptimizerMemory::Compact) {
+            (false, true) => {
+                let mut q8 = Vec::new();
+                for ((p, m), v) in
+                    self.params.buffers().iter().zip(self.m.buffers()).zip(self.v.buffers())
+                {
+                    let mut q = Moments8::zeros(p.len());
+                    q.encode(m, v);
+                    q8.push(q);
+                }
+                self.q8 = Some(q8);
+                self.m = ParamStore::empty_like(&self.params);
+                self.v = ParamStore::empty_like(&self.params);
+            }
+            (true, false) => {
+                let q8 = self.q8.take().expect("checked");
+                self.m = self.params.zeros_like(false);
+                self.v = self.params.zeros_like(false);
+                for ((q, m), v) in q8.iter().zip(self.m.buffers_mut()).zip(self.v.buffers_mut()) {
+                    let (dm, dv) = q.decode();
+                    m.copy_from_slice(&dm);
+                    v.copy_from_slice(&dv);
+                }
+            }
+            _ => {}
+        }
+        self
     }
 
     /// Copies of the masters and both moments (for tests and comparisons).
@@ -464,6 +557,12 @@ pub struct Summary {
     /// `flops.schedule / wall_s` and `flops.model / wall_s`, in GFLOP/s.
     pub achieved_gflops: f64,
     pub model_gflops: f64,
+    /// `optimizer.memory` of the run.
+    pub optimizer_memory: String,
+    /// Parameters of the model, and the planned / measured host bytes per parameter.
+    pub params: u64,
+    pub planned_host_bytes_per_param: f64,
+    pub peak_rss_bytes_per_param: f64,
 }
 
 /// A run on the streaming engine: the model in host RAM, the CPU device borrowing one layer at
@@ -519,18 +618,7 @@ where
         let raw = &cfg.raw;
         let model_cfg = model_config(raw)?;
         let layout = ModelLayout::new(&model_cfg);
-        let t = &raw.train;
-        let ecfg = EngineConfig {
-            batch_size: t.batch_size,
-            micro_batch_size: t.micro_batch_size.unwrap_or(t.batch_size),
-            seq_len: t.max_seq_len,
-            checkpoint_every: raw.engine.checkpoint_every,
-            grad_slabs: raw.engine.grad_slabs,
-            head_chunk_rows: raw.engine.head_chunk_rows,
-            adamw: adamw_config(raw),
-            grad_clip: raw.optimizer.grad_clip,
-            keep_internals: false,
-        };
+        let ecfg = engine_config(raw);
         let budget = match raw.device.memory {
             ByteSize::Auto => None,
             ByteSize::Bytes(b) => Some(b),
@@ -566,8 +654,8 @@ where
         print!("{plan}");
         plan.check()?;
         let state = match resume {
-            Some(dir) => crate::resume::load(dir, &model_cfg)?,
-            None => TrainState::new(load_model(raw)?.1),
+            Some(dir) => crate::resume::load_for(dir, &model_cfg, raw.optimizer.memory)?,
+            None => TrainState::for_memory(load_model(raw)?.1, raw.optimizer.memory),
         };
         let sets = load_datasets(raw, model_cfg.vocab_size)?;
         let evaluator = sets.eval.as_ref().map(|e| {
@@ -639,6 +727,23 @@ where
             targets += out.num_targets;
         }
         Ok(Some(loss_sum / targets.max(1) as f64))
+    }
+}
+
+/// The engine configuration a run config describes.
+pub fn engine_config(raw: &RawConfig) -> EngineConfig {
+    let t = &raw.train;
+    EngineConfig {
+        batch_size: t.batch_size,
+        micro_batch_size: t.micro_batch_size.unwrap_or(t.batch_size),
+        seq_len: t.max_seq_len,
+        checkpoint_every: raw.engine.checkpoint_every,
+        grad_slabs: raw.engine.grad_slabs,
+        head_chunk_rows: raw.engine.head_chunk_rows,
+        adamw: adamw_config(raw),
+        grad_clip: raw.optimizer.grad_clip,
+        memory: raw.optimizer.memory,
+        keep_internals: false,
     }
 }
 
@@ -859,6 +964,11 @@ where
         flops,
         achieved_gflops: flops.schedule / wall_s.max(1e-9) * 1e-9,
         model_gflops: flops.model / wall_s.max(1e-9) * 1e-9,
+        optimizer_memory: tr.cfg.raw.optimizer.memory.name().to_string(),
+        params: tr.plan.params,
+        planned_host_bytes_per_param: tr.plan.host_total() as f64 / tr.plan.params.max(1) as f64,
+        peak_rss_bytes_per_param: peak_rss_bytes().unwrap_or(0) as f64
+            / tr.plan.params.max(1) as f64,
     };
     let summary_path = out_dir.join("summary.json");
     fs::write(&summary_path, serde_json::to_string_pretty(&summary)?)

@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use horizon::config::RawConfig;
+use horizon::config::{OptimizerMemory, RawConfig};
 use horizon::data::pretokenized::Row;
 use horizon::engine::exec::{Engine, EngineConfig, StepParams};
 use horizon::hf::config::ModelConfig;
@@ -75,6 +75,7 @@ fn streamed_with(
         },
         grad_clip: e["grad_clip"].as_f64().unwrap(),
         keep_internals: keep,
+        memory: OptimizerMemory::Exact,
     };
     let dev = CpuDevice::new(CpuDeviceConfig {
         capacity_bytes: 64 << 20,

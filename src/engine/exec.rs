@@ -3,16 +3,18 @@
 //! (`TrainState`) is owned here; queued host work reaches it through raw handles built once,
 //! and the plan's hazard-checked waits decide who touches what when.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
+use horizon_backend::cpu::device::ALIGN_ELEMS;
 use horizon_backend::cpu::{add_inplace, embedding_backward, embedding_forward};
 use horizon_backend::{
     AttnDims, Backend, DevBuf, Device, Event, HostPtr, HostPtrMut, Queue, Views,
 };
 
+use crate::config::OptimizerMemory;
 use crate::data::pretokenized::{Row, make_batch};
 use crate::engine::phases::{Phase, PhaseClock, PhaseSeconds};
 use crate::engine::plan::{
@@ -25,7 +27,11 @@ use crate::model::transformer::{
     layer_forward, rope_tables,
 };
 use crate::optim::adamw::{AdamWConfig, AdamWStep, adamw_update, clip_coefficient, sum_squares};
+use crate::optim::adamw8bit::{Moments8, Moments8Mut, adamw8bit_update};
 use crate::train::TrainState;
+
+/// Device buffers in one `LayerActs` (h1, rstd1, qkv, att, lse, x2, h2, rstd2, gu, s, tmp).
+const LAYER_ACT_BUFFERS: usize = 11;
 
 /// How the engine runs a step.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -48,6 +54,8 @@ pub struct EngineConfig {
     /// Keep every layer's forward internals on the device for its backward instead of
     /// recomputing them (`engine.recompute` resolved); needs `checkpoint_every == 1`.
     pub keep_internals: bool,
+    /// `optimizer.memory`: exact, lean or compact.
+    pub memory: OptimizerMemory,
 }
 
 impl EngineConfig {
@@ -60,8 +68,18 @@ impl EngineConfig {
 /// allocation and for the memory plan.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Sizes {
-    /// One weight slot / gradient accumulator / slab: the largest of a layer and norm + head.
+    /// One weight slot / gradient accumulator: the largest of a layer and norm + head.
     pub slot: usize,
+    /// One host gradient slab: one layer (the head's gradient goes straight to its own host
+    /// buffers).
+    pub slab: usize,
+    /// `optimizer.memory`.
+    pub memory: OptimizerMemory,
+    /// Elements of the host gradient buffers kept besides the slabs: the whole model (exact),
+    /// or embedding + final norm + untied head (lean, compact).
+    pub host_grads: usize,
+    /// Host bytes of the 8-bit moments (compact): codes and per-block scales.
+    pub moments8_bytes: usize,
     /// Rows of a micro-batch at the longest row length.
     pub mb_rows: usize,
     /// One residual-stream buffer: (mb_rows, C).
@@ -79,6 +97,9 @@ pub struct Sizes {
     pub per_mb_small: usize,
     /// Kept forward internals, every layer and micro-batch (0 when the backward recomputes).
     pub stash: usize,
+    /// Sets of kept internals (layers x micro-batches; 0 when the backward recomputes), each
+    /// `LAYER_ACT_BUFFERS` buffers.
+    pub stash_sets: usize,
     /// Parameters of the model.
     pub params: usize,
 }
@@ -100,8 +121,24 @@ impl Sizes {
         let grad_scratch = n * d.c * 2 + n * d.qkv() + n * d.hd() + n * 2 * d.f + n * d.f;
         let head_scratch = n * d.c * 2 + n + chunk * d.v;
         let rope = 2 * cfg.seq_len * d.d / 2;
+        let params = layout.num_params();
+        let vc = d.v * d.c;
+        let bufs: Vec<usize> = std::iter::once(vc)
+            .chain((0..d.layers).map(|_| layout.layer.len))
+            .chain(std::iter::once(d.c))
+            .chain((!layout.tied).then_some(vc))
+            .collect();
+        let host_grads = if cfg.memory.streams_updates() {
+            vc + d.c + if layout.tied { 0 } else { vc }
+        } else {
+            params
+        };
         Sizes {
-            slot: layout.layer.len.max(d.c + d.v * d.c),
+            slot: layout.layer.len.max(d.c + vc),
+            slab: layout.layer.len,
+            memory: cfg.memory,
+            host_grads,
+            moments8_bytes: bufs.iter().map(|&n| Moments8::bytes(n)).sum(),
             mb_rows,
             act: n * d.c,
             act_sets: cfg.checkpoint_every.max(2),
@@ -111,14 +148,18 @@ impl Sizes {
             scratch: layer_scratch + grad_scratch + head_scratch + rope,
             per_mb_small: 3 * n,
             stash: if cfg.keep_internals { d.layers * cfg.micro_batches() * layer_acts } else { 0 },
-            params: layout.num_params(),
+            stash_sets: if cfg.keep_internals { d.layers * cfg.micro_batches() } else { 0 },
+            params,
         }
     }
 
     /// Device bytes by kind: (weight slots, gradient accumulators, activations, scratch, kept
-    /// internals).
-    pub fn device_bytes(&self) -> [(&'static str, usize); 5] {
+    /// internals, and the pool's rounding of every buffer up to its alignment).
+    pub fn device_bytes(&self) -> [(&'static str, usize); 6] {
         let m = self.micro_batches;
+        // Buffers `Engine::new` allocates: slots and accumulators, per micro-batch the residual
+        // streams, residual gradient, ids, targets, losses; 24 scratch buffers.
+        let buffers = 4 + m * (self.act_sets + 4) + 24 + self.stash_sets * LAYER_ACT_BUFFERS;
         [
             ("weight slots (2)", 2 * self.slot * 4),
             ("gradient accumulators (2)", 2 * self.slot * 4),
@@ -128,19 +169,31 @@ impl Sizes {
             ),
             ("workspace (one layer's internals, head chunk, rope)", self.scratch * 4),
             ("kept layer internals (engine.recompute: no recompute)", self.stash * 4),
+            ("alignment (each buffer rounded up to 64 bytes, at most)", buffers * ALIGN_ELEMS * 4),
         ]
     }
 
     /// Host bytes by kind.
     pub fn host_bytes(&self) -> [(&'static str, usize); 5] {
         let m = self.micro_batches;
+        let moments = match self.memory {
+            OptimizerMemory::Compact => {
+                ("AdamW moments (8-bit m, sqrt v; fp32 scale per 256)", self.moments8_bytes)
+            }
+            _ => ("AdamW moments (fp32 m, v)", self.params * 8),
+        };
+        let grads = if self.memory.streams_updates() {
+            "gradients (fp32: embedding, norm, head; layers via the slabs)"
+        } else {
+            "gradients (fp32, whole model)"
+        };
         [
             ("master weights (fp32)", self.params * 4),
-            ("AdamW moments (fp32 m, v)", self.params * 8),
-            ("gradients (fp32)", self.params * 4),
+            moments,
+            (grads, self.host_grads * 4),
             (
                 "staging (gradient slabs, embedding rows, residual gradients, losses)",
-                (self.grad_slabs * self.slot + m * (2 * self.act + self.mb_rows)) * 4,
+                (self.grad_slabs * self.slab + m * (2 * self.act + self.mb_rows)) * 4,
             ),
             ("checkpoints", self.blocks * m * self.act * 4),
         ]
@@ -191,8 +244,19 @@ struct Ctx {
     targets: Vec<DevBuf>,
     losses: Vec<DevBuf>,
     scratch: Scratch,
-    /// Host store, by `param_index`: masters, gradients, moments.
+    /// `optimizer.memory`.
+    memory: OptimizerMemory,
+    /// Host store, by `param_index`: masters, gradients, moments (gradients of the layers and
+    /// fp32 moments are empty where the memory mode does not keep them).
     params: Vec<HostPtrMut>,
+    /// The 8-bit moments (compact), by `param_index`.
+    q8: Vec<Q8Handle>,
+    /// Streamed updates: what the step's updates have seen so far.
+    stats: Mutex<StepStats>,
+    /// Streamed updates: the norm they clip with (the last finite one; NaN = none yet).
+    clip_norm: AtomicU64,
+    /// Streamed updates: some buffer was updated this step.
+    applied: AtomicBool,
     grads: Vec<HostPtrMut>,
     m: Vec<HostPtrMut>,
     v: Vec<HostPtrMut>,
@@ -210,6 +274,61 @@ struct Ctx {
     phases: PhaseClock,
     /// [layer][m]: forward internals kept for the backward (empty when it recomputes them).
     stash: Vec<Vec<LayerActs<DevBuf>>>,
+}
+
+/// What the streamed updates of one step have seen (host queue only).
+struct StepStats {
+    /// Squared L2 norm of each buffer's gradient, by `param_index`.
+    sq: Vec<f64>,
+    /// The step has met a non-finite loss or gradient: no later update is applied.
+    poisoned: bool,
+    /// The losses have been checked this step.
+    loss_checked: bool,
+    /// Some buffer has been updated this step.
+    applied: bool,
+}
+
+/// A raw handle to one buffer's 8-bit moments, owned by the engine's `TrainState`.
+#[derive(Clone, Copy)]
+struct Q8Handle {
+    m_codes: *mut u8,
+    v_codes: *mut u8,
+    len: usize,
+    m_absmax: HostPtrMut,
+    v_absmax: HostPtrMut,
+}
+
+// SAFETY: the handle points into vectors the engine owns and never resizes; who touches them
+// when is decided by the hazard-checked schedule (only the host queue's updates).
+unsafe impl Send for Q8Handle {}
+// SAFETY: as above.
+unsafe impl Sync for Q8Handle {}
+
+impl Q8Handle {
+    fn new(q: &mut Moments8) -> Self {
+        Q8Handle {
+            m_codes: q.m_codes.as_mut_ptr(),
+            v_codes: q.v_codes.as_mut_ptr(),
+            len: q.m_codes.len(),
+            m_absmax: handle(&mut q.m_absmax),
+            v_absmax: handle(&mut q.v_absmax),
+        }
+    }
+
+    /// # Safety
+    /// No other view of these moments may be live.
+    unsafe fn view<'a>(self) -> Moments8Mut<'a> {
+        // SAFETY: the pointers come from live vectors of `len` elements (see `new`); the
+        // caller guarantees exclusivity.
+        unsafe {
+            Moments8Mut {
+                m_codes: std::slice::from_raw_parts_mut(self.m_codes, self.len),
+                v_codes: std::slice::from_raw_parts_mut(self.v_codes, self.len),
+                m_absmax: self.m_absmax.as_mut_slice(),
+                v_absmax: self.v_absmax.as_mut_slice(),
+            }
+        }
+    }
 }
 
 impl Ctx {
@@ -336,6 +455,7 @@ where
             grad_slabs: cfg.grad_slabs,
             tied: layout.tied,
             keep_internals: cfg.keep_internals,
+            streamed: cfg.memory.streams_updates(),
         };
         if cfg.keep_internals && cfg.checkpoint_every != 1 {
             bail!("kept layer internals need checkpoint_every 1: {cfg:?}");
@@ -408,11 +528,17 @@ where
         };
 
         // Host staging buffers, allocated once.
-        let mut state = Box::new(state);
+        let mut state = Box::new(state.into_memory(cfg.memory));
+        let nbufs = state.params.buffers().len();
+        let clip0 = state.last_norm.unwrap_or(f64::NAN);
+        let q8: Vec<Q8Handle> = match &mut state.q8 {
+            Some(q) => q.iter_mut().map(Q8Handle::new).collect(),
+            None => Vec::new(),
+        };
         let stage = |len: usize| dev.alloc_staging(len);
         let mut ckpt: Vec<Vec<D::Staging>> =
             (0..sizes.blocks).map(|_| (0..mbs).map(|_| stage(sizes.act)).collect()).collect();
-        let mut slabs: Vec<D::Staging> = (0..cfg.grad_slabs).map(|_| stage(sizes.slot)).collect();
+        let mut slabs: Vec<D::Staging> = (0..cfg.grad_slabs).map(|_| stage(sizes.slab)).collect();
         let mut emb_stage: Vec<D::Staging> = (0..mbs).map(|_| stage(sizes.act)).collect();
         let mut dx_stage: Vec<D::Staging> = (0..mbs).map(|_| stage(sizes.act)).collect();
         let mut loss_host: Vec<D::Staging> = (0..mbs).map(|_| stage(n)).collect();
@@ -433,6 +559,16 @@ where
             targets,
             losses,
             scratch,
+            memory: cfg.memory,
+            q8,
+            stats: Mutex::new(StepStats {
+                sq: vec![0.0; nbufs],
+                poisoned: false,
+                loss_checked: false,
+                applied: false,
+            }),
+            clip_norm: AtomicU64::new(clip0.to_bits()),
+            applied: AtomicBool::new(false),
             params: bufs(&mut state.params),
             grads: bufs(&mut state.grads),
             m: bufs(&mut state.m),
@@ -512,19 +648,32 @@ where
         self.dev.synchronize();
         self.state.step = self.steps;
         self.state.updates = self.updates;
+        self.state.last_norm = self.last_norm();
         &self.state
     }
 
     /// Wait for all queued work and hand the host state back.
     pub fn into_state(self) -> TrainState {
         self.dev.synchronize();
+        let last_norm = self.last_norm();
         let Engine { dev, state, _host, steps, updates, .. } = self;
         drop(dev);
         drop(_host);
         let mut state = *state;
         state.step = steps;
         state.updates = updates;
+        state.last_norm = last_norm;
         state
+    }
+
+    /// The last finite global gradient norm (streamed modes clip the next step with it).
+    fn last_norm(&self) -> Option<f64> {
+        if self.cfg.memory.streams_updates() {
+            let n = f64::from_bits(self.ctx.clip_norm.load(Ordering::Acquire));
+            n.is_finite().then_some(n)
+        } else {
+            self.state.last_norm
+        }
     }
 
     /// Run one optimizer step on `rows` (the whole batch; split into micro-batches here).
@@ -612,7 +761,14 @@ where
         }
         let grad_norm = f64::from_bits(self.ctx.norm.load(Ordering::Acquire));
         let skipped = self.ctx.skip.load(Ordering::Acquire);
-        if !skipped {
+        // Streamed updates ran before the norm was known (the norm op is the step's last):
+        // the step counts for AdamW's bias correction if any buffer was updated.
+        let applied = if self.cfg.memory.streams_updates() {
+            self.ctx.applied.load(Ordering::Acquire)
+        } else {
+            !skipped
+        };
+        if applied {
             self.updates += 1;
         }
         Ok(StepOutput { loss_sum, num_targets, grad_norm, skipped })
@@ -827,23 +983,33 @@ where
                     // its next one; the gradients are only touched by the host queue.
                     unsafe {
                         let s = c.slabs[slab].as_const();
-                        match what {
-                            GradTarget::Layer(i) => {
-                                let g = c.grads[c.param_index(ParamBuf::Layer(i))];
-                                add_inplace(g.as_mut_slice(), s.sub(0..g.len()).as_slice());
-                            }
-                            GradTarget::Head => {
-                                let head = c.grads[c.param_index(c.head_param())];
-                                let norm = c.grads[c.param_index(ParamBuf::FinalNorm)];
-                                add_inplace(
-                                    head.as_mut_slice(),
-                                    s.sub(d.c..d.c + head.len()).as_slice(),
-                                );
-                                add_inplace(norm.as_mut_slice(), s.sub(0..d.c).as_slice());
-                            }
-                        }
+                        let GradTarget::Layer(i) = what else {
+                            unreachable!("the head's gradient has no slab")
+                        };
+                        let g = c.grads[c.param_index(ParamBuf::Layer(i))];
+                        add_inplace(g.as_mut_slice(), s.sub(0..g.len()).as_slice());
                     }
                     c.phases.add(Phase::Gradients, t0);
+                }));
+            }
+            OpKind::DownloadHeadGrads { dw } => {
+                let head = c.grads[c.param_index(c.head_param())];
+                let norm = c.grads[c.param_index(ParamBuf::FinalNorm)];
+                self.dev.download(norm, c.dws[dw].sub(0..d.c));
+                self.dev.download(head, c.dws[dw].sub(d.c..d.c + head.len()));
+            }
+            OpKind::SlabUpdate { slab, layer } => {
+                let (c, sd) = (c.clone(), sd.clone());
+                self.dev.host(Box::new(move || {
+                    let t0 = Instant::now();
+                    let i = c.param_index(ParamBuf::Layer(layer));
+                    let len = c.layout.layer.len;
+                    // SAFETY: ordered after the slab's download and before its next one; the
+                    // layer's masters and moments are ordered against its uploads.
+                    unsafe {
+                        streamed_update(&c, &sd, i, c.slabs[slab].sub(0..len).as_mut_slice());
+                    }
+                    c.phases.add(Phase::Optimizer, t0);
                 }));
             }
             OpKind::DownloadDres { m } => {
@@ -866,6 +1032,46 @@ where
                         );
                     }
                     c.phases.add(Phase::Gradients, t0);
+                }));
+            }
+            OpKind::GradNorm if c.memory.streams_updates() => {
+                let (c, sd) = (c.clone(), sd.clone());
+                self.dev.host(Box::new(move || {
+                    let t0 = Instant::now();
+                    let mut st = c.stats.lock().expect("no update panicked");
+                    // The same sum, in the same order, as the exact mode's norm.
+                    let norm = st.sq.iter().copied().sum::<f64>().sqrt();
+                    let loss = loss_sum(&c, &sd);
+                    let finite = norm.is_finite() && loss.is_finite();
+                    c.skip.store(!finite, Ordering::Release);
+                    c.norm.store(norm.to_bits(), Ordering::Release);
+                    if finite {
+                        c.clip_norm.store(norm.to_bits(), Ordering::Release);
+                    }
+                    c.applied.store(st.applied, Ordering::Release);
+                    st.poisoned = false;
+                    st.loss_checked = false;
+                    st.applied = false;
+                    c.phases.add(Phase::Optimizer, t0);
+                }));
+            }
+            OpKind::Update { what } if c.memory.streams_updates() => {
+                let (c, sd) = (c.clone(), sd.clone());
+                self.dev.host(Box::new(move || {
+                    let t0 = Instant::now();
+                    let i = c.param_index(what);
+                    // SAFETY: the schedule orders this after the buffer's gradient is complete
+                    // and against every read of its masters; only the host queue touches the
+                    // gradients.
+                    unsafe {
+                        let g = c.grads[i].as_mut_slice();
+                        if sd.inject_nan && what == ParamBuf::FinalNorm {
+                            g[0] = f32::NAN;
+                        }
+                        streamed_update(&c, &sd, i, g);
+                        g.fill(0.0);
+                    }
+                    c.phases.add(Phase::Optimizer, t0);
                 }));
             }
             OpKind::GradNorm => {
@@ -908,15 +1114,7 @@ where
                         let g = c.grads[i].as_mut_slice();
                         if !c.skip.load(Ordering::Acquire) {
                             let coef = clip_coefficient(norm, c.grad_clip);
-                            let st = AdamWStep::new(&c.adamw, sd.adam_step, sd.lr);
-                            adamw_update(
-                                c.params[i].as_mut_slice(),
-                                g,
-                                c.m[i].as_mut_slice(),
-                                c.v[i].as_mut_slice(),
-                                &st,
-                                coef,
-                            );
+                            apply_update(&c, &sd, i, g, coef);
                         }
                         g.fill(0.0);
                     }
@@ -933,6 +1131,80 @@ fn grad_len(c: &Ctx, what: GradTarget) -> usize {
         GradTarget::Layer(_) => c.layout.layer.len,
         GradTarget::Head => c.layout.dims.c + c.layout.dims.v * c.layout.dims.c,
     }
+}
+
+/// AdamW on buffer `i` with gradient `g` (clip coefficient `coef`), on fp32 or 8-bit moments.
+///
+/// # Safety
+/// The schedule must give the caller exclusive use of buffer `i`'s masters and moments.
+unsafe fn apply_update(c: &Ctx, sd: &StepData, i: usize, g: &[f32], coef: f32) {
+    let st = AdamWStep::new(&c.adamw, sd.adam_step, sd.lr);
+    // SAFETY: the caller's exclusivity.
+    unsafe {
+        match c.memory {
+            OptimizerMemory::Compact => {
+                let seed = sd.adam_step.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ i as u64;
+                adamw8bit_update(c.params[i].as_mut_slice(), g, c.q8[i].view(), &st, coef, seed)
+            }
+            _ => adamw_update(
+                c.params[i].as_mut_slice(),
+                g,
+                c.m[i].as_mut_slice(),
+                c.v[i].as_mut_slice(),
+                &st,
+                coef,
+            ),
+        }
+    }
+}
+
+/// The step's summed loss, from the host loss buffers (downloaded before any caller runs).
+fn loss_sum(c: &Ctx, sd: &StepData) -> f64 {
+    sd.mbs
+        .iter()
+        .enumerate()
+        .map(|(m, mb)| {
+            // SAFETY: every caller is ordered after the loss downloads of the step.
+            let l = unsafe { c.loss_host[m].as_const().sub(0..mb.n()).as_slice() };
+            l.iter().map(|&x| x as f64).sum::<f64>()
+        })
+        .sum()
+}
+
+/// A streamed update (`lean`/`compact`) of buffer `i` from its complete gradient `g`:
+/// record `|g|²` for the step's norm, then, unless the step has met a non-finite loss or
+/// gradient (this buffer's included), clip by the previous step's norm and apply AdamW. A
+/// non-finite value never reaches masters or moments; buffers updated before it was met keep
+/// their update (see ARCHITECTURE.md, "Streamed updates").
+///
+/// # Safety
+/// As [`apply_update`].
+unsafe fn streamed_update(c: &Ctx, sd: &StepData, i: usize, g: &[f32]) {
+    let mut st = c.stats.lock().expect("no update panicked");
+    let sq = sum_squares(g);
+    st.sq[i] = sq;
+    if !st.loss_checked {
+        st.loss_checked = true;
+        st.poisoned |= !loss_sum(c, sd).is_finite();
+    }
+    if st.poisoned || !sq.is_finite() {
+        st.poisoned = true;
+        return;
+    }
+    let prev = f64::from_bits(c.clip_norm.load(Ordering::Acquire));
+    let coef = if c.grad_clip <= 0.0 {
+        1.0
+    } else if prev.is_finite() {
+        clip_coefficient(prev, c.grad_clip)
+    } else {
+        // Clipping is on but no norm is known yet (the run's first step): this step only
+        // measures the norm. An unclipped first gradient would inflate v for ~1/(1 - beta2)
+        // steps and slow the start down.
+        return;
+    };
+    // SAFETY: the caller's exclusivity.
+    unsafe { apply_update(c, sd, i, g, coef) };
+    st.applied = true;
 }
 
 fn attn_dims(c: &Ctx, mb: &MicroBatch) -> AttnDims {

@@ -9,3 +9,4 @@ pub mod exec;
 pub mod memory;
 pub mod phases;
 pub mod plan;
+pub mod plan_cmd;

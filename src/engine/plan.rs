@@ -63,8 +63,12 @@ pub enum Res {
     DxStage(usize),
     /// Host per-row losses of micro-batch `m`.
     LossHost(usize),
-    /// The global gradient norm of the step.
+    /// The global gradient norm: the step's (exact mode), or the previous step's, which the
+    /// streamed updates of `lean`/`compact` clip with.
     Norm,
+    /// Streamed updates (`lean`/`compact`): each buffer's squared gradient norm and whether
+    /// the step has met a non-finite loss or gradient so far.
+    StepStats,
 }
 
 /// What a weight slot holds.
@@ -118,6 +122,12 @@ pub enum OpKind {
     DownloadLosses { m: usize },
     /// D2H: a gradient accumulator into a slab.
     DownloadDw { dw: usize, slab: usize, what: GradTarget },
+    /// D2H: the final norm's and LM head's gradient accumulator straight into their host
+    /// gradient buffers (overwrites: nothing else has written them this step).
+    DownloadHeadGrads { dw: usize },
+    /// Host (`lean`/`compact`): clip (by the previous step's norm) and AdamW-update layer
+    /// `layer` from the slab its gradient came back in; the gradient is then dropped.
+    SlabUpdate { slab: usize, layer: usize },
     /// Host: add a slab into the host gradients.
     AccumulateGrads { slab: usize, what: GradTarget },
     /// D2H: the residual gradient of micro-batch `m` (the embedding output's gradient).
@@ -127,7 +137,8 @@ pub enum OpKind {
     /// Host: the global gradient norm, and whether the step is finite (loss and norm).
     GradNorm,
     /// Host: clip and AdamW-update one buffer (unless the step is skipped for a non-finite loss
-    /// or norm), then zero its gradient for the next step.
+    /// or norm), then zero its gradient for the next step. In `lean`/`compact` it runs as soon
+    /// as the buffer's gradient is complete, clipping by the previous step's norm.
     Update { what: ParamBuf },
 }
 
@@ -164,6 +175,9 @@ pub struct PlanShape {
     /// Each layer's forward keeps its internals on the device for the backward, which then
     /// recomputes nothing (`engine.recompute: never`); needs `checkpoint_every == 1`.
     pub keep_internals: bool,
+    /// Streamed updates (`optimizer.memory` lean or compact): each buffer is updated as soon as
+    /// its gradient is complete, and no whole-model gradient exists.
+    pub streamed: bool,
 }
 
 impl PlanShape {
@@ -256,17 +270,40 @@ impl Builder {
             vec![Res::Dw(dw)],
             vec![Res::Slab(slab)],
         );
-        let target = match what {
-            GradTarget::Layer(i) => vec![Res::Grads(ParamBuf::Layer(i))],
-            GradTarget::Head => {
-                vec![Res::Grads(ParamBuf::FinalNorm), Res::Grads(self.shape.head_buf())]
-            }
-        };
+        let GradTarget::Layer(i) = what else { unreachable!("the head's gradient has no slab") };
+        if self.shape.streamed {
+            let mut reads = vec![Res::Slab(slab), Res::Norm];
+            reads.extend((0..self.shape.micro_batches).map(Res::LossHost));
+            self.push(
+                OpKind::SlabUpdate { slab, layer: i },
+                Queue::Host,
+                reads,
+                vec![
+                    Res::Params(ParamBuf::Layer(i)),
+                    Res::Moments(ParamBuf::Layer(i)),
+                    Res::StepStats,
+                ],
+            );
+        } else {
+            self.push(
+                OpKind::AccumulateGrads { slab, what },
+                Queue::Host,
+                vec![Res::Slab(slab)],
+                vec![Res::Grads(ParamBuf::Layer(i))],
+            );
+        }
+    }
+
+    /// Streamed mode: update buffer `p` from its complete host gradient, clipping by the
+    /// previous step's norm; the update also checks the step's losses.
+    fn streamed_update(&mut self, p: ParamBuf) {
+        let mut reads = vec![Res::Norm];
+        reads.extend((0..self.shape.micro_batches).map(Res::LossHost));
         self.push(
-            OpKind::AccumulateGrads { slab, what },
+            OpKind::Update { what: p },
             Queue::Host,
-            vec![Res::Slab(slab)],
-            target,
+            reads,
+            vec![Res::Params(p), Res::Grads(p), Res::Moments(p), Res::StepStats],
         );
     }
 }
@@ -346,7 +383,21 @@ pub fn step_ops(shape: PlanShape) -> Vec<Op> {
             vec![Res::LossHost(m)],
         );
     }
-    b.return_grads(dw, GradTarget::Head);
+    // The head's gradient goes straight into its host gradient buffers: no slab the size of
+    // the LM head is needed.
+    b.push(
+        OpKind::DownloadHeadGrads { dw },
+        Queue::D2H,
+        vec![Res::Dw(dw)],
+        vec![Res::Grads(ParamBuf::FinalNorm), Res::Grads(shape.head_buf())],
+    );
+    if shape.streamed {
+        // Complete for the step: every micro-batch has passed the head.
+        b.streamed_update(ParamBuf::FinalNorm);
+        if !shape.tied {
+            b.streamed_update(ParamBuf::Head);
+        }
+    }
 
     // Backward, block by block from the last: restore the block's checkpoint, recompute the
     // inputs of its layers, then walk its layers backwards, recomputing each layer's internals.
@@ -407,6 +458,17 @@ pub fn step_ops(shape: PlanShape) -> Vec<Op> {
             vec![Res::DxStage(m)],
             vec![Res::Grads(ParamBuf::Embed)],
         );
+    }
+
+    if shape.streamed {
+        // The embedding's gradient is complete once every micro-batch's rows are scattered
+        // (with a tied head, the head's part came first). Then the step's norm, from the
+        // squared norms the updates recorded; the next step clips with it.
+        b.streamed_update(ParamBuf::Embed);
+        let mut reads = vec![Res::StepStats];
+        reads.extend((0..mbs).map(Res::LossHost));
+        b.push(OpKind::GradNorm, Queue::Host, reads, vec![Res::Norm, Res::StepStats]);
+        return b.ops;
     }
 
     // Optimizer: exact global norm, then each buffer's update in the order the next step
@@ -747,6 +809,7 @@ mod tests {
             grad_slabs: 2,
             tied: false,
             keep_internals: false,
+            streamed: false,
         }
     }
 
@@ -756,9 +819,16 @@ mod tests {
             for mbs in [1, 2, 3] {
                 for k in [1, 2, 3, 4] {
                     for tied in [false, true] {
-                        let s = Schedule::new(PlanShape { tied, ..shape(layers, mbs, k) });
-                        check(&s.unrolled(3), 0)
-                            .unwrap_or_else(|h| panic!("L{layers} M{mbs} K{k}: {h}"));
+                        for streamed in [false, true] {
+                            let s = Schedule::new(PlanShape {
+                                tied,
+                                streamed,
+                                ..shape(layers, mbs, k)
+                            });
+                            check(&s.unrolled(3), 0).unwrap_or_else(|h| {
+                                panic!("L{layers} M{mbs} K{k} tied {tied} streamed {streamed}: {h}")
+                            });
+                        }
                     }
                 }
             }
@@ -786,7 +856,53 @@ mod tests {
     fn every_wait_is_needed() {
         // Removing any single wait from an unrolled two-step plan must be caught: the
         // derivation adds a wait only where the ops are not yet ordered.
-        let s = Schedule::new(shape(4, 2, 2));
+        for streamed in [false, true] {
+            every_wait_is_needed_in(Schedule::new(PlanShape { streamed, ..shape(4, 2, 2) }));
+        }
+    }
+
+    #[test]
+    fn streamed_updates_keep_no_layer_gradient() {
+        // lean/compact: no op touches a host layer gradient; each layer is updated from its
+        // slab right after the slab arrives, before the layers below it are back.
+        for tied in [false, true] {
+            let s = Schedule::new(PlanShape { tied, streamed: true, ..shape(4, 2, 2) });
+            for op in &s.steady {
+                for r in op.reads.iter().chain(&op.writes) {
+                    assert!(!matches!(r, Res::Grads(ParamBuf::Layer(_))), "{op} touches {r:?}");
+                }
+            }
+            let pos = |k: OpKind| s.steady.iter().position(|op| op.kind == k).unwrap();
+            let upd3 = s
+                .steady
+                .iter()
+                .position(|op| matches!(op.kind, OpKind::SlabUpdate { layer: 3, .. }))
+                .unwrap();
+            let bwd0 = s
+                .steady
+                .iter()
+                .position(|op| matches!(op.kind, OpKind::Backward { layer: 0, .. }))
+                .unwrap();
+            assert!(upd3 < bwd0, "layer 3's update is submitted before layer 0's backward");
+            assert_eq!(pos(OpKind::GradNorm), s.len() - 1, "the norm comes last");
+            // The next step's uploads wait for the streamed updates of their own layer only.
+            for (j, op) in s.steady.iter().enumerate() {
+                if let OpKind::UploadWeights { what: SlotContent::Layer(i), .. } = op.kind {
+                    for w in s.waits(1, j) {
+                        if let Wait::Prev(p) = w {
+                            assert!(
+                                matches!(s.first[p].kind, OpKind::SlabUpdate { layer, .. } if layer == i),
+                                "{op} waits for {}",
+                                s.first[p]
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn every_wait_is_needed_in(s: Schedule) {
         let ops = s.unrolled(2);
         let mut rejected = 0;
         let mut total = 0;
@@ -914,9 +1030,15 @@ mod doc_tests {
     use super::*;
 
     /// ARCHITECTURE.md shows the steady-state timeline of one step for 4 layers, K = 2, one
-    /// micro-batch; this keeps it true.
+    /// micro-batch, in exact and in streamed (`lean`/`compact`) mode; this keeps both true.
     #[test]
     fn architecture_md_shows_the_current_timeline() {
+        for streamed in [false, true] {
+            architecture_md_shows(streamed);
+        }
+    }
+
+    fn architecture_md_shows(streamed: bool) {
         let s = Schedule::new(PlanShape {
             layers: 4,
             micro_batches: 1,
@@ -924,12 +1046,13 @@ mod doc_tests {
             grad_slabs: 2,
             tied: false,
             keep_internals: false,
+            streamed,
         });
         let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/ARCHITECTURE.md"))
             .unwrap();
         let timeline = s.timeline();
         if std::env::var_os("HORIZON_PRINT_TIMELINE").is_some() {
-            println!("{timeline}");
+            println!("streamed {streamed}:\n{timeline}");
         }
         assert!(
             doc.contains(&timeline),

@@ -35,6 +35,33 @@ impl ParamStore {
         }
     }
 
+    /// The same shape with every buffer empty (a store that holds nothing, e.g. fp32 moments
+    /// in `optimizer.memory: compact`).
+    pub fn empty_like(other: &ParamStore) -> Self {
+        ParamStore {
+            embed: Vec::new(),
+            layers: vec![Vec::new(); other.layers.len()],
+            final_norm: Vec::new(),
+            lm_head: other.lm_head.as_ref().map(|_| Vec::new()),
+        }
+    }
+
+    /// Zeros shaped like `self`; with `no_layers`, the decoder layers' buffers are empty
+    /// (the host gradients of `optimizer.memory: lean | compact`: embedding, final norm and
+    /// head only).
+    pub fn zeros_like(&self, no_layers: bool) -> Self {
+        ParamStore {
+            embed: vec![0.0; self.embed.len()],
+            layers: self
+                .layers
+                .iter()
+                .map(|l| if no_layers { Vec::new() } else { vec![0.0; l.len()] })
+                .collect(),
+            final_norm: vec![0.0; self.final_norm.len()],
+            lm_head: self.lm_head.as_ref().map(|h| vec![0.0; h.len()]),
+        }
+    }
+
     /// Every buffer, in a fixed order (embedding, layers, final norm, head).
     pub fn buffers(&self) -> Vec<&[f32]> {
         let mut v: Vec<&[f32]> = vec![&self.embed];

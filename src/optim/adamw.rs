@@ -114,7 +114,7 @@ impl AdamWStep {
     }
 
     /// ATen's `is_lerp_weight_small`: which of `lerp`'s two formulas applies.
-    fn lerp_weight_small(&self) -> bool {
+    pub(crate) fn lerp_weight_small(&self) -> bool {
         self.lerp_weight.abs() < 0.5
     }
 }
@@ -122,7 +122,7 @@ impl AdamWStep {
 /// One element of the update: returns the new `(param, m, v)`. Every operation rounds to f32,
 /// in ATen's order (see the module table); no FMA.
 #[inline(always)]
-fn update_one<const SMALL_LERP: bool>(
+pub(crate) fn update_one<const SMALL_LERP: bool>(
     p: f32,
     grad: f32,
     m: f32,

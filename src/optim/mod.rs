@@ -1,6 +1,7 @@
 //! Host-side optimizers.
 
 pub mod adamw;
+pub mod adamw8bit;
 
 pub use adamw::{
     AdamWConfig, AdamWStep, adamw_update, adamw_update_serial, clip_coefficient, sum_squares,

@@ -1,0 +1,142 @@
+//! `horizon plan --config F`: the memory plan of a run without running it. Host bytes by kind
+//! and per parameter, device bytes, then what the machine could hold: for every
+//! `optimizer.memory` mode the deepest model of this shape (same layers, more of them) that fits
+//! the host's available memory, and for the device budget the largest micro-batch that fits.
+//! Errors (exit status 1) when the config as written does not fit, with the numbers.
+
+use std::fmt::Write as _;
+
+use anyhow::Result;
+
+use crate::config::{ByteSize, OptimizerMemory, RunConfig};
+use crate::engine::exec::{EngineConfig, Sizes};
+use crate::engine::memory::{MemoryPlan, gib, host_available_bytes};
+use crate::hf::config::ModelConfig;
+use crate::model::layout::ModelLayout;
+use crate::train::{engine_config, model_config};
+
+/// The plan of `cfg` as run (its own mode), and the report `horizon plan` prints.
+pub struct PlanReport {
+    pub plan: MemoryPlan,
+    pub text: String,
+}
+
+/// The memory plan of a model / engine configuration (the CPU backend's pool in host RAM).
+pub fn plan_for(model: &ModelConfig, ecfg: &EngineConfig, budget: Option<u64>) -> MemoryPlan {
+    let sizes = Sizes::new(&ModelLayout::new(model), ecfg);
+    MemoryPlan::new(&sizes, budget, true)
+}
+
+/// The deepest model of `model`'s shape whose host total fits `avail` under `ecfg`: (layers,
+/// parameters, host bytes); `None` if not even one layer fits.
+pub fn deepest_fit(
+    model: &ModelConfig,
+    ecfg: &EngineConfig,
+    avail: u64,
+) -> Option<(usize, u64, u64)> {
+    let at = |layers: usize| {
+        let mut m = model.clone();
+        m.num_layers = layers;
+        let p = plan_for(&m, ecfg, None);
+        (p.params, p.host_total())
+    };
+    if at(1).1 > avail {
+        return None;
+    }
+    // Host bytes grow with depth: the largest L with total(L) <= avail, by doubling then
+    // bisection.
+    let (mut lo, mut hi) = (1usize, 2usize);
+    while at(hi).1 <= avail {
+        lo = hi;
+        hi *= 2;
+        if hi > 1 << 24 {
+            break;
+        }
+    }
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if at(mid).1 <= avail { lo = mid } else { hi = mid }
+    }
+    let (p, b) = at(lo);
+    Some((lo, p, b))
+}
+
+/// The largest micro-batch (rows) whose device plan fits `budget`, up to the batch size.
+pub fn largest_micro_batch(model: &ModelConfig, ecfg: &EngineConfig, budget: u64) -> usize {
+    let fits = |mb: usize| {
+        let e = EngineConfig { micro_batch_size: mb, ..*ecfg };
+        plan_for(model, &e, Some(budget)).device_total() <= budget
+    };
+    (1..=ecfg.batch_size).take_while(|&mb| fits(mb)).last().unwrap_or(0)
+}
+
+/// Build the report for `cfg`.
+pub fn report(cfg: &RunConfig) -> Result<PlanReport> {
+    let raw = &cfg.raw;
+    let model = model_config(raw)?;
+    let ecfg = engine_config(raw);
+    let budget = match raw.device.memory {
+        ByteSize::Auto => None,
+        ByteSize::Bytes(b) => Some(b),
+    };
+    let plan = plan_for(&model, &ecfg, budget);
+    let mut t = String::new();
+    writeln!(t, "optimizer.memory: {}", raw.optimizer.memory.name())?;
+    write!(t, "{plan}")?;
+    let avail = host_available_bytes();
+    writeln!(t, "by optimizer.memory:")?;
+    for mode in OptimizerMemory::ALL {
+        let e = EngineConfig { memory: mode, ..ecfg };
+        let p = plan_for(&model, &e, budget);
+        let mut line = format!(
+            "  {:<8} host {:>14}  {:>6.2} B/param",
+            mode.name(),
+            gib(p.host_total()),
+            p.host_total() as f64 / p.params.max(1) as f64
+        );
+        if let Some(a) = avail {
+            match deepest_fit(&model, &e, a) {
+                Some((layers, params, bytes)) => write!(
+                    line,
+                    "; deepest that fits {}: {layers} layers, {:.3}B params ({})",
+                    gib(a),
+                    params as f64 / 1e9,
+                    gib(bytes)
+                )?,
+                None => write!(line, "; not even one layer fits {}", gib(a))?,
+            }
+        }
+        writeln!(t, "{line}")?;
+    }
+    match budget {
+        Some(b) => {
+            let mb = largest_micro_batch(&model, &ecfg, b);
+            if mb == 0 {
+                writeln!(t, "device budget {}: not even a micro-batch of 1 row fits", gib(b))?;
+            } else {
+                writeln!(
+                    t,
+                    "device budget {}: the largest micro-batch that fits is {mb} rows (of train.batch_size {}; train.micro_batch_size is {})",
+                    gib(b),
+                    ecfg.batch_size,
+                    ecfg.micro_batch_size
+                )?;
+            }
+        }
+        None => writeln!(
+            t,
+            "device.memory auto: the device pool is sized to the plan ({})",
+            gib(plan.device_total())
+        )?,
+    }
+    Ok(PlanReport { plan, text: t })
+}
+
+/// `horizon plan`: print the report; an error (with the numbers) when the config does not fit.
+pub fn run(cfg: &RunConfig) -> Result<()> {
+    let r = report(cfg)?;
+    print!("{}", r.text);
+    r.plan.check()?;
+    println!("fits");
+    Ok(())
+}

@@ -1,0 +1,476 @@
+//! AdamW with blockwise 8-bit moments (`optimizer.memory: compact`), after Dettmers et al.,
+//! "8-bit Optimizers via Block-wise Quantization" (2021): each block of [`QBLOCK`] elements
+//! stores one fp32 scale (its absolute maximum) and one byte per element, an index into a
+//! 256-entry *dynamic* code (a sign, a decimal exponent 10^-6..10^0 and a linear fraction whose
+//! resolution grows with the exponent), so small values keep their relative precision.
+//!
+//! - `m` uses the signed code ([`signed_code`]): `m ≈ code[q] * absmax`.
+//! - `v` is stored as `sqrt(v)` in the unsigned code ([`unsigned_code`]): `v ≈ (code[q] *
+//!   absmax)²`. Quantising `sqrt(v)` rather than `v` gives it the dynamic range of `m` (both
+//!   scale like the gradient), so an element whose `v` would fall below the code's smallest
+//!   step (10^-6 of the block maximum, 10^-12 in `v`) does not decode to `v = 0` while its `m`
+//!   survives, which would turn `m / (sqrt(v) + eps)` into `m / eps`.
+//!
+//! One step of a block: decode m and v to fp32, run the fp32 AdamW element update
+//! ([`crate::optim::adamw`]'s, the same operations in the same order), re-encode with the
+//! block's new absolute maximum, rounding stochastically (unbiased; see
+//! [`quantize_block_stochastic`]) with a deterministic seed. Blocks are independent: the
+//! result does not depend on the thread count.
+
+use std::sync::OnceLock;
+
+use rayon::prelude::*;
+
+use crate::optim::adamw::{AdamWStep, update_one};
+
+/// Elements per quantisation block (one fp32 scale each).
+pub const QBLOCK: usize = 256;
+
+/// Blocks per parallel task.
+const TASK_BLOCKS: usize = 64;
+
+/// bitsandbytes' `create_dynamic_map` with 7 exponent bits: for exponent e = 0..6, the
+/// midpoints of `linspace(0.1, 1, n_e + 1)` scaled by 10^(e-6), where n_e = 2^e (signed, each
+/// with both signs) or 2^(e+1) (unsigned); plus 0 and 1. Sorted ascending, 256 entries.
+fn dynamic_code(signed: bool) -> [f32; 256] {
+    let mut data: Vec<f64> = Vec::with_capacity(256);
+    for e in 0..7 {
+        let n = if signed { 1usize << e } else { 1usize << (e + 1) };
+        let scale = 10f64.powi(e - 6);
+        for j in 0..n {
+            let lo = 0.1 + 0.9 * j as f64 / n as f64;
+            let hi = 0.1 + 0.9 * (j + 1) as f64 / n as f64;
+            let mid = scale * (lo + hi) / 2.0;
+            data.push(mid);
+            if signed {
+                data.push(-mid);
+            }
+        }
+    }
+    data.push(0.0);
+    data.push(1.0);
+    assert_eq!(data.len(), 256);
+    data.sort_by(|a, b| a.partial_cmp(b).expect("finite"));
+    let mut out = [0f32; 256];
+    for (o, d) in out.iter_mut().zip(&data) {
+        *o = *d as f32;
+    }
+    out
+}
+
+/// The signed dynamic code (for `m`), ascending: -0.993 .. 1.
+pub fn signed_code() -> &'static [f32; 256] {
+    static CODE: OnceLock<[f32; 256]> = OnceLock::new();
+    CODE.get_or_init(|| dynamic_code(true))
+}
+
+/// The unsigned dynamic code (for `sqrt(v)`), ascending: 0 .. 1.
+pub fn unsigned_code() -> &'static [f32; 256] {
+    static CODE: OnceLock<[f32; 256]> = OnceLock::new();
+    CODE.get_or_init(|| dynamic_code(false))
+}
+
+/// Index of the code value nearest to `x` (ties to the lower one).
+#[inline]
+fn nearest(code: &[f32; 256], x: f32) -> u8 {
+    // First index whose value is >= x, then the closer of it and its predecessor.
+    let hi = code.partition_point(|&c| c < x);
+    if hi == 0 {
+        return 0;
+    }
+    if hi == 256 {
+        return 255;
+    }
+    let lo = hi - 1;
+    if x - code[lo] <= code[hi] - x { lo as u8 } else { hi as u8 }
+}
+
+/// Index of 0 in a code.
+pub fn zero_index(code: &[f32; 256]) -> u8 {
+    code.iter().position(|&c| c == 0.0).expect("the code holds 0") as u8
+}
+
+/// Encode one block: returns its scale (absolute maximum) and writes one code per element.
+/// A block of zeros (or of non-finite values, which callers never pass) gets scale 0.
+pub fn quantize_block(codes: &mut [u8], x: &[f32], code: &'static [f32; 256]) -> f32 {
+    debug_assert_eq!(codes.len(), x.len());
+    let absmax = x.iter().fold(0f32, |a, &v| a.max(v.abs()));
+    if absmax == 0.0 || !absmax.is_finite() {
+        codes.fill(zero_index(code));
+        return 0.0;
+    }
+    let inv = 1.0 / absmax;
+    for (q, &v) in codes.iter_mut().zip(x) {
+        *q = nearest(code, v * inv);
+    }
+    absmax
+}
+
+/// [`quantize_block`] with stochastic rounding: an element between two codes goes to the upper
+/// one with probability proportional to its distance from the lower one, so the encoding is
+/// unbiased. Round-to-nearest would freeze a moment whose per-step change is below half a code
+/// gap (v decays by beta2 = 0.999 per step, a 0.05% change): its decoded value would never
+/// decay. The uniform draws are a hash of `seed` and the element's index: deterministic.
+pub fn quantize_block_stochastic(
+    codes: &mut [u8],
+    x: &[f32],
+    code: &'static [f32; 256],
+    seed: u64,
+) -> f32 {
+    debug_assert_eq!(codes.len(), x.len());
+    let absmax = x.iter().fold(0f32, |a, &v| a.max(v.abs()));
+    if absmax == 0.0 || !absmax.is_finite() {
+        codes.fill(zero_index(code));
+        return 0.0;
+    }
+    let inv = 1.0 / absmax;
+    for (i, (q, &v)) in codes.iter_mut().zip(x).enumerate() {
+        let t = v * inv;
+        let hi = code.partition_point(|&c| c < t);
+        *q = if hi == 0 {
+            0
+        } else if hi == 256 {
+            255
+        } else {
+            let lo = hi - 1;
+            let u = uniform(seed, i as u64);
+            let p_hi = (t - code[lo]) / (code[hi] - code[lo]);
+            if u < p_hi { hi as u8 } else { lo as u8 }
+        };
+    }
+    absmax
+}
+
+/// A uniform draw in [0, 1) from (seed, index): splitmix64's finaliser.
+#[inline]
+fn uniform(seed: u64, i: u64) -> f32 {
+    let mut z = seed ^ i.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    (z >> 40) as f32 / (1u64 << 24) as f32
+}
+
+/// Decode one block into `out`.
+pub fn dequantize_block(out: &mut [f32], codes: &[u8], absmax: f32, code: &'static [f32; 256]) {
+    for (o, &q) in out.iter_mut().zip(codes) {
+        *o = code[q as usize] * absmax;
+    }
+}
+
+/// Blocks needed for `n` elements.
+pub fn blocks(n: usize) -> usize {
+    n.div_ceil(QBLOCK)
+}
+
+/// The 8-bit moments of one flat parameter buffer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Moments8 {
+    /// (N) codes of `m` (signed code).
+    pub m_codes: Vec<u8>,
+    /// (N) codes of `sqrt(v)` (unsigned code).
+    pub v_codes: Vec<u8>,
+    /// (ceil(N / QBLOCK)) scales of `m` and of `sqrt(v)`.
+    pub m_absmax: Vec<f32>,
+    pub v_absmax: Vec<f32>,
+}
+
+impl Moments8 {
+    /// Zero moments for a buffer of `n` elements.
+    pub fn zeros(n: usize) -> Self {
+        Moments8 {
+            m_codes: vec![zero_index(signed_code()); n],
+            v_codes: vec![zero_index(unsigned_code()); n],
+            m_absmax: vec![0.0; blocks(n)],
+            v_absmax: vec![0.0; blocks(n)],
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.m_codes.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.m_codes.is_empty()
+    }
+
+    /// Host bytes of the moments of `n` elements.
+    pub fn bytes(n: usize) -> usize {
+        2 * n + 2 * 4 * blocks(n)
+    }
+
+    /// Decoded copies of m and v (for tests and inspection; allocates).
+    pub fn decode(&self) -> (Vec<f32>, Vec<f32>) {
+        let n = self.len();
+        let (mut m, mut s) = (vec![0f32; n], vec![0f32; n]);
+        for (b, (mc, sc)) in m.chunks_mut(QBLOCK).zip(s.chunks_mut(QBLOCK)).enumerate() {
+            let r = b * QBLOCK..b * QBLOCK + mc.len();
+            dequantize_block(mc, &self.m_codes[r.clone()], self.m_absmax[b], signed_code());
+            dequantize_block(sc, &self.v_codes[r], self.v_absmax[b], unsigned_code());
+        }
+        let v = s.iter().map(|x| x * x).collect();
+        (m, v)
+    }
+
+    /// Encode fp32 moments `m` and `v` (same length as `self`).
+    pub fn encode(&mut self, m: &[f32], v: &[f32]) {
+        assert!(m.len() == self.len() && v.len() == self.len(), "Moments8::encode: lengths differ");
+        let mut s = [0f32; QBLOCK];
+        for (b, (mb, vb)) in m.chunks(QBLOCK).zip(v.chunks(QBLOCK)).enumerate() {
+            let r = b * QBLOCK..b * QBLOCK + mb.len();
+            self.m_absmax[b] = quantize_block(&mut self.m_codes[r.clone()], mb, signed_code());
+            for (si, &vi) in s.iter_mut().zip(vb) {
+                *si = vi.sqrt();
+            }
+            self.v_absmax[b] =
+                quantize_block(&mut self.v_codes[r], &s[..vb.len()], unsigned_code());
+        }
+    }
+
+    /// Mutable views for [`adamw8bit_update`].
+    pub fn view_mut(&mut self) -> Moments8Mut<'_> {
+        Moments8Mut {
+            m_codes: &mut self.m_codes,
+            v_codes: &mut self.v_codes,
+            m_absmax: &mut self.m_absmax,
+            v_absmax: &mut self.v_absmax,
+        }
+    }
+}
+
+/// Borrowed 8-bit moments of one buffer.
+pub struct Moments8Mut<'a> {
+    pub m_codes: &'a mut [u8],
+    pub v_codes: &'a mut [u8],
+    pub m_absmax: &'a mut [f32],
+    pub v_absmax: &'a mut [f32],
+}
+
+/// One AdamW step with 8-bit moments on a flat buffer.
+///
+/// - `param`: (N) fp32 master weights, updated in place.
+/// - `grad`: (N) gradient before clipping (`grad_scale` is the clip coefficient).
+/// - `q`: the buffer's 8-bit moments, decoded, updated and re-encoded block by block.
+///
+/// Every element goes through the fp32 update of [`crate::optim::adamw`]; only the storage of
+/// m and v between steps is 8-bit. `seed` drives the stochastic rounding of the re-encoding
+/// (the caller derives it from the step and the buffer, so runs and resumes are reproducible).
+pub fn adamw8bit_update(
+    param: &mut [f32],
+    grad: &[f32],
+    q: Moments8Mut<'_>,
+    step: &AdamWStep,
+    grad_scale: f32,
+    seed: u64,
+) {
+    let n = param.len();
+    assert!(
+        grad.len() == n && q.m_codes.len() == n && q.v_codes.len() == n,
+        "adamw8bit_update: lengths differ: param {n}, grad {}, codes {} / {}",
+        grad.len(),
+        q.m_codes.len(),
+        q.v_codes.len()
+    );
+    assert!(q.m_absmax.len() == blocks(n) && q.v_absmax.len() == blocks(n));
+    let task = TASK_BLOCKS * QBLOCK;
+    let small = step.lerp_weight_small();
+    param
+        .par_chunks_mut(task)
+        .zip(grad.par_chunks(task))
+        .zip(q.m_codes.par_chunks_mut(task))
+        .zip(q.v_codes.par_chunks_mut(task))
+        .zip(q.m_absmax.par_chunks_mut(TASK_BLOCKS))
+        .zip(q.v_absmax.par_chunks_mut(TASK_BLOCKS))
+        .enumerate()
+        .for_each(|(t, (((((p, g), mc), vc), ma), va))| {
+            let seed = seed ^ (t as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93);
+            if small {
+                update_task::<true>(p, g, mc, vc, ma, va, step, grad_scale, seed);
+            } else {
+                update_task::<false>(p, g, mc, vc, ma, va, step, grad_scale, seed);
+            }
+        });
+}
+
+#[allow(clippy::too_many_arguments)]
+fn update_task<const SMALL_LERP: bool>(
+    param: &mut [f32],
+    grad: &[f32],
+    m_codes: &mut [u8],
+    v_codes: &mut [u8],
+    m_absmax: &mut [f32],
+    v_absmax: &mut [f32],
+    s: &AdamWStep,
+    grad_scale: f32,
+    seed: u64,
+) {
+    let (sc, uc) = (signed_code(), unsigned_code());
+    let mut m = [0f32; QBLOCK];
+    let mut v = [0f32; QBLOCK];
+    for (b, (p, g)) in param.chunks_mut(QBLOCK).zip(grad.chunks(QBLOCK)).enumerate() {
+        let len = p.len();
+        let r = b * QBLOCK..b * QBLOCK + len;
+        let (m, v) = (&mut m[..len], &mut v[..len]);
+        dequantize_block(m, &m_codes[r.clone()], m_absmax[b], sc);
+        dequantize_block(v, &v_codes[r.clone()], v_absmax[b], uc);
+        for i in 0..len {
+            let vi = v[i] * v[i];
+            let (pi, mi, vi) = update_one::<SMALL_LERP>(p[i], g[i], m[i], vi, s, grad_scale);
+            p[i] = pi;
+            m[i] = mi;
+            v[i] = vi.sqrt();
+        }
+        let bs = seed ^ (b as u64).wrapping_mul(0xA076_1D64_78BD_642F);
+        m_absmax[b] = quantize_block_stochastic(&mut m_codes[r.clone()], m, sc, bs);
+        v_absmax[b] = quantize_block_stochastic(&mut v_codes[r], v, uc, !bs);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::optim::adamw::{AdamWConfig, adamw_update_serial};
+    use crate::rng::SplitMix64;
+
+    #[test]
+    fn codes_are_sorted_and_span_the_range() {
+        for (code, lo) in [(signed_code(), -1.0f32), (unsigned_code(), 0.0)] {
+            assert!(code.windows(2).all(|w| w[0] < w[1]), "strictly ascending");
+            assert_eq!(code[255], 1.0);
+            assert!(code[0] >= lo && code[0] < lo + 0.01, "{}", code[0]);
+            assert_eq!(code[zero_index(code) as usize], 0.0);
+        }
+        // The smallest non-zero magnitude is 0.55e-6 of the block maximum.
+        let sc = signed_code();
+        let z = zero_index(sc) as usize;
+        assert!((sc[z + 1] - 0.55e-6).abs() < 1e-9, "{}", sc[z + 1]);
+    }
+
+    /// Round-trip error: at most half the gap between neighbouring codes, relative to the
+    /// block maximum (0.7% of it for values in the top decade); signs are kept.
+    #[test]
+    fn round_trip_error_bounds() {
+        let mut rng = SplitMix64::new(7);
+        for code in [signed_code(), unsigned_code()] {
+            let signed = code[0] < 0.0;
+            let n = 1000;
+            let mut x = vec![0f32; n];
+            rng.fill_normal(&mut x, 1.0);
+            for (i, v) in x.iter_mut().enumerate() {
+                // Magnitudes over six decades.
+                *v *= 10f32.powi(-((i % 7) as i32));
+                if !signed {
+                    *v = v.abs();
+                }
+            }
+            let mut codes = vec![0u8; n];
+            let absmax = quantize_block(&mut codes, &x, code);
+            let mut y = vec![0f32; n];
+            dequantize_block(&mut y, &codes, absmax, code);
+            for (i, (&a, &b)) in x.iter().zip(&y).enumerate() {
+                let t = a / absmax;
+                let k = code.partition_point(|&c| c < t).clamp(1, 255);
+                let gap = code[k] - code[k - 1];
+                let err = (a - b).abs() / absmax;
+                assert!(err <= gap / 2.0 * 1.0001 + 1e-7, "{i}: {a} -> {b}, gap {gap}");
+                // The top decade (0.1..1 of the maximum) has the finest steps: 0.9/64 of
+                // the maximum (signed), 0.9/128 (unsigned).
+                if a.abs() >= 0.1 * absmax {
+                    let top = if signed { 0.9 / 64.0 } else { 0.9 / 128.0 };
+                    assert!(err <= top / 2.0 * 1.0001, "{i}: {a} -> {b}");
+                }
+                assert!(a.signum() == b.signum() || b == 0.0, "{i}: sign of {a} -> {b}");
+            }
+            // The maximum itself is exact (positive) or within the signed code's asymmetry.
+            let imax = x.iter().position(|&v| v.abs() == absmax).unwrap();
+            assert!((y[imax] - x[imax]).abs() <= 0.0071 * absmax);
+        }
+    }
+
+    #[test]
+    fn zeros_and_block_edges() {
+        // All zeros: scale 0, decodes to exact zeros.
+        let mut codes = vec![7u8; QBLOCK];
+        let absmax = quantize_block(&mut codes, &[0.0; QBLOCK], signed_code());
+        assert_eq!(absmax, 0.0);
+        let mut y = vec![1f32; QBLOCK];
+        dequantize_block(&mut y, &codes, absmax, signed_code());
+        assert!(y.iter().all(|&v| v == 0.0));
+        // A zero inside a block stays exactly zero.
+        let x = [0.5f32, 0.0, -0.25, 1e-9];
+        let mut c = [0u8; 4];
+        let a = quantize_block(&mut c, &x, signed_code());
+        let mut y = [9f32; 4];
+        dequantize_block(&mut y, &c, a, signed_code());
+        assert_eq!(y[1], 0.0);
+        assert_eq!(y[3], 0.0, "below the smallest code step");
+        // Blocks are independent: a huge value in block 1 does not disturb block 0, and a
+        // partial last block (n not a multiple of QBLOCK) works.
+        let n = 2 * QBLOCK + 37;
+        let mut p = vec![0f32; n];
+        let mut g = vec![1e-3f32; n];
+        g[QBLOCK + 5] = 1e3;
+        let mut q = Moments8::zeros(n);
+        assert_eq!(q.m_absmax.len(), 3);
+        let cfg = AdamWConfig { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 };
+        adamw8bit_update(&mut p, &g, q.view_mut(), &AdamWStep::new(&cfg, 1, 1e-3), 1.0, 1);
+        let (m, v) = q.decode();
+        for i in (0..QBLOCK).chain(2 * QBLOCK..n) {
+            assert!((m[i] - 1e-4).abs() <= 1e-4 * 0.01, "m[{i}] = {}", m[i]);
+            assert!((v[i] - 1e-9).abs() <= 1e-9 * 0.02, "v[{i}] = {}", v[i]);
+        }
+        // Step 1 of Adam moves every parameter by about lr.
+        assert!(p.iter().all(|&x| (x + 1e-3).abs() < 2e-5), "{:?}", &p[..4]);
+    }
+
+    /// Over many steps the 8-bit update tracks the fp32 one.
+    #[test]
+    fn tracks_fp32_adamw() {
+        let n = 3 * QBLOCK + 11;
+        let mut rng = SplitMix64::new(3);
+        let mut p32 = vec![0f32; n];
+        rng.fill_normal(&mut p32, 0.02);
+        let mut p8 = p32.clone();
+        let p0 = p32.clone();
+        let (mut m, mut v) = (vec![0f32; n], vec![0f32; n]);
+        let mut q = Moments8::zeros(n);
+        let cfg = AdamWConfig { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 };
+        let mut g = vec![0f32; n];
+        for t in 1..=50 {
+            rng.fill_normal(&mut g, 1.0);
+            for (gi, pi) in g.iter_mut().zip(&p32) {
+                *gi = 0.1 * *gi + pi; // a pull towards 0 plus noise
+            }
+            let st = AdamWStep::new(&cfg, t, cfg.lr);
+            adamw_update_serial(&mut p32, &g, &mut m, &mut v, &st, 1.0);
+            adamw8bit_update(&mut p8, &g, q.view_mut(), &st, 1.0, t);
+        }
+        let (mut num, mut den) = (0f64, 0f64);
+        for i in 0..n {
+            let d32 = (p32[i] - p0[i]) as f64;
+            let d8 = (p8[i] - p0[i]) as f64;
+            num += (d8 - d32) * (d8 - d32);
+            den += d32 * d32;
+        }
+        let rel = (num / den).sqrt();
+        assert!(rel < 0.05, "8-bit updates differ from fp32 by {rel:.4} (relative)");
+    }
+
+    #[test]
+    fn thread_count_does_not_change_the_result() {
+        let n = 5 * TASK_BLOCKS * QBLOCK + 3;
+        let mut rng = SplitMix64::new(5);
+        let mut g = vec![0f32; n];
+        rng.fill_normal(&mut g, 1.0);
+        let cfg = AdamWConfig { lr: 1e-3, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.1 };
+        let st = AdamWStep::new(&cfg, 1, 1e-3);
+        let run = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            let mut p = vec![0.5f32; n];
+            let mut q = Moments8::zeros(n);
+            pool.install(|| adamw8bit_update(&mut p, &g, q.view_mut(), &st, 0.7, 9));
+            (p, q)
+        };
+        assert!(run(1) == run(3));
+    }
+}
