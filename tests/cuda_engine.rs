@@ -9,11 +9,10 @@ mod common;
 
 use common::*;
 use horizon::data::pretokenized::Row;
-use horizon::engine::exec::{Engine, EngineConfig, StepParams};
+use horizon::engine::exec::{Engine, StepParams};
 use horizon::hf::config::ModelConfig;
 use horizon::model::layout::ModelLayout;
 use horizon::model::params::ParamStore;
-use horizon::optim::adamw::AdamWConfig;
 use horizon::train::TrainState;
 use horizon_backend::Device;
 use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig};
@@ -67,24 +66,8 @@ where
     let layout = ModelLayout::new(&model);
     let params = ParamStore::load_hf(&layout, &case_dir(case).join("model")).unwrap();
     let init = params.clone();
-    let betas = f64s(&e["betas"]);
     let batch = e["batch"].as_u64().unwrap() as usize;
-    let cfg = EngineConfig {
-        batch_size: batch,
-        micro_batch_size: mbs,
-        seq_len: 32,
-        checkpoint_every: k,
-        grad_slabs: 2,
-        head_chunk_rows: 7,
-        adamw: AdamWConfig {
-            lr: e["lr"].as_f64().unwrap(),
-            beta1: betas[0],
-            beta2: betas[1],
-            eps: e["eps"].as_f64().unwrap(),
-            weight_decay: e["weight_decay"].as_f64().unwrap(),
-        },
-        grad_clip: e["grad_clip"].as_f64().unwrap(),
-    };
+    let cfg = case_engine_config(case, k, mbs);
     let mut engine = Engine::new(dev, &model, TrainState::new(params), cfg).unwrap();
     let data = horizon::data::pretokenized::load_pretokenized(
         &case_dir(case).join("data.jsonl"),

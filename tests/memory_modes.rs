@@ -14,7 +14,6 @@ use horizon::engine::exec::{Engine, EngineConfig, StepParams};
 use horizon::hf::config::ModelConfig;
 use horizon::model::layout::ModelLayout;
 use horizon::model::params::ParamStore;
-use horizon::optim::adamw::AdamWConfig;
 use horizon::train::{StreamTrainer, TrainState};
 use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig};
 
@@ -38,27 +37,9 @@ fn fixture_run(
     let model = ModelConfig::from_file(&case_dir(case).join("model/config.json")).unwrap();
     let layout = ModelLayout::new(&model);
     let params = ParamStore::load_hf(&layout, &case_dir(case).join("model")).unwrap();
-    let betas = f64s(&e["betas"]);
     let batch = e["batch"].as_u64().unwrap() as usize;
     let lr = e["lr"].as_f64().unwrap();
-    let cfg = EngineConfig {
-        batch_size: batch,
-        micro_batch_size: mbs,
-        seq_len: 32,
-        checkpoint_every: k,
-        grad_slabs: 2,
-        head_chunk_rows: 7,
-        adamw: AdamWConfig {
-            lr,
-            beta1: betas[0],
-            beta2: betas[1],
-            eps: e["eps"].as_f64().unwrap(),
-            weight_decay: e["weight_decay"].as_f64().unwrap(),
-        },
-        grad_clip: 0.0,
-        memory,
-        keep_internals: false,
-    };
+    let cfg = EngineConfig { grad_clip: 0.0, memory, ..case_engine_config(case, k, mbs) };
     let dev = CpuDevice::new(CpuDeviceConfig::with_capacity(64 << 20));
     let state = TrainState::for_memory(params, memory);
     let mut engine = Engine::new(dev, &model, state, cfg).unwrap();

@@ -101,3 +101,29 @@ pub fn case_yaml(case: &str, extra: &str) -> String {
     let dir = case_dir(case);
     fixture_yaml(case, &dir.join("model"), &dir.join("data.jsonl"), Path::new("unused"), extra)
 }
+
+/// The engine config of fixture `case`'s hyper-parameters: checkpoint every `k` layers,
+/// micro-batches of `mbs` rows, sequences of up to 32 tokens, head chunks of 7 rows, two
+/// gradient slabs, exact memory mode, the backward recomputing.
+pub fn case_engine_config(case: &str, k: usize, mbs: usize) -> horizon::engine::exec::EngineConfig {
+    let e = expected(case);
+    let betas = f64s(&e["betas"]);
+    horizon::engine::exec::EngineConfig {
+        batch_size: e["batch"].as_u64().unwrap() as usize,
+        micro_batch_size: mbs,
+        seq_len: 32,
+        checkpoint_every: k,
+        grad_slabs: 2,
+        head_chunk_rows: 7,
+        adamw: horizon::optim::adamw::AdamWConfig {
+            lr: e["lr"].as_f64().unwrap(),
+            beta1: betas[0],
+            beta2: betas[1],
+            eps: e["eps"].as_f64().unwrap(),
+            weight_decay: e["weight_decay"].as_f64().unwrap(),
+        },
+        grad_clip: e["grad_clip"].as_f64().unwrap(),
+        keep_internals: false,
+        memory: horizon::config::OptimizerMemory::Exact,
+    }
+}
