@@ -8,8 +8,7 @@
 mod common;
 
 use common::*;
-use horizon::data::pretokenized::Row;
-use horizon::engine::exec::{Engine, StepParams};
+use horizon::engine::exec::Engine;
 use horizon::hf::config::ModelConfig;
 use horizon::model::layout::ModelLayout;
 use horizon::model::params::ParamStore;
@@ -61,29 +60,13 @@ fn streamed<D: Device>(
 where
     D::Backend: 'static,
 {
-    let e = expected(case);
     let model = ModelConfig::from_file(&case_dir(case).join("model/config.json")).unwrap();
     let layout = ModelLayout::new(&model);
     let params = ParamStore::load_hf(&layout, &case_dir(case).join("model")).unwrap();
     let init = params.clone();
-    let batch = e["batch"].as_u64().unwrap() as usize;
     let cfg = case_engine_config(case, k, mbs);
     let mut engine = Engine::new(dev, &model, TrainState::new(params), cfg).unwrap();
-    let data = horizon::data::pretokenized::load_pretokenized(
-        &case_dir(case).join("data.jsonl"),
-        64,
-        100_000,
-    )
-    .unwrap()
-    .rows;
-    let steps = e["steps"].as_u64().unwrap() as usize;
-    let mut out = Vec::new();
-    for s in 0..steps {
-        let rows: Vec<&Row> = data[s * batch..(s + 1) * batch].iter().collect();
-        let sp = StepParams { lr: e["lr"].as_f64().unwrap(), inject_nan: false };
-        let o = engine.step(&rows, sp).unwrap();
-        out.push((o.loss(), o.grad_norm));
-    }
+    let out = run_case_steps(&mut engine, case).into_iter().map(|(l, g, _)| (l, g)).collect();
     (out, init, engine.into_state().params)
 }
 
@@ -94,33 +77,11 @@ fn fp32_engine_matches_the_fixtures() {
         return;
     }
     for case in CASES {
-        let e = expected(case);
-        let (losses, norms) = (f64s(&e["loss_per_step"]), f64s(&e["grad_norm_per_step"]));
-        let batch = e["batch"].as_u64().unwrap() as usize;
+        let batch = expected(case)["batch"].as_u64().unwrap() as usize;
         for (k, mbs) in [(1, batch), (2, 1), (3, batch)] {
             let dev = cuda(MatmulPrecision::Fp32, WireFormat::F32, 0, 0);
             let (steps, init, params) = streamed(dev, case, k, mbs);
-            for (s, (l, g)) in steps.iter().enumerate() {
-                assert_rel(&format!("{case} K={k} mbs={mbs} loss {s}"), *l, losses[s], 1e-5);
-                assert_rel(&format!("{case} K={k} mbs={mbs} grad norm {s}"), *g, norms[s], 1e-5);
-            }
-            let layout = ModelLayout::new(
-                &ModelConfig::from_file(&case_dir(case).join("model/config.json")).unwrap(),
-            );
-            for (name, _) in layout.hf_tensors() {
-                let want = tensor(case, "final.safetensors", &name);
-                let err = update_rel_err(
-                    params.tensor(&layout, &name).unwrap(),
-                    init.tensor(&layout, &name).unwrap(),
-                    &want,
-                );
-                let tol =
-                    update_tol(e["pytorch_fp32"]["update_rel_l2_err"][&name].as_f64().unwrap());
-                assert!(
-                    err <= tol,
-                    "{case} K={k} mbs={mbs} {name}: update error {err:.3e} > {tol:.1e}"
-                );
-            }
+            assert_matches_fixture(case, &format!("K={k} mbs={mbs}"), &steps, &init, &params);
         }
     }
 }

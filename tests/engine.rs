@@ -6,8 +6,7 @@ mod common;
 
 use common::*;
 use horizon::config::RawConfig;
-use horizon::data::pretokenized::Row;
-use horizon::engine::exec::{Engine, EngineConfig, StepParams};
+use horizon::engine::exec::{Engine, EngineConfig};
 use horizon::hf::config::ModelConfig;
 use horizon::model::layout::ModelLayout;
 use horizon::model::params::ParamStore;
@@ -22,12 +21,6 @@ fn reference(case: &str) -> (Vec<(f64, f64)>, ParamStore) {
     let steps = expected(case)["steps"].as_u64().unwrap() as usize;
     let out = (0..steps).map(|k| t.step(k).unwrap()).map(|m| (m.loss, m.grad_norm)).collect();
     (out, t.state.params.clone())
-}
-
-fn rows(case: &str) -> Vec<Row> {
-    horizon::data::pretokenized::load_pretokenized(&case_dir(case).join("data.jsonl"), 64, 100_000)
-        .unwrap()
-        .rows
 }
 
 /// Run the engine over the fixture's steps; returns per-step (loss, grad norm), the initial and
@@ -51,12 +44,10 @@ fn streamed_with(
     jitter_us: u64,
     seed: u64,
 ) -> (Vec<(f64, f64)>, ParamStore, ParamStore) {
-    let e = expected(case);
     let model = ModelConfig::from_file(&case_dir(case).join("model/config.json")).unwrap();
     let layout = ModelLayout::new(&model);
     let params = ParamStore::load_hf(&layout, &case_dir(case).join("model")).unwrap();
     let init = params.clone();
-    let batch = e["batch"].as_u64().unwrap() as usize;
     let cfg = EngineConfig { keep_internals: keep, ..case_engine_config(case, k, mbs) };
     let dev = CpuDevice::new(CpuDeviceConfig {
         capacity_bytes: 64 << 20,
@@ -65,24 +56,9 @@ fn streamed_with(
         jitter_seed: seed,
     });
     let mut engine = Engine::new(dev, &model, TrainState::new(params), cfg).unwrap();
-    let data = rows(case);
-    let steps = e["steps"].as_u64().unwrap() as usize;
-    let mut out = Vec::new();
-    for s in 0..steps {
-        let batch_rows: Vec<&Row> = data[s * batch..(s + 1) * batch].iter().collect();
-        let sp = StepParams { lr: e["lr"].as_f64().unwrap(), inject_nan: false };
-        let o = engine.step(&batch_rows, sp).unwrap();
-        out.push((o.loss(), o.grad_norm));
-    }
+    let out = run_case_steps(&mut engine, case).into_iter().map(|(l, g, _)| (l, g)).collect();
     let state = engine.into_state();
     (out, init, state.params)
-}
-
-fn assert_bit_identical(what: &str, a: &ParamStore, b: &ParamStore) {
-    for (i, (x, y)) in a.buffers().iter().zip(b.buffers()).enumerate() {
-        let diff = x.iter().zip(y.iter()).position(|(p, q)| p.to_bits() != q.to_bits());
-        assert!(diff.is_none(), "{what}: buffer {i} differs at {:?}", diff);
-    }
 }
 
 /// One micro-batch per step: the order of arithmetic is the reference path's, so every
@@ -121,27 +97,9 @@ fn whole_batch_is_bit_identical_to_the_reference_path() {
 #[test]
 fn micro_batches_match_the_fixtures() {
     for case in CASES {
-        let e = expected(case);
-        let losses = f64s(&e["loss_per_step"]);
-        let norms = f64s(&e["grad_norm_per_step"]);
         for k in [1, 2, 3] {
             let (steps, init, params) = streamed(case, k, 1, 0, 0);
-            for (s, (l, g)) in steps.iter().enumerate() {
-                assert_rel(&format!("{case} K={k} loss {s}"), *l, losses[s], 1e-5);
-                assert_rel(&format!("{case} K={k} grad norm {s}"), *g, norms[s], 1e-5);
-            }
-            let layout = ModelLayout::new(
-                &ModelConfig::from_file(&case_dir(case).join("model/config.json")).unwrap(),
-            );
-            for (name, _) in layout.hf_tensors() {
-                let want = tensor(case, "final.safetensors", &name);
-                let got = params.tensor(&layout, &name).unwrap();
-                let w0 = init.tensor(&layout, &name).unwrap();
-                let err = update_rel_err(got, w0, &want);
-                let tol =
-                    update_tol(e["pytorch_fp32"]["update_rel_l2_err"][&name].as_f64().unwrap());
-                assert!(err <= tol, "{case} K={k} {name}: update error {err:.3e} > {tol:.1e}");
-            }
+            assert_matches_fixture(case, &format!("K={k}"), &steps, &init, &params);
         }
     }
 }

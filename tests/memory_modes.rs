@@ -9,21 +9,12 @@ use std::process::Command;
 
 use common::*;
 use horizon::config::{OptimizerMemory, RawConfig};
-use horizon::data::pretokenized::Row;
-use horizon::engine::exec::{Engine, EngineConfig, StepParams};
+use horizon::engine::exec::{Engine, EngineConfig};
 use horizon::hf::config::ModelConfig;
 use horizon::model::layout::ModelLayout;
 use horizon::model::params::ParamStore;
 use horizon::train::{StreamTrainer, TrainState};
 use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig};
-
-fn assert_bit_identical(what: &str, a: &ParamStore, b: &ParamStore) {
-    for (i, (x, y)) in a.buffers().iter().zip(b.buffers()).enumerate() {
-        assert_eq!(x.len(), y.len(), "{what}: buffer {i} lengths");
-        let diff = x.iter().zip(y.iter()).position(|(p, q)| p.to_bits() != q.to_bits());
-        assert!(diff.is_none(), "{what}: buffer {i} differs at {diff:?}");
-    }
-}
 
 /// The fixture case's steps on the engine with `grad_clip` 0, in `memory` mode: per-step
 /// (loss, grad norm) and the final state.
@@ -33,31 +24,20 @@ fn fixture_run(
     mbs: usize,
     memory: OptimizerMemory,
 ) -> (Vec<(f64, f64)>, TrainState) {
-    let e = expected(case);
     let model = ModelConfig::from_file(&case_dir(case).join("model/config.json")).unwrap();
     let layout = ModelLayout::new(&model);
     let params = ParamStore::load_hf(&layout, &case_dir(case).join("model")).unwrap();
-    let batch = e["batch"].as_u64().unwrap() as usize;
-    let lr = e["lr"].as_f64().unwrap();
     let cfg = EngineConfig { grad_clip: 0.0, memory, ..case_engine_config(case, k, mbs) };
     let dev = CpuDevice::new(CpuDeviceConfig::with_capacity(64 << 20));
     let state = TrainState::for_memory(params, memory);
     let mut engine = Engine::new(dev, &model, state, cfg).unwrap();
-    let data = horizon::data::pretokenized::load_pretokenized(
-        &case_dir(case).join("data.jsonl"),
-        64,
-        1 << 20,
-    )
-    .unwrap()
-    .rows;
-    let steps = e["steps"].as_u64().unwrap() as usize;
-    let mut out = Vec::new();
-    for s in 0..steps {
-        let rows: Vec<&Row> = data[s * batch..(s + 1) * batch].iter().collect();
-        let o = engine.step(&rows, StepParams { lr, inject_nan: false }).unwrap();
-        assert!(!o.skipped);
-        out.push((o.loss(), o.grad_norm));
-    }
+    let out = run_case_steps(&mut engine, case)
+        .into_iter()
+        .map(|(loss, norm, skipped)| {
+            assert!(!skipped);
+            (loss, norm)
+        })
+        .collect();
     (out, engine.into_state())
 }
 

@@ -127,3 +127,75 @@ pub fn case_engine_config(case: &str, k: usize, mbs: usize) -> horizon::engine::
         memory: horizon::config::OptimizerMemory::Exact,
     }
 }
+
+/// The rows of fixture `case`'s data file.
+pub fn case_rows(case: &str) -> Vec<horizon::data::pretokenized::Row> {
+    horizon::data::pretokenized::load_pretokenized(&case_dir(case).join("data.jsonl"), 64, 100_000)
+        .unwrap()
+        .rows
+}
+
+/// Runs fixture `case`'s steps (its batches, its learning rate) on `engine`; returns each
+/// step's (loss, grad norm) and whether it was skipped.
+pub fn run_case_steps<D: horizon_backend::Device>(
+    engine: &mut horizon::engine::exec::Engine<D>,
+    case: &str,
+) -> Vec<(f64, f64, bool)>
+where
+    D::Backend: 'static,
+{
+    let e = expected(case);
+    let batch = e["batch"].as_u64().unwrap() as usize;
+    let lr = e["lr"].as_f64().unwrap();
+    let data = case_rows(case);
+    (0..e["steps"].as_u64().unwrap() as usize)
+        .map(|s| {
+            let rows: Vec<_> = data[s * batch..(s + 1) * batch].iter().collect();
+            let sp = horizon::engine::exec::StepParams { lr, inject_nan: false };
+            let o = engine.step(&rows, sp).unwrap();
+            (o.loss(), o.grad_norm, o.skipped)
+        })
+        .collect()
+}
+
+/// The losses and gradient norms of `steps` within 1e-5 of fixture `case`'s, and every tensor's
+/// update (from `init` to `params`) within the tolerance table's bound; `what` names the run.
+pub fn assert_matches_fixture(
+    case: &str,
+    what: &str,
+    steps: &[(f64, f64)],
+    init: &horizon::model::params::ParamStore,
+    params: &horizon::model::params::ParamStore,
+) {
+    let e = expected(case);
+    let (losses, norms) = (f64s(&e["loss_per_step"]), f64s(&e["grad_norm_per_step"]));
+    for (s, (l, g)) in steps.iter().enumerate() {
+        assert_rel(&format!("{case} {what} loss {s}"), *l, losses[s], 1e-5);
+        assert_rel(&format!("{case} {what} grad norm {s}"), *g, norms[s], 1e-5);
+    }
+    let model =
+        horizon::hf::config::ModelConfig::from_file(&case_dir(case).join("model/config.json"))
+            .unwrap();
+    let layout = horizon::model::layout::ModelLayout::new(&model);
+    for (name, _) in layout.hf_tensors() {
+        let want = tensor(case, "final.safetensors", &name);
+        let got = params.tensor(&layout, &name).unwrap();
+        let w0 = init.tensor(&layout, &name).unwrap();
+        let err = update_rel_err(got, w0, &want);
+        let tol = update_tol(e["pytorch_fp32"]["update_rel_l2_err"][&name].as_f64().unwrap());
+        assert!(err <= tol, "{case} {what} {name}: update error {err:.3e} > {tol:.1e}");
+    }
+}
+
+/// Every element of `a` and `b` has the same bits.
+pub fn assert_bit_identical(
+    what: &str,
+    a: &horizon::model::params::ParamStore,
+    b: &horizon::model::params::ParamStore,
+) {
+    for (i, (x, y)) in a.buffers().iter().zip(b.buffers()).enumerate() {
+        assert_eq!(x.len(), y.len(), "{what}: buffer {i} lengths");
+        let diff = x.iter().zip(y.iter()).position(|(p, q)| p.to_bits() != q.to_bits());
+        assert!(diff.is_none(), "{what}: buffer {i} differs at {diff:?}");
+    }
+}
