@@ -270,7 +270,7 @@ impl Default for OutputSection {
 }
 
 /// Element type of exported weights.
-#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum WeightDtype {
     #[default]

@@ -97,11 +97,7 @@ pub fn export_model(
     let layout = ModelLayout::new(model_cfg);
     let mut cfg_json = model_cfg.to_hf_json();
     if let Some(o) = cfg_json.as_object_mut() {
-        let dtype = match opts.dtype {
-            SaveDtype::F32 => "float32",
-            SaveDtype::Bf16 => "bfloat16",
-        };
-        o.insert("torch_dtype".into(), dtype.into());
+        o.insert("torch_dtype".into(), opts.dtype.torch_dtype().into());
     }
     let cfg_path = dir.join("config.json");
     fs::write(&cfg_path, serde_json::to_string_pretty(&cfg_json)?)
@@ -116,15 +112,9 @@ pub fn export_model(
             (name, shape, data)
         })
         .collect();
-    let esize = match opts.dtype {
-        SaveDtype::F32 => 4,
-        SaveDtype::Bf16 => 2,
-    };
-    let shards = plan_shards(
-        &tensors.iter().map(|t| (t.2.len() * esize) as u64).collect::<Vec<_>>(),
-        opts.max_shard_bytes,
-    );
-    let total_bytes: u64 = tensors.iter().map(|t| (t.2.len() * esize) as u64).sum();
+    let sizes: Vec<u64> = tensors.iter().map(|t| (t.2.len() * opts.dtype.size()) as u64).collect();
+    let shards = plan_shards(&sizes, opts.max_shard_bytes);
+    let total_bytes: u64 = sizes.iter().sum();
     let mut files = Vec::new();
     if shards.len() == 1 {
         let path = dir.join("model.safetensors");

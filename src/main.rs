@@ -61,8 +61,8 @@ enum Command {
         #[arg(long)]
         out: PathBuf,
         /// Weight type: fp32 (exact) or bf16 (rounded to nearest even).
-        #[arg(long, default_value = "fp32", value_parser = ["fp32", "bf16"])]
-        dtype: String,
+        #[arg(long, value_enum, default_value = "fp32")]
+        dtype: horizon::config::WeightDtype,
         /// Largest shard, e.g. 5GB, 500MB (more weights than this are split, with an index).
         #[arg(long, default_value = "5GB")]
         max_shard_size: String,
@@ -161,12 +161,8 @@ fn try_main(cli: Cli) -> Result<()> {
                 Ok(_) => bail!("--max-shard-size must be a positive size such as 5GB"),
                 Err(e) => bail!("--max-shard-size: {e}"),
             };
-            let dtype = if dtype == "bf16" {
-                horizon::hf::checkpoint::SaveDtype::Bf16
-            } else {
-                horizon::hf::checkpoint::SaveDtype::F32
-            };
-            let opts = horizon::export::ExportOptions { dtype, max_shard_bytes };
+            let opts =
+                horizon::export::ExportOptions { dtype: dtype.save_dtype(), max_shard_bytes };
             let e = horizon::export::export_dir(&source, &out, opts)?;
             println!(
                 "exported {} ({} shard(s), {:.1} MB of weights; tokenizer files: {})",

@@ -76,20 +76,7 @@ pub fn plot(points: &[Point], path: &Path, title: &str) -> Result<()> {
     let (lo, hi) = if lo.is_finite() { (lo.min(hi - 1e-6), hi) } else { (0.0, 1.0) };
     let pad = 0.05 * (hi - lo);
 
-    let mut chart = ChartBuilder::on(&top)
-        .margin(12)
-        .x_label_area_size(36)
-        .y_label_area_size(64)
-        .caption("loss", (FAMILY, 18))
-        .build_cartesian_2d(1f64..max_step, (lo - pad)..(hi + pad))
-        .map_err(|e| err(&e))?;
-    chart
-        .configure_mesh()
-        .x_desc("step")
-        .x_label_formatter(&|x| format!("{x:.0}"))
-        .label_style((FAMILY, 13))
-        .draw()
-        .map_err(|e| err(&e))?;
+    let mut chart = step_chart(&top, "loss", max_step, (lo - pad)..(hi + pad), path)?;
     chart
         .draw_series(LineSeries::new(good.iter().map(|p| (p.step as f64, p.loss)), &BLUE))
         .map_err(|e| err(&e))?
@@ -119,12 +106,33 @@ pub fn plot(points: &[Point], path: &Path, title: &str) -> Result<()> {
         .map(|p| (p.step as f64, p.tokens_per_s))
         .collect();
     let tmax = tps.iter().map(|p| p.1).fold(1.0f64, f64::max);
-    let mut chart = ChartBuilder::on(&bottom)
+    let mut chart = step_chart(&bottom, "throughput (tokens/s)", max_step, 0f64..tmax * 1.1, path)?;
+    chart.draw_series(LineSeries::new(tps, GREEN.stroke_width(1))).map_err(|e| err(&e))?;
+    root.present().map_err(|e| err(&e))?;
+    Ok(())
+}
+
+/// A chart of `y` against the step (1..`max_step`) on `area`, captioned, with its mesh drawn.
+fn step_chart<'a, 'b>(
+    area: &'a DrawingArea<BitMapBackend<'b>, plotters::coord::Shift>,
+    caption: &str,
+    max_step: f64,
+    y: std::ops::Range<f64>,
+    path: &Path,
+) -> Result<
+    ChartContext<
+        'a,
+        BitMapBackend<'b>,
+        Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
+    >,
+> {
+    let err = |e: &dyn std::fmt::Display| anyhow!("drawing {}: {e}", path.display());
+    let mut chart = ChartBuilder::on(area)
         .margin(12)
         .x_label_area_size(36)
         .y_label_area_size(64)
-        .caption("throughput (tokens/s)", (FAMILY, 18))
-        .build_cartesian_2d(1f64..max_step, 0f64..tmax * 1.1)
+        .caption(caption, (FAMILY, 18))
+        .build_cartesian_2d(1f64..max_step, y)
         .map_err(|e| err(&e))?;
     chart
         .configure_mesh()
@@ -133,9 +141,7 @@ pub fn plot(points: &[Point], path: &Path, title: &str) -> Result<()> {
         .label_style((FAMILY, 13))
         .draw()
         .map_err(|e| err(&e))?;
-    chart.draw_series(LineSeries::new(tps, GREEN.stroke_width(1))).map_err(|e| err(&e))?;
-    root.present().map_err(|e| err(&e))?;
-    Ok(())
+    Ok(chart)
 }
 
 /// `OUT/report.md`: the run in a few lines, with the plot.

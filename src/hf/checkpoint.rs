@@ -316,10 +316,19 @@ impl SaveDtype {
         }
     }
 
-    fn size(self) -> usize {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
         match self {
             SaveDtype::F32 => 4,
             SaveDtype::Bf16 => 2,
+        }
+    }
+
+    /// The `torch_dtype` of a HF `config.json` for weights of this type.
+    pub fn torch_dtype(self) -> &'static str {
+        match self {
+            SaveDtype::F32 => "float32",
+            SaveDtype::Bf16 => "bfloat16",
         }
     }
 }
