@@ -9,12 +9,12 @@
 
 use std::path::Path;
 
-use anyhow::{Result, bail};
+use anyhow::Result;
 
 use super::pretokenized::Row;
 use super::records::{
     LoadReport, OnError, Outcome, check_max_seq_len, encode_spans, finish_load, masked_labels,
-    opt_str_field, read_jsonl, str_field, token_i32,
+    opt_str_field, read_jsonl, require_eos, str_field,
 };
 use crate::tokenizer::Tokenizer;
 
@@ -58,14 +58,7 @@ pub fn load_alpaca(
     on_error: OnError,
 ) -> Result<(Vec<Row>, LoadReport)> {
     check_max_seq_len(max_seq_len)?;
-    let Some(eos) = tok.eos_id() else {
-        bail!(
-            "the tokenizer has no EOS token; the alpaca format ends every example with EOS \
-             (dataset {})",
-            path.display()
-        );
-    };
-    let eos = token_i32(eos)?;
+    let eos = require_eos(tok, path, "alpaca", "example")?;
     let mut report = LoadReport::default();
     let mut truncated = 0;
     let rows = read_jsonl(path, on_error, &mut report, |obj| {

@@ -185,6 +185,19 @@ fn json_kind(v: &Value) -> &'static str {
     }
 }
 
+/// The tokenizer's EOS id as rows hold it, or an error naming the dataset: `format` ends every
+/// `unit` (record, example) with EOS.
+pub fn require_eos(tok: &dyn Tokenizer, path: &Path, format: &str, unit: &str) -> Result<i32> {
+    let Some(eos) = tok.eos_id() else {
+        bail!(
+            "the tokenizer has no EOS token; the {format} format ends every {unit} with EOS \
+             (dataset {})",
+            path.display()
+        );
+    };
+    token_i32(eos)
+}
+
 /// A tokenizer id as the `i32` rows hold.
 pub fn token_i32(id: u32) -> Result<i32> {
     i32::try_from(id).map_err(|_| anyhow!("token id {id} does not fit in i32"))

@@ -15,8 +15,8 @@ use anyhow::{Result, bail};
 
 use super::pretokenized::Row;
 use super::records::{
-    LoadReport, OnError, Outcome, check_max_seq_len, no_rows_error, read_jsonl, str_field,
-    token_i32,
+    LoadReport, OnError, Outcome, check_max_seq_len, no_rows_error, read_jsonl, require_eos,
+    str_field, token_i32,
 };
 use crate::tokenizer::Tokenizer;
 
@@ -32,14 +32,7 @@ pub fn load_text(
     on_error: OnError,
 ) -> Result<(Vec<Row>, LoadReport)> {
     check_max_seq_len(max_seq_len)?;
-    let Some(eos) = tok.eos_id() else {
-        bail!(
-            "the tokenizer has no EOS token; the text format ends every record with EOS \
-             (dataset {})",
-            path.display()
-        );
-    };
-    let eos = token_i32(eos)?;
+    let eos = require_eos(tok, path, "text", "record")?;
     let bos = match tok.bos_id() {
         Some(bos) if tok.add_bos_token() => Some(token_i32(bos)?),
         _ => None,
