@@ -154,6 +154,13 @@ pub struct TrainSection {
     pub eval_every: usize,
 }
 
+impl TrainSection {
+    /// Rows per micro-batch: `micro_batch_size`, or the whole batch.
+    pub fn micro_batch_rows(&self) -> usize {
+        self.micro_batch_size.unwrap_or(self.batch_size)
+    }
+}
+
 impl Default for TrainSection {
     fn default() -> Self {
         TrainSection {

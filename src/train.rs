@@ -247,6 +247,8 @@ pub struct Trainer {
     pub cfg: RunConfig,
     pub model_cfg: ModelConfig,
     pub data: PretokenizedDataset,
+    /// The order batches read `data`'s rows in.
+    order: BatchOrder,
     pub state: TrainState,
     pub engine: Transformer<CpuBackend>,
 }
@@ -266,13 +268,13 @@ impl Trainer {
                 head_chunk_rows: raw.engine.head_chunk_rows,
             },
         );
-        Ok(Trainer { state: TrainState::new(params), cfg, model_cfg, data, engine })
+        let order = batch_order(&cfg, &data);
+        Ok(Trainer { state: TrainState::new(params), cfg, model_cfg, data, order, engine })
     }
 
     /// The batch of optimizer step `k` (0-based), and its count of real (non-padding) tokens.
-    pub fn batch(&self, k: usize) -> (Batch, usize) {
-        let mut order = batch_order(&self.cfg, &self.data);
-        let rows = step_rows(&mut order, &self.data, k);
+    pub fn batch(&mut self, k: usize) -> (Batch, usize) {
+        let rows = step_rows(&mut self.order, &self.data, k);
         let tokens = rows.iter().map(|r| r.input_ids.len()).sum();
         (make_batch(&rows), tokens)
     }
@@ -714,7 +716,7 @@ where
             return Ok(None);
         };
         let params = &self.engine.state().params;
-        let mbs = self.cfg.raw.train.micro_batch_size.unwrap_or(self.cfg.raw.train.batch_size);
+        let mbs = self.cfg.raw.train.micro_batch_rows();
         let (mut loss_sum, mut targets) = (0.0f64, 0usize);
         for chunk in eval.rows.chunks(mbs) {
             let rows: Vec<&Row> = chunk.iter().collect();
@@ -735,7 +737,7 @@ pub fn engine_config(raw: &RawConfig) -> EngineConfig {
     let t = &raw.train;
     EngineConfig {
         batch_size: t.batch_size,
-        micro_batch_size: t.micro_batch_size.unwrap_or(t.batch_size),
+        micro_batch_size: t.micro_batch_rows(),
         seq_len: t.max_seq_len,
         checkpoint_every: raw.engine.checkpoint_every,
         grad_slabs: raw.engine.grad_slabs,
@@ -928,7 +930,7 @@ where
     let per_step = step_flops(
         tr.engine.schedule(),
         &ModelLayout::new(&tr.model_cfg).dims,
-        tr.cfg.raw.train.micro_batch_size.unwrap_or(tr.cfg.raw.train.batch_size),
+        tr.cfg.raw.train.micro_batch_rows(),
         tr.cfg.raw.train.max_seq_len,
     );
     let k = timed_steps as f64;
