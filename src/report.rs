@@ -9,6 +9,7 @@ use std::sync::Once;
 use anyhow::{Context, Result, anyhow};
 use plotters::prelude::*;
 
+use crate::engine::memory::gib;
 use crate::train::Summary;
 
 /// The font every label is drawn with, embedded so that plots need no system fonts
@@ -151,7 +152,6 @@ pub fn write_report(
     s: &Summary,
     plot: Option<&Path>,
 ) -> Result<PathBuf> {
-    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     let mut r = format!("# Training report\n\nconfig: `{origin}`\n\n");
     r += "| | |\n|---|---|\n";
     r += &format!(
@@ -167,12 +167,12 @@ pub fn write_report(
         s.tokens_per_s, s.steps, s.wall_s
     );
     r += &format!(
-        "| host memory | peak RSS {:.2} GiB, planned {:.2} GiB |\n",
+        "| host memory | peak RSS {}, planned {} |\n",
         gib(s.peak_rss_bytes),
         gib(s.planned_host_bytes)
     );
     r += &format!(
-        "| device memory | peak {:.2} GiB, planned {:.2} GiB |\n",
+        "| device memory | peak {}, planned {} |\n",
         gib(s.peak_device_bytes),
         gib(s.planned_device_bytes)
     );
