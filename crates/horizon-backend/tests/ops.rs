@@ -25,13 +25,15 @@ const FWD_TOL: f64 = 1e-5;
 const GRAD_TOL: f64 = 1e-5;
 const TWICE_TOL: f64 = 1e-6;
 
-/// Attention shapes covering GQA (3 over 1, 4 over 2), MQA, plain MHA and T = 1.
-const ATTN_DIMS: [AttnDims; 5] = [
+/// Attention shapes covering GQA (3 over 1, 4 over 2), MQA, plain MHA, T = 1, and T over two
+/// query blocks of the CPU kernel (64 rows each) with a partial third.
+const ATTN_DIMS: [AttnDims; 6] = [
     AttnDims { b: 2, t: 7, h: 3, kvh: 1, d: 4 },
     AttnDims { b: 2, t: 7, h: 4, kvh: 2, d: 4 },
     AttnDims { b: 1, t: 6, h: 4, kvh: 1, d: 6 },
     AttnDims { b: 2, t: 5, h: 2, kvh: 2, d: 4 },
     AttnDims { b: 3, t: 1, h: 2, kvh: 1, d: 2 },
+    AttnDims { b: 1, t: 140, h: 2, kvh: 1, d: 4 },
 ];
 
 /// `sum(out * r)` in f64: the scalar loss whose gradient w.r.t. `out` is `r`.

@@ -1,18 +1,32 @@
-//! Causal grouped-query attention on the CPU, flash style: no (T, T) score matrix is ever
-//! stored; the forward saves only the log-sum-exp of each score row, and the backward
-//! recomputes the probabilities from q, k and that lse.
+//! Causal grouped-query attention on the CPU, in tiles: one parallel task per head, and inside
+//! it one block of [`QB`] query rows at a time, whose scores against keys `0..=last row` are
+//! one matrix product into a per-thread (QB x T) scratch. No (T, T) matrix is ever stored; the
+//! forward saves only the log-sum-exp of each score row, and the backward recomputes the
+//! probabilities from q, k and that lse. Every product goes through the packed GEMM on the
+//! task's own thread ([`gemm_serial`]), so results do not depend on the number of threads.
 //!
 //! Data flow: qkv (N, QKV) after rope -> scores s_ij = scale q_i.k_j (j <= i)
-//!   -> online softmax -> out (N, H*D), lse (B, H, T).
+//!   -> softmax -> out (N, H*D), lse (B, H, T).
 //!
 //! Query head `h` reads kv head `h / (H/KVH)`; `scale = 1/sqrt(D)`.
 
+use std::cell::RefCell;
 use std::marker::PhantomData;
 
 use rayon::prelude::*;
 
-use super::{axpy, dot};
+use super::matmul::{View, gemm_serial, with_scratch};
+use super::{dot, exp_in_place};
 use crate::AttnDims;
+
+/// Query rows per block: the scores of one block are a (QB, keys) matrix in scratch.
+const QB: usize = 64;
+
+thread_local! {
+    /// Each worker's attention scratch (score block, probabilities, small outputs, dk and dv
+    /// sums), grown to the largest shape once and then reused.
+    static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
 
 /// A mutable buffer shared by parallel tasks that each write a disjoint set of elements.
 /// Rayon's safe splitting cannot express "columns of head h of every row of batch b", which is
@@ -65,9 +79,30 @@ fn check(
     (dims.qkv_width(), h / kvh)
 }
 
-/// Causal GQA forward. One parallel task per (b, h) pair; for each query position it runs an
-/// online softmax over keys `0..=t`, accumulating straight into its output row (no score row,
-/// no allocation).
+/// `S (rows, keys) = Q_blk . K^T` for query rows `r0..r0 + rows` of head `hi` and keys
+/// `k0..k0 + keys` (absolute rows of qkv), into `s` with row stride `keys`.
+#[allow(clippy::too_many_arguments)]
+fn scores(
+    s: &mut [f32],
+    qkv: &[f32],
+    width: usize,
+    d: usize,
+    q_col: usize,
+    k_col: usize,
+    r0: usize,
+    rows: usize,
+    k0: usize,
+    keys: usize,
+) {
+    // A = Q rows (rows, d); B (d, keys): B[c, j] = K[j, c].
+    let a = View { data: &qkv[r0 * width + q_col..], rs: width, cs: 1 };
+    let b = View { data: &qkv[k0 * width + k_col..], rs: 1, cs: width };
+    gemm_serial(s, keys, a, b, rows, keys, d, false);
+}
+
+/// Causal GQA forward. One parallel task per (b, h) pair; per block of [`QB`] query rows:
+/// scores by one product, a row softmax (masked past the diagonal) into probabilities, then
+/// `out = P . V` by another.
 ///
 /// out: (N, H*D), overwrites.
 /// lse: (B, H, T), overwrites: `log sum_j exp(scale q_t.k_j)` over `j <= t`.
@@ -77,45 +112,65 @@ pub fn attention_forward(out: &mut [f32], lse: &mut [f32], qkv: &[f32], dims: At
     let AttnDims { b, t, h, kvh, d } = dims;
     let scale = 1.0 / (d as f32).sqrt();
     let hd = h * d;
+    let qb = QB.min(t);
     let out = DisjointMut::new(out);
     let lse = DisjointMut::new(lse);
 
     (0..b * h).into_par_iter().for_each(|bh| {
         let (bi, hi) = (bh / h, bh % h);
         let g = hi / group;
-        for ti in 0..t {
-            let row = bi * t + ti;
-            let q = &qkv[row * width + hi * d..][..d];
-            // SAFETY: task (bi, hi) is the only one writing head hi's columns of batch bi's rows,
-            // and only this one view of them is live at a time.
-            let o = unsafe { out.slice_mut(row * hd + hi * d, d) };
-            o.fill(0.0);
-            // Online softmax: m = running max, l = running sum of exp(s - m); o holds
-            // sum_j exp(s_j - m) v_j, rescaled whenever m grows.
-            let mut m = f32::NEG_INFINITY;
-            let mut l = 0.0f32;
-            for tj in 0..=ti {
-                let kv_row = (bi * t + tj) * width;
-                let k = &qkv[kv_row + (h + g) * d..][..d];
-                let v = &qkv[kv_row + (h + kvh + g) * d..][..d];
-                let s = dot(q, k) * scale;
-                if s > m {
-                    let c = (m - s).exp();
-                    l *= c;
-                    o.iter_mut().for_each(|x| *x *= c);
-                    m = s;
+        let (q_col, k_col, v_col) = (hi * d, (h + g) * d, (h + kvh + g) * d);
+        with_scratch(&SCRATCH, qb * t + qb * d, |scratch| {
+            let (p, o) = scratch.split_at_mut(qb * t);
+            for i0 in (0..t).step_by(qb) {
+                let rows = qb.min(t - i0);
+                let keys = i0 + rows;
+                let r0 = bi * t + i0;
+                let p = &mut p[..rows * keys];
+                scores(p, qkv, width, d, q_col, k_col, r0, rows, bi * t, keys);
+                for (r, row) in p.chunks_exact_mut(keys).enumerate() {
+                    let (live, masked) = row.split_at_mut(i0 + r + 1);
+                    let mut m = f32::NEG_INFINITY;
+                    for x in live.iter_mut() {
+                        *x *= scale;
+                        m = m.max(*x);
+                    }
+                    live.iter_mut().for_each(|x| *x -= m);
+                    exp_in_place(live);
+                    let l: f32 = sum(live);
+                    let inv = 1.0 / l;
+                    live.iter_mut().for_each(|x| *x *= inv);
+                    masked.fill(0.0);
+                    // SAFETY: element (bi, hi, i0 + r) of lse belongs to task (bi, hi) alone.
+                    let lse_i = unsafe { lse.slice_mut((bi * h + hi) * t + i0 + r, 1) };
+                    lse_i[0] = m + l.ln();
                 }
-                let p = (s - m).exp();
-                l += p;
-                axpy(o, p, v);
+                // O (rows, d) = P (rows, keys) . V (keys, d).
+                let o = &mut o[..rows * d];
+                let a = View { data: p, rs: keys, cs: 1 };
+                let v = View { data: &qkv[bi * t * width + v_col..], rs: width, cs: 1 };
+                gemm_serial(o, d, a, v, rows, d, keys, false);
+                for (r, o_r) in o.chunks_exact(d).enumerate() {
+                    // SAFETY: task (bi, hi) is the only one writing head hi's columns of batch
+                    // bi's rows, and only this one view of them is live at a time.
+                    let dst = unsafe { out.slice_mut((r0 + r) * hd + hi * d, d) };
+                    dst.copy_from_slice(o_r);
+                }
             }
-            let inv = 1.0 / l;
-            o.iter_mut().for_each(|x| *x *= inv);
-            // SAFETY: element (bi, hi, ti) of lse belongs to task (bi, hi) alone.
-            let lse_i = unsafe { lse.slice_mut((bi * h + hi) * t + ti, 1) };
-            lse_i[0] = m + l.ln();
-        }
+        });
     });
+}
+
+/// The sum of `x` in 8 lanes combined in a fixed tree (the order depends on the length only).
+fn sum(x: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let mut chunks = x.chunks_exact(8);
+    for c in &mut chunks {
+        for (a, v) in acc.iter_mut().zip(c) {
+            *a += v;
+        }
+    }
+    chunks.remainder().iter().fold(super::reduce8(acc), |s, v| s + v)
 }
 
 // Attention backward, for one query head with query rows q_i, key rows k_j, value rows v_j
@@ -131,13 +186,14 @@ pub fn attention_forward(out: &mut [f32], lse: &mut [f32], qkv: &[f32], dims: At
 //   dL/dk_j  = scale sum_i dS_ij q_i
 //
 // With GQA, the query heads of one group share k_j, v_j, so their contributions add up.
-// Implemented exactly as, per (b, kv head g), for each query head h of the group (ascending),
-// each i (ascending), each j = 0..=i (ascending):
-//   P = exp(scale q_i.k_j - lse_i);  dS = P * (dout_i.v_j - dD_i)
-//   dq_i += (scale dS) k_j;   dk_j += (scale dS) q_i;   dv_j += P dout_i
-// into a dqkv that is zeroed first, so dqkv as a whole is overwritten. One task owns all of
-// kv head g's dk, dv and the dq of its query heads, so there are no races and the order of
-// accumulation is fixed.
+// Implemented as, per (b, kv head g), for each query head h of the group (ascending), each
+// block of QB query rows (ascending), with keys 0..keys (keys = the block's last row + 1):
+//   P  = exp(scale Q_blk K^T - lse) (zero past the diagonal)     (QB, keys)
+//   G  = scale P * (dO_blk V^T - dD)                               (QB, keys)
+//   dQ_blk  = G K            (overwrites; each query row is in one block)
+//   dK     += G^T Q_blk      dV += P^T dO_blk   (task-local sums over heads and blocks)
+// and dk, dv are written once at the end. One task owns all of kv head g's dk, dv and the dq
+// of its query heads, so there are no races and the order of accumulation is fixed.
 
 /// Causal GQA backward; see the derivation above.
 ///
@@ -160,40 +216,81 @@ pub fn attention_backward(
     let AttnDims { b, t, h, kvh, d } = dims;
     let scale = 1.0 / (d as f32).sqrt();
     let hd = h * d;
+    let qb = QB.min(t);
     dqkv.par_chunks_mut(1 << 14).for_each(|c| c.fill(0.0));
     let dqkv = DisjointMut::new(dqkv);
 
     (0..b * kvh).into_par_iter().for_each(|bg| {
         let (bi, g) = (bg / kvh, bg % kvh);
-        for hi in g * group..(g + 1) * group {
-            for ti in 0..t {
-                let row = bi * t + ti;
-                let q = &qkv[row * width + hi * d..][..d];
-                let dy = &dout[row * hd + hi * d..][..d];
-                let y = &out[row * hd + hi * d..][..d];
-                let lse_i = lse[(bi * h + hi) * t + ti];
-                let dd = dot(dy, y);
-                // SAFETY: task (bi, g) alone owns the dq columns of query heads in group g for
-                // batch bi's rows; dq_i (query head columns) cannot overlap dk_j or dv_j
-                // (kv head columns) below.
-                let dq = unsafe { dqkv.slice_mut(row * width + hi * d, d) };
-                for tj in 0..=ti {
-                    let kv_row = (bi * t + tj) * width;
-                    let k = &qkv[kv_row + (h + g) * d..][..d];
-                    let v = &qkv[kv_row + (h + kvh + g) * d..][..d];
-                    let p = (dot(q, k) * scale - lse_i).exp();
-                    let ds = p * (dot(dy, v) - dd);
-                    axpy(dq, scale * ds, k);
-                    // SAFETY: task (bi, g) alone owns kv head g's dk and dv columns of batch
-                    // bi's rows; dk_j and dv_j are disjoint from each other and from dq, and
-                    // each lives only for this iteration.
-                    let dk = unsafe { dqkv.slice_mut(kv_row + (h + g) * d, d) };
-                    axpy(dk, scale * ds, q);
-                    // SAFETY: as above.
-                    let dv = unsafe { dqkv.slice_mut(kv_row + (h + kvh + g) * d, d) };
-                    axpy(dv, p, dy);
+        let (k_col, v_col) = ((h + g) * d, (h + kvh + g) * d);
+        let kv0 = bi * t;
+        let len = 2 * qb * t + qb * d + 2 * t * d;
+        with_scratch(&SCRATCH, len, |scratch| {
+            let (p, rest) = scratch.split_at_mut(qb * t);
+            let (gs, rest) = rest.split_at_mut(qb * t);
+            let (dq, rest) = rest.split_at_mut(qb * d);
+            let (dk, dv) = rest.split_at_mut(t * d);
+            dk.fill(0.0);
+            dv.fill(0.0);
+            for hi in g * group..(g + 1) * group {
+                let q_col = hi * d;
+                for i0 in (0..t).step_by(qb) {
+                    let rows = qb.min(t - i0);
+                    let keys = i0 + rows;
+                    let r0 = bi * t + i0;
+                    let p = &mut p[..rows * keys];
+                    let gs = &mut gs[..rows * keys];
+                    scores(p, qkv, width, d, q_col, k_col, r0, rows, kv0, keys);
+                    // dP (rows, keys) = dO_blk (rows, d) . V^T (d, keys).
+                    let a = View { data: &dout[r0 * hd + q_col..], rs: hd, cs: 1 };
+                    let vt = View { data: &qkv[kv0 * width + v_col..], rs: 1, cs: width };
+                    gemm_serial(gs, keys, a, vt, rows, keys, d, false);
+                    for (r, (p_r, g_r)) in
+                        p.chunks_exact_mut(keys).zip(gs.chunks_exact_mut(keys)).enumerate()
+                    {
+                        let row = r0 + r;
+                        let lse_i = lse[(bi * h + hi) * t + i0 + r];
+                        let dd = dot(&dout[row * hd + q_col..][..d], &out[row * hd + q_col..][..d]);
+                        let live = i0 + r + 1;
+                        let (p_live, p_masked) = p_r.split_at_mut(live);
+                        p_live.iter_mut().for_each(|x| *x = *x * scale - lse_i);
+                        exp_in_place(p_live);
+                        p_masked.fill(0.0);
+                        for (gv, pv) in g_r.iter_mut().zip(p_r.iter()) {
+                            *gv = scale * (pv * (*gv - dd));
+                        }
+                    }
+                    // dQ_blk (rows, d) = G (rows, keys) . K (keys, d).
+                    let dq = &mut dq[..rows * d];
+                    let ga = View { data: gs, rs: keys, cs: 1 };
+                    let kb = View { data: &qkv[kv0 * width + k_col..], rs: width, cs: 1 };
+                    gemm_serial(dq, d, ga, kb, rows, d, keys, false);
+                    for (r, dq_r) in dq.chunks_exact(d).enumerate() {
+                        // SAFETY: task (bi, g) alone owns the dq columns of the query heads in
+                        // group g for batch bi's rows; only this one view is live.
+                        let dst = unsafe { dqkv.slice_mut((r0 + r) * width + q_col, d) };
+                        dst.copy_from_slice(dq_r);
+                    }
+                    // dK (keys, d) += G^T (keys, rows) . Q_blk (rows, d).
+                    let gt = View { data: gs, rs: 1, cs: keys };
+                    let qa = View { data: &qkv[r0 * width + q_col..], rs: width, cs: 1 };
+                    gemm_serial(&mut dk[..keys * d], d, gt, qa, keys, d, rows, true);
+                    // dV (keys, d) += P^T (keys, rows) . dO_blk (rows, d).
+                    let pt = View { data: p, rs: 1, cs: keys };
+                    let doa = View { data: &dout[r0 * hd + q_col..], rs: hd, cs: 1 };
+                    gemm_serial(&mut dv[..keys * d], d, pt, doa, keys, d, rows, true);
                 }
             }
-        }
+            for j in 0..t {
+                let row = kv0 + j;
+                // SAFETY: task (bi, g) alone owns kv head g's dk and dv columns of batch bi's
+                // rows; the two views are disjoint and each lives only for its copy.
+                unsafe { dqkv.slice_mut(row * width + k_col, d) }
+                    .copy_from_slice(&dk[j * d..][..d]);
+                // SAFETY: as above.
+                unsafe { dqkv.slice_mut(row * width + v_col, d) }
+                    .copy_from_slice(&dv[j * d..][..d]);
+            }
+        });
     });
 }

@@ -26,11 +26,53 @@ fn target_of(target: i32, v: usize, what: &str) -> Option<usize> {
     }
 }
 
-/// Max of a row and `sum_j exp(x_j - max)` accumulated in f64.
+/// The max of a row, 8 lanes at a time (NaN-ignoring like `f32::max`).
+#[inline]
+fn row_max(x: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; 8];
+    let mut chunks = x.chunks_exact(8);
+    for c in &mut chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a = a.max(v);
+        }
+    }
+    chunks
+        .remainder()
+        .iter()
+        .fold(acc.into_iter().fold(f32::NEG_INFINITY, f32::max), |a, &v| a.max(v))
+}
+
+/// `x[j] = exp(x[j] - m)` in place, returning `sum_j x[j]` accumulated in f64 in 8 lanes
+/// combined in a fixed tree, then the tail: the order depends on the length only.
+#[inline]
+fn exp_shifted_sum(x: &mut [f32], m: f32) -> f64 {
+    x.iter_mut().for_each(|v| *v -= m);
+    super::exp_in_place(x);
+    let mut acc = [0.0f64; 8];
+    let mut chunks = x.chunks_exact(8);
+    for c in &mut chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a += f64::from(v);
+        }
+    }
+    let s = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+    chunks.remainder().iter().fold(s, |s, &v| s + f64::from(v))
+}
+
+thread_local! {
+    /// One row of exponentials for [`cross_entropy_forward`], which must not write its logits.
+    static ROW: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Max of a row and `sum_j exp(x_j - max)` accumulated in f64, as [`exp_shifted_sum`] forms it
+/// (so the forward and the fused pass give the same losses), through a per-thread row buffer.
 #[inline]
 fn max_and_sumexp(x: &[f32]) -> (f32, f64) {
-    let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let s: f64 = x.iter().map(|&xj| f64::from((xj - m).exp())).sum();
+    let m = row_max(x);
+    let s = super::matmul::with_scratch(&ROW, x.len(), |row| {
+        row.copy_from_slice(x);
+        exp_shifted_sum(row, m)
+    });
     (m, s)
 }
 
@@ -78,7 +120,8 @@ pub fn cross_entropy_forward(
 // The total loss is `scale * sum_r loss_r` (scale = 1 / number of loss-carrying positions), so
 // each row's gradient is scaled by `scale`; ignored rows carry no loss and get zero gradient.
 // Implemented exactly as:
-//   dlogits[r, j] = scale * (exp(x_j - m) * (1 / s) - [j == k])    (overwrites logits in place)
+//   dlogits[r, j] = scale * (exp(x_j - m) * (1 / s) - [j == k])    (overwrites logits in place;
+//                   the exponentials are formed once, in place, and summed)
 //   dlogits[r, :] = 0                                              (ignored rows)
 // with m = max_j x_j and s = sum_j exp(x_j - m) (f64 sum, rounded to f32 once).
 
@@ -108,13 +151,14 @@ pub fn cross_entropy_fused(
                 x.fill(0.0);
                 return;
             };
-            let (m, s) = max_and_sumexp(x);
-            *loss = row_loss(m, s, x[k]);
+            let m = row_max(x);
+            let x_k = x[k];
+            let s = exp_shifted_sum(x, m);
+            *loss = row_loss(m, s, x_k);
             let inv = (1.0 / s) as f32;
-            for (j, xj) in x.iter_mut().enumerate() {
-                let onehot = if j == k { 1.0 } else { 0.0 };
-                *xj = scale * ((*xj - m).exp() * inv - onehot);
-            }
+            let e_k = x[k];
+            x.iter_mut().for_each(|e| *e = scale * (*e * inv));
+            x[k] = scale * (e_k * inv - 1.0);
         },
     );
 }

@@ -45,10 +45,10 @@ enum Mode {
 
 /// A read-only matrix view: element `(i, j)` is `data[i * rs + j * cs]`.
 #[derive(Clone, Copy)]
-struct View<'a> {
-    data: &'a [f32],
-    rs: usize,
-    cs: usize,
+pub(crate) struct View<'a> {
+    pub(crate) data: &'a [f32],
+    pub(crate) rs: usize,
+    pub(crate) cs: usize,
 }
 
 thread_local! {
@@ -58,15 +58,52 @@ thread_local! {
     static PACK_A: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
-/// `C (M, N) = or += A (M, K) . B (K, N)`; C is row-major with row stride `n`.
+/// `C (M, N) = or += A (M, K) . B (K, N)`; C is row-major with row stride `n`. Rows of C are
+/// split into parallel tasks.
 fn gemm(c: &mut [f32], a: View, b: View, m: usize, n: usize, k: usize, mode: Mode) {
     debug_assert_eq!(c.len(), m * n);
+    gemm_impl(c, n, a, b, m, n, k, mode, true);
+}
+
+/// [`gemm`] on the calling thread only, with C's row stride `ldc >= n`: for callers that are
+/// themselves one parallel task (attention runs one per head). The same sums in the same order
+/// as [`gemm`], so the two give the same bits.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm_serial(
+    c: &mut [f32],
+    ldc: usize,
+    a: View,
+    b: View,
+    m: usize,
+    n: usize,
+    k: usize,
+    accumulate: bool,
+) {
+    let mode = if accumulate { Mode::Accumulate } else { Mode::Overwrite };
+    gemm_impl(c, ldc, a, b, m, n, k, mode, false);
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gemm_impl(
+    c: &mut [f32],
+    ldc: usize,
+    a: View,
+    b: View,
+    m: usize,
+    n: usize,
+    k: usize,
+    mode: Mode,
+    parallel: bool,
+) {
     if m == 0 || n == 0 {
         return;
     }
+    assert!(ldc >= n && c.len() >= (m - 1) * ldc + n, "gemm: C too small");
     if k == 0 {
         if mode == Mode::Overwrite {
-            c.fill(0.0);
+            for r in 0..m {
+                c[r * ldc..][..n].fill(0.0);
+            }
         }
         return;
     }
@@ -78,7 +115,7 @@ fn gemm(c: &mut [f32], a: View, b: View, m: usize, n: usize, k: usize, mode: Mod
     // which block a column is in, never the order of its sum.)
     let nc = (B_BLOCK / kc_max / NR).max(1) * NR;
     // Rows per task: about eight tasks per block, whole micro-kernels, at most MC_MAX.
-    let mc = (m.div_ceil(8).div_ceil(MR) * MR).clamp(MR, MC_MAX);
+    let mc = if parallel { (m.div_ceil(8).div_ceil(MR) * MR).clamp(MR, MC_MAX) } else { MC_MAX };
 
     let need = kc_max * nc.min(n.div_ceil(NR) * NR);
     with_scratch(&PACK_B, need, |packed| {
@@ -90,39 +127,74 @@ fn gemm(c: &mut [f32], a: View, b: View, m: usize, n: usize, k: usize, mode: Mod
                 let ncb = nc.min(n - j0);
                 let strips = ncb.div_ceil(NR);
                 let pb = &mut packed[..strips * NR * kc];
-                pb.par_chunks_mut(NR * kc)
-                    .enumerate()
-                    .for_each(|(s, strip)| pack_b(strip, b, p0, kc, j0 + s * NR, n));
-                let pb = &*pb;
-                c.par_chunks_mut(mc * n).enumerate().for_each(|(t, c_rows)| {
-                    let i0 = t * mc;
-                    let rows = c_rows.len() / n;
-                    with_scratch(&PACK_A, rows.div_ceil(MR) * MR * kc, |pa| {
-                        for (r, panel) in pa.chunks_exact_mut(MR * kc).enumerate() {
-                            pack_a(panel, a, i0 + r * MR, MR.min(rows - r * MR), p0, kc);
-                        }
-                        for s in 0..strips {
-                            let bs = &pb[s * NR * kc..][..NR * kc];
-                            let jj = j0 + s * NR;
-                            let nr = NR.min(n - jj);
-                            for (r, panel) in pa.chunks_exact(MR * kc).enumerate() {
-                                let mr = MR.min(rows - r * MR);
-                                let c = &mut c_rows[r * MR * n + jj..];
-                                micro(Tile { c, ldc: n, mr, nr, store }, panel, bs, kc);
-                            }
-                        }
+                let pack =
+                    |(s, strip): (usize, &mut [f32])| pack_b(strip, b, p0, kc, j0 + s * NR, n);
+                if parallel {
+                    pb.par_chunks_mut(NR * kc).enumerate().for_each(pack);
+                } else {
+                    pb.chunks_mut(NR * kc).enumerate().for_each(pack);
+                }
+                let block = Block { a, pb: &*pb, strips, j0, n, ldc, p0, kc, store };
+                if parallel {
+                    c.par_chunks_mut(mc * ldc).enumerate().for_each(|(t, c_rows)| {
+                        let i0 = t * mc;
+                        block.rows(c_rows, i0, mc.min(m - i0));
                     });
-                });
+                } else {
+                    for (t, c_rows) in c.chunks_mut(mc * ldc).enumerate() {
+                        let i0 = t * mc;
+                        if i0 < m {
+                            block.rows(c_rows, i0, mc.min(m - i0));
+                        }
+                    }
+                }
             }
             p0 += kc;
         }
     });
 }
 
+/// One packed block of B (`kc` rows from `p0`, strips of columns from `j0`) and where it goes.
+#[derive(Clone, Copy)]
+struct Block<'a> {
+    a: View<'a>,
+    pb: &'a [f32],
+    strips: usize,
+    j0: usize,
+    n: usize,
+    ldc: usize,
+    p0: usize,
+    kc: usize,
+    store: bool,
+}
+
+impl Block<'_> {
+    /// C rows `i0..i0 + rows` (`c_rows` starts at row `i0`) against every strip of the block:
+    /// packs those rows of A, then runs the micro-kernels strip by strip.
+    fn rows(&self, c_rows: &mut [f32], i0: usize, rows: usize) {
+        let Block { a, pb, strips, j0, n, ldc, p0, kc, store } = *self;
+        with_scratch(&PACK_A, rows.div_ceil(MR) * MR * kc, |pa| {
+            for (r, panel) in pa.chunks_exact_mut(MR * kc).enumerate() {
+                pack_a(panel, a, i0 + r * MR, MR.min(rows - r * MR), p0, kc);
+            }
+            for s in 0..strips {
+                let bs = &pb[s * NR * kc..][..NR * kc];
+                let jj = j0 + s * NR;
+                let nr = NR.min(n - jj);
+                for (r, panel) in pa.chunks_exact(MR * kc).enumerate() {
+                    let mr = MR.min(rows - r * MR);
+                    let c = &mut c_rows[r * MR * ldc + jj..];
+                    micro(Tile { c, ldc, mr, nr, store }, panel, bs, kc);
+                }
+            }
+        });
+    }
+}
+
 /// Runs `f` on the first `len` floats of this thread's scratch buffer `key`, grown once to the
 /// largest size asked for and then reused; a fresh buffer if the thread is already using it (a
 /// rayon worker running a nested product while it waits).
-fn with_scratch<R>(
+pub(crate) fn with_scratch<R>(
     key: &'static LocalKey<RefCell<Vec<f32>>>,
     len: usize,
     f: impl FnOnce(&mut [f32]) -> R,
@@ -144,8 +216,15 @@ fn pack_a(panel: &mut [f32], a: View, i0: usize, mr: usize, p0: usize, kc: usize
     if a.rs == 1 {
         for (k, dst) in panel.chunks_exact_mut(MR).enumerate() {
             let src = &a.data[i0 + (p0 + k) * a.cs..][..mr];
-            dst[..mr].copy_from_slice(src);
-            dst[mr..].fill(0.0);
+            if let (Ok(dst), Ok(src)) =
+                (<&mut [f32; MR]>::try_from(&mut *dst), <&[f32; MR]>::try_from(src))
+            {
+                // Whole panels: a fixed-size copy the compiler inlines (no memmove call).
+                *dst = *src;
+            } else {
+                dst[..mr].copy_from_slice(src);
+                dst[mr..].fill(0.0);
+            }
         }
     } else {
         // Rows past mr read row 0 again (their results are dropped); k outer, so the panel is
@@ -227,6 +306,25 @@ fn micro(tile: Tile, panel: &[f32], strip: &[f32], kc: usize) {
     #[cfg(target_arch = "x86_64")]
     {
         if avx2_fma() {
+            if tile.mr == MR && tile.nr == NR {
+                // A whole tile: the kernel writes C itself, straight from its registers.
+                assert!(tile.c.len() >= (MR - 1) * tile.ldc + NR, "micro: C tile out of bounds");
+                // SAFETY: the CPU supports AVX2 and FMA (checked just above); the panel holds
+                // kc * MR floats and the strip kc * NR (asserted above); C holds MR rows of NR
+                // floats at stride ldc (asserted just above), and `tile.c` is borrowed
+                // mutably, so nothing else reads or writes them meanwhile.
+                unsafe {
+                    micro_avx2_to_c(
+                        panel.as_ptr(),
+                        strip.as_ptr(),
+                        kc,
+                        tile.c.as_mut_ptr(),
+                        tile.ldc,
+                        tile.store,
+                    )
+                };
+                return;
+            }
             // SAFETY: the CPU supports AVX2 and FMA (checked just above); the panel holds
             // kc * MR floats and the strip kc * NR (asserted above).
             let acc = unsafe { micro_avx2(panel.as_ptr(), strip.as_ptr(), kc) };
@@ -276,6 +374,73 @@ fn avx2_fma() -> bool {
 #[target_feature(enable = "avx2,fma")]
 unsafe fn micro_avx2(a: *const f32, b: *const f32, kc: usize) -> [[f32; NR]; MR] {
     use std::arch::x86_64::*;
+    // SAFETY: the caller's guarantees are this function's (see above).
+    let sum = unsafe { micro_avx2_sum(a, b, kc) };
+    let mut out = [[0.0f32; NR]; MR];
+    for (o, s) in out.iter_mut().zip(&sum) {
+        // SAFETY: `o` holds NR = 16 floats, two vectors of 8.
+        unsafe {
+            _mm256_storeu_ps(o.as_mut_ptr(), s[0]);
+            _mm256_storeu_ps(o.as_mut_ptr().add(8), s[1]);
+        }
+    }
+    out
+}
+
+/// [`micro_avx2`] for a whole `MR x NR` tile of C at `c` (row stride `ldc`): stores the sums
+/// (`store`) or adds them to C, element by element as [`Tile::write`] does, so both paths give
+/// the same bits.
+///
+/// # Safety
+/// As [`micro_avx2`]; and `c` must be valid for reads and writes of `MR` rows of `NR` floats at
+/// stride `ldc`, with no other access to them meanwhile.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn micro_avx2_to_c(
+    a: *const f32,
+    b: *const f32,
+    kc: usize,
+    c: *mut f32,
+    ldc: usize,
+    store: bool,
+) {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's guarantees cover the kernel's reads and these C accesses.
+    unsafe {
+        // The tile's rows are far apart in C (and usually out of cache): start fetching them
+        // now, so the loads and stores at the end do not wait on memory.
+        for r in 0..MR {
+            let cr = c.add(r * ldc) as *const i8;
+            _mm_prefetch::<_MM_HINT_T0>(cr);
+            _mm_prefetch::<_MM_HINT_T0>(cr.add(60));
+        }
+        let sum = micro_avx2_sum(a, b, kc);
+        for (r, s) in sum.iter().enumerate() {
+            let cr = c.add(r * ldc);
+            if store {
+                _mm256_storeu_ps(cr, s[0]);
+                _mm256_storeu_ps(cr.add(8), s[1]);
+            } else {
+                _mm256_storeu_ps(cr, _mm256_add_ps(_mm256_loadu_ps(cr), s[0]));
+                _mm256_storeu_ps(cr.add(8), _mm256_add_ps(_mm256_loadu_ps(cr.add(8)), s[1]));
+            }
+        }
+    }
+}
+
+/// The AVX2 kernel's sums, in registers: `[row][half]`.
+///
+/// # Safety
+/// As [`micro_avx2`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn micro_avx2_sum(
+    a: *const f32,
+    b: *const f32,
+    kc: usize,
+) -> [[std::arch::x86_64::__m256; 2]; MR] {
+    use std::arch::x86_64::*;
     // SAFETY (whole body): the caller guarantees the reads below are in bounds (see above).
     unsafe {
         let mut sum = [[_mm256_setzero_ps(); 2]; MR];
@@ -298,12 +463,7 @@ unsafe fn micro_avx2(a: *const f32, b: *const f32, kc: usize) -> [[f32; NR]; MR]
             }
             k0 += KB;
         }
-        let mut out = [[0.0f32; NR]; MR];
-        for (o, s) in out.iter_mut().zip(&sum) {
-            _mm256_storeu_ps(o.as_mut_ptr(), s[0]);
-            _mm256_storeu_ps(o.as_mut_ptr().add(8), s[1]);
-        }
-        out
+        sum
     }
 }
 /// Linear forward: `out[n, o] = sum_i inp[n, i] * weight[o, i] + bias[o]`.
