@@ -28,8 +28,11 @@ const KC: usize = 256;
 /// error grows like `sqrt(KB + k / KB)` instead of the single chain's `sqrt(k)` (about 2x
 /// smaller at the fixtures' k = 64, 4x at k = 4096), for one vector add per 16 FMAs.
 const KB: usize = 16;
-/// Packed B floats per block (`kc * nc`), 512 KiB: fits in L2 next to the A rows it meets.
-const B_BLOCK: usize = 128 * 1024;
+/// Packed B floats per block (`kc * nc`), 4 MiB: a block stays in L3 while every task streams
+/// its strips through L1 (as BLIS does), so A rows are packed again only every 4096 columns.
+const B_BLOCK: usize = 1024 * 1024;
+/// Columns per packed block at least.
+const NC_MIN: usize = 512;
 /// Rows of C per parallel task at most.
 const MC_MAX: usize = 96;
 
@@ -111,9 +114,11 @@ fn gemm_impl(
         Mode::Overwrite => KC.min(k),
         Mode::Accumulate => k,
     };
-    // Columns per packed block: a multiple of NR, as many as fit the block budget. (NC changes
-    // which block a column is in, never the order of its sum.)
-    let nc = (B_BLOCK / kc_max / NR).max(1) * NR;
+    // Columns per packed block: a multiple of NR, as many as fit the block budget, and at least
+    // NC_MIN (an accumulating product's block is all of `k` deep; without the floor its A rows
+    // would be packed again for every few columns). NC changes which block a column is in,
+    // never the order of its sum.
+    let nc = (B_BLOCK / kc_max / NR).max(NC_MIN / NR) * NR;
     // Rows per task: about eight tasks per block, whole micro-kernels, at most MC_MAX.
     let mc = if parallel { (m.div_ceil(8).div_ceil(MR) * MR).clamp(MR, MC_MAX) } else { MC_MAX };
 

@@ -4,10 +4,13 @@
 
 use rayon::prelude::*;
 
-/// Logistic sigmoid `1 / (1 + exp(-x))`; saturates cleanly to 0 or 1 for large `|x|`.
+/// `x[j] = sigmoid(x[j]) = 1 / (1 + exp(-x[j]))` in place, the exponentials 8 at a time;
+/// saturates cleanly to 0 or 1 for large `|x|` (exp(-x) overflows to +inf, giving 0).
 #[inline]
-fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
+fn sigmoid_in_place(x: &mut [f32]) {
+    x.iter_mut().for_each(|v| *v = -*v);
+    super::exp_in_place(x);
+    x.iter_mut().for_each(|v| *v = 1.0 / (1.0 + *v));
 }
 
 /// SwiGLU forward: `out[n, j] = silu(g) * u` with `g = gate_up[n, j]`, `u = gate_up[n, F + j]`,
@@ -23,8 +26,10 @@ pub fn swiglu_forward(out: &mut [f32], gate_up: &[f32], n: usize, f: usize) {
     }
     out.par_chunks_mut(f).zip(gate_up.par_chunks(2 * f)).for_each(|(o, gu)| {
         let (gate, up) = gu.split_at(f);
+        o.copy_from_slice(gate);
+        sigmoid_in_place(o);
         for ((o, &g), &u) in o.iter_mut().zip(gate).zip(up) {
-            *o = g * sigmoid(g) * u;
+            *o = g * *o * u;
         }
     });
 }
@@ -56,8 +61,10 @@ pub fn swiglu_backward(dgate_up: &mut [f32], dout: &[f32], gate_up: &[f32], n: u
         |((dgu, dy), gu)| {
             let (dgate, dup) = dgu.split_at_mut(f);
             let (gate, up) = gu.split_at(f);
+            dgate.copy_from_slice(gate);
+            sigmoid_in_place(dgate);
             for ((((dg, du), &dy), &g), &u) in dgate.iter_mut().zip(dup).zip(dy).zip(gate).zip(up) {
-                let s = sigmoid(g);
+                let s = *dg;
                 *dg = dy * u * (s * (1.0 + g * (1.0 - s)));
                 *du = dy * (g * s);
             }
