@@ -275,7 +275,7 @@ unsafe fn exp8_avx2(v: &mut [f32; 8]) {
         p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.333_452e-3));
         p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.166_579_6e-2));
         p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.666_666_5e-1));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.000_000_1e-1));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5));
         let r2 = _mm256_mul_ps(r, r);
         let y = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), _mm256_set1_ps(1.0));
         // 2^n by building the exponent bits (n in -126..=127 after the clamp).
