@@ -354,11 +354,30 @@ pub enum Recompute {
 #[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum BackendKind {
-    /// The CPU backend: device memory is a pool in host RAM, queues are worker threads.
+    /// The CPU backend: device memory is a pool in host RAM, queues are worker threads; fp32
+    /// weights (the reference).
     #[default]
     Cpu,
-    /// NVIDIA GPUs (not built yet).
+    /// NVIDIA GPUs (`--features cuda`): bf16 weights on the device, bf16 products with fp32
+    /// accumulation.
     Cuda,
+}
+
+impl BackendKind {
+    /// The backend's precision (its `Backend::PRECISION`; the same whether or not this binary
+    /// was built with CUDA, so a plan reads the same everywhere).
+    pub fn precision(self) -> horizon_backend::Precision {
+        use horizon_backend::Backend;
+        match self {
+            BackendKind::Cpu => horizon_backend::CpuBackend::PRECISION,
+            BackendKind::Cuda => horizon_backend::cuda::CudaBackend::PRECISION,
+        }
+    }
+
+    /// Whether the device pool lives in host RAM (the CPU backend), counting towards the host.
+    pub fn pool_in_host_ram(self) -> bool {
+        self == BackendKind::Cpu
+    }
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize)]

@@ -11,10 +11,11 @@ use anyhow::{Context, Result, bail};
 use horizon_backend::cpu::device::ALIGN_ELEMS;
 use horizon_backend::cpu::{add_inplace, embedding_backward, embedding_forward};
 use horizon_backend::{
-    AttnDims, Backend, DevBuf, Device, Event, HostPtr, HostPtrMut, Queue, Views,
+    AttnDims, Backend, DevBuf, Device, DeviceSlice, Event, HostPtr, HostPtrMut, Precision, Queue,
+    Views,
 };
 
-use crate::config::OptimizerMemory;
+use crate::config::{BackendKind, OptimizerMemory};
 use crate::data::pretokenized::{Row, make_batch};
 use crate::engine::phases::{Phase, PhaseClock, PhaseSeconds};
 use crate::engine::plan::{
@@ -56,6 +57,9 @@ pub struct EngineConfig {
     pub keep_internals: bool,
     /// `optimizer.memory`: exact, lean or compact.
     pub memory: OptimizerMemory,
+    /// `device.backend`: its precision (`Backend::PRECISION`) sets the format of the weight
+    /// slots and the workspace its products need. Must match the device the engine runs on.
+    pub backend: BackendKind,
 }
 
 impl EngineConfig {
@@ -64,12 +68,18 @@ impl EngineConfig {
     }
 }
 
-/// Sizes (in f32 elements) of every buffer the engine allocates: the single source for the
-/// allocation and for the memory plan.
+/// Sizes (in f32 elements unless said otherwise) of every buffer the engine allocates: the
+/// single source for the allocation and for the memory plan.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Sizes {
-    /// One weight slot / gradient accumulator: the largest of a layer and norm + head.
+    /// One weight slot / gradient accumulator, in weights / f32: the largest of a layer and
+    /// norm + head.
     pub slot: usize,
+    /// The weight slots' format (fp32 on the CPU, bf16 on CUDA).
+    pub precision: Precision,
+    /// Bytes of the backend's workspace (0 on the CPU): bf16 copies of the largest product's
+    /// inputs, the cuBLAS workspace, the bf16 gradient chunk.
+    pub workspace_bytes: usize,
     /// One host gradient slab: one layer (the head's gradient goes straight to its own host
     /// buffers).
     pub slab: usize,
@@ -133,8 +143,17 @@ impl Sizes {
         } else {
             params
         };
+        // Every product the step runs: the layer's four, the head's per chunk.
+        let products = [(n, d.c, d.qkv()), (n, d.hd(), d.c), (n, d.c, 2 * d.f), (n, d.f, d.c)]
+            .into_iter()
+            .chain(std::iter::once((chunk, d.c, d.v)))
+            .map(|(n, ic, oc)| cfg.backend.precision().product_bytes(n, ic, oc))
+            .max()
+            .unwrap_or(0);
         Sizes {
             slot: layout.layer.len.max(d.c + vc),
+            precision: cfg.backend.precision(),
+            workspace_bytes: cfg.backend.precision().workspace(products).bytes,
             slab: layout.layer.len,
             memory: cfg.memory,
             host_grads,
@@ -153,21 +172,44 @@ impl Sizes {
         }
     }
 
-    /// Device bytes by kind: (weight slots, gradient accumulators, activations, scratch, kept
-    /// internals, and the pool's rounding of every buffer up to its alignment).
-    pub fn device_bytes(&self) -> [(&'static str, usize); 6] {
+    /// f32 elements of pool memory one weight slot takes (`slot` weights of the precision).
+    pub fn slot_elems(&self) -> usize {
+        (self.slot * self.precision.weight_bytes()).div_ceil(4)
+    }
+
+    /// f32 elements of pool memory the backend's workspace takes.
+    pub fn workspace_elems(&self) -> usize {
+        self.workspace_bytes.div_ceil(4)
+    }
+
+    /// Device bytes by kind: (weight slots, gradient accumulators, activations, scratch, the
+    /// backend's workspace, kept internals, and the pool's rounding of every buffer up to its
+    /// alignment).
+    pub fn device_bytes(&self) -> [(&'static str, usize); 7] {
         let m = self.micro_batches;
         // Buffers `Engine::new` allocates: slots and accumulators, per micro-batch the residual
-        // streams, residual gradient, ids, targets, losses; 24 scratch buffers.
-        let buffers = 4 + m * (self.act_sets + 4) + 24 + self.stash_sets * LAYER_ACT_BUFFERS;
+        // streams, residual gradient, ids, targets, losses; 24 scratch buffers; the workspace.
+        let buffers = 4
+            + m * (self.act_sets + 4)
+            + 24
+            + usize::from(self.workspace_bytes > 0)
+            + self.stash_sets * LAYER_ACT_BUFFERS;
+        let slots = match self.precision {
+            Precision::F32 => "weight slots (2, fp32)",
+            Precision::Bf16 => "weight slots (2, bf16: half the bytes of fp32)",
+        };
         [
-            ("weight slots (2)", 2 * self.slot * 4),
-            ("gradient accumulators (2)", 2 * self.slot * 4),
+            (slots, 2 * self.slot_elems() * 4),
+            ("gradient accumulators (2, fp32)", 2 * self.slot * 4),
             (
                 "activations (residual streams, checkpoint block, gradients, ids)",
                 (m * self.act_sets * self.act + m * self.act + m * self.per_mb_small) * 4,
             ),
             ("workspace (one layer's internals, head chunk, rope)", self.scratch * 4),
+            (
+                "backend workspace (bf16 product inputs, cuBLAS, bf16 gradient chunk)",
+                self.workspace_elems() * 4,
+            ),
             ("kept layer internals (engine.recompute: no recompute)", self.stash * 4),
             ("alignment (each buffer rounded up to 64 bytes, at most)", buffers * ALIGN_ELEMS * 4),
         ]
@@ -413,6 +455,8 @@ pub struct Engine<D: Device> {
     ctx: Arc<Ctx>,
     state: Box<TrainState>,
     _host: HostBuffers<D::Staging>,
+    /// The backend's workspace (kept allocated for the device's life).
+    _workspace: DevBuf,
     schedule: Schedule,
     /// Events of the ops of the current and the previous step (by step parity).
     events: [Vec<Event>; 2],
@@ -460,6 +504,17 @@ where
         if cfg.keep_internals && cfg.checkpoint_every != 1 {
             bail!("kept layer internals need checkpoint_every 1: {cfg:?}");
         }
+        let precision = <D::Backend as Backend>::PRECISION;
+        if cfg.backend.precision() != precision {
+            bail!(
+                "the engine was planned for the {:?} backend ({} weights) but the {} device \
+                 computes with {} weights",
+                cfg.backend,
+                cfg.backend.precision().name(),
+                dev.name(),
+                precision.name()
+            );
+        }
         let schedule = Schedule::new(shape);
         let alloc = |len: usize| -> Result<DevBuf> {
             dev.alloc(len).with_context(|| {
@@ -470,7 +525,9 @@ where
             })
         };
         let (n, mbs) = (sizes.mb_rows, sizes.micro_batches);
-        let slots = [alloc(sizes.slot)?, alloc(sizes.slot)?];
+        let slots = [alloc(sizes.slot_elems())?, alloc(sizes.slot_elems())?];
+        let workspace = alloc(sizes.workspace_elems())?;
+        dev.set_workspace(workspace);
         let dws = [alloc(sizes.slot)?, alloc(sizes.slot)?];
         let acts = (0..sizes.act_sets)
             .map(|_| (0..mbs).map(|_| alloc(sizes.act)).collect::<Result<Vec<_>>>())
@@ -607,6 +664,7 @@ where
                 _dx_stage: dx_stage,
                 _loss_host: loss_host,
             },
+            _workspace: workspace,
             schedule,
             events,
             cfg,
@@ -815,13 +873,13 @@ where
             OpKind::UploadWeights { slot, what } => match what {
                 SlotContent::Layer(i) => {
                     let src = c.params[c.param_index(ParamBuf::Layer(i))].as_const();
-                    self.dev.upload_weights(c.slots[slot].prefix(src.len()), src);
+                    self.dev.upload_weights(c.slots[slot], 0, src);
                 }
                 SlotContent::Head => {
                     let norm = c.params[c.param_index(ParamBuf::FinalNorm)].as_const();
                     let head = c.params[c.param_index(c.head_param())].as_const();
-                    self.dev.upload_weights(c.slots[slot].sub(0..d.c), norm);
-                    self.dev.upload_weights(c.slots[slot].sub(d.c..d.c + head.len()), head);
+                    self.dev.upload_weights(c.slots[slot], 0, norm);
+                    self.dev.upload_weights(c.slots[slot], d.c, head);
                 }
             },
             OpKind::SaveCkpt { block, m, set } => {
@@ -842,7 +900,7 @@ where
                         layer_forward(
                             vw.backend(),
                             &mut acts,
-                            vw.buf(c.slots[slot].prefix(c.layout.layer.len)),
+                            vw.wbuf(c.slots[slot]).slice(0..c.layout.layer.len),
                             &c.layout.layer,
                             vw.buf(c.acts[src][m].prefix(nc)),
                             vw.buf_mut(c.acts[dst][m].prefix(nc)),
@@ -891,8 +949,8 @@ where
                                 dhead_w: vw.buf_mut(c.dws[dw].sub(d.c..d.c + vc)),
                             },
                             vw.buf(c.acts[src][m].prefix(nc)),
-                            vw.buf(c.slots[slot].sub(0..d.c)),
-                            vw.buf(c.slots[slot].sub(d.c..d.c + vc)),
+                            vw.wbuf(c.slots[slot]).slice(0..d.c),
+                            vw.wbuf(c.slots[slot]).slice(d.c..d.c + vc),
                             vw.ibuf(c.targets[m].prefix(n)),
                             HeadDims {
                                 n,
@@ -916,7 +974,7 @@ where
                     let lay = &c.layout.layer;
                     // SAFETY: as for the forward kernel.
                     unsafe {
-                        let w = vw.buf(c.slots[slot].prefix(lay.len));
+                        let w = vw.wbuf(c.slots[slot]).slice(0..lay.len);
                         let x = vw.buf(c.acts[set][m].prefix(nc));
                         let acts = match c.stash.get(layer) {
                             // Kept by this layer's forward.

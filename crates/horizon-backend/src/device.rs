@@ -239,6 +239,9 @@ pub trait Views<B: Backend + ?Sized> {
     fn buf(&self, b: DevBuf) -> &B::Buf;
     /// A read view of `b` as i32.
     fn ibuf(&self, b: DevBuf) -> &B::IBuf;
+    /// A read view of `b` as weights in the backend's precision: `b.bytes() /
+    /// B::PRECISION.weight_bytes()` of them (a slot written by [`Device::upload_weights`]).
+    fn wbuf(&self, b: DevBuf) -> &B::WBuf;
     /// A write view of `b` as f32.
     ///
     /// # Safety
@@ -279,17 +282,23 @@ pub trait Device: Send + Sync {
     fn wait(&self, q: Queue, e: &Event);
     /// Enqueue a host -> device copy on [`Queue::H2D`]. `dst.len == src.len()`.
     fn upload(&self, dst: DevBuf, src: HostPtr);
-    /// Enqueue a host -> device copy of *weights* on [`Queue::H2D`]. A device may carry them in
-    /// a narrower format than fp32 (the CUDA device: bf16 on the wire, expanded to fp32 on
-    /// arrival, so the device computes with bf16-exact weights). The default is [`Device::upload`]:
-    /// exact, as on the CPU device.
-    fn upload_weights(&self, dst: DevBuf, src: HostPtr) {
-        self.upload(dst, src);
-    }
+    /// Enqueue a host -> device copy of fp32 *weights* on [`Queue::H2D`], into weights
+    /// `at .. at + src.len()` of the weight region `dst` (counted in weights of the backend's
+    /// precision, as [`Views::wbuf`] sees `dst`). The CUDA device rounds them to bf16 on the
+    /// host and copies the bf16 (half the link bytes, half the slot); the CPU device copies
+    /// them exactly.
+    fn upload_weights(&self, dst: DevBuf, at: usize, src: HostPtr);
     /// Enqueue an i32 host -> device copy on [`Queue::H2D`].
     fn upload_i32(&self, dst: DevBuf, src: Arc<Vec<i32>>);
     /// Enqueue a device -> host copy on [`Queue::D2H`]. `dst.len() == src.len`.
     fn download(&self, dst: HostPtrMut, src: DevBuf);
+    /// Hand the backend its workspace (device memory its ops use besides their arguments:
+    /// bf16 copies of product inputs, the cuBLAS workspace), laid out by
+    /// `Precision::workspace`. Call once, before any work that uses it; `ws` must stay
+    /// allocated while the device runs. The default ignores it (the CPU needs none).
+    fn set_workspace(&self, ws: DevBuf) {
+        let _ = ws;
+    }
     /// Enqueue kernels on [`Queue::Compute`].
     fn launch(&self, k: Kernel<Self::Backend>);
     /// Enqueue host work on queue `q`, ordered with that queue's other work (on CUDA, a host

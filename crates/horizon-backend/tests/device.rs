@@ -1,6 +1,6 @@
 //! Tests of `CpuDevice`: the pool (capacity, peak, coalescing, alignment), copies and kernels
 //! through the queues, event ordering across queues under random copy delays, ordering within a
-//! queue, the link simulation and its counters, and panics in queued work.
+//! queue, the link simulation and its counters, panics in queued work, and the weight copies.
 //!
 //! Timing asserts are lower bounds only (a copy of N bytes takes at least N / bandwidth), or
 //! exact identities of the counters; shared machines are too noisy for upper bounds.
@@ -435,4 +435,17 @@ fn staging_is_zeroed_host_memory() {
     let s = dev.alloc_staging(33);
     assert_eq!(s, vec![0.0; 33]);
     assert_eq!(dev.name(), "cpu");
+}
+
+#[test]
+fn weights_upload_exactly_at_their_offset() {
+    let dev = device(1 << 16);
+    let b = dev.alloc(40).unwrap();
+    upload_now(&dev, b, &[9.0; 40]);
+    let w: Vec<f32> = (0..7).map(|i| 1.0 + i as f32 * 0.123_456_7).collect();
+    // SAFETY: `w` outlives the synchronize in `download_now`.
+    dev.upload_weights(b, 5, unsafe { HostPtr::new(&w) });
+    let got = download_now(&dev, b);
+    assert_eq!(&got[5..12], &w[..], "fp32 weights are copied exactly");
+    assert!(got[..5].iter().chain(&got[12..]).all(|&x| x == 9.0), "{got:?}");
 }

@@ -162,6 +162,11 @@ impl Device for CpuDevice {
         self.submit(Queue::H2D, Task::Upload { dst, src });
     }
 
+    /// fp32 weights stay fp32: an exact copy into `dst.sub(at..at + src.len())`.
+    fn upload_weights(&self, dst: DevBuf, at: usize, src: HostPtr) {
+        self.upload(dst.sub(at..at + src.len()), src);
+    }
+
     fn upload_i32(&self, dst: DevBuf, src: Arc<Vec<i32>>) {
         assert_eq!(
             dst.len,
@@ -403,6 +408,11 @@ impl Views<CpuBackend> for CpuViews<'_> {
         // SAFETY: f32 and i32 have the same size and alignment and every bit pattern is a valid
         // i32, so the same bytes viewed as i32 are a valid, equally long, read-only slice.
         unsafe { std::slice::from_raw_parts(f.as_ptr().cast::<i32>(), f.len()) }
+    }
+
+    /// fp32 weights: the same view as [`Views::buf`].
+    fn wbuf(&self, b: DevBuf) -> &[f32] {
+        self.buf(b)
     }
 
     #[allow(clippy::mut_from_ref)]
