@@ -324,6 +324,11 @@ pub struct EngineSection {
     /// recomputes (the device holds one layer's internals); `never` keeps them, or refuses to
     /// start when they do not fit. Keeping implies a checkpoint every layer.
     pub recompute: Recompute,
+    /// The format layer gradients cross the device -> host link in: `fp32` (default, exact) or
+    /// `bf16` (rounded on the device, half the link bytes and half the host gradient slabs;
+    /// the host accumulates in fp32). The final norm's and LM head's gradients, and the
+    /// residual gradient of the embedding, always come back fp32.
+    pub grad_wire: GradWire,
 }
 
 impl Default for EngineSection {
@@ -333,6 +338,7 @@ impl Default for EngineSection {
             grad_slabs: 4,
             head_chunk_rows: 256,
             recompute: Recompute::Auto,
+            grad_wire: GradWire::Fp32,
         }
     }
 }
@@ -348,6 +354,17 @@ pub enum Recompute {
     Always,
     /// Keep every layer's internals from the forward to its backward.
     Never,
+}
+
+/// `engine.grad_wire`.
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum GradWire {
+    /// fp32, exact.
+    #[default]
+    Fp32,
+    /// bf16 (round to nearest even on the device), accumulated in fp32 on the host.
+    Bf16,
 }
 
 /// The compute device.

@@ -748,6 +748,7 @@ pub fn engine_config(raw: &RawConfig) -> EngineConfig {
         memory: raw.optimizer.memory,
         keep_internals: false,
         backend: raw.device.backend,
+        grad_wire: raw.engine.grad_wire,
     }
 }
 

@@ -1,14 +1,15 @@
 //! The streaming engine on the CUDA device (feature `cuda`; skipped, with the reason printed,
 //! where no GPU is present): every fixture case against the HF fixtures (bf16 weights on the
-//! device, bf16 products with fp32 accumulation, so within bf16's tolerance), and a race stress
-//! test with random delays before every copy on the H2D and D2H streams.
+//! device, bf16 products with fp32 accumulation, so within bf16's tolerance), with fp32 and with
+//! bf16 gradients on the wire, and a race stress test with random delays before every copy on
+//! the H2D and D2H streams.
 
 #![cfg(feature = "cuda")]
 
 mod common;
 
 use common::*;
-use horizon::config::BackendKind;
+use horizon::config::{BackendKind, GradWire};
 use horizon::engine::exec::{Engine, EngineConfig};
 use horizon::hf::config::ModelConfig;
 use horizon::model::layout::ModelLayout;
@@ -47,8 +48,8 @@ fn cuda(jitter_us: u64, seed: u64) -> CudaDevice {
 }
 
 /// Fixture `case`'s engine config on the CUDA backend.
-fn cuda_config(case: &str, k: usize, mbs: usize) -> EngineConfig {
-    EngineConfig { backend: BackendKind::Cuda, ..case_engine_config(case, k, mbs) }
+fn cuda_config(case: &str, k: usize, mbs: usize, grad_wire: GradWire) -> EngineConfig {
+    EngineConfig { backend: BackendKind::Cuda, grad_wire, ..case_engine_config(case, k, mbs) }
 }
 
 /// The fixture's steps on `dev`: per-step (loss, grad norm), the initial and final parameters.
@@ -72,7 +73,7 @@ where
 /// bf16 weights on the device and bf16 products (fp32 accumulation) meet the fixtures' losses
 /// within 2% and gradient norms within 5% (ARCHITECTURE.md, tolerance table: bf16 keeps 8
 /// significant bits, relative rounding up to 2^-8 per weight and per product input), at every
-/// K and micro-batch split.
+/// K and micro-batch split, with fp32 and with bf16 gradients on the wire.
 #[test]
 fn bf16_engine_tracks_the_fixtures() {
     if !gpu_present() {
@@ -83,15 +84,18 @@ fn bf16_engine_tracks_the_fixtures() {
         let batch = e["batch"].as_u64().unwrap() as usize;
         let (losses, norms) = (f64s(&e["loss_per_step"]), f64s(&e["grad_norm_per_step"]));
         for (k, mbs) in [(1, batch), (2, 1), (3, batch)] {
-            let (got, init, params) = streamed(cuda(0, 0), case, cuda_config(case, k, mbs));
-            let what = format!("{case} K={k} mbs={mbs}");
-            assert_eq!(got.len(), losses.len(), "{what}: steps");
-            for (s, (l, g)) in got.iter().enumerate() {
-                assert_rel(&format!("{what} loss {s}"), *l, losses[s], 2e-2);
-                assert_rel(&format!("{what} grad norm {s}"), *g, norms[s], 5e-2);
+            for wire in [GradWire::Fp32, GradWire::Bf16] {
+                let (got, init, params) =
+                    streamed(cuda(0, 0), case, cuda_config(case, k, mbs, wire));
+                let what = format!("{case} K={k} mbs={mbs} grad_wire {wire:?}");
+                assert_eq!(got.len(), losses.len(), "{what}: steps");
+                for (s, (l, g)) in got.iter().enumerate() {
+                    assert_rel(&format!("{what} loss {s}"), *l, losses[s], 2e-2);
+                    assert_rel(&format!("{what} grad norm {s}"), *g, norms[s], 5e-2);
+                }
+                let moved = params.buffers().iter().zip(init.buffers()).any(|(p, q)| *p != q);
+                assert!(moved, "{what}: no weight moved");
             }
-            let moved = params.buffers().iter().zip(init.buffers()).any(|(p, q)| *p != q);
-            assert!(moved, "{what}: no weight moved");
         }
     }
 }
@@ -105,7 +109,7 @@ fn copy_stream_delays_do_not_change_results() {
     }
     for case in CASES {
         for (k, mbs) in [(1, 1), (2, 1), (3, 2)] {
-            let cfg = cuda_config(case, k, mbs);
+            let cfg = cuda_config(case, k, mbs, GradWire::Bf16);
             let base = streamed(cuda(0, 0), case, cfg);
             for seed in 1..=4 {
                 let got = streamed(cuda(300, seed), case, cfg);

@@ -8,14 +8,15 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
+use horizon_backend::bf16::{add_bf16, expand_bf16};
 use horizon_backend::cpu::device::ALIGN_ELEMS;
 use horizon_backend::cpu::{add_inplace, embedding_backward, embedding_forward};
 use horizon_backend::{
-    AttnDims, Backend, DevBuf, Device, DeviceSlice, Event, HostPtr, HostPtrMut, Precision, Queue,
-    Views,
+    AttnDims, Backend, Bf16, DevBuf, Device, DeviceSlice, Event, HostPtr, HostPtrMut, Precision,
+    Queue, Views,
 };
 
-use crate::config::{BackendKind, OptimizerMemory};
+use crate::config::{BackendKind, GradWire, OptimizerMemory};
 use crate::data::pretokenized::{Row, make_batch};
 use crate::engine::phases::{Phase, PhaseClock, PhaseSeconds};
 use crate::engine::plan::{
@@ -60,6 +61,8 @@ pub struct EngineConfig {
     /// `device.backend`: its precision (`Backend::PRECISION`) sets the format of the weight
     /// slots and the workspace its products need. Must match the device the engine runs on.
     pub backend: BackendKind,
+    /// `engine.grad_wire`: the format layer gradients cross the link in.
+    pub grad_wire: GradWire,
 }
 
 impl EngineConfig {
@@ -80,6 +83,8 @@ pub struct Sizes {
     /// Bytes of the backend's workspace (0 on the CPU): bf16 copies of the largest product's
     /// inputs, the cuBLAS workspace, the bf16 gradient chunk.
     pub workspace_bytes: usize,
+    /// `engine.grad_wire`: the format of the host gradient slabs.
+    pub grad_wire: GradWire,
     /// One host gradient slab: one layer (the head's gradient goes straight to its own host
     /// buffers).
     pub slab: usize,
@@ -154,6 +159,7 @@ impl Sizes {
             slot: layout.layer.len.max(d.c + vc),
             precision: cfg.backend.precision(),
             workspace_bytes: cfg.backend.precision().workspace(products).bytes,
+            grad_wire: cfg.grad_wire,
             slab: layout.layer.len,
             memory: cfg.memory,
             host_grads,
@@ -215,8 +221,20 @@ impl Sizes {
         ]
     }
 
+    /// Host bytes of the gradient slabs: fp32, or bf16 plus (streamed updates) one fp32 layer
+    /// the host expands a slab into for its AdamW update.
+    pub fn slab_bytes(&self) -> usize {
+        match self.grad_wire {
+            GradWire::Fp32 => self.grad_slabs * self.slab * 4,
+            GradWire::Bf16 => {
+                let expand = if self.memory.streams_updates() { self.slab * 4 } else { 0 };
+                self.grad_slabs * self.slab * 2 + expand
+            }
+        }
+    }
+
     /// Host bytes by kind.
-    pub fn host_bytes(&self) -> [(&'static str, usize); 5] {
+    pub fn host_bytes(&self) -> [(&'static str, usize); 6] {
         let m = self.micro_batches;
         let moments = match self.memory {
             OptimizerMemory::Compact => {
@@ -229,13 +247,19 @@ impl Sizes {
         } else {
             "gradients (fp32, whole model)"
         };
+        let slabs = match (self.grad_wire, self.memory.streams_updates()) {
+            (GradWire::Fp32, _) => "gradient slabs (fp32)",
+            (GradWire::Bf16, false) => "gradient slabs (bf16, engine.grad_wire)",
+            (GradWire::Bf16, true) => "gradient slabs (bf16, engine.grad_wire; + one fp32 layer)",
+        };
         [
             ("master weights (fp32)", self.params * 4),
             moments,
             (grads, self.host_grads * 4),
+            (slabs, self.slab_bytes()),
             (
-                "staging (gradient slabs, embedding rows, residual gradients, losses)",
-                (self.grad_slabs * self.slab + m * (2 * self.act + self.mb_rows)) * 4,
+                "staging (embedding rows, residual gradients, losses)",
+                m * (2 * self.act + self.mb_rows) * 4,
             ),
             ("checkpoints", self.blocks * m * self.act * 4),
         ]
@@ -302,9 +326,9 @@ struct Ctx {
     grads: Vec<HostPtrMut>,
     m: Vec<HostPtrMut>,
     v: Vec<HostPtrMut>,
-    /// Host buffers: [block][m] checkpoints, slabs, per-micro-batch staging.
+    /// Host buffers: [block][m] checkpoints, gradient slabs, per-micro-batch staging.
     ckpt: Vec<Vec<HostPtrMut>>,
-    slabs: Vec<HostPtrMut>,
+    slabs: Slabs,
     emb_stage: Vec<HostPtrMut>,
     dx_stage: Vec<HostPtrMut>,
     loss_host: Vec<HostPtrMut>,
@@ -316,6 +340,14 @@ struct Ctx {
     phases: PhaseClock,
     /// [layer][m]: forward internals kept for the backward (empty when it recomputes them).
     stash: Vec<Vec<LayerActs<DevBuf>>>,
+}
+
+/// The host gradient slabs, in the format layer gradients cross the link in (`engine.grad_wire`).
+enum Slabs {
+    F32(Vec<HostPtrMut>),
+    /// bf16 slabs, and one fp32 layer (streamed updates only; empty otherwise) that the host
+    /// queue expands a slab into for its AdamW update (one at a time: the host queue is serial).
+    Bf16(Vec<HostPtrMut<Bf16>>, HostPtrMut),
 }
 
 /// What the streamed updates of one step have seen (host queue only).
@@ -440,12 +472,15 @@ impl StepOutput {
 }
 
 /// Host buffers the engine owns (the closures reach them through `Ctx`'s handles).
-struct HostBuffers<S> {
-    _ckpt: Vec<Vec<S>>,
-    _slabs: Vec<S>,
-    _emb_stage: Vec<S>,
-    _dx_stage: Vec<S>,
-    _loss_host: Vec<S>,
+struct HostBuffers<D: Device> {
+    _ckpt: Vec<Vec<D::Staging<f32>>>,
+    /// The gradient slabs: fp32 or bf16 (the other empty), and the fp32 expansion layer.
+    _slabs: Vec<D::Staging<f32>>,
+    _slabs_bf16: Vec<D::Staging<Bf16>>,
+    _expand: Vec<f32>,
+    _emb_stage: Vec<D::Staging<f32>>,
+    _dx_stage: Vec<D::Staging<f32>>,
+    _loss_host: Vec<D::Staging<f32>>,
 }
 
 /// The streaming engine. Field order matters: the device is dropped first, which runs all
@@ -454,7 +489,7 @@ pub struct Engine<D: Device> {
     dev: D,
     ctx: Arc<Ctx>,
     state: Box<TrainState>,
-    _host: HostBuffers<D::Staging>,
+    _host: HostBuffers<D>,
     /// The backend's workspace (kept allocated for the device's life).
     _workspace: DevBuf,
     schedule: Schedule,
@@ -469,7 +504,7 @@ pub struct Engine<D: Device> {
 }
 
 /// A raw handle to a host buffer that stays where it is for the engine's life.
-fn handle(s: &mut [f32]) -> HostPtrMut {
+fn handle<T>(s: &mut [T]) -> HostPtrMut<T> {
     // SAFETY: every buffer handed out here is owned by the engine (boxed state or staging
     // vectors that are never resized) and outlives the device, which is dropped first; who
     // touches it when is decided by the hazard-checked schedule.
@@ -592,13 +627,21 @@ where
             Some(q) => q.iter_mut().map(Q8Handle::new).collect(),
             None => Vec::new(),
         };
-        let stage = |len: usize| dev.alloc_staging(len);
-        let mut ckpt: Vec<Vec<D::Staging>> =
+        let stage = |len: usize| dev.alloc_staging::<f32>(len);
+        let mut ckpt: Vec<Vec<D::Staging<f32>>> =
             (0..sizes.blocks).map(|_| (0..mbs).map(|_| stage(sizes.act)).collect()).collect();
-        let mut slabs: Vec<D::Staging> = (0..cfg.grad_slabs).map(|_| stage(sizes.slab)).collect();
-        let mut emb_stage: Vec<D::Staging> = (0..mbs).map(|_| stage(sizes.act)).collect();
-        let mut dx_stage: Vec<D::Staging> = (0..mbs).map(|_| stage(sizes.act)).collect();
-        let mut loss_host: Vec<D::Staging> = (0..mbs).map(|_| stage(n)).collect();
+        let (n_f32, n_bf16) = match cfg.grad_wire {
+            GradWire::Fp32 => (cfg.grad_slabs, 0),
+            GradWire::Bf16 => (0, cfg.grad_slabs),
+        };
+        let mut slabs: Vec<D::Staging<f32>> = (0..n_f32).map(|_| stage(sizes.slab)).collect();
+        let mut slabs_bf16: Vec<D::Staging<Bf16>> =
+            (0..n_bf16).map(|_| dev.alloc_staging::<Bf16>(sizes.slab)).collect();
+        let expand_len = if n_bf16 > 0 && cfg.memory.streams_updates() { sizes.slab } else { 0 };
+        let mut expand = vec![0.0f32; expand_len];
+        let mut emb_stage: Vec<D::Staging<f32>> = (0..mbs).map(|_| stage(sizes.act)).collect();
+        let mut dx_stage: Vec<D::Staging<f32>> = (0..mbs).map(|_| stage(sizes.act)).collect();
+        let mut loss_host: Vec<D::Staging<f32>> = (0..mbs).map(|_| stage(n)).collect();
         let bufs = |ps: &mut crate::model::params::ParamStore| -> Vec<HostPtrMut> {
             ps.buffers_mut().into_iter().map(handle).collect()
         };
@@ -631,7 +674,13 @@ where
             m: bufs(&mut state.m),
             v: bufs(&mut state.v),
             ckpt: ckpt.iter_mut().map(|b| b.iter_mut().map(|s| handle(s)).collect()).collect(),
-            slabs: slabs.iter_mut().map(|s| handle(s)).collect(),
+            slabs: match cfg.grad_wire {
+                GradWire::Fp32 => Slabs::F32(slabs.iter_mut().map(|s| handle(s)).collect()),
+                GradWire::Bf16 => Slabs::Bf16(
+                    slabs_bf16.iter_mut().map(|s| handle(s)).collect(),
+                    handle(&mut expand),
+                ),
+            },
             emb_stage: emb_stage.iter_mut().map(|s| handle(s)).collect(),
             dx_stage: dx_stage.iter_mut().map(|s| handle(s)).collect(),
             loss_host: loss_host.iter_mut().map(|s| handle(s)).collect(),
@@ -660,6 +709,8 @@ where
             _host: HostBuffers {
                 _ckpt: ckpt,
                 _slabs: slabs,
+                _slabs_bf16: slabs_bf16,
+                _expand: expand,
                 _emb_stage: emb_stage,
                 _dx_stage: dx_stage,
                 _loss_host: loss_host,
@@ -1031,7 +1082,12 @@ where
             }
             OpKind::DownloadDw { dw, slab, what } => {
                 let len = grad_len(c, what);
-                self.dev.download(c.slabs[slab].sub(0..len), c.dws[dw].prefix(len));
+                match &c.slabs {
+                    Slabs::F32(s) => self.dev.download(s[slab].sub(0..len), c.dws[dw].prefix(len)),
+                    Slabs::Bf16(s, _) => {
+                        self.dev.download_bf16(s[slab].sub(0..len), c.dws[dw].prefix(len));
+                    }
+                }
             }
             OpKind::AccumulateGrads { slab, what } => {
                 let c = c.clone();
@@ -1040,12 +1096,21 @@ where
                     // SAFETY: the schedule orders this after the slab's download and before
                     // its next one; the gradients are only touched by the host queue.
                     unsafe {
-                        let s = c.slabs[slab].as_const();
                         let GradTarget::Layer(i) = what else {
                             unreachable!("the head's gradient has no slab")
                         };
                         let g = c.grads[c.param_index(ParamBuf::Layer(i))];
-                        add_inplace(g.as_mut_slice(), s.sub(0..g.len()).as_slice());
+                        // fp32 accumulation on the host, whatever the slab's format.
+                        match &c.slabs {
+                            Slabs::F32(s) => add_inplace(
+                                g.as_mut_slice(),
+                                s[slab].as_const().sub(0..g.len()).as_slice(),
+                            ),
+                            Slabs::Bf16(s, _) => add_bf16(
+                                g.as_mut_slice(),
+                                s[slab].as_const().sub(0..g.len()).as_slice(),
+                            ),
+                        }
                     }
                     c.phases.add(Phase::Gradients, t0);
                 }));
@@ -1065,7 +1130,16 @@ where
                     // SAFETY: ordered after the slab's download and before its next one; the
                     // layer's masters and moments are ordered against its uploads.
                     unsafe {
-                        streamed_update(&c, &sd, i, c.slabs[slab].sub(0..len).as_mut_slice());
+                        let g: &[f32] = match &c.slabs {
+                            Slabs::F32(s) => s[slab].sub(0..len).as_mut_slice(),
+                            Slabs::Bf16(s, expand) => {
+                                // The host queue runs one update at a time: one fp32 layer.
+                                let g = expand.sub(0..len).as_mut_slice();
+                                expand_bf16(g, s[slab].as_const().sub(0..len).as_slice());
+                                g
+                            }
+                        };
+                        streamed_update(&c, &sd, i, g);
                     }
                     c.phases.add(Phase::Optimizer, t0);
                 }));

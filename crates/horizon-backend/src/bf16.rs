@@ -1,7 +1,8 @@
-//! bf16 on the host: the [`Bf16`] element (its 16 bits) and the rounding that puts fp32 weights
-//! on the wire and into the CUDA device's weight slots. `kernels/convert.cu` rounds the same way
-//! on the GPU (to nearest even, NaN kept quiet), so a value is the same bf16 wherever it was
-//! rounded.
+//! bf16 on the host: the [`Bf16`] element (its 16 bits), the rounding that puts fp32 weights on
+//! the wire and into the CUDA device's weight slots, and the host side of bf16 gradients
+//! (`engine.grad_wire: bf16`): fp32 accumulation of bf16 values. `kernels/convert.cu` rounds the
+//! same way on the GPU (to nearest even, NaN kept quiet), so a value is the same bf16 wherever it
+//! was rounded; the CPU device rounds gradients on its simulated wire with [`Bf16::from_f32`].
 
 use rayon::prelude::*;
 
@@ -47,6 +48,27 @@ pub fn round_to_bf16(dst: &mut [Bf16], src: &[f32]) {
     });
 }
 
+/// `acc[i] += f32(x[i])`: a bf16 gradient accumulated into an fp32 one. Overwrites nothing
+/// else; in parallel (elementwise, so bit-identical for any thread count).
+pub fn add_bf16(acc: &mut [f32], x: &[Bf16]) {
+    same_len("add_bf16", acc.len(), x.len());
+    acc.par_chunks_mut(TASK).zip(x.par_chunks(TASK)).for_each(|(a, x)| {
+        for (a, &x) in a.iter_mut().zip(x) {
+            *a += x.to_f32();
+        }
+    });
+}
+
+/// `dst[i] = f32(src[i])` (exact), in parallel.
+pub fn expand_bf16(dst: &mut [f32], src: &[Bf16]) {
+    same_len("expand_bf16", dst.len(), src.len());
+    dst.par_chunks_mut(TASK).zip(src.par_chunks(TASK)).for_each(|(d, s)| {
+        for (d, &s) in d.iter_mut().zip(s) {
+            *d = s.to_f32();
+        }
+    });
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -69,6 +91,21 @@ mod tests {
         for i in 1..1000 {
             let x = i as f32 * 0.123_456_7;
             assert!(((r(x) - x) / x).abs() <= 2f32.powi(-8), "{x}");
+        }
+    }
+
+    #[test]
+    fn add_and_expand_are_exact_on_bf16_values() {
+        let x: Vec<f32> = (0..200_003).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
+        let mut b = vec![Bf16::default(); x.len()];
+        round_to_bf16(&mut b, &x);
+        let mut e = vec![0.0; x.len()];
+        expand_bf16(&mut e, &b);
+        let mut acc = vec![1.0f32; x.len()];
+        add_bf16(&mut acc, &b);
+        for i in 0..x.len() {
+            assert_eq!(e[i], Bf16::from_f32(x[i]).to_f32());
+            assert_eq!(acc[i], 1.0 + e[i]);
         }
     }
 }

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use crate::device::{
     DevBuf, Device, DeviceStats, Event, HostPtr, HostPtrMut, HostWork, Kernel, OutOfDeviceMemory,
-    Queue,
+    Queue, StagingElem,
 };
 use crate::{AttnDims, Backend, Bf16, Precision};
 
@@ -198,7 +198,7 @@ impl Backend for CudaBackend {
 
 impl Device for CudaDevice {
     type Backend = CudaBackend;
-    type Staging = Vec<f32>;
+    type Staging<T: StagingElem> = Vec<T>;
     fn name(&self) -> String {
         match *self {}
     }
@@ -226,6 +226,9 @@ impl Device for CudaDevice {
     fn download(&self, _: HostPtrMut, _: DevBuf) {
         match *self {}
     }
+    fn download_bf16(&self, _: HostPtrMut<Bf16>, _: DevBuf) {
+        match *self {}
+    }
     fn launch(&self, _: Kernel<CudaBackend>) {
         match *self {}
     }
@@ -238,7 +241,7 @@ impl Device for CudaDevice {
     fn stats(&self) -> DeviceStats {
         match *self {}
     }
-    fn alloc_staging(&self, _: usize) -> Vec<f32> {
+    fn alloc_staging<T: StagingElem>(&self, _: usize) -> Vec<T> {
         match *self {}
     }
 }

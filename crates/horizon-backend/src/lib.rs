@@ -28,7 +28,7 @@ pub use bf16::Bf16;
 pub use cpu::CpuBackend;
 pub use device::{
     DevBuf, Device, DeviceStats, Event, HostPtr, HostPtrMut, HostWork, Kernel, OutOfDeviceMemory,
-    Queue, Views,
+    Queue, StagingElem, Views,
 };
 pub use precision::Precision;
 

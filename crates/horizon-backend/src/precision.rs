@@ -11,6 +11,10 @@ pub const WORKSPACE_ALIGN: usize = 256;
 /// The cuBLAS workspace (`cublasSetWorkspace`): 32 MiB, NVIDIA's recommendation for Hopper.
 pub const BLAS_WORKSPACE_BYTES: usize = 32 << 20;
 
+/// Elements per chunk of a bf16 gradient download (`Device::download_bf16`): the device rounds
+/// one chunk into a bf16 buffer of the workspace, then copies it to the host.
+pub const GRAD_WIRE_CHUNK: usize = 4 << 20;
+
 /// How a backend stores the weights it computes with, and so what its products need.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Precision {
@@ -57,13 +61,16 @@ impl Precision {
     /// largest [`Precision::product_bytes`] of the run): nothing for [`Precision::F32`].
     pub fn workspace(self, product_bytes: usize) -> WorkspaceLayout {
         match self {
-            Precision::F32 => WorkspaceLayout { blas: 0..0, products: 0..0, bytes: 0 },
+            Precision::F32 => {
+                WorkspaceLayout { blas: 0..0, grad_wire: 0..0, products: 0..0, bytes: 0 }
+            }
             Precision::Bf16 => {
                 let blas = 0..BLAS_WORKSPACE_BYTES;
-                let products = blas.end..blas.end + align(product_bytes);
+                let grad_wire = blas.end..blas.end + align(GRAD_WIRE_CHUNK * 2);
+                let products = grad_wire.end..grad_wire.end + align(product_bytes);
                 // The pool aligns buffers to 64 bytes only: room to move the start to 256.
                 let bytes = products.end + WORKSPACE_ALIGN;
-                WorkspaceLayout { blas, products, bytes }
+                WorkspaceLayout { blas, grad_wire, products, bytes }
             }
         }
     }
@@ -75,6 +82,8 @@ impl Precision {
 pub struct WorkspaceLayout {
     /// The cuBLAS workspace.
     pub blas: Range<usize>,
+    /// One chunk of a bf16 gradient on its way to the host (the D2H stream's).
+    pub grad_wire: Range<usize>,
     /// bf16 copies of the inputs of one product at a time (the compute stream's).
     pub products: Range<usize>,
     /// Bytes to allocate.
@@ -105,11 +114,11 @@ mod tests {
         let p = Precision::Bf16.product_bytes(7, 9, 11);
         assert_eq!(p, 256 + 256);
         let w = Precision::Bf16.workspace(p);
-        for r in [&w.blas, &w.products] {
+        for r in [&w.blas, &w.grad_wire, &w.products] {
             assert_eq!(r.start % WORKSPACE_ALIGN, 0, "{w:?}");
         }
-        assert!(w.blas.end <= w.products.start);
-        assert!(w.products.len() >= p && w.blas.len() == BLAS_WORKSPACE_BYTES);
+        assert!(w.blas.end <= w.grad_wire.start && w.grad_wire.end <= w.products.start);
+        assert!(w.products.len() >= p && w.grad_wire.len() >= 2 * GRAD_WIRE_CHUNK);
         assert_eq!(w.bytes, w.products.end + WORKSPACE_ALIGN);
         let (dout, inp) = product_parts(1000, 333, 77);
         assert!(dout.len() >= 2 * 1000 * 77 && inp.len() >= 2 * 1000 * 333);

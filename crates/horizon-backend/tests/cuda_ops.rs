@@ -22,9 +22,10 @@
 use horizon_backend::cpu::testing::{Rng, assert_close};
 use horizon_backend::cuda::{CudaBackend, CudaDevice, CudaDeviceConfig, CudaMem, DevSlice};
 use horizon_backend::cuda::{convert, probe};
+use horizon_backend::precision::GRAD_WIRE_CHUNK;
 use horizon_backend::{
-    AttnDims, Backend, Bf16, CpuBackend, Device, DeviceAlloc, DeviceSlice, HostPtr, HostPtrMut,
-    Precision,
+    AttnDims, Backend, Bf16, CpuBackend, DevBuf, Device, DeviceAlloc, DeviceSlice, HostPtr,
+    HostPtrMut, Precision,
 };
 
 const GUARD: usize = 37;
@@ -474,11 +475,12 @@ fn bf16_roundings_match_the_host_bit_for_bit() {
     assert_eq!(got, want, "upload_weights rounds as the host does");
 }
 
-/// The bf16 weight upload of the CUDA device, over more than one chunk (8M weights per chunk),
-/// lands exactly where and as it should: the slot holds `Bf16::from_f32` of every weight, at
-/// its offset, and nothing else moves.
+/// The bf16 weight upload and the bf16 gradient download of the CUDA device, over more than
+/// one chunk of each (8M weights, 4M gradients per chunk), land exactly where and as they
+/// should: the slot holds `Bf16::from_f32` of every weight, at its offset, and nothing else
+/// moves; the host receives `Bf16::from_f32` of every gradient; the link counts 2 bytes each.
 #[test]
-fn cuda_device_carries_bf16_weights_exactly() {
+fn cuda_device_carries_bf16_weights_and_gradients_exactly() {
     if !driver() {
         return;
     }
@@ -510,6 +512,22 @@ fn cuda_device_carries_bf16_weights_exactly() {
         let want = if (at..at + nw).contains(&i) { Bf16::from_f32(w[i - at]).0 } else { 0x7fa5 };
         assert_eq!(*b, want, "slot bf16 {i}");
     }
+    // Gradients: one chunk and a bit, from an odd offset of the pool.
+    let ng = GRAD_WIRE_CHUNK + 37;
+    let g = rng.vec(ng, 3.0);
+    let buf: DevBuf = dev.alloc(ng + 1).unwrap().sub(1..ng + 1);
+    let mut out = vec![Bf16(0); ng];
+    let d2h = dev.stats().d2h_bytes;
+    // SAFETY: as above.
+    unsafe {
+        dev.upload(buf, HostPtr::new(&g));
+        dev.synchronize();
+        dev.download_bf16(HostPtrMut::new(&mut out), buf);
+    }
+    dev.synchronize();
+    assert_eq!(dev.stats().d2h_bytes - d2h, 2 * ng as u64);
+    let bad = out.iter().zip(&g).position(|(o, g)| *o != Bf16::from_f32(*g));
+    assert!(bad.is_none(), "bf16 gradient element {bad:?} differs from the host rounding");
 }
 
 #[test]

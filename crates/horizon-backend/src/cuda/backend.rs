@@ -19,7 +19,7 @@ use super::kernels::Kernels;
 use super::slice::DevSlice;
 use super::{CudaError, check};
 use crate::bf16::round_to_bf16;
-use crate::precision::{BLAS_WORKSPACE_BYTES, WORKSPACE_ALIGN};
+use crate::precision::{BLAS_WORKSPACE_BYTES, GRAD_WIRE_CHUNK, WORKSPACE_ALIGN};
 use crate::{AttnDims, Backend, Bf16, DeviceAlloc, Precision};
 
 /// The CUDA backend: a context, the stream its ops run on, the compiled kernels, a cuBLAS handle
@@ -56,6 +56,12 @@ impl Drop for Inner {
     }
 }
 
+/// Where the parts of a workspace handed to [`CudaBackend::use_workspace`] lie.
+pub(crate) struct WorkspaceAddrs {
+    /// One chunk of bf16 gradient ([`GRAD_WIRE_CHUNK`] elements), for the device's D2H stream.
+    pub(crate) grad_wire: u64,
+}
+
 /// A cuBLAS handle bound to the backend's stream. Behind a mutex: a handle must not be used by
 /// two threads at once.
 pub(crate) struct Blas(pub(crate) cublas::sys::cublasHandle_t);
@@ -90,8 +96,8 @@ impl CudaBackend {
         let min = Precision::Bf16.workspace(0).bytes;
         if workspace_bytes < min {
             return Err(CudaError(format!(
-                "a CUDA backend needs a workspace of at least {min} bytes (cuBLAS's), got \
-                 {workspace_bytes}"
+                "a CUDA backend needs a workspace of at least {min} bytes (cuBLAS, gradient \
+                 chunk), got {workspace_bytes}"
             )));
         }
         ctx.bind_to_thread().map_err(|e| CudaError::driver("binding the context", e))?;
@@ -154,21 +160,26 @@ impl CudaBackend {
 
     /// Takes `addr .. addr + bytes` as the workspace, laid out by `Precision::Bf16.workspace`
     /// from `addr` rounded up to 256 bytes: the cuBLAS part becomes the handle's workspace, the
-    /// products part this backend's bf16 input copies. Fails when `bytes` cannot hold cuBLAS's
-    /// part.
+    /// products part this backend's bf16 input copies; returns where the gradient chunk lies
+    /// (for the device's D2H stream). Fails when `bytes` cannot hold the fixed parts.
     ///
     /// # Safety
     /// The range must be device memory of this context that stays allocated while the backend
-    /// runs and that only this backend's stream uses, and no product may be in flight on the
-    /// stream.
-    pub(crate) unsafe fn use_workspace(&self, addr: u64, bytes: usize) -> Result<(), CudaError> {
+    /// runs, that only this backend's stream uses (the gradient chunk excepted: its user is the
+    /// caller), and no product may be in flight on the stream.
+    pub(crate) unsafe fn use_workspace(
+        &self,
+        addr: u64,
+        bytes: usize,
+    ) -> Result<WorkspaceAddrs, CudaError> {
         let base = addr.next_multiple_of(WORKSPACE_ALIGN as u64);
         let lay = Precision::Bf16.workspace(0);
         let end = addr + bytes as u64;
         let products = base + lay.products.start as u64;
         if end < products {
             return Err(CudaError(format!(
-                "a CUDA workspace of {bytes} bytes cannot hold cuBLAS's {BLAS_WORKSPACE_BYTES}"
+                "a CUDA workspace of {bytes} bytes cannot hold cuBLAS's {BLAS_WORKSPACE_BYTES} \
+                 and a {GRAD_WIRE_CHUNK}-element gradient chunk"
             )));
         }
         if let Some(blas) = &self.inner.blas {
@@ -186,7 +197,7 @@ impl CudaBackend {
         }
         *self.inner.products.lock().expect("workspace lock poisoned") =
             (products, (end - products) as usize);
-        Ok(())
+        Ok(WorkspaceAddrs { grad_wire: base + lay.grad_wire.start as u64 })
     }
 
     /// The products' part of the workspace, (device address, bytes), locked: hold the guard

@@ -14,11 +14,14 @@
 //!
 //! Weights (`upload_weights`) cross the link as bf16 and stay bf16: the H2D dispatcher rounds a
 //! chunk of the fp32 masters into a page-locked bf16 ring buffer and copies it straight into the
-//! weight slot, two chunks in flight.
+//! weight slot, two chunks in flight. Gradients may come back as bf16 (`download_bf16`): the D2H
+//! stream rounds a chunk of the fp32 accumulator into the workspace's gradient chunk, then
+//! copies it to the page-locked host slab; chunk after chunk on the one stream, so the next
+//! rounding never overwrites a chunk still being copied.
 //!
 //! Device memory is the pool alone. The engine hands part of it back as the workspace
-//! (`set_workspace`): bf16 copies of product inputs and the cuBLAS workspace, both the compute
-//! stream's.
+//! (`set_workspace`): bf16 copies of product inputs and the cuBLAS workspace for the compute
+//! stream, the gradient chunk for the D2H stream.
 
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::mpsc::{self, Receiver, Sender};
@@ -29,6 +32,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{CudaContext, CudaStream, result as cu, sys};
 
 use super::backend::{CudaBackend, context};
+use super::convert::round_on_device;
 use super::kernels::Kernels;
 use super::pinned::Pinned;
 use super::slice::DevSlice;
@@ -38,8 +42,9 @@ use crate::bf16::round_to_bf16;
 use crate::cpu::device::{ALIGN_ELEMS, Pool};
 use crate::device::{
     DevBuf, Device, DeviceStats, Event, HostPtr, HostPtrMut, HostWork, Kernel, OutOfDeviceMemory,
-    Queue, Views,
+    Queue, StagingElem, Views,
 };
+use crate::precision::GRAD_WIRE_CHUNK;
 
 /// Elements per bf16 chunk of a weight upload (16 MiB of bf16); two chunks are in flight.
 const WIRE_CHUNK: usize = 8 << 20;
@@ -69,8 +74,11 @@ impl CudaDevice {
         };
         let streams = [stream("compute")?, stream("H2D")?, stream("D2H")?];
         let kernels = Arc::new(Kernels::load(&ctx)?);
-        // Products run on the compute stream only: the copy streams launch no kernel.
-        let compute = CudaBackend::on_stream(ctx.clone(), streams[0].clone(), kernels, true)?;
+        // Products run on the compute stream only; the D2H stream launches the gradient
+        // rounding and needs no cuBLAS handle.
+        let compute =
+            CudaBackend::on_stream(ctx.clone(), streams[0].clone(), kernels.clone(), true)?;
+        let d2h = CudaBackend::on_stream(ctx.clone(), streams[2].clone(), kernels, false)?;
         let len = cfg.capacity_bytes / 4 / ALIGN_ELEMS * ALIGN_ELEMS;
         let (free, total) = cu::mem_get_info().unwrap_or((0, 0));
         let alloc = |bytes: usize, what: &str| -> Result<u64, CudaError> {
@@ -94,8 +102,10 @@ impl CudaDevice {
             ctx: ctx.clone(),
             base,
             len,
+            grad_wire: Mutex::new(None),
             streams,
             compute,
+            d2h,
             events: event_pool,
             counters: Mutex::new(Counters::default()),
             first_panic: Mutex::new(None),
@@ -148,7 +158,7 @@ impl std::fmt::Debug for CudaDevice {
 
 impl Device for CudaDevice {
     type Backend = CudaBackend;
-    type Staging = Pinned<f32>;
+    type Staging<T: StagingElem> = Pinned<T>;
 
     fn name(&self) -> String {
         format!("cuda:{} ({})", self.cfg.ordinal, self.gpu_name)
@@ -225,19 +235,36 @@ impl Device for CudaDevice {
         self.submit(Queue::D2H, Task::Download { dst, src });
     }
 
+    /// Rounded on the D2H stream, chunk by chunk, into the workspace's gradient chunk, and
+    /// copied from there; needs the workspace ([`Device::set_workspace`]).
+    fn download_bf16(&self, dst: HostPtrMut<Bf16>, src: DevBuf) {
+        assert_eq!(
+            dst.len(),
+            src.len,
+            "download_bf16: dst has {} elements, src {}",
+            dst.len(),
+            src.len
+        );
+        self.shared.check(src);
+        self.submit(Queue::D2H, Task::DownloadBf16 { dst, src });
+    }
+
     /// Lays `ws` out with `Precision::Bf16.workspace`: the compute backend takes the products
-    /// part and gives the cuBLAS part to its handle (`cublasSetWorkspace`). Panics if `ws`
-    /// cannot hold cuBLAS's part (a bug: the plan sizes it).
+    /// part and gives the cuBLAS part to its handle (`cublasSetWorkspace`), the D2H stream
+    /// keeps the gradient chunk. Panics if `ws` cannot hold the fixed parts (a bug: the plan
+    /// sizes it).
     fn set_workspace(&self, ws: DevBuf) {
         if ws.len == 0 {
             return;
         }
         let addr = self.shared.addr(ws);
         // SAFETY: `ws` is pool memory (checked by `addr`) that the engine keeps allocated while
-        // the device runs and gives to nothing else; only the compute stream uses it; the
-        // engine hands it over before enqueueing any work, so no product is in flight.
-        let r = unsafe { self.shared.compute.use_workspace(addr, ws.bytes()) };
-        r.unwrap_or_else(|e| panic!("set_workspace({ws:?}): {e}"));
+        // the device runs and gives to nothing else; only the compute stream uses the products
+        // and cuBLAS parts, only the D2H stream the gradient chunk; the engine hands it over
+        // before enqueueing any work, so no product is in flight.
+        let parts = unsafe { self.shared.compute.use_workspace(addr, ws.bytes()) };
+        let parts = parts.unwrap_or_else(|e| panic!("set_workspace({ws:?}): {e}"));
+        *self.shared.grad_wire.lock().expect("CUDA device lock poisoned") = Some(parts.grad_wire);
     }
 
     fn launch(&self, k: Kernel<CudaBackend>) {
@@ -288,7 +315,7 @@ impl Device for CudaDevice {
     }
 
     /// Page-locked (flags 0: cached, not write-combined), zeroed.
-    fn alloc_staging(&self, len: usize) -> Pinned<f32> {
+    fn alloc_staging<T: StagingElem>(&self, len: usize) -> Pinned<T> {
         Pinned::new(&self.shared.ctx, len)
     }
 }
@@ -320,10 +347,15 @@ struct Shared {
     /// The pool: `len` f32 at device address `base`.
     base: u64,
     len: usize,
+    /// The workspace's gradient chunk: GRAD_WIRE_CHUNK bf16 at this device address, used by
+    /// the D2H stream only (`None` until `set_workspace`).
+    grad_wire: Mutex<Option<u64>>,
     /// Compute, H2D, D2H.
     streams: [Arc<CudaStream>; 3],
-    /// The kernels on the compute stream (with cuBLAS).
+    /// The kernels on the compute stream (with cuBLAS), and on the D2H stream (the rounding of
+    /// bf16 gradients).
     compute: CudaBackend,
+    d2h: CudaBackend,
     events: EventPool,
     counters: Mutex<Counters>,
     first_panic: Mutex<Option<String>>,
@@ -453,6 +485,7 @@ enum Task {
     UploadWeights { dst: DevBuf, at: usize, src: HostPtr },
     UploadI32 { dst: DevBuf, src: Arc<Vec<i32>> },
     Download { dst: HostPtrMut, src: DevBuf },
+    DownloadBf16 { dst: HostPtrMut<Bf16>, src: DevBuf },
     Signal(Event),
     Wait(Event),
     Stop,
@@ -663,6 +696,11 @@ fn run(
             });
             shared.counters().d2h_bytes += src.bytes() as u64;
         }
+        Task::DownloadBf16 { dst, src } => {
+            jitter.delay();
+            timed(&mut || download_bf16(shared, dst, src));
+            shared.counters().d2h_bytes += (2 * src.len) as u64;
+        }
     }
 }
 
@@ -689,6 +727,38 @@ fn upload_bf16(shared: &Shared, ring: &mut WireRing, dst: u64, src: HostPtr) {
             check("cuMemcpyHtoDAsync", cu::memcpy_htod_async(at, &*host, stream));
             check("cuEventRecord", cu::event::record(ring.copied[slot], stream));
         }
+        off += len;
+    }
+}
+
+/// A gradient download as bf16: per chunk of `src` (fp32, in the pool), round it on the D2H
+/// stream into the workspace's gradient chunk and copy that into `dst`. Both steps of every
+/// chunk are on the one stream, in order: a chunk is rounded only after the previous chunk's
+/// copy out of the same buffer has run (write after read), and copied only after its rounding
+/// (read after write).
+fn download_bf16(shared: &Shared, dst: HostPtrMut<Bf16>, src: DevBuf) {
+    let stream = shared.stream(Queue::D2H).cu_stream();
+    let wire = shared.grad_wire.lock().expect("CUDA device lock poisoned").unwrap_or_else(|| {
+        panic!("download_bf16 of {src:?} before set_workspace: the device has no gradient chunk")
+    });
+    let mut off = 0;
+    while off < src.len {
+        let len = GRAD_WIRE_CHUNK.min(src.len - off);
+        // SAFETY: the gradient chunk holds GRAD_WIRE_CHUNK >= len bf16 and only this stream
+        // uses it; `src` lies in the pool (checked at submission) and the schedule orders this
+        // download after the writes of `src` and before the next ones.
+        let (wire_chunk, grad) = unsafe {
+            (
+                DevSlice::<Bf16>::from_raw_mut(wire, len),
+                DevSlice::<f32>::from_raw(shared.addr(src.sub(off..off + len)), len),
+            )
+        };
+        round_on_device(&shared.d2h, wire_chunk, grad);
+        // SAFETY: `download_bf16`'s caller gives this queue exclusive use of `dst` until its
+        // next event is reached, which is after this copy (HostPtrMut's contract).
+        let d = unsafe { dst.sub(off..off + len).as_mut_slice() };
+        // SAFETY: `wire` holds the `len` bf16 just rounded (same stream, ordered before).
+        check("cuMemcpyDtoHAsync", unsafe { cu::memcpy_dtoh_async(d, wire, stream) });
         off += len;
     }
 }
