@@ -12,7 +12,10 @@
 #                                           # machine without Rust
 #   DIR/gpu-check.sh                        # on the GPU machine: runs what DIR holds
 # Environment: HORIZON_BIN (the horizon binary), TEST_BIN_DIR (test executables cuda_*),
-# BENCH_STEPS (default 3, after one warm-up step), OUT (default out/gpu-check).
+# BENCH_STEPS (default 3, after one warm-up step), OUT (default out/gpu-check), GRAD_WIRE
+# (engine.grad_wire of the benchmarks: fp32, the default, or bf16).
+# The GPU holds bf16 weights (half the bytes of fp32 slots) and runs bf16 products with fp32
+# accumulation; the parity tests compare against the CPU with the tolerances of ARCHITECTURE.md.
 # Libraries: the NVIDIA driver (libcuda), NVRTC 13 and cuBLAS 13 must be loadable; pip wheels
 # (nvidia-cuda-nvrtc, nvidia-cublas) in the current Python are found and put on LD_LIBRARY_PATH.
 set -euo pipefail
@@ -20,6 +23,7 @@ HERE="$(cd "$(dirname "$0")" && pwd)"
 ROOT="$(cd "$HERE/.." && pwd)"
 OUT="${OUT:-$PWD/out/gpu-check}"
 STEPS="${BENCH_STEPS:-3}"
+GRAD_WIRE="${GRAD_WIRE:-fp32}"
 PEAK_TFLOPS=989
 
 if [[ "${1:-}" == "--bundle" ]]; then
@@ -117,11 +121,11 @@ model: {init: random, arch: qwen2, hidden_size: $c, intermediate_size: $f, num_h
         tie_word_embeddings: false}
 data: {format: synthetic}
 train: {steps: $((STEPS + 1)), batch_size: $b, micro_batch_size: $mbs, max_seq_len: $t}
-engine: {checkpoint_every: $k, grad_slabs: 4, head_chunk_rows: 2048}
+engine: {checkpoint_every: $k, grad_slabs: 4, head_chunk_rows: 2048, grad_wire: $GRAD_WIRE}
 device: {backend: cuda, memory: auto}
 output: {dir: $OUT/$name}
 YAML
-    echo "== bench $name: $l layers, hidden $c, ffn $f, heads $h/$kvh, vocab $v, $b x $t tokens/step"
+    echo "== bench $name: $l layers, hidden $c, ffn $f, heads $h/$kvh, vocab $v, $b x $t tokens/step, grad_wire $GRAD_WIRE"
     if ! "$HORIZON_BIN" bench --config "$cfg" --warmup 1 > "$OUT/$name.log" 2>&1; then
         tail -n 30 "$OUT/$name.log"
         echo "bench $name FAILED (log: $OUT/$name.log)" >&2

@@ -324,6 +324,11 @@ pub struct EngineSection {
     /// recomputes (the device holds one layer's internals); `never` keeps them, or refuses to
     /// start when they do not fit. Keeping implies a checkpoint every layer.
     pub recompute: Recompute,
+    /// The format layer gradients cross the device -> host link in: `fp32` (default, exact) or
+    /// `bf16` (rounded on the device, half the link bytes and half the host gradient slabs;
+    /// the host accumulates in fp32). The final norm's and LM head's gradients, and the
+    /// residual gradient of the embedding, always come back fp32.
+    pub grad_wire: GradWire,
 }
 
 impl Default for EngineSection {
@@ -333,6 +338,7 @@ impl Default for EngineSection {
             grad_slabs: 4,
             head_chunk_rows: 256,
             recompute: Recompute::Auto,
+            grad_wire: GradWire::Fp32,
         }
     }
 }
@@ -350,15 +356,45 @@ pub enum Recompute {
     Never,
 }
 
+/// `engine.grad_wire`.
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum GradWire {
+    /// fp32, exact.
+    #[default]
+    Fp32,
+    /// bf16 (round to nearest even on the device), accumulated in fp32 on the host.
+    Bf16,
+}
+
 /// The compute device.
 #[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum BackendKind {
-    /// The CPU backend: device memory is a pool in host RAM, queues are worker threads.
+    /// The CPU backend: device memory is a pool in host RAM, queues are worker threads; fp32
+    /// weights (the reference).
     #[default]
     Cpu,
-    /// NVIDIA GPUs (not built yet).
+    /// NVIDIA GPUs (`--features cuda`): bf16 weights on the device, bf16 products with fp32
+    /// accumulation.
     Cuda,
+}
+
+impl BackendKind {
+    /// The backend's precision (its `Backend::PRECISION`; the same whether or not this binary
+    /// was built with CUDA, so a plan reads the same everywhere).
+    pub fn precision(self) -> horizon_backend::Precision {
+        use horizon_backend::Backend;
+        match self {
+            BackendKind::Cpu => horizon_backend::CpuBackend::PRECISION,
+            BackendKind::Cuda => horizon_backend::cuda::CudaBackend::PRECISION,
+        }
+    }
+
+    /// Whether the device pool lives in host RAM (the CPU backend), counting towards the host.
+    pub fn pool_in_host_ram(self) -> bool {
+        self == BackendKind::Cpu
+    }
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize)]

@@ -634,7 +634,8 @@ where
                 checkpoint_every: if keep { 1 } else { ecfg.checkpoint_every },
                 ..ecfg
             };
-            (e, MemoryPlan::new(&Sizes::new(&layout, &e), budget, true))
+            let in_host_ram = raw.device.backend.pool_in_host_ram();
+            (e, MemoryPlan::new(&Sizes::new(&layout, &e), budget, in_host_ram))
         };
         let (ecfg, plan) = match raw.engine.recompute {
             Recompute::Always => planned(false),
@@ -746,6 +747,8 @@ pub fn engine_config(raw: &RawConfig) -> EngineConfig {
         grad_clip: raw.optimizer.grad_clip,
         memory: raw.optimizer.memory,
         keep_internals: false,
+        backend: raw.device.backend,
+        grad_wire: raw.engine.grad_wire,
     }
 }
 
@@ -795,8 +798,8 @@ pub fn run_streaming(
 }
 
 /// The CUDA device of a run (`device.backend: cuda`): GPU 0, a pool of the plan's device bytes,
-/// bf16 weights on the wire, bf16 tensor-core matmuls with fp32 accumulation. In a binary built
-/// without the `cuda` feature this is an error saying so.
+/// bf16 weights on the wire and in the slots, bf16 tensor-core matmuls with fp32 accumulation.
+/// In a binary built without the `cuda` feature this is an error saying so.
 fn cuda_device(_raw: &RawConfig, plan: &MemoryPlan) -> Result<CudaDevice> {
     let cfg = CudaDeviceConfig::with_capacity(plan.device_capacity() as usize);
     CudaDevice::new(cfg).context("device.backend = cuda")

@@ -8,13 +8,15 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
+use horizon_backend::bf16::{add_bf16, expand_bf16};
 use horizon_backend::cpu::device::ALIGN_ELEMS;
 use horizon_backend::cpu::{add_inplace, embedding_backward, embedding_forward};
 use horizon_backend::{
-    AttnDims, Backend, DevBuf, Device, Event, HostPtr, HostPtrMut, Queue, Views,
+    AttnDims, Backend, Bf16, DevBuf, Device, DeviceSlice, Event, HostPtr, HostPtrMut, Precision,
+    Queue, Views,
 };
 
-use crate::config::OptimizerMemory;
+use crate::config::{BackendKind, GradWire, OptimizerMemory};
 use crate::data::pretokenized::{Row, make_batch};
 use crate::engine::phases::{Phase, PhaseClock, PhaseSeconds};
 use crate::engine::plan::{
@@ -56,6 +58,11 @@ pub struct EngineConfig {
     pub keep_internals: bool,
     /// `optimizer.memory`: exact, lean or compact.
     pub memory: OptimizerMemory,
+    /// `device.backend`: its precision (`Backend::PRECISION`) sets the format of the weight
+    /// slots and the workspace its products need. Must match the device the engine runs on.
+    pub backend: BackendKind,
+    /// `engine.grad_wire`: the format layer gradients cross the link in.
+    pub grad_wire: GradWire,
 }
 
 impl EngineConfig {
@@ -64,12 +71,20 @@ impl EngineConfig {
     }
 }
 
-/// Sizes (in f32 elements) of every buffer the engine allocates: the single source for the
-/// allocation and for the memory plan.
+/// Sizes (in f32 elements unless said otherwise) of every buffer the engine allocates: the
+/// single source for the allocation and for the memory plan.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Sizes {
-    /// One weight slot / gradient accumulator: the largest of a layer and norm + head.
+    /// One weight slot / gradient accumulator, in weights / f32: the largest of a layer and
+    /// norm + head.
     pub slot: usize,
+    /// The weight slots' format (fp32 on the CPU, bf16 on CUDA).
+    pub precision: Precision,
+    /// Bytes of the backend's workspace (0 on the CPU): bf16 copies of the largest product's
+    /// inputs, the cuBLAS workspace, the bf16 gradient chunk.
+    pub workspace_bytes: usize,
+    /// `engine.grad_wire`: the format of the host gradient slabs.
+    pub grad_wire: GradWire,
     /// One host gradient slab: one layer (the head's gradient goes straight to its own host
     /// buffers).
     pub slab: usize,
@@ -133,8 +148,18 @@ impl Sizes {
         } else {
             params
         };
+        // Every product the step runs: the layer's four, the head's per chunk.
+        let products = [(n, d.c, d.qkv()), (n, d.hd(), d.c), (n, d.c, 2 * d.f), (n, d.f, d.c)]
+            .into_iter()
+            .chain(std::iter::once((chunk, d.c, d.v)))
+            .map(|(n, ic, oc)| cfg.backend.precision().product_bytes(n, ic, oc))
+            .max()
+            .unwrap_or(0);
         Sizes {
             slot: layout.layer.len.max(d.c + vc),
+            precision: cfg.backend.precision(),
+            workspace_bytes: cfg.backend.precision().workspace(products).bytes,
+            grad_wire: cfg.grad_wire,
             slab: layout.layer.len,
             memory: cfg.memory,
             host_grads,
@@ -153,28 +178,63 @@ impl Sizes {
         }
     }
 
-    /// Device bytes by kind: (weight slots, gradient accumulators, activations, scratch, kept
-    /// internals, and the pool's rounding of every buffer up to its alignment).
-    pub fn device_bytes(&self) -> [(&'static str, usize); 6] {
+    /// f32 elements of pool memory one weight slot takes (`slot` weights of the precision).
+    pub fn slot_elems(&self) -> usize {
+        (self.slot * self.precision.weight_bytes()).div_ceil(4)
+    }
+
+    /// f32 elements of pool memory the backend's workspace takes.
+    pub fn workspace_elems(&self) -> usize {
+        self.workspace_bytes.div_ceil(4)
+    }
+
+    /// Device bytes by kind: (weight slots, gradient accumulators, activations, scratch, the
+    /// backend's workspace, kept internals, and the pool's rounding of every buffer up to its
+    /// alignment).
+    pub fn device_bytes(&self) -> [(&'static str, usize); 7] {
         let m = self.micro_batches;
         // Buffers `Engine::new` allocates: slots and accumulators, per micro-batch the residual
-        // streams, residual gradient, ids, targets, losses; 24 scratch buffers.
-        let buffers = 4 + m * (self.act_sets + 4) + 24 + self.stash_sets * LAYER_ACT_BUFFERS;
+        // streams, residual gradient, ids, targets, losses; 24 scratch buffers; the workspace.
+        let buffers = 4
+            + m * (self.act_sets + 4)
+            + 24
+            + usize::from(self.workspace_bytes > 0)
+            + self.stash_sets * LAYER_ACT_BUFFERS;
+        let slots = match self.precision {
+            Precision::F32 => "weight slots (2, fp32)",
+            Precision::Bf16 => "weight slots (2, bf16: half the bytes of fp32)",
+        };
         [
-            ("weight slots (2)", 2 * self.slot * 4),
-            ("gradient accumulators (2)", 2 * self.slot * 4),
+            (slots, 2 * self.slot_elems() * 4),
+            ("gradient accumulators (2, fp32)", 2 * self.slot * 4),
             (
                 "activations (residual streams, checkpoint block, gradients, ids)",
                 (m * self.act_sets * self.act + m * self.act + m * self.per_mb_small) * 4,
             ),
             ("workspace (one layer's internals, head chunk, rope)", self.scratch * 4),
+            (
+                "backend workspace (bf16 product inputs, cuBLAS, bf16 gradient chunk)",
+                self.workspace_elems() * 4,
+            ),
             ("kept layer internals (engine.recompute: no recompute)", self.stash * 4),
             ("alignment (each buffer rounded up to 64 bytes, at most)", buffers * ALIGN_ELEMS * 4),
         ]
     }
 
+    /// Host bytes of the gradient slabs: fp32, or bf16 plus (streamed updates) one fp32 layer
+    /// the host expands a slab into for its AdamW update.
+    pub fn slab_bytes(&self) -> usize {
+        match self.grad_wire {
+            GradWire::Fp32 => self.grad_slabs * self.slab * 4,
+            GradWire::Bf16 => {
+                let expand = if self.memory.streams_updates() { self.slab * 4 } else { 0 };
+                self.grad_slabs * self.slab * 2 + expand
+            }
+        }
+    }
+
     /// Host bytes by kind.
-    pub fn host_bytes(&self) -> [(&'static str, usize); 5] {
+    pub fn host_bytes(&self) -> [(&'static str, usize); 6] {
         let m = self.micro_batches;
         let moments = match self.memory {
             OptimizerMemory::Compact => {
@@ -187,13 +247,19 @@ impl Sizes {
         } else {
             "gradients (fp32, whole model)"
         };
+        let slabs = match (self.grad_wire, self.memory.streams_updates()) {
+            (GradWire::Fp32, _) => "gradient slabs (fp32)",
+            (GradWire::Bf16, false) => "gradient slabs (bf16, engine.grad_wire)",
+            (GradWire::Bf16, true) => "gradient slabs (bf16, engine.grad_wire; + one fp32 layer)",
+        };
         [
             ("master weights (fp32)", self.params * 4),
             moments,
             (grads, self.host_grads * 4),
+            (slabs, self.slab_bytes()),
             (
-                "staging (gradient slabs, embedding rows, residual gradients, losses)",
-                (self.grad_slabs * self.slab + m * (2 * self.act + self.mb_rows)) * 4,
+                "staging (embedding rows, residual gradients, losses)",
+                m * (2 * self.act + self.mb_rows) * 4,
             ),
             ("checkpoints", self.blocks * m * self.act * 4),
         ]
@@ -260,9 +326,9 @@ struct Ctx {
     grads: Vec<HostPtrMut>,
     m: Vec<HostPtrMut>,
     v: Vec<HostPtrMut>,
-    /// Host buffers: [block][m] checkpoints, slabs, per-micro-batch staging.
+    /// Host buffers: [block][m] checkpoints, gradient slabs, per-micro-batch staging.
     ckpt: Vec<Vec<HostPtrMut>>,
-    slabs: Vec<HostPtrMut>,
+    slabs: Slabs,
     emb_stage: Vec<HostPtrMut>,
     dx_stage: Vec<HostPtrMut>,
     loss_host: Vec<HostPtrMut>,
@@ -274,6 +340,14 @@ struct Ctx {
     phases: PhaseClock,
     /// [layer][m]: forward internals kept for the backward (empty when it recomputes them).
     stash: Vec<Vec<LayerActs<DevBuf>>>,
+}
+
+/// The host gradient slabs, in the format layer gradients cross the link in (`engine.grad_wire`).
+enum Slabs {
+    F32(Vec<HostPtrMut>),
+    /// bf16 slabs, and one fp32 layer (streamed updates only; empty otherwise) that the host
+    /// queue expands a slab into for its AdamW update (one at a time: the host queue is serial).
+    Bf16(Vec<HostPtrMut<Bf16>>, HostPtrMut),
 }
 
 /// What the streamed updates of one step have seen (host queue only).
@@ -398,12 +472,15 @@ impl StepOutput {
 }
 
 /// Host buffers the engine owns (the closures reach them through `Ctx`'s handles).
-struct HostBuffers<S> {
-    _ckpt: Vec<Vec<S>>,
-    _slabs: Vec<S>,
-    _emb_stage: Vec<S>,
-    _dx_stage: Vec<S>,
-    _loss_host: Vec<S>,
+struct HostBuffers<D: Device> {
+    _ckpt: Vec<Vec<D::Staging<f32>>>,
+    /// The gradient slabs: fp32 or bf16 (the other empty), and the fp32 expansion layer.
+    _slabs: Vec<D::Staging<f32>>,
+    _slabs_bf16: Vec<D::Staging<Bf16>>,
+    _expand: Vec<f32>,
+    _emb_stage: Vec<D::Staging<f32>>,
+    _dx_stage: Vec<D::Staging<f32>>,
+    _loss_host: Vec<D::Staging<f32>>,
 }
 
 /// The streaming engine. Field order matters: the device is dropped first, which runs all
@@ -412,7 +489,9 @@ pub struct Engine<D: Device> {
     dev: D,
     ctx: Arc<Ctx>,
     state: Box<TrainState>,
-    _host: HostBuffers<D::Staging>,
+    _host: HostBuffers<D>,
+    /// The backend's workspace (kept allocated for the device's life).
+    _workspace: DevBuf,
     schedule: Schedule,
     /// Events of the ops of the current and the previous step (by step parity).
     events: [Vec<Event>; 2],
@@ -425,7 +504,7 @@ pub struct Engine<D: Device> {
 }
 
 /// A raw handle to a host buffer that stays where it is for the engine's life.
-fn handle(s: &mut [f32]) -> HostPtrMut {
+fn handle<T>(s: &mut [T]) -> HostPtrMut<T> {
     // SAFETY: every buffer handed out here is owned by the engine (boxed state or staging
     // vectors that are never resized) and outlives the device, which is dropped first; who
     // touches it when is decided by the hazard-checked schedule.
@@ -460,6 +539,17 @@ where
         if cfg.keep_internals && cfg.checkpoint_every != 1 {
             bail!("kept layer internals need checkpoint_every 1: {cfg:?}");
         }
+        let precision = <D::Backend as Backend>::PRECISION;
+        if cfg.backend.precision() != precision {
+            bail!(
+                "the engine was planned for the {:?} backend ({} weights) but the {} device \
+                 computes with {} weights",
+                cfg.backend,
+                cfg.backend.precision().name(),
+                dev.name(),
+                precision.name()
+            );
+        }
         let schedule = Schedule::new(shape);
         let alloc = |len: usize| -> Result<DevBuf> {
             dev.alloc(len).with_context(|| {
@@ -470,7 +560,9 @@ where
             })
         };
         let (n, mbs) = (sizes.mb_rows, sizes.micro_batches);
-        let slots = [alloc(sizes.slot)?, alloc(sizes.slot)?];
+        let slots = [alloc(sizes.slot_elems())?, alloc(sizes.slot_elems())?];
+        let workspace = alloc(sizes.workspace_elems())?;
+        dev.set_workspace(workspace);
         let dws = [alloc(sizes.slot)?, alloc(sizes.slot)?];
         let acts = (0..sizes.act_sets)
             .map(|_| (0..mbs).map(|_| alloc(sizes.act)).collect::<Result<Vec<_>>>())
@@ -535,13 +627,21 @@ where
             Some(q) => q.iter_mut().map(Q8Handle::new).collect(),
             None => Vec::new(),
         };
-        let stage = |len: usize| dev.alloc_staging(len);
-        let mut ckpt: Vec<Vec<D::Staging>> =
+        let stage = |len: usize| dev.alloc_staging::<f32>(len);
+        let mut ckpt: Vec<Vec<D::Staging<f32>>> =
             (0..sizes.blocks).map(|_| (0..mbs).map(|_| stage(sizes.act)).collect()).collect();
-        let mut slabs: Vec<D::Staging> = (0..cfg.grad_slabs).map(|_| stage(sizes.slab)).collect();
-        let mut emb_stage: Vec<D::Staging> = (0..mbs).map(|_| stage(sizes.act)).collect();
-        let mut dx_stage: Vec<D::Staging> = (0..mbs).map(|_| stage(sizes.act)).collect();
-        let mut loss_host: Vec<D::Staging> = (0..mbs).map(|_| stage(n)).collect();
+        let (n_f32, n_bf16) = match cfg.grad_wire {
+            GradWire::Fp32 => (cfg.grad_slabs, 0),
+            GradWire::Bf16 => (0, cfg.grad_slabs),
+        };
+        let mut slabs: Vec<D::Staging<f32>> = (0..n_f32).map(|_| stage(sizes.slab)).collect();
+        let mut slabs_bf16: Vec<D::Staging<Bf16>> =
+            (0..n_bf16).map(|_| dev.alloc_staging::<Bf16>(sizes.slab)).collect();
+        let expand_len = if n_bf16 > 0 && cfg.memory.streams_updates() { sizes.slab } else { 0 };
+        let mut expand = vec![0.0f32; expand_len];
+        let mut emb_stage: Vec<D::Staging<f32>> = (0..mbs).map(|_| stage(sizes.act)).collect();
+        let mut dx_stage: Vec<D::Staging<f32>> = (0..mbs).map(|_| stage(sizes.act)).collect();
+        let mut loss_host: Vec<D::Staging<f32>> = (0..mbs).map(|_| stage(n)).collect();
         let bufs = |ps: &mut crate::model::params::ParamStore| -> Vec<HostPtrMut> {
             ps.buffers_mut().into_iter().map(handle).collect()
         };
@@ -574,7 +674,13 @@ where
             m: bufs(&mut state.m),
             v: bufs(&mut state.v),
             ckpt: ckpt.iter_mut().map(|b| b.iter_mut().map(|s| handle(s)).collect()).collect(),
-            slabs: slabs.iter_mut().map(|s| handle(s)).collect(),
+            slabs: match cfg.grad_wire {
+                GradWire::Fp32 => Slabs::F32(slabs.iter_mut().map(|s| handle(s)).collect()),
+                GradWire::Bf16 => Slabs::Bf16(
+                    slabs_bf16.iter_mut().map(|s| handle(s)).collect(),
+                    handle(&mut expand),
+                ),
+            },
             emb_stage: emb_stage.iter_mut().map(|s| handle(s)).collect(),
             dx_stage: dx_stage.iter_mut().map(|s| handle(s)).collect(),
             loss_host: loss_host.iter_mut().map(|s| handle(s)).collect(),
@@ -603,10 +709,13 @@ where
             _host: HostBuffers {
                 _ckpt: ckpt,
                 _slabs: slabs,
+                _slabs_bf16: slabs_bf16,
+                _expand: expand,
                 _emb_stage: emb_stage,
                 _dx_stage: dx_stage,
                 _loss_host: loss_host,
             },
+            _workspace: workspace,
             schedule,
             events,
             cfg,
@@ -815,13 +924,13 @@ where
             OpKind::UploadWeights { slot, what } => match what {
                 SlotContent::Layer(i) => {
                     let src = c.params[c.param_index(ParamBuf::Layer(i))].as_const();
-                    self.dev.upload_weights(c.slots[slot].prefix(src.len()), src);
+                    self.dev.upload_weights(c.slots[slot], 0, src);
                 }
                 SlotContent::Head => {
                     let norm = c.params[c.param_index(ParamBuf::FinalNorm)].as_const();
                     let head = c.params[c.param_index(c.head_param())].as_const();
-                    self.dev.upload_weights(c.slots[slot].sub(0..d.c), norm);
-                    self.dev.upload_weights(c.slots[slot].sub(d.c..d.c + head.len()), head);
+                    self.dev.upload_weights(c.slots[slot], 0, norm);
+                    self.dev.upload_weights(c.slots[slot], d.c, head);
                 }
             },
             OpKind::SaveCkpt { block, m, set } => {
@@ -842,7 +951,7 @@ where
                         layer_forward(
                             vw.backend(),
                             &mut acts,
-                            vw.buf(c.slots[slot].prefix(c.layout.layer.len)),
+                            vw.wbuf(c.slots[slot]).slice(0..c.layout.layer.len),
                             &c.layout.layer,
                             vw.buf(c.acts[src][m].prefix(nc)),
                             vw.buf_mut(c.acts[dst][m].prefix(nc)),
@@ -891,8 +1000,8 @@ where
                                 dhead_w: vw.buf_mut(c.dws[dw].sub(d.c..d.c + vc)),
                             },
                             vw.buf(c.acts[src][m].prefix(nc)),
-                            vw.buf(c.slots[slot].sub(0..d.c)),
-                            vw.buf(c.slots[slot].sub(d.c..d.c + vc)),
+                            vw.wbuf(c.slots[slot]).slice(0..d.c),
+                            vw.wbuf(c.slots[slot]).slice(d.c..d.c + vc),
                             vw.ibuf(c.targets[m].prefix(n)),
                             HeadDims {
                                 n,
@@ -916,7 +1025,7 @@ where
                     let lay = &c.layout.layer;
                     // SAFETY: as for the forward kernel.
                     unsafe {
-                        let w = vw.buf(c.slots[slot].prefix(lay.len));
+                        let w = vw.wbuf(c.slots[slot]).slice(0..lay.len);
                         let x = vw.buf(c.acts[set][m].prefix(nc));
                         let acts = match c.stash.get(layer) {
                             // Kept by this layer's forward.
@@ -973,7 +1082,12 @@ where
             }
             OpKind::DownloadDw { dw, slab, what } => {
                 let len = grad_len(c, what);
-                self.dev.download(c.slabs[slab].sub(0..len), c.dws[dw].prefix(len));
+                match &c.slabs {
+                    Slabs::F32(s) => self.dev.download(s[slab].sub(0..len), c.dws[dw].prefix(len)),
+                    Slabs::Bf16(s, _) => {
+                        self.dev.download_bf16(s[slab].sub(0..len), c.dws[dw].prefix(len));
+                    }
+                }
             }
             OpKind::AccumulateGrads { slab, what } => {
                 let c = c.clone();
@@ -982,12 +1096,21 @@ where
                     // SAFETY: the schedule orders this after the slab's download and before
                     // its next one; the gradients are only touched by the host queue.
                     unsafe {
-                        let s = c.slabs[slab].as_const();
                         let GradTarget::Layer(i) = what else {
                             unreachable!("the head's gradient has no slab")
                         };
                         let g = c.grads[c.param_index(ParamBuf::Layer(i))];
-                        add_inplace(g.as_mut_slice(), s.sub(0..g.len()).as_slice());
+                        // fp32 accumulation on the host, whatever the slab's format.
+                        match &c.slabs {
+                            Slabs::F32(s) => add_inplace(
+                                g.as_mut_slice(),
+                                s[slab].as_const().sub(0..g.len()).as_slice(),
+                            ),
+                            Slabs::Bf16(s, _) => add_bf16(
+                                g.as_mut_slice(),
+                                s[slab].as_const().sub(0..g.len()).as_slice(),
+                            ),
+                        }
                     }
                     c.phases.add(Phase::Gradients, t0);
                 }));
@@ -1007,7 +1130,16 @@ where
                     // SAFETY: ordered after the slab's download and before its next one; the
                     // layer's masters and moments are ordered against its uploads.
                     unsafe {
-                        streamed_update(&c, &sd, i, c.slabs[slab].sub(0..len).as_mut_slice());
+                        let g: &[f32] = match &c.slabs {
+                            Slabs::F32(s) => s[slab].sub(0..len).as_mut_slice(),
+                            Slabs::Bf16(s, expand) => {
+                                // The host queue runs one update at a time: one fp32 layer.
+                                let g = expand.sub(0..len).as_mut_slice();
+                                expand_bf16(g, s[slab].as_const().sub(0..len).as_slice());
+                                g
+                            }
+                        };
+                        streamed_update(&c, &sd, i, g);
                     }
                     c.phases.add(Phase::Optimizer, t0);
                 }));

@@ -21,10 +21,11 @@ pub struct PlanReport {
     pub text: String,
 }
 
-/// The memory plan of a model / engine configuration (the CPU backend's pool in host RAM).
+/// The memory plan of a model / engine configuration on `ecfg.backend` (the CPU backend's pool
+/// counts in host RAM).
 pub fn plan_for(model: &ModelConfig, ecfg: &EngineConfig, budget: Option<u64>) -> MemoryPlan {
     let sizes = Sizes::new(&ModelLayout::new(model), ecfg);
-    MemoryPlan::new(&sizes, budget, true)
+    MemoryPlan::new(&sizes, budget, ecfg.backend.pool_in_host_ram())
 }
 
 /// The deepest model of `model`'s shape whose host total fits `avail` under `ecfg`: (layers,

@@ -99,8 +99,8 @@ pub struct Transformer<B: DeviceAlloc> {
     cos: B::Mem,
     /// (T_max, D/2)
     sin: B::Mem,
-    /// One layer's weights on the device, (layer len).
-    w: B::Mem,
+    /// One layer's weights on the device, (layer len), in the backend's precision.
+    w: B::WMem,
     /// One layer's parameter gradients on the device, (layer len).
     dw: B::Mem,
     acts: LayerActs<B::Mem>,
@@ -110,7 +110,7 @@ pub struct Transformer<B: DeviceAlloc> {
     /// (N, C) residual stream: output of the current layer.
     y: B::Mem,
     /// (C) final norm weight, and its gradient.
-    norm_w: B::Mem,
+    norm_w: B::WMem,
     dnorm_w: B::Mem,
     /// (N, C) final norm output, and its gradient.
     hf: B::Mem,
@@ -118,7 +118,7 @@ pub struct Transformer<B: DeviceAlloc> {
     /// (N) final norm rstd.
     rstd_f: B::Mem,
     /// (V, C) LM head weight, and its gradient.
-    head_w: B::Mem,
+    head_w: B::WMem,
     dhead_w: B::Mem,
     /// (chunk, V) logits, then dlogits.
     logits: B::Mem,
@@ -185,16 +185,16 @@ impl<B: DeviceAlloc> Transformer<B> {
             ds: be.alloc(n * d.f),
         };
         Transformer {
-            w: be.alloc(layout.layer.len),
+            w: be.alloc_weights(layout.layer.len),
             dw: be.alloc(layout.layer.len),
             x: be.alloc(n * d.c),
             y: be.alloc(n * d.c),
-            norm_w: be.alloc(d.c),
+            norm_w: be.alloc_weights(d.c),
             dnorm_w: be.alloc(d.c),
             hf: be.alloc(n * d.c),
             dhf: be.alloc(n * d.c),
             rstd_f: be.alloc(n),
-            head_w: be.alloc(d.v * d.c),
+            head_w: be.alloc_weights(d.v * d.c),
             dhead_w: be.alloc(d.v * d.c),
             logits: be.alloc(chunk * d.v),
             losses: be.alloc(n),
@@ -247,7 +247,7 @@ impl<B: DeviceAlloc> Transformer<B> {
         self.be.upload_i32(self.targets.slice_mut(0..n), &batch.targets);
         self.be.upload(vm(&mut self.x, nc), &self.ckpt[0][..nc]);
         for l in 0..d.layers {
-            self.be.upload(&mut self.w, &params.layers[l]);
+            self.be.upload_weights(&mut self.w, &params.layers[l]);
             layer_forward(
                 &self.be,
                 &mut self.acts,
@@ -263,7 +263,7 @@ impl<B: DeviceAlloc> Transformer<B> {
             std::mem::swap(&mut self.x, &mut self.y);
             self.be.download(&mut self.ckpt[l + 1][..nc], v(&self.x, nc));
         }
-        self.be.upload(&mut self.norm_w, &params.final_norm);
+        self.be.upload_weights(&mut self.norm_w, &params.final_norm);
         self.be.rmsnorm_forward(
             vm(&mut self.hf, nc),
             vm(&mut self.rstd_f, n),
@@ -273,7 +273,7 @@ impl<B: DeviceAlloc> Transformer<B> {
             eps,
         );
         let head = params.lm_head.as_deref().unwrap_or(&params.embed);
-        self.be.upload(&mut self.head_w, head);
+        self.be.upload_weights(&mut self.head_w, head);
         Ok(())
     }
 
@@ -417,7 +417,7 @@ impl<B: DeviceAlloc> Transformer<B> {
 
         // Layers, last to first: recompute from the checkpoint, then backward.
         for l in (0..d.layers).rev() {
-            self.be.upload(&mut self.w, &params.layers[l]);
+            self.be.upload_weights(&mut self.w, &params.layers[l]);
             self.be.upload(vm(&mut self.x, nc), &self.ckpt[l][..nc]);
             let rope = (v(&self.cos, batch.t * d.d / 2), v(&self.sin, batch.t * d.d / 2));
             layer_forward(
@@ -484,7 +484,7 @@ pub fn rope_tables(inv_freq: &[f32], t_max: usize) -> (Vec<f32>, Vec<f32>) {
 pub(crate) fn layer_forward<B: Backend, M: DerefMut<Target = B::Buf>>(
     be: &B,
     a: &mut LayerActs<M>,
-    w: &B::Buf,
+    w: &B::WBuf,
     lay: &LayerLayout,
     x: &B::Buf,
     y: &mut B::Buf,
@@ -559,7 +559,7 @@ pub(crate) fn layer_backward<B: Backend, M: DerefMut<Target = B::Buf>>(
     g: &mut LayerGrads<M>,
     dw: &mut B::Buf,
     a: &LayerActs<M>,
-    w: &B::Buf,
+    w: &B::WBuf,
     lay: &LayerLayout,
     x: &B::Buf,
     (cos, sin): (&B::Buf, &B::Buf),
@@ -703,8 +703,8 @@ pub(crate) fn head_forward_backward<B: Backend, M: DerefMut<Target = B::Buf>>(
     hb: &mut HeadBufs<M>,
     out: HeadGrads<'_, B>,
     x: &B::Buf,
-    norm_w: &B::Buf,
-    head_w: &B::Buf,
+    norm_w: &B::WBuf,
+    head_w: &B::WBuf,
     targets: &B::IBuf,
     hd: HeadDims,
 ) {

@@ -104,7 +104,8 @@ pub fn case_yaml(case: &str, extra: &str) -> String {
 
 /// The engine config of fixture `case`'s hyper-parameters: checkpoint every `k` layers,
 /// micro-batches of `mbs` rows, sequences of up to 32 tokens, head chunks of 7 rows, two
-/// gradient slabs, exact memory mode, the backward recomputing.
+/// gradient slabs, exact memory mode, the backward recomputing, the CPU backend, fp32
+/// gradients on the wire.
 pub fn case_engine_config(case: &str, k: usize, mbs: usize) -> horizon::engine::exec::EngineConfig {
     let e = expected(case);
     let betas = f64s(&e["betas"]);
@@ -125,6 +126,8 @@ pub fn case_engine_config(case: &str, k: usize, mbs: usize) -> horizon::engine::
         grad_clip: e["grad_clip"].as_f64().unwrap(),
         keep_internals: false,
         memory: horizon::config::OptimizerMemory::Exact,
+        backend: horizon::config::BackendKind::Cpu,
+        grad_wire: horizon::config::GradWire::Fp32,
     }
 }
 

@@ -1,11 +1,16 @@
 // The parts of the linear layer cuBLAS does not do: the bias. Shapes: out, dout (N, OC);
-// bias, dbias (OC). Launcher: src/cuda/matmul.rs (the products themselves are cuBLAS GEMMs).
+// bias (OC), bf16 (the device's weight format, as its 16 bits); dbias (OC), fp32. Launcher:
+// src/cuda/matmul.rs (the products themselves are cuBLAS GEMMs).
+
+// The f32 of bf16 bits `h` (exact).
+__device__ float bf16_to_f32(unsigned short h) { return __uint_as_float(((unsigned int)h) << 16); }
 
 // out[r, o] += bias[o]. One thread per element.
-extern "C" __global__ void matmul_bias_forward(float* out, const float* bias, int n, int oc) {
+extern "C" __global__ void matmul_bias_forward(float* out, const unsigned short* bias, int n,
+                                               int oc) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)n * oc) return;
-    out[i] += bias[i % oc];
+    out[i] += bf16_to_f32(bias[i % oc]);
 }
 
 // dbias[o] += sum_r dout[r, o]. Accumulates. 32 columns x 8 row groups per block, fixed order.

@@ -1,7 +1,12 @@
 // RMSNorm forward and backward. Shapes: inp, out, dout, dinp (N, C); weight, dweight (C);
-// rstd (N). Launcher: src/cuda/rmsnorm.rs. Reference and derivation: src/cpu/rmsnorm.rs.
+// rstd (N). The weight is bf16 (the device's weight format, as its 16 bits); everything else,
+// and all arithmetic, is fp32. Launcher: src/cuda/rmsnorm.rs. Reference and derivation:
+// src/cpu/rmsnorm.rs.
 
 #define BLOCK 256
+
+// The f32 of bf16 bits `h` (exact).
+__device__ float bf16_to_f32(unsigned short h) { return __uint_as_float(((unsigned int)h) << 16); }
 
 // Sum of `v` over the block (BLOCK threads); every thread gets the result.
 __device__ float block_sum(float v, float* shared) {
@@ -18,7 +23,8 @@ __device__ float block_sum(float v, float* shared) {
 // out = inp * rstd * weight, rstd = 1/sqrt(mean(inp^2) + eps). One block per row.
 // out, rstd overwrite.
 extern "C" __global__ void rmsnorm_forward(float* out, float* rstd, const float* inp,
-                                           const float* weight, int n, int c, float eps) {
+                                           const unsigned short* weight, int n, int c,
+                                           float eps) {
     __shared__ float shared[BLOCK / 32];
     long long row = blockIdx.x;
     const float* x = inp + row * c;
@@ -28,25 +34,26 @@ extern "C" __global__ void rmsnorm_forward(float* out, float* rstd, const float*
     float rs = 1.0f / sqrtf(ss / (float)c + eps);
     if (threadIdx.x == 0) rstd[row] = rs;
     float* o = out + row * c;
-    for (int j = threadIdx.x; j < c; j += BLOCK) o[j] = x[j] * rs * weight[j];
+    for (int j = threadIdx.x; j < c; j += BLOCK) o[j] = x[j] * rs * bf16_to_f32(weight[j]);
 }
 
 // dinp[r] += rstd_r * (dout*weight - inp * rstd_r^2 * sum(dout*weight*inp) / C). Accumulates.
 // One block per row.
 extern "C" __global__ void rmsnorm_backward_dinp(float* dinp, const float* dout, const float* inp,
-                                                 const float* weight, const float* rstd, int n,
-                                                 int c) {
+                                                 const unsigned short* weight, const float* rstd,
+                                                 int n, int c) {
     __shared__ float shared[BLOCK / 32];
     long long row = blockIdx.x;
     const float* dy = dout + row * c;
     const float* x = inp + row * c;
     float s = 0.0f;
-    for (int j = threadIdx.x; j < c; j += BLOCK) s += dy[j] * weight[j] * x[j];
+    for (int j = threadIdx.x; j < c; j += BLOCK) s += dy[j] * bf16_to_f32(weight[j]) * x[j];
     s = block_sum(s, shared);
     float r = rstd[row];
     float k = r * r * s / (float)c;
     float* dx = dinp + row * c;
-    for (int j = threadIdx.x; j < c; j += BLOCK) dx[j] += r * (dy[j] * weight[j] - x[j] * k);
+    for (int j = threadIdx.x; j < c; j += BLOCK)
+        dx[j] += r * (dy[j] * bf16_to_f32(weight[j]) - x[j] * k);
 }
 
 // dweight[j] += sum_r dout[r, j] * inp[r, j] * rstd[r]. Accumulates. A block of 32 columns x 8

@@ -6,15 +6,15 @@
 #[path = "cuda/config.rs"]
 mod config;
 
-pub use config::{CudaDeviceConfig, CudaError, MatmulPrecision, WireFormat};
+pub use config::{CudaDeviceConfig, CudaError};
 
 use std::sync::Arc;
 
 use crate::device::{
     DevBuf, Device, DeviceStats, Event, HostPtr, HostPtrMut, HostWork, Kernel, OutOfDeviceMemory,
-    Queue,
+    Queue, StagingElem,
 };
-use crate::{AttnDims, Backend};
+use crate::{AttnDims, Backend, Bf16, Precision};
 
 /// Whether this binary was built with the CUDA backend.
 pub const BUILT_WITH_CUDA: bool = false;
@@ -50,7 +50,7 @@ pub enum CudaBackend {}
 
 impl CudaBackend {
     /// Always fails: this binary was built without CUDA.
-    pub fn new(_ordinal: usize, _precision: MatmulPrecision) -> Result<Self, CudaError> {
+    pub fn new(_ordinal: usize, _workspace_bytes: usize) -> Result<Self, CudaError> {
         Err(built_without())
     }
 }
@@ -69,7 +69,13 @@ impl CudaDevice {
 impl Backend for CudaBackend {
     type Buf = [f32];
     type IBuf = [i32];
+    type WBuf = [Bf16];
+    /// As the real backend's: the memory plan of a CUDA run is the same in any build.
+    const PRECISION: Precision = Precision::Bf16;
     fn name(&self) -> &'static str {
+        match *self {}
+    }
+    fn upload_weights(&self, _: &mut [Bf16], _: &[f32]) {
         match *self {}
     }
     fn upload(&self, _: &mut [f32], _: &[f32]) {
@@ -98,7 +104,7 @@ impl Backend for CudaBackend {
         _: &mut [f32],
         _: &mut [f32],
         _: &[f32],
-        _: &[f32],
+        _: &[Bf16],
         _: usize,
         _: f32,
     ) {
@@ -110,7 +116,7 @@ impl Backend for CudaBackend {
         _: &mut [f32],
         _: &[f32],
         _: &[f32],
-        _: &[f32],
+        _: &[Bf16],
         _: &[f32],
         _: usize,
     ) {
@@ -120,8 +126,8 @@ impl Backend for CudaBackend {
         &self,
         _: &mut [f32],
         _: &[f32],
-        _: &[f32],
-        _: Option<&[f32]>,
+        _: &[Bf16],
+        _: Option<&[Bf16]>,
         _: usize,
         _: usize,
         _: usize,
@@ -135,7 +141,7 @@ impl Backend for CudaBackend {
         _: Option<&mut [f32]>,
         _: &[f32],
         _: &[f32],
-        _: &[f32],
+        _: &[Bf16],
         _: usize,
         _: usize,
         _: usize,
@@ -192,7 +198,7 @@ impl Backend for CudaBackend {
 
 impl Device for CudaDevice {
     type Backend = CudaBackend;
-    type Staging = Vec<f32>;
+    type Staging<T: StagingElem> = Vec<T>;
     fn name(&self) -> String {
         match *self {}
     }
@@ -211,10 +217,16 @@ impl Device for CudaDevice {
     fn upload(&self, _: DevBuf, _: HostPtr) {
         match *self {}
     }
+    fn upload_weights(&self, _: DevBuf, _: usize, _: HostPtr) {
+        match *self {}
+    }
     fn upload_i32(&self, _: DevBuf, _: Arc<Vec<i32>>) {
         match *self {}
     }
     fn download(&self, _: HostPtrMut, _: DevBuf) {
+        match *self {}
+    }
+    fn download_bf16(&self, _: HostPtrMut<Bf16>, _: DevBuf) {
         match *self {}
     }
     fn launch(&self, _: Kernel<CudaBackend>) {
@@ -229,7 +241,7 @@ impl Device for CudaDevice {
     fn stats(&self) -> DeviceStats {
         match *self {}
     }
-    fn alloc_staging(&self, _: usize) -> Vec<f32> {
+    fn alloc_staging<T: StagingElem>(&self, _: usize) -> Vec<T> {
         match *self {}
     }
 }

@@ -13,7 +13,12 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::sync::{Condvar, Mutex};
 
-use crate::Backend;
+use crate::{Backend, Bf16};
+
+/// What staging memory may hold: plain numbers, zero by default.
+pub trait StagingElem: Copy + Default + Send + Sync + 'static {}
+impl StagingElem for f32 {}
+impl StagingElem for Bf16 {}
 
 /// The ordered queues of a device. Work on one queue runs in submission order; work on
 /// different queues runs concurrently unless an [`Event`] orders it.
@@ -66,37 +71,53 @@ impl DevBuf {
     }
 }
 
-/// A host buffer handed to a queue. Built only through `unsafe` constructors whose contract
+/// A host buffer handed to a queue: `len` elements of `T` (f32 unless said otherwise; bf16
+/// for gradients that travel as bf16). Built only through `unsafe` constructors whose contract
 /// is that the memory stays alive, and is not written by anyone else (for `HostPtr`) or not
 /// accessed by anyone else (for `HostPtrMut`), until the queued work that uses it has run.
-#[derive(Clone, Copy, Debug)]
-pub struct HostPtr {
-    ptr: *const f32,
+#[derive(Debug)]
+pub struct HostPtr<T = f32> {
+    ptr: *const T,
     len: usize,
 }
 
 /// A mutable host buffer handed to a queue; see [`HostPtr`].
-#[derive(Clone, Copy, Debug)]
-pub struct HostPtrMut {
-    ptr: *mut f32,
+#[derive(Debug)]
+pub struct HostPtrMut<T = f32> {
+    ptr: *mut T,
     len: usize,
 }
 
+// Copy and Clone by hand: a derive would ask `T: Copy`, which a pointer does not need.
+impl<T> Clone for HostPtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for HostPtr<T> {}
+impl<T> Clone for HostPtrMut<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for HostPtrMut<T> {}
+
 // SAFETY: a HostPtr is only a promise about memory the constructor's caller keeps alive and
 // unwritten until the queued work ran; moving that promise to a worker thread is the point.
-unsafe impl Send for HostPtr {}
+// The elements are plain numbers (f32, i32, bf16), sendable by value.
+unsafe impl<T: Send> Send for HostPtr<T> {}
 // SAFETY: as for HostPtr; the caller promises exclusive access for the queued work.
-unsafe impl Send for HostPtrMut {}
+unsafe impl<T: Send> Send for HostPtrMut<T> {}
 // SAFETY: sharing the handle shares no access by itself; every dereference is `unsafe` and
 // governed by the constructor's contract (the schedule decides who touches the memory when).
-unsafe impl Sync for HostPtr {}
+unsafe impl<T: Sync> Sync for HostPtr<T> {}
 // SAFETY: as above.
-unsafe impl Sync for HostPtrMut {}
+unsafe impl<T: Sync> Sync for HostPtrMut<T> {}
 
-impl HostPtr {
+impl<T> HostPtr<T> {
     /// # Safety
     /// `s` must stay alive and unwritten until every queued use of the returned pointer has run.
-    pub unsafe fn new(s: &[f32]) -> Self {
+    pub unsafe fn new(s: &[T]) -> Self {
         HostPtr { ptr: s.as_ptr(), len: s.len() }
     }
     pub fn len(&self) -> usize {
@@ -114,17 +135,17 @@ impl HostPtr {
     }
     /// # Safety
     /// Only inside queued work, under the constructor's contract.
-    pub unsafe fn as_slice<'a>(self) -> &'a [f32] {
+    pub unsafe fn as_slice<'a>(self) -> &'a [T] {
         // SAFETY: the constructor's caller guarantees the memory is alive and unwritten.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 }
 
-impl HostPtrMut {
+impl<T> HostPtrMut<T> {
     /// # Safety
     /// `s` must stay alive and otherwise unaccessed until every queued use of the returned
     /// pointer has run.
-    pub unsafe fn new(s: &mut [f32]) -> Self {
+    pub unsafe fn new(s: &mut [T]) -> Self {
         HostPtrMut { ptr: s.as_mut_ptr(), len: s.len() }
     }
     pub fn len(&self) -> usize {
@@ -145,13 +166,13 @@ impl HostPtrMut {
         HostPtrMut { ptr: unsafe { self.ptr.add(r.start) }, len: r.end - r.start }
     }
     /// The same memory, for reading.
-    pub fn as_const(self) -> HostPtr {
+    pub fn as_const(self) -> HostPtr<T> {
         HostPtr { ptr: self.ptr, len: self.len }
     }
     /// # Safety
     /// Only inside queued work, under the constructor's contract.
     #[allow(clippy::mut_from_ref)]
-    pub unsafe fn as_mut_slice<'a>(self) -> &'a mut [f32] {
+    pub unsafe fn as_mut_slice<'a>(self) -> &'a mut [T] {
         // SAFETY: the constructor's caller guarantees exclusive access while the work runs.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
     }
@@ -239,6 +260,9 @@ pub trait Views<B: Backend + ?Sized> {
     fn buf(&self, b: DevBuf) -> &B::Buf;
     /// A read view of `b` as i32.
     fn ibuf(&self, b: DevBuf) -> &B::IBuf;
+    /// A read view of `b` as weights in the backend's precision: `b.bytes() /
+    /// B::PRECISION.weight_bytes()` of them (a slot written by [`Device::upload_weights`]).
+    fn wbuf(&self, b: DevBuf) -> &B::WBuf;
     /// A write view of `b` as f32.
     ///
     /// # Safety
@@ -279,17 +303,27 @@ pub trait Device: Send + Sync {
     fn wait(&self, q: Queue, e: &Event);
     /// Enqueue a host -> device copy on [`Queue::H2D`]. `dst.len == src.len()`.
     fn upload(&self, dst: DevBuf, src: HostPtr);
-    /// Enqueue a host -> device copy of *weights* on [`Queue::H2D`]. A device may carry them in
-    /// a narrower format than fp32 (the CUDA device: bf16 on the wire, expanded to fp32 on
-    /// arrival, so the device computes with bf16-exact weights). The default is [`Device::upload`]:
-    /// exact, as on the CPU device.
-    fn upload_weights(&self, dst: DevBuf, src: HostPtr) {
-        self.upload(dst, src);
-    }
+    /// Enqueue a host -> device copy of fp32 *weights* on [`Queue::H2D`], into weights
+    /// `at .. at + src.len()` of the weight region `dst` (counted in weights of the backend's
+    /// precision, as [`Views::wbuf`] sees `dst`). The CUDA device rounds them to bf16 on the
+    /// host and copies the bf16 (half the link bytes, half the slot); the CPU device copies
+    /// them exactly.
+    fn upload_weights(&self, dst: DevBuf, at: usize, src: HostPtr);
     /// Enqueue an i32 host -> device copy on [`Queue::H2D`].
     fn upload_i32(&self, dst: DevBuf, src: Arc<Vec<i32>>);
     /// Enqueue a device -> host copy on [`Queue::D2H`]. `dst.len() == src.len`.
     fn download(&self, dst: HostPtrMut, src: DevBuf);
+    /// Enqueue a device -> host copy of fp32 `src` as bf16 on [`Queue::D2H`] (rounded to nearest
+    /// even on the device: half the link bytes). `dst.len() == src.len`. For gradients
+    /// (`engine.grad_wire: bf16`); the host accumulates them in fp32.
+    fn download_bf16(&self, dst: HostPtrMut<Bf16>, src: DevBuf);
+    /// Hand the backend its workspace (device memory its ops use besides their arguments:
+    /// bf16 copies of product inputs, the cuBLAS workspace, the bf16 gradient chunk), laid out
+    /// by `Precision::workspace`. Call once, before any work that uses it; `ws` must stay
+    /// allocated while the device runs. The default ignores it (the CPU needs none).
+    fn set_workspace(&self, ws: DevBuf) {
+        let _ = ws;
+    }
     /// Enqueue kernels on [`Queue::Compute`].
     fn launch(&self, k: Kernel<Self::Backend>);
     /// Enqueue host work on queue `q`, ordered with that queue's other work (on CUDA, a host
@@ -304,8 +338,9 @@ pub trait Device: Send + Sync {
     /// Counters so far.
     fn stats(&self) -> DeviceStats;
 
-    /// Host staging memory: page-locked where the device has it, plain memory otherwise.
-    type Staging: std::ops::DerefMut<Target = [f32]> + Send + Sync;
-    /// A zeroed staging buffer of `len` f32.
-    fn alloc_staging(&self, len: usize) -> Self::Staging;
+    /// Host staging memory of `T` (f32, or bf16 for gradients): page-locked where the device
+    /// has it, plain memory otherwise.
+    type Staging<T: StagingElem>: std::ops::DerefMut<Target = [T]> + Send + Sync;
+    /// A zeroed staging buffer of `len` elements.
+    fn alloc_staging<T: StagingElem>(&self, len: usize) -> Self::Staging<T>;
 }

@@ -4,7 +4,8 @@
 //!
 //! This crate knows nothing about models, files or schedules. It offers ops (each a forward and
 //! a hand-written backward) over flat fp32 buffers, in the argument order of llm.c: outputs
-//! (`&mut`) first, then inputs, then sizes.
+//! (`&mut`) first, then inputs, then sizes. Weights are the one exception: a backend reads them
+//! in its own format ([`Backend::WBuf`], [`Precision`]): fp32 on the CPU, bf16 on CUDA.
 //!
 //! Shape legend, used in every doc line: `B T C H KVH D F V` = batch, time, hidden, query heads,
 //! kv heads, head dim, FFN dim, vocab; `N = B*T` rows; `QKV = (H + 2*KVH)*D`.
@@ -13,6 +14,7 @@
 //! **accumulates (+=)**. Parameter gradients accumulate; activation gradients overwrite, except
 //! the residual stream (`rmsnorm_backward`'s `dinp`), which accumulates.
 
+pub mod bf16;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -20,12 +22,15 @@ pub mod cuda;
 #[path = "cuda_stub.rs"]
 pub mod cuda;
 pub mod device;
+pub mod precision;
 
+pub use bf16::Bf16;
 pub use cpu::CpuBackend;
 pub use device::{
     DevBuf, Device, DeviceStats, Event, HostPtr, HostPtrMut, HostWork, Kernel, OutOfDeviceMemory,
-    Queue, Views,
+    Queue, StagingElem, Views,
 };
+pub use precision::Precision;
 
 use std::ops::Range;
 
@@ -87,12 +92,19 @@ impl AttnDims {
 /// backend is the reference every other backend is checked against.
 ///
 /// Buffers of `f32` are `Self::Buf`, buffers of token ids / targets are `Self::IBuf` (`i32`,
-/// `-100` = ignored target).
+/// `-100` = ignored target), weights (matrices, norm weights, biases) are `Self::WBuf`, in the
+/// backend's [`Precision`]. Every op computes in fp32 (products accumulate in fp32); only what a
+/// weight holds, and what a product's inputs are rounded to, depends on the precision.
 pub trait Backend: Send + Sync {
     /// A device buffer of f32 (unsized view, like `[f32]`).
     type Buf: ?Sized + DeviceSlice;
     /// A device buffer of i32 (token ids, targets).
     type IBuf: ?Sized + DeviceSlice;
+    /// A device buffer of weights (`[f32]` on the CPU, bf16 on CUDA); its elements are weights,
+    /// so layout offsets index it directly.
+    type WBuf: ?Sized + DeviceSlice;
+    /// How the backend stores weights and what its products need (the memory plan's source).
+    const PRECISION: Precision;
 
     /// Short name for logs (`cpu`, `cuda`).
     fn name(&self) -> &'static str;
@@ -103,6 +115,9 @@ pub trait Backend: Send + Sync {
     fn upload(&self, dst: &mut Self::Buf, src: &[f32]);
     /// Host -> device copy of i32 data.
     fn upload_i32(&self, dst: &mut Self::IBuf, src: &[i32]);
+    /// Host fp32 -> device weights, rounded to the backend's precision (to nearest even; exact
+    /// on the CPU). `dst.len() == src.len()`.
+    fn upload_weights(&self, dst: &mut Self::WBuf, src: &[f32]);
     /// Device -> host copy. `dst.len() == src.len()`.
     fn download(&self, dst: &mut [f32], src: &Self::Buf);
     /// `dst = src` on the device.
@@ -131,7 +146,7 @@ pub trait Backend: Send + Sync {
         out: &mut Self::Buf,
         rstd: &mut Self::Buf,
         inp: &Self::Buf,
-        weight: &Self::Buf,
+        weight: &Self::WBuf,
         c: usize,
         eps: f32,
     );
@@ -144,26 +159,29 @@ pub trait Backend: Send + Sync {
         dweight: &mut Self::Buf,
         dout: &Self::Buf,
         inp: &Self::Buf,
-        weight: &Self::Buf,
+        weight: &Self::WBuf,
         rstd: &Self::Buf,
         c: usize,
     );
 
-    /// Linear layer: `out = inp @ weight^T + bias`.
+    /// Linear layer: `out = inp @ weight^T + bias`. With bf16 weights, `inp` is rounded to bf16
+    /// for the product (fp32 accumulation).
     /// out: (N, OC), overwrites. inp: (N, IC). weight: (OC, IC). bias: (OC).
     #[allow(clippy::too_many_arguments)]
     fn matmul_forward(
         &self,
         out: &mut Self::Buf,
         inp: &Self::Buf,
-        weight: &Self::Buf,
-        bias: Option<&Self::Buf>,
+        weight: &Self::WBuf,
+        bias: Option<&Self::WBuf>,
         n: usize,
         ic: usize,
         oc: usize,
     );
     /// dinp: (N, IC), overwrites (skipped when `None`). dweight: (OC, IC), accumulates (+=).
     /// dbias: (OC), accumulates (+=). dout: (N, OC). inp: (N, IC). weight: (OC, IC).
+    /// With bf16 weights, `dout` and `inp` are rounded to bf16 for the two products (fp32
+    /// accumulation, fp32 `dinp` and `dweight`); `dbias` sums the fp32 `dout`.
     #[allow(clippy::too_many_arguments)]
     fn matmul_backward(
         &self,
@@ -172,7 +190,7 @@ pub trait Backend: Send + Sync {
         dbias: Option<&mut Self::Buf>,
         dout: &Self::Buf,
         inp: &Self::Buf,
-        weight: &Self::Buf,
+        weight: &Self::WBuf,
         n: usize,
         ic: usize,
         oc: usize,
@@ -259,19 +277,27 @@ pub trait DeviceAlloc: Backend {
     type Mem: std::ops::DerefMut<Target = Self::Buf> + Send;
     /// An owned i32 device buffer.
     type IMem: std::ops::DerefMut<Target = Self::IBuf> + Send;
+    /// An owned weight buffer.
+    type WMem: std::ops::DerefMut<Target = Self::WBuf> + Send;
     /// A zeroed f32 buffer of `len` elements.
     fn alloc(&self, len: usize) -> Self::Mem;
     /// A zeroed i32 buffer of `len` elements.
     fn alloc_i32(&self, len: usize) -> Self::IMem;
+    /// A zeroed buffer of `len` weights.
+    fn alloc_weights(&self, len: usize) -> Self::WMem;
 }
 
 impl DeviceAlloc for CpuBackend {
     type Mem = Vec<f32>;
     type IMem = Vec<i32>;
+    type WMem = Vec<f32>;
     fn alloc(&self, len: usize) -> Vec<f32> {
         vec![0.0; len]
     }
     fn alloc_i32(&self, len: usize) -> Vec<i32> {
         vec![0; len]
+    }
+    fn alloc_weights(&self, len: usize) -> Vec<f32> {
+        vec![0.0; len]
     }
 }

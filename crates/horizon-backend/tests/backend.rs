@@ -10,7 +10,7 @@ fn bits(x: &[f32]) -> Vec<u32> {
 }
 
 /// One small step of every op through the trait: returns every output, concatenated.
-fn step<B: Backend<Buf = [f32], IBuf = [i32]>>(be: &B, seed: u64) -> Vec<f32> {
+fn step<B: Backend<Buf = [f32], IBuf = [i32], WBuf = [f32]>>(be: &B, seed: u64) -> Vec<f32> {
     let mut rng = Rng::new(seed);
     let dims = AttnDims { b: 2, t: 5, h: 4, kvh: 2, d: 4 };
     let (n, c, v, f) = (dims.n(), 12, 11, 10);

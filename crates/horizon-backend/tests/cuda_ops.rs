@@ -1,36 +1,61 @@
 //! CUDA vs CPU parity of every op, forward and backward (feature `cuda`; skipped, with the
-//! reason printed, where no GPU is present). Inputs are random, sizes odd (not multiples of a
-//! warp, a block or a tile), and every device buffer an op writes sits between guard regions
-//! whose bits are checked afterwards, so an out-of-bounds write fails the test by name.
+//! reason printed, where no GPU is present), and the CUDA device's bf16 copies. Inputs are
+//! random, sizes odd (not multiples of a warp, a block or a tile), and every device buffer an op
+//! writes sits between guard regions whose bits are checked afterwards, so an out-of-bounds
+//! write fails the test by name.
+//!
+//! The GPU stores weights as bf16 and rounds the activations a product takes to bf16. The CPU
+//! reference is fed the same bf16-rounded values (weights always; a product's inputs too in the
+//! first product comparison), so what remains is fp32 arithmetic in another order; a second
+//! comparison against the plain fp32 CPU measures what bf16 costs.
 //!
 //! Tolerances (ARCHITECTURE.md, tolerance table): `|gpu - cpu| <= tol * max(1, |cpu|)` with
 //! tol = 1e-5 for elementwise ops and row reductions (fp32, different summation order), 5e-5
-//! for fp32 matmuls and attention (sums of up to a few hundred products), 2e-2 for bf16 matmuls
-//! (inputs rounded to 8 mantissa bits), bitwise for the bf16 conversions and the embedding
-//! scatter-add (same order as the CPU).
+//! for attention (sums of up to a few hundred products), 1e-4 for products against the CPU on
+//! the same bf16 inputs (exact products, fp32 tensor-core sums in another order), 2e-2 for
+//! products against the fp32 CPU (each input rounded to 8 significant bits, relative error up
+//! to 2^-8 each), bitwise for the bf16 roundings and the embedding scatter-add (same order as
+//! the CPU).
 
 #![cfg(feature = "cuda")]
 
 use horizon_backend::cpu::testing::{Rng, assert_close};
-use horizon_backend::cuda::{CudaBackend, CudaMem, DevSlice, MatmulPrecision, convert, probe};
-use horizon_backend::{AttnDims, Backend, CpuBackend, DeviceAlloc, DeviceSlice};
+use horizon_backend::cuda::{CudaBackend, CudaDevice, CudaDeviceConfig, CudaMem, DevSlice};
+use horizon_backend::cuda::{convert, probe};
+use horizon_backend::precision::GRAD_WIRE_CHUNK;
+use horizon_backend::{
+    AttnDims, Backend, Bf16, CpuBackend, DevBuf, Device, DeviceAlloc, DeviceSlice, HostPtr,
+    HostPtrMut, Precision,
+};
 
 const GUARD: usize = 37;
 /// A NaN with a payload no kernel produces.
 const SENTINEL: u32 = 0x7fa5_a5a5;
+/// The same, as bf16 bits.
+const SENTINEL_BF16: u16 = 0x7fa5;
 
 /// Prints why a test is skipped, past the test harness's output capture.
 fn skip(why: &str) {
     use std::io::Write;
     let _ = writeln!(std::io::stderr(), "SKIPPED: {why}");
 }
-/// The GPU backend, or `None` (after printing why) where there is none.
-fn gpu(precision: MatmulPrecision) -> Option<CudaBackend> {
-    if !probe::driver_present() {
+/// True when a CUDA driver is there; otherwise prints why the test is skipped.
+fn driver() -> bool {
+    let present = probe::driver_present();
+    if !present {
         skip("no CUDA driver on this machine (libcuda.so not found)");
+    }
+    present
+}
+
+/// The GPU backend, with a workspace for products up to 1024 x 1024 x 1024, or `None` (after
+/// printing why) where there is none.
+fn gpu() -> Option<CudaBackend> {
+    if !driver() {
         return None;
     }
-    match CudaBackend::new(0, precision) {
+    let ws = Precision::Bf16.workspace(Precision::Bf16.product_bytes(1024, 1024, 1024));
+    match CudaBackend::new(0, ws.bytes) {
         Ok(be) => Some(be),
         Err(e) => {
             skip(&format!("no usable GPU: {e}"));
@@ -78,12 +103,28 @@ fn ids_on(be: &CudaBackend, ids: &[i32]) -> CudaMem<i32> {
     mem
 }
 
+/// Weights on the device (rounded to bf16 by the upload).
+fn weights_on(be: &CudaBackend, w: &[f32]) -> CudaMem<Bf16> {
+    let mut mem = be.alloc_weights(w.len());
+    be.upload_weights(&mut mem, w);
+    mem
+}
+
+/// `x` rounded to bf16, as fp32: what the GPU computes with.
+fn rounded(x: &[f32]) -> Vec<f32> {
+    x.iter().map(|&v| Bf16::from_f32(v).to_f32()).collect()
+}
+
 const TOL: f64 = 1e-5;
 const TOL_SUM: f64 = 5e-5;
+/// Products against the CPU on the same bf16 inputs.
+const TOL_PRODUCT: f64 = 1e-4;
+/// Products against the plain fp32 CPU.
+const TOL_BF16: f64 = 2e-2;
 
 #[test]
 fn embedding_forward_and_backward() {
-    let Some(be) = gpu(MatmulPrecision::Fp32) else { return };
+    let Some(be) = gpu() else { return };
     let mut rng = Rng::new(1);
     let (n, c, v) = (37, 67, 23);
     let ids: Vec<i32> = (0..n).map(|_| rng.below(v) as i32).collect();
@@ -107,16 +148,17 @@ fn embedding_forward_and_backward() {
 
 #[test]
 fn rmsnorm_forward_and_backward() {
-    let Some(be) = gpu(MatmulPrecision::Fp32) else { return };
+    let Some(be) = gpu() else { return };
     let mut rng = Rng::new(2);
     for (n, c) in [(1, 1), (5, 13), (33, 257), (7, 3001)] {
-        let (x, w) = (rng.vec(n * c, 2.0), rng.vec(c, 1.0));
+        // The GPU reads the weight as bf16: the CPU gets the same values.
+        let (x, w) = (rng.vec(n * c, 2.0), rounded(&rng.vec(c, 1.0)));
         let (mut out, mut rstd) = (vec![0.0; n * c], vec![0.0; n]);
         CpuBackend.rmsnorm_forward(&mut out, &mut rstd, &x, &w, c, 1e-5);
-        let (gx, gw) = (Guarded::new(&be, "inp", &x), Guarded::new(&be, "weight", &w));
+        let (gx, gw) = (Guarded::new(&be, "inp", &x), weights_on(&be, &w));
         let mut gout = Guarded::new(&be, "out", &vec![0.0; n * c]);
         let mut grstd = Guarded::new(&be, "rstd", &vec![0.0; n]);
-        be.rmsnorm_forward(gout.view_mut(), grstd.view_mut(), gx.view(), gw.view(), c, 1e-5);
+        be.rmsnorm_forward(gout.view_mut(), grstd.view_mut(), gx.view(), &gw, c, 1e-5);
         assert_close("rmsnorm_forward out", &gout.read(&be), &out, TOL);
         assert_close("rmsnorm_forward rstd", &grstd.read(&be), &rstd, TOL);
 
@@ -132,7 +174,7 @@ fn rmsnorm_forward_and_backward() {
             gdw.view_mut(),
             gdout.view(),
             gx.view(),
-            gw.view(),
+            &gw,
             grstd.view(),
             c,
         );
@@ -141,77 +183,120 @@ fn rmsnorm_forward_and_backward() {
     }
 }
 
-fn matmul_case(be: &CudaBackend, tol: f64, seed: u64) {
-    let mut rng = Rng::new(seed);
+/// One product's inputs: `inp` (N, IC), `weight` (OC, IC), `bias` (OC), `dout` (N, OC), and
+/// the gradients' starting values `dweight0` (OC, IC), `dbias0` (OC).
+struct Product<'a> {
+    x: &'a [f32],
+    w: &'a [f32],
+    b: Option<&'a [f32]>,
+    dout: &'a [f32],
+    dw0: &'a [f32],
+    db0: &'a [f32],
+    n: usize,
+    ic: usize,
+    oc: usize,
+}
+
+/// What a product forward and backward produced.
+struct ProductOut {
+    out: Vec<f32>,
+    dinp: Vec<f32>,
+    dweight: Vec<f32>,
+    dbias: Vec<f32>,
+}
+
+/// The product forward and backward on the GPU.
+fn gpu_product(be: &CudaBackend, p: &Product) -> ProductOut {
+    let (n, ic, oc) = (p.n, p.ic, p.oc);
+    let (gx, gw) = (Guarded::new(be, "inp", p.x), weights_on(be, p.w));
+    let gb = p.b.map(|b| weights_on(be, b));
+    let mut gout = Guarded::new(be, "out", &vec![0.0; n * oc]);
+    be.matmul_forward(gout.view_mut(), gx.view(), &gw, gb.as_deref(), n, ic, oc);
+    let gdout = Guarded::new(be, "dout", p.dout);
+    let mut gdx = Guarded::new(be, "dinp", &vec![7.0; n * ic]);
+    let mut gdw = Guarded::new(be, "dweight", p.dw0);
+    let mut gdb = Guarded::new(be, "dbias", p.db0);
+    be.matmul_backward(
+        Some(gdx.view_mut()),
+        gdw.view_mut(),
+        p.b.is_some().then_some(gdb.view_mut()),
+        gdout.view(),
+        gx.view(),
+        &gw,
+        n,
+        ic,
+        oc,
+    );
+    ProductOut {
+        out: gout.read(be),
+        dinp: gdx.read(be),
+        dweight: gdw.read(be),
+        dbias: gdb.read(be),
+    }
+}
+
+/// The same product on the CPU, its inputs rounded to bf16 first when `round`. The weight and
+/// bias are always rounded (the GPU stores them so); `dbias` always sums the fp32 `dout`, as on
+/// the GPU.
+fn cpu_product(p: &Product, round: bool) -> ProductOut {
+    let (n, ic, oc) = (p.n, p.ic, p.oc);
+    let act = |v: &[f32]| if round { rounded(v) } else { v.to_vec() };
+    let (x, dout, w) = (act(p.x), act(p.dout), rounded(p.w));
+    let b = p.b.map(rounded);
+    let mut out = vec![0.0; n * oc];
+    CpuBackend.matmul_forward(&mut out, &x, &w, b.as_deref(), n, ic, oc);
+    let (mut dinp, mut dweight, mut dbias) = (vec![0.0; n * ic], p.dw0.to_vec(), p.db0.to_vec());
+    CpuBackend.matmul_backward(Some(&mut dinp), &mut dweight, None, &dout, &x, &w, n, ic, oc);
+    if b.is_some() {
+        let mut unused = vec![0.0; oc * ic];
+        CpuBackend.matmul_backward(None, &mut unused, Some(&mut dbias), p.dout, p.x, &w, n, ic, oc);
+    }
+    ProductOut { out, dinp, dweight, dbias }
+}
+
+#[test]
+fn matmul_forward_and_backward() {
+    let Some(be) = gpu() else { return };
+    let mut rng = Rng::new(3);
     for (n, ic, oc, bias) in
         [(1, 1, 1, true), (37, 29, 41, true), (65, 130, 7, false), (3, 257, 129, true)]
     {
         let (x, w, b) = (rng.vec(n * ic, 1.0), rng.vec(oc * ic, 0.3), rng.vec(oc, 1.0));
-        let mut want = vec![0.0; n * oc];
-        CpuBackend.matmul_forward(&mut want, &x, &w, bias.then_some(&b[..]), n, ic, oc);
-        let (gx, gw, gb) = (
-            Guarded::new(be, "inp", &x),
-            Guarded::new(be, "weight", &w),
-            Guarded::new(be, "bias", &b),
-        );
-        let mut gout = Guarded::new(be, "out", &vec![0.0; n * oc]);
-        be.matmul_forward(
-            gout.view_mut(),
-            gx.view(),
-            gw.view(),
-            bias.then_some(gb.view()),
-            n,
-            ic,
-            oc,
-        );
-        assert_close(&format!("matmul_forward {n}x{ic}x{oc}"), &gout.read(be), &want, tol);
-
         let dout = rng.vec(n * oc, 1.0);
         let (dw0, db0) = (rng.vec(oc * ic, 1.0), rng.vec(oc, 1.0));
-        let (mut dx, mut dw, mut db) = (vec![0.0; n * ic], dw0.clone(), db0.clone());
-        CpuBackend.matmul_backward(
-            Some(&mut dx),
-            &mut dw,
-            bias.then_some(&mut db[..]),
-            &dout,
-            &x,
-            &w,
-            n,
-            ic,
-            oc,
-        );
-        let gdout = Guarded::new(be, "dout", &dout);
-        let mut gdx = Guarded::new(be, "dinp", &vec![7.0; n * ic]);
-        let (mut gdw, mut gdb) =
-            (Guarded::new(be, "dweight", &dw0), Guarded::new(be, "dbias", &db0));
-        be.matmul_backward(
-            Some(gdx.view_mut()),
-            gdw.view_mut(),
-            bias.then_some(gdb.view_mut()),
-            gdout.view(),
-            gx.view(),
-            gw.view(),
-            n,
-            ic,
-            oc,
-        );
-        assert_close("matmul_backward dinp (overwrites)", &gdx.read(be), &dx, tol);
-        assert_close("matmul_backward dweight (+=)", &gdw.read(be), &dw, tol);
-        let db_want = if bias { db } else { db0 };
-        assert_close("matmul_backward dbias (+=)", &gdb.read(be), &db_want, tol);
+        let b = bias.then_some(&b[..]);
+        let p = Product { x: &x, w: &w, b, dout: &dout, dw0: &dw0, db0: &db0, n, ic, oc };
+        let got = gpu_product(&be, &p);
+        for (round, tol) in [(true, TOL_PRODUCT), (false, TOL_BF16)] {
+            let want = cpu_product(&p, round);
+            let what = |t: &str| format!("{t} {n}x{ic}x{oc}, CPU inputs rounded: {round}");
+            assert_close(&what("matmul_forward out"), &got.out, &want.out, tol);
+            assert_close(&what("matmul_backward dinp (overwrites)"), &got.dinp, &want.dinp, tol);
+            assert_close(&what("matmul_backward dweight (+=)"), &got.dweight, &want.dweight, tol);
+            let dbias = what("matmul_backward dbias (+=, fp32 dout)");
+            assert_close(&dbias, &got.dbias, &want.dbias, TOL_SUM);
+        }
     }
 }
 
 #[test]
-fn matmul_forward_and_backward_fp32() {
-    let Some(be) = gpu(MatmulPrecision::Fp32) else { return };
-    matmul_case(&be, TOL_SUM, 3);
-}
-
-#[test]
-fn matmul_forward_and_backward_bf16_tensor_cores() {
-    let Some(be) = gpu(MatmulPrecision::Bf16) else { return };
-    matmul_case(&be, 2e-2, 4);
+fn a_product_larger_than_the_workspace_is_refused_by_name() {
+    if !driver() {
+        return;
+    }
+    let ws = Precision::Bf16.workspace(Precision::Bf16.product_bytes(4, 8, 8));
+    let be = match CudaBackend::new(0, ws.bytes) {
+        Ok(be) => be,
+        Err(e) => return skip(&format!("no usable GPU: {e}")),
+    };
+    let (n, ic, oc) = (4096, 512, 512);
+    let (x, mut out) = (be.alloc(n * ic), be.alloc(n * oc));
+    let w = be.alloc_weights(oc * ic);
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        be.matmul_forward(&mut out, &x, &w, None, n, ic, oc)
+    }));
+    let msg = r.expect_err("an oversized product ran").downcast::<String>().unwrap();
+    assert!(msg.contains("4096x512x0") && msg.contains("workspace"), "{msg}");
 }
 
 fn attn_cases() -> Vec<AttnDims> {
@@ -227,7 +312,7 @@ fn attn_cases() -> Vec<AttnDims> {
 
 #[test]
 fn rope_forward_and_backward() {
-    let Some(be) = gpu(MatmulPrecision::Fp32) else { return };
+    let Some(be) = gpu() else { return };
     let mut rng = Rng::new(5);
     for dims in attn_cases() {
         let (n, width, half) = (dims.n(), dims.qkv_width(), dims.d / 2);
@@ -251,7 +336,7 @@ fn rope_forward_and_backward() {
 
 #[test]
 fn attention_forward_and_backward() {
-    let Some(be) = gpu(MatmulPrecision::Fp32) else { return };
+    let Some(be) = gpu() else { return };
     let mut rng = Rng::new(6);
     for dims in attn_cases() {
         let (n, width, hd) = (dims.n(), dims.qkv_width(), dims.h * dims.d);
@@ -289,7 +374,7 @@ fn attention_forward_and_backward() {
 
 #[test]
 fn swiglu_residual_and_add() {
-    let Some(be) = gpu(MatmulPrecision::Fp32) else { return };
+    let Some(be) = gpu() else { return };
     let mut rng = Rng::new(7);
     let (n, f) = (37, 131);
     let gu = rng.vec(n * 2 * f, 3.0);
@@ -331,7 +416,7 @@ fn swiglu_residual_and_add() {
 
 #[test]
 fn cross_entropy_forward_and_fused() {
-    let Some(be) = gpu(MatmulPrecision::Fp32) else { return };
+    let Some(be) = gpu() else { return };
     let mut rng = Rng::new(8);
     for (n, v) in [(1, 1), (9, 37), (17, 1003), (5, 50_021)] {
         let logits = rng.vec(n * v, 4.0);
@@ -356,8 +441,8 @@ fn cross_entropy_forward_and_fused() {
 }
 
 #[test]
-fn bf16_conversions_match_the_host_rounding_bit_for_bit() {
-    let Some(be) = gpu(MatmulPrecision::Fp32) else { return };
+fn bf16_roundings_match_the_host_bit_for_bit() {
+    let Some(be) = gpu() else { return };
     let mut rng = Rng::new(9);
     let mut x = rng.vec(4099, 100.0);
     x.extend([
@@ -367,28 +452,87 @@ fn bf16_conversions_match_the_host_rounding_bit_for_bit() {
         f32::NEG_INFINITY,
         f32::NAN,
         1.0 + f32::EPSILON,
+        1.0 + 2f32.powi(-8),
         3.389_531_4e38,
     ]);
-    let want: Vec<f32> = x.iter().map(|&v| convert::bf16_to_f32(convert::f32_to_bf16(v))).collect();
+    let want: Vec<Bf16> = x.iter().map(|&v| Bf16::from_f32(v)).collect();
+    let len = x.len();
+    // The device kernel, between guards (the sentinel survives the upload's rounding).
     let gx = Guarded::new(&be, "inp", &x);
-    // bf16 scratch: (len + 1) / 2 f32 hold len bf16.
-    let scratch = Guarded::new(&be, "bf16 scratch", &vec![0.0; x.len().div_ceil(2)]);
-    let mut back = Guarded::new(&be, "expanded", &vec![0.0; x.len()]);
-    // SAFETY: the scratch holds x.len() bf16; both launches are on the backend's stream, in
-    // order, and the reads below synchronise.
-    unsafe {
-        convert::round_on_device(&be, scratch.view().addr(), gx.view());
-        convert::expand_on_device(&be, back.view_mut(), scratch.view().addr());
+    let sentinel = f32::from_bits(u32::from(SENTINEL_BF16) << 16);
+    let mut out = weights_on(&be, &vec![sentinel; len + 2 * GUARD]);
+    convert::round_on_device(&be, out.slice_mut(GUARD..GUARD + len), gx.view());
+    let mut got = vec![Bf16(0); len + 2 * GUARD];
+    be.download_weights(&mut got, &out);
+    for (i, g) in got[..GUARD].iter().chain(&got[GUARD + len..]).enumerate() {
+        assert_eq!(g.0, SENTINEL_BF16, "round_on_device: guard element {i} was overwritten");
     }
-    let got = back.read(&be);
-    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-    assert_eq!(bits(&got), bits(&want), "device bf16 rounding differs from the host's");
-    scratch.read(&be);
+    assert_eq!(&got[GUARD..GUARD + len], &want[..], "the device's bf16 rounding differs");
+    // The backend's weight upload.
+    let w = weights_on(&be, &x);
+    let mut got = vec![Bf16(0); len];
+    be.download_weights(&mut got, &w);
+    assert_eq!(got, want, "upload_weights rounds as the host does");
+}
+
+/// The bf16 weight upload and the bf16 gradient download of the CUDA device, over more than
+/// one chunk of each (8M weights, 4M gradients per chunk), land exactly where and as they
+/// should: the slot holds `Bf16::from_f32` of every weight, at its offset, and nothing else
+/// moves; the host receives `Bf16::from_f32` of every gradient; the link counts 2 bytes each.
+#[test]
+fn cuda_device_carries_bf16_weights_and_gradients_exactly() {
+    if !driver() {
+        return;
+    }
+    let ws = Precision::Bf16.workspace(Precision::Bf16.product_bytes(64, 64, 64));
+    let dev = match CudaDevice::new(CudaDeviceConfig::with_capacity((96 << 20) + ws.bytes)) {
+        Ok(dev) => dev,
+        Err(e) => return skip(&format!("no usable GPU: {e}")),
+    };
+    let workspace = dev.alloc(ws.bytes.div_ceil(4)).unwrap();
+    dev.set_workspace(workspace);
+    let mut rng = Rng::new(11);
+    // 8M + 5 weights at offset 3 of a slot of 4M + 5 f32 elements (8M + 10 bf16).
+    let (at, nw): (usize, usize) = (3, (8 << 20) + 5);
+    let slot = dev.alloc((nw + at).div_ceil(2) + 1).unwrap();
+    let before = vec![f32::from_bits(0x7fa5_7fa5); slot.len];
+    let w = rng.vec(nw, 2.0);
+    let mut words = vec![0.0f32; slot.len];
+    // SAFETY: the host buffers outlive the synchronize below, which runs every copy.
+    unsafe {
+        dev.upload(slot, HostPtr::new(&before));
+        dev.upload_weights(slot, at, HostPtr::new(&w));
+        dev.download(HostPtrMut::new(&mut words), slot);
+    }
+    dev.synchronize();
+    // Little-endian: f32 element k holds bf16 2k in its low half, 2k + 1 in its high half.
+    let bits: Vec<u16> =
+        words.iter().flat_map(|f| [f.to_bits() as u16, (f.to_bits() >> 16) as u16]).collect();
+    for (i, b) in bits.iter().enumerate() {
+        let want = if (at..at + nw).contains(&i) { Bf16::from_f32(w[i - at]).0 } else { 0x7fa5 };
+        assert_eq!(*b, want, "slot bf16 {i}");
+    }
+    // Gradients: one chunk and a bit, from an odd offset of the pool.
+    let ng = GRAD_WIRE_CHUNK + 37;
+    let g = rng.vec(ng, 3.0);
+    let buf: DevBuf = dev.alloc(ng + 1).unwrap().sub(1..ng + 1);
+    let mut out = vec![Bf16(0); ng];
+    let d2h = dev.stats().d2h_bytes;
+    // SAFETY: as above.
+    unsafe {
+        dev.upload(buf, HostPtr::new(&g));
+        dev.synchronize();
+        dev.download_bf16(HostPtrMut::new(&mut out), buf);
+    }
+    dev.synchronize();
+    assert_eq!(dev.stats().d2h_bytes - d2h, 2 * ng as u64);
+    let bad = out.iter().zip(&g).position(|(o, g)| *o != Bf16::from_f32(*g));
+    assert!(bad.is_none(), "bf16 gradient element {bad:?} differs from the host rounding");
 }
 
 #[test]
 fn sum_squares_matches_f64() {
-    let Some(be) = gpu(MatmulPrecision::Fp32) else { return };
+    let Some(be) = gpu() else { return };
     let mut rng = Rng::new(10);
     for len in [1, 255, 100_003] {
         let x = rng.vec(len, 3.0);

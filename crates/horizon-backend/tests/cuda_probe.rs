@@ -2,7 +2,7 @@
 //! never a panic inside cudarc; without the `cuda` feature, it says the binary was built
 //! without CUDA.
 
-use horizon_backend::cuda::{CudaBackend, CudaDevice, CudaDeviceConfig, MatmulPrecision, probe};
+use horizon_backend::cuda::{CudaBackend, CudaDevice, CudaDeviceConfig, probe};
 
 /// Prints why a test is skipped, past the test harness's output capture.
 fn skip(why: &str) {
@@ -23,7 +23,7 @@ fn without_a_driver_construction_is_a_clear_error() {
     let err = CudaDevice::new(CudaDeviceConfig::with_capacity(1 << 20))
         .expect_err("a device without a driver");
     assert!(err.to_string().contains(want), "{err}");
-    let err = CudaBackend::new(0, MatmulPrecision::Fp32).expect_err("a backend without a driver");
+    let err = CudaBackend::new(0, 64 << 20).expect_err("a backend without a driver");
     assert!(err.to_string().contains(want), "{err}");
     assert!(probe().is_err());
 }

@@ -1,6 +1,7 @@
 //! Tests of `CpuDevice`: the pool (capacity, peak, coalescing, alignment), copies and kernels
 //! through the queues, event ordering across queues under random copy delays, ordering within a
-//! queue, the link simulation and its counters, and panics in queued work.
+//! queue, the link simulation and its counters, panics in queued work, and the weight and bf16
+//! gradient copies.
 //!
 //! Timing asserts are lower bounds only (a copy of N bytes takes at least N / bandwidth), or
 //! exact identities of the counters; shared machines are too noisy for upper bounds.
@@ -13,7 +14,7 @@ use std::time::{Duration, Instant};
 use horizon_backend::cpu::device::ALIGN_ELEMS;
 use horizon_backend::cpu::testing::Rng;
 use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig};
-use horizon_backend::{Backend, DevBuf, Device, Event, HostPtr, HostPtrMut, Queue};
+use horizon_backend::{Backend, Bf16, DevBuf, Device, Event, HostPtr, HostPtrMut, Queue};
 
 fn device(capacity_bytes: usize) -> CpuDevice {
     CpuDevice::new(CpuDeviceConfig::with_capacity(capacity_bytes))
@@ -432,7 +433,38 @@ fn drop_runs_queued_work_and_does_not_panic_on_a_pending_message() {
 #[test]
 fn staging_is_zeroed_host_memory() {
     let dev = device(64);
-    let s = dev.alloc_staging(33);
+    let s = dev.alloc_staging::<f32>(33);
     assert_eq!(s, vec![0.0; 33]);
+    assert_eq!(dev.alloc_staging::<Bf16>(5), vec![Bf16(0); 5]);
     assert_eq!(dev.name(), "cpu");
+}
+
+#[test]
+fn weights_upload_exactly_at_their_offset() {
+    let dev = device(1 << 16);
+    let b = dev.alloc(40).unwrap();
+    upload_now(&dev, b, &[9.0; 40]);
+    let w: Vec<f32> = (0..7).map(|i| 1.0 + i as f32 * 0.123_456_7).collect();
+    // SAFETY: `w` outlives the synchronize in `download_now`.
+    dev.upload_weights(b, 5, unsafe { HostPtr::new(&w) });
+    let got = download_now(&dev, b);
+    assert_eq!(&got[5..12], &w[..], "fp32 weights are copied exactly");
+    assert!(got[..5].iter().chain(&got[12..]).all(|&x| x == 9.0), "{got:?}");
+}
+
+#[test]
+fn bf16_download_rounds_on_the_wire_and_counts_two_bytes_per_element() {
+    let dev = device(1 << 16);
+    let b = dev.alloc(1001).unwrap();
+    let x: Vec<f32> = (0..1001).map(|i| (i as f32 * 0.731).sin() * 7.0).collect();
+    upload_now(&dev, b, &x);
+    let before = dev.stats().d2h_bytes;
+    let mut out = vec![Bf16(0x7fc1); 1001];
+    // SAFETY: `out` is not touched until the synchronize below has run the download.
+    dev.download_bf16(unsafe { HostPtrMut::new(&mut out) }, b);
+    dev.synchronize();
+    assert_eq!(dev.stats().d2h_bytes - before, 2 * 1001);
+    for (i, (o, x)) in out.iter().zip(&x).enumerate() {
+        assert_eq!(*o, Bf16::from_f32(*x), "element {i}");
+    }
 }

@@ -15,9 +15,10 @@ use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use super::CpuBackend;
+use crate::Bf16;
 use crate::device::{
     DevBuf, Device, DeviceStats, Event, HostPtr, HostPtrMut, HostWork, Kernel, OutOfDeviceMemory,
-    Queue, Views,
+    Queue, StagingElem, Views,
 };
 
 /// Every buffer starts at a multiple of this many elements from a 64-byte aligned base, so
@@ -116,8 +117,8 @@ impl CpuDevice {
 impl Device for CpuDevice {
     type Backend = CpuBackend;
     /// The CPU has no page-locked memory distinct from ordinary memory: staging is a plain
-    /// `Vec<f32>`.
-    type Staging = Vec<f32>;
+    /// `Vec`.
+    type Staging<T: StagingElem> = Vec<T>;
 
     fn name(&self) -> String {
         "cpu".to_string()
@@ -162,6 +163,11 @@ impl Device for CpuDevice {
         self.submit(Queue::H2D, Task::Upload { dst, src });
     }
 
+    /// fp32 weights stay fp32: an exact copy into `dst.sub(at..at + src.len())`.
+    fn upload_weights(&self, dst: DevBuf, at: usize, src: HostPtr) {
+        self.upload(dst.sub(at..at + src.len()), src);
+    }
+
     fn upload_i32(&self, dst: DevBuf, src: Arc<Vec<i32>>) {
         assert_eq!(
             dst.len,
@@ -178,6 +184,20 @@ impl Device for CpuDevice {
         assert_eq!(dst.len(), src.len, "download: dst has {} elements, src {}", dst.len(), src.len);
         self.shared.arena.check(src);
         self.submit(Queue::D2H, Task::Download { dst, src });
+    }
+
+    /// The simulated wire carries bf16: each element is rounded (as the CUDA device rounds it)
+    /// while it is copied, and the link counts 2 bytes per element.
+    fn download_bf16(&self, dst: HostPtrMut<Bf16>, src: DevBuf) {
+        assert_eq!(
+            dst.len(),
+            src.len,
+            "download_bf16: dst has {} elements, src {}",
+            dst.len(),
+            src.len
+        );
+        self.shared.arena.check(src);
+        self.submit(Queue::D2H, Task::DownloadBf16 { dst, src });
     }
 
     fn launch(&self, k: Kernel<CpuBackend>) {
@@ -230,9 +250,9 @@ impl Device for CpuDevice {
         }
     }
 
-    /// A zeroed `Vec<f32>`: the CPU has no page-locked memory distinct from ordinary memory.
-    fn alloc_staging(&self, len: usize) -> Vec<f32> {
-        vec![0.0; len]
+    /// A zeroed `Vec`: the CPU has no page-locked memory distinct from ordinary memory.
+    fn alloc_staging<T: StagingElem>(&self, len: usize) -> Vec<T> {
+        vec![T::default(); len]
     }
 }
 
@@ -405,6 +425,11 @@ impl Views<CpuBackend> for CpuViews<'_> {
         unsafe { std::slice::from_raw_parts(f.as_ptr().cast::<i32>(), f.len()) }
     }
 
+    /// fp32 weights: the same view as [`Views::buf`].
+    fn wbuf(&self, b: DevBuf) -> &[f32] {
+        self.buf(b)
+    }
+
     #[allow(clippy::mut_from_ref)]
     unsafe fn buf_mut(&self, b: DevBuf) -> &mut [f32] {
         // SAFETY: forwarded: the caller guarantees no other view of `b` is live.
@@ -421,6 +446,7 @@ enum Task {
     Upload { dst: DevBuf, src: HostPtr },
     UploadI32 { dst: DevBuf, src: Arc<Vec<i32>> },
     Download { dst: HostPtrMut, src: DevBuf },
+    DownloadBf16 { dst: HostPtrMut<Bf16>, src: DevBuf },
     Signal(Event),
     Wait(Event),
     Stop,
@@ -486,6 +512,10 @@ impl Shared {
                 // SAFETY: `download`'s caller gives this work exclusive use of `dst` until it
                 // has run (HostPtrMut's contract); the schedule guarantees nothing writes `src`.
                 unsafe { dst.as_mut_slice().copy_from_slice(self.arena.slice(src)) }
+            }),
+            Task::DownloadBf16 { dst, src } => self.copy(Queue::D2H, src.len * 2, || {
+                // SAFETY: as for Download.
+                unsafe { crate::bf16::round_to_bf16(dst.as_mut_slice(), self.arena.slice(src)) }
             }),
             Task::Signal(e) => e.signal(),
             Task::Wait(e) => e.wait_host(),
@@ -590,7 +620,10 @@ fn worker(q: Queue, rx: &Receiver<Task>, shared: &Shared, mut jitter: Jitter) {
         let counts_busy = match &task {
             Task::Stop => break,
             Task::Signal(_) | Task::Wait(_) => false,
-            Task::Upload { .. } | Task::UploadI32 { .. } | Task::Download { .. } => {
+            Task::Upload { .. }
+            | Task::UploadI32 { .. }
+            | Task::Download { .. }
+            | Task::DownloadBf16 { .. } => {
                 jitter.delay();
                 true
             }

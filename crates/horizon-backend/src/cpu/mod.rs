@@ -26,7 +26,7 @@ pub use rmsnorm::{rmsnorm_backward, rmsnorm_forward};
 pub use rope::{rope_backward, rope_forward};
 pub use swiglu::{swiglu_backward, swiglu_forward};
 
-use crate::{AttnDims, Backend};
+use crate::{AttnDims, Backend, Precision};
 
 /// The CPU reference backend. Buffers are plain host slices; work runs on the current rayon
 /// pool (install a pool around calls to choose the thread count).
@@ -43,6 +43,8 @@ impl CpuBackend {
 impl Backend for CpuBackend {
     type Buf = [f32];
     type IBuf = [i32];
+    type WBuf = [f32];
+    const PRECISION: Precision = Precision::F32;
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -53,6 +55,11 @@ impl Backend for CpuBackend {
     }
 
     fn upload_i32(&self, dst: &mut [i32], src: &[i32]) {
+        dst.copy_from_slice(src);
+    }
+
+    /// Exact: the CPU computes with the fp32 masters themselves.
+    fn upload_weights(&self, dst: &mut [f32], src: &[f32]) {
         dst.copy_from_slice(src);
     }
 

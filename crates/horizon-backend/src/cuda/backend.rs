@@ -1,21 +1,29 @@
 //! [`CudaBackend`]: the [`Backend`] trait on one CUDA stream. Every op enqueues its kernels (or
 //! cuBLAS calls) on the stream and returns; `upload` / `download` wait for their copy. The
 //! launchers live one op per file next to this one; this file is the trait's switchboard.
+//!
+//! Weights are bf16 ([`Precision::Bf16`]); products round their fp32 activation inputs to bf16
+//! in the backend's workspace first (see `matmul.rs`). The workspace is device memory the
+//! backend is handed (by the device, from its pool, sized by the plan) or, for a standalone
+//! backend, allocates once: [`Precision::workspace`] lays it out, and its cuBLAS part becomes
+//! the cuBLAS handle's workspace (`cublasSetWorkspace`), so cuBLAS allocates nothing per call.
 
 use std::ffi::c_void;
 use std::ops::{Deref, DerefMut};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::cublas;
 use cudarc::driver::{CudaContext, CudaStream, result as cu, sys};
 
 use super::kernels::Kernels;
 use super::slice::DevSlice;
-use super::{CudaError, MatmulPrecision, check};
-use crate::{AttnDims, Backend, DeviceAlloc};
+use super::{CudaError, check};
+use crate::bf16::round_to_bf16;
+use crate::precision::{BLAS_WORKSPACE_BYTES, GRAD_WIRE_CHUNK, WORKSPACE_ALIGN};
+use crate::{AttnDims, Backend, Bf16, DeviceAlloc, Precision};
 
-/// The CUDA backend: a context, the stream its ops run on, the compiled kernels and a cuBLAS
-/// handle. Cloning shares all of them.
+/// The CUDA backend: a context, the stream its ops run on, the compiled kernels, a cuBLAS handle
+/// and the workspace. Cloning shares all of them.
 #[derive(Clone)]
 pub struct CudaBackend {
     inner: Arc<Inner>,
@@ -25,8 +33,33 @@ struct Inner {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     kernels: Arc<Kernels>,
-    blas: Mutex<Blas>,
-    precision: MatmulPrecision,
+    /// `None` for a backend that runs no products (the device's copy streams).
+    blas: Option<Mutex<Blas>>,
+    /// Where products put their bf16 input copies: (device address, bytes); (0, 0) until a
+    /// workspace is handed over. A product holds the lock while it enqueues its conversions
+    /// and GEMMs, so two threads' products on this stream cannot interleave in the scratch.
+    products: Mutex<(u64, usize)>,
+    /// A workspace this backend allocated itself (standalone backends), freed on drop.
+    own_workspace: Option<u64>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // The handle first: it must not outlive the workspace it was given.
+        drop(self.blas.take());
+        if let Some(addr) = self.own_workspace {
+            let _ = self.ctx.bind_to_thread();
+            // SAFETY: allocated in `CudaBackend::new`, freed only here; cuMemFree waits for
+            // the work still using it.
+            let _ = unsafe { cu::free_sync(addr) };
+        }
+    }
+}
+
+/// Where the parts of a workspace handed to [`CudaBackend::use_workspace`] lie.
+pub(crate) struct WorkspaceAddrs {
+    /// One chunk of bf16 gradient ([`GRAD_WIRE_CHUNK`] elements), for the device's D2H stream.
+    pub(crate) grad_wire: u64,
 }
 
 /// A cuBLAS handle bound to the backend's stream. Behind a mutex: a handle must not be used by
@@ -46,39 +79,131 @@ impl Drop for Blas {
 
 impl std::fmt::Debug for CudaBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CudaBackend").field("precision", &self.inner.precision).finish()
+        f.debug_struct("CudaBackend").field("products", &*self.products()).finish()
     }
 }
 
 impl CudaBackend {
-    /// A backend on a new stream of GPU `ordinal`: probes the libraries, creates the context,
-    /// compiles the kernels. For tests and tools; the engine gets its backend from
-    /// [`super::CudaDevice`].
-    pub fn new(ordinal: usize, precision: MatmulPrecision) -> Result<Self, CudaError> {
+    /// A backend on a new stream of GPU `ordinal` with a workspace of `workspace_bytes` (from
+    /// `Precision::Bf16.workspace(..)`: enough for the largest product it will run): probes the
+    /// libraries, creates the context, compiles the kernels, allocates the workspace. For tests
+    /// and tools; the engine gets its backend from [`super::CudaDevice`].
+    pub fn new(ordinal: usize, workspace_bytes: usize) -> Result<Self, CudaError> {
         super::probe()?;
         let ctx = context(ordinal)?;
         let stream = ctx.new_stream().map_err(|e| CudaError::driver("creating a stream", e))?;
         let kernels = Arc::new(Kernels::load(&ctx)?);
-        Self::on_stream(ctx, stream, kernels, precision)
+        let min = Precision::Bf16.workspace(0).bytes;
+        if workspace_bytes < min {
+            return Err(CudaError(format!(
+                "a CUDA backend needs a workspace of at least {min} bytes (cuBLAS, gradient \
+                 chunk), got {workspace_bytes}"
+            )));
+        }
+        ctx.bind_to_thread().map_err(|e| CudaError::driver("binding the context", e))?;
+        // SAFETY: a plain device allocation; zeroed below.
+        let addr = unsafe { cu::malloc_sync(workspace_bytes) }.map_err(|e| {
+            CudaError(format!("cannot allocate a {workspace_bytes}-byte workspace: {e:?}"))
+        })?;
+        // SAFETY: the allocation just made.
+        unsafe { cu::memset_d8_sync(addr, 0, workspace_bytes) }
+            .map_err(|e| CudaError::driver("zeroing the workspace", e))?;
+        let be = match Self::build(ctx.clone(), stream, kernels, true, Some(addr)) {
+            Ok(be) => be,
+            Err(e) => {
+                // SAFETY: the allocation above; nothing uses it.
+                let _ = unsafe { cu::free_sync(addr) };
+                return Err(e);
+            }
+        };
+        // SAFETY: the backend's own allocation, freed only when the backend is dropped; only
+        // this backend's stream uses it.
+        unsafe { be.use_workspace(addr, workspace_bytes) }?;
+        Ok(be)
     }
 
-    /// A backend whose ops run on `stream`.
+    /// A backend whose ops run on `stream`; with `blas`, it has a cuBLAS handle on that stream
+    /// and can run products once it has a workspace ([`CudaBackend::use_workspace`]).
     pub(crate) fn on_stream(
         ctx: Arc<CudaContext>,
         stream: Arc<CudaStream>,
         kernels: Arc<Kernels>,
-        precision: MatmulPrecision,
+        blas: bool,
+    ) -> Result<Self, CudaError> {
+        Self::build(ctx, stream, kernels, blas, None)
+    }
+
+    fn build(
+        ctx: Arc<CudaContext>,
+        stream: Arc<CudaStream>,
+        kernels: Arc<Kernels>,
+        blas: bool,
+        own_workspace: Option<u64>,
     ) -> Result<Self, CudaError> {
         ctx.bind_to_thread().map_err(|e| CudaError::driver("binding the context", e))?;
-        let handle = cublas::result::create_handle()
-            .map_err(|e| CudaError(format!("cuBLAS: cannot create a handle: {e:?}")))?;
-        let blas = Blas(handle);
-        // SAFETY: a live handle and a live stream of the same context.
-        unsafe { cublas::result::set_stream(handle, stream.cu_stream() as _) }
-            .map_err(|e| CudaError(format!("cuBLAS: cannot set the stream: {e:?}")))?;
-        Ok(CudaBackend {
-            inner: Arc::new(Inner { ctx, stream, kernels, blas: Mutex::new(blas), precision }),
-        })
+        let blas = if blas {
+            let handle = cublas::result::create_handle()
+                .map_err(|e| CudaError(format!("cuBLAS: cannot create a handle: {e:?}")))?;
+            let blas = Blas(handle);
+            // SAFETY: a live handle and a live stream of the same context. (Setting the stream
+            // resets the handle's workspace to cuBLAS's default: `use_workspace` comes after.)
+            unsafe { cublas::result::set_stream(handle, stream.cu_stream() as _) }
+                .map_err(|e| CudaError(format!("cuBLAS: cannot set the stream: {e:?}")))?;
+            Some(Mutex::new(blas))
+        } else {
+            None
+        };
+        let inner =
+            Inner { ctx, stream, kernels, blas, products: Mutex::new((0, 0)), own_workspace };
+        Ok(CudaBackend { inner: Arc::new(inner) })
+    }
+
+    /// Takes `addr .. addr + bytes` as the workspace, laid out by `Precision::Bf16.workspace`
+    /// from `addr` rounded up to 256 bytes: the cuBLAS part becomes the handle's workspace, the
+    /// products part this backend's bf16 input copies; returns where the gradient chunk lies
+    /// (for the device's D2H stream). Fails when `bytes` cannot hold the fixed parts.
+    ///
+    /// # Safety
+    /// The range must be device memory of this context that stays allocated while the backend
+    /// runs, that only this backend's stream uses (the gradient chunk excepted: its user is the
+    /// caller), and no product may be in flight on the stream.
+    pub(crate) unsafe fn use_workspace(
+        &self,
+        addr: u64,
+        bytes: usize,
+    ) -> Result<WorkspaceAddrs, CudaError> {
+        let base = addr.next_multiple_of(WORKSPACE_ALIGN as u64);
+        let lay = Precision::Bf16.workspace(0);
+        let end = addr + bytes as u64;
+        let products = base + lay.products.start as u64;
+        if end < products {
+            return Err(CudaError(format!(
+                "a CUDA workspace of {bytes} bytes cannot hold cuBLAS's {BLAS_WORKSPACE_BYTES} \
+                 and a {GRAD_WIRE_CHUNK}-element gradient chunk"
+            )));
+        }
+        if let Some(blas) = &self.inner.blas {
+            self.inner
+                .ctx
+                .bind_to_thread()
+                .map_err(|e| CudaError::driver("binding the context", e))?;
+            let h = blas.lock().expect("cuBLAS handle lock poisoned").0;
+            let ws = (base + lay.blas.start as u64) as *mut c_void;
+            // SAFETY: a live handle; `ws` is 256-byte aligned device memory of
+            // BLAS_WORKSPACE_BYTES that outlives the handle's use of it (caller's contract).
+            unsafe { cublas::sys::cublasSetWorkspace_v2(h, ws, lay.blas.len()) }
+                .result()
+                .map_err(|e| CudaError(format!("cuBLAS: cannot set the workspace: {e:?}")))?;
+        }
+        *self.inner.products.lock().expect("workspace lock poisoned") =
+            (products, (end - products) as usize);
+        Ok(WorkspaceAddrs { grad_wire: base + lay.grad_wire.start as u64 })
+    }
+
+    /// The products' part of the workspace, (device address, bytes), locked: hold the guard
+    /// until the product's last use of it is enqueued.
+    pub(crate) fn products(&self) -> MutexGuard<'_, (u64, usize)> {
+        self.inner.products.lock().expect("workspace lock poisoned")
     }
 
     /// The context.
@@ -89,11 +214,6 @@ impl CudaBackend {
     /// The stream the ops run on.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.inner.stream
-    }
-
-    /// Precision of the matrix products.
-    pub fn precision(&self) -> MatmulPrecision {
-        self.inner.precision
     }
 
     /// Blocks until the stream has run everything enqueued; a failure of queued work (an
@@ -127,9 +247,11 @@ impl CudaBackend {
         check(&format!("launching {name} grid {grid:?} block {block:?} smem {smem}"), r);
     }
 
-    /// Runs `f` with the cuBLAS handle (bound to this backend's stream).
+    /// Runs `f` with the cuBLAS handle (bound to this backend's stream). Panics on a backend
+    /// built without one (a bug: only the compute stream runs products).
     pub(crate) fn with_blas<R>(&self, f: impl FnOnce(cublas::sys::cublasHandle_t) -> R) -> R {
-        let blas = self.inner.blas.lock().expect("cuBLAS handle lock poisoned");
+        let blas = self.inner.blas.as_ref().expect("a product on a backend without cuBLAS");
+        let blas = blas.lock().expect("cuBLAS handle lock poisoned");
         f(blas.0)
     }
 
@@ -197,6 +319,8 @@ pub(crate) fn expect_len(op: &str, what: &str, got: usize, want: usize) {
 impl Backend for CudaBackend {
     type Buf = DevSlice<f32>;
     type IBuf = DevSlice<i32>;
+    type WBuf = DevSlice<Bf16>;
+    const PRECISION: Precision = Precision::Bf16;
 
     fn name(&self) -> &'static str {
         "cuda"
@@ -212,17 +336,16 @@ impl Backend for CudaBackend {
         copy_htod(self, dst.addr(), src);
     }
 
+    /// Rounded to bf16 on the host (as the device's weight uploads are), then copied.
+    fn upload_weights(&self, dst: &mut DevSlice<Bf16>, src: &[f32]) {
+        expect_len("upload_weights", "src", src.len(), dst.len());
+        let mut host = vec![Bf16::default(); src.len()];
+        round_to_bf16(&mut host, src);
+        copy_htod(self, dst.addr(), &host);
+    }
+
     fn download(&self, dst: &mut [f32], src: &DevSlice<f32>) {
-        expect_len("download", "dst", dst.len(), src.len());
-        if dst.is_empty() {
-            return;
-        }
-        self.inner.ctx.bind_to_thread().expect("binding the CUDA context");
-        // SAFETY: `src` is device memory of `dst.len()` f32; `dst` is borrowed until the
-        // stream synchronize below, after which the copy has finished.
-        let r = unsafe { cu::memcpy_dtoh_async(dst, src.addr(), self.inner.stream.cu_stream()) };
-        check("download", r);
-        check("download: synchronize", self.synchronize());
+        copy_dtoh(self, dst, src);
     }
 
     fn copy(&self, dst: &mut DevSlice<f32>, src: &DevSlice<f32>) {
@@ -271,7 +394,7 @@ impl Backend for CudaBackend {
         out: &mut DevSlice<f32>,
         rstd: &mut DevSlice<f32>,
         inp: &DevSlice<f32>,
-        weight: &DevSlice<f32>,
+        weight: &DevSlice<Bf16>,
         c: usize,
         eps: f32,
     ) {
@@ -284,7 +407,7 @@ impl Backend for CudaBackend {
         dweight: &mut DevSlice<f32>,
         dout: &DevSlice<f32>,
         inp: &DevSlice<f32>,
-        weight: &DevSlice<f32>,
+        weight: &DevSlice<Bf16>,
         rstd: &DevSlice<f32>,
         c: usize,
     ) {
@@ -295,8 +418,8 @@ impl Backend for CudaBackend {
         &self,
         out: &mut DevSlice<f32>,
         inp: &DevSlice<f32>,
-        weight: &DevSlice<f32>,
-        bias: Option<&DevSlice<f32>>,
+        weight: &DevSlice<Bf16>,
+        bias: Option<&DevSlice<Bf16>>,
         n: usize,
         ic: usize,
         oc: usize,
@@ -311,7 +434,7 @@ impl Backend for CudaBackend {
         dbias: Option<&mut DevSlice<f32>>,
         dout: &DevSlice<f32>,
         inp: &DevSlice<f32>,
-        weight: &DevSlice<f32>,
+        weight: &DevSlice<Bf16>,
         n: usize,
         ic: usize,
         oc: usize,
@@ -408,6 +531,27 @@ impl Backend for CudaBackend {
     }
 }
 
+impl CudaBackend {
+    /// The bf16 bits of device weights (tests, tools).
+    pub fn download_weights(&self, dst: &mut [Bf16], src: &DevSlice<Bf16>) {
+        copy_dtoh(self, dst, src);
+    }
+}
+
+/// Device -> host copy on the backend's stream, waited for.
+fn copy_dtoh<T>(be: &CudaBackend, dst: &mut [T], src: &DevSlice<T>) {
+    expect_len("download", "dst", dst.len(), src.len());
+    if dst.is_empty() {
+        return;
+    }
+    be.inner.ctx.bind_to_thread().expect("binding the CUDA context");
+    // SAFETY: `src` is device memory of `dst.len()` elements of T; `dst` is borrowed until the
+    // stream synchronize below, after which the copy has finished.
+    let r = unsafe { cu::memcpy_dtoh_async(dst, src.addr(), be.inner.stream.cu_stream()) };
+    check("download", r);
+    check("download: synchronize", be.synchronize());
+}
+
 /// Host -> device copy on the backend's stream, waited for.
 fn copy_htod<T>(be: &CudaBackend, dst: u64, src: &[T]) {
     if src.is_empty() {
@@ -472,10 +616,14 @@ impl<T> Drop for CudaMem<T> {
 impl DeviceAlloc for CudaBackend {
     type Mem = CudaMem<f32>;
     type IMem = CudaMem<i32>;
+    type WMem = CudaMem<Bf16>;
     fn alloc(&self, len: usize) -> CudaMem<f32> {
         CudaMem::new(self, len)
     }
     fn alloc_i32(&self, len: usize) -> CudaMem<i32> {
+        CudaMem::new(self, len)
+    }
+    fn alloc_weights(&self, len: usize) -> CudaMem<Bf16> {
         CudaMem::new(self, len)
     }
 }

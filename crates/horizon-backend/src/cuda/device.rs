@@ -1,6 +1,6 @@
 //! [`CudaDevice`], the [`Device`] of the CUDA backend: one device pool allocated once, three
 //! streams (compute, H2D, D2H) and a host thread, page-locked staging buffers, and weights
-//! carried as bf16 over the link.
+//! carried as bf16 over the link into bf16 weight slots.
 //!
 //! Data flow: every [`Queue`] has a dispatcher thread fed by a channel (as on the CPU device).
 //! The compute, H2D and D2H dispatchers turn their tasks into asynchronous work on their
@@ -12,9 +12,16 @@
 //! deadlock). Host work on a stream queue (`host_on`) runs on its dispatcher after the stream
 //! has drained.
 //!
-//! Weights (`upload_weights`) cross the link as bf16: the H2D dispatcher rounds a chunk of the
-//! fp32 masters into a page-locked bf16 ring buffer, copies it to a device landing buffer and
-//! expands it to fp32 in the weight slot with a kernel on the H2D stream, two chunks in flight.
+//! Weights (`upload_weights`) cross the link as bf16 and stay bf16: the H2D dispatcher rounds a
+//! chunk of the fp32 masters into a page-locked bf16 ring buffer and copies it straight into the
+//! weight slot, two chunks in flight. Gradients may come back as bf16 (`download_bf16`): the D2H
+//! stream rounds a chunk of the fp32 accumulator into the workspace's gradient chunk, then
+//! copies it to the page-locked host slab; chunk after chunk on the one stream, so the next
+//! rounding never overwrites a chunk still being copied.
+//!
+//! Device memory is the pool alone. The engine hands part of it back as the workspace
+//! (`set_workspace`): bf16 copies of product inputs and the cuBLAS workspace for the compute
+//! stream, the gradient chunk for the D2H stream.
 
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::mpsc::{self, Receiver, Sender};
@@ -25,16 +32,19 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{CudaContext, CudaStream, result as cu, sys};
 
 use super::backend::{CudaBackend, context};
-use super::convert::{expand_bf16, round_to_bf16};
+use super::convert::round_on_device;
 use super::kernels::Kernels;
-use super::pinned::{Pinned, PinnedBuf};
+use super::pinned::Pinned;
 use super::slice::DevSlice;
-use super::{CudaDeviceConfig, CudaError, WireFormat, check};
+use super::{CudaDeviceConfig, CudaError, check};
+use crate::Bf16;
+use crate::bf16::round_to_bf16;
 use crate::cpu::device::{ALIGN_ELEMS, Pool};
 use crate::device::{
     DevBuf, Device, DeviceStats, Event, HostPtr, HostPtrMut, HostWork, Kernel, OutOfDeviceMemory,
-    Queue, Views,
+    Queue, StagingElem, Views,
 };
+use crate::precision::GRAD_WIRE_CHUNK;
 
 /// Elements per bf16 chunk of a weight upload (16 MiB of bf16); two chunks are in flight.
 const WIRE_CHUNK: usize = 8 << 20;
@@ -52,8 +62,8 @@ pub struct CudaDevice {
 
 impl CudaDevice {
     /// Probes the libraries, opens GPU `cfg.ordinal`, compiles the kernels, allocates the pool
-    /// (`cfg.capacity_bytes`) and the bf16 landing buffers, and starts the queues. Every failure
-    /// is an error that says what to do; nothing here panics on a missing driver or GPU.
+    /// (`cfg.capacity_bytes`), and starts the queues. Every failure is an error that says what
+    /// to do; nothing here panics on a missing driver or GPU.
     pub fn new(cfg: CudaDeviceConfig) -> Result<Self, CudaError> {
         super::probe()?;
         let ctx = context(cfg.ordinal)?;
@@ -64,12 +74,13 @@ impl CudaDevice {
         };
         let streams = [stream("compute")?, stream("H2D")?, stream("D2H")?];
         let kernels = Arc::new(Kernels::load(&ctx)?);
+        // Products run on the compute stream only; the D2H stream launches the gradient
+        // rounding and needs no cuBLAS handle.
         let compute =
-            CudaBackend::on_stream(ctx.clone(), streams[0].clone(), kernels.clone(), cfg.matmul)?;
-        let h2d = CudaBackend::on_stream(ctx.clone(), streams[1].clone(), kernels, cfg.matmul)?;
+            CudaBackend::on_stream(ctx.clone(), streams[0].clone(), kernels.clone(), true)?;
+        let d2h = CudaBackend::on_stream(ctx.clone(), streams[2].clone(), kernels, false)?;
         let len = cfg.capacity_bytes / 4 / ALIGN_ELEMS * ALIGN_ELEMS;
         let (free, total) = cu::mem_get_info().unwrap_or((0, 0));
-        let landing_bytes = 2 * WIRE_CHUNK * 2;
         let alloc = |bytes: usize, what: &str| -> Result<u64, CudaError> {
             // SAFETY: a plain device allocation, zeroed below.
             let addr = unsafe { cu::malloc_sync(bytes.max(4)) }.map_err(|e| {
@@ -86,20 +97,15 @@ impl CudaDevice {
             Ok(addr)
         };
         let base = alloc(len * 4, "device pool")?;
-        let landing = [
-            alloc(landing_bytes / 2, "bf16 landing buffer")?,
-            alloc(landing_bytes / 2, "bf16 landing buffer")?,
-        ];
         let event_pool = EventPool { ctx: ctx.clone(), free: Mutex::new(Vec::new()) };
         let shared = Arc::new(Shared {
             ctx: ctx.clone(),
             base,
             len,
-            landing,
+            grad_wire: Mutex::new(None),
             streams,
             compute,
-            h2d,
-            wire: cfg.weights_wire,
+            d2h,
             events: event_pool,
             counters: Mutex::new(Counters::default()),
             first_panic: Mutex::new(None),
@@ -135,11 +141,6 @@ impl CudaDevice {
         &self.shared.compute
     }
 
-    /// Device bytes besides the pool: the two bf16 landing buffers of weight uploads.
-    pub fn landing_bytes(&self) -> usize {
-        2 * WIRE_CHUNK * 2
-    }
-
     fn submit(&self, q: Queue, task: Task) {
         self.queues[q.index()].send(task).expect("CUDA device queue thread is gone");
     }
@@ -157,7 +158,7 @@ impl std::fmt::Debug for CudaDevice {
 
 impl Device for CudaDevice {
     type Backend = CudaBackend;
-    type Staging = PinnedBuf;
+    type Staging<T: StagingElem> = Pinned<T>;
 
     fn name(&self) -> String {
         format!("cuda:{} ({})", self.cfg.ordinal, self.gpu_name)
@@ -199,19 +200,21 @@ impl Device for CudaDevice {
     fn upload(&self, dst: DevBuf, src: HostPtr) {
         assert_eq!(dst.len, src.len(), "upload: dst has {} elements, src {}", dst.len, src.len());
         self.shared.check(dst);
-        self.submit(Queue::H2D, Task::Upload { dst, src, weights: false });
+        self.submit(Queue::H2D, Task::Upload { dst, src });
     }
 
-    fn upload_weights(&self, dst: DevBuf, src: HostPtr) {
-        assert_eq!(
-            dst.len,
+    /// Rounded to bf16 on the host, copied into the bf16 slot: weights `at..at + src.len()`
+    /// of `dst` are bytes `2 * at..` of it.
+    fn upload_weights(&self, dst: DevBuf, at: usize, src: HostPtr) {
+        let end = at.checked_add(src.len()).and_then(|e| e.checked_mul(2));
+        assert!(
+            end.is_some_and(|e| e <= dst.bytes()),
+            "upload_weights: weights {at}..+{} do not fit the {} bf16 of {dst:?}",
             src.len(),
-            "upload_weights: dst has {} elements, src {}",
-            dst.len,
-            src.len()
+            dst.bytes() / 2
         );
         self.shared.check(dst);
-        self.submit(Queue::H2D, Task::Upload { dst, src, weights: true });
+        self.submit(Queue::H2D, Task::UploadWeights { dst, at, src });
     }
 
     fn upload_i32(&self, dst: DevBuf, src: Arc<Vec<i32>>) {
@@ -230,6 +233,38 @@ impl Device for CudaDevice {
         assert_eq!(dst.len(), src.len, "download: dst has {} elements, src {}", dst.len(), src.len);
         self.shared.check(src);
         self.submit(Queue::D2H, Task::Download { dst, src });
+    }
+
+    /// Rounded on the D2H stream, chunk by chunk, into the workspace's gradient chunk, and
+    /// copied from there; needs the workspace ([`Device::set_workspace`]).
+    fn download_bf16(&self, dst: HostPtrMut<Bf16>, src: DevBuf) {
+        assert_eq!(
+            dst.len(),
+            src.len,
+            "download_bf16: dst has {} elements, src {}",
+            dst.len(),
+            src.len
+        );
+        self.shared.check(src);
+        self.submit(Queue::D2H, Task::DownloadBf16 { dst, src });
+    }
+
+    /// Lays `ws` out with `Precision::Bf16.workspace`: the compute backend takes the products
+    /// part and gives the cuBLAS part to its handle (`cublasSetWorkspace`), the D2H stream
+    /// keeps the gradient chunk. Panics if `ws` cannot hold the fixed parts (a bug: the plan
+    /// sizes it).
+    fn set_workspace(&self, ws: DevBuf) {
+        if ws.len == 0 {
+            return;
+        }
+        let addr = self.shared.addr(ws);
+        // SAFETY: `ws` is pool memory (checked by `addr`) that the engine keeps allocated while
+        // the device runs and gives to nothing else; only the compute stream uses the products
+        // and cuBLAS parts, only the D2H stream the gradient chunk; the engine hands it over
+        // before enqueueing any work, so no product is in flight.
+        let parts = unsafe { self.shared.compute.use_workspace(addr, ws.bytes()) };
+        let parts = parts.unwrap_or_else(|e| panic!("set_workspace({ws:?}): {e}"));
+        *self.shared.grad_wire.lock().expect("CUDA device lock poisoned") = Some(parts.grad_wire);
     }
 
     fn launch(&self, k: Kernel<CudaBackend>) {
@@ -280,7 +315,7 @@ impl Device for CudaDevice {
     }
 
     /// Page-locked (flags 0: cached, not write-combined), zeroed.
-    fn alloc_staging(&self, len: usize) -> PinnedBuf {
+    fn alloc_staging<T: StagingElem>(&self, len: usize) -> Pinned<T> {
         Pinned::new(&self.shared.ctx, len)
     }
 }
@@ -297,10 +332,10 @@ impl Drop for CudaDevice {
         }
         let s = &self.shared;
         let _ = s.ctx.bind_to_thread();
-        for &addr in [s.base].iter().chain(&s.landing) {
-            // SAFETY: allocated in `new`; every queue has stopped, nothing uses them any more.
-            let _ = unsafe { cu::free_sync(addr) };
-        }
+        // SAFETY: allocated in `new`; every queue has stopped, nothing uses it any more. (The
+        // compute backend's cuBLAS handle, which was given part of it as its workspace, runs
+        // nothing more; it is destroyed when the last clone of the backend goes.)
+        let _ = unsafe { cu::free_sync(s.base) };
     }
 }
 
@@ -312,14 +347,15 @@ struct Shared {
     /// The pool: `len` f32 at device address `base`.
     base: u64,
     len: usize,
-    /// Two device buffers of WIRE_CHUNK bf16, where weight chunks land before expansion.
-    landing: [u64; 2],
+    /// The workspace's gradient chunk: GRAD_WIRE_CHUNK bf16 at this device address, used by
+    /// the D2H stream only (`None` until `set_workspace`).
+    grad_wire: Mutex<Option<u64>>,
     /// Compute, H2D, D2H.
     streams: [Arc<CudaStream>; 3],
-    /// The kernels on the compute stream, and on the H2D stream (for the bf16 expansion).
+    /// The kernels on the compute stream (with cuBLAS), and on the D2H stream (the rounding of
+    /// bf16 gradients).
     compute: CudaBackend,
-    h2d: CudaBackend,
-    wire: WireFormat,
+    d2h: CudaBackend,
     events: EventPool,
     counters: Mutex<Counters>,
     first_panic: Mutex<Option<String>>,
@@ -426,6 +462,12 @@ impl Views<CudaBackend> for CudaViews<'_> {
         unsafe { DevSlice::from_raw(self.shared.addr(b), b.len) }
     }
 
+    /// The region as bf16 weights: two per f32 element of `b`.
+    fn wbuf(&self, b: DevBuf) -> &DevSlice<Bf16> {
+        // SAFETY: as above; `b.len` f32 are `2 * b.len` bf16.
+        unsafe { DevSlice::from_raw(self.shared.addr(b), 2 * b.len) }
+    }
+
     #[allow(clippy::mut_from_ref)]
     unsafe fn buf_mut(&self, b: DevBuf) -> &mut DevSlice<f32> {
         // SAFETY: inside the pool; exclusivity is the caller's contract (Views::buf_mut).
@@ -439,9 +481,11 @@ impl Views<CudaBackend> for CudaViews<'_> {
 enum Task {
     Kernel(Kernel<CudaBackend>),
     Host(HostWork),
-    Upload { dst: DevBuf, src: HostPtr, weights: bool },
+    Upload { dst: DevBuf, src: HostPtr },
+    UploadWeights { dst: DevBuf, at: usize, src: HostPtr },
     UploadI32 { dst: DevBuf, src: Arc<Vec<i32>> },
     Download { dst: HostPtrMut, src: DevBuf },
+    DownloadBf16 { dst: HostPtrMut<Bf16>, src: DevBuf },
     Signal(Event),
     Wait(Event),
     Stop,
@@ -485,7 +529,7 @@ impl Jitter {
 
 /// The bf16 ring of the H2D dispatcher: two page-locked chunks and the events of their copies.
 struct WireRing {
-    host: [Pinned<u16>; 2],
+    host: [Pinned<Bf16>; 2],
     copied: [sys::CUevent; 2],
     next: usize,
 }
@@ -601,30 +645,28 @@ fn run(
                 }
             });
         }
-        Task::Upload { dst, src, weights } => {
+        Task::Upload { dst, src } => {
             jitter.delay();
             let stream = shared.stream(q).cu_stream();
-            let bytes = match (weights, shared.wire, ring) {
-                (true, WireFormat::Bf16, Some(ring)) => {
-                    timed(&mut || upload_bf16(shared, ring, dst, src));
-                    dst.len * 2
+            timed(&mut || {
+                // SAFETY: `dst` is inside the pool (checked at submission); `src` stays alive
+                // and unwritten until this queue's next event is reached (HostPtr's contract),
+                // which is after the copy.
+                let s = unsafe { src.as_slice() };
+                if !s.is_empty() {
+                    // SAFETY: as above.
+                    let r = unsafe { cu::memcpy_htod_async(shared.addr(dst), s, stream) };
+                    check("cuMemcpyHtoDAsync", r);
                 }
-                _ => {
-                    timed(&mut || {
-                        // SAFETY: `dst` is inside the pool (checked at submission); `src` stays
-                        // alive and unwritten until this queue's next event is reached
-                        // (HostPtr's contract), which is after the copy.
-                        let s = unsafe { src.as_slice() };
-                        if !s.is_empty() {
-                            // SAFETY: as above.
-                            let r = unsafe { cu::memcpy_htod_async(shared.addr(dst), s, stream) };
-                            check("cuMemcpyHtoDAsync", r);
-                        }
-                    });
-                    dst.bytes()
-                }
-            };
-            shared.counters().h2d_bytes += bytes as u64;
+            });
+            shared.counters().h2d_bytes += dst.bytes() as u64;
+        }
+        Task::UploadWeights { dst, at, src } => {
+            jitter.delay();
+            let ring = ring.expect("weights are uploaded on the H2D queue, which has the ring");
+            let addr = shared.addr(dst) + (2 * at) as u64;
+            timed(&mut || upload_bf16(shared, ring, addr, src));
+            shared.counters().h2d_bytes += (2 * src.len()) as u64;
         }
         Task::UploadI32 { dst, src } => {
             jitter.delay();
@@ -654,16 +696,22 @@ fn run(
             });
             shared.counters().d2h_bytes += src.bytes() as u64;
         }
+        Task::DownloadBf16 { dst, src } => {
+            jitter.delay();
+            timed(&mut || download_bf16(shared, dst, src));
+            shared.counters().d2h_bytes += (2 * src.len) as u64;
+        }
     }
 }
 
-/// A weight upload as bf16: per chunk, round the fp32 masters into the page-locked ring (once
-/// the ring slot's previous copy has finished), copy to the landing buffer, expand into `dst`.
-fn upload_bf16(shared: &Shared, ring: &mut WireRing, dst: DevBuf, src: HostPtr) {
+/// A weight upload as bf16 into the `src.len()` bf16 at device address `dst` (inside a weight
+/// slot, checked at submission): per chunk, round the fp32 masters into the page-locked ring
+/// (once the ring slot's previous copy has finished) and copy it into the slot.
+fn upload_bf16(shared: &Shared, ring: &mut WireRing, dst: u64, src: HostPtr) {
     let stream = shared.stream(Queue::H2D).cu_stream();
     let mut off = 0;
-    while off < dst.len {
-        let len = WIRE_CHUNK.min(dst.len - off);
+    while off < src.len() {
+        let len = WIRE_CHUNK.min(src.len() - off);
         let slot = ring.next;
         ring.next = 1 - ring.next;
         // SAFETY: the event of this ring slot's last copy (or never recorded: returns at once).
@@ -672,14 +720,45 @@ fn upload_bf16(shared: &Shared, ring: &mut WireRing, dst: DevBuf, src: HostPtr) 
         let s = unsafe { src.sub(off..off + len).as_slice() };
         let host = &mut ring.host[slot][..len];
         round_to_bf16(host, s);
-        // SAFETY: the landing buffer holds WIRE_CHUNK bf16 >= len; the host chunk is
-        // page-locked and not touched again until `copied[slot]` is reached.
+        // SAFETY: `dst + 2 * off` holds `len` bf16 of the slot (checked at submission); the
+        // host chunk is page-locked and not touched again until `copied[slot]` is reached.
         unsafe {
-            check("cuMemcpyHtoDAsync", cu::memcpy_htod_async(shared.landing[slot], &*host, stream));
+            let at = dst + (2 * off) as u64;
+            check("cuMemcpyHtoDAsync", cu::memcpy_htod_async(at, &*host, stream));
             check("cuEventRecord", cu::event::record(ring.copied[slot], stream));
-            let out = DevSlice::from_raw_mut(shared.addr(dst.sub(off..off + len)), len);
-            expand_bf16(&shared.h2d, out, shared.landing[slot]);
         }
+        off += len;
+    }
+}
+
+/// A gradient download as bf16: per chunk of `src` (fp32, in the pool), round it on the D2H
+/// stream into the workspace's gradient chunk and copy that into `dst`. Both steps of every
+/// chunk are on the one stream, in order: a chunk is rounded only after the previous chunk's
+/// copy out of the same buffer has run (write after read), and copied only after its rounding
+/// (read after write).
+fn download_bf16(shared: &Shared, dst: HostPtrMut<Bf16>, src: DevBuf) {
+    let stream = shared.stream(Queue::D2H).cu_stream();
+    let wire = shared.grad_wire.lock().expect("CUDA device lock poisoned").unwrap_or_else(|| {
+        panic!("download_bf16 of {src:?} before set_workspace: the device has no gradient chunk")
+    });
+    let mut off = 0;
+    while off < src.len {
+        let len = GRAD_WIRE_CHUNK.min(src.len - off);
+        // SAFETY: the gradient chunk holds GRAD_WIRE_CHUNK >= len bf16 and only this stream
+        // uses it; `src` lies in the pool (checked at submission) and the schedule orders this
+        // download after the writes of `src` and before the next ones.
+        let (wire_chunk, grad) = unsafe {
+            (
+                DevSlice::<Bf16>::from_raw_mut(wire, len),
+                DevSlice::<f32>::from_raw(shared.addr(src.sub(off..off + len)), len),
+            )
+        };
+        round_on_device(&shared.d2h, wire_chunk, grad);
+        // SAFETY: `download_bf16`'s caller gives this queue exclusive use of `dst` until its
+        // next event is reached, which is after this copy (HostPtrMut's contract).
+        let d = unsafe { dst.sub(off..off + len).as_mut_slice() };
+        // SAFETY: `wire` holds the `len` bf16 just rounded (same stream, ordered before).
+        check("cuMemcpyDtoHAsync", unsafe { cu::memcpy_dtoh_async(d, wire, stream) });
         off += len;
     }
 }

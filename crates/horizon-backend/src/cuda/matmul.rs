@@ -1,5 +1,12 @@
-//! The linear layer on cuBLAS (`gemm_ex`, fp32 buffers, fp32 accumulation; bf16 tensor cores
-//! with `MatmulPrecision::Bf16`), and the bias from `kernels/matmul.cu`.
+//! The linear layer on cuBLAS with bf16 inputs and fp32 accumulation (`cublasGemmEx`: A and B
+//! `CUDA_R_16BF`, C `CUDA_R_32F`, `CUBLAS_COMPUTE_32F`), and the bias from `kernels/matmul.cu`.
+//!
+//! The weight is bf16 already (the device stores weights as bf16). The fp32 activations that
+//! meet it are rounded to bf16 first (`kernels/convert.cu`) into the products part of the
+//! backend's workspace: the forward's `inp`; the backward's `dout` (for both products) and `inp`
+//! (for `dweight`). The copies and the GEMMs that read them are all on the backend's one stream,
+//! in order, so the next product's conversion cannot overwrite a copy a GEMM still reads.
+//! Outputs (`out`, `dinp`, `dweight`) are fp32; `dweight` accumulates in fp32 (beta = 1).
 //!
 //! Row-major (R, K) buffers are column-major (K, R) matrices to cuBLAS, so with
 //! `Wc` = weight as (IC, OC) col-major, `Xc` = inp as (IC, N), `Yc` = out / dout as (OC, N):
@@ -12,10 +19,14 @@ use std::ffi::c_void;
 use cudarc::cublas::{result as blas, sys};
 
 use super::backend::{arg, blocks, expect_len, int};
+use super::convert::round_on_device;
 use super::slice::DevSlice;
-use super::{CudaBackend, MatmulPrecision, check};
+use super::{CudaBackend, check};
+use crate::precision::product_parts;
+use crate::{Bf16, Precision};
 
-/// One fp32 GEMM `C = alpha op(A) op(B) + beta C` on the backend's stream.
+/// One GEMM `C = op(A) op(B) + beta C` on the backend's stream: A and B bf16 at device
+/// addresses `a`, `b`; C fp32 at `c`; fp32 accumulation.
 #[allow(clippy::too_many_arguments)]
 fn gemm(
     be: &CudaBackend,
@@ -26,16 +37,12 @@ fn gemm(
     beta: f32,
     (c, ldc): (u64, usize),
 ) {
-    let compute = match be.precision() {
-        MatmulPrecision::Bf16 => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16BF,
-        MatmulPrecision::Fp32 => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-    };
-    let f32t = sys::cudaDataType::CUDA_R_32F;
+    let bf16 = sys::cudaDataType::CUDA_R_16BF;
     let alpha = 1.0f32;
     be.with_blas(|h| {
-        // SAFETY: the three matrices are device buffers whose lengths the callers checked
-        // against (m, n, k) and the leading dimensions; alpha and beta are host f32 (the
-        // handle's default pointer mode) that outlive the call.
+        // SAFETY: A and B are bf16 and C fp32 device buffers whose lengths the callers checked
+        // against (m, n, k) and the leading dimensions; alpha and beta are host f32, the scalar
+        // type of CUBLAS_COMPUTE_32F (the handle's default pointer mode), and outlive the call.
         let r = unsafe {
             blas::gemm_ex(
                 h,
@@ -46,16 +53,16 @@ fn gemm(
                 int(k, "gemm k"),
                 (&alpha as *const f32).cast::<c_void>(),
                 a as *const c_void,
-                f32t,
+                bf16,
                 int(lda, "lda"),
                 b as *const c_void,
-                f32t,
+                bf16,
                 int(ldb, "ldb"),
                 (&beta as *const f32).cast::<c_void>(),
                 c as *mut c_void,
-                f32t,
+                sys::cudaDataType::CUDA_R_32F,
                 int(ldc, "ldc"),
-                compute,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
         };
@@ -66,14 +73,46 @@ fn gemm(
 const N: sys::cublasOperation_t = sys::cublasOperation_t::CUBLAS_OP_N;
 const T: sys::cublasOperation_t = sys::cublasOperation_t::CUBLAS_OP_T;
 
-/// out: (N, OC), overwrites. inp: (N, IC). weight: (OC, IC). bias: (OC).
+/// The workspace's products part `(addr, bytes)` as `(dout, inp)` bf16 views for a product
+/// of these sizes. Panics (a bug: the plan sizes the workspace for the run's largest product)
+/// when it is too small.
+///
+/// # Safety
+/// The views alias the workspace: use them only in work enqueued on the backend's stream, while
+/// holding the backend's products lock (so one product's conversions and GEMMs are enqueued
+/// before the next product's).
+unsafe fn scratch<'a>(
+    (addr, bytes): (u64, usize),
+    n: usize,
+    ic: usize,
+    oc: usize,
+) -> (&'a mut DevSlice<Bf16>, &'a mut DevSlice<Bf16>) {
+    let need = Precision::Bf16.product_bytes(n, ic, oc);
+    assert!(
+        addr != 0 && need <= bytes,
+        "a {n}x{ic}x{oc} product needs {need} bytes of workspace for its bf16 inputs; the \
+         backend has {bytes} (the plan sizes the workspace for the largest product)"
+    );
+    let (dout, inp) = product_parts(n, ic, oc);
+    // SAFETY: both ranges lie inside the products part (checked above) and are disjoint; the
+    // caller keeps their use on the stream, one product at a time.
+    unsafe {
+        (
+            DevSlice::from_raw_mut(addr + dout.start as u64, n * oc),
+            DevSlice::from_raw_mut(addr + inp.start as u64, n * ic),
+        )
+    }
+}
+
+/// out: (N, OC), overwrites. inp: (N, IC), rounded to bf16 for the product. weight: (OC, IC).
+/// bias: (OC).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn matmul_forward(
     be: &CudaBackend,
     out: &mut DevSlice<f32>,
     inp: &DevSlice<f32>,
-    weight: &DevSlice<f32>,
-    bias: Option<&DevSlice<f32>>,
+    weight: &DevSlice<Bf16>,
+    bias: Option<&DevSlice<Bf16>>,
     n: usize,
     ic: usize,
     oc: usize,
@@ -87,12 +126,21 @@ pub(crate) fn matmul_forward(
     if ic == 0 {
         be.memset0(out.addr(), out.bytes());
     } else {
-        gemm(be, (T, N), (oc, n, ic), (weight.addr(), ic), (inp.addr(), ic), 0.0, (out.addr(), oc));
+        let ws = be.products();
+        // The forward has no dout to copy: its inp copy starts the scratch (the parts of a
+        // product with OC = 0), which the backward's share of the same sizes covers.
+        // SAFETY: on this stream, under the products lock (`ws`, held to the GEMM).
+        let (_, xb) = unsafe { scratch(*ws, n, ic, 0) };
+        round_on_device(be, xb, inp);
+        let (w, x, y) = (weight.addr(), xb.addr(), out.addr());
+        gemm(be, (T, N), (oc, n, ic), (w, ic), (x, ic), 0.0, (y, oc));
+        drop(ws);
     }
     if let Some(bias) = bias {
         expect_len("matmul_forward", "bias", bias.len(), oc);
         let (o, b, nn, cc) = (out.addr(), bias.addr(), int(n, "N"), int(oc, "OC"));
-        // SAFETY: argument types match; one thread per element of out (N, OC), bias (OC).
+        // SAFETY: argument types match (bias is bf16 bits); one thread per element of out
+        // (N, OC), bias (OC).
         unsafe {
             be.launch(
                 "matmul_bias_forward",
@@ -106,7 +154,8 @@ pub(crate) fn matmul_forward(
 }
 
 /// dinp: (N, IC), overwrites (skipped when `None`). dweight: (OC, IC), accumulates (+=).
-/// dbias: (OC), accumulates (+=). dout: (N, OC). inp: (N, IC). weight: (OC, IC).
+/// dbias: (OC), accumulates (+=), from the fp32 dout. dout: (N, OC) and inp: (N, IC), rounded
+/// to bf16 for the products. weight: (OC, IC).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn matmul_backward(
     be: &CudaBackend,
@@ -115,7 +164,7 @@ pub(crate) fn matmul_backward(
     dbias: Option<&mut DevSlice<f32>>,
     dout: &DevSlice<f32>,
     inp: &DevSlice<f32>,
-    weight: &DevSlice<f32>,
+    weight: &DevSlice<Bf16>,
     n: usize,
     ic: usize,
     oc: usize,
@@ -124,19 +173,30 @@ pub(crate) fn matmul_backward(
     expect_len("matmul_backward", "inp", inp.len(), n * ic);
     expect_len("matmul_backward", "weight", weight.len(), oc * ic);
     expect_len("matmul_backward", "dweight", dweight.len(), oc * ic);
+    // Held until both GEMMs are enqueued: no other product can use the scratch meanwhile.
+    let ws = be.products();
+    // The bf16 copies of dout and inp, when there is a product to run: (dout, inp) addresses.
+    let copies = (n > 0 && ic > 0 && oc > 0).then(|| {
+        // SAFETY: on this stream, under the products lock (`ws`): the conversions here and the
+        // two GEMMs below that read them are enqueued before anything else can use the scratch.
+        let (dyb, xb) = unsafe { scratch(*ws, n, ic, oc) };
+        round_on_device(be, dyb, dout);
+        round_on_device(be, xb, inp);
+        (dyb.addr(), xb.addr())
+    });
     if let Some(dinp) = dinp {
         expect_len("matmul_backward", "dinp", dinp.len(), n * ic);
         if oc == 0 {
             be.memset0(dinp.addr(), dinp.bytes());
-        } else if n > 0 && ic > 0 {
-            let (w, dy, dx) = (weight.addr(), dout.addr(), dinp.addr());
+        } else if let Some((dy, _)) = copies {
+            let (w, dx) = (weight.addr(), dinp.addr());
             gemm(be, (N, N), (ic, n, oc), (w, ic), (dy, oc), 0.0, (dx, ic));
         }
     }
-    if n > 0 && ic > 0 && oc > 0 {
-        let (x, dy, dw) = (inp.addr(), dout.addr(), dweight.addr());
-        gemm(be, (N, T), (ic, oc, n), (x, ic), (dy, oc), 1.0, (dw, ic));
+    if let Some((dy, x)) = copies {
+        gemm(be, (N, T), (ic, oc, n), (x, ic), (dy, oc), 1.0, (dweight.addr(), ic));
     }
+    drop(ws);
     if let Some(dbias) = dbias {
         expect_len("matmul_backward", "dbias", dbias.len(), oc);
         let (db, dy, nn, cc) = (dbias.addr(), dout.addr(), int(n, "N"), int(oc, "OC"));

@@ -5,7 +5,8 @@
 //! Nothing is linked at build time (cudarc's dynamic loading): [`probe`] looks for `libcuda`,
 //! `libnvrtc` and `libcublas` first, because cudarc panics when a library it needs is missing.
 //! The kernels are `.cu` sources embedded in the binary ([`kernels::SOURCES`], one per op) and
-//! compiled once at start by NVRTC for the device's architecture.
+//! compiled once at start by NVRTC for the device's architecture. Weights live on the device as
+//! bf16 ([`crate::Precision::Bf16`]); products take bf16 inputs with fp32 accumulation.
 //!
 //! Layout, one op per file as in `cpu/`: `embedding.rs`, `rmsnorm.rs`, `matmul.rs` (cuBLAS),
 //! `rope.rs`, `attention.rs`, `swiglu.rs`, `residual.rs`, `cross_entropy.rs`, `convert.rs`,
@@ -32,9 +33,9 @@ mod slice;
 mod swiglu;
 
 pub use backend::{CudaBackend, CudaMem};
-pub use config::{CudaDeviceConfig, CudaError, MatmulPrecision, WireFormat};
+pub use config::{CudaDeviceConfig, CudaError};
 pub use device::CudaDevice;
-pub use pinned::PinnedBuf;
+pub use pinned::Pinned;
 pub use probe::probe;
 pub use slice::DevSlice;
 

@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, result as cu};
 
-/// `len` zeroed elements of `T` in page-locked host memory (or plain memory, see the module).
+/// `len` zeroed elements of `T` in page-locked host memory (or plain memory, see the module):
+/// the staging type of [`super::CudaDevice`].
 pub struct Pinned<T: Copy + Default> {
     ptr: *mut T,
     len: usize,
@@ -15,9 +16,6 @@ pub struct Pinned<T: Copy + Default> {
     /// `Box<[T]>` freed as such.
     ctx: Option<Arc<CudaContext>>,
 }
-
-/// The staging type of [`super::CudaDevice`].
-pub type PinnedBuf = Pinned<f32>;
 
 // SAFETY: the buffer owns its memory like a Box<[T]>; access goes through &self / &mut self.
 unsafe impl<T: Copy + Default + Send> Send for Pinned<T> {}

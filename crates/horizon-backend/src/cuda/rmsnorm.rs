@@ -1,8 +1,10 @@
-//! Launchers of `kernels/rmsnorm.cu`. Derivation of the backward: `cpu/rmsnorm.rs`.
+//! Launchers of `kernels/rmsnorm.cu` (the weight is bf16, the rest fp32). Derivation of the
+//! backward: `cpu/rmsnorm.rs`.
 
 use super::CudaBackend;
 use super::backend::{arg, expect_len, int};
 use super::slice::DevSlice;
+use crate::Bf16;
 
 /// out: (N, C), overwrites. rstd: (N), overwrites. inp: (N, C). weight: (C).
 pub(crate) fn rmsnorm_forward(
@@ -10,7 +12,7 @@ pub(crate) fn rmsnorm_forward(
     out: &mut DevSlice<f32>,
     rstd: &mut DevSlice<f32>,
     inp: &DevSlice<f32>,
-    weight: &DevSlice<f32>,
+    weight: &DevSlice<Bf16>,
     c: usize,
     eps: f32,
 ) {
@@ -43,7 +45,7 @@ pub(crate) fn rmsnorm_backward(
     dweight: &mut DevSlice<f32>,
     dout: &DevSlice<f32>,
     inp: &DevSlice<f32>,
-    weight: &DevSlice<f32>,
+    weight: &DevSlice<Bf16>,
     rstd: &DevSlice<f32>,
     c: usize,
 ) {
