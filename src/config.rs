@@ -197,8 +197,9 @@ pub struct OptimizerSection {
     /// Global L2-norm gradient clipping threshold; 0 turns clipping off. Default 1.0.
     pub grad_clip: f64,
     /// Where the optimizer state lives and how gradients reach it: `exact` (fp32 gradients of
-    /// the whole model, exact global-norm clipping, ~16 B/param), `lean` (each layer updated as
-    /// its gradient completes, clipping by the previous step's norm, ~12 B/param) or `compact`
+    /// the whole model, exact global-norm clipping, ~16 B/param), `lean` (layers updated as
+    /// their gradients complete, all but the last `engine.grad_slabs` clipping by an estimate of
+    /// the step's norm, ~12 B/param) or `compact`
     /// (lean with blockwise 8-bit AdamW moments, ~6 B/param). Default exact.
     pub memory: OptimizerMemory,
 }
@@ -210,8 +211,9 @@ pub enum OptimizerMemory {
     /// fp32 masters, m, v and a whole-model fp32 gradient; exact global-norm clipping.
     #[default]
     Exact,
-    /// fp32 masters, m, v; no whole-model gradient: each buffer is updated as soon as its
-    /// gradient is complete; clipping by the previous step's global norm.
+    /// fp32 masters, m, v; no whole-model gradient: a layer is updated as soon as its gradient
+    /// is complete (clipping by an estimate of the step's norm) unless its slab can wait for the
+    /// norm; embedding, final norm and head clip by the step's norm.
     Lean,
     /// `lean` with m and v quantised to 8 bits per block of 256 (dynamic quantisation).
     Compact,

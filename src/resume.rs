@@ -47,9 +47,10 @@ pub struct CheckpointState {
     /// `optimizer.memory` of the run that wrote it: what the moments files hold.
     #[serde(default)]
     pub memory: OptimizerMemory,
-    /// The last finite global gradient norm (`lean`/`compact` clip the next step with it).
+    /// Squared gradient norm of each buffer at the last finite step (`lean`/`compact` estimate
+    /// the next step's norm from them); empty: none yet.
     #[serde(default)]
-    pub last_norm: Option<f64>,
+    pub last_sq: Vec<f64>,
 }
 
 /// Where checkpoints of an output directory live.
@@ -95,7 +96,7 @@ pub fn save(
         model: model_cfg.to_hf_json(),
         config: config_yaml.to_string(),
         memory: state.memory(),
-        last_norm: state.last_norm,
+        last_sq: state.last_sq.clone(),
     };
     let path = tmp.join(STATE);
     let mut f =
@@ -312,7 +313,7 @@ fn load_with(
         step: meta.step,
         updates: meta.updates,
         q8,
-        last_norm: meta.last_norm,
+        last_sq: meta.last_sq,
     };
     Ok(state.into_memory(mode))
 }

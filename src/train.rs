@@ -70,8 +70,9 @@ pub struct TrainState {
     /// `optimizer.memory: compact`: the 8-bit moments, one per buffer (then `m` and `v` hold
     /// empty buffers).
     pub q8: Option<Vec<Moments8>>,
-    /// The last finite global gradient norm: what `lean`/`compact` clip the next step with.
-    pub last_norm: Option<f64>,
+    /// Squared gradient norm of each buffer at the last step whose norm was finite (empty:
+    /// none yet): `lean`/`compact` estimate the next step's norm from them.
+    pub last_sq: Vec<f64>,
 }
 
 impl TrainState {
@@ -89,7 +90,7 @@ impl TrainState {
             step: 0,
             updates: 0,
             q8: None,
-            last_norm: None,
+            last_sq: Vec::new(),
         }
     }
 
@@ -105,7 +106,7 @@ impl TrainState {
             step: 0,
             updates: 0,
             q8: None,
-            last_norm: None,
+            last_sq: Vec::new(),
         };
         state.grads = state.params.zeros_like(mode.streams_updates());
         if mode == OptimizerMemory::Compact {

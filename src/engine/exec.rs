@@ -29,7 +29,7 @@ use crate::model::transformer::{
     layer_forward, rope_tables,
 };
 use crate::optim::adamw::{AdamWConfig, AdamWStep, adamw_update, clip_coefficient, sum_squares};
-use crate::optim::adamw8bit::{Moments8, Moments8Mut, adamw8bit_update};
+use crate::optim::adamw8bit::{Moments8, Moments8Mut, adamw8bit_update, rescale_moments8};
 use crate::train::TrainState;
 
 /// Device buffers in one `LayerActs` (h1, rstd1, qkv, att, lse, x2, h2, rstd2, gu, s, tmp).
@@ -317,10 +317,8 @@ struct Ctx {
     params: Vec<HostPtrMut>,
     /// The 8-bit moments (compact), by `param_index`.
     q8: Vec<Q8Handle>,
-    /// Streamed updates: what the step's updates have seen so far.
+    /// Streamed updates: what the step has measured so far, and the last finite step's norms.
     stats: Mutex<StepStats>,
-    /// Streamed updates: the norm they clip with (the last finite one; NaN = none yet).
-    clip_norm: AtomicU64,
     /// Streamed updates: some buffer was updated this step.
     applied: AtomicBool,
     grads: Vec<HostPtrMut>,
@@ -350,10 +348,41 @@ enum Slabs {
     Bf16(Vec<HostPtrMut<Bf16>>, HostPtrMut),
 }
 
+impl Slabs {
+    /// The first `len` gradients of `slab` as fp32: the slab itself, or (bf16) its expansion
+    /// into the one fp32 layer.
+    ///
+    /// # Safety
+    /// Host queue only (the expansion layer is shared by every slab), after the slab's download
+    /// and before its next one; the slice must be dropped before the next call.
+    unsafe fn f32_view(&self, slab: usize, len: usize) -> &[f32] {
+        // SAFETY: the caller orders this against the slab's download (see above), and the host
+        // queue runs one op at a time, so nothing else reads or writes the expansion layer.
+        unsafe {
+            match self {
+                Slabs::F32(s) => s[slab].as_const().sub(0..len).as_slice(),
+                Slabs::Bf16(s, expand) => {
+                    let g = expand.sub(0..len).as_mut_slice();
+                    expand_bf16(g, s[slab].as_const().sub(0..len).as_slice());
+                    g
+                }
+            }
+        }
+    }
+}
+
 /// What the streamed updates of one step have seen (host queue only).
 struct StepStats {
-    /// Squared L2 norm of each buffer's gradient, by `param_index`.
+    /// Squared L2 norm of each buffer's gradient, by `param_index` (valid where `seen`).
     sq: Vec<f64>,
+    /// Which buffers' gradients have been measured this step.
+    seen: Vec<bool>,
+    /// `sq` of the last step whose norm was finite (empty: none yet). A layer updated before
+    /// the step's norm is known estimates it from these (see [`layer_clip_coefficient`]).
+    prev_sq: Vec<f64>,
+    /// On the run's first update (no `prev_sq`, zero moments), the clip coefficient a layer
+    /// was updated with before the norm was known (0: none); the norm op corrects its moments.
+    provisional: Vec<f32>,
     /// The step has met a non-finite loss or gradient: no later update is applied.
     poisoned: bool,
     /// The losses have been checked this step.
@@ -622,7 +651,6 @@ where
         // Host staging buffers, allocated once.
         let mut state = Box::new(state.into_memory(cfg.memory));
         let nbufs = state.params.buffers().len();
-        let clip0 = state.last_norm.unwrap_or(f64::NAN);
         let q8: Vec<Q8Handle> = match &mut state.q8 {
             Some(q) => q.iter_mut().map(Q8Handle::new).collect(),
             None => Vec::new(),
@@ -663,11 +691,17 @@ where
             q8,
             stats: Mutex::new(StepStats {
                 sq: vec![0.0; nbufs],
+                seen: vec![false; nbufs],
+                prev_sq: {
+                    let prev = state.last_sq.clone();
+                    assert!(prev.is_empty() || prev.len() == nbufs, "last_sq is per buffer");
+                    prev
+                },
+                provisional: vec![0.0; nbufs],
                 poisoned: false,
                 loss_checked: false,
                 applied: false,
             }),
-            clip_norm: AtomicU64::new(clip0.to_bits()),
             applied: AtomicBool::new(false),
             params: bufs(&mut state.params),
             grads: bufs(&mut state.grads),
@@ -757,31 +791,31 @@ where
         self.dev.synchronize();
         self.state.step = self.steps;
         self.state.updates = self.updates;
-        self.state.last_norm = self.last_norm();
+        self.state.last_sq = self.last_sq();
         &self.state
     }
 
     /// Wait for all queued work and hand the host state back.
     pub fn into_state(self) -> TrainState {
         self.dev.synchronize();
-        let last_norm = self.last_norm();
+        let last_sq = self.last_sq();
         let Engine { dev, state, _host, steps, updates, .. } = self;
         drop(dev);
         drop(_host);
         let mut state = *state;
         state.step = steps;
         state.updates = updates;
-        state.last_norm = last_norm;
+        state.last_sq = last_sq;
         state
     }
 
-    /// The last finite global gradient norm (streamed modes clip the next step with it).
-    fn last_norm(&self) -> Option<f64> {
+    /// The squared gradient norms of the last finite step (streamed modes estimate the next
+    /// step's norm from them).
+    fn last_sq(&self) -> Vec<f64> {
         if self.cfg.memory.streams_updates() {
-            let n = f64::from_bits(self.ctx.clip_norm.load(Ordering::Acquire));
-            n.is_finite().then_some(n)
+            self.ctx.stats.lock().expect("no update panicked").prev_sq.clone()
         } else {
-            self.state.last_norm
+            self.state.last_sq.clone()
         }
     }
 
@@ -1130,16 +1164,58 @@ where
                     // SAFETY: ordered after the slab's download and before its next one; the
                     // layer's masters and moments are ordered against its uploads.
                     unsafe {
-                        let g: &[f32] = match &c.slabs {
-                            Slabs::F32(s) => s[slab].sub(0..len).as_mut_slice(),
-                            Slabs::Bf16(s, expand) => {
-                                // The host queue runs one update at a time: one fp32 layer.
-                                let g = expand.sub(0..len).as_mut_slice();
-                                expand_bf16(g, s[slab].as_const().sub(0..len).as_slice());
-                                g
-                            }
-                        };
-                        streamed_update(&c, &sd, i, g);
+                        streamed_update(&c, &sd, i, c.slabs.f32_view(slab, len));
+                    }
+                    c.phases.add(Phase::Optimizer, t0);
+                }));
+            }
+            OpKind::MeasureSlab { slab, layer } => {
+                let (c, sd) = (c.clone(), sd.clone());
+                self.dev.host(Box::new(move || {
+                    let t0 = Instant::now();
+                    let i = c.param_index(ParamBuf::Layer(layer));
+                    let len = c.layout.layer.len;
+                    let mut st = c.stats.lock().expect("no update panicked");
+                    // SAFETY: ordered after the slab's download and before its update.
+                    unsafe {
+                        measure(&c, &sd, &mut st, i, c.slabs.f32_view(slab, len));
+                    }
+                    c.phases.add(Phase::Optimizer, t0);
+                }));
+            }
+            OpKind::HeldSlabUpdate { slab, layer } => {
+                let (c, sd) = (c.clone(), sd.clone());
+                self.dev.host(Box::new(move || {
+                    let t0 = Instant::now();
+                    let i = c.param_index(ParamBuf::Layer(layer));
+                    let len = c.layout.layer.len;
+                    let norm = f64::from_bits(c.norm.load(Ordering::Acquire));
+                    if !c.skip.load(Ordering::Acquire) {
+                        let coef = clip_coefficient(norm, c.grad_clip);
+                        // SAFETY: ordered after the slab's download and the norm, and before
+                        // the slab's next download; the layer's masters and moments are
+                        // ordered against its uploads.
+                        unsafe {
+                            apply_update(&c, &sd, i, c.slabs.f32_view(slab, len), coef);
+                        }
+                    }
+                    c.phases.add(Phase::Optimizer, t0);
+                }));
+            }
+            OpKind::Measure { what } => {
+                let (c, sd) = (c.clone(), sd.clone());
+                self.dev.host(Box::new(move || {
+                    let t0 = Instant::now();
+                    let i = c.param_index(what);
+                    let mut st = c.stats.lock().expect("no update panicked");
+                    // SAFETY: ordered after the gradient is complete and before its update;
+                    // only the host queue touches the gradients.
+                    unsafe {
+                        let g = c.grads[i].as_mut_slice();
+                        if sd.inject_nan && what == ParamBuf::FinalNorm {
+                            g[0] = f32::NAN;
+                        }
+                        measure(&c, &sd, &mut st, i, g);
                     }
                     c.phases.add(Phase::Optimizer, t0);
                 }));
@@ -1170,39 +1246,37 @@ where
                 let (c, sd) = (c.clone(), sd.clone());
                 self.dev.host(Box::new(move || {
                     let t0 = Instant::now();
-                    let mut st = c.stats.lock().expect("no update panicked");
+                    let mut guard = c.stats.lock().expect("no update panicked");
+                    let st = &mut *guard;
+                    let emb = c.param_index(ParamBuf::Embed);
+                    // SAFETY: ordered after the embedding's scatters; only the host queue
+                    // touches the gradients.
+                    unsafe { measure(&c, &sd, st, emb, c.grads[emb].as_const().as_slice()) };
+                    debug_assert!(st.seen.iter().all(|&s| s), "every gradient is measured");
                     // The same sum, in the same order, as the exact mode's norm.
                     let norm = st.sq.iter().copied().sum::<f64>().sqrt();
-                    let loss = loss_sum(&c, &sd);
-                    let finite = norm.is_finite() && loss.is_finite();
+                    let finite = norm.is_finite() && !st.poisoned;
                     c.skip.store(!finite, Ordering::Release);
                     c.norm.store(norm.to_bits(), Ordering::Release);
                     if finite {
-                        c.clip_norm.store(norm.to_bits(), Ordering::Release);
+                        st.prev_sq.clone_from(&st.sq);
+                        let coef = clip_coefficient(norm, c.grad_clip);
+                        for i in 0..st.provisional.len() {
+                            let used = std::mem::take(&mut st.provisional[i]);
+                            if used > 0.0 && used != coef {
+                                // SAFETY: the schedule orders the norm after the layer's
+                                // update and before its next one.
+                                unsafe { rescale_moments(&c, i, coef / used) };
+                            }
+                        }
                     }
-                    c.applied.store(st.applied, Ordering::Release);
+                    // The held updates that follow apply unless the step is skipped.
+                    c.applied.store(st.applied || finite, Ordering::Release);
+                    st.seen.fill(false);
+                    st.provisional.fill(0.0);
                     st.poisoned = false;
                     st.loss_checked = false;
                     st.applied = false;
-                    c.phases.add(Phase::Optimizer, t0);
-                }));
-            }
-            OpKind::Update { what } if c.memory.streams_updates() => {
-                let (c, sd) = (c.clone(), sd.clone());
-                self.dev.host(Box::new(move || {
-                    let t0 = Instant::now();
-                    let i = c.param_index(what);
-                    // SAFETY: the schedule orders this after the buffer's gradient is complete
-                    // and against every read of its masters; only the host queue touches the
-                    // gradients.
-                    unsafe {
-                        let g = c.grads[i].as_mut_slice();
-                        if sd.inject_nan && what == ParamBuf::FinalNorm {
-                            g[0] = f32::NAN;
-                        }
-                        streamed_update(&c, &sd, i, g);
-                        g.fill(0.0);
-                    }
                     c.phases.add(Phase::Optimizer, t0);
                 }));
             }
@@ -1303,40 +1377,89 @@ fn loss_sum(c: &Ctx, sd: &StepData) -> f64 {
         .sum()
 }
 
-/// A streamed update (`lean`/`compact`) of buffer `i` from its complete gradient `g`:
-/// record `|g|²` for the step's norm, then, unless the step has met a non-finite loss or
-/// gradient (this buffer's included), clip by the previous step's norm and apply AdamW. A
-/// non-finite value never reaches masters or moments; buffers updated before it was met keep
-/// their update (see ARCHITECTURE.md, "Streamed updates").
+/// Streamed modes: record buffer `i`'s squared gradient norm for the step, and check the
+/// step's losses once. Returns whether the step is still finite (no non-finite loss or
+/// gradient met so far).
+fn measure(c: &Ctx, sd: &StepData, st: &mut StepStats, i: usize, g: &[f32]) -> bool {
+    let sq = sum_squares(g);
+    st.sq[i] = sq;
+    st.seen[i] = true;
+    if !st.loss_checked {
+        st.loss_checked = true;
+        st.poisoned |= !loss_sum(c, sd).is_finite();
+    }
+    st.poisoned |= !sq.is_finite();
+    !st.poisoned
+}
+
+/// The clip coefficient of a layer updated before the step's norm is known (`lean`/`compact`).
+///
+/// What is known: the squared norms of the gradients measured so far this step (final norm,
+/// untied head, the layers above, this layer), `seen`, and every buffer's at the last finite
+/// step, `prev_sq`. The estimate assumes the measured buffers hold the same share of the
+/// squared norm as at that step: `‖g‖² ≈ ‖g_prev‖² · seen / seen_prev`, and never less than
+/// `seen`, which is part of the step's norm. Without a previous step it is `seen`.
+fn layer_clip_coefficient(st: &StepStats, grad_clip: f64) -> f32 {
+    let seen: f64 = st.sq.iter().zip(&st.seen).filter(|(_, s)| **s).map(|(q, _)| q).sum();
+    let est = if st.prev_sq.is_empty() {
+        seen
+    } else {
+        let prev: f64 = st.prev_sq.iter().sum();
+        let seen_prev: f64 =
+            st.prev_sq.iter().zip(&st.seen).filter(|(_, s)| **s).map(|(q, _)| q).sum();
+        if seen_prev > 0.0 { prev * (seen / seen_prev) } else { prev }
+    };
+    clip_coefficient(est.max(seen).sqrt(), grad_clip)
+}
+
+/// A streamed update (`lean`/`compact`) of layer buffer `i` from its complete gradient `g`,
+/// before the layers below it are back: record `|g|²`, then, unless the step has met a
+/// non-finite loss or gradient (this buffer's included), clip by the estimated norm
+/// ([`layer_clip_coefficient`]) and apply AdamW. A non-finite value never reaches masters or
+/// moments; buffers updated before it was met keep their update (see ARCHITECTURE.md,
+/// "Streamed updates").
 ///
 /// # Safety
 /// As [`apply_update`].
 unsafe fn streamed_update(c: &Ctx, sd: &StepData, i: usize, g: &[f32]) {
     let mut st = c.stats.lock().expect("no update panicked");
-    let sq = sum_squares(g);
-    st.sq[i] = sq;
-    if !st.loss_checked {
-        st.loss_checked = true;
-        st.poisoned |= !loss_sum(c, sd).is_finite();
-    }
-    if st.poisoned || !sq.is_finite() {
-        st.poisoned = true;
+    if !measure(c, sd, &mut st, i, g) {
         return;
     }
-    let prev = f64::from_bits(c.clip_norm.load(Ordering::Acquire));
     let coef = if c.grad_clip <= 0.0 {
         1.0
-    } else if prev.is_finite() {
-        clip_coefficient(prev, c.grad_clip)
     } else {
-        // Clipping is on but no norm is known yet (the run's first step): this step only
-        // measures the norm. An unclipped first gradient would inflate v for ~1/(1 - beta2)
-        // steps and slow the start down.
-        return;
+        let coef = layer_clip_coefficient(&st, c.grad_clip);
+        if st.prev_sq.is_empty() && sd.adam_step == 1 {
+            // The moments were zero: the norm op rescales them to the step's coefficient.
+            st.provisional[i] = coef;
+        }
+        coef
     };
     // SAFETY: the caller's exclusivity.
     unsafe { apply_update(c, sd, i, g, coef) };
     st.applied = true;
+}
+
+/// Scale buffer `i`'s moments as if its gradient had been multiplied by `r`: `m *= r`,
+/// `v *= r²`. Used on the run's first update, whose moments hold that one gradient only, so the
+/// result is what clipping by `r` times the coefficient used would have stored. (The masters
+/// need no correction: AdamW's first step, `lr · m̂ / (sqrt(v̂) + eps)`, does not depend on the
+/// gradient's scale while `|g| >> eps`.)
+///
+/// # Safety
+/// The schedule must give the caller exclusive use of buffer `i`'s moments.
+unsafe fn rescale_moments(c: &Ctx, i: usize, r: f32) {
+    // SAFETY: the caller's exclusivity.
+    unsafe {
+        match c.memory {
+            OptimizerMemory::Compact => rescale_moments8(c.q8[i].view(), r),
+            _ => {
+                c.m[i].as_mut_slice().iter_mut().for_each(|m| *m *= r);
+                c.v[i].as_mut_slice().iter_mut().for_each(|v| *v *= r * r);
+            }
+        }
+    }
 }
 
 fn attn_dims(c: &Ctx, mb: &MicroBatch) -> AttnDims {

@@ -63,11 +63,11 @@ pub enum Res {
     DxStage(usize),
     /// Host per-row losses of micro-batch `m`.
     LossHost(usize),
-    /// The global gradient norm: the step's (exact mode), or the previous step's, which the
-    /// streamed updates of `lean`/`compact` clip with.
+    /// The step's global gradient norm and whether the step is skipped.
     Norm,
-    /// Streamed updates (`lean`/`compact`): each buffer's squared gradient norm and whether
-    /// the step has met a non-finite loss or gradient so far.
+    /// Streamed updates (`lean`/`compact`): each buffer's squared gradient norm, this step's
+    /// and the last finite step's (from which a layer updated before the norm is known
+    /// estimates it), and whether the step has met a non-finite loss or gradient so far.
     StepStats,
 }
 
@@ -125,20 +125,31 @@ pub enum OpKind {
     /// D2H: the final norm's and LM head's gradient accumulator straight into their host
     /// gradient buffers (overwrites: nothing else has written them this step).
     DownloadHeadGrads { dw: usize },
-    /// Host (`lean`/`compact`): clip (by the previous step's norm) and AdamW-update layer
-    /// `layer` from the slab its gradient came back in; the gradient is then dropped.
+    /// Host (`lean`/`compact`): clip (by an estimate of the step's norm, see ARCHITECTURE.md)
+    /// and AdamW-update layer `layer` from the slab its gradient came back in, before the
+    /// layers below it are back; the gradient is then dropped.
     SlabUpdate { slab: usize, layer: usize },
+    /// Host (`lean`/`compact`): record the squared norm of layer `layer`'s gradient, which stays
+    /// in its slab until the step's norm is known (no later layer of the step needs the slab).
+    MeasureSlab { slab: usize, layer: usize },
+    /// Host (`lean`/`compact`): clip (by the step's norm) and AdamW-update layer `layer` from
+    /// the slab [`OpKind::MeasureSlab`] left its gradient in.
+    HeldSlabUpdate { slab: usize, layer: usize },
+    /// Host (`lean`/`compact`): record the squared norm of a complete host gradient (final norm,
+    /// untied head) before any layer is updated.
+    Measure { what: ParamBuf },
     /// Host: add a slab into the host gradients.
     AccumulateGrads { slab: usize, what: GradTarget },
     /// D2H: the residual gradient of micro-batch `m` (the embedding output's gradient).
     DownloadDres { m: usize },
     /// Host: scatter-add it into the embedding rows micro-batch `m` touched.
     EmbedScatter { m: usize },
-    /// Host: the global gradient norm, and whether the step is finite (loss and norm).
+    /// Host: the global gradient norm, and whether the step is finite (loss and norm). In
+    /// `lean`/`compact` it sums the squared norms recorded so far and the embedding's.
     GradNorm,
-    /// Host: clip and AdamW-update one buffer (unless the step is skipped for a non-finite loss
-    /// or norm), then zero its gradient for the next step. In `lean`/`compact` it runs as soon
-    /// as the buffer's gradient is complete, clipping by the previous step's norm.
+    /// Host: clip (by the step's norm) and AdamW-update one buffer from its host gradient
+    /// (unless the step is skipped for a non-finite loss or norm), then zero the gradient for
+    /// the next step.
     Update { what: ParamBuf },
 }
 
@@ -175,8 +186,10 @@ pub struct PlanShape {
     /// Each layer's forward keeps its internals on the device for the backward, which then
     /// recomputes nothing (`engine.recompute: never`); needs `checkpoint_every == 1`.
     pub keep_internals: bool,
-    /// Streamed updates (`optimizer.memory` lean or compact): each buffer is updated as soon as
-    /// its gradient is complete, and no whole-model gradient exists.
+    /// Streamed updates (`optimizer.memory` lean or compact): no whole-model gradient exists;
+    /// each layer is updated from its slab as soon as its gradient is complete, except the last
+    /// `grad_slabs` layers of the backward, whose slabs are not needed again in the step and
+    /// wait for the step's norm.
     pub streamed: bool,
 }
 
@@ -215,6 +228,8 @@ struct Builder {
     slot_used: [usize; 2],
     next_dw: usize,
     next_slab: usize,
+    /// Streamed: (slab, layer) of the layers whose gradients wait in their slabs for the norm.
+    held: Vec<(usize, usize)>,
 }
 
 impl Builder {
@@ -271,8 +286,19 @@ impl Builder {
             vec![Res::Slab(slab)],
         );
         let GradTarget::Layer(i) = what else { unreachable!("the head's gradient has no slab") };
-        if self.shape.streamed {
-            let mut reads = vec![Res::Slab(slab), Res::Norm];
+        if self.shape.streamed && i < self.shape.grad_slabs {
+            // Layers i-1..0 come back in other slabs: this one can wait for the step's norm.
+            let mut reads = vec![Res::Slab(slab)];
+            reads.extend((0..self.shape.micro_batches).map(Res::LossHost));
+            self.push(
+                OpKind::MeasureSlab { slab, layer: i },
+                Queue::Host,
+                reads,
+                vec![Res::StepStats],
+            );
+            self.held.push((slab, i));
+        } else if self.shape.streamed {
+            let mut reads = vec![Res::Slab(slab)];
             reads.extend((0..self.shape.micro_batches).map(Res::LossHost));
             self.push(
                 OpKind::SlabUpdate { slab, layer: i },
@@ -294,16 +320,21 @@ impl Builder {
         }
     }
 
-    /// Streamed mode: update buffer `p` from its complete host gradient, clipping by the
-    /// previous step's norm; the update also checks the step's losses.
-    fn streamed_update(&mut self, p: ParamBuf) {
-        let mut reads = vec![Res::Norm];
+    /// Streamed mode: record the squared norm of buffer `p`'s complete host gradient (and
+    /// check the step's losses) before any layer is updated.
+    fn measure(&mut self, p: ParamBuf) {
+        let mut reads = vec![Res::Grads(p)];
         reads.extend((0..self.shape.micro_batches).map(Res::LossHost));
+        self.push(OpKind::Measure { what: p }, Queue::Host, reads, vec![Res::StepStats]);
+    }
+
+    /// Clip by the step's norm and update buffer `p` from its host gradient.
+    fn update(&mut self, p: ParamBuf) {
         self.push(
             OpKind::Update { what: p },
             Queue::Host,
-            reads,
-            vec![Res::Params(p), Res::Grads(p), Res::Moments(p), Res::StepStats],
+            vec![Res::Norm],
+            vec![Res::Params(p), Res::Grads(p), Res::Moments(p)],
         );
     }
 }
@@ -325,6 +356,7 @@ pub fn step_ops(shape: PlanShape) -> Vec<Op> {
         slot_used: [0, 0],
         next_dw: 0,
         next_slab: 0,
+        held: Vec::new(),
     };
     let embed = Res::Params(ParamBuf::Embed);
 
@@ -392,10 +424,12 @@ pub fn step_ops(shape: PlanShape) -> Vec<Op> {
         vec![Res::Grads(ParamBuf::FinalNorm), Res::Grads(shape.head_buf())],
     );
     if shape.streamed {
-        // Complete for the step: every micro-batch has passed the head.
-        b.streamed_update(ParamBuf::FinalNorm);
+        // Complete for the step: every micro-batch has passed the head. The gradients stay in
+        // their host buffers until the norm is known; the layer updates estimate the norm
+        // from these squared norms onwards.
+        b.measure(ParamBuf::FinalNorm);
         if !shape.tied {
-            b.streamed_update(ParamBuf::Head);
+            b.measure(ParamBuf::Head);
         }
     }
 
@@ -463,11 +497,27 @@ pub fn step_ops(shape: PlanShape) -> Vec<Op> {
     if shape.streamed {
         // The embedding's gradient is complete once every micro-batch's rows are scattered
         // (with a tied head, the head's part came first). Then the step's norm, from the
-        // squared norms the updates recorded; the next step clips with it.
-        b.streamed_update(ParamBuf::Embed);
-        let mut reads = vec![Res::StepStats];
+        // squared norms recorded so far and the embedding's. On the run's first step it also
+        // corrects the moments of the layers updated before the norm was known.
+        let mut reads = vec![Res::StepStats, Res::Grads(ParamBuf::Embed)];
         reads.extend((0..mbs).map(Res::LossHost));
-        b.push(OpKind::GradNorm, Queue::Host, reads, vec![Res::Norm, Res::StepStats]);
+        let mut writes = vec![Res::Norm, Res::StepStats];
+        writes.extend((shape.grad_slabs..l_count).map(|i| Res::Moments(ParamBuf::Layer(i))));
+        b.push(OpKind::GradNorm, Queue::Host, reads, writes);
+        // Everything left waits for the norm; in the order the next step needs it.
+        b.update(ParamBuf::Embed);
+        for (slab, layer) in std::mem::take(&mut b.held).into_iter().rev() {
+            b.push(
+                OpKind::HeldSlabUpdate { slab, layer },
+                Queue::Host,
+                vec![Res::Slab(slab), Res::Norm],
+                vec![Res::Params(ParamBuf::Layer(layer)), Res::Moments(ParamBuf::Layer(layer))],
+            );
+        }
+        b.update(ParamBuf::FinalNorm);
+        if !shape.tied {
+            b.update(ParamBuf::Head);
+        }
         return b.ops;
     }
 
@@ -478,12 +528,7 @@ pub fn step_ops(shape: PlanShape) -> Vec<Op> {
     reads.extend((0..mbs).map(Res::LossHost));
     b.push(OpKind::GradNorm, Queue::Host, reads, vec![Res::Norm]);
     for p in shape.param_bufs() {
-        b.push(
-            OpKind::Update { what: p },
-            Queue::Host,
-            vec![Res::Norm],
-            vec![Res::Params(p), Res::Grads(p), Res::Moments(p)],
-        );
+        b.update(p);
     }
     b.ops
 }
@@ -863,8 +908,10 @@ mod tests {
 
     #[test]
     fn streamed_updates_keep_no_layer_gradient() {
-        // lean/compact: no op touches a host layer gradient; each layer is updated from its
-        // slab right after the slab arrives, before the layers below it are back.
+        // lean/compact: no op touches a host layer gradient. With 2 slabs, layers 3 and 2 are
+        // updated from their slabs right after the slabs arrive, before the layers below them
+        // are back; layers 1 and 0 (whose slabs no later layer of the step needs) and the host
+        // buffers are updated after the norm.
         for tied in [false, true] {
             let s = Schedule::new(PlanShape { tied, streamed: true, ..shape(4, 2, 2) });
             for op in &s.steady {
@@ -872,26 +919,27 @@ mod tests {
                     assert!(!matches!(r, Res::Grads(ParamBuf::Layer(_))), "{op} touches {r:?}");
                 }
             }
-            let pos = |k: OpKind| s.steady.iter().position(|op| op.kind == k).unwrap();
-            let upd3 = s
-                .steady
-                .iter()
-                .position(|op| matches!(op.kind, OpKind::SlabUpdate { layer: 3, .. }))
-                .unwrap();
-            let bwd0 = s
-                .steady
-                .iter()
-                .position(|op| matches!(op.kind, OpKind::Backward { layer: 0, .. }))
-                .unwrap();
-            assert!(upd3 < bwd0, "layer 3's update is submitted before layer 0's backward");
-            assert_eq!(pos(OpKind::GradNorm), s.len() - 1, "the norm comes last");
-            // The next step's uploads wait for the streamed updates of their own layer only.
+            let pos = |f: &dyn Fn(&OpKind) -> bool| s.steady.iter().position(|op| f(&op.kind));
+            let upd = |i| pos(&|k| matches!(k, OpKind::SlabUpdate { layer, .. } if *layer == i));
+            let held =
+                |i| pos(&|k| matches!(k, OpKind::HeldSlabUpdate { layer, .. } if *layer == i));
+            let bwd0 = pos(&|k| matches!(k, OpKind::Backward { layer: 0, .. })).unwrap();
+            let norm = pos(&|k| *k == OpKind::GradNorm).unwrap();
+            assert!(upd(3).unwrap() < bwd0 && upd(2).unwrap() < bwd0, "streamed before layer 0");
+            assert!(upd(1).is_none() && upd(0).is_none());
+            assert!(held(0).unwrap() > norm && held(1).unwrap() > held(0).unwrap());
+            for p in s.shape.param_bufs().into_iter().filter(|p| !matches!(p, ParamBuf::Layer(_))) {
+                assert!(pos(&|k| *k == OpKind::Update { what: p }).unwrap() > norm, "{p:?}");
+            }
+            // The next step's uploads wait for the updates of their own layer only.
             for (j, op) in s.steady.iter().enumerate() {
                 if let OpKind::UploadWeights { what: SlotContent::Layer(i), .. } = op.kind {
                     for w in s.waits(1, j) {
                         if let Wait::Prev(p) = w {
                             assert!(
-                                matches!(s.first[p].kind, OpKind::SlabUpdate { layer, .. } if layer == i),
+                                matches!(s.first[p].kind,
+                                    OpKind::SlabUpdate { layer, .. } | OpKind::HeldSlabUpdate { layer, .. }
+                                    if layer == i),
                                 "{op} waits for {}",
                                 s.first[p]
                             );

@@ -292,6 +292,14 @@ pub fn adamw8bit_update(
         });
 }
 
+/// Scale the moments as if their gradients had been multiplied by `r`: `m *= r`, `v *= r²`.
+/// Exact in the codes: only the block scales change.
+pub fn rescale_moments8(q: Moments8Mut<'_>, r: f32) {
+    q.m_absmax.iter_mut().for_each(|a| *a *= r);
+    // `sqrt(v)` is stored.
+    q.v_absmax.iter_mut().for_each(|a| *a *= r);
+}
+
 #[allow(clippy::too_many_arguments)]
 fn update_task<const SMALL_LERP: bool>(
     param: &mut [f32],
