@@ -96,7 +96,7 @@ impl TrainState {
 
     /// Fresh state holding only what `mode` keeps: no layer gradients in `lean`/`compact`, 8-bit
     /// moments in `compact`. Allocates nothing it does not keep.
-    pub fn for_memory(params: ParamStore, mode: OptimizerMemory) -> Self {
+    pub fn for_memory(params: ParamStore, layout: &ModelLayout, mode: OptimizerMemory) -> Self {
         let empty = ParamStore::empty_like(&params);
         let mut state = TrainState {
             grads: empty.clone(),
@@ -110,8 +110,7 @@ impl TrainState {
         };
         state.grads = state.params.zeros_like(mode.streams_updates());
         if mode == OptimizerMemory::Compact {
-            state.q8 =
-                Some(state.params.buffers().iter().map(|b| Moments8::zeros(b.len())).collect());
+            state.q8 = Some(layout.buffer_tensors().iter().map(|t| Moments8::zeros(t)).collect());
         } else {
             state.m = state.params.zeros_like(false);
             state.v = state.params.zeros_like(false);
@@ -133,7 +132,7 @@ impl TrainState {
     /// Re-lay the state out for `mode`: `exact` and `lean` hold the same optimizer state (lean
     /// drops the layer gradients, which are zero between steps); `compact` quantises the fp32
     /// moments, and leaving `compact` decodes them.
-    pub fn into_memory(mut self, mode: OptimizerMemory) -> Self {
+    pub fn into_memory(mut self, layout: &ModelLayout, mode: OptimizerMemory) -> Self {
         if self.memory() == mode {
             return self;
         }
@@ -146,10 +145,10 @@ impl TrainState {
         match (self.q8.is_some(), mode == OptimizerMemory::Compact) {
             (false, true) => {
                 let mut q8 = Vec::new();
-                for ((p, m), v) in
-                    self.params.buffers().iter().zip(self.m.buffers()).zip(self.v.buffers())
+                for ((t, m), v) in
+                    layout.buffer_tensors().iter().zip(self.m.buffers()).zip(self.v.buffers())
                 {
-                    let mut q = Moments8::zeros(p.len());
+                    let mut q = Moments8::zeros(t);
                     q.encode(m, v);
                     q8.push(q);
                 }
@@ -659,7 +658,11 @@ where
         plan.check()?;
         let state = match resume {
             Some(dir) => crate::resume::load_for(dir, &model_cfg, raw.optimizer.memory)?,
-            None => TrainState::for_memory(load_model(raw)?.1, raw.optimizer.memory),
+            None => TrainState::for_memory(
+                load_model(raw)?.1,
+                &ModelLayout::new(&model_cfg),
+                raw.optimizer.memory,
+            ),
         };
         let sets = load_datasets(raw, model_cfg.vocab_size)?;
         let evaluator = sets.eval.as_ref().map(|e| {

@@ -29,7 +29,7 @@ fn fixture_run(
     let params = ParamStore::load_hf(&layout, &case_dir(case).join("model")).unwrap();
     let cfg = EngineConfig { grad_clip: 0.0, memory, ..case_engine_config(case, k, mbs) };
     let dev = CpuDevice::new(CpuDeviceConfig::with_capacity(64 << 20));
-    let state = TrainState::for_memory(params, memory);
+    let state = TrainState::for_memory(params, &layout, memory);
     let mut engine = Engine::new(dev, &model, state, cfg).unwrap();
     let out = run_case_steps(&mut engine, case)
         .into_iter()
@@ -237,6 +237,16 @@ fn compact_resumes_bit_identically_and_is_refused_across_modes() {
     let raw = RawConfig::from_yaml(&lean, "test").unwrap().resolve("test").unwrap();
     let err = StreamTrainer::with_resume(raw, Some(&dir)).err().expect("refused").to_string();
     assert!(err.contains("compact") && err.contains("hint"), "{err}");
+
+    // A `moments8.bin` of the first layout (blocks across tensors) is refused with a hint.
+    let path = dir.join("moments8.bin");
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[..8].copy_from_slice(b"HZNQ8v1\0");
+    std::fs::write(&path, bytes).unwrap();
+    let raw = RawConfig::from_yaml(&yaml, "test").unwrap().resolve("test").unwrap();
+    let err = StreamTrainer::with_resume(raw, Some(&dir)).err().expect("refused");
+    let err = format!("{err:#}");
+    assert!(err.contains("moments8.bin") && err.contains("older layout"), "{err}");
 }
 
 #[test]
@@ -265,48 +275,62 @@ fn lean_and_exact_resume_each_other() {
     assert_bit_identical("masters", &want.params, &resumed.engine.into_state().params);
 }
 
-/// The acceptance bound. NOT MET YET: compact (stochastic rounding, previous-norm
-/// clipping, a measuring first step) ends 2.1% above exact at 120 steps and 13.5% at 300
-/// (lean alone: 2.5% at 120). `HORIZON_TEST_STEPS` / `HORIZON_TEST_MODES` (comma-separated)
-/// rerun it at other lengths and modes.
+/// Mean of the last 10 logged losses of the default job (one step's loss depends on its batch)
+/// with `steps` optimizer steps, `optimizer.memory: memory`, and model and data seed `seed`.
+fn default_job_final_loss(steps: usize, memory: &str, seed: u64) -> f64 {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    horizon::default_job::write_data(&out).unwrap();
+    let yaml = horizon::default_job::config_yaml(&out, steps);
+    assert_eq!(yaml.matches("  seed: 0\n").count(), 2, "the default job's config changed shape");
+    let yaml = yaml
+        .replace("  seed: 0\n", &format!("  seed: {seed}\n"))
+        .replace("  grad_clip: 1.0\n", &format!("  grad_clip: 1.0\n  memory: {memory}\n"));
+    assert!(yaml.contains("memory: "), "the default job's config changed shape");
+    let cfg = RawConfig::from_yaml(&yaml, "t").unwrap().resolve("t").unwrap();
+    horizon::train::run_streaming(cfg, false, 0, None).unwrap();
+    let losses: Vec<f64> = std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64().unwrap())
+        .collect();
+    assert_eq!(losses.len(), steps);
+    losses[steps - 10..].iter().sum::<f64>() / 10.0
+}
+
+/// The acceptance: compact's final loss on the default job within 2% of exact's.
+///
+/// Past ~120 steps the default job is chaotic under fp32 rounding: two exact runs whose only
+/// difference is the summation order of some products end 6.7% apart at 300 steps and 2.3% at
+/// 1000, so a 2% bound there tests luck, not the optimizer. At 120 steps (the whole cosine
+/// schedule, 40 warm-up steps) exact runs agree far closer, and the bound means something; three
+/// model/data seeds guard against one lucky seed. Each seed must be within 2%, and their mean
+/// within 1%. Observed: -0.59%, +0.60%, +0.26% (mean +0.09%). `HORIZON_TEST_STEPS` and
+/// `HORIZON_TEST_SEEDS` (a count) rerun it at other lengths and with more seeds.
 #[test]
-#[ignore = "not met yet: compact is 2.1% behind exact at 120 steps (see the doc comment)"]
 fn compact_on_the_default_job_is_within_two_percent_of_exact() {
-    let steps = 120;
-    let mut finals = Vec::new();
-    let modes: Vec<String> = std::env::var("HORIZON_TEST_MODES")
-        .map(|v| v.split(',').map(String::from).collect())
-        .unwrap_or_else(|_| vec!["exact".into(), "compact".into()]);
-    let steps: usize =
-        std::env::var("HORIZON_TEST_STEPS").ok().and_then(|v| v.parse().ok()).unwrap_or(steps);
-    for memory in &modes {
-        let tmp = tempfile::tempdir().unwrap();
-        let out = tmp.path().join("out");
-        horizon::default_job::write_data(&out).unwrap();
-        let yaml = horizon::default_job::config_yaml(&out, steps)
-            .replace("  grad_clip: 1.0\n", &format!("  grad_clip: 1.0\n  memory: {memory}\n"));
-        assert!(yaml.contains("memory: "), "the default job's config changed shape");
-        let cfg = RawConfig::from_yaml(&yaml, "t").unwrap().resolve("t").unwrap();
-        let s = horizon::train::run_streaming(cfg, false, 0, None).unwrap();
-        let metrics: Vec<f64> = std::fs::read_to_string(out.join("metrics.jsonl"))
-            .unwrap()
-            .lines()
-            .map(|l| {
-                serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64().unwrap()
-            })
-            .collect();
-        // The mean of the last 10 steps: one step's loss depends on its batch.
-        let last = metrics[steps - 10..].iter().sum::<f64>() / 10.0;
-        eprintln!("default job, {steps} steps, {memory}: mean of the last 10 losses {last:.5}");
-        finals.push((last, s.final_loss));
+    let env = |k: &str, d: usize| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
+    let (steps, seeds) = (env("HORIZON_TEST_STEPS", 120), env("HORIZON_TEST_SEEDS", 3));
+    let (mut sum_exact, mut sum_compact) = (0.0, 0.0);
+    let mut worst = (0.0f64, 0);
+    for seed in 0..seeds as u64 {
+        let exact = default_job_final_loss(steps, "exact", seed);
+        let compact = default_job_final_loss(steps, "compact", seed);
+        let rel = (compact - exact) / exact;
+        eprintln!(
+            "default job, {steps} steps, seed {seed}: exact {exact:.5}, compact {compact:.5} ({:+.2}%)",
+            rel * 100.0
+        );
+        if rel.abs() > worst.0.abs() {
+            worst = (rel, seed);
+        }
+        sum_exact += exact;
+        sum_compact += compact;
     }
-    let (exact, compact) = (finals[0].0, finals[1].0);
-    let rel = (compact - exact).abs() / exact;
-    eprintln!(
-        "default job, {steps} steps: exact {exact:.5}, compact {compact:.5} ({:.2}%)",
-        rel * 100.0
-    );
-    assert!(rel <= 0.02, "compact {compact} vs exact {exact}: {:.2}% apart", rel * 100.0);
+    let mean_rel = (sum_compact - sum_exact) / sum_exact;
+    eprintln!("mean over {seeds} seeds: compact {:+.2}% of exact", mean_rel * 100.0);
+    assert!(worst.0.abs() <= 0.02, "seed {}: compact {:+.2}% of exact", worst.1, worst.0 * 100.0);
+    assert!(mean_rel.abs() <= 0.01, "mean over seeds: compact {:+.2}% of exact", mean_rel * 100.0);
 }
 
 fn plan_yaml(layers: usize, memory: &str, device: &str) -> String {

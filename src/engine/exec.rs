@@ -138,11 +138,6 @@ impl Sizes {
         let rope = 2 * cfg.seq_len * d.d / 2;
         let params = layout.num_params();
         let vc = d.v * d.c;
-        let bufs: Vec<usize> = std::iter::once(vc)
-            .chain((0..d.layers).map(|_| layout.layer.len))
-            .chain(std::iter::once(d.c))
-            .chain((!layout.tied).then_some(vc))
-            .collect();
         let host_grads = if cfg.memory.streams_updates() {
             vc + d.c + if layout.tied { 0 } else { vc }
         } else {
@@ -163,7 +158,7 @@ impl Sizes {
             slab: layout.layer.len,
             memory: cfg.memory,
             host_grads,
-            moments8_bytes: bufs.iter().map(|&n| Moments8::bytes(n)).sum(),
+            moments8_bytes: layout.buffer_tensors().iter().map(|t| Moments8::bytes(t)).sum(),
             mb_rows,
             act: n * d.c,
             act_sets: cfg.checkpoint_every.max(2),
@@ -394,11 +389,15 @@ struct StepStats {
 /// A raw handle to one buffer's 8-bit moments, owned by the engine's `TrainState`.
 #[derive(Clone, Copy)]
 struct Q8Handle {
+    tensors: *const usize,
+    n_tensors: usize,
     m_codes: *mut u8,
     v_codes: *mut u8,
     len: usize,
     m_absmax: HostPtrMut,
     v_absmax: HostPtrMut,
+    m32: HostPtrMut,
+    v32: HostPtrMut,
 }
 
 // SAFETY: the handle points into vectors the engine owns and never resizes; who touches them
@@ -410,11 +409,15 @@ unsafe impl Sync for Q8Handle {}
 impl Q8Handle {
     fn new(q: &mut Moments8) -> Self {
         Q8Handle {
+            tensors: q.tensors.as_ptr(),
+            n_tensors: q.tensors.len(),
             m_codes: q.m_codes.as_mut_ptr(),
             v_codes: q.v_codes.as_mut_ptr(),
             len: q.m_codes.len(),
             m_absmax: handle(&mut q.m_absmax),
             v_absmax: handle(&mut q.v_absmax),
+            m32: handle(&mut q.m32),
+            v32: handle(&mut q.v32),
         }
     }
 
@@ -425,10 +428,13 @@ impl Q8Handle {
         // caller guarantees exclusivity.
         unsafe {
             Moments8Mut {
+                tensors: std::slice::from_raw_parts(self.tensors, self.n_tensors),
                 m_codes: std::slice::from_raw_parts_mut(self.m_codes, self.len),
                 v_codes: std::slice::from_raw_parts_mut(self.v_codes, self.len),
                 m_absmax: self.m_absmax.as_mut_slice(),
                 v_absmax: self.v_absmax.as_mut_slice(),
+                m32: self.m32.as_mut_slice(),
+                v32: self.v32.as_mut_slice(),
             }
         }
     }
@@ -649,7 +655,7 @@ where
         };
 
         // Host staging buffers, allocated once.
-        let mut state = Box::new(state.into_memory(cfg.memory));
+        let mut state = Box::new(state.into_memory(&layout, cfg.memory));
         let nbufs = state.params.buffers().len();
         let q8: Vec<Q8Handle> = match &mut state.q8 {
             Some(q) => q.iter_mut().map(Q8Handle::new).collect(),

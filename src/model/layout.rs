@@ -173,6 +173,20 @@ impl ModelLayout {
         out
     }
 
+    /// Elements of each tensor of each flat buffer, in `ParamStore::buffers` order (embedding,
+    /// layers, final norm, untied head) and buffer order within a layer.
+    pub fn buffer_tensors(&self) -> Vec<Vec<usize>> {
+        let d = &self.dims;
+        let layer: Vec<usize> = self.layer.tensors.iter().map(|t| t.numel()).collect();
+        let mut out = vec![vec![d.v * d.c]];
+        out.extend((0..d.layers).map(|_| layer.clone()));
+        out.push(vec![d.c]);
+        if !self.tied {
+            out.push(vec![d.v * d.c]);
+        }
+        out
+    }
+
     /// Total parameter count.
     pub fn num_params(&self) -> usize {
         let d = &self.dims;
