@@ -33,8 +33,9 @@ impl Bf16 {
 /// depends on the thread count (each element is independent anyway).
 const TASK: usize = 1 << 16;
 
+/// Panics (a caller's bug) unless a copy's destination and source have the same length.
 #[track_caller]
-fn same_len(what: &str, a: usize, b: usize) {
+pub(crate) fn same_len(what: &str, a: usize, b: usize) {
     assert_eq!(a, b, "{what}: dst has {a} elements, src {b}");
 }
 

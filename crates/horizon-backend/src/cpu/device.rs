@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use super::CpuBackend;
 use crate::Bf16;
+use crate::bf16::same_len;
 use crate::device::{
     DevBuf, Device, DeviceStats, Event, HostPtr, HostPtrMut, HostWork, Kernel, OutOfDeviceMemory,
     Queue, StagingElem, Views,
@@ -158,7 +159,7 @@ impl Device for CpuDevice {
     }
 
     fn upload(&self, dst: DevBuf, src: HostPtr) {
-        assert_eq!(dst.len, src.len(), "upload: dst has {} elements, src {}", dst.len, src.len());
+        same_len("upload", dst.len, src.len());
         self.shared.arena.check(dst);
         self.submit(Queue::H2D, Task::Upload { dst, src });
     }
@@ -169,19 +170,13 @@ impl Device for CpuDevice {
     }
 
     fn upload_i32(&self, dst: DevBuf, src: Arc<Vec<i32>>) {
-        assert_eq!(
-            dst.len,
-            src.len(),
-            "upload_i32: dst has {} elements, src {}",
-            dst.len,
-            src.len()
-        );
+        same_len("upload_i32", dst.len, src.len());
         self.shared.arena.check(dst);
         self.submit(Queue::H2D, Task::UploadI32 { dst, src });
     }
 
     fn download(&self, dst: HostPtrMut, src: DevBuf) {
-        assert_eq!(dst.len(), src.len, "download: dst has {} elements, src {}", dst.len(), src.len);
+        same_len("download", dst.len(), src.len);
         self.shared.arena.check(src);
         self.submit(Queue::D2H, Task::Download { dst, src });
     }
@@ -189,13 +184,7 @@ impl Device for CpuDevice {
     /// The simulated wire carries bf16: each element is rounded (as the CUDA device rounds it)
     /// while it is copied, and the link counts 2 bytes per element.
     fn download_bf16(&self, dst: HostPtrMut<Bf16>, src: DevBuf) {
-        assert_eq!(
-            dst.len(),
-            src.len,
-            "download_bf16: dst has {} elements, src {}",
-            dst.len(),
-            src.len
-        );
+        same_len("download_bf16", dst.len(), src.len);
         self.shared.arena.check(src);
         self.submit(Queue::D2H, Task::DownloadBf16 { dst, src });
     }

@@ -38,7 +38,7 @@ use super::pinned::Pinned;
 use super::slice::DevSlice;
 use super::{CudaDeviceConfig, CudaError, check};
 use crate::Bf16;
-use crate::bf16::round_to_bf16;
+use crate::bf16::{round_to_bf16, same_len};
 use crate::cpu::device::{ALIGN_ELEMS, Pool};
 use crate::device::{
     DevBuf, Device, DeviceStats, Event, HostPtr, HostPtrMut, HostWork, Kernel, OutOfDeviceMemory,
@@ -198,7 +198,7 @@ impl Device for CudaDevice {
     }
 
     fn upload(&self, dst: DevBuf, src: HostPtr) {
-        assert_eq!(dst.len, src.len(), "upload: dst has {} elements, src {}", dst.len, src.len());
+        same_len("upload", dst.len, src.len());
         self.shared.check(dst);
         self.submit(Queue::H2D, Task::Upload { dst, src });
     }
@@ -218,19 +218,13 @@ impl Device for CudaDevice {
     }
 
     fn upload_i32(&self, dst: DevBuf, src: Arc<Vec<i32>>) {
-        assert_eq!(
-            dst.len,
-            src.len(),
-            "upload_i32: dst has {} elements, src {}",
-            dst.len,
-            src.len()
-        );
+        same_len("upload_i32", dst.len, src.len());
         self.shared.check(dst);
         self.submit(Queue::H2D, Task::UploadI32 { dst, src });
     }
 
     fn download(&self, dst: HostPtrMut, src: DevBuf) {
-        assert_eq!(dst.len(), src.len, "download: dst has {} elements, src {}", dst.len(), src.len);
+        same_len("download", dst.len(), src.len);
         self.shared.check(src);
         self.submit(Queue::D2H, Task::Download { dst, src });
     }
@@ -238,13 +232,7 @@ impl Device for CudaDevice {
     /// Rounded on the D2H stream, chunk by chunk, into the workspace's gradient chunk, and
     /// copied from there; needs the workspace ([`Device::set_workspace`]).
     fn download_bf16(&self, dst: HostPtrMut<Bf16>, src: DevBuf) {
-        assert_eq!(
-            dst.len(),
-            src.len,
-            "download_bf16: dst has {} elements, src {}",
-            dst.len(),
-            src.len
-        );
+        same_len("download_bf16", dst.len(), src.len);
         self.shared.check(src);
         self.submit(Queue::D2H, Task::DownloadBf16 { dst, src });
     }
