@@ -58,23 +58,104 @@ fn dynamic_code(signed: bool) -> [f32; 256] {
     out
 }
 
+/// Mantissa bits of `|t|` that pick a search bucket: 64 buckets per binary octave. The finest
+/// gap between code values (0.9/128 ≈ 0.0070, the unsigned code's top decade) is more than half
+/// the widest bucket (1/128 ≈ 0.0078), so a bucket holds at most two values and a search scans
+/// at most three.
+const BUCKET_MANT_BITS: u32 = 6;
+/// Binary octaves below 1 with their own buckets (2^-24 .. 1, below the smallest code value,
+/// 5.5e-7 ≈ 2^-20.8); smaller magnitudes share bucket 0.
+const BUCKET_OCTAVES: i32 = 24;
+/// Bucket 0, the octaves' buckets, and one for `|t| >= 1` (and anything larger).
+const BUCKETS: usize = ((BUCKET_OCTAVES as usize) << BUCKET_MANT_BITS) + 2;
+
+/// The search bucket of a magnitude `a >= 0` (any f32 bits: NaN and infinity land in the last).
+#[inline]
+fn bucket(a: f32) -> usize {
+    let bits = a.to_bits() & 0x7fff_ffff;
+    let e = (bits >> 23) as i32 - 127;
+    if e < -BUCKET_OCTAVES {
+        return 0;
+    }
+    let mant = ((bits >> (23 - BUCKET_MANT_BITS)) & ((1 << BUCKET_MANT_BITS) - 1)) as usize;
+    ((((e + BUCKET_OCTAVES) as usize) << BUCKET_MANT_BITS) + mant + 1).min(BUCKETS - 1)
+}
+
+/// The smallest magnitude of bucket `b` (bucket 0: 0).
+fn bucket_floor(b: usize) -> f32 {
+    if b == 0 {
+        return 0.0;
+    }
+    let e = ((b - 1) >> BUCKET_MANT_BITS) as i32 - BUCKET_OCTAVES;
+    let mant = ((b - 1) & ((1 << BUCKET_MANT_BITS) - 1)) as u32;
+    f32::from_bits((((e + 127) as u32) << 23) | (mant << (23 - BUCKET_MANT_BITS)))
+}
+
+/// A 256-entry code (ascending values; `Deref`s to them) with a table that finds the first
+/// value `>= t` in a step or two instead of a branchy binary search (the hot loop of
+/// [`quantize_block_stochastic`], once per moment element per step).
+pub struct Code {
+    values: [f32; 256],
+    /// `values`, then +inf: what [`Code::first_at_least`]'s three compares read.
+    scan: [f32; 259],
+    /// Per bucket of `|t|`: an index at or below the first value `>= t`, for `t >= 0` and for
+    /// `t < 0` (sign bit set).
+    start: [[u8; BUCKETS]; 2],
+}
+
+impl std::ops::Deref for Code {
+    type Target = [f32; 256];
+    fn deref(&self) -> &[f32; 256] {
+        &self.values
+    }
+}
+
+impl Code {
+    fn new(values: [f32; 256]) -> Code {
+        let first_at_least = |x: f32| values.partition_point(|&c| c < x).min(255) as u8;
+        // t >= 0 in bucket b: t >= floor(b). t < 0: t > -floor(b + 1) (the last bucket is
+        // unbounded: start at 0).
+        let start = [
+            std::array::from_fn(|b| first_at_least(bucket_floor(b))),
+            std::array::from_fn(|b| {
+                if b + 1 < BUCKETS { first_at_least(-bucket_floor(b + 1)) } else { 0 }
+            }),
+        ];
+        let mut scan = [f32::INFINITY; 259];
+        scan[..256].copy_from_slice(&values);
+        Code { values, scan, start }
+    }
+
+    /// `self.partition_point(|&c| c < t)`: the first index whose value is `>= t` (256: none).
+    ///
+    /// Branch-free: the answer is at most three values past the bucket's start (a bucket holds
+    /// at most two values, and for `t < 0` the start may sit on the value at the bucket's upper
+    /// edge), and the values ascend, so counting those below `t` among the next three finds it.
+    #[inline]
+    pub fn first_at_least(&self, t: f32) -> usize {
+        let s = self.start[(t.to_bits() >> 31) as usize][bucket(t.abs())] as usize;
+        let w = &self.scan[s..s + 3];
+        s + (w[0] < t) as usize + (w[1] < t) as usize + (w[2] < t) as usize
+    }
+}
+
 /// The signed dynamic code (for `m`), ascending: -0.993 .. 1.
-pub fn signed_code() -> &'static [f32; 256] {
-    static CODE: OnceLock<[f32; 256]> = OnceLock::new();
-    CODE.get_or_init(|| dynamic_code(true))
+pub fn signed_code() -> &'static Code {
+    static CODE: OnceLock<Code> = OnceLock::new();
+    CODE.get_or_init(|| Code::new(dynamic_code(true)))
 }
 
 /// The unsigned dynamic code (for `sqrt(v)`), ascending: 0 .. 1.
-pub fn unsigned_code() -> &'static [f32; 256] {
-    static CODE: OnceLock<[f32; 256]> = OnceLock::new();
-    CODE.get_or_init(|| dynamic_code(false))
+pub fn unsigned_code() -> &'static Code {
+    static CODE: OnceLock<Code> = OnceLock::new();
+    CODE.get_or_init(|| Code::new(dynamic_code(false)))
 }
 
 /// Index of the code value nearest to `x` (ties to the lower one).
 #[inline]
-fn nearest(code: &[f32; 256], x: f32) -> u8 {
+fn nearest(code: &Code, x: f32) -> u8 {
     // First index whose value is >= x, then the closer of it and its predecessor.
-    let hi = code.partition_point(|&c| c < x);
+    let hi = code.first_at_least(x);
     if hi == 0 {
         return 0;
     }
@@ -92,7 +173,7 @@ pub fn zero_index(code: &[f32; 256]) -> u8 {
 
 /// Encode one block: returns its scale (absolute maximum) and writes one code per element.
 /// A block of zeros (or of non-finite values, which callers never pass) gets scale 0.
-pub fn quantize_block(codes: &mut [u8], x: &[f32], code: &'static [f32; 256]) -> f32 {
+pub fn quantize_block(codes: &mut [u8], x: &[f32], code: &Code) -> f32 {
     debug_assert_eq!(codes.len(), x.len());
     let absmax = x.iter().fold(0f32, |a, &v| a.max(v.abs()));
     if absmax == 0.0 || !absmax.is_finite() {
@@ -111,12 +192,7 @@ pub fn quantize_block(codes: &mut [u8], x: &[f32], code: &'static [f32; 256]) ->
 /// unbiased. Round-to-nearest would freeze a moment whose per-step change is below half a code
 /// gap (v decays by beta2 = 0.999 per step, a 0.05% change): its decoded value would never
 /// decay. The uniform draws are a hash of `seed` and the element's index: deterministic.
-pub fn quantize_block_stochastic(
-    codes: &mut [u8],
-    x: &[f32],
-    code: &'static [f32; 256],
-    seed: u64,
-) -> f32 {
+pub fn quantize_block_stochastic(codes: &mut [u8], x: &[f32], code: &Code, seed: u64) -> f32 {
     debug_assert_eq!(codes.len(), x.len());
     let absmax = x.iter().fold(0f32, |a, &v| a.max(v.abs()));
     if absmax == 0.0 || !absmax.is_finite() {
@@ -126,17 +202,13 @@ pub fn quantize_block_stochastic(
     let inv = 1.0 / absmax;
     for (i, (q, &v)) in codes.iter_mut().zip(x).enumerate() {
         let t = v * inv;
-        let hi = code.partition_point(|&c| c < t);
-        *q = if hi == 0 {
-            0
-        } else if hi == 256 {
-            255
-        } else {
-            let lo = hi - 1;
-            let u = uniform(seed, i as u64);
-            let p_hi = (t - code[lo]) / (code[hi] - code[lo]);
-            if u < p_hi { hi as u8 } else { lo as u8 }
-        };
+        // Below the lowest value (hi = 0), p_hi < 0 picks index 0; above the highest (hi =
+        // 256), p_hi > 1 picks 255. Branch-free: the draws are unpredictable.
+        let hi = code.first_at_least(t).clamp(1, 255);
+        let lo = hi - 1;
+        let u = uniform(seed, i as u64);
+        let p_hi = (t - code[lo]) / (code[hi] - code[lo]);
+        *q = lo as u8 + (u < p_hi) as u8;
     }
     absmax
 }
@@ -152,7 +224,7 @@ fn uniform(seed: u64, i: u64) -> f32 {
 }
 
 /// Decode one block into `out`.
-pub fn dequantize_block(out: &mut [f32], codes: &[u8], absmax: f32, code: &'static [f32; 256]) {
+pub fn dequantize_block(out: &mut [f32], codes: &[u8], absmax: f32, code: &Code) {
     for (o, &q) in out.iter_mut().zip(codes) {
         *o = code[q as usize] * absmax;
     }
@@ -476,6 +548,51 @@ mod tests {
         let sc = signed_code();
         let z = zero_index(sc) as usize;
         assert!((sc[z + 1] - 0.55e-6).abs() < 1e-9, "{}", sc[z + 1]);
+    }
+
+    /// The bucket table finds what a binary search finds, for every kind of input.
+    #[test]
+    fn first_at_least_is_a_binary_search() {
+        let mut rng = SplitMix64::new(13);
+        for code in [signed_code(), unsigned_code()] {
+            let mut ts: Vec<f32> = vec![0.0, -0.0, 1.0, -1.0, 1.0 + f32::EPSILON, 2.0, -2.0];
+            ts.extend([f32::INFINITY, f32::NEG_INFINITY, f32::MIN_POSITIVE, 1e-30, -1e-30]);
+            for (i, &c) in code.iter().enumerate() {
+                // Each value, its neighbours in f32, and the midpoints.
+                ts.extend([c, -c, f32::from_bits(c.to_bits() + 1)]);
+                if c != 0.0 {
+                    ts.push(f32::from_bits(c.to_bits() - 1));
+                }
+                if i > 0 {
+                    ts.push((c + code[i - 1]) / 2.0);
+                }
+            }
+            let mut x = vec![0f32; 200_000];
+            rng.fill_normal(&mut x, 1.0);
+            for (i, v) in x.iter().enumerate() {
+                // Magnitudes over eight decades.
+                ts.push((v * 10f32.powi(-((i % 9) as i32))).clamp(-1.0, 1.0));
+            }
+            for t in ts {
+                let want = code.partition_point(|&c| c < t);
+                assert_eq!(code.first_at_least(t), want, "t = {t:e}");
+            }
+            let steps = (0..BUCKETS)
+                .map(|b| {
+                    let (lo, hi) = (bucket_floor(b), bucket_floor((b + 1).min(BUCKETS - 1)));
+                    let n = |sign: f32| {
+                        code.iter().filter(|&&c| (sign * c) >= lo && (sign * c) < hi).count()
+                    };
+                    n(1.0).max(n(-1.0))
+                })
+                .max();
+            assert!(steps <= Some(2), "a bucket holds {steps:?} values");
+        }
+        assert!(code_is_nan_safe());
+    }
+
+    fn code_is_nan_safe() -> bool {
+        signed_code().first_at_least(f32::NAN) <= 256
     }
 
     /// Round-trip error: at most half the gap between neighbouring codes, relative to the
