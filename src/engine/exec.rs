@@ -923,6 +923,22 @@ where
         Ok(StepOutput { loss_sum, num_targets, grad_norm, skipped })
     }
 
+    /// Queue `f` on the host queue with the context and the step's data, and add its time to
+    /// `phase`.
+    fn host_op(
+        &self,
+        phase: Phase,
+        sd: &Arc<StepData>,
+        f: impl FnOnce(&Ctx, &StepData) + Send + 'static,
+    ) {
+        let (c, sd) = (self.ctx.clone(), sd.clone());
+        self.dev.host(Box::new(move || {
+            let t0 = Instant::now();
+            f(&c, &sd);
+            c.phases.add(phase, t0);
+        }));
+    }
+
     /// Submit one operation to its queue.
     fn dispatch(&self, kind: OpKind, sd: &Arc<StepData>, after_head: bool) {
         let c = &self.ctx;
@@ -1130,9 +1146,7 @@ where
                 }
             }
             OpKind::AccumulateGrads { slab, what } => {
-                let c = c.clone();
-                self.dev.host(Box::new(move || {
-                    let t0 = Instant::now();
+                self.host_op(Phase::Gradients, sd, move |c, _| {
                     // SAFETY: the schedule orders this after the slab's download and before
                     // its next one; the gradients are only touched by the host queue.
                     unsafe {
@@ -1152,8 +1166,7 @@ where
                             ),
                         }
                     }
-                    c.phases.add(Phase::Gradients, t0);
-                }));
+                });
             }
             OpKind::DownloadHeadGrads { dw } => {
                 let head = c.grads[c.param_index(c.head_param())];
@@ -1162,37 +1175,29 @@ where
                 self.dev.download(head, c.dws[dw].sub(d.c..d.c + head.len()));
             }
             OpKind::SlabUpdate { slab, layer } => {
-                let (c, sd) = (c.clone(), sd.clone());
-                self.dev.host(Box::new(move || {
-                    let t0 = Instant::now();
+                self.host_op(Phase::Optimizer, sd, move |c, sd| {
                     let i = c.param_index(ParamBuf::Layer(layer));
                     let len = c.layout.layer.len;
                     // SAFETY: ordered after the slab's download and before its next one; the
                     // layer's masters and moments are ordered against its uploads.
                     unsafe {
-                        streamed_update(&c, &sd, i, c.slabs.f32_view(slab, len));
+                        streamed_update(c, sd, i, c.slabs.f32_view(slab, len));
                     }
-                    c.phases.add(Phase::Optimizer, t0);
-                }));
+                });
             }
             OpKind::MeasureSlab { slab, layer } => {
-                let (c, sd) = (c.clone(), sd.clone());
-                self.dev.host(Box::new(move || {
-                    let t0 = Instant::now();
+                self.host_op(Phase::Optimizer, sd, move |c, sd| {
                     let i = c.param_index(ParamBuf::Layer(layer));
                     let len = c.layout.layer.len;
                     let mut st = c.stats.lock().expect("no update panicked");
                     // SAFETY: ordered after the slab's download and before its update.
                     unsafe {
-                        measure(&c, &sd, &mut st, i, c.slabs.f32_view(slab, len));
+                        measure(c, sd, &mut st, i, c.slabs.f32_view(slab, len));
                     }
-                    c.phases.add(Phase::Optimizer, t0);
-                }));
+                });
             }
             OpKind::HeldSlabUpdate { slab, layer } => {
-                let (c, sd) = (c.clone(), sd.clone());
-                self.dev.host(Box::new(move || {
-                    let t0 = Instant::now();
+                self.host_op(Phase::Optimizer, sd, move |c, sd| {
                     let i = c.param_index(ParamBuf::Layer(layer));
                     let len = c.layout.layer.len;
                     let norm = f64::from_bits(c.norm.load(Ordering::Acquire));
@@ -1202,16 +1207,13 @@ where
                         // the slab's next download; the layer's masters and moments are
                         // ordered against its uploads.
                         unsafe {
-                            apply_update(&c, &sd, i, c.slabs.f32_view(slab, len), coef);
+                            apply_update(c, sd, i, c.slabs.f32_view(slab, len), coef);
                         }
                     }
-                    c.phases.add(Phase::Optimizer, t0);
-                }));
+                });
             }
             OpKind::Measure { what } => {
-                let (c, sd) = (c.clone(), sd.clone());
-                self.dev.host(Box::new(move || {
-                    let t0 = Instant::now();
+                self.host_op(Phase::Optimizer, sd, move |c, sd| {
                     let i = c.param_index(what);
                     let mut st = c.stats.lock().expect("no update panicked");
                     // SAFETY: ordered after the gradient is complete and before its update;
@@ -1221,19 +1223,16 @@ where
                         if sd.inject_nan && what == ParamBuf::FinalNorm {
                             g[0] = f32::NAN;
                         }
-                        measure(&c, &sd, &mut st, i, g);
+                        measure(c, sd, &mut st, i, g);
                     }
-                    c.phases.add(Phase::Optimizer, t0);
-                }));
+                });
             }
             OpKind::DownloadDres { m } => {
                 let nc = sd.mbs[m].n() * d.c;
                 self.dev.download(c.dx_stage[m].sub(0..nc), c.dres[m].prefix(nc));
             }
             OpKind::EmbedScatter { m } => {
-                let (c, sd) = (c.clone(), sd.clone());
-                self.dev.host(Box::new(move || {
-                    let t0 = Instant::now();
+                self.host_op(Phase::Gradients, sd, move |c, sd| {
                     let nc = sd.mbs[m].n() * d.c;
                     // SAFETY: ordered after the residual gradient's download; the embedding
                     // gradient is only touched by the host queue.
@@ -1245,19 +1244,16 @@ where
                             d.c,
                         );
                     }
-                    c.phases.add(Phase::Gradients, t0);
-                }));
+                });
             }
             OpKind::GradNorm if c.memory.streams_updates() => {
-                let (c, sd) = (c.clone(), sd.clone());
-                self.dev.host(Box::new(move || {
-                    let t0 = Instant::now();
+                self.host_op(Phase::Optimizer, sd, move |c, sd| {
                     let mut guard = c.stats.lock().expect("no update panicked");
                     let st = &mut *guard;
                     let emb = c.param_index(ParamBuf::Embed);
                     // SAFETY: ordered after the embedding's scatters; only the host queue
                     // touches the gradients.
-                    unsafe { measure(&c, &sd, st, emb, c.grads[emb].as_const().as_slice()) };
+                    unsafe { measure(c, sd, st, emb, c.grads[emb].as_const().as_slice()) };
                     debug_assert!(st.seen.iter().all(|&s| s), "every gradient is measured");
                     // The same sum, in the same order, as the exact mode's norm.
                     let norm = st.sq.iter().copied().sum::<f64>().sqrt();
@@ -1272,7 +1268,7 @@ where
                             if used > 0.0 && used != coef {
                                 // SAFETY: the schedule orders the norm after the layer's
                                 // update and before its next one.
-                                unsafe { rescale_moments(&c, i, coef / used) };
+                                unsafe { rescale_moments(c, i, coef / used) };
                             }
                         }
                     }
@@ -1283,13 +1279,10 @@ where
                     st.poisoned = false;
                     st.loss_checked = false;
                     st.applied = false;
-                    c.phases.add(Phase::Optimizer, t0);
-                }));
+                });
             }
             OpKind::GradNorm => {
-                let (c, sd) = (c.clone(), sd.clone());
-                self.dev.host(Box::new(move || {
-                    let t0 = Instant::now();
+                self.host_op(Phase::Optimizer, sd, move |c, sd| {
                     // SAFETY: every gradient is complete and every loss downloaded (the schedule
                     // orders this after them); only the host queue touches the gradients.
                     unsafe {
@@ -1311,13 +1304,10 @@ where
                         c.skip.store(!(norm.is_finite() && loss.is_finite()), Ordering::Release);
                         c.norm.store(norm.to_bits(), Ordering::Release);
                     }
-                    c.phases.add(Phase::Optimizer, t0);
-                }));
+                });
             }
             OpKind::Update { what } => {
-                let (c, sd) = (c.clone(), sd.clone());
-                self.dev.host(Box::new(move || {
-                    let t0 = Instant::now();
+                self.host_op(Phase::Optimizer, sd, move |c, sd| {
                     let i = c.param_index(what);
                     let norm = f64::from_bits(c.norm.load(Ordering::Acquire));
                     // SAFETY: the schedule orders this update after every read of these
@@ -1326,12 +1316,11 @@ where
                         let g = c.grads[i].as_mut_slice();
                         if !c.skip.load(Ordering::Acquire) {
                             let coef = clip_coefficient(norm, c.grad_clip);
-                            apply_update(&c, &sd, i, g, coef);
+                            apply_update(c, sd, i, g, coef);
                         }
                         g.fill(0.0);
                     }
-                    c.phases.add(Phase::Optimizer, t0);
-                }));
+                });
             }
         }
     }
