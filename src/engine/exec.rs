@@ -232,9 +232,10 @@ impl Sizes {
     pub fn host_bytes(&self) -> [(&'static str, usize); 6] {
         let m = self.micro_batches;
         let moments = match self.memory {
-            OptimizerMemory::Compact => {
-                ("AdamW moments (8-bit m, sqrt v; fp32 scale per 256)", self.moments8_bytes)
-            }
+            OptimizerMemory::Compact => (
+                "AdamW moments (8-bit m, sqrt v, a scale per 256; small tensors fp32)",
+                self.moments8_bytes,
+            ),
             _ => ("AdamW moments (fp32 m, v)", self.params * 8),
         };
         let grads = if self.memory.streams_updates() {
