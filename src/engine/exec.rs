@@ -1201,16 +1201,10 @@ where
                 self.host_op(Phase::Optimizer, sd, move |c, sd| {
                     let i = c.param_index(ParamBuf::Layer(layer));
                     let len = c.layout.layer.len;
-                    let norm = f64::from_bits(c.norm.load(Ordering::Acquire));
-                    if !c.skip.load(Ordering::Acquire) {
-                        let coef = clip_coefficient(norm, c.grad_clip);
-                        // SAFETY: ordered after the slab's download and the norm, and before
-                        // the slab's next download; the layer's masters and moments are
-                        // ordered against its uploads.
-                        unsafe {
-                            apply_update(c, sd, i, c.slabs.f32_view(slab, len), coef);
-                        }
-                    }
+                    // SAFETY: ordered after the slab's download and the norm, and before the
+                    // slab's next download; the layer's masters and moments are ordered against
+                    // its uploads.
+                    unsafe { update_after_norm(c, sd, i, c.slabs.f32_view(slab, len)) };
                 });
             }
             OpKind::Measure { what } => {
@@ -1264,8 +1258,7 @@ where
                     if finite {
                         st.prev_sq.clone_from(&st.sq);
                         let coef = clip_coefficient(norm, c.grad_clip);
-                        for i in 0..st.provisional.len() {
-                            let used = std::mem::take(&mut st.provisional[i]);
+                        for (i, &used) in st.provisional.iter().enumerate() {
                             if used > 0.0 && used != coef {
                                 // SAFETY: the schedule orders the norm after the layer's
                                 // update and before its next one.
@@ -1292,15 +1285,7 @@ where
                         }
                         let sq: f64 =
                             c.grads.iter().map(|g| sum_squares(g.as_const().as_slice())).sum();
-                        let loss: f64 = sd
-                            .mbs
-                            .iter()
-                            .enumerate()
-                            .map(|(m, mb)| {
-                                let l = c.loss_host[m].as_const().sub(0..mb.n()).as_slice();
-                                l.iter().map(|&x| x as f64).sum::<f64>()
-                            })
-                            .sum();
+                        let loss = loss_sum(c, sd);
                         let norm = sq.sqrt();
                         c.skip.store(!(norm.is_finite() && loss.is_finite()), Ordering::Release);
                         c.norm.store(norm.to_bits(), Ordering::Release);
@@ -1310,15 +1295,11 @@ where
             OpKind::Update { what } => {
                 self.host_op(Phase::Optimizer, sd, move |c, sd| {
                     let i = c.param_index(what);
-                    let norm = f64::from_bits(c.norm.load(Ordering::Acquire));
                     // SAFETY: the schedule orders this update after every read of these
                     // parameters in this step and before every read in the next.
                     unsafe {
                         let g = c.grads[i].as_mut_slice();
-                        if !c.skip.load(Ordering::Acquire) {
-                            let coef = clip_coefficient(norm, c.grad_clip);
-                            apply_update(c, sd, i, g, coef);
-                        }
+                        update_after_norm(c, sd, i, g);
                         g.fill(0.0);
                     }
                 });
@@ -1435,6 +1416,18 @@ unsafe fn streamed_update(c: &Ctx, sd: &StepData, i: usize, g: &[f32]) {
     // SAFETY: the caller's exclusivity.
     unsafe { apply_update(c, sd, i, g, coef) };
     st.applied = true;
+}
+
+/// Buffer `i`'s update once the step's norm is known: clipped by it, unless the step is skipped.
+///
+/// # Safety
+/// As [`apply_update`], and ordered after the step's norm op.
+unsafe fn update_after_norm(c: &Ctx, sd: &StepData, i: usize, g: &[f32]) {
+    if !c.skip.load(Ordering::Acquire) {
+        let norm = f64::from_bits(c.norm.load(Ordering::Acquire));
+        // SAFETY: the caller's exclusivity.
+        unsafe { apply_update(c, sd, i, g, clip_coefficient(norm, c.grad_clip)) };
+    }
 }
 
 /// Scale buffer `i`'s moments as if its gradient had been multiplied by `r`: `m *= r`,

@@ -286,30 +286,31 @@ impl Builder {
             vec![Res::Slab(slab)],
         );
         let GradTarget::Layer(i) = what else { unreachable!("the head's gradient has no slab") };
-        if self.shape.streamed && i < self.shape.grad_slabs {
-            // Layers i-1..0 come back in other slabs: this one can wait for the step's norm.
+        if self.shape.streamed {
+            // Measuring the slab also checks the step's losses (the first measure does).
             let mut reads = vec![Res::Slab(slab)];
             reads.extend((0..self.shape.micro_batches).map(Res::LossHost));
-            self.push(
-                OpKind::MeasureSlab { slab, layer: i },
-                Queue::Host,
-                reads,
-                vec![Res::StepStats],
-            );
-            self.held.push((slab, i));
-        } else if self.shape.streamed {
-            let mut reads = vec![Res::Slab(slab)];
-            reads.extend((0..self.shape.micro_batches).map(Res::LossHost));
-            self.push(
-                OpKind::SlabUpdate { slab, layer: i },
-                Queue::Host,
-                reads,
-                vec![
-                    Res::Params(ParamBuf::Layer(i)),
-                    Res::Moments(ParamBuf::Layer(i)),
-                    Res::StepStats,
-                ],
-            );
+            if i < self.shape.grad_slabs {
+                // Layers i-1..0 come back in other slabs: this one can wait for the step's norm.
+                self.push(
+                    OpKind::MeasureSlab { slab, layer: i },
+                    Queue::Host,
+                    reads,
+                    vec![Res::StepStats],
+                );
+                self.held.push((slab, i));
+            } else {
+                self.push(
+                    OpKind::SlabUpdate { slab, layer: i },
+                    Queue::Host,
+                    reads,
+                    vec![
+                        Res::Params(ParamBuf::Layer(i)),
+                        Res::Moments(ParamBuf::Layer(i)),
+                        Res::StepStats,
+                    ],
+                );
+            }
         } else {
             self.push(
                 OpKind::AccumulateGrads { slab, what },
