@@ -95,8 +95,8 @@ fn bucket_floor(b: usize) -> f32 {
 /// value `>= t` in a step or two instead of a branchy binary search (the hot loop of
 /// [`quantize_block_stochastic`], once per moment element per step).
 pub struct Code {
-    values: [f32; 256],
-    /// `values`, then +inf: what [`Code::first_at_least`]'s three compares read.
+    /// The 256 values, then three +inf: what [`Code::first_at_least`]'s compares read past the
+    /// last value.
     scan: [f32; 259],
     /// Per bucket of `|t|`: an index at or below the first value `>= t`, for `t >= 0` and for
     /// `t < 0` (sign bit set).
@@ -106,7 +106,7 @@ pub struct Code {
 impl std::ops::Deref for Code {
     type Target = [f32; 256];
     fn deref(&self) -> &[f32; 256] {
-        &self.values
+        self.scan.first_chunk().expect("259 >= 256")
     }
 }
 
@@ -123,7 +123,7 @@ impl Code {
         ];
         let mut scan = [f32::INFINITY; 259];
         scan[..256].copy_from_slice(&values);
-        Code { values, scan, start }
+        Code { scan, start }
     }
 
     /// `self.partition_point(|&c| c < t)`: the first index whose value is `>= t` (256: none).
@@ -349,12 +349,11 @@ impl Moments8 {
                     for (b, (mb, vb)) in m.chunks_mut(QBLOCK).zip(v.chunks_mut(QBLOCK)).enumerate()
                     {
                         let c = code + b * QBLOCK..code + b * QBLOCK + mb.len();
-                        let sc = signed_code();
                         dequantize_block(
                             mb,
                             &self.m_codes[c.clone()],
                             self.m_absmax[block + b],
-                            sc,
+                            signed_code(),
                         );
                         dequantize_block(
                             vb,
@@ -452,7 +451,6 @@ pub fn adamw8bit_update(
     assert!(q.m_codes.len() == n8 && q.v_codes.len() == n8 && q.m32.len() == n32);
     assert!(q.m_absmax.len() == nb && q.v_absmax.len() == nb && q.v32.len() == n32);
     let task = TASK_BLOCKS * QBLOCK;
-
     let small = step.lerp_weight_small();
     for (t, seg) in segments(q.tensors).enumerate() {
         let r = seg.start..seg.start + seg.len;
@@ -588,11 +586,7 @@ mod tests {
                 .max();
             assert!(steps <= Some(2), "a bucket holds {steps:?} values");
         }
-        assert!(code_is_nan_safe());
-    }
-
-    fn code_is_nan_safe() -> bool {
-        signed_code().first_at_least(f32::NAN) <= 256
+        assert!(signed_code().first_at_least(f32::NAN) <= 256, "NaN stays in bounds");
     }
 
     /// Round-trip error: at most half the gap between neighbouring codes, relative to the
