@@ -656,6 +656,9 @@ where
         );
         print!("{plan}");
         plan.check()?;
+        if raw.device.backend == BackendKind::Cuda {
+            cuda_kernel_limits(&layout, raw)?;
+        }
         let state = match resume {
             Some(dir) => crate::resume::load_for(dir, &model_cfg, raw.optimizer.memory)?,
             None => TrainState::for_memory(
@@ -801,6 +804,24 @@ pub fn run_streaming(
     }
 }
 
+/// Refuses a model the CUDA kernels cannot run (a head dim over the attention kernel's limit,
+/// sizes beyond its int range) when the plan is made, naming the limit and the value.
+pub fn cuda_kernel_limits(layout: &ModelLayout, raw: &RawConfig) -> Result<()> {
+    let d = &layout.dims;
+    let shape = horizon_backend::cuda::KernelShape {
+        c: d.c,
+        h: d.h,
+        kvh: d.kvh,
+        d: d.d,
+        f: d.f,
+        v: d.v,
+        b: raw.train.micro_batch_rows(),
+        t: raw.train.max_seq_len,
+    };
+    horizon_backend::cuda::check_kernel_limits(&shape).context("device.backend = cuda")?;
+    Ok(())
+}
+
 /// The CUDA device of a run (`device.backend: cuda`): GPU 0, a pool of the plan's device bytes,
 /// bf16 weights on the wire and in the slots, bf16 tensor-core matmuls with fp32 accumulation.
 /// In a binary built without the `cuda` feature this is an error saying so.
@@ -910,6 +931,8 @@ where
         let signalled = stop.load(Ordering::Relaxed);
         // Periodic checkpoints only after good steps: the last one stays the last good state.
         if (t.save_every > 0 && (k + 1) % t.save_every == 0 && !m.skipped) || signalled {
+            tr.engine.state();
+            tr.engine.check_device()?;
             let state = tr.engine.state();
             progress.println(&format!("saving checkpoint step-{:08}", state.step));
             let dir =
@@ -930,6 +953,7 @@ where
     progress.finish();
     metrics_file.flush()?;
     let state_step = tr.engine.state().step;
+    tr.engine.check_device()?;
     let wall_s = t0.elapsed().as_secs_f64();
     let st = tr.engine.device().stats();
     let compute = st.compute_busy_s - base.compute_busy_s;

@@ -12,8 +12,8 @@ use horizon_backend::bf16::{add_bf16, expand_bf16};
 use horizon_backend::cpu::device::ALIGN_ELEMS;
 use horizon_backend::cpu::{add_inplace, embedding_backward, embedding_forward};
 use horizon_backend::{
-    AttnDims, Backend, Bf16, DevBuf, Device, DeviceSlice, Event, HostPtr, HostPtrMut, Precision,
-    Queue, Views,
+    AttnDims, Backend, Bf16, DevBuf, Device, DeviceSlice, Event, HostPtr, HostPtrMut, KernelTimer,
+    Precision, Queue, Views,
 };
 
 use crate::config::{BackendKind, GradWire, OptimizerMemory};
@@ -787,6 +787,18 @@ where
         &self.dev
     }
 
+    /// An error if device work has failed (a refused launch or copy, a GPU fault): the state
+    /// is then not to be trusted, and nothing should be saved from it.
+    pub fn check_device(&self) -> Result<()> {
+        match self.dev.failure() {
+            None => Ok(()),
+            Some(msg) => bail!(
+                "device work failed: {msg}\nnothing after the failure was saved\nhint: resume \
+                 from the last checkpoint with --resume latest"
+            ),
+        }
+    }
+
     /// Wait for all queued work (optimizer updates included) and look at the host state.
     /// Seconds of queue work by phase since the engine started (work still queued not
     /// included: read after [`Engine::state`] for a whole step).
@@ -903,6 +915,7 @@ where
                 _ => {}
             }
         }
+        self.check_device()?;
         for (m, mb) in sd.mbs.iter().enumerate() {
             // SAFETY: the loss download of this micro-batch has finished (waited above) and
             // nothing writes the buffer until the next step's download.
@@ -938,6 +951,43 @@ where
             f(&c, &sd);
             c.phases.add(phase, t0);
         }));
+    }
+
+    /// Adds a kernel task's device time to `phase`.
+    fn phase_timer(&self, phase: Phase) -> KernelTimer {
+        let c = self.ctx.clone();
+        Box::new(move |d| c.phases.add_duration(phase, d))
+    }
+
+    /// Rebuilds a layer's internals from its input (`acts[set][m]`) into the scratch, before
+    /// its backward (a separate kernel task, so its device time counts as recompute).
+    fn launch_recompute(&self, slot: usize, m: usize, set: usize, sd: &Arc<StepData>) {
+        let (c, sd, d) = (self.ctx.clone(), sd.clone(), self.ctx.layout.dims);
+        let timer = self.phase_timer(Phase::Recompute);
+        self.dev.launch_timed(
+            Box::new(move |vw: &dyn Views<D::Backend>| {
+                let mb = &sd.mbs[m];
+                let nc = mb.n() * d.c;
+                let lay = &c.layout.layer;
+                // SAFETY: as for the forward kernel: the scratch is the compute queue's alone.
+                unsafe {
+                    let mut acts = scratch_acts(vw, &c.scratch.acts);
+                    layer_forward(
+                        vw.backend(),
+                        &mut acts,
+                        vw.wbuf(c.slots[slot]).slice(0..lay.len),
+                        lay,
+                        vw.buf(c.acts[set][m].prefix(nc)),
+                        vw.buf_mut(c.scratch.y.prefix(nc)),
+                        rope(vw, &c, mb.t),
+                        attn_dims(&c, mb),
+                        d.f,
+                        c.layout.eps,
+                    );
+                }
+            }),
+            timer,
+        );
     }
 
     /// Submit one operation to its queue.
@@ -996,142 +1046,135 @@ where
             }
             OpKind::Forward { layer, slot, m, src, dst } => {
                 let (c, sd) = (c.clone(), sd.clone());
-                self.dev.launch(Box::new(move |vw: &dyn Views<D::Backend>| {
-                    let t0 = Instant::now();
-                    let mb = &sd.mbs[m];
-                    let nc = mb.n() * d.c;
-                    // SAFETY: the buffers viewed are distinct, and the schedule orders this
-                    // kernel against every other queue's use of them.
-                    unsafe {
-                        let kept = c.stash.get(layer).map(|s| &s[m]);
-                        let mut acts = scratch_acts(vw, kept.unwrap_or(&c.scratch.acts));
-                        layer_forward(
-                            vw.backend(),
-                            &mut acts,
-                            vw.wbuf(c.slots[slot]).slice(0..c.layout.layer.len),
-                            &c.layout.layer,
-                            vw.buf(c.acts[src][m].prefix(nc)),
-                            vw.buf_mut(c.acts[dst][m].prefix(nc)),
-                            rope(vw, &c, mb.t),
-                            attn_dims(&c, mb),
-                            d.f,
-                            c.layout.eps,
-                        );
-                    }
-                    let phase = if after_head { Phase::Recompute } else { Phase::Forward };
-                    c.phases.add(phase, t0);
-                }));
+                let phase = if after_head { Phase::Recompute } else { Phase::Forward };
+                let timer = self.phase_timer(phase);
+                self.dev.launch_timed(
+                    Box::new(move |vw: &dyn Views<D::Backend>| {
+                        let mb = &sd.mbs[m];
+                        let nc = mb.n() * d.c;
+                        // SAFETY: the buffers viewed are distinct, and the schedule orders this
+                        // kernel against every other queue's use of them.
+                        unsafe {
+                            let kept = c.stash.get(layer).map(|s| &s[m]);
+                            let mut acts = scratch_acts(vw, kept.unwrap_or(&c.scratch.acts));
+                            layer_forward(
+                                vw.backend(),
+                                &mut acts,
+                                vw.wbuf(c.slots[slot]).slice(0..c.layout.layer.len),
+                                &c.layout.layer,
+                                vw.buf(c.acts[src][m].prefix(nc)),
+                                vw.buf_mut(c.acts[dst][m].prefix(nc)),
+                                rope(vw, &c, mb.t),
+                                attn_dims(&c, mb),
+                                d.f,
+                                c.layout.eps,
+                            );
+                        }
+                    }),
+                    timer,
+                );
             }
             OpKind::ZeroDw { dw } => {
                 let c = c.clone();
-                self.dev.launch(Box::new(move |vw: &dyn Views<D::Backend>| {
-                    let t0 = Instant::now();
-                    // SAFETY: the schedule orders this kernel after the accumulator's last
-                    // download.
-                    unsafe { vw.backend().zero(vw.buf_mut(c.dws[dw])) };
-                    c.phases.add(Phase::Backward, t0);
-                }));
+                let timer = self.phase_timer(Phase::Backward);
+                self.dev.launch_timed(
+                    Box::new(move |vw: &dyn Views<D::Backend>| {
+                        // SAFETY: the schedule orders this kernel after the accumulator's last
+                        // download.
+                        unsafe { vw.backend().zero(vw.buf_mut(c.dws[dw])) };
+                    }),
+                    timer,
+                );
             }
             OpKind::Head { slot, m, src, dw } => {
                 let (c, sd) = (c.clone(), sd.clone());
-                self.dev.launch(Box::new(move |vw: &dyn Views<D::Backend>| {
-                    let t0 = Instant::now();
-                    let mb = &sd.mbs[m];
-                    let (n, nc, vc) = (mb.n(), mb.n() * d.c, d.v * d.c);
-                    let h = &c.scratch.head;
-                    // SAFETY: as for the forward kernel.
-                    unsafe {
-                        let mut hb = HeadBufs {
-                            hf: vw.buf_mut(h.hf),
-                            dhf: vw.buf_mut(h.dhf),
-                            rstd: vw.buf_mut(h.rstd),
-                            logits: vw.buf_mut(h.logits),
-                        };
-                        head_forward_backward(
-                            vw.backend(),
-                            &mut hb,
-                            HeadGrads {
-                                losses: vw.buf_mut(c.losses[m].prefix(n)),
-                                dres: vw.buf_mut(c.dres[m].prefix(nc)),
-                                dnorm_w: vw.buf_mut(c.dws[dw].sub(0..d.c)),
-                                dhead_w: vw.buf_mut(c.dws[dw].sub(d.c..d.c + vc)),
-                            },
-                            vw.buf(c.acts[src][m].prefix(nc)),
-                            vw.wbuf(c.slots[slot]).slice(0..d.c),
-                            vw.wbuf(c.slots[slot]).slice(d.c..d.c + vc),
-                            vw.ibuf(c.targets[m].prefix(n)),
-                            HeadDims {
-                                n,
-                                c: d.c,
-                                v: d.v,
-                                chunk: c.head_chunk,
-                                eps: c.layout.eps,
-                                scale: sd.scale,
-                            },
-                        );
-                    }
-                    c.phases.add(Phase::Head, t0);
-                }));
+                let timer = self.phase_timer(Phase::Head);
+                self.dev.launch_timed(
+                    Box::new(move |vw: &dyn Views<D::Backend>| {
+                        let mb = &sd.mbs[m];
+                        let (n, nc, vc) = (mb.n(), mb.n() * d.c, d.v * d.c);
+                        let h = &c.scratch.head;
+                        // SAFETY: as for the forward kernel.
+                        unsafe {
+                            let mut hb = HeadBufs {
+                                hf: vw.buf_mut(h.hf),
+                                dhf: vw.buf_mut(h.dhf),
+                                rstd: vw.buf_mut(h.rstd),
+                                logits: vw.buf_mut(h.logits),
+                            };
+                            head_forward_backward(
+                                vw.backend(),
+                                &mut hb,
+                                HeadGrads {
+                                    losses: vw.buf_mut(c.losses[m].prefix(n)),
+                                    dres: vw.buf_mut(c.dres[m].prefix(nc)),
+                                    dnorm_w: vw.buf_mut(c.dws[dw].sub(0..d.c)),
+                                    dhead_w: vw.buf_mut(c.dws[dw].sub(d.c..d.c + vc)),
+                                },
+                                vw.buf(c.acts[src][m].prefix(nc)),
+                                vw.wbuf(c.slots[slot]).slice(0..d.c),
+                                vw.wbuf(c.slots[slot]).slice(d.c..d.c + vc),
+                                vw.ibuf(c.targets[m].prefix(n)),
+                                HeadDims {
+                                    n,
+                                    c: d.c,
+                                    v: d.v,
+                                    chunk: c.head_chunk,
+                                    eps: c.layout.eps,
+                                    scale: sd.scale,
+                                },
+                            );
+                        }
+                    }),
+                    timer,
+                );
             }
             OpKind::Backward { layer, slot, m, set, dw } => {
+                if self.ctx.stash.get(layer).is_none() {
+                    self.launch_recompute(slot, m, set, sd);
+                }
                 let (c, sd) = (c.clone(), sd.clone());
-                self.dev.launch(Box::new(move |vw: &dyn Views<D::Backend>| {
-                    let t0 = Instant::now();
-                    let mb = &sd.mbs[m];
-                    let nc = mb.n() * d.c;
-                    let lay = &c.layout.layer;
-                    // SAFETY: as for the forward kernel.
-                    unsafe {
-                        let w = vw.wbuf(c.slots[slot]).slice(0..lay.len);
-                        let x = vw.buf(c.acts[set][m].prefix(nc));
-                        let acts = match c.stash.get(layer) {
-                            // Kept by this layer's forward.
-                            Some(kept) => scratch_acts(vw, &kept[m]),
-                            None => {
-                                // Recompute the layer's internals from its input.
-                                let mut acts = scratch_acts(vw, &c.scratch.acts);
-                                layer_forward(
-                                    vw.backend(),
-                                    &mut acts,
-                                    w,
-                                    lay,
-                                    x,
-                                    vw.buf_mut(c.scratch.y.prefix(nc)),
-                                    rope(vw, &c, mb.t),
-                                    attn_dims(&c, mb),
-                                    d.f,
-                                    c.layout.eps,
-                                );
-                                acts
-                            }
-                        };
-                        c.phases.add(Phase::Recompute, t0);
-                        let t0 = Instant::now();
-                        let g = &c.scratch.grads;
-                        let mut grads = LayerGrads {
-                            dres: vw.buf_mut(c.dres[m]),
-                            dx2: vw.buf_mut(g.dx2),
-                            dh: vw.buf_mut(g.dh),
-                            dqkv: vw.buf_mut(g.dqkv),
-                            datt: vw.buf_mut(g.datt),
-                            dgu: vw.buf_mut(g.dgu),
-                            ds: vw.buf_mut(g.ds),
-                        };
-                        layer_backward(
-                            vw.backend(),
-                            &mut grads,
-                            vw.buf_mut(c.dws[dw].prefix(lay.len)),
-                            &acts,
-                            w,
-                            lay,
-                            x,
-                            rope(vw, &c, mb.t),
-                            attn_dims(&c, mb),
-                            d.f,
-                        );
-                        c.phases.add(Phase::Backward, t0);
-                    }
-                }));
+                let timer = self.phase_timer(Phase::Backward);
+                self.dev.launch_timed(
+                    Box::new(move |vw: &dyn Views<D::Backend>| {
+                        let mb = &sd.mbs[m];
+                        let nc = mb.n() * d.c;
+                        let lay = &c.layout.layer;
+                        // SAFETY: as for the forward kernel; the recompute (if any) was enqueued
+                        // just before, on this queue.
+                        unsafe {
+                            let acts = match c.stash.get(layer) {
+                                // Kept by this layer's forward.
+                                Some(kept) => scratch_acts(vw, &kept[m]),
+                                // Rebuilt by the recompute just before.
+                                None => scratch_acts(vw, &c.scratch.acts),
+                            };
+                            let g = &c.scratch.grads;
+                            let mut grads = LayerGrads {
+                                dres: vw.buf_mut(c.dres[m]),
+                                dx2: vw.buf_mut(g.dx2),
+                                dh: vw.buf_mut(g.dh),
+                                dqkv: vw.buf_mut(g.dqkv),
+                                datt: vw.buf_mut(g.datt),
+                                dgu: vw.buf_mut(g.dgu),
+                                ds: vw.buf_mut(g.ds),
+                            };
+                            layer_backward(
+                                vw.backend(),
+                                &mut grads,
+                                vw.buf_mut(c.dws[dw].prefix(lay.len)),
+                                &acts,
+                                vw.wbuf(c.slots[slot]).slice(0..lay.len),
+                                lay,
+                                vw.buf(c.acts[set][m].prefix(nc)),
+                                rope(vw, &c, mb.t),
+                                attn_dims(&c, mb),
+                                d.f,
+                            );
+                        }
+                    }),
+                    timer,
+                );
             }
             OpKind::DownloadLosses { m } => {
                 let n = sd.mbs[m].n();

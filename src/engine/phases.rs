@@ -2,7 +2,7 @@
 //! the FLOPs a schedule really performs (recompute included) against the model's own.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
@@ -38,8 +38,12 @@ pub struct PhaseClock([AtomicU64; PHASES]);
 impl PhaseClock {
     /// Adds the time since `since` to `phase`.
     pub fn add(&self, phase: Phase, since: Instant) {
-        let ns = since.elapsed().as_nanos() as u64;
-        self.0[phase as usize].fetch_add(ns, Ordering::Relaxed);
+        self.add_duration(phase, since.elapsed());
+    }
+
+    /// Adds `d` to `phase` (device time of a kernel task, from the device's events).
+    pub fn add_duration(&self, phase: Phase, d: Duration) {
+        self.0[phase as usize].fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
     }
 
     /// Seconds per phase so far.

@@ -138,6 +138,10 @@ pub fn run(cfg: &RunConfig) -> Result<()> {
     let r = report(cfg)?;
     print!("{}", r.text);
     r.plan.check()?;
+    if cfg.raw.device.backend == crate::config::BackendKind::Cuda {
+        let layout = crate::model::layout::ModelLayout::new(&model_config(&cfg.raw)?);
+        crate::train::cuda_kernel_limits(&layout, &cfg.raw)?;
+    }
     println!("fits");
     Ok(())
 }

@@ -6,7 +6,7 @@
 #[path = "cuda/config.rs"]
 mod config;
 
-pub use config::{CudaDeviceConfig, CudaError};
+pub use config::{CudaDeviceConfig, CudaError, KernelShape, MAX_HEAD_DIM, check_kernel_limits};
 
 use std::sync::Arc;
 

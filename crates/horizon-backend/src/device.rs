@@ -11,7 +11,7 @@
 
 use std::ops::Range;
 use std::sync::Arc;
-use std::sync::{Condvar, Mutex};
+use std::sync::{Condvar, Mutex, MutexGuard};
 
 use crate::{Backend, Bf16};
 
@@ -180,33 +180,74 @@ impl<T> HostPtrMut<T> {
 
 /// A point in a queue's stream of work. Recorded once on a queue; any queue (or the host) can
 /// wait for it. Cloning shares the same event.
+///
+/// A device whose queues are streams (CUDA) also *marks* the event when it has enqueued the
+/// record on a stream, with its own handle of that record: another stream can then wait for it
+/// on the device ([`Event::when_marked`]) instead of on the host.
 #[derive(Clone, Debug, Default)]
-pub struct Event(Arc<(Mutex<bool>, Condvar)>);
+pub struct Event(Arc<(Mutex<EventState>, Condvar)>);
+
+#[derive(Debug, Default)]
+struct EventState {
+    /// The recording queue has passed the event.
+    done: bool,
+    /// The device's handle of the enqueued record (0: none), valid until `done`.
+    mark: usize,
+}
 
 impl Event {
     pub fn new() -> Self {
         Event::default()
     }
-    /// Mark the event as reached (called by the queue that recorded it).
+    fn state(&self) -> MutexGuard<'_, EventState> {
+        self.0.0.lock().expect("event lock poisoned")
+    }
+    /// Mark the event as reached (called by the queue that recorded it). Drops the mark.
     pub fn signal(&self) {
-        let (lock, cv) = &*self.0;
-        *lock.lock().expect("event lock poisoned") = true;
-        cv.notify_all();
+        let mut s = self.state();
+        s.done = true;
+        s.mark = 0;
+        self.0.1.notify_all();
+    }
+    /// Note that the record has been enqueued on a device stream as `handle` (non-zero): valid
+    /// until [`Event::signal`], which must come after it.
+    pub fn mark(&self, handle: usize) {
+        assert_ne!(handle, 0, "an event mark is a non-zero device handle");
+        self.state().mark = handle;
+        self.0.1.notify_all();
     }
     /// True once the recording queue has passed the event.
     pub fn is_done(&self) -> bool {
-        *self.0.0.lock().expect("event lock poisoned")
+        self.state().done
     }
-    /// Make the event unreached again, for reuse. Only once nothing waits for it any more.
+    /// Make the event unreached (and unmarked) again, for reuse. Only once nothing waits for it
+    /// any more.
     pub fn reset(&self) {
-        *self.0.0.lock().expect("event lock poisoned") = false;
+        let mut s = self.state();
+        s.done = false;
+        s.mark = 0;
     }
     /// Block the calling thread until the event is reached.
     pub fn wait_host(&self) {
-        let (lock, cv) = &*self.0;
-        let mut done = lock.lock().expect("event lock poisoned");
-        while !*done {
-            done = cv.wait(done).expect("event lock poisoned");
+        let mut s = self.state();
+        while !s.done {
+            s = self.0.1.wait(s).expect("event lock poisoned");
+        }
+    }
+    /// Blocks until the event is reached or marked. Marked but not reached: calls `f` with the
+    /// mark, under the event's lock, so the handle cannot be signalled (and recycled) while `f`
+    /// runs. Reached: returns without calling `f`. Returns whether `f` was called.
+    pub fn when_marked(&self, f: impl FnOnce(usize)) -> bool {
+        let mut s = self.state();
+        loop {
+            if s.done {
+                return false;
+            }
+            if s.mark != 0 {
+                f(s.mark);
+                return true;
+            }
+            s = self.0.1.wait(s).expect("event lock poisoned");
         }
     }
 }
@@ -277,6 +318,8 @@ pub trait Views<B: Backend + ?Sized> {
 pub type Kernel<B> = Box<dyn for<'a> FnOnce(&'a dyn Views<B>) + Send>;
 /// Work for the host queue.
 pub type HostWork = Box<dyn FnOnce() + Send>;
+/// Told how long a kernel task ran on the device, once that is known.
+pub type KernelTimer = Box<dyn FnOnce(std::time::Duration) + Send>;
 
 /// A device: memory pool, queues, events. Every method only *enqueues*; nothing waits unless
 /// it says so.
@@ -326,6 +369,18 @@ pub trait Device: Send + Sync {
     }
     /// Enqueue kernels on [`Queue::Compute`].
     fn launch(&self, k: Kernel<Self::Backend>);
+    /// [`Device::launch`], and `timer` is told how long the kernels ran: device time between
+    /// events on a GPU (the closure only enqueues there); the closure's own time by default.
+    fn launch_timed(&self, k: Kernel<Self::Backend>, timer: KernelTimer)
+    where
+        Self::Backend: 'static,
+    {
+        self.launch(Box::new(move |v| {
+            let t0 = std::time::Instant::now();
+            k(v);
+            timer(t0.elapsed());
+        }));
+    }
     /// Enqueue host work on queue `q`, ordered with that queue's other work (on CUDA, a host
     /// function launched on the stream).
     fn host_on(&self, q: Queue, w: HostWork);
@@ -333,8 +388,15 @@ pub trait Device: Send + Sync {
     fn host(&self, w: HostWork) {
         self.host_on(Queue::Host, w);
     }
-    /// Block until every queue has run everything submitted so far.
+    /// Block until every queue has run everything submitted so far. Panics if queued work
+    /// panicked (a bug); a *device failure* is not a panic: see [`Device::failure`].
     fn synchronize(&self);
+    /// The first failure of queued device work so far, naming the operation (a launch or copy
+    /// the driver refused, a fault on the GPU), or `None`. Once there is one, the results of
+    /// later work are meaningless: the caller stops and saves nothing. The CPU device has none.
+    fn failure(&self) -> Option<String> {
+        None
+    }
     /// Counters so far.
     fn stats(&self) -> DeviceStats;
 

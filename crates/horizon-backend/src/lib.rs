@@ -27,8 +27,8 @@ pub mod precision;
 pub use bf16::Bf16;
 pub use cpu::CpuBackend;
 pub use device::{
-    DevBuf, Device, DeviceStats, Event, HostPtr, HostPtrMut, HostWork, Kernel, OutOfDeviceMemory,
-    Queue, StagingElem, Views,
+    DevBuf, Device, DeviceStats, Event, HostPtr, HostPtrMut, HostWork, Kernel, KernelTimer,
+    OutOfDeviceMemory, Queue, StagingElem, Views,
 };
 pub use precision::Precision;
 

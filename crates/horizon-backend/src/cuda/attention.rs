@@ -4,14 +4,13 @@
 
 use super::CudaBackend;
 use super::backend::{arg, expect_len, int};
+use super::config::MAX_HEAD_DIM;
 use super::slice::DevSlice;
 use crate::AttnDims;
 
 /// Rows (warps) per block and rows per shared tile; must match the kernel's ROWS and TILE.
 const ROWS: usize = 8;
 const TILE: usize = 32;
-/// Largest head dim the kernels hold in registers (8 per lane).
-pub const MAX_HEAD_DIM: usize = 256;
 
 fn check_dims(op: &str, dims: AttnDims) {
     assert!(

@@ -33,3 +33,70 @@ impl std::fmt::Display for CudaError {
 }
 
 impl std::error::Error for CudaError {}
+
+/// Largest head dim the attention kernels hold (`kernels/attention.cu`: MAXU = 8 output dims
+/// per lane, 32 lanes).
+pub const MAX_HEAD_DIM: usize = 256;
+/// Largest grid y and z dimension (attention's grid is (T/8, H, B)).
+const MAX_GRID_YZ: usize = 65_535;
+
+/// The sizes of a model and a micro-batch that the CUDA kernels see.
+#[derive(Clone, Copy, Debug)]
+pub struct KernelShape {
+    /// Hidden C, query heads H, kv heads KVH, head dim D, FFN F, vocabulary V.
+    pub c: usize,
+    pub h: usize,
+    pub kvh: usize,
+    pub d: usize,
+    pub f: usize,
+    pub v: usize,
+    /// Sequences per micro-batch B and the longest sequence T.
+    pub b: usize,
+    pub t: usize,
+}
+
+/// Refuses, before any device work, a model or batch beyond what the CUDA kernels hold (a
+/// launch would otherwise fail mid-run): names the limit, the value and the key to change.
+pub fn check_kernel_limits(s: &KernelShape) -> Result<(), CudaError> {
+    let fail =
+        |msg: String| Err(CudaError(format!("the CUDA kernels cannot run this model: {msg}")));
+    if s.d == 0 || s.d > MAX_HEAD_DIM {
+        return fail(format!(
+            "head_dim {} is outside 1..={MAX_HEAD_DIM}, the most the attention kernel holds \
+             (kernels/attention.cu: 8 output dims per lane x 32 lanes)\nhint: use \
+             device.backend = cpu for this model",
+            s.d
+        ));
+    }
+    if s.kvh == 0 || s.h % s.kvh != 0 {
+        return fail(format!(
+            "num_attention_heads {} is not a multiple of num_key_value_heads {}",
+            s.h, s.kvh
+        ));
+    }
+    if s.h > MAX_GRID_YZ || s.b > MAX_GRID_YZ {
+        return fail(format!(
+            "the attention grid's y (heads, {}) and z (sequences per micro-batch, {}) must be at \
+             most {MAX_GRID_YZ}\nhint: lower train.micro_batch_size",
+            s.h, s.b
+        ));
+    }
+    let n = s.b.saturating_mul(s.t);
+    let ints = [
+        ("tokens per micro-batch (micro_batch_size x max_seq_len)", n),
+        ("hidden_size", s.c),
+        ("2 x intermediate_size", s.f.saturating_mul(2)),
+        ("vocab_size", s.v),
+        ("the qkv row ((H + 2 KVH) x D)", (s.h + 2 * s.kvh).saturating_mul(s.d)),
+    ];
+    for (what, x) in ints {
+        if x > i32::MAX as usize {
+            return fail(format!(
+                "{what} = {x} exceeds the kernels' int range ({})\nhint: lower \
+                 train.micro_batch_size or train.max_seq_len",
+                i32::MAX
+            ));
+        }
+    }
+    Ok(())
+}

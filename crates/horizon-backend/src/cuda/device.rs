@@ -5,12 +5,18 @@
 //! Data flow: every [`Queue`] has a dispatcher thread fed by a channel (as on the CPU device).
 //! The compute, H2D and D2H dispatchers turn their tasks into asynchronous work on their
 //! stream: kernels, `cuMemcpy*Async`. An [`Event`] recorded on a stream becomes a CUDA event
-//! recorded there; the stream's completion thread waits for it (`cuEventSynchronize`) and then
-//! signals the [`Event`], so any queue and the host can wait for it. A wait on a stream queue
-//! blocks that queue's dispatcher until the event is reached: it delays only the *enqueueing* of
-//! later work, never a stream, and no CUDA callback ever blocks (so no driver thread can
-//! deadlock). Host work on a stream queue (`host_on`) runs on its dispatcher after the stream
-//! has drained.
+//! recorded there: the dispatcher *marks* the [`Event`] with it as soon as the record is
+//! enqueued, and the stream's completion thread waits for it (`cuEventSynchronize`) and then
+//! signals the [`Event`], so the host can wait for it.
+//!
+//! Waits: a stream queue that waits for an event of another stream waits on the device
+//! (`cuStreamWaitEvent` on the marked CUDA event): its dispatcher blocks only until the other
+//! dispatcher has *enqueued* the record, never for GPU work, so work is enqueued ahead and no
+//! stream idles while a host thread wakes up. Only waits for the host queue's events (host work:
+//! the optimizer, accumulation) block a stream dispatcher until the host work is done, and the
+//! host queue waits for stream events on the host, where it reads what they produced. No CUDA
+//! callback ever blocks (so no driver thread can deadlock). Host work on a stream queue
+//! (`host_on`) runs on its dispatcher after the stream has drained.
 //!
 //! Weights (`upload_weights`) cross the link as bf16 and stay bf16: the H2D dispatcher rounds a
 //! chunk of the fp32 masters into a page-locked bf16 ring buffer and copies it straight into the
@@ -36,13 +42,13 @@ use super::convert::round_on_device;
 use super::kernels::Kernels;
 use super::pinned::Pinned;
 use super::slice::DevSlice;
-use super::{CudaDeviceConfig, CudaError, check};
+use super::{CudaDeviceConfig, CudaError, DeviceFault, check};
 use crate::Bf16;
 use crate::bf16::{round_to_bf16, same_len};
 use crate::cpu::device::{ALIGN_ELEMS, Pool};
 use crate::device::{
-    DevBuf, Device, DeviceStats, Event, HostPtr, HostPtrMut, HostWork, Kernel, OutOfDeviceMemory,
-    Queue, StagingElem, Views,
+    DevBuf, Device, DeviceStats, Event, HostPtr, HostPtrMut, HostWork, Kernel, KernelTimer,
+    OutOfDeviceMemory, Queue, StagingElem, Views,
 };
 use crate::precision::GRAD_WIRE_CHUNK;
 
@@ -109,6 +115,7 @@ impl CudaDevice {
             events: event_pool,
             counters: Mutex::new(Counters::default()),
             first_panic: Mutex::new(None),
+            failure: Mutex::new(None),
         });
         let mut workers = Vec::with_capacity(4);
         let mut senders = Vec::with_capacity(4);
@@ -256,7 +263,16 @@ impl Device for CudaDevice {
     }
 
     fn launch(&self, k: Kernel<CudaBackend>) {
-        self.submit(Queue::Compute, Task::Kernel(k));
+        self.submit(Queue::Compute, Task::Kernel(k, None));
+    }
+
+    /// Timed by the CUDA events around the task, read by the compute stream's completion
+    /// thread, which calls `timer`.
+    fn launch_timed(&self, k: Kernel<CudaBackend>, timer: KernelTimer)
+    where
+        CudaBackend: 'static,
+    {
+        self.submit(Queue::Compute, Task::Kernel(k, Some(timer)));
     }
 
     fn host_on(&self, q: Queue, w: HostWork) {
@@ -264,7 +280,8 @@ impl Device for CudaDevice {
     }
 
     /// Records a fresh event on every queue and waits for all of them; then panics if any
-    /// queued work (or the GPU) failed since the last call. Must not be called from queued work.
+    /// queued work panicked (a bug) since the last call. A failed driver call or a GPU fault is
+    /// not a panic but the device's [`Device::failure`]. Must not be called from queued work.
     fn synchronize(&self) {
         let events = Queue::ALL.map(|q| {
             let e = Event::new();
@@ -278,6 +295,10 @@ impl Device for CudaDevice {
         if let Some(msg) = msg {
             panic!("device work failed: {msg}");
         }
+    }
+
+    fn failure(&self) -> Option<String> {
+        self.shared.failure.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     fn stats(&self) -> DeviceStats {
@@ -347,6 +368,8 @@ struct Shared {
     events: EventPool,
     counters: Mutex<Counters>,
     first_panic: Mutex<Option<String>>,
+    /// The first failed driver call or GPU fault (what [`Device::failure`] reports).
+    failure: Mutex<Option<String>>,
 }
 
 #[derive(Default)]
@@ -384,6 +407,11 @@ impl Shared {
             Queue::D2H => &self.streams[2],
             Queue::Host => unreachable!("the host queue has no stream"),
         }
+    }
+
+    fn note_failure(&self, q: Queue, msg: String) {
+        let mut first = self.failure.lock().unwrap_or_else(|p| p.into_inner());
+        first.get_or_insert_with(|| format!("{msg} (on the {q:?} queue)"));
     }
 
     fn note_panic(&self, q: Queue, msg: String) {
@@ -467,7 +495,7 @@ impl Views<CudaBackend> for CudaViews<'_> {
 
 /// One unit of queued work.
 enum Task {
-    Kernel(Kernel<CudaBackend>),
+    Kernel(Kernel<CudaBackend>, Option<KernelTimer>),
     Host(HostWork),
     Upload { dst: DevBuf, src: HostPtr },
     UploadWeights { dst: DevBuf, at: usize, src: HostPtr },
@@ -483,8 +511,15 @@ enum Task {
 enum Done {
     /// Signal the event once the CUDA event is reached.
     Signal(sys::CUevent, Event),
-    /// Add the GPU time between two CUDA events to a queue's busy time.
-    Busy(Queue, sys::CUevent, sys::CUevent),
+    /// Add the GPU time between two CUDA events around `what` to a queue's busy time (and tell
+    /// the timer).
+    Busy {
+        q: Queue,
+        what: &'static str,
+        start: sys::CUevent,
+        end: sys::CUevent,
+        timer: Option<KernelTimer>,
+    },
     Stop,
 }
 
@@ -523,10 +558,12 @@ struct WireRing {
 }
 
 /// A queue's dispatcher thread: runs (host queue) or enqueues (stream queues) its tasks in
-/// order until `Stop`. Panics in tasks are caught and kept for `synchronize`.
+/// order until `Stop`. A failed driver call in a task ends that task and becomes the device's
+/// failure ([`Device::failure`]); other panics in tasks (bugs) are kept for `synchronize`.
 fn dispatcher(q: Queue, rx: &Receiver<Task>, shared: &Arc<Shared>, mut jitter: Jitter) {
+    super::mark_device_queue_thread();
     if let Err(e) = shared.ctx.bind_to_thread() {
-        shared.note_panic(q, format!("cannot bind the CUDA context: {e:?}"));
+        shared.note_failure(q, format!("CUDA: cannot bind the context: {e:?}"));
     }
     let (done_tx, completer) = if q == Queue::Host {
         (None, None)
@@ -552,6 +589,10 @@ fn dispatcher(q: Queue, rx: &Receiver<Task>, shared: &Arc<Shared>, mut jitter: J
             run(q, task, shared, done_tx.as_ref(), &mut jitter, ring.as_mut());
         }));
         if let Err(payload) = result {
+            if let Some(DeviceFault(msg)) = payload.downcast_ref::<DeviceFault>() {
+                shared.note_failure(q, msg.clone());
+                continue;
+            }
             let msg = if let Some(s) = payload.downcast_ref::<&str>() {
                 (*s).to_string()
             } else if let Some(s) = payload.downcast_ref::<String>() {
@@ -592,7 +633,7 @@ fn run(
             .expect("CUDA completion thread is gone");
     };
     // Busy time of stream work: CUDA events around it, read by the completion thread.
-    let timed = |work: &mut dyn FnMut()| {
+    let timed = |what: &'static str, work: &mut dyn FnMut(), timer: Option<KernelTimer>| {
         let stream = shared.stream(q).cu_stream();
         let (start, end) = (shared.events.get(), shared.events.get());
         // SAFETY: live events and stream of this context.
@@ -600,11 +641,12 @@ fn run(
         work();
         // SAFETY: as above.
         check("cuEventRecord", unsafe { cu::event::record(end, stream) });
-        send(Done::Busy(q, start, end));
+        send(Done::Busy { q, what, start, end, timer });
     };
     match task {
         Task::Stop => unreachable!("Stop is handled by the dispatcher"),
-        Task::Wait(e) => e.wait_host(),
+        Task::Wait(e) if q == Queue::Host => e.wait_host(),
+        Task::Wait(e) => wait_on_stream(shared.stream(q).cu_stream(), &e),
         Task::Signal(e) => {
             if q == Queue::Host {
                 e.signal();
@@ -614,6 +656,9 @@ fn run(
                 check("cuEventRecord", unsafe {
                     cu::event::record(ev, shared.stream(q).cu_stream())
                 });
+                // Streams waiting for `e` can now wait for `ev` on the device; the completer
+                // signals `e` (dropping the mark) before `ev` goes back to the pool.
+                e.mark(ev as usize);
                 send(Done::Signal(ev, e));
             }
         }
@@ -625,71 +670,105 @@ fn run(
             w();
             shared.counters().busy[q.index()] += start.elapsed();
         }
-        Task::Kernel(k) => {
+        Task::Kernel(k, timer) => {
             let mut k = Some(k);
-            timed(&mut || {
+            let mut work = || {
                 if let Some(k) = k.take() {
                     k(&CudaViews { shared });
                 }
-            });
+            };
+            timed("kernels", &mut work, timer);
         }
         Task::Upload { dst, src } => {
             jitter.delay();
             let stream = shared.stream(q).cu_stream();
-            timed(&mut || {
-                // SAFETY: `dst` is inside the pool (checked at submission); `src` stays alive
-                // and unwritten until this queue's next event is reached (HostPtr's contract),
-                // which is after the copy.
-                let s = unsafe { src.as_slice() };
-                if !s.is_empty() {
-                    // SAFETY: as above.
-                    let r = unsafe { cu::memcpy_htod_async(shared.addr(dst), s, stream) };
-                    check("cuMemcpyHtoDAsync", r);
-                }
-            });
+            timed(
+                "an upload",
+                &mut || {
+                    // SAFETY: `dst` is inside the pool (checked at submission); `src` stays alive
+                    // and unwritten until this queue's next event is reached (HostPtr's contract),
+                    // which is after the copy.
+                    let s = unsafe { src.as_slice() };
+                    if !s.is_empty() {
+                        // SAFETY: as above.
+                        let r = unsafe { cu::memcpy_htod_async(shared.addr(dst), s, stream) };
+                        check("cuMemcpyHtoDAsync", r);
+                    }
+                },
+                None,
+            );
             shared.counters().h2d_bytes += dst.bytes() as u64;
         }
         Task::UploadWeights { dst, at, src } => {
             jitter.delay();
             let ring = ring.expect("weights are uploaded on the H2D queue, which has the ring");
             let addr = shared.addr(dst) + (2 * at) as u64;
-            timed(&mut || upload_bf16(shared, ring, addr, src));
+            timed("a weight upload", &mut || upload_bf16(shared, ring, addr, src), None);
             shared.counters().h2d_bytes += (2 * src.len()) as u64;
         }
         Task::UploadI32 { dst, src } => {
             jitter.delay();
             let stream = shared.stream(q).cu_stream();
-            timed(&mut || {
-                if !src.is_empty() {
-                    // SAFETY: `dst` is inside the pool; `src` is pageable, so the call returns
-                    // only once the driver has staged it, and the Arc may go afterwards.
-                    let r = unsafe { cu::memcpy_htod_async(shared.addr(dst), &src[..], stream) };
-                    check("cuMemcpyHtoDAsync", r);
-                }
-            });
+            timed(
+                "an i32 upload",
+                &mut || {
+                    if !src.is_empty() {
+                        // SAFETY: `dst` is inside the pool; `src` is pageable, so the call returns
+                        // only once the driver has staged it, and the Arc may go afterwards.
+                        let r =
+                            unsafe { cu::memcpy_htod_async(shared.addr(dst), &src[..], stream) };
+                        check("cuMemcpyHtoDAsync", r);
+                    }
+                },
+                None,
+            );
             shared.counters().h2d_bytes += dst.bytes() as u64;
         }
         Task::Download { dst, src } => {
             jitter.delay();
             let stream = shared.stream(q).cu_stream();
-            timed(&mut || {
-                // SAFETY: `download`'s caller gives this queue exclusive use of `dst` until its
-                // next event is reached, which is after the copy (HostPtrMut's contract).
-                let d = unsafe { dst.as_mut_slice() };
-                if !d.is_empty() {
-                    // SAFETY: as above; `src` is inside the pool.
-                    let r = unsafe { cu::memcpy_dtoh_async(d, shared.addr(src), stream) };
-                    check("cuMemcpyDtoHAsync", r);
-                }
-            });
+            timed(
+                "a download",
+                &mut || {
+                    // SAFETY: `download`'s caller gives this queue exclusive use of `dst` until its
+                    // next event is reached, which is after the copy (HostPtrMut's contract).
+                    let d = unsafe { dst.as_mut_slice() };
+                    if !d.is_empty() {
+                        // SAFETY: as above; `src` is inside the pool.
+                        let r = unsafe { cu::memcpy_dtoh_async(d, shared.addr(src), stream) };
+                        check("cuMemcpyDtoHAsync", r);
+                    }
+                },
+                None,
+            );
             shared.counters().d2h_bytes += src.bytes() as u64;
         }
         Task::DownloadBf16 { dst, src } => {
             jitter.delay();
-            timed(&mut || download_bf16(shared, dst, src));
+            timed("a bf16 gradient download", &mut || download_bf16(shared, dst, src), None);
             shared.counters().d2h_bytes += (2 * src.len) as u64;
         }
     }
+}
+
+/// A wait of `stream` for `e`, on the device: once the queue that records `e` has enqueued its
+/// CUDA event (a host wait for an *enqueue*, not for GPU work), `cuStreamWaitEvent` orders the
+/// stream's later work after it, and the dispatcher goes on enqueueing. An event already
+/// reached needs no wait; an event of the host queue is waited for on the host, since no CUDA
+/// event stands for host work.
+fn wait_on_stream(stream: sys::CUstream, e: &Event) {
+    e.when_marked(|mark| {
+        // SAFETY: `mark` is a live CUDA event of this context, recorded and not yet recycled:
+        // the completer signals `e` (under the lock `when_marked` holds) before putting it back.
+        let r = unsafe {
+            cu::stream::wait_event(
+                stream,
+                mark as sys::CUevent,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        };
+        check("cuStreamWaitEvent", r);
+    });
 }
 
 /// A weight upload as bf16 into the `src.len()` bf16 at device address `dst` (inside a weight
@@ -762,22 +841,32 @@ fn completer(q: Queue, rx: &Receiver<Done>, shared: &Shared) {
             Done::Signal(ev, e) => {
                 // SAFETY: a live event recorded by the dispatcher.
                 if let Err(err) = unsafe { cu::event::synchronize(ev) } {
-                    shared.note_panic(q, format!("the GPU failed: {err:?}"));
+                    shared.note_failure(q, format!("CUDA: the GPU failed: {err:?}"));
                 }
-                shared.events.put(ev);
+                // Signal first: that drops the mark, so no stream can wait for `ev` once it is
+                // back in the pool and recorded for something else.
                 e.signal();
+                shared.events.put(ev);
             }
-            Done::Busy(bq, start, end) => {
+            Done::Busy { q: bq, what, start, end, timer } => {
                 // SAFETY: live events recorded by the dispatcher, start before end.
                 let ms = unsafe {
                     cu::event::synchronize(end).and_then(|()| cu::event::elapsed(start, end))
                 };
                 match ms {
                     Ok(ms) => {
-                        shared.counters().busy[bq.index()] +=
-                            Duration::from_secs_f64(f64::from(ms) / 1e3);
+                        let d = Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3);
+                        shared.counters().busy[bq.index()] += d;
+                        if let Some(timer) = timer {
+                            timer(d);
+                        }
                     }
-                    Err(err) => shared.note_panic(q, format!("the GPU failed: {err:?}")),
+                    Err(err) => shared.note_failure(
+                        q,
+                        format!(
+                            "CUDA: the GPU failed running {what} on the {bq:?} stream: {err:?}"
+                        ),
+                    ),
                 }
                 shared.events.put(start);
                 shared.events.put(end);

@@ -33,7 +33,7 @@ mod slice;
 mod swiglu;
 
 pub use backend::{CudaBackend, CudaMem};
-pub use config::{CudaDeviceConfig, CudaError};
+pub use config::{CudaDeviceConfig, CudaError, KernelShape, MAX_HEAD_DIM, check_kernel_limits};
 pub use device::CudaDevice;
 pub use pinned::Pinned;
 pub use probe::probe;
@@ -48,12 +48,33 @@ impl CudaError {
     }
 }
 
-/// Panics with the failing driver call: for calls that only fail on a bug (bad arguments) or a
-/// lost device, inside queued work (the device reports the panic at its next synchronize).
+/// A driver call that failed inside a device queue's work: unwound (without the panic hook's
+/// message) to the queue's dispatcher, which keeps it as the device's failure.
+pub(crate) struct DeviceFault(pub(crate) String);
+
+thread_local! {
+    /// True on the device's queue threads, where a failed driver call is a [`DeviceFault`].
+    static ON_DEVICE_QUEUE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Marks the calling thread as one of the device's queue threads.
+pub(crate) fn mark_device_queue_thread() {
+    ON_DEVICE_QUEUE.with(|q| q.set(true));
+}
+
+/// The value of a driver call, or (on failure) an unwind naming the call: on a device queue
+/// thread a [`DeviceFault`] that becomes [`crate::Device::failure`], a run's error; elsewhere
+/// (a standalone backend, in tests and tools) a panic with the same message.
 #[track_caller]
 pub(crate) fn check<T, E: std::fmt::Debug>(what: &str, r: Result<T, E>) -> T {
     match r {
         Ok(v) => v,
-        Err(e) => panic!("CUDA: {what} failed: {e:?}"),
+        Err(e) => {
+            let msg = format!("CUDA: {what} failed: {e:?}");
+            if ON_DEVICE_QUEUE.with(|q| q.get()) {
+                std::panic::resume_unwind(Box::new(DeviceFault(msg)))
+            }
+            panic!("{msg}")
+        }
     }
 }
