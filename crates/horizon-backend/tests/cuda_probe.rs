@@ -9,10 +9,37 @@ fn skip(why: &str) {
     use std::io::Write;
     let _ = writeln!(std::io::stderr(), "SKIPPED: {why}");
 }
+
+/// Set in the child process that runs the test without the library path's CUDA libraries.
+const CHILD: &str = "HORIZON_PROBE_WITHOUT_DRIVER";
+
 #[test]
 fn without_a_driver_construction_is_a_clear_error() {
     if probe::driver_present() {
-        skip("a CUDA driver is present on this machine");
+        // The driver (a GPU's, or the CUDA test double) comes from LD_LIBRARY_PATH here: run
+        // this test again in a child process whose library path lacks every libcuda.so.
+        if std::env::var_os(CHILD).is_some() {
+            // Still present without them: installed system-wide, as on a GPU machine, where no
+            // process can be without a driver.
+            return skip("a CUDA driver is installed system-wide (needs a machine without one)");
+        }
+        let path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
+        let kept: Vec<&str> = path
+            .split(':')
+            .filter(|d| !std::path::Path::new(d).join("libcuda.so").exists())
+            .collect();
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "without_a_driver_construction_is_a_clear_error", "--nocapture"])
+            .env("LD_LIBRARY_PATH", kept.join(":"))
+            .env(CHILD, "1")
+            .output()
+            .expect("cannot run this test binary again");
+        let text = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "the test without a driver failed:\n{text}");
+        assert!(text.contains("1 passed"), "the test without a driver did not run:\n{text}");
+        if let Some(line) = text.lines().find(|l| l.starts_with("SKIPPED: ")) {
+            skip(&line["SKIPPED: ".len()..]);
+        }
         return;
     }
     let want = if cfg!(feature = "cuda") {

@@ -108,6 +108,9 @@ impl CudaBackend {
         // SAFETY: the allocation just made.
         unsafe { cu::memset_d8_sync(addr, 0, workspace_bytes) }
             .map_err(|e| CudaError::driver("zeroing the workspace", e))?;
+        // cuMemsetD8 may return before it has run (device memory): finish it before any
+        // non-blocking stream can use the memory.
+        ctx.synchronize().map_err(|e| CudaError::driver("zeroing the workspace", e))?;
         let be = match Self::build(ctx.clone(), stream, kernels, true, Some(addr)) {
             Ok(be) => be,
             Err(e) => {
@@ -583,6 +586,8 @@ impl<T> CudaMem<T> {
             .unwrap_or_else(|e| panic!("cannot allocate {bytes} bytes of device memory: {e:?}"));
         // SAFETY: the fresh allocation of `bytes` bytes.
         check("zeroing new device memory", unsafe { cu::memset_d8_sync(addr, 0, bytes) });
+        // The memset may return before it has run: finish it before a stream uses the memory.
+        check("zeroing new device memory", be.inner.ctx.synchronize());
         CudaMem { ctx: be.inner.ctx.clone(), addr, len, _t: std::marker::PhantomData }
     }
 }

@@ -100,6 +100,9 @@ impl CudaDevice {
             // SAFETY: the allocation just made, of at least `bytes` bytes.
             unsafe { cu::memset_d8_sync(addr, 0, bytes.max(4)) }
                 .map_err(|e| CudaError::driver("zeroing the device pool", e))?;
+            // The memset may return before it has run (device memory): finish it before the
+            // non-blocking streams use the pool.
+            ctx.synchronize().map_err(|e| CudaError::driver("zeroing the device pool", e))?;
             Ok(addr)
         };
         let base = alloc(len * 4, "device pool")?;

@@ -1,0 +1,470 @@
+// The header the fake NVRTC (src/nvrtc.cpp) puts in front of every kernel source before it
+// compiles the source as C++ with g++: it gives CUDA's keywords, built-in variables, intrinsics,
+// barriers, shuffles and atomics a meaning on the CPU. It is embedded in libnvrtc.so at build
+// time (the Makefile turns it into a string), so it needs no install step.
+//
+// Two parts:
+//  * the module ABI (namespace fakecuda_abi): what a compiled module and the executor
+//    (src/exec.cpp, in libcuda.so) agree on. exec.cpp and nvrtc.cpp include this header with
+//    FAKECUDA_ABI_ONLY defined and see only this part.
+//  * the kernel side: everything a .cu file may use.
+//
+// How a kernel reads threadIdx: the module has a thread_local pointer `fakecuda::cur` to the
+// running CUDA thread's ThreadState; the executor learns its address through the exported
+// fakecuda_module_tls() at the start of each launch and rewrites it at every fiber switch. So
+// `threadIdx.x` is one TLS lookup (cached by the compiler within a function) and two loads.
+//
+// Barriers and warp collectives call back into the executor through the Runtime table that the
+// executor hands to fakecuda_module_bind() when it loads the module. Each call passes its call
+// site: __LINE__ (for messages) and __COUNTER__ (a unique id per call site, the fake "PC").
+
+#ifndef FAKECUDA_ABI_H_
+#define FAKECUDA_ABI_H_
+#include <stddef.h>
+#include <stdint.h>
+
+namespace fakecuda_abi {
+
+// Bumped whenever anything in this namespace changes; images and modules carry it.
+constexpr unsigned kAbiVersion = 1;
+
+struct U3 {
+    unsigned x, y, z;
+};
+
+// The executor's view of one CUDA thread, as the kernel reads it.
+struct ThreadState {
+    U3 thread_idx, block_idx, block_dim, grid_dim;
+    void* dyn_smem;  // this block's dynamic shared memory
+    void* exec;      // the executor's own per-thread record (a fiber, or null)
+};
+
+// Warp collective operations (Runtime::warp's `op`).
+enum WarpOp : int { kShflIdx, kShflUp, kShflDown, kShflXor, kBallot, kAny, kAll, kSyncWarp };
+// Block barrier flavours (Runtime::barrier's `op`).
+enum BarrierOp : int { kBarSync, kBarCount, kBarAnd, kBarOr };
+
+// The executor's entry points, handed to the module at load time.
+struct Runtime {
+    unsigned abi;
+    // __syncthreads and friends; returns the count / and / or of `pred` over the block.
+    int (*barrier)(const ThreadState* ts, int line, int site, int op, int pred);
+    // A warp collective; `value` holds the caller's bits, the result the bits it receives.
+    uint64_t (*warp)(const ThreadState* ts, int line, int site, int op, unsigned mask,
+                     uint64_t value, int arg, int width);
+    // Aborts the launch (assert, __trap); does not return.
+    void (*trap)(const ThreadState* ts, int code, const char* what, int line);
+};
+
+// One `extern "C" __global__` function of a module.
+struct KernelDesc {
+    const char* name;
+    unsigned nparams;
+    const size_t* sizes;
+    const size_t* aligns;
+    const unsigned char* is_ptr;
+    void (*thunk)(void* const* params);  // calls the kernel with *(T_i*)params[i]
+};
+
+// Module flags (fakecuda_module_flags): the source uses no barrier or warp collective, so the
+// executor may run its threads as plain calls, without fibers.
+constexpr unsigned kModuleNoSync = 1;
+
+// What every module exports (extern "C", checked by load_module):
+//   unsigned fakecuda_module_abi(void);
+//   unsigned fakecuda_module_flags(void);
+//   void fakecuda_module_bind(const Runtime*);
+//   const ThreadState** fakecuda_module_tls(void);  // the calling OS thread's `cur`
+//   const KernelDesc* fakecuda_module_kernels(unsigned* count);
+
+}  // namespace fakecuda_abi
+#endif  // FAKECUDA_ABI_H_
+
+#if !defined(FAKECUDA_ABI_ONLY) && !defined(FAKECUDA_KERNEL_H_)
+#define FAKECUDA_KERNEL_H_
+
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+#include <type_traits>
+#include <utility>
+
+#define FAKECUDA_EXPORT extern "C" __attribute__((visibility("default")))
+
+// ---- Keywords --------------------------------------------------------------------------------
+#define __global__
+#define __device__
+#define __host__
+#define __constant__
+#define __managed__
+#define __grid_constant__
+#define __forceinline__ inline __attribute__((always_inline))
+#define __noinline__ __attribute__((noinline))
+#define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
+#define __cudart_builtin__
+// Static shared memory: one copy per OS thread. All fibers of a block run on one OS thread, so
+// they share it; two streams' workers running the same kernel do not. (`extern __shared__`
+// arrays are rewritten by the fake NVRTC into pointers to the launch's dynamic buffer.)
+#define __shared__ static thread_local
+// __restrict__ is a g++ keyword already.
+#define __CUDACC__ 1
+#define __CUDACC_RTC__ 1
+#define __FAKECUDA__ 1
+
+namespace fakecuda {
+static thread_local const ::fakecuda_abi::ThreadState* cur;
+static const ::fakecuda_abi::Runtime* rt;
+inline void* dyn_smem() { return cur->dyn_smem; }
+}  // namespace fakecuda
+
+// ---- Built-in variables and types ------------------------------------------------------------
+typedef ::fakecuda_abi::U3 uint3;
+struct dim3 {
+    unsigned x, y, z;
+    constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+    constexpr dim3(uint3 v) : x(v.x), y(v.y), z(v.z) {}
+    constexpr operator uint3() const { return uint3{x, y, z}; }
+};
+#define threadIdx (::fakecuda::cur->thread_idx)
+#define blockIdx (::fakecuda::cur->block_idx)
+#define blockDim (::fakecuda::cur->block_dim)
+#define gridDim (::fakecuda::cur->grid_dim)
+constexpr int warpSize = 32;
+
+#define FAKECUDA_VEC2(T, N, A) \
+    struct __attribute__((aligned(A))) N##2 { T x, y; }; \
+    inline N##2 make_##N##2(T x, T y) { return N##2{x, y}; }
+#define FAKECUDA_VEC3(T, N) \
+    struct N##3 { T x, y, z; }; \
+    inline N##3 make_##N##3(T x, T y, T z) { return N##3{x, y, z}; }
+#define FAKECUDA_VEC4(T, N, A) \
+    struct __attribute__((aligned(A))) N##4 { T x, y, z, w; }; \
+    inline N##4 make_##N##4(T x, T y, T z, T w) { return N##4{x, y, z, w}; }
+FAKECUDA_VEC2(float, float, 8)
+FAKECUDA_VEC3(float, float)
+FAKECUDA_VEC4(float, float, 16)
+FAKECUDA_VEC2(double, double, 16)
+FAKECUDA_VEC2(int, int, 8)
+FAKECUDA_VEC3(int, int)
+FAKECUDA_VEC4(int, int, 16)
+FAKECUDA_VEC2(unsigned, uint, 8)
+FAKECUDA_VEC4(unsigned, uint, 16)
+FAKECUDA_VEC2(unsigned short, ushort, 4)
+FAKECUDA_VEC4(unsigned short, ushort, 8)
+FAKECUDA_VEC4(unsigned char, uchar, 4)
+FAKECUDA_VEC2(long long, longlong, 16)
+inline uint3 make_uint3(unsigned x, unsigned y, unsigned z) { return uint3{x, y, z}; }
+#undef FAKECUDA_VEC2
+#undef FAKECUDA_VEC3
+#undef FAKECUDA_VEC4
+
+// ---- Barriers and warp collectives -----------------------------------------------------------
+namespace fakecuda {
+
+// A compiler barrier: memory written before a __syncthreads must really be in memory, and be
+// read again after it (shared arrays are static thread_locals the compiler could cache).
+#define FAKECUDA_FENCE() asm volatile("" ::: "memory")
+
+inline int barrier(int line, int site, int op, int pred) {
+    FAKECUDA_FENCE();
+    int r = rt->barrier(cur, line, site, op, pred);
+    FAKECUDA_FENCE();
+    return r;
+}
+
+template <class T>
+inline uint64_t to_bits(T v) {
+    static_assert(sizeof(T) <= 8 && std::is_trivially_copyable<T>::value,
+                  "warp shuffles move values of at most 8 bytes");
+    uint64_t b = 0;
+    memcpy(&b, &v, sizeof(T));
+    return b;
+}
+
+template <class T>
+inline T from_bits(uint64_t b) {
+    T v;
+    memcpy(&v, &b, sizeof(T));
+    return v;
+}
+
+template <class T>
+inline T shfl(int line, int site, int op, unsigned mask, T v, int arg, int width = 32) {
+    return from_bits<T>(rt->warp(cur, line, site, op, mask, to_bits(v), arg, width));
+}
+
+inline uint64_t warp_vote(int line, int site, int op, unsigned mask, int pred) {
+    FAKECUDA_FENCE();
+    uint64_t r = rt->warp(cur, line, site, op, mask, pred != 0, 0, 32);
+    FAKECUDA_FENCE();
+    return r;
+}
+
+// __syncwarp(mask = all): the macro builds one of these at the call site and calls it with the
+// optional mask (a portable way to have an optional macro argument).
+struct SyncWarp {
+    int line, site;
+    void operator()(unsigned mask = 0xffffffffu) const {
+        warp_vote(line, site, ::fakecuda_abi::kSyncWarp, mask, 0);
+    }
+};
+
+[[noreturn]] inline void trap(int code, const char* what, int line) {
+    rt->trap(cur, code, what, line);
+    __builtin_unreachable();
+}
+
+}  // namespace fakecuda
+
+#define __syncthreads() ((void)::fakecuda::barrier(__LINE__, __COUNTER__, ::fakecuda_abi::kBarSync, 0))
+#define __syncthreads_count(p) ::fakecuda::barrier(__LINE__, __COUNTER__, ::fakecuda_abi::kBarCount, (p))
+#define __syncthreads_and(p) ::fakecuda::barrier(__LINE__, __COUNTER__, ::fakecuda_abi::kBarAnd, (p))
+#define __syncthreads_or(p) ::fakecuda::barrier(__LINE__, __COUNTER__, ::fakecuda_abi::kBarOr, (p))
+#define __shfl_sync(...) ::fakecuda::shfl(__LINE__, __COUNTER__, ::fakecuda_abi::kShflIdx, __VA_ARGS__)
+#define __shfl_up_sync(...) ::fakecuda::shfl(__LINE__, __COUNTER__, ::fakecuda_abi::kShflUp, __VA_ARGS__)
+#define __shfl_down_sync(...) ::fakecuda::shfl(__LINE__, __COUNTER__, ::fakecuda_abi::kShflDown, __VA_ARGS__)
+#define __shfl_xor_sync(...) ::fakecuda::shfl(__LINE__, __COUNTER__, ::fakecuda_abi::kShflXor, __VA_ARGS__)
+#define __ballot_sync(m, p) ((unsigned)::fakecuda::warp_vote(__LINE__, __COUNTER__, ::fakecuda_abi::kBallot, (m), (p)))
+#define __any_sync(m, p) ((int)::fakecuda::warp_vote(__LINE__, __COUNTER__, ::fakecuda_abi::kAny, (m), (p)))
+#define __all_sync(m, p) ((int)::fakecuda::warp_vote(__LINE__, __COUNTER__, ::fakecuda_abi::kAll, (m), (p)))
+#define __syncwarp(...) (::fakecuda::SyncWarp{__LINE__, __COUNTER__}(__VA_ARGS__))
+#define __trap() ::fakecuda::trap(719, "__trap() called", __LINE__)
+#define __brkpt() ::fakecuda::trap(719, "__brkpt() called", __LINE__)
+#undef assert
+#define assert(e) ((e) ? (void)0 : ::fakecuda::trap(710, "assertion failed: " #e, __LINE__))
+
+#define __threadfence() __atomic_thread_fence(__ATOMIC_SEQ_CST)
+#define __threadfence_block() __atomic_thread_fence(__ATOMIC_SEQ_CST)
+#define __threadfence_system() __atomic_thread_fence(__ATOMIC_SEQ_CST)
+inline void __nanosleep(unsigned) {}
+
+// ---- Reinterpretation and conversions --------------------------------------------------------
+namespace fakecuda {
+template <class To, class From>
+inline To bit_cast(From f) {
+    static_assert(sizeof(To) == sizeof(From), "bit_cast between different sizes");
+    To t;
+    memcpy(&t, &f, sizeof(To));
+    return t;
+}
+}  // namespace fakecuda
+inline float __int_as_float(int x) { return ::fakecuda::bit_cast<float>(x); }
+inline int __float_as_int(float x) { return ::fakecuda::bit_cast<int>(x); }
+inline unsigned __float_as_uint(float x) { return ::fakecuda::bit_cast<unsigned>(x); }
+inline float __uint_as_float(unsigned x) { return ::fakecuda::bit_cast<float>(x); }
+inline long long __double_as_longlong(double x) { return ::fakecuda::bit_cast<long long>(x); }
+inline double __longlong_as_double(long long x) { return ::fakecuda::bit_cast<double>(x); }
+inline int __double2hiint(double x) { return (int)(__double_as_longlong(x) >> 32); }
+inline int __double2loint(double x) { return (int)__double_as_longlong(x); }
+inline double __hiloint2double(int hi, int lo) {
+    return __longlong_as_double((long long)(((unsigned long long)(unsigned)hi << 32) | (unsigned)lo));
+}
+inline int __float2int_rn(float x) { return (int)nearbyintf(x); }
+inline int __float2int_rz(float x) { return (int)x; }
+inline int __float2int_rd(float x) { return (int)floorf(x); }
+inline int __float2int_ru(float x) { return (int)ceilf(x); }
+inline unsigned __float2uint_rn(float x) { return (unsigned)nearbyintf(x); }
+inline unsigned __float2uint_rz(float x) { return (unsigned)x; }
+inline long long __float2ll_rn(float x) { return (long long)nearbyintf(x); }
+inline long long __float2ll_rz(float x) { return (long long)x; }
+inline float __int2float_rn(int x) { return (float)x; }
+inline float __uint2float_rn(unsigned x) { return (float)x; }
+inline float __ll2float_rn(long long x) { return (float)x; }
+inline float __double2float_rn(double x) { return (float)x; }
+inline int __double2int_rn(double x) { return (int)nearbyint(x); }
+inline int __double2int_rz(double x) { return (int)x; }
+
+// ---- Math ------------------------------------------------------------------------------------
+// The standard float functions (expf, logf, sqrtf, tanhf, fmaxf, ...) come from <math.h>; the
+// fast-math intrinsics below are the accurate functions (results may differ from a GPU's in the
+// last bits, as they do between GPU generations).
+inline float __expf(float x) { return expf(x); }
+inline float __exp10f(float x) { return exp10f(x); }
+inline float __logf(float x) { return logf(x); }
+inline float __log2f(float x) { return log2f(x); }
+inline float __log10f(float x) { return log10f(x); }
+inline float __powf(float x, float y) { return powf(x, y); }
+inline float __sinf(float x) { return sinf(x); }
+inline float __cosf(float x) { return cosf(x); }
+inline float __tanf(float x) { return tanf(x); }
+inline void __sincosf(float x, float* s, float* c) { sincosf(x, s, c); }
+inline float __tanhf(float x) { return tanhf(x); }
+inline float __fdividef(float x, float y) { return x / y; }
+inline float __fdiv_rn(float x, float y) { return x / y; }
+inline float __frcp_rn(float x) { return 1.0f / x; }
+inline float __fsqrt_rn(float x) { return sqrtf(x); }
+inline float __frsqrt_rn(float x) { return 1.0f / sqrtf(x); }
+inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+inline double rsqrt(double x) { return 1.0 / sqrt(x); }
+inline float rcbrtf(float x) { return 1.0f / cbrtf(x); }
+inline float __fadd_rn(float x, float y) { return x + y; }
+inline float __fsub_rn(float x, float y) { return x - y; }
+inline float __fmul_rn(float x, float y) { return x * y; }
+inline float __fmaf_rn(float x, float y, float z) { return fmaf(x, y, z); }
+inline double __dadd_rn(double x, double y) { return x + y; }
+inline double __dmul_rn(double x, double y) { return x * y; }
+inline double __fma_rn(double x, double y, double z) { return fma(x, y, z); }
+inline float __saturatef(float x) { return x != x ? 0.0f : fminf(fmaxf(x, 0.0f), 1.0f); }
+
+// min/max for every pair of arithmetic types, with the usual conversions (floating-point pairs
+// behave as fmin/fmax, as CUDA's do).
+namespace fakecuda {
+template <class A, class B>
+using MinMaxT = std::enable_if_t<std::is_arithmetic<A>::value && std::is_arithmetic<B>::value,
+                                 std::common_type_t<A, B>>;
+}  // namespace fakecuda
+template <class A, class B>
+inline ::fakecuda::MinMaxT<A, B> min(A a, B b) {
+    typedef ::fakecuda::MinMaxT<A, B> C;
+    if constexpr (std::is_floating_point<C>::value) return fmin((C)a, (C)b);
+    else return (C)a < (C)b ? (C)a : (C)b;
+}
+template <class A, class B>
+inline ::fakecuda::MinMaxT<A, B> max(A a, B b) {
+    typedef ::fakecuda::MinMaxT<A, B> C;
+    if constexpr (std::is_floating_point<C>::value) return fmax((C)a, (C)b);
+    else return (C)a > (C)b ? (C)a : (C)b;
+}
+inline unsigned umin(unsigned a, unsigned b) { return a < b ? a : b; }
+inline unsigned umax(unsigned a, unsigned b) { return a > b ? a : b; }
+inline long long llmin(long long a, long long b) { return a < b ? a : b; }
+inline long long llmax(long long a, long long b) { return a > b ? a : b; }
+inline unsigned long long ullmin(unsigned long long a, unsigned long long b) { return a < b ? a : b; }
+inline unsigned long long ullmax(unsigned long long a, unsigned long long b) { return a > b ? a : b; }
+
+// ---- Integer intrinsics ----------------------------------------------------------------------
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
+inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz((unsigned)x); }
+inline int __clzll(long long x) { return x == 0 ? 64 : __builtin_clzll((unsigned long long)x); }
+inline int __ffs(int x) { return __builtin_ffs(x); }
+inline int __ffsll(long long x) { return __builtin_ffsll(x); }
+inline unsigned __brev(unsigned x) {
+    x = ((x >> 1) & 0x55555555u) | ((x & 0x55555555u) << 1);
+    x = ((x >> 2) & 0x33333333u) | ((x & 0x33333333u) << 2);
+    x = ((x >> 4) & 0x0f0f0f0fu) | ((x & 0x0f0f0f0fu) << 4);
+    return __builtin_bswap32(x);
+}
+inline int __mul24(int x, int y) { return (int)((long long)((x << 8) >> 8) * ((y << 8) >> 8)); }
+inline unsigned __umul24(unsigned x, unsigned y) { return (x & 0xffffffu) * (y & 0xffffffu); }
+inline int __mulhi(int x, int y) { return (int)(((long long)x * y) >> 32); }
+inline unsigned __umulhi(unsigned x, unsigned y) { return (unsigned)(((unsigned long long)x * y) >> 32); }
+inline long long __mul64hi(long long x, long long y) { return (long long)(((__int128)x * y) >> 64); }
+inline unsigned long long __umul64hi(unsigned long long x, unsigned long long y) {
+    return (unsigned long long)(((unsigned __int128)x * y) >> 64);
+}
+
+// ---- Cached loads and stores -----------------------------------------------------------------
+template <class T> inline T __ldg(const T* p) { return *p; }
+template <class T> inline T __ldca(const T* p) { return *p; }
+template <class T> inline T __ldcg(const T* p) { return *p; }
+template <class T> inline T __ldcs(const T* p) { return *p; }
+template <class T> inline T __ldlu(const T* p) { return *p; }
+template <class T> inline T __ldcv(const T* p) { return *p; }
+template <class T> inline void __stwb(T* p, T v) { *p = v; }
+template <class T> inline void __stcg(T* p, T v) { *p = v; }
+template <class T> inline void __stcs(T* p, T v) { *p = v; }
+template <class T> inline void __stwt(T* p, T v) { *p = v; }
+
+// ---- Atomics ---------------------------------------------------------------------------------
+// Real atomics (two streams' workers may run kernels on the same memory at once).
+namespace fakecuda {
+template <class T, class F>
+inline T atomic_update(T* p, F f) {  // CAS loop: *p = f(*p), returns the old value
+    T old = __atomic_load_n(p, __ATOMIC_RELAXED);
+    while (!__atomic_compare_exchange_n(p, &old, f(old), true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+    }
+    return old;
+}
+template <class T, class U, class F>
+inline T atomic_update_float(T* p, F f) {  // the same on the bits U of a float type T
+    U* q = reinterpret_cast<U*>(p);
+    U old = __atomic_load_n(q, __ATOMIC_RELAXED);
+    while (!__atomic_compare_exchange_n(q, &old, bit_cast<U>(f(bit_cast<T>(old))), true,
+                                        __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+    }
+    return bit_cast<T>(old);
+}
+}  // namespace fakecuda
+#define FAKECUDA_ATOMIC_INT(T) \
+    inline T atomicAdd(T* p, T v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); } \
+    inline T atomicSub(T* p, T v) { return __atomic_fetch_sub(p, v, __ATOMIC_RELAXED); } \
+    inline T atomicExch(T* p, T v) { return __atomic_exchange_n(p, v, __ATOMIC_RELAXED); } \
+    inline T atomicAnd(T* p, T v) { return __atomic_fetch_and(p, v, __ATOMIC_RELAXED); } \
+    inline T atomicOr(T* p, T v) { return __atomic_fetch_or(p, v, __ATOMIC_RELAXED); } \
+    inline T atomicXor(T* p, T v) { return __atomic_fetch_xor(p, v, __ATOMIC_RELAXED); } \
+    inline T atomicMin(T* p, T v) { return ::fakecuda::atomic_update(p, [v](T o) { return o < v ? o : v; }); } \
+    inline T atomicMax(T* p, T v) { return ::fakecuda::atomic_update(p, [v](T o) { return o > v ? o : v; }); } \
+    inline T atomicCAS(T* p, T cmp, T v) { \
+        __atomic_compare_exchange_n(p, &cmp, v, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED); \
+        return cmp; \
+    }
+FAKECUDA_ATOMIC_INT(int)
+FAKECUDA_ATOMIC_INT(unsigned)
+FAKECUDA_ATOMIC_INT(long long)
+FAKECUDA_ATOMIC_INT(unsigned long long)
+#undef FAKECUDA_ATOMIC_INT
+inline float atomicAdd(float* p, float v) {
+    return ::fakecuda::atomic_update_float<float, unsigned>(p, [v](float o) { return o + v; });
+}
+inline double atomicAdd(double* p, double v) {
+    return ::fakecuda::atomic_update_float<double, unsigned long long>(p, [v](double o) { return o + v; });
+}
+inline float atomicExch(float* p, float v) {
+    return __int_as_float(__atomic_exchange_n(reinterpret_cast<int*>(p), __float_as_int(v), __ATOMIC_RELAXED));
+}
+inline unsigned atomicInc(unsigned* p, unsigned m) {
+    return ::fakecuda::atomic_update(p, [m](unsigned o) { return o >= m ? 0u : o + 1; });
+}
+inline unsigned atomicDec(unsigned* p, unsigned m) {
+    return ::fakecuda::atomic_update(p, [m](unsigned o) { return (o == 0 || o > m) ? m : o - 1; });
+}
+#define atomicAdd_block atomicAdd
+#define atomicAdd_system atomicAdd
+#define atomicMax_block atomicMax
+#define atomicMin_block atomicMin
+#define atomicCAS_block atomicCAS
+#define atomicExch_block atomicExch
+
+// ---- Module registration (used by the code the fake NVRTC appends) ---------------------------
+namespace fakecuda {
+
+template <class F, F fn>
+struct KernelTraits;
+
+template <class... A, void (*fn)(A...)>
+struct KernelTraits<void (*)(A...), fn> {
+    static constexpr unsigned n = sizeof...(A);
+    static constexpr size_t sizes[n + 1] = {sizeof(A)..., 0};
+    static constexpr size_t aligns[n + 1] = {alignof(A)..., 0};
+    static constexpr unsigned char is_ptr[n + 1] = {(unsigned char)std::is_pointer<A>::value..., 0};
+    template <size_t... I>
+    static void call(void* const* p, std::index_sequence<I...>) {
+        fn(*static_cast<A*>(p[I])...);
+    }
+    static void thunk(void* const* p) { call(p, std::index_sequence_for<A...>{}); }
+};
+
+template <class F, F fn>
+constexpr ::fakecuda_abi::KernelDesc describe(const char* name) {
+    typedef KernelTraits<F, fn> K;
+    return ::fakecuda_abi::KernelDesc{name, K::n, K::sizes, K::aligns, K::is_ptr, &K::thunk};
+}
+
+}  // namespace fakecuda
+
+#define FAKECUDA_KERNEL(k) ::fakecuda::describe<decltype(&k), &k>(#k)
+
+// Defines the module's exports around the kernel table `table` (null-terminated).
+#define FAKECUDA_MODULE(table, flags) \
+    FAKECUDA_EXPORT unsigned fakecuda_module_abi(void) { return ::fakecuda_abi::kAbiVersion; } \
+    FAKECUDA_EXPORT unsigned fakecuda_module_flags(void) { return (flags); } \
+    FAKECUDA_EXPORT void fakecuda_module_bind(const ::fakecuda_abi::Runtime* r) { ::fakecuda::rt = r; } \
+    FAKECUDA_EXPORT const ::fakecuda_abi::ThreadState** fakecuda_module_tls(void) { return &::fakecuda::cur; } \
+    FAKECUDA_EXPORT const ::fakecuda_abi::KernelDesc* fakecuda_module_kernels(unsigned* count) { \
+        *count = sizeof(table) / sizeof(table[0]) - 1; \
+        return table; \
+    }
+
+#endif  // FAKECUDA_KERNEL_H_
