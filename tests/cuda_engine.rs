@@ -111,3 +111,63 @@ fn copy_stream_delays_do_not_change_results() {
         }
     }
 }
+
+/// The CUDA test double's folder on LD_LIBRARY_PATH (it holds a `FAKECUDA` marker), if any.
+fn double_on_path() -> bool {
+    let path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
+    path.split(':').any(|d| std::path::Path::new(d).join("FAKECUDA").exists())
+}
+
+/// A kernel that fails mid-run (the double's fault injection, `FAKECUDA_FAIL_KERNEL`, fails the
+/// 5th `attention_backward_dq`: step 3 of a 2-layer model) ends `horizon train` with an error
+/// naming the failed CUDA operation, not a panic; the checkpoint of step 2 is intact, and the
+/// run resumes from it to the end.
+#[test]
+fn a_failed_launch_is_an_error_and_the_last_checkpoint_survives() {
+    if !double_on_path() {
+        use std::io::Write;
+        let why = "SKIPPED: fault injection needs the CUDA test double (scripts/fakecuda.sh)";
+        let _ = writeln!(std::io::stderr(), "{why}");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let cfg = tmp.path().join("run.yaml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "model: {{init: random, arch: llama, hidden_size: 64, intermediate_size: 96, \
+             num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, \
+             vocab_size: 96}}\ndata: {{format: synthetic}}\n\
+             train: {{steps: 5, batch_size: 2, max_seq_len: 16, save_every: 2}}\n\
+             device: {{backend: cuda, memory: auto}}\noutput: {{dir: {}}}\n",
+            out.display()
+        ),
+    )
+    .unwrap();
+    let horizon = |resume: bool, fail: Option<&str>| {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_horizon"));
+        cmd.args(["train", "--config", cfg.to_str().unwrap()]);
+        if resume {
+            cmd.args(["--resume", "latest"]);
+        }
+        match fail {
+            Some(spec) => cmd.env("FAKECUDA_FAIL_KERNEL", spec),
+            None => cmd.env_remove("FAKECUDA_FAIL_KERNEL"),
+        };
+        cmd.output().expect("run horizon")
+    };
+    let failed = horizon(false, Some("attention_backward_dq:5"));
+    let err = String::from_utf8_lossy(&failed.stderr);
+    assert!(!failed.status.success(), "the run with a failed kernel succeeded:\n{err}");
+    assert!(!err.contains("panicked"), "a panic, not an error:\n{err}");
+    assert!(err.contains("device work failed: CUDA"), "no error naming the CUDA failure:\n{err}");
+    assert!(err.contains("CUDA_ERROR_LAUNCH_FAILED"), "the error does not say what failed:\n{err}");
+    let ckpts = out.join("checkpoints");
+    assert!(ckpts.join("step-00000002/state.json").is_file(), "the step-2 checkpoint is gone");
+    assert!(!ckpts.join("step-00000004").exists(), "a checkpoint was saved after the failure");
+    let resumed = horizon(true, None);
+    let text = String::from_utf8_lossy(&resumed.stdout) + String::from_utf8_lossy(&resumed.stderr);
+    assert!(resumed.status.success(), "resuming from step 2 failed:\n{text}");
+    assert!(ckpts.join("step-00000004/state.json").is_file(), "the resumed run saved no step 4");
+}
