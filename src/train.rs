@@ -931,9 +931,7 @@ where
         let signalled = stop.load(Ordering::Relaxed);
         // Periodic checkpoints only after good steps: the last one stays the last good state.
         if (t.save_every > 0 && (k + 1) % t.save_every == 0 && !m.skipped) || signalled {
-            tr.engine.state();
-            tr.engine.check_device()?;
-            let state = tr.engine.state();
+            let state = tr.engine.checked_state()?;
             progress.println(&format!("saving checkpoint step-{:08}", state.step));
             let dir =
                 crate::resume::save(&out_dir, state, &tr.model_cfg, &yaml, t.keep_checkpoints)?;
@@ -952,8 +950,7 @@ where
     }
     progress.finish();
     metrics_file.flush()?;
-    let state_step = tr.engine.state().step;
-    tr.engine.check_device()?;
+    let state_step = tr.engine.checked_state()?.step;
     let wall_s = t0.elapsed().as_secs_f64();
     let st = tr.engine.device().stats();
     let compute = st.compute_busy_s - base.compute_busy_s;

@@ -12,8 +12,8 @@ use horizon_backend::bf16::{add_bf16, expand_bf16};
 use horizon_backend::cpu::device::ALIGN_ELEMS;
 use horizon_backend::cpu::{add_inplace, embedding_backward, embedding_forward};
 use horizon_backend::{
-    AttnDims, Backend, Bf16, DevBuf, Device, DeviceSlice, Event, HostPtr, HostPtrMut, KernelTimer,
-    Precision, Queue, Views,
+    AttnDims, Backend, Bf16, DevBuf, Device, DeviceSlice, Event, HostPtr, HostPtrMut, Kernel,
+    KernelTimer, Precision, Queue, Views,
 };
 
 use crate::config::{BackendKind, GradWire, OptimizerMemory};
@@ -330,8 +330,8 @@ struct Ctx {
     norm: AtomicU64,
     /// The step is skipped: its loss or gradient norm is not finite.
     skip: AtomicBool,
-    /// Seconds of queue work by phase.
-    phases: PhaseClock,
+    /// Seconds of queue work by phase (shared with the engine's kernel timers).
+    phases: Arc<PhaseClock>,
     /// [layer][m]: forward internals kept for the backward (empty when it recomputes them).
     stash: Vec<Vec<LayerActs<DevBuf>>>,
 }
@@ -537,6 +537,9 @@ pub struct Engine<D: Device> {
     steps: u64,
     /// Updates applied so far.
     updates: u64,
+    /// One kernel timer per compute phase (indexed by `Phase as usize`), built once so a launch
+    /// allocates none.
+    timers: [KernelTimer; 4],
 }
 
 /// A raw handle to a host buffer that stays where it is for the engine's life.
@@ -727,7 +730,7 @@ where
             loss_host: loss_host.iter_mut().map(|s| handle(s)).collect(),
             norm: AtomicU64::new(0),
             skip: AtomicBool::new(false),
-            phases: PhaseClock::default(),
+            phases: Arc::new(PhaseClock::default()),
             stash,
         };
         // The rope tables are uploaded once.
@@ -744,6 +747,11 @@ where
             (0..schedule.len()).map(|_| reached()).collect(),
         ];
         let (steps, updates) = (state.step, state.updates);
+        let timers = [Phase::Forward, Phase::Recompute, Phase::Backward, Phase::Head].map(|p| {
+            debug_assert!((p as usize) < 4, "the compute phases come first");
+            let clock = ctx.phases.clone();
+            Arc::new(move |d| clock.add_duration(p, d)) as KernelTimer
+        });
         let engine = Engine {
             ctx: Arc::new(ctx),
             state,
@@ -763,6 +771,7 @@ where
             sizes,
             steps,
             updates,
+            timers,
             dev,
         };
         // SAFETY: the tables are kept alive until the synchronize below.
@@ -799,13 +808,20 @@ where
         }
     }
 
-    /// Wait for all queued work (optimizer updates included) and look at the host state.
     /// Seconds of queue work by phase since the engine started (work still queued not
     /// included: read after [`Engine::state`] for a whole step).
     pub fn phase_seconds(&self) -> PhaseSeconds {
         self.ctx.phases.seconds()
     }
 
+    /// [`Engine::state`], or an error if device work failed: the state to save or export.
+    pub fn checked_state(&mut self) -> Result<&TrainState> {
+        self.state();
+        self.check_device()?;
+        Ok(&self.state)
+    }
+
+    /// Wait for all queued work (optimizer updates included) and look at the host state.
     pub fn state(&mut self) -> &TrainState {
         self.dev.synchronize();
         self.state.step = self.steps;
@@ -953,32 +969,42 @@ where
         }));
     }
 
-    /// Adds a kernel task's device time to `phase`.
-    fn phase_timer(&self, phase: Phase) -> KernelTimer {
-        let c = self.ctx.clone();
-        Box::new(move |d| c.phases.add_duration(phase, d))
+    /// Enqueue kernels on the compute queue; their device time counts to `phase` (a compute
+    /// phase).
+    fn launch_phase(&self, phase: Phase, k: Kernel<D::Backend>) {
+        self.dev.launch_timed(k, self.timers[phase as usize].clone());
     }
 
-    /// Rebuilds a layer's internals from its input (`acts[set][m]`) into the scratch, before
-    /// its backward (a separate kernel task, so its device time counts as recompute).
-    fn launch_recompute(&self, slot: usize, m: usize, set: usize, sd: &Arc<StepData>) {
+    /// A layer's forward on micro-batch `m`, `inp` -> `out` (prefixes of the micro-batch's
+    /// rows), with weights in `slot`; its internals go to the layer's kept buffers where
+    /// `kept_of` names a layer that keeps them, else to the scratch.
+    fn launch_layer_forward(
+        &self,
+        phase: Phase,
+        (slot, m): (usize, usize),
+        inp: DevBuf,
+        out: DevBuf,
+        kept_of: Option<usize>,
+        sd: &Arc<StepData>,
+    ) {
         let (c, sd, d) = (self.ctx.clone(), sd.clone(), self.ctx.layout.dims);
-        let timer = self.phase_timer(Phase::Recompute);
-        self.dev.launch_timed(
+        self.launch_phase(
+            phase,
             Box::new(move |vw: &dyn Views<D::Backend>| {
                 let mb = &sd.mbs[m];
                 let nc = mb.n() * d.c;
-                let lay = &c.layout.layer;
-                // SAFETY: as for the forward kernel: the scratch is the compute queue's alone.
+                // SAFETY: the buffers viewed are distinct, and the schedule orders this kernel
+                // against every other queue's use of them (the scratch is the compute queue's).
                 unsafe {
-                    let mut acts = scratch_acts(vw, &c.scratch.acts);
+                    let kept = kept_of.and_then(|l| c.stash.get(l)).map(|s| &s[m]);
+                    let mut acts = scratch_acts(vw, kept.unwrap_or(&c.scratch.acts));
                     layer_forward(
                         vw.backend(),
                         &mut acts,
-                        vw.wbuf(c.slots[slot]).slice(0..lay.len),
-                        lay,
-                        vw.buf(c.acts[set][m].prefix(nc)),
-                        vw.buf_mut(c.scratch.y.prefix(nc)),
+                        vw.wbuf(c.slots[slot]).slice(0..c.layout.layer.len),
+                        &c.layout.layer,
+                        vw.buf(inp.prefix(nc)),
+                        vw.buf_mut(out.prefix(nc)),
                         rope(vw, &c, mb.t),
                         attn_dims(&c, mb),
                         d.f,
@@ -986,7 +1012,6 @@ where
                     );
                 }
             }),
-            timer,
         );
     }
 
@@ -1045,51 +1070,25 @@ where
                 self.dev.download(c.ckpt[block][m].sub(0..nc), c.acts[set][m].prefix(nc));
             }
             OpKind::Forward { layer, slot, m, src, dst } => {
-                let (c, sd) = (c.clone(), sd.clone());
                 let phase = if after_head { Phase::Recompute } else { Phase::Forward };
-                let timer = self.phase_timer(phase);
-                self.dev.launch_timed(
-                    Box::new(move |vw: &dyn Views<D::Backend>| {
-                        let mb = &sd.mbs[m];
-                        let nc = mb.n() * d.c;
-                        // SAFETY: the buffers viewed are distinct, and the schedule orders this
-                        // kernel against every other queue's use of them.
-                        unsafe {
-                            let kept = c.stash.get(layer).map(|s| &s[m]);
-                            let mut acts = scratch_acts(vw, kept.unwrap_or(&c.scratch.acts));
-                            layer_forward(
-                                vw.backend(),
-                                &mut acts,
-                                vw.wbuf(c.slots[slot]).slice(0..c.layout.layer.len),
-                                &c.layout.layer,
-                                vw.buf(c.acts[src][m].prefix(nc)),
-                                vw.buf_mut(c.acts[dst][m].prefix(nc)),
-                                rope(vw, &c, mb.t),
-                                attn_dims(&c, mb),
-                                d.f,
-                                c.layout.eps,
-                            );
-                        }
-                    }),
-                    timer,
-                );
+                let (inp, out) = (c.acts[src][m], c.acts[dst][m]);
+                self.launch_layer_forward(phase, (slot, m), inp, out, Some(layer), sd);
             }
             OpKind::ZeroDw { dw } => {
                 let c = c.clone();
-                let timer = self.phase_timer(Phase::Backward);
-                self.dev.launch_timed(
+                self.launch_phase(
+                    Phase::Backward,
                     Box::new(move |vw: &dyn Views<D::Backend>| {
                         // SAFETY: the schedule orders this kernel after the accumulator's last
                         // download.
                         unsafe { vw.backend().zero(vw.buf_mut(c.dws[dw])) };
                     }),
-                    timer,
                 );
             }
             OpKind::Head { slot, m, src, dw } => {
                 let (c, sd) = (c.clone(), sd.clone());
-                let timer = self.phase_timer(Phase::Head);
-                self.dev.launch_timed(
+                self.launch_phase(
+                    Phase::Head,
                     Box::new(move |vw: &dyn Views<D::Backend>| {
                         let mb = &sd.mbs[m];
                         let (n, nc, vc) = (mb.n(), mb.n() * d.c, d.v * d.c);
@@ -1126,16 +1125,18 @@ where
                             );
                         }
                     }),
-                    timer,
                 );
             }
             OpKind::Backward { layer, slot, m, set, dw } => {
                 if self.ctx.stash.get(layer).is_none() {
-                    self.launch_recompute(slot, m, set, sd);
+                    // Rebuild the layer's internals into the scratch first: its own task, so
+                    // its time counts as recompute.
+                    let (inp, out) = (c.acts[set][m], c.scratch.y);
+                    self.launch_layer_forward(Phase::Recompute, (slot, m), inp, out, None, sd);
                 }
                 let (c, sd) = (c.clone(), sd.clone());
-                let timer = self.phase_timer(Phase::Backward);
-                self.dev.launch_timed(
+                self.launch_phase(
+                    Phase::Backward,
                     Box::new(move |vw: &dyn Views<D::Backend>| {
                         let mb = &sd.mbs[m];
                         let nc = mb.n() * d.c;
@@ -1173,7 +1174,6 @@ where
                             );
                         }
                     }),
-                    timer,
                 );
             }
             OpKind::DownloadLosses { m } => {

@@ -19,6 +19,8 @@ use crate::train::{engine_config, model_config};
 pub struct PlanReport {
     pub plan: MemoryPlan,
     pub text: String,
+    /// The model the plan is for.
+    pub model: ModelConfig,
 }
 
 /// The memory plan of a model / engine configuration on `ecfg.backend` (the CPU backend's pool
@@ -130,7 +132,7 @@ pub fn report(cfg: &RunConfig) -> Result<PlanReport> {
             gib(plan.device_total())
         )?,
     }
-    Ok(PlanReport { plan, text: t })
+    Ok(PlanReport { plan, text: t, model })
 }
 
 /// `horizon plan`: print the report; an error (with the numbers) when the config does not fit.
@@ -139,8 +141,7 @@ pub fn run(cfg: &RunConfig) -> Result<()> {
     print!("{}", r.text);
     r.plan.check()?;
     if cfg.raw.device.backend == crate::config::BackendKind::Cuda {
-        let layout = crate::model::layout::ModelLayout::new(&model_config(&cfg.raw)?);
-        crate::train::cuda_kernel_limits(&layout, &cfg.raw)?;
+        crate::train::cuda_kernel_limits(&ModelLayout::new(&r.model), &cfg.raw)?;
     }
     println!("fits");
     Ok(())

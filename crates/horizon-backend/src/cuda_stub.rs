@@ -11,8 +11,8 @@ pub use config::{CudaDeviceConfig, CudaError, KernelShape, MAX_HEAD_DIM, check_k
 use std::sync::Arc;
 
 use crate::device::{
-    DevBuf, Device, DeviceStats, Event, HostPtr, HostPtrMut, HostWork, Kernel, OutOfDeviceMemory,
-    Queue, StagingElem,
+    DevBuf, Device, DeviceStats, Event, HostPtr, HostPtrMut, HostWork, Kernel, KernelTimer,
+    OutOfDeviceMemory, Queue, StagingElem,
 };
 use crate::{AttnDims, Backend, Bf16, Precision};
 
@@ -230,6 +230,9 @@ impl Device for CudaDevice {
         match *self {}
     }
     fn launch(&self, _: Kernel<CudaBackend>) {
+        match *self {}
+    }
+    fn launch_timed(&self, _: Kernel<CudaBackend>, _: KernelTimer) {
         match *self {}
     }
     fn host_on(&self, _: Queue, _: HostWork) {

@@ -236,16 +236,12 @@ impl Event {
     }
     /// Blocks until the event is reached or marked. Marked but not reached: calls `f` with the
     /// mark, under the event's lock, so the handle cannot be signalled (and recycled) while `f`
-    /// runs. Reached: returns without calling `f`. Returns whether `f` was called.
-    pub fn when_marked(&self, f: impl FnOnce(usize)) -> bool {
+    /// runs. Reached: returns without calling `f`.
+    pub fn when_marked(&self, f: impl FnOnce(usize)) {
         let mut s = self.state();
-        loop {
-            if s.done {
-                return false;
-            }
+        while !s.done {
             if s.mark != 0 {
-                f(s.mark);
-                return true;
+                return f(s.mark);
             }
             s = self.0.1.wait(s).expect("event lock poisoned");
         }
@@ -318,8 +314,9 @@ pub trait Views<B: Backend + ?Sized> {
 pub type Kernel<B> = Box<dyn for<'a> FnOnce(&'a dyn Views<B>) + Send>;
 /// Work for the host queue.
 pub type HostWork = Box<dyn FnOnce() + Send>;
-/// Told how long a kernel task ran on the device, once that is known.
-pub type KernelTimer = Box<dyn FnOnce(std::time::Duration) + Send>;
+/// Told how long a kernel task ran on the device, once that is known. Shared, so a caller can
+/// build its timers once and clone them per launch without allocating.
+pub type KernelTimer = Arc<dyn Fn(std::time::Duration) + Send + Sync>;
 
 /// A device: memory pool, queues, events. Every method only *enqueues*; nothing waits unless
 /// it says so.
@@ -370,17 +367,8 @@ pub trait Device: Send + Sync {
     /// Enqueue kernels on [`Queue::Compute`].
     fn launch(&self, k: Kernel<Self::Backend>);
     /// [`Device::launch`], and `timer` is told how long the kernels ran: device time between
-    /// events on a GPU (the closure only enqueues there); the closure's own time by default.
-    fn launch_timed(&self, k: Kernel<Self::Backend>, timer: KernelTimer)
-    where
-        Self::Backend: 'static,
-    {
-        self.launch(Box::new(move |v| {
-            let t0 = std::time::Instant::now();
-            k(v);
-            timer(t0.elapsed());
-        }));
-    }
+    /// events on a GPU (the closure only enqueues there), the closure's own time on the CPU.
+    fn launch_timed(&self, k: Kernel<Self::Backend>, timer: KernelTimer);
     /// Enqueue host work on queue `q`, ordered with that queue's other work (on CUDA, a host
     /// function launched on the stream).
     fn host_on(&self, q: Queue, w: HostWork);

@@ -18,8 +18,8 @@ use super::CpuBackend;
 use crate::Bf16;
 use crate::bf16::same_len;
 use crate::device::{
-    DevBuf, Device, DeviceStats, Event, HostPtr, HostPtrMut, HostWork, Kernel, OutOfDeviceMemory,
-    Queue, StagingElem, Views,
+    DevBuf, Device, DeviceStats, Event, HostPtr, HostPtrMut, HostWork, Kernel, KernelTimer,
+    OutOfDeviceMemory, Queue, StagingElem, Views,
 };
 
 /// Every buffer starts at a multiple of this many elements from a 64-byte aligned base, so
@@ -190,7 +190,12 @@ impl Device for CpuDevice {
     }
 
     fn launch(&self, k: Kernel<CpuBackend>) {
-        self.submit(Queue::Compute, Task::Kernel(k));
+        self.submit(Queue::Compute, Task::Kernel(k, None));
+    }
+
+    /// Timed by the compute thread around the kernels (which run there).
+    fn launch_timed(&self, k: Kernel<CpuBackend>, timer: KernelTimer) {
+        self.submit(Queue::Compute, Task::Kernel(k, Some(timer)));
     }
 
     fn host_on(&self, q: Queue, w: HostWork) {
@@ -430,7 +435,7 @@ impl Views<CpuBackend> for CpuViews<'_> {
 
 /// One unit of queued work.
 enum Task {
-    Kernel(Kernel<CpuBackend>),
+    Kernel(Kernel<CpuBackend>, Option<KernelTimer>),
     Host(HostWork),
     Upload { dst: DevBuf, src: HostPtr },
     UploadI32 { dst: DevBuf, src: Arc<Vec<i32>> },
@@ -483,7 +488,13 @@ impl Shared {
 
     fn run(&self, task: Task) {
         match task {
-            Task::Kernel(k) => k(&CpuViews { arena: &self.arena, backend: CpuBackend }),
+            Task::Kernel(k, timer) => {
+                let t0 = Instant::now();
+                k(&CpuViews { arena: &self.arena, backend: CpuBackend });
+                if let Some(timer) = timer {
+                    timer(t0.elapsed());
+                }
+            }
             Task::Host(w) => w(),
             Task::Upload { dst, src } => self.copy(Queue::H2D, dst.bytes(), || {
                 // SAFETY: `upload`'s caller keeps `src` alive and unwritten until this runs
@@ -616,7 +627,7 @@ fn worker(q: Queue, rx: &Receiver<Task>, shared: &Shared, mut jitter: Jitter) {
                 jitter.delay();
                 true
             }
-            Task::Kernel(_) | Task::Host(_) => true,
+            Task::Kernel(..) | Task::Host(_) => true,
         };
         let start = Instant::now();
         let result = panic::catch_unwind(AssertUnwindSafe(|| shared.run(task)));

@@ -271,10 +271,7 @@ impl Device for CudaDevice {
 
     /// Timed by the CUDA events around the task, read by the compute stream's completion
     /// thread, which calls `timer`.
-    fn launch_timed(&self, k: Kernel<CudaBackend>, timer: KernelTimer)
-    where
-        CudaBackend: 'static,
-    {
+    fn launch_timed(&self, k: Kernel<CudaBackend>, timer: KernelTimer) {
         self.submit(Queue::Compute, Task::Kernel(k, Some(timer)));
     }
 
@@ -412,18 +409,21 @@ impl Shared {
         }
     }
 
+    /// Keeps `msg` as the device's failure unless one came first.
     fn note_failure(&self, q: Queue, msg: String) {
-        let mut first = self.failure.lock().unwrap_or_else(|p| p.into_inner());
-        first.get_or_insert_with(|| format!("{msg} (on the {q:?} queue)"));
+        keep_first(&self.failure, q, msg);
     }
 
+    /// Keeps `msg` as the panic `synchronize` reports unless one came first.
     fn note_panic(&self, q: Queue, msg: String) {
-        let mut first = match self.first_panic.lock() {
-            Ok(first) => first,
-            Err(poisoned) => poisoned.into_inner(),
-        };
-        first.get_or_insert_with(|| format!("{msg} (on the {q:?} queue)"));
+        keep_first(&self.first_panic, q, msg);
     }
+}
+
+/// Stores `msg`, naming queue `q`, in `slot` if it is empty (also after a panic poisoned it).
+fn keep_first(slot: &Mutex<Option<String>>, q: Queue, msg: String) {
+    let mut first = slot.lock().unwrap_or_else(|p| p.into_inner());
+    first.get_or_insert_with(|| format!("{msg} (on the {q:?} queue)"));
 }
 
 /// Recycled CUDA events (blocking sync, timing enabled), so the step loop creates none after
