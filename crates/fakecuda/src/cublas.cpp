@@ -20,6 +20,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "complain.h"
 #include "driver_api.h"
 #include "driver_types.h"
 
@@ -27,14 +28,7 @@
 
 namespace {
 
-__attribute__((format(printf, 1, 2))) void complain(const char* fmt, ...) {
-    char buf[1024];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(buf, sizeof buf, fmt, ap);
-    va_end(ap);
-    fprintf(stderr, "fakecuda: %s\n", buf);
-}
+using fakecuda::complain;
 
 // ---- the driver's entry points -----------------------------------------------------------------
 
@@ -130,23 +124,16 @@ float bf16(uint16_t x) {
     return f;
 }
 
-// Packs op(A) as `rows` rows of kp floats (row i = op(A)(i, 0..k)), zero-padded.
-std::vector<v4> pack_a(const Gemm& g, int rows, int kp) {
-    std::vector<v4> out((size_t)rows * kp / 4, v4{0, 0, 0, 0});
+// Packs the n x k bf16 matrix X (column-major with leading dimension ld, or stored transposed,
+// so that X(r, p) = x[p + r * ld]) as `padded` rows of kp floats, row r = X(r, 0..k), zero-padded.
+// op(A) is X = A (m x k); op(B) is packed by columns, X = op(B)^T (n x k).
+std::vector<v4> pack(const uint16_t* x, long long ld, bool transposed, int n, int k, int padded,
+                     int kp) {
+    std::vector<v4> out((size_t)padded * kp / 4, v4{0, 0, 0, 0});
     float* dst = (float*)out.data();
-    for (int i = 0; i < g.m; ++i)
-        for (int p = 0; p < g.k; ++p)
-            dst[(size_t)i * kp + p] = bf16(g.ta ? g.a[p + i * g.lda] : g.a[i + p * g.lda]);
-    return out;
-}
-
-// Packs op(B) as `cols` rows of kp floats (row j = op(B)(0..k, j)), zero-padded.
-std::vector<v4> pack_b(const Gemm& g, int cols, int kp) {
-    std::vector<v4> out((size_t)cols * kp / 4, v4{0, 0, 0, 0});
-    float* dst = (float*)out.data();
-    for (int j = 0; j < g.n; ++j)
-        for (int p = 0; p < g.k; ++p)
-            dst[(size_t)j * kp + p] = bf16(g.tb ? g.b[j + p * g.ldb] : g.b[p + j * g.ldb]);
+    for (int r = 0; r < n; ++r)
+        for (int p = 0; p < k; ++p)
+            dst[(size_t)r * kp + p] = bf16(transposed ? x[p + r * ld] : x[r + p * ld]);
     return out;
 }
 
@@ -179,8 +166,8 @@ void micro_2x4(const Gemm& g, const v4* a, const v4* b, int kv, int i, int j) {
 void run_gemm(const Gemm& g) {
     int kp = std::max(4, (g.k + 3) / 4 * 4), kv = kp / 4;  // k = 0: one zero vector
     int rows = (g.m + 1) / 2 * 2, cols = (g.n + 3) / 4 * 4;
-    std::vector<v4> a = pack_a(g, rows, kp);
-    std::vector<v4> b = pack_b(g, cols, kp);
+    std::vector<v4> a = pack(g.a, g.lda, g.ta, g.m, g.k, rows, kp);   // op(A)(i, p)
+    std::vector<v4> b = pack(g.b, g.ldb, !g.tb, g.n, g.k, cols, kp);  // op(B)(p, j), by column j
     const int kRowBlock = 64;  // rows of packed A kept in cache while all columns pass
     for (int i0 = 0; i0 < rows; i0 += kRowBlock)
         for (int j = 0; j < cols; j += 4)

@@ -37,6 +37,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "complain.h"
 #include "driver_api.h"
 #include "driver_types.h"
 #include "exec.h"
@@ -107,15 +108,7 @@ void read_config() {
     c.page = page > 0 ? (size_t)page : 4096;
 }
 
-// One line on stderr, prefixed "fakecuda: ", written with a single call.
-__attribute__((format(printf, 1, 2))) void complain(const char* fmt, ...) {
-    char buf[2048];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(buf, sizeof buf, fmt, ap);
-    va_end(ap);
-    fprintf(stderr, "fakecuda: %s\n", buf);
-}
+using fakecuda::complain;
 
 const char* error_name(int code) {
 #define FAKECUDA_CU_NAME(name, value, text) \
