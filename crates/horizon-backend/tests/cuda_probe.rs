@@ -54,3 +54,28 @@ fn without_a_driver_construction_is_a_clear_error() {
     assert!(err.to_string().contains(want), "{err}");
     assert!(probe().is_err());
 }
+
+/// The kernels' limits are refused before any device work, naming the limit and the value (the
+/// same check with and without the `cuda` feature: `horizon plan` and `horizon train` call it).
+#[test]
+fn kernel_limits_are_refused_by_name() {
+    use horizon_backend::cuda::{KernelShape, MAX_HEAD_DIM, check_kernel_limits};
+    let ok = KernelShape { c: 4096, h: 32, kvh: 8, d: 128, f: 14336, v: 128_256, b: 4, t: 4096 };
+    assert!(check_kernel_limits(&ok).is_ok());
+    assert!(check_kernel_limits(&KernelShape { d: MAX_HEAD_DIM, ..ok }).is_ok());
+    let refused = |s: KernelShape, want: &[&str]| {
+        let err = check_kernel_limits(&s).expect_err("a shape beyond the kernels").to_string();
+        for w in want {
+            assert!(err.contains(w), "{w:?} not in: {err}");
+        }
+    };
+    refused(KernelShape { d: 320, ..ok }, &["head_dim 320", "1..=256", "device.backend = cpu"]);
+    refused(KernelShape { d: 0, ..ok }, &["head_dim 0"]);
+    refused(KernelShape { kvh: 5, ..ok }, &["num_attention_heads 32", "num_key_value_heads 5"]);
+    refused(KernelShape { b: 70_000, t: 1, ..ok }, &["sequences per micro-batch, 70000", "65535"]);
+    refused(
+        KernelShape { b: 1024, t: 1 << 21, ..ok },
+        &["tokens per micro-batch", "2147483648", "train.max_seq_len"],
+    );
+    refused(KernelShape { v: 1 << 31, ..ok }, &["vocab_size = 2147483648"]);
+}
