@@ -1496,7 +1496,7 @@ unsafe fn rescale_moments(c: &Ctx, i: usize, r: f32) {
 
 fn attn_dims(c: &Ctx, mb: &MicroBatch) -> AttnDims {
     let d = &c.layout.dims;
-    AttnDims { b: mb.b, t: mb.t, h: d.h, kvh: d.kvh, d: d.d }
+    AttnDims::new(mb.b, mb.t, d.h, d.kvh, d.d)
 }
 
 /// The rope tables for sequences of `t` positions.

@@ -11,7 +11,7 @@
 use std::ops::{Deref, DerefMut};
 
 use anyhow::{Result, bail};
-use horizon_backend::{AttnDims, Backend, CpuBackend, DeviceAlloc, DeviceSlice};
+use horizon_backend::{AttnDims, Backend, CpuBackend, DeviceAlloc, DeviceSlice, NormDims};
 
 use crate::data::pretokenized::Batch;
 use crate::hf::config::ModelConfig;
@@ -216,7 +216,7 @@ impl<B: DeviceAlloc> Transformer<B> {
 
     fn attn_dims(&self, b: usize, t: usize) -> AttnDims {
         let d = &self.layout.dims;
-        AttnDims { b, t, h: d.h, kvh: d.kvh, d: d.d }
+        AttnDims::new(b, t, d.h, d.kvh, d.d)
     }
 
     fn check_batch(&self, batch: &Batch) -> Result<()> {
@@ -269,8 +269,7 @@ impl<B: DeviceAlloc> Transformer<B> {
             vm(&mut self.rstd_f, n),
             v(&self.x, nc),
             &self.norm_w,
-            d.c,
-            eps,
+            NormDims::new(d.c, eps),
         );
         let head = params.lm_head.as_deref().unwrap_or(&params.embed);
         self.be.upload_weights(&mut self.head_w, head);
@@ -496,7 +495,13 @@ pub(crate) fn layer_forward<B: Backend, M: DerefMut<Target = B::Buf>>(
     let n = ad.n();
     let c = x.len() / n;
     let (nc, qkv, hd) = (n * c, ad.qkv_width(), ad.h * ad.d);
-    be.rmsnorm_forward(vm(&mut a.h1, nc), vm(&mut a.rstd1, n), x, w.slice(lay.ln1.clone()), c, eps);
+    be.rmsnorm_forward(
+        vm(&mut a.h1, nc),
+        vm(&mut a.rstd1, n),
+        x,
+        w.slice(lay.ln1.clone()),
+        NormDims::new(c, eps),
+    );
     be.matmul_forward(
         vm(&mut a.qkv, n * qkv),
         v(&a.h1, nc),
@@ -523,8 +528,7 @@ pub(crate) fn layer_forward<B: Backend, M: DerefMut<Target = B::Buf>>(
         vm(&mut a.rstd2, n),
         v(&a.x2, nc),
         w.slice(lay.ln2.clone()),
-        c,
-        eps,
+        NormDims::new(c, eps),
     );
     be.matmul_forward(
         vm(&mut a.gu, n * 2 * f),
@@ -602,7 +606,7 @@ pub(crate) fn layer_backward<B: Backend, M: DerefMut<Target = B::Buf>>(
         v(&a.x2, nc),
         w.slice(lay.ln2.clone()),
         v(&a.rstd2, n),
-        c,
+        NormDims::new(c, 0.0),
     );
     // x2 = x + o: dx starts as dx2.
     be.copy(vm(&mut g.dres, nc), v(&g.dx2, nc));
@@ -654,7 +658,7 @@ pub(crate) fn layer_backward<B: Backend, M: DerefMut<Target = B::Buf>>(
         x,
         w.slice(lay.ln1.clone()),
         v(&a.rstd1, n),
-        c,
+        NormDims::new(c, 0.0),
     );
 }
 
@@ -710,7 +714,7 @@ pub(crate) fn head_forward_backward<B: Backend, M: DerefMut<Target = B::Buf>>(
 ) {
     let HeadDims { n, c, v: vocab, chunk, eps, scale } = hd;
     let nc = n * c;
-    be.rmsnorm_forward(vm(&mut hb.hf, nc), vm(&mut hb.rstd, n), x, norm_w, c, eps);
+    be.rmsnorm_forward(vm(&mut hb.hf, nc), vm(&mut hb.rstd, n), x, norm_w, NormDims::new(c, eps));
     for r0 in (0..n).step_by(chunk) {
         let rows = chunk.min(n - r0);
         let hf_rows = r0 * c..(r0 + rows) * c;
@@ -745,5 +749,13 @@ pub(crate) fn head_forward_backward<B: Backend, M: DerefMut<Target = B::Buf>>(
     }
     // The final norm's backward starts the residual-stream gradient.
     be.zero(&mut *out.dres);
-    be.rmsnorm_backward(out.dres, out.dnorm_w, v(&hb.dhf, nc), x, norm_w, v(&hb.rstd, n), c);
+    be.rmsnorm_backward(
+        out.dres,
+        out.dnorm_w,
+        v(&hb.dhf, nc),
+        x,
+        norm_w,
+        v(&hb.rstd, n),
+        NormDims::new(c, 0.0),
+    );
 }

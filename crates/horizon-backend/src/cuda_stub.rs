@@ -14,7 +14,7 @@ use crate::device::{
     DevBuf, Device, DeviceStats, Event, HostPtr, HostPtrMut, HostWork, Kernel, KernelTimer,
     OutOfDeviceMemory, Queue, StagingElem,
 };
-use crate::{AttnDims, Backend, Bf16, Precision};
+use crate::{AttnDims, Backend, Bf16, NormDims, Precision};
 
 /// Whether this binary was built with the CUDA backend.
 pub const BUILT_WITH_CUDA: bool = false;
@@ -99,15 +99,7 @@ impl Backend for CudaBackend {
     fn embedding_backward(&self, _: &mut [f32], _: &[i32], _: &[f32], _: usize) {
         match *self {}
     }
-    fn rmsnorm_forward(
-        &self,
-        _: &mut [f32],
-        _: &mut [f32],
-        _: &[f32],
-        _: &[Bf16],
-        _: usize,
-        _: f32,
-    ) {
+    fn rmsnorm_forward(&self, _: &mut [f32], _: &mut [f32], _: &[f32], _: &[Bf16], _: NormDims) {
         match *self {}
     }
     fn rmsnorm_backward(
@@ -118,8 +110,38 @@ impl Backend for CudaBackend {
         _: &[f32],
         _: &[Bf16],
         _: &[f32],
-        _: usize,
+        _: NormDims,
     ) {
+        match *self {}
+    }
+    fn head_rmsnorm_forward(
+        &self,
+        _: &mut [f32],
+        _: &mut [f32],
+        _: &[f32],
+        _: &[Bf16],
+        _: AttnDims,
+        _: NormDims,
+    ) {
+        match *self {}
+    }
+    fn head_rmsnorm_backward(
+        &self,
+        _: &mut [f32],
+        _: &mut [f32],
+        _: &[f32],
+        _: &[f32],
+        _: &[Bf16],
+        _: &[f32],
+        _: AttnDims,
+        _: NormDims,
+    ) {
+        match *self {}
+    }
+    fn geglu_forward(&self, _: &mut [f32], _: &[f32], _: usize, _: usize) {
+        match *self {}
+    }
+    fn geglu_backward(&self, _: &mut [f32], _: &[f32], _: &[f32], _: usize, _: usize) {
         match *self {}
     }
     fn matmul_forward(

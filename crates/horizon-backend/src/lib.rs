@@ -67,17 +67,27 @@ impl<T> DeviceSlice for [T] {
 }
 
 /// Sizes of one attention call: `B` sequences of `T` positions, `H` query heads sharing `KVH`
-/// key/value heads (GQA; `H % KVH == 0`), head dim `D`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// key/value heads (GQA; `H % KVH == 0`), head dim `D`; the causal window and the score scale.
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AttnDims {
     pub b: usize,
     pub t: usize,
     pub h: usize,
     pub kvh: usize,
     pub d: usize,
+    /// Sliding window `W`: query `i` sees keys `j` with `i - W < j <= i` (itself and the `W - 1`
+    /// before it, as transformers' `sliding_window`); 0 = full causal attention.
+    pub window: usize,
+    /// Scale of the scores `s_ij = scale q_i.k_j`: `1/sqrt(D)` for most families, Gemma's
+    /// `query_pre_attn_scalar^-1/2`.
+    pub scale: f32,
 }
 
 impl AttnDims {
+    /// Full causal attention with the scale `1/sqrt(D)`.
+    pub fn new(b: usize, t: usize, h: usize, kvh: usize, d: usize) -> Self {
+        AttnDims { b, t, h, kvh, d, window: 0, scale: 1.0 / (d as f32).sqrt() }
+    }
     /// Rows `N = B*T`.
     pub fn n(&self) -> usize {
         self.b * self.t
@@ -85,6 +95,22 @@ impl AttnDims {
     /// Width of one fused q|k|v row: `(H + 2*KVH)*D`.
     pub fn qkv_width(&self) -> usize {
         (self.h + 2 * self.kvh) * self.d
+    }
+}
+
+/// How an RMSNorm applies its weight: row width `C`, `eps`, and `w_offset`: the weight is applied
+/// as `(w_offset + w)`: 0 for Llama-style norms, 1 for Gemma's `x * (1 + w)`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct NormDims {
+    pub c: usize,
+    pub eps: f32,
+    pub w_offset: f32,
+}
+
+impl NormDims {
+    /// `out = inp * rstd * w` over rows of `c`.
+    pub fn new(c: usize, eps: f32) -> Self {
+        NormDims { c, eps, w_offset: 0.0 }
     }
 }
 
@@ -139,7 +165,8 @@ pub trait Backend: Send + Sync {
         c: usize,
     );
 
-    /// RMSNorm: `out = inp * rstd * weight`, `rstd = 1/sqrt(mean(inp^2) + eps)` per row.
+    /// RMSNorm: `out = inp * rstd * (w_offset + weight)`, `rstd = 1/sqrt(mean(inp^2) + eps)`
+    /// per row.
     /// out: (N, C), overwrites. rstd: (N), overwrites. inp: (N, C). weight: (C).
     fn rmsnorm_forward(
         &self,
@@ -147,8 +174,7 @@ pub trait Backend: Send + Sync {
         rstd: &mut Self::Buf,
         inp: &Self::Buf,
         weight: &Self::WBuf,
-        c: usize,
-        eps: f32,
+        norm: NormDims,
     );
     /// dinp: (N, C), accumulates (+=). dweight: (C), accumulates (+=). dout, inp: (N, C).
     /// weight: (C). rstd: (N) as saved by the forward.
@@ -161,7 +187,37 @@ pub trait Backend: Send + Sync {
         inp: &Self::Buf,
         weight: &Self::WBuf,
         rstd: &Self::Buf,
-        c: usize,
+        norm: NormDims,
+    );
+
+    /// Per-head RMSNorm of the q and k parts of each fused row (Qwen3's and Gemma 3's
+    /// `q_norm`, `k_norm`, before rope): every q head's `D` values are normalised with
+    /// `weight[0..D]`, every k head's with `weight[D..2D]`, as [`Backend::rmsnorm_forward`] with
+    /// `norm` (`norm.c == D`); the v part is copied.
+    /// out: (N, QKV), overwrites. rstd: (N, H + KVH), overwrites: row r's q heads, then its
+    /// k heads. inp: (N, QKV). weight: (2D) = `[q_norm (D) | k_norm (D)]`.
+    fn head_rmsnorm_forward(
+        &self,
+        out: &mut Self::Buf,
+        rstd: &mut Self::Buf,
+        inp: &Self::Buf,
+        weight: &Self::WBuf,
+        dims: AttnDims,
+        norm: NormDims,
+    );
+    /// dinp: (N, QKV), overwrites (its v part is dout's). dweight: (2D), accumulates (+=).
+    /// dout, inp: (N, QKV). weight: (2D). rstd: (N, H + KVH) as saved by the forward.
+    #[allow(clippy::too_many_arguments)]
+    fn head_rmsnorm_backward(
+        &self,
+        dinp: &mut Self::Buf,
+        dweight: &mut Self::Buf,
+        dout: &Self::Buf,
+        inp: &Self::Buf,
+        weight: &Self::WBuf,
+        rstd: &Self::Buf,
+        dims: AttnDims,
+        norm: NormDims,
     );
 
     /// Linear layer: `out = inp @ weight^T + bias`. With bf16 weights, `inp` is rounded to bf16
@@ -203,8 +259,8 @@ pub trait Backend: Send + Sync {
     /// In place on the dq and dk parts of dqkv: (N, QKV) (the inverse rotation); dv untouched.
     fn rope_backward(&self, dqkv: &mut Self::Buf, cos: &Self::Buf, sin: &Self::Buf, dims: AttnDims);
 
-    /// Causal grouped-query attention with scale `1/sqrt(D)`; query head `h` reads kv head
-    /// `h / (H/KVH)`.
+    /// Causal grouped-query attention with scores `dims.scale * q.k`, within `dims.window`
+    /// when it is not 0; query head `h` reads kv head `h / (H/KVH)`.
     /// out: (N, H*D), overwrites. lse: (B, H, T), overwrites (log-sum-exp of each score row).
     /// qkv: (N, QKV) after rope.
     fn attention_forward(
@@ -231,6 +287,20 @@ pub trait Backend: Send + Sync {
     fn swiglu_forward(&self, out: &mut Self::Buf, gate_up: &Self::Buf, n: usize, f: usize);
     /// dgate_up: (N, 2F), overwrites. dout: (N, F). gate_up: (N, 2F).
     fn swiglu_backward(
+        &self,
+        dgate_up: &mut Self::Buf,
+        dout: &Self::Buf,
+        gate_up: &Self::Buf,
+        n: usize,
+        f: usize,
+    );
+
+    /// GeGLU (Gemma): `out = gelu_tanh(gate) * up`, with transformers' `gelu_pytorch_tanh`:
+    /// `gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
+    /// out: (N, F), overwrites. gate_up: (N, 2F), row = `[gate (F) | up (F)]`.
+    fn geglu_forward(&self, out: &mut Self::Buf, gate_up: &Self::Buf, n: usize, f: usize);
+    /// dgate_up: (N, 2F), overwrites. dout: (N, F). gate_up: (N, 2F).
+    fn geglu_backward(
         &self,
         dgate_up: &mut Self::Buf,
         dout: &Self::Buf,

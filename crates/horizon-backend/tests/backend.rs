@@ -3,7 +3,7 @@
 
 use horizon_backend::cpu::testing::Rng;
 use horizon_backend::cpu::*;
-use horizon_backend::{AttnDims, Backend, CpuBackend};
+use horizon_backend::{AttnDims, Backend, CpuBackend, NormDims};
 
 fn bits(x: &[f32]) -> Vec<u32> {
     x.iter().map(|v| v.to_bits()).collect()
@@ -12,7 +12,7 @@ fn bits(x: &[f32]) -> Vec<u32> {
 /// One small step of every op through the trait: returns every output, concatenated.
 fn step<B: Backend<Buf = [f32], IBuf = [i32], WBuf = [f32]>>(be: &B, seed: u64) -> Vec<f32> {
     let mut rng = Rng::new(seed);
-    let dims = AttnDims { b: 2, t: 5, h: 4, kvh: 2, d: 4 };
+    let dims = AttnDims::new(2, 5, 4, 2, 4);
     let (n, c, v, f) = (dims.n(), 12, 11, 10);
     let mut all = Vec::new();
 
@@ -27,9 +27,9 @@ fn step<B: Backend<Buf = [f32], IBuf = [i32], WBuf = [f32]>>(be: &B, seed: u64) 
 
     let w = rng.vec(c, 1.0);
     let (mut y, mut rstd) = (vec![0.0; n * c], vec![0.0; n]);
-    be.rmsnorm_forward(&mut y, &mut rstd, &x, &w, c, 1e-5);
+    be.rmsnorm_forward(&mut y, &mut rstd, &x, &w, NormDims::new(c, 1e-5));
     let (mut dx, mut dw) = (vec![0.0; n * c], vec![0.0; c]);
-    be.rmsnorm_backward(&mut dx, &mut dw, &y, &x, &w, &rstd, c);
+    be.rmsnorm_backward(&mut dx, &mut dw, &y, &x, &w, &rstd, NormDims::new(c, 0.0));
     all.extend(y.iter().chain(&rstd).chain(&dx).chain(&dw));
 
     let width = dims.qkv_width();
@@ -91,7 +91,7 @@ fn step<B: Backend<Buf = [f32], IBuf = [i32], WBuf = [f32]>>(be: &B, seed: u64) 
 /// The same step calling the slice functions directly.
 fn step_direct(seed: u64) -> Vec<f32> {
     let mut rng = Rng::new(seed);
-    let dims = AttnDims { b: 2, t: 5, h: 4, kvh: 2, d: 4 };
+    let dims = AttnDims::new(2, 5, 4, 2, 4);
     let (n, c, v, f) = (dims.n(), 12, 11, 10);
     let mut all = Vec::new();
 

@@ -25,7 +25,7 @@ use horizon_backend::cuda::{CudaBackend, CudaDevice, CudaDeviceConfig, CudaMem, 
 use horizon_backend::precision::GRAD_WIRE_CHUNK;
 use horizon_backend::{
     AttnDims, Backend, Bf16, CpuBackend, DevBuf, Device, DeviceAlloc, DeviceSlice, Event, HostPtr,
-    HostPtrMut, Precision, Queue,
+    HostPtrMut, NormDims, Precision, Queue,
 };
 
 const GUARD: usize = 37;
@@ -134,18 +134,24 @@ fn rmsnorm_forward_and_backward() {
         // The GPU reads the weight as bf16: the CPU gets the same values.
         let (x, w) = (rng.vec(n * c, 2.0), rounded(&rng.vec(c, 1.0)));
         let (mut out, mut rstd) = (vec![0.0; n * c], vec![0.0; n]);
-        CpuBackend.rmsnorm_forward(&mut out, &mut rstd, &x, &w, c, 1e-5);
+        CpuBackend.rmsnorm_forward(&mut out, &mut rstd, &x, &w, NormDims::new(c, 1e-5));
         let (gx, gw) = (Guarded::new(&be, "inp", &x), weights_on(&be, &w));
         let mut gout = Guarded::new(&be, "out", &vec![0.0; n * c]);
         let mut grstd = Guarded::new(&be, "rstd", &vec![0.0; n]);
-        be.rmsnorm_forward(gout.view_mut(), grstd.view_mut(), gx.view(), &gw, c, 1e-5);
+        be.rmsnorm_forward(
+            gout.view_mut(),
+            grstd.view_mut(),
+            gx.view(),
+            &gw,
+            NormDims::new(c, 1e-5),
+        );
         assert_close("rmsnorm_forward out", &gout.read(&be), &out, TOL);
         assert_close("rmsnorm_forward rstd", &grstd.read(&be), &rstd, TOL);
 
         let dout = rng.vec(n * c, 1.0);
         let (dx0, dw0) = (rng.vec(n * c, 1.0), rng.vec(c, 1.0));
         let (mut dx, mut dw) = (dx0.clone(), dw0.clone());
-        CpuBackend.rmsnorm_backward(&mut dx, &mut dw, &dout, &x, &w, &rstd, c);
+        CpuBackend.rmsnorm_backward(&mut dx, &mut dw, &dout, &x, &w, &rstd, NormDims::new(c, 0.0));
         let gdout = Guarded::new(&be, "dout", &dout);
         let (mut gdx, mut gdw) =
             (Guarded::new(&be, "dinp", &dx0), Guarded::new(&be, "dweight", &dw0));
@@ -156,7 +162,7 @@ fn rmsnorm_forward_and_backward() {
             gx.view(),
             &gw,
             grstd.view(),
-            c,
+            NormDims::new(c, 0.0),
         );
         assert_close("rmsnorm_backward dinp (+=)", &gdx.read(&be), &dx, TOL);
         assert_close("rmsnorm_backward dweight (+=)", &gdw.read(&be), &dw, TOL_SUM);
@@ -275,12 +281,12 @@ fn a_product_larger_than_the_workspace_is_refused_by_name() {
 
 fn attn_cases() -> Vec<AttnDims> {
     vec![
-        AttnDims { b: 1, t: 1, h: 1, kvh: 1, d: 2 },
-        AttnDims { b: 2, t: 37, h: 4, kvh: 2, d: 6 },
-        AttnDims { b: 1, t: 67, h: 3, kvh: 1, d: 40 },
-        AttnDims { b: 3, t: 33, h: 2, kvh: 2, d: 72 },
-        AttnDims { b: 1, t: 129, h: 4, kvh: 1, d: 128 },
-        AttnDims { b: 1, t: 45, h: 2, kvh: 1, d: 256 },
+        AttnDims::new(1, 1, 1, 1, 2),
+        AttnDims::new(2, 37, 4, 2, 6),
+        AttnDims::new(1, 67, 3, 1, 40),
+        AttnDims::new(3, 33, 2, 2, 72),
+        AttnDims::new(1, 129, 4, 1, 128),
+        AttnDims::new(1, 45, 2, 1, 256),
     ]
 }
 

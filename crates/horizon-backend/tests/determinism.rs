@@ -55,7 +55,7 @@ fn all_ops() -> Vec<f32> {
     all.extend(e.iter().chain(&dtable));
 
     // rope + attention: GQA, 2 batches x 2 kv heads in the backward, 8 (b, h) pairs forward.
-    let dims = AttnDims { b: 2, t: 33, h: 4, kvh: 2, d: 8 };
+    let dims = AttnDims::new(2, 33, 4, 2, 8);
     let mut qkv = rng.vec(dims.n() * dims.qkv_width(), 1.5);
     let cos = rng.vec(dims.t * dims.d / 2, 1.0);
     let sin = rng.vec(dims.t * dims.d / 2, 1.0);

@@ -28,12 +28,12 @@ const TWICE_TOL: f64 = 1e-6;
 /// Attention shapes covering GQA (3 over 1, 4 over 2), MQA, plain MHA, T = 1, and T over two
 /// query blocks of the CPU kernel (64 rows each) with a partial third.
 const ATTN_DIMS: [AttnDims; 6] = [
-    AttnDims { b: 2, t: 7, h: 3, kvh: 1, d: 4 },
-    AttnDims { b: 2, t: 7, h: 4, kvh: 2, d: 4 },
-    AttnDims { b: 1, t: 6, h: 4, kvh: 1, d: 6 },
-    AttnDims { b: 2, t: 5, h: 2, kvh: 2, d: 4 },
-    AttnDims { b: 3, t: 1, h: 2, kvh: 1, d: 2 },
-    AttnDims { b: 1, t: 140, h: 2, kvh: 1, d: 4 },
+    AttnDims::new(2, 7, 3, 1, 4),
+    AttnDims::new(2, 7, 4, 2, 4),
+    AttnDims::new(1, 6, 4, 1, 6),
+    AttnDims::new(2, 5, 2, 2, 4),
+    AttnDims::new(3, 1, 2, 1, 2),
+    AttnDims::new(1, 140, 2, 1, 4),
 ];
 
 /// `sum(out * r)` in f64: the scalar loss whose gradient w.r.t. `out` is `r`.
@@ -376,7 +376,7 @@ fn attention_gqa_equals_mha_with_repeated_kv() {
     // GQA with H=4 over KVH=2 must equal plain MHA (KVH=4) after repeating each kv head for its
     // group (heads 0,1 read kv 0; heads 2,3 read kv 1), for out and for dq.
     let mut rng = Rng::new(17);
-    let g = AttnDims { b: 2, t: 6, h: 4, kvh: 2, d: 4 };
+    let g = AttnDims::new(2, 6, 4, 2, 4);
     let m = AttnDims { kvh: 4, ..g };
     let (qkv, out, lse) = attention_case(&mut rng, g);
     let d = g.d;

@@ -71,7 +71,7 @@ fn check(
     out_len: usize,
     lse_len: usize,
 ) -> (usize, usize) {
-    let AttnDims { b, t, h, kvh, d } = dims;
+    let AttnDims { b, t, h, kvh, d, .. } = dims;
     assert!(kvh > 0 && h % kvh == 0, "{what}: H = {h} must be a multiple of KVH = {kvh}");
     assert_eq!(qkv.len(), b * t * dims.qkv_width(), "{what}: qkv must be (N, QKV)");
     assert_eq!(out_len, b * t * h * d, "{what}: out must be (N, H*D)");
@@ -109,7 +109,7 @@ fn scores(
 /// qkv: (N, QKV), row = `[q (H*D) | k (KVH*D) | v (KVH*D)]`, after rope.
 pub fn attention_forward(out: &mut [f32], lse: &mut [f32], qkv: &[f32], dims: AttnDims) {
     let (width, group) = check("attention_forward", dims, qkv, out.len(), lse.len());
-    let AttnDims { b, t, h, kvh, d } = dims;
+    let AttnDims { b, t, h, kvh, d, .. } = dims;
     let scale = 1.0 / (d as f32).sqrt();
     let hd = h * d;
     let qb = QB.min(t);
@@ -213,7 +213,7 @@ pub fn attention_backward(
     let (width, group) = check("attention_backward", dims, qkv, out.len(), lse.len());
     assert_eq!(dqkv.len(), qkv.len(), "attention_backward: dqkv must be (N, QKV)");
     assert_eq!(dout.len(), out.len(), "attention_backward: dout must be (N, H*D)");
-    let AttnDims { b, t, h, kvh, d } = dims;
+    let AttnDims { b, t, h, kvh, d, .. } = dims;
     let scale = 1.0 / (d as f32).sqrt();
     let hd = h * d;
     let qb = QB.min(t);

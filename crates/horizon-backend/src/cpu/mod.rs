@@ -26,7 +26,7 @@ pub use rmsnorm::{rmsnorm_backward, rmsnorm_forward};
 pub use rope::{rope_backward, rope_forward};
 pub use swiglu::{swiglu_backward, swiglu_forward};
 
-use crate::{AttnDims, Backend, Precision};
+use crate::{AttnDims, Backend, NormDims, Precision};
 
 /// The CPU reference backend. Buffers are plain host slices; work runs on the current rayon
 /// pool (install a pool around calls to choose the thread count).
@@ -89,10 +89,10 @@ impl Backend for CpuBackend {
         rstd: &mut [f32],
         inp: &[f32],
         weight: &[f32],
-        c: usize,
-        eps: f32,
+        norm: NormDims,
     ) {
-        rmsnorm_forward(out, rstd, inp, weight, c, eps);
+        assert_eq!(norm.w_offset, 0.0, "rmsnorm w_offset: not yet implemented");
+        rmsnorm_forward(out, rstd, inp, weight, norm.c, norm.eps);
     }
 
     fn rmsnorm_backward(
@@ -103,9 +103,36 @@ impl Backend for CpuBackend {
         inp: &[f32],
         weight: &[f32],
         rstd: &[f32],
-        c: usize,
+        norm: NormDims,
     ) {
-        rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, c);
+        assert_eq!(norm.w_offset, 0.0, "rmsnorm w_offset: not yet implemented");
+        rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, norm.c);
+    }
+
+    fn head_rmsnorm_forward(
+        &self,
+        _out: &mut [f32],
+        _rstd: &mut [f32],
+        _inp: &[f32],
+        _weight: &[f32],
+        _dims: AttnDims,
+        _norm: NormDims,
+    ) {
+        unimplemented!("head_rmsnorm_forward")
+    }
+
+    fn head_rmsnorm_backward(
+        &self,
+        _dinp: &mut [f32],
+        _dweight: &mut [f32],
+        _dout: &[f32],
+        _inp: &[f32],
+        _weight: &[f32],
+        _rstd: &[f32],
+        _dims: AttnDims,
+        _norm: NormDims,
+    ) {
+        unimplemented!("head_rmsnorm_backward")
     }
 
     fn matmul_forward(
@@ -173,6 +200,21 @@ impl Backend for CpuBackend {
         f: usize,
     ) {
         swiglu_backward(dgate_up, dout, gate_up, n, f);
+    }
+
+    fn geglu_forward(&self, _out: &mut [f32], _gate_up: &[f32], _n: usize, _f: usize) {
+        unimplemented!("geglu_forward")
+    }
+
+    fn geglu_backward(
+        &self,
+        _dgate_up: &mut [f32],
+        _dout: &[f32],
+        _gate_up: &[f32],
+        _n: usize,
+        _f: usize,
+    ) {
+        unimplemented!("geglu_backward")
     }
 
     fn residual_forward(&self, out: &mut [f32], a: &[f32], b: &[f32]) {

@@ -20,7 +20,7 @@ use super::slice::DevSlice;
 use super::{CudaError, check};
 use crate::bf16::round_to_bf16;
 use crate::precision::{BLAS_WORKSPACE_BYTES, GRAD_WIRE_CHUNK, WORKSPACE_ALIGN};
-use crate::{AttnDims, Backend, Bf16, DeviceAlloc, Precision};
+use crate::{AttnDims, Backend, Bf16, DeviceAlloc, NormDims, Precision};
 
 /// The CUDA backend: a context, the stream its ops run on, the compiled kernels, a cuBLAS handle
 /// and the workspace. Cloning shares all of them.
@@ -398,10 +398,10 @@ impl Backend for CudaBackend {
         rstd: &mut DevSlice<f32>,
         inp: &DevSlice<f32>,
         weight: &DevSlice<Bf16>,
-        c: usize,
-        eps: f32,
+        norm: NormDims,
     ) {
-        super::rmsnorm::rmsnorm_forward(self, out, rstd, inp, weight, c, eps);
+        assert_eq!(norm.w_offset, 0.0, "rmsnorm w_offset: not yet implemented");
+        super::rmsnorm::rmsnorm_forward(self, out, rstd, inp, weight, norm.c, norm.eps);
     }
 
     fn rmsnorm_backward(
@@ -412,9 +412,57 @@ impl Backend for CudaBackend {
         inp: &DevSlice<f32>,
         weight: &DevSlice<Bf16>,
         rstd: &DevSlice<f32>,
-        c: usize,
+        norm: NormDims,
     ) {
-        super::rmsnorm::rmsnorm_backward(self, dinp, dweight, dout, inp, weight, rstd, c);
+        assert_eq!(norm.w_offset, 0.0, "rmsnorm w_offset: not yet implemented");
+        super::rmsnorm::rmsnorm_backward(self, dinp, dweight, dout, inp, weight, rstd, norm.c);
+    }
+
+    fn head_rmsnorm_forward(
+        &self,
+        _out: &mut DevSlice<f32>,
+        _rstd: &mut DevSlice<f32>,
+        _inp: &DevSlice<f32>,
+        _weight: &DevSlice<Bf16>,
+        _dims: AttnDims,
+        _norm: NormDims,
+    ) {
+        unimplemented!("head_rmsnorm_forward")
+    }
+
+    fn head_rmsnorm_backward(
+        &self,
+        _dinp: &mut DevSlice<f32>,
+        _dweight: &mut DevSlice<f32>,
+        _dout: &DevSlice<f32>,
+        _inp: &DevSlice<f32>,
+        _weight: &DevSlice<Bf16>,
+        _rstd: &DevSlice<f32>,
+        _dims: AttnDims,
+        _norm: NormDims,
+    ) {
+        unimplemented!("head_rmsnorm_backward")
+    }
+
+    fn geglu_forward(
+        &self,
+        _out: &mut DevSlice<f32>,
+        _gate_up: &DevSlice<f32>,
+        _n: usize,
+        _f: usize,
+    ) {
+        unimplemented!("geglu_forward")
+    }
+
+    fn geglu_backward(
+        &self,
+        _dgate_up: &mut DevSlice<f32>,
+        _dout: &DevSlice<f32>,
+        _gate_up: &DevSlice<f32>,
+        _n: usize,
+        _f: usize,
+    ) {
+        unimplemented!("geglu_backward")
     }
 
     fn matmul_forward(

@@ -138,7 +138,7 @@ pub fn rope_tables(t: usize, d: usize, theta: f64) -> (Vec<f32>, Vec<f32>) {
 
 /// Reference causal GQA: explicit score row, full softmax. Returns `(out (N, H*D), lse (B,H,T))`.
 pub fn attention_ref(qkv: &[f64], dims: AttnDims) -> (Vec<f64>, Vec<f64>) {
-    let AttnDims { b, t, h, kvh, d } = dims;
+    let AttnDims { b, t, h, kvh, d, .. } = dims;
     let width = dims.qkv_width();
     let scale = 1.0 / (d as f64).sqrt();
     let group = h / kvh;
