@@ -27,14 +27,16 @@ const TWICE_TOL: f64 = 1e-6;
 
 /// Attention shapes covering GQA (3 over 1, 4 over 2), MQA, plain MHA, T = 1, and T over two
 /// query blocks of the CPU kernel (64 rows each) with a partial third.
-const ATTN_DIMS: [AttnDims; 6] = [
-    AttnDims::new(2, 7, 3, 1, 4),
-    AttnDims::new(2, 7, 4, 2, 4),
-    AttnDims::new(1, 6, 4, 1, 6),
-    AttnDims::new(2, 5, 2, 2, 4),
-    AttnDims::new(3, 1, 2, 1, 2),
-    AttnDims::new(1, 140, 2, 1, 4),
-];
+fn attn_dims() -> [AttnDims; 6] {
+    [
+        AttnDims::new(2, 7, 3, 1, 4),
+        AttnDims::new(2, 7, 4, 2, 4),
+        AttnDims::new(1, 6, 4, 1, 6),
+        AttnDims::new(2, 5, 2, 2, 4),
+        AttnDims::new(3, 1, 2, 1, 2),
+        AttnDims::new(1, 140, 2, 1, 4),
+    ]
+}
 
 /// `sum(out * r)` in f64: the scalar loss whose gradient w.r.t. `out` is `r`.
 fn proj(out: &[f64], r: &[f32]) -> f64 {
@@ -278,7 +280,7 @@ fn matmul_backward_twice_doubles_exactly() {
 #[test]
 fn rope_forward_matches_reference() {
     let mut rng = Rng::new(12);
-    for dims in ATTN_DIMS {
+    for dims in attn_dims() {
         let qkv = rng.vec(dims.n() * dims.qkv_width(), 1.0);
         let (cos, sin) = rope_tables(dims.t, dims.d, 10000.0);
         let mut got = qkv.clone();
@@ -299,7 +301,7 @@ fn rope_forward_matches_reference() {
 #[test]
 fn rope_backward_matches_fd() {
     let mut rng = Rng::new(13);
-    for dims in ATTN_DIMS {
+    for dims in attn_dims() {
         let qkv = rng.vec(dims.n() * dims.qkv_width(), 1.0);
         // Tables with large angles, so every pair really rotates.
         let (cos, sin) = rope_tables(dims.t, dims.d, 3.0);
@@ -325,7 +327,7 @@ fn attention_case(rng: &mut Rng, dims: AttnDims) -> (Vec<f32>, Vec<f32>, Vec<f32
 #[test]
 fn attention_forward_matches_reference() {
     let mut rng = Rng::new(14);
-    for dims in ATTN_DIMS {
+    for dims in attn_dims() {
         let (qkv, out, lse) = attention_case(&mut rng, dims);
         let (want_out, want_lse) = attention_ref(&to64(&qkv), dims);
         assert_close(&format!("attention out {dims:?}"), &out, &want_out, FWD_TOL);
@@ -336,7 +338,7 @@ fn attention_forward_matches_reference() {
 #[test]
 fn attention_backward_matches_fd() {
     let mut rng = Rng::new(15);
-    for dims in ATTN_DIMS {
+    for dims in attn_dims() {
         let (qkv, out, lse) = attention_case(&mut rng, dims);
         let r = rng.vec(out.len(), 1.0);
         let mut dqkv = vec![f32::NAN; qkv.len()]; // overwritten
@@ -349,7 +351,7 @@ fn attention_backward_matches_fd() {
 #[test]
 fn attention_is_causal() {
     let mut rng = Rng::new(16);
-    let dims = ATTN_DIMS[0];
+    let dims = attn_dims()[0];
     let (t, width, hd) = (dims.t, dims.qkv_width(), dims.h * dims.d);
     let (qkv, out, lse) = attention_case(&mut rng, dims);
     let t0 = 4;
@@ -422,7 +424,7 @@ fn attention_writes_stay_inside_their_buffers() {
     const GUARD: usize = 17;
     const SENTINEL: f32 = -12345.0;
     let mut rng = Rng::new(18);
-    let dims = ATTN_DIMS[1];
+    let dims = attn_dims()[1];
     let qkv = rng.vec(dims.n() * dims.qkv_width(), 1.0);
     let guarded = |len: usize| vec![SENTINEL; len + 2 * GUARD];
     let (olen, llen) = (dims.n() * dims.h * dims.d, dims.b * dims.h * dims.t);
