@@ -39,7 +39,7 @@ fn run(memory: &str, wire: &str) -> (Vec<(f64, f64)>, u64, usize) {
         StreamTrainer::new(raw(&yaml(tmp.path(), memory, wire)).resolve("test").unwrap()).unwrap();
     let metrics = (0..STEPS).map(|k| t.step(k).unwrap()).map(|m| (m.loss, m.grad_norm)).collect();
     t.engine.state();
-    let layer = ModelLayout::new(&t.model_cfg).layer.len;
+    let layer = ModelLayout::new(&t.model_cfg).layer(0).len;
     (metrics, t.engine.device().stats().d2h_bytes, layer)
 }
 
@@ -104,8 +104,8 @@ fn the_plan_halves_the_slabs_and_the_cuda_weight_slots() {
     assert_eq!(bf16.slab_bytes() * 2, fp32.slab_bytes());
     let lean = |grad_wire| sizes(EngineConfig { grad_wire, memory: OptimizerMemory::Lean, ..cpu });
     // Lean expands one slab at a time into an fp32 layer for its AdamW update.
-    assert_eq!(lean(GradWire::Bf16).slab_bytes(), 3 * layout.layer.len * 2 + layout.layer.len * 4);
-    assert_eq!(lean(GradWire::Fp32).slab_bytes(), 3 * layout.layer.len * 4);
+    assert_eq!(lean(GradWire::Bf16).slab_bytes(), 3 * layout.layer(0).len * 2 + layout.layer(0).len * 4);
+    assert_eq!(lean(GradWire::Fp32).slab_bytes(), 3 * layout.layer(0).len * 4);
 
     // The CUDA backend's weight slots are bf16: half the bytes; its products need a workspace
     // (cuBLAS's 32 MiB among it); the CPU's need none.

@@ -10,9 +10,9 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use horizon_backend::bf16::{add_bf16, expand_bf16};
 use horizon_backend::cpu::device::ALIGN_ELEMS;
-use horizon_backend::cpu::{add_inplace, embedding_backward, embedding_forward};
+use horizon_backend::cpu::add_inplace;
 use horizon_backend::{
-    AttnDims, Backend, Bf16, DevBuf, Device, DeviceSlice, Event, HostPtr, HostPtrMut, Kernel,
+    Backend, Bf16, DevBuf, Device, DeviceSlice, Event, HostPtr, HostPtrMut, Kernel,
     KernelTimer, Precision, Queue, Views,
 };
 
@@ -24,16 +24,15 @@ use crate::engine::plan::{
 };
 use crate::hf::config::ModelConfig;
 use crate::model::layout::ModelLayout;
+use crate::model::layer::{Rows, Slot, act_slots, grad_slots, layer_backward, layer_forward};
+use crate::model::spec::Op;
 use crate::model::transformer::{
-    HeadBufs, HeadDims, HeadGrads, LayerActs, LayerGrads, head_forward_backward, layer_backward,
-    layer_forward, rope_tables,
+    HeadBufs, HeadDims, HeadGrads, embed_rows, embed_rows_backward, head_forward_backward,
+    rope_tables,
 };
 use crate::optim::adamw::{AdamWConfig, AdamWStep, adamw_update, clip_coefficient, sum_squares};
 use crate::optim::adamw8bit::{Moments8, Moments8Mut, adamw8bit_update, rescale_moments8};
 use crate::train::TrainState;
-
-/// Device buffers in one `LayerActs` (h1, rstd1, qkv, att, lse, x2, h2, rstd2, gu, s, tmp).
-const LAYER_ACT_BUFFERS: usize = 11;
 
 /// How the engine runs a step.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -113,8 +112,13 @@ pub struct Sizes {
     /// Kept forward internals, every layer and micro-batch (0 when the backward recomputes).
     pub stash: usize,
     /// Sets of kept internals (layers x micro-batches; 0 when the backward recomputes), each
-    /// `LAYER_ACT_BUFFERS` buffers.
+    /// `act_buffers` buffers.
     pub stash_sets: usize,
+    /// Buffers of one layer's internals (the layer description's activations).
+    pub act_buffers: usize,
+    /// Buffers of the compute queue's scratch (internals, gradient scratch, layer output, head
+    /// scratch, rope tables).
+    pub scratch_buffers: usize,
     /// Parameters of the model.
     pub params: usize,
 }
@@ -125,17 +129,13 @@ impl Sizes {
         let mb_rows = cfg.micro_batch_size * cfg.seq_len;
         let chunk = cfg.head_chunk_rows.clamp(1, mb_rows.max(1));
         let n = mb_rows;
-        let layer_acts = n * d.c * 4 // h1, x2, h2, tmp
-            + 2 * n // rstd1, rstd2
-            + n * d.qkv()
-            + n * d.hd()
-            + n * d.h // lse
-            + n * 2 * d.f
-            + n * d.f;
+        // From the layer descriptions: every activation and gradient buffer, (N, width) each.
+        let (act_widths, grad_widths) = (layout.max_act_widths(), layout.max_grad_widths());
+        let layer_acts = n * act_widths.iter().sum::<usize>();
         let layer_scratch = layer_acts + n * d.c; // y
-        let grad_scratch = n * d.c * 2 + n * d.qkv() + n * d.hd() + n * 2 * d.f + n * d.f;
+        let grad_scratch = n * grad_widths[1..].iter().sum::<usize>();
         let head_scratch = n * d.c * 2 + n + chunk * d.v;
-        let rope = 2 * cfg.seq_len * d.d / 2;
+        let rope = layout.rope.len() * 2 * cfg.seq_len * d.d / 2;
         let params = layout.num_params();
         let vc = d.v * d.c;
         let host_grads = if cfg.memory.streams_updates() {
@@ -143,19 +143,25 @@ impl Sizes {
         } else {
             params
         };
-        // Every product the step runs: the layer's four, the head's per chunk.
-        let products = [(n, d.c, d.qkv()), (n, d.hd(), d.c), (n, d.c, 2 * d.f), (n, d.f, d.c)]
-            .into_iter()
+        // Every product the step runs: the layers', the head's per chunk.
+        let products = layout
+            .kinds
+            .iter()
+            .flat_map(|k| k.ops.iter())
+            .filter_map(|op| match *op {
+                Op::Linear { ic, oc, .. } => Some((n, ic, oc)),
+                _ => None,
+            })
             .chain(std::iter::once((chunk, d.c, d.v)))
             .map(|(n, ic, oc)| cfg.backend.precision().product_bytes(n, ic, oc))
             .max()
             .unwrap_or(0);
         Sizes {
-            slot: layout.layer.len.max(d.c + vc),
+            slot: layout.max_layer_len().max(d.c + vc),
             precision: cfg.backend.precision(),
             workspace_bytes: cfg.backend.precision().workspace(products).bytes,
             grad_wire: cfg.grad_wire,
-            slab: layout.layer.len,
+            slab: layout.max_layer_len(),
             memory: cfg.memory,
             host_grads,
             moments8_bytes: layout.buffer_tensors().iter().map(|t| Moments8::bytes(t)).sum(),
@@ -169,6 +175,8 @@ impl Sizes {
             per_mb_small: 3 * n,
             stash: if cfg.keep_internals { d.layers * cfg.micro_batches() * layer_acts } else { 0 },
             stash_sets: if cfg.keep_internals { d.layers * cfg.micro_batches() } else { 0 },
+            act_buffers: act_widths.len(),
+            scratch_buffers: act_widths.len() + grad_widths.len() - 1 + 1 + 4 + 2 * layout.rope.len(),
             params,
         }
     }
@@ -189,12 +197,12 @@ impl Sizes {
     pub fn device_bytes(&self) -> [(&'static str, usize); 7] {
         let m = self.micro_batches;
         // Buffers `Engine::new` allocates: slots and accumulators, per micro-batch the residual
-        // streams, residual gradient, ids, targets, losses; 24 scratch buffers; the workspace.
+        // streams, residual gradient, ids, targets, losses; the scratch; the workspace.
         let buffers = 4
             + m * (self.act_sets + 4)
-            + 24
+            + self.scratch_buffers
             + usize::from(self.workspace_bytes > 0)
-            + self.stash_sets * LAYER_ACT_BUFFERS;
+            + self.stash_sets * self.act_buffers;
         let slots = match self.precision {
             Precision::F32 => "weight slots (2, fp32)",
             Precision::Bf16 => "weight slots (2, bf16: half the bytes of fp32)",
@@ -270,24 +278,17 @@ impl Sizes {
     }
 }
 
-/// Gradient scratch of one layer (the residual gradient is each micro-batch's own `dres`).
-struct GradScratch {
-    dx2: DevBuf,
-    dh: DevBuf,
-    dqkv: DevBuf,
-    datt: DevBuf,
-    dgu: DevBuf,
-    ds: DevBuf,
-}
-
 /// The compute queue's scratch buffers.
 struct Scratch {
-    acts: LayerActs<DevBuf>,
-    grads: GradScratch,
+    /// One layer's internals, as the layer descriptions name them (the widest of each).
+    acts: Vec<DevBuf>,
+    /// The backward program's gradient scratch (the residual gradient is each micro-batch's own
+    /// `dres`).
+    grads: Vec<DevBuf>,
     y: DevBuf,
     head: HeadBufs<DevBuf>,
-    cos: DevBuf,
-    sin: DevBuf,
+    /// Per rope table: (T, D/2) cos and sin.
+    ropes: Vec<(DevBuf, DevBuf)>,
 }
 
 /// Everything queued work needs, shared by reference count with the closures.
@@ -333,7 +334,7 @@ struct Ctx {
     /// Seconds of queue work by phase (shared with the engine's kernel timers).
     phases: Arc<PhaseClock>,
     /// [layer][m]: forward internals kept for the backward (empty when it recomputes them).
-    stash: Vec<Vec<LayerActs<DevBuf>>>,
+    stash: Vec<Vec<Vec<DevBuf>>>,
 }
 
 /// The host gradient slabs, in the format layer gradients cross the link in (`engine.grad_wire`).
@@ -612,20 +613,9 @@ where
         let targets = per_mb(n)?;
         let losses = per_mb(n)?;
         let chunk = cfg.head_chunk_rows.clamp(1, n.max(1));
-        let layer_acts = || -> Result<LayerActs<DevBuf>> {
-            Ok(LayerActs {
-                h1: alloc(n * d.c)?,
-                rstd1: alloc(n)?,
-                qkv: alloc(n * d.qkv())?,
-                att: alloc(n * d.hd())?,
-                lse: alloc(n * d.h)?,
-                x2: alloc(n * d.c)?,
-                h2: alloc(n * d.c)?,
-                rstd2: alloc(n)?,
-                gu: alloc(n * 2 * d.f)?,
-                s: alloc(n * d.f)?,
-                tmp: alloc(n * d.c)?,
-            })
+        let act_widths = layout.max_act_widths();
+        let layer_acts = || -> Result<Vec<DevBuf>> {
+            act_widths.iter().map(|w| alloc(n * w)).collect()
         };
         let acts_scratch = layer_acts()?;
         let stash = if cfg.keep_internals {
@@ -635,14 +625,10 @@ where
         } else {
             Vec::new()
         };
-        let grads_scratch = GradScratch {
-            dx2: alloc(n * d.c)?,
-            dh: alloc(n * d.c)?,
-            dqkv: alloc(n * d.qkv())?,
-            datt: alloc(n * d.hd())?,
-            dgu: alloc(n * 2 * d.f)?,
-            ds: alloc(n * d.f)?,
-        };
+        let grads_scratch = layout.max_grad_widths()[1..]
+            .iter()
+            .map(|w| alloc(n * w))
+            .collect::<Result<Vec<_>>>()?;
         let half = d.d / 2;
         let scratch = Scratch {
             acts: acts_scratch,
@@ -654,8 +640,9 @@ where
                 rstd: alloc(n)?,
                 logits: alloc(chunk * d.v)?,
             },
-            cos: alloc(cfg.seq_len * half)?,
-            sin: alloc(cfg.seq_len * half)?,
+            ropes: (0..layout.rope.len())
+                .map(|_| Ok((alloc(cfg.seq_len * half)?, alloc(cfg.seq_len * half)?)))
+                .collect::<Result<Vec<_>>>()?,
         };
 
         // Host staging buffers, allocated once.
@@ -734,8 +721,9 @@ where
             stash,
         };
         // The rope tables are uploaded once.
-        let (cos, sin) = rope_tables(&model.rope_inv_freq(), cfg.seq_len);
-        let (cos_buf, sin_buf) = (ctx.scratch.cos, ctx.scratch.sin);
+        let tables: Vec<(Vec<f32>, Vec<f32>)> =
+            layout.rope.iter().map(|f| rope_tables(f, cfg.seq_len)).collect();
+        let table_bufs = ctx.scratch.ropes.clone();
         // Events start reached: "step -1" and "step -2" have nothing pending.
         let reached = || {
             let e = Event::new();
@@ -774,9 +762,11 @@ where
             timers,
             dev,
         };
-        // SAFETY: the tables are kept alive until the synchronize below.
-        engine.dev.upload(cos_buf, unsafe { HostPtr::new(&cos) });
-        engine.dev.upload(sin_buf, unsafe { HostPtr::new(&sin) });
+        for ((cos_buf, sin_buf), (cos, sin)) in table_bufs.into_iter().zip(&tables) {
+            // SAFETY: the tables are kept alive until the synchronize below.
+            engine.dev.upload(cos_buf, unsafe { HostPtr::new(cos) });
+            engine.dev.upload(sin_buf, unsafe { HostPtr::new(sin) });
+        }
         engine.dev.synchronize();
         Ok(engine)
     }
@@ -981,7 +971,7 @@ where
     fn launch_layer_forward(
         &self,
         phase: Phase,
-        (slot, m): (usize, usize),
+        (layer, slot, m): (usize, usize, usize),
         inp: DevBuf,
         out: DevBuf,
         kept_of: Option<usize>,
@@ -997,19 +987,13 @@ where
                 // against every other queue's use of them (the scratch is the compute queue's).
                 unsafe {
                     let kept = kept_of.and_then(|l| c.stash.get(l)).map(|s| &s[m]);
-                    let mut acts = scratch_acts(vw, kept.unwrap_or(&c.scratch.acts));
-                    layer_forward(
-                        vw.backend(),
-                        &mut acts,
-                        vw.wbuf(c.slots[slot]).slice(0..c.layout.layer.len),
-                        &c.layout.layer,
-                        vw.buf(inp.prefix(nc)),
-                        vw.buf_mut(out.prefix(nc)),
-                        rope(vw, &c, mb.t),
-                        attn_dims(&c, mb),
-                        d.f,
-                        c.layout.eps,
-                    );
+                    let own = kept.unwrap_or(&c.scratch.acts).iter().map(|&b| vw.buf_mut(b));
+                    let out = Slot::W(vw.buf_mut(out.prefix(nc)));
+                    let mut slots = act_slots(vw.buf(inp.prefix(nc)), out, own);
+                    let spec = c.layout.layer(layer);
+                    let w = vw.wbuf(c.slots[slot]).slice(0..spec.len);
+                    let rows = Rows { b: mb.b, t: mb.t };
+                    layer_forward(vw.backend(), spec, &mut slots, w, &ropes(vw, &c, mb.t), rows);
                 }
             }),
         );
@@ -1040,7 +1024,7 @@ where
                                 c.params[0].as_const().as_slice(),
                             )
                         };
-                        embedding_forward(out, &sd.mbs[m].ids, table, d.c);
+                        embed_rows(out, &sd.mbs[m].ids, table, &c.layout);
                         c.phases.add(Phase::Embedding, t0);
                     }),
                 );
@@ -1072,7 +1056,7 @@ where
             OpKind::Forward { layer, slot, m, src, dst } => {
                 let phase = if after_head { Phase::Recompute } else { Phase::Forward };
                 let (inp, out) = (c.acts[src][m], c.acts[dst][m]);
-                self.launch_layer_forward(phase, (slot, m), inp, out, Some(layer), sd);
+                self.launch_layer_forward(phase, (layer, slot, m), inp, out, Some(layer), sd);
             }
             OpKind::ZeroDw { dw } => {
                 let c = c.clone();
@@ -1116,10 +1100,9 @@ where
                                 vw.ibuf(c.targets[m].prefix(n)),
                                 HeadDims {
                                     n,
-                                    c: d.c,
                                     v: d.v,
                                     chunk: c.head_chunk,
-                                    eps: c.layout.eps,
+                                    norm: c.layout.final_norm(),
                                     scale: sd.scale,
                                 },
                             );
@@ -1132,7 +1115,8 @@ where
                     // Rebuild the layer's internals into the scratch first: its own task, so
                     // its time counts as recompute.
                     let (inp, out) = (c.acts[set][m], c.scratch.y);
-                    self.launch_layer_forward(Phase::Recompute, (slot, m), inp, out, None, sd);
+                    let at = (layer, slot, m);
+                    self.launch_layer_forward(Phase::Recompute, at, inp, out, None, sd);
                 }
                 let (c, sd) = (c.clone(), sd.clone());
                 self.launch_phase(
@@ -1140,37 +1124,29 @@ where
                     Box::new(move |vw: &dyn Views<D::Backend>| {
                         let mb = &sd.mbs[m];
                         let nc = mb.n() * d.c;
-                        let lay = &c.layout.layer;
+                        let spec = c.layout.layer(layer);
                         // SAFETY: as for the forward kernel; the recompute (if any) was enqueued
                         // just before, on this queue.
                         unsafe {
-                            let acts = match c.stash.get(layer) {
-                                // Kept by this layer's forward.
-                                Some(kept) => scratch_acts(vw, &kept[m]),
-                                // Rebuilt by the recompute just before.
-                                None => scratch_acts(vw, &c.scratch.acts),
+                            // Kept by this layer's forward, or rebuilt by the recompute just before.
+                            let own = match c.stash.get(layer) {
+                                Some(kept) => &kept[m],
+                                None => &c.scratch.acts,
                             };
-                            let g = &c.scratch.grads;
-                            let mut grads = LayerGrads {
-                                dres: vw.buf_mut(c.dres[m]),
-                                dx2: vw.buf_mut(g.dx2),
-                                dh: vw.buf_mut(g.dh),
-                                dqkv: vw.buf_mut(g.dqkv),
-                                datt: vw.buf_mut(g.datt),
-                                dgu: vw.buf_mut(g.dgu),
-                                ds: vw.buf_mut(g.ds),
-                            };
+                            let x = vw.buf(c.acts[set][m].prefix(nc));
+                            let y = Slot::R(vw.buf(c.scratch.y));
+                            let acts = act_slots(x, y, own.iter().map(|&b| vw.buf_mut(b)));
+                            let g = c.scratch.grads.iter().map(|&b| vw.buf_mut(b));
+                            let mut grads = grad_slots(vw.buf_mut(c.dres[m]), g);
                             layer_backward(
                                 vw.backend(),
+                                spec,
                                 &mut grads,
-                                vw.buf_mut(c.dws[dw].prefix(lay.len)),
+                                vw.buf_mut(c.dws[dw].prefix(spec.len)),
                                 &acts,
-                                vw.wbuf(c.slots[slot]).slice(0..lay.len),
-                                lay,
-                                vw.buf(c.acts[set][m].prefix(nc)),
-                                rope(vw, &c, mb.t),
-                                attn_dims(&c, mb),
-                                d.f,
+                                vw.wbuf(c.slots[slot]).slice(0..spec.len),
+                                &ropes(vw, &c, mb.t),
+                                Rows { b: mb.b, t: mb.t },
                             );
                         }
                     }),
@@ -1221,7 +1197,7 @@ where
             OpKind::SlabUpdate { slab, layer } => {
                 self.host_op(Phase::Optimizer, sd, move |c, sd| {
                     let i = c.param_index(ParamBuf::Layer(layer));
-                    let len = c.layout.layer.len;
+                    let len = c.layout.layer(layer).len;
                     // SAFETY: ordered after the slab's download and before its next one; the
                     // layer's masters and moments are ordered against its uploads.
                     unsafe {
@@ -1232,7 +1208,7 @@ where
             OpKind::MeasureSlab { slab, layer } => {
                 self.host_op(Phase::Optimizer, sd, move |c, sd| {
                     let i = c.param_index(ParamBuf::Layer(layer));
-                    let len = c.layout.layer.len;
+                    let len = c.layout.layer(layer).len;
                     let mut st = c.stats.lock().expect("no update panicked");
                     // SAFETY: ordered after the slab's download and before its update.
                     unsafe {
@@ -1243,7 +1219,7 @@ where
             OpKind::HeldSlabUpdate { slab, layer } => {
                 self.host_op(Phase::Optimizer, sd, move |c, sd| {
                     let i = c.param_index(ParamBuf::Layer(layer));
-                    let len = c.layout.layer.len;
+                    let len = c.layout.layer(layer).len;
                     // SAFETY: ordered after the slab's download and the norm, and before the
                     // slab's next download; the layer's masters and moments are ordered against
                     // its uploads.
@@ -1272,14 +1248,14 @@ where
             OpKind::EmbedScatter { m } => {
                 self.host_op(Phase::Gradients, sd, move |c, sd| {
                     let nc = sd.mbs[m].n() * d.c;
-                    // SAFETY: ordered after the residual gradient's download; the embedding
-                    // gradient is only touched by the host queue.
+                    // SAFETY: ordered after the residual gradient's download (and before the
+                    // next one); the embedding gradient is only touched by the host queue.
                     unsafe {
-                        embedding_backward(
+                        embed_rows_backward(
                             c.grads[0].as_mut_slice(),
                             &sd.mbs[m].ids,
-                            c.dx_stage[m].as_const().sub(0..nc).as_slice(),
-                            d.c,
+                            c.dx_stage[m].sub(0..nc).as_mut_slice(),
+                            &c.layout,
                         );
                     }
                 });
@@ -1354,7 +1330,7 @@ where
 /// Elements of a gradient download.
 fn grad_len(c: &Ctx, what: GradTarget) -> usize {
     match what {
-        GradTarget::Layer(_) => c.layout.layer.len,
+        GradTarget::Layer(i) => c.layout.layer(i).len,
         GradTarget::Head => c.layout.dims.c + c.layout.dims.v * c.layout.dims.c,
     }
 }
@@ -1494,44 +1470,13 @@ unsafe fn rescale_moments(c: &Ctx, i: usize, r: f32) {
     }
 }
 
-fn attn_dims(c: &Ctx, mb: &MicroBatch) -> AttnDims {
-    let d = &c.layout.dims;
-    AttnDims::new(mb.b, mb.t, d.h, d.kvh, d.d)
-}
-
-/// The rope tables for sequences of `t` positions.
-fn rope<'a, B: Backend + ?Sized>(
+/// The rope tables' (cos, sin) for sequences of `t` positions.
+fn ropes<'a, B: Backend + ?Sized>(
     vw: &'a dyn Views<B>,
     c: &Ctx,
     t: usize,
-) -> (&'a B::Buf, &'a B::Buf) {
+) -> Vec<(&'a B::Buf, &'a B::Buf)> {
     let len = t * c.layout.dims.d / 2;
-    (vw.buf(c.scratch.cos.prefix(len)), vw.buf(c.scratch.sin.prefix(len)))
-}
-
-/// Views of the layer-internals scratch.
-///
-/// # Safety
-/// No other view of the scratch may be live; only the compute queue uses it.
-#[allow(clippy::mut_from_ref)]
-unsafe fn scratch_acts<'a, B: Backend + ?Sized>(
-    vw: &'a dyn Views<B>,
-    a: &LayerActs<DevBuf>,
-) -> LayerActs<&'a mut B::Buf> {
-    // SAFETY: the scratch buffers are distinct; the caller guarantees exclusivity.
-    unsafe {
-        LayerActs {
-            h1: vw.buf_mut(a.h1),
-            rstd1: vw.buf_mut(a.rstd1),
-            qkv: vw.buf_mut(a.qkv),
-            att: vw.buf_mut(a.att),
-            lse: vw.buf_mut(a.lse),
-            x2: vw.buf_mut(a.x2),
-            h2: vw.buf_mut(a.h2),
-            rstd2: vw.buf_mut(a.rstd2),
-            gu: vw.buf_mut(a.gu),
-            s: vw.buf_mut(a.s),
-            tmp: vw.buf_mut(a.tmp),
-        }
-    }
+    let table = |&(cos, sin): &(DevBuf, DevBuf)| (vw.buf(cos.prefix(len)), vw.buf(sin.prefix(len)));
+    c.scratch.ropes.iter().map(table).collect()
 }

@@ -255,13 +255,33 @@ impl Checkpoint {
     /// Checks the set of names: every `expected` present, nothing outside `expected` and
     /// `optional`. The error lists the first missing and unexpected names.
     pub fn check_names(&self, expected: &[String], optional: &[String]) -> Result<()> {
+        self.check_names_under("", expected, optional)
+    }
+
+    /// [`Checkpoint::check_names`] for names stored under `prefix` (the text model of a
+    /// multimodal checkpoint, `language_model.`): `expected` and `optional` are given without
+    /// it, and with a prefix, tensors outside it (a vision tower) are ignored.
+    pub fn check_names_under(
+        &self,
+        prefix: &str,
+        expected: &[String],
+        optional: &[String],
+    ) -> Result<()> {
         const SHOW: usize = 8;
-        let missing: Vec<&str> =
-            expected.iter().filter(|n| !self.contains(n)).map(String::as_str).collect();
-        let known: std::collections::HashSet<&str> =
-            expected.iter().chain(optional).map(String::as_str).collect();
-        let unexpected: Vec<&str> =
-            self.tensors.keys().map(String::as_str).filter(|n| !known.contains(n)).collect();
+        let missing: Vec<String> = expected
+            .iter()
+            .map(|n| format!("{prefix}{n}"))
+            .filter(|n| !self.contains(n))
+            .collect();
+        let missing: Vec<&str> = missing.iter().map(String::as_str).collect();
+        let known: std::collections::HashSet<String> =
+            expected.iter().chain(optional).map(|n| format!("{prefix}{n}")).collect();
+        let unexpected: Vec<&str> = self
+            .tensors
+            .keys()
+            .map(String::as_str)
+            .filter(|n| n.starts_with(prefix) && !known.contains(*n))
+            .collect();
         if missing.is_empty() && unexpected.is_empty() {
             return Ok(());
         }

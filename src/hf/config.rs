@@ -1,5 +1,6 @@
-//! The model description read from a Hugging Face `config.json` (llama, qwen2, mistral), validated,
-//! and written back for export.
+//! The model description read from a Hugging Face `config.json` (llama, qwen2, mistral, qwen3,
+//! gemma3_text and the language model of a gemma3 checkpoint), validated, and written back for
+//! export. What a family's layer *is* lives in `model/families/`; this file only reads keys.
 //!
 //! Two stages, as everywhere in Horizon: the raw JSON object is kept verbatim in
 //! [`ModelConfig::raw`]; [`ModelConfig::from_json`] validates the keys Horizon interprets and
@@ -14,13 +15,26 @@ use std::path::Path;
 use anyhow::{Context, Result, bail};
 use serde_json::{Map, Value};
 
-/// Decoder architecture, from `model_type`. All three are the same pre-norm decoder (RMSNorm,
-/// rotate-half RoPE, grouped-query attention, SwiGLU MLP); they differ only in defaults and biases.
+/// Decoder architecture, from `model_type`. Llama, Qwen2 and Mistral are the same pre-norm
+/// decoder (they differ in defaults, biases and the window); Qwen3 adds per-head q/k norms;
+/// Gemma 3 is its own family (see `model/families/`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Arch {
     Llama,
     Qwen2,
     Mistral,
+    Qwen3,
+    /// `gemma3_text`, or the `text_config` of a `gemma3` (multimodal) checkpoint.
+    Gemma3,
+}
+
+/// What a layer's attention sees (`layer_types`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerType {
+    /// `full_attention`: every earlier position.
+    Full,
+    /// `sliding_attention`: the last `sliding_window` positions, with the sliding layers' RoPE.
+    Sliding,
 }
 
 impl Arch {
@@ -30,6 +44,8 @@ impl Arch {
             Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
             Arch::Mistral => "mistral",
+            Arch::Qwen3 => "qwen3",
+            Arch::Gemma3 => "gemma3_text",
         }
     }
 
@@ -39,6 +55,8 @@ impl Arch {
             Arch::Llama => "LlamaForCausalLM",
             Arch::Qwen2 => "Qwen2ForCausalLM",
             Arch::Mistral => "MistralForCausalLM",
+            Arch::Qwen3 => "Qwen3ForCausalLM",
+            Arch::Gemma3 => "Gemma3ForCausalLM",
         }
     }
 
@@ -48,7 +66,14 @@ impl Arch {
             Arch::Llama => 2048,
             Arch::Qwen2 => 32768,
             Arch::Mistral => 4096 * 32,
+            Arch::Qwen3 => 32768,
+            Arch::Gemma3 => 131072,
         }
+    }
+
+    /// The config key naming the MLP activation.
+    fn act_key(self) -> &'static str {
+        if self == Arch::Gemma3 { "hidden_activation" } else { "hidden_act" }
     }
 }
 
@@ -102,8 +127,22 @@ pub struct ModelConfig {
     pub tie_word_embeddings: bool,
     /// q, k and v projections carry biases (always for qwen2; `attention_bias` otherwise).
     pub qkv_bias: bool,
-    /// Rotary embedding parameters.
+    /// Rotary embedding parameters (of the full-attention layers).
     pub rope: RopeConfig,
+    /// The attention of each layer (`layer_types`; every layer full when absent, except as a
+    /// family's keys say: Mistral's `sliding_window`, Qwen's `use_sliding_window`, Gemma 3's
+    /// `sliding_window_pattern`).
+    pub layer_types: Vec<LayerType>,
+    /// W of the sliding layers (`sliding_window`); set when some layer slides.
+    pub sliding_window: Option<usize>,
+    /// RoPE of the sliding layers when it is their own (Gemma 3: `rope_local_base_freq`, or
+    /// `rope_parameters.sliding_attention`); `None`: the same as `rope`.
+    pub rope_local: Option<RopeConfig>,
+    /// Gemma: the attention scale is `query_pre_attn_scalar^-1/2` (else `head_dim^-1/2`).
+    pub query_pre_attn_scalar: Option<f64>,
+    /// Prefix of every tensor name in the checkpoint: `language_model.` for the text model of a
+    /// `gemma3` multimodal checkpoint (whose other tensors are ignored), else empty.
+    pub tensor_prefix: String,
     /// `max_position_embeddings` (architecture default when absent).
     pub max_position_embeddings: usize,
     /// `bos_token_id`, if any.
@@ -114,7 +153,7 @@ pub struct ModelConfig {
     pub raw: Value,
 }
 
-const SUPPORTED: &str = "llama, qwen2, mistral";
+const SUPPORTED: &str = "llama, qwen2, mistral, qwen3, gemma3_text, gemma3";
 
 impl ModelConfig {
     /// Reads and validates a `config.json`; errors name the file.
@@ -127,13 +166,28 @@ impl ModelConfig {
     }
 
     /// Validates a parsed `config.json` object; `origin` (usually the file path) starts every
-    /// error message.
+    /// error message. A `gemma3` (multimodal) config is read as its `text_config`, whose tensors
+    /// carry the prefix `language_model.`.
     pub fn from_json(v: &Value, origin: &str) -> Result<Self> {
         let Some(obj) = v.as_object() else {
             bail!("{origin}: expected a JSON object at the top level");
         };
+        if obj.get("model_type").and_then(Value::as_str) == Some("gemma3") {
+            let Some(Value::Object(text)) = obj.get("text_config") else {
+                bail!("{origin}: a gemma3 config needs a 'text_config' object (its language model)");
+            };
+            let mut text = text.clone();
+            text.insert("model_type".into(), "gemma3_text".into());
+            for key in ["bos_token_id", "eos_token_id", "pad_token_id"] {
+                if let (false, Some(id)) = (text.contains_key(key), obj.get(key)) {
+                    text.insert(key.into(), id.clone());
+                }
+            }
+            let mut cfg = Self::from_json(&Value::Object(text), &format!("{origin}: text_config"))?;
+            cfg.tensor_prefix = "language_model.".into();
+            return Ok(cfg);
+        }
         let o = Keys { obj, origin };
-
         let model_type = o.str("model_type")?.with_context(|| {
             format!("{origin}: missing key 'model_type' (supported: {SUPPORTED})")
         })?;
@@ -141,95 +195,30 @@ impl ModelConfig {
             "llama" => Arch::Llama,
             "qwen2" => Arch::Qwen2,
             "mistral" => Arch::Mistral,
+            "qwen3" => Arch::Qwen3,
+            "gemma3_text" => Arch::Gemma3,
             other => {
                 bail!("{origin}: model_type '{other}' is not supported; supported: {SUPPORTED}")
             }
         };
-
-        let hidden_size = o.required_size("hidden_size")?;
-        let num_layers = o.required_size("num_hidden_layers")?;
-        let num_heads = o.required_size("num_attention_heads")?;
-        let intermediate_size = o.required_size("intermediate_size")?;
-        let vocab_size = o.required_size("vocab_size")?;
-        let num_kv_heads = o.size("num_key_value_heads")?.unwrap_or(num_heads);
-        if num_heads % num_kv_heads != 0 {
-            bail!(
-                "{origin}: num_attention_heads ({num_heads}) is not a multiple of \
-                 num_key_value_heads ({num_kv_heads})"
-            );
-        }
-        let head_dim = match o.size("head_dim")? {
-            Some(d) => d,
-            None => {
-                if hidden_size % num_heads != 0 {
-                    bail!(
-                        "{origin}: hidden_size ({hidden_size}) is not divisible by \
-                         num_attention_heads ({num_heads}); hint: set 'head_dim' explicitly"
-                    );
-                }
-                hidden_size / num_heads
-            }
-        };
-        if head_dim % 2 != 0 {
-            bail!("{origin}: head_dim {head_dim} is odd; rotary embeddings need an even head_dim");
-        }
-        let max_position_embeddings =
-            o.size("max_position_embeddings")?.unwrap_or(arch.default_max_position_embeddings());
-
+        let sizes = parse_sizes(&o, arch)?;
         let rms_norm_eps = o.float("rms_norm_eps")?.unwrap_or(1e-6);
         if !(rms_norm_eps >= 0.0 && rms_norm_eps.is_finite()) {
             bail!("{origin}: rms_norm_eps must be a finite number >= 0, got {rms_norm_eps}");
         }
-        let tie_word_embeddings = o.bool("tie_word_embeddings")?.unwrap_or(false);
-
-        let qkv_bias = match arch {
-            Arch::Qwen2 => true,
-            Arch::Llama | Arch::Mistral => o.bool("attention_bias")?.unwrap_or(false),
+        let tie_default = arch == Arch::Gemma3;
+        let tie_word_embeddings = o.bool("tie_word_embeddings")?.unwrap_or(tie_default);
+        let qkv_bias = parse_family_keys(&o, arch)?;
+        let (layer_types, sliding_window) = parse_layer_types(&o, arch, sizes.num_layers)?;
+        let rope = parse_rope(&o, "full_attention")?;
+        let rope_local = parse_local_rope(&o, arch)?;
+        let query_pre_attn_scalar = match arch {
+            Arch::Gemma3 => Some(o.float("query_pre_attn_scalar")?.unwrap_or(256.0)),
+            _ => None,
         };
-        if o.bool("mlp_bias")? == Some(true) {
-            bail!("{origin}: mlp_bias true is not supported (the MLP projections have no biases)");
+        if let Some(q) = query_pre_attn_scalar {
+            check_positive(origin, "query_pre_attn_scalar", q)?;
         }
-        let act = o.str("hidden_act")?.unwrap_or("silu");
-        // transformers maps "swish" to the same SiLU module.
-        if act != "silu" && act != "swish" {
-            bail!("{origin}: hidden_act '{act}' is not supported; supported: silu");
-        }
-
-        match arch {
-            Arch::Mistral => {
-                if let Some(w) = obj.get("sliding_window").filter(|w| !w.is_null()) {
-                    bail!(
-                        "{origin}: sliding_window {w} is not supported (only full causal \
-                         attention); hint: set \"sliding_window\": null if the model was trained \
-                         without a window"
-                    );
-                }
-            }
-            Arch::Qwen2 => {
-                if o.bool("use_sliding_window")? == Some(true) {
-                    bail!(
-                        "{origin}: use_sliding_window true is not supported (only full causal \
-                         attention)"
-                    );
-                }
-            }
-            Arch::Llama => {}
-        }
-        if let Some(lt) = obj.get("layer_types").filter(|v| !v.is_null()) {
-            let Some(list) = lt.as_array() else {
-                bail!("{origin}: layer_types must be a list, got {lt}");
-            };
-            if let Some((i, t)) =
-                list.iter().enumerate().find(|(_, t)| t.as_str() != Some("full_attention"))
-            {
-                bail!(
-                    "{origin}: layer_types[{i}] is {t}; only \"full_attention\" layers are \
-                     supported"
-                );
-            }
-        }
-
-        let rope = parse_rope(&o)?;
         let bos_token_id = o.token_id("bos_token_id")?;
         let eos_token_id = match obj.get("eos_token_id") {
             None | Some(Value::Null) => Vec::new(),
@@ -239,7 +228,9 @@ impl ModelConfig {
                 .collect::<Result<_>>()?,
             Some(id) => vec![as_token_id(id).with_context(|| bad(origin, "eos_token_id", id))?],
         };
-
+        let max_position_embeddings =
+            o.size("max_position_embeddings")?.unwrap_or(arch.default_max_position_embeddings());
+        let Sizes { hidden_size, num_layers, num_heads, num_kv_heads, head_dim, .. } = sizes;
         Ok(ModelConfig {
             arch,
             hidden_size,
@@ -247,12 +238,17 @@ impl ModelConfig {
             num_heads,
             num_kv_heads,
             head_dim,
-            intermediate_size,
+            intermediate_size: sizes.intermediate_size,
             rms_norm_eps,
-            vocab_size,
+            vocab_size: sizes.vocab_size,
             tie_word_embeddings,
             qkv_bias,
             rope,
+            layer_types,
+            sliding_window,
+            rope_local,
+            query_pre_attn_scalar,
+            tensor_prefix: String::new(),
             max_position_embeddings,
             bos_token_id,
             eos_token_id,
@@ -279,7 +275,8 @@ impl ModelConfig {
         set("vocab_size", self.vocab_size.into());
         set("tie_word_embeddings", self.tie_word_embeddings.into());
         set("max_position_embeddings", self.max_position_embeddings.into());
-        set("hidden_act", "silu".into());
+        let act = if self.arch == Arch::Gemma3 { "gelu_pytorch_tanh" } else { "silu" };
+        set(self.arch.act_key(), act.into());
         if self.arch != Arch::Qwen2 {
             set("attention_bias", self.qkv_bias.into());
         }
@@ -299,14 +296,19 @@ impl ModelConfig {
     /// `_compute_llama3_parameters`). torch casts Python scalars to float32 before each op and
     /// `scalar / tensor` is `tensor.reciprocal() * scalar`; both are mirrored here.
     pub fn rope_inv_freq(&self) -> Vec<f32> {
+        self.rope_inv_freq_of(&self.rope)
+    }
+
+    /// [`ModelConfig::rope_inv_freq`] of the given RoPE parameters (a layer type's own).
+    pub fn rope_inv_freq_of(&self, rope: &RopeConfig) -> Vec<f32> {
         let d = self.head_dim;
-        let theta = self.rope.theta as f32 as f64;
+        let theta = rope.theta as f32 as f64;
         let inv_freq = (0..d / 2).map(|i| {
             let exponent = (2 * i) as f32 / d as f32;
             let base_pow = theta.powf(exponent as f64) as f32;
             1.0f32 / base_pow
         });
-        match self.rope.kind {
+        match rope.kind {
             RopeKind::Default => inv_freq.collect(),
             RopeKind::Linear { factor } => inv_freq.map(|f| f / factor as f32).collect(),
             RopeKind::Llama3 {
@@ -336,33 +338,198 @@ impl ModelConfig {
             }
         }
     }
+}
 
-    /// Number of parameters, counting a tied embedding once.
-    pub fn num_params(&self) -> usize {
-        let (c, h, kvh, d, f, v) = (
-            self.hidden_size,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            self.intermediate_size,
-            self.vocab_size,
+/// The sizes of a config, with the family's defaults where transformers has them.
+struct Sizes {
+    hidden_size: usize,
+    num_layers: usize,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    intermediate_size: usize,
+    vocab_size: usize,
+}
+
+fn parse_sizes(o: &Keys, arch: Arch) -> Result<Sizes> {
+    let origin = o.origin;
+    // Gemma3TextConfig's defaults (published gemma3 `text_config`s omit several keys).
+    let gemma = arch == Arch::Gemma3;
+    let or_gemma = |key: &str, default: usize| -> Result<usize> {
+        match o.size(key)? {
+            Some(x) => Ok(x),
+            None if gemma => Ok(default),
+            None => o.required_size(key),
+        }
+    };
+    let hidden_size = or_gemma("hidden_size", 2304)?;
+    let num_layers = or_gemma("num_hidden_layers", 26)?;
+    let num_heads = or_gemma("num_attention_heads", 8)?;
+    let intermediate_size = or_gemma("intermediate_size", 9216)?;
+    let vocab_size = or_gemma("vocab_size", 262_208)?;
+    let num_kv_heads = o.size("num_key_value_heads")?.unwrap_or(if gemma { 4 } else { num_heads });
+    if num_heads % num_kv_heads != 0 {
+        bail!(
+            "{origin}: num_attention_heads ({num_heads}) is not a multiple of \
+             num_key_value_heads ({num_kv_heads})"
         );
-        let attn = c * h * d + 2 * c * kvh * d + h * d * c;
-        let bias = if self.qkv_bias { h * d + 2 * kvh * d } else { 0 };
-        let layer = attn + bias + 3 * c * f + 2 * c;
-        let lm_head = if self.tie_word_embeddings { 0 } else { v * c };
-        v * c + self.num_layers * layer + c + lm_head
+    }
+    let head_dim = match o.size("head_dim")? {
+        Some(d) => d,
+        None if gemma => 256,
+        None => {
+            if hidden_size % num_heads != 0 {
+                bail!(
+                    "{origin}: hidden_size ({hidden_size}) is not divisible by \
+                     num_attention_heads ({num_heads}); hint: set 'head_dim' explicitly"
+                );
+            }
+            hidden_size / num_heads
+        }
+    };
+    if head_dim % 2 != 0 {
+        bail!("{origin}: head_dim {head_dim} is odd; rotary embeddings need an even head_dim");
+    }
+    Ok(Sizes {
+        hidden_size,
+        num_layers,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        intermediate_size,
+        vocab_size,
+    })
+}
+
+/// Keys that change a family's math: accepted values, biases (the return value: q, k and v
+/// carry biases), refusals by key and value.
+fn parse_family_keys(o: &Keys, arch: Arch) -> Result<bool> {
+    let origin = o.origin;
+    if o.bool("mlp_bias")? == Some(true) {
+        bail!("{origin}: mlp_bias true is not supported (the MLP projections have no biases)");
+    }
+    let act_key = arch.act_key();
+    let default_act = if arch == Arch::Gemma3 { "gelu_pytorch_tanh" } else { "silu" };
+    let act = o.str(act_key)?.or(o.str("hidden_act")?).unwrap_or(default_act);
+    // transformers maps "swish" to the same SiLU module.
+    let ok = match arch {
+        Arch::Gemma3 => act == "gelu_pytorch_tanh",
+        _ => act == "silu" || act == "swish",
+    };
+    if !ok {
+        bail!("{origin}: {act_key} '{act}' is not supported; supported: {default_act}");
+    }
+    for key in ["attn_logit_softcapping", "final_logit_softcapping"] {
+        if let Some(v) = o.get(key) {
+            bail!("{origin}: {key} {v} is not supported (logit soft-capping is not implemented)");
+        }
+    }
+    if o.bool("use_bidirectional_attention")? == Some(true) {
+        bail!("{origin}: use_bidirectional_attention true is not supported (causal attention only)");
+    }
+    let attention_bias = o.bool("attention_bias")?.unwrap_or(false);
+    match arch {
+        Arch::Qwen2 => Ok(true),
+        Arch::Llama | Arch::Mistral => Ok(attention_bias),
+        Arch::Qwen3 | Arch::Gemma3 if attention_bias => bail!(
+            "{origin}: attention_bias true is not supported for {} (its projections have no \
+             biases)",
+            arch.model_type()
+        ),
+        Arch::Qwen3 | Arch::Gemma3 => Ok(false),
     }
 }
 
+/// Each layer's attention, and the window of the sliding ones. `layer_types` decides when
+/// present; otherwise Mistral slides everywhere when `sliding_window` is set, Qwen2/Qwen3 from
+/// `max_window_layers` on when `use_sliding_window`, Gemma 3 every layer but each
+/// `sliding_window_pattern`-th.
+fn parse_layer_types(
+    o: &Keys,
+    arch: Arch,
+    layers: usize,
+) -> Result<(Vec<LayerType>, Option<usize>)> {
+    let origin = o.origin;
+    let window = match arch {
+        Arch::Qwen2 | Arch::Qwen3 if o.bool("use_sliding_window")? != Some(true) => None,
+        Arch::Gemma3 => Some(o.size("sliding_window")?.unwrap_or(4096)),
+        _ => o.size("sliding_window")?,
+    };
+    let types: Vec<LayerType> = if let Some(lt) = o.get("layer_types") {
+        let Some(list) = lt.as_array() else {
+            bail!("{origin}: layer_types must be a list, got {lt}");
+        };
+        if list.len() != layers {
+            bail!(
+                "{origin}: layer_types has {} entries for {layers} layers (num_hidden_layers)",
+                list.len()
+            );
+        }
+        let mut types = Vec::with_capacity(layers);
+        for (i, t) in list.iter().enumerate() {
+            types.push(match t.as_str() {
+                Some("full_attention") => LayerType::Full,
+                Some("sliding_attention") if window.is_some() => LayerType::Sliding,
+                Some("sliding_attention") => bail!(
+                    "{origin}: layer_types[{i}] is {t} but no sliding window is set; hint: set \
+                     'sliding_window' (and, for qwen, 'use_sliding_window': true)"
+                ),
+                _ => bail!(
+                    "{origin}: layer_types[{i}] is {t}; supported: \"full_attention\", \
+                     \"sliding_attention\""
+                ),
+            });
+        }
+        types
+    } else {
+        match arch {
+            Arch::Mistral if window.is_some() => vec![LayerType::Sliding; layers],
+            Arch::Qwen2 | Arch::Qwen3 if window.is_some() => {
+                let from = o.size("max_window_layers")?.unwrap_or(28);
+                (0..layers)
+                    .map(|i| if i >= from { LayerType::Sliding } else { LayerType::Full })
+                    .collect()
+            }
+            Arch::Gemma3 => {
+                let pattern = o.size("sliding_window_pattern")?.unwrap_or(6);
+                (0..layers)
+                    .map(|i| {
+                        if (i + 1) % pattern == 0 { LayerType::Full } else { LayerType::Sliding }
+                    })
+                    .collect()
+            }
+            _ => vec![LayerType::Full; layers],
+        }
+    };
+    let window = window.filter(|_| types.contains(&LayerType::Sliding));
+    Ok((types, window))
+}
+
+/// The sliding layers' own RoPE: `rope_parameters.sliding_attention`, or Gemma 3's
+/// `rope_local_base_freq` (default 10000, plain RoPE).
+fn parse_local_rope(o: &Keys, arch: Arch) -> Result<Option<RopeConfig>> {
+    if let Some(Value::Object(p)) = o.get("rope_parameters") {
+        if p.contains_key("sliding_attention") {
+            return parse_rope(o, "sliding_attention").map(Some);
+        }
+    }
+    if arch != Arch::Gemma3 {
+        return Ok(None);
+    }
+    let theta = o.float("rope_local_base_freq")?.unwrap_or(10000.0);
+    check_positive(o.origin, "rope_local_base_freq", theta)?;
+    Ok(Some(RopeConfig { theta, kind: RopeKind::Default }))
+}
+
 /// Parses either RoPE layout: top-level `rope_theta` + `rope_scaling`, or the newer
-/// `rope_parameters` object (optionally keyed by layer type, of which `full_attention` is used).
-fn parse_rope(o: &Keys) -> Result<RopeConfig> {
+/// `rope_parameters` object (optionally keyed by layer type: `layer_type`'s entry is used).
+fn parse_rope(o: &Keys, layer_type: &str) -> Result<RopeConfig> {
     let origin = o.origin;
     let top_theta = o.float("rope_theta")?;
+    let keyed = format!("rope_parameters.{layer_type}.");
     let (params, prefix) = match o.obj.get("rope_parameters").filter(|v| !v.is_null()) {
-        Some(Value::Object(p)) => match p.get("full_attention") {
-            Some(Value::Object(full)) => (Some(full), "rope_parameters.full_attention."),
+        Some(Value::Object(p)) => match p.get(layer_type) {
+            Some(Value::Object(full)) => (Some(full), keyed.as_str()),
             _ => (Some(p), "rope_parameters."),
         },
         Some(other) => bail!("{origin}: rope_parameters must be an object, got {other}"),
@@ -567,21 +734,22 @@ mod tests {
     #[test]
     fn num_params_counts_fixture_tensors() {
         // llama_gqa: V*C + L*(attn + mlp + norms) + C + untied head.
+        let num_params = |c: &ModelConfig| crate::model::layout::ModelLayout::new(c).num_params();
         let c = ModelConfig::from_file(&fixture("llama_gqa")).unwrap();
         let layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 176 + 2 * 64;
-        assert_eq!(c.num_params(), 2 * 256 * 64 + 2 * layer + 64);
+        assert_eq!(num_params(&c), 2 * 256 * 64 + 2 * layer + 64);
         // qwen2: tied, with q/k/v biases.
         let c = ModelConfig::from_file(&fixture("qwen2_tied_padded")).unwrap();
         let layer = 64 * 64 + 2 * 64 * 16 + 64 * 64 + (64 + 2 * 16) + 3 * 64 * 128 + 2 * 64;
-        assert_eq!(c.num_params(), 320 * 64 + 3 * layer + 64);
-        // And both agree with the element count of the fixture checkpoints.
-        for case in ["llama_gqa", "qwen2_tied_padded"] {
+        assert_eq!(num_params(&c), 320 * 64 + 3 * layer + 64);
+        // And every family's description agrees with the element count of its checkpoint.
+        for case in ["llama_gqa", "qwen2_tied_padded", "qwen3_qknorm", "gemma3_sliding"] {
             let c = ModelConfig::from_file(&fixture(case)).unwrap();
             let dir = fixture(case).parent().unwrap().to_path_buf();
             let ckpt = crate::hf::checkpoint::Checkpoint::open(&dir).unwrap();
             let numel: usize =
                 ckpt.names().iter().map(|n| ckpt.shape(n).unwrap().iter().product::<usize>()).sum();
-            assert_eq!(c.num_params(), numel, "{case}");
+            assert_eq!(num_params(&c), numel, "{case}");
         }
     }
 
@@ -718,20 +886,35 @@ mod tests {
                 "hidden_act 'gelu' is not supported",
             ),
             (
-                "mistral sliding window",
-                Box::new(|v| {
-                    v["model_type"] = json!("mistral");
-                    v["sliding_window"] = json!(4096);
-                }),
-                "sliding_window 4096 is not supported",
+                "softcapping",
+                Box::new(|v| v["final_logit_softcapping"] = json!(30.0)),
+                "final_logit_softcapping 30.0 is not supported",
             ),
             (
-                "qwen2 sliding window",
+                "gemma activation",
                 Box::new(|v| {
-                    v["model_type"] = json!("qwen2");
-                    v["use_sliding_window"] = json!(true);
+                    v["model_type"] = json!("gemma3_text");
+                    v["hidden_activation"] = json!("gelu");
                 }),
-                "use_sliding_window true is not supported",
+                "hidden_activation 'gelu' is not supported",
+            ),
+            (
+                "qwen3 bias",
+                Box::new(|v| {
+                    v["model_type"] = json!("qwen3");
+                    v["attention_bias"] = json!(true);
+                }),
+                "attention_bias true is not supported for qwen3",
+            ),
+            (
+                "layer_types length",
+                Box::new(|v| v["layer_types"] = json!(["full_attention"])),
+                "layer_types has 1 entries for 2 layers",
+            ),
+            (
+                "gemma3 without text_config",
+                Box::new(|v| v["model_type"] = json!("gemma3")),
+                "a gemma3 config needs a 'text_config' object",
             ),
             (
                 "missing key",
@@ -797,6 +980,70 @@ mod tests {
         let mut v = base();
         v.as_object_mut().unwrap().remove("num_key_value_heads");
         assert_eq!(parse(&v).unwrap().num_kv_heads, 4);
+    }
+
+    #[test]
+    fn sliding_windows_by_family() {
+        // Mistral: every layer slides when sliding_window is set.
+        let mut v = base();
+        v["model_type"] = json!("mistral");
+        v["sliding_window"] = json!(4096);
+        let c = parse(&v).unwrap();
+        assert_eq!(c.layer_types, vec![LayerType::Sliding; 2]);
+        assert_eq!(c.sliding_window, Some(4096));
+        // Qwen2: from max_window_layers on, only with use_sliding_window.
+        let mut v = base();
+        v["model_type"] = json!("qwen2");
+        v["sliding_window"] = json!(64);
+        assert_eq!(parse(&v).unwrap().layer_types, vec![LayerType::Full; 2]);
+        assert_eq!(parse(&v).unwrap().sliding_window, None);
+        v["use_sliding_window"] = json!(true);
+        v["max_window_layers"] = json!(1);
+        assert_eq!(parse(&v).unwrap().layer_types, vec![LayerType::Full, LayerType::Sliding]);
+        // layer_types decides where present.
+        let mut v = base();
+        v["sliding_window"] = json!(8);
+        v["layer_types"] = json!(["sliding_attention", "full_attention"]);
+        assert_eq!(parse(&v).unwrap().layer_types, vec![LayerType::Sliding, LayerType::Full]);
+    }
+
+    #[test]
+    fn gemma3_layouts_agree() {
+        // The fixture's layer_types + rope_parameters per type, and the older layout of
+        // published checkpoints: sliding_window_pattern + rope_theta + rope_local_base_freq.
+        let new = ModelConfig::from_file(&fixture("gemma3_sliding")).unwrap();
+        assert_eq!(new.arch, Arch::Gemma3);
+        assert!(new.tie_word_embeddings);
+        assert_eq!(new.query_pre_attn_scalar, Some(16.0));
+        let mut old = new.raw.clone();
+        let o = old.as_object_mut().unwrap();
+        for k in ["layer_types", "rope_parameters", "_sliding_window_pattern"] {
+            o.remove(k);
+        }
+        o.insert("sliding_window_pattern".into(), json!(3));
+        o.insert("rope_theta".into(), json!(1e6));
+        o.insert("rope_local_base_freq".into(), json!(1e4));
+        let old = parse(&old).unwrap();
+        assert_eq!(old.layer_types, new.layer_types);
+        assert_eq!(old.rope, new.rope);
+        assert_eq!(old.rope_local, new.rope_local);
+        assert_eq!(new.rope_local.unwrap().theta, 1e4);
+        assert_eq!(new.rope.theta, 1e6);
+        // Inside a multimodal gemma3 config: the text_config, tensors under language_model.
+        let mm = json!({"model_type": "gemma3", "text_config": new.raw.clone(), "eos_token_id": 1});
+        let mm = parse(&mm).unwrap();
+        assert_eq!(mm.tensor_prefix, "language_model.");
+        assert_eq!(mm.layer_types, new.layer_types);
+        assert_eq!(mm.to_hf_json()["hidden_activation"], json!("gelu_pytorch_tanh"));
+    }
+
+    #[test]
+    fn qwen3_fixture_parses() {
+        let c = ModelConfig::from_file(&fixture("qwen3_qknorm")).unwrap();
+        assert_eq!(c.arch, Arch::Qwen3);
+        assert_eq!((c.head_dim, c.num_heads, c.hidden_size), (32, 4, 64));
+        assert!(!c.qkv_bias && !c.tie_word_embeddings);
+        assert_eq!(c.layer_types, vec![LayerType::Full; 3]);
     }
 
     #[test]

@@ -1,10 +1,10 @@
-//! The parameter layout: names, shapes and offsets of one decoder layer's flat buffer, and of
-//! the model-level tensors. The single source for every flat per-layer buffer (weights,
-//! gradients, AdamW moments).
-
-use std::ops::Range;
+//! The model's layout, derived from its family's description: the layer kinds and the kind of
+//! each layer (names, shapes and offsets of every flat per-layer buffer: weights, gradients,
+//! AdamW moments), and the model-level tensors. The single source for every flat buffer.
 
 use crate::hf::config::ModelConfig;
+pub use crate::model::spec::TensorSpec;
+use crate::model::spec::{Init, LayerSpec};
 
 /// Sizes of the model, in the shape legend `C H KVH D F V`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -36,105 +36,10 @@ impl Dims {
     }
 }
 
-/// One named tensor inside a flat buffer.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct TensorSpec {
-    /// HF name suffix inside a layer (`self_attn.q_proj.weight`), or the full HF name for
-    /// model-level tensors.
-    pub name: String,
-    pub shape: Vec<usize>,
-    pub offset: usize,
-}
-
-impl TensorSpec {
-    pub fn numel(&self) -> usize {
-        self.shape.iter().product()
-    }
-    pub fn range(&self) -> Range<usize> {
-        self.offset..self.offset + self.numel()
-    }
-}
-
-/// Where each part of one decoder layer lives in its flat buffer. The order is chosen so that
-/// fused products read one contiguous matrix:
-///
-/// `ln1 (C) | q (H*D, C) | k (KVH*D, C) | v (KVH*D, C) | [bq (H*D) | bk | bv] | o (C, H*D) |
-///  ln2 (C) | gate (F, C) | up (F, C) | down (C, F)`
-///
-/// so `wqkv` is one `(QKV, C)` matrix, `bqkv` one `(QKV)` vector and `wgu` one `(2F, C)` matrix.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct LayerLayout {
-    pub ln1: Range<usize>,
-    pub wqkv: Range<usize>,
-    pub bqkv: Option<Range<usize>>,
-    pub wo: Range<usize>,
-    pub ln2: Range<usize>,
-    pub wgu: Range<usize>,
-    pub wdown: Range<usize>,
-    /// Total f32 elements of one layer.
-    pub len: usize,
-    /// Every HF tensor of the layer, in buffer order.
-    pub tensors: Vec<TensorSpec>,
-}
-
-impl LayerLayout {
-    pub fn new(d: &Dims, qkv_bias: bool) -> Self {
-        let (c, hd, kvd, f) = (d.c, d.h * d.d, d.kvh * d.d, d.f);
-        let mut tensors = Vec::new();
-        let mut off = 0usize;
-        let mut push = |name: &str, shape: Vec<usize>| {
-            let spec = TensorSpec { name: name.to_string(), shape, offset: off };
-            off += spec.numel();
-            let r = spec.range();
-            tensors.push(spec);
-            r
-        };
-        let ln1 = push("input_layernorm.weight", vec![c]);
-        let q = push("self_attn.q_proj.weight", vec![hd, c]);
-        push("self_attn.k_proj.weight", vec![kvd, c]);
-        let v = push("self_attn.v_proj.weight", vec![kvd, c]);
-        let bqkv = qkv_bias.then(|| {
-            let bq = push("self_attn.q_proj.bias", vec![hd]);
-            push("self_attn.k_proj.bias", vec![kvd]);
-            let bv = push("self_attn.v_proj.bias", vec![kvd]);
-            bq.start..bv.end
-        });
-        let wo = push("self_attn.o_proj.weight", vec![c, hd]);
-        let ln2 = push("post_attention_layernorm.weight", vec![c]);
-        let gate = push("mlp.gate_proj.weight", vec![f, c]);
-        let up = push("mlp.up_proj.weight", vec![f, c]);
-        let wdown = push("mlp.down_proj.weight", vec![c, f]);
-        LayerLayout {
-            ln1,
-            wqkv: q.start..v.end,
-            bqkv,
-            wo,
-            ln2,
-            wgu: gate.start..up.end,
-            wdown,
-            len: off,
-            tensors,
-        }
-    }
-}
-
-/// The whole model's parameters: L decoder layers of one [`LayerLayout`], plus embedding,
-/// final norm and (when untied) the LM head.
-#[derive(Clone, Debug)]
-pub struct ModelLayout {
-    pub dims: Dims,
-    pub layer: LayerLayout,
-    pub tied: bool,
-    pub eps: f32,
-}
-
-pub const EMBED: &str = "model.embed_tokens.weight";
-pub const FINAL_NORM: &str = "model.norm.weight";
-pub const LM_HEAD: &str = "lm_head.weight";
-
-impl ModelLayout {
-    pub fn new(cfg: &ModelConfig) -> Self {
-        let dims = Dims {
+impl Dims {
+    /// The sizes of `cfg`.
+    pub fn of(cfg: &ModelConfig) -> Self {
+        Dims {
             c: cfg.hidden_size,
             h: cfg.num_heads,
             kvh: cfg.num_kv_heads,
@@ -142,13 +47,99 @@ impl ModelLayout {
             f: cfg.intermediate_size,
             v: cfg.vocab_size,
             layers: cfg.num_layers,
-        };
+        }
+    }
+}
+
+/// The whole model's parameters and structure, from its family's description
+/// ([`crate::model::families`]): L decoder layers, each of one of the model's layer kinds
+/// ([`LayerSpec`]: its own tensors, ops and attention), plus embedding, final norm and (when
+/// untied) the LM head.
+#[derive(Clone, Debug)]
+pub struct ModelLayout {
+    pub dims: Dims,
+    /// The distinct layer descriptions (one per layer type the model uses).
+    pub kinds: Vec<LayerSpec>,
+    /// The kind of each layer.
+    pub kind_of: Vec<usize>,
+    pub tied: bool,
+    pub eps: f32,
+    /// RoPE inverse frequencies, (D/2) per table; `Op::Rope`'s `table` indexes them.
+    pub rope: Vec<Vec<f32>>,
+    /// The embedding output is multiplied by this (Gemma: `sqrt(C)`; else 1).
+    pub embed_scale: f32,
+    /// The final norm applies its weight as `(final_norm_offset + w)` (Gemma: 1).
+    pub final_norm_offset: f32,
+    /// Prefix of every tensor name in the source checkpoint (`language_model.` for the text
+    /// model of a multimodal checkpoint).
+    pub prefix: String,
+}
+
+pub const EMBED: &str = "model.embed_tokens.weight";
+pub const FINAL_NORM: &str = "model.norm.weight";
+pub const LM_HEAD: &str = "lm_head.weight";
+
+impl ModelLayout {
+    /// The description of `cfg`'s model, by its family.
+    pub fn new(cfg: &ModelConfig) -> Self {
+        crate::model::families::describe(cfg)
+    }
+
+    /// A layout from a family's parts.
+    pub fn from_parts(
+        cfg: &ModelConfig,
+        kinds: Vec<LayerSpec>,
+        kind_of: Vec<usize>,
+        rope: Vec<Vec<f32>>,
+        embed_scale: f32,
+        final_norm_offset: f32,
+    ) -> Self {
+        assert_eq!(kind_of.len(), cfg.num_layers, "one kind per layer");
         ModelLayout {
-            dims,
-            layer: LayerLayout::new(&dims, cfg.qkv_bias),
+            dims: Dims::of(cfg),
+            kinds,
+            kind_of,
             tied: cfg.tie_word_embeddings,
             eps: cfg.rms_norm_eps as f32,
+            rope,
+            embed_scale,
+            final_norm_offset,
+            prefix: cfg.tensor_prefix.clone(),
         }
+    }
+
+    /// The description of layer `i`.
+    pub fn layer(&self, i: usize) -> &LayerSpec {
+        &self.kinds[self.kind_of[i]]
+    }
+
+    /// Weights of the largest decoder layer.
+    pub fn max_layer_len(&self) -> usize {
+        self.kinds.iter().map(|k| k.len).max().unwrap_or(0)
+    }
+
+    /// Largest width of activation slot `a` over the layer kinds (0 where no kind has it).
+    pub fn max_act_widths(&self) -> Vec<usize> {
+        max_by_index(self.kinds.iter().map(|k| k.acts.iter().map(|a| a.width).collect()))
+    }
+
+    /// Largest width of gradient buffer `g` over the layer kinds.
+    pub fn max_grad_widths(&self) -> Vec<usize> {
+        max_by_index(self.kinds.iter().map(|k| k.grads.clone()))
+    }
+
+    /// The final norm's application of its weight.
+    pub fn final_norm(&self) -> horizon_backend::NormDims {
+        horizon_backend::NormDims {
+            c: self.dims.c,
+            eps: self.eps,
+            w_offset: self.final_norm_offset,
+        }
+    }
+
+    /// How the final norm's weight starts in a random model.
+    pub fn final_norm_init(&self) -> Init {
+        if self.final_norm_offset == 0.0 { Init::Ones } else { Init::Zeros }
     }
 
     /// HF name of a layer tensor.
@@ -162,7 +153,7 @@ impl ModelLayout {
         let d = &self.dims;
         let mut out = vec![(EMBED.to_string(), vec![d.v, d.c])];
         for i in 0..d.layers {
-            for t in &self.layer.tensors {
+            for t in &self.layer(i).tensors {
                 out.push((Self::layer_name(i, &t.name), t.shape.clone()));
             }
         }
@@ -177,9 +168,8 @@ impl ModelLayout {
     /// layers, final norm, untied head) and buffer order within a layer.
     pub fn buffer_tensors(&self) -> Vec<Vec<usize>> {
         let d = &self.dims;
-        let layer: Vec<usize> = self.layer.tensors.iter().map(|t| t.numel()).collect();
         let mut out = vec![vec![d.v * d.c]];
-        out.extend((0..d.layers).map(|_| layer.clone()));
+        out.extend((0..d.layers).map(|i| self.layer(i).tensors.iter().map(|t| t.numel()).collect()));
         out.push(vec![d.c]);
         if !self.tied {
             out.push(vec![d.v * d.c]);
@@ -190,6 +180,21 @@ impl ModelLayout {
     /// Total parameter count.
     pub fn num_params(&self) -> usize {
         let d = &self.dims;
-        d.v * d.c * if self.tied { 1 } else { 2 } + d.layers * self.layer.len + d.c
+        let layers: usize = (0..d.layers).map(|i| self.layer(i).len).sum();
+        d.v * d.c * if self.tied { 1 } else { 2 } + layers + d.c
     }
+}
+
+/// The elementwise maximum of lists of different lengths.
+fn max_by_index(lists: impl Iterator<Item = Vec<usize>>) -> Vec<usize> {
+    let mut out: Vec<usize> = Vec::new();
+    for l in lists {
+        if out.len() < l.len() {
+            out.resize(l.len(), 0);
+        }
+        for (o, x) in out.iter_mut().zip(l) {
+            *o = (*o).max(x);
+        }
+    }
+    out
 }

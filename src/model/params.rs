@@ -8,6 +8,7 @@ use anyhow::{Context, Result};
 
 use crate::hf::checkpoint::{Checkpoint, SaveDtype, write_safetensors};
 use crate::model::layout::{EMBED, FINAL_NORM, LM_HEAD, ModelLayout};
+use crate::model::spec::Init;
 use crate::rng::SplitMix64;
 
 /// A full set of model-shaped fp32 buffers in host RAM.
@@ -15,7 +16,7 @@ use crate::rng::SplitMix64;
 pub struct ParamStore {
     /// (V, C)
     pub embed: Vec<f32>,
-    /// L buffers of `LayerLayout::len`.
+    /// L buffers, each its layer's `LayerSpec::len`.
     pub layers: Vec<Vec<f32>>,
     /// (C)
     pub final_norm: Vec<f32>,
@@ -29,7 +30,7 @@ impl ParamStore {
         let d = &layout.dims;
         ParamStore {
             embed: vec![0.0; d.v * d.c],
-            layers: (0..d.layers).map(|_| vec![0.0; layout.layer.len]).collect(),
+            layers: (0..d.layers).map(|i| vec![0.0; layout.layer(i).len]).collect(),
             final_norm: vec![0.0; d.c],
             lm_head: (!layout.tied).then(|| vec![0.0; d.v * d.c]),
         }
@@ -125,11 +126,11 @@ impl ParamStore {
         let tensors = layout.hf_tensors();
         let expected: Vec<String> = tensors.iter().map(|(n, _)| n.clone()).collect();
         let optional: Vec<String> = if layout.tied { vec![LM_HEAD.to_string()] } else { vec![] };
-        ckpt.check_names(&expected, &optional)?;
+        ckpt.check_names_under(&layout.prefix, &expected, &optional)?;
         let mut store = ParamStore::zeros(layout);
         for (name, shape) in &tensors {
             let dst = store.tensor_mut(layout, name).expect("layout names its own tensors");
-            ckpt.read_f32(name, shape, dst)?;
+            ckpt.read_f32(&format!("{}{name}", layout.prefix), shape, dst)?;
         }
         Ok(store)
     }
@@ -162,34 +163,32 @@ fn find_layer_tensor(layout: &ModelLayout, name: &str) -> Option<(usize, std::op
     if i >= layout.dims.layers {
         return None;
     }
-    let spec = layout.layer.tensors.iter().find(|t| t.name == suffix)?;
-    Some((i, spec.range()))
+    Some((i, layout.layer(i).tensor(suffix)?))
 }
 
 impl ParamStore {
-    /// A randomly initialised model, as HF initialises one: every matrix (embedding, head,
-    /// projections) from normal(0, `std`), norm weights 1, biases 0. Deterministic in `seed`,
-    /// and independent of the thread count (each buffer has its own stream).
+    /// A randomly initialised model, as HF initialises one: every tensor as its description's
+    /// `Init` says (matrices from normal(0, `std`), norm weights 1, or 0 where the norm adds 1,
+    /// biases 0). Deterministic in `seed`, and independent of the thread count (each buffer has
+    /// its own stream).
     pub fn random(layout: &ModelLayout, seed: u64, std: f32) -> Self {
         use rayon::prelude::*;
         let mut store = ParamStore::zeros(layout);
-        let lay = &layout.layer;
-        let is_bias = |name: &str| name.ends_with(".bias");
-        let is_norm = |name: &str| name.contains("layernorm") || name == FINAL_NORM;
         let mut bufs = store.buffers_mut();
         bufs.par_iter_mut().enumerate().for_each(|(i, buf)| {
             let mut rng = SplitMix64::new(seed ^ (i as u64).wrapping_mul(0xA24B_AED4_963E_E407));
             rng.fill_normal(buf, std);
         });
         drop(bufs);
-        store.final_norm.fill(1.0);
-        for l in &mut store.layers {
-            for t in &lay.tensors {
-                if is_norm(&t.name) {
-                    l[t.range()].fill(1.0);
-                } else if is_bias(&t.name) {
-                    l[t.range()].fill(0.0);
-                }
+        let fill = |buf: &mut [f32], init: Init| match init {
+            Init::Normal => {}
+            Init::Ones => buf.fill(1.0),
+            Init::Zeros => buf.fill(0.0),
+        };
+        fill(&mut store.final_norm, layout.final_norm_init());
+        for (i, l) in store.layers.iter_mut().enumerate() {
+            for t in &layout.layer(i).tensors {
+                fill(&mut l[t.range()], t.init);
             }
         }
         store

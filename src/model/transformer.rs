@@ -4,18 +4,18 @@
 //! layers from last to first, recomputes a layer's internals from its checkpoint and runs the
 //! hand-written backward ops. No autograd.
 //!
-//! Data flow of one layer (shapes in the legend of `horizon_backend`):
-//! `x (N,C) -> rmsnorm -> h1 -> qkv (N,QKV) -> rope -> attention -> att (N,H*D) -> o_proj -> +x ->
-//!  x2 -> rmsnorm -> h2 -> gate|up (N,2F) -> swiglu -> s (N,F) -> down -> +x2 -> y (N,C)`
+//! What a layer computes is its family's description (`model/families/`), run by
+//! `model/layer.rs`; this file owns the buffers of the reference path and the head pass.
 
 use std::ops::{Deref, DerefMut};
 
 use anyhow::{Result, bail};
-use horizon_backend::{AttnDims, Backend, CpuBackend, DeviceAlloc, DeviceSlice, NormDims};
+use horizon_backend::{Backend, CpuBackend, DeviceAlloc, DeviceSlice, NormDims};
 
 use crate::data::pretokenized::Batch;
 use crate::hf::config::ModelConfig;
-use crate::model::layout::{LayerLayout, ModelLayout};
+use crate::model::layer::{Rows, Slot, act_slots, grad_slots, layer_backward, layer_forward};
+use crate::model::layout::ModelLayout;
 use crate::model::params::ParamStore;
 
 /// What one forward+backward pass over a batch produced.
@@ -45,66 +45,24 @@ pub struct Capacity {
     pub head_chunk_rows: usize,
 }
 
-/// Activations of one layer on the device (each sized for the capacity, viewed per pass).
-pub(crate) struct LayerActs<M> {
-    /// (N, C)
-    pub(crate) h1: M,
-    /// (N)
-    pub(crate) rstd1: M,
-    /// (N, QKV), after rope
-    pub(crate) qkv: M,
-    /// (N, H*D)
-    pub(crate) att: M,
-    /// (B, H, T)
-    pub(crate) lse: M,
-    /// (N, C)
-    pub(crate) x2: M,
-    /// (N, C)
-    pub(crate) h2: M,
-    /// (N)
-    pub(crate) rstd2: M,
-    /// (N, 2F)
-    pub(crate) gu: M,
-    /// (N, F)
-    pub(crate) s: M,
-    /// (N, C) scratch for the o_proj and down_proj outputs
-    pub(crate) tmp: M,
-}
-
-/// Gradient scratch of one layer on the device.
-pub(crate) struct LayerGrads<M> {
-    /// (N, C) gradient of the layer output, then of its input (the residual stream)
-    pub(crate) dres: M,
-    /// (N, C) gradient of x2
-    pub(crate) dx2: M,
-    /// (N, C) gradient of a norm output
-    pub(crate) dh: M,
-    /// (N, QKV)
-    pub(crate) dqkv: M,
-    /// (N, H*D)
-    pub(crate) datt: M,
-    /// (N, 2F)
-    pub(crate) dgu: M,
-    /// (N, F)
-    pub(crate) ds: M,
-}
-
 /// The step runner: owns the backend, the device workspace (allocated once, sized by
 /// [`Capacity`]) and the host checkpoint buffers.
 pub struct Transformer<B: DeviceAlloc> {
     be: B,
     pub layout: ModelLayout,
     cap: Capacity,
-    /// (T_max, D/2)
-    cos: B::Mem,
-    /// (T_max, D/2)
-    sin: B::Mem,
-    /// One layer's weights on the device, (layer len), in the backend's precision.
+    /// Per rope table: (T_max, D/2) cos and sin.
+    ropes: Vec<(B::Mem, B::Mem)>,
+    /// One layer's weights on the device, (largest layer len), in the backend's precision.
     w: B::WMem,
-    /// One layer's parameter gradients on the device, (layer len).
+    /// One layer's parameter gradients on the device, (largest layer len).
     dw: B::Mem,
-    acts: LayerActs<B::Mem>,
-    grads: LayerGrads<B::Mem>,
+    /// The layer's own activations, (N, width) each (the widest over the layer kinds).
+    acts: Vec<B::Mem>,
+    /// (N, C) the residual gradient: of the layer output, then of its input.
+    dres: B::Mem,
+    /// The gradient scratch of the backward program (after `dres`).
+    grads: Vec<B::Mem>,
     /// (N, C) residual stream: input of the current layer.
     x: B::Mem,
     /// (N, C) residual stream: output of the current layer.
@@ -156,37 +114,24 @@ impl<B: DeviceAlloc> Transformer<B> {
         let d = layout.dims;
         let n = cap.batch * cap.seq_len;
         let chunk = cap.head_chunk_rows.clamp(1, n.max(1));
-        let half = d.d / 2;
-        let (cos_h, sin_h) = rope_tables(&cfg.rope_inv_freq(), cap.seq_len);
-        let mut cos = be.alloc(cap.seq_len * half);
-        let mut sin = be.alloc(cap.seq_len * half);
-        be.upload(&mut cos, &cos_h);
-        be.upload(&mut sin, &sin_h);
-        let acts = LayerActs {
-            h1: be.alloc(n * d.c),
-            rstd1: be.alloc(n),
-            qkv: be.alloc(n * d.qkv()),
-            att: be.alloc(n * d.hd()),
-            lse: be.alloc(n * d.h),
-            x2: be.alloc(n * d.c),
-            h2: be.alloc(n * d.c),
-            rstd2: be.alloc(n),
-            gu: be.alloc(n * 2 * d.f),
-            s: be.alloc(n * d.f),
-            tmp: be.alloc(n * d.c),
-        };
-        let grads = LayerGrads {
-            dres: be.alloc(n * d.c),
-            dx2: be.alloc(n * d.c),
-            dh: be.alloc(n * d.c),
-            dqkv: be.alloc(n * d.qkv()),
-            datt: be.alloc(n * d.hd()),
-            dgu: be.alloc(n * 2 * d.f),
-            ds: be.alloc(n * d.f),
-        };
+        let ropes = layout
+            .rope
+            .iter()
+            .map(|inv_freq| {
+                let (cos_h, sin_h) = rope_tables(inv_freq, cap.seq_len);
+                let (mut cos, mut sin) = (be.alloc(cos_h.len()), be.alloc(sin_h.len()));
+                be.upload(&mut cos, &cos_h);
+                be.upload(&mut sin, &sin_h);
+                (cos, sin)
+            })
+            .collect();
+        let acts = layout.max_act_widths().iter().map(|w| be.alloc(n * w)).collect();
+        let grads = layout.max_grad_widths()[1..].iter().map(|w| be.alloc(n * w)).collect();
+        let layer_len = layout.max_layer_len();
         Transformer {
-            w: be.alloc_weights(layout.layer.len),
-            dw: be.alloc(layout.layer.len),
+            w: be.alloc_weights(layer_len),
+            dw: be.alloc(layer_len),
+            dres: be.alloc(n * d.c),
             x: be.alloc(n * d.c),
             y: be.alloc(n * d.c),
             norm_w: be.alloc_weights(d.c),
@@ -201,11 +146,10 @@ impl<B: DeviceAlloc> Transformer<B> {
             ids: be.alloc_i32(n),
             targets: be.alloc_i32(n),
             ckpt: (0..=d.layers).map(|_| vec![0.0; n * d.c]).collect(),
-            host_dw: vec![0.0; layout.layer.len],
+            host_dw: vec![0.0; layer_len.max(d.c)],
             host_dhead: vec![0.0; d.v * d.c],
             host_losses: vec![0.0; n],
-            cos,
-            sin,
+            ropes,
             acts,
             grads,
             cap: Capacity { head_chunk_rows: chunk, ..cap },
@@ -214,9 +158,20 @@ impl<B: DeviceAlloc> Transformer<B> {
         }
     }
 
-    fn attn_dims(&self, b: usize, t: usize) -> AttnDims {
-        let d = &self.layout.dims;
-        AttnDims::new(b, t, d.h, d.kvh, d.d)
+    /// Layer `l` forward on `rows`: `x -> y`, its internals in `acts`.
+    fn run_layer_forward(&mut self, l: usize, rows: Rows) {
+        let nc = rows.b * rows.t * self.layout.dims.c;
+        let ropes: Vec<(&B::Buf, &B::Buf)> = {
+            let len = rows.t * self.layout.dims.d / 2;
+            self.ropes.iter().map(|(c, s)| (v(c, len), v(s, len))).collect()
+        };
+        let spec = self.layout.layer(l);
+        let mut slots = act_slots(
+            v(&self.x, nc),
+            Slot::W(vm(&mut self.y, nc)),
+            self.acts.iter_mut().map(|m| &mut **m),
+        );
+        layer_forward(&self.be, spec, &mut slots, v(&self.w, spec.len), &ropes, rows);
     }
 
     fn check_batch(&self, batch: &Batch) -> Result<()> {
@@ -239,27 +194,16 @@ impl<B: DeviceAlloc> Transformer<B> {
         let d = self.layout.dims;
         let n = batch.b * batch.t;
         let nc = n * d.c;
-        let ad = self.attn_dims(batch.b, batch.t);
-        let eps = self.layout.eps;
+        let rows = Rows { b: batch.b, t: batch.t };
         // Embedding rows are gathered on the host (only the rows the batch touches travel).
-        CpuBackend.embedding_forward(&mut self.ckpt[0][..nc], &batch.input_ids, &params.embed, d.c);
+        embed_rows(&mut self.ckpt[0][..nc], &batch.input_ids, &params.embed, &self.layout);
         self.be.upload_i32(self.ids.slice_mut(0..n), &batch.input_ids);
         self.be.upload_i32(self.targets.slice_mut(0..n), &batch.targets);
         self.be.upload(vm(&mut self.x, nc), &self.ckpt[0][..nc]);
         for l in 0..d.layers {
-            self.be.upload_weights(&mut self.w, &params.layers[l]);
-            layer_forward(
-                &self.be,
-                &mut self.acts,
-                &self.w,
-                &self.layout.layer,
-                v(&self.x, nc),
-                vm(&mut self.y, nc),
-                (v(&self.cos, batch.t * d.d / 2), v(&self.sin, batch.t * d.d / 2)),
-                ad,
-                d.f,
-                eps,
-            );
+            let len = params.layers[l].len();
+            self.be.upload_weights(vm(&mut self.w, len), &params.layers[l]);
+            self.run_layer_forward(l, rows);
             std::mem::swap(&mut self.x, &mut self.y);
             self.be.download(&mut self.ckpt[l + 1][..nc], v(&self.x, nc));
         }
@@ -269,7 +213,7 @@ impl<B: DeviceAlloc> Transformer<B> {
             vm(&mut self.rstd_f, n),
             v(&self.x, nc),
             &self.norm_w,
-            NormDims::new(d.c, eps),
+            self.layout.final_norm(),
         );
         let head = params.lm_head.as_deref().unwrap_or(&params.embed);
         self.be.upload_weights(&mut self.head_w, head);
@@ -378,8 +322,7 @@ impl<B: DeviceAlloc> Transformer<B> {
         let d = self.layout.dims;
         let n = batch.b * batch.t;
         let nc = n * d.c;
-        let ad = self.attn_dims(batch.b, batch.t);
-        let eps = self.layout.eps;
+        let rows = Rows { b: batch.b, t: batch.t };
         let scale = 1.0 / loss_norm.max(1) as f32;
 
         // Final norm, LM head and cross-entropy, forward and backward, chunk by chunk.
@@ -396,7 +339,7 @@ impl<B: DeviceAlloc> Transformer<B> {
             &mut hb,
             HeadGrads {
                 losses: vm(&mut self.losses, n),
-                dres: vm(&mut self.grads.dres, nc),
+                dres: vm(&mut self.dres, nc),
                 dnorm_w: &mut self.dnorm_w,
                 dhead_w: &mut self.dhead_w,
             },
@@ -404,7 +347,7 @@ impl<B: DeviceAlloc> Transformer<B> {
             &self.norm_w,
             &self.head_w,
             self.targets.slice(0..n),
-            HeadDims { n, c: d.c, v: d.v, chunk: self.cap.head_chunk_rows, eps, scale },
+            HeadDims { n, v: d.v, chunk: self.cap.head_chunk_rows, norm: self.layout.final_norm(), scale },
         );
         self.be.download(&mut self.host_losses[..n], v(&self.losses, n));
         let loss_sum = self.host_losses[..n].iter().map(|&x| x as f64).sum::<f64>();
@@ -416,42 +359,31 @@ impl<B: DeviceAlloc> Transformer<B> {
 
         // Layers, last to first: recompute from the checkpoint, then backward.
         for l in (0..d.layers).rev() {
-            self.be.upload_weights(&mut self.w, &params.layers[l]);
+            let len = params.layers[l].len();
+            self.be.upload_weights(vm(&mut self.w, len), &params.layers[l]);
             self.be.upload(vm(&mut self.x, nc), &self.ckpt[l][..nc]);
-            let rope = (v(&self.cos, batch.t * d.d / 2), v(&self.sin, batch.t * d.d / 2));
-            layer_forward(
-                &self.be,
-                &mut self.acts,
-                &self.w,
-                &self.layout.layer,
-                v(&self.x, nc),
-                vm(&mut self.y, nc),
-                rope,
-                ad,
-                d.f,
-                eps,
-            );
-            self.be.zero(&mut self.dw);
-            layer_backward(
-                &self.be,
-                &mut self.grads,
-                &mut self.dw,
-                &self.acts,
-                &self.w,
-                &self.layout.layer,
-                v(&self.x, nc),
-                rope,
-                ad,
-                d.f,
-            );
-            self.be.download(&mut self.host_dw, &self.dw);
-            add_host(&mut grads.layers[l], &self.host_dw);
+            self.run_layer_forward(l, rows);
+            self.be.zero(vm(&mut self.dw, len));
+            let spec = self.layout.layer(l);
+            let ropes: Vec<(&B::Buf, &B::Buf)> = {
+                let len = rows.t * d.d / 2;
+                self.ropes.iter().map(|(c, s)| (v(c, len), v(s, len))).collect()
+            };
+            let acts =
+                act_slots(v(&self.x, nc), Slot::R(v(&self.y, nc)), self.acts.iter_mut().map(|m| &mut **m));
+            let mut gslots =
+                grad_slots(vm(&mut self.dres, nc), self.grads.iter_mut().map(|m| &mut **m));
+            let (w, dw) = (v(&self.w, len), vm(&mut self.dw, len));
+            layer_backward(&self.be, spec, &mut gslots, dw, &acts, w, &ropes, rows);
+            drop((acts, gslots));
+            self.be.download(&mut self.host_dw[..len], v(&self.dw, len));
+            add_host(&mut grads.layers[l], &self.host_dw[..len]);
         }
 
         // Embedding backward on the host: scatter-add into the rows the batch touched.
         let dx = &mut self.ckpt[0][..nc];
-        self.be.download(dx, v(&self.grads.dres, nc));
-        CpuBackend.embedding_backward(&mut grads.embed, &batch.input_ids, dx, d.c);
+        self.be.download(dx, v(&self.dres, nc));
+        embed_rows_backward(&mut grads.embed, &batch.input_ids, dx, &self.layout);
 
         Ok(PassOutput { loss_sum, num_targets: batch.num_targets })
     }
@@ -478,198 +410,32 @@ pub fn rope_tables(inv_freq: &[f32], t_max: usize) -> (Vec<f32>, Vec<f32>) {
     (cos, sin)
 }
 
-/// One decoder layer forward: `x -> y`, keeping every internal the backward needs in `a`.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn layer_forward<B: Backend, M: DerefMut<Target = B::Buf>>(
-    be: &B,
-    a: &mut LayerActs<M>,
-    w: &B::WBuf,
-    lay: &LayerLayout,
-    x: &B::Buf,
-    y: &mut B::Buf,
-    (cos, sin): (&B::Buf, &B::Buf),
-    ad: AttnDims,
-    f: usize,
-    eps: f32,
-) {
-    let n = ad.n();
-    let c = x.len() / n;
-    let (nc, qkv, hd) = (n * c, ad.qkv_width(), ad.h * ad.d);
-    be.rmsnorm_forward(
-        vm(&mut a.h1, nc),
-        vm(&mut a.rstd1, n),
-        x,
-        w.slice(lay.ln1.clone()),
-        NormDims::new(c, eps),
-    );
-    be.matmul_forward(
-        vm(&mut a.qkv, n * qkv),
-        v(&a.h1, nc),
-        w.slice(lay.wqkv.clone()),
-        lay.bqkv.clone().map(|r| w.slice(r)),
-        n,
-        c,
-        qkv,
-    );
-    be.rope_forward(vm(&mut a.qkv, n * qkv), cos, sin, ad);
-    be.attention_forward(vm(&mut a.att, n * hd), vm(&mut a.lse, n * ad.h), v(&a.qkv, n * qkv), ad);
-    be.matmul_forward(
-        vm(&mut a.tmp, nc),
-        v(&a.att, n * hd),
-        w.slice(lay.wo.clone()),
-        None,
-        n,
-        hd,
-        c,
-    );
-    be.residual_forward(vm(&mut a.x2, nc), x, v(&a.tmp, nc));
-    be.rmsnorm_forward(
-        vm(&mut a.h2, nc),
-        vm(&mut a.rstd2, n),
-        v(&a.x2, nc),
-        w.slice(lay.ln2.clone()),
-        NormDims::new(c, eps),
-    );
-    be.matmul_forward(
-        vm(&mut a.gu, n * 2 * f),
-        v(&a.h2, nc),
-        w.slice(lay.wgu.clone()),
-        None,
-        n,
-        c,
-        2 * f,
-    );
-    be.swiglu_forward(vm(&mut a.s, n * f), v(&a.gu, n * 2 * f), n, f);
-    be.matmul_forward(
-        vm(&mut a.tmp, nc),
-        v(&a.s, n * f),
-        w.slice(lay.wdown.clone()),
-        None,
-        n,
-        f,
-        c,
-    );
-    be.residual_forward(y, v(&a.x2, nc), v(&a.tmp, nc));
+/// The embedding rows of `ids`, times the model's embedding scale (Gemma: `sqrt(C)`, in fp32 as
+/// transformers multiplies them). out: (N, C), overwrites.
+pub fn embed_rows(out: &mut [f32], ids: &[i32], table: &[f32], layout: &ModelLayout) {
+    CpuBackend.embedding_forward(out, ids, table, layout.dims.c);
+    if layout.embed_scale != 1.0 {
+        out.iter_mut().for_each(|x| *x *= layout.embed_scale);
+    }
 }
 
-/// One decoder layer backward. On entry `g.dres` holds dL/dy (N, C); on return it holds dL/dx
-/// (overwritten). Parameter gradients accumulate (+=) into `dw` (layer len).
-///
-/// Derivation (y = x2 + down(swiglu(gu(norm2(x2)))), x2 = x + o(attn(rope(qkv(norm1(x)))))):
-/// dL/dx2 = dy + norm2ᵀ(gu ᵀ(swigluᵀ(downᵀ dy))), dL/dx = dx2 + norm1ᵀ(qkvᵀ(ropeᵀ(attnᵀ(oᵀ dx2)))).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn layer_backward<B: Backend, M: DerefMut<Target = B::Buf>>(
-    be: &B,
-    g: &mut LayerGrads<M>,
-    dw: &mut B::Buf,
-    a: &LayerActs<M>,
-    w: &B::WBuf,
-    lay: &LayerLayout,
-    x: &B::Buf,
-    (cos, sin): (&B::Buf, &B::Buf),
-    ad: AttnDims,
-    f: usize,
-) {
-    let n = ad.n();
-    let c = x.len() / n;
-    let (nc, qkv, hd) = (n * c, ad.qkv_width(), ad.h * ad.d);
-    // y = x2 + m: the residual passes dy to x2 unchanged.
-    be.copy(vm(&mut g.dx2, nc), v(&g.dres, nc));
-    // m = s @ Wdownᵀ
-    be.matmul_backward(
-        Some(vm(&mut g.ds, n * f)),
-        dw.slice_mut(lay.wdown.clone()),
-        None,
-        v(&g.dres, nc),
-        v(&a.s, n * f),
-        w.slice(lay.wdown.clone()),
-        n,
-        f,
-        c,
-    );
-    be.swiglu_backward(vm(&mut g.dgu, n * 2 * f), v(&g.ds, n * f), v(&a.gu, n * 2 * f), n, f);
-    be.matmul_backward(
-        Some(vm(&mut g.dh, nc)),
-        dw.slice_mut(lay.wgu.clone()),
-        None,
-        v(&g.dgu, n * 2 * f),
-        v(&a.h2, nc),
-        w.slice(lay.wgu.clone()),
-        n,
-        c,
-        2 * f,
-    );
-    be.rmsnorm_backward(
-        vm(&mut g.dx2, nc),
-        dw.slice_mut(lay.ln2.clone()),
-        v(&g.dh, nc),
-        v(&a.x2, nc),
-        w.slice(lay.ln2.clone()),
-        v(&a.rstd2, n),
-        NormDims::new(c, 0.0),
-    );
-    // x2 = x + o: dx starts as dx2.
-    be.copy(vm(&mut g.dres, nc), v(&g.dx2, nc));
-    be.matmul_backward(
-        Some(vm(&mut g.datt, n * hd)),
-        dw.slice_mut(lay.wo.clone()),
-        None,
-        v(&g.dx2, nc),
-        v(&a.att, n * hd),
-        w.slice(lay.wo.clone()),
-        n,
-        hd,
-        c,
-    );
-    be.attention_backward(
-        vm(&mut g.dqkv, n * qkv),
-        v(&g.datt, n * hd),
-        v(&a.qkv, n * qkv),
-        v(&a.att, n * hd),
-        v(&a.lse, n * ad.h),
-        ad,
-    );
-    be.rope_backward(vm(&mut g.dqkv, n * qkv), cos, sin, ad);
-    {
-        // dW_qkv and db_qkv are disjoint ranges of one buffer: split it once.
-        let (dweight, dbias) = match &lay.bqkv {
-            Some(rb) => {
-                let (lo, hi) = dw.split_at_mut(rb.start);
-                (lo.slice_mut(lay.wqkv.clone()), Some(hi.slice_mut(0..rb.len())))
-            }
-            None => (dw.slice_mut(lay.wqkv.clone()), None),
-        };
-        be.matmul_backward(
-            Some(vm(&mut g.dh, nc)),
-            dweight,
-            dbias,
-            v(&g.dqkv, n * qkv),
-            v(&a.h1, nc),
-            w.slice(lay.wqkv.clone()),
-            n,
-            c,
-            qkv,
-        );
+/// The embedding's backward: `dtable[ids] += dx * scale`, in place of `dx` (N, C), which it
+/// scales first.
+pub fn embed_rows_backward(dtable: &mut [f32], ids: &[i32], dx: &mut [f32], layout: &ModelLayout) {
+    if layout.embed_scale != 1.0 {
+        dx.iter_mut().for_each(|x| *x *= layout.embed_scale);
     }
-    be.rmsnorm_backward(
-        vm(&mut g.dres, nc),
-        dw.slice_mut(lay.ln1.clone()),
-        v(&g.dh, nc),
-        x,
-        w.slice(lay.ln1.clone()),
-        v(&a.rstd1, n),
-        NormDims::new(c, 0.0),
-    );
+    CpuBackend.embedding_backward(dtable, ids, dx, layout.dims.c);
 }
 
 /// Sizes of one head pass: `n` rows, chunks of `chunk` rows.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct HeadDims {
     pub n: usize,
-    pub c: usize,
     pub v: usize,
     pub chunk: usize,
-    pub eps: f32,
+    /// The final norm: width C, eps, weight offset.
+    pub norm: NormDims,
     /// 1 / (loss-carrying positions of the whole batch).
     pub scale: f32,
 }
@@ -712,9 +478,10 @@ pub(crate) fn head_forward_backward<B: Backend, M: DerefMut<Target = B::Buf>>(
     targets: &B::IBuf,
     hd: HeadDims,
 ) {
-    let HeadDims { n, c, v: vocab, chunk, eps, scale } = hd;
+    let HeadDims { n, v: vocab, chunk, norm, scale } = hd;
+    let c = norm.c;
     let nc = n * c;
-    be.rmsnorm_forward(vm(&mut hb.hf, nc), vm(&mut hb.rstd, n), x, norm_w, NormDims::new(c, eps));
+    be.rmsnorm_forward(vm(&mut hb.hf, nc), vm(&mut hb.rstd, n), x, norm_w, norm);
     for r0 in (0..n).step_by(chunk) {
         let rows = chunk.min(n - r0);
         let hf_rows = r0 * c..(r0 + rows) * c;

@@ -1,0 +1,64 @@
+//! Model families: each file describes what a decoder layer of its family is (tensors, ops,
+//! per-layer variation) and the model-level pieces around it; everything else is derived from
+//! that description (`model/spec.rs`, `model/layout.rs`).
+//!
+//! | family | file | model_type |
+//! |---|---|---|
+//! | Llama-style pre-norm decoder | `llama.rs` | llama, qwen2, mistral, qwen3 (+ per-head q/k norm) |
+//! | Gemma 3 | `gemma3.rs` | gemma3_text, gemma3 (its language model) |
+
+pub mod gemma3;
+pub mod llama;
+
+use crate::hf::config::{Arch, LayerType, ModelConfig};
+use crate::model::layout::ModelLayout;
+use crate::model::spec::LayerSpec;
+
+/// The description of `cfg`'s model.
+pub fn describe(cfg: &ModelConfig) -> ModelLayout {
+    match cfg.arch {
+        Arch::Llama | Arch::Qwen2 | Arch::Mistral | Arch::Qwen3 => llama::describe(cfg),
+        Arch::Gemma3 => gemma3::describe(cfg),
+    }
+}
+
+/// The RoPE tables a model needs (table 0: full-attention layers; table 1: the sliding layers'
+/// own, when they have one) and the table of each layer type.
+pub fn rope_tables(cfg: &ModelConfig) -> (Vec<Vec<f32>>, impl Fn(LayerType) -> usize) {
+    let mut tables = vec![cfg.rope_inv_freq()];
+    let local = cfg.rope_local.as_ref().map(|r| cfg.rope_inv_freq_of(r));
+    let has_local = local.is_some();
+    tables.extend(local);
+    (tables, move |t| usize::from(t == LayerType::Sliding && has_local))
+}
+
+/// One layer spec per layer type the model uses, and each layer's kind: the per-layer variation
+/// (`layer_types`) as data.
+pub fn kinds_by_type(
+    cfg: &ModelConfig,
+    mut build: impl FnMut(LayerType) -> LayerSpec,
+) -> (Vec<LayerSpec>, Vec<usize>) {
+    let mut types: Vec<LayerType> = Vec::new();
+    let mut kinds = Vec::new();
+    let kind_of = cfg
+        .layer_types
+        .iter()
+        .map(|&t| match types.iter().position(|&u| u == t) {
+            Some(k) => k,
+            None => {
+                types.push(t);
+                kinds.push(build(t));
+                kinds.len() - 1
+            }
+        })
+        .collect();
+    (kinds, kind_of)
+}
+
+/// The name of a layer type in the plan.
+pub fn type_name(t: LayerType) -> &'static str {
+    match t {
+        LayerType::Full => "full_attention",
+        LayerType::Sliding => "sliding_attention",
+    }
+}

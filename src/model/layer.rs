@@ -1,0 +1,224 @@
+//! Runs a described layer ([`LayerSpec`]) on any backend: its forward ops in order, then its
+//! derived backward program. The reference path and the streaming engine both call these two
+//! functions; the description decides every buffer an op touches.
+//!
+//! Activations are passed as [`Slot`]s: slot `X` (the layer input) read-only, `Y` (the output)
+//! and the layer's own buffers writable, each viewed at `(N, width)`.
+
+use std::ops::Range;
+
+use horizon_backend::{Backend, DeviceSlice, NormDims};
+
+use crate::model::spec::{Act, BwdOp, Glu, LayerSpec, Op};
+
+/// One activation or gradient buffer handed to a layer: read-only or writable.
+pub enum Slot<'a, T: ?Sized> {
+    R(&'a T),
+    W(&'a mut T),
+}
+
+impl<T: ?Sized + DeviceSlice> Slot<'_, T> {
+    /// The first `len` elements.
+    fn r(&self, len: usize) -> &T {
+        match self {
+            Slot::R(x) => x.slice(0..len),
+            Slot::W(x) => x.slice(0..len),
+        }
+    }
+
+    /// The first `len` elements, writable. A read-only slot here is a bug in the description
+    /// (`LayerBuilder::finish` refuses an op that writes the layer input).
+    fn w(&mut self, len: usize) -> &mut T {
+        match self {
+            Slot::W(x) => x.slice_mut(0..len),
+            Slot::R(_) => panic!("a layer op writes a read-only buffer"),
+        }
+    }
+}
+
+/// Distinct slots, each exclusively.
+fn pick<'s, 'a, T: ?Sized, const K: usize>(
+    slots: &'s mut [Slot<'a, T>],
+    idx: [usize; K],
+) -> [&'s mut Slot<'a, T>; K] {
+    slots.get_disjoint_mut(idx).expect("an op's buffers are distinct slots")
+}
+
+/// Two disjoint ranges of one buffer (a weight's and its bias's gradients), in either order.
+fn two_mut<'b, T: ?Sized + DeviceSlice>(
+    buf: &'b mut T,
+    a: Range<usize>,
+    b: Option<Range<usize>>,
+) -> (&'b mut T, Option<&'b mut T>) {
+    match b {
+        None => (buf.slice_mut(a), None),
+        Some(b) if a.end <= b.start => {
+            let (lo, hi) = buf.split_at_mut(b.start);
+            (lo.slice_mut(a), Some(hi.slice_mut(0..b.len())))
+        }
+        Some(b) => {
+            assert!(b.end <= a.start, "weight and bias ranges overlap");
+            let (lo, hi) = buf.split_at_mut(a.start);
+            (hi.slice_mut(0..a.len()), Some(lo.slice_mut(b)))
+        }
+    }
+}
+
+/// Sizes of one pass: `b` sequences of `t` positions.
+#[derive(Clone, Copy, Debug)]
+pub struct Rows {
+    pub b: usize,
+    pub t: usize,
+}
+
+/// One decoder layer forward: `slots[X] -> slots[Y]`, keeping every activation the backward
+/// reads in the layer's own slots. `ropes[k]` is rope table k's (cos, sin), (T, D/2).
+pub fn layer_forward<B: Backend>(
+    be: &B,
+    spec: &LayerSpec,
+    slots: &mut [Slot<'_, B::Buf>],
+    w: &B::WBuf,
+    ropes: &[(&B::Buf, &B::Buf)],
+    rows: Rows,
+) {
+    let n = rows.b * rows.t;
+    let len = |a: Act| n * spec.width(a);
+    let ad = spec.attn.dims(rows.b, rows.t);
+    let norm = |w_offset: f32, c: usize| NormDims { c, eps: spec.eps, w_offset };
+    for op in &spec.ops {
+        match op {
+            &Op::RmsNorm { inp, out, rstd, w: ref r, w_offset } => {
+                let [i, o, s] = pick(slots, [inp, out, rstd]);
+                let nd = norm(w_offset, spec.c);
+                be.rmsnorm_forward(o.w(len(out)), s.w(n), i.r(len(inp)), w.slice(r.clone()), nd);
+            }
+            &Op::HeadNorm { inp, out, rstd, w: ref r, w_offset } => {
+                let [i, o, s] = pick(slots, [inp, out, rstd]);
+                let nd = norm(w_offset, ad.d);
+                let rs = s.w(len(rstd));
+                be.head_rmsnorm_forward(o.w(len(out)), rs, i.r(len(inp)), w.slice(r.clone()), ad, nd);
+            }
+            &Op::Linear { inp, out, w: ref r, ref bias, ic, oc } => {
+                let [i, o] = pick(slots, [inp, out]);
+                let bias = bias.clone().map(|b| w.slice(b));
+                be.matmul_forward(o.w(n * oc), i.r(n * ic), w.slice(r.clone()), bias, n, ic, oc);
+            }
+            &Op::Rope { qkv, table } => {
+                let [q] = pick(slots, [qkv]);
+                let (cos, sin) = ropes[table];
+                be.rope_forward(q.w(len(qkv)), cos, sin, ad);
+            }
+            &Op::Attention { qkv, out, lse } => {
+                let [q, o, l] = pick(slots, [qkv, out, lse]);
+                be.attention_forward(o.w(len(out)), l.w(len(lse)), q.r(len(qkv)), ad);
+            }
+            &Op::Add { a, b, out } => {
+                let [x, y, o] = pick(slots, [a, b, out]);
+                be.residual_forward(o.w(len(out)), x.r(len(a)), y.r(len(b)));
+            }
+            &Op::Glu { gu, out, act, f } => {
+                let [g, o] = pick(slots, [gu, out]);
+                match act {
+                    Glu::Silu => be.swiglu_forward(o.w(n * f), g.r(n * 2 * f), n, f),
+                    Glu::GeluTanh => be.geglu_forward(o.w(n * f), g.r(n * 2 * f), n, f),
+                }
+            }
+        }
+    }
+}
+
+/// One decoder layer backward, the description's derived program. On entry `grads[DRES]`
+/// holds dL/dY; on return it holds dL/dX (overwritten). Parameter gradients accumulate (+=)
+/// into `dw` (the layer's len). `acts` are the forward's slots (X and the layer's own).
+#[allow(clippy::too_many_arguments)]
+pub fn layer_backward<B: Backend>(
+    be: &B,
+    spec: &LayerSpec,
+    grads: &mut [Slot<'_, B::Buf>],
+    dw: &mut B::Buf,
+    acts: &[Slot<'_, B::Buf>],
+    w: &B::WBuf,
+    ropes: &[(&B::Buf, &B::Buf)],
+    rows: Rows,
+) {
+    let n = rows.b * rows.t;
+    let len = |a: Act| n * spec.width(a);
+    let act = |a: Act| acts[a].r(len(a));
+    let ad = spec.attn.dims(rows.b, rows.t);
+    for step in &spec.backward {
+        match *step {
+            BwdOp::Copy { dst, src, width } => {
+                let [d, s] = pick(grads, [dst, src]);
+                be.copy(d.w(n * width), s.r(n * width));
+            }
+            BwdOp::Zero { dst, width } => be.zero(grads[dst].w(n * width)),
+            BwdOp::RmsNorm { op, dinp, dout } => {
+                let Op::RmsNorm { inp, rstd, w: ref r, w_offset, .. } = spec.ops[op] else {
+                    unreachable!("the program names its op")
+                };
+                let [gi, go] = pick(grads, [dinp, dout]);
+                let nd = NormDims { c: spec.c, eps: spec.eps, w_offset };
+                let (dwr, wr) = (dw.slice_mut(r.clone()), w.slice(r.clone()));
+                be.rmsnorm_backward(gi.w(len(inp)), dwr, go.r(len(inp)), act(inp), wr, act(rstd), nd);
+            }
+            BwdOp::HeadNorm { op, dinp, dout } => {
+                let Op::HeadNorm { inp, rstd, w: ref r, w_offset, .. } = spec.ops[op] else {
+                    unreachable!("the program names its op")
+                };
+                let [gi, go] = pick(grads, [dinp, dout]);
+                let nd = NormDims { c: ad.d, eps: spec.eps, w_offset };
+                let (dwr, wr) = (dw.slice_mut(r.clone()), w.slice(r.clone()));
+                let (gi, go) = (gi.w(len(inp)), go.r(len(inp)));
+                be.head_rmsnorm_backward(gi, dwr, go, act(inp), wr, act(rstd), ad, nd);
+            }
+            BwdOp::Linear { op, dinp, dout } => {
+                let Op::Linear { inp, w: ref r, ref bias, ic, oc, .. } = spec.ops[op] else {
+                    unreachable!("the program names its op")
+                };
+                let [gi, go] = pick(grads, [dinp, dout]);
+                let (dweight, dbias) = two_mut(dw, r.clone(), bias.clone());
+                let (gi, go) = (gi.w(n * ic), go.r(n * oc));
+                be.matmul_backward(Some(gi), dweight, dbias, go, act(inp), w.slice(r.clone()), n, ic, oc);
+            }
+            BwdOp::Rope { op, dqkv } => {
+                let Op::Rope { qkv, table } = spec.ops[op] else {
+                    unreachable!("the program names its op")
+                };
+                let (cos, sin) = ropes[table];
+                be.rope_backward(grads[dqkv].w(len(qkv)), cos, sin, ad);
+            }
+            BwdOp::Attention { op, dqkv, dout } => {
+                let Op::Attention { qkv, out, lse } = spec.ops[op] else {
+                    unreachable!("the program names its op")
+                };
+                let [gq, go] = pick(grads, [dqkv, dout]);
+                be.attention_backward(gq.w(len(qkv)), go.r(len(out)), act(qkv), act(out), act(lse), ad);
+            }
+            BwdOp::Glu { op, dgu, dout } => {
+                let Op::Glu { gu, act: kind, f, .. } = spec.ops[op] else {
+                    unreachable!("the program names its op")
+                };
+                let [gg, go] = pick(grads, [dgu, dout]);
+                let (gg, go) = (gg.w(n * 2 * f), go.r(n * f));
+                match kind {
+                    Glu::Silu => be.swiglu_backward(gg, go, act(gu), n, f),
+                    Glu::GeluTanh => be.geglu_backward(gg, go, act(gu), n, f),
+                }
+            }
+        }
+    }
+}
+
+/// Gradient slots for `grads` buffers: the residual gradient first.
+pub fn grad_slots<'a, T: ?Sized>(dres: &'a mut T, rest: impl Iterator<Item = &'a mut T>) -> Vec<Slot<'a, T>> {
+    std::iter::once(Slot::W(dres)).chain(rest.map(Slot::W)).collect()
+}
+
+/// Activation slots: the input, the output, then the layer's own buffers.
+pub fn act_slots<'a, T: ?Sized>(
+    x: &'a T,
+    y: Slot<'a, T>,
+    own: impl Iterator<Item = &'a mut T>,
+) -> Vec<Slot<'a, T>> {
+    [Slot::R(x), y].into_iter().chain(own.map(Slot::W)).collect()
+}
