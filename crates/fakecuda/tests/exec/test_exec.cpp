@@ -811,7 +811,7 @@ static void test_project_attention() {
     std::vector<float> qkv(B * T * W), out(B * T * H * D, -7.0f), lse(B * H * T);
     for (size_t i = 0; i < qkv.size(); i++) qkv[i] = std::sin(0.37f * (float)i) * 0.8f;
     Args a;
-    a.add(out.data()).add(lse.data()).add((const float*)qkv.data()).add(T).add(H).add(KVH).add(D);
+    a.add(out.data()).add(lse.data()).add((const float*)qkv.data()).add(T).add(H).add(KVH).add(D).add(0).add(1.0f / std::sqrt((float)D));
     size_t smem = (2 * 32 * (D + 1) + 8 * D) * sizeof(float);
     RunResult r = launch(kernel(project("attention"), "attention_forward"), {(T + 7) / 8, H, B}, {256, 1, 1}, smem, a, 21);
     check(r.code == 0, r.message);
