@@ -778,7 +778,7 @@ static void test_project_rmsnorm_grad_norm() {
     for (int i = 0; i < n * c; i++) inp[i] = std::sin(0.1f * i);
     for (int j = 0; j < c; j++) w[j] = j % 2 ? 0x3f80 : 0x4000;  // 1.0, 2.0 in bf16
     Args a;
-    a.add(out.data()).add(rstd.data()).add((const float*)inp.data()).add((const unsigned short*)w.data()).add(n).add(c).add(1e-5f);
+    a.add(out.data()).add(rstd.data()).add((const float*)inp.data()).add((const unsigned short*)w.data()).add(n).add(c).add(1e-5f).add(0.0f);
     RunResult r = launch(kernel(project("rmsnorm"), "rmsnorm_forward"), {n, 1, 1}, {256, 1, 1}, 0, a, 11);
     check(r.code == 0, r.message);
     for (int row = 0; row < n; row++) {

@@ -400,8 +400,7 @@ impl Backend for CudaBackend {
         weight: &DevSlice<Bf16>,
         norm: NormDims,
     ) {
-        assert_eq!(norm.w_offset, 0.0, "rmsnorm w_offset: not yet implemented");
-        super::rmsnorm::rmsnorm_forward(self, out, rstd, inp, weight, norm.c, norm.eps);
+        super::rmsnorm::rmsnorm_forward(self, out, rstd, inp, weight, norm);
     }
 
     fn rmsnorm_backward(
@@ -414,8 +413,7 @@ impl Backend for CudaBackend {
         rstd: &DevSlice<f32>,
         norm: NormDims,
     ) {
-        assert_eq!(norm.w_offset, 0.0, "rmsnorm w_offset: not yet implemented");
-        super::rmsnorm::rmsnorm_backward(self, dinp, dweight, dout, inp, weight, rstd, norm.c);
+        super::rmsnorm::rmsnorm_backward(self, dinp, dweight, dout, inp, weight, rstd, norm);
     }
 
     fn head_rmsnorm_forward(
