@@ -69,6 +69,18 @@ fn all_ops() -> Vec<f32> {
     rope_backward(&mut dqkv, &cos, &sin, dims);
     all.extend(qkv.iter().chain(&att).chain(&lse).chain(&dqkv));
 
+    // windowed attention with another scale: T = 150 over three query blocks, the later ones
+    // starting their key range inside the sequence.
+    let dims = AttnDims { window: 40, scale: 0.3, ..AttnDims::new(2, 150, 4, 2, 8) };
+    let wqkv = rng.vec(dims.n() * dims.qkv_width(), 1.5);
+    let mut watt = vec![0.0; dims.n() * dims.h * dims.d];
+    let mut wlse = vec![0.0; dims.b * dims.h * dims.t];
+    attention_forward(&mut watt, &mut wlse, &wqkv, dims);
+    let dwatt = rng.vec(watt.len(), 1.0);
+    let mut dwqkv = vec![0.0; wqkv.len()];
+    attention_backward(&mut dwqkv, &dwatt, &wqkv, &watt, &wlse, dims);
+    all.extend(watt.iter().chain(&wlse).chain(&dwqkv));
+
     // swiglu
     let f = 45;
     let gu = rng.vec(n * 2 * f, 3.0);

@@ -1,7 +1,7 @@
 //! Op tests for the CPU reference backend: every forward against a plain f64 reference, every
 //! backward against central differences of that reference, accumulate/overwrite semantics
-//! (parameter gradients double when a backward runs twice), attention causality and GQA, and
-//! the cross-entropy edge cases.
+//! (parameter gradients double when a backward runs twice), attention causality, GQA, sliding
+//! windows and scales, and the cross-entropy edge cases.
 //!
 //! Tolerances (criterion of `assert_close`: `|got - want| <= tol * max(1, |want|)`):
 //! - `FWD_TOL` = 1e-5: an f32 op against the f64 reference on O(1) data. f32 rounding over the
@@ -445,6 +445,118 @@ fn attention_writes_stay_inside_their_buffers() {
         assert!(guards.into_iter().all(|&x| x == SENTINEL), "{name}: guard bytes overwritten");
         assert!(buf[GUARD..GUARD + len].iter().all(|&x| x != SENTINEL), "{name}: not all written");
     }
+}
+
+/// Windowed and rescaled attention shapes: W = 1 (each query sees itself), W = 3 on T = 7 (MQA
+/// and GQA), W = 37 on T = 140 (the second and third query blocks start inside the window of
+/// earlier keys, so their key range starts past 0), W = 64 = one query block on T = 130 with
+/// GQA, and a non-default scale with and without a window.
+fn window_dims() -> [AttnDims; 7] {
+    let w = |window: usize, d: AttnDims| AttnDims { window, ..d };
+    [
+        w(1, AttnDims::new(2, 7, 3, 1, 4)),
+        w(3, AttnDims::new(2, 7, 3, 1, 4)),
+        w(3, AttnDims::new(2, 7, 4, 2, 4)),
+        w(37, AttnDims::new(1, 140, 2, 1, 4)),
+        w(64, AttnDims::new(1, 130, 4, 2, 4)),
+        AttnDims { scale: 0.3, ..AttnDims::new(2, 7, 4, 2, 4) },
+        AttnDims { scale: 0.3, window: 5, ..AttnDims::new(1, 70, 2, 1, 6) },
+    ]
+}
+
+#[test]
+fn attention_window_and_scale_forward_match_reference() {
+    let mut rng = Rng::new(30);
+    for dims in window_dims() {
+        let (qkv, out, lse) = attention_case(&mut rng, dims);
+        let (want_out, want_lse) = attention_ref(&to64(&qkv), dims);
+        assert_close(&format!("attention out {dims:?}"), &out, &want_out, FWD_TOL);
+        assert_close(&format!("attention lse {dims:?}"), &lse, &want_lse, FWD_TOL);
+    }
+}
+
+#[test]
+fn attention_window_and_scale_backward_match_fd() {
+    let mut rng = Rng::new(31);
+    for dims in window_dims() {
+        let (qkv, out, lse) = attention_case(&mut rng, dims);
+        let r = rng.vec(out.len(), 1.0);
+        let mut dqkv = vec![f32::NAN; qkv.len()]; // overwritten
+        attention_backward(&mut dqkv, &r, &qkv, &out, &lse, dims);
+        let fd = fd_grad(&to64(&qkv), FD_EPS, |x| proj(&attention_ref(x, dims).0, &r));
+        assert_close(&format!("attention dqkv {dims:?}"), &dqkv, &fd, GRAD_TOL);
+    }
+}
+
+#[test]
+fn attention_window_1_returns_own_value_exactly() {
+    // With W = 1 every softmax has one term: probability exactly 1, out_i = v_i bit for bit,
+    // lse_i = scale q_i.k_i.
+    let mut rng = Rng::new(32);
+    let dims = AttnDims { window: 1, ..AttnDims::new(2, 70, 4, 2, 4) };
+    let (qkv, out, _) = attention_case(&mut rng, dims);
+    let (width, d, group) = (dims.qkv_width(), dims.d, dims.h / dims.kvh);
+    for r in 0..dims.n() {
+        for hi in 0..dims.h {
+            let v = &qkv[r * width + (dims.h + dims.kvh + hi / group) * d..][..d];
+            let o = &out[r * dims.h * d + hi * d..][..d];
+            assert_eq!(bits(o), bits(v), "W = 1: out of row {r} head {hi} is not its v");
+        }
+    }
+}
+
+#[test]
+fn attention_window_at_least_t_equals_full_causal_bit_for_bit() {
+    let mut rng = Rng::new(33);
+    for full in [AttnDims::new(2, 7, 4, 2, 4), AttnDims::new(1, 140, 2, 1, 4)] {
+        let qkv = rng.vec(full.n() * full.qkv_width(), 1.5);
+        let dout = rng.vec(full.n() * full.h * full.d, 1.0);
+        let run = |dims: AttnDims| {
+            let mut out = vec![f32::NAN; dout.len()];
+            let mut lse = vec![f32::NAN; dims.b * dims.h * dims.t];
+            attention_forward(&mut out, &mut lse, &qkv, dims);
+            let mut dqkv = vec![f32::NAN; qkv.len()];
+            attention_backward(&mut dqkv, &dout, &qkv, &out, &lse, dims);
+            [bits(&out), bits(&lse), bits(&dqkv)]
+        };
+        let want = run(full);
+        for window in [full.t, full.t + 1, 1000] {
+            let got = run(AttnDims { window, ..full });
+            assert!(got == want, "W = {window} differs from W = 0 for {full:?}");
+        }
+    }
+}
+
+#[test]
+fn attention_window_ignores_keys_outside_it() {
+    // Changing position j's q, k, v must leave every query outside j..j + W bit-identical, in
+    // the forward and in the backward (its dq, and the dk, dv of the other positions).
+    let mut rng = Rng::new(34);
+    let dims = AttnDims { window: 37, ..AttnDims::new(1, 140, 2, 1, 4) };
+    let (width, hd, w) = (dims.qkv_width(), dims.h * dims.d, dims.window);
+    let (qkv, out, lse) = attention_case(&mut rng, dims);
+    let j = 50;
+    let mut qkv2 = qkv.clone();
+    for x in &mut qkv2[j * width..][..width] {
+        *x += 0.5;
+    }
+    let mut out2 = vec![0.0; out.len()];
+    let mut lse2 = vec![0.0; lse.len()];
+    attention_forward(&mut out2, &mut lse2, &qkv2, dims);
+    assert_eq!(bits(&out2[..j * hd]), bits(&out[..j * hd]), "earlier outputs changed");
+    let after = (j + w) * hd;
+    assert_eq!(bits(&out2[after..]), bits(&out[after..]), "outputs past the window changed");
+    assert_ne!(bits(&out2[(j + w - 1) * hd..][..hd]), bits(&out[(j + w - 1) * hd..][..hd]));
+
+    // Backward with dout zero inside the window of j: nothing may depend on row j at all.
+    let mut dout = rng.vec(out.len(), 1.0);
+    dout[j * hd..(j + w) * hd].fill(0.0);
+    let mut dq1 = vec![0.0; qkv.len()];
+    attention_backward(&mut dq1, &dout, &qkv, &out, &lse, dims);
+    let mut dq2 = vec![0.0; qkv.len()];
+    attention_backward(&mut dq2, &dout, &qkv2, &out2, &lse2, dims);
+    assert!(dq1[j * width..][..width].iter().all(|&g| g == 0.0), "row j has a gradient");
+    assert_eq!(bits(&dq2), bits(&dq1), "gradients depend on a row no live query sees");
 }
 
 // ---- swiglu -------------------------------------------------------------------------------

@@ -136,11 +136,13 @@ pub fn rope_tables(t: usize, d: usize, theta: f64) -> (Vec<f32>, Vec<f32>) {
     (cos, sin)
 }
 
-/// Reference causal GQA: explicit score row, full softmax. Returns `(out (N, H*D), lse (B,H,T))`.
+/// Reference causal GQA with `dims.scale` and `dims.window`: explicit score row over the keys
+/// `i - W < j <= i` (`j <= i` when `W = 0`), full softmax over them. Returns
+/// `(out (N, H*D), lse (B, H, T))`.
 pub fn attention_ref(qkv: &[f64], dims: AttnDims) -> (Vec<f64>, Vec<f64>) {
-    let AttnDims { b, t, h, kvh, d, .. } = dims;
+    let AttnDims { b, t, h, kvh, d, window, .. } = dims;
     let width = dims.qkv_width();
-    let scale = 1.0 / (d as f64).sqrt();
+    let scale = f64::from(dims.scale);
     let group = h / kvh;
     let mut out = vec![0.0; b * t * h * d];
     let mut lse = vec![0.0; b * h * t];
@@ -149,7 +151,8 @@ pub fn attention_ref(qkv: &[f64], dims: AttnDims) -> (Vec<f64>, Vec<f64>) {
             let g = hi / group;
             for i in 0..t {
                 let q = &qkv[(bi * t + i) * width + hi * d..][..d];
-                let scores: Vec<f64> = (0..=i)
+                let first = if window == 0 { 0 } else { (i + 1).saturating_sub(window) };
+                let scores: Vec<f64> = (first..=i)
                     .map(|j| {
                         let k = &qkv[(bi * t + j) * width + (h + g) * d..][..d];
                         dot64(q, k) * scale
@@ -158,7 +161,7 @@ pub fn attention_ref(qkv: &[f64], dims: AttnDims) -> (Vec<f64>, Vec<f64>) {
                 let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                 let z: f64 = scores.iter().map(|s| (s - m).exp()).sum();
                 lse[(bi * h + hi) * t + i] = m + z.ln();
-                for (j, s) in scores.iter().enumerate() {
+                for (j, s) in (first..=i).zip(&scores) {
                     let p = (s - m).exp() / z;
                     let v = &qkv[(bi * t + j) * width + (h + kvh + g) * d..][..d];
                     for e in 0..d {
