@@ -314,41 +314,86 @@ fn rope_forward_and_backward() {
     }
 }
 
+/// Attention forward and backward of `dims` on the GPU against the CPU (both the output and the
+/// lse; dqkv of the backward, prefilled with 9s to show it overwrites); returns the GPU's
+/// `out`, `lse` and `dqkv`.
+fn check_attention(be: &CudaBackend, rng: &mut Rng, dims: AttnDims) -> [Vec<f32>; 3] {
+    let (n, width, hd) = (dims.n(), dims.qkv_width(), dims.h * dims.d);
+    let qkv = rng.vec(n * width, 1.0);
+    let (mut out, mut lse) = (vec![0.0; n * hd], vec![0.0; dims.b * dims.h * dims.t]);
+    CpuBackend.attention_forward(&mut out, &mut lse, &qkv, dims);
+    let gqkv = Guarded::new(be, "qkv", &qkv);
+    let mut gout = Guarded::new(be, "out", &vec![0.0; n * hd]);
+    let mut glse = Guarded::new(be, "lse", &vec![0.0; lse.len()]);
+    be.attention_forward(gout.view_mut(), glse.view_mut(), gqkv.view(), dims);
+    let (got_out, got_lse) = (gout.read(be), glse.read(be));
+    assert_close(&format!("attention_forward out {dims:?}"), &got_out, &out, TOL_SUM);
+    assert_close(&format!("attention_forward lse {dims:?}"), &got_lse, &lse, TOL_SUM);
+
+    let dout = rng.vec(n * hd, 1.0);
+    let mut dqkv = vec![0.0; n * width];
+    CpuBackend.attention_backward(&mut dqkv, &dout, &qkv, &out, &lse, dims);
+    let gdout = Guarded::new(be, "dout", &dout);
+    let mut gdqkv = Guarded::new(be, "dqkv", &vec![9.0; n * width]);
+    be.attention_backward(
+        gdqkv.view_mut(),
+        gdout.view(),
+        gqkv.view(),
+        gout.view(),
+        glse.view(),
+        dims,
+    );
+    let got_dqkv = gdqkv.read(be);
+    assert_close(&format!("attention_backward dqkv {dims:?}"), &got_dqkv, &dqkv, TOL_SUM);
+    [got_out, got_lse, got_dqkv]
+}
+
 #[test]
 fn attention_forward_and_backward() {
     let be = gpu();
     let mut rng = Rng::new(6);
     for dims in attn_cases() {
-        let (n, width, hd) = (dims.n(), dims.qkv_width(), dims.h * dims.d);
-        let qkv = rng.vec(n * width, 1.0);
-        let (mut out, mut lse) = (vec![0.0; n * hd], vec![0.0; dims.b * dims.h * dims.t]);
-        CpuBackend.attention_forward(&mut out, &mut lse, &qkv, dims);
-        let gqkv = Guarded::new(&be, "qkv", &qkv);
-        let mut gout = Guarded::new(&be, "out", &vec![0.0; n * hd]);
-        let mut glse = Guarded::new(&be, "lse", &vec![0.0; lse.len()]);
-        be.attention_forward(gout.view_mut(), glse.view_mut(), gqkv.view(), dims);
-        assert_close(&format!("attention_forward out {dims:?}"), &gout.read(&be), &out, TOL_SUM);
-        assert_close(&format!("attention_forward lse {dims:?}"), &glse.read(&be), &lse, TOL_SUM);
+        check_attention(&be, &mut rng, dims);
+    }
+}
 
-        let dout = rng.vec(n * hd, 1.0);
-        let mut dqkv = vec![0.0; n * width];
-        CpuBackend.attention_backward(&mut dqkv, &dout, &qkv, &out, &lse, dims);
-        let gdout = Guarded::new(&be, "dout", &dout);
-        let mut gdqkv = Guarded::new(&be, "dqkv", &vec![9.0; n * width]);
-        be.attention_backward(
-            gdqkv.view_mut(),
-            gdout.view(),
-            gqkv.view(),
-            gout.view(),
-            glse.view(),
-            dims,
-        );
-        assert_close(
-            &format!("attention_backward dqkv {dims:?}"),
-            &gdqkv.read(&be),
-            &dqkv,
-            TOL_SUM,
-        );
+/// `dims` with a sliding window `w` and the scale `scale`.
+fn windowed(dims: AttnDims, window: usize, scale: f32) -> AttnDims {
+    AttnDims { window, scale, ..dims }
+}
+
+/// Sliding windows (1: each query sees itself only; 5 on T = 37: several tiles start past key 0
+/// and the dk/dv walk stops early; 37 on T = 129 with GQA 4:1 and D = 128: a window longer than a
+/// tile, not aligned to one) and scores scaled other than 1/sqrt(D) (Gemma's
+/// `query_pre_attn_scalar^-1/2`), against the CPU; a window of at least T is full causal.
+#[test]
+fn attention_window_and_scale() {
+    let be = gpu();
+    let mut rng = Rng::new(12);
+    let d6 = AttnDims::new(2, 37, 4, 2, 6);
+    let d40 = AttnDims::new(1, 37, 3, 1, 40);
+    let d128 = AttnDims::new(1, 129, 4, 1, 128);
+    for dims in [
+        windowed(d6, 1, d6.scale),
+        windowed(d6, 5, d6.scale),
+        windowed(d40, 1, d40.scale),
+        windowed(d40, 5, d40.scale),
+        windowed(d128, 37, d128.scale),
+        windowed(d128, 5, 0.0625),
+        windowed(d6, 0, 0.8),
+        windowed(d40, 0, 0.05),
+        windowed(d40, 36, 0.3),
+    ] {
+        check_attention(&be, &mut rng, dims);
+    }
+    // W >= T sees every earlier key: the same results as W = 0, bit for bit, and the CPU's.
+    for (dims, w) in [(d6, 37), (d40, 38), (d128, 129), (d128, usize::MAX)] {
+        let seed = rng.next_u64();
+        let full = check_attention(&be, &mut Rng::new(seed), dims);
+        let wide = check_attention(&be, &mut Rng::new(seed), windowed(dims, w, dims.scale));
+        for (what, (a, b)) in ["out", "lse", "dqkv"].iter().zip(full.iter().zip(&wide)) {
+            assert_close(&format!("window {w} >= T = {} {what}", dims.t), b, a, 0.0);
+        }
     }
 }
 
