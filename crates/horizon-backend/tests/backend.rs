@@ -106,9 +106,9 @@ fn step_direct(seed: u64) -> Vec<f32> {
 
     let w = rng.vec(c, 1.0);
     let (mut y, mut rstd) = (vec![0.0; n * c], vec![0.0; n]);
-    rmsnorm_forward(&mut y, &mut rstd, &x, &w, c, 1e-5);
+    rmsnorm_forward(&mut y, &mut rstd, &x, &w, NormDims::new(c, 1e-5));
     let (mut dx, mut dw) = (vec![0.0; n * c], vec![0.0; c]);
-    rmsnorm_backward(&mut dx, &mut dw, &y, &x, &w, &rstd, c);
+    rmsnorm_backward(&mut dx, &mut dw, &y, &x, &w, &rstd, NormDims::new(c, 0.0));
     all.extend(y.iter().chain(&rstd).chain(&dx).chain(&dw));
 
     let width = dims.qkv_width();

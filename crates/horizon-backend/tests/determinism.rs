@@ -1,9 +1,9 @@
 //! Determinism: every op gives bit-identical results on a 1-thread and a 3-thread rayon pool,
 //! at shapes large enough that the parallel ops split into several tasks.
 
-use horizon_backend::AttnDims;
 use horizon_backend::cpu::testing::Rng;
 use horizon_backend::cpu::*;
+use horizon_backend::{AttnDims, NormDims};
 
 fn bits(x: &[f32]) -> Vec<u32> {
     x.iter().map(|v| v.to_bits()).collect()
@@ -39,10 +39,18 @@ fn all_ops() -> Vec<f32> {
     let x = rng.vec(n * c, 2.0);
     let g = rng.vec(c, 1.0);
     let (mut y, mut rstd) = (vec![0.0; n * c], vec![0.0; n]);
-    rmsnorm_forward(&mut y, &mut rstd, &x, &g, c, 1e-5);
+    rmsnorm_forward(&mut y, &mut rstd, &x, &g, NormDims::new(c, 1e-5));
     let (mut dx, mut dg) = (vec![0.25; n * c], vec![0.25; c]);
-    rmsnorm_backward(&mut dx, &mut dg, &y, &x, &g, &rstd, c);
+    rmsnorm_backward(&mut dx, &mut dg, &y, &x, &g, &rstd, NormDims::new(c, 1e-5));
     all.extend(y.iter().chain(&rstd).chain(&dx).chain(&dg));
+
+    // rmsnorm with Gemma's (1 + w).
+    let gemma = NormDims { w_offset: 1.0, ..NormDims::new(c, 1e-6) };
+    let (mut gy, mut grstd) = (vec![0.0; n * c], vec![0.0; n]);
+    rmsnorm_forward(&mut gy, &mut grstd, &x, &g, gemma);
+    let (mut gdx, mut gdg) = (vec![0.25; n * c], vec![0.25; c]);
+    rmsnorm_backward(&mut gdx, &mut gdg, &y, &x, &g, &grstd, gemma);
+    all.extend(gy.iter().chain(&grstd).chain(&gdx).chain(&gdg));
 
     // embedding with repeated ids.
     let v = 13;

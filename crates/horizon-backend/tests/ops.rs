@@ -17,9 +17,9 @@
 mod common;
 
 use common::*;
-use horizon_backend::AttnDims;
 use horizon_backend::cpu::testing::{Rng, assert_close};
 use horizon_backend::cpu::*;
+use horizon_backend::{AttnDims, NormDims};
 
 const FWD_TOL: f64 = 1e-5;
 const GRAD_TOL: f64 = 1e-5;
@@ -117,8 +117,8 @@ fn rmsnorm_forward_matches_reference() {
         let inp = rng.vec(n * c, 2.0);
         let w = rng.vec(c, 1.5);
         let (mut out, mut rstd) = (vec![f32::NAN; n * c], vec![f32::NAN; n]);
-        rmsnorm_forward(&mut out, &mut rstd, &inp, &w, c, RMS_EPS);
-        let (want, want_rstd) = rmsnorm_ref(&to64(&inp), &to64(&w), c, f64::from(RMS_EPS));
+        rmsnorm_forward(&mut out, &mut rstd, &inp, &w, NormDims::new(c, RMS_EPS));
+        let (want, want_rstd) = rmsnorm_ref(&to64(&inp), &to64(&w), c, f64::from(RMS_EPS), 0.0);
         assert_close(&format!("rmsnorm out N={n} C={c}"), &out, &want, FWD_TOL);
         assert_close(&format!("rmsnorm rstd N={n} C={c}"), &rstd, &want_rstd, FWD_TOL);
     }
@@ -132,15 +132,15 @@ fn rmsnorm_backward_matches_fd_and_accumulates() {
         let w = rng.vec(c, 1.5);
         let r = rng.vec(n * c, 1.0);
         let (mut out, mut rstd) = (vec![0.0; n * c], vec![0.0; n]);
-        rmsnorm_forward(&mut out, &mut rstd, &inp, &w, c, RMS_EPS);
+        rmsnorm_forward(&mut out, &mut rstd, &inp, &w, NormDims::new(c, RMS_EPS));
         let pre_dinp = rng.vec(n * c, 1.0);
         let pre_dw = rng.vec(c, 1.0);
         let (mut dinp, mut dw) = (pre_dinp.clone(), pre_dw.clone());
-        rmsnorm_backward(&mut dinp, &mut dw, &r, &inp, &w, &rstd, c);
+        rmsnorm_backward(&mut dinp, &mut dw, &r, &inp, &w, &rstd, NormDims::new(c, RMS_EPS));
 
         let (inp64, w64, eps) = (to64(&inp), to64(&w), f64::from(RMS_EPS));
-        let fd_x = fd_grad(&inp64, FD_EPS, |x| proj(&rmsnorm_ref(x, &w64, c, eps).0, &r));
-        let fd_w = fd_grad(&w64, FD_EPS, |w| proj(&rmsnorm_ref(&inp64, w, c, eps).0, &r));
+        let fd_x = fd_grad(&inp64, FD_EPS, |x| proj(&rmsnorm_ref(x, &w64, c, eps, 0.0).0, &r));
+        let fd_w = fd_grad(&w64, FD_EPS, |w| proj(&rmsnorm_ref(&inp64, w, c, eps, 0.0).0, &r));
         let plus = |g: &[f64], p: &[f32]| -> Vec<f64> {
             g.iter().zip(p).map(|(g, &p)| g + f64::from(p)).collect()
         };
@@ -157,15 +157,94 @@ fn rmsnorm_backward_twice_doubles_dweight_exactly() {
     let w = rng.vec(c, 1.5);
     let dout = rng.vec(n * c, 1.0);
     let (mut out, mut rstd) = (vec![0.0; n * c], vec![0.0; n]);
-    rmsnorm_forward(&mut out, &mut rstd, &inp, &w, c, RMS_EPS);
+    rmsnorm_forward(&mut out, &mut rstd, &inp, &w, NormDims::new(c, RMS_EPS));
     let (mut dinp1, mut dw1) = (vec![0.0; n * c], vec![0.0; c]);
-    rmsnorm_backward(&mut dinp1, &mut dw1, &dout, &inp, &w, &rstd, c);
+    rmsnorm_backward(&mut dinp1, &mut dw1, &dout, &inp, &w, &rstd, NormDims::new(c, RMS_EPS));
     let (mut dinp2, mut dw2) = (vec![0.0; n * c], vec![0.0; c]);
-    rmsnorm_backward(&mut dinp2, &mut dw2, &dout, &inp, &w, &rstd, c);
-    rmsnorm_backward(&mut dinp2, &mut dw2, &dout, &inp, &w, &rstd, c);
+    rmsnorm_backward(&mut dinp2, &mut dw2, &dout, &inp, &w, &rstd, NormDims::new(c, RMS_EPS));
+    rmsnorm_backward(&mut dinp2, &mut dw2, &dout, &inp, &w, &rstd, NormDims::new(c, RMS_EPS));
     let double = |x: &[f32]| -> Vec<f32> { x.iter().map(|g| 2.0 * g).collect() };
     assert_eq!(bits(&dw2), bits(&double(&dw1)), "rmsnorm dweight did not double exactly");
     assert_eq!(bits(&dinp2), bits(&double(&dinp1)), "rmsnorm dinp did not double exactly");
+}
+
+/// Gemma's norm: `w_offset = 1`, weights near 0 as a trained Gemma checkpoint holds them.
+fn gemma_norm(c: usize) -> NormDims {
+    NormDims { w_offset: 1.0, ..NormDims::new(c, 1e-6) }
+}
+
+#[test]
+fn rmsnorm_w_offset_forward_matches_reference() {
+    let mut rng = Rng::new(40);
+    for (n, c) in [(14, 12), (5, 70), (3, 1)] {
+        let norm = gemma_norm(c);
+        let inp = rng.vec(n * c, 2.0);
+        let w = rng.vec(c, 0.5);
+        let (mut out, mut rstd) = (vec![f32::NAN; n * c], vec![f32::NAN; n]);
+        rmsnorm_forward(&mut out, &mut rstd, &inp, &w, norm);
+        let (want, want_rstd) = rmsnorm_ref(&to64(&inp), &to64(&w), c, f64::from(norm.eps), 1.0);
+        assert_close(&format!("rmsnorm (1 + w) out N={n} C={c}"), &out, &want, FWD_TOL);
+        assert_close(&format!("rmsnorm (1 + w) rstd N={n} C={c}"), &rstd, &want_rstd, FWD_TOL);
+    }
+}
+
+#[test]
+fn rmsnorm_w_offset_backward_matches_fd_and_accumulates() {
+    let mut rng = Rng::new(41);
+    for (n, c) in [(14, 12), (3, 70)] {
+        let norm = gemma_norm(c);
+        let inp = rng.vec(n * c, 2.0);
+        let w = rng.vec(c, 0.5);
+        let r = rng.vec(n * c, 1.0);
+        let (mut out, mut rstd) = (vec![0.0; n * c], vec![0.0; n]);
+        rmsnorm_forward(&mut out, &mut rstd, &inp, &w, norm);
+        let pre_dinp = rng.vec(n * c, 1.0);
+        let pre_dw = rng.vec(c, 1.0);
+        let (mut dinp, mut dw) = (pre_dinp.clone(), pre_dw.clone());
+        rmsnorm_backward(&mut dinp, &mut dw, &r, &inp, &w, &rstd, norm);
+
+        let (inp64, w64, eps) = (to64(&inp), to64(&w), f64::from(norm.eps));
+        let fd_x = fd_grad(&inp64, FD_EPS, |x| proj(&rmsnorm_ref(x, &w64, c, eps, 1.0).0, &r));
+        let fd_w = fd_grad(&w64, FD_EPS, |w| proj(&rmsnorm_ref(&inp64, w, c, eps, 1.0).0, &r));
+        let plus = |g: &[f64], p: &[f32]| -> Vec<f64> {
+            g.iter().zip(p).map(|(g, &p)| g + f64::from(p)).collect()
+        };
+        let name = format!("rmsnorm (1 + w) C={c}");
+        assert_close(&format!("{name} dinp"), &dinp, &plus(&fd_x, &pre_dinp), GRAD_TOL);
+        assert_close(&format!("{name} dweight"), &dw, &plus(&fd_w, &pre_dw), GRAD_TOL);
+    }
+}
+
+#[test]
+fn rmsnorm_w_offset_is_the_shifted_weight_exactly() {
+    // `w_offset = 1` with weight w computes with the fp32 sum `1 + w`, so it gives the bits of
+    // a plain norm whose weight holds `1 + w`; dweight does not depend on the weight at all.
+    // Run twice, dweight doubles exactly (its sum is formed first, then added once).
+    let mut rng = Rng::new(42);
+    let (n, c) = (9, 70);
+    let inp = rng.vec(n * c, 2.0);
+    let w = rng.vec(c, 0.5);
+    let w1: Vec<f32> = w.iter().map(|w| 1.0 + w).collect();
+    let dout = rng.vec(n * c, 1.0);
+    let run = |w: &[f32], norm: NormDims, times: usize| {
+        let (mut out, mut rstd) = (vec![0.0; n * c], vec![0.0; n]);
+        rmsnorm_forward(&mut out, &mut rstd, &inp, w, norm);
+        let (mut dinp, mut dw) = (vec![0.0; n * c], vec![0.0; c]);
+        for _ in 0..times {
+            rmsnorm_backward(&mut dinp, &mut dw, &dout, &inp, w, &rstd, norm);
+        }
+        (bits(&out), bits(&rstd), bits(&dinp), dw)
+    };
+    let plain = NormDims::new(c, 1e-6);
+    let (out, rstd, dinp, dw) = run(&w, gemma_norm(c), 1);
+    let (out1, rstd1, dinp1, dw1) = run(&w1, plain, 1);
+    assert_eq!(out, out1, "rmsnorm (1 + w) out differs from the plain norm of 1 + w");
+    assert_eq!(rstd, rstd1, "rmsnorm (1 + w) rstd differs");
+    assert_eq!(dinp, dinp1, "rmsnorm (1 + w) dinp differs from the plain norm of 1 + w");
+    assert_eq!(bits(&dw), bits(&dw1), "rmsnorm dweight depends on the weight");
+    let (_, _, _, dw2) = run(&w, gemma_norm(c), 2);
+    let double: Vec<f32> = dw.iter().map(|g| 2.0 * g).collect();
+    assert_eq!(bits(&dw2), bits(&double), "rmsnorm (1 + w) dweight did not double exactly");
 }
 
 // ---- matmul -------------------------------------------------------------------------------

@@ -91,8 +91,7 @@ impl Backend for CpuBackend {
         weight: &[f32],
         norm: NormDims,
     ) {
-        assert_eq!(norm.w_offset, 0.0, "rmsnorm w_offset: not yet implemented");
-        rmsnorm_forward(out, rstd, inp, weight, norm.c, norm.eps);
+        rmsnorm_forward(out, rstd, inp, weight, norm);
     }
 
     fn rmsnorm_backward(
@@ -105,8 +104,7 @@ impl Backend for CpuBackend {
         rstd: &[f32],
         norm: NormDims,
     ) {
-        assert_eq!(norm.w_offset, 0.0, "rmsnorm w_offset: not yet implemented");
-        rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, norm.c);
+        rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, norm);
     }
 
     fn head_rmsnorm_forward(

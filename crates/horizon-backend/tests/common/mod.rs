@@ -44,15 +44,21 @@ pub fn embedding_ref(ids: &[i32], table: &[f64], c: usize) -> Vec<f64> {
     ids.iter().flat_map(|&id| table[id as usize * c..][..c].iter().copied()).collect()
 }
 
-/// Reference RMSNorm: returns `(out (N, C), rstd (N))`.
-pub fn rmsnorm_ref(inp: &[f64], weight: &[f64], c: usize, eps: f64) -> (Vec<f64>, Vec<f64>) {
+/// Reference RMSNorm `out = x r (w_offset + w)`: returns `(out (N, C), rstd (N))`.
+pub fn rmsnorm_ref(
+    inp: &[f64],
+    weight: &[f64],
+    c: usize,
+    eps: f64,
+    w_offset: f64,
+) -> (Vec<f64>, Vec<f64>) {
     let mut out = Vec::with_capacity(inp.len());
     let mut rstd = Vec::new();
     for x in inp.chunks(c) {
         let ms = x.iter().map(|v| v * v).sum::<f64>() / c as f64;
         let r = 1.0 / (ms + eps).sqrt();
         rstd.push(r);
-        out.extend(x.iter().zip(weight).map(|(x, w)| x * r * w));
+        out.extend(x.iter().zip(weight).map(|(x, w)| x * r * (w_offset + w)));
     }
     (out, rstd)
 }
