@@ -10,6 +10,13 @@
 // The f32 of bf16 bits `h` (exact).
 __device__ float bf16_to_f32(unsigned short h) { return __uint_as_float(((unsigned int)h) << 16); }
 
+// The weight as applied, w_offset + w in fp32; w itself for offset 0, so that a -0.0 weight
+// keeps its sign (0 + -0 = +0) and the plain norm its bits (as the CPU's `applied`).
+__device__ float applied(unsigned short w, float w_offset) {
+    float x = bf16_to_f32(w);
+    return w_offset == 0.0f ? x : w_offset + x;
+}
+
 // Sum of `v` over the block (BLOCK threads); every thread gets the result.
 __device__ float block_sum(float v, float* shared) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -36,7 +43,7 @@ extern "C" __global__ void rmsnorm_forward(float* out, float* rstd, const float*
     float rs = 1.0f / sqrtf(ss / (float)c + eps);
     if (threadIdx.x == 0) rstd[row] = rs;
     float* o = out + row * c;
-    for (int j = threadIdx.x; j < c; j += BLOCK) o[j] = x[j] * rs * (w_offset + bf16_to_f32(weight[j]));
+    for (int j = threadIdx.x; j < c; j += BLOCK) o[j] = x[j] * rs * applied(weight[j], w_offset);
 }
 
 // dinp[r] += rstd_r * (dout*w' - inp * rstd_r^2 * sum(dout*w'*inp) / C), w' = w_offset +
@@ -49,13 +56,13 @@ extern "C" __global__ void rmsnorm_backward_dinp(float* dinp, const float* dout,
     const float* dy = dout + row * c;
     const float* x = inp + row * c;
     float s = 0.0f;
-    for (int j = threadIdx.x; j < c; j += BLOCK) s += dy[j] * (w_offset + bf16_to_f32(weight[j])) * x[j];
+    for (int j = threadIdx.x; j < c; j += BLOCK) s += dy[j] * applied(weight[j], w_offset) * x[j];
     s = block_sum(s, shared);
     float r = rstd[row];
     float k = r * r * s / (float)c;
     float* dx = dinp + row * c;
     for (int j = threadIdx.x; j < c; j += BLOCK)
-        dx[j] += r * (dy[j] * (w_offset + bf16_to_f32(weight[j])) - x[j] * k);
+        dx[j] += r * (dy[j] * applied(weight[j], w_offset) - x[j] * k);
 }
 
 // dweight[j] += sum_r dout[r, j] * inp[r, j] * rstd[r]. Accumulates. A block of 32 columns x 8

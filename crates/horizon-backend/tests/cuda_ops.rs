@@ -126,46 +126,50 @@ fn embedding_forward_and_backward() {
     assert_close("embedding_backward (+=, row order)", &dtable.read(&be), &want, 0.0);
 }
 
+/// Plain norms (offset 0) and Gemma's `x * (1 + w)` (offset 1); the backward runs twice on the
+/// same gradients: dinp and dweight accumulate (+=), so both calls must add.
 #[test]
 fn rmsnorm_forward_and_backward() {
     let be = gpu();
     let mut rng = Rng::new(2);
-    for (n, c) in [(1, 1), (5, 13), (33, 257), (7, 3001)] {
+    for (n, c, w_offset) in
+        [(1, 1, 0.0), (5, 13, 0.0), (5, 13, 1.0), (33, 257, 0.0), (33, 257, 1.0), (7, 3001, 1.0)]
+    {
+        let norm = NormDims { c, eps: 1e-5, w_offset };
+        let what = |t: &str| format!("{t} N={n} C={c} w_offset={w_offset}");
         // The GPU reads the weight as bf16: the CPU gets the same values.
         let (x, w) = (rng.vec(n * c, 2.0), rounded(&rng.vec(c, 1.0)));
         let (mut out, mut rstd) = (vec![0.0; n * c], vec![0.0; n]);
-        CpuBackend.rmsnorm_forward(&mut out, &mut rstd, &x, &w, NormDims::new(c, 1e-5));
+        CpuBackend.rmsnorm_forward(&mut out, &mut rstd, &x, &w, norm);
         let (gx, gw) = (Guarded::new(&be, "inp", &x), weights_on(&be, &w));
         let mut gout = Guarded::new(&be, "out", &vec![0.0; n * c]);
         let mut grstd = Guarded::new(&be, "rstd", &vec![0.0; n]);
-        be.rmsnorm_forward(
-            gout.view_mut(),
-            grstd.view_mut(),
-            gx.view(),
-            &gw,
-            NormDims::new(c, 1e-5),
-        );
-        assert_close("rmsnorm_forward out", &gout.read(&be), &out, TOL);
-        assert_close("rmsnorm_forward rstd", &grstd.read(&be), &rstd, TOL);
+        be.rmsnorm_forward(gout.view_mut(), grstd.view_mut(), gx.view(), &gw, norm);
+        assert_close(&what("rmsnorm_forward out"), &gout.read(&be), &out, TOL);
+        assert_close(&what("rmsnorm_forward rstd"), &grstd.read(&be), &rstd, TOL);
 
         let dout = rng.vec(n * c, 1.0);
         let (dx0, dw0) = (rng.vec(n * c, 1.0), rng.vec(c, 1.0));
         let (mut dx, mut dw) = (dx0.clone(), dw0.clone());
-        CpuBackend.rmsnorm_backward(&mut dx, &mut dw, &dout, &x, &w, &rstd, NormDims::new(c, 0.0));
         let gdout = Guarded::new(&be, "dout", &dout);
         let (mut gdx, mut gdw) =
             (Guarded::new(&be, "dinp", &dx0), Guarded::new(&be, "dweight", &dw0));
-        be.rmsnorm_backward(
-            gdx.view_mut(),
-            gdw.view_mut(),
-            gdout.view(),
-            gx.view(),
-            &gw,
-            grstd.view(),
-            NormDims::new(c, 0.0),
-        );
-        assert_close("rmsnorm_backward dinp (+=)", &gdx.read(&be), &dx, TOL);
-        assert_close("rmsnorm_backward dweight (+=)", &gdw.read(&be), &dw, TOL_SUM);
+        for call in 1..=2 {
+            CpuBackend.rmsnorm_backward(&mut dx, &mut dw, &dout, &x, &w, &rstd, norm);
+            be.rmsnorm_backward(
+                gdx.view_mut(),
+                gdw.view_mut(),
+                gdout.view(),
+                gx.view(),
+                &gw,
+                grstd.view(),
+                norm,
+            );
+            let dinp = what(&format!("rmsnorm_backward dinp (+=, call {call})"));
+            assert_close(&dinp, &gdx.read(&be), &dx, TOL);
+            let dweight = what(&format!("rmsnorm_backward dweight (+=, call {call})"));
+            assert_close(&dweight, &gdw.read(&be), &dw, TOL_SUM);
+        }
     }
 }
 
