@@ -442,25 +442,19 @@ impl Backend for CudaBackend {
         unimplemented!("head_rmsnorm_backward")
     }
 
-    fn geglu_forward(
-        &self,
-        _out: &mut DevSlice<f32>,
-        _gate_up: &DevSlice<f32>,
-        _n: usize,
-        _f: usize,
-    ) {
-        unimplemented!("geglu_forward")
+    fn geglu_forward(&self, out: &mut DevSlice<f32>, gate_up: &DevSlice<f32>, n: usize, f: usize) {
+        super::geglu::geglu_forward(self, out, gate_up, n, f);
     }
 
     fn geglu_backward(
         &self,
-        _dgate_up: &mut DevSlice<f32>,
-        _dout: &DevSlice<f32>,
-        _gate_up: &DevSlice<f32>,
-        _n: usize,
-        _f: usize,
+        dgate_up: &mut DevSlice<f32>,
+        dout: &DevSlice<f32>,
+        gate_up: &DevSlice<f32>,
+        n: usize,
+        f: usize,
     ) {
-        unimplemented!("geglu_backward")
+        super::geglu::geglu_backward(self, dgate_up, dout, gate_up, n, f);
     }
 
     fn matmul_forward(

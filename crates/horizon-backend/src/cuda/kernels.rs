@@ -14,11 +14,12 @@ use cudarc::nvrtc;
 use super::CudaError;
 
 /// `(op, source)` of every kernel file, `kernels/<op>.cu`.
-pub const SOURCES: [(&str, &str); 10] = [
+pub const SOURCES: [(&str, &str); 11] = [
     ("attention", include_str!("../../kernels/attention.cu")),
     ("convert", include_str!("../../kernels/convert.cu")),
     ("cross_entropy", include_str!("../../kernels/cross_entropy.cu")),
     ("embedding", include_str!("../../kernels/embedding.cu")),
+    ("geglu", include_str!("../../kernels/geglu.cu")),
     ("grad_norm", include_str!("../../kernels/grad_norm.cu")),
     ("matmul", include_str!("../../kernels/matmul.cu")),
     ("residual", include_str!("../../kernels/residual.cu")),
@@ -28,11 +29,12 @@ pub const SOURCES: [(&str, &str); 10] = [
 ];
 
 /// The `extern "C"` entry points of each source, loaded by name.
-const FUNCTIONS: [(&str, &[&str]); 10] = [
+const FUNCTIONS: [(&str, &[&str]); 11] = [
     ("attention", &["attention_forward", "attention_backward_dq", "attention_backward_dkv"]),
     ("convert", &["convert_f32_to_bf16"]),
     ("cross_entropy", &["cross_entropy_forward", "cross_entropy_fused"]),
     ("embedding", &["embedding_forward", "embedding_backward"]),
+    ("geglu", &["geglu_forward", "geglu_backward"]),
     ("grad_norm", &["grad_norm_partial"]),
     ("matmul", &["matmul_bias_forward", "matmul_bias_backward"]),
     ("residual", &["residual_forward", "add_inplace"]),
