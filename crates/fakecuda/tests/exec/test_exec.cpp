@@ -743,6 +743,7 @@ static const std::vector<std::pair<const char*, std::vector<const char*>>> kProj
     {"embedding", {"embedding_forward", "embedding_backward"}},
     {"geglu", {"geglu_forward", "geglu_backward"}},
     {"grad_norm", {"grad_norm_partial"}},
+    {"head_rmsnorm", {"head_rmsnorm_forward", "head_rmsnorm_backward_dinp", "head_rmsnorm_backward_dweight"}},
     {"matmul", {"matmul_bias_forward", "matmul_bias_backward"}},
     {"residual", {"residual_forward", "add_inplace"}},
     {"rmsnorm", {"rmsnorm_forward", "rmsnorm_backward_dinp", "rmsnorm_backward_dweight"}},

@@ -418,28 +418,30 @@ impl Backend for CudaBackend {
 
     fn head_rmsnorm_forward(
         &self,
-        _out: &mut DevSlice<f32>,
-        _rstd: &mut DevSlice<f32>,
-        _inp: &DevSlice<f32>,
-        _weight: &DevSlice<Bf16>,
-        _dims: AttnDims,
-        _norm: NormDims,
+        out: &mut DevSlice<f32>,
+        rstd: &mut DevSlice<f32>,
+        inp: &DevSlice<f32>,
+        weight: &DevSlice<Bf16>,
+        dims: AttnDims,
+        norm: NormDims,
     ) {
-        unimplemented!("head_rmsnorm_forward")
+        super::head_rmsnorm::head_rmsnorm_forward(self, out, rstd, inp, weight, dims, norm);
     }
 
     fn head_rmsnorm_backward(
         &self,
-        _dinp: &mut DevSlice<f32>,
-        _dweight: &mut DevSlice<f32>,
-        _dout: &DevSlice<f32>,
-        _inp: &DevSlice<f32>,
-        _weight: &DevSlice<Bf16>,
-        _rstd: &DevSlice<f32>,
-        _dims: AttnDims,
-        _norm: NormDims,
+        dinp: &mut DevSlice<f32>,
+        dweight: &mut DevSlice<f32>,
+        dout: &DevSlice<f32>,
+        inp: &DevSlice<f32>,
+        weight: &DevSlice<Bf16>,
+        rstd: &DevSlice<f32>,
+        dims: AttnDims,
+        norm: NormDims,
     ) {
-        unimplemented!("head_rmsnorm_backward")
+        super::head_rmsnorm::head_rmsnorm_backward(
+            self, dinp, dweight, dout, inp, weight, rstd, dims, norm,
+        );
     }
 
     fn geglu_forward(&self, out: &mut DevSlice<f32>, gate_up: &DevSlice<f32>, n: usize, f: usize) {
