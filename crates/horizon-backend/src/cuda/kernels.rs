@@ -30,7 +30,7 @@ pub const SOURCES: [(&str, &str); 12] = [
 ];
 
 /// The `extern "C"` entry points of each source, loaded by name.
-const FUNCTIONS: [(&str, &[&str]); 12] = [
+pub const FUNCTIONS: [(&str, &[&str]); 12] = [
     ("attention", &["attention_forward", "attention_backward_dq", "attention_backward_dkv"]),
     ("convert", &["convert_f32_to_bf16"]),
     ("cross_entropy", &["cross_entropy_forward", "cross_entropy_fused"]),
