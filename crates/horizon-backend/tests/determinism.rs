@@ -89,6 +89,26 @@ fn all_ops() -> Vec<f32> {
     attention_backward(&mut dwqkv, &dwatt, &wqkv, &watt, &wlse, dims);
     all.extend(watt.iter().chain(&wlse).chain(&dwqkv));
 
+    // head_rmsnorm (Gemma 3's (1 + w)) on the windowed attention's qkv: 300 rows, D = 8.
+    let hnorm = NormDims { w_offset: 1.0, ..NormDims::new(dims.d, 1e-6) };
+    let hw = rng.vec(2 * dims.d, 1.0);
+    let (mut hq, mut hrstd) = (vec![0.0; wqkv.len()], vec![0.0; dims.n() * (dims.h + dims.kvh)]);
+    head_rmsnorm_forward(&mut hq, &mut hrstd, &wqkv, &hw, dims, hnorm);
+    let (mut dhq, mut dhw) = (vec![0.0; wqkv.len()], vec![0.5; 2 * dims.d]);
+    head_rmsnorm_backward(&mut dhq, &mut dhw, &dwqkv, &wqkv, &hw, &hrstd, dims, hnorm);
+    all.extend(hq.iter().chain(&hrstd).chain(&dhq).chain(&dhw));
+
+    // head_rmsnorm with several dweight column tiles per half (D = 40).
+    let dims = AttnDims::new(2, 40, 4, 2, 40);
+    let hnorm = NormDims::new(dims.d, 1e-6);
+    let hx = rng.vec(dims.n() * dims.qkv_width(), 2.0);
+    let hw = rng.vec(2 * dims.d, 1.0);
+    let (mut hq, mut hrstd) = (vec![0.0; hx.len()], vec![0.0; dims.n() * (dims.h + dims.kvh)]);
+    head_rmsnorm_forward(&mut hq, &mut hrstd, &hx, &hw, dims, hnorm);
+    let (mut dhq, mut dhw) = (vec![0.0; hx.len()], vec![0.5; 2 * dims.d]);
+    head_rmsnorm_backward(&mut dhq, &mut dhw, &hx, &hx, &hw, &hrstd, dims, hnorm);
+    all.extend(hq.iter().chain(&hrstd).chain(&dhq).chain(&dhw));
+
     // swiglu
     let f = 45;
     let gu = rng.vec(n * 2 * f, 3.0);

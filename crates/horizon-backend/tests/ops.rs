@@ -1,18 +1,22 @@
 //! Op tests for the CPU reference backend: every forward against a plain f64 reference, every
 //! backward against central differences of that reference, accumulate/overwrite semantics
 //! (parameter gradients double when a backward runs twice), attention causality, GQA, sliding
-//! windows and scales, and the cross-entropy edge cases.
+//! windows and scales, RMSNorm's `(1 + w)`, the per-head norm as the plain norm of each head,
+//! and the cross-entropy and activation edge cases.
 //!
 //! Tolerances (criterion of `assert_close`: `|got - want| <= tol * max(1, |want|)`):
 //! - `FWD_TOL` = 1e-5: an f32 op against the f64 reference on O(1) data. f32 rounding over the
-//!   short sums here is observed at <= 3e-7 (matmul, attention, rmsnorm, CE), <= 7e-7 (swiglu
-//!   with |gate| up to 4): a margin of more than 10x.
+//!   short sums here is observed at <= 3e-7 (matmul, attention with or without a window,
+//!   rmsnorm with or without `(1 + w)`, head_rmsnorm, CE, geglu), <= 7e-7 (swiglu with |gate|
+//!   up to 4): a margin of more than 10x.
 //! - `GRAD_TOL` = 1e-5: an f32 analytic backward against f64 central differences (step 1e-5,
-//!   their own error ~1e-10). The f32 backward is observed within 5e-7 (attention's `dP - dD`
-//!   and rmsnorm's `dout w - x r^2 s / C` cancellations included).
+//!   their own error ~1e-10). The f32 backward is observed within 5e-7 (attention's `dP - dD`,
+//!   rmsnorm's and head_rmsnorm's `dout w - x r^2 s / C` cancellations and geglu's `1 - t^2`
+//!   included).
 //! - `TWICE_TOL` = 1e-6: a backward run twice against twice one run, where sums are added
-//!   straight into the gradient (embedding rows named by repeated ids). Matmul and rmsnorm form
-//!   each sum before adding it once, so for them doubling is checked bit-exactly.
+//!   straight into the gradient (embedding rows named by repeated ids). Matmul, rmsnorm and
+//!   head_rmsnorm form each sum before adding it once, so for them doubling is checked
+//!   bit-exactly.
 
 mod common;
 
@@ -245,6 +249,128 @@ fn rmsnorm_w_offset_is_the_shifted_weight_exactly() {
     let (_, _, _, dw2) = run(&w, gemma_norm(c), 2);
     let double: Vec<f32> = dw.iter().map(|g| 2.0 * g).collect();
     assert_eq!(bits(&dw2), bits(&double), "rmsnorm (1 + w) dweight did not double exactly");
+}
+
+// ---- head_rmsnorm -------------------------------------------------------------------------
+
+/// Per-head norm shapes: GQA with D = 6 (not a power of two, not a multiple of 8), MQA, and
+/// D = 32 with more q heads than a model's C / H would suggest (the op never sees C).
+fn head_norm_dims() -> [AttnDims; 3] {
+    [AttnDims::new(2, 5, 4, 2, 6), AttnDims::new(1, 3, 3, 1, 6), AttnDims::new(1, 3, 4, 2, 32)]
+}
+
+/// A plain (Qwen3) and a `(1 + w)` (Gemma 3) head norm over `d`.
+fn head_norms(d: usize) -> [NormDims; 2] {
+    [NormDims::new(d, 1e-6), NormDims { w_offset: 1.0, ..NormDims::new(d, 1e-6) }]
+}
+
+#[test]
+fn head_rmsnorm_forward_matches_reference() {
+    let mut rng = Rng::new(50);
+    for dims in head_norm_dims() {
+        for norm in head_norms(dims.d) {
+            let heads = dims.h + dims.kvh;
+            let inp = rng.vec(dims.n() * dims.qkv_width(), 2.0);
+            let w = rng.vec(2 * dims.d, 1.0);
+            let (mut out, mut rstd) = (vec![f32::NAN; inp.len()], vec![f32::NAN; dims.n() * heads]);
+            head_rmsnorm_forward(&mut out, &mut rstd, &inp, &w, dims, norm);
+            let (eps, off) = (f64::from(norm.eps), f64::from(norm.w_offset));
+            let (want, want_rstd) = head_rmsnorm_ref(&to64(&inp), &to64(&w), dims, eps, off);
+            let name = format!("head_rmsnorm {dims:?} w_offset={}", norm.w_offset);
+            assert_close(&format!("{name} out"), &out, &want, FWD_TOL);
+            assert_close(&format!("{name} rstd"), &rstd, &want_rstd, FWD_TOL);
+            let v0 = heads * dims.d;
+            for (o, x) in out.chunks(dims.qkv_width()).zip(inp.chunks(dims.qkv_width())) {
+                assert_eq!(bits(&o[v0..]), bits(&x[v0..]), "{name}: v is not copied exactly");
+            }
+        }
+    }
+}
+
+#[test]
+fn head_rmsnorm_is_rmsnorm_of_each_head_bit_for_bit() {
+    // Each head is exactly rmsnorm_forward / rmsnorm_backward of that head alone (same op
+    // order), so the per-head norm inherits the plain norm's checks and its bits.
+    let mut rng = Rng::new(51);
+    for dims in head_norm_dims() {
+        for norm in head_norms(dims.d) {
+            let (d, h, heads, width) = (dims.d, dims.h, dims.h + dims.kvh, dims.qkv_width());
+            let inp = rng.vec(dims.n() * width, 2.0);
+            let w = rng.vec(2 * d, 1.0);
+            let dout = rng.vec(inp.len(), 1.0);
+            let (mut out, mut rstd) = (vec![0.0; inp.len()], vec![0.0; dims.n() * heads]);
+            head_rmsnorm_forward(&mut out, &mut rstd, &inp, &w, dims, norm);
+            let (mut dinp, mut dw) = (vec![f32::NAN; inp.len()], vec![0.0; 2 * d]);
+            head_rmsnorm_backward(&mut dinp, &mut dw, &dout, &inp, &w, &rstd, dims, norm);
+            for r in 0..dims.n() {
+                for j in 0..heads {
+                    let at = r * width + j * d;
+                    let (x, dy) = (&inp[at..][..d], &dout[at..][..d]);
+                    let wj = if j < h { &w[..d] } else { &w[d..] };
+                    let (mut o1, mut r1) = (vec![0.0; d], vec![0.0; 1]);
+                    rmsnorm_forward(&mut o1, &mut r1, x, wj, norm);
+                    let (mut dx1, mut dw1) = (vec![0.0; d], vec![0.0; d]);
+                    rmsnorm_backward(&mut dx1, &mut dw1, dy, x, wj, &r1, norm);
+                    let what = format!("{dims:?} w_offset={} row {r} head {j}", norm.w_offset);
+                    assert_eq!(bits(&out[at..][..d]), bits(&o1), "out of {what}");
+                    assert_eq!(rstd[r * heads + j].to_bits(), r1[0].to_bits(), "rstd of {what}");
+                    assert_eq!(bits(&dinp[at..][..d]), bits(&dx1), "dinp of {what}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn head_rmsnorm_backward_matches_fd() {
+    let mut rng = Rng::new(52);
+    for dims in head_norm_dims() {
+        for norm in head_norms(dims.d) {
+            let heads = dims.h + dims.kvh;
+            let inp = rng.vec(dims.n() * dims.qkv_width(), 2.0);
+            let w = rng.vec(2 * dims.d, 1.0);
+            let r = rng.vec(inp.len(), 1.0);
+            let (mut out, mut rstd) = (vec![0.0; inp.len()], vec![0.0; dims.n() * heads]);
+            head_rmsnorm_forward(&mut out, &mut rstd, &inp, &w, dims, norm);
+            let mut dinp = vec![f32::NAN; inp.len()]; // overwritten
+            let pre_dw = rng.vec(2 * dims.d, 1.0);
+            let mut dw = pre_dw.clone();
+            head_rmsnorm_backward(&mut dinp, &mut dw, &r, &inp, &w, &rstd, dims, norm);
+
+            let (inp64, w64) = (to64(&inp), to64(&w));
+            let (eps, off) = (f64::from(norm.eps), f64::from(norm.w_offset));
+            let loss = |x: &[f64], w: &[f64]| proj(&head_rmsnorm_ref(x, w, dims, eps, off).0, &r);
+            let fd_x = fd_grad(&inp64, FD_EPS, |x| loss(x, &w64));
+            let fd_w = fd_grad(&w64, FD_EPS, |w| loss(&inp64, w));
+            let want_dw: Vec<f64> =
+                fd_w.iter().zip(&pre_dw).map(|(g, &p)| g + f64::from(p)).collect();
+            let name = format!("head_rmsnorm {dims:?} w_offset={}", norm.w_offset);
+            assert_close(&format!("{name} dinp"), &dinp, &fd_x, GRAD_TOL);
+            assert_close(&format!("{name} dweight"), &dw, &want_dw, GRAD_TOL);
+        }
+    }
+}
+
+#[test]
+fn head_rmsnorm_backward_twice_doubles_dweight_exactly() {
+    // dweight accumulates a sum formed first (exact doubling); dinp overwrites (same bits).
+    let mut rng = Rng::new(53);
+    let dims = AttnDims::new(3, 30, 4, 2, 40); // 40 columns per half: three column tiles
+    let norm = head_norms(dims.d)[1];
+    let heads = dims.h + dims.kvh;
+    let inp = rng.vec(dims.n() * dims.qkv_width(), 2.0);
+    let w = rng.vec(2 * dims.d, 1.0);
+    let dout = rng.vec(inp.len(), 1.0);
+    let (mut out, mut rstd) = (vec![0.0; inp.len()], vec![0.0; dims.n() * heads]);
+    head_rmsnorm_forward(&mut out, &mut rstd, &inp, &w, dims, norm);
+    let (mut dinp1, mut dw1) = (vec![0.0; inp.len()], vec![0.0; 2 * dims.d]);
+    head_rmsnorm_backward(&mut dinp1, &mut dw1, &dout, &inp, &w, &rstd, dims, norm);
+    let (mut dinp2, mut dw2) = (vec![0.0; inp.len()], vec![0.0; 2 * dims.d]);
+    head_rmsnorm_backward(&mut dinp2, &mut dw2, &dout, &inp, &w, &rstd, dims, norm);
+    head_rmsnorm_backward(&mut dinp2, &mut dw2, &dout, &inp, &w, &rstd, dims, norm);
+    let double: Vec<f32> = dw1.iter().map(|g| 2.0 * g).collect();
+    assert_eq!(bits(&dw2), bits(&double), "head_rmsnorm dweight did not double exactly");
+    assert_eq!(bits(&dinp2), bits(&dinp1), "head_rmsnorm dinp does not overwrite");
 }
 
 // ---- matmul -------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ pub mod attention;
 pub mod cross_entropy;
 pub mod device;
 pub mod embedding;
+pub mod head_rmsnorm;
 pub mod matmul;
 pub mod residual;
 pub mod rmsnorm;
@@ -20,6 +21,7 @@ pub use attention::{attention_backward, attention_forward};
 pub use cross_entropy::{IGNORE_INDEX, cross_entropy_forward, cross_entropy_fused};
 pub use device::{CpuDevice, CpuDeviceConfig};
 pub use embedding::{embedding_backward, embedding_forward};
+pub use head_rmsnorm::{head_rmsnorm_backward, head_rmsnorm_forward};
 pub use matmul::{matmul_backward, matmul_forward};
 pub use residual::{add_inplace, residual_forward};
 pub use rmsnorm::{rmsnorm_backward, rmsnorm_forward};
@@ -109,28 +111,28 @@ impl Backend for CpuBackend {
 
     fn head_rmsnorm_forward(
         &self,
-        _out: &mut [f32],
-        _rstd: &mut [f32],
-        _inp: &[f32],
-        _weight: &[f32],
-        _dims: AttnDims,
-        _norm: NormDims,
+        out: &mut [f32],
+        rstd: &mut [f32],
+        inp: &[f32],
+        weight: &[f32],
+        dims: AttnDims,
+        norm: NormDims,
     ) {
-        unimplemented!("head_rmsnorm_forward")
+        head_rmsnorm_forward(out, rstd, inp, weight, dims, norm);
     }
 
     fn head_rmsnorm_backward(
         &self,
-        _dinp: &mut [f32],
-        _dweight: &mut [f32],
-        _dout: &[f32],
-        _inp: &[f32],
-        _weight: &[f32],
-        _rstd: &[f32],
-        _dims: AttnDims,
-        _norm: NormDims,
+        dinp: &mut [f32],
+        dweight: &mut [f32],
+        dout: &[f32],
+        inp: &[f32],
+        weight: &[f32],
+        rstd: &[f32],
+        dims: AttnDims,
+        norm: NormDims,
     ) {
-        unimplemented!("head_rmsnorm_backward")
+        head_rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, dims, norm);
     }
 
     fn matmul_forward(

@@ -63,6 +63,31 @@ pub fn rmsnorm_ref(
     (out, rstd)
 }
 
+/// Reference per-head RMSNorm of the q and k heads of each fused row (q heads with
+/// `weight[0..D]`, k heads with `weight[D..2D]`, v copied): returns
+/// `(out (N, QKV), rstd (N, H + KVH))`.
+pub fn head_rmsnorm_ref(
+    inp: &[f64],
+    weight: &[f64],
+    dims: AttnDims,
+    eps: f64,
+    w_offset: f64,
+) -> (Vec<f64>, Vec<f64>) {
+    let (d, h, heads) = (dims.d, dims.h, dims.h + dims.kvh);
+    let mut out = Vec::with_capacity(inp.len());
+    let mut rstd = Vec::new();
+    for row in inp.chunks(dims.qkv_width()) {
+        for j in 0..heads {
+            let w = if j < h { &weight[..d] } else { &weight[d..] };
+            let (o, r) = rmsnorm_ref(&row[j * d..][..d], w, d, eps, w_offset);
+            out.extend(o);
+            rstd.extend(r);
+        }
+        out.extend_from_slice(&row[heads * d..]);
+    }
+    (out, rstd)
+}
+
 /// Reference linear layer: `out[n, o] = sum_i inp[n, i] w[o, i] + bias[o]`.
 pub fn matmul_ref(
     inp: &[f64],
