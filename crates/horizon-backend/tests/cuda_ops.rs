@@ -401,6 +401,78 @@ fn attention_window_and_scale() {
     }
 }
 
+/// Per-head q/k norms of fused qkv rows (GQA, D = 16, 32, 72, 128, 256; w_offset 0 and 1): out
+/// (the v part copied) and rstd overwrite; the backward runs twice: dinp overwrites (prefilled
+/// with 7s, and the same after both calls), dweight accumulates (+=) over both. The dweight
+/// reduction has one fixed order: from zero, two runs agree bit for bit.
+#[test]
+fn head_rmsnorm_forward_and_backward() {
+    let be = gpu();
+    let mut rng = Rng::new(13);
+    for (dims, w_offset) in [
+        (AttnDims::new(2, 5, 4, 2, 16), 0.0),
+        (AttnDims::new(1, 7, 3, 1, 32), 1.0),
+        (AttnDims::new(1, 3, 2, 2, 72), 1.0),
+        (AttnDims::new(1, 9, 8, 2, 128), 0.0),
+        (AttnDims::new(3, 11, 16, 4, 128), 1.0),
+        (AttnDims::new(1, 3, 2, 1, 256), 1.0),
+    ] {
+        let norm = NormDims { c: dims.d, eps: 1e-6, w_offset };
+        let (n, width, heads) = (dims.n(), dims.qkv_width(), dims.h + dims.kvh);
+        let what = |t: &str| format!("{t} {dims:?} w_offset={w_offset}");
+        let (x, w) = (rng.vec(n * width, 2.0), rounded(&rng.vec(2 * dims.d, 1.0)));
+        let (mut out, mut rstd) = (vec![0.0; n * width], vec![0.0; n * heads]);
+        CpuBackend.head_rmsnorm_forward(&mut out, &mut rstd, &x, &w, dims, norm);
+        let (gx, gw) = (Guarded::new(&be, "inp", &x), weights_on(&be, &w));
+        let mut gout = Guarded::new(&be, "out", &vec![3.0; n * width]);
+        let mut grstd = Guarded::new(&be, "rstd", &vec![3.0; n * heads]);
+        be.head_rmsnorm_forward(gout.view_mut(), grstd.view_mut(), gx.view(), &gw, dims, norm);
+        assert_close(&what("head_rmsnorm_forward out"), &gout.read(&be), &out, TOL);
+        assert_close(&what("head_rmsnorm_forward rstd"), &grstd.read(&be), &rstd, TOL);
+
+        let dout = rng.vec(n * width, 1.0);
+        let dw0 = rng.vec(2 * dims.d, 1.0);
+        let (mut dx, mut dw) = (vec![0.0; n * width], dw0.clone());
+        let gdout = Guarded::new(&be, "dout", &dout);
+        let mut gdx = Guarded::new(&be, "dinp", &vec![7.0; n * width]);
+        let mut gdw = Guarded::new(&be, "dweight", &dw0);
+        for call in 1..=2 {
+            CpuBackend.head_rmsnorm_backward(&mut dx, &mut dw, &dout, &x, &w, &rstd, dims, norm);
+            be.head_rmsnorm_backward(
+                gdx.view_mut(),
+                gdw.view_mut(),
+                gdout.view(),
+                gx.view(),
+                &gw,
+                grstd.view(),
+                dims,
+                norm,
+            );
+            let dinp = what(&format!("head_rmsnorm_backward dinp (overwrites, call {call})"));
+            assert_close(&dinp, &gdx.read(&be), &dx, TOL);
+            let dweight = what(&format!("head_rmsnorm_backward dweight (+=, call {call})"));
+            assert_close(&dweight, &gdw.read(&be), &dw, TOL_SUM);
+        }
+        let runs: Vec<Vec<f32>> = (0..2)
+            .map(|_| {
+                let mut gdw = Guarded::new(&be, "dweight", &vec![0.0; 2 * dims.d]);
+                be.head_rmsnorm_backward(
+                    gdx.view_mut(),
+                    gdw.view_mut(),
+                    gdout.view(),
+                    gx.view(),
+                    &gw,
+                    grstd.view(),
+                    dims,
+                    norm,
+                );
+                gdw.read(&be)
+            })
+            .collect();
+        assert_close(&what("head_rmsnorm_backward dweight, run twice"), &runs[1], &runs[0], 0.0);
+    }
+}
+
 #[test]
 fn swiglu_residual_and_add() {
     let be = gpu();
