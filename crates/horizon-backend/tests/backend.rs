@@ -91,6 +91,10 @@ fn step<B: Backend<Buf = [f32], IBuf = [i32], WBuf = [f32]>>(be: &B, seed: u64) 
     be.swiglu_backward(&mut dgu, &h, &gu, n, f);
     all.extend(h.iter().chain(&dgu));
 
+    be.geglu_forward(&mut h, &gu, n, f);
+    be.geglu_backward(&mut dgu, &h, &gu, n, f);
+    all.extend(h.iter().chain(&dgu));
+
     let mut r = vec![0.0; n * c];
     be.residual_forward(&mut r, &x, &y);
     be.add_inplace(&mut r, &dx);
@@ -201,6 +205,10 @@ fn step_direct(seed: u64) -> Vec<f32> {
     swiglu_forward(&mut h, &gu, n, f);
     let mut dgu = vec![0.0; gu.len()];
     swiglu_backward(&mut dgu, &h, &gu, n, f);
+    all.extend(h.iter().chain(&dgu));
+
+    geglu_forward(&mut h, &gu, n, f);
+    geglu_backward(&mut dgu, &h, &gu, n, f);
     all.extend(h.iter().chain(&dgu));
 
     let mut r = vec![0.0; n * c];

@@ -118,6 +118,13 @@ fn all_ops() -> Vec<f32> {
     swiglu_backward(&mut dgu, &h, &gu, n, f);
     all.extend(h.iter().chain(&dgu));
 
+    // geglu
+    let mut gh = vec![0.0; n * f];
+    geglu_forward(&mut gh, &gu, n, f);
+    let mut dggu = vec![0.0; gu.len()];
+    geglu_backward(&mut dggu, &gh, &gu, n, f);
+    all.extend(gh.iter().chain(&dggu));
+
     // cross-entropy
     let vocab = 301;
     let logits = rng.vec(n * vocab, 4.0);

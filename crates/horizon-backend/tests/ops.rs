@@ -799,6 +799,43 @@ fn swiglu_saturates_without_nan() {
     assert!(dgu.iter().all(|x| x.is_finite()), "{dgu:?}");
 }
 
+// ---- geglu --------------------------------------------------------------------------------
+
+#[test]
+fn geglu_forward_matches_reference() {
+    let mut rng = Rng::new(60);
+    let (n, f) = (14, 10);
+    let gate_up = rng.vec(n * 2 * f, 4.0);
+    let mut out = vec![f32::NAN; n * f];
+    geglu_forward(&mut out, &gate_up, n, f);
+    assert_close("geglu out", &out, &geglu_ref(&to64(&gate_up), f), FWD_TOL);
+}
+
+#[test]
+fn geglu_backward_matches_fd() {
+    let mut rng = Rng::new(61);
+    let (n, f) = (14, 10);
+    let gate_up = rng.vec(n * 2 * f, 4.0);
+    let r = rng.vec(n * f, 1.0);
+    let mut dgu = vec![f32::NAN; gate_up.len()]; // overwritten
+    geglu_backward(&mut dgu, &r, &gate_up, n, f);
+    let fd = fd_grad(&to64(&gate_up), FD_EPS, |x| proj(&geglu_ref(x, f), &r));
+    assert_close("geglu dgate_up", &dgu, &fd, GRAD_TOL);
+}
+
+#[test]
+fn geglu_saturates_without_nan() {
+    // gelu_tanh(-g) -> -0 and gelu_tanh(g) -> g for large g; cubes up to 1e12 stay finite.
+    let gate_up = [-200.0, 200.0, -1e4, 1e4, 3.0, 3.0, 3.0, 3.0];
+    let mut out = [0.0; 4];
+    geglu_forward(&mut out, &gate_up, 1, 4);
+    assert_eq!(out, [-0.0, 600.0, -0.0, 3e4]);
+    let mut dgu = [0.0; 8];
+    geglu_backward(&mut dgu, &[1.0; 4], &gate_up, 1, 4);
+    assert!(dgu.iter().all(|x| x.is_finite()), "{dgu:?}");
+    assert_eq!(dgu, [0.0, 3.0, 0.0, 3.0, -0.0, 200.0, -0.0, 1e4]);
+}
+
 // ---- residual -----------------------------------------------------------------------------
 
 #[test]

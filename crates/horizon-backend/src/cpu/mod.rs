@@ -9,6 +9,7 @@ pub mod attention;
 pub mod cross_entropy;
 pub mod device;
 pub mod embedding;
+pub mod geglu;
 pub mod head_rmsnorm;
 pub mod matmul;
 pub mod residual;
@@ -21,6 +22,7 @@ pub use attention::{attention_backward, attention_forward};
 pub use cross_entropy::{IGNORE_INDEX, cross_entropy_forward, cross_entropy_fused};
 pub use device::{CpuDevice, CpuDeviceConfig};
 pub use embedding::{embedding_backward, embedding_forward};
+pub use geglu::{geglu_backward, geglu_forward};
 pub use head_rmsnorm::{head_rmsnorm_backward, head_rmsnorm_forward};
 pub use matmul::{matmul_backward, matmul_forward};
 pub use residual::{add_inplace, residual_forward};
@@ -202,19 +204,19 @@ impl Backend for CpuBackend {
         swiglu_backward(dgate_up, dout, gate_up, n, f);
     }
 
-    fn geglu_forward(&self, _out: &mut [f32], _gate_up: &[f32], _n: usize, _f: usize) {
-        unimplemented!("geglu_forward")
+    fn geglu_forward(&self, out: &mut [f32], gate_up: &[f32], n: usize, f: usize) {
+        geglu_forward(out, gate_up, n, f);
     }
 
     fn geglu_backward(
         &self,
-        _dgate_up: &mut [f32],
-        _dout: &[f32],
-        _gate_up: &[f32],
-        _n: usize,
-        _f: usize,
+        dgate_up: &mut [f32],
+        dout: &[f32],
+        gate_up: &[f32],
+        n: usize,
+        f: usize,
     ) {
-        unimplemented!("geglu_backward")
+        geglu_backward(dgate_up, dout, gate_up, n, f);
     }
 
     fn residual_forward(&self, out: &mut [f32], a: &[f32], b: &[f32]) {

@@ -216,6 +216,21 @@ pub fn swiglu_ref(gate_up: &[f64], f: usize) -> Vec<f64> {
         .collect()
 }
 
+/// Reference GeGLU: `out = gelu_tanh(g) u`, `gelu_tanh(g) = g/2 (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))`.
+pub fn geglu_ref(gate_up: &[f64], f: usize) -> Vec<f64> {
+    let b = (2.0 / std::f64::consts::PI).sqrt();
+    gate_up
+        .chunks(2 * f)
+        .flat_map(|row| {
+            let (gate, up) = row.split_at(f);
+            gate.iter()
+                .zip(up)
+                .map(|(&g, &u)| 0.5 * g * (1.0 + (b * (g + 0.044715 * g * g * g)).tanh()) * u)
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
 /// Reference cross-entropy losses (0 for target -100).
 pub fn cross_entropy_ref(logits: &[f64], targets: &[i32], v: usize) -> Vec<f64> {
     logits
