@@ -473,6 +473,32 @@ fn head_rmsnorm_forward_and_backward() {
     }
 }
 
+/// GeGLU with gates out to +-6, where tanh saturates: out and dgate_up (prefilled with 5s)
+/// overwrite.
+#[test]
+fn geglu_forward_and_backward() {
+    let be = gpu();
+    let mut rng = Rng::new(14);
+    for (n, f) in [(1, 1), (37, 131), (5, 1001)] {
+        let gu = rng.vec(n * 2 * f, 6.0);
+        let mut want = vec![0.0; n * f];
+        CpuBackend.geglu_forward(&mut want, &gu, n, f);
+        let ggu = Guarded::new(&be, "gate_up", &gu);
+        let mut gout = Guarded::new(&be, "out", &vec![0.0; n * f]);
+        be.geglu_forward(gout.view_mut(), ggu.view(), n, f);
+        assert_close(&format!("geglu_forward {n}x{f}"), &gout.read(&be), &want, TOL);
+
+        let dout = rng.vec(n * f, 1.0);
+        let mut dgu = vec![0.0; n * 2 * f];
+        CpuBackend.geglu_backward(&mut dgu, &dout, &gu, n, f);
+        let gdout = Guarded::new(&be, "dout", &dout);
+        let mut gdgu = Guarded::new(&be, "dgate_up", &vec![5.0; n * 2 * f]);
+        be.geglu_backward(gdgu.view_mut(), gdout.view(), ggu.view(), n, f);
+        let what = format!("geglu_backward (overwrites) {n}x{f}");
+        assert_close(&what, &gdgu.read(&be), &dgu, TOL);
+    }
+}
+
 #[test]
 fn swiglu_residual_and_add() {
     let be = gpu();
