@@ -1,6 +1,6 @@
 // GeGLU (Gemma): out = gelu_tanh(gate) * up, with transformers' gelu_pytorch_tanh. Shapes:
 // gate_up, dgate_up (N, 2F), row = [gate | up]; out, dout (N, F). Launcher: src/cuda/geglu.rs.
-// Reference: src/cpu/ (geglu). Derivation, with c = sqrt(2/pi), a = 0.044715:
+// Reference: src/cpu/geglu.rs. Derivation, with c = sqrt(2/pi), a = 0.044715:
 //   gelu(x) = 0.5 x (1 + t),  t = tanh(u),  u = c (x + a x^3)
 //   gelu'(x) = 0.5 (1 + t) + 0.5 x (1 - t^2) du/dx,  du/dx = c (1 + 3 a x^2)
 //   dgate = dout * up * gelu'(gate),  dup = dout * gelu(gate)

@@ -3,7 +3,7 @@
 // [q (H*D) | k (KVH*D) | v (KVH*D)]; weight (2D) bf16 = [q_norm (D) | k_norm (D)] (as its 16
 // bits), dweight (2D) fp32; rstd (N, H + KVH): row r's q heads, then its k heads. All
 // arithmetic is fp32; a weight is applied as w' = w_offset + w. The v part is copied.
-// Launcher: src/cuda/head_rmsnorm.rs. Reference: src/cpu/ (head_rmsnorm); each head is one
+// Launcher: src/cuda/head_rmsnorm.rs. Reference: src/cpu/head_rmsnorm.rs; each head is one
 // RMSNorm row of D (kernels/rmsnorm.cu), so its derivation carries over. For one head x (D),
 // r = 1/sqrt(mean(x^2) + eps), out_k = x_k r w'_k:
 //   d out_k / d x_m = r w'_k [k == m] - x_k w'_k r^3 x_m / D

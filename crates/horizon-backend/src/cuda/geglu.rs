@@ -1,5 +1,5 @@
 //! Launchers of `kernels/geglu.cu` (`out = gelu_tanh(gate) * up`). Derivation of the
-//! backward: the kernel file's header.
+//! backward: the kernel file's header and `cpu/geglu.rs`.
 
 use super::CudaBackend;
 use super::backend::{arg, blocks, expect_len, int};

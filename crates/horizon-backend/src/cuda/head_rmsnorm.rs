@@ -1,6 +1,7 @@
 //! Launchers of `kernels/head_rmsnorm.cu`: per-head RMSNorm of the q and k parts of fused qkv
 //! rows (the weight bf16, applied as `w_offset + w` in fp32; the rest fp32), the v part copied.
-//! Derivation of the backward: the kernel file's header (each head is one RMSNorm row).
+//! Derivation of the backward: the kernel file's header and `cpu/head_rmsnorm.rs` (each head
+//! is one RMSNorm row).
 
 use super::CudaBackend;
 use super::backend::{arg, expect_len, int};

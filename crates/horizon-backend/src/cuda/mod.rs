@@ -10,9 +10,9 @@
 //!
 //! Layout, one op per file as in `cpu/`: `embedding.rs`, `rmsnorm.rs`, `head_rmsnorm.rs`,
 //! `matmul.rs` (cuBLAS), `rope.rs`, `attention.rs`, `swiglu.rs`, `geglu.rs`, `residual.rs`,
-//! `cross_entropy.rs`, `convert.rs`, `grad_norm.rs` launch `kernels/<op>.cu`; `backend.rs` is the trait impl, `device.rs` the
-//! device, `slice.rs` the device views, `pinned.rs` the staging memory, `probe.rs` the library
-//! checks.
+//! `cross_entropy.rs`, `convert.rs`, `grad_norm.rs` launch `kernels/<op>.cu`; `backend.rs` is
+//! the trait impl, `device.rs` the device, `slice.rs` the device views, `pinned.rs` the staging
+//! memory, `probe.rs` the library checks.
 
 mod attention;
 mod backend;
