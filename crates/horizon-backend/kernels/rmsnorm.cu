@@ -1,12 +1,21 @@
 // RMSNorm forward and backward. Shapes: inp, out, dout, dinp (N, C); weight, dweight (C);
 // rstd (N). The weight is bf16 (the device's weight format, as its 16 bits); everything else,
-// and all arithmetic, is fp32. Launcher: src/cuda/rmsnorm.rs. Reference and derivation:
-// src/cpu/rmsnorm.rs.
+// and all arithmetic, is fp32. The weight is applied as w' = w_offset + w (0 for Llama-style
+// norms, 1 for Gemma's x * (1 + w)), added in fp32. Launcher: src/cuda/rmsnorm.rs. Reference
+// and derivation: src/cpu/rmsnorm.rs; with out = inp * rstd * w', the offset enters dinp
+// through w' only, and d out / d w = inp * rstd does not depend on it.
 
 #define BLOCK 256
 
 // The f32 of bf16 bits `h` (exact).
 __device__ float bf16_to_f32(unsigned short h) { return __uint_as_float(((unsigned int)h) << 16); }
+
+// The weight as applied, w_offset + w in fp32; w itself for offset 0, so that a -0.0 weight
+// keeps its sign (0 + -0 = +0) and the plain norm its bits (as the CPU's `applied`).
+__device__ float applied(unsigned short w, float w_offset) {
+    float x = bf16_to_f32(w);
+    return w_offset == 0.0f ? x : w_offset + x;
+}
 
 // Sum of `v` over the block (BLOCK threads); every thread gets the result.
 __device__ float block_sum(float v, float* shared) {
@@ -20,11 +29,11 @@ __device__ float block_sum(float v, float* shared) {
     return s;
 }
 
-// out = inp * rstd * weight, rstd = 1/sqrt(mean(inp^2) + eps). One block per row.
-// out, rstd overwrite.
+// out = inp * rstd * (w_offset + weight), rstd = 1/sqrt(mean(inp^2) + eps). One block per
+// row. out, rstd overwrite.
 extern "C" __global__ void rmsnorm_forward(float* out, float* rstd, const float* inp,
-                                           const unsigned short* weight, int n, int c,
-                                           float eps) {
+                                           const unsigned short* weight, int n, int c, float eps,
+                                           float w_offset) {
     __shared__ float shared[BLOCK / 32];
     long long row = blockIdx.x;
     const float* x = inp + row * c;
@@ -34,26 +43,26 @@ extern "C" __global__ void rmsnorm_forward(float* out, float* rstd, const float*
     float rs = 1.0f / sqrtf(ss / (float)c + eps);
     if (threadIdx.x == 0) rstd[row] = rs;
     float* o = out + row * c;
-    for (int j = threadIdx.x; j < c; j += BLOCK) o[j] = x[j] * rs * bf16_to_f32(weight[j]);
+    for (int j = threadIdx.x; j < c; j += BLOCK) o[j] = x[j] * rs * applied(weight[j], w_offset);
 }
 
-// dinp[r] += rstd_r * (dout*weight - inp * rstd_r^2 * sum(dout*weight*inp) / C). Accumulates.
-// One block per row.
+// dinp[r] += rstd_r * (dout*w' - inp * rstd_r^2 * sum(dout*w'*inp) / C), w' = w_offset +
+// weight. Accumulates. One block per row.
 extern "C" __global__ void rmsnorm_backward_dinp(float* dinp, const float* dout, const float* inp,
                                                  const unsigned short* weight, const float* rstd,
-                                                 int n, int c) {
+                                                 int n, int c, float w_offset) {
     __shared__ float shared[BLOCK / 32];
     long long row = blockIdx.x;
     const float* dy = dout + row * c;
     const float* x = inp + row * c;
     float s = 0.0f;
-    for (int j = threadIdx.x; j < c; j += BLOCK) s += dy[j] * bf16_to_f32(weight[j]) * x[j];
+    for (int j = threadIdx.x; j < c; j += BLOCK) s += dy[j] * applied(weight[j], w_offset) * x[j];
     s = block_sum(s, shared);
     float r = rstd[row];
     float k = r * r * s / (float)c;
     float* dx = dinp + row * c;
     for (int j = threadIdx.x; j < c; j += BLOCK)
-        dx[j] += r * (dy[j] * bf16_to_f32(weight[j]) - x[j] * k);
+        dx[j] += r * (dy[j] * applied(weight[j], w_offset) - x[j] * k);
 }
 
 // dweight[j] += sum_r dout[r, j] * inp[r, j] * rstd[r]. Accumulates. A block of 32 columns x 8

@@ -51,11 +51,48 @@ fn step<B: Backend<Buf = [f32], IBuf = [i32], WBuf = [f32]>>(be: &B, seed: u64) 
     be.rope_backward(&mut dqkv, &cos, &sin, dims);
     all.extend(qkv.iter().chain(&att).chain(&lse).chain(&dqkv));
 
+    let gemma = NormDims { w_offset: 1.0, ..NormDims::new(dims.d, 1e-6) };
+    let hw = rng.vec(2 * dims.d, 1.0);
+    let (mut hq, mut hrstd) = (vec![0.0; qkv.len()], vec![0.0; n * (dims.h + dims.kvh)]);
+    be.head_rmsnorm_forward(&mut hq, &mut hrstd, &qkv, &hw, dims, gemma);
+    let (mut dhq, mut dhw) = (vec![0.0; qkv.len()], vec![0.0; 2 * dims.d]);
+    be.head_rmsnorm_backward(&mut dhq, &mut dhw, &dqkv, &qkv, &hw, &hrstd, dims, gemma);
+    all.extend(hq.iter().chain(&hrstd).chain(&dhq).chain(&dhw));
+
+    let local = AttnDims { window: 2, scale: 0.3, ..dims };
+    be.attention_forward(&mut att, &mut lse, &hq, local);
+    be.attention_backward(&mut dqkv, &att, &hq, &att, &lse, local);
+    all.extend(att.iter().chain(&lse).chain(&dqkv));
+
+    let (mut gy, mut grstd) = (vec![0.0; n * c], vec![0.0; n]);
+    be.rmsnorm_forward(
+        &mut gy,
+        &mut grstd,
+        &x,
+        &w,
+        NormDims { w_offset: 1.0, ..NormDims::new(c, 1e-6) },
+    );
+    let (mut gdx, mut gdw) = (vec![0.0; n * c], vec![0.0; c]);
+    be.rmsnorm_backward(
+        &mut gdx,
+        &mut gdw,
+        &gy,
+        &x,
+        &w,
+        &grstd,
+        NormDims { w_offset: 1.0, ..NormDims::new(c, 0.0) },
+    );
+    all.extend(gy.iter().chain(&grstd).chain(&gdx).chain(&gdw));
+
     let gu = rng.vec(n * 2 * f, 2.0);
     let mut h = vec![0.0; n * f];
     be.swiglu_forward(&mut h, &gu, n, f);
     let mut dgu = vec![0.0; gu.len()];
     be.swiglu_backward(&mut dgu, &h, &gu, n, f);
+    all.extend(h.iter().chain(&dgu));
+
+    be.geglu_forward(&mut h, &gu, n, f);
+    be.geglu_backward(&mut dgu, &h, &gu, n, f);
     all.extend(h.iter().chain(&dgu));
 
     let mut r = vec![0.0; n * c];
@@ -106,9 +143,9 @@ fn step_direct(seed: u64) -> Vec<f32> {
 
     let w = rng.vec(c, 1.0);
     let (mut y, mut rstd) = (vec![0.0; n * c], vec![0.0; n]);
-    rmsnorm_forward(&mut y, &mut rstd, &x, &w, c, 1e-5);
+    rmsnorm_forward(&mut y, &mut rstd, &x, &w, NormDims::new(c, 1e-5));
     let (mut dx, mut dw) = (vec![0.0; n * c], vec![0.0; c]);
-    rmsnorm_backward(&mut dx, &mut dw, &y, &x, &w, &rstd, c);
+    rmsnorm_backward(&mut dx, &mut dw, &y, &x, &w, &rstd, NormDims::new(c, 0.0));
     all.extend(y.iter().chain(&rstd).chain(&dx).chain(&dw));
 
     let width = dims.qkv_width();
@@ -130,11 +167,48 @@ fn step_direct(seed: u64) -> Vec<f32> {
     rope_backward(&mut dqkv, &cos, &sin, dims);
     all.extend(qkv.iter().chain(&att).chain(&lse).chain(&dqkv));
 
+    let gemma = NormDims { w_offset: 1.0, ..NormDims::new(dims.d, 1e-6) };
+    let hw = rng.vec(2 * dims.d, 1.0);
+    let (mut hq, mut hrstd) = (vec![0.0; qkv.len()], vec![0.0; n * (dims.h + dims.kvh)]);
+    head_rmsnorm_forward(&mut hq, &mut hrstd, &qkv, &hw, dims, gemma);
+    let (mut dhq, mut dhw) = (vec![0.0; qkv.len()], vec![0.0; 2 * dims.d]);
+    head_rmsnorm_backward(&mut dhq, &mut dhw, &dqkv, &qkv, &hw, &hrstd, dims, gemma);
+    all.extend(hq.iter().chain(&hrstd).chain(&dhq).chain(&dhw));
+
+    let local = AttnDims { window: 2, scale: 0.3, ..dims };
+    attention_forward(&mut att, &mut lse, &hq, local);
+    attention_backward(&mut dqkv, &att, &hq, &att, &lse, local);
+    all.extend(att.iter().chain(&lse).chain(&dqkv));
+
+    let (mut gy, mut grstd) = (vec![0.0; n * c], vec![0.0; n]);
+    rmsnorm_forward(
+        &mut gy,
+        &mut grstd,
+        &x,
+        &w,
+        NormDims { w_offset: 1.0, ..NormDims::new(c, 1e-6) },
+    );
+    let (mut gdx, mut gdw) = (vec![0.0; n * c], vec![0.0; c]);
+    rmsnorm_backward(
+        &mut gdx,
+        &mut gdw,
+        &gy,
+        &x,
+        &w,
+        &grstd,
+        NormDims { w_offset: 1.0, ..NormDims::new(c, 0.0) },
+    );
+    all.extend(gy.iter().chain(&grstd).chain(&gdx).chain(&gdw));
+
     let gu = rng.vec(n * 2 * f, 2.0);
     let mut h = vec![0.0; n * f];
     swiglu_forward(&mut h, &gu, n, f);
     let mut dgu = vec![0.0; gu.len()];
     swiglu_backward(&mut dgu, &h, &gu, n, f);
+    all.extend(h.iter().chain(&dgu));
+
+    geglu_forward(&mut h, &gu, n, f);
+    geglu_backward(&mut dgu, &h, &gu, n, f);
     all.extend(h.iter().chain(&dgu));
 
     let mut r = vec![0.0; n * c];

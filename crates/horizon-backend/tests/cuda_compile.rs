@@ -5,7 +5,7 @@
 
 #![cfg(feature = "cuda")]
 
-use horizon_backend::cuda::kernels::{SOURCES, compile_cubin};
+use horizon_backend::cuda::kernels::{FUNCTIONS, SOURCES, compile_cubin};
 use horizon_backend::cuda::probe;
 
 /// Prints why a test is skipped, past the test harness's output capture.
@@ -41,6 +41,16 @@ fn every_kernel_compiles_to_an_sm90_cubin() {
                     cubin.starts_with(b"\x7fELF"),
                     "kernels/{op}.cu: NVRTC's CUBIN is not an ELF image"
                 );
+                // Every entry point the backend loads from this file is a symbol of its image
+                // (a NUL-delimited name in the ELF string table), so a name missing from
+                // kernels::FUNCTIONS' list, or misspelt there, fails here and not at start.
+                let (_, names) = FUNCTIONS.iter().find(|(o, _)| *o == op).expect("listed");
+                for name in names.iter() {
+                    let sym = format!("\0{name}\0").into_bytes();
+                    if !cubin.windows(sym.len()).any(|w| w == sym) {
+                        failures.push(format!("kernels/{op}.cu: no entry point {name}"));
+                    }
+                }
                 eprintln!("kernels/{op}.cu: {} bytes of sm_90 CUBIN", cubin.len());
             }
             Err(e) => failures.push(e.to_string()),
@@ -78,4 +88,7 @@ fn every_file_in_kernels_is_embedded() {
     let mut embedded: Vec<String> = SOURCES.iter().map(|(op, _)| op.to_string()).collect();
     embedded.sort();
     assert_eq!(on_disk, embedded, "kernels/*.cu and kernels::SOURCES disagree");
+    let sources: Vec<&str> = SOURCES.iter().map(|(op, _)| *op).collect();
+    let loaded: Vec<&str> = FUNCTIONS.iter().map(|(op, _)| *op).collect();
+    assert_eq!(sources, loaded, "kernels::SOURCES and kernels::FUNCTIONS list different files");
 }

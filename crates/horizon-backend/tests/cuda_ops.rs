@@ -126,46 +126,50 @@ fn embedding_forward_and_backward() {
     assert_close("embedding_backward (+=, row order)", &dtable.read(&be), &want, 0.0);
 }
 
+/// Plain norms (offset 0) and Gemma's `x * (1 + w)` (offset 1); the backward runs twice on the
+/// same gradients: dinp and dweight accumulate (+=), so both calls must add.
 #[test]
 fn rmsnorm_forward_and_backward() {
     let be = gpu();
     let mut rng = Rng::new(2);
-    for (n, c) in [(1, 1), (5, 13), (33, 257), (7, 3001)] {
+    for (n, c, w_offset) in
+        [(1, 1, 0.0), (5, 13, 0.0), (5, 13, 1.0), (33, 257, 0.0), (33, 257, 1.0), (7, 3001, 1.0)]
+    {
+        let norm = NormDims { c, eps: 1e-5, w_offset };
+        let what = |t: &str| format!("{t} N={n} C={c} w_offset={w_offset}");
         // The GPU reads the weight as bf16: the CPU gets the same values.
         let (x, w) = (rng.vec(n * c, 2.0), rounded(&rng.vec(c, 1.0)));
         let (mut out, mut rstd) = (vec![0.0; n * c], vec![0.0; n]);
-        CpuBackend.rmsnorm_forward(&mut out, &mut rstd, &x, &w, NormDims::new(c, 1e-5));
+        CpuBackend.rmsnorm_forward(&mut out, &mut rstd, &x, &w, norm);
         let (gx, gw) = (Guarded::new(&be, "inp", &x), weights_on(&be, &w));
         let mut gout = Guarded::new(&be, "out", &vec![0.0; n * c]);
         let mut grstd = Guarded::new(&be, "rstd", &vec![0.0; n]);
-        be.rmsnorm_forward(
-            gout.view_mut(),
-            grstd.view_mut(),
-            gx.view(),
-            &gw,
-            NormDims::new(c, 1e-5),
-        );
-        assert_close("rmsnorm_forward out", &gout.read(&be), &out, TOL);
-        assert_close("rmsnorm_forward rstd", &grstd.read(&be), &rstd, TOL);
+        be.rmsnorm_forward(gout.view_mut(), grstd.view_mut(), gx.view(), &gw, norm);
+        assert_close(&what("rmsnorm_forward out"), &gout.read(&be), &out, TOL);
+        assert_close(&what("rmsnorm_forward rstd"), &grstd.read(&be), &rstd, TOL);
 
         let dout = rng.vec(n * c, 1.0);
         let (dx0, dw0) = (rng.vec(n * c, 1.0), rng.vec(c, 1.0));
         let (mut dx, mut dw) = (dx0.clone(), dw0.clone());
-        CpuBackend.rmsnorm_backward(&mut dx, &mut dw, &dout, &x, &w, &rstd, NormDims::new(c, 0.0));
         let gdout = Guarded::new(&be, "dout", &dout);
         let (mut gdx, mut gdw) =
             (Guarded::new(&be, "dinp", &dx0), Guarded::new(&be, "dweight", &dw0));
-        be.rmsnorm_backward(
-            gdx.view_mut(),
-            gdw.view_mut(),
-            gdout.view(),
-            gx.view(),
-            &gw,
-            grstd.view(),
-            NormDims::new(c, 0.0),
-        );
-        assert_close("rmsnorm_backward dinp (+=)", &gdx.read(&be), &dx, TOL);
-        assert_close("rmsnorm_backward dweight (+=)", &gdw.read(&be), &dw, TOL_SUM);
+        for call in 1..=2 {
+            CpuBackend.rmsnorm_backward(&mut dx, &mut dw, &dout, &x, &w, &rstd, norm);
+            be.rmsnorm_backward(
+                gdx.view_mut(),
+                gdw.view_mut(),
+                gdout.view(),
+                gx.view(),
+                &gw,
+                grstd.view(),
+                norm,
+            );
+            let dinp = what(&format!("rmsnorm_backward dinp (+=, call {call})"));
+            assert_close(&dinp, &gdx.read(&be), &dx, TOL);
+            let dweight = what(&format!("rmsnorm_backward dweight (+=, call {call})"));
+            assert_close(&dweight, &gdw.read(&be), &dw, TOL_SUM);
+        }
     }
 }
 
@@ -314,41 +318,184 @@ fn rope_forward_and_backward() {
     }
 }
 
+/// Attention forward and backward of `dims` on the GPU against the CPU (both the output and the
+/// lse; dqkv of the backward, prefilled with 9s to show it overwrites); returns the GPU's
+/// `out`, `lse` and `dqkv`.
+fn check_attention(be: &CudaBackend, rng: &mut Rng, dims: AttnDims) -> [Vec<f32>; 3] {
+    let (n, width, hd) = (dims.n(), dims.qkv_width(), dims.h * dims.d);
+    let qkv = rng.vec(n * width, 1.0);
+    let (mut out, mut lse) = (vec![0.0; n * hd], vec![0.0; dims.b * dims.h * dims.t]);
+    CpuBackend.attention_forward(&mut out, &mut lse, &qkv, dims);
+    let gqkv = Guarded::new(be, "qkv", &qkv);
+    let mut gout = Guarded::new(be, "out", &vec![0.0; n * hd]);
+    let mut glse = Guarded::new(be, "lse", &vec![0.0; lse.len()]);
+    be.attention_forward(gout.view_mut(), glse.view_mut(), gqkv.view(), dims);
+    let (got_out, got_lse) = (gout.read(be), glse.read(be));
+    assert_close(&format!("attention_forward out {dims:?}"), &got_out, &out, TOL_SUM);
+    assert_close(&format!("attention_forward lse {dims:?}"), &got_lse, &lse, TOL_SUM);
+
+    let dout = rng.vec(n * hd, 1.0);
+    let mut dqkv = vec![0.0; n * width];
+    CpuBackend.attention_backward(&mut dqkv, &dout, &qkv, &out, &lse, dims);
+    let gdout = Guarded::new(be, "dout", &dout);
+    let mut gdqkv = Guarded::new(be, "dqkv", &vec![9.0; n * width]);
+    be.attention_backward(
+        gdqkv.view_mut(),
+        gdout.view(),
+        gqkv.view(),
+        gout.view(),
+        glse.view(),
+        dims,
+    );
+    let got_dqkv = gdqkv.read(be);
+    assert_close(&format!("attention_backward dqkv {dims:?}"), &got_dqkv, &dqkv, TOL_SUM);
+    [got_out, got_lse, got_dqkv]
+}
+
 #[test]
 fn attention_forward_and_backward() {
     let be = gpu();
     let mut rng = Rng::new(6);
     for dims in attn_cases() {
-        let (n, width, hd) = (dims.n(), dims.qkv_width(), dims.h * dims.d);
-        let qkv = rng.vec(n * width, 1.0);
-        let (mut out, mut lse) = (vec![0.0; n * hd], vec![0.0; dims.b * dims.h * dims.t]);
-        CpuBackend.attention_forward(&mut out, &mut lse, &qkv, dims);
-        let gqkv = Guarded::new(&be, "qkv", &qkv);
-        let mut gout = Guarded::new(&be, "out", &vec![0.0; n * hd]);
-        let mut glse = Guarded::new(&be, "lse", &vec![0.0; lse.len()]);
-        be.attention_forward(gout.view_mut(), glse.view_mut(), gqkv.view(), dims);
-        assert_close(&format!("attention_forward out {dims:?}"), &gout.read(&be), &out, TOL_SUM);
-        assert_close(&format!("attention_forward lse {dims:?}"), &glse.read(&be), &lse, TOL_SUM);
+        check_attention(&be, &mut rng, dims);
+    }
+}
 
-        let dout = rng.vec(n * hd, 1.0);
-        let mut dqkv = vec![0.0; n * width];
-        CpuBackend.attention_backward(&mut dqkv, &dout, &qkv, &out, &lse, dims);
+/// `dims` with a sliding window `w` and the scale `scale`.
+fn windowed(dims: AttnDims, window: usize, scale: f32) -> AttnDims {
+    AttnDims { window, scale, ..dims }
+}
+
+/// Sliding windows (1: each query sees itself only; 5 on T = 37: several tiles start past key 0
+/// and the dk/dv walk stops early; 37 on T = 129 with GQA 4:1 and D = 128: a window longer than a
+/// tile, not aligned to one) and scores scaled other than 1/sqrt(D) (Gemma's
+/// `query_pre_attn_scalar^-1/2`), against the CPU; a window of at least T is full causal.
+#[test]
+fn attention_window_and_scale() {
+    let be = gpu();
+    let mut rng = Rng::new(12);
+    let d6 = AttnDims::new(2, 37, 4, 2, 6);
+    let d40 = AttnDims::new(1, 37, 3, 1, 40);
+    let d128 = AttnDims::new(1, 129, 4, 1, 128);
+    for dims in [
+        windowed(d6, 1, d6.scale),
+        windowed(d6, 5, d6.scale),
+        windowed(d40, 1, d40.scale),
+        windowed(d40, 5, d40.scale),
+        windowed(d128, 37, d128.scale),
+        windowed(d128, 5, 0.0625),
+        windowed(d6, 0, 0.8),
+        windowed(d40, 0, 0.05),
+        windowed(d40, 36, 0.3),
+    ] {
+        check_attention(&be, &mut rng, dims);
+    }
+    // W >= T sees every earlier key: the same results as W = 0, bit for bit, and the CPU's.
+    for (dims, w) in [(d6, 37), (d40, 38), (d128, 129), (d128, usize::MAX)] {
+        let seed = rng.next_u64();
+        let full = check_attention(&be, &mut Rng::new(seed), dims);
+        let wide = check_attention(&be, &mut Rng::new(seed), windowed(dims, w, dims.scale));
+        for (what, (a, b)) in ["out", "lse", "dqkv"].iter().zip(full.iter().zip(&wide)) {
+            assert_close(&format!("window {w} >= T = {} {what}", dims.t), b, a, 0.0);
+        }
+    }
+}
+
+/// Per-head q/k norms of fused qkv rows (GQA, D = 16, 32, 72, 128, 256; w_offset 0 and 1): out
+/// (the v part copied) and rstd overwrite; the backward runs twice: dinp overwrites (prefilled
+/// with 7s, and the same after both calls), dweight accumulates (+=) over both. The dweight
+/// reduction has one fixed order: from zero, two runs agree bit for bit.
+#[test]
+fn head_rmsnorm_forward_and_backward() {
+    let be = gpu();
+    let mut rng = Rng::new(13);
+    for (dims, w_offset) in [
+        (AttnDims::new(2, 5, 4, 2, 16), 0.0),
+        (AttnDims::new(1, 7, 3, 1, 32), 1.0),
+        (AttnDims::new(1, 3, 2, 2, 72), 1.0),
+        (AttnDims::new(1, 9, 8, 2, 128), 0.0),
+        (AttnDims::new(3, 11, 16, 4, 128), 1.0),
+        (AttnDims::new(1, 3, 2, 1, 256), 1.0),
+    ] {
+        let norm = NormDims { c: dims.d, eps: 1e-6, w_offset };
+        let (n, width, heads) = (dims.n(), dims.qkv_width(), dims.h + dims.kvh);
+        let what = |t: &str| format!("{t} {dims:?} w_offset={w_offset}");
+        let (x, w) = (rng.vec(n * width, 2.0), rounded(&rng.vec(2 * dims.d, 1.0)));
+        let (mut out, mut rstd) = (vec![0.0; n * width], vec![0.0; n * heads]);
+        CpuBackend.head_rmsnorm_forward(&mut out, &mut rstd, &x, &w, dims, norm);
+        let (gx, gw) = (Guarded::new(&be, "inp", &x), weights_on(&be, &w));
+        let mut gout = Guarded::new(&be, "out", &vec![3.0; n * width]);
+        let mut grstd = Guarded::new(&be, "rstd", &vec![3.0; n * heads]);
+        be.head_rmsnorm_forward(gout.view_mut(), grstd.view_mut(), gx.view(), &gw, dims, norm);
+        assert_close(&what("head_rmsnorm_forward out"), &gout.read(&be), &out, TOL);
+        assert_close(&what("head_rmsnorm_forward rstd"), &grstd.read(&be), &rstd, TOL);
+
+        let dout = rng.vec(n * width, 1.0);
+        let dw0 = rng.vec(2 * dims.d, 1.0);
+        let (mut dx, mut dw) = (vec![0.0; n * width], dw0.clone());
         let gdout = Guarded::new(&be, "dout", &dout);
-        let mut gdqkv = Guarded::new(&be, "dqkv", &vec![9.0; n * width]);
-        be.attention_backward(
-            gdqkv.view_mut(),
-            gdout.view(),
-            gqkv.view(),
-            gout.view(),
-            glse.view(),
-            dims,
-        );
-        assert_close(
-            &format!("attention_backward dqkv {dims:?}"),
-            &gdqkv.read(&be),
-            &dqkv,
-            TOL_SUM,
-        );
+        let mut gdx = Guarded::new(&be, "dinp", &vec![7.0; n * width]);
+        let mut gdw = Guarded::new(&be, "dweight", &dw0);
+        for call in 1..=2 {
+            CpuBackend.head_rmsnorm_backward(&mut dx, &mut dw, &dout, &x, &w, &rstd, dims, norm);
+            be.head_rmsnorm_backward(
+                gdx.view_mut(),
+                gdw.view_mut(),
+                gdout.view(),
+                gx.view(),
+                &gw,
+                grstd.view(),
+                dims,
+                norm,
+            );
+            let dinp = what(&format!("head_rmsnorm_backward dinp (overwrites, call {call})"));
+            assert_close(&dinp, &gdx.read(&be), &dx, TOL);
+            let dweight = what(&format!("head_rmsnorm_backward dweight (+=, call {call})"));
+            assert_close(&dweight, &gdw.read(&be), &dw, TOL_SUM);
+        }
+        let runs: Vec<Vec<f32>> = (0..2)
+            .map(|_| {
+                let mut gdw = Guarded::new(&be, "dweight", &vec![0.0; 2 * dims.d]);
+                be.head_rmsnorm_backward(
+                    gdx.view_mut(),
+                    gdw.view_mut(),
+                    gdout.view(),
+                    gx.view(),
+                    &gw,
+                    grstd.view(),
+                    dims,
+                    norm,
+                );
+                gdw.read(&be)
+            })
+            .collect();
+        assert_close(&what("head_rmsnorm_backward dweight, run twice"), &runs[1], &runs[0], 0.0);
+    }
+}
+
+/// GeGLU with gates out to +-6, where tanh saturates: out and dgate_up (prefilled with 5s)
+/// overwrite.
+#[test]
+fn geglu_forward_and_backward() {
+    let be = gpu();
+    let mut rng = Rng::new(14);
+    for (n, f) in [(1, 1), (37, 131), (5, 1001)] {
+        let gu = rng.vec(n * 2 * f, 6.0);
+        let mut want = vec![0.0; n * f];
+        CpuBackend.geglu_forward(&mut want, &gu, n, f);
+        let ggu = Guarded::new(&be, "gate_up", &gu);
+        let mut gout = Guarded::new(&be, "out", &vec![0.0; n * f]);
+        be.geglu_forward(gout.view_mut(), ggu.view(), n, f);
+        assert_close(&format!("geglu_forward {n}x{f}"), &gout.read(&be), &want, TOL);
+
+        let dout = rng.vec(n * f, 1.0);
+        let mut dgu = vec![0.0; n * 2 * f];
+        CpuBackend.geglu_backward(&mut dgu, &dout, &gu, n, f);
+        let gdout = Guarded::new(&be, "dout", &dout);
+        let mut gdgu = Guarded::new(&be, "dgate_up", &vec![5.0; n * 2 * f]);
+        be.geglu_backward(gdgu.view_mut(), gdout.view(), ggu.view(), n, f);
+        let what = format!("geglu_backward (overwrites) {n}x{f}");
+        assert_close(&what, &gdgu.read(&be), &dgu, TOL);
     }
 }
 

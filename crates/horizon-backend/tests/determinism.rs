@@ -1,9 +1,9 @@
 //! Determinism: every op gives bit-identical results on a 1-thread and a 3-thread rayon pool,
 //! at shapes large enough that the parallel ops split into several tasks.
 
-use horizon_backend::AttnDims;
 use horizon_backend::cpu::testing::Rng;
 use horizon_backend::cpu::*;
+use horizon_backend::{AttnDims, NormDims};
 
 fn bits(x: &[f32]) -> Vec<u32> {
     x.iter().map(|v| v.to_bits()).collect()
@@ -39,10 +39,18 @@ fn all_ops() -> Vec<f32> {
     let x = rng.vec(n * c, 2.0);
     let g = rng.vec(c, 1.0);
     let (mut y, mut rstd) = (vec![0.0; n * c], vec![0.0; n]);
-    rmsnorm_forward(&mut y, &mut rstd, &x, &g, c, 1e-5);
+    rmsnorm_forward(&mut y, &mut rstd, &x, &g, NormDims::new(c, 1e-5));
     let (mut dx, mut dg) = (vec![0.25; n * c], vec![0.25; c]);
-    rmsnorm_backward(&mut dx, &mut dg, &y, &x, &g, &rstd, c);
+    rmsnorm_backward(&mut dx, &mut dg, &y, &x, &g, &rstd, NormDims::new(c, 1e-5));
     all.extend(y.iter().chain(&rstd).chain(&dx).chain(&dg));
+
+    // rmsnorm with Gemma's (1 + w).
+    let gemma = NormDims { w_offset: 1.0, ..NormDims::new(c, 1e-6) };
+    let (mut gy, mut grstd) = (vec![0.0; n * c], vec![0.0; n]);
+    rmsnorm_forward(&mut gy, &mut grstd, &x, &g, gemma);
+    let (mut gdx, mut gdg) = (vec![0.25; n * c], vec![0.25; c]);
+    rmsnorm_backward(&mut gdx, &mut gdg, &y, &x, &g, &grstd, gemma);
+    all.extend(gy.iter().chain(&grstd).chain(&gdx).chain(&gdg));
 
     // embedding with repeated ids.
     let v = 13;
@@ -69,6 +77,38 @@ fn all_ops() -> Vec<f32> {
     rope_backward(&mut dqkv, &cos, &sin, dims);
     all.extend(qkv.iter().chain(&att).chain(&lse).chain(&dqkv));
 
+    // windowed attention with another scale: T = 150 over three query blocks, the later ones
+    // starting their key range inside the sequence.
+    let dims = AttnDims { window: 40, scale: 0.3, ..AttnDims::new(2, 150, 4, 2, 8) };
+    let wqkv = rng.vec(dims.n() * dims.qkv_width(), 1.5);
+    let mut watt = vec![0.0; dims.n() * dims.h * dims.d];
+    let mut wlse = vec![0.0; dims.b * dims.h * dims.t];
+    attention_forward(&mut watt, &mut wlse, &wqkv, dims);
+    let dwatt = rng.vec(watt.len(), 1.0);
+    let mut dwqkv = vec![0.0; wqkv.len()];
+    attention_backward(&mut dwqkv, &dwatt, &wqkv, &watt, &wlse, dims);
+    all.extend(watt.iter().chain(&wlse).chain(&dwqkv));
+
+    // head_rmsnorm (Gemma 3's (1 + w)) on the windowed attention's qkv: 300 rows, D = 8.
+    let hnorm = NormDims { w_offset: 1.0, ..NormDims::new(dims.d, 1e-6) };
+    let hw = rng.vec(2 * dims.d, 1.0);
+    let (mut hq, mut hrstd) = (vec![0.0; wqkv.len()], vec![0.0; dims.n() * (dims.h + dims.kvh)]);
+    head_rmsnorm_forward(&mut hq, &mut hrstd, &wqkv, &hw, dims, hnorm);
+    let (mut dhq, mut dhw) = (vec![0.0; wqkv.len()], vec![0.5; 2 * dims.d]);
+    head_rmsnorm_backward(&mut dhq, &mut dhw, &dwqkv, &wqkv, &hw, &hrstd, dims, hnorm);
+    all.extend(hq.iter().chain(&hrstd).chain(&dhq).chain(&dhw));
+
+    // head_rmsnorm with several dweight column tiles per half (D = 40).
+    let dims = AttnDims::new(2, 40, 4, 2, 40);
+    let hnorm = NormDims::new(dims.d, 1e-6);
+    let hx = rng.vec(dims.n() * dims.qkv_width(), 2.0);
+    let hw = rng.vec(2 * dims.d, 1.0);
+    let (mut hq, mut hrstd) = (vec![0.0; hx.len()], vec![0.0; dims.n() * (dims.h + dims.kvh)]);
+    head_rmsnorm_forward(&mut hq, &mut hrstd, &hx, &hw, dims, hnorm);
+    let (mut dhq, mut dhw) = (vec![0.0; hx.len()], vec![0.5; 2 * dims.d]);
+    head_rmsnorm_backward(&mut dhq, &mut dhw, &hx, &hx, &hw, &hrstd, dims, hnorm);
+    all.extend(hq.iter().chain(&hrstd).chain(&dhq).chain(&dhw));
+
     // swiglu
     let f = 45;
     let gu = rng.vec(n * 2 * f, 3.0);
@@ -77,6 +117,13 @@ fn all_ops() -> Vec<f32> {
     let mut dgu = vec![0.0; gu.len()];
     swiglu_backward(&mut dgu, &h, &gu, n, f);
     all.extend(h.iter().chain(&dgu));
+
+    // geglu
+    let mut gh = vec![0.0; n * f];
+    geglu_forward(&mut gh, &gu, n, f);
+    let mut dggu = vec![0.0; gu.len()];
+    geglu_backward(&mut dggu, &gh, &gu, n, f);
+    all.extend(gh.iter().chain(&dggu));
 
     // cross-entropy
     let vocab = 301;

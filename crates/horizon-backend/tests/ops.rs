@@ -1,25 +1,29 @@
 //! Op tests for the CPU reference backend: every forward against a plain f64 reference, every
 //! backward against central differences of that reference, accumulate/overwrite semantics
-//! (parameter gradients double when a backward runs twice), attention causality and GQA, and
-//! the cross-entropy edge cases.
+//! (parameter gradients double when a backward runs twice), attention causality, GQA, sliding
+//! windows and scales, RMSNorm's `(1 + w)`, the per-head norm as the plain norm of each head,
+//! and the cross-entropy and activation edge cases.
 //!
 //! Tolerances (criterion of `assert_close`: `|got - want| <= tol * max(1, |want|)`):
 //! - `FWD_TOL` = 1e-5: an f32 op against the f64 reference on O(1) data. f32 rounding over the
-//!   short sums here is observed at <= 3e-7 (matmul, attention, rmsnorm, CE), <= 7e-7 (swiglu
-//!   with |gate| up to 4): a margin of more than 10x.
+//!   short sums here is observed at <= 3e-7 (matmul, attention with or without a window,
+//!   rmsnorm with or without `(1 + w)`, head_rmsnorm, CE, geglu), <= 7e-7 (swiglu with |gate|
+//!   up to 4): a margin of more than 10x.
 //! - `GRAD_TOL` = 1e-5: an f32 analytic backward against f64 central differences (step 1e-5,
-//!   their own error ~1e-10). The f32 backward is observed within 5e-7 (attention's `dP - dD`
-//!   and rmsnorm's `dout w - x r^2 s / C` cancellations included).
+//!   their own error ~1e-10). The f32 backward is observed within 5e-7 (attention's `dP - dD`,
+//!   rmsnorm's and head_rmsnorm's `dout w - x r^2 s / C` cancellations and geglu's `1 - t^2`
+//!   included).
 //! - `TWICE_TOL` = 1e-6: a backward run twice against twice one run, where sums are added
-//!   straight into the gradient (embedding rows named by repeated ids). Matmul and rmsnorm form
-//!   each sum before adding it once, so for them doubling is checked bit-exactly.
+//!   straight into the gradient (embedding rows named by repeated ids). Matmul, rmsnorm and
+//!   head_rmsnorm form each sum before adding it once, so for them doubling is checked
+//!   bit-exactly.
 
 mod common;
 
 use common::*;
-use horizon_backend::AttnDims;
 use horizon_backend::cpu::testing::{Rng, assert_close};
 use horizon_backend::cpu::*;
+use horizon_backend::{AttnDims, NormDims};
 
 const FWD_TOL: f64 = 1e-5;
 const GRAD_TOL: f64 = 1e-5;
@@ -117,8 +121,8 @@ fn rmsnorm_forward_matches_reference() {
         let inp = rng.vec(n * c, 2.0);
         let w = rng.vec(c, 1.5);
         let (mut out, mut rstd) = (vec![f32::NAN; n * c], vec![f32::NAN; n]);
-        rmsnorm_forward(&mut out, &mut rstd, &inp, &w, c, RMS_EPS);
-        let (want, want_rstd) = rmsnorm_ref(&to64(&inp), &to64(&w), c, f64::from(RMS_EPS));
+        rmsnorm_forward(&mut out, &mut rstd, &inp, &w, NormDims::new(c, RMS_EPS));
+        let (want, want_rstd) = rmsnorm_ref(&to64(&inp), &to64(&w), c, f64::from(RMS_EPS), 0.0);
         assert_close(&format!("rmsnorm out N={n} C={c}"), &out, &want, FWD_TOL);
         assert_close(&format!("rmsnorm rstd N={n} C={c}"), &rstd, &want_rstd, FWD_TOL);
     }
@@ -132,15 +136,15 @@ fn rmsnorm_backward_matches_fd_and_accumulates() {
         let w = rng.vec(c, 1.5);
         let r = rng.vec(n * c, 1.0);
         let (mut out, mut rstd) = (vec![0.0; n * c], vec![0.0; n]);
-        rmsnorm_forward(&mut out, &mut rstd, &inp, &w, c, RMS_EPS);
+        rmsnorm_forward(&mut out, &mut rstd, &inp, &w, NormDims::new(c, RMS_EPS));
         let pre_dinp = rng.vec(n * c, 1.0);
         let pre_dw = rng.vec(c, 1.0);
         let (mut dinp, mut dw) = (pre_dinp.clone(), pre_dw.clone());
-        rmsnorm_backward(&mut dinp, &mut dw, &r, &inp, &w, &rstd, c);
+        rmsnorm_backward(&mut dinp, &mut dw, &r, &inp, &w, &rstd, NormDims::new(c, RMS_EPS));
 
         let (inp64, w64, eps) = (to64(&inp), to64(&w), f64::from(RMS_EPS));
-        let fd_x = fd_grad(&inp64, FD_EPS, |x| proj(&rmsnorm_ref(x, &w64, c, eps).0, &r));
-        let fd_w = fd_grad(&w64, FD_EPS, |w| proj(&rmsnorm_ref(&inp64, w, c, eps).0, &r));
+        let fd_x = fd_grad(&inp64, FD_EPS, |x| proj(&rmsnorm_ref(x, &w64, c, eps, 0.0).0, &r));
+        let fd_w = fd_grad(&w64, FD_EPS, |w| proj(&rmsnorm_ref(&inp64, w, c, eps, 0.0).0, &r));
         let plus = |g: &[f64], p: &[f32]| -> Vec<f64> {
             g.iter().zip(p).map(|(g, &p)| g + f64::from(p)).collect()
         };
@@ -157,15 +161,216 @@ fn rmsnorm_backward_twice_doubles_dweight_exactly() {
     let w = rng.vec(c, 1.5);
     let dout = rng.vec(n * c, 1.0);
     let (mut out, mut rstd) = (vec![0.0; n * c], vec![0.0; n]);
-    rmsnorm_forward(&mut out, &mut rstd, &inp, &w, c, RMS_EPS);
+    rmsnorm_forward(&mut out, &mut rstd, &inp, &w, NormDims::new(c, RMS_EPS));
     let (mut dinp1, mut dw1) = (vec![0.0; n * c], vec![0.0; c]);
-    rmsnorm_backward(&mut dinp1, &mut dw1, &dout, &inp, &w, &rstd, c);
+    rmsnorm_backward(&mut dinp1, &mut dw1, &dout, &inp, &w, &rstd, NormDims::new(c, RMS_EPS));
     let (mut dinp2, mut dw2) = (vec![0.0; n * c], vec![0.0; c]);
-    rmsnorm_backward(&mut dinp2, &mut dw2, &dout, &inp, &w, &rstd, c);
-    rmsnorm_backward(&mut dinp2, &mut dw2, &dout, &inp, &w, &rstd, c);
+    rmsnorm_backward(&mut dinp2, &mut dw2, &dout, &inp, &w, &rstd, NormDims::new(c, RMS_EPS));
+    rmsnorm_backward(&mut dinp2, &mut dw2, &dout, &inp, &w, &rstd, NormDims::new(c, RMS_EPS));
     let double = |x: &[f32]| -> Vec<f32> { x.iter().map(|g| 2.0 * g).collect() };
     assert_eq!(bits(&dw2), bits(&double(&dw1)), "rmsnorm dweight did not double exactly");
     assert_eq!(bits(&dinp2), bits(&double(&dinp1)), "rmsnorm dinp did not double exactly");
+}
+
+/// Gemma's norm: `w_offset = 1`, weights near 0 as a trained Gemma checkpoint holds them.
+fn gemma_norm(c: usize) -> NormDims {
+    NormDims { w_offset: 1.0, ..NormDims::new(c, 1e-6) }
+}
+
+#[test]
+fn rmsnorm_w_offset_forward_matches_reference() {
+    let mut rng = Rng::new(40);
+    for (n, c) in [(14, 12), (5, 70), (3, 1)] {
+        let norm = gemma_norm(c);
+        let inp = rng.vec(n * c, 2.0);
+        let w = rng.vec(c, 0.5);
+        let (mut out, mut rstd) = (vec![f32::NAN; n * c], vec![f32::NAN; n]);
+        rmsnorm_forward(&mut out, &mut rstd, &inp, &w, norm);
+        let (want, want_rstd) = rmsnorm_ref(&to64(&inp), &to64(&w), c, f64::from(norm.eps), 1.0);
+        assert_close(&format!("rmsnorm (1 + w) out N={n} C={c}"), &out, &want, FWD_TOL);
+        assert_close(&format!("rmsnorm (1 + w) rstd N={n} C={c}"), &rstd, &want_rstd, FWD_TOL);
+    }
+}
+
+#[test]
+fn rmsnorm_w_offset_backward_matches_fd_and_accumulates() {
+    let mut rng = Rng::new(41);
+    for (n, c) in [(14, 12), (3, 70)] {
+        let norm = gemma_norm(c);
+        let inp = rng.vec(n * c, 2.0);
+        let w = rng.vec(c, 0.5);
+        let r = rng.vec(n * c, 1.0);
+        let (mut out, mut rstd) = (vec![0.0; n * c], vec![0.0; n]);
+        rmsnorm_forward(&mut out, &mut rstd, &inp, &w, norm);
+        let pre_dinp = rng.vec(n * c, 1.0);
+        let pre_dw = rng.vec(c, 1.0);
+        let (mut dinp, mut dw) = (pre_dinp.clone(), pre_dw.clone());
+        rmsnorm_backward(&mut dinp, &mut dw, &r, &inp, &w, &rstd, norm);
+
+        let (inp64, w64, eps) = (to64(&inp), to64(&w), f64::from(norm.eps));
+        let fd_x = fd_grad(&inp64, FD_EPS, |x| proj(&rmsnorm_ref(x, &w64, c, eps, 1.0).0, &r));
+        let fd_w = fd_grad(&w64, FD_EPS, |w| proj(&rmsnorm_ref(&inp64, w, c, eps, 1.0).0, &r));
+        let plus = |g: &[f64], p: &[f32]| -> Vec<f64> {
+            g.iter().zip(p).map(|(g, &p)| g + f64::from(p)).collect()
+        };
+        let name = format!("rmsnorm (1 + w) C={c}");
+        assert_close(&format!("{name} dinp"), &dinp, &plus(&fd_x, &pre_dinp), GRAD_TOL);
+        assert_close(&format!("{name} dweight"), &dw, &plus(&fd_w, &pre_dw), GRAD_TOL);
+    }
+}
+
+#[test]
+fn rmsnorm_w_offset_is_the_shifted_weight_exactly() {
+    // `w_offset = 1` with weight w computes with the fp32 sum `1 + w`, so it gives the bits of
+    // a plain norm whose weight holds `1 + w`; dweight does not depend on the weight at all.
+    // Run twice, dweight doubles exactly (its sum is formed first, then added once).
+    let mut rng = Rng::new(42);
+    let (n, c) = (9, 70);
+    let inp = rng.vec(n * c, 2.0);
+    let w = rng.vec(c, 0.5);
+    let w1: Vec<f32> = w.iter().map(|w| 1.0 + w).collect();
+    let dout = rng.vec(n * c, 1.0);
+    let run = |w: &[f32], norm: NormDims, times: usize| {
+        let (mut out, mut rstd) = (vec![0.0; n * c], vec![0.0; n]);
+        rmsnorm_forward(&mut out, &mut rstd, &inp, w, norm);
+        let (mut dinp, mut dw) = (vec![0.0; n * c], vec![0.0; c]);
+        for _ in 0..times {
+            rmsnorm_backward(&mut dinp, &mut dw, &dout, &inp, w, &rstd, norm);
+        }
+        (bits(&out), bits(&rstd), bits(&dinp), dw)
+    };
+    let plain = NormDims::new(c, 1e-6);
+    let (out, rstd, dinp, dw) = run(&w, gemma_norm(c), 1);
+    let (out1, rstd1, dinp1, dw1) = run(&w1, plain, 1);
+    assert_eq!(out, out1, "rmsnorm (1 + w) out differs from the plain norm of 1 + w");
+    assert_eq!(rstd, rstd1, "rmsnorm (1 + w) rstd differs");
+    assert_eq!(dinp, dinp1, "rmsnorm (1 + w) dinp differs from the plain norm of 1 + w");
+    assert_eq!(bits(&dw), bits(&dw1), "rmsnorm dweight depends on the weight");
+    let (_, _, _, dw2) = run(&w, gemma_norm(c), 2);
+    let double: Vec<f32> = dw.iter().map(|g| 2.0 * g).collect();
+    assert_eq!(bits(&dw2), bits(&double), "rmsnorm (1 + w) dweight did not double exactly");
+}
+
+// ---- head_rmsnorm -------------------------------------------------------------------------
+
+/// Per-head norm shapes: GQA with D = 6 (not a power of two, not a multiple of 8), MQA, and
+/// D = 32 with more q heads than a model's C / H would suggest (the op never sees C).
+fn head_norm_dims() -> [AttnDims; 3] {
+    [AttnDims::new(2, 5, 4, 2, 6), AttnDims::new(1, 3, 3, 1, 6), AttnDims::new(1, 3, 4, 2, 32)]
+}
+
+/// A plain (Qwen3) and a `(1 + w)` (Gemma 3) head norm over `d`.
+fn head_norms(d: usize) -> [NormDims; 2] {
+    [NormDims::new(d, 1e-6), NormDims { w_offset: 1.0, ..NormDims::new(d, 1e-6) }]
+}
+
+#[test]
+fn head_rmsnorm_forward_matches_reference() {
+    let mut rng = Rng::new(50);
+    for dims in head_norm_dims() {
+        for norm in head_norms(dims.d) {
+            let heads = dims.h + dims.kvh;
+            let inp = rng.vec(dims.n() * dims.qkv_width(), 2.0);
+            let w = rng.vec(2 * dims.d, 1.0);
+            let (mut out, mut rstd) = (vec![f32::NAN; inp.len()], vec![f32::NAN; dims.n() * heads]);
+            head_rmsnorm_forward(&mut out, &mut rstd, &inp, &w, dims, norm);
+            let (eps, off) = (f64::from(norm.eps), f64::from(norm.w_offset));
+            let (want, want_rstd) = head_rmsnorm_ref(&to64(&inp), &to64(&w), dims, eps, off);
+            let name = format!("head_rmsnorm {dims:?} w_offset={}", norm.w_offset);
+            assert_close(&format!("{name} out"), &out, &want, FWD_TOL);
+            assert_close(&format!("{name} rstd"), &rstd, &want_rstd, FWD_TOL);
+            let v0 = heads * dims.d;
+            for (o, x) in out.chunks(dims.qkv_width()).zip(inp.chunks(dims.qkv_width())) {
+                assert_eq!(bits(&o[v0..]), bits(&x[v0..]), "{name}: v is not copied exactly");
+            }
+        }
+    }
+}
+
+#[test]
+fn head_rmsnorm_is_rmsnorm_of_each_head_bit_for_bit() {
+    // Each head is exactly rmsnorm_forward / rmsnorm_backward of that head alone (same op
+    // order), so the per-head norm inherits the plain norm's checks and its bits.
+    let mut rng = Rng::new(51);
+    for dims in head_norm_dims() {
+        for norm in head_norms(dims.d) {
+            let (d, h, heads, width) = (dims.d, dims.h, dims.h + dims.kvh, dims.qkv_width());
+            let inp = rng.vec(dims.n() * width, 2.0);
+            let w = rng.vec(2 * d, 1.0);
+            let dout = rng.vec(inp.len(), 1.0);
+            let (mut out, mut rstd) = (vec![0.0; inp.len()], vec![0.0; dims.n() * heads]);
+            head_rmsnorm_forward(&mut out, &mut rstd, &inp, &w, dims, norm);
+            let (mut dinp, mut dw) = (vec![f32::NAN; inp.len()], vec![0.0; 2 * d]);
+            head_rmsnorm_backward(&mut dinp, &mut dw, &dout, &inp, &w, &rstd, dims, norm);
+            for r in 0..dims.n() {
+                for j in 0..heads {
+                    let at = r * width + j * d;
+                    let (x, dy) = (&inp[at..][..d], &dout[at..][..d]);
+                    let wj = if j < h { &w[..d] } else { &w[d..] };
+                    let (mut o1, mut r1) = (vec![0.0; d], vec![0.0; 1]);
+                    rmsnorm_forward(&mut o1, &mut r1, x, wj, norm);
+                    let (mut dx1, mut dw1) = (vec![0.0; d], vec![0.0; d]);
+                    rmsnorm_backward(&mut dx1, &mut dw1, dy, x, wj, &r1, norm);
+                    let what = format!("{dims:?} w_offset={} row {r} head {j}", norm.w_offset);
+                    assert_eq!(bits(&out[at..][..d]), bits(&o1), "out of {what}");
+                    assert_eq!(rstd[r * heads + j].to_bits(), r1[0].to_bits(), "rstd of {what}");
+                    assert_eq!(bits(&dinp[at..][..d]), bits(&dx1), "dinp of {what}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn head_rmsnorm_backward_matches_fd() {
+    let mut rng = Rng::new(52);
+    for dims in head_norm_dims() {
+        for norm in head_norms(dims.d) {
+            let heads = dims.h + dims.kvh;
+            let inp = rng.vec(dims.n() * dims.qkv_width(), 2.0);
+            let w = rng.vec(2 * dims.d, 1.0);
+            let r = rng.vec(inp.len(), 1.0);
+            let (mut out, mut rstd) = (vec![0.0; inp.len()], vec![0.0; dims.n() * heads]);
+            head_rmsnorm_forward(&mut out, &mut rstd, &inp, &w, dims, norm);
+            let mut dinp = vec![f32::NAN; inp.len()]; // overwritten
+            let pre_dw = rng.vec(2 * dims.d, 1.0);
+            let mut dw = pre_dw.clone();
+            head_rmsnorm_backward(&mut dinp, &mut dw, &r, &inp, &w, &rstd, dims, norm);
+
+            let (inp64, w64) = (to64(&inp), to64(&w));
+            let (eps, off) = (f64::from(norm.eps), f64::from(norm.w_offset));
+            let loss = |x: &[f64], w: &[f64]| proj(&head_rmsnorm_ref(x, w, dims, eps, off).0, &r);
+            let fd_x = fd_grad(&inp64, FD_EPS, |x| loss(x, &w64));
+            let fd_w = fd_grad(&w64, FD_EPS, |w| loss(&inp64, w));
+            let want_dw: Vec<f64> =
+                fd_w.iter().zip(&pre_dw).map(|(g, &p)| g + f64::from(p)).collect();
+            let name = format!("head_rmsnorm {dims:?} w_offset={}", norm.w_offset);
+            assert_close(&format!("{name} dinp"), &dinp, &fd_x, GRAD_TOL);
+            assert_close(&format!("{name} dweight"), &dw, &want_dw, GRAD_TOL);
+        }
+    }
+}
+
+#[test]
+fn head_rmsnorm_backward_twice_doubles_dweight_exactly() {
+    // dweight accumulates a sum formed first (exact doubling); dinp overwrites (same bits).
+    let mut rng = Rng::new(53);
+    let dims = AttnDims::new(3, 30, 4, 2, 40); // 40 columns per half: three column tiles
+    let norm = head_norms(dims.d)[1];
+    let heads = dims.h + dims.kvh;
+    let inp = rng.vec(dims.n() * dims.qkv_width(), 2.0);
+    let w = rng.vec(2 * dims.d, 1.0);
+    let dout = rng.vec(inp.len(), 1.0);
+    let (mut out, mut rstd) = (vec![0.0; inp.len()], vec![0.0; dims.n() * heads]);
+    head_rmsnorm_forward(&mut out, &mut rstd, &inp, &w, dims, norm);
+    let (mut dinp1, mut dw1) = (vec![0.0; inp.len()], vec![0.0; 2 * dims.d]);
+    head_rmsnorm_backward(&mut dinp1, &mut dw1, &dout, &inp, &w, &rstd, dims, norm);
+    let (mut dinp2, mut dw2) = (vec![0.0; inp.len()], vec![0.0; 2 * dims.d]);
+    head_rmsnorm_backward(&mut dinp2, &mut dw2, &dout, &inp, &w, &rstd, dims, norm);
+    head_rmsnorm_backward(&mut dinp2, &mut dw2, &dout, &inp, &w, &rstd, dims, norm);
+    let double: Vec<f32> = dw1.iter().map(|g| 2.0 * g).collect();
+    assert_eq!(bits(&dw2), bits(&double), "head_rmsnorm dweight did not double exactly");
+    assert_eq!(bits(&dinp2), bits(&dinp1), "head_rmsnorm dinp does not overwrite");
 }
 
 // ---- matmul -------------------------------------------------------------------------------
@@ -447,6 +652,118 @@ fn attention_writes_stay_inside_their_buffers() {
     }
 }
 
+/// Windowed and rescaled attention shapes: W = 1 (each query sees itself), W = 3 on T = 7 (MQA
+/// and GQA), W = 37 on T = 140 (the second and third query blocks start inside the window of
+/// earlier keys, so their key range starts past 0), W = 64 = one query block on T = 130 with
+/// GQA, and a non-default scale with and without a window.
+fn window_dims() -> [AttnDims; 7] {
+    let w = |window: usize, d: AttnDims| AttnDims { window, ..d };
+    [
+        w(1, AttnDims::new(2, 7, 3, 1, 4)),
+        w(3, AttnDims::new(2, 7, 3, 1, 4)),
+        w(3, AttnDims::new(2, 7, 4, 2, 4)),
+        w(37, AttnDims::new(1, 140, 2, 1, 4)),
+        w(64, AttnDims::new(1, 130, 4, 2, 4)),
+        AttnDims { scale: 0.3, ..AttnDims::new(2, 7, 4, 2, 4) },
+        AttnDims { scale: 0.3, window: 5, ..AttnDims::new(1, 70, 2, 1, 6) },
+    ]
+}
+
+#[test]
+fn attention_window_and_scale_forward_match_reference() {
+    let mut rng = Rng::new(30);
+    for dims in window_dims() {
+        let (qkv, out, lse) = attention_case(&mut rng, dims);
+        let (want_out, want_lse) = attention_ref(&to64(&qkv), dims);
+        assert_close(&format!("attention out {dims:?}"), &out, &want_out, FWD_TOL);
+        assert_close(&format!("attention lse {dims:?}"), &lse, &want_lse, FWD_TOL);
+    }
+}
+
+#[test]
+fn attention_window_and_scale_backward_match_fd() {
+    let mut rng = Rng::new(31);
+    for dims in window_dims() {
+        let (qkv, out, lse) = attention_case(&mut rng, dims);
+        let r = rng.vec(out.len(), 1.0);
+        let mut dqkv = vec![f32::NAN; qkv.len()]; // overwritten
+        attention_backward(&mut dqkv, &r, &qkv, &out, &lse, dims);
+        let fd = fd_grad(&to64(&qkv), FD_EPS, |x| proj(&attention_ref(x, dims).0, &r));
+        assert_close(&format!("attention dqkv {dims:?}"), &dqkv, &fd, GRAD_TOL);
+    }
+}
+
+#[test]
+fn attention_window_1_returns_own_value_exactly() {
+    // With W = 1 every softmax has one term: probability exactly 1, out_i = v_i bit for bit,
+    // lse_i = scale q_i.k_i.
+    let mut rng = Rng::new(32);
+    let dims = AttnDims { window: 1, ..AttnDims::new(2, 70, 4, 2, 4) };
+    let (qkv, out, _) = attention_case(&mut rng, dims);
+    let (width, d, group) = (dims.qkv_width(), dims.d, dims.h / dims.kvh);
+    for r in 0..dims.n() {
+        for hi in 0..dims.h {
+            let v = &qkv[r * width + (dims.h + dims.kvh + hi / group) * d..][..d];
+            let o = &out[r * dims.h * d + hi * d..][..d];
+            assert_eq!(bits(o), bits(v), "W = 1: out of row {r} head {hi} is not its v");
+        }
+    }
+}
+
+#[test]
+fn attention_window_at_least_t_equals_full_causal_bit_for_bit() {
+    let mut rng = Rng::new(33);
+    for full in [AttnDims::new(2, 7, 4, 2, 4), AttnDims::new(1, 140, 2, 1, 4)] {
+        let qkv = rng.vec(full.n() * full.qkv_width(), 1.5);
+        let dout = rng.vec(full.n() * full.h * full.d, 1.0);
+        let run = |dims: AttnDims| {
+            let mut out = vec![f32::NAN; dout.len()];
+            let mut lse = vec![f32::NAN; dims.b * dims.h * dims.t];
+            attention_forward(&mut out, &mut lse, &qkv, dims);
+            let mut dqkv = vec![f32::NAN; qkv.len()];
+            attention_backward(&mut dqkv, &dout, &qkv, &out, &lse, dims);
+            [bits(&out), bits(&lse), bits(&dqkv)]
+        };
+        let want = run(full);
+        for window in [full.t, full.t + 1, 1000] {
+            let got = run(AttnDims { window, ..full });
+            assert!(got == want, "W = {window} differs from W = 0 for {full:?}");
+        }
+    }
+}
+
+#[test]
+fn attention_window_ignores_keys_outside_it() {
+    // Changing position j's q, k, v must leave every query outside j..j + W bit-identical, in
+    // the forward and in the backward (its dq, and the dk, dv of the other positions).
+    let mut rng = Rng::new(34);
+    let dims = AttnDims { window: 37, ..AttnDims::new(1, 140, 2, 1, 4) };
+    let (width, hd, w) = (dims.qkv_width(), dims.h * dims.d, dims.window);
+    let (qkv, out, lse) = attention_case(&mut rng, dims);
+    let j = 50;
+    let mut qkv2 = qkv.clone();
+    for x in &mut qkv2[j * width..][..width] {
+        *x += 0.5;
+    }
+    let mut out2 = vec![0.0; out.len()];
+    let mut lse2 = vec![0.0; lse.len()];
+    attention_forward(&mut out2, &mut lse2, &qkv2, dims);
+    assert_eq!(bits(&out2[..j * hd]), bits(&out[..j * hd]), "earlier outputs changed");
+    let after = (j + w) * hd;
+    assert_eq!(bits(&out2[after..]), bits(&out[after..]), "outputs past the window changed");
+    assert_ne!(bits(&out2[(j + w - 1) * hd..][..hd]), bits(&out[(j + w - 1) * hd..][..hd]));
+
+    // Backward with dout zero inside the window of j: nothing may depend on row j at all.
+    let mut dout = rng.vec(out.len(), 1.0);
+    dout[j * hd..(j + w) * hd].fill(0.0);
+    let mut dq1 = vec![0.0; qkv.len()];
+    attention_backward(&mut dq1, &dout, &qkv, &out, &lse, dims);
+    let mut dq2 = vec![0.0; qkv.len()];
+    attention_backward(&mut dq2, &dout, &qkv2, &out2, &lse2, dims);
+    assert!(dq1[j * width..][..width].iter().all(|&g| g == 0.0), "row j has a gradient");
+    assert_eq!(bits(&dq2), bits(&dq1), "gradients depend on a row no live query sees");
+}
+
 // ---- swiglu -------------------------------------------------------------------------------
 
 #[test]
@@ -480,6 +797,43 @@ fn swiglu_saturates_without_nan() {
     let mut dgu = [0.0; 4];
     swiglu_backward(&mut dgu, &[1.0, 1.0], &gate_up, 1, 2);
     assert!(dgu.iter().all(|x| x.is_finite()), "{dgu:?}");
+}
+
+// ---- geglu --------------------------------------------------------------------------------
+
+#[test]
+fn geglu_forward_matches_reference() {
+    let mut rng = Rng::new(60);
+    let (n, f) = (14, 10);
+    let gate_up = rng.vec(n * 2 * f, 4.0);
+    let mut out = vec![f32::NAN; n * f];
+    geglu_forward(&mut out, &gate_up, n, f);
+    assert_close("geglu out", &out, &geglu_ref(&to64(&gate_up), f), FWD_TOL);
+}
+
+#[test]
+fn geglu_backward_matches_fd() {
+    let mut rng = Rng::new(61);
+    let (n, f) = (14, 10);
+    let gate_up = rng.vec(n * 2 * f, 4.0);
+    let r = rng.vec(n * f, 1.0);
+    let mut dgu = vec![f32::NAN; gate_up.len()]; // overwritten
+    geglu_backward(&mut dgu, &r, &gate_up, n, f);
+    let fd = fd_grad(&to64(&gate_up), FD_EPS, |x| proj(&geglu_ref(x, f), &r));
+    assert_close("geglu dgate_up", &dgu, &fd, GRAD_TOL);
+}
+
+#[test]
+fn geglu_saturates_without_nan() {
+    // gelu_tanh(-g) -> -0 and gelu_tanh(g) -> g for large g; cubes up to 1e12 stay finite.
+    let gate_up = [-200.0, 200.0, -1e4, 1e4, 3.0, 3.0, 3.0, 3.0];
+    let mut out = [0.0; 4];
+    geglu_forward(&mut out, &gate_up, 1, 4);
+    assert_eq!(out, [-0.0, 600.0, -0.0, 3e4]);
+    let mut dgu = [0.0; 8];
+    geglu_backward(&mut dgu, &[1.0; 4], &gate_up, 1, 4);
+    assert!(dgu.iter().all(|x| x.is_finite()), "{dgu:?}");
+    assert_eq!(dgu, [0.0, 3.0, 0.0, 3.0, -0.0, 200.0, -0.0, 1e4]);
 }
 
 // ---- residual -----------------------------------------------------------------------------

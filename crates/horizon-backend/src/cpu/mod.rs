@@ -9,6 +9,8 @@ pub mod attention;
 pub mod cross_entropy;
 pub mod device;
 pub mod embedding;
+pub mod geglu;
+pub mod head_rmsnorm;
 pub mod matmul;
 pub mod residual;
 pub mod rmsnorm;
@@ -20,6 +22,8 @@ pub use attention::{attention_backward, attention_forward};
 pub use cross_entropy::{IGNORE_INDEX, cross_entropy_forward, cross_entropy_fused};
 pub use device::{CpuDevice, CpuDeviceConfig};
 pub use embedding::{embedding_backward, embedding_forward};
+pub use geglu::{geglu_backward, geglu_forward};
+pub use head_rmsnorm::{head_rmsnorm_backward, head_rmsnorm_forward};
 pub use matmul::{matmul_backward, matmul_forward};
 pub use residual::{add_inplace, residual_forward};
 pub use rmsnorm::{rmsnorm_backward, rmsnorm_forward};
@@ -91,8 +95,7 @@ impl Backend for CpuBackend {
         weight: &[f32],
         norm: NormDims,
     ) {
-        assert_eq!(norm.w_offset, 0.0, "rmsnorm w_offset: not yet implemented");
-        rmsnorm_forward(out, rstd, inp, weight, norm.c, norm.eps);
+        rmsnorm_forward(out, rstd, inp, weight, norm);
     }
 
     fn rmsnorm_backward(
@@ -105,34 +108,33 @@ impl Backend for CpuBackend {
         rstd: &[f32],
         norm: NormDims,
     ) {
-        assert_eq!(norm.w_offset, 0.0, "rmsnorm w_offset: not yet implemented");
-        rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, norm.c);
+        rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, norm);
     }
 
     fn head_rmsnorm_forward(
         &self,
-        _out: &mut [f32],
-        _rstd: &mut [f32],
-        _inp: &[f32],
-        _weight: &[f32],
-        _dims: AttnDims,
-        _norm: NormDims,
+        out: &mut [f32],
+        rstd: &mut [f32],
+        inp: &[f32],
+        weight: &[f32],
+        dims: AttnDims,
+        norm: NormDims,
     ) {
-        unimplemented!("head_rmsnorm_forward")
+        head_rmsnorm_forward(out, rstd, inp, weight, dims, norm);
     }
 
     fn head_rmsnorm_backward(
         &self,
-        _dinp: &mut [f32],
-        _dweight: &mut [f32],
-        _dout: &[f32],
-        _inp: &[f32],
-        _weight: &[f32],
-        _rstd: &[f32],
-        _dims: AttnDims,
-        _norm: NormDims,
+        dinp: &mut [f32],
+        dweight: &mut [f32],
+        dout: &[f32],
+        inp: &[f32],
+        weight: &[f32],
+        rstd: &[f32],
+        dims: AttnDims,
+        norm: NormDims,
     ) {
-        unimplemented!("head_rmsnorm_backward")
+        head_rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, dims, norm);
     }
 
     fn matmul_forward(
@@ -202,19 +204,19 @@ impl Backend for CpuBackend {
         swiglu_backward(dgate_up, dout, gate_up, n, f);
     }
 
-    fn geglu_forward(&self, _out: &mut [f32], _gate_up: &[f32], _n: usize, _f: usize) {
-        unimplemented!("geglu_forward")
+    fn geglu_forward(&self, out: &mut [f32], gate_up: &[f32], n: usize, f: usize) {
+        geglu_forward(out, gate_up, n, f);
     }
 
     fn geglu_backward(
         &self,
-        _dgate_up: &mut [f32],
-        _dout: &[f32],
-        _gate_up: &[f32],
-        _n: usize,
-        _f: usize,
+        dgate_up: &mut [f32],
+        dout: &[f32],
+        gate_up: &[f32],
+        n: usize,
+        f: usize,
     ) {
-        unimplemented!("geglu_backward")
+        geglu_backward(dgate_up, dout, gate_up, n, f);
     }
 
     fn residual_forward(&self, out: &mut [f32], a: &[f32], b: &[f32]) {

@@ -1,6 +1,6 @@
-//! Launchers of `kernels/attention.cu`: causal GQA attention, flash style (the (T x T) scores
-//! never exist in global memory), forward and backward (dq, then dk and dv). Derivation:
-//! `cpu/attention.rs`.
+//! Launchers of `kernels/attention.cu`: causal GQA attention within an optional sliding
+//! window, with the scores' scale an argument, flash style (the (T x T) scores never exist in
+//! global memory), forward and backward (dq, then dk and dv). Derivation: `cpu/attention.rs`.
 
 use super::CudaBackend;
 use super::backend::{arg, expect_len, int};
@@ -24,6 +24,13 @@ fn check_dims(op: &str, dims: AttnDims) {
         dims.h,
         dims.kvh
     );
+}
+
+/// The kernels' `window` and `scale` arguments. A window of at least T hides no key: it is
+/// passed as 0 (full causal), which also keeps any `usize` window inside the kernels' int.
+fn window_scale(dims: AttnDims) -> (i32, f32) {
+    let w = if dims.window >= dims.t { 0 } else { dims.window };
+    (int(w, "window"), dims.scale)
 }
 
 /// Dynamic shared memory of a kernel, allowed above 48 KiB where needed.
@@ -51,15 +58,19 @@ pub(crate) fn attention_forward(
     let (o, l, x) = (out.addr(), lse.addr(), qkv.addr());
     let (t, h, kvh, d) =
         (int(dims.t, "T"), int(dims.h, "H"), int(dims.kvh, "KVH"), int(dims.d, "D"));
-    // SAFETY: argument types match; the grid covers (T/ROWS, H, B) and every index the kernel
-    // forms lies inside the buffers whose lengths are checked above.
+    let (w, scale) = window_scale(dims);
+    let mut args =
+        [arg(&o), arg(&l), arg(&x), arg(&t), arg(&h), arg(&kvh), arg(&d), arg(&w), arg(&scale)];
+    // SAFETY: argument types match (pointers, five ints, one float); the grid covers
+    // (T/ROWS, H, B) and every index the kernel forms lies inside the buffers whose lengths are
+    // checked above (keys and queries outside the window are never read).
     unsafe {
         be.launch(
             "attention_forward",
             (dims.t.div_ceil(ROWS) as u32, dims.h as u32, dims.b as u32),
             (32 * ROWS as u32, 1, 1),
             smem,
-            &mut [arg(&o), arg(&l), arg(&x), arg(&t), arg(&h), arg(&kvh), arg(&d)],
+            &mut args,
         );
     }
 }
@@ -90,11 +101,24 @@ pub(crate) fn attention_backward(
         "attention_backward_dkv",
         2 * TILE * (dims.d + 1) + 2 * ROWS * dims.d + 2 * TILE,
     );
-    let mut args =
-        [arg(&dx), arg(&dy), arg(&x), arg(&o), arg(&l), arg(&t), arg(&h), arg(&kvh), arg(&d)];
-    // SAFETY: argument types match both kernels; the dq kernel writes only the q part of each
-    // row and the dk/dv kernel only the k and v parts, so together they overwrite dqkv; every
-    // index lies inside the buffers whose lengths are checked above.
+    let (w, scale) = window_scale(dims);
+    let mut args = [
+        arg(&dx),
+        arg(&dy),
+        arg(&x),
+        arg(&o),
+        arg(&l),
+        arg(&t),
+        arg(&h),
+        arg(&kvh),
+        arg(&d),
+        arg(&w),
+        arg(&scale),
+    ];
+    // SAFETY: argument types match both kernels (pointers, five ints, one float); the dq
+    // kernel writes only the q part of each row and the dk/dv kernel only the k and v parts, so
+    // together they overwrite dqkv; every index lies inside the buffers whose lengths are
+    // checked above.
     unsafe {
         be.launch(
             "attention_backward_dq",

@@ -400,8 +400,7 @@ impl Backend for CudaBackend {
         weight: &DevSlice<Bf16>,
         norm: NormDims,
     ) {
-        assert_eq!(norm.w_offset, 0.0, "rmsnorm w_offset: not yet implemented");
-        super::rmsnorm::rmsnorm_forward(self, out, rstd, inp, weight, norm.c, norm.eps);
+        super::rmsnorm::rmsnorm_forward(self, out, rstd, inp, weight, norm);
     }
 
     fn rmsnorm_backward(
@@ -414,55 +413,50 @@ impl Backend for CudaBackend {
         rstd: &DevSlice<f32>,
         norm: NormDims,
     ) {
-        assert_eq!(norm.w_offset, 0.0, "rmsnorm w_offset: not yet implemented");
-        super::rmsnorm::rmsnorm_backward(self, dinp, dweight, dout, inp, weight, rstd, norm.c);
+        super::rmsnorm::rmsnorm_backward(self, dinp, dweight, dout, inp, weight, rstd, norm);
     }
 
     fn head_rmsnorm_forward(
         &self,
-        _out: &mut DevSlice<f32>,
-        _rstd: &mut DevSlice<f32>,
-        _inp: &DevSlice<f32>,
-        _weight: &DevSlice<Bf16>,
-        _dims: AttnDims,
-        _norm: NormDims,
+        out: &mut DevSlice<f32>,
+        rstd: &mut DevSlice<f32>,
+        inp: &DevSlice<f32>,
+        weight: &DevSlice<Bf16>,
+        dims: AttnDims,
+        norm: NormDims,
     ) {
-        unimplemented!("head_rmsnorm_forward")
+        super::head_rmsnorm::head_rmsnorm_forward(self, out, rstd, inp, weight, dims, norm);
     }
 
     fn head_rmsnorm_backward(
         &self,
-        _dinp: &mut DevSlice<f32>,
-        _dweight: &mut DevSlice<f32>,
-        _dout: &DevSlice<f32>,
-        _inp: &DevSlice<f32>,
-        _weight: &DevSlice<Bf16>,
-        _rstd: &DevSlice<f32>,
-        _dims: AttnDims,
-        _norm: NormDims,
+        dinp: &mut DevSlice<f32>,
+        dweight: &mut DevSlice<f32>,
+        dout: &DevSlice<f32>,
+        inp: &DevSlice<f32>,
+        weight: &DevSlice<Bf16>,
+        rstd: &DevSlice<f32>,
+        dims: AttnDims,
+        norm: NormDims,
     ) {
-        unimplemented!("head_rmsnorm_backward")
+        super::head_rmsnorm::head_rmsnorm_backward(
+            self, dinp, dweight, dout, inp, weight, rstd, dims, norm,
+        );
     }
 
-    fn geglu_forward(
-        &self,
-        _out: &mut DevSlice<f32>,
-        _gate_up: &DevSlice<f32>,
-        _n: usize,
-        _f: usize,
-    ) {
-        unimplemented!("geglu_forward")
+    fn geglu_forward(&self, out: &mut DevSlice<f32>, gate_up: &DevSlice<f32>, n: usize, f: usize) {
+        super::geglu::geglu_forward(self, out, gate_up, n, f);
     }
 
     fn geglu_backward(
         &self,
-        _dgate_up: &mut DevSlice<f32>,
-        _dout: &DevSlice<f32>,
-        _gate_up: &DevSlice<f32>,
-        _n: usize,
-        _f: usize,
+        dgate_up: &mut DevSlice<f32>,
+        dout: &DevSlice<f32>,
+        gate_up: &DevSlice<f32>,
+        n: usize,
+        f: usize,
     ) {
-        unimplemented!("geglu_backward")
+        super::geglu::geglu_backward(self, dgate_up, dout, gate_up, n, f);
     }
 
     fn matmul_forward(

@@ -57,6 +57,10 @@ pub struct KernelShape {
 
 /// Refuses, before any device work, a model or batch beyond what the CUDA kernels hold (a
 /// launch would otherwise fail mid-run): names the limit, the value and the key to change.
+///
+/// The head dim limit is attention's; `head_rmsnorm` (a warp per head, lanes striding over D;
+/// grid (N, (H + 2 KVH) / 8)) and `geglu` need nothing beyond the checks here, and a sliding
+/// window needs none (one of at least T is passed to the kernels as 0, full causal).
 pub fn check_kernel_limits(s: &KernelShape) -> Result<(), CudaError> {
     let fail =
         |msg: String| Err(CudaError(format!("the CUDA kernels cannot run this model: {msg}")));

@@ -14,12 +14,14 @@ use cudarc::nvrtc;
 use super::CudaError;
 
 /// `(op, source)` of every kernel file, `kernels/<op>.cu`.
-pub const SOURCES: [(&str, &str); 10] = [
+pub const SOURCES: [(&str, &str); 12] = [
     ("attention", include_str!("../../kernels/attention.cu")),
     ("convert", include_str!("../../kernels/convert.cu")),
     ("cross_entropy", include_str!("../../kernels/cross_entropy.cu")),
     ("embedding", include_str!("../../kernels/embedding.cu")),
+    ("geglu", include_str!("../../kernels/geglu.cu")),
     ("grad_norm", include_str!("../../kernels/grad_norm.cu")),
+    ("head_rmsnorm", include_str!("../../kernels/head_rmsnorm.cu")),
     ("matmul", include_str!("../../kernels/matmul.cu")),
     ("residual", include_str!("../../kernels/residual.cu")),
     ("rmsnorm", include_str!("../../kernels/rmsnorm.cu")),
@@ -28,12 +30,17 @@ pub const SOURCES: [(&str, &str); 10] = [
 ];
 
 /// The `extern "C"` entry points of each source, loaded by name.
-const FUNCTIONS: [(&str, &[&str]); 10] = [
+pub const FUNCTIONS: [(&str, &[&str]); 12] = [
     ("attention", &["attention_forward", "attention_backward_dq", "attention_backward_dkv"]),
     ("convert", &["convert_f32_to_bf16"]),
     ("cross_entropy", &["cross_entropy_forward", "cross_entropy_fused"]),
     ("embedding", &["embedding_forward", "embedding_backward"]),
+    ("geglu", &["geglu_forward", "geglu_backward"]),
     ("grad_norm", &["grad_norm_partial"]),
+    (
+        "head_rmsnorm",
+        &["head_rmsnorm_forward", "head_rmsnorm_backward_dinp", "head_rmsnorm_backward_dweight"],
+    ),
     ("matmul", &["matmul_bias_forward", "matmul_bias_backward"]),
     ("residual", &["residual_forward", "add_inplace"]),
     ("rmsnorm", &["rmsnorm_forward", "rmsnorm_backward_dinp", "rmsnorm_backward_dweight"]),

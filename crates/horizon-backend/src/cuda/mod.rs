@@ -8,11 +8,11 @@
 //! compiled once at start by NVRTC for the device's architecture. Weights live on the device as
 //! bf16 ([`crate::Precision::Bf16`]); products take bf16 inputs with fp32 accumulation.
 //!
-//! Layout, one op per file as in `cpu/`: `embedding.rs`, `rmsnorm.rs`, `matmul.rs` (cuBLAS),
-//! `rope.rs`, `attention.rs`, `swiglu.rs`, `residual.rs`, `cross_entropy.rs`, `convert.rs`,
-//! `grad_norm.rs` launch `kernels/<op>.cu`; `backend.rs` is the trait impl, `device.rs` the
-//! device, `slice.rs` the device views, `pinned.rs` the staging memory, `probe.rs` the library
-//! checks.
+//! Layout, one op per file as in `cpu/`: `embedding.rs`, `rmsnorm.rs`, `head_rmsnorm.rs`,
+//! `matmul.rs` (cuBLAS), `rope.rs`, `attention.rs`, `swiglu.rs`, `geglu.rs`, `residual.rs`,
+//! `cross_entropy.rs`, `convert.rs`, `grad_norm.rs` launch `kernels/<op>.cu`; `backend.rs` is
+//! the trait impl, `device.rs` the device, `slice.rs` the device views, `pinned.rs` the staging
+//! memory, `probe.rs` the library checks.
 
 mod attention;
 mod backend;
@@ -21,7 +21,9 @@ pub mod convert;
 mod cross_entropy;
 mod device;
 mod embedding;
+mod geglu;
 mod grad_norm;
+mod head_rmsnorm;
 pub mod kernels;
 mod matmul;
 mod pinned;

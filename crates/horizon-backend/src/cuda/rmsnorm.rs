@@ -1,21 +1,22 @@
-//! Launchers of `kernels/rmsnorm.cu` (the weight is bf16, the rest fp32). Derivation of the
-//! backward: `cpu/rmsnorm.rs`.
+//! Launchers of `kernels/rmsnorm.cu` (the weight is bf16, applied as `w_offset + w` in fp32;
+//! the rest fp32). Derivation of the backward: `cpu/rmsnorm.rs`.
 
 use super::CudaBackend;
 use super::backend::{arg, expect_len, int};
 use super::slice::DevSlice;
-use crate::Bf16;
+use crate::{Bf16, NormDims};
 
-/// out: (N, C), overwrites. rstd: (N), overwrites. inp: (N, C). weight: (C).
+/// out: (N, C), overwrites. rstd: (N), overwrites. inp: (N, C). weight: (C), applied as
+/// `norm.w_offset + weight`.
 pub(crate) fn rmsnorm_forward(
     be: &CudaBackend,
     out: &mut DevSlice<f32>,
     rstd: &mut DevSlice<f32>,
     inp: &DevSlice<f32>,
     weight: &DevSlice<Bf16>,
-    c: usize,
-    eps: f32,
+    norm: NormDims,
 ) {
+    let NormDims { c, eps, w_offset } = norm;
     assert!(c > 0, "rmsnorm_forward: C must be positive");
     let n = inp.len() / c;
     expect_len("rmsnorm_forward", "inp", inp.len(), n * c);
@@ -24,14 +25,24 @@ pub(crate) fn rmsnorm_forward(
     expect_len("rmsnorm_forward", "weight", weight.len(), c);
     let (o, r, x, w) = (out.addr(), rstd.addr(), inp.addr(), weight.addr());
     let (nn, cc) = (int(n, "N"), int(c, "C"));
-    // SAFETY: argument types match; one block of 256 threads per row of (N, C) buffers.
+    // SAFETY: argument types match (four pointers, two ints, two floats); one block of 256
+    // threads per row of (N, C) buffers.
     unsafe {
         be.launch(
             "rmsnorm_forward",
             (n as u32, 1, 1),
             (256, 1, 1),
             0,
-            &mut [arg(&o), arg(&r), arg(&x), arg(&w), arg(&nn), arg(&cc), arg(&eps)],
+            &mut [
+                arg(&o),
+                arg(&r),
+                arg(&x),
+                arg(&w),
+                arg(&nn),
+                arg(&cc),
+                arg(&eps),
+                arg(&w_offset),
+            ],
         );
     }
 }
@@ -47,8 +58,9 @@ pub(crate) fn rmsnorm_backward(
     inp: &DevSlice<f32>,
     weight: &DevSlice<Bf16>,
     rstd: &DevSlice<f32>,
-    c: usize,
+    norm: NormDims,
 ) {
+    let NormDims { c, w_offset, .. } = norm;
     assert!(c > 0, "rmsnorm_backward: C must be positive");
     let n = inp.len() / c;
     expect_len("rmsnorm_backward", "inp", inp.len(), n * c);
@@ -68,7 +80,16 @@ pub(crate) fn rmsnorm_backward(
             (n as u32, 1, 1),
             (256, 1, 1),
             0,
-            &mut [arg(&dx), arg(&dy), arg(&x), arg(&w), arg(&r), arg(&nn), arg(&cc)],
+            &mut [
+                arg(&dx),
+                arg(&dy),
+                arg(&x),
+                arg(&w),
+                arg(&r),
+                arg(&nn),
+                arg(&cc),
+                arg(&w_offset),
+            ],
         );
         be.launch(
             "rmsnorm_backward_dweight",

@@ -44,15 +44,46 @@ pub fn embedding_ref(ids: &[i32], table: &[f64], c: usize) -> Vec<f64> {
     ids.iter().flat_map(|&id| table[id as usize * c..][..c].iter().copied()).collect()
 }
 
-/// Reference RMSNorm: returns `(out (N, C), rstd (N))`.
-pub fn rmsnorm_ref(inp: &[f64], weight: &[f64], c: usize, eps: f64) -> (Vec<f64>, Vec<f64>) {
+/// Reference RMSNorm `out = x r (w_offset + w)`: returns `(out (N, C), rstd (N))`.
+pub fn rmsnorm_ref(
+    inp: &[f64],
+    weight: &[f64],
+    c: usize,
+    eps: f64,
+    w_offset: f64,
+) -> (Vec<f64>, Vec<f64>) {
     let mut out = Vec::with_capacity(inp.len());
     let mut rstd = Vec::new();
     for x in inp.chunks(c) {
         let ms = x.iter().map(|v| v * v).sum::<f64>() / c as f64;
         let r = 1.0 / (ms + eps).sqrt();
         rstd.push(r);
-        out.extend(x.iter().zip(weight).map(|(x, w)| x * r * w));
+        out.extend(x.iter().zip(weight).map(|(x, w)| x * r * (w_offset + w)));
+    }
+    (out, rstd)
+}
+
+/// Reference per-head RMSNorm of the q and k heads of each fused row (q heads with
+/// `weight[0..D]`, k heads with `weight[D..2D]`, v copied): returns
+/// `(out (N, QKV), rstd (N, H + KVH))`.
+pub fn head_rmsnorm_ref(
+    inp: &[f64],
+    weight: &[f64],
+    dims: AttnDims,
+    eps: f64,
+    w_offset: f64,
+) -> (Vec<f64>, Vec<f64>) {
+    let (d, h, heads) = (dims.d, dims.h, dims.h + dims.kvh);
+    let mut out = Vec::with_capacity(inp.len());
+    let mut rstd = Vec::new();
+    for row in inp.chunks(dims.qkv_width()) {
+        for j in 0..heads {
+            let w = if j < h { &weight[..d] } else { &weight[d..] };
+            let (o, r) = rmsnorm_ref(&row[j * d..][..d], w, d, eps, w_offset);
+            out.extend(o);
+            rstd.extend(r);
+        }
+        out.extend_from_slice(&row[heads * d..]);
     }
     (out, rstd)
 }
@@ -136,11 +167,13 @@ pub fn rope_tables(t: usize, d: usize, theta: f64) -> (Vec<f32>, Vec<f32>) {
     (cos, sin)
 }
 
-/// Reference causal GQA: explicit score row, full softmax. Returns `(out (N, H*D), lse (B,H,T))`.
+/// Reference causal GQA with `dims.scale` and `dims.window`: explicit score row over the keys
+/// `i - W < j <= i` (`j <= i` when `W = 0`), full softmax over them. Returns
+/// `(out (N, H*D), lse (B, H, T))`.
 pub fn attention_ref(qkv: &[f64], dims: AttnDims) -> (Vec<f64>, Vec<f64>) {
-    let AttnDims { b, t, h, kvh, d, .. } = dims;
+    let AttnDims { b, t, h, kvh, d, window, .. } = dims;
     let width = dims.qkv_width();
-    let scale = 1.0 / (d as f64).sqrt();
+    let scale = f64::from(dims.scale);
     let group = h / kvh;
     let mut out = vec![0.0; b * t * h * d];
     let mut lse = vec![0.0; b * h * t];
@@ -149,7 +182,8 @@ pub fn attention_ref(qkv: &[f64], dims: AttnDims) -> (Vec<f64>, Vec<f64>) {
             let g = hi / group;
             for i in 0..t {
                 let q = &qkv[(bi * t + i) * width + hi * d..][..d];
-                let scores: Vec<f64> = (0..=i)
+                let first = if window == 0 { 0 } else { (i + 1).saturating_sub(window) };
+                let scores: Vec<f64> = (first..=i)
                     .map(|j| {
                         let k = &qkv[(bi * t + j) * width + (h + g) * d..][..d];
                         dot64(q, k) * scale
@@ -158,7 +192,7 @@ pub fn attention_ref(qkv: &[f64], dims: AttnDims) -> (Vec<f64>, Vec<f64>) {
                 let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                 let z: f64 = scores.iter().map(|s| (s - m).exp()).sum();
                 lse[(bi * h + hi) * t + i] = m + z.ln();
-                for (j, s) in scores.iter().enumerate() {
+                for (j, s) in (first..=i).zip(&scores) {
                     let p = (s - m).exp() / z;
                     let v = &qkv[(bi * t + j) * width + (h + kvh + g) * d..][..d];
                     for e in 0..d {
@@ -178,6 +212,21 @@ pub fn swiglu_ref(gate_up: &[f64], f: usize) -> Vec<f64> {
         .flat_map(|row| {
             let (gate, up) = row.split_at(f);
             gate.iter().zip(up).map(|(&g, &u)| g / (1.0 + (-g).exp()) * u).collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// Reference GeGLU: `out = gelu_tanh(g) u`, `gelu_tanh(g) = g/2 (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))`.
+pub fn geglu_ref(gate_up: &[f64], f: usize) -> Vec<f64> {
+    let b = (2.0 / std::f64::consts::PI).sqrt();
+    gate_up
+        .chunks(2 * f)
+        .flat_map(|row| {
+            let (gate, up) = row.split_at(f);
+            gate.iter()
+                .zip(up)
+                .map(|(&g, &u)| 0.5 * g * (1.0 + (b * (g + 0.044715 * g * g * g)).tanh()) * u)
+                .collect::<Vec<_>>()
         })
         .collect()
 }
