@@ -104,7 +104,10 @@ fn the_plan_halves_the_slabs_and_the_cuda_weight_slots() {
     assert_eq!(bf16.slab_bytes() * 2, fp32.slab_bytes());
     let lean = |grad_wire| sizes(EngineConfig { grad_wire, memory: OptimizerMemory::Lean, ..cpu });
     // Lean expands one slab at a time into an fp32 layer for its AdamW update.
-    assert_eq!(lean(GradWire::Bf16).slab_bytes(), 3 * layout.layer(0).len * 2 + layout.layer(0).len * 4);
+    assert_eq!(
+        lean(GradWire::Bf16).slab_bytes(),
+        3 * layout.layer(0).len * 2 + layout.layer(0).len * 4
+    );
     assert_eq!(lean(GradWire::Fp32).slab_bytes(), 3 * layout.layer(0).len * 4);
 
     // The CUDA backend's weight slots are bf16: half the bytes; its products need a workspace

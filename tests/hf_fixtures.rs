@@ -130,6 +130,38 @@ fn qwen2_tied_padded_training() {
     check_training("qwen2_tied_padded");
 }
 
+#[test]
+fn qwen3_qknorm_step0_forward() {
+    check_step0_forward("qwen3_qknorm");
+}
+
+#[test]
+fn gemma3_sliding_step0_forward() {
+    check_step0_forward("gemma3_sliding");
+}
+
+#[test]
+fn qwen3_qknorm_step0_grads() {
+    check_step0_grads("qwen3_qknorm", 256);
+    check_step0_grads("qwen3_qknorm", 5);
+}
+
+#[test]
+fn gemma3_sliding_step0_grads() {
+    check_step0_grads("gemma3_sliding", 256);
+    check_step0_grads("gemma3_sliding", 5);
+}
+
+#[test]
+fn qwen3_qknorm_training() {
+    check_training("qwen3_qknorm");
+}
+
+#[test]
+fn gemma3_sliding_training() {
+    check_training("gemma3_sliding");
+}
+
 /// The head chunking does not change the numbers at all: rows are independent.
 #[test]
 fn head_chunking_is_exact() {

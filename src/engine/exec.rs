@@ -9,11 +9,11 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use horizon_backend::bf16::{add_bf16, expand_bf16};
-use horizon_backend::cpu::device::ALIGN_ELEMS;
 use horizon_backend::cpu::add_inplace;
+use horizon_backend::cpu::device::ALIGN_ELEMS;
 use horizon_backend::{
-    Backend, Bf16, DevBuf, Device, DeviceSlice, Event, HostPtr, HostPtrMut, Kernel,
-    KernelTimer, Precision, Queue, Views,
+    Backend, Bf16, DevBuf, Device, DeviceSlice, Event, HostPtr, HostPtrMut, Kernel, KernelTimer,
+    Precision, Queue, Views,
 };
 
 use crate::config::{BackendKind, GradWire, OptimizerMemory};
@@ -23,8 +23,8 @@ use crate::engine::plan::{
     ActSource, GradTarget, OpKind, ParamBuf, PlanShape, Schedule, SlotContent, Wait,
 };
 use crate::hf::config::ModelConfig;
-use crate::model::layout::ModelLayout;
 use crate::model::layer::{Rows, Slot, act_slots, grad_slots, layer_backward, layer_forward};
+use crate::model::layout::ModelLayout;
 use crate::model::spec::Op;
 use crate::model::transformer::{
     HeadBufs, HeadDims, HeadGrads, embed_rows, embed_rows_backward, head_forward_backward,
@@ -176,7 +176,10 @@ impl Sizes {
             stash: if cfg.keep_internals { d.layers * cfg.micro_batches() * layer_acts } else { 0 },
             stash_sets: if cfg.keep_internals { d.layers * cfg.micro_batches() } else { 0 },
             act_buffers: act_widths.len(),
-            scratch_buffers: act_widths.len() + grad_widths.len() - 1 + 1 + 4 + 2 * layout.rope.len(),
+            scratch_buffers: act_widths.len() + grad_widths.len() - 1
+                + 1
+                + 4
+                + 2 * layout.rope.len(),
             params,
         }
     }
@@ -614,9 +617,8 @@ where
         let losses = per_mb(n)?;
         let chunk = cfg.head_chunk_rows.clamp(1, n.max(1));
         let act_widths = layout.max_act_widths();
-        let layer_acts = || -> Result<Vec<DevBuf>> {
-            act_widths.iter().map(|w| alloc(n * w)).collect()
-        };
+        let layer_acts =
+            || -> Result<Vec<DevBuf>> { act_widths.iter().map(|w| alloc(n * w)).collect() };
         let acts_scratch = layer_acts()?;
         let stash = if cfg.keep_internals {
             (0..d.layers)

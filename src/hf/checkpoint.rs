@@ -268,11 +268,8 @@ impl Checkpoint {
         optional: &[String],
     ) -> Result<()> {
         const SHOW: usize = 8;
-        let missing: Vec<String> = expected
-            .iter()
-            .map(|n| format!("{prefix}{n}"))
-            .filter(|n| !self.contains(n))
-            .collect();
+        let missing: Vec<String> =
+            expected.iter().map(|n| format!("{prefix}{n}")).filter(|n| !self.contains(n)).collect();
         let missing: Vec<&str> = missing.iter().map(String::as_str).collect();
         let known: std::collections::HashSet<String> =
             expected.iter().chain(optional).map(|n| format!("{prefix}{n}")).collect();

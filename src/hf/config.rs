@@ -174,7 +174,9 @@ impl ModelConfig {
         };
         if obj.get("model_type").and_then(Value::as_str) == Some("gemma3") {
             let Some(Value::Object(text)) = obj.get("text_config") else {
-                bail!("{origin}: a gemma3 config needs a 'text_config' object (its language model)");
+                bail!(
+                    "{origin}: a gemma3 config needs a 'text_config' object (its language model)"
+                );
             };
             let mut text = text.clone();
             text.insert("model_type".into(), "gemma3_text".into());
@@ -425,7 +427,9 @@ fn parse_family_keys(o: &Keys, arch: Arch) -> Result<bool> {
         }
     }
     if o.bool("use_bidirectional_attention")? == Some(true) {
-        bail!("{origin}: use_bidirectional_attention true is not supported (causal attention only)");
+        bail!(
+            "{origin}: use_bidirectional_attention true is not supported (causal attention only)"
+        );
     }
     let attention_bias = o.bool("attention_bias")?.unwrap_or(false);
     match arch {
@@ -455,52 +459,57 @@ fn parse_layer_types(
         Arch::Gemma3 => Some(o.size("sliding_window")?.unwrap_or(4096)),
         _ => o.size("sliding_window")?,
     };
-    let types: Vec<LayerType> = if let Some(lt) = o.get("layer_types") {
-        let Some(list) = lt.as_array() else {
-            bail!("{origin}: layer_types must be a list, got {lt}");
-        };
-        if list.len() != layers {
-            bail!(
-                "{origin}: layer_types has {} entries for {layers} layers (num_hidden_layers)",
-                list.len()
-            );
-        }
-        let mut types = Vec::with_capacity(layers);
-        for (i, t) in list.iter().enumerate() {
-            types.push(match t.as_str() {
-                Some("full_attention") => LayerType::Full,
-                Some("sliding_attention") if window.is_some() => LayerType::Sliding,
-                Some("sliding_attention") => bail!(
-                    "{origin}: layer_types[{i}] is {t} but no sliding window is set; hint: set \
+    let types: Vec<LayerType> =
+        if let Some(lt) = o.get("layer_types") {
+            let Some(list) = lt.as_array() else {
+                bail!("{origin}: layer_types must be a list, got {lt}");
+            };
+            if list.len() != layers {
+                bail!(
+                    "{origin}: layer_types has {} entries for {layers} layers (num_hidden_layers)",
+                    list.len()
+                );
+            }
+            let mut types = Vec::with_capacity(layers);
+            for (i, t) in list.iter().enumerate() {
+                types.push(match t.as_str() {
+                    Some("full_attention") => LayerType::Full,
+                    Some("sliding_attention") if window.is_some() => LayerType::Sliding,
+                    Some("sliding_attention") => bail!(
+                        "{origin}: layer_types[{i}] is {t} but no sliding window is set; hint: set \
                      'sliding_window' (and, for qwen, 'use_sliding_window': true)"
-                ),
-                _ => bail!(
-                    "{origin}: layer_types[{i}] is {t}; supported: \"full_attention\", \
+                    ),
+                    _ => bail!(
+                        "{origin}: layer_types[{i}] is {t}; supported: \"full_attention\", \
                      \"sliding_attention\""
-                ),
-            });
-        }
-        types
-    } else {
-        match arch {
-            Arch::Mistral if window.is_some() => vec![LayerType::Sliding; layers],
-            Arch::Qwen2 | Arch::Qwen3 if window.is_some() => {
-                let from = o.size("max_window_layers")?.unwrap_or(28);
-                (0..layers)
-                    .map(|i| if i >= from { LayerType::Sliding } else { LayerType::Full })
-                    .collect()
+                    ),
+                });
             }
-            Arch::Gemma3 => {
-                let pattern = o.size("sliding_window_pattern")?.unwrap_or(6);
-                (0..layers)
-                    .map(|i| {
-                        if (i + 1) % pattern == 0 { LayerType::Full } else { LayerType::Sliding }
-                    })
-                    .collect()
+            types
+        } else {
+            match arch {
+                Arch::Mistral if window.is_some() => vec![LayerType::Sliding; layers],
+                Arch::Qwen2 | Arch::Qwen3 if window.is_some() => {
+                    let from = o.size("max_window_layers")?.unwrap_or(28);
+                    (0..layers)
+                        .map(|i| if i >= from { LayerType::Sliding } else { LayerType::Full })
+                        .collect()
+                }
+                Arch::Gemma3 => {
+                    let pattern = o.size("sliding_window_pattern")?.unwrap_or(6);
+                    (0..layers)
+                        .map(|i| {
+                            if (i + 1) % pattern == 0 {
+                                LayerType::Full
+                            } else {
+                                LayerType::Sliding
+                            }
+                        })
+                        .collect()
+                }
+                _ => vec![LayerType::Full; layers],
             }
-            _ => vec![LayerType::Full; layers],
-        }
-    };
+        };
     let window = window.filter(|_| types.contains(&LayerType::Sliding));
     Ok((types, window))
 }

@@ -90,13 +90,21 @@ pub fn layer_forward<B: Backend>(
             &Op::RmsNorm { inp, out, rstd, w: ref r, w_offset } => {
                 let [i, o, s] = pick(slots, [inp, out, rstd]);
                 let nd = norm(w_offset, spec.c);
+
                 be.rmsnorm_forward(o.w(len(out)), s.w(n), i.r(len(inp)), w.slice(r.clone()), nd);
             }
             &Op::HeadNorm { inp, out, rstd, w: ref r, w_offset } => {
                 let [i, o, s] = pick(slots, [inp, out, rstd]);
                 let nd = norm(w_offset, ad.d);
                 let rs = s.w(len(rstd));
-                be.head_rmsnorm_forward(o.w(len(out)), rs, i.r(len(inp)), w.slice(r.clone()), ad, nd);
+                be.head_rmsnorm_forward(
+                    o.w(len(out)),
+                    rs,
+                    i.r(len(inp)),
+                    w.slice(r.clone()),
+                    ad,
+                    nd,
+                );
             }
             &Op::Linear { inp, out, w: ref r, ref bias, ic, oc } => {
                 let [i, o] = pick(slots, [inp, out]);
@@ -159,7 +167,15 @@ pub fn layer_backward<B: Backend>(
                 let [gi, go] = pick(grads, [dinp, dout]);
                 let nd = NormDims { c: spec.c, eps: spec.eps, w_offset };
                 let (dwr, wr) = (dw.slice_mut(r.clone()), w.slice(r.clone()));
-                be.rmsnorm_backward(gi.w(len(inp)), dwr, go.r(len(inp)), act(inp), wr, act(rstd), nd);
+                be.rmsnorm_backward(
+                    gi.w(len(inp)),
+                    dwr,
+                    go.r(len(inp)),
+                    act(inp),
+                    wr,
+                    act(rstd),
+                    nd,
+                );
             }
             BwdOp::HeadNorm { op, dinp, dout } => {
                 let Op::HeadNorm { inp, rstd, w: ref r, w_offset, .. } = spec.ops[op] else {
@@ -178,7 +194,17 @@ pub fn layer_backward<B: Backend>(
                 let [gi, go] = pick(grads, [dinp, dout]);
                 let (dweight, dbias) = two_mut(dw, r.clone(), bias.clone());
                 let (gi, go) = (gi.w(n * ic), go.r(n * oc));
-                be.matmul_backward(Some(gi), dweight, dbias, go, act(inp), w.slice(r.clone()), n, ic, oc);
+                be.matmul_backward(
+                    Some(gi),
+                    dweight,
+                    dbias,
+                    go,
+                    act(inp),
+                    w.slice(r.clone()),
+                    n,
+                    ic,
+                    oc,
+                );
             }
             BwdOp::Rope { op, dqkv } => {
                 let Op::Rope { qkv, table } = spec.ops[op] else {
@@ -192,7 +218,14 @@ pub fn layer_backward<B: Backend>(
                     unreachable!("the program names its op")
                 };
                 let [gq, go] = pick(grads, [dqkv, dout]);
-                be.attention_backward(gq.w(len(qkv)), go.r(len(out)), act(qkv), act(out), act(lse), ad);
+                be.attention_backward(
+                    gq.w(len(qkv)),
+                    go.r(len(out)),
+                    act(qkv),
+                    act(out),
+                    act(lse),
+                    ad,
+                );
             }
             BwdOp::Glu { op, dgu, dout } => {
                 let Op::Glu { gu, act: kind, f, .. } = spec.ops[op] else {
@@ -210,7 +243,10 @@ pub fn layer_backward<B: Backend>(
 }
 
 /// Gradient slots for `grads` buffers: the residual gradient first.
-pub fn grad_slots<'a, T: ?Sized>(dres: &'a mut T, rest: impl Iterator<Item = &'a mut T>) -> Vec<Slot<'a, T>> {
+pub fn grad_slots<'a, T: ?Sized>(
+    dres: &'a mut T,
+    rest: impl Iterator<Item = &'a mut T>,
+) -> Vec<Slot<'a, T>> {
     std::iter::once(Slot::W(dres)).chain(rest.map(Slot::W)).collect()
 }
 

@@ -169,7 +169,9 @@ impl ModelLayout {
     pub fn buffer_tensors(&self) -> Vec<Vec<usize>> {
         let d = &self.dims;
         let mut out = vec![vec![d.v * d.c]];
-        out.extend((0..d.layers).map(|i| self.layer(i).tensors.iter().map(|t| t.numel()).collect()));
+        out.extend(
+            (0..d.layers).map(|i| self.layer(i).tensors.iter().map(|t| t.numel()).collect()),
+        );
         out.push(vec![d.c]);
         if !self.tied {
             out.push(vec![d.v * d.c]);

@@ -318,7 +318,8 @@ impl LayerBuilder {
 fn check_saved(spec: &LayerSpec) {
     for (i, op) in spec.ops.iter().enumerate() {
         for a in op.saved() {
-            if let Some(j) = (i + 1..spec.ops.len()).find(|&j| spec.ops[j].forward_io().1.contains(&a))
+            if let Some(j) =
+                (i + 1..spec.ops.len()).find(|&j| spec.ops[j].forward_io().1.contains(&a))
             {
                 panic!(
                     "layer {}: op {i} ({op:?}) saves activation {a} for its backward, but op {j} \
@@ -399,7 +400,10 @@ fn derive_backward(spec: &LayerSpec, c: usize) -> (Vec<usize>, Vec<BwdOp>) {
         };
         // An input gradient the op overwrites: the input must have no other contribution.
         let fresh = |ga: &mut GradAlloc, a: Act| {
-            assert!(ga.of[a].is_none(), "op {i}: input {a} has two consumers and this op overwrites");
+            assert!(
+                ga.of[a].is_none(),
+                "op {i}: input {a} has two consumers and this op overwrites"
+            );
             ga.take(width(a), a)
         };
         match *op {

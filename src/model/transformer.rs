@@ -347,7 +347,13 @@ impl<B: DeviceAlloc> Transformer<B> {
             &self.norm_w,
             &self.head_w,
             self.targets.slice(0..n),
-            HeadDims { n, v: d.v, chunk: self.cap.head_chunk_rows, norm: self.layout.final_norm(), scale },
+            HeadDims {
+                n,
+                v: d.v,
+                chunk: self.cap.head_chunk_rows,
+                norm: self.layout.final_norm(),
+                scale,
+            },
         );
         self.be.download(&mut self.host_losses[..n], v(&self.losses, n));
         let loss_sum = self.host_losses[..n].iter().map(|&x| x as f64).sum::<f64>();
@@ -369,8 +375,11 @@ impl<B: DeviceAlloc> Transformer<B> {
                 let len = rows.t * d.d / 2;
                 self.ropes.iter().map(|(c, s)| (v(c, len), v(s, len))).collect()
             };
-            let acts =
-                act_slots(v(&self.x, nc), Slot::R(v(&self.y, nc)), self.acts.iter_mut().map(|m| &mut **m));
+            let acts = act_slots(
+                v(&self.x, nc),
+                Slot::R(v(&self.y, nc)),
+                self.acts.iter_mut().map(|m| &mut **m),
+            );
             let mut gslots =
                 grad_slots(vm(&mut self.dres, nc), self.grads.iter_mut().map(|m| &mut **m));
             let (w, dw) = (v(&self.w, len), vm(&mut self.dw, len));
@@ -516,13 +525,5 @@ pub(crate) fn head_forward_backward<B: Backend, M: DerefMut<Target = B::Buf>>(
     }
     // The final norm's backward starts the residual-stream gradient.
     be.zero(&mut *out.dres);
-    be.rmsnorm_backward(
-        out.dres,
-        out.dnorm_w,
-        v(&hb.dhf, nc),
-        x,
-        norm_w,
-        v(&hb.rstd, n),
-        NormDims::new(c, 0.0),
-    );
+    be.rmsnorm_backward(out.dres, out.dnorm_w, v(&hb.dhf, nc), x, norm_w, v(&hb.rstd, n), norm);
 }

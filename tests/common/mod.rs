@@ -9,7 +9,7 @@ use horizon::hf::checkpoint::read_tensor_f64;
 use serde_json::Value;
 
 /// The fixture cases copied from ../shared/fixtures.
-pub const CASES: [&str; 2] = ["llama_gqa", "qwen2_tied_padded"];
+pub const CASES: [&str; 4] = ["llama_gqa", "qwen2_tied_padded", "qwen3_qknorm", "gemma3_sliding"];
 
 pub fn case_dir(case: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(case)

@@ -49,7 +49,13 @@ pub fn layer(cfg: &ModelConfig, t: LayerType, table: usize) -> LayerSpec {
     let raw = b.act("qkv_raw", qkv_w);
     b.op(Op::Linear { inp: h1, out: raw, w: q.start..v.end, bias: None, ic: c, oc: qkv_w });
     let (qkv, rstd_qk) = (b.act("qkv", qkv_w), b.stat("rstd_qk", d.h + d.kvh));
-    b.op(Op::HeadNorm { inp: raw, out: qkv, rstd: rstd_qk, w: qn.start..kn.end, w_offset: W_OFFSET });
+    b.op(Op::HeadNorm {
+        inp: raw,
+        out: qkv,
+        rstd: rstd_qk,
+        w: qn.start..kn.end,
+        w_offset: W_OFFSET,
+    });
     b.op(Op::Rope { qkv, table });
     let (att, lse) = (b.act("att", hd), b.stat("lse", d.h));
     b.op(Op::Attention { qkv, out: att, lse });
