@@ -957,7 +957,7 @@ where
     let link = st.link_busy_s - base.link_busy_s;
     let per_step = step_flops(
         tr.engine.schedule(),
-        &ModelLayout::new(&tr.model_cfg).dims,
+        &ModelLayout::new(&tr.model_cfg),
         tr.cfg.raw.train.micro_batch_rows(),
         tr.cfg.raw.train.max_seq_len,
     );

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use crate::engine::plan::{OpKind, Res, Schedule};
-use crate::model::layout::Dims;
+use crate::model::layout::ModelLayout;
 
 /// A phase of the step, as the executor times it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -89,9 +89,10 @@ impl PhaseSeconds {
 }
 
 // FLOPs. A multiply-add is 2 FLOPs; elementwise work is not counted. For N = B*T rows:
-//   layer forward   = 2*N*C*QKV (q|k|v) + 2*N*(H*D)*C (o) + 2*N*C*2F (gate|up) + 2*N*F*C (down)
-//                   + attention: per causal (query, key) pair and head, q.k and p*v, 4*D
-//                     -> 4*D*H*B*T(T+1)/2
+//   layer forward   = 2*N*IC*OC for each Linear op of the layer's description (Llama: q|k|v, o,
+//                     gate|up, down)
+//                   + attention: per visible (query, key) pair and head, q.k and p*v, 4*D
+//                     -> 4*D*H*B*pairs(T): T(T+1)/2 causal, fewer within a sliding window
 //   layer backward  = 2x the forward's products (dinp and dweight of each); attention 2.5x the
 //                     forward's (dq, dk, dv, dp, and the scores recomputed from lse)
 //   head            = 2*N*C*V forward, 4*N*C*V backward
@@ -109,38 +110,34 @@ pub struct StepFlops {
     pub model: f64,
 }
 
-/// The products of one layer forward over `b` sequences of `t` positions: (matrices, attention).
-fn layer_forward_flops(d: &Dims, b: usize, t: usize) -> (f64, f64) {
-    let n = (b * t) as f64;
-    let (c, f, hd) = (d.c as f64, d.f as f64, (d.h * d.d) as f64);
-    let qkv = ((d.h + 2 * d.kvh) * d.d) as f64;
-    let mat = 2.0 * n * (c * qkv + hd * c + c * 2.0 * f + f * c);
-    let attn = 4.0 * (d.d * d.h) as f64 * (b * t * (t + 1) / 2) as f64;
-    (mat, attn)
-}
-
-/// FLOPs of one step of `schedule`, every micro-batch `b` sequences of `t` positions.
-pub fn step_flops(schedule: &Schedule, d: &Dims, b: usize, t: usize) -> StepFlops {
-    let (mat, attn) = layer_forward_flops(d, b, t);
-    let fwd = mat + attn;
-    let bwd = 2.0 * mat + 2.5 * attn;
+/// FLOPs of one step of `schedule`, every micro-batch `b` sequences of `t` positions; each
+/// layer's from its description (its products and its attention window).
+pub fn step_flops(schedule: &Schedule, layout: &ModelLayout, b: usize, t: usize) -> StepFlops {
+    let d = &layout.dims;
+    let fwd = |l: usize| {
+        let (mat, attn) = layout.layer(l).forward_flops(b, t);
+        (mat + attn, 2.0 * mat + 2.5 * attn)
+    };
     let head = 6.0 * (b * t * d.c * d.v) as f64;
     let mut f = StepFlops::default();
     let mut after_head = false;
     for op in schedule.ops(2) {
         match op.kind {
-            OpKind::Forward { .. } if after_head => {
-                f.schedule += fwd;
-                f.recompute += fwd;
+            OpKind::Forward { layer, .. } if after_head => {
+                f.schedule += fwd(layer).0;
+                f.recompute += fwd(layer).0;
             }
-            OpKind::Forward { .. } => f.schedule += fwd,
+            OpKind::Forward { layer, .. } => f.schedule += fwd(layer).0,
             // A backward that reads kept internals recomputes nothing.
-            OpKind::Backward { .. } if op.reads.iter().any(|r| matches!(r, Res::Stash { .. })) => {
-                f.schedule += bwd;
+            OpKind::Backward { layer, .. }
+                if op.reads.iter().any(|r| matches!(r, Res::Stash { .. })) =>
+            {
+                f.schedule += fwd(layer).1;
             }
-            OpKind::Backward { .. } => {
-                f.schedule += fwd + bwd;
-                f.recompute += fwd;
+            OpKind::Backward { layer, .. } => {
+                let (fw, bw) = fwd(layer);
+                f.schedule += fw + bw;
+                f.recompute += fw;
             }
             OpKind::Head { .. } => {
                 f.schedule += head;
@@ -151,7 +148,8 @@ pub fn step_flops(schedule: &Schedule, d: &Dims, b: usize, t: usize) -> StepFlop
     }
     let micro_batches =
         schedule.ops(2).iter().filter(|op| matches!(op.kind, OpKind::Head { .. })).count();
-    f.model = micro_batches as f64 * (3.0 * (mat + attn) * d.layers as f64 + head);
+    let layers: f64 = (0..d.layers).map(|l| 3.0 * fwd(l).0).sum();
+    f.model = micro_batches as f64 * (layers + head);
     f
 }
 
@@ -161,8 +159,11 @@ mod tests {
 
     #[test]
     fn model_flops_are_six_n_tokens_plus_attention() {
-        let d = Dims { c: 8, h: 2, kvh: 1, d: 4, f: 16, v: 32, layers: 1 };
-        let (mat, attn) = layer_forward_flops(&d, 2, 3);
+        let cfg = serde_json::json!({"model_type": "llama", "hidden_size": 8,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "intermediate_size": 16, "vocab_size": 32});
+        let cfg = crate::hf::config::ModelConfig::from_json(&cfg, "test").unwrap();
+        let (mat, attn) = ModelLayout::new(&cfg).layer(0).forward_flops(2, 3);
         // Matrix parameters of the layer: q 8x8, k and v 4x8 each, o 8x8, gate|up 2x16x8, down.
         let params = 64 + 32 + 32 + 64 + 256 + 128;
         assert_eq!(mat, 2.0 * 6.0 * params as f64);

@@ -293,6 +293,15 @@ impl ModelConfig {
         Value::Object(obj)
     }
 
+    /// The attention of layer `i`; past the end of `layer_types` (a config made deeper, as the
+    /// planner does), the pattern repeats.
+    pub fn layer_type(&self, i: usize) -> LayerType {
+        match self.layer_types.len() {
+            0 => LayerType::Full,
+            n => self.layer_types[i % n],
+        }
+    }
+
     /// RoPE inverse frequencies, length D/2, bit-for-bit as transformers computes them in float32
     /// (`_compute_default_rope_parameters`, `_compute_linear_scaling_rope_parameters`,
     /// `_compute_llama3_parameters`). torch casts Python scalars to float32 before each op and

@@ -103,7 +103,8 @@ pub fn case_yaml(case: &str, extra: &str) -> String {
 }
 
 /// The engine config of fixture `case`'s hyper-parameters: checkpoint every `k` layers,
-/// micro-batches of `mbs` rows, sequences of up to 32 tokens, head chunks of 7 rows, two
+/// micro-batches of `mbs` rows, sequences of up to 32 tokens (or the case's longest row), head
+/// chunks of 7 rows, two
 /// gradient slabs, exact memory mode, the backward recomputing, the CPU backend, fp32
 /// gradients on the wire.
 pub fn case_engine_config(case: &str, k: usize, mbs: usize) -> horizon::engine::exec::EngineConfig {
@@ -112,7 +113,7 @@ pub fn case_engine_config(case: &str, k: usize, mbs: usize) -> horizon::engine::
     horizon::engine::exec::EngineConfig {
         batch_size: e["batch"].as_u64().unwrap() as usize,
         micro_batch_size: mbs,
-        seq_len: 32,
+        seq_len: case_rows(case).iter().map(|r| r.input_ids.len()).max().unwrap_or(0).max(32),
         checkpoint_every: k,
         grad_slabs: 2,
         head_chunk_rows: 7,

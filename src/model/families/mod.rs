@@ -40,10 +40,9 @@ pub fn kinds_by_type(
 ) -> (Vec<LayerSpec>, Vec<usize>) {
     let mut types: Vec<LayerType> = Vec::new();
     let mut kinds = Vec::new();
-    let kind_of = cfg
-        .layer_types
-        .iter()
-        .map(|&t| match types.iter().position(|&u| u == t) {
+    let kind_of = (0..cfg.num_layers)
+        .map(|i| cfg.layer_type(i))
+        .map(|t| match types.iter().position(|&u| u == t) {
             Some(k) => k,
             None => {
                 types.push(t);
