@@ -106,9 +106,10 @@ pub fn save(
     f.write_all(serde_json::to_string_pretty(&meta)?.as_bytes())?;
     f.sync_all()?;
     fsync_dir(&tmp)?;
+    #[cfg(feature = "test-hooks")]
     if let Some(ms) = std::env::var("HORIZON_TEST_SAVE_PAUSE_MS").ok().and_then(|v| v.parse().ok())
     {
-        // Test hook: widen the window in which a crash lands mid-save.
+        // Test hook (test builds only): widen the window in which a crash lands mid-save.
         std::thread::sleep(std::time::Duration::from_millis(ms));
     }
     let dst = root.join(&name);

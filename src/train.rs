@@ -856,7 +856,9 @@ where
     let t = tr.cfg.raw.train.clone();
     let mut last_ckpt: Option<PathBuf> = resume_dir.clone();
     let mut bad_run = 0usize;
-    // Test hook: steps (0-based) whose gradient gets a NaN (exercises the non-finite path).
+    // Test hook (test builds only): steps (0-based) whose gradient gets a NaN (exercises the
+    // non-finite path).
+    #[cfg(feature = "test-hooks")]
     if let Ok(v) = std::env::var("HORIZON_TEST_NAN_STEPS") {
         tr.inject_nan_at = v.split(',').filter_map(|x| x.trim().parse().ok()).collect();
     }
