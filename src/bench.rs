@@ -4,7 +4,7 @@
 use anyhow::{Result, bail};
 
 use crate::config::{RawConfig, Recompute, RunConfig};
-use crate::train::Summary;
+use crate::summary::Summary;
 
 /// Benchmark shapes `horizon bench --model NAME` runs: (name, config, what it is).
 pub const NAMED: [(&str, &str, &str); 1] = [(

@@ -273,7 +273,7 @@ impl Default for OutputSection {
         OutputSection {
             dir: PathBuf::from("out"),
             dtype: WeightDtype::Fp32,
-            max_shard_size: ByteSize::Bytes(crate::export::DEFAULT_MAX_SHARD_BYTES),
+            max_shard_size: ByteSize::Bytes(DEFAULT_MAX_SHARD_BYTES),
         }
     }
 }
@@ -296,13 +296,34 @@ impl WeightDtype {
     }
 }
 
+/// `transformers`' default `max_shard_size` ("5GB").
+pub const DEFAULT_MAX_SHARD_BYTES: u64 = 5_000_000_000;
+
+/// How to write the weights.
+#[derive(Clone, Copy, Debug)]
+pub struct ExportOptions {
+    pub dtype: crate::hf::checkpoint::SaveDtype,
+    /// A shard holds at most this many bytes of tensor data (a single larger tensor gets a
+    /// shard of its own); everything in one `model.safetensors` when it all fits.
+    pub max_shard_bytes: u64,
+}
+
+impl Default for ExportOptions {
+    fn default() -> Self {
+        ExportOptions {
+            dtype: crate::hf::checkpoint::SaveDtype::F32,
+            max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
+        }
+    }
+}
+
 impl OutputSection {
     /// The export options of `final/`.
-    pub fn export_options(&self) -> crate::export::ExportOptions {
-        crate::export::ExportOptions {
+    pub fn export_options(&self) -> ExportOptions {
+        ExportOptions {
             dtype: self.dtype.save_dtype(),
             max_shard_bytes: match self.max_shard_size {
-                ByteSize::Auto => crate::export::DEFAULT_MAX_SHARD_BYTES,
+                ByteSize::Auto => DEFAULT_MAX_SHARD_BYTES,
                 ByteSize::Bytes(b) => b.max(1),
             },
         }

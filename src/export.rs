@@ -11,14 +11,12 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 
 use crate::config::RawConfig;
-use crate::hf::checkpoint::{SaveDtype, write_safetensors};
+pub use crate::config::{DEFAULT_MAX_SHARD_BYTES, ExportOptions};
+use crate::hf::checkpoint::write_safetensors;
 use crate::hf::config::ModelConfig;
 use crate::model::layout::ModelLayout;
 use crate::model::params::ParamStore;
 use crate::tokenizer::ByteTokenizer;
-
-/// `transformers`' default `max_shard_size` ("5GB").
-pub const DEFAULT_MAX_SHARD_BYTES: u64 = 5_000_000_000;
 
 /// The tokenizer files of a HF directory that an export carries along when they exist.
 const TOKENIZER_FILES: [&str; 7] = [
@@ -30,21 +28,6 @@ const TOKENIZER_FILES: [&str; 7] = [
     "merges.txt",
     "generation_config.json",
 ];
-
-/// How to write the weights.
-#[derive(Clone, Copy, Debug)]
-pub struct ExportOptions {
-    pub dtype: SaveDtype,
-    /// A shard holds at most this many bytes of tensor data (a single larger tensor gets a
-    /// shard of its own); everything in one `model.safetensors` when it all fits.
-    pub max_shard_bytes: u64,
-}
-
-impl Default for ExportOptions {
-    fn default() -> Self {
-        ExportOptions { dtype: SaveDtype::F32, max_shard_bytes: DEFAULT_MAX_SHARD_BYTES }
-    }
-}
 
 /// Where an export takes its tokenizer from.
 #[derive(Clone, Debug)]

@@ -15,5 +15,7 @@ pub mod report;
 pub mod resume;
 pub mod rng;
 pub mod schedule;
+pub mod store;
+pub mod summary;
 pub mod tokenizer;
 pub mod train;

@@ -10,7 +10,7 @@ use anyhow::{Context, Result, anyhow};
 use plotters::prelude::*;
 
 use crate::engine::memory::gib;
-use crate::train::Summary;
+use crate::summary::Summary;
 
 /// The font every label is drawn with, embedded so that plots need no system fonts
 /// (DejaVu Sans Mono; licence in `assets/fonts/LICENSE-DejaVu.txt`).

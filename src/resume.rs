@@ -337,6 +337,7 @@ fn load_with(
         updates: meta.updates,
         q8,
         last_sq: meta.last_sq,
+        memory: meta.memory,
     };
     Ok(state.into_memory(&layout, mode))
 }

@@ -13,7 +13,7 @@ use horizon_backend::CpuBackend;
 use serde::Serialize;
 
 use crate::config::{
-    BackendKind, ByteSize, DataFormat, ModelInit, OptimizerMemory, RawConfig, Recompute, RunConfig,
+    BackendKind, ByteSize, DataFormat, ModelInit, RawConfig, Recompute, RunConfig,
 };
 use crate::data::pretokenized::{Batch, PretokenizedDataset, Row, load_pretokenized, make_batch};
 use crate::data::{
@@ -21,14 +21,15 @@ use crate::data::{
 };
 use crate::engine::exec::{Engine, EngineConfig, Sizes, StepParams};
 use crate::engine::memory::{MemoryPlan, gib, peak_rss_bytes};
-use crate::engine::phases::{PhaseSeconds, StepFlops, step_flops};
+use crate::engine::phases::{StepFlops, step_flops};
 use crate::hf::config::ModelConfig;
 use crate::model::layout::ModelLayout;
 use crate::model::params::ParamStore;
 use crate::model::transformer::{Capacity, Transformer};
-use crate::optim::adamw::{AdamWConfig, AdamWStep, adamw_update, clip_coefficient, sum_squares};
-use crate::optim::adamw8bit::Moments8;
+use crate::optim::adamw::AdamWConfig;
 use crate::rng::SplitMix64;
+pub use crate::store::TrainState;
+pub use crate::summary::Summary;
 use crate::tokenizer::{ByteTokenizer, HfTokenizer, Tokenizer};
 use horizon_backend::Device;
 use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig};
@@ -54,147 +55,6 @@ pub struct StepMetrics {
     /// Mean loss over the held-out rows after this step's update, on steps that evaluate.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub eval_loss: Option<f64>,
-}
-
-/// The model's optimizer state in host RAM: masters, gradients, AdamW moments.
-pub struct TrainState {
-    pub params: ParamStore,
-    pub grads: ParamStore,
-    pub m: ParamStore,
-    pub v: ParamStore,
-    /// Optimizer steps run (the data and schedule position), skipped ones included.
-    pub step: u64,
-    /// Updates applied to the masters (AdamW's bias-correction count): `step` minus the steps
-    /// skipped for a non-finite loss or gradient.
-    pub updates: u64,
-    /// `optimizer.memory: compact`: the 8-bit moments, one per buffer (then `m` and `v` hold
-    /// empty buffers).
-    pub q8: Option<Vec<Moments8>>,
-    /// Squared gradient norm of each buffer at the last step whose norm was finite (empty:
-    /// none yet): `lean`/`compact` estimate the next step's norm from them.
-    pub last_sq: Vec<f64>,
-}
-
-impl TrainState {
-    pub fn new(params: ParamStore) -> Self {
-        let zeros = || {
-            let mut z = params.clone();
-            z.fill_zero();
-            z
-        };
-        TrainState {
-            grads: zeros(),
-            m: zeros(),
-            v: zeros(),
-            params,
-            step: 0,
-            updates: 0,
-            q8: None,
-            last_sq: Vec::new(),
-        }
-    }
-
-    /// Fresh state holding only what `mode` keeps: no layer gradients in `lean`/`compact`, 8-bit
-    /// moments in `compact`. Allocates nothing it does not keep.
-    pub fn for_memory(params: ParamStore, layout: &ModelLayout, mode: OptimizerMemory) -> Self {
-        let empty = ParamStore::empty_like(&params);
-        let mut state = TrainState {
-            grads: empty.clone(),
-            m: empty.clone(),
-            v: empty,
-            params,
-            step: 0,
-            updates: 0,
-            q8: None,
-            last_sq: Vec::new(),
-        };
-        state.grads = state.params.zeros_like(mode.streams_updates());
-        if mode == OptimizerMemory::Compact {
-            state.q8 = Some(layout.buffer_tensors().iter().map(|t| Moments8::zeros(t)).collect());
-        } else {
-            state.m = state.params.zeros_like(false);
-            state.v = state.params.zeros_like(false);
-        }
-        state
-    }
-
-    /// The memory mode this state is laid out for.
-    pub fn memory(&self) -> OptimizerMemory {
-        if self.q8.is_some() {
-            OptimizerMemory::Compact
-        } else if self.grads.layers.iter().all(|l| l.is_empty()) && !self.params.layers.is_empty() {
-            OptimizerMemory::Lean
-        } else {
-            OptimizerMemory::Exact
-        }
-    }
-
-    /// Re-lay the state out for `mode`: `exact` and `lean` hold the same optimizer state (lean
-    /// drops the layer gradients, which are zero between steps); `compact` quantises the fp32
-    /// moments, and leaving `compact` decodes them.
-    pub fn into_memory(mut self, layout: &ModelLayout, mode: OptimizerMemory) -> Self {
-        if self.memory() == mode {
-            return self;
-        }
-        let streamed = mode.streams_updates();
-        if self.grads.layers.iter().any(|l| l.is_empty()) != streamed
-            || self.params.layers.is_empty()
-        {
-            self.grads = self.params.zeros_like(streamed);
-        }
-        match (self.q8.is_some(), mode == OptimizerMemory::Compact) {
-            (false, true) => {
-                let mut q8 = Vec::new();
-                for ((t, m), v) in
-                    layout.buffer_tensors().iter().zip(self.m.buffers()).zip(self.v.buffers())
-                {
-                    let mut q = Moments8::zeros(t);
-                    q.encode(m, v);
-                    q8.push(q);
-                }
-                self.q8 = Some(q8);
-                self.m = ParamStore::empty_like(&self.params);
-                self.v = ParamStore::empty_like(&self.params);
-            }
-            (true, false) => {
-                let q8 = self.q8.take().expect("checked");
-                self.m = self.params.zeros_like(false);
-                self.v = self.params.zeros_like(false);
-                for ((q, m), v) in q8.iter().zip(self.m.buffers_mut()).zip(self.v.buffers_mut()) {
-                    let (dm, dv) = q.decode();
-                    m.copy_from_slice(&dm);
-                    v.copy_from_slice(&dv);
-                }
-            }
-            _ => {}
-        }
-        self
-    }
-
-    /// Copies of the masters and both moments (for tests and comparisons).
-    pub fn clone_params_and_moments(&self) -> (ParamStore, ParamStore, ParamStore) {
-        (self.params.clone(), self.m.clone(), self.v.clone())
-    }
-
-    /// Global L2 norm of the gradients, accumulated in f64 in a fixed order.
-    pub fn grad_norm(&self) -> f64 {
-        self.grads.buffers().iter().map(|b| sum_squares(b)).sum::<f64>().sqrt()
-    }
-
-    /// Clip by the global norm (`max_norm` 0 = off) and take one AdamW step on every buffer.
-    pub fn optimizer_step(&mut self, cfg: &AdamWConfig, lr: f64, grad_norm: f64, max_norm: f64) {
-        self.step += 1;
-        self.updates += 1;
-        let coef = clip_coefficient(grad_norm, max_norm);
-        let st = AdamWStep::new(cfg, self.updates, lr);
-        let p = self.params.buffers_mut();
-        let g = self.grads.buffers();
-        let m = self.m.buffers_mut();
-        let v = self.v.buffers_mut();
-        for (((p, g), m), v) in p.into_iter().zip(g).zip(m).zip(v) {
-            adamw_update(p, g, m, v, &st, coef);
-        }
-    }
 }
 
 /// Row indices of batch `k`: `[k*B, (k+1)*B)` cycling through the data; with `shuffle`, each
@@ -514,57 +374,6 @@ pub fn step_rows<'a>(
 fn batch_order(cfg: &RunConfig, data: &PretokenizedDataset) -> BatchOrder {
     let t = &cfg.raw.train;
     BatchOrder::new(data.rows.len(), t.batch_size, cfg.raw.data.shuffle, t.seed)
-}
-
-/// What a run reports at the end (`OUT/summary.json`).
-#[derive(Clone, Debug, Serialize, PartialEq)]
-pub struct Summary {
-    /// Steps timed (after the warm-up) in this process.
-    pub steps: usize,
-    /// Optimizer steps the run has taken in all (a resumed run counts the earlier ones).
-    pub total_steps: usize,
-    /// Steps whose update was skipped for a non-finite loss or gradient norm (this process).
-    pub skipped_steps: usize,
-    /// Data records left out by the loaders (`data.on_error: skip`, or a prompt too long).
-    pub skipped_records: usize,
-    /// Mean loss over the held-out rows after the last step, when there are any.
-    pub eval_loss: Option<f64>,
-    /// Held-out rows.
-    pub eval_rows: usize,
-    pub tokens: usize,
-    pub wall_s: f64,
-    pub tokens_per_s: f64,
-    pub peak_rss_bytes: u64,
-    pub planned_host_bytes: u64,
-    pub peak_device_bytes: u64,
-    pub planned_device_bytes: u64,
-    pub h2d_bytes: u64,
-    pub d2h_bytes: u64,
-    pub device_compute_s: f64,
-    pub link_busy_s: f64,
-    /// `wall_s / max(device_compute_s, link_busy_s)`: 1.0 is perfect overlap.
-    pub overlap_ratio: f64,
-    pub final_loss: f64,
-    /// Seconds of queue work by phase (compute: forward, recompute, backward, head; host:
-    /// embedding, gradients, optimizer).
-    pub phase_s: PhaseSeconds,
-    /// Seconds the host -> device and device -> host queues spent copying.
-    pub h2d_busy_s: f64,
-    pub d2h_busy_s: f64,
-    /// Wall seconds the compute queue was not running a kernel.
-    pub compute_idle_s: f64,
-    /// FLOPs of the timed steps (at `train.max_seq_len`): every product the schedule ran,
-    /// recompute included, and the model's `6 * N * tokens + attention`.
-    pub flops: StepFlops,
-    /// `flops.schedule / wall_s` and `flops.model / wall_s`, in GFLOP/s.
-    pub achieved_gflops: f64,
-    pub model_gflops: f64,
-    /// `optimizer.memory` of the run.
-    pub optimizer_memory: String,
-    /// Parameters of the model, and the planned / measured host bytes per parameter.
-    pub params: u64,
-    pub planned_host_bytes_per_param: f64,
-    pub peak_rss_bytes_per_param: f64,
 }
 
 /// A run on the streaming engine: the model in host RAM, the CPU device borrowing one layer at

@@ -1,0 +1,57 @@
+//! What a run reports at the end (`OUT/summary.json`): read by `horizon bench` and the report,
+//! written by the training loop; a plain record, so that neither depends on the other.
+
+use serde::Serialize;
+
+use crate::engine::phases::{PhaseSeconds, StepFlops};
+
+/// What a run reports at the end (`OUT/summary.json`).
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Summary {
+    /// Steps timed (after the warm-up) in this process.
+    pub steps: usize,
+    /// Optimizer steps the run has taken in all (a resumed run counts the earlier ones).
+    pub total_steps: usize,
+    /// Steps whose update was skipped for a non-finite loss or gradient norm (this process).
+    pub skipped_steps: usize,
+    /// Data records left out by the loaders (`data.on_error: skip`, or a prompt too long).
+    pub skipped_records: usize,
+    /// Mean loss over the held-out rows after the last step, when there are any.
+    pub eval_loss: Option<f64>,
+    /// Held-out rows.
+    pub eval_rows: usize,
+    pub tokens: usize,
+    pub wall_s: f64,
+    pub tokens_per_s: f64,
+    pub peak_rss_bytes: u64,
+    pub planned_host_bytes: u64,
+    pub peak_device_bytes: u64,
+    pub planned_device_bytes: u64,
+    pub h2d_bytes: u64,
+    pub d2h_bytes: u64,
+    pub device_compute_s: f64,
+    pub link_busy_s: f64,
+    /// `wall_s / max(device_compute_s, link_busy_s)`: 1.0 is perfect overlap.
+    pub overlap_ratio: f64,
+    pub final_loss: f64,
+    /// Seconds of queue work by phase (compute: forward, recompute, backward, head; host:
+    /// embedding, gradients, optimizer).
+    pub phase_s: PhaseSeconds,
+    /// Seconds the host -> device and device -> host queues spent copying.
+    pub h2d_busy_s: f64,
+    pub d2h_busy_s: f64,
+    /// Wall seconds the compute queue was not running a kernel.
+    pub compute_idle_s: f64,
+    /// FLOPs of the timed steps (at `train.max_seq_len`): every product the schedule ran,
+    /// recompute included, and the model's `6 * N * tokens + attention`.
+    pub flops: StepFlops,
+    /// `flops.schedule / wall_s` and `flops.model / wall_s`, in GFLOP/s.
+    pub achieved_gflops: f64,
+    pub model_gflops: f64,
+    /// `optimizer.memory` of the run.
+    pub optimizer_memory: String,
+    /// Parameters of the model, and the planned / measured host bytes per parameter.
+    pub params: u64,
+    pub planned_host_bytes_per_param: f64,
+    pub peak_rss_bytes_per_param: f64,
+}
