@@ -1,0 +1,107 @@
+//! The optimizer trait: what one host buffer's AdamW state is, whatever its storage. The memory
+//! modes are configurations of it (fp32 moments: `exact`, `lean`; 8-bit moments: `compact`), so
+//! the executor updates, rescales and sizes a buffer's state through one interface.
+
+use crate::optim::adamw::{AdamWStep, adamw_update};
+use crate::optim::adamw8bit::{Moments8, Moments8Mut, adamw8bit_update, rescale_moments8};
+
+/// One buffer's optimizer state, borrowed for an update.
+pub trait Moments {
+    /// AdamW on the masters `w` with gradient `g` clipped by `coef`. `seed` drives any
+    /// stochastic rounding of the state (derived by the caller from the step and the buffer).
+    fn update(&mut self, w: &mut [f32], g: &[f32], step: &AdamWStep, coef: f32, seed: u64);
+    /// Scale the state as if its gradients had been multiplied by `r`: `m *= r`, `v *= r²`.
+    fn rescale(&mut self, r: f32);
+}
+
+/// fp32 moments `m`, `v` (N each).
+pub struct Moments32<'a> {
+    pub m: &'a mut [f32],
+    pub v: &'a mut [f32],
+}
+
+impl Moments for Moments32<'_> {
+    fn update(&mut self, w: &mut [f32], g: &[f32], step: &AdamWStep, coef: f32, _seed: u64) {
+        adamw_update(w, g, self.m, self.v, step, coef);
+    }
+    fn rescale(&mut self, r: f32) {
+        self.m.iter_mut().for_each(|m| *m *= r);
+        self.v.iter_mut().for_each(|v| *v *= r * r);
+    }
+}
+
+impl Moments for Moments8Mut<'_> {
+    fn update(&mut self, w: &mut [f32], g: &[f32], step: &AdamWStep, coef: f32, seed: u64) {
+        adamw8bit_update(w, g, self.reborrow(), step, coef, seed);
+    }
+    fn rescale(&mut self, r: f32) {
+        rescale_moments8(self.reborrow(), r);
+    }
+}
+
+/// How a buffer's moments are stored: the host bytes a buffer of `tensors` (element counts)
+/// takes, per storage.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MomentStorage {
+    /// fp32 `m` and `v`: 8 bytes per parameter.
+    F32,
+    /// 8-bit `m` and `sqrt v` with a scale per block; small tensors fp32 ([`Moments8`]).
+    Q8,
+}
+
+impl MomentStorage {
+    pub fn bytes(self, tensors: &[usize]) -> usize {
+        match self {
+            MomentStorage::F32 => tensors.iter().sum::<usize>() * 8,
+            MomentStorage::Q8 => Moments8::bytes(tensors),
+        }
+    }
+}
+
+impl<'a> Moments8Mut<'a> {
+    /// The same view for a shorter borrow.
+    pub fn reborrow(&mut self) -> Moments8Mut<'_> {
+        Moments8Mut {
+            tensors: self.tensors,
+            m_codes: self.m_codes,
+            v_codes: self.v_codes,
+            m_absmax: self.m_absmax,
+            v_absmax: self.v_absmax,
+            m32: self.m32,
+            v32: self.v32,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::optim::adamw::AdamWConfig;
+
+    /// Through the trait, each storage runs exactly its own update and rescale.
+    #[test]
+    fn the_trait_runs_each_storage_exactly() {
+        let cfg = AdamWConfig { lr: 1e-2, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.1 };
+        let st = AdamWStep::new(&cfg, 1, 1e-2);
+        let tensors = [300usize, 7];
+        let n: usize = tensors.iter().sum();
+        let g: Vec<f32> = (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0).collect();
+        let w0: Vec<f32> = (0..n).map(|i| (i as f32 * 0.01).sin()).collect();
+        let (mut w1, mut w2) = (w0.clone(), w0.clone());
+        let (mut m1, mut v1, mut m2, mut v2) =
+            (vec![0.0; n], vec![0.0; n], vec![0.0; n], vec![0.0; n]);
+        adamw_update(&mut w1, &g, &mut m1, &mut v1, &st, 0.5);
+        let mut s = Moments32 { m: &mut m2, v: &mut v2 };
+        s.update(&mut w2, &g, &st, 0.5, 0);
+        s.rescale(0.5);
+        assert_eq!((w1, m1.iter().map(|m| m * 0.5).collect::<Vec<_>>()), (w2, m2));
+        let (mut qa, mut qb) = (Moments8::zeros(&tensors), Moments8::zeros(&tensors));
+        let (mut wa, mut wb) = (w0.clone(), w0);
+        adamw8bit_update(&mut wa, &g, qa.view_mut(), &st, 0.5, 9);
+        qb.view_mut().update(&mut wb, &g, &st, 0.5, 9);
+        assert_eq!(wa, wb);
+        assert_eq!(qa.decode(), qb.decode());
+        assert_eq!(MomentStorage::F32.bytes(&tensors), n * 8);
+        assert_eq!(MomentStorage::Q8.bytes(&tensors), Moments8::bytes(&tensors));
+    }
+}
