@@ -45,11 +45,11 @@ fn pick<'s, 'a, T: ?Sized, const K: usize>(
 }
 
 /// Two disjoint ranges of one buffer (a weight's and its bias's gradients), in either order.
-fn two_mut<'b, T: ?Sized + DeviceSlice>(
-    buf: &'b mut T,
+fn two_mut<T: ?Sized + DeviceSlice>(
+    buf: &mut T,
     a: Range<usize>,
     b: Option<Range<usize>>,
-) -> (&'b mut T, Option<&'b mut T>) {
+) -> (&mut T, Option<&mut T>) {
     match b {
         None => (buf.slice_mut(a), None),
         Some(b) if a.end <= b.start => {
@@ -86,14 +86,14 @@ pub fn layer_forward<B: Backend>(
     let ad = spec.attn.dims(rows.b, rows.t);
     let norm = |w_offset: f32, c: usize| NormDims { c, eps: spec.eps, w_offset };
     for op in &spec.ops {
-        match op {
-            &Op::RmsNorm { inp, out, rstd, w: ref r, w_offset } => {
+        match *op {
+            Op::RmsNorm { inp, out, rstd, w: ref r, w_offset } => {
                 let [i, o, s] = pick(slots, [inp, out, rstd]);
                 let nd = norm(w_offset, spec.c);
 
                 be.rmsnorm_forward(o.w(len(out)), s.w(n), i.r(len(inp)), w.slice(r.clone()), nd);
             }
-            &Op::HeadNorm { inp, out, rstd, w: ref r, w_offset } => {
+            Op::HeadNorm { inp, out, rstd, w: ref r, w_offset } => {
                 let [i, o, s] = pick(slots, [inp, out, rstd]);
                 let nd = norm(w_offset, ad.d);
                 let rs = s.w(len(rstd));
@@ -106,25 +106,25 @@ pub fn layer_forward<B: Backend>(
                     nd,
                 );
             }
-            &Op::Linear { inp, out, w: ref r, ref bias, ic, oc } => {
+            Op::Linear { inp, out, w: ref r, ref bias, ic, oc } => {
                 let [i, o] = pick(slots, [inp, out]);
                 let bias = bias.clone().map(|b| w.slice(b));
                 be.matmul_forward(o.w(n * oc), i.r(n * ic), w.slice(r.clone()), bias, n, ic, oc);
             }
-            &Op::Rope { qkv, table } => {
+            Op::Rope { qkv, table } => {
                 let [q] = pick(slots, [qkv]);
                 let (cos, sin) = ropes[table];
                 be.rope_forward(q.w(len(qkv)), cos, sin, ad);
             }
-            &Op::Attention { qkv, out, lse } => {
+            Op::Attention { qkv, out, lse } => {
                 let [q, o, l] = pick(slots, [qkv, out, lse]);
                 be.attention_forward(o.w(len(out)), l.w(len(lse)), q.r(len(qkv)), ad);
             }
-            &Op::Add { a, b, out } => {
+            Op::Add { a, b, out } => {
                 let [x, y, o] = pick(slots, [a, b, out]);
                 be.residual_forward(o.w(len(out)), x.r(len(a)), y.r(len(b)));
             }
-            &Op::Glu { gu, out, act, f } => {
+            Op::Glu { gu, out, act, f } => {
                 let [g, o] = pick(slots, [gu, out]);
                 match act {
                     Glu::Silu => be.swiglu_forward(o.w(n * f), g.r(n * 2 * f), n, f),
