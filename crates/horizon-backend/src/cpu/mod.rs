@@ -249,6 +249,42 @@ impl Backend for CpuBackend {
     ) {
         cross_entropy_fused(logits, losses, targets, n, v, scale);
     }
+
+    fn cross_entropy_tile_stats(
+        &self,
+        _stats: &mut [f32],
+        _logits: &[f32],
+        _targets: &[i32],
+        _n: usize,
+        _vt: usize,
+        _v0: usize,
+        _first: bool,
+    ) {
+        unimplemented!("cross_entropy_tile_stats")
+    }
+
+    fn cross_entropy_tile_grad(
+        &self,
+        _logits: &mut [f32],
+        _stats: &[f32],
+        _targets: &[i32],
+        _n: usize,
+        _vt: usize,
+        _v0: usize,
+        _scale: f32,
+    ) {
+        unimplemented!("cross_entropy_tile_grad")
+    }
+
+    fn cross_entropy_tile_loss(
+        &self,
+        _losses: &mut [f32],
+        _stats: &[f32],
+        _targets: &[i32],
+        _n: usize,
+    ) {
+        unimplemented!("cross_entropy_tile_loss")
+    }
 }
 
 /// Dot product of two equal-length vectors, summed in 8 lane-wise partial sums (so the compiler

@@ -574,6 +574,42 @@ impl Backend for CudaBackend {
     ) {
         super::cross_entropy::cross_entropy_fused(self, logits, losses, targets, n, v, scale);
     }
+
+    fn cross_entropy_tile_stats(
+        &self,
+        _stats: &mut DevSlice<f32>,
+        _logits: &DevSlice<f32>,
+        _targets: &DevSlice<i32>,
+        _n: usize,
+        _vt: usize,
+        _v0: usize,
+        _first: bool,
+    ) {
+        unimplemented!("cross_entropy_tile_stats")
+    }
+
+    fn cross_entropy_tile_grad(
+        &self,
+        _logits: &mut DevSlice<f32>,
+        _stats: &DevSlice<f32>,
+        _targets: &DevSlice<i32>,
+        _n: usize,
+        _vt: usize,
+        _v0: usize,
+        _scale: f32,
+    ) {
+        unimplemented!("cross_entropy_tile_grad")
+    }
+
+    fn cross_entropy_tile_loss(
+        &self,
+        _losses: &mut DevSlice<f32>,
+        _stats: &DevSlice<f32>,
+        _targets: &DevSlice<i32>,
+        _n: usize,
+    ) {
+        unimplemented!("cross_entropy_tile_loss")
+    }
 }
 
 impl CudaBackend {
