@@ -577,38 +577,42 @@ impl Backend for CudaBackend {
 
     fn cross_entropy_tile_stats(
         &self,
-        _stats: &mut DevSlice<f32>,
-        _logits: &DevSlice<f32>,
-        _targets: &DevSlice<i32>,
-        _n: usize,
-        _vt: usize,
-        _v0: usize,
-        _first: bool,
+        stats: &mut DevSlice<f32>,
+        logits: &DevSlice<f32>,
+        targets: &DevSlice<i32>,
+        n: usize,
+        vt: usize,
+        v0: usize,
+        first: bool,
     ) {
-        unimplemented!("cross_entropy_tile_stats")
+        super::cross_entropy::cross_entropy_tile_stats(
+            self, stats, logits, targets, n, vt, v0, first,
+        );
     }
 
     fn cross_entropy_tile_grad(
         &self,
-        _logits: &mut DevSlice<f32>,
-        _stats: &DevSlice<f32>,
-        _targets: &DevSlice<i32>,
-        _n: usize,
-        _vt: usize,
-        _v0: usize,
-        _scale: f32,
+        logits: &mut DevSlice<f32>,
+        stats: &DevSlice<f32>,
+        targets: &DevSlice<i32>,
+        n: usize,
+        vt: usize,
+        v0: usize,
+        scale: f32,
     ) {
-        unimplemented!("cross_entropy_tile_grad")
+        super::cross_entropy::cross_entropy_tile_grad(
+            self, logits, stats, targets, n, vt, v0, scale,
+        );
     }
 
     fn cross_entropy_tile_loss(
         &self,
-        _losses: &mut DevSlice<f32>,
-        _stats: &DevSlice<f32>,
-        _targets: &DevSlice<i32>,
-        _n: usize,
+        losses: &mut DevSlice<f32>,
+        stats: &DevSlice<f32>,
+        targets: &DevSlice<i32>,
+        n: usize,
     ) {
-        unimplemented!("cross_entropy_tile_loss")
+        super::cross_entropy::cross_entropy_tile_loss(self, losses, stats, targets, n);
     }
 }
 
