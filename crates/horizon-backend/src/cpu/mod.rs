@@ -7,6 +7,7 @@
 
 pub mod attention;
 pub mod cross_entropy;
+pub mod cross_entropy_tile;
 pub mod device;
 pub mod embedding;
 pub mod geglu;
@@ -20,6 +21,9 @@ pub mod testing;
 
 pub use attention::{attention_backward, attention_forward};
 pub use cross_entropy::{IGNORE_INDEX, cross_entropy_forward, cross_entropy_fused};
+pub use cross_entropy_tile::{
+    cross_entropy_tile_grad, cross_entropy_tile_loss, cross_entropy_tile_stats,
+};
 pub use device::{CpuDevice, CpuDeviceConfig};
 pub use embedding::{embedding_backward, embedding_forward};
 pub use geglu::{geglu_backward, geglu_forward};
@@ -252,38 +256,38 @@ impl Backend for CpuBackend {
 
     fn cross_entropy_tile_stats(
         &self,
-        _stats: &mut [f32],
-        _logits: &[f32],
-        _targets: &[i32],
-        _n: usize,
-        _vt: usize,
-        _v0: usize,
-        _first: bool,
+        stats: &mut [f32],
+        logits: &[f32],
+        targets: &[i32],
+        n: usize,
+        vt: usize,
+        v0: usize,
+        first: bool,
     ) {
-        unimplemented!("cross_entropy_tile_stats")
+        cross_entropy_tile_stats(stats, logits, targets, n, vt, v0, first);
     }
 
     fn cross_entropy_tile_grad(
         &self,
-        _logits: &mut [f32],
-        _stats: &[f32],
-        _targets: &[i32],
-        _n: usize,
-        _vt: usize,
-        _v0: usize,
-        _scale: f32,
+        logits: &mut [f32],
+        stats: &[f32],
+        targets: &[i32],
+        n: usize,
+        vt: usize,
+        v0: usize,
+        scale: f32,
     ) {
-        unimplemented!("cross_entropy_tile_grad")
+        cross_entropy_tile_grad(logits, stats, targets, n, vt, v0, scale);
     }
 
     fn cross_entropy_tile_loss(
         &self,
-        _losses: &mut [f32],
-        _stats: &[f32],
-        _targets: &[i32],
-        _n: usize,
+        losses: &mut [f32],
+        stats: &[f32],
+        targets: &[i32],
+        n: usize,
     ) {
-        unimplemented!("cross_entropy_tile_loss")
+        cross_entropy_tile_loss(losses, stats, targets, n);
     }
 }
 
