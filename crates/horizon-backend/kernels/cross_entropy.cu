@@ -114,7 +114,8 @@ extern "C" __global__ void cross_entropy_tile_stats(float* stats, const float* l
     for (int j = threadIdx.x; j < vt; j += BLOCK) s += (double)expf(x[j] - m_new);
     s = block_sum_d(s, ssum);
     if (threadIdx.x == 0) {
-        if (!first) s += (double)st[1] * (double)expf(m_old - m_new);
+        // Equal maxima rescale by exactly 1 (so -inf maxima give no NaN), as the CPU does.
+        if (!first) s += (double)st[1] * (m_old == m_new ? 1.0 : (double)expf(m_old - m_new));
         int k = targets[row];
         float t = first ? 0.0f : st[2];
         if (k != -100 && k >= v0 && k - v0 < vt) t = x[k - v0];
