@@ -216,6 +216,33 @@ impl Backend for CudaBackend {
     ) {
         match *self {}
     }
+    fn cross_entropy_tile_stats(
+        &self,
+        _: &mut [f32],
+        _: &[f32],
+        _: &[i32],
+        _: usize,
+        _: usize,
+        _: usize,
+        _: bool,
+    ) {
+        match *self {}
+    }
+    fn cross_entropy_tile_grad(
+        &self,
+        _: &mut [f32],
+        _: &[f32],
+        _: &[i32],
+        _: usize,
+        _: usize,
+        _: usize,
+        _: f32,
+    ) {
+        match *self {}
+    }
+    fn cross_entropy_tile_loss(&self, _: &mut [f32], _: &[f32], _: &[i32], _: usize) {
+        match *self {}
+    }
 }
 
 impl Device for CudaDevice {

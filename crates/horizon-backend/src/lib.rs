@@ -325,6 +325,48 @@ pub trait Backend: Send + Sync {
         n: usize,
         v: usize,
     );
+    /// Cross-entropy over vocabulary tiles, pass 1 (an LM head too large for one weight slot is
+    /// applied a tile of vocabulary rows at a time). `logits`: (N, VT), the logits of vocabulary
+    /// ids `v0..v0 + VT` of N rows. `stats`: (N, 3) per row `(m, s, t)`: the running maximum
+    /// `m`, the running sum `s` of `exp(l - m)`, and the target's logit `t`. With `first` they
+    /// are overwritten from this tile (`t = 0` unless the target is in it), else updated:
+    /// `m' = max(m, max_j l_j)`, `s' = s * exp(m - m') + sum_j exp(l_j - m')`, `t = l[target - v0]`
+    /// when the target lies in the tile. Rows whose target is -100 are updated like any other.
+    #[allow(clippy::too_many_arguments)]
+    fn cross_entropy_tile_stats(
+        &self,
+        stats: &mut Self::Buf,
+        logits: &Self::Buf,
+        targets: &Self::IBuf,
+        n: usize,
+        vt: usize,
+        v0: usize,
+        first: bool,
+    );
+    /// Pass 2, in place on one tile: `logits` (N, VT) becomes
+    /// `dlogits = scale * (exp(l - lse) - onehot(target - v0))` with `lse = m + ln s` from the
+    /// complete `stats` (N, 3); all zero on rows whose target is -100.
+    #[allow(clippy::too_many_arguments)]
+    fn cross_entropy_tile_grad(
+        &self,
+        logits: &mut Self::Buf,
+        stats: &Self::Buf,
+        targets: &Self::IBuf,
+        n: usize,
+        vt: usize,
+        v0: usize,
+        scale: f32,
+    );
+    /// The per-row losses from complete `stats` (N, 3): `losses` (N), overwrites:
+    /// `m + ln s - t`, 0 where the target is -100.
+    fn cross_entropy_tile_loss(
+        &self,
+        losses: &mut Self::Buf,
+        stats: &Self::Buf,
+        targets: &Self::IBuf,
+        n: usize,
+    );
+
     /// Fused cross-entropy forward and backward, in place on one chunk of rows.
     /// logits: (N, V); on return holds `dlogits = scale * (softmax(logits) - onehot(target))`,
     /// all zero on ignored rows. losses: (N), overwrites, as in `cross_entropy_forward`.

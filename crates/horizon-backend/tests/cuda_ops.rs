@@ -567,6 +567,151 @@ fn cross_entropy_forward_and_fused() {
     }
 }
 
+/// Logits (N, V) and targets (N) for the vocabulary-tile tests, tiled by `widths`. Rows cycle
+/// through four kinds, so the running max matters: small logits; uniform in [-80, 80) (a sum of
+/// plain exponentials would overflow fp32); -80 in the first tile and a +80 spike in the last
+/// (the max jumps late, the first tiles' sum scales to 0); 80 plus small noise everywhere.
+/// Targets fall in every tile in turn; every fifth row is -100.
+fn tiled_case(rng: &mut Rng, n: usize, widths: &[usize]) -> (Vec<f32>, Vec<i32>) {
+    let v: usize = widths.iter().sum();
+    let starts: Vec<usize> =
+        widths.iter().scan(0, |at, &w| Some(std::mem::replace(at, *at + w))).collect();
+    let mut logits = Vec::with_capacity(n * v);
+    for r in 0..n {
+        let mut row: Vec<f32> = match r % 4 {
+            0 => rng.vec(v, 4.0),
+            1 => rng.vec(v, 80.0),
+            2 => rng.vec(v, 4.0),
+            _ => rng.vec(v, 4.0).iter().map(|x| 80.0 + x).collect(),
+        };
+        if r % 4 == 2 {
+            row[..widths[0]].iter_mut().for_each(|x| *x -= 80.0);
+            let last = widths.len() - 1;
+            row[starts[last] + rng.below(widths[last])] = 80.0;
+        }
+        logits.extend(row);
+    }
+    let targets = (0..n)
+        .map(|r| {
+            let t = r % widths.len();
+            if r % 5 == 4 { -100 } else { (starts[t] + rng.below(widths[t])) as i32 }
+        })
+        .collect();
+    (logits, targets)
+}
+
+/// Columns `v0..v0 + vt` of the (N, V) logits: what an LM-head tile produces, (N, VT).
+fn tile_of(logits: &[f32], v: usize, v0: usize, vt: usize) -> Vec<f32> {
+    logits.chunks(v).flat_map(|row| &row[v0..v0 + vt]).copied().collect()
+}
+
+/// Column `c` of (N, 3) stats.
+fn stat(stats: &[f32], c: usize) -> Vec<f32> {
+    stats.chunks(3).map(|s| s[c]).collect()
+}
+
+/// The (N, V) shapes and tile widths of the vocabulary-tile tests: a single tile of one id,
+/// tiles of one id, a ragged last tile, and tiles of more than a block's 256 threads.
+const TILINGS: [(usize, &[usize]); 5] = [
+    (1, &[1]),
+    (6, &[1, 1, 1, 1, 1, 1, 1, 1, 1]),
+    (9, &[7, 7, 7, 7, 3]),
+    (17, &[1, 1031, 7, 1500, 333]),
+    (5, &[4096, 4096, 1811]),
+];
+
+/// Each tile op against the CPU, given the same inputs at every call (the CPU's stats so far),
+/// so no error carries over: the stats over a sequence of tiles (`first` on the first, over
+/// NaN stats it must not read), then dlogits per tile and the losses from the complete stats.
+/// `m` (a max) and `t` (a copy) are bitwise; `s`, dlogits and losses at `TOL` (fp32 exp,
+/// double sums in another order).
+#[test]
+fn cross_entropy_tiles_match_the_cpu() {
+    let be = gpu();
+    let mut rng = Rng::new(12);
+    let scale = 1.0 / 7.0;
+    for (n, widths) in TILINGS {
+        let v: usize = widths.iter().sum();
+        let (logits, targets) = tiled_case(&mut rng, n, widths);
+        let gt = ids_on(&be, &targets);
+        let mut stats = vec![f32::NAN; n * 3];
+        let mut v0 = 0;
+        for (i, &vt) in widths.iter().enumerate() {
+            let what =
+                |t: &str| format!("cross_entropy_tile_stats {t} N={n} V={v} tile {i} ({v0}+{vt})");
+            let tile = tile_of(&logits, v, v0, vt);
+            let first = i == 0;
+            let gtile = Guarded::new(&be, "logits tile", &tile);
+            let mut gstats = Guarded::new(&be, "stats", &stats);
+            be.cross_entropy_tile_stats(gstats.view_mut(), gtile.view(), &gt, n, vt, v0, first);
+            CpuBackend.cross_entropy_tile_stats(&mut stats, &tile, &targets, n, vt, v0, first);
+            assert!(stats.iter().all(|x| x.is_finite()), "{}: CPU stats {stats:?}", what(""));
+            let got = gstats.read(&be);
+            assert_close(&what("m"), &stat(&got, 0), &stat(&stats, 0), 0.0);
+            assert_close(&what("s"), &stat(&got, 1), &stat(&stats, 1), TOL);
+            assert_close(&what("t"), &stat(&got, 2), &stat(&stats, 2), 0.0);
+            v0 += vt;
+        }
+
+        let gstats = Guarded::new(&be, "stats", &stats);
+        let mut want = vec![1.0; n];
+        CpuBackend.cross_entropy_tile_loss(&mut want, &stats, &targets, n);
+        let mut gloss = Guarded::new(&be, "losses", &vec![1.0; n]);
+        be.cross_entropy_tile_loss(gloss.view_mut(), gstats.view(), &gt, n);
+        assert_close(&format!("cross_entropy_tile_loss N={n} V={v}"), &gloss.read(&be), &want, TOL);
+
+        let mut v0 = 0;
+        for (i, &vt) in widths.iter().enumerate() {
+            let mut want = tile_of(&logits, v, v0, vt);
+            let mut gtile = Guarded::new(&be, "logits tile -> dlogits", &want);
+            CpuBackend.cross_entropy_tile_grad(&mut want, &stats, &targets, n, vt, v0, scale);
+            be.cross_entropy_tile_grad(gtile.view_mut(), gstats.view(), &gt, n, vt, v0, scale);
+            let what = format!("cross_entropy_tile_grad N={n} V={v} tile {i} ({v0}+{vt})");
+            assert_close(&what, &gtile.read(&be), &want, TOL);
+            v0 += vt;
+        }
+    }
+}
+
+/// The tile ops composed on the GPU (stats over every tile, the losses, dlogits per tile)
+/// reproduce the fused kernel on the whole (N, V) logits, within `TOL`: the same fp32
+/// exponentials, but `s` is rounded to fp32 once per tile (K tiles: about K * 6e-8 relative,
+/// at most 9 here) and summed in another order.
+#[test]
+fn cross_entropy_tiles_compose_to_the_fused_kernel() {
+    let be = gpu();
+    let mut rng = Rng::new(13);
+    let scale = 1.0 / 11.0;
+    for (n, widths) in TILINGS {
+        let v: usize = widths.iter().sum();
+        let (logits, targets) = tiled_case(&mut rng, n, widths);
+        let gt = ids_on(&be, &targets);
+        let mut gdl = Guarded::new(&be, "logits -> dlogits", &logits);
+        let mut gl = Guarded::new(&be, "losses", &vec![1.0; n]);
+        be.cross_entropy_fused(gdl.view_mut(), gl.view_mut(), &gt, n, v, scale);
+        let (dlogits, losses) = (gdl.read(&be), gl.read(&be));
+
+        let mut gstats = Guarded::new(&be, "stats", &vec![f32::NAN; n * 3]);
+        let mut tiles = Vec::new();
+        let mut v0 = 0;
+        for (i, &vt) in widths.iter().enumerate() {
+            let gtile = Guarded::new(&be, "logits tile", &tile_of(&logits, v, v0, vt));
+            be.cross_entropy_tile_stats(gstats.view_mut(), gtile.view(), &gt, n, vt, v0, i == 0);
+            tiles.push((v0, vt, gtile));
+            v0 += vt;
+        }
+        let mut gloss = Guarded::new(&be, "losses", &vec![1.0; n]);
+        be.cross_entropy_tile_loss(gloss.view_mut(), gstats.view(), &gt, n);
+        let what = |t: &str| format!("tiles vs cross_entropy_fused: {t} N={n} V={v}");
+        assert_close(&what("losses"), &gloss.read(&be), &losses, TOL);
+        for (v0, vt, gtile) in &mut tiles {
+            be.cross_entropy_tile_grad(gtile.view_mut(), gstats.view(), &gt, n, *vt, *v0, scale);
+            let want = tile_of(&dlogits, v, *v0, *vt);
+            assert_close(&what(&format!("dlogits {v0}+{vt}")), &gtile.read(&be), &want, TOL);
+        }
+    }
+}
+
 #[test]
 fn bf16_roundings_match_the_host_bit_for_bit() {
     let be = gpu();

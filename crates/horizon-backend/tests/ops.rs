@@ -2,7 +2,8 @@
 //! backward against central differences of that reference, accumulate/overwrite semantics
 //! (parameter gradients double when a backward runs twice), attention causality, GQA, sliding
 //! windows and scales, RMSNorm's `(1 + w)`, the per-head norm as the plain norm of each head,
-//! and the cross-entropy and activation edge cases.
+//! and the cross-entropy and activation edge cases; the cross-entropy over vocabulary tiles
+//! (stats, grad, loss) composes to the fused op for every tile width.
 //!
 //! Tolerances (criterion of `assert_close`: `|got - want| <= tol * max(1, |want|)`):
 //! - `FWD_TOL` = 1e-5: an f32 op against the f64 reference on O(1) data. f32 rounding over the
@@ -17,6 +18,8 @@
 //!   straight into the gradient (embedding rows named by repeated ids). Matmul, rmsnorm and
 //!   head_rmsnorm form each sum before adding it once, so for them doubling is checked
 //!   bit-exactly.
+//! - 1e-6: the tiled cross-entropy against the fused one; the same f32 exponentials, only the
+//!   f64 sums of a row are combined over the tiles (and the running sum is stored as f32).
 
 mod common;
 
@@ -927,4 +930,137 @@ fn cross_entropy_extreme_logits_stay_finite() {
 fn cross_entropy_rejects_bad_target() {
     let mut losses = [0.0];
     cross_entropy_forward(&mut losses, &[0.0; 11], &[11], 1, 11);
+}
+
+// ---- cross-entropy over vocabulary tiles --------------------------------------------------
+
+/// Runs the tiled cross-entropy over `(N, V)` logits cut into column tiles of `width` (the last
+/// one ragged): pass 1 folds every tile into the stats (which start as NaN, so `first` must
+/// overwrite them), the losses come from the stats, pass 2 turns each tile into its dlogits.
+/// Returns `(losses, dlogits (N, V))`.
+fn tiled_ce(
+    logits: &[f32],
+    targets: &[i32],
+    n: usize,
+    v: usize,
+    width: usize,
+    scale: f32,
+) -> (Vec<f32>, Vec<f32>) {
+    let tile = |v0: usize, vt: usize| -> Vec<f32> {
+        logits.chunks(v).flat_map(|row| row[v0..v0 + vt].to_vec()).collect()
+    };
+    let mut stats = vec![f32::NAN; n * 3];
+    for v0 in (0..v).step_by(width) {
+        let vt = width.min(v - v0);
+        cross_entropy_tile_stats(&mut stats, &tile(v0, vt), targets, n, vt, v0, v0 == 0);
+    }
+    let mut losses = vec![f32::NAN; n];
+    cross_entropy_tile_loss(&mut losses, &stats, targets, n);
+    let mut dlogits = vec![f32::NAN; n * v];
+    for v0 in (0..v).step_by(width) {
+        let vt = width.min(v - v0);
+        let mut x = tile(v0, vt);
+        cross_entropy_tile_grad(&mut x, &stats, targets, n, vt, v0, scale);
+        for (r, row) in x.chunks(vt).enumerate() {
+            dlogits[r * v + v0..][..vt].copy_from_slice(row);
+        }
+    }
+    (losses, dlogits)
+}
+
+/// `scale * (softmax(x) - onehot(target))` per row in f64, zero on ignored rows.
+fn cross_entropy_grad_ref(logits: &[f64], targets: &[i32], v: usize, scale: f64) -> Vec<f64> {
+    logits
+        .chunks(v)
+        .zip(targets)
+        .flat_map(|(x, &k)| {
+            if k == -100 {
+                return vec![0.0; v];
+            }
+            let m = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let s: f64 = x.iter().map(|xi| (xi - m).exp()).sum();
+            let mut g: Vec<f64> = x.iter().map(|xi| scale * (xi - m).exp() / s).collect();
+            g[k as usize] -= scale;
+            g
+        })
+        .collect()
+}
+
+#[test]
+fn cross_entropy_tiles_match_reference_and_fused_for_every_width() {
+    let mut rng = Rng::new(24);
+    let (logits, mut targets, n, v) = ce_case(&mut rng);
+    targets[0] = 0; // the first tile's first column
+    targets[1] = (v - 1) as i32; // the last (ragged) tile's last column
+    let scale = 1.0 / targets.iter().filter(|&&t| t != -100).count() as f32;
+    let mut fused = logits.clone();
+    let mut fused_losses = vec![0.0; n];
+    cross_entropy_fused(&mut fused, &mut fused_losses, &targets, n, v, scale);
+    let want_losses = cross_entropy_ref(&to64(&logits), &targets, v);
+    let want_grad = cross_entropy_grad_ref(&to64(&logits), &targets, v, f64::from(scale));
+    // 1: every id its own tile; 3, 4, 5: ragged last tiles (11 = 3+3+3+2 = 4+4+3 = 5+5+1);
+    // 10: a last tile of one column; 11: one tile spanning V.
+    for width in [1, 3, 4, 5, 10, 11] {
+        let (losses, dlogits) = tiled_ce(&logits, &targets, n, v, width, scale);
+        assert_close(&format!("tile {width} losses"), &losses, &want_losses, FWD_TOL);
+        assert_close(&format!("tile {width} dlogits"), &dlogits, &want_grad, FWD_TOL);
+        // The fused op within fp32 rounding (the tiles' sums are combined in another order).
+        assert_close(&format!("tile {width} vs fused losses"), &losses, &fused_losses, 1e-6);
+        assert_close(&format!("tile {width} vs fused dlogits"), &dlogits, &fused, 1e-6);
+        for r in [3, 9] {
+            assert_eq!(losses[r], 0.0, "ignored row {r}");
+            assert!(dlogits[r * v..][..v].iter().all(|&g| g == 0.0), "ignored row {r}");
+        }
+    }
+}
+
+#[test]
+fn cross_entropy_tiles_compose_over_a_wide_vocabulary() {
+    let mut rng = Rng::new(25);
+    let (n, v) = (6, 1000);
+    let logits = rng.vec(n * v, 8.0);
+    let targets: Vec<i32> = vec![0, 36, 37, 999, -100, 555];
+    let scale = 0.2;
+    let want_losses = cross_entropy_ref(&to64(&logits), &targets, v);
+    let want_grad = cross_entropy_grad_ref(&to64(&logits), &targets, v, f64::from(scale));
+    for width in [37, 256, 999, 1000] {
+        let (losses, dlogits) = tiled_ce(&logits, &targets, n, v, width, scale);
+        assert_close(&format!("tile {width} losses"), &losses, &want_losses, FWD_TOL);
+        assert_close(&format!("tile {width} dlogits"), &dlogits, &want_grad, FWD_TOL);
+    }
+}
+
+#[test]
+fn cross_entropy_tiles_survive_extreme_logits() {
+    // Maxima in different tiles, a tile whose logits are all far below the row's max, and a
+    // first tile with a huge max followed by a larger one.
+    let v = 4;
+    let logits = vec![
+        1e4, -1e4, 0.0, 30.0, /* row 2 */ -1e30, 1e30, 0.0, 0.0, /* row 3 */ 88.0, 89.0,
+        -1e30, 1e30,
+    ];
+    let targets = [1, 0, 3];
+    for width in [1, 2, 3] {
+        let (losses, dl) = tiled_ce(&logits, &targets, 3, v, width, 1.0);
+        assert_close(&format!("tile {width} extreme losses"), &losses, &[2e4f32, 2e30, 0.0], 1e-6);
+        assert!(dl.iter().all(|g| g.is_finite()), "tile {width}: {dl:?}");
+        let want = [1.0f32, -1.0, 0.0, 0.0, -1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0];
+        assert_close(&format!("tile {width} extreme dlogits"), &dl, &want, 1e-6);
+    }
+}
+
+#[test]
+fn cross_entropy_tile_stats_fold_exactly_as_stated() {
+    // One row, two tiles: (m, s, t) after the first is the tile's own; after the second the
+    // running sum is rescaled to the new max, and t is the target's logit from its tile.
+    let mut stats = [f32::NAN; 3];
+    cross_entropy_tile_stats(&mut stats, &[0.0, 1.0], &[2], 1, 2, 0, true);
+    assert_eq!(stats[0], 1.0);
+    assert_close("s after tile 0", &stats[1..2], &[1.0 + (-1.0f64).exp()], 1e-7);
+    assert_eq!(stats[2], 0.0, "the target is not in tile 0");
+    cross_entropy_tile_stats(&mut stats, &[3.0, -2.0], &[2], 1, 2, 2, false);
+    assert_eq!(stats[0], 3.0);
+    let want_s = (1.0 + (-1.0f64).exp()) * (-2.0f64).exp() + 1.0 + (-5.0f64).exp();
+    assert_close("s after tile 1", &stats[1..2], &[want_s], 1e-7);
+    assert_eq!(stats[2], 3.0);
 }

@@ -16,7 +16,7 @@ pub const IGNORE_INDEX: i32 = -100;
 /// Returns the target class of a row, `None` for [`IGNORE_INDEX`]; panics on anything else
 /// outside `0..v`.
 #[inline]
-fn target_of(target: i32, v: usize, what: &str) -> Option<usize> {
+pub(super) fn target_of(target: i32, v: usize, what: &str) -> Option<usize> {
     if target == IGNORE_INDEX {
         return None;
     }
@@ -28,7 +28,7 @@ fn target_of(target: i32, v: usize, what: &str) -> Option<usize> {
 
 /// The max of a row, 8 lanes at a time (NaN-ignoring like `f32::max`).
 #[inline]
-fn row_max(x: &[f32]) -> f32 {
+pub(super) fn row_max(x: &[f32]) -> f32 {
     let mut acc = [f32::NEG_INFINITY; 8];
     let mut chunks = x.chunks_exact(8);
     for c in &mut chunks {
@@ -45,7 +45,7 @@ fn row_max(x: &[f32]) -> f32 {
 /// `x[j] = exp(x[j] - m)` in place, returning `sum_j x[j]` accumulated in f64 in 8 lanes
 /// combined in a fixed tree, then the tail: the order depends on the length only.
 #[inline]
-fn exp_shifted_sum(x: &mut [f32], m: f32) -> f64 {
+pub(super) fn exp_shifted_sum(x: &mut [f32], m: f32) -> f64 {
     x.iter_mut().for_each(|v| *v -= m);
     super::exp_in_place(x);
     let mut acc = [0.0f64; 8];
@@ -67,7 +67,7 @@ thread_local! {
 /// Max of a row and `sum_j exp(x_j - max)` accumulated in f64, as [`exp_shifted_sum`] forms it
 /// (so the forward and the fused pass give the same losses), through a per-thread row buffer.
 #[inline]
-fn max_and_sumexp(x: &[f32]) -> (f32, f64) {
+pub(super) fn max_and_sumexp(x: &[f32]) -> (f32, f64) {
     let m = row_max(x);
     let s = super::matmul::with_scratch(&ROW, x.len(), |row| {
         row.copy_from_slice(x);
@@ -78,7 +78,7 @@ fn max_and_sumexp(x: &[f32]) -> (f32, f64) {
 
 /// The loss of one row: `log sum_j exp(x_j) - x[target] = m + ln(s) - x[target]`.
 #[inline]
-fn row_loss(m: f32, s: f64, x_target: f32) -> f32 {
+pub(super) fn row_loss(m: f32, s: f64, x_target: f32) -> f32 {
     (f64::from(m) + s.ln() - f64::from(x_target)) as f32
 }
 

@@ -7,6 +7,7 @@
 
 pub mod attention;
 pub mod cross_entropy;
+pub mod cross_entropy_tile;
 pub mod device;
 pub mod embedding;
 pub mod geglu;
@@ -20,6 +21,9 @@ pub mod testing;
 
 pub use attention::{attention_backward, attention_forward};
 pub use cross_entropy::{IGNORE_INDEX, cross_entropy_forward, cross_entropy_fused};
+pub use cross_entropy_tile::{
+    cross_entropy_tile_grad, cross_entropy_tile_loss, cross_entropy_tile_stats,
+};
 pub use device::{CpuDevice, CpuDeviceConfig};
 pub use embedding::{embedding_backward, embedding_forward};
 pub use geglu::{geglu_backward, geglu_forward};
@@ -248,6 +252,42 @@ impl Backend for CpuBackend {
         scale: f32,
     ) {
         cross_entropy_fused(logits, losses, targets, n, v, scale);
+    }
+
+    fn cross_entropy_tile_stats(
+        &self,
+        stats: &mut [f32],
+        logits: &[f32],
+        targets: &[i32],
+        n: usize,
+        vt: usize,
+        v0: usize,
+        first: bool,
+    ) {
+        cross_entropy_tile_stats(stats, logits, targets, n, vt, v0, first);
+    }
+
+    fn cross_entropy_tile_grad(
+        &self,
+        logits: &mut [f32],
+        stats: &[f32],
+        targets: &[i32],
+        n: usize,
+        vt: usize,
+        v0: usize,
+        scale: f32,
+    ) {
+        cross_entropy_tile_grad(logits, stats, targets, n, vt, v0, scale);
+    }
+
+    fn cross_entropy_tile_loss(
+        &self,
+        losses: &mut [f32],
+        stats: &[f32],
+        targets: &[i32],
+        n: usize,
+    ) {
+        cross_entropy_tile_loss(losses, stats, targets, n);
     }
 }
 

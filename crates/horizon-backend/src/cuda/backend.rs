@@ -574,6 +574,46 @@ impl Backend for CudaBackend {
     ) {
         super::cross_entropy::cross_entropy_fused(self, logits, losses, targets, n, v, scale);
     }
+
+    fn cross_entropy_tile_stats(
+        &self,
+        stats: &mut DevSlice<f32>,
+        logits: &DevSlice<f32>,
+        targets: &DevSlice<i32>,
+        n: usize,
+        vt: usize,
+        v0: usize,
+        first: bool,
+    ) {
+        super::cross_entropy::cross_entropy_tile_stats(
+            self, stats, logits, targets, n, vt, v0, first,
+        );
+    }
+
+    fn cross_entropy_tile_grad(
+        &self,
+        logits: &mut DevSlice<f32>,
+        stats: &DevSlice<f32>,
+        targets: &DevSlice<i32>,
+        n: usize,
+        vt: usize,
+        v0: usize,
+        scale: f32,
+    ) {
+        super::cross_entropy::cross_entropy_tile_grad(
+            self, logits, stats, targets, n, vt, v0, scale,
+        );
+    }
+
+    fn cross_entropy_tile_loss(
+        &self,
+        losses: &mut DevSlice<f32>,
+        stats: &DevSlice<f32>,
+        targets: &DevSlice<i32>,
+        n: usize,
+    ) {
+        super::cross_entropy::cross_entropy_tile_loss(self, losses, stats, targets, n);
+    }
 }
 
 impl CudaBackend {

@@ -60,7 +60,10 @@ pub struct KernelShape {
 ///
 /// The head dim limit is attention's; `head_rmsnorm` (a warp per head, lanes striding over D;
 /// grid (N, (H + 2 KVH) / 8)) and `geglu` need nothing beyond the checks here, and a sliding
-/// window needs none (one of at least T is passed to the kernels as 0, full causal).
+/// window needs none (one of at least T is passed to the kernels as 0, full causal). The
+/// cross-entropy kernels, fused and over vocabulary tiles, take a block per row (grid x = the
+/// rows of a head chunk, at most the tokens per micro-batch) and ids below `vocab_size`
+/// (`v0 + VT <= V`): both are in the int range checked below.
 pub fn check_kernel_limits(s: &KernelShape) -> Result<(), CudaError> {
     let fail =
         |msg: String| Err(CudaError(format!("the CUDA kernels cannot run this model: {msg}")));

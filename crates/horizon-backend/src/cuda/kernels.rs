@@ -33,7 +33,16 @@ pub const SOURCES: [(&str, &str); 12] = [
 pub const FUNCTIONS: [(&str, &[&str]); 12] = [
     ("attention", &["attention_forward", "attention_backward_dq", "attention_backward_dkv"]),
     ("convert", &["convert_f32_to_bf16"]),
-    ("cross_entropy", &["cross_entropy_forward", "cross_entropy_fused"]),
+    (
+        "cross_entropy",
+        &[
+            "cross_entropy_forward",
+            "cross_entropy_fused",
+            "cross_entropy_tile_stats",
+            "cross_entropy_tile_grad",
+            "cross_entropy_tile_loss",
+        ],
+    ),
     ("embedding", &["embedding_forward", "embedding_backward"]),
     ("geglu", &["geglu_forward", "geglu_backward"]),
     ("grad_norm", &["grad_norm_partial"]),
