@@ -213,3 +213,41 @@ fn backward_twice_doubles_gradients() {
         }
     }
 }
+
+/// The language model of a `gemma3` multimodal checkpoint: its `text_config`, its tensors under
+/// `language_model.`, the vision tower's ignored; the same weights as the text-only fixture.
+#[test]
+fn gemma3_multimodal_checkpoint_loads_its_language_model() {
+    use horizon::hf::checkpoint::{SaveDtype, write_safetensors};
+    use horizon::hf::config::ModelConfig;
+    use horizon::model::params::ParamStore;
+    let case = "gemma3_sliding";
+    let text = ModelConfig::from_file(&case_dir(case).join("model/config.json")).unwrap();
+    let layout = ModelLayout::new(&text);
+    let want = ParamStore::load_hf(&layout, &case_dir(case).join("model")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mm = serde_json::json!({
+        "model_type": "gemma3",
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "text_config": text.raw,
+        "vision_config": {"model_type": "siglip_vision_model"},
+    });
+    std::fs::write(dir.path().join("config.json"), mm.to_string()).unwrap();
+    let vision = vec![0.5f32; 6];
+    let mut tensors: Vec<(String, Vec<usize>, &[f32])> = layout
+        .hf_tensors()
+        .into_iter()
+        .map(|(n, shape)| (format!("language_model.{n}"), shape, want.tensor(&layout, &n).unwrap()))
+        .collect();
+    tensors.push(("vision_tower.patch.weight".into(), vec![2, 3], &vision));
+    write_safetensors(&dir.path().join("model.safetensors"), &tensors, SaveDtype::F32).unwrap();
+    let cfg = ModelConfig::from_file(&dir.path().join("config.json")).unwrap();
+    assert_eq!(cfg.tensor_prefix, "language_model.");
+    let mm_layout = ModelLayout::new(&cfg);
+    assert_eq!(ParamStore::load_hf(&mm_layout, dir.path()).unwrap(), want);
+    // A missing language-model tensor is still named.
+    tensors.remove(0);
+    write_safetensors(&dir.path().join("model.safetensors"), &tensors, SaveDtype::F32).unwrap();
+    let err = format!("{:#}", ParamStore::load_hf(&mm_layout, dir.path()).unwrap_err());
+    assert!(err.contains("language_model.model.embed_tokens.weight"), "{err}");
+}
