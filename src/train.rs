@@ -21,7 +21,7 @@ use crate::data::{
 };
 use crate::engine::exec::{Engine, EngineConfig, Sizes, StepParams};
 use crate::engine::memory::{MemoryPlan, gib, peak_rss_bytes};
-use crate::engine::phases::{StepFlops, step_flops};
+use crate::engine::phases::{PhaseSeconds, StepFlops, step_flops};
 use crate::hf::config::ModelConfig;
 use crate::model::layout::ModelLayout;
 use crate::model::params::ParamStore;
@@ -31,9 +31,9 @@ use crate::rng::SplitMix64;
 pub use crate::store::TrainState;
 pub use crate::summary::Summary;
 use crate::tokenizer::{ByteTokenizer, HfTokenizer, Tokenizer};
-use horizon_backend::Device;
 use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig};
 use horizon_backend::cuda::{CudaDevice, CudaDeviceConfig};
+use horizon_backend::{Device, DeviceStats};
 
 /// One line of `metrics.jsonl`.
 #[derive(Clone, Debug, Serialize, PartialEq)]
@@ -762,6 +762,40 @@ where
     progress.finish();
     metrics_file.flush()?;
     let state_step = tr.engine.checked_state()?.step;
+    let tally = Tally { tokens, timed_steps, skipped_steps, eval_loss, last_loss, state_step };
+    let summary = summarize(&mut tr, &tally, (&base, &base_phases), t0);
+    let summary_path = out_dir.join("summary.json");
+    fs::write(&summary_path, serde_json::to_string_pretty(&summary)?)
+        .with_context(|| format!("cannot write {}", summary_path.display()))?;
+    println!("{}", serde_json::to_string_pretty(&summary)?);
+    if export_final {
+        write_final(&mut tr, &out_dir, &summary, &metrics_path, &summary_path, state_step)?;
+    }
+    Ok(summary)
+}
+
+/// What the step loop counted, for the summary.
+struct Tally {
+    tokens: usize,
+    timed_steps: usize,
+    skipped_steps: usize,
+    eval_loss: Option<f64>,
+    last_loss: f64,
+    state_step: u64,
+}
+
+/// The run's summary: the timed steps' throughput, FLOPs and memory against the device's
+/// counters at the end of the warm-up (`base`) and the clock started then (`t0`).
+fn summarize<D: Device>(
+    tr: &mut StreamTrainer<D>,
+    tally: &Tally,
+    (base, base_phases): (&DeviceStats, &PhaseSeconds),
+    t0: Instant,
+) -> Summary
+where
+    D::Backend: 'static,
+{
+    let Tally { tokens, timed_steps, skipped_steps, eval_loss, last_loss, state_step } = *tally;
     let wall_s = t0.elapsed().as_secs_f64();
     let st = tr.engine.device().stats();
     let compute = st.compute_busy_s - base.compute_busy_s;
@@ -778,7 +812,7 @@ where
         recompute: per_step.recompute * k,
         model: per_step.model * k,
     };
-    let summary = Summary {
+    Summary {
         steps: timed_steps,
         total_steps: state_step as usize,
         skipped_steps,
@@ -798,7 +832,7 @@ where
         link_busy_s: link,
         overlap_ratio: wall_s / compute.max(link).max(1e-9),
         final_loss: last_loss,
-        phase_s: tr.engine.phase_seconds().since(&base_phases),
+        phase_s: tr.engine.phase_seconds().since(base_phases),
         h2d_busy_s: st.h2d_busy_s - base.h2d_busy_s,
         d2h_busy_s: st.d2h_busy_s - base.d2h_busy_s,
         compute_idle_s: (wall_s - compute).max(0.0),
@@ -810,51 +844,59 @@ where
         planned_host_bytes_per_param: tr.plan.host_total() as f64 / tr.plan.params.max(1) as f64,
         peak_rss_bytes_per_param: peak_rss_bytes().unwrap_or(0) as f64
             / tr.plan.params.max(1) as f64,
-    };
-    let summary_path = out_dir.join("summary.json");
-    fs::write(&summary_path, serde_json::to_string_pretty(&summary)?)
-        .with_context(|| format!("cannot write {}", summary_path.display()))?;
-    println!("{}", serde_json::to_string_pretty(&summary)?);
-    if export_final {
-        let plot_path = out_dir.join("training.png");
-        let title = format!("{} ({} steps)", tr.cfg.origin, state_step);
-        // The plot is a convenience: failing to draw it does not fail the run.
-        let plotted = crate::report::read_metrics(&metrics_path)
-            .and_then(|pts| crate::report::plot(&pts, &plot_path, &title));
-        if let Err(e) = &plotted {
-            eprintln!("warning: no plot: {e:#}");
-        }
-        let report = crate::report::write_report(
-            &out_dir,
-            &tr.cfg.origin,
-            &summary,
-            plotted.is_ok().then_some(plot_path.as_path()),
-        )?;
-        let final_dir = out_dir.join("final");
-        let params = &tr.engine.state().params;
-        let raw = &tr.cfg.raw;
-        let exported = crate::export::export_model(
-            &tr.model_cfg,
-            params,
-            &final_dir,
-            raw.output.export_options(),
-            &crate::export::TokenizerSource::of_config(raw),
-        )?;
-        tracing::info!(
-            shards = exported.shards.len(),
-            bytes = exported.total_bytes,
-            tokenizer_files = exported.tokenizer_files.len(),
-            "exported final/"
-        );
-        println!(
-            "wrote {}, {}, {} and {}",
-            metrics_path.display(),
-            summary_path.display(),
-            report.display(),
-            final_dir.display()
-        );
     }
-    Ok(summary)
+}
+
+/// `OUT/training.png`, `OUT/report.md` and the exported `OUT/final/`.
+fn write_final<D: Device>(
+    tr: &mut StreamTrainer<D>,
+    out_dir: &Path,
+    summary: &Summary,
+    metrics_path: &Path,
+    summary_path: &Path,
+    state_step: u64,
+) -> Result<()>
+where
+    D::Backend: 'static,
+{
+    let plot_path = out_dir.join("training.png");
+    let title = format!("{} ({} steps)", tr.cfg.origin, state_step);
+    // The plot is a convenience: failing to draw it does not fail the run.
+    let plotted = crate::report::read_metrics(metrics_path)
+        .and_then(|pts| crate::report::plot(&pts, &plot_path, &title));
+    if let Err(e) = &plotted {
+        eprintln!("warning: no plot: {e:#}");
+    }
+    let report = crate::report::write_report(
+        out_dir,
+        &tr.cfg.origin,
+        summary,
+        plotted.is_ok().then_some(plot_path.as_path()),
+    )?;
+    let final_dir = out_dir.join("final");
+    let params = &tr.engine.state().params;
+    let raw = &tr.cfg.raw;
+    let exported = crate::export::export_model(
+        &tr.model_cfg,
+        params,
+        &final_dir,
+        raw.output.export_options(),
+        &crate::export::TokenizerSource::of_config(raw),
+    )?;
+    tracing::info!(
+        shards = exported.shards.len(),
+        bytes = exported.total_bytes,
+        tokenizer_files = exported.tokenizer_files.len(),
+        "exported final/"
+    );
+    println!(
+        "wrote {}, {}, {} and {}",
+        metrics_path.display(),
+        summary_path.display(),
+        report.display(),
+        final_dir.display()
+    );
+    Ok(())
 }
 
 /// What a person watching a run sees: on a terminal, a progress bar (loss, tokens/s, peak
