@@ -243,7 +243,14 @@ impl Sizes {
                 "activations (residual streams, checkpoint block, gradients, ids)",
                 (m * self.act_sets * self.act + m * self.act + m * self.per_mb_small) * 4,
             ),
-            ("workspace (one layer's internals, head chunk, rope)", self.scratch * 4),
+            (
+                if tiled {
+                    "workspace (one layer's internals, rope)"
+                } else {
+                    "workspace (one layer's internals, head chunk, rope)"
+                },
+                self.scratch * 4,
+            ),
             (
                 "backend workspace (bf16 product inputs, cuBLAS, bf16 gradient chunk)",
                 self.workspace_elems() * 4,
