@@ -341,6 +341,12 @@ pub struct EngineSection {
     /// Rows of the LM head + cross-entropy chunk: the (rows, V) logits never exceed this.
     /// Default 256.
     pub head_chunk_rows: usize,
+    /// Vocabulary rows of one LM-head tile. The head is applied a tile at a time through the
+    /// weight slots, which hold the largest decoder layer: by default a tile is as many rows
+    /// as fit in a slot beside the final norm, `(largest layer - C) / C`, and a head that fits
+    /// in one slot is applied whole. A value here can only make tiles smaller (more of them);
+    /// unset by default.
+    pub head_tile_rows: Option<usize>,
     /// Whether the backward recomputes layer internals: `auto` (default) keeps every layer's
     /// forward internals on the device when an explicit `device.memory` holds that plan, else
     /// recomputes (`device.memory: auto` is the smallest plan, so it recomputes); `always`
@@ -360,6 +366,7 @@ impl Default for EngineSection {
             checkpoint_every: 4,
             grad_slabs: 4,
             head_chunk_rows: 256,
+            head_tile_rows: None,
             recompute: Recompute::Auto,
             grad_wire: GradWire::Fp32,
         }
@@ -575,6 +582,7 @@ impl RawConfig {
             ("train.batch_size", t.batch_size),
             ("train.max_seq_len", t.max_seq_len),
             ("engine.head_chunk_rows", self.engine.head_chunk_rows),
+            ("engine.head_tile_rows", self.engine.head_tile_rows.unwrap_or(1)),
             ("engine.checkpoint_every", self.engine.checkpoint_every),
             ("engine.grad_slabs", self.engine.grad_slabs),
             ("train.micro_batch_size", t.micro_batch_size.unwrap_or(1)),

@@ -559,6 +559,7 @@ pub fn engine_config(raw: &RawConfig) -> EngineConfig {
         checkpoint_every: raw.engine.checkpoint_every,
         grad_slabs: raw.engine.grad_slabs,
         head_chunk_rows: raw.engine.head_chunk_rows,
+        head_tile_rows: raw.engine.head_tile_rows,
         adamw: adamw_config(raw),
         grad_clip: raw.optimizer.grad_clip,
         memory: raw.optimizer.memory,

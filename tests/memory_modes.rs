@@ -24,10 +24,22 @@ fn fixture_run(
     mbs: usize,
     memory: OptimizerMemory,
 ) -> (Vec<(f64, f64)>, TrainState) {
+    fixture_run_tiled(case, k, mbs, memory, None)
+}
+
+/// As [`fixture_run`], with the LM head in tiles of `head_tile_rows` vocabulary rows.
+fn fixture_run_tiled(
+    case: &str,
+    k: usize,
+    mbs: usize,
+    memory: OptimizerMemory,
+    head_tile_rows: Option<usize>,
+) -> (Vec<(f64, f64)>, TrainState) {
     let model = ModelConfig::from_file(&case_dir(case).join("model/config.json")).unwrap();
     let layout = ModelLayout::new(&model);
     let params = ParamStore::load_hf(&layout, &case_dir(case).join("model")).unwrap();
-    let cfg = EngineConfig { grad_clip: 0.0, memory, ..case_engine_config(case, k, mbs) };
+    let cfg =
+        EngineConfig { grad_clip: 0.0, memory, head_tile_rows, ..case_engine_config(case, k, mbs) };
     let dev = CpuDevice::new(CpuDeviceConfig::with_capacity(64 << 20));
     let state = TrainState::for_memory(params, &layout, memory);
     let mut engine = Engine::new(dev, &model, state, cfg).unwrap();
@@ -48,6 +60,24 @@ fn lean_without_clipping_is_bit_identical_to_exact_on_the_fixtures() {
             let (a, sa) = fixture_run(case, k, mbs, OptimizerMemory::Exact);
             let (b, sb) = fixture_run(case, k, mbs, OptimizerMemory::Lean);
             let what = format!("{case} K{k} micro-batch {mbs}");
+            assert_eq!(a, b, "{what}: losses and gradient norms");
+            assert_bit_identical(&format!("{what}: masters"), &sa.params, &sb.params);
+            assert_bit_identical(&format!("{what}: m"), &sa.m, &sb.m);
+            assert_bit_identical(&format!("{what}: v"), &sa.v, &sb.v);
+            assert_eq!(sa.updates, sb.updates);
+        }
+    }
+}
+
+/// The same with the LM head in vocabulary tiles: the final norm's and head's gradients are
+/// measured once complete (after the last tile), as with a whole head.
+#[test]
+fn lean_without_clipping_is_bit_identical_to_exact_with_a_tiled_head() {
+    for case in CASES {
+        for (k, mbs) in [(1, 1), (2, 2), (3, 1)] {
+            let run = |memory| fixture_run_tiled(case, k, mbs, memory, Some(37));
+            let ((a, sa), (b, sb)) = (run(OptimizerMemory::Exact), run(OptimizerMemory::Lean));
+            let what = format!("{case} tiles of 37, K{k} micro-batch {mbs}");
             assert_eq!(a, b, "{what}: losses and gradient norms");
             assert_bit_identical(&format!("{what}: masters"), &sa.params, &sb.params);
             assert_bit_identical(&format!("{what}: m"), &sa.m, &sb.m);
@@ -112,6 +142,28 @@ fn lean_without_clipping_is_bit_identical_to_exact_on_a_random_model_for_20_step
     assert_bit_identical("m", &sa.m, &sb.m);
     assert_bit_identical("v", &sa.v, &sb.v);
     assert!(sb.grads.layers.iter().all(|l| l.is_empty()), "lean keeps no layer gradients");
+}
+
+#[test]
+fn lean_without_clipping_is_bit_identical_to_exact_with_a_tiled_head_for_20_steps() {
+    // `engine.head_tile_rows: 64` from the config: V = 300 in 5 tiles.
+    let tmp = tempfile::tempdir().unwrap();
+    let mut runs = Vec::new();
+    for memory in ["exact", "lean"] {
+        let yaml = random_yaml(tmp.path(), 20, 0.0, memory, "")
+            .replace("grad_slabs: 3 }", "grad_slabs: 3, head_tile_rows: 64 }");
+        let mut t = trainer(&yaml);
+        assert_eq!(t.engine.sizes().head.tiles(), 5);
+        let metrics: Vec<(f64, f64)> =
+            (0..20).map(|k| t.step(k).unwrap()).map(|m| (m.loss, m.grad_norm)).collect();
+        runs.push((metrics, t.engine.into_state()));
+    }
+    let ((ma, sa), (mb, sb)) = (&runs[0], &runs[1]);
+    assert_eq!(ma, mb, "losses and gradient norms");
+    assert!(ma.iter().all(|(l, n)| l.is_finite() && n.is_finite()));
+    assert_bit_identical("masters", &sa.params, &sb.params);
+    assert_bit_identical("m", &sa.m, &sb.m);
+    assert_bit_identical("v", &sa.v, &sb.v);
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! Streaming-engine properties on the CPU device: device memory does not grow with depth, a
 //! model whose weights are 10x the device budget trains, a plan that does not fit is refused
-//! before anything is allocated, and `summary.json` reports what it should.
+//! before anything is allocated, `summary.json` reports what it should, and a Qwen3-8B-shaped
+//! model plans no head-sized device buffer.
 
 use std::process::Command;
 
@@ -110,4 +111,52 @@ fn train_writes_a_summary() {
     assert_eq!(s["steps"], 2);
     assert!(s["peak_device_bytes"].as_u64() <= s["planned_device_bytes"].as_u64());
     assert!(s["h2d_bytes"].as_u64().unwrap() > 0 && s["d2h_bytes"].as_u64().unwrap() > 0);
+}
+
+/// `bench/qwen3-8b-shape.yaml` on the CUDA backend's precision (planning needs no GPU): the
+/// LM head (V x C = 622M parameters, 3.2x a layer) is applied in vocabulary tiles, so no device
+/// line is head-sized; the weight slots are exactly two bf16 layers, the accumulators two fp32
+/// layers, and the total is one layer's weights and gradients plus activations and the head's
+/// per-row buffers, whatever the depth.
+#[test]
+fn a_qwen3_8b_shape_plans_no_head_sized_device_buffer() {
+    use horizon::config::BackendKind;
+    use horizon::engine::plan_cmd::plan_for;
+    use horizon::model::layout::ModelLayout;
+    use horizon::train::{engine_config, model_config};
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/bench/qwen3-8b-shape.yaml");
+    let raw = RawConfig::from_yaml(&std::fs::read_to_string(path).unwrap(), path).unwrap();
+    let (model, ecfg) = (model_config(&raw).unwrap(), engine_config(&raw));
+    assert_eq!(ecfg.backend, BackendKind::Cuda);
+    let layout = ModelLayout::new(&model);
+    let (c, v, layer) = (layout.dims.c, layout.dims.v, layout.max_layer_len());
+    assert_eq!((c, v, layout.dims.layers, layout.tied), (4096, 151936, 36, false));
+    assert!(v * c > 3 * layer, "the head is 3.2x a layer");
+    let plan = plan_for(&model, &ecfg, None);
+    println!("{plan}");
+    // Every device buffer is smaller than the head in bf16: a line of two (slots,
+    // accumulators) per buffer, any other line as a whole.
+    let head_bf16 = (v * c * 2) as u64;
+    for (what, bytes) in &plan.device {
+        let per_buffer = if what.contains("(2,") { bytes / 2 } else { *bytes };
+        assert!(per_buffer < head_bf16, "{what}: {per_buffer} B is head-sized ({head_bf16} B)");
+    }
+    let line = |key: &str| plan.device.iter().find(|(k, _)| k.contains(key)).unwrap().1;
+    assert_eq!(line("weight slots (2, bf16"), 2 * layer as u64 * 2);
+    assert_eq!(line("gradient accumulators"), 2 * layer as u64 * 4);
+    assert!(plan.head.tiles() >= 4 && plan.head.rows * c + c <= layer, "{:?}", plan.head);
+    assert!(plan.to_string().contains(&format!(
+        "{} tiles of {} vocabulary rows",
+        plan.head.tiles(),
+        plan.head.rows
+    )));
+    // O(one layer + activations): beside the two layers' weights and gradients, only what
+    // scales with the rows (activations, one layer's internals, the head's per-row buffers and
+    // chunk) and the backend's fixed workspace; nothing grows with the depth.
+    let mut deeper = model.clone();
+    deeper.num_layers = 72;
+    assert_eq!(plan_for(&deeper, &ecfg, None).device_total(), plan.device_total());
+    // Less than what the slots and accumulators alone took when sized by norm + whole head
+    // (2 x bf16 + 2 x fp32 = 12 B per element: 7.5 GB).
+    assert!(plan.device_total() < 12 * (c + v * c) as u64, "{plan}");
 }

@@ -18,6 +18,9 @@ use horizon_backend::{
 
 use crate::config::{BackendKind, GradWire, OptimizerMemory};
 use crate::data::pretokenized::{Row, make_batch};
+use crate::engine::head_tiles::{
+    HeadTiling, STATS, TileDims, TileRows, tile_finish, tile_grad, tile_stats,
+};
 use crate::engine::phases::{Phase, PhaseClock, PhaseSeconds};
 use crate::engine::plan::{
     ActSource, GradTarget, OpKind, ParamBuf, PlanShape, Schedule, SlotContent, Wait,
@@ -49,6 +52,9 @@ pub struct EngineConfig {
     pub grad_slabs: usize,
     /// Rows per LM-head chunk.
     pub head_chunk_rows: usize,
+    /// `engine.head_tile_rows`: vocabulary rows per LM-head tile, at most what fits in a weight
+    /// slot ([`HeadTiling::new`]); `None`: as many as fit.
+    pub head_tile_rows: Option<usize>,
     /// AdamW and clipping (the learning rate comes with each step, from the schedule).
     pub adamw: AdamWConfig,
     pub grad_clip: f64,
@@ -74,9 +80,19 @@ impl EngineConfig {
 /// single source for the allocation and for the memory plan.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Sizes {
-    /// One weight slot / gradient accumulator, in weights / f32: the largest of a layer and
-    /// norm + head.
+    /// One weight slot / gradient accumulator, in weights / f32: the largest layer (the head
+    /// is applied in tiles that fit beside the final norm, or whole where it fits).
     pub slot: usize,
+    /// How the LM head's vocabulary is cut into tiles (one tile: applied whole).
+    pub head: HeadTiling,
+    /// Tiled head: per micro-batch `hf`, `dhf` (N, C), `rstd` (N), softmax stats (N, 3);
+    /// 0 when the head is whole (its buffers are then part of the scratch).
+    pub head_rows: usize,
+    /// Tiled head: the logits chunk (chunk, tile rows) and the `dhf` chunk (chunk, C); 0 when
+    /// whole.
+    pub head_chunk: usize,
+    /// Tiled head: the final norm's gradient accumulator (C); 0 when whole.
+    pub dnorm: usize,
     /// The weight slots' format (fp32 on the CPU, bf16 on CUDA).
     pub precision: Precision,
     /// Bytes of the backend's workspace (0 on the CPU): bf16 copies of the largest product's
@@ -134,7 +150,9 @@ impl Sizes {
         let layer_acts = n * act_widths.iter().sum::<usize>();
         let layer_scratch = layer_acts + n * d.c; // y
         let grad_scratch = n * grad_widths[1..].iter().sum::<usize>();
-        let head_scratch = n * d.c * 2 + n + chunk * d.v;
+        let head = HeadTiling::new(layout, cfg.head_tile_rows);
+        let whole = head.is_whole();
+        let head_scratch = if whole { n * d.c * 2 + n + chunk * d.v } else { 0 };
         let rope = layout.rope.len() * 2 * cfg.seq_len * d.d / 2;
         let params = layout.num_params();
         let vc = d.v * d.c;
@@ -152,12 +170,16 @@ impl Sizes {
                 Op::Linear { ic, oc, .. } => Some((n, ic, oc)),
                 _ => None,
             })
-            .chain(std::iter::once((chunk, d.c, d.v)))
+            .chain(std::iter::once((chunk, d.c, head.rows)))
             .map(|(n, ic, oc)| cfg.backend.precision().product_bytes(n, ic, oc))
             .max()
             .unwrap_or(0);
         Sizes {
-            slot: layout.max_layer_len().max(d.c + vc),
+            slot: layout.max_layer_len().max(d.c + head.rows * d.c),
+            head,
+            head_rows: if whole { 0 } else { n * (2 * d.c + 1 + STATS) },
+            head_chunk: if whole { 0 } else { chunk * (head.rows + d.c) },
+            dnorm: if whole { 0 } else { d.c },
             precision: cfg.backend.precision(),
             workspace_bytes: cfg.backend.precision().workspace(products).bytes,
             grad_wire: cfg.grad_wire,
@@ -178,7 +200,7 @@ impl Sizes {
             act_buffers: act_widths.len(),
             scratch_buffers: act_widths.len() + grad_widths.len() - 1
                 + 1
-                + 4
+                + if whole { 4 } else { 2 }
                 + 2 * layout.rope.len(),
             params,
         }
@@ -194,37 +216,62 @@ impl Sizes {
         self.workspace_bytes.div_ceil(4)
     }
 
-    /// Device bytes by kind: (weight slots, gradient accumulators, activations, scratch, the
-    /// backend's workspace, kept internals, and the pool's rounding of every buffer up to its
-    /// alignment).
-    pub fn device_bytes(&self) -> [(&'static str, usize); 7] {
+    /// Device bytes by kind: weight slots, gradient accumulators, activations, scratch, the
+    /// backend's workspace, kept internals, (tiled head) its per-micro-batch rows, its chunk
+    /// and the final norm's accumulator, and the pool's rounding of every buffer up to its
+    /// alignment.
+    pub fn device_bytes(&self) -> Vec<(&'static str, usize)> {
         let m = self.micro_batches;
+        let tiled = !self.head.is_whole();
         // Buffers `Engine::new` allocates: slots and accumulators, per micro-batch the residual
-        // streams, residual gradient, ids, targets, losses; the scratch; the workspace.
+        // streams, residual gradient, ids, targets, losses (and, tiled, the head's hf, dhf,
+        // rstd, stats); the scratch; the workspace; the final norm's accumulator.
         let buffers = 4
-            + m * (self.act_sets + 4)
+            + m * (self.act_sets + 4 + if tiled { 4 } else { 0 })
             + self.scratch_buffers
             + usize::from(self.workspace_bytes > 0)
+            + usize::from(tiled)
             + self.stash_sets * self.act_buffers;
         let slots = match self.precision {
             Precision::F32 => "weight slots (2, fp32)",
             Precision::Bf16 => "weight slots (2, bf16: half the bytes of fp32)",
         };
-        [
+        let mut lines = vec![
             (slots, 2 * self.slot_elems() * 4),
             ("gradient accumulators (2, fp32)", 2 * self.slot * 4),
             (
                 "activations (residual streams, checkpoint block, gradients, ids)",
                 (m * self.act_sets * self.act + m * self.act + m * self.per_mb_small) * 4,
             ),
-            ("workspace (one layer's internals, head chunk, rope)", self.scratch * 4),
+            (
+                if tiled {
+                    "workspace (one layer's internals, rope)"
+                } else {
+                    "workspace (one layer's internals, head chunk, rope)"
+                },
+                self.scratch * 4,
+            ),
             (
                 "backend workspace (bf16 product inputs, cuBLAS, bf16 gradient chunk)",
                 self.workspace_elems() * 4,
             ),
             ("kept layer internals (engine.recompute: no recompute)", self.stash * 4),
-            ("alignment (each buffer rounded up to 64 bytes, at most)", buffers * ALIGN_ELEMS * 4),
-        ]
+        ];
+        if tiled {
+            lines.extend([
+                (
+                    "LM head rows, per micro-batch (hf, dhf: N x C; rstd; stats: N x 3)",
+                    m * self.head_rows * 4,
+                ),
+                ("LM head chunk (logits: chunk x tile rows; dhf: chunk x C)", self.head_chunk * 4),
+                ("final norm gradient accumulator (C, fp32)", self.dnorm * 4),
+            ]);
+        }
+        lines.push((
+            "alignment (each buffer rounded up to 64 bytes, at most)",
+            buffers * ALIGN_ELEMS * 4,
+        ));
+        lines
     }
 
     /// Host bytes of the gradient slabs: fp32, or bf16 plus (streamed updates) one fp32 layer
@@ -289,9 +336,23 @@ struct Scratch {
     /// `dres`).
     grads: Vec<DevBuf>,
     y: DevBuf,
-    head: HeadBufs<DevBuf>,
+    /// The whole head's scratch (`None` when it is tiled: [`Ctx::tiled`]).
+    head: Option<HeadBufs<DevBuf>>,
     /// Per rope table: (T, D/2) cos and sin.
     ropes: Vec<(DevBuf, DevBuf)>,
+}
+
+/// The tiled head's device buffers.
+struct TiledHead {
+    tiling: HeadTiling,
+    /// (chunk, tile rows) logits, then dlogits.
+    logits: DevBuf,
+    /// (chunk, C): a later tile's part of `dhf`, before it is added.
+    dhf_chunk: DevBuf,
+    /// Per micro-batch: (N, C) hf, (N) rstd, (N, 3) stats, (N, C) dhf.
+    rows: Vec<[DevBuf; 4]>,
+    /// (C) the final norm's gradient accumulator.
+    dnorm: DevBuf,
 }
 
 /// Everything queued work needs, shared by reference count with the closures.
@@ -303,6 +364,8 @@ struct Ctx {
     grad_clip: f64,
     slots: [DevBuf; 2],
     dws: [DevBuf; 2],
+    /// The head's buffers when it is applied in tiles.
+    tiled: Option<TiledHead>,
     /// [set][m]
     acts: Vec<Vec<DevBuf>>,
     dres: Vec<DevBuf>,
@@ -458,6 +521,9 @@ impl Ctx {
     fn head_param(&self) -> ParamBuf {
         self.shape.head_buf()
     }
+    fn tiled(&self) -> &TiledHead {
+        self.tiled.as_ref().expect("the plan tiles the head only when the engine does")
+    }
 }
 
 /// One micro-batch of the step being run.
@@ -576,6 +642,7 @@ where
             checkpoint_every: cfg.checkpoint_every,
             grad_slabs: cfg.grad_slabs,
             tied: layout.tied,
+            head_tiles: sizes.head.tiles(),
             keep_internals: cfg.keep_internals,
             streamed: cfg.memory.streams_updates(),
         };
@@ -636,15 +703,31 @@ where
             acts: acts_scratch,
             grads: grads_scratch,
             y: alloc(n * d.c)?,
-            head: HeadBufs {
-                hf: alloc(n * d.c)?,
-                dhf: alloc(n * d.c)?,
-                rstd: alloc(n)?,
-                logits: alloc(chunk * d.v)?,
+            head: match sizes.head.is_whole() {
+                true => Some(HeadBufs {
+                    hf: alloc(n * d.c)?,
+                    dhf: alloc(n * d.c)?,
+                    rstd: alloc(n)?,
+                    logits: alloc(chunk * d.v)?,
+                }),
+                false => None,
             },
             ropes: (0..layout.rope.len())
                 .map(|_| Ok((alloc(cfg.seq_len * half)?, alloc(cfg.seq_len * half)?)))
                 .collect::<Result<Vec<_>>>()?,
+        };
+
+        let tiled = match sizes.head.is_whole() {
+            true => None,
+            false => Some(TiledHead {
+                tiling: sizes.head,
+                logits: alloc(chunk * sizes.head.rows)?,
+                dhf_chunk: alloc(chunk * d.c)?,
+                rows: (0..mbs)
+                    .map(|_| Ok([alloc(n * d.c)?, alloc(n)?, alloc(n * STATS)?, alloc(n * d.c)?]))
+                    .collect::<Result<Vec<_>>>()?,
+                dnorm: alloc(d.c)?,
+            }),
         };
 
         // Host staging buffers, allocated once.
@@ -680,6 +763,7 @@ where
             grad_clip: cfg.grad_clip,
             slots,
             dws,
+            tiled,
             acts,
             dres,
             ids,
@@ -910,7 +994,7 @@ where
                 self.dev.wait(op.queue, e);
             }
             self.dispatch(op.kind, &sd, after_head);
-            after_head |= matches!(op.kind, OpKind::Head { .. });
+            after_head |= matches!(op.kind, OpKind::Head { .. } | OpKind::HeadFinish { .. });
             self.dev.record(op.queue, &self.events[par][j]);
         }
         self.steps += 1;
@@ -1001,6 +1085,116 @@ where
         );
     }
 
+    /// Sizes of a tile pass over micro-batch `m`.
+    fn tile_dims(c: &Ctx, sd: &StepData, tile: usize, m: usize) -> TileDims {
+        let r = c.tiled().tiling.range(tile);
+        TileDims {
+            n: sd.mbs[m].n(),
+            chunk: c.head_chunk,
+            v0: r.start,
+            vt: r.len(),
+            norm: c.layout.final_norm(),
+            scale: sd.scale,
+        }
+    }
+
+    /// Tiled head, pass 1: micro-batch `m`'s statistics over tile `tile` (in `slot`); tile 0
+    /// first runs the final norm of `Act{src}`.
+    fn launch_head_stats(
+        &self,
+        tile: usize,
+        slot: usize,
+        m: usize,
+        src: usize,
+        sd: &Arc<StepData>,
+    ) {
+        let (c, sd, d) = (self.ctx.clone(), sd.clone(), self.ctx.layout.dims);
+        self.launch_phase(
+            Phase::Head,
+            Box::new(move |vw: &dyn Views<D::Backend>| {
+                let (t, td) = (c.tiled(), Self::tile_dims(&c, &sd, tile, m));
+                let (n, vt) = (td.n, td.vt);
+                // SAFETY: the buffers viewed are distinct, and the schedule orders this kernel
+                // against every other queue's use of them (the head's rows and chunk are the
+                // compute queue's).
+                unsafe {
+                    let x = (tile == 0).then(|| vw.buf(c.acts[src][m].prefix(n * d.c)));
+                    let w = vw.wbuf(c.slots[slot]);
+                    tile_stats(
+                        vw.backend(),
+                        &mut tile_rows(vw, t, m),
+                        vw.buf_mut(t.logits),
+                        x,
+                        w.slice(0..d.c),
+                        w.slice(d.c..d.c + vt * d.c),
+                        vw.ibuf(c.targets[m].prefix(n)),
+                        td,
+                    );
+                }
+            }),
+        );
+    }
+
+    /// Tiled head, pass 2: micro-batch `m`'s dlogits over tile `tile` (in `slot`), its part of
+    /// `dhf` (`first`: overwrites) and the tile's gradient into `Dw{dw}`.
+    fn launch_head_grad(
+        &self,
+        (tile, slot, m, dw): (usize, usize, usize, usize),
+        first: bool,
+        sd: &Arc<StepData>,
+    ) {
+        let (c, sd, d) = (self.ctx.clone(), sd.clone(), self.ctx.layout.dims);
+        self.launch_phase(
+            Phase::Head,
+            Box::new(move |vw: &dyn Views<D::Backend>| {
+                let (t, td) = (c.tiled(), Self::tile_dims(&c, &sd, tile, m));
+                let vtc = td.vt * d.c;
+                // SAFETY: as for pass 1; the accumulator is ordered against its downloads.
+                unsafe {
+                    tile_grad(
+                        vw.backend(),
+                        &mut tile_rows(vw, t, m),
+                        vw.buf_mut(t.logits),
+                        vw.buf_mut(t.dhf_chunk),
+                        vw.buf_mut(c.dws[dw].prefix(vtc)),
+                        vw.wbuf(c.slots[slot]).slice(d.c..d.c + vtc),
+                        vw.ibuf(c.targets[m].prefix(td.n)),
+                        first,
+                        td,
+                    );
+                }
+            }),
+        );
+    }
+
+    /// Tiled head, after the last tile: micro-batch `m`'s losses and the final norm's
+    /// backward (its weight read from `slot`) from `Act{src}`.
+    fn launch_head_finish(&self, slot: usize, m: usize, src: usize, sd: &Arc<StepData>) {
+        let (c, sd, d) = (self.ctx.clone(), sd.clone(), self.ctx.layout.dims);
+        self.launch_phase(
+            Phase::Head,
+            Box::new(move |vw: &dyn Views<D::Backend>| {
+                let t = c.tiled();
+                let (n, nc) = (sd.mbs[m].n(), sd.mbs[m].n() * d.c);
+                // SAFETY: as for pass 1.
+                unsafe {
+                    tile_finish(
+                        vw.backend(),
+                        &tile_rows(vw, t, m),
+                        vw.buf_mut(c.losses[m].prefix(n)),
+                        vw.buf_mut(c.dres[m].prefix(nc)),
+                        vw.buf_mut(t.dnorm),
+                        vw.buf(c.acts[src][m].prefix(nc)),
+                        vw.wbuf(c.slots[slot]).slice(0..d.c),
+                        vw.ibuf(c.targets[m].prefix(n)),
+                        n,
+                        c.layout.final_norm(),
+                    );
+                }
+            }),
+        );
+    }
+
     /// Submit one operation to its queue.
     fn dispatch(&self, kind: OpKind, sd: &Arc<StepData>, after_head: bool) {
         let c = &self.ctx;
@@ -1050,6 +1244,17 @@ where
                     self.dev.upload_weights(c.slots[slot], 0, norm);
                     self.dev.upload_weights(c.slots[slot], d.c, head);
                 }
+                SlotContent::HeadTile(k) => {
+                    let norm = c.params[c.param_index(ParamBuf::FinalNorm)].as_const();
+                    let head = c.params[c.param_index(c.head_param())].as_const();
+                    let r = c.tiled().tiling.range(k);
+                    self.dev.upload_weights(c.slots[slot], 0, norm);
+                    self.dev.upload_weights(
+                        c.slots[slot],
+                        d.c,
+                        head.sub(r.start * d.c..r.end * d.c),
+                    );
+                }
             },
             OpKind::SaveCkpt { block, m, set } => {
                 let nc = sd.mbs[m].n() * d.c;
@@ -1071,6 +1276,34 @@ where
                     }),
                 );
             }
+            OpKind::HeadStats { tile, slot, m, src } => {
+                self.launch_head_stats(tile, slot, m, src, sd)
+            }
+            OpKind::HeadGrad { tile, slot, m, dw, first } => {
+                self.launch_head_grad((tile, slot, m, dw), first, sd);
+            }
+            OpKind::HeadFinish { slot, m, src } => self.launch_head_finish(slot, m, src, sd),
+            OpKind::ZeroDnorm => {
+                let c = c.clone();
+                self.launch_phase(
+                    Phase::Head,
+                    Box::new(move |vw: &dyn Views<D::Backend>| {
+                        // SAFETY: the schedule orders this kernel after the accumulator's last
+                        // download.
+                        unsafe { vw.backend().zero(vw.buf_mut(c.tiled().dnorm)) };
+                    }),
+                );
+            }
+            OpKind::DownloadHeadTileGrads { dw, tile } => {
+                let r = c.tiled().tiling.range(tile);
+                let head = c.grads[c.param_index(c.head_param())];
+                let len = r.len() * d.c;
+                self.dev.download(head.sub(r.start * d.c..r.end * d.c), c.dws[dw].prefix(len));
+            }
+            OpKind::DownloadNormGrads => {
+                let norm = c.grads[c.param_index(ParamBuf::FinalNorm)];
+                self.dev.download(norm, c.tiled().dnorm);
+            }
             OpKind::Head { slot, m, src, dw } => {
                 let (c, sd) = (c.clone(), sd.clone());
                 self.launch_phase(
@@ -1078,7 +1311,7 @@ where
                     Box::new(move |vw: &dyn Views<D::Backend>| {
                         let mb = &sd.mbs[m];
                         let (n, nc, vc) = (mb.n(), mb.n() * d.c, d.v * d.c);
-                        let h = &c.scratch.head;
+                        let h = c.scratch.head.as_ref().expect("a whole head has its scratch");
                         // SAFETY: as for the forward kernel.
                         unsafe {
                             let mut hb = HeadBufs {
@@ -1325,6 +1558,27 @@ where
                     }
                 });
             }
+        }
+    }
+}
+
+/// Views of micro-batch `m`'s tiled-head rows: hf, rstd, stats, dhf.
+///
+/// # Safety
+/// No other view of these buffers may be live.
+unsafe fn tile_rows<'a, B: Backend + ?Sized>(
+    vw: &'a dyn Views<B>,
+    t: &TiledHead,
+    m: usize,
+) -> TileRows<'a, B> {
+    let [hf, rstd, stats, dhf] = t.rows[m];
+    // SAFETY: four distinct buffers; the caller's exclusivity.
+    unsafe {
+        TileRows {
+            hf: vw.buf_mut(hf),
+            rstd: vw.buf_mut(rstd),
+            stats: vw.buf_mut(stats),
+            dhf: vw.buf_mut(dhf),
         }
     }
 }

@@ -6,6 +6,7 @@ use std::fmt;
 use anyhow::{Result, bail};
 
 use crate::engine::exec::Sizes;
+use crate::engine::head_tiles::HeadTiling;
 
 /// Bytes by kind, host and device.
 #[derive(Clone, Debug, PartialEq)]
@@ -20,6 +21,8 @@ pub struct MemoryPlan {
     pub host_available: Option<u64>,
     /// The device pool lives in host RAM (CPU backend): counted in the host total too.
     pub device_in_host_ram: bool,
+    /// How the LM head is applied: whole, or in vocabulary tiles through the weight slots.
+    pub head: HeadTiling,
 }
 
 impl MemoryPlan {
@@ -31,6 +34,7 @@ impl MemoryPlan {
             device_budget,
             host_available: host_available_bytes(),
             device_in_host_ram,
+            head: sizes.head,
         }
     }
 
@@ -105,6 +109,17 @@ impl fmt::Display for MemoryPlan {
             writeln!(f, "    {:<70} {:>14}", "available", gib(a))?;
         }
         writeln!(f, "  device:")?;
+        let head = if self.head.is_whole() {
+            format!("whole (V = {} fits in a weight slot)", self.head.vocab)
+        } else {
+            format!(
+                "{} tiles of {} vocabulary rows (V = {}), two passes",
+                self.head.tiles(),
+                self.head.rows,
+                self.head.vocab
+            )
+        };
+        writeln!(f, "    LM head: {head}")?;
         for (k, b) in &self.device {
             writeln!(f, "    {:<70} {:>14}", k, gib(*b))?;
         }

@@ -1,11 +1,13 @@
 //! The streaming engine: host RAM holds the model; the device borrows one layer at a time.
 //! `plan` builds the step as data and checks it for hazards; `exec` runs it on a [`Device`];
 //! `memory` says before allocating what the run will need; `phases` times the step by phase and
-//! counts its FLOPs.
+//! counts its FLOPs; `head_tiles` applies an LM head too large for a weight slot in vocabulary
+//! tiles.
 //!
 //! [`Device`]: horizon_backend::Device
 
 pub mod exec;
+pub mod head_tiles;
 pub mod memory;
 pub mod phases;
 pub mod plan;

@@ -95,7 +95,9 @@ impl PhaseSeconds {
 //                     -> 4*D*H*B*pairs(T): T(T+1)/2 causal, fewer within a sliding window
 //   layer backward  = 2x the forward's products (dinp and dweight of each); attention 2.5x the
 //                     forward's (dq, dk, dv, dp, and the scores recomputed from lse)
-//   head            = 2*N*C*V forward, 4*N*C*V backward
+//   head            = 2*N*C*V forward, 4*N*C*V backward; in T vocabulary tiles, pass 1 runs the
+//                     forward (2*N*C*V / T per tile) and pass 2 the forward again (recompute)
+//                     and the backward ((2 + 4)*N*C*V / T per tile)
 // Model FLOPs per step: 6 * (parameters in matrix products: layers and head, not the embedding
 // gather) * tokens, plus the causal attention forward and backward (3x the forward's).
 
@@ -120,6 +122,7 @@ pub fn step_flops(schedule: &Schedule, layout: &ModelLayout, b: usize, t: usize)
     };
     let head = 6.0 * (b * t * d.c * d.v) as f64;
     let mut f = StepFlops::default();
+    let tiles = schedule.shape.head_tiles as f64;
     let mut after_head = false;
     for op in schedule.ops(2) {
         match op.kind {
@@ -143,11 +146,20 @@ pub fn step_flops(schedule: &Schedule, layout: &ModelLayout, b: usize, t: usize)
                 f.schedule += head;
                 after_head = true;
             }
+            OpKind::HeadStats { .. } => f.schedule += head / 3.0 / tiles,
+            OpKind::HeadGrad { .. } => {
+                f.schedule += head / tiles;
+                f.recompute += head / 3.0 / tiles;
+            }
+            OpKind::HeadFinish { .. } => after_head = true,
             _ => {}
         }
     }
-    let micro_batches =
-        schedule.ops(2).iter().filter(|op| matches!(op.kind, OpKind::Head { .. })).count();
+    let micro_batches = schedule
+        .ops(2)
+        .iter()
+        .filter(|op| matches!(op.kind, OpKind::Head { .. } | OpKind::HeadFinish { .. }))
+        .count();
     let layers: f64 = (0..d.layers).map(|l| 3.0 * fwd(l).0).sum();
     f.model = micro_batches as f64 * (layers + head);
     f

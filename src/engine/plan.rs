@@ -24,7 +24,7 @@ pub enum ParamBuf {
 /// Every buffer an operation can touch, device and host.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Res {
-    /// Device weight slot (double-buffered layer weights, or final norm + LM head).
+    /// Device weight slot (double-buffered layer weights, or final norm + LM head or a tile of it).
     Slot(usize),
     /// Device parameter-gradient accumulator (double-buffered).
     Dw(usize),
@@ -41,6 +41,12 @@ pub enum Res {
     Ids(usize),
     /// Device per-row losses of micro-batch `m`.
     Losses(usize),
+    /// Device, tiled LM head: micro-batch `m`'s final-norm output `hf` and `rstd`, softmax
+    /// statistics (running max, sum, target logit) and `dhf`, alive from the first tile of
+    /// pass 1 to the final-norm backward.
+    HeadRows(usize),
+    /// Device, tiled LM head: the final norm's gradient accumulator (C).
+    DnormW,
     /// Host parameters / gradients / AdamW moments of one buffer.
     Params(ParamBuf),
     Grads(ParamBuf),
@@ -77,6 +83,9 @@ pub enum SlotContent {
     Layer(usize),
     /// Final norm weight followed by the LM head weight.
     Head,
+    /// Final norm weight followed by tile `k` of the LM head: vocabulary rows
+    /// `k * tile_rows .. min((k + 1) * tile_rows, V)` (a head too large for one slot).
+    HeadTile(usize),
 }
 
 /// Where an uploaded residual-stream buffer comes from.
@@ -116,6 +125,21 @@ pub enum OpKind {
     ZeroDw { dw: usize },
     /// Compute: final norm, LM head and cross-entropy of micro-batch `m`, forward and backward.
     Head { slot: usize, m: usize, src: usize, dw: usize },
+    /// Compute, tiled head pass 1: for each chunk of rows of micro-batch `m`, the logits of
+    /// tile `tile` (resident in `slot`) folded into the rows' softmax statistics; tile 0 first
+    /// runs the final norm of `Act{src}` into the micro-batch's `hf`, `rstd`.
+    HeadStats { tile: usize, slot: usize, m: usize, src: usize },
+    /// Compute, tiled head pass 2: per chunk of rows, the tile's logits again, turned into
+    /// dlogits in place (from the complete statistics); `dhf` of the rows gets dlogits · W_tile
+    /// (`first`: the first tile of the pass overwrites it, later tiles add), and
+    /// `Dw{dw}[0..rows*C] += dlogitsᵀ · hf`.
+    HeadGrad { tile: usize, slot: usize, m: usize, dw: usize, first: bool },
+    /// Compute, tiled head, after the last tile: micro-batch `m`'s losses from its statistics,
+    /// and the final norm's backward (`dhf` -> `dres`, overwrites; `DnormW +=`), the norm
+    /// weight read from `slot`.
+    HeadFinish { slot: usize, m: usize, src: usize },
+    /// Compute, tiled head: zero the final norm's gradient accumulator.
+    ZeroDnorm,
     /// Compute: recompute layer internals from `Act{set}`, then the layer's backward.
     Backward { layer: usize, slot: usize, m: usize, set: usize, dw: usize },
     /// D2H: per-row losses of micro-batch `m`.
@@ -125,6 +149,12 @@ pub enum OpKind {
     /// D2H: the final norm's and LM head's gradient accumulator straight into their host
     /// gradient buffers (overwrites: nothing else has written them this step).
     DownloadHeadGrads { dw: usize },
+    /// D2H, tiled head: tile `tile`'s gradient (`Dw{dw}`'s first rows) straight into its rows
+    /// of the host head gradient (overwrites).
+    DownloadHeadTileGrads { dw: usize, tile: usize },
+    /// D2H, tiled head: the final norm's gradient accumulator into its host gradient
+    /// (overwrites).
+    DownloadNormGrads,
     /// Host (`lean`/`compact`): clip (by an estimate of the step's norm, see ARCHITECTURE.md)
     /// and AdamW-update layer `layer` from the slab its gradient came back in, before the
     /// layers below it are back; the gradient is then dropped.
@@ -183,6 +213,9 @@ pub struct PlanShape {
     pub grad_slabs: usize,
     /// Whether the LM head is tied to the embedding.
     pub tied: bool,
+    /// Vocabulary tiles the LM head is applied in: 1 = whole (it fits in a weight slot beside
+    /// the final norm), else two passes over the tiles (see [`step_ops`]).
+    pub head_tiles: usize,
     /// Each layer's forward keeps its internals on the device for the backward, which then
     /// recomputes nothing (`engine.recompute: never`); needs `checkpoint_every == 1`.
     pub keep_internals: bool,
@@ -254,7 +287,7 @@ impl Builder {
         };
         let reads = match what {
             SlotContent::Layer(i) => vec![Res::Params(ParamBuf::Layer(i))],
-            SlotContent::Head => {
+            SlotContent::Head | SlotContent::HeadTile(_) => {
                 vec![Res::Params(ParamBuf::FinalNorm), Res::Params(self.shape.head_buf())]
             }
         };
@@ -338,12 +371,113 @@ impl Builder {
             vec![Res::Params(p), Res::Grads(p), Res::Moments(p)],
         );
     }
+
+    /// Download micro-batch `m`'s losses.
+    fn download_losses(&mut self, m: usize) {
+        self.push(
+            OpKind::DownloadLosses { m },
+            Queue::D2H,
+            vec![Res::Losses(m)],
+            vec![Res::LossHost(m)],
+        );
+    }
+
+    /// The head in one slot: final norm + LM head + cross-entropy, forward and backward, per
+    /// micro-batch, then the gradients straight into their host buffers.
+    fn whole_head(&mut self) {
+        let slot = self.ensure(SlotContent::Head);
+        let dw = self.take_dw();
+        self.push(OpKind::ZeroDw { dw }, Queue::Compute, vec![], vec![Res::Dw(dw)]);
+        let src = self.shape.layers % 2;
+        for m in 0..self.shape.micro_batches {
+            self.push(
+                OpKind::Head { slot, m, src, dw },
+                Queue::Compute,
+                vec![Res::Slot(slot), Res::Act { set: src, m }, Res::Ids(m)],
+                vec![Res::Dw(dw), Res::Dres(m), Res::Losses(m), Res::Scratch],
+            );
+            self.download_losses(m);
+        }
+        // The head's gradient goes straight into its host gradient buffers: no slab the size
+        // of the LM head is needed.
+        self.push(
+            OpKind::DownloadHeadGrads { dw },
+            Queue::D2H,
+            vec![Res::Dw(dw)],
+            vec![Res::Grads(ParamBuf::FinalNorm), Res::Grads(self.shape.head_buf())],
+        );
+    }
+
+    /// The head in vocabulary tiles, each uploaded into a weight slot beside the final norm
+    /// (the two slots double-buffer the tiles as they do layers). Pass 1, tiles in order:
+    /// every micro-batch's softmax statistics (tile 0 also runs the final norm). Pass 2, tiles
+    /// in reverse order (the last two tiles of pass 1 are still resident): the logits again,
+    /// dlogits, `dhf` and the tile's weight gradient in one of the two accumulators, which
+    /// downloads straight into the tile's rows of the host gradient while the next tile
+    /// computes. Then per micro-batch the losses and the final norm's backward (`dres`), and
+    /// the final norm's gradient from its own small accumulator.
+    fn tiled_head(&mut self) {
+        let (tiles, mbs, src) =
+            (self.shape.head_tiles, self.shape.micro_batches, self.shape.layers % 2);
+        for tile in 0..tiles {
+            let slot = self.ensure(SlotContent::HeadTile(tile));
+            for m in 0..mbs {
+                let mut reads = vec![Res::Slot(slot), Res::Ids(m)];
+                if tile == 0 {
+                    reads.push(Res::Act { set: src, m });
+                }
+                self.push(
+                    OpKind::HeadStats { tile, slot, m, src },
+                    Queue::Compute,
+                    reads,
+                    vec![Res::HeadRows(m), Res::Scratch],
+                );
+            }
+        }
+        for tile in (0..tiles).rev() {
+            let slot = self.ensure(SlotContent::HeadTile(tile));
+            let dw = self.take_dw();
+            self.push(OpKind::ZeroDw { dw }, Queue::Compute, vec![], vec![Res::Dw(dw)]);
+            for m in 0..mbs {
+                self.push(
+                    OpKind::HeadGrad { tile, slot, m, dw, first: tile == tiles - 1 },
+                    Queue::Compute,
+                    vec![Res::Slot(slot), Res::Ids(m)],
+                    vec![Res::HeadRows(m), Res::Dw(dw), Res::Scratch],
+                );
+            }
+            self.push(
+                OpKind::DownloadHeadTileGrads { dw, tile },
+                Queue::D2H,
+                vec![Res::Dw(dw)],
+                vec![Res::Grads(self.shape.head_buf())],
+            );
+        }
+        // Tile 0 is the last of pass 2: its slot holds the final norm's weight.
+        let slot = self.ensure(SlotContent::HeadTile(0));
+        self.push(OpKind::ZeroDnorm, Queue::Compute, vec![], vec![Res::DnormW]);
+        for m in 0..mbs {
+            self.push(
+                OpKind::HeadFinish { slot, m, src },
+                Queue::Compute,
+                vec![Res::Slot(slot), Res::Act { set: src, m }, Res::Ids(m), Res::HeadRows(m)],
+                vec![Res::Losses(m), Res::Dres(m), Res::DnormW],
+            );
+            self.download_losses(m);
+        }
+        self.push(
+            OpKind::DownloadNormGrads,
+            Queue::D2H,
+            vec![Res::DnormW],
+            vec![Res::Grads(ParamBuf::FinalNorm)],
+        );
+    }
 }
 
 /// The operations of one optimizer step, in submission order, without waits.
 pub fn step_ops(shape: PlanShape) -> Vec<Op> {
     assert!(shape.layers > 0 && shape.micro_batches > 0 && shape.checkpoint_every > 0);
-    assert!(shape.grad_slabs > 0);
+    assert!(shape.grad_slabs > 0 && shape.head_tiles > 0);
     assert!(!shape.keep_internals || shape.checkpoint_every == 1, "kept internals need K = 1");
     // Where a layer forward leaves its internals, and where its backward finds them.
     let internals = |layer: usize, m: usize| {
@@ -398,32 +532,11 @@ pub fn step_ops(shape: PlanShape) -> Vec<Op> {
     }
 
     // Final norm + LM head + cross-entropy, forward and backward, per micro-batch.
-    let slot = b.ensure(SlotContent::Head);
-    let dw = b.take_dw();
-    b.push(OpKind::ZeroDw { dw }, Queue::Compute, vec![], vec![Res::Dw(dw)]);
-    let src = l_count % 2;
-    for m in 0..mbs {
-        b.push(
-            OpKind::Head { slot, m, src, dw },
-            Queue::Compute,
-            vec![Res::Slot(slot), Res::Act { set: src, m }, Res::Ids(m)],
-            vec![Res::Dw(dw), Res::Dres(m), Res::Losses(m), Res::Scratch],
-        );
-        b.push(
-            OpKind::DownloadLosses { m },
-            Queue::D2H,
-            vec![Res::Losses(m)],
-            vec![Res::LossHost(m)],
-        );
+    if shape.head_tiles == 1 {
+        b.whole_head();
+    } else {
+        b.tiled_head();
     }
-    // The head's gradient goes straight into its host gradient buffers: no slab the size of
-    // the LM head is needed.
-    b.push(
-        OpKind::DownloadHeadGrads { dw },
-        Queue::D2H,
-        vec![Res::Dw(dw)],
-        vec![Res::Grads(ParamBuf::FinalNorm), Res::Grads(shape.head_buf())],
-    );
     if shape.streamed {
         // Complete for the step: every micro-batch has passed the head. The gradients stay in
         // their host buffers until the norm is known; the layer updates estimate the norm
@@ -854,6 +967,7 @@ mod tests {
             checkpoint_every: k,
             grad_slabs: 2,
             tied: false,
+            head_tiles: 1,
             keep_internals: false,
             streamed: false,
         }
@@ -1066,6 +1180,98 @@ mod tests {
     }
 
     #[test]
+    fn tiled_heads_are_hazard_free() {
+        for layers in [1, 2, 4] {
+            for mbs in [1, 2, 3] {
+                for k in [1, 2, 3] {
+                    for tiles in [2, 3, 5] {
+                        for (tied, streamed, keep) in [
+                            (false, false, false),
+                            (true, false, false),
+                            (false, true, false),
+                            (true, true, false),
+                            (false, false, true),
+                        ] {
+                            if keep && k != 1 {
+                                continue;
+                            }
+                            let s = Schedule::new(PlanShape {
+                                tied,
+                                streamed,
+                                keep_internals: keep,
+                                head_tiles: tiles,
+                                ..shape(layers, mbs, k)
+                            });
+                            check(&s.unrolled(3), 0).unwrap_or_else(|h| {
+                                panic!(
+                                    "L{layers} M{mbs} K{k} tiles {tiles} tied {tied} \
+                                     streamed {streamed} keep {keep}: {h}"
+                                )
+                            });
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_wait_of_a_tiled_head_is_needed() {
+        for (tiles, streamed, tied) in [(2, false, false), (3, true, false), (4, false, true)] {
+            every_wait_is_needed_in(Schedule::new(PlanShape {
+                streamed,
+                tied,
+                head_tiles: tiles,
+                ..shape(4, 2, 2)
+            }));
+        }
+    }
+
+    #[test]
+    fn a_tiled_head_passes_each_tile_twice_and_uploads_each_at_most_twice() {
+        for tiles in [2, 3, 5] {
+            let s = Schedule::new(PlanShape { head_tiles: tiles, ..shape(3, 2, 1) });
+            let ops = s.ops(2);
+            let count = |f: &dyn Fn(&OpKind) -> bool| ops.iter().filter(|o| f(&o.kind)).count();
+            for t in 0..tiles {
+                let uploads = count(
+                    &|k| matches!(k, OpKind::UploadWeights { what: SlotContent::HeadTile(x), .. } if *x == t),
+                );
+                // The last two tiles of pass 1 are still resident when pass 2 starts with them.
+                assert_eq!(uploads, if t + 2 >= tiles { 1 } else { 2 }, "tiles {tiles}, tile {t}");
+                let stats = count(&|k| matches!(k, OpKind::HeadStats { tile, .. } if *tile == t));
+                let grads = count(&|k| matches!(k, OpKind::HeadGrad { tile, .. } if *tile == t));
+                assert_eq!((stats, grads), (2, 2), "every micro-batch, both passes");
+                let down = count(
+                    &|k| matches!(k, OpKind::DownloadHeadTileGrads { tile, .. } if *tile == t),
+                );
+                assert_eq!(down, 1);
+            }
+            // Only the first tile of pass 2 (the last tile) overwrites dhf.
+            let firsts: Vec<usize> = ops
+                .iter()
+                .filter_map(|o| match o.kind {
+                    OpKind::HeadGrad { tile, first: true, .. } => Some(tile),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(firsts, vec![tiles - 1, tiles - 1]);
+            assert_eq!(
+                count(&|k| matches!(k, OpKind::Head { .. } | OpKind::DownloadHeadGrads { .. })),
+                0
+            );
+            assert_eq!(count(&|k| matches!(k, OpKind::HeadFinish { .. })), 2);
+            assert_eq!(count(&|k| *k == OpKind::DownloadNormGrads), 1);
+            // Pass 2 starts after every micro-batch's statistics are complete.
+            let last_stats =
+                ops.iter().rposition(|o| matches!(o.kind, OpKind::HeadStats { .. })).unwrap();
+            let first_grad =
+                ops.iter().position(|o| matches!(o.kind, OpKind::HeadGrad { .. })).unwrap();
+            assert!(last_stats < first_grad);
+        }
+    }
+
+    #[test]
     fn micro_batches_do_not_multiply_uploads() {
         for mbs in [1, 2, 4] {
             let s = Schedule::new(shape(4, mbs, 2));
@@ -1094,6 +1300,7 @@ mod doc_tests {
             checkpoint_every: 2,
             grad_slabs: 2,
             tied: false,
+            head_tiles: 1,
             keep_internals: false,
             streamed,
         });

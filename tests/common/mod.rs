@@ -117,6 +117,7 @@ pub fn case_engine_config(case: &str, k: usize, mbs: usize) -> horizon::engine::
         checkpoint_every: k,
         grad_slabs: 2,
         head_chunk_rows: 7,
+        head_tile_rows: None,
         adamw: horizon::optim::adamw::AdamWConfig {
             lr: e["lr"].as_f64().unwrap(),
             beta1: betas[0],
