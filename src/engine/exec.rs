@@ -23,7 +23,7 @@ use crate::engine::head_tiles::{
 };
 use crate::engine::phases::{Phase, PhaseClock, PhaseSeconds};
 use crate::engine::plan::{
-    ActSource, GradTarget, OpKind, ParamBuf, PlanShape, Schedule, SlotContent, Wait,
+    ActSource, GradTarget, OpKind, ParamBuf, PlanShape, Res, Schedule, SlotContent, Wait,
 };
 use crate::hf::config::ModelConfig;
 use crate::model::layer::{Rows, Slot, act_slots, grad_slots, layer_backward, layer_forward};
@@ -508,7 +508,64 @@ impl Q8Handle {
     }
 }
 
+/// What one op may touch: its plan declaration, handed to the work the executor queues for it.
+/// Host buffers of the parameter shape are reached through it ([`Ctx::grads`], [`Ctx::params`],
+/// [`Grant::moments`]), so an op touching anything its declaration does not name fails a debug
+/// assertion (every engine test runs them): declaration and binding are one fact.
+#[derive(Clone, Debug)]
+struct Grant {
+    reads: Arc<[Res]>,
+    writes: Arc<[Res]>,
+}
+
+impl Grant {
+    fn of(op: &crate::engine::plan::Op) -> Self {
+        Grant { reads: op.reads.clone().into(), writes: op.writes.clone().into() }
+    }
+
+    /// Debug check: the op declares `r` (written when `write`).
+    fn check(&self, r: Res, write: bool) {
+        let ok = self.writes.contains(&r) || (!write && self.reads.contains(&r));
+        debug_assert!(
+            ok,
+            "an op {} {r:?}, which it does not declare (reads {:?}, writes {:?})",
+            if write { "writes" } else { "reads" },
+            self.reads,
+            self.writes
+        );
+    }
+
+    /// Debug check: the op may update buffer `p`'s masters and moments.
+    fn moments(&self, p: ParamBuf) {
+        self.check(Res::Params(p), true);
+        self.check(Res::Moments(p), true);
+    }
+}
+
 impl Ctx {
+    /// Host gradient of `p`, as the op's grant allows (`write`: it writes it).
+    fn grads(&self, g: &Grant, p: ParamBuf, write: bool) -> HostPtrMut {
+        g.check(Res::Grads(p), write);
+        self.grads[self.param_index(p)]
+    }
+
+    /// Host masters of `p`, as the op's grant allows.
+    fn params(&self, g: &Grant, p: ParamBuf, write: bool) -> HostPtrMut {
+        g.check(Res::Params(p), write);
+        self.params[self.param_index(p)]
+    }
+
+    /// The buffer at `param_index` `i`.
+    fn param_buf(&self, i: usize) -> ParamBuf {
+        let l = self.layout.dims.layers;
+        match i {
+            0 => ParamBuf::Embed,
+            i if i <= l => ParamBuf::Layer(i - 1),
+            i if i == l + 1 => ParamBuf::FinalNorm,
+            _ => ParamBuf::Head,
+        }
+    }
+
     fn param_index(&self, p: ParamBuf) -> usize {
         let l = self.layout.dims.layers;
         match p {
@@ -610,6 +667,8 @@ pub struct Engine<D: Device> {
     /// One kernel timer per compute phase (indexed by `Phase as usize`), built once so a launch
     /// allocates none.
     timers: [KernelTimer; 4],
+    /// Each op's grant, of the first step and of the steady state (by `Schedule::ops`).
+    grants: [Vec<Grant>; 2],
 }
 
 /// A raw handle to a host buffer that stays where it is for the engine's life.
@@ -826,6 +885,7 @@ where
             let clock = ctx.phases.clone();
             Arc::new(move |d| clock.add_duration(p, d)) as KernelTimer
         });
+        let grants = [0, 1].map(|k| schedule.ops(k).iter().map(Grant::of).collect());
         let engine = Engine {
             ctx: Arc::new(ctx),
             state,
@@ -845,6 +905,7 @@ where
             sizes,
             steps,
             updates,
+            grants,
             timers,
             dev,
         };
@@ -982,8 +1043,6 @@ where
             e.reset();
         }
         let n_ops = self.schedule.len();
-        // Layer forwards after the head are block recompute (for the phase clock).
-        let mut after_head = false;
         for j in 0..n_ops {
             let op = &self.schedule.ops(k)[j];
             for w in self.schedule.waits(k, j) {
@@ -993,8 +1052,7 @@ where
                 };
                 self.dev.wait(op.queue, e);
             }
-            self.dispatch(op.kind, &sd, after_head);
-            after_head |= matches!(op.kind, OpKind::Head { .. } | OpKind::HeadFinish { .. });
+            self.dispatch(op.kind, &sd, &self.grants[usize::from(k > 0)][j]);
             self.dev.record(op.queue, &self.events[par][j]);
         }
         self.steps += 1;
@@ -1035,12 +1093,13 @@ where
         &self,
         phase: Phase,
         sd: &Arc<StepData>,
-        f: impl FnOnce(&Ctx, &StepData) + Send + 'static,
+        grant: &Grant,
+        f: impl FnOnce(&Ctx, &StepData, &Grant) + Send + 'static,
     ) {
-        let (c, sd) = (self.ctx.clone(), sd.clone());
+        let (c, sd, g) = (self.ctx.clone(), sd.clone(), grant.clone());
         self.dev.host(Box::new(move || {
             let t0 = Instant::now();
-            f(&c, &sd);
+            f(&c, &sd, &g);
             c.phases.add(phase, t0);
         }));
     }
@@ -1196,7 +1255,7 @@ where
     }
 
     /// Submit one operation to its queue.
-    fn dispatch(&self, kind: OpKind, sd: &Arc<StepData>, after_head: bool) {
+    fn dispatch(&self, kind: OpKind, sd: &Arc<StepData>, grant: &Grant) {
         let c = &self.ctx;
         let d = c.layout.dims;
         match kind {
@@ -1206,6 +1265,7 @@ where
                 self.dev.upload_i32(c.targets[m].prefix(n), sd.mbs[m].targets.clone());
             }
             OpKind::EmbedGather { m } => {
+                let table = c.params(grant, ParamBuf::Embed, false);
                 let (c, sd) = (c.clone(), sd.clone());
                 self.dev.host_on(
                     Queue::H2D,
@@ -1215,10 +1275,7 @@ where
                         // SAFETY: the schedule orders this gather after every write of the
                         // embedding and of this staging buffer, and before their next uses.
                         let (out, table) = unsafe {
-                            (
-                                c.emb_stage[m].sub(0..nc).as_mut_slice(),
-                                c.params[0].as_const().as_slice(),
-                            )
+                            (c.emb_stage[m].sub(0..nc).as_mut_slice(), table.as_const().as_slice())
                         };
                         embed_rows(out, &sd.mbs[m].ids, table, &c.layout);
                         c.phases.add(Phase::Embedding, t0);
@@ -1235,18 +1292,18 @@ where
             }
             OpKind::UploadWeights { slot, what } => match what {
                 SlotContent::Layer(i) => {
-                    let src = c.params[c.param_index(ParamBuf::Layer(i))].as_const();
+                    let src = c.params(grant, ParamBuf::Layer(i), false).as_const();
                     self.dev.upload_weights(c.slots[slot], 0, src);
                 }
                 SlotContent::Head => {
-                    let norm = c.params[c.param_index(ParamBuf::FinalNorm)].as_const();
-                    let head = c.params[c.param_index(c.head_param())].as_const();
+                    let norm = c.params(grant, ParamBuf::FinalNorm, false).as_const();
+                    let head = c.params(grant, c.head_param(), false).as_const();
                     self.dev.upload_weights(c.slots[slot], 0, norm);
                     self.dev.upload_weights(c.slots[slot], d.c, head);
                 }
                 SlotContent::HeadTile(k) => {
-                    let norm = c.params[c.param_index(ParamBuf::FinalNorm)].as_const();
-                    let head = c.params[c.param_index(c.head_param())].as_const();
+                    let norm = c.params(grant, ParamBuf::FinalNorm, false).as_const();
+                    let head = c.params(grant, c.head_param(), false).as_const();
                     let r = c.tiled().tiling.range(k);
                     self.dev.upload_weights(c.slots[slot], 0, norm);
                     self.dev.upload_weights(
@@ -1260,8 +1317,8 @@ where
                 let nc = sd.mbs[m].n() * d.c;
                 self.dev.download(c.ckpt[block][m].sub(0..nc), c.acts[set][m].prefix(nc));
             }
-            OpKind::Forward { layer, slot, m, src, dst } => {
-                let phase = if after_head { Phase::Recompute } else { Phase::Forward };
+            OpKind::Forward { layer, slot, m, src, dst, recompute } => {
+                let phase = if recompute { Phase::Recompute } else { Phase::Forward };
                 let (inp, out) = (c.acts[src][m], c.acts[dst][m]);
                 self.launch_layer_forward(phase, (layer, slot, m), inp, out, Some(layer), sd);
             }
@@ -1296,12 +1353,12 @@ where
             }
             OpKind::DownloadHeadTileGrads { dw, tile } => {
                 let r = c.tiled().tiling.range(tile);
-                let head = c.grads[c.param_index(c.head_param())];
+                let head = c.grads(grant, c.head_param(), true);
                 let len = r.len() * d.c;
                 self.dev.download(head.sub(r.start * d.c..r.end * d.c), c.dws[dw].prefix(len));
             }
             OpKind::DownloadNormGrads => {
-                let norm = c.grads[c.param_index(ParamBuf::FinalNorm)];
+                let norm = c.grads(grant, ParamBuf::FinalNorm, true);
                 self.dev.download(norm, c.tiled().dnorm);
             }
             OpKind::Head { slot, m, src, dw } => {
@@ -1401,14 +1458,14 @@ where
                 }
             }
             OpKind::AccumulateGrads { slab, what } => {
-                self.host_op(Phase::Gradients, sd, move |c, _| {
+                self.host_op(Phase::Gradients, sd, grant, move |c, _, grant| {
                     // SAFETY: the schedule orders this after the slab's download and before
                     // its next one; the gradients are only touched by the host queue.
                     unsafe {
                         let GradTarget::Layer(i) = what else {
                             unreachable!("the head's gradient has no slab")
                         };
-                        let g = c.grads[c.param_index(ParamBuf::Layer(i))];
+                        let g = c.grads(grant, ParamBuf::Layer(i), true);
                         // fp32 accumulation on the host, whatever the slab's format.
                         match &c.slabs {
                             Slabs::F32(s) => add_inplace(
@@ -1424,27 +1481,28 @@ where
                 });
             }
             OpKind::DownloadHeadGrads { dw } => {
-                let head = c.grads[c.param_index(c.head_param())];
-                let norm = c.grads[c.param_index(ParamBuf::FinalNorm)];
+                let head = c.grads(grant, c.head_param(), true);
+                let norm = c.grads(grant, ParamBuf::FinalNorm, true);
                 self.dev.download(norm, c.dws[dw].sub(0..d.c));
                 self.dev.download(head, c.dws[dw].sub(d.c..d.c + head.len()));
             }
             OpKind::SlabUpdate { slab, layer } => {
-                self.host_op(Phase::Optimizer, sd, move |c, sd| {
+                self.host_op(Phase::Optimizer, sd, grant, move |c, sd, grant| {
                     let i = c.param_index(ParamBuf::Layer(layer));
                     let len = c.layout.layer(layer).len;
                     // SAFETY: ordered after the slab's download and before its next one; the
                     // layer's masters and moments are ordered against its uploads.
                     unsafe {
-                        streamed_update(c, sd, i, c.slabs.f32_view(slab, len));
+                        streamed_update(c, sd, grant, i, c.slabs.f32_view(slab, len));
                     }
                 });
             }
             OpKind::MeasureSlab { slab, layer } => {
-                self.host_op(Phase::Optimizer, sd, move |c, sd| {
+                self.host_op(Phase::Optimizer, sd, grant, move |c, sd, grant| {
                     let i = c.param_index(ParamBuf::Layer(layer));
                     let len = c.layout.layer(layer).len;
                     let mut st = c.stats.lock().expect("no update panicked");
+                    grant.check(Res::Slab(slab), false);
                     // SAFETY: ordered after the slab's download and before its update.
                     unsafe {
                         measure(c, sd, &mut st, i, c.slabs.f32_view(slab, len));
@@ -1452,27 +1510,38 @@ where
                 });
             }
             OpKind::HeldSlabUpdate { slab, layer } => {
-                self.host_op(Phase::Optimizer, sd, move |c, sd| {
+                self.host_op(Phase::Optimizer, sd, grant, move |c, sd, grant| {
                     let i = c.param_index(ParamBuf::Layer(layer));
                     let len = c.layout.layer(layer).len;
                     // SAFETY: ordered after the slab's download and the norm, and before the
                     // slab's next download; the layer's masters and moments are ordered against
                     // its uploads.
-                    unsafe { update_after_norm(c, sd, i, c.slabs.f32_view(slab, len)) };
+                    unsafe { update_after_norm(c, sd, grant, i, c.slabs.f32_view(slab, len)) };
+                });
+            }
+            OpKind::PoisonGrad { what } => {
+                self.host_op(Phase::Optimizer, sd, grant, move |c, sd, grant| {
+                    if sd.inject_nan {
+                        // SAFETY: the plan declares this write and orders it after the
+                        // gradient's last write and before its first read of the step.
+                        unsafe { c.grads(grant, what, true).as_mut_slice()[0] = f32::NAN };
+                    }
                 });
             }
             OpKind::Measure { what } => {
-                self.host_op(Phase::Optimizer, sd, move |c, sd| {
+                self.host_op(Phase::Optimizer, sd, grant, move |c, sd, grant| {
                     let i = c.param_index(what);
                     let mut st = c.stats.lock().expect("no update panicked");
                     // SAFETY: ordered after the gradient is complete and before its update;
                     // only the host queue touches the gradients.
                     unsafe {
-                        let g = c.grads[i].as_mut_slice();
-                        if sd.inject_nan && what == ParamBuf::FinalNorm {
-                            g[0] = f32::NAN;
-                        }
-                        measure(c, sd, &mut st, i, g);
+                        measure(
+                            c,
+                            sd,
+                            &mut st,
+                            i,
+                            c.grads(grant, what, false).as_const().as_slice(),
+                        );
                     }
                 });
             }
@@ -1481,13 +1550,13 @@ where
                 self.dev.download(c.dx_stage[m].sub(0..nc), c.dres[m].prefix(nc));
             }
             OpKind::EmbedScatter { m } => {
-                self.host_op(Phase::Gradients, sd, move |c, sd| {
+                self.host_op(Phase::Gradients, sd, grant, move |c, sd, grant| {
                     let nc = sd.mbs[m].n() * d.c;
                     // SAFETY: ordered after the residual gradient's download (and before the
                     // next one); the embedding gradient is only touched by the host queue.
                     unsafe {
                         embed_rows_backward(
-                            c.grads[0].as_mut_slice(),
+                            c.grads(grant, ParamBuf::Embed, true).as_mut_slice(),
                             &sd.mbs[m].ids,
                             c.dx_stage[m].sub(0..nc).as_mut_slice(),
                             &c.layout,
@@ -1496,13 +1565,14 @@ where
                 });
             }
             OpKind::GradNorm if c.memory.streams_updates() => {
-                self.host_op(Phase::Optimizer, sd, move |c, sd| {
+                self.host_op(Phase::Optimizer, sd, grant, move |c, sd, grant| {
                     let mut guard = c.stats.lock().expect("no update panicked");
                     let st = &mut *guard;
                     let emb = c.param_index(ParamBuf::Embed);
                     // SAFETY: ordered after the embedding's scatters; only the host queue
                     // touches the gradients.
-                    unsafe { measure(c, sd, st, emb, c.grads[emb].as_const().as_slice()) };
+                    let g = c.grads(grant, ParamBuf::Embed, false);
+                    unsafe { measure(c, sd, st, emb, g.as_const().as_slice()) };
                     debug_assert!(st.seen.iter().all(|&s| s), "every gradient is measured");
                     // The same sum, in the same order, as the exact mode's norm.
                     let norm = st.sq.iter().copied().sum::<f64>().sqrt();
@@ -1516,7 +1586,7 @@ where
                             if used > 0.0 && used != coef {
                                 // SAFETY: the schedule orders the norm after the layer's
                                 // update and before its next one.
-                                unsafe { rescale_moments(c, i, coef / used) };
+                                unsafe { rescale_moments(c, grant, i, coef / used) };
                             }
                         }
                     }
@@ -1530,15 +1600,14 @@ where
                 });
             }
             OpKind::GradNorm => {
-                self.host_op(Phase::Optimizer, sd, move |c, sd| {
+                self.host_op(Phase::Optimizer, sd, grant, move |c, sd, grant| {
                     // SAFETY: every gradient is complete and every loss downloaded (the schedule
                     // orders this after them); only the host queue touches the gradients.
                     unsafe {
-                        if sd.inject_nan {
-                            c.grads[0].as_mut_slice()[0] = f32::NAN;
-                        }
-                        let sq: f64 =
-                            c.grads.iter().map(|g| sum_squares(g.as_const().as_slice())).sum();
+                        let sq: f64 = (0..c.grads.len())
+                            .map(|i| c.grads(grant, c.param_buf(i), false))
+                            .map(|g| sum_squares(g.as_const().as_slice()))
+                            .sum();
                         let loss = loss_sum(c, sd);
                         let norm = sq.sqrt();
                         c.skip.store(!(norm.is_finite() && loss.is_finite()), Ordering::Release);
@@ -1547,13 +1616,13 @@ where
                 });
             }
             OpKind::Update { what } => {
-                self.host_op(Phase::Optimizer, sd, move |c, sd| {
+                self.host_op(Phase::Optimizer, sd, grant, move |c, sd, grant| {
                     let i = c.param_index(what);
                     // SAFETY: the schedule orders this update after every read of these
                     // parameters in this step and before every read in the next.
                     unsafe {
-                        let g = c.grads[i].as_mut_slice();
-                        update_after_norm(c, sd, i, g);
+                        let g = c.grads(grant, what, true).as_mut_slice();
+                        update_after_norm(c, sd, grant, i, g);
                         g.fill(0.0);
                     }
                 });
@@ -1595,7 +1664,8 @@ fn grad_len(c: &Ctx, what: GradTarget) -> usize {
 ///
 /// # Safety
 /// The schedule must give the caller exclusive use of buffer `i`'s masters and moments.
-unsafe fn apply_update(c: &Ctx, sd: &StepData, i: usize, g: &[f32], coef: f32) {
+unsafe fn apply_update(c: &Ctx, sd: &StepData, grant: &Grant, i: usize, g: &[f32], coef: f32) {
+    grant.moments(c.param_buf(i));
     let st = AdamWStep::new(&c.adamw, sd.adam_step, sd.lr);
     // SAFETY: the caller's exclusivity.
     unsafe {
@@ -1673,7 +1743,7 @@ fn layer_clip_coefficient(st: &StepStats, grad_clip: f64) -> f32 {
 ///
 /// # Safety
 /// As [`apply_update`].
-unsafe fn streamed_update(c: &Ctx, sd: &StepData, i: usize, g: &[f32]) {
+unsafe fn streamed_update(c: &Ctx, sd: &StepData, grant: &Grant, i: usize, g: &[f32]) {
     let mut st = c.stats.lock().expect("no update panicked");
     if !measure(c, sd, &mut st, i, g) {
         return;
@@ -1689,7 +1759,7 @@ unsafe fn streamed_update(c: &Ctx, sd: &StepData, i: usize, g: &[f32]) {
         coef
     };
     // SAFETY: the caller's exclusivity.
-    unsafe { apply_update(c, sd, i, g, coef) };
+    unsafe { apply_update(c, sd, grant, i, g, coef) };
     st.applied = true;
 }
 
@@ -1697,11 +1767,11 @@ unsafe fn streamed_update(c: &Ctx, sd: &StepData, i: usize, g: &[f32]) {
 ///
 /// # Safety
 /// As [`apply_update`], and ordered after the step's norm op.
-unsafe fn update_after_norm(c: &Ctx, sd: &StepData, i: usize, g: &[f32]) {
+unsafe fn update_after_norm(c: &Ctx, sd: &StepData, grant: &Grant, i: usize, g: &[f32]) {
     if !c.skip.load(Ordering::Acquire) {
         let norm = f64::from_bits(c.norm.load(Ordering::Acquire));
         // SAFETY: the caller's exclusivity.
-        unsafe { apply_update(c, sd, i, g, clip_coefficient(norm, c.grad_clip)) };
+        unsafe { apply_update(c, sd, grant, i, g, clip_coefficient(norm, c.grad_clip)) };
     }
 }
 
@@ -1713,7 +1783,8 @@ unsafe fn update_after_norm(c: &Ctx, sd: &StepData, i: usize, g: &[f32]) {
 ///
 /// # Safety
 /// The schedule must give the caller exclusive use of buffer `i`'s moments.
-unsafe fn rescale_moments(c: &Ctx, i: usize, r: f32) {
+unsafe fn rescale_moments(c: &Ctx, grant: &Grant, i: usize, r: f32) {
+    grant.check(Res::Moments(c.param_buf(i)), true);
     // SAFETY: the caller's exclusivity.
     unsafe {
         match c.memory {
@@ -1735,4 +1806,27 @@ fn ropes<'a, B: Backend + ?Sized>(
     let len = t * c.layout.dims.d / 2;
     let table = |&(cos, sin): &(DevBuf, DevBuf)| (vw.buf(cos.prefix(len)), vw.buf(sin.prefix(len)));
     c.scratch.ropes.iter().map(table).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An op that touches what its declaration does not name fails the binding's assertion.
+    #[test]
+    #[cfg(debug_assertions)]
+    fn touching_an_undeclared_resource_is_caught() {
+        let g = Grant {
+            reads: vec![Res::Grads(ParamBuf::Embed)].into(),
+            writes: vec![Res::Norm].into(),
+        };
+        g.check(Res::Grads(ParamBuf::Embed), false);
+        g.check(Res::Norm, true);
+        let write = std::panic::catch_unwind(|| g.check(Res::Grads(ParamBuf::Embed), true));
+        assert!(write.is_err(), "a read-only gradient written");
+        let other = std::panic::catch_unwind(|| g.check(Res::Grads(ParamBuf::FinalNorm), false));
+        assert!(other.is_err(), "an undeclared gradient read");
+        let moments = std::panic::catch_unwind(|| g.moments(ParamBuf::Layer(0)));
+        assert!(moments.is_err(), "an undeclared update");
+    }
 }

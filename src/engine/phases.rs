@@ -123,14 +123,13 @@ pub fn step_flops(schedule: &Schedule, layout: &ModelLayout, b: usize, t: usize)
     let head = 6.0 * (b * t * d.c * d.v) as f64;
     let mut f = StepFlops::default();
     let tiles = schedule.shape.head_tiles as f64;
-    let mut after_head = false;
     for op in schedule.ops(2) {
         match op.kind {
-            OpKind::Forward { layer, .. } if after_head => {
+            OpKind::Forward { layer, recompute: true, .. } => {
                 f.schedule += fwd(layer).0;
                 f.recompute += fwd(layer).0;
             }
-            OpKind::Forward { layer, .. } => f.schedule += fwd(layer).0,
+            OpKind::Forward { layer, recompute: false, .. } => f.schedule += fwd(layer).0,
             // A backward that reads kept internals recomputes nothing.
             OpKind::Backward { layer, .. }
                 if op.reads.iter().any(|r| matches!(r, Res::Stash { .. })) =>
@@ -144,14 +143,12 @@ pub fn step_flops(schedule: &Schedule, layout: &ModelLayout, b: usize, t: usize)
             }
             OpKind::Head { .. } => {
                 f.schedule += head;
-                after_head = true;
             }
             OpKind::HeadStats { .. } => f.schedule += head / 3.0 / tiles,
             OpKind::HeadGrad { .. } => {
                 f.schedule += head / tiles;
                 f.recompute += head / 3.0 / tiles;
             }
-            OpKind::HeadFinish { .. } => after_head = true,
             _ => {}
         }
     }

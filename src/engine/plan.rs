@@ -119,10 +119,15 @@ pub enum OpKind {
     UploadWeights { slot: usize, what: SlotContent },
     /// D2H: the input of a block's first layer, to the host checkpoint.
     SaveCkpt { block: usize, m: usize, set: usize },
-    /// Compute: one layer forward of micro-batch `m`, `Act{src}` -> `Act{dst}`.
-    Forward { layer: usize, slot: usize, m: usize, src: usize, dst: usize },
+    /// Compute: one layer forward of micro-batch `m`, `Act{src}` -> `Act{dst}`; `recompute`:
+    /// the backward's block recompute (from a checkpoint), not the step's forward.
+    Forward { layer: usize, slot: usize, m: usize, src: usize, dst: usize, recompute: bool },
     /// Compute: zero a gradient accumulator.
     ZeroDw { dw: usize },
+    /// Host: fault injection for the tests (`StepParams::inject_nan`): a NaN into element 0 of
+    /// buffer `what`'s host gradient, before the first op that measures the step's gradients.
+    /// A no-op unless the step asks for it; declared as the write it is.
+    PoisonGrad { what: ParamBuf },
     /// Compute: final norm, LM head and cross-entropy of micro-batch `m`, forward and backward.
     Head { slot: usize, m: usize, src: usize, dw: usize },
     /// Compute, tiled head pass 1: for each chunk of rows of micro-batch `m`, the logits of
@@ -354,6 +359,11 @@ impl Builder {
         }
     }
 
+    /// The tests' fault injection into buffer `p`'s host gradient (see [`OpKind::PoisonGrad`]).
+    fn poison(&mut self, p: ParamBuf) {
+        self.push(OpKind::PoisonGrad { what: p }, Queue::Host, vec![], vec![Res::Grads(p)]);
+    }
+
     /// Streamed mode: record the squared norm of buffer `p`'s complete host gradient (and
     /// check the step's losses) before any layer is updated.
     fn measure(&mut self, p: ParamBuf) {
@@ -523,7 +533,7 @@ pub fn step_ops(shape: PlanShape) -> Vec<Op> {
                 );
             }
             b.push(
-                OpKind::Forward { layer: i, slot, m, src, dst },
+                OpKind::Forward { layer: i, slot, m, src, dst, recompute: false },
                 Queue::Compute,
                 vec![Res::Slot(slot), Res::Act { set: src, m }],
                 vec![Res::Act { set: dst, m }, internals(i, m)],
@@ -541,6 +551,7 @@ pub fn step_ops(shape: PlanShape) -> Vec<Op> {
         // Complete for the step: every micro-batch has passed the head. The gradients stay in
         // their host buffers until the norm is known; the layer updates estimate the norm
         // from these squared norms onwards.
+        b.poison(ParamBuf::FinalNorm);
         b.measure(ParamBuf::FinalNorm);
         if !shape.tied {
             b.measure(ParamBuf::Head);
@@ -569,7 +580,7 @@ pub fn step_ops(shape: PlanShape) -> Vec<Op> {
             for m in 0..mbs {
                 let (src, dst) = (i - first, i - first + 1);
                 b.push(
-                    OpKind::Forward { layer: i, slot, m, src, dst },
+                    OpKind::Forward { layer: i, slot, m, src, dst, recompute: true },
                     Queue::Compute,
                     vec![Res::Slot(slot), Res::Act { set: src, m }],
                     vec![Res::Act { set: dst, m }, Res::Scratch],
@@ -638,6 +649,7 @@ pub fn step_ops(shape: PlanShape) -> Vec<Op> {
     // Optimizer: exact global norm, then each buffer's update in the order the next step
     // needs them, so the next forward of layer i waits only for layer i's update.
     // The norm op also checks the losses: a non-finite loss or norm skips every update.
+    b.poison(ParamBuf::Embed);
     let mut reads: Vec<Res> = shape.param_bufs().into_iter().map(Res::Grads).collect();
     reads.extend((0..mbs).map(Res::LossHost));
     b.push(OpKind::GradNorm, Queue::Host, reads, vec![Res::Norm]);
