@@ -89,6 +89,33 @@ fn bf16_engine_tracks_the_fixtures() {
     }
 }
 
+/// The LM head in vocabulary tiles of 37 rows (7 to 9 tiles: the tile cross-entropy kernels,
+/// both passes, the tile gradients into the host head rows) meets the fixtures within the bf16
+/// bounds above, and random stream delays do not change a bit of it.
+#[test]
+fn tiled_head_on_the_gpu_tracks_the_fixtures() {
+    for case in CASES {
+        let e = expected(case);
+        let batch = e["batch"].as_u64().unwrap() as usize;
+        let (losses, norms) = (f64s(&e["loss_per_step"]), f64s(&e["grad_norm_per_step"]));
+        for mbs in [1, batch] {
+            let cfg = EngineConfig {
+                head_tile_rows: Some(37),
+                ..cuda_config(case, 2, mbs, GradWire::Bf16)
+            };
+            let (got, _, params) = streamed(cuda(0, 0), case, cfg);
+            let what = format!("{case} tiled mbs={mbs}");
+            for (s, (l, g)) in got.iter().enumerate() {
+                assert_rel(&format!("{what} loss {s}"), *l, losses[s], 2e-2);
+                assert_rel(&format!("{what} grad norm {s}"), *g, norms[s], 5e-2);
+            }
+            let (jittered, _, jparams) = streamed(cuda(300, 3), case, cfg);
+            assert_eq!(jittered, got, "{what}: delays changed the losses");
+            assert_eq!(jparams, params, "{what}: delays changed the weights");
+        }
+    }
+}
+
 /// Random delays (up to 0.3 ms) before every copy on the H2D and D2H streams change the timing,
 /// never the numbers: the GPU kernels have fixed reduction orders, so results are bitwise equal.
 #[test]
