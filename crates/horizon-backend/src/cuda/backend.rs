@@ -445,7 +445,7 @@ impl Backend for CudaBackend {
     }
 
     fn geglu_forward(&self, out: &mut DevSlice<f32>, gate_up: &DevSlice<f32>, n: usize, f: usize) {
-        super::geglu::geglu_forward(self, out, gate_up, n, f);
+        super::glu::glu_forward(self, "geglu_forward", out, gate_up, n, f);
     }
 
     fn geglu_backward(
@@ -456,7 +456,7 @@ impl Backend for CudaBackend {
         n: usize,
         f: usize,
     ) {
-        super::geglu::geglu_backward(self, dgate_up, dout, gate_up, n, f);
+        super::glu::glu_backward(self, "geglu_backward", dgate_up, dout, gate_up, n, f);
     }
 
     fn matmul_forward(
@@ -530,7 +530,7 @@ impl Backend for CudaBackend {
     }
 
     fn swiglu_forward(&self, out: &mut DevSlice<f32>, gate_up: &DevSlice<f32>, n: usize, f: usize) {
-        super::swiglu::swiglu_forward(self, out, gate_up, n, f);
+        super::glu::glu_forward(self, "swiglu_forward", out, gate_up, n, f);
     }
 
     fn swiglu_backward(
@@ -541,7 +541,7 @@ impl Backend for CudaBackend {
         n: usize,
         f: usize,
     ) {
-        super::swiglu::swiglu_backward(self, dgate_up, dout, gate_up, n, f);
+        super::glu::glu_backward(self, "swiglu_backward", dgate_up, dout, gate_up, n, f);
     }
 
     fn residual_forward(&self, out: &mut DevSlice<f32>, a: &DevSlice<f32>, b: &DevSlice<f32>) {

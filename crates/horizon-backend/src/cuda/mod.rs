@@ -9,7 +9,7 @@
 //! bf16 ([`crate::Precision::Bf16`]); products take bf16 inputs with fp32 accumulation.
 //!
 //! Layout, one op per file as in `cpu/`: `embedding.rs`, `rmsnorm.rs`, `head_rmsnorm.rs`,
-//! `matmul.rs` (cuBLAS), `rope.rs`, `attention.rs`, `swiglu.rs`, `geglu.rs`, `residual.rs`,
+//! `matmul.rs` (cuBLAS), `rope.rs`, `attention.rs`, `glu.rs` (swiglu and geglu), `residual.rs`,
 //! `cross_entropy.rs`, `convert.rs`, `grad_norm.rs` launch `kernels/<op>.cu`; `backend.rs` is
 //! the trait impl, `device.rs` the device, `slice.rs` the device views, `pinned.rs` the staging
 //! memory, `probe.rs` the library checks.
@@ -21,7 +21,7 @@ pub mod convert;
 mod cross_entropy;
 mod device;
 mod embedding;
-mod geglu;
+mod glu;
 mod grad_norm;
 mod head_rmsnorm;
 pub mod kernels;
@@ -32,7 +32,6 @@ mod residual;
 mod rmsnorm;
 mod rope;
 mod slice;
-mod swiglu;
 
 pub use backend::{CudaBackend, CudaMem};
 pub use config::{CudaDeviceConfig, CudaError, KernelShape, MAX_HEAD_DIM, check_kernel_limits};

@@ -1,25 +1,28 @@
-//! Launchers of `kernels/geglu.cu` (`out = gelu_tanh(gate) * up`). Derivation of the
-//! backward: the kernel file's header and `cpu/geglu.rs`.
+//! Launchers of the gated MLP activations, `kernels/swiglu.cu` (`out = silu(gate) * up`) and
+//! `kernels/geglu.cu` (`out = gelu_tanh(gate) * up`): both kernels take the same arguments, so
+//! one launcher serves each direction, given the kernel's name. Derivations of the backwards:
+//! the kernel files' headers and `cpu/swiglu.rs`, `cpu/geglu.rs`.
 
 use super::CudaBackend;
 use super::backend::{arg, blocks, expect_len, int};
 use super::slice::DevSlice;
 
 /// out: (N, F), overwrites. gate_up: (N, 2F).
-pub(crate) fn geglu_forward(
+pub(crate) fn glu_forward(
     be: &CudaBackend,
+    kernel: &'static str,
     out: &mut DevSlice<f32>,
     gate_up: &DevSlice<f32>,
     n: usize,
     f: usize,
 ) {
-    expect_len("geglu_forward", "out", out.len(), n * f);
-    expect_len("geglu_forward", "gate_up", gate_up.len(), n * 2 * f);
+    expect_len(kernel, "out", out.len(), n * f);
+    expect_len(kernel, "gate_up", gate_up.len(), n * 2 * f);
     let (o, g, nn, ff) = (out.addr(), gate_up.addr(), int(n, "N"), int(f, "F"));
     // SAFETY: argument types match; one thread per element of out, lengths checked.
     unsafe {
         be.launch(
-            "geglu_forward",
+            kernel,
             (blocks(n * f, 256), 1, 1),
             (256, 1, 1),
             0,
@@ -29,23 +32,24 @@ pub(crate) fn geglu_forward(
 }
 
 /// dgate_up: (N, 2F), overwrites. dout: (N, F). gate_up: (N, 2F).
-pub(crate) fn geglu_backward(
+pub(crate) fn glu_backward(
     be: &CudaBackend,
+    kernel: &'static str,
     dgate_up: &mut DevSlice<f32>,
     dout: &DevSlice<f32>,
     gate_up: &DevSlice<f32>,
     n: usize,
     f: usize,
 ) {
-    expect_len("geglu_backward", "dgate_up", dgate_up.len(), n * 2 * f);
-    expect_len("geglu_backward", "dout", dout.len(), n * f);
-    expect_len("geglu_backward", "gate_up", gate_up.len(), n * 2 * f);
+    expect_len(kernel, "dgate_up", dgate_up.len(), n * 2 * f);
+    expect_len(kernel, "dout", dout.len(), n * f);
+    expect_len(kernel, "gate_up", gate_up.len(), n * 2 * f);
     let (dg, dy, g, nn, ff) =
         (dgate_up.addr(), dout.addr(), gate_up.addr(), int(n, "N"), int(f, "F"));
     // SAFETY: argument types match; one thread per element of dout, lengths checked.
     unsafe {
         be.launch(
-            "geglu_backward",
+            kernel,
             (blocks(n * f, 256), 1, 1),
             (256, 1, 1),
             0,
