@@ -61,8 +61,9 @@ fn run_engine(
     let layout = ModelLayout::new(&model);
     let params = ParamStore::load_hf(&layout, &case_dir(case).join("model")).unwrap();
     let init = params.clone();
+    // A device budget of a few MiB: every fixture's plan fits in 4 MiB.
     let dev = CpuDevice::new(CpuDeviceConfig {
-        capacity_bytes: 64 << 20,
+        capacity_bytes: 4 << 20,
         link_gbps: 0.0,
         copy_jitter_us: jitter_us,
         jitter_seed: seed,

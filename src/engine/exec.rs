@@ -33,9 +33,10 @@ use crate::model::transformer::{
     HeadBufs, HeadDims, HeadGrads, embed_rows, embed_rows_backward, head_forward_backward,
     rope_tables,
 };
-use crate::optim::adamw::{AdamWConfig, AdamWStep, adamw_update, clip_coefficient, sum_squares};
-use crate::optim::adamw8bit::{Moments8, Moments8Mut, adamw8bit_update, rescale_moments8};
-use crate::train::TrainState;
+use crate::optim::adamw::{AdamWConfig, AdamWStep, clip_coefficient, sum_squares};
+use crate::optim::adamw8bit::{Moments8, Moments8Mut};
+use crate::optim::moments::{AnyMoments, Moments, Moments32};
+use crate::store::TrainState;
 
 /// How the engine runs a step.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -1667,21 +1668,21 @@ fn grad_len(c: &Ctx, what: GradTarget) -> usize {
 unsafe fn apply_update(c: &Ctx, sd: &StepData, grant: &Grant, i: usize, g: &[f32], coef: f32) {
     grant.moments(c.param_buf(i));
     let st = AdamWStep::new(&c.adamw, sd.adam_step, sd.lr);
+    let seed = sd.adam_step.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ i as u64;
+    // SAFETY: the caller's exclusivity.
+    unsafe { moments_of(c, i).update(c.params[i].as_mut_slice(), g, &st, coef, seed) }
+}
+
+/// Buffer `i`'s optimizer state, in the storage of the memory mode.
+///
+/// # Safety
+/// The caller must have exclusive use of buffer `i`'s moments while the value lives.
+unsafe fn moments_of<'a>(c: &'a Ctx, i: usize) -> AnyMoments<'a> {
     // SAFETY: the caller's exclusivity.
     unsafe {
         match c.memory {
-            OptimizerMemory::Compact => {
-                let seed = sd.adam_step.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ i as u64;
-                adamw8bit_update(c.params[i].as_mut_slice(), g, c.q8[i].view(), &st, coef, seed)
-            }
-            _ => adamw_update(
-                c.params[i].as_mut_slice(),
-                g,
-                c.m[i].as_mut_slice(),
-                c.v[i].as_mut_slice(),
-                &st,
-                coef,
-            ),
+            OptimizerMemory::Compact => AnyMoments::Q8(c.q8[i].view()),
+            _ => AnyMoments::F32(Moments32 { m: c.m[i].as_mut_slice(), v: c.v[i].as_mut_slice() }),
         }
     }
 }
@@ -1786,15 +1787,7 @@ unsafe fn update_after_norm(c: &Ctx, sd: &StepData, grant: &Grant, i: usize, g: 
 unsafe fn rescale_moments(c: &Ctx, grant: &Grant, i: usize, r: f32) {
     grant.check(Res::Moments(c.param_buf(i)), true);
     // SAFETY: the caller's exclusivity.
-    unsafe {
-        match c.memory {
-            OptimizerMemory::Compact => rescale_moments8(c.q8[i].view(), r),
-            _ => {
-                c.m[i].as_mut_slice().iter_mut().for_each(|m| *m *= r);
-                c.v[i].as_mut_slice().iter_mut().for_each(|v| *v *= r * r);
-            }
-        }
-    }
+    unsafe { moments_of(c, i).rescale(r) }
 }
 
 /// The rope tables' (cos, sin) for sequences of `t` positions.

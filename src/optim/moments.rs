@@ -39,6 +39,28 @@ impl Moments for Moments8Mut<'_> {
     }
 }
 
+/// One buffer's state in either storage (what the executor holds per buffer: no allocation to
+/// pick the storage at run time).
+pub enum AnyMoments<'a> {
+    F32(Moments32<'a>),
+    Q8(Moments8Mut<'a>),
+}
+
+impl Moments for AnyMoments<'_> {
+    fn update(&mut self, w: &mut [f32], g: &[f32], step: &AdamWStep, coef: f32, seed: u64) {
+        match self {
+            AnyMoments::F32(m) => m.update(w, g, step, coef, seed),
+            AnyMoments::Q8(m) => m.update(w, g, step, coef, seed),
+        }
+    }
+    fn rescale(&mut self, r: f32) {
+        match self {
+            AnyMoments::F32(m) => m.rescale(r),
+            AnyMoments::Q8(m) => m.rescale(r),
+        }
+    }
+}
+
 /// How a buffer's moments are stored: the host bytes a buffer of `tensors` (element counts)
 /// takes, per storage.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
