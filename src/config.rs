@@ -9,6 +9,9 @@ use serde::{Deserialize, Serialize};
 use crate::data::OnError;
 use crate::schedule::{LrSchedule, ScheduleKind};
 
+// The engine's options, parsed here (the engine knows nothing of YAML).
+pub use crate::engine::options::{BackendKind, GradWire, OptimizerMemory};
+
 /// The YAML file as written by the user. Every key except `model.path` and `data.path` has a
 /// default.
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -204,40 +207,6 @@ pub struct OptimizerSection {
     pub memory: OptimizerMemory,
 }
 
-/// `optimizer.memory`: how much host memory the optimizer state takes (see README).
-#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
-#[serde(rename_all = "lowercase")]
-pub enum OptimizerMemory {
-    /// fp32 masters, m, v and a whole-model fp32 gradient; exact global-norm clipping.
-    #[default]
-    Exact,
-    /// fp32 masters, m, v; no whole-model gradient: a layer is updated as soon as its gradient
-    /// is complete (clipping by an estimate of the step's norm) unless its slab can wait for the
-    /// norm; embedding, final norm and head clip by the step's norm.
-    Lean,
-    /// `lean` with m and v quantised to 8 bits per block of 256 (dynamic quantisation).
-    Compact,
-}
-
-impl OptimizerMemory {
-    pub const ALL: [OptimizerMemory; 3] =
-        [OptimizerMemory::Exact, OptimizerMemory::Lean, OptimizerMemory::Compact];
-
-    /// The name used in configs and messages.
-    pub fn name(self) -> &'static str {
-        match self {
-            OptimizerMemory::Exact => "exact",
-            OptimizerMemory::Lean => "lean",
-            OptimizerMemory::Compact => "compact",
-        }
-    }
-
-    /// Whether gradients are consumed layer by layer (no whole-model gradient buffer).
-    pub fn streams_updates(self) -> bool {
-        self != OptimizerMemory::Exact
-    }
-}
-
 impl Default for OptimizerSection {
     fn default() -> Self {
         OptimizerSection {
@@ -384,47 +353,6 @@ pub enum Recompute {
     Always,
     /// Keep every layer's internals from the forward to its backward.
     Never,
-}
-
-/// `engine.grad_wire`.
-#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
-#[serde(rename_all = "lowercase")]
-pub enum GradWire {
-    /// fp32, exact.
-    #[default]
-    Fp32,
-    /// bf16 (round to nearest even on the device), accumulated in fp32 on the host.
-    Bf16,
-}
-
-/// The compute device.
-#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
-#[serde(rename_all = "lowercase")]
-pub enum BackendKind {
-    /// The CPU backend: device memory is a pool in host RAM, queues are worker threads; fp32
-    /// weights (the reference).
-    #[default]
-    Cpu,
-    /// NVIDIA GPUs (`--features cuda`): bf16 weights on the device, bf16 products with fp32
-    /// accumulation.
-    Cuda,
-}
-
-impl BackendKind {
-    /// The backend's precision (its `Backend::PRECISION`; the same whether or not this binary
-    /// was built with CUDA, so a plan reads the same everywhere).
-    pub fn precision(self) -> horizon_backend::Precision {
-        use horizon_backend::Backend;
-        match self {
-            BackendKind::Cpu => horizon_backend::CpuBackend::PRECISION,
-            BackendKind::Cuda => horizon_backend::cuda::CudaBackend::PRECISION,
-        }
-    }
-
-    /// Whether the device pool lives in host RAM (the CPU backend), counting towards the host.
-    pub fn pool_in_host_ram(self) -> bool {
-        self == BackendKind::Cpu
-    }
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize)]

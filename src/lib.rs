@@ -11,6 +11,7 @@ pub mod generate;
 pub mod hf;
 pub mod model;
 pub mod optim;
+pub mod plan_cmd;
 pub mod report;
 pub mod resume;
 pub mod rng;

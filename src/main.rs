@@ -153,7 +153,7 @@ fn try_main(cli: Cli) -> Result<()> {
         Command::Plan { config } => {
             let cfg = horizon::config::RawConfig::from_file(&config)?
                 .resolve(&config.display().to_string())?;
-            horizon::engine::plan_cmd::run(&cfg)
+            horizon::plan_cmd::run(&cfg)
         }
         Command::Export { source, out, dtype, max_shard_size } => {
             let max_shard_bytes = match horizon::config::ByteSize::parse(&max_shard_size) {

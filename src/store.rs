@@ -2,7 +2,7 @@
 //! moments in fp32 or 8-bit), laid out for one `optimizer.memory` mode, which it states. Host RAM
 //! is the authoritative store; whatever a device holds is a transient copy.
 
-use crate::config::OptimizerMemory;
+use crate::engine::options::OptimizerMemory;
 use crate::model::layout::ModelLayout;
 use crate::model::params::ParamStore;
 use crate::optim::adamw::{AdamWConfig, AdamWStep, adamw_update, clip_coefficient, sum_squares};

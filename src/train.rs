@@ -19,7 +19,7 @@ use crate::data::pretokenized::{Batch, PretokenizedDataset, Row, load_pretokeniz
 use crate::data::{
     LoadReport, load_alpaca, load_chat, load_text, pack, shuffled_order, split_eval,
 };
-use crate::engine::exec::{Engine, EngineConfig, Sizes, StepParams};
+use crate::engine::exec::{Engine, EngineConfig, MicroBatch, Sizes, StepParams};
 use crate::engine::memory::{MemoryPlan, gib, peak_rss_bytes};
 use crate::engine::phases::{PhaseSeconds, StepFlops, step_flops};
 use crate::hf::config::ModelConfig;
@@ -513,7 +513,8 @@ where
         let tokens = rows.iter().map(|r| r.input_ids.len()).sum();
         let lr = self.cfg.raw.lr_schedule().lr_at(k + 1);
         let inject_nan = self.inject_nan_at.contains(&k);
-        let out = self.engine.step(&rows, StepParams { lr, inject_nan })?;
+        let mbs = micro_batches(&rows, self.engine.config().micro_batch_size);
+        let out = self.engine.step(mbs, StepParams { lr, inject_nan })?;
         Ok(StepMetrics {
             step: k + 1,
             loss: out.loss(),
@@ -979,6 +980,17 @@ fn hms(s: f64) -> String {
         (0, m, sec) => format!("{m}m{sec:02}s"),
         (h, m, sec) => format!("{h}h{m:02}m{sec:02}s"),
     }
+}
+
+/// A step's rows as the engine takes them: micro-batches of at most `size` rows, each
+/// right-padded with shifted targets.
+pub fn micro_batches(rows: &[&Row], size: usize) -> Vec<MicroBatch> {
+    rows.chunks(size.max(1))
+        .map(|chunk| {
+            let b = make_batch(chunk);
+            MicroBatch { b: b.b, t: b.t, ids: Arc::new(b.input_ids), targets: Arc::new(b.targets) }
+        })
+        .collect()
 }
 
 #[cfg(test)]

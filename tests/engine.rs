@@ -160,7 +160,8 @@ fn step0_losses(model: &ModelConfig) -> Vec<f64> {
         let cfg = case_engine_config(case, k, batch);
         let mut e = Engine::new(dev, model, TrainState::new(params.clone()), cfg).unwrap();
         let sp = horizon::engine::exec::StepParams { lr: 0.0, inject_nan: false };
-        out.push(e.step(&rows, sp).unwrap().loss());
+        let mbs = horizon::train::micro_batches(&rows, e.config().micro_batch_size);
+        out.push(e.step(mbs, sp).unwrap().loss());
     }
     out
 }

@@ -7,8 +7,8 @@
 
 use horizon::config::{BackendKind, GradWire, OptimizerMemory, RawConfig};
 use horizon::engine::exec::{EngineConfig, Sizes};
-use horizon::engine::plan_cmd::plan_for;
 use horizon::model::layout::ModelLayout;
+use horizon::plan_cmd::plan_for;
 use horizon::train::{StreamTrainer, engine_config, model_config};
 use horizon_backend::Device;
 

@@ -399,7 +399,7 @@ fn plan_yaml(layers: usize, memory: &str, device: &str) -> String {
 
 #[test]
 fn plan_bytes_per_parameter_by_mode() {
-    use horizon::engine::plan_cmd::{deepest_fit, largest_micro_batch, plan_for};
+    use horizon::plan_cmd::{deepest_fit, largest_micro_batch, plan_for};
     let mut per_param = Vec::new();
     for memory in ["exact", "lean", "compact"] {
         let raw = RawConfig::from_yaml(&plan_yaml(48, memory, "auto"), "t").unwrap();

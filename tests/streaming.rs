@@ -121,8 +121,8 @@ fn train_writes_a_summary() {
 #[test]
 fn a_qwen3_8b_shape_plans_no_head_sized_device_buffer() {
     use horizon::config::BackendKind;
-    use horizon::engine::plan_cmd::plan_for;
     use horizon::model::layout::ModelLayout;
+    use horizon::plan_cmd::plan_for;
     use horizon::train::{engine_config, model_config};
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/bench/qwen3-8b-shape.yaml");
     let raw = RawConfig::from_yaml(&std::fs::read_to_string(path).unwrap(), path).unwrap();

@@ -5,8 +5,8 @@ use std::fmt;
 
 use anyhow::{Result, bail};
 
-use crate::engine::exec::Sizes;
 use crate::engine::head_tiles::HeadTiling;
+use crate::engine::sizes::Sizes;
 
 /// Bytes by kind, host and device.
 #[derive(Clone, Debug, PartialEq)]

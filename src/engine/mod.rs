@@ -1,6 +1,6 @@
 //! The streaming engine: host RAM holds the model; the device borrows one layer at a time.
 //! `plan` builds the step as data and checks it for hazards; `exec` runs it on a [`Device`];
-//! `memory` says before allocating what the run will need; `phases` times the step by phase and
+//! `sizes` sizes every buffer, `memory` says before allocating what the run will need; `phases` times the step by phase and
 //! counts its FLOPs; `head_tiles` applies an LM head too large for a weight slot in vocabulary
 //! tiles.
 //!
@@ -9,6 +9,7 @@
 pub mod exec;
 pub mod head_tiles;
 pub mod memory;
+pub mod options;
 pub mod phases;
 pub mod plan;
-pub mod plan_cmd;
+pub mod sizes;

@@ -157,7 +157,8 @@ where
         .map(|s| {
             let rows: Vec<_> = data[s * batch..(s + 1) * batch].iter().collect();
             let sp = horizon::engine::exec::StepParams { lr, inject_nan: false };
-            let o = engine.step(&rows, sp).unwrap();
+            let mbs = horizon::train::micro_batches(&rows, engine.config().micro_batch_size);
+            let o = engine.step(mbs, sp).unwrap();
             (o.loss(), o.grad_norm, o.skipped)
         })
         .collect()

@@ -45,11 +45,11 @@ use super::slice::DevSlice;
 use super::{CudaDeviceConfig, CudaError, DeviceFault, check};
 use crate::Bf16;
 use crate::bf16::{round_to_bf16, same_len};
-use crate::cpu::device::{ALIGN_ELEMS, Pool};
 use crate::device::{
     DevBuf, Device, DeviceStats, Event, HostPtr, HostPtrMut, HostWork, Kernel, KernelTimer,
     OutOfDeviceMemory, Queue, StagingElem, Views,
 };
+use crate::pool::{ALIGN_ELEMS, Pool};
 use crate::precision::GRAD_WIRE_CHUNK;
 
 /// Elements per bf16 chunk of a weight upload (16 MiB of bf16); two chunks are in flight.

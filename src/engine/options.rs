@@ -1,0 +1,80 @@
+//! The engine's options: what a run chooses about the optimizer's memory, the gradient wire
+//! format and the compute device. The engine owns these types; the YAML config (`config.rs`)
+//! parses into them and re-exports them, so the engine depends on no config code.
+
+use serde::{Deserialize, Serialize};
+
+/// `optimizer.memory`: how much host memory the optimizer state takes (see README).
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimizerMemory {
+    /// fp32 masters, m, v and a whole-model fp32 gradient; exact global-norm clipping.
+    #[default]
+    Exact,
+    /// fp32 masters, m, v; no whole-model gradient: a layer is updated as soon as its gradient
+    /// is complete (clipping by an estimate of the step's norm) unless its slab can wait for the
+    /// norm; embedding, final norm and head clip by the step's norm.
+    Lean,
+    /// `lean` with m and v quantised to 8 bits per block of 256 (dynamic quantisation).
+    Compact,
+}
+
+impl OptimizerMemory {
+    pub const ALL: [OptimizerMemory; 3] =
+        [OptimizerMemory::Exact, OptimizerMemory::Lean, OptimizerMemory::Compact];
+
+    /// The name used in configs and messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            OptimizerMemory::Exact => "exact",
+            OptimizerMemory::Lean => "lean",
+            OptimizerMemory::Compact => "compact",
+        }
+    }
+
+    /// Whether gradients are consumed layer by layer (no whole-model gradient buffer).
+    pub fn streams_updates(self) -> bool {
+        self != OptimizerMemory::Exact
+    }
+}
+
+/// `engine.grad_wire`.
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum GradWire {
+    /// fp32, exact.
+    #[default]
+    Fp32,
+    /// bf16 (round to nearest even on the device), accumulated in fp32 on the host.
+    Bf16,
+}
+
+/// The compute device.
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    /// The CPU backend: device memory is a pool in host RAM, queues are worker threads; fp32
+    /// weights (the reference).
+    #[default]
+    Cpu,
+    /// NVIDIA GPUs (`--features cuda`): bf16 weights on the device, bf16 products with fp32
+    /// accumulation.
+    Cuda,
+}
+
+impl BackendKind {
+    /// The backend's precision (its `Backend::PRECISION`; the same whether or not this binary
+    /// was built with CUDA, so a plan reads the same everywhere).
+    pub fn precision(self) -> horizon_backend::Precision {
+        use horizon_backend::Backend;
+        match self {
+            BackendKind::Cpu => horizon_backend::CpuBackend::PRECISION,
+            BackendKind::Cuda => horizon_backend::cuda::CudaBackend::PRECISION,
+        }
+    }
+
+    /// Whether the device pool lives in host RAM (the CPU backend), counting towards the host.
+    pub fn pool_in_host_ram(self) -> bool {
+        self == BackendKind::Cpu
+    }
+}

@@ -1,0 +1,265 @@
+//! `Sizes`: every buffer the engine allocates, from the model's description and the engine
+//! config: the single source of the allocation (`exec.rs`) and of the memory plan
+//! (`memory.rs`), which both depend on it rather than on each other.
+
+use horizon_backend::Precision;
+use horizon_backend::pool::ALIGN_ELEMS;
+
+use crate::engine::exec::EngineConfig;
+use crate::engine::head_tiles::{HeadTiling, STATS};
+use crate::engine::options::{GradWire, OptimizerMemory};
+use crate::model::layout::ModelLayout;
+use crate::model::spec::Op;
+use crate::optim::adamw8bit::Moments8;
+
+/// Sizes (in f32 elements unless said otherwise) of every buffer the engine allocates: the
+/// single source for the allocation and for the memory plan.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Sizes {
+    /// One weight slot / gradient accumulator, in weights / f32: the largest layer (the head
+    /// is applied in tiles that fit beside the final norm, or whole where it fits).
+    pub slot: usize,
+    /// How the LM head's vocabulary is cut into tiles (one tile: applied whole).
+    pub head: HeadTiling,
+    /// Tiled head: per micro-batch `hf`, `dhf` (N, C), `rstd` (N), softmax stats (N, 3);
+    /// 0 when the head is whole (its buffers are then part of the scratch).
+    pub head_rows: usize,
+    /// Tiled head: the logits chunk (chunk, tile rows) and the `dhf` chunk (chunk, C); 0 when
+    /// whole.
+    pub head_chunk: usize,
+    /// Tiled head: the final norm's gradient accumulator (C); 0 when whole.
+    pub dnorm: usize,
+    /// The weight slots' format (fp32 on the CPU, bf16 on CUDA).
+    pub precision: Precision,
+    /// Bytes of the backend's workspace (0 on the CPU): bf16 copies of the largest product's
+    /// inputs, the cuBLAS workspace, the bf16 gradient chunk.
+    pub workspace_bytes: usize,
+    /// `engine.grad_wire`: the format of the host gradient slabs.
+    pub grad_wire: GradWire,
+    /// One host gradient slab: one layer (the head's gradient goes straight to its own host
+    /// buffers).
+    pub slab: usize,
+    /// `optimizer.memory`.
+    pub memory: OptimizerMemory,
+    /// Elements of the host gradient buffers kept besides the slabs: the whole model (exact),
+    /// or embedding + final norm + untied head (lean, compact).
+    pub host_grads: usize,
+    /// Host bytes of the 8-bit moments (compact): codes and per-block scales.
+    pub moments8_bytes: usize,
+    /// Rows of a micro-batch at the longest row length.
+    pub mb_rows: usize,
+    /// One residual-stream buffer: (mb_rows, C).
+    pub act: usize,
+    /// Residual-stream sets per micro-batch.
+    pub act_sets: usize,
+    pub micro_batches: usize,
+    /// Host checkpoint blocks.
+    pub blocks: usize,
+    pub grad_slabs: usize,
+    /// The compute queue's scratch: one layer's internals and gradients for one micro-batch,
+    /// the head scratch, the rope tables.
+    pub scratch: usize,
+    /// Per micro-batch: ids + targets + losses (mb_rows each).
+    pub per_mb_small: usize,
+    /// Kept forward internals, every layer and micro-batch (0 when the backward recomputes).
+    pub stash: usize,
+    /// Sets of kept internals (layers x micro-batches; 0 when the backward recomputes), each
+    /// `act_buffers` buffers.
+    pub stash_sets: usize,
+    /// Buffers of one layer's internals (the layer description's activations).
+    pub act_buffers: usize,
+    /// Buffers of the compute queue's scratch (internals, gradient scratch, layer output, head
+    /// scratch, rope tables).
+    pub scratch_buffers: usize,
+    /// Parameters of the model.
+    pub params: usize,
+}
+
+impl Sizes {
+    pub fn new(layout: &ModelLayout, cfg: &EngineConfig) -> Self {
+        let d = &layout.dims;
+        let mb_rows = cfg.micro_batch_size * cfg.seq_len;
+        let chunk = cfg.head_chunk_rows.clamp(1, mb_rows.max(1));
+        let n = mb_rows;
+        // From the layer descriptions: every activation and gradient buffer, (N, width) each.
+        let (act_widths, grad_widths) = (layout.max_act_widths(), layout.max_grad_widths());
+        let layer_acts = n * act_widths.iter().sum::<usize>();
+        let layer_scratch = layer_acts + n * d.c; // y
+        let grad_scratch = n * grad_widths[1..].iter().sum::<usize>();
+        let head = HeadTiling::new(layout, cfg.head_tile_rows);
+        let whole = head.is_whole();
+        let head_scratch = if whole { n * d.c * 2 + n + chunk * d.v } else { 0 };
+        let rope = layout.rope.len() * 2 * cfg.seq_len * d.d / 2;
+        let params = layout.num_params();
+        let vc = d.v * d.c;
+        let host_grads = if cfg.memory.streams_updates() {
+            vc + d.c + if layout.tied { 0 } else { vc }
+        } else {
+            params
+        };
+        // Every product the step runs: the layers', the head's per chunk.
+        let products = layout
+            .kinds
+            .iter()
+            .flat_map(|k| k.ops.iter())
+            .filter_map(|op| match *op {
+                Op::Linear { ic, oc, .. } => Some((n, ic, oc)),
+                _ => None,
+            })
+            .chain(std::iter::once((chunk, d.c, head.rows)))
+            .map(|(n, ic, oc)| cfg.backend.precision().product_bytes(n, ic, oc))
+            .max()
+            .unwrap_or(0);
+        Sizes {
+            slot: layout.max_layer_len().max(d.c + head.rows * d.c),
+            head,
+            head_rows: if whole { 0 } else { n * (2 * d.c + 1 + STATS) },
+            head_chunk: if whole { 0 } else { chunk * (head.rows + d.c) },
+            dnorm: if whole { 0 } else { d.c },
+            precision: cfg.backend.precision(),
+            workspace_bytes: cfg.backend.precision().workspace(products).bytes,
+            grad_wire: cfg.grad_wire,
+            slab: layout.max_layer_len(),
+            memory: cfg.memory,
+            host_grads,
+            moments8_bytes: layout.buffer_tensors().iter().map(|t| Moments8::bytes(t)).sum(),
+            mb_rows,
+            act: n * d.c,
+            act_sets: cfg.checkpoint_every.max(2),
+            micro_batches: cfg.micro_batches(),
+            blocks: d.layers.div_ceil(cfg.checkpoint_every),
+            grad_slabs: cfg.grad_slabs,
+            scratch: layer_scratch + grad_scratch + head_scratch + rope,
+            per_mb_small: 3 * n,
+            stash: if cfg.keep_internals { d.layers * cfg.micro_batches() * layer_acts } else { 0 },
+            stash_sets: if cfg.keep_internals { d.layers * cfg.micro_batches() } else { 0 },
+            act_buffers: act_widths.len(),
+            scratch_buffers: act_widths.len() + grad_widths.len() - 1
+                + 1
+                + if whole { 4 } else { 2 }
+                + 2 * layout.rope.len(),
+            params,
+        }
+    }
+
+    /// f32 elements of pool memory one weight slot takes (`slot` weights of the precision).
+    pub fn slot_elems(&self) -> usize {
+        (self.slot * self.precision.weight_bytes()).div_ceil(4)
+    }
+
+    /// f32 elements of pool memory the backend's workspace takes.
+    pub fn workspace_elems(&self) -> usize {
+        self.workspace_bytes.div_ceil(4)
+    }
+
+    /// Device bytes by kind: weight slots, gradient accumulators, activations, scratch, the
+    /// backend's workspace, kept internals, (tiled head) its per-micro-batch rows, its chunk
+    /// and the final norm's accumulator, and the pool's rounding of every buffer up to its
+    /// alignment.
+    pub fn device_bytes(&self) -> Vec<(&'static str, usize)> {
+        let m = self.micro_batches;
+        let tiled = !self.head.is_whole();
+        // Buffers `Engine::new` allocates: slots and accumulators, per micro-batch the residual
+        // streams, residual gradient, ids, targets, losses (and, tiled, the head's hf, dhf,
+        // rstd, stats); the scratch; the workspace; the final norm's accumulator.
+        let buffers = 4
+            + m * (self.act_sets + 4 + if tiled { 4 } else { 0 })
+            + self.scratch_buffers
+            + usize::from(self.workspace_bytes > 0)
+            + usize::from(tiled)
+            + self.stash_sets * self.act_buffers;
+        let slots = match self.precision {
+            Precision::F32 => "weight slots (2, fp32)",
+            Precision::Bf16 => "weight slots (2, bf16: half the bytes of fp32)",
+        };
+        let mut lines = vec![
+            (slots, 2 * self.slot_elems() * 4),
+            ("gradient accumulators (2, fp32)", 2 * self.slot * 4),
+            (
+                "activations (residual streams, checkpoint block, gradients, ids)",
+                (m * self.act_sets * self.act + m * self.act + m * self.per_mb_small) * 4,
+            ),
+            (
+                if tiled {
+                    "workspace (one layer's internals, rope)"
+                } else {
+                    "workspace (one layer's internals, head chunk, rope)"
+                },
+                self.scratch * 4,
+            ),
+            (
+                "backend workspace (bf16 product inputs, cuBLAS, bf16 gradient chunk)",
+                self.workspace_elems() * 4,
+            ),
+            ("kept layer internals (engine.recompute: no recompute)", self.stash * 4),
+        ];
+        if tiled {
+            lines.extend([
+                (
+                    "LM head rows, per micro-batch (hf, dhf: N x C; rstd; stats: N x 3)",
+                    m * self.head_rows * 4,
+                ),
+                ("LM head chunk (logits: chunk x tile rows; dhf: chunk x C)", self.head_chunk * 4),
+                ("final norm gradient accumulator (C, fp32)", self.dnorm * 4),
+            ]);
+        }
+        lines.push((
+            "alignment (each buffer rounded up to 64 bytes, at most)",
+            buffers * ALIGN_ELEMS * 4,
+        ));
+        lines
+    }
+
+    /// Host bytes of the gradient slabs: fp32, or bf16 plus (streamed updates) one fp32 layer
+    /// the host expands a slab into for its AdamW update.
+    pub fn slab_bytes(&self) -> usize {
+        match self.grad_wire {
+            GradWire::Fp32 => self.grad_slabs * self.slab * 4,
+            GradWire::Bf16 => {
+                let expand = if self.memory.streams_updates() { self.slab * 4 } else { 0 };
+                self.grad_slabs * self.slab * 2 + expand
+            }
+        }
+    }
+
+    /// Host bytes by kind.
+    pub fn host_bytes(&self) -> [(&'static str, usize); 6] {
+        let m = self.micro_batches;
+        let moments = match self.memory {
+            OptimizerMemory::Compact => (
+                "AdamW moments (8-bit m, sqrt v, a scale per 256; small tensors fp32)",
+                self.moments8_bytes,
+            ),
+            _ => ("AdamW moments (fp32 m, v)", self.params * 8),
+        };
+        let grads = if self.memory.streams_updates() {
+            "gradients (fp32: embedding, norm, head; layers via the slabs)"
+        } else {
+            "gradients (fp32, whole model)"
+        };
+        let slabs = match (self.grad_wire, self.memory.streams_updates()) {
+            (GradWire::Fp32, _) => "gradient slabs (fp32)",
+            (GradWire::Bf16, false) => "gradient slabs (bf16, engine.grad_wire)",
+            (GradWire::Bf16, true) => "gradient slabs (bf16, engine.grad_wire; + one fp32 layer)",
+        };
+        [
+            ("master weights (fp32)", self.params * 4),
+            moments,
+            (grads, self.host_grads * 4),
+            (slabs, self.slab_bytes()),
+            (
+                "staging (embedding rows, residual gradients, losses)",
+                m * (2 * self.act + self.mb_rows) * 4,
+            ),
+            ("checkpoints", self.blocks * m * self.act * 4),
+        ]
+    }
+
+    pub fn device_total(&self) -> usize {
+        self.device_bytes().iter().map(|(_, b)| b).sum()
+    }
+
+    pub fn host_total(&self) -> usize {
+        self.host_bytes().iter().map(|(_, b)| b).sum()
+    }
+}
