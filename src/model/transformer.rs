@@ -161,10 +161,7 @@ impl<B: DeviceAlloc> Transformer<B> {
     /// Layer `l` forward on `rows`: `x -> y`, its internals in `acts`.
     fn run_layer_forward(&mut self, l: usize, rows: Rows) {
         let nc = rows.b * rows.t * self.layout.dims.c;
-        let ropes: Vec<(&B::Buf, &B::Buf)> = {
-            let len = rows.t * self.layout.dims.d / 2;
-            self.ropes.iter().map(|(c, s)| (v(c, len), v(s, len))).collect()
-        };
+        let ropes = rope_views(&self.ropes, rows.t * self.layout.dims.d / 2);
         let spec = self.layout.layer(l);
         let mut slots = act_slots(
             v(&self.x, nc),
@@ -371,10 +368,7 @@ impl<B: DeviceAlloc> Transformer<B> {
             self.run_layer_forward(l, rows);
             self.be.zero(vm(&mut self.dw, len));
             let spec = self.layout.layer(l);
-            let ropes: Vec<(&B::Buf, &B::Buf)> = {
-                let len = rows.t * d.d / 2;
-                self.ropes.iter().map(|(c, s)| (v(c, len), v(s, len))).collect()
-            };
+            let ropes = rope_views(&self.ropes, rows.t * d.d / 2);
             let acts = act_slots(
                 v(&self.x, nc),
                 Slot::R(v(&self.y, nc)),
@@ -401,6 +395,15 @@ impl<B: DeviceAlloc> Transformer<B> {
 /// `acc += x` on host buffers.
 fn add_host(acc: &mut [f32], x: &[f32]) {
     CpuBackend.add_inplace(acc, x);
+}
+
+/// Every rope table's (cos, sin), each viewed at its first `len` elements ((T, D/2) for `T`
+/// positions).
+fn rope_views<T: ?Sized + DeviceSlice, M: Deref<Target = T>>(
+    tables: &[(M, M)],
+    len: usize,
+) -> Vec<(&T, &T)> {
+    tables.iter().map(|(c, s)| (v(c, len), v(s, len))).collect()
 }
 
 /// cos/sin tables (T, D/2) exactly as HF computes them: `angle = f32(t) * inv_freq` in f32,
