@@ -20,19 +20,12 @@ use crate::hf::checkpoint::SaveDtype;
 use crate::hf::config::ModelConfig;
 use crate::model::layout::ModelLayout;
 use crate::model::params::ParamStore;
-use crate::optim::adamw8bit::Moments8;
-use crate::train::TrainState;
+use crate::optim::state::{OptState, OptimizerState};
+use crate::store::TrainState;
 
 /// The masters' file in a checkpoint.
 pub const PARAMS: &str = "params.safetensors";
-const EXP_AVG: &str = "exp_avg.safetensors";
-const EXP_AVG_SQ: &str = "exp_avg_sq.safetensors";
 const STATE: &str = "state.json";
-/// `optimizer.memory: compact`: the 8-bit moments, instead of the two fp32 moment files.
-const MOMENTS8: &str = "moments8.bin";
-const MOMENTS8_MAGIC: &[u8; 8] = b"HZNQ8v2\0";
-/// The first layout: blocks of 256 across tensor boundaries, `sqrt(v)` (no longer read).
-const MOMENTS8_MAGIC_V1: &[u8; 8] = b"HZNQ8v1\0";
 
 /// `state.json`.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -84,13 +77,7 @@ pub fn save(
     fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
     let layout = ModelLayout::new(model_cfg);
     state.params.save_safetensors(&layout, &tmp.join(PARAMS), SaveDtype::F32)?;
-    match &state.q8 {
-        Some(q8) => save_moments8(&tmp.join(MOMENTS8), q8)?,
-        None => {
-            state.m.save_safetensors(&layout, &tmp.join(EXP_AVG), SaveDtype::F32)?;
-            state.v.save_safetensors(&layout, &tmp.join(EXP_AVG_SQ), SaveDtype::F32)?;
-        }
-    }
+    state.opt.save(&tmp, &layout)?;
     let meta = CheckpointState {
         format: 1,
         step: state.step,
@@ -175,88 +162,12 @@ pub fn resolve(arg: &str, out_dir: &Path) -> Result<PathBuf> {
     Ok(p)
 }
 
-/// `moments8.bin` (little-endian): magic, buffer count (u64), then per buffer its tensor count
-/// and each tensor's length (u64), the codes of m and of v (one byte per element of the 8-bit
-/// tensors), the fp32 block scales of m and of v, and the fp32 m and v of the small tensors
-/// (see [`Moments8`]).
-fn save_moments8(path: &Path, q8: &[Moments8]) -> Result<()> {
-    let f = fs::File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
-    let mut w = std::io::BufWriter::new(f);
-    w.write_all(MOMENTS8_MAGIC)?;
-    w.write_all(&(q8.len() as u64).to_le_bytes())?;
-    for q in q8 {
-        w.write_all(&(q.tensors.len() as u64).to_le_bytes())?;
-        for &n in &q.tensors {
-            w.write_all(&(n as u64).to_le_bytes())?;
-        }
-        w.write_all(&q.m_codes)?;
-        w.write_all(&q.v_codes)?;
-        for x in q.m_absmax.iter().chain(&q.v_absmax).chain(&q.m32).chain(&q.v32) {
-            w.write_all(&x.to_le_bytes())?;
-        }
-    }
-    let f = w.into_inner().map_err(|e| e.into_error())?;
-    f.sync_all().with_context(|| format!("cannot sync {}", path.display()))
-}
-
-/// Read `moments8.bin`, checking it against the tensors of the model's buffers.
-fn load_moments8(path: &Path, tensors: &[Vec<usize>]) -> Result<Vec<Moments8>> {
-    use std::io::Read;
-    let bad = |what: &str| anyhow::anyhow!("{}: {what}; the checkpoint is damaged", path.display());
-    let f = fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
-    let mut r = std::io::BufReader::new(f);
-    let mut u64buf = [0u8; 8];
-    r.read_exact(&mut u64buf).map_err(|_| bad("truncated"))?;
-    if &u64buf == MOMENTS8_MAGIC_V1 {
-        bail!(
-            "{}: 8-bit moments in an older layout (blocks across tensors, no fp32 small tensors)\nhint: resume with the Horizon version that wrote it, or start the run again",
-            path.display()
-        );
-    }
-    if &u64buf != MOMENTS8_MAGIC {
-        return Err(bad("not an 8-bit moments file"));
-    }
-    let mut read_u64 = |r: &mut std::io::BufReader<fs::File>| -> Result<u64> {
-        r.read_exact(&mut u64buf).map_err(|_| bad("truncated"))?;
-        Ok(u64::from_le_bytes(u64buf))
-    };
-    if read_u64(&mut r)? != tensors.len() as u64 {
-        return Err(bad("wrong number of buffers for this model"));
-    }
-    let mut out = Vec::with_capacity(tensors.len());
-    for t in tensors {
-        let mut theirs = vec![0usize; read_u64(&mut r)? as usize];
-        for n in theirs.iter_mut() {
-            *n = read_u64(&mut r)? as usize;
-        }
-        if &theirs != t {
-            return Err(bad("a buffer's tensors do not match this model"));
-        }
-        let mut q = Moments8::zeros(t);
-        r.read_exact(&mut q.m_codes).map_err(|_| bad("truncated"))?;
-        r.read_exact(&mut q.v_codes).map_err(|_| bad("truncated"))?;
-        let mut b4 = [0u8; 4];
-        for x in q
-            .m_absmax
-            .iter_mut()
-            .chain(q.v_absmax.iter_mut())
-            .chain(q.m32.iter_mut())
-            .chain(q.v32.iter_mut())
-        {
-            r.read_exact(&mut b4).map_err(|_| bad("truncated"))?;
-            *x = f32::from_le_bytes(b4);
-        }
-        out.push(q);
-    }
-    Ok(out)
-}
-
 /// Load a checkpoint for `model_cfg`, laid out for `optimizer.memory` `mode`. `exact` and
 /// `lean` hold the same state and resume each other; `compact` stores 8-bit moments and is
 /// refused across modes (decoding would need the fp32 moments' memory, encoding loses bits).
 pub fn load_for(dir: &Path, model_cfg: &ModelConfig, mode: OptimizerMemory) -> Result<TrainState> {
     let meta = read_state(dir)?;
-    if (meta.memory == OptimizerMemory::Compact) != (mode == OptimizerMemory::Compact) {
+    if meta.memory.moment_storage() != mode.moment_storage() {
         bail!(
             "--resume {}: the checkpoint holds optimizer.memory {} moments, this run is configured for {}\nhint: resume with optimizer.memory: {} (exact and lean resume each other; compact only compact)",
             dir.display(),
@@ -318,24 +229,14 @@ fn load_with(
     }
     let layout = ModelLayout::new(model_cfg);
     let params = ParamStore::load_hf(&layout, &dir.join(PARAMS))?;
-    // Allocate only what `mode` keeps: fresh zeros are filled from the files, never doubled.
-    let (m, v, q8) = if meta.memory == OptimizerMemory::Compact {
-        let q8 = load_moments8(&dir.join(MOMENTS8), &layout.buffer_tensors())?;
-        (ParamStore::empty_like(&params), ParamStore::empty_like(&params), Some(q8))
-    } else {
-        let m = ParamStore::load_hf(&layout, &dir.join(EXP_AVG))?;
-        let v = ParamStore::load_hf(&layout, &dir.join(EXP_AVG_SQ))?;
-        (m, v, None)
-    };
-    let grads = params.zeros_like(meta.memory.streams_updates());
+    // Only what the checkpoint's mode keeps is allocated, then filled from the files.
+    let opt = OptState::load(meta.memory.moment_storage(), dir, &layout)?;
     let state = TrainState {
+        grads: params.zeros_like(!meta.memory.keeps_layer_grads()),
         params,
-        grads,
-        m,
-        v,
+        opt,
         step: meta.step,
         updates: meta.updates,
-        q8,
         last_sq: meta.last_sq,
         memory: meta.memory,
     };

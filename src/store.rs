@@ -5,46 +5,93 @@
 use crate::engine::options::OptimizerMemory;
 use crate::model::layout::ModelLayout;
 use crate::model::params::ParamStore;
-use crate::optim::adamw::{AdamWConfig, AdamWStep, adamw_update, clip_coefficient, sum_squares};
-use crate::optim::adamw8bit::Moments8;
+use crate::optim::adamw::{AdamWConfig, AdamWStep, clip_coefficient, sum_squares};
+use crate::optim::moments::Moments;
+use crate::optim::state::{AdamW32, OptState, OptimizerState};
 
-/// The model's optimizer state in host RAM: masters, gradients, AdamW moments.
+/// How a host tensor's elements are stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HostDtype {
+    /// fp32: the trainable masters (and a frozen fp32 base).
+    F32,
+    /// bf16: a frozen base kept as the checkpoint stores it (adapters train beside it).
+    Bf16,
+}
+
+impl HostDtype {
+    pub fn bytes(self) -> usize {
+        match self {
+            HostDtype::F32 => 4,
+            HostDtype::Bf16 => 2,
+        }
+    }
+}
+
+/// Where a host tensor lives. RAM is the authoritative store; a slower tier (NVMe) would be
+/// another variant, read ahead of the layer that needs it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tier {
+    Ram,
+}
+
+/// What the host store holds for one model tensor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HostTensor {
+    /// The tensor's HF name.
+    pub name: String,
+    pub elems: usize,
+    pub dtype: HostDtype,
+    /// Whether it has a gradient and optimizer state.
+    pub trainable: bool,
+    pub tier: Tier,
+}
+
+/// The host tensors of full fine-tuning: every tensor an fp32, trainable master in RAM.
+pub fn host_tensors(layout: &ModelLayout) -> Vec<HostTensor> {
+    let tensor = |(name, shape): (String, Vec<usize>)| HostTensor {
+        name,
+        elems: shape.iter().product(),
+        dtype: HostDtype::F32,
+        trainable: true,
+        tier: Tier::Ram,
+    };
+    layout.hf_tensors().into_iter().map(tensor).collect()
+}
+
+/// Host bytes of the tensors' own elements.
+pub fn tensor_bytes(tensors: &[HostTensor]) -> usize {
+    tensors.iter().map(|t| t.elems * t.dtype.bytes()).sum()
+}
+
+/// The model's training state in host RAM: masters, gradients, optimizer state.
 pub struct TrainState {
     pub params: ParamStore,
     pub grads: ParamStore,
-    pub m: ParamStore,
-    pub v: ParamStore,
+    /// The optimizer's state, in the storage the memory mode picks.
+    pub opt: OptState,
     /// Optimizer steps run (the data and schedule position), skipped ones included.
     pub step: u64,
     /// Updates applied to the masters (AdamW's bias-correction count): `step` minus the steps
     /// skipped for a non-finite loss or gradient.
     pub updates: u64,
-    /// `optimizer.memory: compact`: the 8-bit moments, one per buffer (then `m` and `v` hold
-    /// empty buffers).
-    pub q8: Option<Vec<Moments8>>,
     /// Squared gradient norm of each buffer at the last step whose norm was finite (empty:
     /// none yet): `lean`/`compact` estimate the next step's norm from them.
     pub last_sq: Vec<f64>,
-    /// The memory mode the state is laid out for (what it keeps: layer gradients or not, fp32
-    /// or 8-bit moments). Stated, never inferred from which buffers are empty.
+    /// The memory mode the state is laid out for (what it keeps: layer gradients or not, the
+    /// moments' storage). Stated, never inferred from which buffers are empty.
     pub memory: OptimizerMemory,
 }
 
 impl TrainState {
+    /// Fresh `exact` state: zero gradients and fp32 moments.
     pub fn new(params: ParamStore) -> Self {
-        let zeros = || {
-            let mut z = params.clone();
-            z.fill_zero();
-            z
-        };
+        let zeros = || params.zeros_like(false);
         TrainState {
             grads: zeros(),
-            m: zeros(),
-            v: zeros(),
+            opt: OptState::F32(AdamW32 { m: zeros(), v: zeros() }),
             params,
             step: 0,
             updates: 0,
-            q8: None,
             last_sq: Vec::new(),
             memory: OptimizerMemory::Exact,
         }
@@ -53,26 +100,15 @@ impl TrainState {
     /// Fresh state holding only what `mode` keeps: no layer gradients in `lean`/`compact`, 8-bit
     /// moments in `compact`. Allocates nothing it does not keep.
     pub fn for_memory(params: ParamStore, layout: &ModelLayout, mode: OptimizerMemory) -> Self {
-        let empty = ParamStore::empty_like(&params);
-        let mut state = TrainState {
-            grads: empty.clone(),
-            m: empty.clone(),
-            v: empty,
+        TrainState {
+            grads: params.zeros_like(!mode.keeps_layer_grads()),
+            opt: OptState::zeros(mode.moment_storage(), layout),
             params,
             step: 0,
             updates: 0,
-            q8: None,
             last_sq: Vec::new(),
             memory: mode,
-        };
-        state.grads = state.params.zeros_like(mode.streams_updates());
-        if mode == OptimizerMemory::Compact {
-            state.q8 = Some(layout.buffer_tensors().iter().map(|t| Moments8::zeros(t)).collect());
-        } else {
-            state.m = state.params.zeros_like(false);
-            state.v = state.params.zeros_like(false);
         }
-        state
     }
 
     /// The memory mode this state is laid out for.
@@ -84,48 +120,22 @@ impl TrainState {
     /// drops the layer gradients, which are zero between steps); `compact` quantises the fp32
     /// moments, and leaving `compact` decodes them.
     pub fn into_memory(mut self, layout: &ModelLayout, mode: OptimizerMemory) -> Self {
-        if self.memory() == mode {
+        if self.memory == mode {
             return self;
         }
-        let streamed = mode.streams_updates();
-        if self.grads.layers.iter().any(|l| l.is_empty()) != streamed
-            || self.params.layers.is_empty()
-        {
-            self.grads = self.params.zeros_like(streamed);
+        if self.memory.keeps_layer_grads() != mode.keeps_layer_grads() {
+            self.grads = self.params.zeros_like(!mode.keeps_layer_grads());
         }
-        match (self.q8.is_some(), mode == OptimizerMemory::Compact) {
-            (false, true) => {
-                let mut q8 = Vec::new();
-                for ((t, m), v) in
-                    layout.buffer_tensors().iter().zip(self.m.buffers()).zip(self.v.buffers())
-                {
-                    let mut q = Moments8::zeros(t);
-                    q.encode(m, v);
-                    q8.push(q);
-                }
-                self.q8 = Some(q8);
-                self.m = ParamStore::empty_like(&self.params);
-                self.v = ParamStore::empty_like(&self.params);
-            }
-            (true, false) => {
-                let q8 = self.q8.take().expect("checked");
-                self.m = self.params.zeros_like(false);
-                self.v = self.params.zeros_like(false);
-                for ((q, m), v) in q8.iter().zip(self.m.buffers_mut()).zip(self.v.buffers_mut()) {
-                    let (dm, dv) = q.decode();
-                    m.copy_from_slice(&dm);
-                    v.copy_from_slice(&dv);
-                }
-            }
-            _ => {}
-        }
+        self.opt = self.opt.into_storage(mode.moment_storage(), layout);
         self.memory = mode;
         self
     }
 
-    /// Copies of the masters and both moments (for tests and comparisons).
+    /// Copies of the masters and both moments (fp32; decoded from 8 bits in `compact`; for
+    /// tests and comparisons).
     pub fn clone_params_and_moments(&self) -> (ParamStore, ParamStore, ParamStore) {
-        (self.params.clone(), self.m.clone(), self.v.clone())
+        let AdamW32 { m, v } = self.opt.fp32_moments(&self.params);
+        (self.params.clone(), m, v)
     }
 
     /// Global L2 norm of the gradients, accumulated in f64 in a fixed order.
@@ -139,12 +149,10 @@ impl TrainState {
         self.updates += 1;
         let coef = clip_coefficient(grad_norm, max_norm);
         let st = AdamWStep::new(cfg, self.updates, lr);
-        let p = self.params.buffers_mut();
-        let g = self.grads.buffers();
-        let m = self.m.buffers_mut();
-        let v = self.v.buffers_mut();
-        for (((p, g), m), v) in p.into_iter().zip(g).zip(m).zip(v) {
-            adamw_update(p, g, m, v, &st, coef);
+        for i in 0..self.grads.buffers().len() {
+            let seed = self.updates.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ i as u64;
+            let g = self.grads.buffer(i);
+            self.opt.buffer(i).update(self.params.buffer_mut(i), g, &st, coef, seed);
         }
     }
 }

@@ -34,6 +34,7 @@ use crate::model::transformer::{
 use crate::optim::adamw::{AdamWConfig, AdamWStep, clip_coefficient, sum_squares};
 use crate::optim::adamw8bit::{Moments8, Moments8Mut};
 use crate::optim::moments::{AnyMoments, Moments, Moments32};
+use crate::optim::state::OptState;
 use crate::store::TrainState;
 
 /// How the engine runs a step.
@@ -125,15 +126,13 @@ struct Ctx {
     /// Host store, by `param_index`: masters, gradients, moments (gradients of the layers and
     /// fp32 moments are empty where the memory mode does not keep them).
     params: Vec<HostPtrMut>,
-    /// The 8-bit moments (compact), by `param_index`.
-    q8: Vec<Q8Handle>,
+    /// The optimizer state, by `param_index`, in its storage (fp32 or 8-bit moments).
+    moments: Vec<MomentHandle>,
     /// Streamed updates: what the step has measured so far, and the last finite step's norms.
     stats: Mutex<StepStats>,
     /// Streamed updates: some buffer was updated this step.
     applied: AtomicBool,
     grads: Vec<HostPtrMut>,
-    m: Vec<HostPtrMut>,
-    v: Vec<HostPtrMut>,
     /// Host buffers: [block][m] checkpoints, gradient slabs, per-micro-batch staging.
     ckpt: Vec<Vec<HostPtrMut>>,
     slabs: Slabs,
@@ -199,6 +198,45 @@ struct StepStats {
     loss_checked: bool,
     /// Some buffer has been updated this step.
     applied: bool,
+}
+
+/// One buffer's optimizer state, as the host queue's updates reach it.
+#[derive(Clone, Copy)]
+enum MomentHandle {
+    F32 { m: HostPtrMut, v: HostPtrMut },
+    Q8(Q8Handle),
+}
+
+impl MomentHandle {
+    /// Handles to every buffer's state (the state's vectors are never resized while they live).
+    fn all(opt: &mut OptState) -> Vec<MomentHandle> {
+        match opt {
+            OptState::F32(s) => {
+                s.m.buffers_mut()
+                    .into_iter()
+                    .zip(s.v.buffers_mut())
+                    .map(|(m, v)| MomentHandle::F32 { m: handle(m), v: handle(v) })
+                    .collect()
+            }
+            OptState::Q8(s) => {
+                s.buffers.iter_mut().map(|q| MomentHandle::Q8(Q8Handle::new(q))).collect()
+            }
+        }
+    }
+
+    /// # Safety
+    /// No other view of these moments may be live.
+    unsafe fn view<'a>(self) -> AnyMoments<'a> {
+        // SAFETY: the caller's exclusivity; the pointers are live (see `all`).
+        unsafe {
+            match self {
+                MomentHandle::F32 { m, v } => {
+                    AnyMoments::F32(Moments32 { m: m.as_mut_slice(), v: v.as_mut_slice() })
+                }
+                MomentHandle::Q8(q) => AnyMoments::Q8(q.view()),
+            }
+        }
+    }
 }
 
 /// A raw handle to one buffer's 8-bit moments, owned by the engine's `TrainState`.
@@ -542,10 +580,7 @@ where
         // Host staging buffers, allocated once.
         let mut state = Box::new(state.into_memory(&layout, cfg.memory));
         let nbufs = state.params.buffers().len();
-        let q8: Vec<Q8Handle> = match &mut state.q8 {
-            Some(q) => q.iter_mut().map(Q8Handle::new).collect(),
-            None => Vec::new(),
-        };
+        let moments = MomentHandle::all(&mut state.opt);
         let stage = |len: usize| dev.alloc_staging::<f32>(len);
         let mut ckpt: Vec<Vec<D::Staging<f32>>> =
             (0..sizes.blocks).map(|_| (0..mbs).map(|_| stage(sizes.act)).collect()).collect();
@@ -580,7 +615,7 @@ where
             losses,
             scratch,
             memory: cfg.memory,
-            q8,
+            moments,
             stats: Mutex::new(StepStats {
                 sq: vec![0.0; nbufs],
                 seen: vec![false; nbufs],
@@ -597,8 +632,6 @@ where
             applied: AtomicBool::new(false),
             params: bufs(&mut state.params),
             grads: bufs(&mut state.grads),
-            m: bufs(&mut state.m),
-            v: bufs(&mut state.v),
             ckpt: ckpt.iter_mut().map(|b| b.iter_mut().map(|s| handle(s)).collect()).collect(),
             slabs: match cfg.grad_wire {
                 GradWire::Fp32 => Slabs::F32(slabs.iter_mut().map(|s| handle(s)).collect()),
@@ -1419,18 +1452,13 @@ unsafe fn apply_update(c: &Ctx, sd: &StepData, grant: &Grant, i: usize, g: &[f32
     unsafe { moments_of(c, i).update(c.params[i].as_mut_slice(), g, &st, coef, seed) }
 }
 
-/// Buffer `i`'s optimizer state, in the storage of the memory mode.
+/// Buffer `i`'s optimizer state, in its storage.
 ///
 /// # Safety
 /// The caller must have exclusive use of buffer `i`'s moments while the value lives.
 unsafe fn moments_of<'a>(c: &'a Ctx, i: usize) -> AnyMoments<'a> {
     // SAFETY: the caller's exclusivity.
-    unsafe {
-        match c.memory {
-            OptimizerMemory::Compact => AnyMoments::Q8(c.q8[i].view()),
-            _ => AnyMoments::F32(Moments32 { m: c.m[i].as_mut_slice(), v: c.v[i].as_mut_slice() }),
-        }
-    }
+    unsafe { c.moments[i].view() }
 }
 
 /// The step's summed loss, from the host loss buffers (downloaded before any caller runs).

@@ -4,6 +4,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::optim::moments::MomentStorage;
+
 /// `optimizer.memory`: how much host memory the optimizer state takes (see README).
 #[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
@@ -35,6 +37,19 @@ impl OptimizerMemory {
     /// Whether gradients are consumed layer by layer (no whole-model gradient buffer).
     pub fn streams_updates(self) -> bool {
         self != OptimizerMemory::Exact
+    }
+
+    /// Whether the host store keeps the decoder layers' gradients (only `exact` does).
+    pub fn keeps_layer_grads(self) -> bool {
+        !self.streams_updates()
+    }
+
+    /// How the mode stores the AdamW moments.
+    pub fn moment_storage(self) -> MomentStorage {
+        match self {
+            OptimizerMemory::Compact => MomentStorage::Q8,
+            OptimizerMemory::Exact | OptimizerMemory::Lean => MomentStorage::F32,
+        }
     }
 }
 

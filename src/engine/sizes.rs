@@ -10,7 +10,8 @@ use crate::engine::head_tiles::{HeadTiling, STATS};
 use crate::engine::options::{GradWire, OptimizerMemory};
 use crate::model::layout::ModelLayout;
 use crate::model::spec::Op;
-use crate::optim::adamw8bit::Moments8;
+use crate::optim::moments::MomentStorage;
+use crate::store::{host_tensors, tensor_bytes};
 
 /// Sizes (in f32 elements unless said otherwise) of every buffer the engine allocates: the
 /// single source for the allocation and for the memory plan.
@@ -44,8 +45,10 @@ pub struct Sizes {
     /// Elements of the host gradient buffers kept besides the slabs: the whole model (exact),
     /// or embedding + final norm + untied head (lean, compact).
     pub host_grads: usize,
-    /// Host bytes of the 8-bit moments (compact): codes and per-block scales.
-    pub moments8_bytes: usize,
+    /// Host bytes of the optimizer state, in the memory mode's storage.
+    pub moment_bytes: usize,
+    /// Host bytes of the masters (the host tensors' own dtypes).
+    pub master_bytes: usize,
     /// Rows of a micro-batch at the longest row length.
     pub mb_rows: usize,
     /// One residual-stream buffer: (mb_rows, C).
@@ -122,7 +125,8 @@ impl Sizes {
             slab: layout.max_layer_len(),
             memory: cfg.memory,
             host_grads,
-            moments8_bytes: layout.buffer_tensors().iter().map(|t| Moments8::bytes(t)).sum(),
+            moment_bytes: cfg.memory.moment_storage().bytes(&layout.buffer_tensors().concat()),
+            master_bytes: tensor_bytes(&host_tensors(layout)),
             mb_rows,
             act: n * d.c,
             act_sets: cfg.checkpoint_every.max(2),
@@ -225,12 +229,11 @@ impl Sizes {
     /// Host bytes by kind.
     pub fn host_bytes(&self) -> [(&'static str, usize); 6] {
         let m = self.micro_batches;
-        let moments = match self.memory {
-            OptimizerMemory::Compact => (
-                "AdamW moments (8-bit m, sqrt v, a scale per 256; small tensors fp32)",
-                self.moments8_bytes,
-            ),
-            _ => ("AdamW moments (fp32 m, v)", self.params * 8),
+        let moments = match self.memory.moment_storage() {
+            MomentStorage::Q8 => {
+                "AdamW moments (8-bit m, sqrt v, a scale per 256; small tensors fp32)"
+            }
+            MomentStorage::F32 => "AdamW moments (fp32 m, v)",
         };
         let grads = if self.memory.streams_updates() {
             "gradients (fp32: embedding, norm, head; layers via the slabs)"
@@ -243,8 +246,8 @@ impl Sizes {
             (GradWire::Bf16, true) => "gradient slabs (bf16, engine.grad_wire; + one fp32 layer)",
         };
         [
-            ("master weights (fp32)", self.params * 4),
-            moments,
+            ("master weights (fp32)", self.master_bytes),
+            (moments, self.moment_bytes),
             (grads, self.host_grads * 4),
             (slabs, self.slab_bytes()),
             (

@@ -159,6 +159,10 @@ pub fn layer_backward<B: Backend>(
                 let [d, s] = pick(grads, [dst, src]);
                 be.copy(d.w(n * width), s.r(n * width));
             }
+            BwdOp::Accumulate { dst, src, width } => {
+                let [d, s] = pick(grads, [dst, src]);
+                be.add_inplace(d.w(n * width), s.r(n * width));
+            }
             BwdOp::Zero { dst, width } => be.zero(grads[dst].w(n * width)),
             BwdOp::RmsNorm { op, dinp, dout } => {
                 let Op::RmsNorm { inp, rstd, w: ref r, w_offset, .. } = spec.ops[op] else {
@@ -257,4 +261,147 @@ pub fn act_slots<'a, T: ?Sized>(
     own: impl Iterator<Item = &'a mut T>,
 ) -> Vec<Slot<'a, T>> {
     [Slot::R(x), y].into_iter().chain(own.map(Slot::W)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    //! Every described layer against finite differences: the derived backward program is
+    //! checked as a whole (the ops are checked one by one in the backend's tests).
+    use horizon_backend::CpuBackend;
+
+    use super::*;
+    use crate::hf::config::ModelConfig;
+    use crate::model::layout::ModelLayout;
+    use crate::model::spec::{AttnSpec, Init, LayerBuilder, X, Y};
+    use crate::model::transformer::rope_tables;
+    use crate::rng::SplitMix64;
+
+    const ROWS: Rows = Rows { b: 2, t: 5 };
+
+    /// Loss `sum(Y * r)` of one forward, in f64.
+    fn loss(
+        spec: &LayerSpec,
+        x: &[f32],
+        w: &[f32],
+        ropes: &[(Vec<f32>, Vec<f32>)],
+        r: &[f32],
+    ) -> f64 {
+        let n = ROWS.b * ROWS.t;
+        let mut y = vec![0.0; n * spec.c];
+        let mut own: Vec<Vec<f32>> = spec.acts.iter().map(|a| vec![0.0; n * a.width]).collect();
+        let mut slots = act_slots(x, Slot::W(&mut y[..]), own.iter_mut().map(|v| &mut v[..]));
+        let views: Vec<(&[f32], &[f32])> = ropes.iter().map(|(c, s)| (&c[..], &s[..])).collect();
+        layer_forward(&CpuBackend::new(), spec, &mut slots, w, &views, ROWS);
+        y.iter().zip(r).map(|(&a, &b)| a as f64 * b as f64).sum()
+    }
+
+    /// (dX, dW) of `sum(Y * r)` through the derived backward program.
+    fn grads(
+        spec: &LayerSpec,
+        x: &[f32],
+        w: &[f32],
+        ropes: &[(Vec<f32>, Vec<f32>)],
+        r: &[f32],
+    ) -> (Vec<f32>, Vec<f32>) {
+        let (be, n) = (CpuBackend::new(), ROWS.b * ROWS.t);
+        let mut y = vec![0.0; n * spec.c];
+        let mut own: Vec<Vec<f32>> = spec.acts.iter().map(|a| vec![0.0; n * a.width]).collect();
+        let views: Vec<(&[f32], &[f32])> = ropes.iter().map(|(c, s)| (&c[..], &s[..])).collect();
+        let mut slots = act_slots(x, Slot::W(&mut y[..]), own.iter_mut().map(|v| &mut v[..]));
+        layer_forward(&be, spec, &mut slots, w, &views, ROWS);
+        let mut dres = r.to_vec();
+        let mut rest: Vec<Vec<f32>> = spec.grads[1..].iter().map(|&g| vec![0.0; n * g]).collect();
+        let mut g = grad_slots(&mut dres[..], rest.iter_mut().map(|v| &mut v[..]));
+        let mut dw = vec![0.0; spec.len];
+        layer_backward(&be, spec, &mut g, &mut dw[..], &slots, w, &views, ROWS);
+        drop(g);
+        (dres, dw)
+    }
+
+    /// Central differences at a few coordinates of X and of every tensor of W.
+    fn check(name: &str, spec: &LayerSpec, ropes: &[(Vec<f32>, Vec<f32>)]) {
+        let n = ROWS.b * ROWS.t;
+        let mut rng = SplitMix64::new(7);
+        let mut normal = |len: usize, std: f32| {
+            let mut v = vec![0.0; len];
+            rng.fill_normal(&mut v, std);
+            v
+        };
+        let (x, r) = (normal(n * spec.c, 1.0), normal(n * spec.c, 1.0));
+        let mut w = normal(spec.len, 0.3);
+        for t in &spec.tensors {
+            if t.init == Init::Ones {
+                w[t.range()].iter_mut().for_each(|v| *v += 1.0);
+            }
+        }
+        let (dx, dw) = grads(spec, &x, &w, ropes, &r);
+        let fd = |x: &[f32], w: &[f32], which: &str, i: usize| {
+            let h = 1e-2f32;
+            let (mut xp, mut wp, mut xm, mut wm) = (x.to_vec(), w.to_vec(), x.to_vec(), w.to_vec());
+            let (p, m) =
+                if which == "x" { (&mut xp[i], &mut xm[i]) } else { (&mut wp[i], &mut wm[i]) };
+            *p += h;
+            *m -= h;
+            (loss(spec, &xp, &wp, ropes, &r) - loss(spec, &xm, &wm, ropes, &r)) / (2.0 * h as f64)
+        };
+        let scale = dx.iter().chain(&dw).fold(0f32, |a, &b| a.max(b.abs())) as f64;
+        let mut at: Vec<(&str, usize, f32)> =
+            (0..4).map(|k| ("x", (k * 7919) % x.len(), dx[(k * 7919) % x.len()])).collect();
+        for t in &spec.tensors {
+            for k in [0, t.numel() / 2, t.numel() - 1] {
+                at.push(("w", t.offset + k, dw[t.offset + k]));
+            }
+        }
+        for (which, i, got) in at {
+            let want = fd(&x, &w, which, i);
+            let err = (got as f64 - want).abs();
+            assert!(
+                err <= 2e-3 * scale + 2e-2 * want.abs(),
+                "{name}: d{which}[{i}] = {got}, finite differences {want} (err {err:.3e}, scale {scale:.3e})"
+            );
+        }
+    }
+
+    fn tables(layout: &ModelLayout) -> Vec<(Vec<f32>, Vec<f32>)> {
+        layout.rope.iter().map(|f| rope_tables(f, ROWS.t)).collect()
+    }
+
+    /// Each fixture family's layer kinds (Llama with GQA, Qwen2 with biases, Qwen3's q/k norm,
+    /// Gemma 3's four `(1 + w)` norms, GeGLU and sliding window).
+    #[test]
+    fn every_family_layer_matches_finite_differences() {
+        for case in ["llama_gqa", "qwen2_tied_padded", "qwen3_qknorm", "gemma3_sliding"] {
+            let dir = env!("CARGO_MANIFEST_DIR");
+            let path = format!("{dir}/tests/fixtures/{case}/model/config.json");
+            let cfg = ModelConfig::from_file(std::path::Path::new(&path)).unwrap();
+            let mut layout = ModelLayout::new(&cfg);
+            for spec in &mut layout.kinds {
+                spec.attn.window = spec.attn.window.min(3);
+            }
+            let ropes = tables(&layout);
+            for spec in &layout.kinds {
+                check(&format!("{case} {}", spec.kind), spec, &ropes);
+            }
+        }
+    }
+
+    /// A layer whose input feeds two residual adds: the second contribution to dX accumulates
+    /// (`BwdOp::Accumulate`) rather than overwriting the first.
+    #[test]
+    fn an_input_read_by_two_adds_accumulates_its_gradient() {
+        let c = 6;
+        let mut b = LayerBuilder::new(c);
+        let ln = b.tensor("norm.weight", &[c], Init::Ones);
+        let wp = b.tensor("proj.weight", &[c, c], Init::Normal);
+        let h = b.rmsnorm(X, ("h", "rstd"), ln, 0.0);
+        let p = b.act("p", c);
+        b.op(Op::Linear { inp: h, out: p, w: wp, bias: None, ic: c, oc: c });
+        let s = b.act("s", c);
+        b.op(Op::Add { a: X, b: p, out: s });
+        b.op(Op::Add { a: X, b: s, out: Y });
+        let attn = AttnSpec { h: 1, kvh: 1, d: c, window: 0, scale: 1.0 };
+        let spec = b.finish("double_residual", attn, 1e-6);
+        assert!(spec.backward.iter().any(|op| matches!(op, BwdOp::Accumulate { .. })));
+        check("double residual", &spec, &[]);
+    }
 }

@@ -85,6 +85,28 @@ impl ParamStore {
         v
     }
 
+    /// Buffer `i` in the order of [`ParamStore::buffers`] (no allocation).
+    pub fn buffer(&self, i: usize) -> &[f32] {
+        let l = self.layers.len();
+        match i {
+            0 => &self.embed,
+            i if i <= l => &self.layers[i - 1],
+            i if i == l + 1 => &self.final_norm,
+            _ => self.lm_head.as_ref().expect("buffer index past the last buffer"),
+        }
+    }
+
+    /// Buffer `i` in the order of [`ParamStore::buffers`] (no allocation).
+    pub fn buffer_mut(&mut self, i: usize) -> &mut [f32] {
+        let l = self.layers.len();
+        match i {
+            0 => &mut self.embed,
+            i if i <= l => &mut self.layers[i - 1],
+            i if i == l + 1 => &mut self.final_norm,
+            _ => self.lm_head.as_mut().expect("buffer index past the last buffer"),
+        }
+    }
+
     /// Set every element to zero (no allocation).
     pub fn fill_zero(&mut self) {
         for b in self.buffers_mut() {

@@ -168,6 +168,8 @@ pub const DRES: GradBuf = 0;
 pub enum BwdOp {
     /// `dst = src`.
     Copy { dst: GradBuf, src: GradBuf, width: usize },
+    /// `dst += src` (a gradient with a contribution already).
+    Accumulate { dst: GradBuf, src: GradBuf, width: usize },
     /// `dst = 0` (before an op that accumulates into a gradient nothing has written yet).
     Zero { dst: GradBuf, width: usize },
     /// RMSNorm backward: `dinp +=`, weight gradient `+=`.
@@ -210,16 +212,6 @@ impl LayerSpec {
     /// Width of activation slot `a` (X and Y are C wide).
     pub fn width(&self, a: Act) -> usize {
         if a < IO_SLOTS { self.c } else { self.acts[a - IO_SLOTS].width }
-    }
-
-    /// Elements per row of the layer's own activations (what one micro-batch's internals take).
-    pub fn act_elems_per_row(&self) -> usize {
-        self.acts.iter().map(|a| a.width).sum()
-    }
-
-    /// Elements per row of the gradient scratch (the residual gradient not included).
-    pub fn grad_elems_per_row(&self) -> usize {
-        self.grads[1..].iter().sum()
     }
 
     /// Forward FLOPs over `b` sequences of `t` positions: (matrix products, attention).
@@ -407,10 +399,18 @@ fn derive_backward(spec: &LayerSpec, c: usize) -> (Vec<usize>, Vec<BwdOp>) {
             ga.take(width(a), a)
         };
         match *op {
+            Op::Add { a, b, out } if a == X && dout(&ga, out) == DRES && ga.of[X].is_none() => {
+                // The residual gradient stays in dres as X's; `b` gets a copy.
+                ga.release(out);
+                ga.hold(X, DRES);
+                assert!(ga.of[b].is_none(), "op {i}: input {b} of an Add has two consumers");
+                let dst = ga.take(width(b), b);
+                prog.push(BwdOp::Copy { dst, src: DRES, width: width(b) });
+            }
             Op::Add { a, b, out } => {
                 let g = dout(&ga, out);
                 match ga.of[a] {
-                    Some(dst) => unimplemented!("op {i}: accumulate into {dst}: add_inplace"),
+                    Some(dst) => prog.push(BwdOp::Accumulate { dst, src: g, width: width(a) }),
                     None => {
                         let dst = ga.take(width(a), a);
                         prog.push(BwdOp::Copy { dst, src: g, width: width(a) });
