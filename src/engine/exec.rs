@@ -340,6 +340,76 @@ impl Ctx {
         self.params[self.param_index(p)]
     }
 
+    /// Device buffer `r` (a weight slot, accumulator, residual-stream buffer or its gradient,
+    /// losses, the final norm's accumulator), as the op's grant allows.
+    fn dev(&self, g: &Grant, r: Res, write: bool) -> DevBuf {
+        g.check(r, write);
+        match r {
+            Res::Slot(s) => self.slots[s],
+            Res::Dw(i) => self.dws[i],
+            Res::Act { set, m } => self.acts[set][m],
+            Res::Dres(m) => self.dres[m],
+            Res::Losses(m) => self.losses[m],
+            Res::DnormW => self.tiled().dnorm,
+            _ => unreachable!("{r:?} is not one device buffer"),
+        }
+    }
+
+    /// Micro-batch `m`'s device token ids and targets, as the op's grant allows.
+    fn ids(&self, g: &Grant, m: usize, write: bool) -> (DevBuf, DevBuf) {
+        g.check(Res::Ids(m), write);
+        (self.ids[m], self.targets[m])
+    }
+
+    /// Host staging buffer `r` (a checkpoint, the embedding rows, the residual gradient, the
+    /// losses), as the op's grant allows.
+    fn staging(&self, g: &Grant, r: Res, write: bool) -> HostPtrMut {
+        g.check(r, write);
+        match r {
+            Res::Ckpt { block, m } => self.ckpt[block][m],
+            Res::EmbStage(m) => self.emb_stage[m],
+            Res::DxStage(m) => self.dx_stage[m],
+            Res::LossHost(m) => self.loss_host[m],
+            _ => unreachable!("{r:?} is not a host staging buffer"),
+        }
+    }
+
+    /// The host gradient slabs, for slab `slab`, as the op's grant allows.
+    fn slabs(&self, g: &Grant, slab: usize, write: bool) -> &Slabs {
+        g.check(Res::Slab(slab), write);
+        &self.slabs
+    }
+
+    /// The compute queue's scratch (one layer's internals and gradients, the head's scratch),
+    /// as the op's grant allows.
+    fn scratch(&self, g: &Grant) -> &Scratch {
+        g.check(Res::Scratch, true);
+        &self.scratch
+    }
+
+    /// Layer `layer`'s kept internals for micro-batch `m`, if it keeps them, as the op's grant
+    /// allows.
+    fn stash(&self, g: &Grant, layer: usize, m: usize, write: bool) -> Option<&[DevBuf]> {
+        let kept = self.stash.get(layer).map(|s| s[m].as_slice());
+        if kept.is_some() {
+            g.check(Res::Stash { layer, m }, write);
+        }
+        kept
+    }
+
+    /// The tiled head's logits and `dhf` chunks (part of the compute queue's scratch), as the
+    /// op's grant allows.
+    fn tile_scratch(&self, g: &Grant) -> &TiledHead {
+        g.check(Res::Scratch, true);
+        self.tiled()
+    }
+
+    /// The tiled head's rows of micro-batch `m` (hf, rstd, stats, dhf), as the grant allows.
+    fn head_rows(&self, g: &Grant, m: usize, write: bool) -> [DevBuf; 4] {
+        g.check(Res::HeadRows(m), write);
+        self.tiled().rows[m]
+    }
+
     /// The buffer at `param_index` `i`.
     fn param_buf(&self, i: usize) -> ParamBuf {
         let l = self.layout.dims.layers;
@@ -897,12 +967,12 @@ where
         &self,
         phase: Phase,
         (layer, slot, m): (usize, usize, usize),
-        inp: DevBuf,
-        out: DevBuf,
+        (inp, out): (DevBuf, DevBuf),
         kept_of: Option<usize>,
         sd: &Arc<StepData>,
+        grant: &Grant,
     ) {
-        let (c, sd, d) = (self.ctx.clone(), sd.clone(), self.ctx.layout.dims);
+        let (c, sd, d, g) = (self.ctx.clone(), sd.clone(), self.ctx.layout.dims, grant.clone());
         self.launch_phase(
             phase,
             Box::new(move |vw: &dyn Views<D::Backend>| {
@@ -911,12 +981,16 @@ where
                 // SAFETY: the buffers viewed are distinct, and the schedule orders this kernel
                 // against every other queue's use of them (the scratch is the compute queue's).
                 unsafe {
-                    let kept = kept_of.and_then(|l| c.stash.get(l)).map(|s| &s[m]);
-                    let own = kept.unwrap_or(&c.scratch.acts).iter().map(|&b| vw.buf_mut(b));
+                    let kept = kept_of.and_then(|l| c.stash(&g, l, m, true));
+                    let own = match kept {
+                        Some(kept) => kept,
+                        None => &c.scratch(&g).acts,
+                    };
+                    let own = own.iter().map(|&b| vw.buf_mut(b));
                     let out = Slot::W(vw.buf_mut(out.prefix(nc)));
                     let mut slots = act_slots(vw.buf(inp.prefix(nc)), out, own);
                     let spec = c.layout.layer(layer);
-                    let w = vw.wbuf(c.slots[slot]).slice(0..spec.len);
+                    let w = vw.wbuf(c.dev(&g, Res::Slot(slot), false)).slice(0..spec.len);
                     let rows = Rows { b: mb.b, t: mb.t };
                     layer_forward(vw.backend(), spec, &mut slots, w, &ropes(vw, &c, mb.t), rows);
                 }
@@ -941,32 +1015,33 @@ where
     /// first runs the final norm of `Act{src}`.
     fn launch_head_stats(
         &self,
-        tile: usize,
-        slot: usize,
-        m: usize,
-        src: usize,
+        (tile, slot, m, src): (usize, usize, usize, usize),
         sd: &Arc<StepData>,
+        grant: &Grant,
     ) {
-        let (c, sd, d) = (self.ctx.clone(), sd.clone(), self.ctx.layout.dims);
+        let (c, sd, d, g) = (self.ctx.clone(), sd.clone(), self.ctx.layout.dims, grant.clone());
         self.launch_phase(
             Phase::Head,
             Box::new(move |vw: &dyn Views<D::Backend>| {
-                let (t, td) = (c.tiled(), Self::tile_dims(&c, &sd, tile, m));
+                let td = Self::tile_dims(&c, &sd, tile, m);
                 let (n, vt) = (td.n, td.vt);
                 // SAFETY: the buffers viewed are distinct, and the schedule orders this kernel
                 // against every other queue's use of them (the head's rows and chunk are the
                 // compute queue's).
                 unsafe {
-                    let x = (tile == 0).then(|| vw.buf(c.acts[src][m].prefix(n * d.c)));
-                    let w = vw.wbuf(c.slots[slot]);
+                    let x = (tile == 0).then(|| {
+                        vw.buf(c.dev(&g, Res::Act { set: src, m }, false).prefix(n * d.c))
+                    });
+                    let w = vw.wbuf(c.dev(&g, Res::Slot(slot), false));
+                    let (targets, scratch) = (c.ids(&g, m, false).1, c.tile_scratch(&g));
                     tile_stats(
                         vw.backend(),
-                        &mut tile_rows(vw, t, m),
-                        vw.buf_mut(t.logits),
+                        &mut tile_rows(vw, c.head_rows(&g, m, true)),
+                        vw.buf_mut(scratch.logits),
                         x,
                         w.slice(0..d.c),
                         w.slice(d.c..d.c + vt * d.c),
-                        vw.ibuf(c.targets[m].prefix(n)),
+                        vw.ibuf(targets.prefix(n)),
                         td,
                     );
                 }
@@ -981,23 +1056,25 @@ where
         (tile, slot, m, dw): (usize, usize, usize, usize),
         first: bool,
         sd: &Arc<StepData>,
+        grant: &Grant,
     ) {
-        let (c, sd, d) = (self.ctx.clone(), sd.clone(), self.ctx.layout.dims);
+        let (c, sd, d, g) = (self.ctx.clone(), sd.clone(), self.ctx.layout.dims, grant.clone());
         self.launch_phase(
             Phase::Head,
             Box::new(move |vw: &dyn Views<D::Backend>| {
-                let (t, td) = (c.tiled(), Self::tile_dims(&c, &sd, tile, m));
+                let td = Self::tile_dims(&c, &sd, tile, m);
                 let vtc = td.vt * d.c;
                 // SAFETY: as for pass 1; the accumulator is ordered against its downloads.
                 unsafe {
+                    let scratch = c.tile_scratch(&g);
                     tile_grad(
                         vw.backend(),
-                        &mut tile_rows(vw, t, m),
-                        vw.buf_mut(t.logits),
-                        vw.buf_mut(t.dhf_chunk),
-                        vw.buf_mut(c.dws[dw].prefix(vtc)),
-                        vw.wbuf(c.slots[slot]).slice(d.c..d.c + vtc),
-                        vw.ibuf(c.targets[m].prefix(td.n)),
+                        &mut tile_rows(vw, c.head_rows(&g, m, true)),
+                        vw.buf_mut(scratch.logits),
+                        vw.buf_mut(scratch.dhf_chunk),
+                        vw.buf_mut(c.dev(&g, Res::Dw(dw), true).prefix(vtc)),
+                        vw.wbuf(c.dev(&g, Res::Slot(slot), false)).slice(d.c..d.c + vtc),
+                        vw.ibuf(c.ids(&g, m, false).1.prefix(td.n)),
                         first,
                         td,
                     );
@@ -1008,26 +1085,122 @@ where
 
     /// Tiled head, after the last tile: micro-batch `m`'s losses and the final norm's
     /// backward (its weight read from `slot`) from `Act{src}`.
-    fn launch_head_finish(&self, slot: usize, m: usize, src: usize, sd: &Arc<StepData>) {
-        let (c, sd, d) = (self.ctx.clone(), sd.clone(), self.ctx.layout.dims);
+    fn launch_head_finish(
+        &self,
+        (slot, m, src): (usize, usize, usize),
+        sd: &Arc<StepData>,
+        grant: &Grant,
+    ) {
+        let (c, sd, d, g) = (self.ctx.clone(), sd.clone(), self.ctx.layout.dims, grant.clone());
         self.launch_phase(
             Phase::Head,
             Box::new(move |vw: &dyn Views<D::Backend>| {
-                let t = c.tiled();
                 let (n, nc) = (sd.mbs[m].n(), sd.mbs[m].n() * d.c);
                 // SAFETY: as for pass 1.
                 unsafe {
                     tile_finish(
                         vw.backend(),
-                        &tile_rows(vw, t, m),
-                        vw.buf_mut(c.losses[m].prefix(n)),
-                        vw.buf_mut(c.dres[m].prefix(nc)),
-                        vw.buf_mut(t.dnorm),
-                        vw.buf(c.acts[src][m].prefix(nc)),
-                        vw.wbuf(c.slots[slot]).slice(0..d.c),
-                        vw.ibuf(c.targets[m].prefix(n)),
+                        &tile_rows(vw, c.head_rows(&g, m, false)),
+                        vw.buf_mut(c.dev(&g, Res::Losses(m), true).prefix(n)),
+                        vw.buf_mut(c.dev(&g, Res::Dres(m), true).prefix(nc)),
+                        vw.buf_mut(c.dev(&g, Res::DnormW, true)),
+                        vw.buf(c.dev(&g, Res::Act { set: src, m }, false).prefix(nc)),
+                        vw.wbuf(c.dev(&g, Res::Slot(slot), false)).slice(0..d.c),
+                        vw.ibuf(c.ids(&g, m, false).1.prefix(n)),
                         n,
                         c.layout.final_norm(),
+                    );
+                }
+            }),
+        );
+    }
+
+    /// The whole head on micro-batch `m`: final norm, LM head and cross-entropy, forward and
+    /// backward, from `Act{src}` with the weights in `slot`, gradients into `Dw{dw}`.
+    fn launch_whole_head(
+        &self,
+        (slot, m, src, dw): (usize, usize, usize, usize),
+        sd: &Arc<StepData>,
+        grant: &Grant,
+    ) {
+        let (c, sd, d, g) = (self.ctx.clone(), sd.clone(), self.ctx.layout.dims, grant.clone());
+        self.launch_phase(
+            Phase::Head,
+            Box::new(move |vw: &dyn Views<D::Backend>| {
+                let mb = &sd.mbs[m];
+                let (n, nc, vc) = (mb.n(), mb.n() * d.c, d.v * d.c);
+                let h = c.scratch(&g).head.as_ref().expect("a whole head has its scratch");
+                let (acc, w) = (c.dev(&g, Res::Dw(dw), true), c.dev(&g, Res::Slot(slot), false));
+                // SAFETY: as for the forward kernel.
+                unsafe {
+                    let mut hb = HeadBufs {
+                        hf: vw.buf_mut(h.hf),
+                        dhf: vw.buf_mut(h.dhf),
+                        rstd: vw.buf_mut(h.rstd),
+                        logits: vw.buf_mut(h.logits),
+                    };
+                    head_forward_backward(
+                        vw.backend(),
+                        &mut hb,
+                        HeadGrads {
+                            losses: vw.buf_mut(c.dev(&g, Res::Losses(m), true).prefix(n)),
+                            dres: vw.buf_mut(c.dev(&g, Res::Dres(m), true).prefix(nc)),
+                            dnorm_w: vw.buf_mut(acc.sub(0..d.c)),
+                            dhead_w: vw.buf_mut(acc.sub(d.c..d.c + vc)),
+                        },
+                        vw.buf(c.dev(&g, Res::Act { set: src, m }, false).prefix(nc)),
+                        vw.wbuf(w).slice(0..d.c),
+                        vw.wbuf(w).slice(d.c..d.c + vc),
+                        vw.ibuf(c.ids(&g, m, false).1.prefix(n)),
+                        HeadDims {
+                            n,
+                            v: d.v,
+                            chunk: c.head_chunk,
+                            norm: c.layout.final_norm(),
+                            scale: sd.scale,
+                        },
+                    );
+                }
+            }),
+        );
+    }
+
+    /// A layer's backward on micro-batch `m` from its input `Act{set}`, weights in `slot`,
+    /// internals kept by its forward or rebuilt just before into the scratch; its weight
+    /// gradients accumulate into `Dw{dw}`.
+    fn launch_layer_backward(
+        &self,
+        (layer, slot, m, set, dw): (usize, usize, usize, usize, usize),
+        sd: &Arc<StepData>,
+        grant: &Grant,
+    ) {
+        let (c, sd, d, g) = (self.ctx.clone(), sd.clone(), self.ctx.layout.dims, grant.clone());
+        self.launch_phase(
+            Phase::Backward,
+            Box::new(move |vw: &dyn Views<D::Backend>| {
+                let mb = &sd.mbs[m];
+                let nc = mb.n() * d.c;
+                let spec = c.layout.layer(layer);
+                let scratch = c.scratch(&g);
+                // SAFETY: as for the forward kernel; the recompute (if any) was enqueued just
+                // before, on this queue.
+                unsafe {
+                    // Kept by this layer's forward, or rebuilt by the recompute just before.
+                    let own = c.stash(&g, layer, m, false).unwrap_or(&scratch.acts);
+                    let x = vw.buf(c.dev(&g, Res::Act { set, m }, false).prefix(nc));
+                    let y = Slot::R(vw.buf(scratch.y));
+                    let acts = act_slots(x, y, own.iter().map(|&b| vw.buf_mut(b)));
+                    let gs = scratch.grads.iter().map(|&b| vw.buf_mut(b));
+                    let mut grads = grad_slots(vw.buf_mut(c.dev(&g, Res::Dres(m), true)), gs);
+                    layer_backward(
+                        vw.backend(),
+                        spec,
+                        &mut grads,
+                        vw.buf_mut(c.dev(&g, Res::Dw(dw), true).prefix(spec.len)),
+                        &acts,
+                        vw.wbuf(c.dev(&g, Res::Slot(slot), false)).slice(0..spec.len),
+                        &ropes(vw, &c, mb.t),
+                        Rows { b: mb.b, t: mb.t },
                     );
                 }
             }),
@@ -1040,12 +1213,13 @@ where
         let d = c.layout.dims;
         match kind {
             OpKind::UploadIds { m } => {
-                let n = sd.mbs[m].n();
-                self.dev.upload_i32(c.ids[m].prefix(n), sd.mbs[m].ids.clone());
-                self.dev.upload_i32(c.targets[m].prefix(n), sd.mbs[m].targets.clone());
+                let (n, (ids, targets)) = (sd.mbs[m].n(), c.ids(grant, m, true));
+                self.dev.upload_i32(ids.prefix(n), sd.mbs[m].ids.clone());
+                self.dev.upload_i32(targets.prefix(n), sd.mbs[m].targets.clone());
             }
             OpKind::EmbedGather { m } => {
                 let table = c.params(grant, ParamBuf::Embed, false);
+                let stage = c.staging(grant, Res::EmbStage(m), true);
                 let (c, sd) = (c.clone(), sd.clone());
                 self.dev.host_on(
                     Queue::H2D,
@@ -1055,7 +1229,7 @@ where
                         // SAFETY: the schedule orders this gather after every write of the
                         // embedding and of this staging buffer, and before their next uses.
                         let (out, table) = unsafe {
-                            (c.emb_stage[m].sub(0..nc).as_mut_slice(), table.as_const().as_slice())
+                            (stage.sub(0..nc).as_mut_slice(), table.as_const().as_slice())
                         };
                         embed_rows(out, &sd.mbs[m].ids, table, &c.layout);
                         c.phases.add(Phase::Embedding, t0);
@@ -1065,175 +1239,112 @@ where
             OpKind::UploadAct { m, set, from } => {
                 let nc = sd.mbs[m].n() * d.c;
                 let src = match from {
-                    ActSource::Embedding => c.emb_stage[m],
-                    ActSource::Ckpt(b) => c.ckpt[b][m],
+                    ActSource::Embedding => Res::EmbStage(m),
+                    ActSource::Ckpt(block) => Res::Ckpt { block, m },
                 };
-                self.dev.upload(c.acts[set][m].prefix(nc), src.as_const().sub(0..nc));
+                let (src, dst) =
+                    (c.staging(grant, src, false), c.dev(grant, Res::Act { set, m }, true));
+                self.dev.upload(dst.prefix(nc), src.as_const().sub(0..nc));
             }
-            OpKind::UploadWeights { slot, what } => match what {
-                SlotContent::Layer(i) => {
-                    let src = c.params(grant, ParamBuf::Layer(i), false).as_const();
-                    self.dev.upload_weights(c.slots[slot], 0, src);
+            OpKind::UploadWeights { slot, what } => {
+                match (what, c.dev(grant, Res::Slot(slot), true)) {
+                    (SlotContent::Layer(i), dst) => {
+                        let src = c.params(grant, ParamBuf::Layer(i), false).as_const();
+                        self.dev.upload_weights(dst, 0, src);
+                    }
+                    (SlotContent::Head, dst) => {
+                        let norm = c.params(grant, ParamBuf::FinalNorm, false).as_const();
+                        let head = c.params(grant, c.head_param(), false).as_const();
+                        self.dev.upload_weights(dst, 0, norm);
+                        self.dev.upload_weights(dst, d.c, head);
+                    }
+                    (SlotContent::HeadTile(k), dst) => {
+                        let norm = c.params(grant, ParamBuf::FinalNorm, false).as_const();
+                        let head = c.params(grant, c.head_param(), false).as_const();
+                        let r = c.tiled().tiling.range(k);
+                        self.dev.upload_weights(dst, 0, norm);
+                        self.dev.upload_weights(dst, d.c, head.sub(r.start * d.c..r.end * d.c));
+                    }
                 }
-                SlotContent::Head => {
-                    let norm = c.params(grant, ParamBuf::FinalNorm, false).as_const();
-                    let head = c.params(grant, c.head_param(), false).as_const();
-                    self.dev.upload_weights(c.slots[slot], 0, norm);
-                    self.dev.upload_weights(c.slots[slot], d.c, head);
-                }
-                SlotContent::HeadTile(k) => {
-                    let norm = c.params(grant, ParamBuf::FinalNorm, false).as_const();
-                    let head = c.params(grant, c.head_param(), false).as_const();
-                    let r = c.tiled().tiling.range(k);
-                    self.dev.upload_weights(c.slots[slot], 0, norm);
-                    self.dev.upload_weights(
-                        c.slots[slot],
-                        d.c,
-                        head.sub(r.start * d.c..r.end * d.c),
-                    );
-                }
-            },
+            }
             OpKind::SaveCkpt { block, m, set } => {
                 let nc = sd.mbs[m].n() * d.c;
-                self.dev.download(c.ckpt[block][m].sub(0..nc), c.acts[set][m].prefix(nc));
+                let dst = c.staging(grant, Res::Ckpt { block, m }, true);
+                self.dev
+                    .download(dst.sub(0..nc), c.dev(grant, Res::Act { set, m }, false).prefix(nc));
             }
             OpKind::Forward { layer, slot, m, src, dst, recompute } => {
                 let phase = if recompute { Phase::Recompute } else { Phase::Forward };
-                let (inp, out) = (c.acts[src][m], c.acts[dst][m]);
-                self.launch_layer_forward(phase, (layer, slot, m), inp, out, Some(layer), sd);
+                let inp = c.dev(grant, Res::Act { set: src, m }, false);
+                let out = c.dev(grant, Res::Act { set: dst, m }, true);
+                let at = (layer, slot, m);
+                self.launch_layer_forward(phase, at, (inp, out), Some(layer), sd, grant);
             }
             OpKind::ZeroDw { dw } => {
-                let c = c.clone();
+                let acc = c.dev(grant, Res::Dw(dw), true);
                 self.launch_phase(
                     Phase::Backward,
                     Box::new(move |vw: &dyn Views<D::Backend>| {
                         // SAFETY: the schedule orders this kernel after the accumulator's last
                         // download.
-                        unsafe { vw.backend().zero(vw.buf_mut(c.dws[dw])) };
+                        unsafe { vw.backend().zero(vw.buf_mut(acc)) };
                     }),
                 );
             }
             OpKind::HeadStats { tile, slot, m, src } => {
-                self.launch_head_stats(tile, slot, m, src, sd)
+                self.launch_head_stats((tile, slot, m, src), sd, grant)
             }
             OpKind::HeadGrad { tile, slot, m, dw, first } => {
-                self.launch_head_grad((tile, slot, m, dw), first, sd);
+                self.launch_head_grad((tile, slot, m, dw), first, sd, grant);
             }
-            OpKind::HeadFinish { slot, m, src } => self.launch_head_finish(slot, m, src, sd),
+            OpKind::HeadFinish { slot, m, src } => {
+                self.launch_head_finish((slot, m, src), sd, grant)
+            }
             OpKind::ZeroDnorm => {
-                let c = c.clone();
+                let acc = c.dev(grant, Res::DnormW, true);
                 self.launch_phase(
                     Phase::Head,
                     Box::new(move |vw: &dyn Views<D::Backend>| {
                         // SAFETY: the schedule orders this kernel after the accumulator's last
                         // download.
-                        unsafe { vw.backend().zero(vw.buf_mut(c.tiled().dnorm)) };
+                        unsafe { vw.backend().zero(vw.buf_mut(acc)) };
                     }),
                 );
             }
             OpKind::DownloadHeadTileGrads { dw, tile } => {
                 let r = c.tiled().tiling.range(tile);
                 let head = c.grads(grant, c.head_param(), true);
-                let len = r.len() * d.c;
-                self.dev.download(head.sub(r.start * d.c..r.end * d.c), c.dws[dw].prefix(len));
+                let (len, acc) = (r.len() * d.c, c.dev(grant, Res::Dw(dw), false));
+                self.dev.download(head.sub(r.start * d.c..r.end * d.c), acc.prefix(len));
             }
             OpKind::DownloadNormGrads => {
                 let norm = c.grads(grant, ParamBuf::FinalNorm, true);
-                self.dev.download(norm, c.tiled().dnorm);
+                self.dev.download(norm, c.dev(grant, Res::DnormW, false));
             }
             OpKind::Head { slot, m, src, dw } => {
-                let (c, sd) = (c.clone(), sd.clone());
-                self.launch_phase(
-                    Phase::Head,
-                    Box::new(move |vw: &dyn Views<D::Backend>| {
-                        let mb = &sd.mbs[m];
-                        let (n, nc, vc) = (mb.n(), mb.n() * d.c, d.v * d.c);
-                        let h = c.scratch.head.as_ref().expect("a whole head has its scratch");
-                        // SAFETY: as for the forward kernel.
-                        unsafe {
-                            let mut hb = HeadBufs {
-                                hf: vw.buf_mut(h.hf),
-                                dhf: vw.buf_mut(h.dhf),
-                                rstd: vw.buf_mut(h.rstd),
-                                logits: vw.buf_mut(h.logits),
-                            };
-                            head_forward_backward(
-                                vw.backend(),
-                                &mut hb,
-                                HeadGrads {
-                                    losses: vw.buf_mut(c.losses[m].prefix(n)),
-                                    dres: vw.buf_mut(c.dres[m].prefix(nc)),
-                                    dnorm_w: vw.buf_mut(c.dws[dw].sub(0..d.c)),
-                                    dhead_w: vw.buf_mut(c.dws[dw].sub(d.c..d.c + vc)),
-                                },
-                                vw.buf(c.acts[src][m].prefix(nc)),
-                                vw.wbuf(c.slots[slot]).slice(0..d.c),
-                                vw.wbuf(c.slots[slot]).slice(d.c..d.c + vc),
-                                vw.ibuf(c.targets[m].prefix(n)),
-                                HeadDims {
-                                    n,
-                                    v: d.v,
-                                    chunk: c.head_chunk,
-                                    norm: c.layout.final_norm(),
-                                    scale: sd.scale,
-                                },
-                            );
-                        }
-                    }),
-                );
+                self.launch_whole_head((slot, m, src, dw), sd, grant)
             }
             OpKind::Backward { layer, slot, m, set, dw } => {
-                if self.ctx.stash.get(layer).is_none() {
+                if c.stash.get(layer).is_none() {
                     // Rebuild the layer's internals into the scratch first: its own task, so
                     // its time counts as recompute.
-                    let (inp, out) = (c.acts[set][m], c.scratch.y);
+                    let inp = c.dev(grant, Res::Act { set, m }, false);
                     let at = (layer, slot, m);
-                    self.launch_layer_forward(Phase::Recompute, at, inp, out, None, sd);
+                    let out = c.scratch(grant).y;
+                    self.launch_layer_forward(Phase::Recompute, at, (inp, out), None, sd, grant);
                 }
-                let (c, sd) = (c.clone(), sd.clone());
-                self.launch_phase(
-                    Phase::Backward,
-                    Box::new(move |vw: &dyn Views<D::Backend>| {
-                        let mb = &sd.mbs[m];
-                        let nc = mb.n() * d.c;
-                        let spec = c.layout.layer(layer);
-                        // SAFETY: as for the forward kernel; the recompute (if any) was enqueued
-                        // just before, on this queue.
-                        unsafe {
-                            // Kept by this layer's forward, or rebuilt by the recompute just before.
-                            let own = match c.stash.get(layer) {
-                                Some(kept) => &kept[m],
-                                None => &c.scratch.acts,
-                            };
-                            let x = vw.buf(c.acts[set][m].prefix(nc));
-                            let y = Slot::R(vw.buf(c.scratch.y));
-                            let acts = act_slots(x, y, own.iter().map(|&b| vw.buf_mut(b)));
-                            let g = c.scratch.grads.iter().map(|&b| vw.buf_mut(b));
-                            let mut grads = grad_slots(vw.buf_mut(c.dres[m]), g);
-                            layer_backward(
-                                vw.backend(),
-                                spec,
-                                &mut grads,
-                                vw.buf_mut(c.dws[dw].prefix(spec.len)),
-                                &acts,
-                                vw.wbuf(c.slots[slot]).slice(0..spec.len),
-                                &ropes(vw, &c, mb.t),
-                                Rows { b: mb.b, t: mb.t },
-                            );
-                        }
-                    }),
-                );
+                self.launch_layer_backward((layer, slot, m, set, dw), sd, grant);
             }
             OpKind::DownloadLosses { m } => {
-                let n = sd.mbs[m].n();
-                self.dev.download(c.loss_host[m].sub(0..n), c.losses[m].prefix(n));
+                let (n, host) = (sd.mbs[m].n(), c.staging(grant, Res::LossHost(m), true));
+                self.dev.download(host.sub(0..n), c.dev(grant, Res::Losses(m), false).prefix(n));
             }
             OpKind::DownloadDw { dw, slab, what } => {
-                let len = grad_len(c, what);
-                match &c.slabs {
-                    Slabs::F32(s) => self.dev.download(s[slab].sub(0..len), c.dws[dw].prefix(len)),
+                let (len, acc) = (grad_len(c, what), c.dev(grant, Res::Dw(dw), false));
+                match c.slabs(grant, slab, true) {
+                    Slabs::F32(s) => self.dev.download(s[slab].sub(0..len), acc.prefix(len)),
                     Slabs::Bf16(s, _) => {
-                        self.dev.download_bf16(s[slab].sub(0..len), c.dws[dw].prefix(len));
+                        self.dev.download_bf16(s[slab].sub(0..len), acc.prefix(len))
                     }
                 }
             }
@@ -1247,7 +1358,7 @@ where
                         };
                         let g = c.grads(grant, ParamBuf::Layer(i), true);
                         // fp32 accumulation on the host, whatever the slab's format.
-                        match &c.slabs {
+                        match c.slabs(grant, slab, false) {
                             Slabs::F32(s) => add_inplace(
                                 g.as_mut_slice(),
                                 s[slab].as_const().sub(0..g.len()).as_slice(),
@@ -1263,8 +1374,9 @@ where
             OpKind::DownloadHeadGrads { dw } => {
                 let head = c.grads(grant, c.head_param(), true);
                 let norm = c.grads(grant, ParamBuf::FinalNorm, true);
-                self.dev.download(norm, c.dws[dw].sub(0..d.c));
-                self.dev.download(head, c.dws[dw].sub(d.c..d.c + head.len()));
+                let acc = c.dev(grant, Res::Dw(dw), false);
+                self.dev.download(norm, acc.sub(0..d.c));
+                self.dev.download(head, acc.sub(d.c..d.c + head.len()));
             }
             OpKind::SlabUpdate { slab, layer } => {
                 self.host_op(Phase::Optimizer, sd, grant, move |c, sd, grant| {
@@ -1273,7 +1385,13 @@ where
                     // SAFETY: ordered after the slab's download and before its next one; the
                     // layer's masters and moments are ordered against its uploads.
                     unsafe {
-                        streamed_update(c, sd, grant, i, c.slabs.f32_view(slab, len));
+                        streamed_update(
+                            c,
+                            sd,
+                            grant,
+                            i,
+                            c.slabs(grant, slab, false).f32_view(slab, len),
+                        );
                     }
                 });
             }
@@ -1282,10 +1400,10 @@ where
                     let i = c.param_index(ParamBuf::Layer(layer));
                     let len = c.layout.layer(layer).len;
                     let mut st = c.stats.lock().expect("no update panicked");
-                    grant.check(Res::Slab(slab), false);
                     // SAFETY: ordered after the slab's download and before its update.
                     unsafe {
-                        measure(c, sd, &mut st, i, c.slabs.f32_view(slab, len));
+                        let g = c.slabs(grant, slab, false).f32_view(slab, len);
+                        measure(c, sd, grant, &mut st, i, g);
                     }
                 });
             }
@@ -1296,7 +1414,10 @@ where
                     // SAFETY: ordered after the slab's download and the norm, and before the
                     // slab's next download; the layer's masters and moments are ordered against
                     // its uploads.
-                    unsafe { update_after_norm(c, sd, grant, i, c.slabs.f32_view(slab, len)) };
+                    unsafe {
+                        let g = c.slabs(grant, slab, false).f32_view(slab, len);
+                        update_after_norm(c, sd, grant, i, g);
+                    }
                 });
             }
             OpKind::PoisonGrad { what } => {
@@ -1318,6 +1439,7 @@ where
                         measure(
                             c,
                             sd,
+                            grant,
                             &mut st,
                             i,
                             c.grads(grant, what, false).as_const().as_slice(),
@@ -1327,7 +1449,8 @@ where
             }
             OpKind::DownloadDres { m } => {
                 let nc = sd.mbs[m].n() * d.c;
-                self.dev.download(c.dx_stage[m].sub(0..nc), c.dres[m].prefix(nc));
+                let dst = c.staging(grant, Res::DxStage(m), true);
+                self.dev.download(dst.sub(0..nc), c.dev(grant, Res::Dres(m), false).prefix(nc));
             }
             OpKind::EmbedScatter { m } => {
                 self.host_op(Phase::Gradients, sd, grant, move |c, sd, grant| {
@@ -1338,7 +1461,7 @@ where
                         embed_rows_backward(
                             c.grads(grant, ParamBuf::Embed, true).as_mut_slice(),
                             &sd.mbs[m].ids,
-                            c.dx_stage[m].sub(0..nc).as_mut_slice(),
+                            c.staging(grant, Res::DxStage(m), true).sub(0..nc).as_mut_slice(),
                             &c.layout,
                         );
                     }
@@ -1352,7 +1475,7 @@ where
                     // SAFETY: ordered after the embedding's scatters; only the host queue
                     // touches the gradients.
                     let g = c.grads(grant, ParamBuf::Embed, false);
-                    unsafe { measure(c, sd, st, emb, g.as_const().as_slice()) };
+                    unsafe { measure(c, sd, grant, st, emb, g.as_const().as_slice()) };
                     debug_assert!(st.seen.iter().all(|&s| s), "every gradient is measured");
                     // The same sum, in the same order, as the exact mode's norm.
                     let norm = st.sq.iter().copied().sum::<f64>().sqrt();
@@ -1388,7 +1511,7 @@ where
                             .map(|i| c.grads(grant, c.param_buf(i), false))
                             .map(|g| sum_squares(g.as_const().as_slice()))
                             .sum();
-                        let loss = loss_sum(c, sd);
+                        let loss = loss_sum(c, sd, grant);
                         let norm = sq.sqrt();
                         c.skip.store(!(norm.is_finite() && loss.is_finite()), Ordering::Release);
                         c.norm.store(norm.to_bits(), Ordering::Release);
@@ -1417,10 +1540,8 @@ where
 /// No other view of these buffers may be live.
 unsafe fn tile_rows<'a, B: Backend + ?Sized>(
     vw: &'a dyn Views<B>,
-    t: &TiledHead,
-    m: usize,
+    [hf, rstd, stats, dhf]: [DevBuf; 4],
 ) -> TileRows<'a, B> {
-    let [hf, rstd, stats, dhf] = t.rows[m];
     // SAFETY: four distinct buffers; the caller's exclusivity.
     unsafe {
         TileRows {
@@ -1462,13 +1583,15 @@ unsafe fn moments_of<'a>(c: &'a Ctx, i: usize) -> AnyMoments<'a> {
 }
 
 /// The step's summed loss, from the host loss buffers (downloaded before any caller runs).
-fn loss_sum(c: &Ctx, sd: &StepData) -> f64 {
+fn loss_sum(c: &Ctx, sd: &StepData, g: &Grant) -> f64 {
     sd.mbs
         .iter()
         .enumerate()
         .map(|(m, mb)| {
             // SAFETY: every caller is ordered after the loss downloads of the step.
-            let l = unsafe { c.loss_host[m].as_const().sub(0..mb.n()).as_slice() };
+            let host = c.staging(g, Res::LossHost(m), false);
+            // SAFETY: every caller is ordered after the loss downloads of the step.
+            let l = unsafe { host.as_const().sub(0..mb.n()).as_slice() };
             l.iter().map(|&x| x as f64).sum::<f64>()
         })
         .sum()
@@ -1477,13 +1600,13 @@ fn loss_sum(c: &Ctx, sd: &StepData) -> f64 {
 /// Streamed modes: record buffer `i`'s squared gradient norm for the step, and check the
 /// step's losses once. Returns whether the step is still finite (no non-finite loss or
 /// gradient met so far).
-fn measure(c: &Ctx, sd: &StepData, st: &mut StepStats, i: usize, g: &[f32]) -> bool {
+fn measure(c: &Ctx, sd: &StepData, grant: &Grant, st: &mut StepStats, i: usize, g: &[f32]) -> bool {
     let sq = sum_squares(g);
     st.sq[i] = sq;
     st.seen[i] = true;
     if !st.loss_checked {
         st.loss_checked = true;
-        st.poisoned |= !loss_sum(c, sd).is_finite();
+        st.poisoned |= !loss_sum(c, sd, grant).is_finite();
     }
     st.poisoned |= !sq.is_finite();
     !st.poisoned
@@ -1520,7 +1643,7 @@ fn layer_clip_coefficient(st: &StepStats, grad_clip: f64) -> f32 {
 /// As [`apply_update`].
 unsafe fn streamed_update(c: &Ctx, sd: &StepData, grant: &Grant, i: usize, g: &[f32]) {
     let mut st = c.stats.lock().expect("no update panicked");
-    if !measure(c, sd, &mut st, i, g) {
+    if !measure(c, sd, grant, &mut st, i, g) {
         return;
     }
     let coef = if c.grad_clip <= 0.0 {
@@ -1572,6 +1695,8 @@ fn ropes<'a, B: Backend + ?Sized>(
 ) -> Vec<(&'a B::Buf, &'a B::Buf)> {
     let len = t * c.layout.dims.d / 2;
     let table = |&(cos, sin): &(DevBuf, DevBuf)| (vw.buf(cos.prefix(len)), vw.buf(sin.prefix(len)));
+    // The rope tables are written once, before the first step, and only read after: no op
+    // declares them.
     c.scratch.ropes.iter().map(table).collect()
 }
 

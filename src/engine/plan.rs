@@ -614,8 +614,9 @@ pub fn step_ops(shape: PlanShape) -> Vec<Op> {
         b.push(
             OpKind::EmbedScatter { m },
             Queue::Host,
-            vec![Res::DxStage(m)],
-            vec![Res::Grads(ParamBuf::Embed)],
+            vec![],
+            // It scales the staged rows in place (Gemma's embedding scale) before scattering.
+            vec![Res::DxStage(m), Res::Grads(ParamBuf::Embed)],
         );
     }
 
