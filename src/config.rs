@@ -56,6 +56,10 @@ pub struct ModelSection {
     /// `model_type` of a random model (`llama`, `qwen2`, `mistral`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub arch: Option<String>,
+    /// Load checkpoint weights that hold NaN or ±inf (with a warning) instead of refusing
+    /// them with the tensor and index. Default false.
+    #[serde(default)]
+    pub allow_non_finite: bool,
     /// Any other key is a HF `config.json` key (`hidden_size`, `num_hidden_layers`, ...),
     /// overriding the directory's `config.json` when there is one.
     #[serde(flatten)]

@@ -22,6 +22,7 @@ use crate::data::{
 use crate::engine::exec::{Engine, EngineConfig, MicroBatch, Sizes, StepParams};
 use crate::engine::memory::{MemoryPlan, gib, peak_rss_bytes};
 use crate::engine::phases::{PhaseSeconds, StepFlops, step_flops};
+use crate::hf::checkpoint::NonFinite;
 use crate::hf::config::ModelConfig;
 use crate::model::layout::ModelLayout;
 use crate::model::params::ParamStore;
@@ -226,7 +227,11 @@ pub fn load_model(raw: &RawConfig) -> Result<(ModelConfig, ParamStore)> {
                 raw.model.hf.get("initializer_range").and_then(|v| v.as_f64()).unwrap_or(0.02);
             ParamStore::random(&layout, raw.model.seed, std as f32)
         }
-        (None, Some(dir)) => ParamStore::load_hf(&layout, dir)?,
+        (None, Some(dir)) => ParamStore::load_hf_with(
+            &layout,
+            dir,
+            NonFinite::allowed_if(raw.model.allow_non_finite),
+        )?,
         (None, None) => bail!("model.path is missing"),
     };
     Ok((model_cfg, params))
@@ -696,7 +701,7 @@ where
     let mut t0 = Instant::now();
     let run_t0 = Instant::now();
     let (mut tokens, mut timed_steps, mut last_loss) = (0usize, 0usize, f64::NAN);
-    let (mut skipped_steps, mut eval_loss) = (0usize, None);
+    let (mut skipped_steps, mut eval_loss, mut ran) = (0usize, None, 0usize);
     for k in start..steps {
         if k == (start + warmup).min(steps - 1) && k > start {
             // Timings start after the warm-up, once its queued work is done.
@@ -708,6 +713,7 @@ where
             timed_steps = 0;
         }
         let mut m = tr.step(k)?;
+        ran += 1;
         let last = k + 1 == steps;
         if tr.eval.is_some() && ((t.eval_every > 0 && (k + 1) % t.eval_every == 0) || last) {
             m.eval_loss = tr.evaluate()?;
@@ -770,6 +776,15 @@ where
     fs::write(&summary_path, serde_json::to_string_pretty(&summary)?)
         .with_context(|| format!("cannot write {}", summary_path.display()))?;
     println!("{}", serde_json::to_string_pretty(&summary)?);
+    // Nothing was applied: the weights are the ones the run started from, and exporting them
+    // as this run's result would pass a broken model on. metrics.jsonl and summary.json stay.
+    if ran > 0 && skipped_steps == ran {
+        bail!(
+            "every one of the {ran} steps of this run was skipped (a non-finite loss or gradient norm): no update was applied, so {} was not written\nhint: check the model's weights and the data, or lower optimizer.lr; {} has the losses",
+            out_dir.join("final").display(),
+            metrics_path.display()
+        );
+    }
     if export_final {
         write_final(&mut tr, &out_dir, &summary, &metrics_path, &summary_path, state_step)?;
     }

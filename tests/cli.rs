@@ -339,3 +339,45 @@ fn resume_from_a_different_model() {
         "{err}"
     );
 }
+
+#[test]
+fn a_non_finite_weight_is_refused_and_a_run_whose_every_step_is_skipped_fails() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = model_copy(tmp.path(), "llama_gqa");
+    // One inf in a v_proj weight.
+    let file = model.join("model.safetensors");
+    let bad = "model.layers.1.self_attn.v_proj.weight";
+    let tensors: Vec<(String, Vec<usize>, Vec<f32>)> = horizon::hf::checkpoint::list_tensors(&file)
+        .unwrap()
+        .into_iter()
+        .map(|n| {
+            let (shape, data) = read_tensor_f64(&file, &n).unwrap();
+            let mut data: Vec<f32> = data.iter().map(|&x| x as f32).collect();
+            if n == bad {
+                data[70] = f32::INFINITY;
+            }
+            (n, shape, data)
+        })
+        .collect();
+    let views: Vec<(String, Vec<usize>, &[f32])> =
+        tensors.iter().map(|(n, s, d)| (n.clone(), s.clone(), d.as_slice())).collect();
+    let f32s = horizon::hf::checkpoint::SaveDtype::F32;
+    horizon::hf::checkpoint::write_safetensors(&file, &views, f32s).unwrap();
+    let data = case_dir("llama_gqa").join("data.jsonl");
+    let cfg = write_config(tmp.path(), "llama_gqa", &model, &data, "");
+    // Loading refuses it, naming the file, the tensor, the index, the value and the way out.
+    expect_error(
+        &cfg,
+        &["model.safetensors", bad, "inf at flat index 70", "[1, 6]", "model.allow_non_finite"],
+    );
+    // Loaded anyway: every step is skipped, and the run fails without exporting.
+    let yaml =
+        fs::read_to_string(&cfg).unwrap().replace("model: {", "model: { allow_non_finite: true,");
+    fs::write(&cfg, yaml).unwrap();
+    expect_error(&cfg, &["every one of the 3 steps", "skipped", "no update was applied"]);
+    let out = tmp.path().join("out");
+    assert!(!out.join("final").exists(), "the broken weights were exported");
+    let summary: Value =
+        serde_json::from_str(&fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["skipped_steps"], 3, "{summary}");
+}
