@@ -602,6 +602,9 @@ pub fn run_streaming(
             out_dir.display()
         )
     })?;
+    // Held until this function returns (the OS releases it if the process dies first): a
+    // second run into the same directory is refused before it writes anything there.
+    let _lock = crate::run_lock::RunLock::acquire(&out_dir)?;
     let yaml = cfg.raw.to_yaml();
     println!("# resolved config ({})\n{yaml}", cfg.origin);
     fs::write(out_dir.join("config.yaml"), &yaml)
