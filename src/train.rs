@@ -309,6 +309,39 @@ pub fn load_datasets(raw: &RawConfig, vocab_size: usize) -> Result<Datasets> {
     })
 }
 
+/// The row length a run's buffers are sized for, and where it comes from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SeqLen {
+    pub len: usize,
+    /// For the plan: `the longest row of the data (...)`, or why `train.max_seq_len` was assumed.
+    pub why: String,
+}
+
+impl SeqLen {
+    /// The longest row of the training and held-out rows (after tokenisation and packing: packed
+    /// rows are up to `train.max_seq_len` long), at most `train.max_seq_len`. Every buffer the
+    /// engine allocates is sized by it, so short rows are not planned at `max_seq_len`.
+    pub fn of_data(raw: &RawConfig, sets: &Datasets) -> SeqLen {
+        let max = raw.train.max_seq_len;
+        let longest = |d: &PretokenizedDataset| d.rows.iter().map(|r| r.input_ids.len()).max();
+        let train = longest(&sets.train).unwrap_or(0);
+        let eval = sets.eval.as_ref().and_then(longest).unwrap_or(0);
+        let len = train.max(eval).clamp(1, max);
+        let packed = if raw.data.pack { "packed " } else { "" };
+        let of = if sets.eval.is_some() { "training and eval " } else { "" };
+        SeqLen {
+            len,
+            why: format!("the longest row of the {packed}{of}data (train.max_seq_len {max})"),
+        }
+    }
+
+    /// `train.max_seq_len`, assumed because the data's rows are not known (`why`).
+    pub fn assumed(raw: &RawConfig, why: &str) -> SeqLen {
+        let len = raw.train.max_seq_len;
+        SeqLen { len, why: format!("train.max_seq_len, assumed: {why}") }
+    }
+}
+
 /// The rows of one JSONL file in the config's format (`None`: synthetic rows), unpacked.
 fn load_rows(
     raw: &RawConfig,
@@ -434,7 +467,10 @@ where
         let raw = &cfg.raw;
         let model_cfg = model_config(raw)?;
         let layout = ModelLayout::new(&model_cfg);
-        let ecfg = engine_config(raw);
+        // The data first: its longest row sizes every buffer of the plan.
+        let sets = load_datasets(raw, model_cfg.vocab_size)?;
+        let seq_len = SeqLen::of_data(raw, &sets);
+        let ecfg = EngineConfig { seq_len: seq_len.len, ..engine_config(raw) };
         let budget = match raw.device.memory {
             ByteSize::Auto => None,
             ByteSize::Bytes(b) => Some(b),
@@ -449,7 +485,8 @@ where
                 ..ecfg
             };
             let in_host_ram = raw.device.backend.pool_in_host_ram();
-            (e, MemoryPlan::new(&Sizes::new(&layout, &e), budget, in_host_ram))
+            let plan = MemoryPlan::new(&Sizes::new(&layout, &e), budget, in_host_ram);
+            (e, plan.sized_for(&seq_len.why))
         };
         let (ecfg, plan) = match raw.engine.recompute {
             Recompute::Always => planned(false),
@@ -471,7 +508,7 @@ where
         print!("{plan}");
         plan.check()?;
         if raw.device.backend == BackendKind::Cuda {
-            cuda_kernel_limits(&layout, raw)?;
+            cuda_kernel_limits(&layout, raw, ecfg.seq_len)?;
         }
         let state = match resume {
             Some(dir) => crate::resume::load_for(dir, &model_cfg, raw.optimizer.memory)?,
@@ -481,7 +518,6 @@ where
                 raw.optimizer.memory,
             ),
         };
-        let sets = load_datasets(raw, model_cfg.vocab_size)?;
         let evaluator = sets.eval.as_ref().map(|e| {
             let seq_len = e.rows.iter().map(|r| r.input_ids.len()).max().unwrap_or(1);
             Transformer::new(
@@ -555,7 +591,8 @@ where
     }
 }
 
-/// The engine configuration a run config describes.
+/// The engine configuration a run config describes, sized for rows of `train.max_seq_len`
+/// (a run sizes for its data instead: [`SeqLen::of_data`]).
 pub fn engine_config(raw: &RawConfig) -> EngineConfig {
     let t = &raw.train;
     EngineConfig {
@@ -624,8 +661,9 @@ pub fn run_streaming(
 }
 
 /// Refuses a model the CUDA kernels cannot run (a head dim over the attention kernel's limit,
-/// sizes beyond its int range) when the plan is made, naming the limit and the value.
-pub fn cuda_kernel_limits(layout: &ModelLayout, raw: &RawConfig) -> Result<()> {
+/// sizes beyond its int range) when the plan is made, naming the limit and the value; rows
+/// are at most `seq_len` long.
+pub fn cuda_kernel_limits(layout: &ModelLayout, raw: &RawConfig, seq_len: usize) -> Result<()> {
     let d = &layout.dims;
     let shape = horizon_backend::cuda::KernelShape {
         c: d.c,
@@ -635,7 +673,7 @@ pub fn cuda_kernel_limits(layout: &ModelLayout, raw: &RawConfig) -> Result<()> {
         f: d.f,
         v: d.v,
         b: raw.train.micro_batch_rows(),
-        t: raw.train.max_seq_len,
+        t: seq_len,
     };
     horizon_backend::cuda::check_kernel_limits(&shape).context("device.backend = cuda")?;
     Ok(())
@@ -824,7 +862,7 @@ where
         tr.engine.schedule(),
         &ModelLayout::new(&tr.model_cfg),
         tr.cfg.raw.train.micro_batch_rows(),
-        tr.cfg.raw.train.max_seq_len,
+        tr.engine.config().seq_len,
     );
     let k = timed_steps as f64;
     let flops = StepFlops {

@@ -46,6 +46,8 @@ pub struct Sizes {
     pub host_grads: usize,
     /// Host bytes of the 8-bit moments (compact): codes and per-block scales.
     pub moments8_bytes: usize,
+    /// The row length every buffer is sized for (`EngineConfig::seq_len`).
+    pub seq_len: usize,
     /// Rows of a micro-batch at the longest row length.
     pub mb_rows: usize,
     /// One residual-stream buffer: (mb_rows, C).
@@ -123,6 +125,7 @@ impl Sizes {
             memory: cfg.memory,
             host_grads,
             moments8_bytes: layout.buffer_tensors().iter().map(|t| Moments8::bytes(t)).sum(),
+            seq_len: cfg.seq_len,
             mb_rows,
             act: n * d.c,
             act_sets: cfg.checkpoint_every.max(2),
