@@ -180,7 +180,7 @@ pub fn export(model_cfg: &ModelConfig, params: &ParamStore, dir: &Path) -> Resul
         params,
         dir,
         crate::export::ExportOptions::default(),
-        &crate::export::TokenizerSource::None,
+        &crate::export::ExportSource::none(),
     )
     .map(|_| ())
 }
@@ -939,7 +939,7 @@ where
         params,
         &final_dir,
         raw.output.export_options(),
-        &crate::export::TokenizerSource::of_config(raw),
+        &crate::export::ExportSource::of_config(raw),
     )?;
     tracing::info!(
         shards = exported.shards.len(),
