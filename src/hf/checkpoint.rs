@@ -1,5 +1,6 @@
 //! Hugging Face safetensors checkpoints: memory-mapped reading (single file or sharded with an
-//! index) with dtype conversion to f32, and streaming writing.
+//! index) with dtype conversion to f32 and a NaN/inf scan in the same pass, and streaming
+//! writing.
 //!
 //! Architecture Invariant: a checkpoint is never copied whole into memory. Reading maps every file
 //! and converts one tensor straight into the caller's buffer; writing computes the header first,
