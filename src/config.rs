@@ -546,13 +546,13 @@ impl RawConfig {
         if !(o.grad_clip.is_finite() && o.grad_clip >= 0.0) {
             bail!("{origin}: optimizer.grad_clip must be >= 0, 0 = off (got {})", o.grad_clip);
         }
-        if let Some(mbs) = t.micro_batch_size {
-            if mbs > t.batch_size {
-                bail!(
-                    "{origin}: train.micro_batch_size ({mbs}) is larger than train.batch_size ({})",
-                    t.batch_size
-                );
-            }
+        if let Some(mbs) = t.micro_batch_size
+            && mbs > t.batch_size
+        {
+            bail!(
+                "{origin}: train.micro_batch_size ({mbs}) is larger than train.batch_size ({})",
+                t.batch_size
+            );
         }
         if !(self.device.link_gbps.is_finite() && self.device.link_gbps >= 0.0) {
             bail!(

@@ -1000,7 +1000,7 @@ impl Progress {
             Some(bar) => {
                 bar.set_message(format!("loss {:.4}  {tps:.0} tok/s{rss}", m.loss));
                 bar.inc(1);
-                if m.step % self.every == 0 || m.step == steps || m.eval_loss.is_some() {
+                if m.step.is_multiple_of(self.every) || m.step == steps || m.eval_loss.is_some() {
                     bar.println(line);
                 }
             }

@@ -68,23 +68,23 @@ impl MemoryPlan {
 
     /// Refuse, with the numbers, a plan the device or the host cannot hold.
     pub fn check(&self) -> Result<()> {
-        if let Some(budget) = self.device_budget {
-            if self.device_total() > budget {
-                bail!(
-                    "the plan needs {} of device memory but device.memory is {}\n{self}hint: raise device.memory, or lower train.micro_batch_size, the length of the rows (at most train.max_seq_len) or engine.checkpoint_every",
-                    gib(self.device_total()),
-                    gib(budget)
-                );
-            }
+        if let Some(budget) = self.device_budget
+            && self.device_total() > budget
+        {
+            bail!(
+                "the plan needs {} of device memory but device.memory is {}\n{self}hint: raise device.memory, or lower train.micro_batch_size, the length of the rows (at most train.max_seq_len) or engine.checkpoint_every",
+                gib(self.device_total()),
+                gib(budget)
+            );
         }
-        if let Some(avail) = self.host_available {
-            if self.host_total() > avail {
-                bail!(
-                    "the plan needs {} of host memory but only {} is available\n{self}hint: a smaller model, or a machine with more RAM",
-                    gib(self.host_total()),
-                    gib(avail)
-                );
-            }
+        if let Some(avail) = self.host_available
+            && self.host_total() > avail
+        {
+            bail!(
+                "the plan needs {} of host memory but only {} is available\n{self}hint: a smaller model, or a machine with more RAM",
+                gib(self.host_total()),
+                gib(avail)
+            );
         }
         Ok(())
     }
