@@ -56,6 +56,10 @@ pub struct ModelSection {
     /// `model_type` of a random model (`llama`, `qwen2`, `mistral`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub arch: Option<String>,
+    /// Load checkpoint weights that hold NaN or ±inf (with a warning) instead of refusing
+    /// them with the tensor and index. Default false.
+    #[serde(default)]
+    pub allow_non_finite: bool,
     /// Any other key is a HF `config.json` key (`hidden_size`, `num_hidden_layers`, ...),
     /// overriding the directory's `config.json` when there is one.
     #[serde(flatten)]
@@ -542,13 +546,13 @@ impl RawConfig {
         if !(o.grad_clip.is_finite() && o.grad_clip >= 0.0) {
             bail!("{origin}: optimizer.grad_clip must be >= 0, 0 = off (got {})", o.grad_clip);
         }
-        if let Some(mbs) = t.micro_batch_size {
-            if mbs > t.batch_size {
-                bail!(
-                    "{origin}: train.micro_batch_size ({mbs}) is larger than train.batch_size ({})",
-                    t.batch_size
-                );
-            }
+        if let Some(mbs) = t.micro_batch_size
+            && mbs > t.batch_size
+        {
+            bail!(
+                "{origin}: train.micro_batch_size ({mbs}) is larger than train.batch_size ({})",
+                t.batch_size
+            );
         }
         if !(self.device.link_gbps.is_finite() && self.device.link_gbps >= 0.0) {
             bail!(

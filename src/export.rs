@@ -16,18 +16,25 @@ use crate::hf::checkpoint::write_safetensors;
 use crate::hf::config::ModelConfig;
 use crate::model::layout::ModelLayout;
 use crate::model::params::ParamStore;
-use crate::tokenizer::ByteTokenizer;
+use crate::tokenizer::byte::{BOS_ID, EOS_ID, PAD_ID};
+use crate::tokenizer::{ByteTokenizer, HfTokenizer, Tokenizer};
 
 /// The tokenizer files of a HF directory that an export carries along when they exist.
-const TOKENIZER_FILES: [&str; 7] = [
+/// (`generation_config.json` is written by the export itself: see [`SpecialIds`].)
+const TOKENIZER_FILES: [&str; 6] = [
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
     "tokenizer.model",
     "vocab.json",
     "merges.txt",
-    "generation_config.json",
 ];
+
+/// `generation_config.json`: what `transformers`' `generate` reads its stop id from.
+const GENERATION_CONFIG: &str = "generation_config.json";
+
+/// The special-token keys an export writes into `config.json` and `generation_config.json`.
+const SPECIAL_KEYS: [&str; 3] = ["bos_token_id", "eos_token_id", "pad_token_id"];
 
 /// Where an export takes its tokenizer from.
 #[derive(Clone, Debug)]
@@ -54,6 +61,112 @@ impl TokenizerSource {
     }
 }
 
+/// Where an export's special-token ids and `generation_config.json` come from.
+#[derive(Clone, Debug)]
+pub struct ExportSource {
+    pub tokenizer: TokenizerSource,
+    /// The directory of the model trained or exported (`model.path`), whose
+    /// `generation_config.json` is carried over; `None` for a model trained from scratch.
+    pub model_dir: Option<PathBuf>,
+}
+
+impl ExportSource {
+    /// A run's sources: its tokenizer ([`TokenizerSource::of_config`]) and `model.path`.
+    pub fn of_config(raw: &RawConfig) -> Self {
+        ExportSource {
+            tokenizer: TokenizerSource::of_config(raw),
+            model_dir: raw.model.path.clone(),
+        }
+    }
+
+    /// No tokenizer, no source directory: the ids are the model config's own.
+    pub fn none() -> Self {
+        ExportSource { tokenizer: TokenizerSource::None, model_dir: None }
+    }
+}
+
+/// The special-token ids of an export: each of [`SPECIAL_KEYS`] as the JSON value to write
+/// (`null` when unknown; `eos_token_id` may be a list), and the source's
+/// `generation_config.json`, all of whose keys are kept.
+///
+/// `config.json` takes each id from the source model's `config.json` when it has one, else
+/// from the source's `generation_config.json`, else from the tokenizer (`<|bos|>`, `<|eos|>`,
+/// `<|pad|>` of the byte tokenizer; `tokenizer_config.json`'s tokens of a HF one).
+/// `generation_config.json` is the source's with every missing or null id filled the same way.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SpecialIds {
+    /// The values `config.json` gets, in [`SPECIAL_KEYS`] order.
+    pub config: [serde_json::Value; 3],
+    /// `generation_config.json` as written.
+    pub generation: serde_json::Map<String, serde_json::Value>,
+}
+
+impl SpecialIds {
+    /// From the model's HF config (`to_hf_json`), the source's `generation_config.json` (an
+    /// object, empty when there is none) and the tokenizer's ids (bos, eos, pad).
+    pub fn resolve(
+        model_json: &serde_json::Value,
+        source_generation: serde_json::Map<String, serde_json::Value>,
+        tokenizer: [Option<u32>; 3],
+    ) -> Self {
+        use serde_json::Value;
+        let known = |v: Option<&Value>| v.filter(|v| !v.is_null()).cloned();
+        let config = std::array::from_fn(|i| {
+            let key = SPECIAL_KEYS[i];
+            known(model_json.get(key))
+                .or_else(|| known(source_generation.get(key)))
+                .or_else(|| tokenizer[i].map(Value::from))
+                .unwrap_or(Value::Null)
+        });
+        let mut generation = source_generation;
+        for (key, v) in SPECIAL_KEYS.iter().zip(&config) {
+            if known(generation.get(*key)).is_none() {
+                generation.insert(key.to_string(), v.clone());
+            }
+        }
+        SpecialIds { config, generation }
+    }
+
+    /// What [`SpecialIds::resolve`] gives for `model_cfg` and the sources: the source model's
+    /// `generation_config.json` (`model_dir`, else the tokenizer's directory), the tokenizer's
+    /// ids. A generation config that is not a JSON object is an error naming it.
+    fn of_sources(model_cfg: &ModelConfig, source: &ExportSource) -> Result<Self> {
+        let tok_dir = match &source.tokenizer {
+            TokenizerSource::Dir(d) => Some(d.as_path()),
+            _ => None,
+        };
+        let gen_path = [source.model_dir.as_deref(), tok_dir]
+            .into_iter()
+            .flatten()
+            .map(|d| d.join(GENERATION_CONFIG))
+            .find(|p| p.is_file());
+        let generation = match &gen_path {
+            None => serde_json::Map::new(),
+            Some(p) => {
+                let text = fs::read_to_string(p)
+                    .with_context(|| format!("cannot read {}", p.display()))?;
+                match serde_json::from_str::<serde_json::Value>(&text) {
+                    Ok(serde_json::Value::Object(o)) => o,
+                    _ => bail!("{}: not a JSON object", p.display()),
+                }
+            }
+        };
+        let tokenizer = match &source.tokenizer {
+            TokenizerSource::Byte => [Some(BOS_ID), Some(EOS_ID), Some(PAD_ID)],
+            TokenizerSource::Dir(d) => match HfTokenizer::from_dir(d) {
+                Ok(t) => [t.bos_id(), t.eos_id(), t.pad_id()],
+                Err(e) => {
+                    // The files are still copied; only the ids are unknown.
+                    tracing::warn!("no special-token ids from {}: {e:#}", d.display());
+                    [None; 3]
+                }
+            },
+            TokenizerSource::None => [None; 3],
+        };
+        Ok(SpecialIds::resolve(&model_cfg.to_hf_json(), generation, tokenizer))
+    }
+}
+
 /// What an export wrote.
 #[derive(Clone, Debug)]
 pub struct Exported {
@@ -66,14 +179,17 @@ pub struct Exported {
 }
 
 /// Write `params` as a HF directory `dir`. Earlier weight files in `dir` are removed first, so
-/// that a directory exported twice (say, sharded then not) never mixes the two.
+/// that a directory exported twice (say, sharded then not) never mixes the two. `config.json`
+/// and `generation_config.json` carry the special-token ids ([`SpecialIds`]).
 pub fn export_model(
     model_cfg: &ModelConfig,
     params: &ParamStore,
     dir: &Path,
     opts: ExportOptions,
-    tokenizer: &TokenizerSource,
+    source: &ExportSource,
 ) -> Result<Exported> {
+    // Read before anything is written: the source may be `dir` itself.
+    let specials = SpecialIds::of_sources(model_cfg, source)?;
     fs::create_dir_all(dir).with_context(|| {
         format!("cannot create {}\nhint: choose a writable output directory", dir.display())
     })?;
@@ -81,6 +197,9 @@ pub fn export_model(
     let mut cfg_json = model_cfg.to_hf_json();
     if let Some(o) = cfg_json.as_object_mut() {
         o.insert("torch_dtype".into(), opts.dtype.torch_dtype().into());
+        for (key, v) in SPECIAL_KEYS.iter().zip(&specials.config) {
+            o.insert(key.to_string(), v.clone());
+        }
     }
     let cfg_path = dir.join("config.json");
     fs::write(&cfg_path, serde_json::to_string_pretty(&cfg_json)?)
@@ -123,7 +242,11 @@ pub fn export_model(
         fs::write(&path, serde_json::to_string_pretty(&index)?)
             .with_context(|| format!("cannot write {}", path.display()))?;
     }
-    let tokenizer_files = write_tokenizer(dir, tokenizer)?;
+    let mut tokenizer_files = write_tokenizer(dir, &source.tokenizer)?;
+    let path = dir.join(GENERATION_CONFIG);
+    fs::write(&path, serde_json::to_string_pretty(&specials.generation)?)
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    tokenizer_files.push(GENERATION_CONFIG.to_string());
     Ok(Exported { shards: files, total_bytes, tokenizer_files })
 }
 
@@ -199,14 +322,14 @@ fn write_tokenizer(dir: &Path, source: &TokenizerSource) -> Result<Vec<String>> 
 /// directory (its newest checkpoint), or a HF directory (`config.json`; to change dtype or
 /// sharding).
 pub fn export_dir(src: &Path, out: &Path, opts: ExportOptions) -> Result<Exported> {
-    let (model_cfg, params, tokenizer) = load_source(src)?;
+    let (model_cfg, params, source) = load_source(src)?;
     if out.exists() && !out.is_dir() {
         bail!("--out {}: exists and is not a directory", out.display());
     }
-    export_model(&model_cfg, &params, out, opts, &tokenizer)
+    export_model(&model_cfg, &params, out, opts, &source)
 }
 
-fn load_source(src: &Path) -> Result<(ModelConfig, ParamStore, TokenizerSource)> {
+fn load_source(src: &Path) -> Result<(ModelConfig, ParamStore, ExportSource)> {
     if !src.is_dir() {
         bail!(
             "{}: no such directory\nhint: give a checkpoint (OUT/checkpoints/step-N), a run's output directory, or a HF model directory",
@@ -219,10 +342,10 @@ fn load_source(src: &Path) -> Result<(ModelConfig, ParamStore, TokenizerSource)>
         let model_cfg = ModelConfig::from_json(&state.model, &origin)?;
         let params =
             ParamStore::load_hf(&ModelLayout::new(&model_cfg), &src.join(crate::resume::PARAMS))?;
-        let tokenizer = RawConfig::from_yaml(&state.config, &origin)
-            .map(|raw| TokenizerSource::of_config(&raw))
-            .unwrap_or(TokenizerSource::None);
-        return Ok((model_cfg, params, tokenizer));
+        let source = RawConfig::from_yaml(&state.config, &origin)
+            .map(|raw| ExportSource::of_config(&raw))
+            .unwrap_or_else(|_| ExportSource::none());
+        return Ok((model_cfg, params, source));
     }
     if crate::resume::checkpoints_dir(src).is_dir() {
         let ckpt = crate::resume::resolve("latest", src)?;
@@ -237,7 +360,7 @@ fn load_source(src: &Path) -> Result<(ModelConfig, ParamStore, TokenizerSource)>
         } else {
             TokenizerSource::None
         };
-        return Ok((model_cfg, params, tokenizer));
+        return Ok((model_cfg, params, ExportSource { tokenizer, model_dir: Some(src.into()) }));
     }
     bail!(
         "{}: neither a checkpoint (state.json), a run directory (checkpoints/) nor a HF directory (config.json)",
@@ -248,6 +371,36 @@ fn load_source(src: &Path) -> Result<(ModelConfig, ParamStore, TokenizerSource)>
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn special_ids_come_from_the_model_then_its_generation_config_then_the_tokenizer() {
+        let byte = [Some(BOS_ID), Some(EOS_ID), Some(PAD_ID)];
+        // A model from scratch (ids null) with the byte tokenizer: the tokenizer's ids.
+        let model = json!({"bos_token_id": null, "eos_token_id": null});
+        let s = SpecialIds::resolve(&model, serde_json::Map::new(), byte);
+        assert_eq!(s.config, [json!(256), json!(257), json!(258)]);
+        assert_eq!(
+            serde_json::Value::Object(s.generation),
+            json!({"bos_token_id": 256, "eos_token_id": 257, "pad_token_id": 258})
+        );
+        // The source model's own ids win; its generation config keeps every key (an eos list,
+        // sampling settings) and gets only what it lacks.
+        let model = json!({"bos_token_id": 1, "eos_token_id": 2});
+        let source_gen = json!({"eos_token_id": [2, 7], "temperature": 0.6, "pad_token_id": null});
+        let serde_json::Value::Object(source_gen) = source_gen else { unreachable!() };
+        let s = SpecialIds::resolve(&model, source_gen, [Some(500), Some(504), None]);
+        assert_eq!(s.config, [json!(1), json!(2), serde_json::Value::Null]);
+        assert_eq!(
+            serde_json::Value::Object(s.generation),
+            json!({"bos_token_id": 1, "eos_token_id": [2, 7], "pad_token_id": null, "temperature": 0.6})
+        );
+        // A config without ids takes the generation config's before the tokenizer's.
+        let source_gen = json!({"eos_token_id": [2, 7]});
+        let serde_json::Value::Object(source_gen) = source_gen else { unreachable!() };
+        let s = SpecialIds::resolve(&json!({}), source_gen, [Some(500), Some(504), None]);
+        assert_eq!(s.config, [json!(500), json!([2, 7]), serde_json::Value::Null]);
+    }
 
     #[test]
     fn shards_group_consecutive_tensors_under_the_limit() {

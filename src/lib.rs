@@ -15,6 +15,7 @@ pub mod plan_cmd;
 pub mod report;
 pub mod resume;
 pub mod rng;
+pub mod run_lock;
 pub mod schedule;
 pub mod store;
 pub mod summary;

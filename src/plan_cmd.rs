@@ -2,7 +2,8 @@
 //! and per parameter, device bytes, then what the machine could hold: for every
 //! `optimizer.memory` mode the deepest model of this shape (same layers, more of them) that fits
 //! the host's available memory, and for the device budget the largest micro-batch that fits.
-//! Errors (exit status 1) when the config as written does not fit, with the numbers.
+//! Errors (exit status 1) when the config as written does not fit, with the numbers. Like
+//! `horizon train`, it reads the data to size the buffers for its longest row.
 
 use std::fmt::Write as _;
 
@@ -13,7 +14,7 @@ use crate::engine::exec::{EngineConfig, Sizes};
 use crate::engine::memory::{MemoryPlan, gib, host_available_bytes};
 use crate::hf::config::ModelConfig;
 use crate::model::layout::ModelLayout;
-use crate::train::{engine_config, model_config};
+use crate::train::{SeqLen, engine_config, load_datasets, model_config};
 
 /// The plan of `cfg` as run (its own mode), and the report `horizon plan` prints.
 pub struct PlanReport {
@@ -21,6 +22,8 @@ pub struct PlanReport {
     pub text: String,
     /// The model the plan is for.
     pub model: ModelConfig,
+    /// The row length it is sized for.
+    pub seq_len: usize,
 }
 
 /// The memory plan of a model / engine configuration on `ecfg.backend` (the CPU backend's pool
@@ -77,12 +80,18 @@ pub fn largest_micro_batch(model: &ModelConfig, ecfg: &EngineConfig, budget: u64
 pub fn report(cfg: &RunConfig) -> Result<PlanReport> {
     let raw = &cfg.raw;
     let model = model_config(raw)?;
-    let ecfg = engine_config(raw);
+    // Sized for the data's longest row, as `horizon train` sizes it; when the data cannot be
+    // read (no data.path yet, say), for train.max_seq_len, and the plan says so.
+    let seq_len = match load_datasets(raw, model.vocab_size) {
+        Ok(sets) => SeqLen::of_data(raw, &sets),
+        Err(e) => SeqLen::assumed(raw, &format!("the data could not be read ({e:#})")),
+    };
+    let ecfg = EngineConfig { seq_len: seq_len.len, ..engine_config(raw) };
     let budget = match raw.device.memory {
         ByteSize::Auto => None,
         ByteSize::Bytes(b) => Some(b),
     };
-    let plan = plan_for(&model, &ecfg, budget);
+    let plan = plan_for(&model, &ecfg, budget).sized_for(&seq_len.why);
     let mut t = String::new();
     writeln!(t, "optimizer.memory: {}", raw.optimizer.memory.name())?;
     write!(t, "{plan}")?;
@@ -132,7 +141,7 @@ pub fn report(cfg: &RunConfig) -> Result<PlanReport> {
             gib(plan.device_total())
         )?,
     }
-    Ok(PlanReport { plan, text: t, model })
+    Ok(PlanReport { plan, text: t, model, seq_len: ecfg.seq_len })
 }
 
 /// `horizon plan`: print the report; an error (with the numbers) when the config does not fit.
@@ -141,7 +150,7 @@ pub fn run(cfg: &RunConfig) -> Result<()> {
     print!("{}", r.text);
     r.plan.check()?;
     if cfg.raw.device.backend == crate::config::BackendKind::Cuda {
-        crate::train::cuda_kernel_limits(&ModelLayout::new(&r.model), &cfg.raw)?;
+        crate::train::cuda_kernel_limits(&ModelLayout::new(&r.model), &cfg.raw, r.seq_len)?;
     }
     println!("fits");
     Ok(())

@@ -117,10 +117,10 @@ fn list(root: &Path) -> Result<Vec<(u64, PathBuf)>> {
     for e in entries {
         let e = e?;
         let name = e.file_name().to_string_lossy().into_owned();
-        if let Some(n) = name.strip_prefix("step-").and_then(|n| n.parse::<u64>().ok()) {
-            if e.path().join(STATE).is_file() {
-                out.push((n, e.path()));
-            }
+        if let Some(n) = name.strip_prefix("step-").and_then(|n| n.parse::<u64>().ok())
+            && e.path().join(STATE).is_file()
+        {
+            out.push((n, e.path()));
         }
     }
     out.sort();

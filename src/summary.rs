@@ -42,7 +42,7 @@ pub struct Summary {
     pub d2h_busy_s: f64,
     /// Wall seconds the compute queue was not running a kernel.
     pub compute_idle_s: f64,
-    /// FLOPs of the timed steps (at `train.max_seq_len`): every product the schedule ran,
+    /// FLOPs of the timed steps (at the planned row length): every product the schedule ran,
     /// recompute included, and the model's `6 * N * tokens + attention`.
     pub flops: StepFlops,
     /// `flops.schedule / wall_s` and `flops.model / wall_s`, in GFLOP/s.

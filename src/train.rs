@@ -22,6 +22,7 @@ use crate::data::{
 use crate::engine::exec::{Engine, EngineConfig, MicroBatch, Sizes, StepParams};
 use crate::engine::memory::{MemoryPlan, gib, peak_rss_bytes};
 use crate::engine::phases::{PhaseSeconds, StepFlops, step_flops};
+use crate::hf::checkpoint::NonFinite;
 use crate::hf::config::ModelConfig;
 use crate::model::layout::ModelLayout;
 use crate::model::params::ParamStore;
@@ -179,7 +180,7 @@ pub fn export(model_cfg: &ModelConfig, params: &ParamStore, dir: &Path) -> Resul
         params,
         dir,
         crate::export::ExportOptions::default(),
-        &crate::export::TokenizerSource::None,
+        &crate::export::ExportSource::none(),
     )
     .map(|_| ())
 }
@@ -226,7 +227,11 @@ pub fn load_model(raw: &RawConfig) -> Result<(ModelConfig, ParamStore)> {
                 raw.model.hf.get("initializer_range").and_then(|v| v.as_f64()).unwrap_or(0.02);
             ParamStore::random(&layout, raw.model.seed, std as f32)
         }
-        (None, Some(dir)) => ParamStore::load_hf(&layout, dir)?,
+        (None, Some(dir)) => ParamStore::load_hf_with(
+            &layout,
+            dir,
+            NonFinite::allowed_if(raw.model.allow_non_finite),
+        )?,
         (None, None) => bail!("model.path is missing"),
     };
     Ok((model_cfg, params))
@@ -302,6 +307,39 @@ pub fn load_datasets(raw: &RawConfig, vocab_size: usize) -> Result<Datasets> {
         skipped_records: skipped,
         truncated_records: truncated,
     })
+}
+
+/// The row length a run's buffers are sized for, and where it comes from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SeqLen {
+    pub len: usize,
+    /// For the plan: `the longest row of the data (...)`, or why `train.max_seq_len` was assumed.
+    pub why: String,
+}
+
+impl SeqLen {
+    /// The longest row of the training and held-out rows (after tokenisation and packing: packed
+    /// rows are up to `train.max_seq_len` long), at most `train.max_seq_len`. Every buffer the
+    /// engine allocates is sized by it, so short rows are not planned at `max_seq_len`.
+    pub fn of_data(raw: &RawConfig, sets: &Datasets) -> SeqLen {
+        let max = raw.train.max_seq_len;
+        let longest = |d: &PretokenizedDataset| d.rows.iter().map(|r| r.input_ids.len()).max();
+        let train = longest(&sets.train).unwrap_or(0);
+        let eval = sets.eval.as_ref().and_then(longest).unwrap_or(0);
+        let len = train.max(eval).clamp(1, max);
+        let packed = if raw.data.pack { "packed " } else { "" };
+        let of = if sets.eval.is_some() { "training and eval " } else { "" };
+        SeqLen {
+            len,
+            why: format!("the longest row of the {packed}{of}data (train.max_seq_len {max})"),
+        }
+    }
+
+    /// `train.max_seq_len`, assumed because the data's rows are not known (`why`).
+    pub fn assumed(raw: &RawConfig, why: &str) -> SeqLen {
+        let len = raw.train.max_seq_len;
+        SeqLen { len, why: format!("train.max_seq_len, assumed: {why}") }
+    }
 }
 
 /// The rows of one JSONL file in the config's format (`None`: synthetic rows), unpacked.
@@ -429,7 +467,10 @@ where
         let raw = &cfg.raw;
         let model_cfg = model_config(raw)?;
         let layout = ModelLayout::new(&model_cfg);
-        let ecfg = engine_config(raw);
+        // The data first: its longest row sizes every buffer of the plan.
+        let sets = load_datasets(raw, model_cfg.vocab_size)?;
+        let seq_len = SeqLen::of_data(raw, &sets);
+        let ecfg = EngineConfig { seq_len: seq_len.len, ..engine_config(raw) };
         let budget = match raw.device.memory {
             ByteSize::Auto => None,
             ByteSize::Bytes(b) => Some(b),
@@ -444,7 +485,8 @@ where
                 ..ecfg
             };
             let in_host_ram = raw.device.backend.pool_in_host_ram();
-            (e, MemoryPlan::new(&Sizes::new(&layout, &e), budget, in_host_ram))
+            let plan = MemoryPlan::new(&Sizes::new(&layout, &e), budget, in_host_ram);
+            (e, plan.sized_for(&seq_len.why))
         };
         let (ecfg, plan) = match raw.engine.recompute {
             Recompute::Always => planned(false),
@@ -466,7 +508,7 @@ where
         print!("{plan}");
         plan.check()?;
         if raw.device.backend == BackendKind::Cuda {
-            cuda_kernel_limits(&layout, raw)?;
+            cuda_kernel_limits(&layout, raw, ecfg.seq_len)?;
         }
         let state = match resume {
             Some(dir) => crate::resume::load_for(dir, &model_cfg, raw.optimizer.memory)?,
@@ -476,7 +518,6 @@ where
                 raw.optimizer.memory,
             ),
         };
-        let sets = load_datasets(raw, model_cfg.vocab_size)?;
         let evaluator = sets.eval.as_ref().map(|e| {
             let seq_len = e.rows.iter().map(|r| r.input_ids.len()).max().unwrap_or(1);
             Transformer::new(
@@ -550,7 +591,8 @@ where
     }
 }
 
-/// The engine configuration a run config describes.
+/// The engine configuration a run config describes, sized for rows of `train.max_seq_len`
+/// (a run sizes for its data instead: [`SeqLen::of_data`]).
 pub fn engine_config(raw: &RawConfig) -> EngineConfig {
     let t = &raw.train;
     EngineConfig {
@@ -597,6 +639,9 @@ pub fn run_streaming(
             out_dir.display()
         )
     })?;
+    // Held until this function returns (the OS releases it if the process dies first): a
+    // second run into the same directory is refused before it writes anything there.
+    let _lock = crate::run_lock::RunLock::acquire(&out_dir)?;
     let yaml = cfg.raw.to_yaml();
     println!("# resolved config ({})\n{yaml}", cfg.origin);
     fs::write(out_dir.join("config.yaml"), &yaml)
@@ -616,8 +661,9 @@ pub fn run_streaming(
 }
 
 /// Refuses a model the CUDA kernels cannot run (a head dim over the attention kernel's limit,
-/// sizes beyond its int range) when the plan is made, naming the limit and the value.
-pub fn cuda_kernel_limits(layout: &ModelLayout, raw: &RawConfig) -> Result<()> {
+/// sizes beyond its int range) when the plan is made, naming the limit and the value; rows
+/// are at most `seq_len` long.
+pub fn cuda_kernel_limits(layout: &ModelLayout, raw: &RawConfig, seq_len: usize) -> Result<()> {
     let d = &layout.dims;
     let shape = horizon_backend::cuda::KernelShape {
         c: d.c,
@@ -627,7 +673,7 @@ pub fn cuda_kernel_limits(layout: &ModelLayout, raw: &RawConfig) -> Result<()> {
         f: d.f,
         v: d.v,
         b: raw.train.micro_batch_rows(),
-        t: raw.train.max_seq_len,
+        t: seq_len,
     };
     horizon_backend::cuda::check_kernel_limits(&shape).context("device.backend = cuda")?;
     Ok(())
@@ -696,7 +742,7 @@ where
     let mut t0 = Instant::now();
     let run_t0 = Instant::now();
     let (mut tokens, mut timed_steps, mut last_loss) = (0usize, 0usize, f64::NAN);
-    let (mut skipped_steps, mut eval_loss) = (0usize, None);
+    let (mut skipped_steps, mut eval_loss, mut ran) = (0usize, None, 0usize);
     for k in start..steps {
         if k == (start + warmup).min(steps - 1) && k > start {
             // Timings start after the warm-up, once its queued work is done.
@@ -708,6 +754,7 @@ where
             timed_steps = 0;
         }
         let mut m = tr.step(k)?;
+        ran += 1;
         let last = k + 1 == steps;
         if tr.eval.is_some() && ((t.eval_every > 0 && (k + 1) % t.eval_every == 0) || last) {
             m.eval_loss = tr.evaluate()?;
@@ -770,6 +817,15 @@ where
     fs::write(&summary_path, serde_json::to_string_pretty(&summary)?)
         .with_context(|| format!("cannot write {}", summary_path.display()))?;
     println!("{}", serde_json::to_string_pretty(&summary)?);
+    // Nothing was applied: the weights are the ones the run started from, and exporting them
+    // as this run's result would pass a broken model on. metrics.jsonl and summary.json stay.
+    if ran > 0 && skipped_steps == ran {
+        bail!(
+            "every one of the {ran} steps of this run was skipped (a non-finite loss or gradient norm): no update was applied, so {} was not written\nhint: check the model's weights and the data, or lower optimizer.lr; {} has the losses",
+            out_dir.join("final").display(),
+            metrics_path.display()
+        );
+    }
     if export_final {
         write_final(&mut tr, &out_dir, &summary, &metrics_path, &summary_path, state_step)?;
     }
@@ -806,7 +862,7 @@ where
         tr.engine.schedule(),
         &ModelLayout::new(&tr.model_cfg),
         tr.cfg.raw.train.micro_batch_rows(),
-        tr.cfg.raw.train.max_seq_len,
+        tr.engine.config().seq_len,
     );
     let k = timed_steps as f64;
     let flops = StepFlops {
@@ -883,7 +939,7 @@ where
         params,
         &final_dir,
         raw.output.export_options(),
-        &crate::export::TokenizerSource::of_config(raw),
+        &crate::export::ExportSource::of_config(raw),
     )?;
     tracing::info!(
         shards = exported.shards.len(),
@@ -944,7 +1000,7 @@ impl Progress {
             Some(bar) => {
                 bar.set_message(format!("loss {:.4}  {tps:.0} tok/s{rss}", m.loss));
                 bar.inc(1);
-                if m.step % self.every == 0 || m.step == steps || m.eval_loss.is_some() {
+                if m.step.is_multiple_of(self.every) || m.step == steps || m.eval_loss.is_some() {
                     bar.println(line);
                 }
             }

@@ -339,3 +339,98 @@ fn resume_from_a_different_model() {
         "{err}"
     );
 }
+
+#[test]
+fn a_non_finite_weight_is_refused_and_a_run_whose_every_step_is_skipped_fails() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = model_copy(tmp.path(), "llama_gqa");
+    // One inf in a v_proj weight.
+    let file = model.join("model.safetensors");
+    let bad = "model.layers.1.self_attn.v_proj.weight";
+    let tensors: Vec<(String, Vec<usize>, Vec<f32>)> = horizon::hf::checkpoint::list_tensors(&file)
+        .unwrap()
+        .into_iter()
+        .map(|n| {
+            let (shape, data) = read_tensor_f64(&file, &n).unwrap();
+            let mut data: Vec<f32> = data.iter().map(|&x| x as f32).collect();
+            if n == bad {
+                data[70] = f32::INFINITY;
+            }
+            (n, shape, data)
+        })
+        .collect();
+    let views: Vec<(String, Vec<usize>, &[f32])> =
+        tensors.iter().map(|(n, s, d)| (n.clone(), s.clone(), d.as_slice())).collect();
+    let f32s = horizon::hf::checkpoint::SaveDtype::F32;
+    horizon::hf::checkpoint::write_safetensors(&file, &views, f32s).unwrap();
+    let data = case_dir("llama_gqa").join("data.jsonl");
+    let cfg = write_config(tmp.path(), "llama_gqa", &model, &data, "");
+    // Loading refuses it, naming the file, the tensor, the index, the value and the way out.
+    expect_error(
+        &cfg,
+        &["model.safetensors", bad, "inf at flat index 70", "[1, 6]", "model.allow_non_finite"],
+    );
+    // Loaded anyway: every step is skipped, and the run fails without exporting.
+    let yaml =
+        fs::read_to_string(&cfg).unwrap().replace("model: {", "model: { allow_non_finite: true,");
+    fs::write(&cfg, yaml).unwrap();
+    expect_error(&cfg, &["every one of the 3 steps", "skipped", "no update was applied"]);
+    let out = tmp.path().join("out");
+    assert!(!out.join("final").exists(), "the broken weights were exported");
+    let summary: Value =
+        serde_json::from_str(&fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["skipped_steps"], 3, "{summary}");
+}
+
+#[test]
+fn a_second_run_into_the_same_output_dir_is_refused_and_the_first_is_unharmed() {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let yaml = format!(
+        "model: {{ init: random, arch: llama, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2,\n\
+         \x20        num_attention_heads: 2, num_key_value_heads: 1, vocab_size: 64 }}\n\
+         data: {{ format: synthetic }}\n\
+         train: {{ steps: 4, batch_size: 2, max_seq_len: 8, save_every: 1 }}\n\
+         output: {{ dir: '{}' }}\n",
+        out.display()
+    );
+    let cfg = tmp.path().join("c.yaml");
+    fs::write(&cfg, yaml).unwrap();
+    // The first run pauses 300 ms in each of its four saves: alive for over a second.
+    let mut first = Command::new(env!("CARGO_BIN_EXE_horizon"))
+        .args(["train", "--config", cfg.to_str().unwrap()])
+        .env("HORIZON_TEST_SAVE_PAUSE_MS", "300")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(first.stdout.take().unwrap()).lines();
+    // Its first checkpoint is being written: the lock is held.
+    lines
+        .find(|l| l.as_ref().unwrap().starts_with("saving checkpoint"))
+        .expect("a save line")
+        .unwrap();
+    let second = horizon(&["train", "--config", cfg.to_str().unwrap(), "--set", "train.steps=2"]);
+    let err = stderr(&second);
+    assert!(!second.status.success(), "the second run should be refused");
+    assert!(!err.contains("panicked"), "{err}");
+    let want = format!(
+        "output.dir {} is in use by another horizon run (pid {})",
+        out.display(),
+        first.id()
+    );
+    assert!(err.contains(&want), "{err}");
+    // It wrote nothing there: the first run's config stands, and the first run finishes with
+    // every checkpoint and its export.
+    for _ in lines.by_ref() {}
+    let status = first.wait().unwrap();
+    assert!(status.success(), "the first run failed: {status}");
+    assert!(fs::read_to_string(out.join("config.yaml")).unwrap().contains("steps: 4"));
+    assert!(out.join("checkpoints/step-00000004/state.json").is_file());
+    assert!(out.join("final/model.safetensors").is_file());
+    // Released on exit: the directory is free again.
+    let again = horizon(&["train", "--config", cfg.to_str().unwrap(), "--set", "train.steps=1"]);
+    assert!(again.status.success(), "{}", stderr(&again));
+}

@@ -327,3 +327,62 @@ fn skipped_records_and_steps_are_counted_in_the_summary() {
     assert_eq!(summary["skipped_records"], 2, "{summary}");
     assert_eq!(summary["skipped_steps"], 1, "{summary}");
 }
+
+#[test]
+fn exports_carry_the_special_token_ids_in_config_and_generation_config() {
+    let json =
+        |p: &Path| -> Value { serde_json::from_str(&fs::read_to_string(p).unwrap()).unwrap() };
+    let ids = |v: &Value| {
+        [v["bos_token_id"].clone(), v["eos_token_id"].clone(), v["pad_token_id"].clone()]
+    };
+    // From scratch with the byte tokenizer: <|bos|>, <|eos|>, <|pad|>.
+    let tmp = tempfile::tempdir().unwrap();
+    let (out, o) = byte_text_run(tmp.path(), "", &["train.steps=1"]);
+    ok(o);
+    for f in ["config.json", "generation_config.json"] {
+        let v = json(&out.join("final").join(f));
+        assert_eq!(ids(&v), [Value::from(256), Value::from(257), Value::from(258)], "{f}: {v}");
+    }
+
+    // A HF directory whose config.json has null ids, the Llama 3 fixture tokenizer (BOS 500,
+    // EOS 504, no pad) and a generation config with an EOS list and a sampling setting.
+    let src = tmp.path().join("src");
+    fs::create_dir_all(&src).unwrap();
+    let model = case_dir("llama_gqa").join("model");
+    let tok = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizers/llama3");
+    fs::copy(model.join("model.safetensors"), src.join("model.safetensors")).unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        fs::copy(tok.join(f), src.join(f)).unwrap();
+    }
+    let mut cfg = json(&model.join("config.json"));
+    cfg["bos_token_id"] = Value::Null;
+    cfg["eos_token_id"] = Value::Null;
+    fs::write(src.join("config.json"), cfg.to_string()).unwrap();
+    fs::write(
+        src.join("generation_config.json"),
+        r#"{"eos_token_id": [504, 501], "temperature": 0.6}"#,
+    )
+    .unwrap();
+    let exp = tmp.path().join("exp");
+    let export = || horizon(&["export", src.to_str().unwrap(), "--out", exp.to_str().unwrap()]);
+    ok(export());
+    let (c, g) = (json(&exp.join("config.json")), json(&exp.join("generation_config.json")));
+    let want = [Value::from(500), serde_json::json!([504, 501]), Value::Null];
+    assert_eq!(ids(&c), want, "config.json: the tokenizer's BOS, the generation config's EOS");
+    assert_eq!(ids(&g), want, "{g}");
+    assert_eq!(g["temperature"], 0.6, "the source's other keys are kept: {g}");
+
+    // The source model's own ids are carried over.
+    cfg["bos_token_id"] = 1.into();
+    cfg["eos_token_id"] = 2.into();
+    fs::write(src.join("config.json"), cfg.to_string()).unwrap();
+    ok(export());
+    let (c, g) = (json(&exp.join("config.json")), json(&exp.join("generation_config.json")));
+    assert_eq!(ids(&c), [Value::from(1), Value::from(2), Value::Null]);
+    assert_eq!(ids(&g), [Value::from(1), serde_json::json!([504, 501]), Value::Null]);
+
+    // A generation config that is not a JSON object: an error naming it.
+    fs::write(src.join("generation_config.json"), "[1, 2").unwrap();
+    let e = err(export());
+    assert!(e.contains("generation_config.json") && e.contains("not a JSON object"), "{e}");
+}

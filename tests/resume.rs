@@ -43,13 +43,13 @@ fn run_until(cfg: &Path, resume: bool, kill_after: Option<&str>, delay_ms: u64) 
     let mut killed = false;
     for line in BufReader::new(out).lines() {
         let line = line.unwrap();
-        if let Some(k) = kill_after {
-            if line.starts_with(k) {
-                std::thread::sleep(std::time::Duration::from_millis(delay_ms));
-                child.kill().unwrap();
-                killed = true;
-                break;
-            }
+        if let Some(k) = kill_after
+            && line.starts_with(k)
+        {
+            std::thread::sleep(std::time::Duration::from_millis(delay_ms));
+            child.kill().unwrap();
+            killed = true;
+            break;
         }
     }
     let status = child.wait().unwrap();

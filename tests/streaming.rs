@@ -160,3 +160,63 @@ fn a_qwen3_8b_shape_plans_no_head_sized_device_buffer() {
     // (2 x bf16 + 2 x fp32 = 12 B per element: 7.5 GB).
     assert!(plan.device_total() < 12 * (c + v * c) as u64, "{plan}");
 }
+
+/// The issue's example: a 4-layer, hidden-96 Llama whose rows are at most 48 tokens, in
+/// micro-batches of 2, with `train.max_seq_len: 2048`. Sized for 2048-token rows its device
+/// plan was 53 MiB and `device.memory: 16MiB` was refused; sized for the data's 48 it fits.
+#[test]
+fn the_plan_is_sized_for_the_longest_row_of_the_data() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("rows.jsonl");
+    let rows: String = [12usize, 48, 30, 7]
+        .iter()
+        .map(|&n| {
+            let ids: Vec<String> = (0..n).map(|i| ((i * 7) % 259).to_string()).collect();
+            format!("{{\"input_ids\": [{}]}}\n", ids.join(", "))
+        })
+        .collect();
+    std::fs::write(&data, rows).unwrap();
+    let yaml = |data: &std::path::Path, memory: &str| {
+        format!(
+            "model: {{ init: random, arch: llama, hidden_size: 96, intermediate_size: 256, num_hidden_layers: 4,\n\
+             \x20        num_attention_heads: 4, num_key_value_heads: 4, vocab_size: 259 }}\n\
+             data: {{ path: '{}', format: pretokenized }}\n\
+             train: {{ steps: 1, batch_size: 4, micro_batch_size: 2, max_seq_len: 2048 }}\n\
+             device: {{ memory: {memory} }}\n\
+             output: {{ dir: '{}' }}\n",
+            data.display(),
+            tmp.path().join("out").display()
+        )
+    };
+    let plan = |yaml: &str| {
+        let cfg = tmp.path().join("c.yaml");
+        std::fs::write(&cfg, yaml).unwrap();
+        Command::new(env!("CARGO_BIN_EXE_horizon"))
+            .args(["plan", "--config", cfg.to_str().unwrap()])
+            .output()
+            .unwrap()
+    };
+    let o = plan(&yaml(&data, "16MiB"));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{out}{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        out.contains(
+            "sized for rows of 48 tokens: the longest row of the data (train.max_seq_len 2048)"
+        ),
+        "{out}"
+    );
+    // `horizon train` plans the same and runs in that budget.
+    let raw = RawConfig::from_yaml(&yaml(&data, "16MiB"), "t").unwrap().resolve("t").unwrap();
+    let mut t = StreamTrainer::new(raw).unwrap();
+    assert_eq!(t.engine.config().seq_len, 48);
+    assert!(t.plan.device_total() <= 16 << 20, "{}", t.plan);
+    assert!(t.step(0).unwrap().loss.is_finite());
+    // Without readable data the plan says it assumed train.max_seq_len, and refuses the
+    // budget with the numbers (exit 1, no panic).
+    let o = plan(&yaml(&tmp.path().join("missing.jsonl"), "16MiB"));
+    let (out, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(!o.status.success() && !err.contains("panicked"), "{out}{err}");
+    assert!(out.contains("sized for rows of 2048 tokens: train.max_seq_len, assumed"), "{out}");
+    assert!(out.contains("missing.jsonl"), "the plan names the data it could not read: {out}");
+    assert!(err.contains("device.memory") && err.contains("GiB"), "{err}");
+}

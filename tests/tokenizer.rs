@@ -96,10 +96,10 @@ fn hf_offsets_are_byte_ranges() {
                 start = range.start;
                 end = end.max(range.end);
                 // A token that is whole characters decodes to exactly its piece of the text.
-                if let Ok(decoded) = tok.decode(&[*id], false) {
-                    if !decoded.contains('\u{fffd}') {
-                        assert_eq!(decoded, piece, "{name}: token {id} at {range:?} of {text:?}");
-                    }
+                if let Ok(decoded) = tok.decode(&[*id], false)
+                    && !decoded.contains('\u{fffd}')
+                {
+                    assert_eq!(decoded, piece, "{name}: token {id} at {range:?} of {text:?}");
                 }
             }
             assert_eq!(end, text.len(), "{name}: offsets do not cover {text:?}");

@@ -23,6 +23,11 @@ pub struct MemoryPlan {
     pub device_in_host_ram: bool,
     /// How the LM head is applied: whole, or in vocabulary tiles through the weight slots.
     pub head: HeadTiling,
+    /// The row length the buffers are sized for.
+    pub seq_len: usize,
+    /// Where that length comes from, as the run says it (the data's longest row, or
+    /// `train.max_seq_len`); printed with the plan.
+    pub seq_len_from: Option<String>,
 }
 
 impl MemoryPlan {
@@ -35,7 +40,15 @@ impl MemoryPlan {
             host_available: host_available_bytes(),
             device_in_host_ram,
             head: sizes.head,
+            seq_len: sizes.seq_len,
+            seq_len_from: None,
         }
+    }
+
+    /// The plan, saying where its row length comes from.
+    pub fn sized_for(mut self, why: impl Into<String>) -> Self {
+        self.seq_len_from = Some(why.into());
+        self
     }
 
     pub fn device_total(&self) -> u64 {
@@ -55,23 +68,23 @@ impl MemoryPlan {
 
     /// Refuse, with the numbers, a plan the device or the host cannot hold.
     pub fn check(&self) -> Result<()> {
-        if let Some(budget) = self.device_budget {
-            if self.device_total() > budget {
-                bail!(
-                    "the plan needs {} of device memory but device.memory is {}\n{self}hint: raise device.memory, or lower train.micro_batch_size, train.max_seq_len or engine.checkpoint_every",
-                    gib(self.device_total()),
-                    gib(budget)
-                );
-            }
+        if let Some(budget) = self.device_budget
+            && self.device_total() > budget
+        {
+            bail!(
+                "the plan needs {} of device memory but device.memory is {}\n{self}hint: raise device.memory, or lower train.micro_batch_size, the length of the rows (at most train.max_seq_len) or engine.checkpoint_every",
+                gib(self.device_total()),
+                gib(budget)
+            );
         }
-        if let Some(avail) = self.host_available {
-            if self.host_total() > avail {
-                bail!(
-                    "the plan needs {} of host memory but only {} is available\n{self}hint: a smaller model, or a machine with more RAM",
-                    gib(self.host_total()),
-                    gib(avail)
-                );
-            }
+        if let Some(avail) = self.host_available
+            && self.host_total() > avail
+        {
+            bail!(
+                "the plan needs {} of host memory but only {} is available\n{self}hint: a smaller model, or a machine with more RAM",
+                gib(self.host_total()),
+                gib(avail)
+            );
         }
         Ok(())
     }
@@ -86,6 +99,10 @@ impl fmt::Display for MemoryPlan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let per_param = |b: u64| b as f64 / self.params.max(1) as f64;
         writeln!(f, "memory plan ({} parameters):", self.params)?;
+        match &self.seq_len_from {
+            Some(why) => writeln!(f, "  sized for rows of {} tokens: {why}", self.seq_len)?,
+            None => writeln!(f, "  sized for rows of {} tokens", self.seq_len)?,
+        }
         writeln!(f, "  host:")?;
         for (k, b) in &self.host {
             writeln!(f, "    {:<70} {:>14}  {:>6.2} B/param", k, gib(*b), per_param(*b))?;

@@ -810,15 +810,12 @@ pub fn check(ops: &[Op], base: usize) -> Result<(), Hazard> {
         }
         let ordered = |i: usize, vc: &Vc| vc[ops[i].queue.index()] >= seqs[i];
         for r in op.reads.iter().chain(&op.writes) {
-            if let Some(&w) = last_write.get(r) {
-                if !ordered(w, &vc) {
-                    let what = if op.writes.contains(r) {
-                        "write-after-write"
-                    } else {
-                        "read-after-write"
-                    };
-                    return Err(Hazard { earlier: base + w, later: base + j, res: *r, what });
-                }
+            if let Some(&w) = last_write.get(r)
+                && !ordered(w, &vc)
+            {
+                let what =
+                    if op.writes.contains(r) { "write-after-write" } else { "read-after-write" };
+                return Err(Hazard { earlier: base + w, later: base + j, res: *r, what });
             }
             if op.writes.contains(r) {
                 for &rd in reads_since.get(r).map(Vec::as_slice).unwrap_or(&[]) {

@@ -49,6 +49,8 @@ pub struct Sizes {
     pub moment_bytes: usize,
     /// Host bytes of the masters (the host tensors' own dtypes).
     pub master_bytes: usize,
+    /// The row length every buffer is sized for (`EngineConfig::seq_len`).
+    pub seq_len: usize,
     /// Rows of a micro-batch at the longest row length.
     pub mb_rows: usize,
     /// One residual-stream buffer: (mb_rows, C).
@@ -127,6 +129,7 @@ impl Sizes {
             host_grads,
             moment_bytes: cfg.memory.moment_storage().bytes(&layout.buffer_tensors().concat()),
             master_bytes: tensor_bytes(&host_tensors(layout)),
+            seq_len: cfg.seq_len,
             mb_rows,
             act: n * d.c,
             act_sets: cfg.checkpoint_every.max(2),

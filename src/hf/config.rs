@@ -526,10 +526,10 @@ fn parse_layer_types(
 /// The sliding layers' own RoPE: `rope_parameters.sliding_attention`, or Gemma 3's
 /// `rope_local_base_freq` (default 10000, plain RoPE).
 fn parse_local_rope(o: &Keys, arch: Arch) -> Result<Option<RopeConfig>> {
-    if let Some(Value::Object(p)) = o.get("rope_parameters") {
-        if p.contains_key("sliding_attention") {
-            return parse_rope(o, "sliding_attention").map(Some);
-        }
+    if let Some(Value::Object(p)) = o.get("rope_parameters")
+        && p.contains_key("sliding_attention")
+    {
+        return parse_rope(o, "sliding_attention").map(Some);
     }
     if arch != Arch::Gemma3 {
         return Ok(None);

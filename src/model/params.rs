@@ -6,7 +6,7 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 
-use crate::hf::checkpoint::{Checkpoint, SaveDtype, write_safetensors};
+use crate::hf::checkpoint::{Checkpoint, NonFinite, SaveDtype, write_safetensors};
 use crate::model::layout::{EMBED, FINAL_NORM, LM_HEAD, ModelLayout};
 use crate::model::spec::Init;
 use crate::rng::SplitMix64;
@@ -142,8 +142,15 @@ impl ParamStore {
 
     /// Load fp32 master weights from a HF checkpoint directory. Missing, unexpected or wrongly
     /// shaped tensors are errors naming the tensor and file. With tied embeddings a stored
-    /// `lm_head.weight` is accepted and ignored (HF writes it for some tied models).
+    /// `lm_head.weight` is accepted and ignored (HF writes it for some tied models). A NaN or
+    /// ±inf value is an error naming the tensor, its index and the value.
     pub fn load_hf(layout: &ModelLayout, dir: &Path) -> Result<Self> {
+        Self::load_hf_with(layout, dir, NonFinite::Refuse)
+    }
+
+    /// [`ParamStore::load_hf`], with what to do about a NaN or ±inf weight
+    /// (`model.allow_non_finite`; `load_hf` refuses one, naming the tensor and the index).
+    pub fn load_hf_with(layout: &ModelLayout, dir: &Path, non_finite: NonFinite) -> Result<Self> {
         let ckpt = Checkpoint::open(dir)?;
         let tensors = layout.hf_tensors();
         let expected: Vec<String> = tensors.iter().map(|(n, _)| n.clone()).collect();
@@ -152,7 +159,7 @@ impl ParamStore {
         let mut store = ParamStore::zeros(layout);
         for (name, shape) in &tensors {
             let dst = store.tensor_mut(layout, name).expect("layout names its own tensors");
-            ckpt.read_f32(&format!("{}{name}", layout.prefix), shape, dst)?;
+            ckpt.read_f32(&format!("{}{name}", layout.prefix), shape, dst, non_finite)?;
         }
         Ok(store)
     }

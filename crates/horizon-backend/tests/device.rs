@@ -115,7 +115,7 @@ fn every_buffer_is_aligned_to_64_bytes() {
     let (m, bs) = (Arc::clone(&misaligned), bufs.clone());
     dev.launch(Box::new(move |v| {
         for b in bs {
-            if v.buf(b).as_ptr() as usize % 64 != 0 {
+            if !(v.buf(b).as_ptr() as usize).is_multiple_of(64) {
                 m.lock().unwrap().push(b);
             }
         }

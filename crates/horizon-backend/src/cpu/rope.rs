@@ -12,7 +12,7 @@ use crate::AttnDims;
 
 /// Checks the shapes shared by forward and backward; returns `(qkv width, D/2)`.
 fn check(what: &str, qkv: &[f32], cos: &[f32], sin: &[f32], dims: AttnDims) -> (usize, usize) {
-    assert!(dims.d % 2 == 0, "{what}: head dim D = {} must be even", dims.d);
+    assert!(dims.d.is_multiple_of(2), "{what}: head dim D = {} must be even", dims.d);
     let half = dims.d / 2;
     let width = dims.qkv_width();
     assert_eq!(qkv.len(), dims.n() * width, "{what}: qkv must be (N, QKV)");

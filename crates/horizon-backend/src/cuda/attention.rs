@@ -19,7 +19,7 @@ fn check_dims(op: &str, dims: AttnDims) {
         dims.d
     );
     assert!(
-        dims.kvh > 0 && dims.h % dims.kvh == 0,
+        dims.kvh > 0 && dims.h.is_multiple_of(dims.kvh),
         "{op}: H = {} is not a multiple of KVH = {}",
         dims.h,
         dims.kvh

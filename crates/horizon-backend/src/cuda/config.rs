@@ -75,7 +75,7 @@ pub fn check_kernel_limits(s: &KernelShape) -> Result<(), CudaError> {
             s.d
         ));
     }
-    if s.kvh == 0 || s.h % s.kvh != 0 {
+    if s.kvh == 0 || !s.h.is_multiple_of(s.kvh) {
         return fail(format!(
             "num_attention_heads {} is not a multiple of num_key_value_heads {}",
             s.h, s.kvh

@@ -16,7 +16,7 @@ pub(crate) fn rope_rotate(
     dims: AttnDims,
     sign: f32,
 ) {
-    assert!(dims.d % 2 == 0, "{op}: head dim D = {} must be even", dims.d);
+    assert!(dims.d.is_multiple_of(2), "{op}: head dim D = {} must be even", dims.d);
     let (width, half) = (dims.qkv_width(), dims.d / 2);
     expect_len(op, "qkv", qkv.len(), dims.n() * width);
     expect_len(op, "cos", cos.len(), dims.t * half);
