@@ -902,7 +902,7 @@ where
                 };
                 self.dev.wait(op.queue, e);
             }
-            self.dispatch(op.kind, &sd, &self.grants[usize::from(k > 0)][j]);
+            self.dispatch(op.queue, op.kind, &sd, &self.grants[usize::from(k > 0)][j]);
             self.dev.record(op.queue, &self.events[par][j]);
         }
         self.steps += 1;
@@ -1208,7 +1208,17 @@ where
     }
 
     /// Submit one operation to its queue.
-    fn dispatch(&self, kind: OpKind, sd: &Arc<StepData>, grant: &Grant) {
+    fn dispatch(&self, queue: Queue, kind: OpKind, sd: &Arc<StepData>, grant: &Grant) {
+        match queue {
+            Queue::H2D => self.dispatch_h2d(kind, sd, grant),
+            Queue::Compute => self.dispatch_compute(kind, sd, grant),
+            Queue::D2H => self.dispatch_d2h(kind, sd, grant),
+            Queue::Host => self.dispatch_host(kind, sd, grant),
+        }
+    }
+
+    /// Submit an op of the host-to-device queue (uploads, and the embedding gather that feeds them).
+    fn dispatch_h2d(&self, kind: OpKind, sd: &Arc<StepData>, grant: &Grant) {
         let c = &self.ctx;
         let d = c.layout.dims;
         match kind {
@@ -1267,12 +1277,15 @@ where
                     }
                 }
             }
-            OpKind::SaveCkpt { block, m, set } => {
-                let nc = sd.mbs[m].n() * d.c;
-                let dst = c.staging(grant, Res::Ckpt { block, m }, true);
-                self.dev
-                    .download(dst.sub(0..nc), c.dev(grant, Res::Act { set, m }, false).prefix(nc));
-            }
+            _ => unreachable!("{kind:?} is not an op of this queue"),
+        }
+    }
+
+    /// Submit an op of the compute queue (kernels).
+    fn dispatch_compute(&self, kind: OpKind, sd: &Arc<StepData>, grant: &Grant) {
+        let c = &self.ctx;
+        let d = c.layout.dims;
+        match kind {
             OpKind::Forward { layer, slot, m, src, dst, recompute } => {
                 let phase = if recompute { Phase::Recompute } else { Phase::Forward };
                 let inp = c.dev(grant, Res::Act { set: src, m }, false);
@@ -1311,16 +1324,6 @@ where
                     }),
                 );
             }
-            OpKind::DownloadHeadTileGrads { dw, tile } => {
-                let r = c.tiled().tiling.range(tile);
-                let head = c.grads(grant, c.head_param(), true);
-                let (len, acc) = (r.len() * d.c, c.dev(grant, Res::Dw(dw), false));
-                self.dev.download(head.sub(r.start * d.c..r.end * d.c), acc.prefix(len));
-            }
-            OpKind::DownloadNormGrads => {
-                let norm = c.grads(grant, ParamBuf::FinalNorm, true);
-                self.dev.download(norm, c.dev(grant, Res::DnormW, false));
-            }
             OpKind::Head { slot, m, src, dw } => {
                 self.launch_whole_head((slot, m, src, dw), sd, grant)
             }
@@ -1335,6 +1338,31 @@ where
                 }
                 self.launch_layer_backward((layer, slot, m, set, dw), sd, grant);
             }
+            _ => unreachable!("{kind:?} is not an op of this queue"),
+        }
+    }
+
+    /// Submit an op of the device-to-host queue (downloads).
+    fn dispatch_d2h(&self, kind: OpKind, sd: &Arc<StepData>, grant: &Grant) {
+        let c = &self.ctx;
+        let d = c.layout.dims;
+        match kind {
+            OpKind::SaveCkpt { block, m, set } => {
+                let nc = sd.mbs[m].n() * d.c;
+                let dst = c.staging(grant, Res::Ckpt { block, m }, true);
+                self.dev
+                    .download(dst.sub(0..nc), c.dev(grant, Res::Act { set, m }, false).prefix(nc));
+            }
+            OpKind::DownloadHeadTileGrads { dw, tile } => {
+                let r = c.tiled().tiling.range(tile);
+                let head = c.grads(grant, c.head_param(), true);
+                let (len, acc) = (r.len() * d.c, c.dev(grant, Res::Dw(dw), false));
+                self.dev.download(head.sub(r.start * d.c..r.end * d.c), acc.prefix(len));
+            }
+            OpKind::DownloadNormGrads => {
+                let norm = c.grads(grant, ParamBuf::FinalNorm, true);
+                self.dev.download(norm, c.dev(grant, Res::DnormW, false));
+            }
             OpKind::DownloadLosses { m } => {
                 let (n, host) = (sd.mbs[m].n(), c.staging(grant, Res::LossHost(m), true));
                 self.dev.download(host.sub(0..n), c.dev(grant, Res::Losses(m), false).prefix(n));
@@ -1348,6 +1376,27 @@ where
                     }
                 }
             }
+            OpKind::DownloadHeadGrads { dw } => {
+                let head = c.grads(grant, c.head_param(), true);
+                let norm = c.grads(grant, ParamBuf::FinalNorm, true);
+                let acc = c.dev(grant, Res::Dw(dw), false);
+                self.dev.download(norm, acc.sub(0..d.c));
+                self.dev.download(head, acc.sub(d.c..d.c + head.len()));
+            }
+            OpKind::DownloadDres { m } => {
+                let nc = sd.mbs[m].n() * d.c;
+                let dst = c.staging(grant, Res::DxStage(m), true);
+                self.dev.download(dst.sub(0..nc), c.dev(grant, Res::Dres(m), false).prefix(nc));
+            }
+            _ => unreachable!("{kind:?} is not an op of this queue"),
+        }
+    }
+
+    /// Submit an op of the host queue (gradient accumulation, norms, optimizer updates).
+    fn dispatch_host(&self, kind: OpKind, sd: &Arc<StepData>, grant: &Grant) {
+        let c = &self.ctx;
+        let d = c.layout.dims;
+        match kind {
             OpKind::AccumulateGrads { slab, what } => {
                 self.host_op(Phase::Gradients, sd, grant, move |c, _, grant| {
                     // SAFETY: the schedule orders this after the slab's download and before
@@ -1370,13 +1419,6 @@ where
                         }
                     }
                 });
-            }
-            OpKind::DownloadHeadGrads { dw } => {
-                let head = c.grads(grant, c.head_param(), true);
-                let norm = c.grads(grant, ParamBuf::FinalNorm, true);
-                let acc = c.dev(grant, Res::Dw(dw), false);
-                self.dev.download(norm, acc.sub(0..d.c));
-                self.dev.download(head, acc.sub(d.c..d.c + head.len()));
             }
             OpKind::SlabUpdate { slab, layer } => {
                 self.host_op(Phase::Optimizer, sd, grant, move |c, sd, grant| {
@@ -1446,11 +1488,6 @@ where
                         );
                     }
                 });
-            }
-            OpKind::DownloadDres { m } => {
-                let nc = sd.mbs[m].n() * d.c;
-                let dst = c.staging(grant, Res::DxStage(m), true);
-                self.dev.download(dst.sub(0..nc), c.dev(grant, Res::Dres(m), false).prefix(nc));
             }
             OpKind::EmbedScatter { m } => {
                 self.host_op(Phase::Gradients, sd, grant, move |c, sd, grant| {
@@ -1530,6 +1567,7 @@ where
                     }
                 });
             }
+            _ => unreachable!("{kind:?} is not an op of this queue"),
         }
     }
 }
