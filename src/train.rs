@@ -15,9 +15,10 @@ use serde::Serialize;
 use crate::config::{
     BackendKind, ByteSize, DataFormat, ModelInit, RawConfig, Recompute, RunConfig,
 };
-use crate::data::pretokenized::{Batch, PretokenizedDataset, Row, load_pretokenized, make_batch};
+use crate::data::pretokenized::{Batch, PretokenizedDataset, Row, make_batch};
 use crate::data::{
-    LoadReport, load_alpaca, load_chat, load_text, pack, shuffled_order, split_eval,
+    LoadReport, Source, carries_loss, load_alpaca, load_chat, load_pretokenized_rows,
+    load_sharegpt, load_text, pack, shuffled_order, split_eval,
 };
 use crate::engine::exec::{Engine, EngineConfig, MicroBatch, Sizes, StepParams};
 use crate::engine::memory::{MemoryPlan, gib, peak_rss_bytes};
@@ -287,6 +288,15 @@ pub fn load_datasets(raw: &RawConfig, vocab_size: usize) -> Result<Datasets> {
                     path.display()
                 );
             }
+            for (part, rows) in [("training", &train), ("held-out", &eval)] {
+                if !rows.iter().any(carries_loss) {
+                    bail!(
+                        "data.eval_fraction {}: no {part} row of {} carries a loss\nhint: change data.eval_fraction or train.seed, or give data.eval_path",
+                        d.eval_fraction,
+                        path.display()
+                    );
+                }
+            }
             (train, Some((eval, path.clone())))
         }
         None => (rows, None),
@@ -304,7 +314,8 @@ pub fn load_datasets(raw: &RawConfig, vocab_size: usize) -> Result<Datasets> {
     })
 }
 
-/// The rows of one JSONL file in the config's format (`None`: synthetic rows), unpacked.
+/// The rows of one dataset (a JSONL or Parquet file, a directory or a glob of them) in the
+/// config's format (`None`: synthetic rows), unpacked.
 fn load_rows(
     raw: &RawConfig,
     path: Option<&Path>,
@@ -315,9 +326,8 @@ fn load_rows(
     let path = || path.context("data.path is missing");
     let (rows, report) = match d.format {
         DataFormat::Pretokenized => {
-            let rows = load_pretokenized(path()?, max, vocab_size)?.rows;
-            let report = LoadReport { rows: rows.len(), records: rows.len(), ..Default::default() };
-            (rows, report)
+            let src = Source::new(path()?, &d.columns);
+            load_pretokenized_rows(&src, max, vocab_size, d.on_error)?
         }
         DataFormat::Synthetic => {
             let t = &raw.train;
@@ -326,7 +336,7 @@ fn load_rows(
             let report = LoadReport { rows: rows.len(), records: rows.len(), ..Default::default() };
             return Ok((rows, report));
         }
-        DataFormat::Text | DataFormat::Alpaca | DataFormat::Chat => {
+        DataFormat::Text | DataFormat::Alpaca | DataFormat::Chat | DataFormat::Sharegpt => {
             let tok = load_tokenizer(raw)?;
             if tok.vocab_size() > vocab_size {
                 bail!(
@@ -334,13 +344,13 @@ fn load_rows(
                     tok.vocab_size()
                 );
             }
-            let p = path()?;
+            let (p, tok, top) =
+                (&Source::new(path()?, &d.columns), tok.as_ref(), d.train_on_prompt);
             match d.format {
-                DataFormat::Text => load_text(p, tok.as_ref(), max, d.on_error)?,
-                DataFormat::Alpaca => {
-                    load_alpaca(p, tok.as_ref(), max, d.train_on_prompt, d.on_error)?
-                }
-                _ => load_chat(p, tok.as_ref(), max, d.train_on_prompt, d.on_error)?,
+                DataFormat::Text => load_text(p, tok, max, d.on_error)?,
+                DataFormat::Alpaca => load_alpaca(p, tok, max, top, d.on_error)?,
+                DataFormat::Sharegpt => load_sharegpt(p, tok, max, top, d.on_error)?,
+                _ => load_chat(p, tok, max, top, d.on_error)?,
             }
         }
     };
