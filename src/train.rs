@@ -51,11 +51,32 @@ pub struct StepMetrics {
     pub tokens: usize,
     /// Wall time of the step in seconds.
     pub step_s: f64,
-    /// The update was skipped: the loss or the gradient norm was not finite.
+    /// The update was skipped: the loss or the gradient norm was not finite, or (`no_loss`) no
+    /// position of the batch carries a loss.
     pub skipped: bool,
+    /// No position of the batch carries a loss: nothing ran (`loss` and `grad_norm` are NaN).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub no_loss: bool,
     /// Mean loss over the held-out rows after this step's update, on steps that evaluate.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub eval_loss: Option<f64>,
+}
+
+impl StepMetrics {
+    /// Step `k` (0-based), skipped because no position of its batch carries a loss.
+    fn no_loss(k: usize, lr: f64, tokens: usize, t0: Instant) -> Self {
+        StepMetrics {
+            step: k + 1,
+            loss: f64::NAN,
+            grad_norm: f64::NAN,
+            lr,
+            tokens,
+            step_s: t0.elapsed().as_secs_f64(),
+            skipped: true,
+            no_loss: true,
+            eval_loss: None,
+        }
+    }
 }
 
 /// Row indices of batch `k`: `[k*B, (k+1)*B)` cycling through the data; with `shuffle`, each
@@ -144,6 +165,15 @@ impl Trainer {
     pub fn step(&mut self, k: usize) -> Result<StepMetrics> {
         let t0 = Instant::now();
         let (batch, tokens) = self.batch(k);
+        if batch.num_targets == 0 {
+            self.state.step += 1;
+            return Ok(StepMetrics::no_loss(
+                k,
+                self.cfg.raw.lr_schedule().lr_at(k + 1),
+                tokens,
+                t0,
+            ));
+        }
         let o = &self.cfg.raw.optimizer;
         self.state.grads.fill_zero();
         let out = self.engine.forward_backward(
@@ -163,6 +193,7 @@ impl Trainer {
             tokens,
             step_s: t0.elapsed().as_secs_f64(),
             skipped: false,
+            no_loss: false,
             eval_loss: None,
         })
     }
@@ -523,6 +554,12 @@ where
         let tokens = rows.iter().map(|r| r.input_ids.len()).sum();
         let lr = self.cfg.raw.lr_schedule().lr_at(k + 1);
         let inject_nan = self.inject_nan_at.contains(&k);
+        if !rows.iter().any(|r| carries_loss(r)) {
+            // Nothing to learn from, and nothing to divide the loss by: the step is counted
+            // and skipped.
+            self.engine.skip_step();
+            return Ok(StepMetrics::no_loss(k, lr, tokens, t0));
+        }
         let mbs = micro_batches(&rows, self.engine.config().micro_batch_size);
         let out = self.engine.step(mbs, StepParams { lr, inject_nan })?;
         Ok(StepMetrics {
@@ -533,6 +570,7 @@ where
             tokens,
             step_s: t0.elapsed().as_secs_f64(),
             skipped: out.skipped,
+            no_loss: false,
             eval_loss: None,
         })
     }
@@ -732,8 +770,13 @@ where
         progress.step(&m, steps, eta);
         tokens += m.tokens;
         timed_steps += 1;
-        last_loss = m.loss;
-        if m.skipped {
+        if m.no_loss {
+            skipped_steps += 1;
+            progress.println(&format!(
+                "step {}: no position of the batch carries a loss; step skipped",
+                m.step
+            ));
+        } else if m.skipped {
             bad_run += 1;
             skipped_steps += 1;
             progress.println(&format!(
@@ -750,6 +793,9 @@ where
             }
         } else {
             bad_run = 0;
+        }
+        if !m.no_loss {
+            last_loss = m.loss;
         }
         let signalled = stop.load(Ordering::Relaxed);
         // Periodic checkpoints only after good steps: the last one stays the last good state.

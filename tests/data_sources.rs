@@ -1,7 +1,8 @@
 //! Where records come from, end to end: Parquet files (written here, no fixture), directories
 //! and globs of shards, the ShareGPT layout and `data.columns` give the same token ids and loss
 //! masks as the equivalent chat JSONL; bad Parquet input and data in which no position carries
-//! a loss are clean errors naming the file and the rows.
+//! a loss are clean errors naming the file and the rows; a batch without a loss position in the
+//! middle of a run is skipped and counted.
 
 mod parquet_writer;
 
@@ -274,4 +275,31 @@ fn data_without_a_loss_position_is_refused() {
     let want =
         format!("{file}: no position carries a loss in any of its 2 rows: {file}:1, {file}:3");
     assert!(err.contains(&want), "{err}");
+}
+
+#[test]
+fn a_batch_without_a_loss_position_is_skipped_and_counted() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = "{\"input_ids\": [1, 2, 3]}\n{\"input_ids\": [4, 5, 6], \"labels\": [-100, -100, -100]}\n\
+                {\"input_ids\": [7, 8, 9]}\n";
+    let cfg = pretokenized_config(tmp.path(), data, 3);
+    let o = horizon(&["train", "--config", cfg.to_str().unwrap()]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(out.contains("1 without a loss position"), "{out}");
+    let metrics = fs::read_to_string(tmp.path().join("out/metrics.jsonl")).unwrap();
+    let steps: Vec<Value> = metrics.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(steps.len(), 3);
+    assert_eq!(steps[1]["no_loss"], true, "{}", steps[1]);
+    assert_eq!(steps[1]["skipped"], true);
+    assert!(steps[1]["loss"].is_null(), "{}", steps[1]);
+    for s in [&steps[0], &steps[2]] {
+        assert!(s["loss"].as_f64().unwrap().is_finite() && s.get("no_loss").is_none(), "{s}");
+    }
+    let summary: Value =
+        serde_json::from_str(&fs::read_to_string(tmp.path().join("out/summary.json")).unwrap())
+            .unwrap();
+    assert_eq!(summary["skipped_steps"], 1, "{summary}");
+    assert_eq!(summary["total_steps"], 3, "{summary}");
+    assert!(summary["final_loss"].as_f64().unwrap().is_finite(), "{summary}");
 }
