@@ -13,6 +13,11 @@
 //! keeping nothing, and prints the rows, the time and the peak RSS (`VmHWM`) above the RSS
 //! before reading. The rows a training run keeps cost 8 bytes per token beyond this (ids and
 //! labels as `i32`).
+//!
+//! Measured once (a shared 2-core VM, `cargo run --example`, i.e. the dev profile: dependencies
+//! optimised): 1 074 632 205 bytes, 2 240 000 rows in 112 row groups; `read`: 20.0 s, peak RSS
+//! 11.4 MiB (7.0 MiB above the 4.4 MiB before reading); `read ... tokenize` (2.54 G tokens):
+//! 108.6 s, peak RSS 11.7 MiB (7.2 MiB above).
 
 #[path = "../tests/parquet_writer/mod.rs"]
 mod parquet_writer;

@@ -83,7 +83,7 @@ impl Source {
                 if is_glob { "matches" } else { "in the directory" }
             );
         }
-        Ok(paths.into_iter().map(|p| (p.clone(), FileKind::of(&p))).collect())
+        Ok(paths.into_iter().map(|p| (FileKind::of(&p), p)).map(|(k, p)| (p, k)).collect())
     }
 }
 
