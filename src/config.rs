@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 
-use crate::data::OnError;
+use crate::data::{Columns, OnError};
 use crate::schedule::{LrSchedule, ScheduleKind};
 
 // The engine's options, parsed here (the engine knows nothing of YAML).
@@ -88,17 +88,54 @@ pub enum DataFormat {
     /// `{"messages": [{"role", "content"}, ...]}` rendered with the tokenizer's chat template;
     /// loss on assistant turns.
     Chat,
+    /// `{"conversations": [{"from": human | gpt | system, "value"}, ...]}` (ShareGPT), trained
+    /// as `chat`.
+    Sharegpt,
+}
+
+impl DataFormat {
+    /// The format's name in the config.
+    pub fn name(self) -> &'static str {
+        match self {
+            DataFormat::Pretokenized => "pretokenized",
+            DataFormat::Synthetic => "synthetic",
+            DataFormat::Text => "text",
+            DataFormat::Alpaca => "alpaca",
+            DataFormat::Chat => "chat",
+            DataFormat::Sharegpt => "sharegpt",
+        }
+    }
+
+    /// The field names `data.columns` may map (none for `synthetic`).
+    pub fn fields(self) -> Vec<&'static str> {
+        use crate::data::{alpaca, chat, pretokenized, sharegpt, text};
+        match self {
+            DataFormat::Pretokenized => pretokenized::PRETOKENIZED_FIELDS.all(),
+            DataFormat::Synthetic => Vec::new(),
+            DataFormat::Text => text::TEXT_FIELDS.all(),
+            DataFormat::Alpaca => alpaca::ALPACA_FIELDS.all(),
+            DataFormat::Chat => chat::CHAT_FIELDS.all(),
+            DataFormat::Sharegpt => sharegpt::SHAREGPT_FIELDS.all(),
+        }
+    }
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct DataSection {
-    /// The JSONL file (not needed for `synthetic`).
+    /// The data (not needed for `synthetic`): a `.jsonl` or `.parquet` file, a directory of
+    /// them, or a glob of shards (`data/train-*.parquet`); shards are read in sorted order.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub path: Option<PathBuf>,
     /// Record format. Default `pretokenized`.
     #[serde(default)]
     pub format: DataFormat,
+    /// The file's name for a format field, where it differs: `{messages: conversations}`. Keys
+    /// are the format's fields (pretokenized: input_ids, labels; text: text; alpaca:
+    /// instruction, input, output; chat: messages, role, content; sharegpt: conversations,
+    /// from, value). Default: none.
+    #[serde(default, skip_serializing_if = "is_empty_columns")]
+    pub columns: Columns,
     /// Shuffle rows each epoch with a permutation drawn from `train.seed`. Default false: batch
     /// k takes rows `[k*B, (k+1)*B)` in file order, cycling.
     #[serde(default)]
@@ -122,14 +159,18 @@ pub struct DataSection {
     /// evaluation. Default 0: no held-out split.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub eval_fraction: f64,
-    /// A separate JSONL file of evaluation examples, in `format`. Exclusive with
-    /// `eval_fraction`.
+    /// A separate file (or directory, or glob) of evaluation examples, in `format`. Exclusive
+    /// with `eval_fraction`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval_path: Option<PathBuf>,
 }
 
 fn is_zero(x: &f64) -> bool {
     *x == 0.0
+}
+
+fn is_empty_columns(c: &Columns) -> bool {
+    c.0.is_empty()
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -592,9 +633,14 @@ impl RawConfig {
         }
         if self.data.format != DataFormat::Synthetic && self.data.path.is_none() {
             bail!(
-                "{origin}: data.path is missing\nhint: give data.path (a JSONL file), or data.format: synthetic for a benchmark"
+                "{origin}: data.path is missing\nhint: give data.path (a JSONL or Parquet file, a directory or a glob of them), or data.format: synthetic for a benchmark"
             );
         }
+        let f = self.data.format;
+        self.data
+            .columns
+            .check(f.name(), &f.fields())
+            .map_err(|e| anyhow::anyhow!("{origin}: {e}"))?;
         Ok(RunConfig { raw: self, origin: origin.to_string() })
     }
 

@@ -12,7 +12,8 @@ pub struct Summary {
     pub steps: usize,
     /// Optimizer steps the run has taken in all (a resumed run counts the earlier ones).
     pub total_steps: usize,
-    /// Steps whose update was skipped for a non-finite loss or gradient norm (this process).
+    /// Steps whose update was skipped for a non-finite loss or gradient norm, or because no
+    /// position of their batch carries a loss (this process).
     pub skipped_steps: usize,
     /// Data records left out by the loaders (`data.on_error: skip`, or a prompt too long).
     pub skipped_records: usize,

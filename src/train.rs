@@ -15,9 +15,10 @@ use serde::Serialize;
 use crate::config::{
     BackendKind, ByteSize, DataFormat, ModelInit, RawConfig, Recompute, RunConfig,
 };
-use crate::data::pretokenized::{Batch, PretokenizedDataset, Row, load_pretokenized, make_batch};
+use crate::data::pretokenized::{Batch, PretokenizedDataset, Row, make_batch};
 use crate::data::{
-    LoadReport, load_alpaca, load_chat, load_text, pack, shuffled_order, split_eval,
+    LoadReport, Source, carries_loss, load_alpaca, load_chat, load_pretokenized_rows,
+    load_sharegpt, load_text, pack, shuffled_order, split_eval,
 };
 use crate::engine::exec::{Engine, EngineConfig, MicroBatch, Sizes, StepParams};
 use crate::engine::memory::{MemoryPlan, gib, peak_rss_bytes};
@@ -51,11 +52,32 @@ pub struct StepMetrics {
     pub tokens: usize,
     /// Wall time of the step in seconds.
     pub step_s: f64,
-    /// The update was skipped: the loss or the gradient norm was not finite.
+    /// The update was skipped: the loss or the gradient norm was not finite, or (`no_loss`) no
+    /// position of the batch carries a loss.
     pub skipped: bool,
+    /// No position of the batch carries a loss: nothing ran (`loss` and `grad_norm` are NaN).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub no_loss: bool,
     /// Mean loss over the held-out rows after this step's update, on steps that evaluate.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub eval_loss: Option<f64>,
+}
+
+impl StepMetrics {
+    /// Step `k` (0-based), skipped because no position of its batch carries a loss.
+    fn no_loss(k: usize, lr: f64, tokens: usize, t0: Instant) -> Self {
+        StepMetrics {
+            step: k + 1,
+            loss: f64::NAN,
+            grad_norm: f64::NAN,
+            lr,
+            tokens,
+            step_s: t0.elapsed().as_secs_f64(),
+            skipped: true,
+            no_loss: true,
+            eval_loss: None,
+        }
+    }
 }
 
 /// Row indices of batch `k`: `[k*B, (k+1)*B)` cycling through the data; with `shuffle`, each
@@ -144,6 +166,15 @@ impl Trainer {
     pub fn step(&mut self, k: usize) -> Result<StepMetrics> {
         let t0 = Instant::now();
         let (batch, tokens) = self.batch(k);
+        if batch.num_targets == 0 {
+            self.state.step += 1;
+            return Ok(StepMetrics::no_loss(
+                k,
+                self.cfg.raw.lr_schedule().lr_at(k + 1),
+                tokens,
+                t0,
+            ));
+        }
         let o = &self.cfg.raw.optimizer;
         self.state.grads.fill_zero();
         let out = self.engine.forward_backward(
@@ -163,6 +194,7 @@ impl Trainer {
             tokens,
             step_s: t0.elapsed().as_secs_f64(),
             skipped: false,
+            no_loss: false,
             eval_loss: None,
         })
     }
@@ -292,6 +324,15 @@ pub fn load_datasets(raw: &RawConfig, vocab_size: usize) -> Result<Datasets> {
                     path.display()
                 );
             }
+            for (part, rows) in [("training", &train), ("held-out", &eval)] {
+                if !rows.iter().any(carries_loss) {
+                    bail!(
+                        "data.eval_fraction {}: no {part} row of {} carries a loss\nhint: change data.eval_fraction or train.seed, or give data.eval_path",
+                        d.eval_fraction,
+                        path.display()
+                    );
+                }
+            }
             (train, Some((eval, path.clone())))
         }
         None => (rows, None),
@@ -342,7 +383,8 @@ impl SeqLen {
     }
 }
 
-/// The rows of one JSONL file in the config's format (`None`: synthetic rows), unpacked.
+/// The rows of one dataset (a JSONL or Parquet file, a directory or a glob of them) in the
+/// config's format (`None`: synthetic rows), unpacked.
 fn load_rows(
     raw: &RawConfig,
     path: Option<&Path>,
@@ -353,9 +395,8 @@ fn load_rows(
     let path = || path.context("data.path is missing");
     let (rows, report) = match d.format {
         DataFormat::Pretokenized => {
-            let rows = load_pretokenized(path()?, max, vocab_size)?.rows;
-            let report = LoadReport { rows: rows.len(), records: rows.len(), ..Default::default() };
-            (rows, report)
+            let src = Source::new(path()?, &d.columns);
+            load_pretokenized_rows(&src, max, vocab_size, d.on_error)?
         }
         DataFormat::Synthetic => {
             let t = &raw.train;
@@ -364,7 +405,7 @@ fn load_rows(
             let report = LoadReport { rows: rows.len(), records: rows.len(), ..Default::default() };
             return Ok((rows, report));
         }
-        DataFormat::Text | DataFormat::Alpaca | DataFormat::Chat => {
+        DataFormat::Text | DataFormat::Alpaca | DataFormat::Chat | DataFormat::Sharegpt => {
             let tok = load_tokenizer(raw)?;
             if tok.vocab_size() > vocab_size {
                 bail!(
@@ -372,13 +413,13 @@ fn load_rows(
                     tok.vocab_size()
                 );
             }
-            let p = path()?;
+            let (p, tok, top) =
+                (&Source::new(path()?, &d.columns), tok.as_ref(), d.train_on_prompt);
             match d.format {
-                DataFormat::Text => load_text(p, tok.as_ref(), max, d.on_error)?,
-                DataFormat::Alpaca => {
-                    load_alpaca(p, tok.as_ref(), max, d.train_on_prompt, d.on_error)?
-                }
-                _ => load_chat(p, tok.as_ref(), max, d.train_on_prompt, d.on_error)?,
+                DataFormat::Text => load_text(p, tok, max, d.on_error)?,
+                DataFormat::Alpaca => load_alpaca(p, tok, max, top, d.on_error)?,
+                DataFormat::Sharegpt => load_sharegpt(p, tok, max, top, d.on_error)?,
+                _ => load_chat(p, tok, max, top, d.on_error)?,
             }
         }
     };
@@ -554,6 +595,12 @@ where
         let tokens = rows.iter().map(|r| r.input_ids.len()).sum();
         let lr = self.cfg.raw.lr_schedule().lr_at(k + 1);
         let inject_nan = self.inject_nan_at.contains(&k);
+        if !rows.iter().any(|r| carries_loss(r)) {
+            // Nothing to learn from, and nothing to divide the loss by: the step is counted
+            // and skipped.
+            self.engine.skip_step();
+            return Ok(StepMetrics::no_loss(k, lr, tokens, t0));
+        }
         let mbs = micro_batches(&rows, self.engine.config().micro_batch_size);
         let out = self.engine.step(mbs, StepParams { lr, inject_nan })?;
         Ok(StepMetrics {
@@ -564,6 +611,7 @@ where
             tokens,
             step_s: t0.elapsed().as_secs_f64(),
             skipped: out.skipped,
+            no_loss: false,
             eval_loss: None,
         })
     }
@@ -769,8 +817,13 @@ where
         progress.step(&m, steps, eta);
         tokens += m.tokens;
         timed_steps += 1;
-        last_loss = m.loss;
-        if m.skipped {
+        if m.no_loss {
+            skipped_steps += 1;
+            progress.println(&format!(
+                "step {}: no position of the batch carries a loss; step skipped",
+                m.step
+            ));
+        } else if m.skipped {
             bad_run += 1;
             skipped_steps += 1;
             progress.println(&format!(
@@ -787,6 +840,9 @@ where
             }
         } else {
             bad_run = 0;
+        }
+        if !m.no_loss {
+            last_loss = m.loss;
         }
         let signalled = stop.load(Ordering::Relaxed);
         // Periodic checkpoints only after good steps: the last one stays the last good state.

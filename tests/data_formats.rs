@@ -7,7 +7,8 @@ use std::ops::Range;
 use anyhow::{Result, bail};
 use horizon::data::{
     IGNORE_INDEX, LoadReport, OnError, Row, alpaca_prompt, example_from_spans, load_alpaca,
-    load_text, make_batch, pack, shuffled_order, split_eval,
+    load_chat, load_pretokenized, load_pretokenized_rows, load_sharegpt, load_text, make_batch,
+    pack, shuffled_order, split_eval,
 };
 use horizon::tokenizer::Tokenizer;
 
@@ -95,8 +96,8 @@ fn alpaca_loss_only_on_the_response() {
     assert!(!without.contains("Input"));
     for train_on_prompt in [false, true] {
         let (rows, report) =
-            load_alpaca(f.path(), &BYTES, 1024, train_on_prompt, OnError::Fail).unwrap();
-        assert_eq!(report, LoadReport { rows: 3, records: 3, skipped: vec![], truncated: 0 });
+            load_alpaca(&f.path().into(), &BYTES, 1024, train_on_prompt, OnError::Fail).unwrap();
+        assert_eq!(report, LoadReport { rows: 3, records: 3, ..Default::default() });
         let want = [
             alpaca_want(&with_input, "5", train_on_prompt),
             alpaca_want(&without, "Hi!", train_on_prompt),
@@ -108,7 +109,7 @@ fn alpaca_loss_only_on_the_response() {
         }
     }
     // The batch targets: exactly the response and EOS, predicted from the position before.
-    let (rows, _) = load_alpaca(f.path(), &BYTES, 1024, false, OnError::Fail).unwrap();
+    let (rows, _) = load_alpaca(&f.path().into(), &BYTES, 1024, false, OnError::Fail).unwrap();
     let batch = make_batch(&[&rows[1]]);
     let t = rows[1].input_ids.len();
     let n_prompt = 1 + without.len();
@@ -122,7 +123,7 @@ fn alpaca_loss_only_on_the_response() {
 fn alpaca_without_bos_and_truncation() {
     let f = write(ALPACA);
     let tok = Bytes { bos: None, eos: Some(2) };
-    let (rows, _) = load_alpaca(f.path(), &tok, 1024, false, OnError::Fail).unwrap();
+    let (rows, _) = load_alpaca(&f.path().into(), &tok, 1024, false, OnError::Fail).unwrap();
     let prompt = alpaca_prompt("Say hi.", None);
     assert_eq!(rows[1].input_ids, [ids(&prompt), ids("Hi!"), vec![EOS]].concat());
     assert_eq!(rows[1].labels, [vec![NO; prompt.len()], ids("Hi!"), vec![EOS]].concat());
@@ -131,14 +132,14 @@ fn alpaca_without_bos_and_truncation() {
     // row 0's longer prompt does not fit and is skipped under either policy.
     let max = 1 + prompt.len() + 2;
     for on_error in [OnError::Fail, OnError::Skip] {
-        let (rows, report) = load_alpaca(f.path(), &BYTES, max, false, on_error).unwrap();
+        let (rows, report) = load_alpaca(&f.path().into(), &BYTES, max, false, on_error).unwrap();
         assert_eq!(rows.len(), 2);
         assert!(rows.iter().all(|r| r.input_ids.len() == max));
         assert_eq!(rows[0].labels[1 + prompt.len()..], ids("Hi"));
         assert_eq!(rows[1].labels[1 + prompt.len()..], ids("He"));
         assert_eq!(report.truncated, 2);
         assert_eq!(report.skipped.len(), 1);
-        assert_eq!(report.skipped[0].0, 1);
+        assert_eq!(report.skipped[0].0.line(), Some(1));
         assert!(report.skipped[0].1.contains("prompt"), "{:?}", report.skipped);
     }
 }
@@ -148,8 +149,8 @@ fn text_windows_and_eos() {
     let f = write("{\"text\": \"abc\"}\n{\"text\": \"de\"}\n\n{\"text\": \"fghij\"}\n");
     // Stream: a b c EOS d e EOS f g h i j EOS = 13 tokens -> 5, 5, 3.
     let stream = [ids("abc"), vec![EOS], ids("de"), vec![EOS], ids("fghij"), vec![EOS]].concat();
-    let (rows, report) = load_text(f.path(), &BYTES, 5, OnError::Fail).unwrap();
-    assert_eq!(report, LoadReport { rows: 3, records: 3, skipped: vec![], truncated: 0 });
+    let (rows, report) = load_text(&f.path().into(), &BYTES, 5, OnError::Fail).unwrap();
+    assert_eq!(report, LoadReport { rows: 3, records: 3, ..Default::default() });
     let got: Vec<i32> = rows.iter().flat_map(|r| r.input_ids.clone()).collect();
     assert_eq!(got, stream);
     for row in &rows {
@@ -158,11 +159,11 @@ fn text_windows_and_eos() {
     }
     assert_eq!(rows[2].input_ids, [ids("ij"), vec![EOS]].concat());
     // 13 tokens in windows of 6: the last single token is dropped.
-    let (rows, _) = load_text(f.path(), &BYTES, 6, OnError::Fail).unwrap();
+    let (rows, _) = load_text(&f.path().into(), &BYTES, 6, OnError::Fail).unwrap();
     assert_eq!(rows.iter().map(|r| r.input_ids.len()).collect::<Vec<_>>(), vec![6, 6]);
     // No BOS is added even though the tokenizer has one; no EOS is an error.
     assert!(rows.iter().all(|r| !r.input_ids.contains(&BOS)));
-    let err = load_text(f.path(), &Bytes { bos: Some(1), eos: None }, 5, OnError::Fail);
+    let err = load_text(&f.path().into(), &Bytes { bos: Some(1), eos: None }, 5, OnError::Fail);
     assert!(err.unwrap_err().to_string().contains("no EOS"));
 }
 
@@ -175,7 +176,7 @@ const TEXT_WITH_ERRORS: &str = "{\"text\": \"ok\"}\n{\"text\": \"unterminated}\n
 #[test]
 fn on_error_fail_names_the_first_bad_line() {
     let f = write(TEXT_WITH_ERRORS);
-    let err = load_text(f.path(), &BYTES, 8, OnError::Fail).unwrap_err();
+    let err = load_text(&f.path().into(), &BYTES, 8, OnError::Fail).unwrap_err();
     let err = format!("{err:#}");
     let prefix = format!("{}:2: malformed JSON", f.path().display());
     assert!(err.starts_with(&prefix), "{err}");
@@ -183,13 +184,15 @@ fn on_error_fail_names_the_first_bad_line() {
 
     // The missing field and the wrong type, each first in its file.
     let f = write("{\"text\": \"ok\"}\n\n{\"txt\": \"typo\"}\n");
-    let err = load_text(f.path(), &BYTES, 8, OnError::Fail).unwrap_err().to_string();
+    let err = load_text(&f.path().into(), &BYTES, 8, OnError::Fail).unwrap_err().to_string();
     assert_eq!(err, format!("{}:3: missing field \"text\"", f.path().display()));
     let f = write("{\"text\": [\"a\"]}\n");
-    let err = load_alpaca(f.path(), &BYTES, 8, false, OnError::Fail).unwrap_err().to_string();
+    let err =
+        load_alpaca(&f.path().into(), &BYTES, 8, false, OnError::Fail).unwrap_err().to_string();
     assert_eq!(err, format!("{}:1: missing field \"instruction\"", f.path().display()));
     let f = write("{\"instruction\": \"x\", \"output\": {}}\n");
-    let err = load_alpaca(f.path(), &BYTES, 512, false, OnError::Fail).unwrap_err().to_string();
+    let err =
+        load_alpaca(&f.path().into(), &BYTES, 512, false, OnError::Fail).unwrap_err().to_string();
     let want = "1: field \"output\" is an object, expected a string";
     assert_eq!(err, format!("{}:{want}", f.path().display()));
 }
@@ -197,17 +200,18 @@ fn on_error_fail_names_the_first_bad_line() {
 #[test]
 fn on_error_skip_counts_and_keeps_line_numbers() {
     let f = write(TEXT_WITH_ERRORS);
-    let (rows, report) = load_text(f.path(), &BYTES, 64, OnError::Skip).unwrap();
+    let (rows, report) = load_text(&f.path().into(), &BYTES, 64, OnError::Skip).unwrap();
     assert_eq!(rows.len(), 1);
     assert_eq!(rows[0].input_ids, [ids("ok"), vec![EOS], ids("fine"), vec![EOS]].concat());
     assert_eq!(report.records, 2);
-    let lines: Vec<usize> = report.skipped.iter().map(|(l, _)| *l).collect();
-    assert_eq!(lines, vec![2, 4, 5, 6]);
+    let lines: Vec<Option<usize>> = report.skipped.iter().map(|(l, _)| l.line()).collect();
+    assert_eq!(lines, [2, 4, 5, 6].map(Some));
     assert!(report.skipped[0].1.starts_with("malformed JSON"));
     assert_eq!(report.skipped[1].1, "missing field \"text\"");
     assert_eq!(report.skipped[2].1, "field \"text\" is a number, expected a string");
     assert_eq!(report.skipped[3].1, "record is a string, expected a JSON object");
-    assert!(report.summary().starts_with("1 rows from 2 records, 4 skipped (first: line 2:"));
+    let first = format!("1 rows from 2 records, 4 skipped (first: {}:2:", f.path().display());
+    assert!(report.summary().starts_with(&first), "{}", report.summary());
 }
 
 #[test]
@@ -215,9 +219,10 @@ fn empty_result_names_the_file() {
     for content in ["", "\n \n", "{\"x\": 1}\n"] {
         let f = write(content);
         let file = f.path().display().to_string();
-        let err = load_text(f.path(), &BYTES, 8, OnError::Skip).unwrap_err().to_string();
+        let err = load_text(&f.path().into(), &BYTES, 8, OnError::Skip).unwrap_err().to_string();
         assert!(err.starts_with(&format!("{file}: no rows")), "{err}");
-        let err = load_alpaca(f.path(), &BYTES, 8, false, OnError::Skip).unwrap_err().to_string();
+        let err =
+            load_alpaca(&f.path().into(), &BYTES, 8, false, OnError::Skip).unwrap_err().to_string();
         assert!(err.starts_with(&format!("{file}: no rows")), "{err}");
     }
 }
@@ -243,7 +248,7 @@ fn spans_carry_exactly_their_bytes() {
 #[test]
 fn packing_masks_boundaries_and_keeps_every_token() {
     let f = write(ALPACA);
-    let (rows, _) = load_alpaca(f.path(), &BYTES, 1024, false, OnError::Fail).unwrap();
+    let (rows, _) = load_alpaca(&f.path().into(), &BYTES, 1024, false, OnError::Fail).unwrap();
     let lens: Vec<usize> = rows.iter().map(|r| r.input_ids.len()).collect();
     // Room for the two short examples together but not with the long one.
     let max = lens[1] + lens[2];
@@ -334,4 +339,85 @@ fn eval_split_is_deterministic_and_disjoint() {
     assert_eq!((train.len(), eval.len()), (1, 1));
     let (train, eval) = split_eval(rows[..2].to_vec(), 0.0, 11);
     assert_eq!((train.len(), eval.len()), (2, 0));
+}
+
+#[test]
+fn byte_order_mark_crlf_and_blank_lines_are_accepted() {
+    // As a Windows editor saves it: a UTF-8 byte-order mark, CRLF line ends, blank lines.
+    let plain = ALPACA.replace("\r\n", "\n");
+    let windows = format!("\u{feff}{}", plain.replace('\n', "\r\n"));
+    let (a, b) = (write(&plain), write(&windows));
+    let load = |f: &tempfile::NamedTempFile| {
+        load_alpaca(&f.path().into(), &BYTES, 1024, false, OnError::Fail).unwrap()
+    };
+    assert_eq!(load(&b), load(&a));
+    let f = write("\u{feff}{\"text\": \"abc\"}\r\n");
+    let (rows, _) = load_text(&f.path().into(), &BYTES, 8, OnError::Fail).unwrap();
+    assert_eq!(rows[0].input_ids, [ids("abc"), vec![EOS]].concat());
+    let f = write("\u{feff}{\"input_ids\": [5, 6]}\r\n");
+    assert_eq!(load_pretokenized(f.path(), 8, 100).unwrap().rows[0].input_ids, [5, 6]);
+    // Elsewhere than at the very start, it is an error naming the line.
+    let f = write("{\"text\": \"abc\"}\n\u{feff}{\"text\": \"d\"}\n");
+    let err = load_text(&f.path().into(), &BYTES, 8, OnError::Fail).unwrap_err().to_string();
+    assert!(err.starts_with(&format!("{}:2: malformed JSON", f.path().display())), "{err}");
+}
+
+#[test]
+fn no_loss_position_is_refused_naming_file_and_rows() {
+    // Every label -100, or only the first one set (nothing predicts position 0).
+    let f = write(
+        "{\"input_ids\": [5, 6, 7], \"labels\": [-100, -100, -100]}\n\n\
+         {\"input_ids\": [8, 9], \"labels\": [8, -100]}\n",
+    );
+    let err = load_pretokenized(f.path(), 8, 100).unwrap_err().to_string();
+    let file = f.path().display();
+    assert!(
+        err.starts_with(&format!(
+            "{file}: no position carries a loss in any of its 2 rows: {file}:1, {file}:3\nhint:"
+        )),
+        "{err}"
+    );
+    // Chat examples cut at max_seq_len before their assistant turn.
+    let tok = horizon::tokenizer::ByteTokenizer::new();
+    let long = "x".repeat(64);
+    let f = write(&format!(
+        "{{\"messages\": [{{\"role\": \"user\", \"content\": \"{long}\"}}, {{\"role\": \"assistant\", \"content\": \"ok\"}}]}}\n"
+    ));
+    let err = load_chat(&f.path().into(), &tok, 32, false, OnError::Fail).unwrap_err().to_string();
+    let want = format!(
+        "{}: no position carries a loss in its one row: {}:1",
+        f.path().display(),
+        f.path().display()
+    );
+    assert!(err.starts_with(&want), "{err}");
+    // Some rows without loss are kept and counted.
+    let f = write("{\"input_ids\": [5, 6], \"labels\": [-100, -100]}\n{\"input_ids\": [7, 8]}\n");
+    let (rows, report) = load_pretokenized_rows(&f.path().into(), 8, 100, OnError::Fail).unwrap();
+    assert_eq!(rows.len(), 2);
+    assert_eq!(report.no_loss.iter().map(|l| l.line()).collect::<Vec<_>>(), [Some(1)]);
+    assert!(report.summary().ends_with(&format!(
+        "1 without a loss position (first: {file}:1)",
+        file = f.path().display()
+    )));
+}
+
+#[test]
+fn sharegpt_roles_map_to_chat_roles() {
+    let tok = horizon::tokenizer::ByteTokenizer::new();
+    let chat = write(
+        "{\"messages\": [{\"role\": \"system\", \"content\": \"s\"}, {\"role\": \"user\", \"content\": \"u\"}, {\"role\": \"assistant\", \"content\": \"a\"}]}\n",
+    );
+    let share = write(
+        "{\"conversations\": [{\"from\": \"system\", \"value\": \"s\"}, {\"from\": \"user\", \"value\": \"u\"}, {\"from\": \"assistant\", \"value\": \"a\"}]}\n\
+         {\"conversations\": [{\"from\": \"human\", \"value\": \"u\"}, {\"from\": \"gpt\", \"value\": \"a\"}, {\"from\": \"narrator\", \"value\": \"?\"}]}\n",
+    );
+    let want = load_chat(&chat.path().into(), &tok, 512, false, OnError::Fail).unwrap().0;
+    let (rows, report) =
+        load_sharegpt(&share.path().into(), &tok, 512, false, OnError::Skip).unwrap();
+    assert_eq!(rows, want);
+    assert_eq!(report.skipped.len(), 1);
+    let err = load_sharegpt(&share.path().into(), &tok, 512, false, OnError::Fail).unwrap_err();
+    let want =
+        format!("{}:2: conversations[2]: unknown \"from\" \"narrator\"", share.path().display());
+    assert!(err.to_string().starts_with(&want), "{err}");
 }

@@ -7,15 +7,14 @@
 //! [`example_from_spans`](super::records::example_from_spans)'s: the loss span is the output's
 //! byte range, so a token straddling the prompt/output boundary carries no loss.
 
-use std::path::Path;
-
 use anyhow::Result;
 
 use super::pretokenized::Row;
 use super::records::{
-    LoadReport, OnError, Outcome, check_max_seq_len, encode_spans, finish_load, masked_labels,
-    opt_str_field, read_jsonl, require_eos, str_field,
+    LoadReport, OnError, Outcome, carries_loss, check_max_seq_len, encode_spans, finish_load,
+    masked_labels, opt_str_field, require_eos, str_field,
 };
+use super::source::{Fields, Source, read_records};
 use crate::tokenizer::Tokenizer;
 
 /// The Alpaca prompt for a record with an input.
@@ -40,7 +39,11 @@ pub fn alpaca_prompt(instruction: &str, input: Option<&str>) -> String {
     }
 }
 
-/// Loads an `alpaca` JSONL file, one row per record (see the module doc).
+/// The fields of an alpaca record.
+pub const ALPACA_FIELDS: Fields =
+    Fields { required: &["instruction", "output"], optional: &["input"], nested: &[] };
+
+/// Loads an `alpaca` dataset, one row per record (see the module doc).
 ///
 /// A row longer than `max_seq_len` is cut from the end (its EOS is lost) and counted in
 /// [`LoadReport::truncated`]; a record whose prompt alone (BOS included) leaves no room for a
@@ -48,23 +51,25 @@ pub fn alpaca_prompt(instruction: &str, input: Option<&str>) -> String {
 ///
 /// Errors: the tokenizer has no EOS, `max_seq_len < 2`, an unusable record under
 /// [`OnError::Fail`] (`FILE:LINE: <what>`: malformed JSON, missing or non-string `"instruction"`
-/// or `"output"`, an `"input"` that is neither a string nor null, text the tokenizer refuses), or
-/// no row at all.
+/// or `"output"`, an `"input"` that is neither a string nor null, text the tokenizer refuses), no
+/// row at all, or no row that carries a loss. The field names are `src.columns`' mapping of
+/// these.
 pub fn load_alpaca(
-    path: &Path,
+    src: &Source,
     tok: &dyn Tokenizer,
     max_seq_len: usize,
     train_on_prompt: bool,
     on_error: OnError,
 ) -> Result<(Vec<Row>, LoadReport)> {
     check_max_seq_len(max_seq_len)?;
-    let eos = require_eos(tok, path, "alpaca", "example")?;
+    let eos = require_eos(tok, &src.path, "alpaca", "example")?;
     let mut report = LoadReport::default();
-    let mut truncated = 0;
-    let rows = read_jsonl(path, on_error, &mut report, |obj| {
-        let instruction = str_field(obj, "instruction")?;
-        let input = opt_str_field(obj, "input")?;
-        let output = str_field(obj, "output")?;
+    let (mut truncated, mut no_loss) = (0, Vec::new());
+    let cols = &src.columns;
+    let rows = read_records(src, &ALPACA_FIELDS, on_error, &mut report, |obj, loc| {
+        let instruction = str_field(obj, cols.name("instruction"))?;
+        let input = opt_str_field(obj, cols.name("input"))?;
+        let output = str_field(obj, cols.name("output"))?;
         let prompt = alpaca_prompt(instruction, input);
         let text = prompt.clone() + output;
         let response = prompt.len()..text.len();
@@ -84,9 +89,14 @@ pub fn load_alpaca(
             truncated += 1;
         }
         let labels = masked_labels(&ids, &in_span, train_on_prompt, tok.bos_id().is_some());
-        Ok(Outcome::Keep(Row { input_ids: ids, labels }))
+        let row = Row { input_ids: ids, labels };
+        if !carries_loss(&row) {
+            no_loss.push(loc.clone());
+        }
+        Ok(Outcome::Keep(row))
     })?;
-    finish_load(path, rows, report, truncated)
+    report.no_loss = no_loss;
+    finish_load(src, rows, report, truncated)
 }
 
 #[cfg(test)]
@@ -126,7 +136,7 @@ mod tests {
         let tok = WordTokenizer::new();
         for train_on_prompt in [false, true] {
             let (rows, report) =
-                load_alpaca(f.path(), &tok, 512, train_on_prompt, OnError::Fail).unwrap();
+                load_alpaca(&f.path().into(), &tok, 512, train_on_prompt, OnError::Fail).unwrap();
             assert_eq!(report.rows, 2);
             for (row, (instruction, input, output)) in
                 rows.iter().zip([("Add.", Some("1 2"), "3 ."), ("Hi.", None, "Hello")])
@@ -162,20 +172,22 @@ mod tests {
         // Room for the prompt and two output tokens of the first record; the second record's
         // prompt is two tokens longer and does not fit.
         let max = prompt_tokens + 2;
-        let (rows, report) = load_alpaca(f.path(), &tok, max, false, OnError::Fail).unwrap();
+        let (rows, report) =
+            load_alpaca(&f.path().into(), &tok, max, false, OnError::Fail).unwrap();
         assert_eq!(rows.len(), 1);
         assert_eq!(rows[0].input_ids.len(), max);
         assert_eq!(rows[0].labels[prompt_tokens..], words("a b"));
         assert_eq!(report.truncated, 1);
         assert_eq!(report.skipped.len(), 1);
-        assert_eq!(report.skipped[0].0, 2);
+        assert_eq!(report.skipped[0].0.line(), Some(2));
         assert!(report.skipped[0].1.contains("leaving no room for the response"));
         // A prompt that fills max_seq_len exactly does not fit either.
-        let err = load_alpaca(f.path(), &tok, prompt_tokens, false, OnError::Fail).unwrap_err();
+        let err =
+            load_alpaca(&f.path().into(), &tok, prompt_tokens, false, OnError::Fail).unwrap_err();
         assert!(err.to_string().contains("all 2 records were skipped"), "{err}");
         // One token of room: the first output token only, no EOS.
         let (rows, _) =
-            load_alpaca(f.path(), &tok, prompt_tokens + 1, false, OnError::Fail).unwrap();
+            load_alpaca(&f.path().into(), &tok, prompt_tokens + 1, false, OnError::Fail).unwrap();
         assert_eq!(*rows[0].labels.last().unwrap(), words("a")[0]);
     }
 
@@ -187,17 +199,19 @@ mod tests {
              {\"instruction\": \"x\", \"input\": 3, \"output\": \"y\"}\n\
              {\"instruction\": \"x\"}\n",
         );
-        let err = load_alpaca(f.path(), &tok, 512, false, OnError::Fail).unwrap_err();
+        let err = load_alpaca(&f.path().into(), &tok, 512, false, OnError::Fail).unwrap_err();
         let want =
             format!("{}:2: field \"input\" is a number, expected a string", f.path().display());
         assert_eq!(err.to_string(), want);
-        let (rows, report) = load_alpaca(f.path(), &tok, 512, false, OnError::Skip).unwrap();
+        let (rows, report) =
+            load_alpaca(&f.path().into(), &tok, 512, false, OnError::Skip).unwrap();
         assert_eq!(rows.len(), 1);
+        let skipped: Vec<_> = report.skipped.iter().map(|(l, r)| (l.line(), r.as_str())).collect();
         assert_eq!(
-            report.skipped,
-            vec![
-                (2, "field \"input\" is a number, expected a string".to_string()),
-                (3, "missing field \"output\"".to_string())
+            skipped,
+            [
+                (Some(2), "field \"input\" is a number, expected a string"),
+                (Some(3), "missing field \"output\"")
             ]
         );
     }
@@ -206,7 +220,7 @@ mod tests {
     fn without_bos() {
         let f = write("{\"instruction\": \"x\", \"output\": \"y\"}\n");
         let tok = WordTokenizer { bos: None, eos: Some(2), add_bos: false };
-        let (rows, _) = load_alpaca(f.path(), &tok, 512, false, OnError::Fail).unwrap();
+        let (rows, _) = load_alpaca(&f.path().into(), &tok, 512, false, OnError::Fail).unwrap();
         let prompt = words(&alpaca_prompt("x", None));
         assert_eq!(rows[0].input_ids[..prompt.len()], prompt);
         assert_eq!(rows[0].input_ids.len(), prompt.len() + 2);

@@ -1,38 +1,91 @@
 //! The `chat` format: `{"messages": [{"role", "content"}, ...]}` records rendered with the
 //! model's own chat template; loss only on assistant turns (their content and the end marker
-//! the template writes after it) unless `train_on_prompt`.
+//! the template writes after it) unless `train_on_prompt`. The `sharegpt` format
+//! ([`super::sharegpt`]) is the same once its turns are read.
 
-use std::path::Path;
-
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
+use serde_json::Value;
 
 use crate::data::pretokenized::Row;
 use crate::data::records::{
-    LoadReport, OnError, Outcome, check_max_seq_len, example_from_spans, finish_load, read_jsonl,
+    JsonObject, LoadReport, OnError, Outcome, carries_loss, check_max_seq_len, example_from_spans,
+    finish_load, str_field,
 };
+use crate::data::source::{Fields, Source, json_kind, read_records};
 use crate::tokenizer::{Message, Tokenizer};
+
+/// The fields of a chat record (`role` and `content` are those of each message).
+pub const CHAT_FIELDS: Fields =
+    Fields { required: &["messages"], optional: &[], nested: &["role", "content"] };
 
 /// Load a chat dataset. Rows longer than `max_seq_len` are truncated (counted in the report).
 pub fn load_chat(
-    path: &Path,
+    src: &Source,
     tok: &dyn Tokenizer,
     max_seq_len: usize,
     train_on_prompt: bool,
     on_error: OnError,
 ) -> Result<(Vec<Row>, LoadReport)> {
+    let c = &src.columns;
+    let (list, role, content) = (c.name("messages"), c.name("role"), c.name("content"));
+    let read = |obj: &JsonObject| -> Result<Vec<Message>> {
+        let turns = turns(obj, list, role, content)?;
+        Ok(turns.into_iter().map(|(role, content)| Message::new(role, content)).collect())
+    };
+    load_conversations(src, &CHAT_FIELDS, "chat", tok, max_seq_len, train_on_prompt, on_error, read)
+}
+
+/// The turns of `obj[list]`: `(obj[role], obj[content])` of each element, as strings; errors
+/// name the field and the turn.
+pub fn turns<'a>(
+    obj: &'a JsonObject,
+    list: &str,
+    role: &str,
+    content: &str,
+) -> Result<Vec<(&'a str, &'a str)>> {
+    let items = match obj.get(list) {
+        None => bail!("missing field \"{list}\""),
+        Some(Value::Array(items)) => items,
+        Some(other) => bail!("field \"{list}\" is {}, expected a list of turns", json_kind(other)),
+    };
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, item)| {
+            let Value::Object(turn) = item else {
+                bail!("{list}[{i}] is {}, expected an object", json_kind(item));
+            };
+            let field =
+                |key: &str| str_field(turn, key).map_err(|e| anyhow::anyhow!("{list}[{i}]: {e}"));
+            Ok((field(role)?, field(content)?))
+        })
+        .collect()
+}
+
+/// Load conversations that `read` turns into messages (roles `system`, `user`, `assistant`, as
+/// the chat template knows them), rendered and masked as the chat format does.
+#[allow(clippy::too_many_arguments)]
+pub fn load_conversations(
+    src: &Source,
+    fields: &Fields,
+    format: &str,
+    tok: &dyn Tokenizer,
+    max_seq_len: usize,
+    train_on_prompt: bool,
+    on_error: OnError,
+    read: impl Fn(&JsonObject) -> Result<Vec<Message>>,
+) -> Result<(Vec<Row>, LoadReport)> {
     check_max_seq_len(max_seq_len)?;
     let Some(template) = tok.chat() else {
         bail!(
-            "data.format chat ({}): the tokenizer has no chat template\nhint: give the tokenizer directory a tokenizer_config.json with chat_template (or chat_template.jinja)",
-            path.display()
+            "data.format {format} ({}): the tokenizer has no chat template\nhint: give the tokenizer directory a tokenizer_config.json with chat_template (or chat_template.jinja)",
+            src.path.display()
         );
     };
     let mut report = LoadReport::default();
-    let mut truncated = 0;
-    let rows = read_jsonl(path, on_error, &mut report, |obj| {
-        let messages = obj.get("messages").context("missing field `messages`")?;
-        let messages: Vec<Message> = serde_json::from_value(messages.clone())
-            .context("`messages` must be a list of {\"role\", \"content\"} objects")?;
+    let (mut truncated, mut no_loss) = (0, Vec::new());
+    let rows = read_records(src, fields, on_error, &mut report, |obj, loc| {
+        let messages = read(obj)?;
         if !messages.iter().any(|m| m.role == "assistant") {
             return Ok(Outcome::Skip("no assistant message: nothing to learn".to_string()));
         }
@@ -43,7 +96,11 @@ pub fn load_chat(
             row.labels.truncate(max_seq_len);
             truncated += 1;
         }
+        if !carries_loss(&row) {
+            no_loss.push(loc.clone());
+        }
         Ok(Outcome::Keep(row))
     })?;
-    finish_load(path, rows, report, truncated)
+    report.no_loss = no_loss;
+    finish_load(src, rows, report, truncated)
 }

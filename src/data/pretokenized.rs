@@ -1,4 +1,4 @@
-//! Pretokenized JSONL datasets (`{"input_ids": [...], "labels": [...]}` per line) and the batches
+//! Pretokenized datasets (`{"input_ids": [...], "labels": [...]}` per record) and the batches
 //! cut from them.
 //!
 //! Labels follow the Hugging Face convention: aligned with `input_ids` (not shifted), `-100` marks
@@ -10,7 +10,10 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Result, anyhow, bail};
-use serde::Deserialize;
+use serde_json::Value;
+
+use super::records::{JsonObject, LoadReport, OnError, Outcome, carries_loss, finish_load};
+use super::source::{Fields, Source, json_kind, read_records};
 
 /// The label of a position that carries no loss (PyTorch's `ignore_index`).
 pub const IGNORE_INDEX: i32 = -100;
@@ -52,53 +55,86 @@ pub struct Batch {
     pub num_targets: usize,
 }
 
-/// One line of the file as written; unknown keys are ignored. `i64` so that an id too large for
-/// `i32` is reported as out of range rather than as malformed JSON.
-#[derive(Deserialize)]
+/// One record as written; unknown keys are ignored. `i64` so that an id too large for `i32` is
+/// reported as out of range rather than as malformed.
 struct RawRow {
     input_ids: Option<Vec<i64>>,
     labels: Option<Vec<i64>>,
 }
 
-/// Reads and validates a pretokenized JSONL file.
+/// The fields of a pretokenized record.
+pub const PRETOKENIZED_FIELDS: Fields =
+    Fields { required: &["input_ids"], optional: &["labels"], nested: &[] };
+
+/// Reads and validates a pretokenized dataset (JSONL or Parquet, see [`Source`]), failing on the
+/// first bad record.
 ///
-/// Every error is one line naming the file and the 1-based line number: unreadable file,
-/// malformed JSON, missing or empty `input_ids`, `labels` of a different length, a row longer
-/// than `max_seq_len`, a token id outside `[0, vocab_size)`, a label that is neither -100 nor in
-/// `[0, vocab_size)`, or a file without any row.
+/// Every error is one line naming the file and the record (`FILE:LINE`, or the Parquet row):
+/// unreadable file, malformed JSON, missing or empty `input_ids`, `labels` of a different
+/// length, a row longer than `max_seq_len`, a token id outside `[0, vocab_size)`, a label that
+/// is neither -100 nor in `[0, vocab_size)`, a file without any row, or without any row that
+/// carries a loss.
 pub fn load_pretokenized(
     path: &Path,
     max_seq_len: usize,
     vocab_size: usize,
 ) -> Result<PretokenizedDataset> {
-    let file = path.display();
-    let bytes =
-        std::fs::read(path).map_err(|e| anyhow!("cannot read pretokenized dataset {file}: {e}"))?;
-    let mut rows = Vec::new();
-    for (i, line) in bytes.split(|&c| c == b'\n').enumerate() {
-        let line_no = i + 1;
-        if line.iter().all(|c| c.is_ascii_whitespace()) {
-            continue;
-        }
-        let raw: RawRow = serde_json::from_slice(line)
-            .map_err(|e| anyhow!("{file}:{line_no}: malformed JSON row: {e}"))?;
-        let row = validate_row(raw, max_seq_len, vocab_size)
-            .map_err(|e| anyhow!("{file}:{line_no}: {e}"))?;
-        rows.push(row);
-    }
-    if rows.is_empty() {
-        bail!("{file}: no rows (the file is empty or holds only blank lines)");
-    }
+    let (rows, _) = load_pretokenized_rows(&path.into(), max_seq_len, vocab_size, OnError::Fail)?;
     Ok(PretokenizedDataset { rows, path: path.to_path_buf() })
 }
 
+/// The rows of a pretokenized dataset under the `on_error` policy (see [`load_pretokenized`]);
+/// the field names are `src.columns`' mapping of `input_ids` and `labels`.
+pub fn load_pretokenized_rows(
+    src: &Source,
+    max_seq_len: usize,
+    vocab_size: usize,
+    on_error: OnError,
+) -> Result<(Vec<Row>, LoadReport)> {
+    let (ids_key, labels_key) = (src.columns.name("input_ids"), src.columns.name("labels"));
+    let mut report = LoadReport::default();
+    let mut no_loss = Vec::new();
+    let rows = read_records(src, &PRETOKENIZED_FIELDS, on_error, &mut report, |obj, loc| {
+        let raw = RawRow { input_ids: int_list(obj, ids_key)?, labels: int_list(obj, labels_key)? };
+        let row = validate_row(raw, max_seq_len, vocab_size, ids_key, labels_key)?;
+        if !carries_loss(&row) {
+            no_loss.push(loc.clone());
+        }
+        Ok(Outcome::Keep(row))
+    })?;
+    report.no_loss = no_loss;
+    finish_load(src, rows, report, 0)
+}
+
+/// The optional list of integers `obj[key]` (absent or null: `None`).
+fn int_list(obj: &JsonObject, key: &str) -> Result<Option<Vec<i64>>> {
+    let items = match obj.get(key) {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Array(items)) => items,
+        Some(other) => {
+            bail!("field \"{key}\" is {}, expected a list of integers", json_kind(other))
+        }
+    };
+    let int = |(j, v): (usize, &Value)| match v.as_i64() {
+        Some(x) => Ok(x),
+        None => bail!("{key}[{j}] = {v} is not an integer"),
+    };
+    Ok(Some(items.iter().enumerate().map(int).collect::<Result<_>>()?))
+}
+
 /// Checks one parsed row; the error message lacks the `FILE:LINE: ` prefix.
-fn validate_row(raw: RawRow, max_seq_len: usize, vocab_size: usize) -> Result<Row> {
+fn validate_row(
+    raw: RawRow,
+    max_seq_len: usize,
+    vocab_size: usize,
+    ids_key: &str,
+    labels_key: &str,
+) -> Result<Row> {
     let Some(input_ids) = raw.input_ids else {
-        bail!("row has no \"input_ids\" key");
+        bail!("row has no \"{ids_key}\" key");
     };
     if input_ids.is_empty() {
-        bail!("\"input_ids\" is empty");
+        bail!("\"{ids_key}\" is empty");
     }
     if input_ids.len() > max_seq_len {
         bail!(
@@ -110,7 +146,7 @@ fn validate_row(raw: RawRow, max_seq_len: usize, vocab_size: usize) -> Result<Ro
     let vocab = vocab_size as i64;
     if let Some((j, id)) = input_ids.iter().enumerate().find(|&(_, &id)| id < 0 || id >= vocab) {
         bail!(
-            "input_ids[{j}] = {id} is outside the vocabulary [0, {vocab_size}); hint: was the \
+            "{ids_key}[{j}] = {id} is outside the vocabulary [0, {vocab_size}); hint: was the \
              data tokenized with this model's tokenizer?"
         );
     }
@@ -119,8 +155,8 @@ fn validate_row(raw: RawRow, max_seq_len: usize, vocab_size: usize) -> Result<Ro
         Some(labels) => {
             if labels.len() != input_ids.len() {
                 bail!(
-                    "\"input_ids\" has {} tokens but \"labels\" has {}; they must be the same \
-                     length (labels are not shifted, -100 marks no loss)",
+                    "\"{ids_key}\" has {} tokens but \"{labels_key}\" has {}; they must be the \
+                     same length (labels are not shifted, -100 marks no loss)",
                     input_ids.len(),
                     labels.len()
                 );
@@ -129,7 +165,7 @@ fn validate_row(raw: RawRow, max_seq_len: usize, vocab_size: usize) -> Result<Ro
                 |&(_, &l): &(usize, &i64)| l != i64::from(IGNORE_INDEX) && (l < 0 || l >= vocab);
             if let Some((j, l)) = labels.iter().enumerate().find(bad) {
                 bail!(
-                    "labels[{j}] = {l} is neither -100 (no loss) nor a token id in [0, \
+                    "{labels_key}[{j}] = {l} is neither -100 (no loss) nor a token id in [0, \
                      {vocab_size})"
                 );
             }
@@ -236,8 +272,9 @@ mod tests {
     #[test]
     fn malformed_json() {
         load_err("{\"input_ids\": [1]}\n{\"input_ids\": [1, 2\n", Some(2), "malformed JSON");
-        load_err("[1, 2]\n", Some(1), "malformed JSON");
-        load_err("{\"input_ids\": [1.5]}\n", Some(1), "malformed JSON");
+        load_err("[1, 2]\n", Some(1), "record is an array, expected a JSON object");
+        load_err("{\"input_ids\": [1.5]}\n", Some(1), "input_ids[0] = 1.5 is not an integer");
+        load_err("{\"input_ids\": 3}\n", Some(1), "expected a list of integers");
         load_err("\u{ff}\n", Some(1), "malformed JSON");
     }
 

@@ -1,20 +1,20 @@
-//! The shared half of the text-based dataset formats: JSONL records read with their line numbers
-//! under an [`OnError`] policy, the [`LoadReport`] shown in the run summary, and
-//! [`example_from_spans`], which tokenizes a rendered example and masks the loss outside the spans
-//! that should be learned (used by the alpaca format and by the chat format).
+//! The shared half of the dataset formats: the [`OnError`] policy for bad records, the
+//! [`LoadReport`] shown in the run summary, the refusal of data without any loss position
+//! ([`finish_load`]), field accessors, and [`example_from_spans`], which tokenizes a rendered
+//! example and masks the loss outside the spans that should be learned (used by the alpaca
+//! format and by the chat formats). The records themselves come from [`super::source`].
 
 use std::ops::Range;
 use std::path::Path;
 
 use anyhow::{Result, anyhow, bail};
 use serde::Deserialize;
-use serde_json::{Map, Value};
+use serde_json::Value;
 
 use super::pretokenized::{IGNORE_INDEX, Row};
+pub use super::source::JsonObject;
+use super::source::{Loc, Source, json_kind};
 use crate::tokenizer::Tokenizer;
-
-/// A JSON object: one record of a JSONL dataset.
-pub type JsonObject = Map<String, Value>;
 
 /// What to do with a record that cannot be used (malformed JSON, missing field, wrong type, text
 /// the tokenizer refuses).
@@ -35,24 +35,30 @@ pub struct LoadReport {
     pub rows: usize,
     /// Records used (a text record may span several rows, several records one row).
     pub records: usize,
-    /// Records left out: 1-based line number and the reason. Holds the unusable records under
+    /// Records left out: where, and the reason. Holds the unusable records under
     /// [`OnError::Skip`], and under either policy the examples whose prompt alone does not fit
     /// in `max_seq_len`.
-    pub skipped: Vec<(usize, String)>,
+    pub skipped: Vec<(Loc, String)>,
     /// Examples cut at `max_seq_len` (their end, EOS included, is lost).
     pub truncated: usize,
+    /// The records whose row has no position that carries a loss (see [`carries_loss`]): kept,
+    /// but a batch of only such rows is skipped in training.
+    pub no_loss: Vec<Loc>,
 }
 
 impl LoadReport {
-    /// One line for the run summary, e.g. `12 rows from 40 records, 2 skipped (first: line 7:
+    /// One line for the run summary, e.g. `12 rows from 40 records, 2 skipped (first: FILE:7:
     /// missing field "output"), 1 truncated`.
     pub fn summary(&self) -> String {
         let mut s = format!("{} rows from {} records", self.rows, self.records);
-        if let Some((line, reason)) = self.skipped.first() {
-            s += &format!(", {} skipped (first: line {line}: {reason})", self.skipped.len());
+        if let Some((loc, reason)) = self.skipped.first() {
+            s += &format!(", {} skipped (first: {loc}: {reason})", self.skipped.len());
         }
         if self.truncated > 0 {
             s += &format!(", {} truncated", self.truncated);
+        }
+        if let Some(loc) = self.no_loss.first() {
+            s += &format!(", {} without a loss position (first: {loc})", self.no_loss.len());
         }
         s
     }
@@ -68,54 +74,40 @@ pub enum Outcome<T> {
     Skip(String),
 }
 
-/// Reads the JSONL file at `path` and calls `build` on every record (a JSON object), in file
-/// order; returns what `build` kept.
-///
-/// Blank lines are skipped silently. A line that is not a JSON object, or on which `build`
-/// returns an error, is an error `FILE:LINE: <what>` under [`OnError::Fail`] and is listed in
-/// `report.skipped` under [`OnError::Skip`]; [`Outcome::Skip`] is listed under both.
-/// `report.records` counts the kept records. `build`'s errors should be one line without the
-/// `FILE:LINE: ` prefix. An unreadable file is an error naming it.
-pub fn read_jsonl<T>(
-    path: &Path,
-    on_error: OnError,
-    report: &mut LoadReport,
-    mut build: impl FnMut(&JsonObject) -> Result<Outcome<T>>,
-) -> Result<Vec<T>> {
-    let file = path.display();
-    let bytes = std::fs::read(path).map_err(|e| anyhow!("cannot read dataset {file}: {e}"))?;
-    let mut kept = Vec::new();
-    for (i, line) in bytes.split(|&c| c == b'\n').enumerate() {
-        let line_no = i + 1;
-        if line.iter().all(|c| c.is_ascii_whitespace()) {
-            continue;
-        }
-        let outcome = parse_object(line).and_then(|obj| build(&obj));
-        match outcome {
-            Ok(Outcome::Keep(x)) => {
-                kept.push(x);
-                report.records += 1;
-            }
-            Ok(Outcome::Skip(reason)) => report.skipped.push((line_no, reason)),
-            Err(e) => match on_error {
-                OnError::Fail => bail!("{file}:{line_no}: {e:#}"),
-                OnError::Skip => report.skipped.push((line_no, format!("{e:#}"))),
-            },
-        }
-    }
-    Ok(kept)
+/// Whether `row` has a position that carries a loss: a label other than -100 after the first
+/// position (the first token is never predicted).
+pub fn carries_loss(row: &Row) -> bool {
+    row.labels.iter().skip(1).any(|&l| l != IGNORE_INDEX)
 }
 
-/// Close a load: record the counts in the report, and refuse an empty result naming the file.
+/// Close a load: record the counts in the report, and refuse a result with no row, or with no
+/// row that carries a loss (naming the file and the rows).
 pub fn finish_load(
-    path: &Path,
+    source: &Source,
     rows: Vec<Row>,
     mut report: LoadReport,
     truncated: usize,
 ) -> Result<(Vec<Row>, LoadReport)> {
     report.truncated = truncated;
     if rows.is_empty() {
-        return Err(no_rows_error(path, &report));
+        return Err(no_rows_error(&source.path, &report));
+    }
+    if rows.iter().all(|r| !carries_loss(r)) {
+        let file = source.path.display();
+        let n = rows.len();
+        let mut which: Vec<String> = report.no_loss.iter().take(4).map(|l| l.to_string()).collect();
+        if report.no_loss.len() > which.len() {
+            which.push(format!("and {} more", report.no_loss.len() - which.len()));
+        }
+        let which =
+            if which.is_empty() { String::new() } else { format!(": {}", which.join(", ")) };
+        let rows = if n == 1 { "its one row".to_string() } else { format!("any of its {n} rows") };
+        bail!(
+            "{file}: no position carries a loss in {rows}{which}\nhint: a label of \
+             -100 carries no loss, nor does the first position of a row; the alpaca, chat and \
+             sharegpt formats learn the responses, which must start within train.max_seq_len \
+             (or set data.train_on_prompt)"
+        );
     }
     report.rows = rows.len();
     Ok((rows, report))
@@ -125,8 +117,8 @@ pub fn finish_load(
 pub fn no_rows_error(path: &Path, report: &LoadReport) -> anyhow::Error {
     let file = path.display();
     match report.skipped.first() {
-        Some((line, reason)) => anyhow!(
-            "{file}: no rows: all {} records were skipped (first: line {line}: {reason})",
+        Some((loc, reason)) => anyhow!(
+            "{file}: no rows: all {} records were skipped (first: {loc}: {reason})",
             report.skipped.len()
         ),
         None => anyhow!("{file}: no rows (the file is empty or holds only blank lines)"),
@@ -139,21 +131,6 @@ pub fn check_max_seq_len(max_seq_len: usize) -> Result<()> {
         bail!("max_seq_len = {max_seq_len} is too short: a row needs at least 2 tokens");
     }
     Ok(())
-}
-
-/// One line parsed as a JSON object. serde's own position is always "line 1" here, so only its
-/// column is kept.
-fn parse_object(line: &[u8]) -> Result<JsonObject> {
-    let value: Value = serde_json::from_slice(line).map_err(|e| {
-        let msg = e.to_string();
-        let suffix = format!(" at line {} column {}", e.line(), e.column());
-        let msg = msg.strip_suffix(&suffix).unwrap_or(&msg);
-        anyhow!("malformed JSON at column {}: {msg}", e.column())
-    })?;
-    match value {
-        Value::Object(obj) => Ok(obj),
-        other => bail!("record is {}, expected a JSON object", json_kind(&other)),
-    }
 }
 
 /// The required string field `key` of `obj`.
@@ -171,17 +148,6 @@ pub fn opt_str_field<'a>(obj: &'a JsonObject, key: &str) -> Result<Option<&'a st
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(s)) => Ok(Some(s)),
         Some(other) => bail!("field \"{key}\" is {}, expected a string", json_kind(other)),
-    }
-}
-
-fn json_kind(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
     }
 }
 
@@ -378,6 +344,7 @@ pub(crate) mod test_tokenizer {
 mod tests {
     use super::test_tokenizer::WordTokenizer;
     use super::*;
+    use crate::data::source::{Fields, read_records};
 
     fn write(content: &str) -> tempfile::NamedTempFile {
         crate::data::records::test_tokenizer::write_temp(content)
@@ -391,7 +358,9 @@ mod tests {
     fn read(content: &str, on_error: OnError) -> (Result<Vec<String>>, LoadReport, String) {
         let f = write(content);
         let mut report = LoadReport::default();
-        let got = read_jsonl(f.path(), on_error, &mut report, |obj| {
+        let fields = Fields { required: &["a"], optional: &[], nested: &[] };
+        let src = Source::from(f.path());
+        let got = read_records(&src, &fields, on_error, &mut report, |obj, _| {
             let a = str_field(obj, "a")?;
             if a == "long" {
                 return Ok(Outcome::Skip("too long".into()));
@@ -413,10 +382,10 @@ mod tests {
 
     #[test]
     fn skip_lists_every_bad_line() {
-        let (got, report, _) = read(MIXED, OnError::Skip);
+        let (got, report, file) = read(MIXED, OnError::Skip);
         assert_eq!(got.unwrap(), vec!["x", "z"]);
-        let lines: Vec<usize> = report.skipped.iter().map(|s| s.0).collect();
-        assert_eq!(lines, vec![3, 4, 5, 6, 8]);
+        let lines: Vec<Option<usize>> = report.skipped.iter().map(|s| s.0.line()).collect();
+        assert_eq!(lines, [3, 4, 5, 6, 8].map(Some));
         assert_eq!(report.skipped[1].1, "missing field \"a\"");
         assert_eq!(report.skipped[2].1, "malformed JSON at column 9: EOF while parsing an object");
         assert!(!report.skipped[2].1.contains("line 1"), "{:?}", report.skipped[2]);
@@ -425,16 +394,34 @@ mod tests {
         assert_eq!(report.records, 2);
         assert_eq!(
             report.summary(),
-            "0 rows from 2 records, 5 skipped (first: line 3: field \"a\" is a number, expected \
-             a string)"
+            format!(
+                "0 rows from 2 records, 5 skipped (first: {file}:3: field \"a\" is a number, \
+                 expected a string)"
+            )
         );
+    }
+
+    #[test]
+    fn byte_order_mark_crlf_and_blank_lines() {
+        let (got, report, _) =
+            read("\u{feff}{\"a\": \"x\"}\r\n\r\n\n{\"a\": \"y\"}\r\n", OnError::Fail);
+        assert_eq!(got.unwrap(), vec!["x", "y"]);
+        assert!(report.skipped.is_empty());
+        // Only at the start of the file: elsewhere it is not JSON.
+        let (got, _, file) = read("{\"a\": \"x\"}\n\u{feff}{\"a\": \"y\"}\n", OnError::Fail);
+        let err = format!("{:#}", got.unwrap_err());
+        assert!(err.starts_with(&format!("{file}:2: malformed JSON")), "{err}");
     }
 
     #[test]
     fn outcome_skip_is_not_an_error_under_fail() {
         let (got, report, _) = read("{\"a\": \"long\"}\n{\"a\": \"q\"}\n", OnError::Fail);
         assert_eq!(got.unwrap(), vec!["q"]);
-        assert_eq!(report.skipped, vec![(1, "too long".to_string())]);
+        assert_eq!(report.skipped.len(), 1);
+        assert_eq!(
+            (report.skipped[0].0.line(), report.skipped[0].1.as_str()),
+            (Some(1), "too long")
+        );
     }
 
     #[test]
@@ -452,9 +439,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("nope.jsonl");
         let mut report = LoadReport::default();
-        let err = read_jsonl(&path, OnError::Skip, &mut report, |_| Ok(Outcome::Keep(())))
-            .unwrap_err()
-            .to_string();
+        let fields = Fields { required: &[], optional: &[], nested: &[] };
+        let src = Source::from(path.as_path());
+        let err =
+            read_records(&src, &fields, OnError::Skip, &mut report, |_, _| Ok(Outcome::Keep(())))
+                .unwrap_err()
+                .to_string();
         assert!(err.contains("nope.jsonl") && err.contains("cannot read"), "{err}");
     }
 

@@ -9,37 +9,41 @@
 //! Hugging Face's `group_texts`, windows do not overlap, so the first token of each window is
 //! never predicted.
 
-use std::path::Path;
-
 use anyhow::{Result, bail};
 
 use super::pretokenized::Row;
 use super::records::{
-    LoadReport, OnError, Outcome, check_max_seq_len, no_rows_error, read_jsonl, require_eos,
-    str_field, token_i32,
+    LoadReport, OnError, Outcome, check_max_seq_len, no_rows_error, require_eos, str_field,
+    token_i32,
 };
+use super::source::{Fields, Source, read_records};
 use crate::tokenizer::Tokenizer;
 
-/// Loads a `text` JSONL file into rows of at most `max_seq_len` tokens (see the module doc).
+/// The fields of a text record.
+pub const TEXT_FIELDS: Fields = Fields { required: &["text"], optional: &[], nested: &[] };
+
+/// Loads a `text` dataset into rows of at most `max_seq_len` tokens (see the module doc).
 ///
 /// Errors: the tokenizer has no EOS, `max_seq_len < 2`, an unusable record under
 /// [`OnError::Fail`] (`FILE:LINE: <what>`: malformed JSON, missing or non-string `"text"`, text
 /// the tokenizer refuses), or no row at all.
 pub fn load_text(
-    path: &Path,
+    src: &Source,
     tok: &dyn Tokenizer,
     max_seq_len: usize,
     on_error: OnError,
 ) -> Result<(Vec<Row>, LoadReport)> {
     check_max_seq_len(max_seq_len)?;
+    let path = &src.path;
     let eos = require_eos(tok, path, "text", "record")?;
     let bos = match tok.bos_id() {
         Some(bos) if tok.add_bos_token() => Some(token_i32(bos)?),
         _ => None,
     };
     let mut report = LoadReport::default();
-    let docs = read_jsonl(path, on_error, &mut report, |obj| {
-        let text = str_field(obj, "text")?;
+    let key = src.columns.name("text");
+    let docs = read_records(src, &TEXT_FIELDS, on_error, &mut report, |obj, _| {
+        let text = str_field(obj, key)?;
         let mut ids: Vec<i32> = bos.into_iter().collect();
         for id in tok.encode(text)? {
             ids.push(token_i32(id)?);
@@ -90,7 +94,7 @@ mod tests {
     fn windows_over_the_stream() {
         let f = write("{\"text\": \"a b c\"}\n\n{\"text\": \"d\"}\n{\"text\": \"e f\"}\n");
         let tok = WordTokenizer::new();
-        let (rows, report) = load_text(f.path(), &tok, 4, OnError::Fail).unwrap();
+        let (rows, report) = load_text(&f.path().into(), &tok, 4, OnError::Fail).unwrap();
         // Stream: a b c EOS d EOS e f EOS (9 tokens) -> 4 + 4 + 1 (dropped).
         let want = [vec![w("a"), w("b"), w("c"), 2], vec![w("d"), 2, w("e"), w("f")]];
         assert_eq!(rows.len(), 2);
@@ -98,16 +102,17 @@ mod tests {
             assert_eq!(&row.input_ids, want);
             assert_eq!(&row.labels, want);
         }
-        assert_eq!(report, LoadReport { rows: 2, records: 3, skipped: vec![], truncated: 0 });
+        assert_eq!(report, LoadReport { rows: 2, records: 3, ..Default::default() });
         // With 5 tokens per window the last window (4 tokens) is kept.
-        let (rows, _) = load_text(f.path(), &tok, 5, OnError::Fail).unwrap();
+        let (rows, _) = load_text(&f.path().into(), &tok, 5, OnError::Fail).unwrap();
         assert_eq!(rows[1].input_ids, vec![2, w("e"), w("f"), 2]);
     }
 
     #[test]
     fn empty_text_is_eos_alone() {
         let f = write("{\"text\": \"\"}\n{\"text\": \"\"}\n");
-        let (rows, _) = load_text(f.path(), &WordTokenizer::new(), 8, OnError::Fail).unwrap();
+        let (rows, _) =
+            load_text(&f.path().into(), &WordTokenizer::new(), 8, OnError::Fail).unwrap();
         assert_eq!(rows, vec![Row { input_ids: vec![2, 2], labels: vec![2, 2] }]);
     }
 
@@ -115,12 +120,12 @@ mod tests {
     fn bos_when_documents_start_with_it() {
         let f = write("{\"text\": \"a b\"}\n{\"text\": \"c\"}\n");
         let tok = WordTokenizer { add_bos: true, ..WordTokenizer::new() };
-        let (rows, _) = load_text(f.path(), &tok, 16, OnError::Fail).unwrap();
+        let (rows, _) = load_text(&f.path().into(), &tok, 16, OnError::Fail).unwrap();
         let want = vec![1, w("a"), w("b"), 2, 1, w("c"), 2];
         assert_eq!(rows, vec![Row { input_ids: want.clone(), labels: want }]);
         // Without a BOS token there is nothing to add.
         let tok = WordTokenizer { add_bos: true, bos: None, eos: Some(2) };
-        let (rows, _) = load_text(f.path(), &tok, 16, OnError::Fail).unwrap();
+        let (rows, _) = load_text(&f.path().into(), &tok, 16, OnError::Fail).unwrap();
         assert_eq!(rows[0].input_ids, vec![w("a"), w("b"), 2, w("c"), 2]);
     }
 
@@ -128,14 +133,14 @@ mod tests {
     fn needs_eos() {
         let f = write("{\"text\": \"a\"}\n");
         let tok = WordTokenizer { bos: Some(1), eos: None, add_bos: false };
-        let err = load_text(f.path(), &tok, 8, OnError::Fail).unwrap_err().to_string();
+        let err = load_text(&f.path().into(), &tok, 8, OnError::Fail).unwrap_err().to_string();
         assert!(err.contains("no EOS"), "{err}");
     }
 
     #[test]
     fn too_short_for_a_row() {
         let f = write("{\"text\": \"\"}\n");
-        let err = load_text(f.path(), &WordTokenizer::new(), 8, OnError::Fail).unwrap_err();
+        let err = load_text(&f.path().into(), &WordTokenizer::new(), 8, OnError::Fail).unwrap_err();
         let err = err.to_string();
         assert!(err.starts_with(&format!("{}: no rows", f.path().display())), "{err}");
     }
@@ -144,10 +149,12 @@ mod tests {
     fn all_skipped_or_empty() {
         let tok = WordTokenizer::new();
         let f = write("{\"txt\": \"a\"}\n");
-        let err = load_text(f.path(), &tok, 8, OnError::Skip).unwrap_err().to_string();
-        assert!(err.contains("all 1 records were skipped (first: line 1: missing field"), "{err}");
+        let err = load_text(&f.path().into(), &tok, 8, OnError::Skip).unwrap_err().to_string();
+        let first =
+            format!("all 1 records were skipped (first: {}:1: missing field", f.path().display());
+        assert!(err.contains(&first), "{err}");
         let f = write("\n\n");
-        let err = load_text(f.path(), &tok, 8, OnError::Skip).unwrap_err().to_string();
+        let err = load_text(&f.path().into(), &tok, 8, OnError::Skip).unwrap_err().to_string();
         assert!(err.contains("empty or holds only blank lines"), "{err}");
     }
 
@@ -155,17 +162,17 @@ mod tests {
     fn tokenizer_error_follows_the_policy() {
         let tok = WordTokenizer::new();
         let f = write("{\"text\": \"a b\"}\n{\"text\": \"x !fail\"}\n{\"text\": \"c\"}\n");
-        let err = load_text(f.path(), &tok, 8, OnError::Fail).unwrap_err().to_string();
+        let err = load_text(&f.path().into(), &tok, 8, OnError::Fail).unwrap_err().to_string();
         assert!(err.starts_with(&format!("{}:2: cannot encode", f.path().display())), "{err}");
-        let (rows, report) = load_text(f.path(), &tok, 8, OnError::Skip).unwrap();
+        let (rows, report) = load_text(&f.path().into(), &tok, 8, OnError::Skip).unwrap();
         assert_eq!(rows[0].input_ids, vec![w("a"), w("b"), 2, w("c"), 2]);
         assert_eq!(report.skipped.len(), 1);
-        assert_eq!(report.skipped[0].0, 2);
+        assert_eq!(report.skipped[0].0.line(), Some(2));
     }
 
     #[test]
     fn max_seq_len_below_two() {
         let f = write("{\"text\": \"a b c\"}\n");
-        assert!(load_text(f.path(), &WordTokenizer::new(), 1, OnError::Fail).is_err());
+        assert!(load_text(&f.path().into(), &WordTokenizer::new(), 1, OnError::Fail).is_err());
     }
 }

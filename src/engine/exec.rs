@@ -849,6 +849,14 @@ where
         &self.cfg
     }
 
+    /// Count a step that runs nothing (its batch carries no loss): masters, moments and the
+    /// update count are untouched. Queued work is finished first, so that the next step starts
+    /// as it would after a resume (every event of the earlier steps reached).
+    pub fn skip_step(&mut self) {
+        self.dev.synchronize();
+        self.steps += 1;
+    }
+
     /// Run one optimizer step on the step's micro-batches (each at most
     /// `micro_batch_size` rows). Returns when the loss and the gradient norm are known; the
     /// optimizer updates run on, overlapped with the next step's work.
