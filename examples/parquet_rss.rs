@@ -52,7 +52,7 @@ fn write(path: &Path, mib: u64) {
         seed ^= seed << 17;
         let w = WORDS[(seed % 16) as usize];
         // A number now and then keeps the text from compressing too well.
-        if seed % 5 == 0 { format!("{w}{}", seed % 10007) } else { w.to_string() }
+        if seed.is_multiple_of(5) { format!("{w}{}", seed % 10007) } else { w.to_string() }
     };
     let mut text = |n: usize| (0..n).map(|_| word()).collect::<Vec<_>>().join(" ");
     let cols = [Col::Structs("conversations", &["from", "value"]), Col::Str("id")];

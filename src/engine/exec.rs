@@ -1292,7 +1292,6 @@ where
     /// Submit an op of the compute queue (kernels).
     fn dispatch_compute(&self, kind: OpKind, sd: &Arc<StepData>, grant: &Grant) {
         let c = &self.ctx;
-        let d = c.layout.dims;
         match kind {
             OpKind::Forward { layer, slot, m, src, dst, recompute } => {
                 let phase = if recompute { Phase::Recompute } else { Phase::Forward };
