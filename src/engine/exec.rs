@@ -578,74 +578,22 @@ where
             );
         }
         let schedule = Schedule::new(shape);
-        let alloc = |len: usize| -> Result<DevBuf> {
-            dev.alloc(len).with_context(|| {
-                format!(
-                    "the device cannot hold the plan ({} bytes planned)\nhint: raise device.memory, or lower train.micro_batch_size / train.max_seq_len",
-                    sizes.device_total()
-                )
-            })
-        };
-        let (n, mbs) = (sizes.mb_rows, sizes.micro_batches);
-        let slots = [alloc(sizes.slot_elems())?, alloc(sizes.slot_elems())?];
-        let workspace = alloc(sizes.workspace_elems())?;
+        let DeviceBuffers {
+            slots,
+            workspace,
+            dws,
+            acts,
+            dres,
+            ids,
+            targets,
+            losses,
+            chunk,
+            scratch,
+            stash,
+            tiled,
+        } = alloc_device(&dev, &layout, &sizes, &cfg)?;
         dev.set_workspace(workspace);
-        let dws = [alloc(sizes.slot)?, alloc(sizes.slot)?];
-        let acts = (0..sizes.act_sets)
-            .map(|_| (0..mbs).map(|_| alloc(sizes.act)).collect::<Result<Vec<_>>>())
-            .collect::<Result<Vec<_>>>()?;
-        let per_mb = |len: usize| (0..mbs).map(|_| alloc(len)).collect::<Result<Vec<_>>>();
-        let dres = per_mb(sizes.act)?;
-        let ids = per_mb(n)?;
-        let targets = per_mb(n)?;
-        let losses = per_mb(n)?;
-        let chunk = cfg.head_chunk_rows.clamp(1, n.max(1));
-        let act_widths = layout.max_act_widths();
-        let layer_acts =
-            || -> Result<Vec<DevBuf>> { act_widths.iter().map(|w| alloc(n * w)).collect() };
-        let acts_scratch = layer_acts()?;
-        let stash = if cfg.keep_internals {
-            (0..d.layers)
-                .map(|_| (0..mbs).map(|_| layer_acts()).collect::<Result<Vec<_>>>())
-                .collect::<Result<Vec<_>>>()?
-        } else {
-            Vec::new()
-        };
-        let grads_scratch = layout.max_grad_widths()[1..]
-            .iter()
-            .map(|w| alloc(n * w))
-            .collect::<Result<Vec<_>>>()?;
-        let half = d.d / 2;
-        let scratch = Scratch {
-            acts: acts_scratch,
-            grads: grads_scratch,
-            y: alloc(n * d.c)?,
-            head: match sizes.head.is_whole() {
-                true => Some(HeadBufs {
-                    hf: alloc(n * d.c)?,
-                    dhf: alloc(n * d.c)?,
-                    rstd: alloc(n)?,
-                    logits: alloc(chunk * d.v)?,
-                }),
-                false => None,
-            },
-            ropes: (0..layout.rope.len())
-                .map(|_| Ok((alloc(cfg.seq_len * half)?, alloc(cfg.seq_len * half)?)))
-                .collect::<Result<Vec<_>>>()?,
-        };
-
-        let tiled = match sizes.head.is_whole() {
-            true => None,
-            false => Some(TiledHead {
-                tiling: sizes.head,
-                logits: alloc(chunk * sizes.head.rows)?,
-                dhf_chunk: alloc(chunk * d.c)?,
-                rows: (0..mbs)
-                    .map(|_| Ok([alloc(n * d.c)?, alloc(n)?, alloc(n * STATS)?, alloc(n * d.c)?]))
-                    .collect::<Result<Vec<_>>>()?,
-                dnorm: alloc(d.c)?,
-            }),
-        };
+        let (n, mbs) = (sizes.mb_rows, sizes.micro_batches);
 
         // Host staging buffers, allocated once.
         let mut state = Box::new(state.into_memory(&layout, cfg.memory));
@@ -1743,6 +1691,111 @@ fn ropes<'a, B: Backend + ?Sized>(
     // The rope tables are written once, before the first step, and only read after: no op
     // declares them.
     c.scratch.ropes.iter().map(table).collect()
+}
+
+/// Every device buffer of the engine, allocated once.
+struct DeviceBuffers {
+    slots: [DevBuf; 2],
+    workspace: DevBuf,
+    dws: [DevBuf; 2],
+    acts: Vec<Vec<DevBuf>>,
+    dres: Vec<DevBuf>,
+    ids: Vec<DevBuf>,
+    targets: Vec<DevBuf>,
+    losses: Vec<DevBuf>,
+    /// Rows of a head chunk.
+    chunk: usize,
+    scratch: Scratch,
+    stash: Vec<Vec<Vec<DevBuf>>>,
+    tiled: Option<TiledHead>,
+}
+
+/// Allocate every device buffer `sizes` lists; an allocation that fails names the plan's total.
+fn alloc_device<D: Device>(
+    dev: &D,
+    layout: &ModelLayout,
+    sizes: &Sizes,
+    cfg: &EngineConfig,
+) -> Result<DeviceBuffers> {
+    let alloc = |len: usize| -> Result<DevBuf> {
+        dev.alloc(len).with_context(|| {
+            format!(
+                "the device cannot hold the plan ({} bytes planned)\nhint: raise device.memory, or lower train.micro_batch_size / train.max_seq_len",
+                sizes.device_total()
+            )
+        })
+    };
+    let (n, mbs, d) = (sizes.mb_rows, sizes.micro_batches, layout.dims);
+    let slots = [alloc(sizes.slot_elems())?, alloc(sizes.slot_elems())?];
+    let workspace = alloc(sizes.workspace_elems())?;
+    let dws = [alloc(sizes.slot)?, alloc(sizes.slot)?];
+    let acts = (0..sizes.act_sets)
+        .map(|_| (0..mbs).map(|_| alloc(sizes.act)).collect::<Result<Vec<_>>>())
+        .collect::<Result<Vec<_>>>()?;
+    let per_mb = |len: usize| (0..mbs).map(|_| alloc(len)).collect::<Result<Vec<_>>>();
+    let dres = per_mb(sizes.act)?;
+    let ids = per_mb(n)?;
+    let targets = per_mb(n)?;
+    let losses = per_mb(n)?;
+    let chunk = cfg.head_chunk_rows.clamp(1, n.max(1));
+    let act_widths = layout.max_act_widths();
+    let layer_acts =
+        || -> Result<Vec<DevBuf>> { act_widths.iter().map(|w| alloc(n * w)).collect() };
+    let acts_scratch = layer_acts()?;
+    let stash = if cfg.keep_internals {
+        (0..d.layers)
+            .map(|_| (0..mbs).map(|_| layer_acts()).collect::<Result<Vec<_>>>())
+            .collect::<Result<Vec<_>>>()?
+    } else {
+        Vec::new()
+    };
+    let grads_scratch =
+        layout.max_grad_widths()[1..].iter().map(|w| alloc(n * w)).collect::<Result<Vec<_>>>()?;
+    let half = d.d / 2;
+    let scratch = Scratch {
+        acts: acts_scratch,
+        grads: grads_scratch,
+        y: alloc(n * d.c)?,
+        head: match sizes.head.is_whole() {
+            true => Some(HeadBufs {
+                hf: alloc(n * d.c)?,
+                dhf: alloc(n * d.c)?,
+                rstd: alloc(n)?,
+                logits: alloc(chunk * d.v)?,
+            }),
+            false => None,
+        },
+        ropes: (0..layout.rope.len())
+            .map(|_| Ok((alloc(cfg.seq_len * half)?, alloc(cfg.seq_len * half)?)))
+            .collect::<Result<Vec<_>>>()?,
+    };
+
+    let tiled = match sizes.head.is_whole() {
+        true => None,
+        false => Some(TiledHead {
+            tiling: sizes.head,
+            logits: alloc(chunk * sizes.head.rows)?,
+            dhf_chunk: alloc(chunk * d.c)?,
+            rows: (0..mbs)
+                .map(|_| Ok([alloc(n * d.c)?, alloc(n)?, alloc(n * STATS)?, alloc(n * d.c)?]))
+                .collect::<Result<Vec<_>>>()?,
+            dnorm: alloc(d.c)?,
+        }),
+    };
+    Ok(DeviceBuffers {
+        slots,
+        workspace,
+        dws,
+        acts,
+        dres,
+        ids,
+        targets,
+        losses,
+        chunk,
+        scratch,
+        stash,
+        tiled,
+    })
 }
 
 #[cfg(test)]
