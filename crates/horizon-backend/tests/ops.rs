@@ -400,18 +400,28 @@ fn matmul_forward_matches_reference() {
 #[test]
 fn matmul_rows_do_not_depend_on_tiling() {
     // Each output row must get the same bits whether it sits in a 4-row micro-kernel block or
-    // is computed alone, so results cannot depend on N or on where a row falls in a tile.
+    // is computed alone (a row alone takes the unpacked one-row path, a decode step's), so
+    // results cannot depend on N or on where a row falls in a tile. The second shape has
+    // several `k` blocks of 256 and several column tasks; `dinp` is checked the same way.
     let mut rng = Rng::new(8);
-    let (n, ic, oc) = (37, 70, 45);
-    let inp = rng.vec(n * ic, 1.0);
-    let w = rng.vec(oc * ic, 0.2);
-    let b = rng.vec(oc, 1.0);
-    let mut out = vec![0.0; n * oc];
-    matmul_forward(&mut out, &inp, &w, Some(&b), n, ic, oc);
-    for r in 0..n {
-        let mut row = vec![0.0; oc];
-        matmul_forward(&mut row, &inp[r * ic..][..ic], &w, Some(&b), 1, ic, oc);
-        assert_eq!(bits(&row), bits(&out[r * oc..][..oc]), "row {r} differs");
+    for (n, ic, oc) in [(37, 70, 45), (7, 600, 300)] {
+        let inp = rng.vec(n * ic, 1.0);
+        let w = rng.vec(oc * ic, 0.2);
+        let b = rng.vec(oc, 1.0);
+        let dout = rng.vec(n * oc, 1.0);
+        let mut out = vec![0.0; n * oc];
+        matmul_forward(&mut out, &inp, &w, Some(&b), n, ic, oc);
+        let (mut dinp, mut dw) = (vec![0.0; n * ic], vec![0.0; oc * ic]);
+        matmul_backward(Some(&mut dinp), &mut dw, None, &dout, &inp, &w, n, ic, oc);
+        for r in 0..n {
+            let mut row = vec![0.0; oc];
+            matmul_forward(&mut row, &inp[r * ic..][..ic], &w, Some(&b), 1, ic, oc);
+            assert_eq!(bits(&row), bits(&out[r * oc..][..oc]), "{n}x{ic}x{oc}: row {r} differs");
+            let (mut drow, mut dw1) = (vec![0.0; ic], vec![0.0; oc * ic]);
+            let (dout_r, inp_r) = (&dout[r * oc..][..oc], &inp[r * ic..][..ic]);
+            matmul_backward(Some(&mut drow), &mut dw1, None, dout_r, inp_r, &w, 1, ic, oc);
+            assert_eq!(bits(&drow), bits(&dinp[r * ic..][..ic]), "{n}x{ic}x{oc}: dinp row {r}");
+        }
     }
 }
 
