@@ -694,6 +694,33 @@ fn attention_window_and_scale_forward_match_reference() {
 }
 
 #[test]
+fn attention_decode_equals_the_rows_of_the_full_forward() {
+    // A KV cache's step: the last T_new query rows over every cached key. Without a window the
+    // rows have the full forward's bits (the same products, keys from 0; T = 300 spans two k
+    // blocks of the GEMM); within one, the same sums grouped from the row's own window start.
+    let mut rng = Rng::new(32);
+    let dims = attn_dims().into_iter().chain(window_dims()).chain([AttnDims::new(1, 300, 2, 1, 8)]);
+    for dims in dims {
+        let (qkv, out, _) = attention_case(&mut rng, dims);
+        let hd = dims.h * dims.d;
+        for t_new in [1, 3.min(dims.t), dims.t] {
+            let mut got = vec![f32::NAN; dims.b * t_new * hd];
+            attention_decode(&mut got, &qkv, t_new, dims);
+            let want: Vec<f32> = (0..dims.b)
+                .flat_map(|bi| &out[(bi * dims.t + dims.t - t_new) * hd..(bi + 1) * dims.t * hd])
+                .copied()
+                .collect();
+            let name = format!("attention_decode T_new {t_new} {dims:?}");
+            if dims.window == 0 || dims.window >= dims.t {
+                assert_eq!(bits(&got), bits(&want), "{name}");
+            } else {
+                assert_close(&name, &got, &want, 1e-6);
+            }
+        }
+    }
+}
+
+#[test]
 fn attention_window_and_scale_backward_match_fd() {
     let mut rng = Rng::new(31);
     for dims in window_dims() {
