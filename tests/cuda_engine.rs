@@ -261,3 +261,41 @@ fn kv_cache_generation_on_the_gpu_tracks_the_cpu_tokens() {
         eprintln!("{case}: the GPU's greedy tokens agree with the CPU's for {agree} of {new}");
     }
 }
+
+/// The held-out loss on the GPU (`Engine::eval`: forward only, bf16 weights, whole and tiled
+/// head) within bf16's tolerance of the CPU reference path's.
+#[test]
+fn eval_on_the_gpu_tracks_the_reference_loss() {
+    use horizon::data::pretokenized::{Row, make_batch};
+    use horizon::model::transformer::{Capacity, Transformer};
+    use horizon_backend::CpuBackend;
+    for case in ["llama_gqa", "gemma3_sliding"] {
+        let model = ModelConfig::from_file(&case_dir(case).join("model/config.json")).unwrap();
+        let params =
+            ParamStore::load_hf(&ModelLayout::new(&model), &case_dir(case).join("model")).unwrap();
+        let rows = case_rows(case);
+        let refs: Vec<&Row> = rows.iter().collect();
+        let cfg = cuda_config(case, 2, 2, GradWire::Fp32);
+        let cap = Capacity { batch: 2, seq_len: cfg.seq_len, head_chunk_rows: 7 };
+        let mut tr = Transformer::new(CpuBackend, &model, cap);
+        let (mut want, mut n) = (0.0, 0);
+        for chunk in refs.chunks(2) {
+            let out = tr.forward_loss(&params, &make_batch(chunk)).unwrap();
+            want += out.loss_sum;
+            n += out.num_targets;
+        }
+        for tiles in [None, Some(37)] {
+            let ecfg = EngineConfig { head_tile_rows: tiles, ..cfg };
+            let mut e =
+                Engine::new(cuda(0, 0), &model, TrainState::new(params.clone()), ecfg).unwrap();
+            let got = e.eval(horizon::train::micro_batches(&refs, 2)).unwrap();
+            assert_eq!(got.num_targets, n);
+            assert_rel(
+                &format!("{case} eval on the GPU, tiles {tiles:?}"),
+                got.loss_sum,
+                want,
+                2e-2,
+            );
+        }
+    }
+}

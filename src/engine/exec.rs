@@ -36,6 +36,9 @@ use crate::optim::adamw8bit::{Moments8, Moments8Mut};
 use crate::optim::moments::{AnyMoments, Moments, Moments32};
 use crate::store::TrainState;
 
+mod eval;
+pub use eval::EvalOutput;
+
 /// How the engine runs a step.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct EngineConfig {
