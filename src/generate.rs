@@ -54,6 +54,9 @@ impl SampleOptions {
     }
 }
 
+/// What [`Generator::generate_ids`] calls after each new token: the tokenizer and the ids so far.
+pub type OnIds<'a> = dyn FnMut(&dyn Tokenizer, &[u32]) -> Result<()> + 'a;
+
 /// How each new token's logits are computed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Decode {
@@ -67,9 +70,9 @@ pub enum Decode {
 /// buffers hold.
 enum Runner {
     None,
-    Full(usize, Transformer<CpuBackend>),
-    KvCpu(KvDecoder<CpuBackend>),
-    KvCuda(KvDecoder<CudaBackend>, usize),
+    Full(usize, Box<Transformer<CpuBackend>>),
+    KvCpu(Box<KvDecoder<CpuBackend>>),
+    KvCuda(Box<KvDecoder<CudaBackend>>, usize),
 }
 
 /// A model ready to generate: fp32 weights, tokenizer, and a decoder whose buffers are sized for
@@ -198,7 +201,7 @@ impl Generator {
         &mut self,
         ids: &[u32],
         opts: SampleOptions,
-        on_ids: &mut dyn FnMut(&dyn Tokenizer, &[u32]) -> Result<()>,
+        on_ids: &mut OnIds<'_>,
     ) -> Result<Vec<u32>> {
         opts.check()?;
         if ids.is_empty() {
@@ -264,15 +267,15 @@ impl Generator {
             self.runner = match self.decode {
                 Decode::FullRecompute => {
                     let cap = Capacity { batch: 1, seq_len: max_len, head_chunk_rows: 1 };
-                    Runner::Full(max_len, Transformer::new(CpuBackend, cfg, cap))
+                    Runner::Full(max_len, Box::new(Transformer::new(CpuBackend, cfg, cap)))
                 }
-                Decode::KvCache(BackendKind::Cpu) => Runner::KvCpu(KvDecoder::new(
+                Decode::KvCache(BackendKind::Cpu) => Runner::KvCpu(Box::new(KvDecoder::new(
                     CpuBackend,
                     cfg,
                     max_len,
                     prompt,
                     Residency::Resident,
-                )),
+                ))),
                 Decode::KvCache(BackendKind::Cuda) => {
                     let layout = ModelLayout::new(cfg);
                     let d = &layout.dims;
@@ -282,12 +285,12 @@ impl Generator {
                     let ws = Precision::Bf16.workspace(decode_product_bytes(&layout, prompt));
                     // Reuse the GPU context and compiled kernels when the workspace still fits.
                     let old = match std::mem::replace(&mut self.runner, Runner::None) {
-                        Runner::KvCuda(kv, bytes) if bytes >= ws.bytes => Some(kv),
+                        Runner::KvCuda(kv, bytes) if bytes >= ws.bytes => Some(*kv),
                         _ => None,
                     };
                     let make = || CudaBackend::new(0, ws.bytes).map_err(|e| anyhow::anyhow!("{e}"));
                     let kv = rebuilt(old, make, cfg, max_len, prompt, Residency::Streamed)?;
-                    Runner::KvCuda(kv, ws.bytes)
+                    Runner::KvCuda(Box::new(kv), ws.bytes)
                 }
             };
         }
