@@ -1,7 +1,8 @@
 //! The built-in default job (`horizon train` with no arguments): a small Llama learns two-digit
 //! addition written as text ("47+38=85"), from scratch, with the byte tokenizer, on the CPU
-//! backend, in a few minutes on two cores. It ends by showing some of the model's answers to
-//! held-out problems and its accuracy on them.
+//! backend, in a few minutes on two cores. Its loss on the 1000 held-out problems is evaluated
+//! every [`EVAL_EVERY`] steps (plotted beside the training loss); it ends by showing some of the
+//! model's answers to held-out problems and its accuracy on them.
 
 use std::fs;
 use std::io::Write;
@@ -21,17 +22,21 @@ use anyhow::{Context, Result};
 /// the held-out problems are answered right (1200 steps: under a minute, 20-35%).
 pub const STEPS: usize = 3000;
 
+/// Steps between evaluations of the held-out problems' loss (logged as `eval_loss`, plotted).
+pub const EVAL_EVERY: usize = 100;
+
 /// The job's config; `OUT` is its output directory.
 pub fn config_yaml(out: &Path, steps: usize) -> String {
     format!(
         "# Built-in default job: two-digit addition, a small Llama from scratch, byte tokenizer.\n\
 model:\n  init: random\n  arch: llama\n  seed: 0\n  hidden_size: 96\n  intermediate_size: 256\n  num_hidden_layers: 3\n  num_attention_heads: 4\n  num_key_value_heads: 4\n  vocab_size: 259\n  max_position_embeddings: 16\n\
-data:\n  path: '{data}'\n  format: pretokenized\n  tokenizer: byte\n  shuffle: true\n\
-train:\n  steps: {steps}\n  batch_size: 64\n  max_seq_len: 12\n  seed: 0\n\
+data:\n  path: '{data}'\n  eval_path: '{eval}'\n  format: pretokenized\n  tokenizer: byte\n  shuffle: true\n\
+train:\n  steps: {steps}\n  batch_size: 64\n  max_seq_len: 12\n  seed: 0\n  eval_every: {EVAL_EVERY}\n\
 optimizer:\n  lr: 3.0e-3\n  schedule: cosine\n  warmup_steps: 40\n  min_lr: 1.0e-4\n  betas: [0.9, 0.98]\n  weight_decay: 0.0\n  grad_clip: 1.0\n\
 engine:\n  checkpoint_every: 1\n\
 output:\n  dir: '{out}'\n",
         data = out.join("addition-train.jsonl").display(),
+        eval = out.join("addition-eval.jsonl").display(),
         out = out.display()
     )
 }
@@ -78,18 +83,23 @@ pub fn run(out: &Path, overrides: &[String]) -> Result<()> {
     run_with(out, STEPS, overrides).map(|_| ())
 }
 
-/// Write the job's training data into `out` (`addition-train.jsonl`, which
-/// [`config_yaml`] names); returns the training and held-out problems.
+/// Write the job's data into `out`: the training problems (`addition-train.jsonl`) and the
+/// held-out ones, whose loss the run evaluates (`addition-eval.jsonl`), both named by
+/// [`config_yaml`]; returns the training and held-out problems.
 pub fn write_data(out: &Path) -> Result<(Vec<Problem>, Vec<Problem>)> {
     fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
     let tok = ByteTokenizer::new();
     let (train, held_out) = problems(0);
-    let data_path = out.join("addition-train.jsonl");
-    let mut f = fs::File::create(&data_path)
-        .with_context(|| format!("cannot create {}", data_path.display()))?;
-    for &(a, b) in &train {
-        let r = row(&tok, a, b)?;
-        writeln!(f, "{}", serde_json::json!({"input_ids": r.input_ids, "labels": r.labels}))?;
+    for (name, set) in [("addition-train.jsonl", &train), ("addition-eval.jsonl", &held_out)] {
+        let path = out.join(name);
+        let mut f = std::io::BufWriter::new(
+            fs::File::create(&path).with_context(|| format!("cannot create {}", path.display()))?,
+        );
+        for &(a, b) in set {
+            let r = row(&tok, a, b)?;
+            writeln!(f, "{}", serde_json::json!({"input_ids": r.input_ids, "labels": r.labels}))?;
+        }
+        f.flush().with_context(|| format!("cannot write {}", path.display()))?;
     }
     Ok((train, held_out))
 }

@@ -1,18 +1,25 @@
-//! `horizon generate`: a quick look at what a model writes, on the CPU backend. Greedy decoding
-//! or temperature / top-p (nucleus) sampling, streaming text as tokens come.
+//! `horizon generate`: a quick look at what a model writes, on the CPU backend or a GPU. Greedy
+//! decoding or temperature / top-p (nucleus) sampling, streaming text as tokens come.
 //!
-//! Each new token runs a full forward over the sequence (no KV cache): fine for a look at a
-//! small model, quadratic in the length for a long one.
+//! The prompt runs as one step of the KV-cached decoder (`model/kv_cache.rs`), then each new
+//! token as one more: one forward of one position per token. On CUDA the layers stream through
+//! one weight slot (bf16) with the cache on the device; on the CPU they stay resident. The full
+//! recompute (a whole forward of the sequence per token, the reference path) stays available as
+//! [`Decode::FullRecompute`], to check the cache against.
 
 use std::path::Path;
 
 use anyhow::{Context, Result, bail};
-use horizon_backend::CpuBackend;
+use horizon_backend::cuda::{CudaBackend, KernelShape, check_kernel_limits};
+use horizon_backend::{CpuBackend, DeviceAlloc, Precision};
 
 use crate::data::pretokenized::Batch;
+use crate::engine::options::BackendKind;
 use crate::hf::config::ModelConfig;
+use crate::model::kv_cache::{KvDecoder, Residency};
 use crate::model::layout::ModelLayout;
 use crate::model::params::ParamStore;
+use crate::model::spec::Op;
 use crate::model::transformer::{Capacity, Transformer};
 use crate::rng::SplitMix64;
 use crate::tokenizer::{HfTokenizer, Message, Tokenizer};
@@ -47,14 +54,35 @@ impl SampleOptions {
     }
 }
 
-/// A model ready to generate: fp32 weights, tokenizer, and a forward workspace sized for the
-/// longest sequence asked for so far.
+/// What [`Generator::generate_ids`] calls after each new token: the tokenizer and the ids so far.
+pub type OnIds<'a> = dyn FnMut(&dyn Tokenizer, &[u32]) -> Result<()> + 'a;
+
+/// How each new token's logits are computed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Decode {
+    /// The KV-cached decoder on a backend: the prompt in one step, then one position per token.
+    KvCache(BackendKind),
+    /// A whole forward of the sequence per token on the CPU reference path (no cache).
+    FullRecompute,
+}
+
+/// The runner of a [`Decode`] mode, with the sequence length (and, cached, the step length) its
+/// buffers hold.
+enum Runner {
+    None,
+    Full(usize, Box<Transformer<CpuBackend>>),
+    KvCpu(Box<KvDecoder<CpuBackend>>),
+    KvCuda(Box<KvDecoder<CudaBackend>>, usize),
+}
+
+/// A model ready to generate: fp32 weights, tokenizer, and a decoder whose buffers are sized for
+/// the longest sequence asked for so far.
 pub struct Generator {
     model_cfg: ModelConfig,
     params: ParamStore,
     tok: Box<dyn Tokenizer>,
-    /// The forward workspace and the sequence length it holds.
-    tr: Option<(usize, Transformer<CpuBackend>)>,
+    decode: Decode,
+    runner: Runner,
     /// Ids that end generation: the tokenizer's EOS and `generation_config.json`'s.
     stop_ids: Vec<u32>,
     /// (V) scratch for the last position's logits.
@@ -66,7 +94,17 @@ impl Generator {
     pub fn new(model_cfg: &ModelConfig, params: ParamStore, tok: Box<dyn Tokenizer>) -> Self {
         let stop_ids = tok.eos_id().into_iter().collect();
         let logits = vec![0.0; model_cfg.vocab_size];
-        Generator { model_cfg: model_cfg.clone(), params, tok, tr: None, stop_ids, logits }
+        let decode = Decode::KvCache(BackendKind::Cpu);
+        let runner = Runner::None;
+        Generator { model_cfg: model_cfg.clone(), params, tok, decode, runner, stop_ids, logits }
+    }
+
+    /// Decode with `decode` from now on (default: the KV cache on the CPU).
+    pub fn set_decode(&mut self, decode: Decode) {
+        if decode != self.decode {
+            self.decode = decode;
+            self.runner = Runner::None;
+        }
     }
 
     /// Load a HF directory (`config.json`, safetensors, `tokenizer.json`).
@@ -88,6 +126,12 @@ impl Generator {
         let mut g = Generator::new(&model_cfg, params, Box::new(tok));
         g.stop_ids.extend(generation_config_eos(dir)?);
         Ok(g)
+    }
+
+    /// Replace the ids that end generation (by default the tokenizer's EOS and
+    /// `generation_config.json`'s).
+    pub fn set_stop_ids(&mut self, ids: Vec<u32>) {
+        self.stop_ids = ids;
     }
 
     /// The tokenizer.
@@ -133,6 +177,32 @@ impl Generator {
         opts: SampleOptions,
         on_text: &mut dyn FnMut(&str),
     ) -> Result<String> {
+        let mut shown = 0usize;
+        let new_ids = self.generate_ids(ids, opts, &mut |tok, new_ids| {
+            let text = tok.decode(new_ids, true)?;
+            // Hold back a trailing replacement character: the rest of its bytes may follow.
+            let ready = text.trim_end_matches('\u{FFFD}');
+            if ready.len() > shown && text.is_char_boundary(shown) {
+                on_text(&ready[shown..]);
+                shown = ready.len();
+            }
+            Ok(())
+        })?;
+        let text = self.tok.decode(&new_ids, true)?;
+        if text.len() > shown && text.is_char_boundary(shown) {
+            on_text(&text[shown..]);
+        }
+        Ok(text)
+    }
+
+    /// Continue `ids`; `on_ids` sees the tokenizer and the generated ids after each new one.
+    /// Returns them (a stop id ends generation and is not returned).
+    pub fn generate_ids(
+        &mut self,
+        ids: &[u32],
+        opts: SampleOptions,
+        on_ids: &mut OnIds<'_>,
+    ) -> Result<Vec<u32>> {
         opts.check()?;
         if ids.is_empty() {
             bail!("the prompt is empty (no tokens to continue)");
@@ -145,42 +215,119 @@ impl Generator {
                 self.max_len()
             );
         }
-        if self.tr.as_ref().is_none_or(|(cap, _)| *cap < max_len) {
-            let cap = Capacity { batch: 1, seq_len: max_len, head_chunk_rows: 1 };
-            self.tr = Some((max_len, Transformer::new(CpuBackend, &self.model_cfg, cap)));
-        }
-        let tr = &mut self.tr.as_mut().expect("built above").1;
+        self.prepare(max_len, ids.len())?;
         let vocab = self.logits.len();
         let mut seq: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
         let mut new_ids: Vec<u32> = Vec::new();
-        let mut shown = 0usize;
         let mut rng = SplitMix64::new(opts.seed);
         let mut order: Vec<usize> = Vec::with_capacity(vocab);
         while new_ids.len() < opts.max_new_tokens && seq.len() < max_len {
-            let t = seq.len();
-            let batch =
-                Batch { b: 1, t, input_ids: seq.clone(), targets: vec![-100; t], num_targets: 0 };
-            tr.last_logits(&self.params, &batch, &mut self.logits)?;
+            // The cache holds every position but the last `fresh` (the whole prompt at first).
+            let fresh = &seq[if new_ids.is_empty() { 0 } else { seq.len() - 1 }..];
+            let (params, logits) = (&self.params, &mut self.logits);
+            match &mut self.runner {
+                Runner::Full(_, tr) => {
+                    let t = seq.len();
+                    let (input_ids, targets) = (seq.clone(), vec![-100; t]);
+                    let batch = Batch { b: 1, t, input_ids, targets, num_targets: 0 };
+                    tr.last_logits(params, &batch, logits)?;
+                }
+                Runner::KvCpu(kv) => kv.step(params, fresh, logits)?,
+                Runner::KvCuda(kv, _) => kv.step(params, fresh, logits)?,
+                Runner::None => unreachable!("prepared above"),
+            }
             let next = sample(&mut self.logits, &opts, &mut rng, &mut order) as u32;
             if self.stop_ids.contains(&next) {
                 break;
             }
             new_ids.push(next);
             seq.push(next as i32);
-            let text = self.tok.decode(&new_ids, true)?;
-            // Hold back a trailing replacement character: the rest of its bytes may follow.
-            let ready = text.trim_end_matches('\u{FFFD}');
-            if ready.len() > shown && text.is_char_boundary(shown) {
-                on_text(&ready[shown..]);
-                shown = ready.len();
-            }
+            on_ids(self.tok.as_ref(), &new_ids)?;
         }
-        let text = self.tok.decode(&new_ids, true)?;
-        if text.len() > shown && text.is_char_boundary(shown) {
-            on_text(&text[shown..]);
-        }
-        Ok(text)
+        Ok(new_ids)
     }
+
+    /// Greedy continuation of `ids` by up to `max_new_tokens` ids, without decoding text (for
+    /// comparing decode modes).
+    pub fn greedy_ids(&mut self, ids: &[u32], max_new_tokens: usize) -> Result<Vec<u32>> {
+        self.generate_ids(ids, SampleOptions::greedy(max_new_tokens), &mut |_, _| Ok(()))
+    }
+
+    /// A runner for sequences of `max_len` positions whose first step has `prompt` positions,
+    /// reusing the current one where it is large enough; a cached runner starts a new sequence.
+    fn prepare(&mut self, max_len: usize, prompt: usize) -> Result<()> {
+        let cfg = &self.model_cfg;
+        let fits = match &self.runner {
+            Runner::None => false,
+            Runner::Full(cap, _) => *cap >= max_len,
+            Runner::KvCpu(kv) => kv.max_len() >= max_len && kv.max_step() >= prompt,
+            Runner::KvCuda(kv, _) => kv.max_len() >= max_len && kv.max_step() >= prompt,
+        };
+        if !fits {
+            self.runner = match self.decode {
+                Decode::FullRecompute => {
+                    let cap = Capacity { batch: 1, seq_len: max_len, head_chunk_rows: 1 };
+                    Runner::Full(max_len, Box::new(Transformer::new(CpuBackend, cfg, cap)))
+                }
+                Decode::KvCache(BackendKind::Cpu) => Runner::KvCpu(Box::new(KvDecoder::new(
+                    CpuBackend,
+                    cfg,
+                    max_len,
+                    prompt,
+                    Residency::Resident,
+                ))),
+                Decode::KvCache(BackendKind::Cuda) => {
+                    let layout = ModelLayout::new(cfg);
+                    let d = &layout.dims;
+                    let (c, h, kvh, hd, f, v) = (d.c, d.h, d.kvh, d.d, d.f, d.v);
+                    let shape = KernelShape { c, h, kvh, d: hd, f, v, b: 1, t: max_len };
+                    check_kernel_limits(&shape).context("--device cuda")?;
+                    let ws = Precision::Bf16.workspace(decode_product_bytes(&layout, prompt));
+                    // Reuse the GPU context and compiled kernels when the workspace still fits.
+                    let old = match std::mem::replace(&mut self.runner, Runner::None) {
+                        Runner::KvCuda(kv, bytes) if bytes >= ws.bytes => Some(*kv),
+                        _ => None,
+                    };
+                    let make = || CudaBackend::new(0, ws.bytes).map_err(|e| anyhow::anyhow!("{e}"));
+                    let kv = rebuilt(old, make, cfg, max_len, prompt, Residency::Streamed)?;
+                    Runner::KvCuda(Box::new(kv), ws.bytes)
+                }
+            };
+        }
+        match &mut self.runner {
+            Runner::KvCpu(kv) => kv.begin(&self.params),
+            Runner::KvCuda(kv, _) => kv.begin(&self.params),
+            Runner::Full(..) | Runner::None => {}
+        }
+        Ok(())
+    }
+}
+
+/// A decoder of the given sizes on `old`'s backend, or on a new one from `make`.
+fn rebuilt<B: DeviceAlloc>(
+    old: Option<KvDecoder<B>>,
+    make: impl FnOnce() -> Result<B>,
+    cfg: &ModelConfig,
+    max_len: usize,
+    max_step: usize,
+    residency: Residency,
+) -> Result<KvDecoder<B>> {
+    let be = match old {
+        Some(kv) => kv.into_backend(),
+        None => make()?,
+    };
+    Ok(KvDecoder::new(be, cfg, max_len, max_step, residency))
+}
+
+/// The largest bf16 product workspace a decode step of `rows` positions needs: the layers'
+/// products over `rows`, the head's over one row.
+fn decode_product_bytes(layout: &ModelLayout, rows: usize) -> usize {
+    let d = layout.dims;
+    let layers = layout.kinds.iter().flat_map(|k| &k.ops).filter_map(|op| match *op {
+        Op::Linear { ic, oc, .. } => Some(Precision::Bf16.product_bytes(rows, ic, oc)),
+        _ => None,
+    });
+    layers.chain([Precision::Bf16.product_bytes(1, d.c, d.v)]).max().unwrap_or(0)
 }
 
 /// `eos_token_id` of a HF directory's `generation_config.json` (a number or a list), if any.

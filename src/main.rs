@@ -67,7 +67,8 @@ enum Command {
         #[arg(long, default_value = "5GB")]
         max_shard_size: String,
     },
-    /// Generate text from a HF model directory on the CPU backend, streaming tokens as they come.
+    /// Generate text from a HF model directory (KV cache; CPU backend or a GPU), streaming
+    /// tokens as they come.
     Generate {
         /// A HF model directory with its tokenizer (e.g. OUT/final).
         #[arg(long)]
@@ -93,6 +94,14 @@ enum Command {
         /// Seed of the sampling.
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// cpu, or cuda (GPU 0: layers streamed through one bf16 weight slot, the KV cache on
+        /// the device; needs a binary built with --features cuda).
+        #[arg(long, default_value = "cpu")]
+        device: String,
+        /// No KV cache: a whole forward of the sequence per token on the CPU (the reference
+        /// the cache is checked against; quadratic in the length).
+        #[arg(long)]
+        full_recompute: bool,
     },
     /// Print a config's memory plan without training: host bytes by kind and per parameter,
     /// device bytes, the deepest model of this shape each optimizer.memory mode fits in the
@@ -186,11 +195,23 @@ fn try_main(cli: Cli) -> Result<()> {
             temperature,
             top_p,
             seed,
+            device,
+            full_recompute,
         } => {
+            use horizon::engine::options::BackendKind;
+            use horizon::generate::Decode;
             use std::io::Write;
             let opts =
                 horizon::generate::SampleOptions { max_new_tokens, temperature, top_p, seed };
+            let decode = match (device.as_str(), full_recompute) {
+                ("cpu", true) => Decode::FullRecompute,
+                ("cpu", false) => Decode::KvCache(BackendKind::Cpu),
+                ("cuda", false) => Decode::KvCache(BackendKind::Cuda),
+                ("cuda", true) => bail!("--full-recompute runs on the CPU only (no --device cuda)"),
+                (other, _) => bail!("--device {other}: expected cpu or cuda"),
+            };
             let mut g = horizon::generate::Generator::load(&model)?;
+            g.set_decode(decode);
             let ids = g.prompt_ids(&prompt, chat, system.as_deref())?;
             let mut stdout = std::io::stdout();
             if !chat {

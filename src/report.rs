@@ -54,6 +54,11 @@ pub fn read_metrics(path: &Path) -> Result<Vec<Point>> {
     Ok(points)
 }
 
+/// The plot's eval series: `(step, eval_loss)` of the steps that evaluated.
+pub fn eval_series(points: &[Point]) -> Vec<(f64, f64)> {
+    points.iter().filter_map(|p| p.eval_loss.map(|e| (p.step as f64, e))).collect()
+}
+
 /// Draw the loss (training, and eval where measured) and the throughput against the step into
 /// a PNG at `path`.
 pub fn plot(points: &[Point], path: &Path, title: &str) -> Result<()> {
@@ -69,8 +74,7 @@ pub fn plot(points: &[Point], path: &Path, title: &str) -> Result<()> {
     let (top, bottom) = root.split_vertically(420);
     let good: Vec<&Point> = points.iter().filter(|p| p.loss.is_finite()).collect();
     let max_step = points.iter().map(|p| p.step).max().unwrap_or(1).max(2) as f64;
-    let evals: Vec<(f64, f64)> =
-        points.iter().filter_map(|p| p.eval_loss.map(|e| (p.step as f64, e))).collect();
+    let evals = eval_series(points);
     let losses = good.iter().map(|p| p.loss).chain(evals.iter().map(|e| e.1));
     let (lo, hi) =
         losses.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), x| (a.min(x), b.max(x)));

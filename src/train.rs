@@ -465,8 +465,6 @@ pub struct StreamTrainer<D: Device = CpuDevice> {
     order: BatchOrder,
     /// The held-out rows (`data.eval_fraction` / `data.eval_path`).
     pub eval: Option<PretokenizedDataset>,
-    /// Forward-only runner for the held-out rows (allocated once, when there are any).
-    evaluator: Option<Transformer<CpuBackend>>,
     /// Records the data loaders left out (`data.on_error: skip`, or prompt too long).
     pub skipped_records: usize,
     pub plan: MemoryPlan,
@@ -559,18 +557,6 @@ where
                 raw.optimizer.memory,
             ),
         };
-        let evaluator = sets.eval.as_ref().map(|e| {
-            let seq_len = e.rows.iter().map(|r| r.input_ids.len()).max().unwrap_or(1);
-            Transformer::new(
-                CpuBackend,
-                &model_cfg,
-                Capacity {
-                    batch: ecfg.micro_batch_size,
-                    seq_len,
-                    head_chunk_rows: raw.engine.head_chunk_rows,
-                },
-            )
-        });
         let dev = make_dev(raw, &plan)?;
         let engine = Engine::new(dev, &model_cfg, state, ecfg)?;
         let order = batch_order(&cfg, &sets.train);
@@ -580,7 +566,6 @@ where
             order,
             data: sets.train,
             eval: sets.eval,
-            evaluator,
             skipped_records: sets.skipped_records,
             plan,
             engine,
@@ -617,25 +602,15 @@ where
     }
 
     /// Mean loss over the held-out rows with the current weights (`None` without a held-out
-    /// split). Runs forward only, micro-batch by micro-batch, on the CPU reference path.
+    /// split). Runs forward only, micro-batch by micro-batch, on the run's device through the
+    /// engine (`Engine::eval`, in the step's planned buffers), after the queued updates.
     pub fn evaluate(&mut self) -> Result<Option<f64>> {
-        let (Some(eval), Some(tr)) = (&self.eval, &mut self.evaluator) else {
+        let Some(eval) = &self.eval else {
             return Ok(None);
         };
-        let params = &self.engine.state().params;
-        let mbs = self.cfg.raw.train.micro_batch_rows();
-        let (mut loss_sum, mut targets) = (0.0f64, 0usize);
-        for chunk in eval.rows.chunks(mbs) {
-            let rows: Vec<&Row> = chunk.iter().collect();
-            let batch = make_batch(&rows);
-            if batch.num_targets == 0 {
-                continue;
-            }
-            let out = tr.forward_loss(params, &batch)?;
-            loss_sum += out.loss_sum;
-            targets += out.num_targets;
-        }
-        Ok(Some(loss_sum / targets.max(1) as f64))
+        let rows: Vec<&Row> = eval.rows.iter().collect();
+        let mbs = micro_batches(&rows, self.engine.config().micro_batch_size);
+        Ok(Some(self.engine.eval(mbs)?.loss()))
     }
 }
 

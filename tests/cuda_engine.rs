@@ -198,3 +198,104 @@ fn a_failed_launch_is_an_error_and_the_last_checkpoint_survives() {
     assert!(resumed.status.success(), "resuming from step 2 failed:\n{text}");
     assert!(ckpts.join("step-00000004/state.json").is_file(), "the resumed run saved no step 4");
 }
+
+/// Index of the largest logit (the first of equals) and its lead over the runner-up.
+fn top(logits: &[f32]) -> (usize, f32) {
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    (order[0], logits[order[0]] - logits[order[1]])
+}
+
+/// `horizon generate --device cuda`: the KV-cached decoder with the layers streamed through one
+/// bf16 weight slot and the cache on the device, against the CPU decoder, on every fixture.
+/// Teacher-forced on the CPU's greedy tokens: each step's logits within bf16's tolerance (2e-2
+/// of the largest |logit|, as the engine's products), and the GPU's greedy token is the CPU's
+/// wherever the CPU's lead over the runner-up exceeds twice that. Then the generator's own GPU
+/// run gives the GPU's tokens up to the first step where they may differ.
+#[test]
+fn kv_cache_generation_on_the_gpu_tracks_the_cpu_tokens() {
+    use horizon::generate::{Decode, Generator};
+    use horizon::model::kv_cache::{KvDecoder, Residency};
+    use horizon_backend::cuda::CudaBackend;
+    use horizon_backend::{CpuBackend, Precision};
+    let prompt = [3u32, 17, 5, 42, 9];
+    let new = 32;
+    for case in CASES {
+        let dir = case_dir(case).join("model");
+        let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+        let params = ParamStore::load_hf(&ModelLayout::new(&cfg), &dir).unwrap();
+        let len = prompt.len() + new;
+        let ws = Precision::Bf16.workspace(Precision::Bf16.product_bytes(64, 512, 512));
+        let be = CudaBackend::new(0, ws.bytes).unwrap_or_else(|e| panic!("{e}\n{NO_GPU_HINT}"));
+        let mut gpu = KvDecoder::new(be, &cfg, len, prompt.len(), Residency::Streamed);
+        let mut cpu = KvDecoder::new(CpuBackend, &cfg, len, prompt.len(), Residency::Resident);
+        let (mut lc, mut lg) = (vec![0.0f32; cfg.vocab_size], vec![0.0f32; cfg.vocab_size]);
+        let mut feed: Vec<i32> = prompt.iter().map(|&t| t as i32).collect();
+        cpu.begin(&params);
+        gpu.begin(&params);
+        let (mut cpu_ids, mut gpu_ids) = (Vec::new(), Vec::new());
+        for step in 0..new {
+            cpu.step(&params, &feed, &mut lc).unwrap();
+            gpu.step(&params, &feed, &mut lg).unwrap();
+            let scale = lc.iter().fold(1.0f32, |m, x| m.max(x.abs()));
+            let tol = 2e-2 * scale;
+            for (i, (g, c)) in lg.iter().zip(&lc).enumerate() {
+                assert!((g - c).abs() <= tol, "{case} step {step}: logit {i} {g} vs cpu {c}");
+            }
+            let ((want, lead), (got, _)) = (top(&lc), top(&lg));
+            if lead > 2.0 * tol {
+                assert_eq!(got, want, "{case} step {step}: lead {lead} > {}", 2.0 * tol);
+            }
+            cpu_ids.push(want as u32);
+            gpu_ids.push(got as u32);
+            feed = vec![want as i32];
+        }
+        let agree = cpu_ids.iter().zip(&gpu_ids).take_while(|(a, b)| a == b).count();
+        let tok = Box::new(horizon::tokenizer::ByteTokenizer::new());
+        let mut g = Generator::new(&cfg, params.clone(), tok);
+        g.set_stop_ids(Vec::new());
+        g.set_decode(Decode::KvCache(BackendKind::Cuda));
+        let ids = g.greedy_ids(&prompt, new).unwrap();
+        let upto = (agree + 1).min(new);
+        assert_eq!(ids[..upto], gpu_ids[..upto], "{case}: generator on the GPU");
+        eprintln!("{case}: the GPU's greedy tokens agree with the CPU's for {agree} of {new}");
+    }
+}
+
+/// The held-out loss on the GPU (`Engine::eval`: forward only, bf16 weights, whole and tiled
+/// head) within bf16's tolerance of the CPU reference path's.
+#[test]
+fn eval_on_the_gpu_tracks_the_reference_loss() {
+    use horizon::data::pretokenized::{Row, make_batch};
+    use horizon::model::transformer::{Capacity, Transformer};
+    use horizon_backend::CpuBackend;
+    for case in ["llama_gqa", "gemma3_sliding"] {
+        let model = ModelConfig::from_file(&case_dir(case).join("model/config.json")).unwrap();
+        let params =
+            ParamStore::load_hf(&ModelLayout::new(&model), &case_dir(case).join("model")).unwrap();
+        let rows = case_rows(case);
+        let refs: Vec<&Row> = rows.iter().collect();
+        let cfg = cuda_config(case, 2, 2, GradWire::Fp32);
+        let cap = Capacity { batch: 2, seq_len: cfg.seq_len, head_chunk_rows: 7 };
+        let mut tr = Transformer::new(CpuBackend, &model, cap);
+        let (mut want, mut n) = (0.0, 0);
+        for chunk in refs.chunks(2) {
+            let out = tr.forward_loss(&params, &make_batch(chunk)).unwrap();
+            want += out.loss_sum;
+            n += out.num_targets;
+        }
+        for tiles in [None, Some(37)] {
+            let ecfg = EngineConfig { head_tile_rows: tiles, ..cfg };
+            let mut e =
+                Engine::new(cuda(0, 0), &model, TrainState::new(params.clone()), ecfg).unwrap();
+            let got = e.eval(horizon::train::micro_batches(&refs, 2)).unwrap();
+            assert_eq!(got.num_targets, n);
+            assert_rel(
+                &format!("{case} eval on the GPU, tiles {tiles:?}"),
+                got.loss_sum,
+                want,
+                2e-2,
+            );
+        }
+    }
+}

@@ -386,3 +386,45 @@ fn exports_carry_the_special_token_ids_in_config_and_generation_config() {
     let e = err(export());
     assert!(e.contains("generation_config.json") && e.contains("not a JSON object"), "{e}");
 }
+
+/// Greedy ids of `model` (a fixture's weights, or any), KV cache against full recompute.
+fn kv_and_full_ids(
+    cfg: &ModelConfig,
+    params: &ParamStore,
+    prompt: &[u32],
+    n: usize,
+) -> [Vec<u32>; 2] {
+    use horizon::engine::options::BackendKind;
+    use horizon::generate::{Decode, Generator};
+    let tok = Box::new(horizon::tokenizer::ByteTokenizer::new());
+    let mut g = Generator::new(cfg, params.clone(), tok);
+    g.set_stop_ids(Vec::new());
+    [Decode::KvCache(BackendKind::Cpu), Decode::FullRecompute].map(|mode| {
+        g.set_decode(mode);
+        g.greedy_ids(prompt, n).unwrap()
+    })
+}
+
+#[test]
+fn kv_cache_generates_the_full_recompute_tokens() {
+    // Every fixture family (GQA; tied head and padded vocabulary; Qwen3's and Gemma 3's per-head
+    // q/k norms; Gemma 3's sliding-window layers, window 8, passed well within 32 tokens) and
+    // the default job's model (its shape with room for 32 new tokens), greedy.
+    for case in CASES {
+        let dir = case_dir(case).join("model");
+        let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+        let params = ParamStore::load_hf(&ModelLayout::new(&cfg), &dir).unwrap();
+        let [kv, full] = kv_and_full_ids(&cfg, &params, &[3, 17, 5, 42, 9], 32);
+        assert_eq!(full.len(), 32, "{case}");
+        assert_eq!(kv, full, "{case}: KV cache vs full recompute");
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let yaml = horizon::default_job::config_yaml(tmp.path(), 1);
+    let set = ["model.max_position_embeddings=64".to_string()];
+    let raw = horizon::config::RawConfig::from_yaml_with(&yaml, "default job", &set).unwrap();
+    let (cfg, params) = horizon::train::load_model(&raw).unwrap();
+    let prompt: Vec<u32> = "47+38=".bytes().map(u32::from).collect();
+    let [kv, full] = kv_and_full_ids(&cfg, &params, &prompt, 32);
+    assert_eq!(full.len(), 32);
+    assert_eq!(kv, full, "default job model: KV cache vs full recompute");
+}

@@ -37,6 +37,9 @@ use crate::optim::moments::{AnyMoments, Moments, Moments32};
 use crate::optim::state::OptState;
 use crate::store::TrainState;
 
+mod eval;
+pub use eval::EvalOutput;
+
 /// How the engine runs a step.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct EngineConfig {

@@ -137,6 +137,11 @@ impl fmt::Display for MemoryPlan {
             )
         };
         writeln!(f, "    LM head: {head}")?;
+        writeln!(
+            f,
+            "    held-out eval: forward only, in micro-batch 0's buffers, the slots and the \
+             scratch below (no more bytes)"
+        )?;
         for (k, b) in &self.device {
             writeln!(f, "    {:<70} {:>14}", k, gib(*b))?;
         }

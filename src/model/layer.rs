@@ -81,6 +81,47 @@ pub fn layer_forward<B: Backend>(
     ropes: &[(&B::Buf, &B::Buf)],
     rows: Rows,
 ) {
+    forward_ops(be, spec, slots, w, ropes, rows, None);
+}
+
+/// A layer's KV cache in a decode step: every position's fused q|k|v row so far and the
+/// position of the step's first new row.
+pub struct KvStep<'a, T: ?Sized> {
+    /// (T_max, QKV): rows `0..pos` hold the earlier positions' rows after rope.
+    pub cache: &'a mut T,
+    /// Positions already in the cache.
+    pub pos: usize,
+}
+
+/// One decoder layer forward over the `rows.t` new positions `pos..pos + t` of one sequence
+/// (`rows.b == 1`), with the layer's KV cache: the ops of [`layer_forward`], except that the
+/// attention first appends the new rows' q|k|v (after rope) to the cache, then attends from
+/// them over cache rows `0..pos + t` ([`Backend::attention_decode`]; its `lse` slot is not
+/// written). Every other op is row by row. `ropes[k]` must be viewed at the new positions:
+/// (t, D/2) from row `pos`.
+pub fn layer_forward_cached<B: Backend>(
+    be: &B,
+    spec: &LayerSpec,
+    slots: &mut [Slot<'_, B::Buf>],
+    w: &B::WBuf,
+    ropes: &[(&B::Buf, &B::Buf)],
+    rows: Rows,
+    kv: KvStep<'_, B::Buf>,
+) {
+    assert_eq!(rows.b, 1, "a KV cache holds one sequence");
+    forward_ops(be, spec, slots, w, ropes, rows, Some(kv));
+}
+
+/// The forward ops of a layer, attention over `kv`'s cache when given.
+fn forward_ops<B: Backend>(
+    be: &B,
+    spec: &LayerSpec,
+    slots: &mut [Slot<'_, B::Buf>],
+    w: &B::WBuf,
+    ropes: &[(&B::Buf, &B::Buf)],
+    rows: Rows,
+    mut kv: Option<KvStep<'_, B::Buf>>,
+) {
     let n = rows.b * rows.t;
     let len = |a: Act| n * spec.width(a);
     let ad = spec.attn.dims(rows.b, rows.t);
@@ -116,10 +157,19 @@ pub fn layer_forward<B: Backend>(
                 let (cos, sin) = ropes[table];
                 be.rope_forward(q.w(len(qkv)), cos, sin, ad);
             }
-            Op::Attention { qkv, out, lse } => {
-                let [q, o, l] = pick(slots, [qkv, out, lse]);
-                be.attention_forward(o.w(len(out)), l.w(len(lse)), q.r(len(qkv)), ad);
-            }
+            Op::Attention { qkv, out, lse } => match kv.as_mut() {
+                None => {
+                    let [q, o, l] = pick(slots, [qkv, out, lse]);
+                    be.attention_forward(o.w(len(out)), l.w(len(lse)), q.r(len(qkv)), ad);
+                }
+                Some(KvStep { cache, pos }) => {
+                    let [q, o] = pick(slots, [qkv, out]);
+                    let (width, total) = (spec.width(qkv), *pos + n);
+                    be.copy(cache.slice_mut(*pos * width..total * width), q.r(len(qkv)));
+                    let cd = spec.attn.dims(1, total);
+                    be.attention_decode(o.w(len(out)), cache.slice(0..total * width), n, cd);
+                }
+            },
             Op::Add { a, b, out } => {
                 let [x, y, o] = pick(slots, [a, b, out]);
                 be.residual_forward(o.w(len(out)), x.r(len(a)), y.r(len(b)));

@@ -1,8 +1,10 @@
 //! The model: families' descriptions (`families/`), what a description is and what is derived
 //! from it (`spec.rs`: backward program, sizes, FLOPs), the parameter layout, the host parameter
-//! store, and the layer-by-layer transformer step that runs any description.
+//! store, the layer-by-layer transformer step that runs any description, and the KV-cached
+//! decoder of generation.
 
 pub mod families;
+pub mod kv_cache;
 pub mod layer;
 pub mod layout;
 pub mod params;

@@ -55,6 +55,21 @@ impl CudaBackend {
     }
 }
 
+impl crate::DeviceAlloc for CudaBackend {
+    type Mem = Vec<f32>;
+    type IMem = Vec<i32>;
+    type WMem = Vec<Bf16>;
+    fn alloc(&self, _: usize) -> Vec<f32> {
+        match *self {}
+    }
+    fn alloc_i32(&self, _: usize) -> Vec<i32> {
+        match *self {}
+    }
+    fn alloc_weights(&self, _: usize) -> Vec<Bf16> {
+        match *self {}
+    }
+}
+
 /// The CUDA device; cannot exist in a binary built without CUDA.
 #[derive(Debug)]
 pub enum CudaDevice {}
@@ -188,6 +203,9 @@ impl Backend for CudaBackend {
         _: &[f32],
         _: AttnDims,
     ) {
+        match *self {}
+    }
+    fn attention_decode(&self, _: &mut [f32], _: &[f32], _: usize, _: AttnDims) {
         match *self {}
     }
     fn swiglu_forward(&self, _: &mut [f32], _: &[f32], _: usize, _: usize) {

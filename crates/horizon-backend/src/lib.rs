@@ -283,6 +283,14 @@ pub trait Backend: Send + Sync {
         dims: AttnDims,
     );
 
+    /// Attention of the last `t_new` positions of each sequence against every key before and at
+    /// them, forward only (a KV cache's decode step): rows `T - T_new..T` of
+    /// [`Backend::attention_forward`]'s `out`, within `dims.window`, `dims` sizing the whole
+    /// cache (`dims.t` = T positions so far).
+    /// out: (B*T_new, H*D), overwrites. qkv: (B*T, QKV) after rope: every position's k and v (the
+    /// cache), and the new positions' q.
+    fn attention_decode(&self, out: &mut Self::Buf, qkv: &Self::Buf, t_new: usize, dims: AttnDims);
+
     /// SwiGLU: `out = silu(gate) * up`.
     /// out: (N, F), overwrites. gate_up: (N, 2F), row = `[gate (F) | up (F)]`.
     fn swiglu_forward(&self, out: &mut Self::Buf, gate_up: &Self::Buf, n: usize, f: usize);

@@ -401,6 +401,39 @@ fn attention_window_and_scale() {
     }
 }
 
+/// A KV cache's decode step: the last T_new query rows over every cached key (1, a few, all of
+/// T; with GQA, head dims up to 256, sliding windows shorter than T and not aligned to a tile),
+/// against the CPU reference; `out` between guards.
+#[test]
+fn attention_decode_matches_cpu() {
+    let be = gpu();
+    let mut rng = Rng::new(14);
+    let d6 = AttnDims::new(2, 37, 4, 2, 6);
+    let d128 = AttnDims::new(1, 129, 4, 1, 128);
+    let cases = attn_cases().into_iter().chain([
+        windowed(d6, 5, d6.scale),
+        windowed(d128, 37, 0.0625),
+        windowed(d6, 1, 0.8),
+    ]);
+    for dims in cases {
+        let qkv = rng.vec(dims.n() * dims.qkv_width(), 1.5);
+        let xd = Guarded::new(&be, "qkv", &qkv);
+        for t_new in [1, 9.min(dims.t), dims.t] {
+            let len = dims.b * t_new * dims.h * dims.d;
+            let mut want = vec![0.0; len];
+            CpuBackend.attention_decode(&mut want, &qkv, t_new, dims);
+            let mut out = Guarded::new(&be, "out", &vec![f32::NAN; len]);
+            be.attention_decode(out.view_mut(), xd.view(), t_new, dims);
+            assert_close(
+                &format!("attention_decode {t_new} of {dims:?}"),
+                &out.read(&be),
+                &want,
+                5e-5,
+            );
+        }
+    }
+}
+
 /// Per-head q/k norms of fused qkv rows (GQA, D = 16, 32, 72, 128, 256; w_offset 0 and 1): out
 /// (the v part copied) and rstd overwrite; the backward runs twice: dinp overwrites (prefilled
 /// with 7s, and the same after both calls), dweight accumulates (+=) over both. The dweight

@@ -400,18 +400,28 @@ fn matmul_forward_matches_reference() {
 #[test]
 fn matmul_rows_do_not_depend_on_tiling() {
     // Each output row must get the same bits whether it sits in a 4-row micro-kernel block or
-    // is computed alone, so results cannot depend on N or on where a row falls in a tile.
+    // is computed alone (a row alone takes the unpacked one-row path, a decode step's), so
+    // results cannot depend on N or on where a row falls in a tile. The second shape has
+    // several `k` blocks of 256 and several column tasks; `dinp` is checked the same way.
     let mut rng = Rng::new(8);
-    let (n, ic, oc) = (37, 70, 45);
-    let inp = rng.vec(n * ic, 1.0);
-    let w = rng.vec(oc * ic, 0.2);
-    let b = rng.vec(oc, 1.0);
-    let mut out = vec![0.0; n * oc];
-    matmul_forward(&mut out, &inp, &w, Some(&b), n, ic, oc);
-    for r in 0..n {
-        let mut row = vec![0.0; oc];
-        matmul_forward(&mut row, &inp[r * ic..][..ic], &w, Some(&b), 1, ic, oc);
-        assert_eq!(bits(&row), bits(&out[r * oc..][..oc]), "row {r} differs");
+    for (n, ic, oc) in [(37, 70, 45), (7, 600, 300)] {
+        let inp = rng.vec(n * ic, 1.0);
+        let w = rng.vec(oc * ic, 0.2);
+        let b = rng.vec(oc, 1.0);
+        let dout = rng.vec(n * oc, 1.0);
+        let mut out = vec![0.0; n * oc];
+        matmul_forward(&mut out, &inp, &w, Some(&b), n, ic, oc);
+        let (mut dinp, mut dw) = (vec![0.0; n * ic], vec![0.0; oc * ic]);
+        matmul_backward(Some(&mut dinp), &mut dw, None, &dout, &inp, &w, n, ic, oc);
+        for r in 0..n {
+            let mut row = vec![0.0; oc];
+            matmul_forward(&mut row, &inp[r * ic..][..ic], &w, Some(&b), 1, ic, oc);
+            assert_eq!(bits(&row), bits(&out[r * oc..][..oc]), "{n}x{ic}x{oc}: row {r} differs");
+            let (mut drow, mut dw1) = (vec![0.0; ic], vec![0.0; oc * ic]);
+            let (dout_r, inp_r) = (&dout[r * oc..][..oc], &inp[r * ic..][..ic]);
+            matmul_backward(Some(&mut drow), &mut dw1, None, dout_r, inp_r, &w, 1, ic, oc);
+            assert_eq!(bits(&drow), bits(&dinp[r * ic..][..ic]), "{n}x{ic}x{oc}: dinp row {r}");
+        }
     }
 }
 
@@ -680,6 +690,33 @@ fn attention_window_and_scale_forward_match_reference() {
         let (want_out, want_lse) = attention_ref(&to64(&qkv), dims);
         assert_close(&format!("attention out {dims:?}"), &out, &want_out, FWD_TOL);
         assert_close(&format!("attention lse {dims:?}"), &lse, &want_lse, FWD_TOL);
+    }
+}
+
+#[test]
+fn attention_decode_equals_the_rows_of_the_full_forward() {
+    // A KV cache's step: the last T_new query rows over every cached key. Without a window the
+    // rows have the full forward's bits (the same products, keys from 0; T = 300 spans two k
+    // blocks of the GEMM); within one, the same sums grouped from the row's own window start.
+    let mut rng = Rng::new(32);
+    let dims = attn_dims().into_iter().chain(window_dims()).chain([AttnDims::new(1, 300, 2, 1, 8)]);
+    for dims in dims {
+        let (qkv, out, _) = attention_case(&mut rng, dims);
+        let hd = dims.h * dims.d;
+        for t_new in [1, 3.min(dims.t), dims.t] {
+            let mut got = vec![f32::NAN; dims.b * t_new * hd];
+            attention_decode(&mut got, &qkv, t_new, dims);
+            let want: Vec<f32> = (0..dims.b)
+                .flat_map(|bi| &out[(bi * dims.t + dims.t - t_new) * hd..(bi + 1) * dims.t * hd])
+                .copied()
+                .collect();
+            let name = format!("attention_decode T_new {t_new} {dims:?}");
+            if dims.window == 0 || dims.window >= dims.t {
+                assert_eq!(bits(&got), bits(&want), "{name}");
+            } else {
+                assert_close(&name, &got, &want, 1e-6);
+            }
+        }
     }
 }
 

@@ -738,6 +738,7 @@ static void test_compile_errors() {
 // The kernels of each project file (crates/horizon-backend/src/cuda/kernels.rs, FUNCTIONS).
 static const std::vector<std::pair<const char*, std::vector<const char*>>> kProjectKernels = {
     {"attention", {"attention_forward", "attention_backward_dq", "attention_backward_dkv"}},
+    {"attention_decode", {"attention_decode"}},
     {"convert", {"convert_f32_to_bf16"}},
     {"cross_entropy", {"cross_entropy_forward", "cross_entropy_fused"}},
     {"embedding", {"embedding_forward", "embedding_backward"}},

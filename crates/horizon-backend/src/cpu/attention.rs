@@ -30,13 +30,13 @@ const QB: usize = 64;
 thread_local! {
     /// Each worker's attention scratch (score block, probabilities, small outputs, dk and dv
     /// sums), grown to the largest shape once and then reused.
-    static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    pub(super) static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// A mutable buffer shared by parallel tasks that each write a disjoint set of elements.
 /// Rayon's safe splitting cannot express "columns of head h of every row of batch b", which is
 /// what one attention task owns, so tasks carve their views out of this with `slice_mut`.
-struct DisjointMut<'a> {
+pub(super) struct DisjointMut<'a> {
     ptr: *mut f32,
     len: usize,
     _borrow: PhantomData<&'a mut [f32]>,
@@ -50,7 +50,7 @@ unsafe impl Send for DisjointMut<'_> {}
 unsafe impl Sync for DisjointMut<'_> {}
 
 impl<'a> DisjointMut<'a> {
-    fn new(buf: &'a mut [f32]) -> Self {
+    pub(super) fn new(buf: &'a mut [f32]) -> Self {
         DisjointMut { ptr: buf.as_mut_ptr(), len: buf.len(), _borrow: PhantomData }
     }
 
@@ -60,7 +60,7 @@ impl<'a> DisjointMut<'a> {
     /// While the returned slice lives, no other slice obtained from this `DisjointMut` (in this
     /// or any other thread) may overlap `off..off + len`.
     #[allow(clippy::mut_from_ref)]
-    unsafe fn slice_mut(&self, off: usize, len: usize) -> &mut [f32] {
+    pub(super) unsafe fn slice_mut(&self, off: usize, len: usize) -> &mut [f32] {
         assert!(off + len <= self.len, "attention: view {off}+{len} out of {}", self.len);
         // SAFETY: the range is in bounds of the borrowed buffer (asserted above), the buffer is
         // exclusively borrowed for 'a, and the caller guarantees no overlapping live view.
@@ -103,7 +103,7 @@ fn live_range(i: usize, k0: usize, window: usize) -> (usize, usize) {
 /// `S (rows, keys) = Q_blk . K^T` for query rows `r0..r0 + rows` of head `hi` and keys
 /// `k0..k0 + keys` (absolute rows of qkv), into `s` with row stride `keys`.
 #[allow(clippy::too_many_arguments)]
-fn scores(
+pub(super) fn scores(
     s: &mut [f32],
     qkv: &[f32],
     width: usize,
@@ -188,7 +188,7 @@ pub fn attention_forward(out: &mut [f32], lse: &mut [f32], qkv: &[f32], dims: At
 }
 
 /// The sum of `x` in 8 lanes combined in a fixed tree (the order depends on the length only).
-fn sum(x: &[f32]) -> f32 {
+pub(super) fn sum(x: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
     let mut chunks = x.chunks_exact(8);
     for c in &mut chunks {

@@ -114,6 +114,9 @@ fn gemm_impl(
         Mode::Overwrite => KC.min(k),
         Mode::Accumulate => k,
     };
+    if m == 1 {
+        return gemv(c, a, b, n, k, kc_max, mode, parallel);
+    }
     // Columns per packed block: a multiple of NR, as many as fit the block budget, and at least
     // NC_MIN (an accumulating product's block is all of `k` deep; without the floor its A rows
     // would be packed again for every few columns). NC changes which block a column is in,
@@ -152,6 +155,100 @@ fn gemm_impl(
             p0 += kc;
         }
     });
+}
+
+/// Columns of C per parallel task of [`gemv`].
+const GEMV_COLS: usize = 128;
+
+/// [`gemm_impl`] for one row of C (a decode step's product): `C (1, N) = or += A (1, K) . B (K,
+/// N)` without packing, B read where it lies. The same sums in the same order as the packed
+/// path: `k` in blocks of `kc_max` (the first block stores when overwriting, the next ones add),
+/// inside a block sub-blocks of [`KB`], each one FMA chain from 0 added in order into the
+/// block's sum. So a row gets the bits it would get inside a larger product.
+#[allow(clippy::too_many_arguments)]
+fn gemv(
+    c: &mut [f32],
+    a: View,
+    b: View,
+    n: usize,
+    k: usize,
+    kc_max: usize,
+    mode: Mode,
+    parallel: bool,
+) {
+    let task = |(t, cols): (usize, &mut [f32])| {
+        for (s, strip) in cols.chunks_mut(NR).enumerate() {
+            let j0 = t * GEMV_COLS + s * NR;
+            #[cfg(target_arch = "x86_64")]
+            {
+                if avx2_fma() {
+                    // SAFETY: the CPU supports AVX2 and FMA (checked just above); the body
+                    // indexes its slices with bounds checks.
+                    unsafe { gemv_strip_fma(strip, a, b, j0, k, kc_max, mode) };
+                    continue;
+                }
+            }
+            gemv_strip(strip, a, b, j0, k, kc_max, mode);
+        }
+    };
+    let c = &mut c[..n];
+    if parallel {
+        c.par_chunks_mut(GEMV_COLS).enumerate().for_each(task);
+    } else {
+        c.chunks_mut(GEMV_COLS).enumerate().for_each(task);
+    }
+}
+
+/// [`gemv_strip`] compiled for AVX2 + FMA (its `mul_add`s become vector FMAs).
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn gemv_strip_fma(
+    c: &mut [f32],
+    a: View,
+    b: View,
+    j0: usize,
+    k: usize,
+    kc_max: usize,
+    mode: Mode,
+) {
+    gemv_strip(c, a, b, j0, k, kc_max, mode)
+}
+
+/// C columns `j0..j0 + c.len()` (at most [`NR`]) of a one-row product, in [`gemv`]'s order.
+#[inline(always)]
+fn gemv_strip(c: &mut [f32], a: View, b: View, j0: usize, k: usize, kc_max: usize, mode: Mode) {
+    let nr = c.len();
+    let mut p0 = 0;
+    while p0 < k {
+        let kc = kc_max.min(k - p0);
+        let mut acc = [0.0f32; NR];
+        let mut q0 = p0;
+        while q0 < p0 + kc {
+            let mut part = [0.0f32; NR];
+            for kk in q0..(q0 + KB).min(p0 + kc) {
+                let x = a.data[kk * a.cs];
+                let row = kk * b.rs + j0 * b.cs;
+                for (j, s) in part.iter_mut().enumerate().take(nr) {
+                    *s = x.mul_add(b.data[row + j * b.cs], *s);
+                }
+            }
+            for (s, p) in acc.iter_mut().zip(&part) {
+                *s += p;
+            }
+            q0 += KB;
+        }
+        if mode == Mode::Overwrite && p0 == 0 {
+            c.copy_from_slice(&acc[..nr]);
+        } else {
+            for (d, x) in c.iter_mut().zip(&acc) {
+                *d += x;
+            }
+        }
+        p0 += kc;
+    }
 }
 
 /// One packed block of B (`kc` rows from `p0`, strips of columns from `j0`) and where it goes.

@@ -6,6 +6,7 @@
 //! a fixed order, so results are bit-identical for any rayon pool size.
 
 pub mod attention;
+pub mod attention_decode;
 pub mod cross_entropy;
 pub mod cross_entropy_tile;
 pub mod device;
@@ -20,6 +21,7 @@ pub mod swiglu;
 pub mod testing;
 
 pub use attention::{attention_backward, attention_forward};
+pub use attention_decode::attention_decode;
 pub use cross_entropy::{IGNORE_INDEX, cross_entropy_forward, cross_entropy_fused};
 pub use cross_entropy_tile::{
     cross_entropy_tile_grad, cross_entropy_tile_loss, cross_entropy_tile_stats,
@@ -191,6 +193,10 @@ impl Backend for CpuBackend {
         dims: AttnDims,
     ) {
         attention_backward(dqkv, dout, qkv, out, lse, dims);
+    }
+
+    fn attention_decode(&self, out: &mut [f32], qkv: &[f32], t_new: usize, dims: AttnDims) {
+        attention_decode(out, qkv, t_new, dims);
     }
 
     fn swiglu_forward(&self, out: &mut [f32], gate_up: &[f32], n: usize, f: usize) {

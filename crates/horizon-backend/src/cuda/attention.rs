@@ -9,10 +9,10 @@ use super::slice::DevSlice;
 use crate::AttnDims;
 
 /// Rows (warps) per block and rows per shared tile; must match the kernel's ROWS and TILE.
-const ROWS: usize = 8;
-const TILE: usize = 32;
+pub(super) const ROWS: usize = 8;
+pub(super) const TILE: usize = 32;
 
-fn check_dims(op: &str, dims: AttnDims) {
+pub(super) fn check_dims(op: &str, dims: AttnDims) {
     assert!(
         dims.d > 0 && dims.d <= MAX_HEAD_DIM,
         "{op}: head dim D = {} is outside 1..={MAX_HEAD_DIM}, which the CUDA kernels support",
@@ -28,13 +28,13 @@ fn check_dims(op: &str, dims: AttnDims) {
 
 /// The kernels' `window` and `scale` arguments. A window of at least T hides no key: it is
 /// passed as 0 (full causal), which also keeps any `usize` window inside the kernels' int.
-fn window_scale(dims: AttnDims) -> (i32, f32) {
+pub(super) fn window_scale(dims: AttnDims) -> (i32, f32) {
     let w = if dims.window >= dims.t { 0 } else { dims.window };
     (int(w, "window"), dims.scale)
 }
 
 /// Dynamic shared memory of a kernel, allowed above 48 KiB where needed.
-fn shared(be: &CudaBackend, name: &str, floats: usize) -> u32 {
+pub(super) fn shared(be: &CudaBackend, name: &str, floats: usize) -> u32 {
     let bytes = (floats * 4) as u32;
     if bytes > 48 * 1024 {
         be.allow_shared(name, bytes);

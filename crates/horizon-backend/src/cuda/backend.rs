@@ -529,6 +529,16 @@ impl Backend for CudaBackend {
         super::attention::attention_backward(self, dqkv, dout, qkv, out, lse, dims);
     }
 
+    fn attention_decode(
+        &self,
+        out: &mut DevSlice<f32>,
+        qkv: &DevSlice<f32>,
+        t_new: usize,
+        dims: AttnDims,
+    ) {
+        super::attention_decode::attention_decode(self, out, qkv, t_new, dims);
+    }
+
     fn swiglu_forward(&self, out: &mut DevSlice<f32>, gate_up: &DevSlice<f32>, n: usize, f: usize) {
         super::glu::glu_forward(self, "swiglu_forward", out, gate_up, n, f);
     }

@@ -14,8 +14,9 @@ use cudarc::nvrtc;
 use super::CudaError;
 
 /// `(op, source)` of every kernel file, `kernels/<op>.cu`.
-pub const SOURCES: [(&str, &str); 12] = [
+pub const SOURCES: [(&str, &str); 13] = [
     ("attention", include_str!("../../kernels/attention.cu")),
+    ("attention_decode", include_str!("../../kernels/attention_decode.cu")),
     ("convert", include_str!("../../kernels/convert.cu")),
     ("cross_entropy", include_str!("../../kernels/cross_entropy.cu")),
     ("embedding", include_str!("../../kernels/embedding.cu")),
@@ -30,8 +31,9 @@ pub const SOURCES: [(&str, &str); 12] = [
 ];
 
 /// The `extern "C"` entry points of each source, loaded by name.
-pub const FUNCTIONS: [(&str, &[&str]); 12] = [
+pub const FUNCTIONS: [(&str, &[&str]); 13] = [
     ("attention", &["attention_forward", "attention_backward_dq", "attention_backward_dkv"]),
+    ("attention_decode", &["attention_decode"]),
     ("convert", &["convert_f32_to_bf16"]),
     (
         "cross_entropy",

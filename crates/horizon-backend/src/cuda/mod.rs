@@ -9,12 +9,14 @@
 //! bf16 ([`crate::Precision::Bf16`]); products take bf16 inputs with fp32 accumulation.
 //!
 //! Layout, one op per file as in `cpu/`: `embedding.rs`, `rmsnorm.rs`, `head_rmsnorm.rs`,
-//! `matmul.rs` (cuBLAS), `rope.rs`, `attention.rs`, `glu.rs` (swiglu and geglu), `residual.rs`,
+//! `matmul.rs` (cuBLAS), `rope.rs`, `attention.rs`, `attention_decode.rs` (a KV cache's new
+//! rows), `glu.rs` (swiglu and geglu), `residual.rs`,
 //! `cross_entropy.rs`, `convert.rs`, `grad_norm.rs` launch `kernels/<op>.cu`; `backend.rs` is
 //! the trait impl, `device.rs` the device, `slice.rs` the device views, `pinned.rs` the staging
 //! memory, `probe.rs` the library checks.
 
 mod attention;
+mod attention_decode;
 mod backend;
 mod config;
 pub mod convert;
