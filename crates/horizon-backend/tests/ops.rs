@@ -404,7 +404,7 @@ fn matmul_rows_do_not_depend_on_tiling() {
     // results cannot depend on N or on where a row falls in a tile. The second shape has
     // several `k` blocks of 256 and several column tasks; `dinp` is checked the same way.
     let mut rng = Rng::new(8);
-    for (n, ic, oc) in [(37, 70, 45), (7, 600, 300)] {
+    for (n, ic, oc) in [(37, 70, 45), (7, 600, 300), (5, 21, 64)] {
         let inp = rng.vec(n * ic, 1.0);
         let w = rng.vec(oc * ic, 0.2);
         let b = rng.vec(oc, 1.0);

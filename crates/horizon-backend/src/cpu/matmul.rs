@@ -182,6 +182,11 @@ fn gemv(
             #[cfg(target_arch = "x86_64")]
             {
                 if avx2_fma() {
+                    if b.rs == 1 && strip.len() == NR {
+                        // SAFETY: as below; the rows it loads are bounds-checked slices.
+                        unsafe { gemv_strip_rows_fma(strip, a, b, j0, k, kc_max, mode) };
+                        continue;
+                    }
                     // SAFETY: the CPU supports AVX2 and FMA (checked just above); the body
                     // indexes its slices with bounds checks.
                     unsafe { gemv_strip_fma(strip, a, b, j0, k, kc_max, mode) };
@@ -215,6 +220,119 @@ unsafe fn gemv_strip_fma(
     mode: Mode,
 ) {
     gemv_strip(c, a, b, j0, k, kc_max, mode)
+}
+
+/// [`gemv_strip`] for a full strip of [`NR`] columns whose B columns are contiguous in `k`
+/// (`b.rs == 1`: the forward's `B[i, o] = W[o, i]`, each column a row of W). Eight `k` steps
+/// of eight columns are loaded as rows and transposed in registers, so each step is one vector
+/// FMA per eight columns instead of eight strided scalar loads; the FMAs, their order and the
+/// additions are [`gemv_strip`]'s, lane by lane, so the bits are the same.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn gemv_strip_rows_fma(
+    c: &mut [f32],
+    a: View,
+    b: View,
+    j0: usize,
+    k: usize,
+    kc_max: usize,
+    mode: Mode,
+) {
+    use std::arch::x86_64::*;
+    let rows: [&[f32]; NR] = std::array::from_fn(|j| &b.data[(j0 + j) * b.cs..][..k]);
+    let x = |kk: usize| a.data[kk * a.cs];
+    let mut p0 = 0;
+    while p0 < k {
+        let kc = kc_max.min(k - p0);
+        let mut acc = [_mm256_setzero_ps(); 2];
+        let mut q0 = p0;
+        while q0 < p0 + kc {
+            let q1 = (q0 + KB).min(p0 + kc);
+            let mut part = [_mm256_setzero_ps(); 2];
+            let mut kk = q0;
+            while kk + 8 <= q1 {
+                for (h, part) in part.iter_mut().enumerate() {
+                    // SAFETY: each slice has the 8 elements loaded (bounds-checked above).
+                    let r: [__m256; 8] = std::array::from_fn(|j| unsafe {
+                        _mm256_loadu_ps(rows[h * 8 + j][kk..kk + 8].as_ptr())
+                    });
+                    for (t, col) in transpose8(r).into_iter().enumerate() {
+                        *part = _mm256_fmadd_ps(_mm256_set1_ps(x(kk + t)), col, *part);
+                    }
+                }
+                kk += 8;
+            }
+            if kk < q1 {
+                // The last steps of a short sub-block, lane by lane as in `gemv_strip`.
+                let mut p = [0.0f32; NR];
+                // SAFETY: `p` holds 16 floats.
+                unsafe {
+                    _mm256_storeu_ps(p.as_mut_ptr(), part[0]);
+                    _mm256_storeu_ps(p.as_mut_ptr().add(8), part[1]);
+                }
+                for kk in kk..q1 {
+                    for (s, row) in p.iter_mut().zip(&rows) {
+                        *s = x(kk).mul_add(row[kk], *s);
+                    }
+                }
+                // SAFETY: as above.
+                part = unsafe { [_mm256_loadu_ps(p.as_ptr()), _mm256_loadu_ps(p.as_ptr().add(8))] };
+            }
+            acc = [_mm256_add_ps(acc[0], part[0]), _mm256_add_ps(acc[1], part[1])];
+            q0 += KB;
+        }
+        let mut sum = [0.0f32; NR];
+        // SAFETY: `sum` holds 16 floats.
+        unsafe {
+            _mm256_storeu_ps(sum.as_mut_ptr(), acc[0]);
+            _mm256_storeu_ps(sum.as_mut_ptr().add(8), acc[1]);
+        }
+        if mode == Mode::Overwrite && p0 == 0 {
+            c.copy_from_slice(&sum);
+        } else {
+            for (d, s) in c.iter_mut().zip(&sum) {
+                *d += s;
+            }
+        }
+        p0 += kc;
+    }
+}
+
+/// The 8x8 transpose: rows `r[j]` (8 consecutive `k` of column `j`) in, columns out (`out[t]`
+/// holds step `t` of the 8 columns).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn transpose8(r: [std::arch::x86_64::__m256; 8]) -> [std::arch::x86_64::__m256; 8] {
+    use std::arch::x86_64::*;
+    let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+    let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+    let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+    let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+    let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    let s0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+    let s1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+    let s2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+    let s3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+    let s4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+    let s5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+    let s6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+    let s7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+    [
+        _mm256_permute2f128_ps::<0x20>(s0, s4),
+        _mm256_permute2f128_ps::<0x20>(s1, s5),
+        _mm256_permute2f128_ps::<0x20>(s2, s6),
+        _mm256_permute2f128_ps::<0x20>(s3, s7),
+        _mm256_permute2f128_ps::<0x31>(s0, s4),
+        _mm256_permute2f128_ps::<0x31>(s1, s5),
+        _mm256_permute2f128_ps::<0x31>(s2, s6),
+        _mm256_permute2f128_ps::<0x31>(s3, s7),
+    ]
 }
 
 /// C columns `j0..j0 + c.len()` (at most [`NR`]) of a one-row product, in [`gemv`]'s order.
