@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 
+use crate::adapter::{AdapterConfig, AdapterSection};
 use crate::data::{Columns, OnError};
 use crate::schedule::{LrSchedule, ScheduleKind};
 
@@ -36,6 +37,9 @@ pub struct RawConfig {
     /// The compute device.
     #[serde(default)]
     pub device: DeviceSection,
+    /// LoRA / QLoRA fine-tuning instead of full fine-tuning. Default `type: none`.
+    #[serde(default, skip_serializing_if = "AdapterSection::is_default")]
+    pub adapter: AdapterSection,
 }
 
 /// Which model to train: a Hugging Face directory, or a randomly initialised one described by
@@ -503,6 +507,8 @@ pub struct RunConfig {
     pub raw: RawConfig,
     /// Where the config came from (for messages).
     pub origin: String,
+    /// The validated `adapter:` section; `None` for full fine-tuning (`type: none`).
+    pub adapter: Option<AdapterConfig>,
 }
 
 impl RawConfig {
@@ -641,7 +647,8 @@ impl RawConfig {
             .columns
             .check(f.name(), &f.fields())
             .map_err(|e| anyhow::anyhow!("{origin}: {e}"))?;
-        Ok(RunConfig { raw: self, origin: origin.to_string() })
+        let adapter = self.adapter.resolve(origin)?;
+        Ok(RunConfig { raw: self, origin: origin.to_string(), adapter })
     }
 
     /// The config as YAML (printed at start and saved beside the results).

@@ -1,6 +1,7 @@
 //! Horizon: train LLMs whose state is far larger than accelerator memory. Library half of the
 //! `horizon` binary (the binary is `src/main.rs`).
 
+pub mod adapter;
 pub mod bench;
 pub mod config;
 pub mod data;
