@@ -1,0 +1,535 @@
+//! PEFT's LoRA adapter directory, as `peft` saves and loads it: `adapter_config.json` (the keys
+//! of PEFT's `LoraConfig`) and `adapter_model.safetensors`, tensors named
+//! `base_model.model.model.layers.{i}.{self_attn|mlp}.{target}.lora_{A|B}.weight`, A (r, in),
+//! B (out, r). Reading refuses, by file and key, every variant Horizon does not implement;
+//! [`check_against`] holds an `adapter.init` to the run's config and model; [`write`] writes a
+//! directory PEFT loads.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs;
+use std::io::Write;
+use std::path::Path;
+
+use anyhow::{Context, Result, anyhow, bail};
+use serde_json::{Map, Value, json};
+
+use super::config::{AdapterConfig, TARGETS};
+use crate::hf::checkpoint::{SaveDtype, list_tensors, read_tensor_f64, write_safetensors};
+
+/// The adapter's configuration file.
+pub const CONFIG_FILE: &str = "adapter_config.json";
+/// The adapter's tensors.
+pub const WEIGHTS_FILE: &str = "adapter_model.safetensors";
+/// `peft_version` of the directories [`write`] writes: the PEFT release whose format this is.
+pub const PEFT_VERSION: &str = "0.21.2";
+const LAYERS_PREFIX: &str = "base_model.model.model.layers.";
+
+/// The module path of a LoRA target inside a decoder layer (`q_proj` -> `self_attn.q_proj`,
+/// `gate_proj` -> `mlp.gate_proj`); `None` for a name that is not one of [`TARGETS`].
+pub fn module_path(target: &str) -> Option<&'static str> {
+    Some(match target {
+        "q_proj" => "self_attn.q_proj",
+        "k_proj" => "self_attn.k_proj",
+        "v_proj" => "self_attn.v_proj",
+        "o_proj" => "self_attn.o_proj",
+        "gate_proj" => "mlp.gate_proj",
+        "up_proj" => "mlp.up_proj",
+        "down_proj" => "mlp.down_proj",
+        _ => return None,
+    })
+}
+
+/// PEFT's name of layer `layer`'s `target` A (`b` false) or B (`b` true) tensor.
+///
+/// # Panics
+/// When [`module_path`] does not know `target` (callers check targets first).
+pub fn tensor_name(layer: usize, target: &str, b: bool) -> String {
+    let path = module_path(target)
+        .unwrap_or_else(|| panic!("tensor_name: '{target}' is not a LoRA target"));
+    let ab = if b { "lora_B" } else { "lora_A" };
+    format!("{LAYERS_PREFIX}{layer}.{path}.{ab}.weight")
+}
+
+/// `(layer, target, b)` of a PEFT LoRA tensor name; `None` for any other name.
+fn parse_name(name: &str) -> Option<(usize, &'static str, bool)> {
+    let (layer, rest) = name.strip_prefix(LAYERS_PREFIX)?.split_once('.')?;
+    let layer_no: usize = layer.parse().ok()?;
+    if layer_no.to_string() != layer {
+        return None;
+    }
+    let (module, ab) = rest.strip_suffix(".weight")?.rsplit_once('.')?;
+    let b = match ab {
+        "lora_A" => false,
+        "lora_B" => true,
+        _ => return None,
+    };
+    let target = TARGETS.into_iter().find(|t| module_path(t) == Some(module))?;
+    Some((layer_no, target, b))
+}
+
+/// Adapter tensors by PEFT name: (shape, values).
+pub type Tensors = BTreeMap<String, (Vec<usize>, Vec<f32>)>;
+
+/// A PEFT LoRA adapter, read whole (adapters are small).
+#[derive(Clone, Debug, PartialEq)]
+pub struct PeftAdapter {
+    pub r: usize,
+    /// `lora_alpha`.
+    pub alpha: f64,
+    /// `use_rslora`.
+    pub rslora: bool,
+    /// `target_modules`, in the file's order.
+    pub targets: Vec<String>,
+    /// `base_model_name_or_path`.
+    pub base_model: Option<String>,
+    /// PEFT name -> (shape, values); read from F32, BF16, F16 or F64 (rounded to f32).
+    pub tensors: Tensors,
+}
+
+impl PeftAdapter {
+    /// Decoder layers the adapter covers (one past the highest layer index of its tensors).
+    pub fn layers(&self) -> usize {
+        self.tensors.keys().filter_map(|n| parse_name(n)).map(|(l, _, _)| l + 1).max().unwrap_or(0)
+    }
+}
+
+/// Reads the PEFT adapter directory `dir`, refusing what Horizon does not implement (DoRA,
+/// `fan_in_fan_out`, biases, per-module ranks or alphas, ...) and any tensor that is not the A
+/// or B of a target module, naming the file and the key or tensor.
+pub fn read(dir: &Path) -> Result<PeftAdapter> {
+    let config = dir.join(CONFIG_FILE);
+    let keys = JsonConfig::read(&config)?.lora_keys()?;
+    let tensors = read_tensors(&dir.join(WEIGHTS_FILE), &config, &keys)?;
+    Ok(PeftAdapter {
+        r: keys.r,
+        alpha: keys.alpha,
+        rslora: keys.rslora,
+        targets: keys.targets,
+        base_model: keys.base_model,
+        tensors,
+    })
+}
+
+/// What Horizon uses of `adapter_config.json`.
+struct LoraKeys {
+    r: usize,
+    alpha: f64,
+    rslora: bool,
+    targets: Vec<String>,
+    base_model: Option<String>,
+}
+
+/// `adapter_config.json`, parsed; its accessors name the file and key in errors. An absent or
+/// `null` key takes PEFT's default.
+struct JsonConfig<'a> {
+    path: &'a Path,
+    map: Map<String, Value>,
+}
+
+/// Keys that must be false, and what `true` would ask for.
+const UNSUPPORTED_FLAGS: [(&str, &str); 4] = [
+    ("use_dora", "DoRA (weight-decomposed LoRA)"),
+    ("fan_in_fan_out", "transposed (Conv1D) base weights"),
+    ("lora_bias", "a bias on lora_B"),
+    ("use_qalora", "QA-LoRA"),
+];
+
+/// Keys that must be empty (`{}`, `[]` or null), and what a value would ask for.
+const UNSUPPORTED_NON_EMPTY: [(&str, &str); 4] = [
+    ("rank_pattern", "a different r for some modules"),
+    ("alpha_pattern", "a different lora_alpha for some modules"),
+    ("modules_to_save", "fully trained modules beside the adapter"),
+    ("layers_to_transform", "an adapter on only some layers"),
+];
+
+impl<'a> JsonConfig<'a> {
+    fn read(path: &'a Path) -> Result<Self> {
+        let text = fs::read_to_string(path).with_context(|| {
+            format!(
+                "cannot read {}\nhint: a PEFT adapter directory holds {CONFIG_FILE} and {WEIGHTS_FILE}",
+                path.display()
+            )
+        })?;
+        let value: Value = serde_json::from_str(&text)
+            .with_context(|| format!("{}: not valid JSON", path.display()))?;
+        let Value::Object(map) = value else {
+            bail!("{}: not a JSON object", path.display());
+        };
+        Ok(JsonConfig { path, map })
+    }
+
+    fn get(&self, key: &str) -> Option<&Value> {
+        self.map.get(key).filter(|v| !v.is_null())
+    }
+
+    fn err(&self, key: &str, msg: impl std::fmt::Display) -> anyhow::Error {
+        anyhow!("{}: {key} {msg}", self.path.display())
+    }
+
+    fn bool(&self, key: &str, default: bool) -> Result<bool> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(v) => {
+                v.as_bool().ok_or_else(|| self.err(key, format!("is {v}, not true or false")))
+            }
+        }
+    }
+
+    fn number(&self, key: &str, default: f64) -> Result<f64> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(v) => v.as_f64().ok_or_else(|| self.err(key, format!("is {v}, not a number"))),
+        }
+    }
+
+    fn string(&self, key: &str) -> Result<Option<String>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s.clone())),
+            Some(v) => Err(self.err(key, format!("is {v}, not a string"))),
+        }
+    }
+
+    fn lora_keys(&self) -> Result<LoraKeys> {
+        self.check_supported()?;
+        let r = match self.get("r") {
+            None => 8,
+            Some(v) => v
+                .as_u64()
+                .filter(|&r| r >= 1)
+                .ok_or_else(|| self.err("r", format!("is {v}, not a rank of at least 1")))?
+                as usize,
+        };
+        let alpha = self.number("lora_alpha", 8.0)?;
+        if !(alpha.is_finite() && alpha > 0.0) {
+            return Err(self.err("lora_alpha", format!("is {alpha}, not a positive number")));
+        }
+        let rslora = self.bool("use_rslora", false)?;
+        let targets = self.targets()?;
+        let base_model = self.string("base_model_name_or_path")?;
+        Ok(LoraKeys { r, alpha, rslora, targets, base_model })
+    }
+
+    /// Refuses every variant Horizon does not train.
+    fn check_supported(&self) -> Result<()> {
+        match self.string("peft_type")? {
+            Some(t) if t == "LORA" => {}
+            Some(t) => {
+                return Err(self.err("peft_type", format!("is \"{t}\"; only LORA is supported")));
+            }
+            None => return Err(self.err("peft_type", "is missing (not a PEFT adapter config?)")),
+        }
+        for (key, what) in UNSUPPORTED_FLAGS {
+            if self.bool(key, false)? {
+                return Err(self.err(key, format!("is true ({what}): not supported")));
+            }
+        }
+        if let Some(bias) = self.string("bias")?.filter(|b| b != "none") {
+            return Err(self.err(
+                "bias",
+                format!("is \"{bias}\": training biases is not supported (only \"none\")"),
+            ));
+        }
+        for (key, what) in UNSUPPORTED_NON_EMPTY {
+            let empty = match self.get(key) {
+                None => true,
+                Some(Value::Object(m)) => m.is_empty(),
+                Some(Value::Array(a)) => a.is_empty(),
+                Some(_) => false,
+            };
+            if !empty {
+                let v = &self.map[key];
+                return Err(self.err(key, format!("is {v} ({what}): not supported")));
+            }
+        }
+        Ok(())
+    }
+
+    fn targets(&self) -> Result<Vec<String>> {
+        let known = TARGETS.join(", ");
+        let list = match self.get("target_modules") {
+            None => return Err(self.err("target_modules", "is missing")),
+            Some(Value::String(s)) => {
+                return Err(self.err(
+                    "target_modules",
+                    format!("is the pattern \"{s}\": only a list of names is supported ({known})"),
+                ));
+            }
+            Some(Value::Array(a)) => a,
+            Some(v) => return Err(self.err("target_modules", format!("is {v}, not a list"))),
+        };
+        let mut targets = Vec::new();
+        for v in list {
+            let t = v.as_str().filter(|t| module_path(t).is_some()).ok_or_else(|| {
+                self.err("target_modules", format!("names {v}, which is not one of {known}"))
+            })?;
+            if !targets.iter().any(|x| x == t) {
+                targets.push(t.to_string());
+            }
+        }
+        if targets.is_empty() {
+            return Err(self.err("target_modules", "is empty"));
+        }
+        Ok(targets)
+    }
+}
+
+/// The tensors of `path`: each the A or B of a target, its r the config's, every layer up to
+/// the highest complete.
+fn read_tensors(path: &Path, config: &Path, keys: &LoraKeys) -> Result<Tensors> {
+    if !path.is_file() {
+        bail!(
+            "{}: no such file\nhint: a PEFT adapter directory holds {CONFIG_FILE} and {WEIGHTS_FILE}",
+            path.display()
+        );
+    }
+    let names = list_tensors(path)?;
+    let mut tensors = BTreeMap::new();
+    for name in names {
+        let Some((_, _, b)) =
+            parse_name(&name).filter(|(_, t, _)| keys.targets.iter().any(|x| x.as_str() == *t))
+        else {
+            bail!(
+                "{}: tensor '{name}' is not the lora_A or lora_B weight of a target module ({} in {})\nhint: PEFT names them like '{}'",
+                path.display(),
+                keys.targets.join(", "),
+                config.display(),
+                tensor_name(0, &keys.targets[0], false)
+            );
+        };
+        let (shape, values) = read_tensor_f64(path, &name)?;
+        check_rank(&shape, keys.r, b).map_err(|want| {
+            anyhow!(
+                "{}: tensor '{name}' has shape {shape:?} but {} has r {}: {want}",
+                path.display(),
+                config.display(),
+                keys.r
+            )
+        })?;
+        tensors.insert(name, (shape, values.into_iter().map(|x| x as f32).collect()));
+    }
+    check_complete(path, &tensors, &keys.targets)?;
+    Ok(tensors)
+}
+
+/// `Err(what the shape should be)` unless a 2-D A has r rows or a 2-D B r columns.
+fn check_rank(shape: &[usize], r: usize, b: bool) -> std::result::Result<(), &'static str> {
+    match (shape, b) {
+        ([rows, _], false) if *rows == r => Ok(()),
+        ([_, cols], true) if *cols == r => Ok(()),
+        (_, false) => Err("lora_A is (r, in)"),
+        (_, true) => Err("lora_B is (out, r)"),
+    }
+}
+
+/// Every target of every layer up to the highest one present has both its A and its B.
+fn check_complete(path: &Path, tensors: &Tensors, targets: &[String]) -> Result<()> {
+    let layers = tensors.keys().filter_map(|n| parse_name(n)).map(|(l, _, _)| l + 1).max();
+    let Some(layers) = layers else {
+        bail!("{}: holds no LoRA tensors", path.display());
+    };
+    for layer in 0..layers {
+        for t in targets {
+            for (b, ab) in [(false, "lora_A"), (true, "lora_B")] {
+                let name = tensor_name(layer, t, b);
+                if !tensors.contains_key(&name) {
+                    bail!(
+                        "{}: layer {layer}'s {t} has no {ab} (no tensor '{name}')\nhint: every target module of every layer needs both lora_A and lora_B",
+                        path.display()
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Checks an `adapter.init` adapter against the run: its r, lora_alpha, use_rslora and targets
+/// against `cfg`, its layers against `layers`, and every tensor's shape against `shapes(layer,
+/// target)` = the model's `(out, in)` for that projection (`None`: the model has no such
+/// projection).
+pub fn check_against(
+    adapter: &PeftAdapter,
+    cfg: &AdapterConfig,
+    shapes: impl Fn(usize, &str) -> Option<(usize, usize)>,
+    layers: usize,
+) -> Result<()> {
+    let dir = cfg.init.as_deref().unwrap_or(Path::new(""));
+    check_hyper(adapter, cfg, &dir.join(CONFIG_FILE))?;
+    let weights = dir.join(WEIGHTS_FILE);
+    let base = match &adapter.base_model {
+        Some(b) if !b.is_empty() => format!(" ({b})"),
+        _ => String::new(),
+    };
+    let hint = format!(
+        "hint: the adapter was made for a different base model{base}; use that model, or start without adapter.init"
+    );
+    if adapter.layers() != layers {
+        bail!(
+            "{}: LoRA tensors for {} layers but the model has {layers}\n{hint}",
+            weights.display(),
+            adapter.layers()
+        );
+    }
+    let mut expected = BTreeSet::new();
+    for layer in 0..layers {
+        for t in &cfg.targets {
+            let Some((out, inp)) = shapes(layer, t) else {
+                bail!(
+                    "adapter.targets names '{t}' but the model has no {t} in layer {layer}\nhint: list only projections this model has"
+                );
+            };
+            for (b, want) in [(false, [cfg.r, inp]), (true, [out, cfg.r])] {
+                let name = tensor_name(layer, t, b);
+                let got = adapter.tensors.get(&name).map(|(s, _)| s.as_slice());
+                if got != Some(want.as_slice()) {
+                    let got = got.map_or("no such tensor".to_string(), |s| format!("shape {s:?}"));
+                    bail!(
+                        "{}: tensor '{name}' has {got} but the model's layer {layer} {t} ({out} x {inp}) needs {want:?}\n{hint}",
+                        weights.display()
+                    );
+                }
+                expected.insert(name);
+            }
+        }
+    }
+    if let Some(extra) = adapter.tensors.keys().find(|n| !expected.contains(*n)) {
+        bail!("{}: tensor '{extra}' is not one the run trains", weights.display());
+    }
+    Ok(())
+}
+
+/// r, lora_alpha, use_rslora and the targets (as a set) of `adapter` against the run's.
+fn check_hyper(adapter: &PeftAdapter, cfg: &AdapterConfig, config: &Path) -> Result<()> {
+    let src = config.display();
+    let hint = "or start without adapter.init";
+    if adapter.r != cfg.r {
+        bail!(
+            "adapter.r is {} but {src} has r {}\nhint: set adapter.r: {} {hint}",
+            cfg.r,
+            adapter.r,
+            adapter.r
+        );
+    }
+    if adapter.alpha != cfg.alpha {
+        bail!(
+            "adapter.alpha is {} but {src} has lora_alpha {}\nhint: set adapter.alpha: {} {hint}",
+            cfg.alpha,
+            adapter.alpha,
+            adapter.alpha
+        );
+    }
+    if adapter.rslora != cfg.rslora {
+        bail!(
+            "adapter.rslora is {} but {src} has use_rslora {}\nhint: set adapter.rslora: {} {hint}",
+            cfg.rslora,
+            adapter.rslora,
+            adapter.rslora
+        );
+    }
+    if let Some(t) = cfg.targets.iter().find(|t| module_path(t).is_none()) {
+        bail!("adapter.targets names '{t}', which is not a LoRA target ({})", TARGETS.join(", "));
+    }
+    let want: BTreeSet<&str> = cfg.targets.iter().map(String::as_str).collect();
+    let got: BTreeSet<&str> = adapter.targets.iter().map(String::as_str).collect();
+    if want != got {
+        let got: Vec<&str> = got.into_iter().collect();
+        bail!(
+            "adapter.targets is [{}] but {src} has target_modules [{}]\nhint: set adapter.targets: [{}] {hint}",
+            cfg.targets.join(", "),
+            got.join(", "),
+            got.join(", ")
+        );
+    }
+    Ok(())
+}
+
+/// Writes a PEFT adapter directory: `adapter_model.safetensors` (F32, `tensors` in the given
+/// order, each a LoRA A or B of `cfg.targets` with rank `cfg.r`) and `adapter_config.json` with
+/// PEFT's keys, each file atomically (a temporary sibling, fsync, rename); the weights first, so
+/// a directory with a config always has its weights. `dir` is created if needed.
+pub fn write(
+    dir: &Path,
+    cfg: &AdapterConfig,
+    base_model: Option<&str>,
+    tensors: &[(String, Vec<usize>, &[f32])],
+) -> Result<()> {
+    for (name, shape, _) in tensors {
+        let Some((_, t, b)) =
+            parse_name(name).filter(|(_, t, _)| cfg.targets.iter().any(|x| x.as_str() == *t))
+        else {
+            bail!(
+                "writing {}: '{name}' is not a LoRA tensor of adapter.targets ({})",
+                dir.display(),
+                cfg.targets.join(", ")
+            );
+        };
+        check_rank(shape, cfg.r, b).map_err(|want| {
+            anyhow!(
+                "writing {}: {t} tensor '{name}' has shape {shape:?} but r is {}: {want}",
+                dir.display(),
+                cfg.r
+            )
+        })?;
+    }
+    fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    write_safetensors(&dir.join(WEIGHTS_FILE), tensors, SaveDtype::F32)?;
+    let mut text = serde_json::to_string_pretty(&peft_config(cfg, base_model))?;
+    text.push('\n');
+    write_atomic(&dir.join(CONFIG_FILE), text.as_bytes())?;
+    let d = fs::File::open(dir).with_context(|| format!("cannot open {}", dir.display()))?;
+    d.sync_all().with_context(|| format!("cannot sync {}", dir.display()))
+}
+
+/// `adapter_config.json`: PEFT's own keys only, so that `PeftModel.from_pretrained` loads it.
+fn peft_config(cfg: &AdapterConfig, base_model: Option<&str>) -> Value {
+    // PEFT writes an integral lora_alpha as an integer.
+    let alpha = if cfg.alpha.fract() == 0.0 && cfg.alpha.abs() < 2f64.powi(53) {
+        json!(cfg.alpha as i64)
+    } else {
+        json!(cfg.alpha)
+    };
+    json!({
+        "alpha_pattern": {},
+        "base_model_name_or_path": base_model,
+        "bias": "none",
+        "fan_in_fan_out": false,
+        "inference_mode": true,
+        "init_lora_weights": true,
+        "layers_pattern": null,
+        "layers_to_transform": null,
+        "lora_alpha": alpha,
+        "lora_bias": false,
+        "lora_dropout": 0.0,
+        "modules_to_save": null,
+        "peft_type": "LORA",
+        "peft_version": PEFT_VERSION,
+        "r": cfg.r,
+        "rank_pattern": {},
+        "revision": null,
+        "target_modules": cfg.targets,
+        "task_type": "CAUSAL_LM",
+        "use_dora": false,
+        "use_rslora": cfg.rslora,
+    })
+}
+
+/// Writes `bytes` to a temporary sibling of `path`, syncs it and renames it over `path`.
+fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
+    let tmp = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
+    let result = (|| -> std::io::Result<()> {
+        let mut f = fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()
+    })()
+    .with_context(|| format!("writing {}", tmp.display()));
+    if let Err(e) = result {
+        let _ = fs::remove_file(&tmp);
+        return Err(e);
+    }
+    fs::rename(&tmp, path).with_context(|| {
+        let _ = fs::remove_file(&tmp);
+        format!("renaming {} to {}", tmp.display(), path.display())
+    })
+}
