@@ -13,7 +13,7 @@
 
 use std::ops::Range;
 
-use horizon_backend::{Backend, DeviceSlice, NormDims};
+use horizon_backend::{Backend, DeviceSlice, Dinp, NormDims};
 
 use crate::model::layout::ModelLayout;
 
@@ -162,10 +162,10 @@ pub(crate) fn tile_grad<B: Backend>(
         let dl = logits.slice(0..k * vt);
         if first {
             let dhf = rows.dhf.slice_mut(cr);
-            be.matmul_backward(Some(dhf), dtile_w, None, dl, hf, tile_w, k, c, vt);
+            be.matmul_backward(Some(Dinp::Write(dhf)), Some(dtile_w), None, dl, hf, tile_w, k, c, vt);
         } else {
             let scratch = dhf_chunk.slice_mut(0..k * c);
-            be.matmul_backward(Some(scratch), dtile_w, None, dl, hf, tile_w, k, c, vt);
+            be.matmul_backward(Some(Dinp::Write(scratch)), Some(dtile_w), None, dl, hf, tile_w, k, c, vt);
             be.add_inplace(rows.dhf.slice_mut(cr), dhf_chunk.slice(0..k * c));
         }
     }
@@ -191,7 +191,7 @@ pub(crate) fn tile_finish<B: Backend>(
     be.cross_entropy_tile_loss(losses, rows.stats.slice(0..n * STATS), targets, n);
     be.zero(&mut *dres);
     let (dhf, rstd) = (rows.dhf.slice(0..nc), rows.rstd.slice(0..n));
-    be.rmsnorm_backward(dres, dnorm_w, dhf, x, norm_w, rstd, norm);
+    be.rmsnorm_backward(dres, Some(dnorm_w), dhf, x, norm_w, rstd, norm);
 }
 
 #[cfg(test)]

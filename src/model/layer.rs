@@ -7,7 +7,7 @@
 
 use std::ops::Range;
 
-use horizon_backend::{Backend, DeviceSlice, NormDims};
+use horizon_backend::{Backend, DeviceSlice, Dinp, NormDims};
 
 use crate::model::spec::{Act, BwdOp, Glu, LayerSpec, Op};
 
@@ -223,7 +223,7 @@ pub fn layer_backward<B: Backend>(
                 let (dwr, wr) = (dw.slice_mut(r.clone()), w.slice(r.clone()));
                 be.rmsnorm_backward(
                     gi.w(len(inp)),
-                    dwr,
+                    Some(dwr),
                     go.r(len(inp)),
                     act(inp),
                     wr,
@@ -239,7 +239,7 @@ pub fn layer_backward<B: Backend>(
                 let nd = NormDims { c: ad.d, eps: spec.eps, w_offset };
                 let (dwr, wr) = (dw.slice_mut(r.clone()), w.slice(r.clone()));
                 let (gi, go) = (gi.w(len(inp)), go.r(len(inp)));
-                be.head_rmsnorm_backward(gi, dwr, go, act(inp), wr, act(rstd), ad, nd);
+                be.head_rmsnorm_backward(gi, Some(dwr), go, act(inp), wr, act(rstd), ad, nd);
             }
             BwdOp::Linear { op, dinp, dout } => {
                 let Op::Linear { inp, w: ref r, ref bias, ic, oc, .. } = spec.ops[op] else {
@@ -249,8 +249,8 @@ pub fn layer_backward<B: Backend>(
                 let (dweight, dbias) = two_mut(dw, r.clone(), bias.clone());
                 let (gi, go) = (gi.w(n * ic), go.r(n * oc));
                 be.matmul_backward(
-                    Some(gi),
-                    dweight,
+                    Some(Dinp::Write(gi)),
+                    Some(dweight),
                     dbias,
                     go,
                     act(inp),

@@ -10,7 +10,7 @@
 use std::ops::{Deref, DerefMut};
 
 use anyhow::{Result, bail};
-use horizon_backend::{Backend, CpuBackend, DeviceAlloc, DeviceSlice, NormDims};
+use horizon_backend::{Backend, CpuBackend, DeviceAlloc, DeviceSlice, Dinp, NormDims};
 
 use crate::data::pretokenized::Batch;
 use crate::hf::config::ModelConfig;
@@ -515,8 +515,8 @@ pub(crate) fn head_forward_backward<B: Backend, M: DerefMut<Target = B::Buf>>(
             scale,
         );
         be.matmul_backward(
-            Some(hb.dhf.slice_mut(hf_rows.clone())),
-            &mut *out.dhead_w,
+            Some(Dinp::Write(hb.dhf.slice_mut(hf_rows.clone()))),
+            Some(&mut *out.dhead_w),
             None,
             v(&hb.logits, rows * vocab),
             hb.hf.slice(hf_rows),
@@ -528,5 +528,5 @@ pub(crate) fn head_forward_backward<B: Backend, M: DerefMut<Target = B::Buf>>(
     }
     // The final norm's backward starts the residual-stream gradient.
     be.zero(&mut *out.dres);
-    be.rmsnorm_backward(out.dres, out.dnorm_w, v(&hb.dhf, nc), x, norm_w, v(&hb.rstd, n), norm);
+    be.rmsnorm_backward(out.dres, Some(out.dnorm_w), v(&hb.dhf, nc), x, norm_w, v(&hb.rstd, n), norm);
 }

@@ -5,6 +5,7 @@
 
 use std::time::Instant;
 
+use horizon_backend::Dinp;
 use horizon_backend::cpu::testing::Rng;
 use horizon_backend::cpu::{matmul_backward, matmul_forward};
 
@@ -42,9 +43,29 @@ fn main() {
         let flops = 2.0 * (n * ic * oc) as f64;
         matmul_forward(&mut out, &inp, &w, None, n, ic, oc);
         let fwd = best_of(reps, || matmul_forward(&mut out, &inp, &w, None, n, ic, oc));
-        matmul_backward(Some(&mut dinp), &mut dw, None, &out, &inp, &w, n, ic, oc);
+        matmul_backward(
+            Some(Dinp::Write(&mut dinp)),
+            Some(&mut dw),
+            None,
+            &out,
+            &inp,
+            &w,
+            n,
+            ic,
+            oc,
+        );
         let bwd = best_of(reps, || {
-            matmul_backward(Some(&mut dinp), &mut dw, None, &out, &inp, &w, n, ic, oc)
+            matmul_backward(
+                Some(Dinp::Write(&mut dinp)),
+                Some(&mut dw),
+                None,
+                &out,
+                &inp,
+                &w,
+                n,
+                ic,
+                oc,
+            )
         });
         println!(
             "{name:<12} {:>14.1} {:>10.1} {:>10.2}",

@@ -14,7 +14,7 @@ use crate::device::{
     DevBuf, Device, DeviceStats, Event, HostPtr, HostPtrMut, HostWork, Kernel, KernelTimer,
     OutOfDeviceMemory, Queue, StagingElem,
 };
-use crate::{AttnDims, Backend, Bf16, NormDims, Precision};
+use crate::{AttnDims, Backend, Bf16, Dinp, NormDims, Precision};
 
 /// Whether this binary was built with the CUDA backend.
 pub const BUILT_WITH_CUDA: bool = false;
@@ -120,7 +120,7 @@ impl Backend for CudaBackend {
     fn rmsnorm_backward(
         &self,
         _: &mut [f32],
-        _: &mut [f32],
+        _: Option<&mut [f32]>,
         _: &[f32],
         _: &[f32],
         _: &[Bf16],
@@ -143,7 +143,7 @@ impl Backend for CudaBackend {
     fn head_rmsnorm_backward(
         &self,
         _: &mut [f32],
-        _: &mut [f32],
+        _: Option<&mut [f32]>,
         _: &[f32],
         _: &[f32],
         _: &[Bf16],
@@ -173,8 +173,8 @@ impl Backend for CudaBackend {
     }
     fn matmul_backward(
         &self,
+        _: Option<Dinp<'_, [f32]>>,
         _: Option<&mut [f32]>,
-        _: &mut [f32],
         _: Option<&mut [f32]>,
         _: &[f32],
         _: &[f32],
@@ -261,6 +261,26 @@ impl Backend for CudaBackend {
     fn cross_entropy_tile_loss(&self, _: &mut [f32], _: &[f32], _: &[i32], _: usize) {
         match *self {}
     }
+    #[allow(clippy::too_many_arguments)]
+    fn add_cols(&self, _: &mut [f32], _: &[f32], _: usize, _: usize, _: usize, _: usize, _: f32) {
+        match *self {}
+    }
+    #[allow(clippy::too_many_arguments)]
+    fn scaled_cols(
+        &self,
+        _: &mut [f32],
+        _: &[f32],
+        _: usize,
+        _: usize,
+        _: usize,
+        _: usize,
+        _: f32,
+    ) {
+        match *self {}
+    }
+    fn dequantize_nf4(&self, _: &mut [Bf16], _: &[f32], _: usize) {
+        match *self {}
+    }
 }
 
 impl Device for CudaDevice {
@@ -285,6 +305,9 @@ impl Device for CudaDevice {
         match *self {}
     }
     fn upload_weights(&self, _: DevBuf, _: usize, _: HostPtr) {
+        match *self {}
+    }
+    fn upload_weights_bf16(&self, _: DevBuf, _: usize, _: HostPtr<Bf16>) {
         match *self {}
     }
     fn upload_i32(&self, _: DevBuf, _: Arc<Vec<i32>>) {

@@ -349,6 +349,11 @@ pub trait Device: Send + Sync {
     /// host and copies the bf16 (half the link bytes, half the slot); the CPU device copies
     /// them exactly.
     fn upload_weights(&self, dst: DevBuf, at: usize, src: HostPtr);
+    /// [`Device::upload_weights`] of weights that are bf16 on the host already (frozen base
+    /// weights kept as bf16), with the same `dst`/`at` convention: the CUDA device copies the
+    /// bf16 as they are (half the link bytes of fp32, no rounding); the CPU device expands them
+    /// to fp32 exactly.
+    fn upload_weights_bf16(&self, dst: DevBuf, at: usize, src: HostPtr<Bf16>);
     /// Enqueue an i32 host -> device copy on [`Queue::H2D`].
     fn upload_i32(&self, dst: DevBuf, src: Arc<Vec<i32>>);
     /// Enqueue a device -> host copy on [`Queue::D2H`]. `dst.len() == src.len`.

@@ -22,6 +22,7 @@ pub mod cuda;
 #[path = "cuda_stub.rs"]
 pub mod cuda;
 pub mod device;
+pub mod nf4;
 pub mod pool;
 pub mod precision;
 
@@ -65,6 +66,15 @@ impl<T> DeviceSlice for [T] {
     fn split_at_mut(&mut self, mid: usize) -> (&mut Self, &mut Self) {
         <[T]>::split_at_mut(self, mid)
     }
+}
+
+/// An input gradient a backward writes: overwritten, or accumulated into (+=).
+pub enum Dinp<'a, T: ?Sized> {
+    /// `dinp = ...`: the previous contents are ignored.
+    Write(&'a mut T),
+    /// `dinp += ...`: the product is added to what the buffer holds (a LoRA adapter's input
+    /// gradient joins the frozen base's).
+    Add(&'a mut T),
 }
 
 /// Sizes of one attention call: `B` sequences of `T` positions, `H` query heads sharing `KVH`
@@ -177,13 +187,14 @@ pub trait Backend: Send + Sync {
         weight: &Self::WBuf,
         norm: NormDims,
     );
-    /// dinp: (N, C), accumulates (+=). dweight: (C), accumulates (+=). dout, inp: (N, C).
-    /// weight: (C). rstd: (N) as saved by the forward.
+    /// dinp: (N, C), accumulates (+=). dweight: (C), accumulates (+=); `None` for a frozen
+    /// weight: its gradient is not computed. dout, inp: (N, C). weight: (C). rstd: (N) as saved
+    /// by the forward.
     #[allow(clippy::too_many_arguments)]
     fn rmsnorm_backward(
         &self,
         dinp: &mut Self::Buf,
-        dweight: &mut Self::Buf,
+        dweight: Option<&mut Self::Buf>,
         dout: &Self::Buf,
         inp: &Self::Buf,
         weight: &Self::WBuf,
@@ -206,13 +217,14 @@ pub trait Backend: Send + Sync {
         dims: AttnDims,
         norm: NormDims,
     );
-    /// dinp: (N, QKV), overwrites (its v part is dout's). dweight: (2D), accumulates (+=).
-    /// dout, inp: (N, QKV). weight: (2D). rstd: (N, H + KVH) as saved by the forward.
+    /// dinp: (N, QKV), overwrites (its v part is dout's). dweight: (2D), accumulates (+=);
+    /// `None` for frozen norm weights: not computed. dout, inp: (N, QKV). weight: (2D).
+    /// rstd: (N, H + KVH) as saved by the forward.
     #[allow(clippy::too_many_arguments)]
     fn head_rmsnorm_backward(
         &self,
         dinp: &mut Self::Buf,
-        dweight: &mut Self::Buf,
+        dweight: Option<&mut Self::Buf>,
         dout: &Self::Buf,
         inp: &Self::Buf,
         weight: &Self::WBuf,
@@ -235,15 +247,17 @@ pub trait Backend: Send + Sync {
         ic: usize,
         oc: usize,
     );
-    /// dinp: (N, IC), overwrites (skipped when `None`). dweight: (OC, IC), accumulates (+=).
-    /// dbias: (OC), accumulates (+=). dout: (N, OC). inp: (N, IC). weight: (OC, IC).
+    /// dinp: (N, IC): `Dinp::Write` overwrites, `Dinp::Add` accumulates (+=); skipped when
+    /// `None`. dweight: (OC, IC), accumulates (+=); `None` for a frozen weight: no dW product
+    /// at all. dbias: (OC), accumulates (+=). dout: (N, OC). inp: (N, IC). weight: (OC, IC).
     /// With bf16 weights, `dout` and `inp` are rounded to bf16 for the two products (fp32
-    /// accumulation, fp32 `dinp` and `dweight`); `dbias` sums the fp32 `dout`.
+    /// accumulation, fp32 `dinp` and `dweight`; `inp` only when there is a `dweight`); `dbias`
+    /// sums the fp32 `dout`.
     #[allow(clippy::too_many_arguments)]
     fn matmul_backward(
         &self,
-        dinp: Option<&mut Self::Buf>,
-        dweight: &mut Self::Buf,
+        dinp: Option<Dinp<'_, Self::Buf>>,
+        dweight: Option<&mut Self::Buf>,
         dbias: Option<&mut Self::Buf>,
         dout: &Self::Buf,
         inp: &Self::Buf,
@@ -317,6 +331,43 @@ pub trait Backend: Send + Sync {
         n: usize,
         f: usize,
     );
+
+    /// A column slice of a wider output accumulates a scaled narrow one (LoRA's update of one
+    /// target of a fused q|k|v or gate|up output): `out[r*out_w + col + j] += scale *
+    /// src[r*w + j]` for `r < N`, `j < w`.
+    /// out: (N, out_w), accumulates (+=) into columns `col..col + w`. src: (N, w).
+    #[allow(clippy::too_many_arguments)]
+    fn add_cols(
+        &self,
+        out: &mut Self::Buf,
+        src: &Self::Buf,
+        n: usize,
+        out_w: usize,
+        col: usize,
+        w: usize,
+        scale: f32,
+    );
+    /// A scaled copy of a column slice (the gradient a LoRA target sees):
+    /// `out[r*w + j] = scale * src[r*src_w + col + j]`.
+    /// out: (N, w), overwrites. src: (N, src_w).
+    #[allow(clippy::too_many_arguments)]
+    fn scaled_cols(
+        &self,
+        out: &mut Self::Buf,
+        src: &Self::Buf,
+        n: usize,
+        src_w: usize,
+        col: usize,
+        w: usize,
+        scale: f32,
+    );
+
+    /// NF4 weights to the backend's precision (QLoRA's frozen base): `packed` holds the device
+    /// form of [`nf4`] (`nf4::words(n)` words, each an f32 buffer element's bits, uploaded
+    /// bit-preserving with [`Backend::upload`]); `out[i] = CODE[q_i] * absmax[i / 64]` in fp32,
+    /// rounded to the weight precision (exact on the CPU, bf16 nearest even on CUDA).
+    /// out: (n), overwrites. packed: (`nf4::words(n)`).
+    fn dequantize_nf4(&self, out: &mut Self::WBuf, packed: &Self::Buf, n: usize);
 
     /// Residual add: out = a + b. All of one length; out overwrites.
     fn residual_forward(&self, out: &mut Self::Buf, a: &Self::Buf, b: &Self::Buf);

@@ -3,7 +3,7 @@
 
 use horizon_backend::cpu::testing::Rng;
 use horizon_backend::cpu::*;
-use horizon_backend::{AttnDims, Backend, CpuBackend, NormDims};
+use horizon_backend::{AttnDims, Backend, CpuBackend, Dinp, NormDims};
 
 fn bits(x: &[f32]) -> Vec<u32> {
     x.iter().map(|v| v.to_bits()).collect()
@@ -29,7 +29,7 @@ fn step<B: Backend<Buf = [f32], IBuf = [i32], WBuf = [f32]>>(be: &B, seed: u64) 
     let (mut y, mut rstd) = (vec![0.0; n * c], vec![0.0; n]);
     be.rmsnorm_forward(&mut y, &mut rstd, &x, &w, NormDims::new(c, 1e-5));
     let (mut dx, mut dw) = (vec![0.0; n * c], vec![0.0; c]);
-    be.rmsnorm_backward(&mut dx, &mut dw, &y, &x, &w, &rstd, NormDims::new(c, 0.0));
+    be.rmsnorm_backward(&mut dx, Some(&mut dw), &y, &x, &w, &rstd, NormDims::new(c, 0.0));
     all.extend(y.iter().chain(&rstd).chain(&dx).chain(&dw));
 
     let width = dims.qkv_width();
@@ -38,7 +38,17 @@ fn step<B: Backend<Buf = [f32], IBuf = [i32], WBuf = [f32]>>(be: &B, seed: u64) 
     let mut qkv = vec![0.0; n * width];
     be.matmul_forward(&mut qkv, &y, &wq, Some(&bq), n, c, width);
     let (mut dy, mut dwq, mut dbq) = (vec![0.0; n * c], vec![0.0; width * c], vec![0.0; width]);
-    be.matmul_backward(Some(&mut dy), &mut dwq, Some(&mut dbq), &qkv, &y, &wq, n, c, width);
+    be.matmul_backward(
+        Some(Dinp::Write(&mut dy)),
+        Some(&mut dwq),
+        Some(&mut dbq),
+        &qkv,
+        &y,
+        &wq,
+        n,
+        c,
+        width,
+    );
     all.extend(qkv.iter().chain(&dy).chain(&dwq).chain(&dbq));
 
     let cos = rng.vec(dims.t * dims.d / 2, 1.0);
@@ -56,7 +66,7 @@ fn step<B: Backend<Buf = [f32], IBuf = [i32], WBuf = [f32]>>(be: &B, seed: u64) 
     let (mut hq, mut hrstd) = (vec![0.0; qkv.len()], vec![0.0; n * (dims.h + dims.kvh)]);
     be.head_rmsnorm_forward(&mut hq, &mut hrstd, &qkv, &hw, dims, gemma);
     let (mut dhq, mut dhw) = (vec![0.0; qkv.len()], vec![0.0; 2 * dims.d]);
-    be.head_rmsnorm_backward(&mut dhq, &mut dhw, &dqkv, &qkv, &hw, &hrstd, dims, gemma);
+    be.head_rmsnorm_backward(&mut dhq, Some(&mut dhw), &dqkv, &qkv, &hw, &hrstd, dims, gemma);
     all.extend(hq.iter().chain(&hrstd).chain(&dhq).chain(&dhw));
 
     let local = AttnDims { window: 2, scale: 0.3, ..dims };
@@ -75,7 +85,7 @@ fn step<B: Backend<Buf = [f32], IBuf = [i32], WBuf = [f32]>>(be: &B, seed: u64) 
     let (mut gdx, mut gdw) = (vec![0.0; n * c], vec![0.0; c]);
     be.rmsnorm_backward(
         &mut gdx,
-        &mut gdw,
+        Some(&mut gdw),
         &gy,
         &x,
         &w,
@@ -145,7 +155,7 @@ fn step_direct(seed: u64) -> Vec<f32> {
     let (mut y, mut rstd) = (vec![0.0; n * c], vec![0.0; n]);
     rmsnorm_forward(&mut y, &mut rstd, &x, &w, NormDims::new(c, 1e-5));
     let (mut dx, mut dw) = (vec![0.0; n * c], vec![0.0; c]);
-    rmsnorm_backward(&mut dx, &mut dw, &y, &x, &w, &rstd, NormDims::new(c, 0.0));
+    rmsnorm_backward(&mut dx, Some(&mut dw), &y, &x, &w, &rstd, NormDims::new(c, 0.0));
     all.extend(y.iter().chain(&rstd).chain(&dx).chain(&dw));
 
     let width = dims.qkv_width();
@@ -154,7 +164,17 @@ fn step_direct(seed: u64) -> Vec<f32> {
     let mut qkv = vec![0.0; n * width];
     matmul_forward(&mut qkv, &y, &wq, Some(&bq), n, c, width);
     let (mut dy, mut dwq, mut dbq) = (vec![0.0; n * c], vec![0.0; width * c], vec![0.0; width]);
-    matmul_backward(Some(&mut dy), &mut dwq, Some(&mut dbq), &qkv, &y, &wq, n, c, width);
+    matmul_backward(
+        Some(Dinp::Write(&mut dy)),
+        Some(&mut dwq),
+        Some(&mut dbq),
+        &qkv,
+        &y,
+        &wq,
+        n,
+        c,
+        width,
+    );
     all.extend(qkv.iter().chain(&dy).chain(&dwq).chain(&dbq));
 
     let cos = rng.vec(dims.t * dims.d / 2, 1.0);
@@ -172,7 +192,7 @@ fn step_direct(seed: u64) -> Vec<f32> {
     let (mut hq, mut hrstd) = (vec![0.0; qkv.len()], vec![0.0; n * (dims.h + dims.kvh)]);
     head_rmsnorm_forward(&mut hq, &mut hrstd, &qkv, &hw, dims, gemma);
     let (mut dhq, mut dhw) = (vec![0.0; qkv.len()], vec![0.0; 2 * dims.d]);
-    head_rmsnorm_backward(&mut dhq, &mut dhw, &dqkv, &qkv, &hw, &hrstd, dims, gemma);
+    head_rmsnorm_backward(&mut dhq, Some(&mut dhw), &dqkv, &qkv, &hw, &hrstd, dims, gemma);
     all.extend(hq.iter().chain(&hrstd).chain(&dhq).chain(&dhw));
 
     let local = AttnDims { window: 2, scale: 0.3, ..dims };
@@ -191,7 +211,7 @@ fn step_direct(seed: u64) -> Vec<f32> {
     let (mut gdx, mut gdw) = (vec![0.0; n * c], vec![0.0; c]);
     rmsnorm_backward(
         &mut gdx,
-        &mut gdw,
+        Some(&mut gdw),
         &gy,
         &x,
         &w,

@@ -22,10 +22,11 @@
 use horizon_backend::cpu::testing::{Rng, assert_close};
 use horizon_backend::cuda::convert;
 use horizon_backend::cuda::{CudaBackend, CudaDevice, CudaDeviceConfig, CudaMem, DevSlice};
+use horizon_backend::nf4;
 use horizon_backend::precision::GRAD_WIRE_CHUNK;
 use horizon_backend::{
-    AttnDims, Backend, Bf16, CpuBackend, DevBuf, Device, DeviceAlloc, DeviceSlice, Event, HostPtr,
-    HostPtrMut, NormDims, Precision, Queue,
+    AttnDims, Backend, Bf16, CpuBackend, DevBuf, Device, DeviceAlloc, DeviceSlice, Dinp, Event,
+    HostPtr, HostPtrMut, NormDims, Precision, Queue,
 };
 
 const GUARD: usize = 37;
@@ -155,10 +156,10 @@ fn rmsnorm_forward_and_backward() {
         let (mut gdx, mut gdw) =
             (Guarded::new(&be, "dinp", &dx0), Guarded::new(&be, "dweight", &dw0));
         for call in 1..=2 {
-            CpuBackend.rmsnorm_backward(&mut dx, &mut dw, &dout, &x, &w, &rstd, norm);
+            CpuBackend.rmsnorm_backward(&mut dx, Some(&mut dw), &dout, &x, &w, &rstd, norm);
             be.rmsnorm_backward(
                 gdx.view_mut(),
-                gdw.view_mut(),
+                Some(gdw.view_mut()),
                 gdout.view(),
                 gx.view(),
                 &gw,
@@ -207,8 +208,8 @@ fn gpu_product(be: &CudaBackend, p: &Product) -> ProductOut {
     let mut gdw = Guarded::new(be, "dweight", p.dw0);
     let mut gdb = Guarded::new(be, "dbias", p.db0);
     be.matmul_backward(
-        Some(gdx.view_mut()),
-        gdw.view_mut(),
+        Some(Dinp::Write(gdx.view_mut())),
+        Some(gdw.view_mut()),
         p.b.is_some().then_some(gdb.view_mut()),
         gdout.view(),
         gx.view(),
@@ -236,10 +237,19 @@ fn cpu_product(p: &Product, round: bool) -> ProductOut {
     let mut out = vec![0.0; n * oc];
     CpuBackend.matmul_forward(&mut out, &x, &w, b.as_deref(), n, ic, oc);
     let (mut dinp, mut dweight, mut dbias) = (vec![0.0; n * ic], p.dw0.to_vec(), p.db0.to_vec());
-    CpuBackend.matmul_backward(Some(&mut dinp), &mut dweight, None, &dout, &x, &w, n, ic, oc);
+    CpuBackend.matmul_backward(
+        Some(Dinp::Write(&mut dinp)),
+        Some(&mut dweight),
+        None,
+        &dout,
+        &x,
+        &w,
+        n,
+        ic,
+        oc,
+    );
     if b.is_some() {
-        let mut unused = vec![0.0; oc * ic];
-        CpuBackend.matmul_backward(None, &mut unused, Some(&mut dbias), p.dout, p.x, &w, n, ic, oc);
+        CpuBackend.matmul_backward(None, None, Some(&mut dbias), p.dout, p.x, &w, n, ic, oc);
     }
     ProductOut { out, dinp, dweight, dbias }
 }
@@ -266,6 +276,193 @@ fn matmul_forward_and_backward() {
             let dbias = what("matmul_backward dbias (+=, fp32 dout)");
             assert_close(&dbias, &got.dbias, &want.dbias, TOL_SUM);
         }
+    }
+}
+
+/// `Dinp::Add` (beta = 1) adds the same product `Dinp::Write` writes; `dweight: None` (a frozen
+/// weight) runs no dW GEMM and changes nothing but dinp and dbias, which equal the CPU's. All
+/// buffers between guards.
+#[test]
+fn matmul_backward_accumulating_dinp_and_frozen_weight() {
+    let be = gpu();
+    let mut rng = Rng::new(23);
+    for (n, ic, oc) in [(1, 1, 1), (37, 29, 41), (3, 257, 129)] {
+        let what = |t: &str| format!("{t} {n}x{ic}x{oc}");
+        let (x, w) = (rng.vec(n * ic, 1.0), rounded(&rng.vec(oc * ic, 0.3)));
+        let (dout, old, db0) = (rng.vec(n * oc, 1.0), rng.vec(n * ic, 1.0), rng.vec(oc, 1.0));
+        let (gx, gw, gdout) =
+            (Guarded::new(&be, "inp", &x), weights_on(&be, &w), Guarded::new(&be, "dout", &dout));
+        let mut gdx = Guarded::new(&be, "dinp", &old);
+        let mut gdb = Guarded::new(&be, "dbias", &db0);
+        be.matmul_backward(
+            Some(Dinp::Add(gdx.view_mut())),
+            None,
+            Some(gdb.view_mut()),
+            gdout.view(),
+            gx.view(),
+            &gw,
+            n,
+            ic,
+            oc,
+        );
+        let (mut dx, mut db) = (old.clone(), db0.clone());
+        let rdout = rounded(&dout);
+        CpuBackend.matmul_backward(Some(Dinp::Add(&mut dx)), None, None, &rdout, &x, &w, n, ic, oc);
+        CpuBackend.matmul_backward(None, None, Some(&mut db), &dout, &x, &w, n, ic, oc);
+        assert_close(
+            &what("matmul_backward dinp (Dinp::Add, +=)"),
+            &gdx.read(&be),
+            &dx,
+            TOL_PRODUCT,
+        );
+        assert_close(
+            &what("matmul_backward dbias (+=, frozen weight)"),
+            &gdb.read(&be),
+            &db,
+            TOL_SUM,
+        );
+        // Write then Add from the written values: twice the product.
+        let mut gdx = Guarded::new(&be, "dinp", &vec![7.0; n * ic]);
+        be.matmul_backward(
+            Some(Dinp::Write(gdx.view_mut())),
+            None,
+            None,
+            gdout.view(),
+            gx.view(),
+            &gw,
+            n,
+            ic,
+            oc,
+        );
+        let once = gdx.read(&be);
+        be.matmul_backward(
+            Some(Dinp::Add(gdx.view_mut())),
+            None,
+            None,
+            gdout.view(),
+            gx.view(),
+            &gw,
+            n,
+            ic,
+            oc,
+        );
+        let twice: Vec<f32> = once.iter().map(|v| 2.0 * v).collect();
+        assert_close(&what("matmul_backward Write then Add"), &gdx.read(&be), &twice, TOL_PRODUCT);
+    }
+}
+
+/// The norms' backward without a weight gradient (frozen norm weights) gives the same dinp as
+/// with one, and the CPU's.
+#[test]
+fn norm_backwards_without_dweight() {
+    let be = gpu();
+    let mut rng = Rng::new(24);
+    let (n, c) = (5, 13);
+    let norm = NormDims { c, eps: 1e-5, w_offset: 1.0 };
+    let (x, w, dout, dx0) =
+        (rng.vec(n * c, 2.0), rounded(&rng.vec(c, 1.0)), rng.vec(n * c, 1.0), rng.vec(n * c, 1.0));
+    let (mut out, mut rstd) = (vec![0.0; n * c], vec![0.0; n]);
+    CpuBackend.rmsnorm_forward(&mut out, &mut rstd, &x, &w, norm);
+    let mut dx = dx0.clone();
+    CpuBackend.rmsnorm_backward(&mut dx, None, &dout, &x, &w, &rstd, norm);
+    let (gx, gw, gdout, grstd) = (
+        Guarded::new(&be, "inp", &x),
+        weights_on(&be, &w),
+        Guarded::new(&be, "dout", &dout),
+        Guarded::new(&be, "rstd", &rstd),
+    );
+    let mut gdx = Guarded::new(&be, "dinp", &dx0);
+    be.rmsnorm_backward(gdx.view_mut(), None, gdout.view(), gx.view(), &gw, grstd.view(), norm);
+    assert_close("rmsnorm_backward dinp (+=), dweight None", &gdx.read(&be), &dx, TOL);
+
+    let dims = AttnDims::new(2, 5, 4, 2, 16);
+    let hnorm = NormDims { c: dims.d, eps: 1e-6, w_offset: 0.0 };
+    let (len, heads) = (dims.n() * dims.qkv_width(), dims.h + dims.kvh);
+    let (x, w, dout) = (rng.vec(len, 2.0), rounded(&rng.vec(2 * dims.d, 1.0)), rng.vec(len, 1.0));
+    let (mut out, mut rstd) = (vec![0.0; len], vec![0.0; dims.n() * heads]);
+    CpuBackend.head_rmsnorm_forward(&mut out, &mut rstd, &x, &w, dims, hnorm);
+    let mut dx = vec![0.0; len];
+    CpuBackend.head_rmsnorm_backward(&mut dx, None, &dout, &x, &w, &rstd, dims, hnorm);
+    let (gx, gw, gdout, grstd) = (
+        Guarded::new(&be, "inp", &x),
+        weights_on(&be, &w),
+        Guarded::new(&be, "dout", &dout),
+        Guarded::new(&be, "rstd", &rstd),
+    );
+    let mut gdx = Guarded::new(&be, "dinp", &vec![7.0; len]);
+    be.head_rmsnorm_backward(
+        gdx.view_mut(),
+        None,
+        gdout.view(),
+        gx.view(),
+        &gw,
+        grstd.view(),
+        dims,
+        hnorm,
+    );
+    assert_close("head_rmsnorm_backward dinp, dweight None", &gdx.read(&be), &dx, TOL);
+}
+
+/// The column-slice ops: elementwise, one rounding each as on the CPU, so bit for bit; the
+/// columns outside the slice (and the guards) are untouched.
+#[test]
+fn add_cols_and_scaled_cols() {
+    let be = gpu();
+    let mut rng = Rng::new(25);
+    for (n, wide, col, w, scale) in
+        [(1, 1, 0, 1, 2.0), (37, 100, 33, 29, 0.37), (5, 300, 256, 44, -1.5), (3, 9, 2, 0, 5.0)]
+    {
+        let what = |t: &str| format!("{t} N={n} wide={wide} col={col} w={w}");
+        let (out0, src) = (rng.vec(n * wide, 1.0), rng.vec(n * w, 1.0));
+        let mut want = out0.clone();
+        CpuBackend.add_cols(&mut want, &src, n, wide, col, w, scale);
+        let (mut gout, gsrc) = (Guarded::new(&be, "out", &out0), Guarded::new(&be, "src", &src));
+        be.add_cols(gout.view_mut(), gsrc.view(), n, wide, col, w, scale);
+        assert_close(&what("add_cols (+=)"), &gout.read(&be), &want, 0.0);
+
+        let wsrc = rng.vec(n * wide, 1.0);
+        let mut want = vec![0.0; n * w];
+        CpuBackend.scaled_cols(&mut want, &wsrc, n, wide, col, w, scale);
+        let (mut gout, gsrc) =
+            (Guarded::new(&be, "out", &vec![7.0; n * w]), Guarded::new(&be, "src", &wsrc));
+        be.scaled_cols(gout.view_mut(), gsrc.view(), n, wide, col, w, scale);
+        assert_close(&what("scaled_cols (overwrites)"), &gout.read(&be), &want, 0.0);
+    }
+}
+
+/// NF4 to bf16 weights: the CPU's fp32 values (`nf4::dequantize`'s) rounded to bf16 nearest
+/// even, bit for bit, for lengths with partial blocks, odd lengths and a padded last word;
+/// the weight guards are untouched.
+#[test]
+fn dequantize_nf4_is_the_cpu_value_rounded_to_bf16() {
+    let be = gpu();
+    let mut rng = Rng::new(26);
+    for n in [1, 2, 3, 9, 64, 65, 129, 4096 + 37] {
+        let mut w = rng.vec(n, 2.0);
+        w[0] = -0.0;
+        if n > 70 {
+            w[64..].iter_mut().take(64).for_each(|v| *v = 0.0); // a zero block
+        }
+        let q = nf4::quantize(&w);
+        let mut words = vec![0u32; nf4::words(n)];
+        nf4::to_words(&q, &mut words);
+        let packed: Vec<f32> = words.iter().map(|&u| f32::from_bits(u)).collect();
+        let mut cpu = vec![0.0; n];
+        CpuBackend.dequantize_nf4(&mut cpu, &packed, n);
+        let want: Vec<Bf16> = cpu.iter().map(|&v| Bf16::from_f32(v)).collect();
+        let gpacked = Guarded::new(&be, "packed", &packed);
+        let sentinel = f32::from_bits(u32::from(SENTINEL_BF16) << 16);
+        let mut out = weights_on(&be, &vec![sentinel; n + 2 * GUARD]);
+        be.dequantize_nf4(out.slice_mut(GUARD..GUARD + n), gpacked.view(), n);
+        let mut got = vec![Bf16(0); n + 2 * GUARD];
+        be.download_weights(&mut got, &out);
+        let guard = Bf16::from_f32(sentinel);
+        assert!(
+            got[..GUARD].iter().chain(&got[GUARD + n..]).all(|g| *g == guard),
+            "n = {n}: a guard moved"
+        );
+        assert_eq!(&got[GUARD..GUARD + n], &want[..], "n = {n}");
+        gpacked.read(&be);
     }
 }
 
@@ -470,10 +667,19 @@ fn head_rmsnorm_forward_and_backward() {
         let mut gdx = Guarded::new(&be, "dinp", &vec![7.0; n * width]);
         let mut gdw = Guarded::new(&be, "dweight", &dw0);
         for call in 1..=2 {
-            CpuBackend.head_rmsnorm_backward(&mut dx, &mut dw, &dout, &x, &w, &rstd, dims, norm);
+            CpuBackend.head_rmsnorm_backward(
+                &mut dx,
+                Some(&mut dw),
+                &dout,
+                &x,
+                &w,
+                &rstd,
+                dims,
+                norm,
+            );
             be.head_rmsnorm_backward(
                 gdx.view_mut(),
-                gdw.view_mut(),
+                Some(gdw.view_mut()),
                 gdout.view(),
                 gx.view(),
                 &gw,
@@ -491,7 +697,7 @@ fn head_rmsnorm_forward_and_backward() {
                 let mut gdw = Guarded::new(&be, "dweight", &vec![0.0; 2 * dims.d]);
                 be.head_rmsnorm_backward(
                     gdx.view_mut(),
-                    gdw.view_mut(),
+                    Some(gdw.view_mut()),
                     gdout.view(),
                     gx.view(),
                     &gw,
@@ -836,6 +1042,38 @@ fn cuda_device_carries_bf16_weights_and_gradients_exactly() {
     assert_eq!(dev.stats().d2h_bytes - d2h, 2 * ng as u64);
     let bad = out.iter().zip(&g).position(|(o, g)| *o != Bf16::from_f32(*g));
     assert!(bad.is_none(), "bf16 gradient element {bad:?} differs from the host rounding");
+}
+
+/// Frozen bf16 weights reach the slot as they are (no rounding, 2 bytes each on the link),
+/// over more than one chunk of the page-locked ring, at an odd offset; nothing else moves.
+#[test]
+fn cuda_device_copies_bf16_weights_as_they_are() {
+    let dev = CudaDevice::new(CudaDeviceConfig::with_capacity(64 << 20))
+        .unwrap_or_else(|e| panic!("{e}\n{NO_GPU_HINT}"));
+    let mut rng = Rng::new(12);
+    let (at, nw): (usize, usize) = (5, (8 << 20) + 3);
+    let slot = dev.alloc((nw + at).div_ceil(2) + 1).unwrap();
+    let before = vec![f32::from_bits(0x7fa5_7fa5); slot.len];
+    let w: Vec<Bf16> = rng.vec(nw, 2.0).iter().map(|&x| Bf16::from_f32(x)).collect();
+    let mut words = vec![0.0f32; slot.len];
+    let uploaded = Event::new();
+    let h2d = dev.stats().h2d_bytes;
+    // SAFETY: the host buffers outlive the synchronize below, which runs every copy.
+    unsafe {
+        dev.upload(slot, HostPtr::new(&before));
+        dev.upload_weights_bf16(slot, at, HostPtr::new(&w));
+        dev.record(Queue::H2D, &uploaded);
+        dev.wait(Queue::D2H, &uploaded);
+        dev.download(HostPtrMut::new(&mut words), slot);
+    }
+    dev.synchronize();
+    assert_eq!(dev.stats().h2d_bytes - h2d, (4 * slot.len + 2 * nw) as u64);
+    let bits: Vec<u16> =
+        words.iter().flat_map(|f| [f.to_bits() as u16, (f.to_bits() >> 16) as u16]).collect();
+    for (i, b) in bits.iter().enumerate() {
+        let want = if (at..at + nw).contains(&i) { w[i - at].0 } else { 0x7fa5 };
+        assert_eq!(*b, want, "slot bf16 {i}");
+    }
 }
 
 #[test]

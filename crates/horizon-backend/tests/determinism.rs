@@ -3,7 +3,7 @@
 
 use horizon_backend::cpu::testing::Rng;
 use horizon_backend::cpu::*;
-use horizon_backend::{AttnDims, NormDims};
+use horizon_backend::{AttnDims, Dinp, NormDims};
 
 fn bits(x: &[f32]) -> Vec<u32> {
     x.iter().map(|v| v.to_bits()).collect()
@@ -31,7 +31,17 @@ fn all_ops() -> Vec<f32> {
     let mut out = vec![0.0; n * oc];
     matmul_forward(&mut out, &inp, &w, Some(&b), n, ic, oc);
     let (mut dinp, mut dw, mut db) = (vec![0.0; n * ic], vec![0.5; oc * ic], vec![0.5; oc]);
-    matmul_backward(Some(&mut dinp), &mut dw, Some(&mut db), &out, &inp, &w, n, ic, oc);
+    matmul_backward(
+        Some(Dinp::Write(&mut dinp)),
+        Some(&mut dw),
+        Some(&mut db),
+        &out,
+        &inp,
+        &w,
+        n,
+        ic,
+        oc,
+    );
     all.extend(out.iter().chain(&dinp).chain(&dw).chain(&db));
 
     // rmsnorm with several dweight column tiles.
@@ -41,7 +51,7 @@ fn all_ops() -> Vec<f32> {
     let (mut y, mut rstd) = (vec![0.0; n * c], vec![0.0; n]);
     rmsnorm_forward(&mut y, &mut rstd, &x, &g, NormDims::new(c, 1e-5));
     let (mut dx, mut dg) = (vec![0.25; n * c], vec![0.25; c]);
-    rmsnorm_backward(&mut dx, &mut dg, &y, &x, &g, &rstd, NormDims::new(c, 1e-5));
+    rmsnorm_backward(&mut dx, Some(&mut dg), &y, &x, &g, &rstd, NormDims::new(c, 1e-5));
     all.extend(y.iter().chain(&rstd).chain(&dx).chain(&dg));
 
     // rmsnorm with Gemma's (1 + w).
@@ -49,7 +59,7 @@ fn all_ops() -> Vec<f32> {
     let (mut gy, mut grstd) = (vec![0.0; n * c], vec![0.0; n]);
     rmsnorm_forward(&mut gy, &mut grstd, &x, &g, gemma);
     let (mut gdx, mut gdg) = (vec![0.25; n * c], vec![0.25; c]);
-    rmsnorm_backward(&mut gdx, &mut gdg, &y, &x, &g, &grstd, gemma);
+    rmsnorm_backward(&mut gdx, Some(&mut gdg), &y, &x, &g, &grstd, gemma);
     all.extend(gy.iter().chain(&grstd).chain(&gdx).chain(&gdg));
 
     // embedding with repeated ids.
@@ -95,7 +105,7 @@ fn all_ops() -> Vec<f32> {
     let (mut hq, mut hrstd) = (vec![0.0; wqkv.len()], vec![0.0; dims.n() * (dims.h + dims.kvh)]);
     head_rmsnorm_forward(&mut hq, &mut hrstd, &wqkv, &hw, dims, hnorm);
     let (mut dhq, mut dhw) = (vec![0.0; wqkv.len()], vec![0.5; 2 * dims.d]);
-    head_rmsnorm_backward(&mut dhq, &mut dhw, &dwqkv, &wqkv, &hw, &hrstd, dims, hnorm);
+    head_rmsnorm_backward(&mut dhq, Some(&mut dhw), &dwqkv, &wqkv, &hw, &hrstd, dims, hnorm);
     all.extend(hq.iter().chain(&hrstd).chain(&dhq).chain(&dhw));
 
     // head_rmsnorm with several dweight column tiles per half (D = 40).
@@ -106,7 +116,7 @@ fn all_ops() -> Vec<f32> {
     let (mut hq, mut hrstd) = (vec![0.0; hx.len()], vec![0.0; dims.n() * (dims.h + dims.kvh)]);
     head_rmsnorm_forward(&mut hq, &mut hrstd, &hx, &hw, dims, hnorm);
     let (mut dhq, mut dhw) = (vec![0.0; hx.len()], vec![0.5; 2 * dims.d]);
-    head_rmsnorm_backward(&mut dhq, &mut dhw, &hx, &hx, &hw, &hrstd, dims, hnorm);
+    head_rmsnorm_backward(&mut dhq, Some(&mut dhw), &hx, &hx, &hw, &hrstd, dims, hnorm);
     all.extend(hq.iter().chain(&hrstd).chain(&dhq).chain(&dhw));
 
     // swiglu

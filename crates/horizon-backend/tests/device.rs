@@ -1,7 +1,7 @@
 //! Tests of `CpuDevice`: the pool (capacity, peak, coalescing, alignment), copies and kernels
 //! through the queues, event ordering across queues under random copy delays, ordering within a
-//! queue, the link simulation and its counters, panics in queued work, and the weight and bf16
-//! gradient copies.
+//! queue, the link simulation and its counters, panics in queued work, and the weight (fp32 and
+//! bf16) and bf16 gradient copies.
 //!
 //! Timing asserts are lower bounds only (a copy of N bytes takes at least N / bandwidth), or
 //! exact identities of the counters; shared machines are too noisy for upper bounds.
@@ -449,6 +449,26 @@ fn weights_upload_exactly_at_their_offset() {
     dev.upload_weights(b, 5, unsafe { HostPtr::new(&w) });
     let got = download_now(&dev, b);
     assert_eq!(&got[5..12], &w[..], "fp32 weights are copied exactly");
+    assert!(got[..5].iter().chain(&got[12..]).all(|&x| x == 9.0), "{got:?}");
+}
+
+#[test]
+fn bf16_weights_upload_expanded_exactly_at_their_offset_two_bytes_each() {
+    let dev = device(1 << 16);
+    let b = dev.alloc(40).unwrap();
+    upload_now(&dev, b, &[9.0; 40]);
+    let w: Vec<Bf16> = [1.0, -0.0, 3.5e-3, -7.25e20, 1e-40, f32::INFINITY, 0.1]
+        .iter()
+        .map(|&x| Bf16::from_f32(x))
+        .collect();
+    let before = dev.stats().h2d_bytes;
+    // SAFETY: `w` outlives the synchronize in `download_now`.
+    dev.upload_weights_bf16(b, 5, unsafe { HostPtr::new(&w) });
+    let got = download_now(&dev, b);
+    assert_eq!(dev.stats().h2d_bytes - before, 2 * 7, "the wire carries bf16");
+    let want: Vec<u32> = w.iter().map(|x| x.to_f32().to_bits()).collect();
+    let got_bits: Vec<u32> = got[5..12].iter().map(|x| x.to_bits()).collect();
+    assert_eq!(got_bits, want, "bf16 weights are expanded exactly");
     assert!(got[..5].iter().chain(&got[12..]).all(|&x| x == 9.0), "{got:?}");
 }
 

@@ -26,7 +26,7 @@ mod common;
 use common::*;
 use horizon_backend::cpu::testing::{Rng, assert_close};
 use horizon_backend::cpu::*;
-use horizon_backend::{AttnDims, NormDims};
+use horizon_backend::{AttnDims, Dinp, NormDims};
 
 const FWD_TOL: f64 = 1e-5;
 const GRAD_TOL: f64 = 1e-5;
@@ -143,7 +143,7 @@ fn rmsnorm_backward_matches_fd_and_accumulates() {
         let pre_dinp = rng.vec(n * c, 1.0);
         let pre_dw = rng.vec(c, 1.0);
         let (mut dinp, mut dw) = (pre_dinp.clone(), pre_dw.clone());
-        rmsnorm_backward(&mut dinp, &mut dw, &r, &inp, &w, &rstd, NormDims::new(c, RMS_EPS));
+        rmsnorm_backward(&mut dinp, Some(&mut dw), &r, &inp, &w, &rstd, NormDims::new(c, RMS_EPS));
 
         let (inp64, w64, eps) = (to64(&inp), to64(&w), f64::from(RMS_EPS));
         let fd_x = fd_grad(&inp64, FD_EPS, |x| proj(&rmsnorm_ref(x, &w64, c, eps, 0.0).0, &r));
@@ -166,10 +166,10 @@ fn rmsnorm_backward_twice_doubles_dweight_exactly() {
     let (mut out, mut rstd) = (vec![0.0; n * c], vec![0.0; n]);
     rmsnorm_forward(&mut out, &mut rstd, &inp, &w, NormDims::new(c, RMS_EPS));
     let (mut dinp1, mut dw1) = (vec![0.0; n * c], vec![0.0; c]);
-    rmsnorm_backward(&mut dinp1, &mut dw1, &dout, &inp, &w, &rstd, NormDims::new(c, RMS_EPS));
+    rmsnorm_backward(&mut dinp1, Some(&mut dw1), &dout, &inp, &w, &rstd, NormDims::new(c, RMS_EPS));
     let (mut dinp2, mut dw2) = (vec![0.0; n * c], vec![0.0; c]);
-    rmsnorm_backward(&mut dinp2, &mut dw2, &dout, &inp, &w, &rstd, NormDims::new(c, RMS_EPS));
-    rmsnorm_backward(&mut dinp2, &mut dw2, &dout, &inp, &w, &rstd, NormDims::new(c, RMS_EPS));
+    rmsnorm_backward(&mut dinp2, Some(&mut dw2), &dout, &inp, &w, &rstd, NormDims::new(c, RMS_EPS));
+    rmsnorm_backward(&mut dinp2, Some(&mut dw2), &dout, &inp, &w, &rstd, NormDims::new(c, RMS_EPS));
     let double = |x: &[f32]| -> Vec<f32> { x.iter().map(|g| 2.0 * g).collect() };
     assert_eq!(bits(&dw2), bits(&double(&dw1)), "rmsnorm dweight did not double exactly");
     assert_eq!(bits(&dinp2), bits(&double(&dinp1)), "rmsnorm dinp did not double exactly");
@@ -208,7 +208,7 @@ fn rmsnorm_w_offset_backward_matches_fd_and_accumulates() {
         let pre_dinp = rng.vec(n * c, 1.0);
         let pre_dw = rng.vec(c, 1.0);
         let (mut dinp, mut dw) = (pre_dinp.clone(), pre_dw.clone());
-        rmsnorm_backward(&mut dinp, &mut dw, &r, &inp, &w, &rstd, norm);
+        rmsnorm_backward(&mut dinp, Some(&mut dw), &r, &inp, &w, &rstd, norm);
 
         let (inp64, w64, eps) = (to64(&inp), to64(&w), f64::from(norm.eps));
         let fd_x = fd_grad(&inp64, FD_EPS, |x| proj(&rmsnorm_ref(x, &w64, c, eps, 1.0).0, &r));
@@ -238,7 +238,7 @@ fn rmsnorm_w_offset_is_the_shifted_weight_exactly() {
         rmsnorm_forward(&mut out, &mut rstd, &inp, w, norm);
         let (mut dinp, mut dw) = (vec![0.0; n * c], vec![0.0; c]);
         for _ in 0..times {
-            rmsnorm_backward(&mut dinp, &mut dw, &dout, &inp, w, &rstd, norm);
+            rmsnorm_backward(&mut dinp, Some(&mut dw), &dout, &inp, w, &rstd, norm);
         }
         (bits(&out), bits(&rstd), bits(&dinp), dw)
     };
@@ -304,7 +304,7 @@ fn head_rmsnorm_is_rmsnorm_of_each_head_bit_for_bit() {
             let (mut out, mut rstd) = (vec![0.0; inp.len()], vec![0.0; dims.n() * heads]);
             head_rmsnorm_forward(&mut out, &mut rstd, &inp, &w, dims, norm);
             let (mut dinp, mut dw) = (vec![f32::NAN; inp.len()], vec![0.0; 2 * d]);
-            head_rmsnorm_backward(&mut dinp, &mut dw, &dout, &inp, &w, &rstd, dims, norm);
+            head_rmsnorm_backward(&mut dinp, Some(&mut dw), &dout, &inp, &w, &rstd, dims, norm);
             for r in 0..dims.n() {
                 for j in 0..heads {
                     let at = r * width + j * d;
@@ -313,7 +313,7 @@ fn head_rmsnorm_is_rmsnorm_of_each_head_bit_for_bit() {
                     let (mut o1, mut r1) = (vec![0.0; d], vec![0.0; 1]);
                     rmsnorm_forward(&mut o1, &mut r1, x, wj, norm);
                     let (mut dx1, mut dw1) = (vec![0.0; d], vec![0.0; d]);
-                    rmsnorm_backward(&mut dx1, &mut dw1, dy, x, wj, &r1, norm);
+                    rmsnorm_backward(&mut dx1, Some(&mut dw1), dy, x, wj, &r1, norm);
                     let what = format!("{dims:?} w_offset={} row {r} head {j}", norm.w_offset);
                     assert_eq!(bits(&out[at..][..d]), bits(&o1), "out of {what}");
                     assert_eq!(rstd[r * heads + j].to_bits(), r1[0].to_bits(), "rstd of {what}");
@@ -338,7 +338,7 @@ fn head_rmsnorm_backward_matches_fd() {
             let mut dinp = vec![f32::NAN; inp.len()]; // overwritten
             let pre_dw = rng.vec(2 * dims.d, 1.0);
             let mut dw = pre_dw.clone();
-            head_rmsnorm_backward(&mut dinp, &mut dw, &r, &inp, &w, &rstd, dims, norm);
+            head_rmsnorm_backward(&mut dinp, Some(&mut dw), &r, &inp, &w, &rstd, dims, norm);
 
             let (inp64, w64) = (to64(&inp), to64(&w));
             let (eps, off) = (f64::from(norm.eps), f64::from(norm.w_offset));
@@ -367,10 +367,10 @@ fn head_rmsnorm_backward_twice_doubles_dweight_exactly() {
     let (mut out, mut rstd) = (vec![0.0; inp.len()], vec![0.0; dims.n() * heads]);
     head_rmsnorm_forward(&mut out, &mut rstd, &inp, &w, dims, norm);
     let (mut dinp1, mut dw1) = (vec![0.0; inp.len()], vec![0.0; 2 * dims.d]);
-    head_rmsnorm_backward(&mut dinp1, &mut dw1, &dout, &inp, &w, &rstd, dims, norm);
+    head_rmsnorm_backward(&mut dinp1, Some(&mut dw1), &dout, &inp, &w, &rstd, dims, norm);
     let (mut dinp2, mut dw2) = (vec![0.0; inp.len()], vec![0.0; 2 * dims.d]);
-    head_rmsnorm_backward(&mut dinp2, &mut dw2, &dout, &inp, &w, &rstd, dims, norm);
-    head_rmsnorm_backward(&mut dinp2, &mut dw2, &dout, &inp, &w, &rstd, dims, norm);
+    head_rmsnorm_backward(&mut dinp2, Some(&mut dw2), &dout, &inp, &w, &rstd, dims, norm);
+    head_rmsnorm_backward(&mut dinp2, Some(&mut dw2), &dout, &inp, &w, &rstd, dims, norm);
     let double: Vec<f32> = dw1.iter().map(|g| 2.0 * g).collect();
     assert_eq!(bits(&dw2), bits(&double), "head_rmsnorm dweight did not double exactly");
     assert_eq!(bits(&dinp2), bits(&dinp1), "head_rmsnorm dinp does not overwrite");
@@ -412,14 +412,34 @@ fn matmul_rows_do_not_depend_on_tiling() {
         let mut out = vec![0.0; n * oc];
         matmul_forward(&mut out, &inp, &w, Some(&b), n, ic, oc);
         let (mut dinp, mut dw) = (vec![0.0; n * ic], vec![0.0; oc * ic]);
-        matmul_backward(Some(&mut dinp), &mut dw, None, &dout, &inp, &w, n, ic, oc);
+        matmul_backward(
+            Some(Dinp::Write(&mut dinp)),
+            Some(&mut dw),
+            None,
+            &dout,
+            &inp,
+            &w,
+            n,
+            ic,
+            oc,
+        );
         for r in 0..n {
             let mut row = vec![0.0; oc];
             matmul_forward(&mut row, &inp[r * ic..][..ic], &w, Some(&b), 1, ic, oc);
             assert_eq!(bits(&row), bits(&out[r * oc..][..oc]), "{n}x{ic}x{oc}: row {r} differs");
             let (mut drow, mut dw1) = (vec![0.0; ic], vec![0.0; oc * ic]);
             let (dout_r, inp_r) = (&dout[r * oc..][..oc], &inp[r * ic..][..ic]);
-            matmul_backward(Some(&mut drow), &mut dw1, None, dout_r, inp_r, &w, 1, ic, oc);
+            matmul_backward(
+                Some(Dinp::Write(&mut drow)),
+                Some(&mut dw1),
+                None,
+                dout_r,
+                inp_r,
+                &w,
+                1,
+                ic,
+                oc,
+            );
             assert_eq!(bits(&drow), bits(&dinp[r * ic..][..ic]), "{n}x{ic}x{oc}: dinp row {r}");
         }
     }
@@ -437,7 +457,17 @@ fn matmul_backward_matches_fd() {
     let pre_dw = rng.vec(oc * ic, 1.0);
     let pre_db = rng.vec(oc, 1.0);
     let (mut dw, mut db) = (pre_dw.clone(), pre_db.clone());
-    matmul_backward(Some(&mut dinp), &mut dw, Some(&mut db), &r, &inp, &w, n, ic, oc);
+    matmul_backward(
+        Some(Dinp::Write(&mut dinp)),
+        Some(&mut dw),
+        Some(&mut db),
+        &r,
+        &inp,
+        &w,
+        n,
+        ic,
+        oc,
+    );
 
     let (inp64, w64, b64) = (to64(&inp), to64(&w), to64(&b));
     let loss = |x: &[f64], w: &[f64], b: &[f64]| proj(&matmul_ref(x, w, Some(b), n, ic, oc), &r);
@@ -463,7 +493,17 @@ fn matmul_backward_matches_reference_across_tiles() {
         let dout = rng.vec(n * oc, 1.0);
         let mut dinp = vec![f32::NAN; n * ic];
         let (mut dw, mut db) = (vec![0.0; oc * ic], vec![0.0; oc]);
-        matmul_backward(Some(&mut dinp), &mut dw, Some(&mut db), &dout, &inp, &w, n, ic, oc);
+        matmul_backward(
+            Some(Dinp::Write(&mut dinp)),
+            Some(&mut dw),
+            Some(&mut db),
+            &dout,
+            &inp,
+            &w,
+            n,
+            ic,
+            oc,
+        );
         let (rx, rw, rb) = matmul_backward_ref(&to64(&dout), &to64(&inp), &to64(&w), n, ic, oc);
         assert_close(&format!("matmul dinp N={n}"), &dinp, &rx, FWD_TOL);
         assert_close(&format!("matmul dweight N={n}"), &dw, &rw, FWD_TOL);
@@ -479,18 +519,147 @@ fn matmul_backward_twice_doubles_exactly() {
     let w = rng.vec(oc * ic, 0.2);
     let dout = rng.vec(n * oc, 1.0);
     let (mut dw1, mut db1) = (vec![0.0; oc * ic], vec![0.0; oc]);
-    matmul_backward(None, &mut dw1, Some(&mut db1), &dout, &inp, &w, n, ic, oc);
+    matmul_backward(None, Some(&mut dw1), Some(&mut db1), &dout, &inp, &w, n, ic, oc);
     let (mut dw2, mut db2) = (vec![0.0; oc * ic], vec![0.0; oc]);
     for _ in 0..2 {
-        matmul_backward(None, &mut dw2, Some(&mut db2), &dout, &inp, &w, n, ic, oc);
+        matmul_backward(None, Some(&mut dw2), Some(&mut db2), &dout, &inp, &w, n, ic, oc);
     }
     let double = |x: &[f32]| -> Vec<f32> { x.iter().map(|g| 2.0 * g).collect() };
     assert_eq!(bits(&dw2), bits(&double(&dw1)), "matmul dweight did not double exactly");
     assert_eq!(bits(&db2), bits(&double(&db1)), "matmul dbias did not double exactly");
     // Without dbias, dweight is the same.
     let mut dw3 = vec![0.0; oc * ic];
-    matmul_backward(None, &mut dw3, None, &dout, &inp, &w, n, ic, oc);
+    matmul_backward(None, Some(&mut dw3), None, &dout, &inp, &w, n, ic, oc);
     assert_eq!(bits(&dw3), bits(&dw1), "dweight depends on whether dbias is requested");
+}
+
+#[test]
+fn matmul_backward_add_is_write_plus_the_old_dinp() {
+    // Dinp::Add forms the whole product first and adds it once (the gemm's accumulate mode):
+    // exactly old + the product added into zeros, and old + Dinp::Write's values where those
+    // are one k block (OC <= 256; Write sums longer k in blocks of 256, so there it is close).
+    let mut rng = Rng::new(30);
+    for (n, ic, oc) in [(37, 70, 45), (7, 600, 300), (1, 21, 64), (6, 17, 256)] {
+        let what = format!("{n}x{ic}x{oc}");
+        let (inp, w, dout) = (rng.vec(n * ic, 1.0), rng.vec(oc * ic, 0.2), rng.vec(n * oc, 1.0));
+        let old = rng.vec(n * ic, 1.0);
+        let mut written = vec![f32::NAN; n * ic];
+        let dinp = Some(Dinp::Write(&mut written[..]));
+        matmul_backward(dinp, None, None, &dout, &inp, &w, n, ic, oc);
+        let mut from_zero = vec![0.0; n * ic];
+        let dinp = Some(Dinp::Add(&mut from_zero[..]));
+        matmul_backward(dinp, None, None, &dout, &inp, &w, n, ic, oc);
+        let mut added = old.clone();
+        matmul_backward(Some(Dinp::Add(&mut added[..])), None, None, &dout, &inp, &w, n, ic, oc);
+        let plus = |p: &[f32]| -> Vec<f32> { old.iter().zip(p).map(|(o, p)| o + p).collect() };
+        assert_eq!(bits(&added), bits(&plus(&from_zero)), "{what}: Dinp::Add != old + product");
+        if oc <= 256 {
+            assert_eq!(bits(&added), bits(&plus(&written)), "{what}: Dinp::Add != old + Write");
+        }
+        assert_close(&format!("matmul Dinp::Add {what}"), &added, &plus(&written), FWD_TOL);
+        let rx = matmul_backward_ref(&to64(&dout), &to64(&inp), &to64(&w), n, ic, oc).0;
+        assert_close(&format!("matmul Dinp::Write {what}"), &written, &rx, FWD_TOL);
+    }
+}
+
+#[test]
+fn matmul_backward_without_dweight_writes_no_weight_gradient() {
+    // A frozen weight: no dW product, and dinp and dbias exactly as with a dweight.
+    let mut rng = Rng::new(31);
+    let (n, ic, oc) = (19, 33, 41);
+    let (inp, w, dout) = (rng.vec(n * ic, 1.0), rng.vec(oc * ic, 0.2), rng.vec(n * oc, 1.0));
+    let (mut dx1, mut db1) = (vec![0.0; n * ic], vec![0.0; oc]);
+    let dinp = Some(Dinp::Write(&mut dx1[..]));
+    matmul_backward(dinp, None, Some(&mut db1), &dout, &inp, &w, n, ic, oc);
+    let (mut dx2, mut dw2, mut db2) = (vec![0.0; n * ic], vec![0.0; oc * ic], vec![0.0; oc]);
+    let dinp = Some(Dinp::Write(&mut dx2[..]));
+    matmul_backward(dinp, Some(&mut dw2), Some(&mut db2), &dout, &inp, &w, n, ic, oc);
+    assert_eq!(bits(&dx1), bits(&dx2), "dinp depends on whether dweight is requested");
+    assert_eq!(bits(&db1), bits(&db2), "dbias depends on whether dweight is requested");
+}
+
+#[test]
+fn rmsnorm_backwards_without_dweight_give_the_same_dinp() {
+    let mut rng = Rng::new(32);
+    let (n, c) = (9, 70);
+    let norm = NormDims::new(c, RMS_EPS);
+    let (inp, w, dout) = (rng.vec(n * c, 2.0), rng.vec(c, 1.5), rng.vec(n * c, 1.0));
+    let (mut out, mut rstd) = (vec![0.0; n * c], vec![0.0; n]);
+    rmsnorm_forward(&mut out, &mut rstd, &inp, &w, norm);
+    let dx0 = rng.vec(n * c, 1.0);
+    let (mut dx1, mut dx2, mut dw) = (dx0.clone(), dx0.clone(), vec![0.0; c]);
+    rmsnorm_backward(&mut dx1, None, &dout, &inp, &w, &rstd, norm);
+    rmsnorm_backward(&mut dx2, Some(&mut dw), &dout, &inp, &w, &rstd, norm);
+    assert_eq!(bits(&dx1), bits(&dx2), "rmsnorm dinp depends on dweight");
+
+    let dims = AttnDims::new(2, 3, 4, 2, 8);
+    let (width, heads) = (dims.qkv_width(), dims.h + dims.kvh);
+    let hnorm = NormDims::new(dims.d, RMS_EPS);
+    let (x, hw, dy) =
+        (rng.vec(dims.n() * width, 2.0), rng.vec(2 * dims.d, 1.0), rng.vec(dims.n() * width, 1.0));
+    let (mut hout, mut hrstd) = (vec![0.0; x.len()], vec![0.0; dims.n() * heads]);
+    head_rmsnorm_forward(&mut hout, &mut hrstd, &x, &hw, dims, hnorm);
+    let (mut hx1, mut hx2, mut hdw) =
+        (vec![f32::NAN; x.len()], vec![0.0; x.len()], vec![0.0; 2 * dims.d]);
+    head_rmsnorm_backward(&mut hx1, None, &dy, &x, &hw, &hrstd, dims, hnorm);
+    head_rmsnorm_backward(&mut hx2, Some(&mut hdw), &dy, &x, &hw, &hrstd, dims, hnorm);
+    assert_eq!(bits(&hx1), bits(&hx2), "head_rmsnorm dinp depends on dweight");
+}
+
+// ---- column slices --------------------------------------------------------------------------
+
+#[test]
+fn add_cols_and_scaled_cols_match_f64_and_touch_only_their_columns() {
+    let mut rng = Rng::new(33);
+    for (n, wide, col, w, scale) in
+        [(5, 13, 4, 6, 0.37), (1, 8, 0, 8, -2.0), (17, 100, 99, 1, 1.0), (3, 9, 2, 0, 5.0)]
+    {
+        let what = |t: &str| format!("{t} N={n} wide={wide} col={col} w={w}");
+        let (out0, src) = (rng.vec(n * wide, 1.0), rng.vec(n * w, 1.0));
+        let mut out = out0.clone();
+        add_cols(&mut out, &src, n, wide, col, w, scale);
+        let want: Vec<f64> = (0..n * wide)
+            .map(|i| {
+                let (r, j) = (i / wide, i % wide);
+                let add = if (col..col + w).contains(&j) {
+                    f64::from(scale) * f64::from(src[r * w + j - col])
+                } else {
+                    0.0
+                };
+                f64::from(out0[i]) + add
+            })
+            .collect();
+        assert_close(&what("add_cols"), &out, &want, FWD_TOL);
+        for (i, (o, o0)) in out.iter().zip(&out0).enumerate() {
+            if !(col..col + w).contains(&(i % wide)) {
+                assert_eq!(o.to_bits(), o0.to_bits(), "{}: element {i} moved", what("add_cols"));
+            }
+        }
+
+        let wsrc = rng.vec(n * wide, 1.0);
+        let mut sliced = vec![f32::NAN; n * w];
+        scaled_cols(&mut sliced, &wsrc, n, wide, col, w, scale);
+        let want: Vec<f64> = (0..n * w)
+            .map(|i| f64::from(scale) * f64::from(wsrc[(i / w) * wide + col + i % w]))
+            .collect();
+        assert_close(&what("scaled_cols"), &sliced, &want, FWD_TOL);
+    }
+}
+
+#[test]
+fn scaled_cols_is_the_transpose_of_add_cols() {
+    // <add_cols(0, s), g> = scale <s, g[:, col..col+w]> = <s, scaled_cols(g)>: the gradient of
+    // add_cols w.r.t. src is scaled_cols of dout with the same scale.
+    let mut rng = Rng::new(34);
+    let (n, wide, col, w, scale) = (7, 30, 11, 9, 0.25);
+    let (s, g) = (rng.vec(n * w, 1.0), rng.vec(n * wide, 1.0));
+    let mut a = vec![0.0; n * wide];
+    add_cols(&mut a, &s, n, wide, col, w, scale);
+    let mut t = vec![0.0; n * w];
+    scaled_cols(&mut t, &g, n, wide, col, w, scale);
+    let lhs = dot64(&to64(&a), &to64(&g));
+    let rhs = dot64(&to64(&s), &to64(&t));
+    assert!((lhs - rhs).abs() <= 1e-5 * lhs.abs().max(1.0), "{lhs} vs {rhs}");
 }
 
 // ---- rope ---------------------------------------------------------------------------------

@@ -167,6 +167,14 @@ impl Device for CpuDevice {
         self.upload(dst.sub(at..at + src.len()), src);
     }
 
+    /// Expanded to fp32 exactly into `dst.sub(at..at + src.len())`; the simulated wire carries
+    /// the bf16 (2 bytes per weight).
+    fn upload_weights_bf16(&self, dst: DevBuf, at: usize, src: HostPtr<Bf16>) {
+        let dst = dst.sub(at..at + src.len());
+        self.shared.arena.check(dst);
+        self.submit(Queue::H2D, Task::UploadBf16 { dst, src });
+    }
+
     fn upload_i32(&self, dst: DevBuf, src: Arc<Vec<i32>>) {
         same_len("upload_i32", dst.len, src.len());
         self.shared.arena.check(dst);
@@ -375,6 +383,7 @@ enum Task {
     Kernel(Kernel<CpuBackend>, Option<KernelTimer>),
     Host(HostWork),
     Upload { dst: DevBuf, src: HostPtr },
+    UploadBf16 { dst: DevBuf, src: HostPtr<Bf16> },
     UploadI32 { dst: DevBuf, src: Arc<Vec<i32>> },
     Download { dst: HostPtrMut, src: DevBuf },
     DownloadBf16 { dst: HostPtrMut<Bf16>, src: DevBuf },
@@ -437,6 +446,10 @@ impl Shared {
                 // SAFETY: `upload`'s caller keeps `src` alive and unwritten until this runs
                 // (HostPtr's contract); the schedule guarantees no other view of `dst` is live.
                 unsafe { self.arena.slice_mut(dst).copy_from_slice(src.as_slice()) }
+            }),
+            Task::UploadBf16 { dst, src } => self.copy(Queue::H2D, dst.len * 2, || {
+                // SAFETY: as for Upload.
+                unsafe { crate::bf16::expand_bf16(self.arena.slice_mut(dst), src.as_slice()) }
             }),
             Task::UploadI32 { dst, src } => self.copy(Queue::H2D, dst.bytes(), || {
                 // SAFETY: the schedule guarantees no other view of `dst` is live.
@@ -558,6 +571,7 @@ fn worker(q: Queue, rx: &Receiver<Task>, shared: &Shared, mut jitter: Jitter) {
             Task::Stop => break,
             Task::Signal(_) | Task::Wait(_) => false,
             Task::Upload { .. }
+            | Task::UploadBf16 { .. }
             | Task::UploadI32 { .. }
             | Task::Download { .. }
             | Task::DownloadBf16 { .. } => {

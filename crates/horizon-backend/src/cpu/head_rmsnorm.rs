@@ -83,7 +83,7 @@ pub fn head_rmsnorm_forward(
 /// Per-head RMSNorm backward; see the derivation above.
 ///
 /// dinp: (N, QKV), overwrites (its v part is dout's).
-/// dweight: (2D), accumulates (+=).
+/// dweight: (2D), accumulates (+=); `None` for frozen norm weights: not computed.
 /// dout: (N, QKV).
 /// inp: (N, QKV).
 /// weight: (2D).
@@ -91,7 +91,7 @@ pub fn head_rmsnorm_forward(
 #[allow(clippy::too_many_arguments)]
 pub fn head_rmsnorm_backward(
     dinp: &mut [f32],
-    dweight: &mut [f32],
+    dweight: Option<&mut [f32]>,
     dout: &[f32],
     inp: &[f32],
     weight: &[f32],
@@ -102,7 +102,9 @@ pub fn head_rmsnorm_backward(
     check("head_rmsnorm_backward", inp, weight, rstd, dims, norm);
     assert_eq!(dinp.len(), inp.len(), "head_rmsnorm_backward: dinp must be (N, QKV)");
     assert_eq!(dout.len(), inp.len(), "head_rmsnorm_backward: dout must be (N, QKV)");
-    assert_eq!(dweight.len(), 2 * dims.d, "head_rmsnorm_backward: dweight must be (2D)");
+    if let Some(dw) = &dweight {
+        assert_eq!(dw.len(), 2 * dims.d, "head_rmsnorm_backward: dweight must be (2D)");
+    }
     let (d, h, heads, width) = (dims.d, dims.h, dims.h + dims.kvh, dims.qkv_width());
     if dims.n() == 0 {
         return;
@@ -128,6 +130,7 @@ pub fn head_rmsnorm_backward(
             dx_v.copy_from_slice(dy_v);
         });
 
+    let Some(dweight) = dweight else { return };
     let (dwq, dwk) = dweight.split_at_mut(d);
     let half = |dw: &mut [f32], heads_of: Range<usize>| {
         dw.par_chunks_mut(DW_COLS).enumerate().for_each(|(tile, dw)| {

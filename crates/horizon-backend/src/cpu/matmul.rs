@@ -16,6 +16,8 @@ use std::thread::LocalKey;
 
 use rayon::prelude::*;
 
+use crate::Dinp;
+
 /// Rows of one micro-kernel call.
 const MR: usize = 6;
 /// Columns of one micro-kernel call (two AVX vectors).
@@ -740,24 +742,28 @@ pub fn matmul_forward(
 //   dL/dw[o,i]   = sum_n dout[n,o] inp[n,i]
 //   dL/db[o]     = sum_n dout[n,o]
 // Implemented exactly as:
-//   dinp[n,i]  =  sum_{o ascending} dout[n,o] * w[o,i]           (overwrites; blocks of KC)
+//   dinp[n,i]  =  sum_{o ascending} dout[n,o] * w[o,i]           (Dinp::Write: overwrites;
+//                                                                  blocks of KC)
+//   dinp[n,i] +=  (sum_{o ascending} dout[n,o] * w[o,i])         (Dinp::Add: accumulates, the
+//                                                                  sum formed first)
 //   dw[o,i]   +=  (sum_{n ascending} dout[n,o] * inp[n,i])       (accumulates: the sum is formed
 //                                                                  first, then added once)
 //   db[o]     +=  (sum_{n ascending} dout[n,o])                   (accumulates, likewise)
 // Forming each sum before adding it means calling the backward twice doubles dw and db exactly.
+// A frozen weight (`dweight: None`) skips the dw product entirely.
 
 /// Linear backward; see the derivation above.
 ///
-/// dinp: (N, IC), overwrites; skipped when `None`.
-/// dweight: (OC, IC), accumulates (+=).
+/// dinp: (N, IC): `Dinp::Write` overwrites, `Dinp::Add` accumulates (+=); skipped when `None`.
+/// dweight: (OC, IC), accumulates (+=); skipped when `None` (a frozen weight).
 /// dbias: (OC), accumulates (+=); skipped when `None`.
 /// dout: (N, OC).
 /// inp: (N, IC).
 /// weight: (OC, IC).
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_backward(
-    dinp: Option<&mut [f32]>,
-    dweight: &mut [f32],
+    dinp: Option<Dinp<'_, [f32]>>,
+    dweight: Option<&mut [f32]>,
     dbias: Option<&mut [f32]>,
     dout: &[f32],
     inp: &[f32],
@@ -766,23 +772,29 @@ pub fn matmul_backward(
     ic: usize,
     oc: usize,
 ) {
-    assert_eq!(dweight.len(), oc * ic, "matmul_backward: dweight must be (OC, IC)");
     assert_eq!(dout.len(), n * oc, "matmul_backward: dout must be (N, OC)");
     assert_eq!(inp.len(), n * ic, "matmul_backward: inp must be (N, IC)");
     assert_eq!(weight.len(), oc * ic, "matmul_backward: weight must be (OC, IC)");
 
-    // dinp (N, IC) = dout (N, OC) . weight (OC, IC).
+    // dinp (N, IC) = or += dout (N, OC) . weight (OC, IC).
     if let Some(dinp) = dinp {
+        let (dinp, mode) = match dinp {
+            Dinp::Write(d) => (d, Mode::Overwrite),
+            Dinp::Add(d) => (d, Mode::Accumulate),
+        };
         assert_eq!(dinp.len(), n * ic, "matmul_backward: dinp must be (N, IC)");
         let a = View { data: dout, rs: oc, cs: 1 };
         let b = View { data: weight, rs: ic, cs: 1 };
-        gemm(dinp, a, b, n, ic, oc, Mode::Overwrite);
+        gemm(dinp, a, b, n, ic, oc, mode);
     }
 
     // dweight (OC, IC) += dout^T (OC, N) . inp (N, IC).
-    let a = View { data: dout, rs: 1, cs: oc };
-    let b = View { data: inp, rs: ic, cs: 1 };
-    gemm(dweight, a, b, oc, ic, n, Mode::Accumulate);
+    if let Some(dweight) = dweight {
+        assert_eq!(dweight.len(), oc * ic, "matmul_backward: dweight must be (OC, IC)");
+        let a = View { data: dout, rs: 1, cs: oc };
+        let b = View { data: inp, rs: ic, cs: 1 };
+        gemm(dweight, a, b, oc, ic, n, Mode::Accumulate);
+    }
 
     // dbias += column sums of dout, each summed over N ascending by one task, in f64: a bias
     // gradient is often a small sum of large cancelling terms (the key bias under RoPE), and

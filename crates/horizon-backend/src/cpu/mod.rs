@@ -7,6 +7,7 @@
 
 pub mod attention;
 pub mod attention_decode;
+pub mod cols;
 pub mod cross_entropy;
 pub mod cross_entropy_tile;
 pub mod device;
@@ -14,6 +15,7 @@ pub mod embedding;
 pub mod geglu;
 pub mod head_rmsnorm;
 pub mod matmul;
+pub mod nf4;
 pub mod residual;
 pub mod rmsnorm;
 pub mod rope;
@@ -22,6 +24,7 @@ pub mod testing;
 
 pub use attention::{attention_backward, attention_forward};
 pub use attention_decode::attention_decode;
+pub use cols::{add_cols, scaled_cols};
 pub use cross_entropy::{IGNORE_INDEX, cross_entropy_forward, cross_entropy_fused};
 pub use cross_entropy_tile::{
     cross_entropy_tile_grad, cross_entropy_tile_loss, cross_entropy_tile_stats,
@@ -31,12 +34,13 @@ pub use embedding::{embedding_backward, embedding_forward};
 pub use geglu::{geglu_backward, geglu_forward};
 pub use head_rmsnorm::{head_rmsnorm_backward, head_rmsnorm_forward};
 pub use matmul::{matmul_backward, matmul_forward};
+pub use nf4::dequantize_nf4;
 pub use residual::{add_inplace, residual_forward};
 pub use rmsnorm::{rmsnorm_backward, rmsnorm_forward};
 pub use rope::{rope_backward, rope_forward};
 pub use swiglu::{swiglu_backward, swiglu_forward};
 
-use crate::{AttnDims, Backend, NormDims, Precision};
+use crate::{AttnDims, Backend, Dinp, NormDims, Precision};
 
 /// The CPU reference backend. Buffers are plain host slices; work runs on the current rayon
 /// pool (install a pool around calls to choose the thread count).
@@ -107,7 +111,7 @@ impl Backend for CpuBackend {
     fn rmsnorm_backward(
         &self,
         dinp: &mut [f32],
-        dweight: &mut [f32],
+        dweight: Option<&mut [f32]>,
         dout: &[f32],
         inp: &[f32],
         weight: &[f32],
@@ -132,7 +136,7 @@ impl Backend for CpuBackend {
     fn head_rmsnorm_backward(
         &self,
         dinp: &mut [f32],
-        dweight: &mut [f32],
+        dweight: Option<&mut [f32]>,
         dout: &[f32],
         inp: &[f32],
         weight: &[f32],
@@ -158,8 +162,8 @@ impl Backend for CpuBackend {
 
     fn matmul_backward(
         &self,
-        dinp: Option<&mut [f32]>,
-        dweight: &mut [f32],
+        dinp: Option<Dinp<'_, [f32]>>,
+        dweight: Option<&mut [f32]>,
         dbias: Option<&mut [f32]>,
         dout: &[f32],
         inp: &[f32],
@@ -227,6 +231,36 @@ impl Backend for CpuBackend {
         f: usize,
     ) {
         geglu_backward(dgate_up, dout, gate_up, n, f);
+    }
+
+    fn add_cols(
+        &self,
+        out: &mut [f32],
+        src: &[f32],
+        n: usize,
+        out_w: usize,
+        col: usize,
+        w: usize,
+        scale: f32,
+    ) {
+        add_cols(out, src, n, out_w, col, w, scale);
+    }
+
+    fn scaled_cols(
+        &self,
+        out: &mut [f32],
+        src: &[f32],
+        n: usize,
+        src_w: usize,
+        col: usize,
+        w: usize,
+        scale: f32,
+    ) {
+        scaled_cols(out, src, n, src_w, col, w, scale);
+    }
+
+    fn dequantize_nf4(&self, out: &mut [f32], packed: &[f32], n: usize) {
+        dequantize_nf4(out, packed, n);
     }
 
     fn residual_forward(&self, out: &mut [f32], a: &[f32], b: &[f32]) {

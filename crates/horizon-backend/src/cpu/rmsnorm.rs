@@ -111,14 +111,14 @@ pub(crate) fn rmsnorm_row_backward<const ACC: bool>(
 /// RMSNorm backward; see the derivation above.
 ///
 /// dinp: (N, C), accumulates (+=).
-/// dweight: (C), accumulates (+=).
+/// dweight: (C), accumulates (+=); `None` for a frozen weight: not computed.
 /// dout: (N, C).
 /// inp: (N, C).
 /// weight: (C).
 /// rstd: (N), as saved by the forward.
 pub fn rmsnorm_backward(
     dinp: &mut [f32],
-    dweight: &mut [f32],
+    dweight: Option<&mut [f32]>,
     dout: &[f32],
     inp: &[f32],
     weight: &[f32],
@@ -128,7 +128,6 @@ pub fn rmsnorm_backward(
     let c = norm.c;
     assert!(c > 0, "rmsnorm_backward: C must be positive");
     assert_eq!(weight.len(), c, "rmsnorm_backward: weight must be (C)");
-    assert_eq!(dweight.len(), c, "rmsnorm_backward: dweight must be (C)");
     assert_eq!(inp.len() % c, 0, "rmsnorm_backward: inp must be (N, C)");
     let n = inp.len() / c;
     assert_eq!(dinp.len(), n * c, "rmsnorm_backward: dinp must be (N, C)");
@@ -143,6 +142,8 @@ pub fn rmsnorm_backward(
             rmsnorm_row_backward::<true>(dx, dy, x, weight, r, norm.w_offset)
         });
 
+    let Some(dweight) = dweight else { return };
+    assert_eq!(dweight.len(), c, "rmsnorm_backward: dweight must be (C)");
     dweight.par_chunks_mut(DW_COLS).enumerate().for_each(|(tile, dw)| {
         let c0 = tile * DW_COLS;
         let width = dw.len();

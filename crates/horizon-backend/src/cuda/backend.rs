@@ -20,7 +20,7 @@ use super::slice::DevSlice;
 use super::{CudaError, check};
 use crate::bf16::round_to_bf16;
 use crate::precision::{BLAS_WORKSPACE_BYTES, GRAD_WIRE_CHUNK, WORKSPACE_ALIGN};
-use crate::{AttnDims, Backend, Bf16, DeviceAlloc, NormDims, Precision};
+use crate::{AttnDims, Backend, Bf16, DeviceAlloc, Dinp, NormDims, Precision};
 
 /// The CUDA backend: a context, the stream its ops run on, the compiled kernels, a cuBLAS handle
 /// and the workspace. Cloning shares all of them.
@@ -406,7 +406,7 @@ impl Backend for CudaBackend {
     fn rmsnorm_backward(
         &self,
         dinp: &mut DevSlice<f32>,
-        dweight: &mut DevSlice<f32>,
+        dweight: Option<&mut DevSlice<f32>>,
         dout: &DevSlice<f32>,
         inp: &DevSlice<f32>,
         weight: &DevSlice<Bf16>,
@@ -431,7 +431,7 @@ impl Backend for CudaBackend {
     fn head_rmsnorm_backward(
         &self,
         dinp: &mut DevSlice<f32>,
-        dweight: &mut DevSlice<f32>,
+        dweight: Option<&mut DevSlice<f32>>,
         dout: &DevSlice<f32>,
         inp: &DevSlice<f32>,
         weight: &DevSlice<Bf16>,
@@ -474,8 +474,8 @@ impl Backend for CudaBackend {
 
     fn matmul_backward(
         &self,
-        dinp: Option<&mut DevSlice<f32>>,
-        dweight: &mut DevSlice<f32>,
+        dinp: Option<Dinp<'_, DevSlice<f32>>>,
+        dweight: Option<&mut DevSlice<f32>>,
         dbias: Option<&mut DevSlice<f32>>,
         dout: &DevSlice<f32>,
         inp: &DevSlice<f32>,
@@ -552,6 +552,36 @@ impl Backend for CudaBackend {
         f: usize,
     ) {
         super::glu::glu_backward(self, "swiglu_backward", dgate_up, dout, gate_up, n, f);
+    }
+
+    fn add_cols(
+        &self,
+        out: &mut DevSlice<f32>,
+        src: &DevSlice<f32>,
+        n: usize,
+        out_w: usize,
+        col: usize,
+        w: usize,
+        scale: f32,
+    ) {
+        super::cols::add_cols(self, out, src, n, out_w, col, w, scale);
+    }
+
+    fn scaled_cols(
+        &self,
+        out: &mut DevSlice<f32>,
+        src: &DevSlice<f32>,
+        n: usize,
+        src_w: usize,
+        col: usize,
+        w: usize,
+        scale: f32,
+    ) {
+        super::cols::scaled_cols(self, out, src, n, src_w, col, w, scale);
+    }
+
+    fn dequantize_nf4(&self, out: &mut DevSlice<Bf16>, packed: &DevSlice<f32>, n: usize) {
+        super::nf4::dequantize_nf4(self, out, packed, n);
     }
 
     fn residual_forward(&self, out: &mut DevSlice<f32>, a: &DevSlice<f32>, b: &DevSlice<f32>) {

@@ -227,6 +227,20 @@ impl Device for CudaDevice {
         self.submit(Queue::H2D, Task::UploadWeights { dst, at, src });
     }
 
+    /// Copied as they are into the bf16 slot, through the same page-locked ring as
+    /// [`Device::upload_weights`]: weights `at..at + src.len()` of `dst` are bytes `2 * at..`.
+    fn upload_weights_bf16(&self, dst: DevBuf, at: usize, src: HostPtr<Bf16>) {
+        let end = at.checked_add(src.len()).and_then(|e| e.checked_mul(2));
+        assert!(
+            end.is_some_and(|e| e <= dst.bytes()),
+            "upload_weights_bf16: weights {at}..+{} do not fit the {} bf16 of {dst:?}",
+            src.len(),
+            dst.bytes() / 2
+        );
+        self.shared.check(dst);
+        self.submit(Queue::H2D, Task::UploadWeightsBf16 { dst, at, src });
+    }
+
     fn upload_i32(&self, dst: DevBuf, src: Arc<Vec<i32>>) {
         same_len("upload_i32", dst.len, src.len());
         self.shared.check(dst);
@@ -502,6 +516,7 @@ enum Task {
     Host(HostWork),
     Upload { dst: DevBuf, src: HostPtr },
     UploadWeights { dst: DevBuf, at: usize, src: HostPtr },
+    UploadWeightsBf16 { dst: DevBuf, at: usize, src: HostPtr<Bf16> },
     UploadI32 { dst: DevBuf, src: Arc<Vec<i32>> },
     Download { dst: HostPtrMut, src: DevBuf },
     DownloadBf16 { dst: HostPtrMut<Bf16>, src: DevBuf },
@@ -706,7 +721,16 @@ fn run(
             jitter.delay();
             let ring = ring.expect("weights are uploaded on the H2D queue, which has the ring");
             let addr = shared.addr(dst) + (2 * at) as u64;
-            timed("a weight upload", &mut || upload_bf16(shared, ring, addr, src), None);
+            let fill = round_to_bf16;
+            timed("a weight upload", &mut || upload_bf16(shared, ring, addr, src, fill), None);
+            shared.counters().h2d_bytes += (2 * src.len()) as u64;
+        }
+        Task::UploadWeightsBf16 { dst, at, src } => {
+            jitter.delay();
+            let ring = ring.expect("weights are uploaded on the H2D queue, which has the ring");
+            let addr = shared.addr(dst) + (2 * at) as u64;
+            let fill = <[Bf16]>::copy_from_slice;
+            timed("a bf16 weight upload", &mut || upload_bf16(shared, ring, addr, src, fill), None);
             shared.counters().h2d_bytes += (2 * src.len()) as u64;
         }
         Task::UploadI32 { dst, src } => {
@@ -775,9 +799,16 @@ fn wait_on_stream(stream: sys::CUstream, e: &Event) {
 }
 
 /// A weight upload as bf16 into the `src.len()` bf16 at device address `dst` (inside a weight
-/// slot, checked at submission): per chunk, round the fp32 masters into the page-locked ring
-/// (once the ring slot's previous copy has finished) and copy it into the slot.
-fn upload_bf16(shared: &Shared, ring: &mut WireRing, dst: u64, src: HostPtr) {
+/// slot, checked at submission): per chunk, `fill` the page-locked ring from the host weights
+/// (round the fp32 masters, or copy bf16 ones; once the ring slot's previous copy has
+/// finished) and copy it into the slot.
+fn upload_bf16<T>(
+    shared: &Shared,
+    ring: &mut WireRing,
+    dst: u64,
+    src: HostPtr<T>,
+    fill: fn(&mut [Bf16], &[T]),
+) {
     let stream = shared.stream(Queue::H2D).cu_stream();
     let mut off = 0;
     while off < src.len() {
@@ -789,7 +820,7 @@ fn upload_bf16(shared: &Shared, ring: &mut WireRing, dst: u64, src: HostPtr) {
         // SAFETY: HostPtr's contract: `src` is alive and unwritten until this queue's next event.
         let s = unsafe { src.sub(off..off + len).as_slice() };
         let host = &mut ring.host[slot][..len];
-        round_to_bf16(host, s);
+        fill(host, s);
         // SAFETY: `dst + 2 * off` holds `len` bf16 of the slot (checked at submission); the
         // host chunk is page-locked and not touched again until `copied[slot]` is reached.
         unsafe {

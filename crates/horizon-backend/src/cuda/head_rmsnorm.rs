@@ -68,13 +68,13 @@ pub(crate) fn head_rmsnorm_forward(
     }
 }
 
-/// dinp: (N, QKV), overwrites (its v part is dout's). dweight: (2D), accumulates (+=).
-/// dout, inp: (N, QKV). weight: (2D). rstd: (N, H + KVH) as saved by the forward.
+/// dinp: (N, QKV), overwrites (its v part is dout's). dweight: (2D), accumulates (+=);
+/// `None`: not computed (frozen norm weights). dout, inp: (N, QKV). weight: (2D). rstd: (N, H + KVH) as saved by the forward.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn head_rmsnorm_backward(
     be: &CudaBackend,
     dinp: &mut DevSlice<f32>,
-    dweight: &mut DevSlice<f32>,
+    dweight: Option<&mut DevSlice<f32>>,
     dout: &DevSlice<f32>,
     inp: &DevSlice<f32>,
     weight: &DevSlice<Bf16>,
@@ -89,13 +89,10 @@ pub(crate) fn head_rmsnorm_backward(
     expect_len(op, "dout", dout.len(), len);
     expect_len(op, "dinp", dinp.len(), len);
     expect_len(op, "rstd", rstd.len(), dims.n() * (dims.h + dims.kvh));
-    expect_len(op, "dweight", dweight.len(), 2 * dims.d);
-    let (dx, dw, dy, x, w, r) =
-        (dinp.addr(), dweight.addr(), dout.addr(), inp.addr(), weight.addr(), rstd.addr());
+    let (dx, dy, x, w, r) = (dinp.addr(), dout.addr(), inp.addr(), weight.addr(), rstd.addr());
     let (n, off) = (int(dims.n(), "N"), norm.w_offset);
-    // SAFETY: argument types match both kernels (dinp: five pointers, three ints, a float;
-    // dweight: four pointers, four ints); dinp's grid has a warp per head of each row, dweight's
-    // a block per 32 of the 2D columns; every index lies in the buffers checked above.
+    // SAFETY: argument types match (five pointers, three ints, a float); a warp per head of
+    // each row; every index lies in the buffers checked above.
     unsafe {
         be.launch(
             "head_rmsnorm_backward_dinp",
@@ -114,6 +111,13 @@ pub(crate) fn head_rmsnorm_backward(
                 arg(&off),
             ],
         );
+    }
+    let Some(dweight) = dweight else { return };
+    expect_len(op, "dweight", dweight.len(), 2 * dims.d);
+    let dw = dweight.addr();
+    // SAFETY: argument types match (four pointers, four ints); a block per 32 of the 2D
+    // columns; every index lies in the buffers checked above.
+    unsafe {
         be.launch(
             "head_rmsnorm_backward_dweight",
             ((2 * dims.d).div_ceil(32) as u32, 1, 1),

@@ -14,9 +14,10 @@ use cudarc::nvrtc;
 use super::CudaError;
 
 /// `(op, source)` of every kernel file, `kernels/<op>.cu`.
-pub const SOURCES: [(&str, &str); 13] = [
+pub const SOURCES: [(&str, &str); 15] = [
     ("attention", include_str!("../../kernels/attention.cu")),
     ("attention_decode", include_str!("../../kernels/attention_decode.cu")),
+    ("cols", include_str!("../../kernels/cols.cu")),
     ("convert", include_str!("../../kernels/convert.cu")),
     ("cross_entropy", include_str!("../../kernels/cross_entropy.cu")),
     ("embedding", include_str!("../../kernels/embedding.cu")),
@@ -24,6 +25,7 @@ pub const SOURCES: [(&str, &str); 13] = [
     ("grad_norm", include_str!("../../kernels/grad_norm.cu")),
     ("head_rmsnorm", include_str!("../../kernels/head_rmsnorm.cu")),
     ("matmul", include_str!("../../kernels/matmul.cu")),
+    ("nf4", include_str!("../../kernels/nf4.cu")),
     ("residual", include_str!("../../kernels/residual.cu")),
     ("rmsnorm", include_str!("../../kernels/rmsnorm.cu")),
     ("rope", include_str!("../../kernels/rope.cu")),
@@ -31,9 +33,10 @@ pub const SOURCES: [(&str, &str); 13] = [
 ];
 
 /// The `extern "C"` entry points of each source, loaded by name.
-pub const FUNCTIONS: [(&str, &[&str]); 13] = [
+pub const FUNCTIONS: [(&str, &[&str]); 15] = [
     ("attention", &["attention_forward", "attention_backward_dq", "attention_backward_dkv"]),
     ("attention_decode", &["attention_decode"]),
+    ("cols", &["add_cols", "scaled_cols"]),
     ("convert", &["convert_f32_to_bf16"]),
     (
         "cross_entropy",
@@ -53,6 +56,7 @@ pub const FUNCTIONS: [(&str, &[&str]); 13] = [
         &["head_rmsnorm_forward", "head_rmsnorm_backward_dinp", "head_rmsnorm_backward_dweight"],
     ),
     ("matmul", &["matmul_bias_forward", "matmul_bias_backward"]),
+    ("nf4", &["dequantize_nf4"]),
     ("residual", &["residual_forward", "add_inplace"]),
     ("rmsnorm", &["rmsnorm_forward", "rmsnorm_backward_dinp", "rmsnorm_backward_dweight"]),
     ("rope", &["rope_rotate"]),

@@ -6,7 +6,9 @@
 //! backend's workspace: the forward's `inp`; the backward's `dout` (for both products) and `inp`
 //! (for `dweight`). The copies and the GEMMs that read them are all on the backend's one stream,
 //! in order, so the next product's conversion cannot overwrite a copy a GEMM still reads.
-//! Outputs (`out`, `dinp`, `dweight`) are fp32; `dweight` accumulates in fp32 (beta = 1).
+//! Outputs (`out`, `dinp`, `dweight`) are fp32; `dweight` accumulates in fp32 (beta = 1), and
+//! so does `dinp` when it is `Dinp::Add`. A frozen weight (`dweight: None`) skips the dW GEMM
+//! and the copy of `inp` only it reads.
 //!
 //! Row-major (R, K) buffers are column-major (K, R) matrices to cuBLAS, so with
 //! `Wc` = weight as (IC, OC) col-major, `Xc` = inp as (IC, N), `Yc` = out / dout as (OC, N):
@@ -23,7 +25,7 @@ use super::convert::round_on_device;
 use super::slice::DevSlice;
 use super::{CudaBackend, check};
 use crate::precision::product_parts;
-use crate::{Bf16, Precision};
+use crate::{Bf16, Dinp, Precision};
 
 /// One GEMM `C = op(A) op(B) + beta C` on the backend's stream: A and B bf16 at device
 /// addresses `a`, `b`; C fp32 at `c`; fp32 accumulation.
@@ -153,14 +155,16 @@ pub(crate) fn matmul_forward(
     }
 }
 
-/// dinp: (N, IC), overwrites (skipped when `None`). dweight: (OC, IC), accumulates (+=).
-/// dbias: (OC), accumulates (+=), from the fp32 dout. dout: (N, OC) and inp: (N, IC), rounded
-/// to bf16 for the products. weight: (OC, IC).
+/// dinp: (N, IC): `Dinp::Write` overwrites (beta = 0), `Dinp::Add` accumulates (+=, beta = 1);
+/// skipped when `None`. dweight: (OC, IC), accumulates (+=); `None` (a frozen weight): no dW
+/// product and no bf16 copy of `inp`. dbias: (OC), accumulates (+=), from the fp32 dout.
+/// dout: (N, OC) and inp: (N, IC), rounded to bf16 for the products that read them.
+/// weight: (OC, IC).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn matmul_backward(
     be: &CudaBackend,
-    dinp: Option<&mut DevSlice<f32>>,
-    dweight: &mut DevSlice<f32>,
+    dinp: Option<Dinp<'_, DevSlice<f32>>>,
+    dweight: Option<&mut DevSlice<f32>>,
     dbias: Option<&mut DevSlice<f32>>,
     dout: &DevSlice<f32>,
     inp: &DevSlice<f32>,
@@ -169,31 +173,44 @@ pub(crate) fn matmul_backward(
     ic: usize,
     oc: usize,
 ) {
-    expect_len("matmul_backward", "dout", dout.len(), n * oc);
-    expect_len("matmul_backward", "inp", inp.len(), n * ic);
-    expect_len("matmul_backward", "weight", weight.len(), oc * ic);
-    expect_len("matmul_backward", "dweight", dweight.len(), oc * ic);
+    let op = "matmul_backward";
+    expect_len(op, "dout", dout.len(), n * oc);
+    expect_len(op, "inp", inp.len(), n * ic);
+    expect_len(op, "weight", weight.len(), oc * ic);
+    let (dinp, beta) = match dinp {
+        Some(Dinp::Write(d)) => (Some(d), 0.0),
+        Some(Dinp::Add(d)) => (Some(d), 1.0),
+        None => (None, 0.0),
+    };
+    if let Some(d) = &dinp {
+        expect_len(op, "dinp", d.len(), n * ic);
+    }
+    if let Some(d) = &dweight {
+        expect_len(op, "dweight", d.len(), oc * ic);
+    }
     // Held until both GEMMs are enqueued: no other product can use the scratch meanwhile.
     let ws = be.products();
-    // The bf16 copies of dout and inp, when there is a product to run: (dout, inp) addresses.
-    let copies = (n > 0 && ic > 0 && oc > 0).then(|| {
+    let products = n > 0 && ic > 0 && oc > 0 && (dinp.is_some() || dweight.is_some());
+    // The bf16 copies of dout (for either product) and of inp (for dW only): their addresses.
+    let copies = products.then(|| {
         // SAFETY: on this stream, under the products lock (`ws`): the conversions here and the
-        // two GEMMs below that read them are enqueued before anything else can use the scratch.
+        // GEMMs below that read them are enqueued before anything else can use the scratch.
         let (dyb, xb) = unsafe { scratch(*ws, n, ic, oc) };
         round_on_device(be, dyb, dout);
-        round_on_device(be, xb, inp);
+        if dweight.is_some() {
+            round_on_device(be, xb, inp);
+        }
         (dyb.addr(), xb.addr())
     });
     if let Some(dinp) = dinp {
-        expect_len("matmul_backward", "dinp", dinp.len(), n * ic);
-        if oc == 0 {
+        if oc == 0 && beta == 0.0 {
             be.memset0(dinp.addr(), dinp.bytes());
         } else if let Some((dy, _)) = copies {
             let (w, dx) = (weight.addr(), dinp.addr());
-            gemm(be, (N, N), (ic, n, oc), (w, ic), (dy, oc), 0.0, (dx, ic));
+            gemm(be, (N, N), (ic, n, oc), (w, ic), (dy, oc), beta, (dx, ic));
         }
     }
-    if let Some((dy, x)) = copies {
+    if let (Some(dweight), Some((dy, x))) = (dweight, copies) {
         gemm(be, (N, T), (ic, oc, n), (x, ic), (dy, oc), 1.0, (dweight.addr(), ic));
     }
     drop(ws);

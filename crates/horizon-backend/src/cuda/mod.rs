@@ -18,6 +18,7 @@
 mod attention;
 mod attention_decode;
 mod backend;
+mod cols;
 mod config;
 pub mod convert;
 mod cross_entropy;
@@ -28,6 +29,7 @@ mod grad_norm;
 mod head_rmsnorm;
 pub mod kernels;
 mod matmul;
+mod nf4;
 mod pinned;
 pub mod probe;
 mod residual;

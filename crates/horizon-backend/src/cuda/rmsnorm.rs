@@ -47,13 +47,13 @@ pub(crate) fn rmsnorm_forward(
     }
 }
 
-/// dinp: (N, C), accumulates (+=). dweight: (C), accumulates (+=). dout, inp: (N, C).
-/// weight: (C). rstd: (N).
+/// dinp: (N, C), accumulates (+=). dweight: (C), accumulates (+=); `None`: not computed (a
+/// frozen weight). dout, inp: (N, C). weight: (C). rstd: (N).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn rmsnorm_backward(
     be: &CudaBackend,
     dinp: &mut DevSlice<f32>,
-    dweight: &mut DevSlice<f32>,
+    dweight: Option<&mut DevSlice<f32>>,
     dout: &DevSlice<f32>,
     inp: &DevSlice<f32>,
     weight: &DevSlice<Bf16>,
@@ -68,12 +68,10 @@ pub(crate) fn rmsnorm_backward(
     expect_len("rmsnorm_backward", "dout", dout.len(), n * c);
     expect_len("rmsnorm_backward", "rstd", rstd.len(), n);
     expect_len("rmsnorm_backward", "weight", weight.len(), c);
-    expect_len("rmsnorm_backward", "dweight", dweight.len(), c);
-    let (dx, dw, dy, x, w, r) =
-        (dinp.addr(), dweight.addr(), dout.addr(), inp.addr(), weight.addr(), rstd.addr());
+    let (dx, dy, x, w, r) = (dinp.addr(), dout.addr(), inp.addr(), weight.addr(), rstd.addr());
     let (nn, cc) = (int(n, "N"), int(c, "C"));
-    // SAFETY: argument types match; one block per row for dinp, 32 columns per block for
-    // dweight; every buffer has the length checked above.
+    // SAFETY: argument types match; one block per row of dinp; every buffer has the length
+    // checked above.
     unsafe {
         be.launch(
             "rmsnorm_backward_dinp",
@@ -91,6 +89,13 @@ pub(crate) fn rmsnorm_backward(
                 arg(&w_offset),
             ],
         );
+    }
+    let Some(dweight) = dweight else { return };
+    expect_len("rmsnorm_backward", "dweight", dweight.len(), c);
+    let dw = dweight.addr();
+    // SAFETY: argument types match; 32 columns of dweight (C) per block over the (N, C)
+    // buffers checked above.
+    unsafe {
         be.launch(
             "rmsnorm_backward_dweight",
             (c.div_ceil(32) as u32, 1, 1),
