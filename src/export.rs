@@ -336,9 +336,25 @@ fn load_source(src: &Path) -> Result<(ModelConfig, ParamStore, ExportSource)> {
             src.display()
         );
     }
+    if src.join("adapter_config.json").is_file() || src.join("final/adapter_config.json").is_file()
+    {
+        bail!(
+            "{}: an adapter run (a PEFT adapter, not a model)\nhint: add --merge to write the base with the adapter merged in",
+            src.display()
+        );
+    }
     if src.join("state.json").is_file() {
         let state = crate::resume::read_state(src)?;
         let origin = src.join("state.json").display().to_string();
+        if RawConfig::from_yaml(&state.config, &origin)
+            .and_then(|raw| raw.resolve(&origin))
+            .is_ok_and(|c| c.adapter.is_some())
+        {
+            bail!(
+                "{}: a checkpoint of an adapter run\nhint: export the run's final/ with --merge",
+                src.display()
+            );
+        }
         let model_cfg = ModelConfig::from_json(&state.model, &origin)?;
         let params =
             ParamStore::load_hf(&ModelLayout::new(&model_cfg), &src.join(crate::resume::PARAMS))?;

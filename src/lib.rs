@@ -10,6 +10,7 @@ pub mod engine;
 pub mod export;
 pub mod generate;
 pub mod hf;
+pub mod merge;
 pub mod model;
 pub mod optim;
 pub mod plan_cmd;

@@ -66,6 +66,13 @@ enum Command {
         /// Largest shard, e.g. 5GB, 500MB (more weights than this are split, with an index).
         #[arg(long, default_value = "5GB")]
         max_shard_size: String,
+        /// SOURCE is an adapter (an adapter run's output directory or its final/, or a PEFT
+        /// adapter directory): write the base with the adapter merged into its weights.
+        #[arg(long)]
+        merge: bool,
+        /// With --merge: the base model directory (default: the one the adapter names).
+        #[arg(long)]
+        base: Option<PathBuf>,
     },
     /// Generate text from a HF model directory (KV cache; CPU backend or a GPU), streaming
     /// tokens as they come.
@@ -111,6 +118,10 @@ enum Command {
         /// The run configuration (YAML).
         #[arg(long, short)]
         config: PathBuf,
+        /// Plan for a host with this much memory (`64GiB`, `192GB`) instead of this one's
+        /// available memory.
+        #[arg(long)]
+        host_memory: Option<String>,
     },
 }
 
@@ -159,12 +170,18 @@ fn try_main(cli: Cli) -> Result<()> {
             horizon::train::run_streaming(cfg, true, 0, resume.as_deref())?;
             Ok(())
         }
-        Command::Plan { config } => {
+        Command::Plan { config, host_memory } => {
             let cfg = horizon::config::RawConfig::from_file(&config)?
                 .resolve(&config.display().to_string())?;
-            horizon::plan_cmd::run(&cfg)
+            let host = match host_memory.as_deref().map(horizon::config::ByteSize::parse) {
+                None => None,
+                Some(Ok(horizon::config::ByteSize::Bytes(b))) if b > 0 => Some(b),
+                Some(Ok(_)) => bail!("--host-memory must be a positive size such as 64GiB"),
+                Some(Err(e)) => bail!("--host-memory: {e}"),
+            };
+            horizon::plan_cmd::run(&cfg, host)
         }
-        Command::Export { source, out, dtype, max_shard_size } => {
+        Command::Export { source, out, dtype, max_shard_size, merge, base } => {
             let max_shard_bytes = match horizon::config::ByteSize::parse(&max_shard_size) {
                 Ok(horizon::config::ByteSize::Bytes(b)) if b > 0 => b,
                 Ok(_) => bail!("--max-shard-size must be a positive size such as 5GB"),
@@ -172,7 +189,14 @@ fn try_main(cli: Cli) -> Result<()> {
             };
             let opts =
                 horizon::export::ExportOptions { dtype: dtype.save_dtype(), max_shard_bytes };
-            let e = horizon::export::export_dir(&source, &out, opts)?;
+            if base.is_some() && !merge {
+                bail!("--base is for --merge: the base model an adapter is merged into");
+            }
+            let e = if merge {
+                horizon::merge::merge_dir(&source, base.as_deref(), &out, opts)?
+            } else {
+                horizon::export::export_dir(&source, &out, opts)?
+            };
             println!(
                 "exported {} ({} shard(s), {:.1} MB of weights; tokenizer files: {})",
                 out.display(),

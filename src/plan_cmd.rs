@@ -9,12 +9,15 @@ use std::fmt::Write as _;
 
 use anyhow::Result;
 
+use crate::adapter::{AdapterConfig, AdapterKind};
 use crate::config::{ByteSize, OptimizerMemory, RunConfig};
 use crate::engine::exec::{EngineConfig, Sizes};
 use crate::engine::memory::{MemoryPlan, gib, host_available_bytes};
 use crate::hf::config::ModelConfig;
+use crate::model::base::BaseDtype;
 use crate::model::layout::ModelLayout;
-use crate::train::{SeqLen, engine_config, load_datasets, model_config};
+use crate::model::lora::LoraSpec;
+use crate::train::{SeqLen, engine_config, load_datasets, model_config, run_layout};
 
 /// The plan of `cfg` as run (its own mode), and the report `horizon plan` prints.
 pub struct PlanReport {
@@ -29,9 +32,21 @@ pub struct PlanReport {
 /// The memory plan of a model / engine configuration on `ecfg.backend` (the CPU backend's pool
 /// counts in host RAM).
 pub fn plan_for(model: &ModelConfig, ecfg: &EngineConfig, budget: Option<u64>) -> MemoryPlan {
-    let sizes = Sizes::new(&ModelLayout::new(model), ecfg);
+    plan_for_layout(&ModelLayout::new(model), ecfg, budget)
+}
+
+/// [`plan_for`] of a layout (an adapter run's).
+pub fn plan_for_layout(
+    layout: &ModelLayout,
+    ecfg: &EngineConfig,
+    budget: Option<u64>,
+) -> MemoryPlan {
+    let sizes = Sizes::new(layout, ecfg);
     MemoryPlan::new(&sizes, budget, ecfg.backend.pool_in_host_ram())
 }
+
+/// How a model of some depth is laid out: as is, or with an adapter.
+pub type LayoutOf<'a> = &'a dyn Fn(&ModelConfig) -> Option<ModelLayout>;
 
 /// The deepest model of `model`'s shape whose host total fits `avail` under `ecfg`: (layers,
 /// parameters, host bytes); `None` if not even one layer fits.
@@ -40,10 +55,21 @@ pub fn deepest_fit(
     ecfg: &EngineConfig,
     avail: u64,
 ) -> Option<(usize, u64, u64)> {
+    deepest_fit_as(model, &|m| Some(ModelLayout::new(m)), ecfg, avail)
+}
+
+/// [`deepest_fit`] with each depth laid out by `layout_of`.
+pub fn deepest_fit_as(
+    model: &ModelConfig,
+    layout_of: LayoutOf<'_>,
+    ecfg: &EngineConfig,
+    avail: u64,
+) -> Option<(usize, u64, u64)> {
     let at = |layers: usize| {
         let mut m = model.clone();
         m.num_layers = layers;
-        let p = plan_for(&m, ecfg, None);
+        let Some(layout) = layout_of(&m) else { return (0, u64::MAX) };
+        let p = plan_for_layout(&layout, ecfg, None);
         (p.params, p.host_total())
     };
     if at(1).1 > avail {
@@ -76,8 +102,9 @@ pub fn largest_micro_batch(model: &ModelConfig, ecfg: &EngineConfig, budget: u64
     (1..=ecfg.batch_size).take_while(|&mb| fits(mb)).last().unwrap_or(0)
 }
 
-/// Build the report for `cfg`.
-pub fn report(cfg: &RunConfig) -> Result<PlanReport> {
+/// Build the report for `cfg`, for a host of `host_memory` bytes (default: this one's
+/// available memory).
+pub fn report(cfg: &RunConfig, host_memory: Option<u64>) -> Result<PlanReport> {
     let raw = &cfg.raw;
     let model = model_config(raw)?;
     // Sized for the data's longest row, as `horizon train` sizes it; when the data cannot be
@@ -91,11 +118,28 @@ pub fn report(cfg: &RunConfig) -> Result<PlanReport> {
         ByteSize::Auto => None,
         ByteSize::Bytes(b) => Some(b),
     };
-    let plan = plan_for(&model, &ecfg, budget).sized_for(&seq_len.why);
+    let layout = run_layout(raw, &model, cfg.adapter.as_ref())?;
+    let plan = plan_for_layout(&layout, &ecfg, budget).sized_for(&seq_len.why);
     let mut t = String::new();
     writeln!(t, "optimizer.memory: {}", raw.optimizer.memory.name())?;
+    if let Some(a) = &layout.adapter {
+        writeln!(
+            t,
+            "adapter: LoRA r {} on {} ({}); the base frozen in {}{}; optimizer.memory does not matter for adapters this small ({} trained parameters)",
+            a.r,
+            a.targets.join(", "),
+            if a.nf4 { "qlora" } else { "lora" },
+            match a.base {
+                BaseDtype::F32 => "fp32",
+                BaseDtype::Bf16 => "bf16",
+            },
+            if a.nf4 { ", its products' matrices NF4" } else { "" },
+            layout.trained_params()
+        )?;
+    }
     write!(t, "{plan}")?;
-    let avail = host_available_bytes();
+    let avail = host_memory.or_else(host_available_bytes);
+    by_adapter(&mut t, &model, cfg.adapter.as_ref(), &ecfg, avail)?;
     writeln!(t, "by optimizer.memory:")?;
     for mode in OptimizerMemory::ALL {
         let e = EngineConfig { memory: mode, ..ecfg };
@@ -144,9 +188,67 @@ pub fn report(cfg: &RunConfig) -> Result<PlanReport> {
     Ok(PlanReport { plan, text: t, model, seq_len: ecfg.seq_len })
 }
 
+/// The adapter (the run's, or r 16 on every projection) of each `adapter.type`.
+fn adapter_of(kind: Option<AdapterKind>, run: Option<&AdapterConfig>) -> Option<LoraSpec> {
+    let kind = kind?;
+    let (r, scale, targets) = match run {
+        Some(a) => (a.r, a.scale(), a.targets.clone()),
+        None => (16, 2.0, crate::adapter::config::TARGETS.iter().map(|t| t.to_string()).collect()),
+    };
+    Some(LoraSpec { r, scale, targets, nf4: kind == AdapterKind::Qlora, base: BaseDtype::Bf16 })
+}
+
+/// Per `adapter.type`: host bytes, bytes per parameter, and the deepest model of this shape
+/// that fits `avail` (the host's available memory, or `--host-memory`).
+fn by_adapter(
+    t: &mut String,
+    model: &ModelConfig,
+    run: Option<&AdapterConfig>,
+    ecfg: &EngineConfig,
+    avail: Option<u64>,
+) -> Result<()> {
+    writeln!(t, "by adapter.type (frozen base in bf16; qlora: products' matrices NF4):")?;
+    let kinds =
+        [("none", None), ("lora", Some(AdapterKind::Lora)), ("qlora", Some(AdapterKind::Qlora))];
+    for (name, kind) in kinds {
+        let spec = adapter_of(kind, run);
+        let layout_of = |m: &ModelConfig| -> Option<ModelLayout> {
+            let full = ModelLayout::new(m);
+            match &spec {
+                None => Some(full),
+                Some(s) => full.with_lora(s).ok(),
+            }
+        };
+        let Some(layout) = layout_of(model) else {
+            writeln!(t, "  {name:<6} not applicable (the model has no such target)")?;
+            continue;
+        };
+        let p = plan_for_layout(&layout, ecfg, None);
+        let mut line = format!(
+            "  {name:<6} host {:>14}  {:>6.2} B/param",
+            gib(p.host_total()),
+            p.host_total() as f64 / p.params.max(1) as f64
+        );
+        if let Some(a) = avail {
+            match deepest_fit_as(model, &layout_of, ecfg, a) {
+                Some((layers, params, bytes)) => write!(
+                    line,
+                    "; the largest of this shape that fits {}: {layers} layers, {:.1}B params ({})",
+                    gib(a),
+                    params as f64 / 1e9,
+                    gib(bytes)
+                )?,
+                None => write!(line, "; not even one layer fits {}", gib(a))?,
+            }
+        }
+        writeln!(t, "{line}")?;
+    }
+    Ok(())
+}
+
 /// `horizon plan`: print the report; an error (with the numbers) when the config does not fit.
-pub fn run(cfg: &RunConfig) -> Result<()> {
-    let r = report(cfg)?;
+pub fn run(cfg: &RunConfig, host_memory: Option<u64>) -> Result<()> {
+    let r = report(cfg, host_memory)?;
     print!("{}", r.text);
     r.plan.check()?;
     if cfg.raw.device.backend == crate::config::BackendKind::Cuda {

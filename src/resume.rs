@@ -63,6 +63,7 @@ fn fsync_dir(dir: &Path) -> Result<()> {
 pub fn save(
     out_dir: &Path,
     state: &TrainState,
+    layout: &ModelLayout,
     model_cfg: &ModelConfig,
     config_yaml: &str,
     keep: usize,
@@ -75,9 +76,8 @@ pub fn save(
         fs::remove_dir_all(&tmp).with_context(|| format!("cannot clear {}", tmp.display()))?;
     }
     fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
-    let layout = ModelLayout::new(model_cfg);
-    state.params.save_safetensors(&layout, &tmp.join(PARAMS), SaveDtype::F32)?;
-    state.opt.save(&tmp, &layout)?;
+    state.params.save_safetensors(layout, &tmp.join(PARAMS), SaveDtype::F32)?;
+    state.opt.save(&tmp, layout)?;
     let meta = CheckpointState {
         format: 1,
         step: state.step,
@@ -165,7 +165,12 @@ pub fn resolve(arg: &str, out_dir: &Path) -> Result<PathBuf> {
 /// Load a checkpoint for `model_cfg`, laid out for `optimizer.memory` `mode`. `exact` and
 /// `lean` hold the same state and resume each other; `compact` stores 8-bit moments and is
 /// refused across modes (decoding would need the fp32 moments' memory, encoding loses bits).
-pub fn load_for(dir: &Path, model_cfg: &ModelConfig, mode: OptimizerMemory) -> Result<TrainState> {
+pub fn load_for(
+    dir: &Path,
+    model_cfg: &ModelConfig,
+    layout: &ModelLayout,
+    mode: OptimizerMemory,
+) -> Result<TrainState> {
     let meta = read_state(dir)?;
     if meta.memory.moment_storage() != mode.moment_storage() {
         bail!(
@@ -176,7 +181,7 @@ pub fn load_for(dir: &Path, model_cfg: &ModelConfig, mode: OptimizerMemory) -> R
             meta.memory.name()
         );
     }
-    load_with(dir, model_cfg, meta, mode)
+    load_with(dir, model_cfg, layout, meta, mode)
 }
 
 /// A checkpoint's `state.json`.
@@ -193,12 +198,13 @@ pub fn read_state(dir: &Path) -> Result<CheckpointState> {
 pub fn load(dir: &Path, model_cfg: &ModelConfig) -> Result<TrainState> {
     let meta = read_state(dir)?;
     let mode = meta.memory;
-    load_with(dir, model_cfg, meta, mode)
+    load_with(dir, model_cfg, &ModelLayout::new(model_cfg), meta, mode)
 }
 
 fn load_with(
     dir: &Path,
     model_cfg: &ModelConfig,
+    layout: &ModelLayout,
     meta: CheckpointState,
     mode: OptimizerMemory,
 ) -> Result<TrainState> {
@@ -227,10 +233,9 @@ fn load_with(
             );
         }
     }
-    let layout = ModelLayout::new(model_cfg);
-    let params = ParamStore::load_hf(&layout, &dir.join(PARAMS))?;
+    let params = ParamStore::load_hf(layout, &dir.join(PARAMS))?;
     // Only what the checkpoint's mode keeps is allocated, then filled from the files.
-    let opt = OptState::load(meta.memory.moment_storage(), dir, &layout)?;
+    let opt = OptState::load(meta.memory.moment_storage(), dir, layout)?;
     let state = TrainState {
         grads: params.zeros_like(!meta.memory.keeps_layer_grads()),
         params,
@@ -240,5 +245,5 @@ fn load_with(
         last_sq: meta.last_sq,
         memory: meta.memory,
     };
-    Ok(state.into_memory(&layout, mode))
+    Ok(state.into_memory(layout, mode))
 }

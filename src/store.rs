@@ -3,8 +3,10 @@
 //! is the authoritative store; whatever a device holds is a transient copy.
 
 use crate::engine::options::OptimizerMemory;
+use crate::model::base::BaseDtype;
 use crate::model::layout::ModelLayout;
 use crate::model::params::ParamStore;
+use crate::model::spec::Stored;
 use crate::optim::adamw::{AdamWConfig, AdamWStep, clip_coefficient, sum_squares};
 use crate::optim::moments::Moments;
 use crate::optim::state::{AdamW32, OptState, OptimizerState};
@@ -16,13 +18,17 @@ pub enum HostDtype {
     F32,
     /// bf16: a frozen base kept as the checkpoint stores it (adapters train beside it).
     Bf16,
+    /// NF4: a QLoRA base's product matrices, 4 bits a value and one fp32 absmax per 64.
+    Nf4,
 }
 
 impl HostDtype {
-    pub fn bytes(self) -> usize {
+    /// Bytes `elems` elements take.
+    pub fn bytes(self, elems: usize) -> usize {
         match self {
-            HostDtype::F32 => 4,
-            HostDtype::Bf16 => 2,
+            HostDtype::F32 => 4 * elems,
+            HostDtype::Bf16 => 2 * elems,
+            HostDtype::Nf4 => 4 * horizon_backend::nf4::words(elems),
         }
     }
 }
@@ -46,21 +52,38 @@ pub struct HostTensor {
     pub tier: Tier,
 }
 
-/// The host tensors of full fine-tuning: every tensor an fp32, trainable master in RAM.
+/// The host tensors of a run: the trained ones fp32 masters; an adapter run's frozen base in
+/// its dtype (`LoraSpec::base`), its packed matrices NF4. All in RAM.
 pub fn host_tensors(layout: &ModelLayout) -> Vec<HostTensor> {
-    let tensor = |(name, shape): (String, Vec<usize>)| HostTensor {
-        name,
-        elems: shape.iter().product(),
-        dtype: HostDtype::F32,
-        trainable: true,
-        tier: Tier::Ram,
+    let tensor = |(name, shape): (String, Vec<usize>), dtype: HostDtype, trainable: bool| {
+        HostTensor { name, elems: shape.iter().product(), dtype, trainable, tier: Tier::Ram }
     };
-    layout.hf_tensors().into_iter().map(tensor).collect()
+    let trained = layout.hf_tensors().into_iter().map(|t| tensor(t, HostDtype::F32, true));
+    let Some(a) = &layout.adapter else { return trained.collect() };
+    let base = match a.base {
+        BaseDtype::F32 => HostDtype::F32,
+        BaseDtype::Bf16 => HostDtype::Bf16,
+    };
+    let packed: std::collections::HashSet<String> = (0..layout.dims.layers)
+        .flat_map(|i| {
+            let spec = layout.layer(i);
+            spec.tensors
+                .iter()
+                .filter(|t| t.stored == Stored::Nf4)
+                .map(move |t| ModelLayout::layer_name(i, &t.name))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    let frozen = layout.base_tensors().into_iter().map(|t| {
+        let dtype = if packed.contains(&t.0) { HostDtype::Nf4 } else { base };
+        tensor(t, dtype, false)
+    });
+    trained.chain(frozen).collect()
 }
 
 /// Host bytes of the tensors' own elements.
 pub fn tensor_bytes(tensors: &[HostTensor]) -> usize {
-    tensors.iter().map(|t| t.elems * t.dtype.bytes()).sum()
+    tensors.iter().map(|t| t.dtype.bytes(t.elems)).sum()
 }
 
 /// The model's training state in host RAM: masters, gradients, optimizer state.

@@ -12,6 +12,7 @@ use anyhow::{Context, Result, bail};
 use horizon_backend::CpuBackend;
 use serde::Serialize;
 
+use crate::adapter::{AdapterConfig, AdapterKind, BaseDtype as BaseChoice, peft};
 use crate::config::{
     BackendKind, ByteSize, DataFormat, ModelInit, RawConfig, Recompute, RunConfig,
 };
@@ -25,7 +26,9 @@ use crate::engine::memory::{MemoryPlan, gib, peak_rss_bytes};
 use crate::engine::phases::{PhaseSeconds, StepFlops, step_flops};
 use crate::hf::checkpoint::NonFinite;
 use crate::hf::config::ModelConfig;
+use crate::model::base::{BaseDtype, FrozenBase};
 use crate::model::layout::ModelLayout;
+use crate::model::lora::{LoraSpec, adapter_suffix};
 use crate::model::params::ParamStore;
 use crate::model::transformer::{Capacity, Transformer};
 use crate::optim::adamw::AdamWConfig;
@@ -140,11 +143,13 @@ impl Trainer {
     /// Load model and data, and allocate every buffer the run needs.
     pub fn new(cfg: RunConfig) -> Result<Self> {
         let raw = &cfg.raw;
-        let (model_cfg, params) = load_model(raw)?;
+        let RunModel { cfg: model_cfg, layout, params, base } =
+            load_run_model(raw, cfg.adapter.as_ref())?;
         let data = load_data(raw, model_cfg.vocab_size)?;
-        let engine = Transformer::new(
+        let engine = Transformer::with_layout(
             CpuBackend,
-            &model_cfg,
+            layout,
+            base,
             Capacity {
                 batch: raw.train.batch_size,
                 seq_len: data.rows.iter().map(|r| r.input_ids.len()).max().unwrap_or(1),
@@ -268,6 +273,135 @@ pub fn load_model(raw: &RawConfig) -> Result<(ModelConfig, ParamStore)> {
     };
     Ok((model_cfg, params))
 }
+
+/// A run's model: its layout (the full model, or with the run's adapters), the trained
+/// tensors, and an adapter run's frozen base.
+pub struct RunModel {
+    pub cfg: ModelConfig,
+    pub layout: ModelLayout,
+    pub params: ParamStore,
+    pub base: Option<FrozenBase>,
+}
+
+/// The layout of a run: the model's, with `adapter`'s LoRA on every layer when there is one
+/// (its base dtype resolved: `auto` is the checkpoint's). An adapter target the model does
+/// not have is an error naming it.
+pub fn run_layout(
+    raw: &RawConfig,
+    model_cfg: &ModelConfig,
+    adapter: Option<&AdapterConfig>,
+) -> Result<ModelLayout> {
+    let full = ModelLayout::new(model_cfg);
+    let Some(a) = adapter else { return Ok(full) };
+    let base = match (a.base_dtype, raw.model.init, &raw.model.path) {
+        (BaseChoice::Bf16, ..) => BaseDtype::Bf16,
+        (BaseChoice::Fp32, ..) => BaseDtype::F32,
+        (BaseChoice::Auto, None, Some(dir)) => checkpoint_dtype(dir)?,
+        (BaseChoice::Auto, ..) => BaseDtype::Bf16,
+    };
+    let lora = LoraSpec {
+        r: a.r,
+        scale: a.scale(),
+        targets: a.targets.clone(),
+        nf4: a.kind == AdapterKind::Qlora,
+        base,
+    };
+    full.with_lora(&lora).map_err(|e| {
+        anyhow::anyhow!(
+            "{e}\nhint: adapter.targets lists the projections to adapt; list only ones this model has"
+        )
+    })
+}
+
+/// Load (or draw) a run's model. In an adapter run the base is frozen in its dtype (quantised
+/// to NF4 for `qlora`) and the adapters start from `adapter.init` or as PEFT starts them
+/// (A Kaiming-uniform, B zero: step 0 computes the base model).
+pub fn load_run_model(raw: &RawConfig, adapter: Option<&AdapterConfig>) -> Result<RunModel> {
+    let Some(a) = adapter else {
+        let (cfg, params) = load_model(raw)?;
+        let layout = ModelLayout::new(&cfg);
+        return Ok(RunModel { cfg, layout, params, base: None });
+    };
+    let cfg = model_config(raw)?;
+    let layout = run_layout(raw, &cfg, Some(a))?;
+    let dtype = layout.adapter.as_ref().expect("an adapter layout").base;
+    let std = raw.model.hf.get("initializer_range").and_then(|v| v.as_f64()).unwrap_or(0.02);
+    let base = match (raw.model.init, &raw.model.path) {
+        (Some(ModelInit::Random), _) => {
+            FrozenBase::random(&layout, dtype, raw.model.seed, std as f32)
+        }
+        (None, Some(dir)) => {
+            let nf = NonFinite::allowed_if(raw.model.allow_non_finite);
+            FrozenBase::load_hf(&layout, dir, dtype, nf)?
+        }
+        (None, None) => bail!("model.path is missing"),
+    };
+    let mut params = ParamStore::random(&layout, raw.model.seed, std as f32);
+    if let Some(dir) = &a.init {
+        init_from_peft(&layout, a, dir, &mut params)?;
+    }
+    Ok(RunModel { cfg, layout, params, base: Some(base) })
+}
+
+/// `auto` base dtype: bf16 when the checkpoint stores every tensor as bf16, else fp32 (f16 and
+/// f64 convert to fp32 exactly or nearly).
+fn checkpoint_dtype(dir: &Path) -> Result<BaseDtype> {
+    let ckpt = crate::hf::checkpoint::Checkpoint::open(dir)?;
+    let all_bf16 = ckpt.names().iter().all(|n| ckpt.dtype(n) == Some("BF16"));
+    Ok(if all_bf16 { BaseDtype::Bf16 } else { BaseDtype::F32 })
+}
+
+/// The adapters of `params` from the PEFT adapter directory `dir`, checked against the run
+/// (r, alpha, targets, shapes).
+fn init_from_peft(
+    layout: &ModelLayout,
+    a: &AdapterConfig,
+    dir: &Path,
+    params: &mut ParamStore,
+) -> Result<()> {
+    let adapter = peft::read(dir)?;
+    let shapes = |layer: usize, target: &str| {
+        let spec = layout.layer(layer);
+        let a_name = adapter_suffix(peft::module_path(target)?, false);
+        let b_name = adapter_suffix(peft::module_path(target)?, true);
+        let at = spec.tensors.iter().find(|t| t.name == a_name)?;
+        let bt = spec.tensors.iter().find(|t| t.name == b_name)?;
+        Some((bt.shape[0], at.shape[1]))
+    };
+    peft::check_against(&adapter, a, shapes, layout.dims.layers)?;
+    for (name, (_, values)) in &adapter.tensors {
+        let ours = name.strip_prefix(PEFT_PREFIX).unwrap_or(name);
+        let dst = params.tensor_mut(layout, ours).with_context(|| {
+            format!("{}: tensor '{name}' is not one the run trains", dir.display())
+        })?;
+        dst.copy_from_slice(values);
+    }
+    Ok(())
+}
+
+/// The adapters of `params` as a PEFT adapter directory `dir` (`adapter_config.json`,
+/// `adapter_model.safetensors` with PEFT's names), which `PeftModel.from_pretrained` loads.
+pub fn write_adapter(
+    layout: &ModelLayout,
+    params: &ParamStore,
+    a: &AdapterConfig,
+    base_model: Option<&str>,
+    dir: &Path,
+) -> Result<()> {
+    let tensors: Vec<(String, Vec<usize>, &[f32])> = layout
+        .hf_tensors()
+        .into_iter()
+        .map(|(name, shape)| {
+            let data = params.tensor(layout, &name).expect("the layout names its own tensors");
+            (format!("{PEFT_PREFIX}{name}"), shape, data)
+        })
+        .collect();
+    peft::write(dir, a, base_model, &tensors)?;
+    crate::merge::write_sidecar(dir, a, base_model.map(Path::new))
+}
+
+/// What PEFT puts before a model's own tensor names.
+pub const PEFT_PREFIX: &str = "base_model.model.";
 
 /// The tokenizer a config names for its text formats.
 pub fn load_tokenizer(raw: &RawConfig) -> Result<Box<dyn Tokenizer>> {
@@ -460,6 +594,8 @@ fn batch_order(cfg: &RunConfig, data: &PretokenizedDataset) -> BatchOrder {
 pub struct StreamTrainer<D: Device = CpuDevice> {
     pub cfg: RunConfig,
     pub model_cfg: ModelConfig,
+    /// The model's layout, with the run's adapters (`adapter:`) when it has them.
+    pub layout: ModelLayout,
     pub data: PretokenizedDataset,
     /// The order batches read `data`'s rows in.
     order: BatchOrder,
@@ -505,7 +641,7 @@ where
     ) -> Result<Self> {
         let raw = &cfg.raw;
         let model_cfg = model_config(raw)?;
-        let layout = ModelLayout::new(&model_cfg);
+        let layout = run_layout(raw, &model_cfg, cfg.adapter.as_ref())?;
         // The data first: its longest row sizes every buffer of the plan.
         let sets = load_datasets(raw, model_cfg.vocab_size)?;
         let seq_len = SeqLen::of_data(raw, &sets);
@@ -549,20 +685,27 @@ where
         if raw.device.backend == BackendKind::Cuda {
             cuda_kernel_limits(&layout, raw, ecfg.seq_len)?;
         }
-        let state = match resume {
-            Some(dir) => crate::resume::load_for(dir, &model_cfg, raw.optimizer.memory)?,
-            None => TrainState::for_memory(
-                load_model(raw)?.1,
-                &ModelLayout::new(&model_cfg),
-                raw.optimizer.memory,
-            ),
+        let mode = raw.optimizer.memory;
+        // A resumed full fine-tuning run reads everything from the checkpoint; an adapter run
+        // reloads its frozen base from model.path.
+        let (state, base) = match (resume, &cfg.adapter) {
+            (Some(dir), None) => (crate::resume::load_for(dir, &model_cfg, &layout, mode)?, None),
+            (resume, adapter) => {
+                let rm = load_run_model(raw, adapter.as_ref())?;
+                let state = match resume {
+                    Some(dir) => crate::resume::load_for(dir, &model_cfg, &layout, mode)?,
+                    None => TrainState::for_memory(rm.params, &layout, mode),
+                };
+                (state, rm.base.map(Arc::new))
+            }
         };
         let dev = make_dev(raw, &plan)?;
-        let engine = Engine::new(dev, &model_cfg, state, ecfg)?;
+        let engine = Engine::with_layout(dev, layout.clone(), base, state, ecfg)?;
         let order = batch_order(&cfg, &sets.train);
         Ok(StreamTrainer {
             cfg,
             model_cfg,
+            layout,
             order,
             data: sets.train,
             eval: sets.eval,
@@ -824,8 +967,14 @@ where
         if (t.save_every > 0 && (k + 1) % t.save_every == 0 && !m.skipped) || signalled {
             let state = tr.engine.checked_state()?;
             progress.println(&format!("saving checkpoint step-{:08}", state.step));
-            let dir =
-                crate::resume::save(&out_dir, state, &tr.model_cfg, &yaml, t.keep_checkpoints)?;
+            let dir = crate::resume::save(
+                &out_dir,
+                state,
+                &tr.layout,
+                &tr.model_cfg,
+                &yaml,
+                t.keep_checkpoints,
+            )?;
             tracing::info!(dir = %dir.display(), "checkpoint written");
             last_ckpt = Some(dir);
         }
@@ -891,7 +1040,7 @@ where
     let link = st.link_busy_s - base.link_busy_s;
     let per_step = step_flops(
         tr.engine.schedule(),
-        &ModelLayout::new(&tr.model_cfg),
+        &tr.layout,
         tr.cfg.raw.train.micro_batch_rows(),
         tr.engine.config().seq_len,
     );
@@ -963,6 +1112,18 @@ where
         plotted.is_ok().then_some(plot_path.as_path()),
     )?;
     let final_dir = out_dir.join("final");
+    if let Some(a) = tr.cfg.adapter.clone() {
+        let base = tr.cfg.raw.model.path.as_ref().map(|p| p.display().to_string());
+        write_adapter(&tr.layout, &tr.engine.state().params, &a, base.as_deref(), &final_dir)?;
+        println!(
+            "wrote {}, {}, {} and {} (a PEFT adapter)",
+            metrics_path.display(),
+            summary_path.display(),
+            report.display(),
+            final_dir.display()
+        );
+        return Ok(());
+    }
     let params = &tr.engine.state().params;
     let raw = &tr.cfg.raw;
     let exported = crate::export::export_model(

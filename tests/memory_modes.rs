@@ -279,8 +279,15 @@ fn compact_resumes_bit_identically_and_is_refused_across_modes() {
         first.step(k).unwrap();
     }
     let model_cfg = first.model_cfg.clone();
-    let dir =
-        horizon::resume::save(tmp.path(), first.engine.state(), &model_cfg, &yaml, 2).unwrap();
+    let dir = horizon::resume::save(
+        tmp.path(),
+        first.engine.state(),
+        &first.layout,
+        &model_cfg,
+        &yaml,
+        2,
+    )
+    .unwrap();
     assert!(dir.join("moments8.bin").is_file());
     drop(first);
     let raw = RawConfig::from_yaml(&yaml, "test").unwrap().resolve("test").unwrap();
@@ -322,8 +329,15 @@ fn lean_and_exact_resume_each_other() {
         first.step(k).unwrap();
     }
     let model_cfg = first.model_cfg.clone();
-    let dir =
-        horizon::resume::save(tmp.path(), first.engine.state(), &model_cfg, &exact, 2).unwrap();
+    let dir = horizon::resume::save(
+        tmp.path(),
+        first.engine.state(),
+        &first.layout,
+        &model_cfg,
+        &exact,
+        2,
+    )
+    .unwrap();
     drop(first);
     let lean = random_yaml(&tmp.path().join("b"), 4, 0.0, "lean", "");
     let raw = RawConfig::from_yaml(&lean, "test").unwrap().resolve("test").unwrap();

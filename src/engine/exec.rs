@@ -25,11 +25,15 @@ use crate::engine::plan::{
 };
 pub use crate::engine::sizes::Sizes;
 use crate::hf::config::ModelConfig;
-use crate::model::layer::{Rows, Slot, act_slots, grad_slots, layer_backward, layer_forward};
+use crate::model::base::{Frozen, FrozenBase, words_as_f32};
+use crate::model::layer::{
+    Packed, Rows, Slot, Weights, act_slots, grad_slots, layer_backward, layer_forward,
+};
 use crate::model::layout::ModelLayout;
+use crate::model::spec::LayerSpec;
 use crate::model::transformer::{
-    HeadBufs, HeadDims, HeadGrads, embed_rows, embed_rows_backward, head_forward_backward,
-    rope_tables,
+    HeadBufs, HeadDims, HeadGrads, embed_rows, embed_rows_backward, embed_rows_frozen,
+    head_forward_backward, rope_tables,
 };
 use crate::optim::adamw::{AdamWConfig, AdamWStep, clip_coefficient, sum_squares};
 use crate::optim::adamw8bit::{Moments8, Moments8Mut};
@@ -91,6 +95,9 @@ struct Scratch {
     head: Option<HeadBufs<DevBuf>>,
     /// Per rope table: (T, D/2) cos and sin.
     ropes: Vec<(DevBuf, DevBuf)>,
+    /// A quantised base: the workspace a packed weight is dequantised into before each use
+    /// (the largest packed weight, in the backend's precision; empty otherwise).
+    dequant: DevBuf,
 }
 
 /// The tiled head's device buffers.
@@ -109,6 +116,11 @@ struct TiledHead {
 /// Everything queued work needs, shared by reference count with the closures.
 struct Ctx {
     layout: ModelLayout,
+    /// An adapter run's frozen base, read-only for the engine's whole life (the one host
+    /// input no op declares, as the rope tables on the device: nothing ever writes it).
+    base: Option<Arc<FrozenBase>>,
+    /// Bytes of one weight in the slots.
+    weight_bytes: usize,
     shape: PlanShape,
     head_chunk: usize,
     adamw: AdamWConfig,
@@ -414,6 +426,51 @@ impl Ctx {
     }
 
     /// The buffer at `param_index` `i`.
+    /// Layer `spec`'s packed words in the slot `slot` (after its weights, as the upload put
+    /// them).
+    fn packed_region(&self, slot: DevBuf, spec: &LayerSpec) -> DevBuf {
+        let at = (spec.len * self.weight_bytes).div_ceil(4);
+        slot.sub(at..at + spec.packed)
+    }
+
+    /// Layer `layer`'s weights in `slot`, as the layer ops read them; the dequantisation
+    /// workspace is the compute queue's scratch.
+    ///
+    /// # Safety
+    /// Only inside a compute kernel whose grant holds the slot and the scratch.
+    unsafe fn layer_weights<'v, B: Backend + ?Sized>(
+        &self,
+        g: &Grant,
+        vw: &'v dyn Views<B>,
+        layer: usize,
+        slot: usize,
+    ) -> Weights<'v, B> {
+        let sb = self.dev(g, Res::Slot(slot), false);
+        let _ = self.scratch(g);
+        // SAFETY: the caller's contract.
+        unsafe { self.weights_in(vw, layer, sb) }
+    }
+
+    /// [`Ctx::layer_weights`] in slot buffer `sb`, outside the plan's grants (the eval pass).
+    ///
+    /// # Safety
+    /// Only inside a compute kernel that may read `sb` and write the scratch.
+    unsafe fn weights_in<'v, B: Backend + ?Sized>(
+        &self,
+        vw: &'v dyn Views<B>,
+        layer: usize,
+        sb: DevBuf,
+    ) -> Weights<'v, B> {
+        let spec = self.layout.layer(layer);
+        let packed = (spec.packed > 0).then(|| Packed {
+            words: vw.buf(self.packed_region(sb, spec)),
+            // SAFETY: the scratch is the compute queue's, and this kernel's (the caller's
+            // contract); nothing else views the workspace while the layer runs.
+            ws: unsafe { vw.wbuf_mut(self.scratch.dequant) },
+        });
+        Weights { slot: vw.wbuf(sb).slice(0..spec.len), packed }
+    }
+
     fn param_buf(&self, i: usize) -> ParamBuf {
         let l = self.layout.dims.layers;
         match i {
@@ -546,7 +603,19 @@ where
 {
     /// Allocate every buffer the run needs and take ownership of the host state.
     pub fn new(dev: D, model: &ModelConfig, state: TrainState, cfg: EngineConfig) -> Result<Self> {
-        let layout = ModelLayout::new(model);
+        Self::with_layout(dev, ModelLayout::new(model), None, state, cfg)
+    }
+
+    /// [`Engine::new`] for `layout`: an adapter layout trains `state` (its adapters) beside
+    /// the frozen `base`.
+    pub fn with_layout(
+        dev: D,
+        layout: ModelLayout,
+        base: Option<Arc<FrozenBase>>,
+        state: TrainState,
+        cfg: EngineConfig,
+    ) -> Result<Self> {
+        assert_eq!(base.is_some(), !layout.trains_base(), "an adapter layout has a frozen base");
         let d = layout.dims;
         if cfg.micro_batch_size == 0
             || cfg.batch_size == 0
@@ -622,6 +691,8 @@ where
         };
         let ctx = Ctx {
             layout: layout.clone(),
+            base,
+            weight_bytes: precision.weight_bytes(),
             shape,
             head_chunk: chunk,
             adamw: cfg.adamw,
@@ -949,9 +1020,10 @@ where
                     let out = Slot::W(vw.buf_mut(out.prefix(nc)));
                     let mut slots = act_slots(vw.buf(inp.prefix(nc)), out, own);
                     let spec = c.layout.layer(layer);
-                    let w = vw.wbuf(c.dev(&g, Res::Slot(slot), false)).slice(0..spec.len);
+                    let mut w = c.layer_weights(&g, vw, layer, slot);
                     let rows = Rows { b: mb.b, t: mb.t };
-                    layer_forward(vw.backend(), spec, &mut slots, w, &ropes(vw, &c, mb.t), rows);
+                    let ropes = ropes(vw, &c, mb.t);
+                    layer_forward(vw.backend(), spec, &mut slots, &mut w, &ropes, rows);
                 }
             }),
         );
@@ -1031,7 +1103,9 @@ where
                         &mut tile_rows(vw, c.head_rows(&g, m, true)),
                         vw.buf_mut(scratch.logits),
                         vw.buf_mut(scratch.dhf_chunk),
-                        vw.buf_mut(c.dev(&g, Res::Dw(dw), true).prefix(vtc)),
+                        c.layout
+                            .trains_base()
+                            .then(|| vw.buf_mut(c.dev(&g, Res::Dw(dw), true).prefix(vtc))),
                         vw.wbuf(c.dev(&g, Res::Slot(slot), false)).slice(d.c..d.c + vtc),
                         vw.ibuf(c.ids(&g, m, false).1.prefix(td.n)),
                         first,
@@ -1062,7 +1136,7 @@ where
                         &tile_rows(vw, c.head_rows(&g, m, false)),
                         vw.buf_mut(c.dev(&g, Res::Losses(m), true).prefix(n)),
                         vw.buf_mut(c.dev(&g, Res::Dres(m), true).prefix(nc)),
-                        vw.buf_mut(c.dev(&g, Res::DnormW, true)),
+                        c.layout.trains_base().then(|| vw.buf_mut(c.dev(&g, Res::DnormW, true))),
                         vw.buf(c.dev(&g, Res::Act { set: src, m }, false).prefix(nc)),
                         vw.wbuf(c.dev(&g, Res::Slot(slot), false)).slice(0..d.c),
                         vw.ibuf(c.ids(&g, m, false).1.prefix(n)),
@@ -1090,6 +1164,8 @@ where
                 let (n, nc, vc) = (mb.n(), mb.n() * d.c, d.v * d.c);
                 let h = c.scratch(&g).head.as_ref().expect("a whole head has its scratch");
                 let (acc, w) = (c.dev(&g, Res::Dw(dw), true), c.dev(&g, Res::Slot(slot), false));
+                // A frozen head and final norm get no gradient (an adapter run).
+                let trains = c.layout.trains_base();
                 // SAFETY: as for the forward kernel.
                 unsafe {
                     let mut hb = HeadBufs {
@@ -1104,8 +1180,8 @@ where
                         HeadGrads {
                             losses: vw.buf_mut(c.dev(&g, Res::Losses(m), true).prefix(n)),
                             dres: vw.buf_mut(c.dev(&g, Res::Dres(m), true).prefix(nc)),
-                            dnorm_w: vw.buf_mut(acc.sub(0..d.c)),
-                            dhead_w: vw.buf_mut(acc.sub(d.c..d.c + vc)),
+                            dnorm_w: trains.then(|| vw.buf_mut(acc.sub(0..d.c))),
+                            dhead_w: trains.then(|| vw.buf_mut(acc.sub(d.c..d.c + vc))),
                         },
                         vw.buf(c.dev(&g, Res::Act { set: src, m }, false).prefix(nc)),
                         vw.wbuf(w).slice(0..d.c),
@@ -1155,9 +1231,9 @@ where
                         vw.backend(),
                         spec,
                         &mut grads,
-                        vw.buf_mut(c.dev(&g, Res::Dw(dw), true).prefix(spec.len)),
+                        vw.buf_mut(c.dev(&g, Res::Dw(dw), true).prefix(spec.train_len())),
                         &acts,
-                        vw.wbuf(c.dev(&g, Res::Slot(slot), false)).slice(0..spec.len),
+                        &mut c.layer_weights(&g, vw, layer, slot),
                         &ropes(vw, &c, mb.t),
                         Rows { b: mb.b, t: mb.t },
                     );
@@ -1189,6 +1265,7 @@ where
             OpKind::EmbedGather { m } => {
                 let table = c.params(grant, ParamBuf::Embed, false);
                 let stage = c.staging(grant, Res::EmbStage(m), true);
+                let frozen = c.base.clone();
                 let (c, sd) = (c.clone(), sd.clone());
                 self.dev.host_on(
                     Queue::H2D,
@@ -1200,7 +1277,10 @@ where
                         let (out, table) = unsafe {
                             (stage.sub(0..nc).as_mut_slice(), table.as_const().as_slice())
                         };
-                        embed_rows(out, &sd.mbs[m].ids, table, &c.layout);
+                        match &frozen {
+                            None => embed_rows(out, &sd.mbs[m].ids, table, &c.layout),
+                            Some(b) => embed_rows_frozen(out, &sd.mbs[m].ids, &b.embed, &c.layout),
+                        }
                         c.phases.add(Phase::Embedding, t0);
                     }),
                 );
@@ -1216,27 +1296,81 @@ where
                 self.dev.upload(dst.prefix(nc), src.as_const().sub(0..nc));
             }
             OpKind::UploadWeights { slot, what } => {
-                match (what, c.dev(grant, Res::Slot(slot), true)) {
-                    (SlotContent::Layer(i), dst) => {
-                        let src = c.params(grant, ParamBuf::Layer(i), false).as_const();
-                        self.dev.upload_weights(dst, 0, src);
-                    }
-                    (SlotContent::Head, dst) => {
-                        let norm = c.params(grant, ParamBuf::FinalNorm, false).as_const();
-                        let head = c.params(grant, c.head_param(), false).as_const();
-                        self.dev.upload_weights(dst, 0, norm);
-                        self.dev.upload_weights(dst, d.c, head);
-                    }
-                    (SlotContent::HeadTile(k), dst) => {
-                        let norm = c.params(grant, ParamBuf::FinalNorm, false).as_const();
-                        let head = c.params(grant, c.head_param(), false).as_const();
-                        let r = c.tiled().tiling.range(k);
-                        self.dev.upload_weights(dst, 0, norm);
-                        self.dev.upload_weights(dst, d.c, head.sub(r.start * d.c..r.end * d.c));
+                let dst = c.dev(grant, Res::Slot(slot), true);
+                match what {
+                    SlotContent::Layer(i) => self.upload_layer(grant, dst, i),
+                    SlotContent::Head => self.upload_head(grant, dst, 0..d.v),
+                    SlotContent::HeadTile(k) => {
+                        self.upload_head(grant, dst, c.tiled().tiling.range(k))
                     }
                 }
             }
             _ => unreachable!("{kind:?} is not an op of this queue"),
+        }
+    }
+
+    /// Layer `i`'s weights into slot `dst`: in an adapter run the frozen part from the base as
+    /// it is stored (bf16 or fp32), the adapters from the masters, then the packed words.
+    fn upload_layer(&self, grant: &Grant, dst: DevBuf, i: usize) {
+        let trained = self.ctx.params(grant, ParamBuf::Layer(i), false).as_const();
+        self.upload_layer_from(dst, i, trained);
+    }
+
+    /// [`Engine::upload_layer`] with the layer's trained part at `trained`.
+    fn upload_layer_from(&self, dst: DevBuf, i: usize, trained: HostPtr) {
+        let c = &self.ctx;
+        let Some(base) = &c.base else { return self.dev.upload_weights(dst, 0, trained) };
+        let spec = c.layout.layer(i);
+        self.upload_frozen(dst, 0, &base.layers[i], 0..spec.frozen);
+        self.dev.upload_weights(dst, spec.frozen, trained);
+        if spec.packed > 0 {
+            // SAFETY: the base lives in the context's Arc for the engine's whole life and is
+            // never written.
+            let words = unsafe { HostPtr::new(words_as_f32(&base.packed[i])) };
+            self.dev.upload(c.packed_region(dst, spec), words);
+        }
+    }
+
+    /// The final norm, then vocabulary rows `rows` of the LM head, into slot `dst`.
+    fn upload_head(&self, grant: &Grant, dst: DevBuf, rows: std::ops::Range<usize>) {
+        let c = &self.ctx;
+        let norm = c.params(grant, ParamBuf::FinalNorm, false).as_const();
+        let head = c.params(grant, c.head_param(), false).as_const();
+        self.upload_head_from(dst, rows, (norm, head));
+    }
+
+    /// [`Engine::upload_head`] with the trained final norm and head (full fine-tuning) at
+    /// `norm`, `head`.
+    fn upload_head_from(
+        &self,
+        dst: DevBuf,
+        rows: std::ops::Range<usize>,
+        (norm, head): (HostPtr, HostPtr),
+    ) {
+        let (c, cc) = (&self.ctx, self.ctx.layout.dims.c);
+        let range = rows.start * cc..rows.end * cc;
+        match &c.base {
+            None => {
+                self.dev.upload_weights(dst, 0, norm);
+                self.dev.upload_weights(dst, cc, head.sub(range));
+            }
+            Some(base) => {
+                self.upload_frozen(dst, 0, &base.final_norm, 0..cc);
+                let head = base.lm_head.as_ref().unwrap_or(&base.embed);
+                self.upload_frozen(dst, cc, head, range);
+            }
+        }
+    }
+
+    /// Frozen values `range` of `src` into weights `at..` of slot `dst`, in their dtype.
+    fn upload_frozen(&self, dst: DevBuf, at: usize, src: &Frozen, range: std::ops::Range<usize>) {
+        // SAFETY (both arms): the base lives in the context's Arc for the engine's whole life
+        // and is never written.
+        match src {
+            Frozen::F32(v) => self.dev.upload_weights(dst, at, unsafe { HostPtr::new(&v[range]) }),
+            Frozen::Bf16(v) => {
+                self.dev.upload_weights_bf16(dst, at, unsafe { HostPtr::new(&v[range]) })
+            }
         }
     }
 
@@ -1311,6 +1445,12 @@ where
                 self.dev
                     .download(dst.sub(0..nc), c.dev(grant, Res::Act { set, m }, false).prefix(nc));
             }
+            // A frozen head, final norm and embedding have no gradient (an adapter run).
+            OpKind::DownloadHeadTileGrads { .. }
+            | OpKind::DownloadNormGrads
+            | OpKind::DownloadHeadGrads { .. }
+            | OpKind::DownloadDres { .. }
+                if !c.layout.trains_base() => {}
             OpKind::DownloadHeadTileGrads { dw, tile } => {
                 let r = c.tiled().tiling.range(tile);
                 let head = c.grads(grant, c.head_param(), true);
@@ -1447,6 +1587,8 @@ where
                     }
                 });
             }
+            // A frozen embedding has no gradient (an adapter run).
+            OpKind::EmbedScatter { .. } if !c.layout.trains_base() => {}
             OpKind::EmbedScatter { m } => {
                 self.host_op(Phase::Gradients, sd, grant, move |c, sd, grant| {
                     let nc = sd.mbs[m].n() * d.c;
@@ -1552,7 +1694,7 @@ unsafe fn tile_rows<'a, B: Backend + ?Sized>(
 /// Elements of a gradient download.
 fn grad_len(c: &Ctx, what: GradTarget) -> usize {
     match what {
-        GradTarget::Layer(i) => c.layout.layer(i).len,
+        GradTarget::Layer(i) => c.layout.layer(i).train_len(),
         GradTarget::Head => c.layout.dims.c + c.layout.dims.v * c.layout.dims.c,
     }
 }
@@ -1731,7 +1873,7 @@ fn alloc_device<D: Device>(
     let (n, mbs, d) = (sizes.mb_rows, sizes.micro_batches, layout.dims);
     let slots = [alloc(sizes.slot_elems())?, alloc(sizes.slot_elems())?];
     let workspace = alloc(sizes.workspace_elems())?;
-    let dws = [alloc(sizes.slot)?, alloc(sizes.slot)?];
+    let dws = [alloc(sizes.dw)?, alloc(sizes.dw)?];
     let acts = (0..sizes.act_sets)
         .map(|_| (0..mbs).map(|_| alloc(sizes.act)).collect::<Result<Vec<_>>>())
         .collect::<Result<Vec<_>>>()?;
@@ -1771,6 +1913,7 @@ fn alloc_device<D: Device>(
         ropes: (0..layout.rope.len())
             .map(|_| Ok((alloc(cfg.seq_len * half)?, alloc(cfg.seq_len * half)?)))
             .collect::<Result<Vec<_>>>()?,
+        dequant: alloc(sizes.dequant_elems())?,
     };
 
     let tiled = match sizes.head.is_whole() {

@@ -34,8 +34,14 @@ impl HeadTiling {
     /// `(largest layer - C) / C`, at least 1 and at most V; `rows` (`engine.head_tile_rows`)
     /// can only make tiles smaller.
     pub fn new(layout: &ModelLayout, rows: Option<usize>) -> Self {
+        Self::for_slot(layout, layout.max_layer_len(), rows)
+    }
+
+    /// [`HeadTiling::new`] for a slot of `slot` weights (a quantised layer's slot also holds
+    /// its packed words).
+    pub fn for_slot(layout: &ModelLayout, slot: usize, rows: Option<usize>) -> Self {
         let (c, v) = (layout.dims.c, layout.dims.v);
-        let fit = (layout.max_layer_len().saturating_sub(c) / c.max(1)).clamp(1, v.max(1));
+        let fit = (slot.saturating_sub(c) / c.max(1)).clamp(1, v.max(1));
         HeadTiling { rows: rows.map_or(fit, |r| r.clamp(1, fit)), vocab: v }
     }
 
@@ -131,7 +137,8 @@ pub(crate) fn tile_stats<B: Backend>(
 
 /// Pass 2 on tile `td.v0 .. td.v0 + td.vt`, per chunk: the logits again, turned into dlogits in place; `dhf`
 /// of the chunk's rows overwritten (`first`) or added to through `dhf_chunk` (chunk, C) (the
-/// product's `dinp` overwrites); `dtile_w` (VT, C) accumulates (+=) dlogitsᵀ hf.
+/// product's `dinp` overwrites); `dtile_w` (VT, C) accumulates (+=) dlogitsᵀ hf (`None`: the
+/// head is frozen).
 /// tile_w: (VT, C). targets: (N).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn tile_grad<B: Backend>(
@@ -139,7 +146,7 @@ pub(crate) fn tile_grad<B: Backend>(
     rows: &mut TileRows<'_, B>,
     logits: &mut B::Buf,
     dhf_chunk: &mut B::Buf,
-    dtile_w: &mut B::Buf,
+    mut dtile_w: Option<&mut B::Buf>,
     tile_w: &B::WBuf,
     targets: &B::IBuf,
     first: bool,
@@ -162,10 +169,12 @@ pub(crate) fn tile_grad<B: Backend>(
         let dl = logits.slice(0..k * vt);
         if first {
             let dhf = rows.dhf.slice_mut(cr);
-            be.matmul_backward(Some(Dinp::Write(dhf)), Some(dtile_w), None, dl, hf, tile_w, k, c, vt);
+            let dw = dtile_w.as_deref_mut();
+            be.matmul_backward(Some(Dinp::Write(dhf)), dw, None, dl, hf, tile_w, k, c, vt);
         } else {
             let scratch = dhf_chunk.slice_mut(0..k * c);
-            be.matmul_backward(Some(Dinp::Write(scratch)), Some(dtile_w), None, dl, hf, tile_w, k, c, vt);
+            let (dw, dx) = (dtile_w.as_deref_mut(), Dinp::Write(scratch));
+            be.matmul_backward(Some(dx), dw, None, dl, hf, tile_w, k, c, vt);
             be.add_inplace(rows.dhf.slice_mut(cr), dhf_chunk.slice(0..k * c));
         }
     }
@@ -180,7 +189,7 @@ pub(crate) fn tile_finish<B: Backend>(
     rows: &TileRows<'_, B>,
     losses: &mut B::Buf,
     dres: &mut B::Buf,
-    dnorm_w: &mut B::Buf,
+    dnorm_w: Option<&mut B::Buf>,
     x: &B::Buf,
     norm_w: &B::WBuf,
     targets: &B::IBuf,
@@ -191,7 +200,7 @@ pub(crate) fn tile_finish<B: Backend>(
     be.cross_entropy_tile_loss(losses, rows.stats.slice(0..n * STATS), targets, n);
     be.zero(&mut *dres);
     let (dhf, rstd) = (rows.dhf.slice(0..nc), rows.rstd.slice(0..n));
-    be.rmsnorm_backward(dres, Some(dnorm_w), dhf, x, norm_w, rstd, norm);
+    be.rmsnorm_backward(dres, dnorm_w, dhf, x, norm_w, rstd, norm);
 }
 
 #[cfg(test)]

@@ -532,11 +532,16 @@ pub fn step_ops(shape: PlanShape) -> Vec<Op> {
                     vec![Res::Ckpt { block: i / k, m }],
                 );
             }
+            // The scratch also holds the dequantisation workspace of a quantised base.
+            let mut writes = vec![Res::Act { set: dst, m }, internals(i, m)];
+            if shape.keep_internals {
+                writes.push(Res::Scratch);
+            }
             b.push(
                 OpKind::Forward { layer: i, slot, m, src, dst, recompute: false },
                 Queue::Compute,
                 vec![Res::Slot(slot), Res::Act { set: src, m }],
-                vec![Res::Act { set: dst, m }, internals(i, m)],
+                writes,
             );
         }
     }

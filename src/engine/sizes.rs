@@ -17,9 +17,15 @@ use crate::store::{host_tensors, tensor_bytes};
 /// single source for the allocation and for the memory plan.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Sizes {
-    /// One weight slot / gradient accumulator, in weights / f32: the largest layer (the head
-    /// is applied in tiles that fit beside the final norm, or whole where it fits).
+    /// One weight slot, in weights: the largest layer (with a quantised base, its weights and
+    /// then its packed NF4 words); the head is applied in tiles that fit beside the final
+    /// norm, or whole where it fits.
     pub slot: usize,
+    /// One gradient accumulator (f32): the slot in full fine-tuning; in an adapter run the
+    /// largest layer's adapters (the frozen head has no gradient).
+    pub dw: usize,
+    /// The dequantisation workspace of a quantised base, in weights (0 without one).
+    pub dequant: usize,
     /// How the LM head's vocabulary is cut into tiles (one tile: applied whole).
     pub head: HeadTiling,
     /// Tiled head: per micro-batch `hf`, `dhf` (N, C), `rstd` (N), softmax stats (N, 3);
@@ -47,8 +53,10 @@ pub struct Sizes {
     pub host_grads: usize,
     /// Host bytes of the optimizer state, in the memory mode's storage.
     pub moment_bytes: usize,
-    /// Host bytes of the masters (the host tensors' own dtypes).
+    /// Host bytes of the trained masters (fp32).
     pub master_bytes: usize,
+    /// Host bytes of an adapter run's frozen base (bf16 or fp32, NF4 words); 0 otherwise.
+    pub base_bytes: usize,
     /// The row length every buffer is sized for (`EngineConfig::seq_len`).
     pub seq_len: usize,
     /// Rows of a micro-batch at the longest row length.
@@ -80,6 +88,13 @@ pub struct Sizes {
     pub params: usize,
 }
 
+/// Weights a slot needs for the largest layer: its weights in `weight_bytes` each, then its
+/// packed words (4 bytes each) from the next 4-byte boundary.
+fn layer_slot_weights(layout: &ModelLayout, weight_bytes: usize) -> usize {
+    let elems = |k: &crate::model::spec::LayerSpec| (k.len * weight_bytes).div_ceil(4) + k.packed;
+    layout.kinds.iter().map(|k| (elems(k) * 4).div_ceil(weight_bytes)).max().unwrap_or(0)
+}
+
 impl Sizes {
     pub fn new(layout: &ModelLayout, cfg: &EngineConfig) -> Self {
         let d = &layout.dims;
@@ -91,11 +106,15 @@ impl Sizes {
         let layer_acts = n * act_widths.iter().sum::<usize>();
         let layer_scratch = layer_acts + n * d.c; // y
         let grad_scratch = n * grad_widths[1..].iter().sum::<usize>();
-        let head = HeadTiling::new(layout, cfg.head_tile_rows);
+        let precision = cfg.backend.precision();
+        let layer_slot = layer_slot_weights(layout, precision.weight_bytes());
+        let head = HeadTiling::for_slot(layout, layer_slot, cfg.head_tile_rows);
         let whole = head.is_whole();
         let head_scratch = if whole { n * d.c * 2 + n + chunk * d.v } else { 0 };
         let rope = layout.rope.len() * 2 * cfg.seq_len * d.d / 2;
         let params = layout.num_params();
+        let (trained, frozen): (Vec<_>, Vec<_>) =
+            host_tensors(layout).into_iter().partition(|t| t.trainable);
         let vc = d.v * d.c;
         let host_grads = if cfg.memory.streams_updates() {
             vc + d.c + if layout.tied { 0 } else { vc }
@@ -115,8 +134,11 @@ impl Sizes {
             .map(|(n, ic, oc)| cfg.backend.precision().product_bytes(n, ic, oc))
             .max()
             .unwrap_or(0);
+        let slot = layer_slot.max(d.c + head.rows * d.c);
         Sizes {
-            slot: layout.max_layer_len().max(d.c + head.rows * d.c),
+            slot,
+            dw: if layout.trains_base() { slot } else { layout.max_train_len() },
+            dequant: layout.max_workspace(),
             head,
             head_rows: if whole { 0 } else { n * (2 * d.c + 1 + STATS) },
             head_chunk: if whole { 0 } else { chunk * (head.rows + d.c) },
@@ -124,11 +146,12 @@ impl Sizes {
             precision: cfg.backend.precision(),
             workspace_bytes: cfg.backend.precision().workspace(products).bytes,
             grad_wire: cfg.grad_wire,
-            slab: layout.max_layer_len(),
+            slab: layout.max_train_len(),
             memory: cfg.memory,
             host_grads,
             moment_bytes: cfg.memory.moment_storage().bytes(&layout.buffer_tensors().concat()),
-            master_bytes: tensor_bytes(&host_tensors(layout)),
+            master_bytes: tensor_bytes(&trained),
+            base_bytes: tensor_bytes(&frozen),
             seq_len: cfg.seq_len,
             mb_rows,
             act: n * d.c,
@@ -154,6 +177,11 @@ impl Sizes {
         (self.slot * self.precision.weight_bytes()).div_ceil(4)
     }
 
+    /// f32 elements of pool memory the dequantisation workspace takes.
+    pub fn dequant_elems(&self) -> usize {
+        (self.dequant * self.precision.weight_bytes()).div_ceil(4)
+    }
+
     /// f32 elements of pool memory the backend's workspace takes.
     pub fn workspace_elems(&self) -> usize {
         self.workspace_bytes.div_ceil(4)
@@ -169,7 +197,7 @@ impl Sizes {
         // Buffers `Engine::new` allocates: slots and accumulators, per micro-batch the residual
         // streams, residual gradient, ids, targets, losses (and, tiled, the head's hf, dhf,
         // rstd, stats); the scratch; the workspace; the final norm's accumulator.
-        let buffers = 4
+        let buffers = 5
             + m * (self.act_sets + 4 + if tiled { 4 } else { 0 })
             + self.scratch_buffers
             + usize::from(self.workspace_bytes > 0)
@@ -181,7 +209,8 @@ impl Sizes {
         };
         let mut lines = vec![
             (slots, 2 * self.slot_elems() * 4),
-            ("gradient accumulators (2, fp32)", 2 * self.slot * 4),
+            ("gradient accumulators (2, fp32)", 2 * self.dw * 4),
+            ("NF4 dequantisation workspace (the largest packed weight)", self.dequant_elems() * 4),
             (
                 "activations (residual streams, checkpoint block, gradients, ids)",
                 (m * self.act_sets * self.act + m * self.act + m * self.per_mb_small) * 4,
@@ -230,7 +259,7 @@ impl Sizes {
     }
 
     /// Host bytes by kind.
-    pub fn host_bytes(&self) -> [(&'static str, usize); 6] {
+    pub fn host_bytes(&self) -> [(&'static str, usize); 7] {
         let m = self.micro_batches;
         let moments = match self.memory.moment_storage() {
             MomentStorage::Q8 => {
@@ -249,7 +278,8 @@ impl Sizes {
             (GradWire::Bf16, true) => "gradient slabs (bf16, engine.grad_wire; + one fp32 layer)",
         };
         [
-            ("master weights (fp32)", self.master_bytes),
+            ("frozen base (bf16 or fp32; qlora: NF4 products)", self.base_bytes),
+            ("master weights (fp32, the trained tensors)", self.master_bytes),
             (moments, self.moment_bytes),
             (grads, self.host_grads * 4),
             (slabs, self.slab_bytes()),

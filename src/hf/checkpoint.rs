@@ -213,6 +213,19 @@ impl Checkpoint {
         self.files[i].meta.info(name).map(|info| info.shape.clone())
     }
 
+    /// The stored dtype of tensor `name` (`F32`, `BF16`, ...), if the checkpoint has it.
+    pub fn dtype(&self, name: &str) -> Option<&'static str> {
+        let &i = self.tensors.get(name)?;
+        let (_, dtype, _) = self.files[i].tensor(name)?;
+        Some(match dtype {
+            Dtype::F32 => "F32",
+            Dtype::BF16 => "BF16",
+            Dtype::F16 => "F16",
+            Dtype::F64 => "F64",
+            _ => "other",
+        })
+    }
+
     /// Whether tensor `name` is present.
     pub fn contains(&self, name: &str) -> bool {
         self.tensors.contains_key(name)

@@ -17,7 +17,7 @@ use anyhow::{Result, bail};
 use horizon_backend::{DeviceAlloc, DeviceSlice};
 
 use crate::hf::config::ModelConfig;
-use crate::model::layer::{KvStep, Rows, Slot, act_slots, layer_forward_cached};
+use crate::model::layer::{KvStep, Rows, Slot, Weights, act_slots, layer_forward_cached};
 use crate::model::layout::ModelLayout;
 use crate::model::params::ParamStore;
 use crate::model::transformer::{embed_rows, rope_tables, v, vm};
@@ -183,7 +183,8 @@ impl<B: DeviceAlloc> KvDecoder<B> {
             );
             let kv = KvStep { cache: &mut *self.cache[l], pos };
             let w = v(&self.slots[slot], spec.len);
-            layer_forward_cached(&self.be, spec, &mut slots, w, &ropes, Rows { b: 1, t }, kv);
+            let mut w = Weights::slot(w);
+            layer_forward_cached(&self.be, spec, &mut slots, &mut w, &ropes, Rows { b: 1, t }, kv);
             drop(slots);
             std::mem::swap(&mut self.x, &mut self.y);
         }

@@ -9,7 +9,7 @@ use std::ops::Range;
 
 use horizon_backend::{Backend, DeviceSlice, Dinp, NormDims};
 
-use crate::model::spec::{Act, BwdOp, Glu, LayerSpec, Op};
+use crate::model::spec::{Act, BwdOp, Glu, LayerSpec, Op, Weight};
 
 /// One activation or gradient buffer handed to a layer: read-only or writable.
 pub enum Slot<'a, T: ?Sized> {
@@ -44,22 +44,64 @@ fn pick<'s, 'a, T: ?Sized, const K: usize>(
     slots.get_disjoint_mut(idx).expect("an op's buffers are distinct slots")
 }
 
-/// Two disjoint ranges of one buffer (a weight's and its bias's gradients), in either order.
+/// Two disjoint ranges of one buffer (a weight's and its bias's gradients), in either order;
+/// either may be absent (a frozen tensor has no gradient).
 fn two_mut<T: ?Sized + DeviceSlice>(
     buf: &mut T,
-    a: Range<usize>,
+    a: Option<Range<usize>>,
     b: Option<Range<usize>>,
-) -> (&mut T, Option<&mut T>) {
-    match b {
-        None => (buf.slice_mut(a), None),
-        Some(b) if a.end <= b.start => {
+) -> (Option<&mut T>, Option<&mut T>) {
+    match (a, b) {
+        (None, None) => (None, None),
+        (Some(a), None) => (Some(buf.slice_mut(a)), None),
+        (None, Some(b)) => (None, Some(buf.slice_mut(b))),
+        (Some(a), Some(b)) if a.end <= b.start => {
             let (lo, hi) = buf.split_at_mut(b.start);
-            (lo.slice_mut(a), Some(hi.slice_mut(0..b.len())))
+            (Some(lo.slice_mut(a)), Some(hi.slice_mut(0..b.len())))
         }
-        Some(b) => {
+        (Some(a), Some(b)) => {
             assert!(b.end <= a.start, "weight and bias ranges overlap");
             let (lo, hi) = buf.split_at_mut(a.start);
-            (hi.slice_mut(0..a.len()), Some(lo.slice_mut(b)))
+            (Some(hi.slice_mut(0..a.len())), Some(lo.slice_mut(b)))
+        }
+    }
+}
+
+/// A layer's weights on the device: its slot (the backend's precision) and, for a quantised
+/// base, its packed NF4 words with the workspace each packed weight is dequantised into
+/// before it is used.
+pub struct Weights<'a, B: Backend + ?Sized> {
+    pub slot: &'a B::WBuf,
+    pub packed: Option<Packed<'a, B>>,
+}
+
+/// The packed part of [`Weights`].
+pub struct Packed<'a, B: Backend + ?Sized> {
+    /// The NF4 words, as f32 bit patterns (`LayerSpec::packed` of them).
+    pub words: &'a B::Buf,
+    /// At least `LayerSpec::workspace` weights.
+    pub ws: &'a mut B::WBuf,
+}
+
+impl<'a, B: Backend + ?Sized> Weights<'a, B> {
+    /// Weights held in the slot alone (no packed tensor).
+    pub fn slot(slot: &'a B::WBuf) -> Self {
+        Weights { slot, packed: None }
+    }
+
+    /// A product's weight: its slot range, or its packed tensors dequantised into the
+    /// workspace.
+    fn get(&mut self, be: &B, w: &Weight) -> &B::WBuf {
+        match w {
+            Weight::Slot(r) => self.slot.slice(r.clone()),
+            Weight::Packed(parts) => {
+                let p = self.packed.as_mut().expect("a packed weight comes with its words");
+                for part in parts {
+                    let dst = p.ws.slice_mut(part.at..part.at + part.n);
+                    be.dequantize_nf4(dst, p.words.slice(part.words.clone()), part.n);
+                }
+                p.ws.slice(0..w.numel())
+            }
         }
     }
 }
@@ -77,7 +119,7 @@ pub fn layer_forward<B: Backend>(
     be: &B,
     spec: &LayerSpec,
     slots: &mut [Slot<'_, B::Buf>],
-    w: &B::WBuf,
+    w: &mut Weights<'_, B>,
     ropes: &[(&B::Buf, &B::Buf)],
     rows: Rows,
 ) {
@@ -103,7 +145,7 @@ pub fn layer_forward_cached<B: Backend>(
     be: &B,
     spec: &LayerSpec,
     slots: &mut [Slot<'_, B::Buf>],
-    w: &B::WBuf,
+    w: &mut Weights<'_, B>,
     ropes: &[(&B::Buf, &B::Buf)],
     rows: Rows,
     kv: KvStep<'_, B::Buf>,
@@ -117,11 +159,12 @@ fn forward_ops<B: Backend>(
     be: &B,
     spec: &LayerSpec,
     slots: &mut [Slot<'_, B::Buf>],
-    w: &B::WBuf,
+    wts: &mut Weights<'_, B>,
     ropes: &[(&B::Buf, &B::Buf)],
     rows: Rows,
     mut kv: Option<KvStep<'_, B::Buf>>,
 ) {
+    let w = wts.slot;
     let n = rows.b * rows.t;
     let len = |a: Act| n * spec.width(a);
     let ad = spec.attn.dims(rows.b, rows.t);
@@ -150,7 +193,14 @@ fn forward_ops<B: Backend>(
             Op::Linear { inp, out, w: ref r, ref bias, ic, oc } => {
                 let [i, o] = pick(slots, [inp, out]);
                 let bias = bias.clone().map(|b| w.slice(b));
-                be.matmul_forward(o.w(n * oc), i.r(n * ic), w.slice(r.clone()), bias, n, ic, oc);
+                be.matmul_forward(o.w(n * oc), i.r(n * ic), wts.get(be, r), bias, n, ic, oc);
+            }
+            Op::Lora { inp, out, ref a, ref b, col, w: width, oc, ic, r, u, tmp, scale } => {
+                let [i, o, uu, t] = pick(slots, [inp, out, u, tmp]);
+                be.matmul_forward(uu.w(n * r), i.r(n * ic), w.slice(a.clone()), None, n, ic, r);
+                let (bw, nw) = (w.slice(b.clone()), n * width);
+                be.matmul_forward(t.w(nw), uu.r(n * r), bw, None, n, r, width);
+                be.add_cols(o.w(n * oc), t.r(nw), n, oc, col, width, scale);
             }
             Op::Rope { qkv, table } => {
                 let [q] = pick(slots, [qkv]);
@@ -187,7 +237,9 @@ fn forward_ops<B: Backend>(
 
 /// One decoder layer backward, the description's derived program. On entry `grads[DRES]`
 /// holds dL/dY; on return it holds dL/dX (overwritten). Parameter gradients accumulate (+=)
-/// into `dw` (the layer's len). `acts` are the forward's slots (X and the layer's own).
+/// into `dw` (the layer's trained part, `LayerSpec::train_len`: every weight in full
+/// fine-tuning, the adapters alone in an adapter run); a frozen weight gets none.
+/// `acts` are the forward's slots (X and the layer's own).
 #[allow(clippy::too_many_arguments)]
 pub fn layer_backward<B: Backend>(
     be: &B,
@@ -195,10 +247,12 @@ pub fn layer_backward<B: Backend>(
     grads: &mut [Slot<'_, B::Buf>],
     dw: &mut B::Buf,
     acts: &[Slot<'_, B::Buf>],
-    w: &B::WBuf,
+    wts: &mut Weights<'_, B>,
     ropes: &[(&B::Buf, &B::Buf)],
     rows: Rows,
 ) {
+    let w = wts.slot;
+    let gr = |r: &Range<usize>| spec.grad_range(r);
     let n = rows.b * rows.t;
     let len = |a: Act| n * spec.width(a);
     let act = |a: Act| acts[a].r(len(a));
@@ -220,10 +274,10 @@ pub fn layer_backward<B: Backend>(
                 };
                 let [gi, go] = pick(grads, [dinp, dout]);
                 let nd = NormDims { c: spec.c, eps: spec.eps, w_offset };
-                let (dwr, wr) = (dw.slice_mut(r.clone()), w.slice(r.clone()));
+                let (dwr, wr) = (gr(r).map(|g| dw.slice_mut(g)), w.slice(r.clone()));
                 be.rmsnorm_backward(
                     gi.w(len(inp)),
-                    Some(dwr),
+                    dwr,
                     go.r(len(inp)),
                     act(inp),
                     wr,
@@ -237,28 +291,40 @@ pub fn layer_backward<B: Backend>(
                 };
                 let [gi, go] = pick(grads, [dinp, dout]);
                 let nd = NormDims { c: ad.d, eps: spec.eps, w_offset };
-                let (dwr, wr) = (dw.slice_mut(r.clone()), w.slice(r.clone()));
+                let (dwr, wr) = (gr(r).map(|g| dw.slice_mut(g)), w.slice(r.clone()));
                 let (gi, go) = (gi.w(len(inp)), go.r(len(inp)));
-                be.head_rmsnorm_backward(gi, Some(dwr), go, act(inp), wr, act(rstd), ad, nd);
+                be.head_rmsnorm_backward(gi, dwr, go, act(inp), wr, act(rstd), ad, nd);
             }
             BwdOp::Linear { op, dinp, dout } => {
                 let Op::Linear { inp, w: ref r, ref bias, ic, oc, .. } = spec.ops[op] else {
                     unreachable!("the program names its op")
                 };
                 let [gi, go] = pick(grads, [dinp, dout]);
-                let (dweight, dbias) = two_mut(dw, r.clone(), bias.clone());
-                let (gi, go) = (gi.w(n * ic), go.r(n * oc));
-                be.matmul_backward(
-                    Some(Dinp::Write(gi)),
-                    Some(dweight),
-                    dbias,
-                    go,
-                    act(inp),
-                    w.slice(r.clone()),
-                    n,
-                    ic,
-                    oc,
-                );
+                let dwr = match r {
+                    Weight::Slot(r) => gr(r),
+                    Weight::Packed(_) => None,
+                };
+                let (dweight, dbias) = two_mut(dw, dwr, bias.as_ref().and_then(gr));
+                let (gi, go) = (Dinp::Write(gi.w(n * ic)), go.r(n * oc));
+                let wt = wts.get(be, r);
+                be.matmul_backward(Some(gi), dweight, dbias, go, act(inp), wt, n, ic, oc);
+            }
+            BwdOp::Lora { op, dinp, dout, g, du } => {
+                let Op::Lora { inp, ref a, ref b, col, w: width, oc, ic, r, u, scale, .. } =
+                    spec.ops[op]
+                else {
+                    unreachable!("the program names its op")
+                };
+                let [gi, go, gg, gu] = pick(grads, [dinp, dout, g, du]);
+                let (da, db) = two_mut(dw, gr(a), gr(b));
+                let nw = n * width;
+                // g = scale * dL/d(out)[:, cols]; du = g b; dinp += du a; db += gᵀ u; da += duᵀ inp.
+                be.scaled_cols(gg.w(nw), go.r(n * oc), n, oc, col, width, scale);
+                let (wb, wa) = (w.slice(b.clone()), w.slice(a.clone()));
+                let du = Dinp::Write(gu.w(n * r));
+                be.matmul_backward(Some(du), db, None, gg.r(nw), act(u), wb, n, r, width);
+                let dx = Dinp::Add(gi.w(n * ic));
+                be.matmul_backward(Some(dx), da, None, gu.r(n * r), act(inp), wa, n, ic, r);
             }
             BwdOp::Rope { op, dqkv } => {
                 let Op::Rope { qkv, table } = spec.ops[op] else {
@@ -328,11 +394,26 @@ mod tests {
 
     const ROWS: Rows = Rows { b: 2, t: 5 };
 
+    /// A layer's weights for the tests: its slot, and (quantised) its packed words.
+    struct TestWeights {
+        w: Vec<f32>,
+        words: Vec<f32>,
+        ws: Vec<f32>,
+    }
+
+    impl TestWeights {
+        fn view(&mut self) -> Weights<'_, CpuBackend> {
+            let packed = (!self.words.is_empty())
+                .then(|| Packed { words: &self.words[..], ws: &mut self.ws[..] });
+            Weights { slot: &self.w[..], packed }
+        }
+    }
+
     /// Loss `sum(Y * r)` of one forward, in f64.
     fn loss(
         spec: &LayerSpec,
         x: &[f32],
-        w: &[f32],
+        w: &mut TestWeights,
         ropes: &[(Vec<f32>, Vec<f32>)],
         r: &[f32],
     ) -> f64 {
@@ -341,15 +422,15 @@ mod tests {
         let mut own: Vec<Vec<f32>> = spec.acts.iter().map(|a| vec![0.0; n * a.width]).collect();
         let mut slots = act_slots(x, Slot::W(&mut y[..]), own.iter_mut().map(|v| &mut v[..]));
         let views: Vec<(&[f32], &[f32])> = ropes.iter().map(|(c, s)| (&c[..], &s[..])).collect();
-        layer_forward(&CpuBackend::new(), spec, &mut slots, w, &views, ROWS);
+        layer_forward(&CpuBackend::new(), spec, &mut slots, &mut w.view(), &views, ROWS);
         y.iter().zip(r).map(|(&a, &b)| a as f64 * b as f64).sum()
     }
 
-    /// (dX, dW) of `sum(Y * r)` through the derived backward program.
+    /// (dX, dW of the trained part) of `sum(Y * r)` through the derived backward program.
     fn grads(
         spec: &LayerSpec,
         x: &[f32],
-        w: &[f32],
+        w: &mut TestWeights,
         ropes: &[(Vec<f32>, Vec<f32>)],
         r: &[f32],
     ) -> (Vec<f32>, Vec<f32>) {
@@ -358,17 +439,17 @@ mod tests {
         let mut own: Vec<Vec<f32>> = spec.acts.iter().map(|a| vec![0.0; n * a.width]).collect();
         let views: Vec<(&[f32], &[f32])> = ropes.iter().map(|(c, s)| (&c[..], &s[..])).collect();
         let mut slots = act_slots(x, Slot::W(&mut y[..]), own.iter_mut().map(|v| &mut v[..]));
-        layer_forward(&be, spec, &mut slots, w, &views, ROWS);
+        layer_forward(&be, spec, &mut slots, &mut w.view(), &views, ROWS);
         let mut dres = r.to_vec();
         let mut rest: Vec<Vec<f32>> = spec.grads[1..].iter().map(|&g| vec![0.0; n * g]).collect();
         let mut g = grad_slots(&mut dres[..], rest.iter_mut().map(|v| &mut v[..]));
-        let mut dw = vec![0.0; spec.len];
-        layer_backward(&be, spec, &mut g, &mut dw[..], &slots, w, &views, ROWS);
+        let mut dw = vec![0.0; spec.train_len()];
+        layer_backward(&be, spec, &mut g, &mut dw[..], &slots, &mut w.view(), &views, ROWS);
         drop(g);
         (dres, dw)
     }
 
-    /// Central differences at a few coordinates of X and of every tensor of W.
+    /// Central differences at a few coordinates of X and of every trained tensor.
     fn check(name: &str, spec: &LayerSpec, ropes: &[(Vec<f32>, Vec<f32>)]) {
         let n = ROWS.b * ROWS.t;
         let mut rng = SplitMix64::new(7);
@@ -380,30 +461,49 @@ mod tests {
         let (x, r) = (normal(n * spec.c, 1.0), normal(n * spec.c, 1.0));
         let mut w = normal(spec.len, 0.3);
         for t in &spec.tensors {
-            if t.init == Init::Ones {
+            if t.init == Init::Ones && t.stored == crate::model::spec::Stored::Slot {
                 w[t.range()].iter_mut().for_each(|v| *v += 1.0);
             }
         }
-        let (dx, dw) = grads(spec, &x, &w, ropes, &r);
-        let fd = |x: &[f32], w: &[f32], which: &str, i: usize| {
+        let mut words = vec![0u32; spec.packed];
+        for t in spec.tensors.iter().filter(|t| t.stored == crate::model::spec::Stored::Nf4) {
+            let q = horizon_backend::nf4::quantize(&normal(t.numel(), 0.3));
+            horizon_backend::nf4::to_words(&q, &mut words[t.range()]);
+        }
+        let mut tw = TestWeights {
+            w,
+            words: words.iter().map(|&b| f32::from_bits(b)).collect(),
+            ws: vec![0.0; spec.workspace],
+        };
+        let (dx, dw) = grads(spec, &x, &mut tw, ropes, &r);
+        let fd = |x: &[f32], tw: &mut TestWeights, which: &str, i: usize| {
             let h = 1e-2f32;
-            let (mut xp, mut wp, mut xm, mut wm) = (x.to_vec(), w.to_vec(), x.to_vec(), w.to_vec());
-            let (p, m) =
-                if which == "x" { (&mut xp[i], &mut xm[i]) } else { (&mut wp[i], &mut wm[i]) };
-            *p += h;
-            *m -= h;
-            (loss(spec, &xp, &wp, ropes, &r) - loss(spec, &xm, &wm, ropes, &r)) / (2.0 * h as f64)
+            let (mut xp, mut xm) = (x.to_vec(), x.to_vec());
+            let w0 = tw.w.clone();
+            let at = |xv: &[f32], tw: &mut TestWeights, d: f32| {
+                if which == "w" {
+                    tw.w[i] = w0[i] + d;
+                }
+                let l = loss(spec, xv, tw, ropes, &r);
+                tw.w.copy_from_slice(&w0);
+                l
+            };
+            if which == "x" {
+                xp[i] += h;
+                xm[i] -= h;
+            }
+            (at(&xp, tw, h) - at(&xm, tw, -h)) / (2.0 * h as f64)
         };
         let scale = dx.iter().chain(&dw).fold(0f32, |a, &b| a.max(b.abs())) as f64;
         let mut at: Vec<(&str, usize, f32)> =
             (0..4).map(|k| ("x", (k * 7919) % x.len(), dx[(k * 7919) % x.len()])).collect();
-        for t in &spec.tensors {
+        for t in spec.trained() {
             for k in [0, t.numel() / 2, t.numel() - 1] {
-                at.push(("w", t.offset + k, dw[t.offset + k]));
+                at.push(("w", t.offset + k, dw[t.offset - spec.frozen + k]));
             }
         }
         for (which, i, got) in at {
-            let want = fd(&x, &w, which, i);
+            let want = fd(&x, &mut tw, which, i);
             let err = (got as f64 - want).abs();
             assert!(
                 err <= 2e-3 * scale + 2e-2 * want.abs(),
@@ -445,7 +545,7 @@ mod tests {
         let wp = b.tensor("proj.weight", &[c, c], Init::Normal);
         let h = b.rmsnorm(X, ("h", "rstd"), ln, 0.0);
         let p = b.act("p", c);
-        b.op(Op::Linear { inp: h, out: p, w: wp, bias: None, ic: c, oc: c });
+        b.op(Op::Linear { inp: h, out: p, w: wp.into(), bias: None, ic: c, oc: c });
         let s = b.act("s", c);
         b.op(Op::Add { a: X, b: p, out: s });
         b.op(Op::Add { a: X, b: s, out: Y });
@@ -453,5 +553,43 @@ mod tests {
         let spec = b.finish("double_residual", attn, 1e-6);
         assert!(spec.backward.iter().any(|op| matches!(op, BwdOp::Accumulate { .. })));
         check("double residual", &spec, &[]);
+    }
+
+    /// LoRA on every projection of each family's layers (and QLoRA, the base in NF4): the
+    /// adapters' gradients and dX against finite differences; the frozen base gets none.
+    #[test]
+    fn adapted_layers_match_finite_differences() {
+        use crate::model::base::BaseDtype;
+        use crate::model::lora::LoraSpec;
+        let targets: Vec<String> =
+            ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+                .iter()
+                .map(|t| t.to_string())
+                .collect();
+        for case in ["llama_gqa", "qwen2_tied_padded", "qwen3_qknorm", "gemma3_sliding"] {
+            let dir = env!("CARGO_MANIFEST_DIR");
+            let path = format!("{dir}/tests/fixtures/{case}/model/config.json");
+            let cfg = ModelConfig::from_file(std::path::Path::new(&path)).unwrap();
+            let mut layout = ModelLayout::new(&cfg);
+            for spec in &mut layout.kinds {
+                spec.attn.window = spec.attn.window.min(3);
+            }
+            let ropes = tables(&layout);
+            for nf4 in [false, true] {
+                let lora = LoraSpec {
+                    r: 3,
+                    scale: 1.7,
+                    targets: targets.clone(),
+                    nf4,
+                    base: BaseDtype::F32,
+                };
+                let adapted = layout.with_lora(&lora).unwrap();
+                for spec in &adapted.kinds {
+                    assert_eq!(spec.train_len(), spec.trained().map(|t| t.numel()).sum::<usize>());
+                    assert!(spec.backward.iter().any(|op| matches!(op, BwdOp::Lora { .. })));
+                    check(&format!("{case} {} lora nf4={nf4}", spec.kind), spec, &ropes);
+                }
+            }
+        }
     }
 }

@@ -3,6 +3,7 @@
 //! AdamW moments), and the model-level tensors. The single source for every flat buffer.
 
 use crate::hf::config::ModelConfig;
+use crate::model::lora::LoraSpec;
 pub use crate::model::spec::TensorSpec;
 use crate::model::spec::{Init, LayerSpec};
 
@@ -73,6 +74,9 @@ pub struct ModelLayout {
     /// Prefix of every tensor name in the source checkpoint (`language_model.` for the text
     /// model of a multimodal checkpoint).
     pub prefix: String,
+    /// An adapter run's adapters: the base (every tensor of the checkpoint) is frozen and the
+    /// layers' adapters alone train. `None`: full fine-tuning.
+    pub adapter: Option<LoraSpec>,
 }
 
 pub const EMBED: &str = "model.embed_tokens.weight";
@@ -105,7 +109,35 @@ impl ModelLayout {
             embed_scale,
             final_norm_offset,
             prefix: cfg.tensor_prefix.clone(),
+            adapter: None,
         }
+    }
+
+    /// This model with `lora`'s adapters on every layer. The error (for the user) names a
+    /// target the layers do not have.
+    pub fn with_lora(&self, lora: &LoraSpec) -> Result<ModelLayout, String> {
+        let kinds = self.kinds.iter().map(|k| k.with_lora(lora)).collect::<Result<_, _>>()?;
+        Ok(ModelLayout { kinds, adapter: Some(lora.clone()), ..self.clone() })
+    }
+
+    /// True in full fine-tuning: the embedding, final norm and head train too.
+    pub fn trains_base(&self) -> bool {
+        self.adapter.is_none()
+    }
+
+    /// Words of the largest layer's packed (NF4) region.
+    pub fn max_packed(&self) -> usize {
+        self.kinds.iter().map(|k| k.packed).max().unwrap_or(0)
+    }
+
+    /// The largest dequantisation workspace a layer needs (weights).
+    pub fn max_workspace(&self) -> usize {
+        self.kinds.iter().map(|k| k.workspace).max().unwrap_or(0)
+    }
+
+    /// Trained weights of the largest layer (its gradient).
+    pub fn max_train_len(&self) -> usize {
+        self.kinds.iter().map(|k| k.train_len()).max().unwrap_or(0)
     }
 
     /// The description of layer `i`.
@@ -147,13 +179,40 @@ impl ModelLayout {
         format!("model.layers.{i}.{suffix}")
     }
 
-    /// Every HF tensor of the model with its shape, in a stable order (embedding, layers, final
-    /// norm, head).
+    /// Every trained HF tensor of the model with its shape (what `ParamStore` holds), in a
+    /// stable order (embedding, layers, final norm, head): every tensor in full fine-tuning,
+    /// the layers' adapters in an adapter run.
     pub fn hf_tensors(&self) -> Vec<(String, Vec<usize>)> {
+        let d = &self.dims;
+        let base = self.trains_base();
+        let mut out = Vec::new();
+        if base {
+            out.push((EMBED.to_string(), vec![d.v, d.c]));
+        }
+        for i in 0..d.layers {
+            for t in self.layer(i).trained() {
+                out.push((Self::layer_name(i, &t.name), t.shape.clone()));
+            }
+        }
+        if base {
+            out.push((FINAL_NORM.to_string(), vec![d.c]));
+            if !self.tied {
+                out.push((LM_HEAD.to_string(), vec![d.v, d.c]));
+            }
+        }
+        out
+    }
+
+    /// Every tensor of the base checkpoint with its shape: [`ModelLayout::hf_tensors`] in full
+    /// fine-tuning; in an adapter run, every frozen tensor.
+    pub fn base_tensors(&self) -> Vec<(String, Vec<usize>)> {
+        if self.trains_base() {
+            return self.hf_tensors();
+        }
         let d = &self.dims;
         let mut out = vec![(EMBED.to_string(), vec![d.v, d.c])];
         for i in 0..d.layers {
-            for t in &self.layer(i).tensors {
+            for t in self.layer(i).frozen_tensors() {
                 out.push((Self::layer_name(i, &t.name), t.shape.clone()));
             }
         }
@@ -164,26 +223,34 @@ impl ModelLayout {
         out
     }
 
-    /// Elements of each tensor of each flat buffer, in `ParamStore::buffers` order (embedding,
-    /// layers, final norm, untied head) and buffer order within a layer.
+    /// Elements of each trained tensor of each flat buffer, in `ParamStore::buffers` order
+    /// (embedding, layers, final norm, untied head) and buffer order within a layer; a frozen
+    /// buffer has none.
     pub fn buffer_tensors(&self) -> Vec<Vec<usize>> {
         let d = &self.dims;
-        let mut out = vec![vec![d.v * d.c]];
-        out.extend(
-            (0..d.layers).map(|i| self.layer(i).tensors.iter().map(|t| t.numel()).collect()),
-        );
-        out.push(vec![d.c]);
+        let (vc, c) =
+            if self.trains_base() { (vec![d.v * d.c], vec![d.c]) } else { (vec![], vec![]) };
+        let mut out = vec![vc.clone()];
+        out.extend((0..d.layers).map(|i| self.layer(i).trained().map(|t| t.numel()).collect()));
+        out.push(c);
         if !self.tied {
-            out.push(vec![d.v * d.c]);
+            out.push(vc);
         }
         out
     }
 
-    /// Total parameter count.
+    /// Total parameter count, frozen and trained.
     pub fn num_params(&self) -> usize {
         let d = &self.dims;
-        let layers: usize = (0..d.layers).map(|i| self.layer(i).len).sum();
+        let layers: usize =
+            (0..d.layers).flat_map(|i| self.layer(i).tensors.iter().map(|t| t.numel())).sum();
         d.v * d.c * if self.tied { 1 } else { 2 } + layers + d.c
+    }
+
+    /// Trained parameters: [`ModelLayout::num_params`] in full fine-tuning, the adapters'
+    /// in an adapter run.
+    pub fn trained_params(&self) -> usize {
+        self.buffer_tensors().iter().flatten().sum()
     }
 }
 

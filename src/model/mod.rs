@@ -3,10 +3,12 @@
 //! store, the layer-by-layer transformer step that runs any description, and the KV-cached
 //! decoder of generation.
 
+pub mod base;
 pub mod families;
 pub mod kv_cache;
 pub mod layer;
 pub mod layout;
+pub mod lora;
 pub mod params;
 pub mod spec;
 pub mod transformer;

@@ -26,13 +26,16 @@ pub struct ParamStore {
 
 impl ParamStore {
     /// All zeros, shaped by `layout`.
+    /// (The trained part: in an adapter run the embedding, final norm and head buffers are
+    /// empty and each layer's holds its adapters.)
     pub fn zeros(layout: &ModelLayout) -> Self {
         let d = &layout.dims;
+        let base = if layout.trains_base() { 1 } else { 0 };
         ParamStore {
-            embed: vec![0.0; d.v * d.c],
-            layers: (0..d.layers).map(|i| vec![0.0; layout.layer(i).len]).collect(),
-            final_norm: vec![0.0; d.c],
-            lm_head: (!layout.tied).then(|| vec![0.0; d.v * d.c]),
+            embed: vec![0.0; base * d.v * d.c],
+            layers: (0..d.layers).map(|i| vec![0.0; layout.layer(i).train_len()]).collect(),
+            final_norm: vec![0.0; base * d.c],
+            lm_head: (!layout.tied).then(|| vec![0.0; base * d.v * d.c]),
         }
     }
 
@@ -117,6 +120,7 @@ impl ParamStore {
     /// The slice holding HF tensor `name`, if the layout has it.
     pub fn tensor(&self, layout: &ModelLayout, name: &str) -> Option<&[f32]> {
         match name {
+            EMBED | FINAL_NORM | LM_HEAD if !layout.trains_base() => None,
             EMBED => Some(&self.embed),
             FINAL_NORM => Some(&self.final_norm),
             LM_HEAD => self.lm_head.as_deref(),
@@ -130,6 +134,7 @@ impl ParamStore {
     /// Mutable slice of HF tensor `name`.
     pub fn tensor_mut(&mut self, layout: &ModelLayout, name: &str) -> Option<&mut [f32]> {
         match name {
+            EMBED | FINAL_NORM | LM_HEAD if !layout.trains_base() => None,
             EMBED => Some(&mut self.embed),
             FINAL_NORM => Some(&mut self.final_norm),
             LM_HEAD => self.lm_head.as_deref_mut(),
@@ -184,7 +189,8 @@ impl ParamStore {
     }
 }
 
-/// Parse `model.layers.{i}.{suffix}` into the layer index and the range in its flat buffer.
+/// Parse `model.layers.{i}.{suffix}` into the layer index and the range in its flat buffer
+/// (the layer's trained part; `None` for a frozen tensor).
 fn find_layer_tensor(layout: &ModelLayout, name: &str) -> Option<(usize, std::ops::Range<usize>)> {
     let rest = name.strip_prefix("model.layers.")?;
     let (idx, suffix) = rest.split_once('.')?;
@@ -192,7 +198,9 @@ fn find_layer_tensor(layout: &ModelLayout, name: &str) -> Option<(usize, std::op
     if i >= layout.dims.layers {
         return None;
     }
-    Some((i, layout.layer(i).tensor(suffix)?))
+    let spec = layout.layer(i);
+    let t = spec.trained().find(|t| t.name == suffix)?;
+    Some((i, t.offset - spec.frozen..t.offset - spec.frozen + t.numel()))
 }
 
 impl ParamStore {
@@ -209,15 +217,24 @@ impl ParamStore {
             rng.fill_normal(buf, std);
         });
         drop(bufs);
-        let fill = |buf: &mut [f32], init: Init| match init {
+        // A LoRA A: PEFT's init, one stream per (layer, tensor).
+        let fill = |buf: &mut [f32], t: &crate::model::spec::TensorSpec, stream: u64| match t.init {
             Init::Normal => {}
             Init::Ones => buf.fill(1.0),
             Init::Zeros => buf.fill(0.0),
+            Init::KaimingUniform => crate::adapter::init::init_a(buf, t.shape[1], seed, stream),
         };
-        fill(&mut store.final_norm, layout.final_norm_init());
+        if layout.trains_base() {
+            match layout.final_norm_init() {
+                Init::Ones => store.final_norm.fill(1.0),
+                _ => store.final_norm.fill(0.0),
+            }
+        }
         for (i, l) in store.layers.iter_mut().enumerate() {
-            for t in &layout.layer(i).tensors {
-                fill(&mut l[t.range()], t.init);
+            let spec = layout.layer(i);
+            for (k, t) in spec.trained().enumerate() {
+                let r = t.offset - spec.frozen..t.offset - spec.frozen + t.numel();
+                fill(&mut l[r], t, (i * 1024 + k) as u64);
             }
         }
         store

@@ -24,6 +24,19 @@ pub enum Init {
     Ones,
     /// 0: biases, and norm weights applied as `(1 + w)` (Gemma).
     Zeros,
+    /// uniform(-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in the last dimension: a LoRA `A` matrix,
+    /// as PEFT initialises it (`kaiming_uniform_(a = sqrt(5))`).
+    KaimingUniform,
+}
+
+/// Where a tensor of a layer lives on the device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stored {
+    /// In the weight slot, in the backend's precision: `offset` counts weights.
+    Slot,
+    /// In the packed region, as NF4 words ([`horizon_backend::nf4`]): `offset` counts words;
+    /// dequantised into the backend's workspace before each use.
+    Nf4,
 }
 
 /// One named tensor inside a flat buffer.
@@ -35,14 +48,61 @@ pub struct TensorSpec {
     pub shape: Vec<usize>,
     pub offset: usize,
     pub init: Init,
+    /// Slot (weights) or packed (NF4 words).
+    pub stored: Stored,
 }
 
 impl TensorSpec {
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
     }
+    /// Elements this tensor takes in its region: weights in the slot, words when packed.
+    pub fn stored_len(&self) -> usize {
+        match self.stored {
+            Stored::Slot => self.numel(),
+            Stored::Nf4 => horizon_backend::nf4::words(self.numel()),
+        }
+    }
+    /// Its range in its region (the slot's weights, or the packed region's words).
     pub fn range(&self) -> Range<usize> {
-        self.offset..self.offset + self.numel()
+        self.offset..self.offset + self.stored_len()
+    }
+}
+
+/// One NF4 tensor of a packed weight: its words in the packed region and where its
+/// dequantised values go in the workspace.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PackedPart {
+    pub words: Range<usize>,
+    /// Offset of its first value in the workspace.
+    pub at: usize,
+    /// Values.
+    pub n: usize,
+}
+
+/// The weight of a product.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Weight {
+    /// A range of the slot.
+    Slot(Range<usize>),
+    /// Tensors in the packed region, dequantised side by side into the workspace (a fused
+    /// q|k|v of three NF4 tensors is one matrix there).
+    Packed(Vec<PackedPart>),
+}
+
+impl From<Range<usize>> for Weight {
+    fn from(r: Range<usize>) -> Self {
+        Weight::Slot(r)
+    }
+}
+
+impl Weight {
+    /// Values of the weight.
+    pub fn numel(&self) -> usize {
+        match self {
+            Weight::Slot(r) => r.len(),
+            Weight::Packed(parts) => parts.iter().map(|p| p.n).sum(),
+        }
     }
 }
 
@@ -82,7 +142,25 @@ pub enum Op {
     /// Per-head RMSNorm of the q and k parts of a fused qkv row; v copied. `w` = q_norm|k_norm.
     HeadNorm { inp: Act, out: Act, rstd: Act, w: Range<usize>, w_offset: f32 },
     /// `out = inp @ w^T + bias`: (N, ic) -> (N, oc).
-    Linear { inp: Act, out: Act, w: Range<usize>, bias: Option<Range<usize>>, ic: usize, oc: usize },
+    Linear { inp: Act, out: Act, w: Weight, bias: Option<Range<usize>>, ic: usize, oc: usize },
+    /// A LoRA adapter on the product that wrote `out` (from `inp`): columns `col..col + w` of
+    /// `out` (N, oc) += `scale * (inp a^T) b^T`, with `a` (r, ic), `b` (w, r). `u = inp a^T`
+    /// (N, r) is saved for the backward; `tmp` (N, >= w) is scratch.
+    #[allow(clippy::enum_variant_names)]
+    Lora {
+        inp: Act,
+        out: Act,
+        a: Range<usize>,
+        b: Range<usize>,
+        col: usize,
+        w: usize,
+        oc: usize,
+        ic: usize,
+        r: usize,
+        u: Act,
+        tmp: Act,
+        scale: f32,
+    },
     /// Rotary embedding in place on the q and k parts, with the model's rope table `table`.
     Rope { qkv: Act, table: usize },
     /// Causal (windowed) attention as the layer's [`AttnSpec`] says.
@@ -105,6 +183,7 @@ impl Op {
             Op::Attention { qkv, out, lse } => (vec![qkv], vec![out, lse]),
             Op::Add { a, b, out } => (vec![a, b], vec![out]),
             Op::Glu { gu, out, .. } => (vec![gu], vec![out]),
+            Op::Lora { inp, out, u, tmp, .. } => (vec![inp, out], vec![out, u, tmp]),
         }
     }
 
@@ -116,6 +195,7 @@ impl Op {
             Op::Rope { .. } | Op::Add { .. } => vec![],
             Op::Attention { qkv, out, lse } => vec![qkv, out, lse],
             Op::Glu { gu, .. } => vec![gu],
+            Op::Lora { inp, u, .. } => vec![inp, u],
         }
     }
 
@@ -123,6 +203,7 @@ impl Op {
     pub fn matmul_flops(&self, n: usize) -> f64 {
         match *self {
             Op::Linear { ic, oc, .. } => 2.0 * (n * ic * oc) as f64,
+            Op::Lora { ic, r, w, .. } => 2.0 * (n * r * (ic + w)) as f64,
             _ => 0.0,
         }
     }
@@ -184,6 +265,9 @@ pub enum BwdOp {
     Attention { op: usize, dqkv: GradBuf, dout: GradBuf },
     /// Gated activation backward: `dgu =` (overwrites).
     Glu { op: usize, dgu: GradBuf, dout: GradBuf },
+    /// LoRA backward, after its product's: `g = scale * dout[:, cols]` (in `g`), `du = g b`
+    /// (in `du`), `dinp +=` `du a`; the adapter gradients `+=`.
+    Lora { op: usize, dinp: GradBuf, dout: GradBuf, g: GradBuf, du: GradBuf },
 }
 
 /// One decoder layer, described: tensors, activations, ops, and the derived backward.
@@ -193,10 +277,18 @@ pub struct LayerSpec {
     pub kind: &'static str,
     /// Hidden size C (the width of X, Y and the residual gradient).
     pub c: usize,
-    /// Every HF tensor of the layer, in buffer order.
+    /// Every HF tensor of the layer, in buffer order (slot tensors, then packed ones).
     pub tensors: Vec<TensorSpec>,
-    /// Total weights of one layer.
+    /// Weights of the layer's slot (the packed tensors not counted).
     pub len: usize,
+    /// The slot's first `frozen` weights are frozen (an adapter run's base); the rest,
+    /// `len - frozen`, are trained: the layer's masters, gradients and moments. 0 in full
+    /// fine-tuning.
+    pub frozen: usize,
+    /// Words of the packed (NF4) region; 0 unless the base is quantised.
+    pub packed: usize,
+    /// Values of the largest packed weight: the dequantisation workspace.
+    pub workspace: usize,
     /// The layer's own activations (slots `IO_SLOTS..`).
     pub acts: Vec<ActSpec>,
     pub ops: Vec<Op>,
@@ -226,6 +318,31 @@ impl LayerSpec {
     pub fn tensor(&self, suffix: &str) -> Option<Range<usize>> {
         self.tensors.iter().find(|t| t.name == suffix).map(TensorSpec::range)
     }
+
+    /// Trained weights of the layer (its masters, gradients and moments).
+    pub fn train_len(&self) -> usize {
+        self.len - self.frozen
+    }
+
+    /// The gradient range of slot range `r`: `None` when it is frozen.
+    pub fn grad_range(&self, r: &Range<usize>) -> Option<Range<usize>> {
+        if r.start >= self.frozen {
+            Some(r.start - self.frozen..r.end - self.frozen)
+        } else {
+            assert!(r.end <= self.frozen, "a weight straddles the frozen boundary");
+            None
+        }
+    }
+
+    /// The trained tensors (in slot order), their ranges relative to the trained part.
+    pub fn trained(&self) -> impl Iterator<Item = &TensorSpec> {
+        self.tensors.iter().filter(|t| t.stored == Stored::Slot && t.offset >= self.frozen)
+    }
+
+    /// The frozen tensors of the slot (in slot order), and the packed ones.
+    pub fn frozen_tensors(&self) -> impl Iterator<Item = &TensorSpec> {
+        self.tensors.iter().filter(|t| t.stored == Stored::Nf4 || t.offset < self.frozen)
+    }
 }
 
 /// Writes a [`LayerSpec`]: tensors in buffer order, activations, ops.
@@ -245,8 +362,13 @@ impl LayerBuilder {
 
     /// The next tensor of the flat buffer; returns its range.
     pub fn tensor(&mut self, name: &str, shape: &[usize], init: Init) -> Range<usize> {
-        let spec =
-            TensorSpec { name: name.to_string(), shape: shape.to_vec(), offset: self.len, init };
+        let spec = TensorSpec {
+            name: name.to_string(),
+            shape: shape.to_vec(),
+            offset: self.len,
+            init,
+            stored: Stored::Slot,
+        };
         self.len += spec.numel();
         let r = spec.range();
         self.tensors.push(spec);
@@ -290,6 +412,9 @@ impl LayerBuilder {
             c: self.c,
             tensors: self.tensors,
             len: self.len,
+            frozen: 0,
+            packed: 0,
+            workspace: 0,
             acts: self.acts,
             ops: self.ops,
             attn,
@@ -297,11 +422,19 @@ impl LayerBuilder {
             grads: vec![self.c],
             backward: Vec::new(),
         };
-        check_saved(&spec);
-        let (grads, backward) = derive_backward(&spec, self.c);
-        spec.grads = grads;
-        spec.backward = backward;
+        spec.derive();
         spec
+    }
+}
+
+impl LayerSpec {
+    /// Check the description and derive its backward program (again, after an edit such as
+    /// an adapter's).
+    pub(crate) fn derive(&mut self) {
+        check_saved(self);
+        let (grads, backward) = derive_backward(self, self.c);
+        self.grads = grads;
+        self.backward = backward;
     }
 }
 
@@ -321,7 +454,7 @@ fn check_saved(spec: &LayerSpec) {
             }
         }
         let (r, w) = op.forward_io();
-        if !matches!(op, Op::Rope { .. }) {
+        if !matches!(op, Op::Rope { .. } | Op::Lora { .. }) {
             let mut all = [r, w].concat();
             all.sort_unstable();
             assert!(all.windows(2).all(|p| p[0] != p[1]), "op {i} ({op:?}) repeats a buffer");
@@ -359,6 +492,26 @@ impl GradAlloc {
         };
         self.hold(a, g);
         g
+    }
+
+    /// A scratch buffer of `width` for one backward op; [`GradAlloc::free`] it after.
+    fn temp(&mut self, width: usize) -> GradBuf {
+        let g = match (1..self.widths.len())
+            .find(|&g| self.holders[g] == 0 && self.widths[g] >= width)
+        {
+            Some(g) => g,
+            None => {
+                self.widths.push(width);
+                self.holders.push(0);
+                self.widths.len() - 1
+            }
+        };
+        self.holders[g] += 1;
+        g
+    }
+
+    fn free(&mut self, g: GradBuf) {
+        self.holders[g] -= 1;
     }
 
     fn hold(&mut self, a: Act, g: GradBuf) {
@@ -444,9 +597,20 @@ fn derive_backward(spec: &LayerSpec, c: usize) -> (Vec<usize>, Vec<BwdOp>) {
             Op::Linear { inp, out, .. } => {
                 let g = dout(&ga, out);
                 let dinp = fresh(&mut ga, inp);
-                ga.release(out);
                 prog.push(BwdOp::Linear { op: i, dinp, dout: g });
+                // The product's adapters follow it in the forward; their backward follows its
+                // own, accumulating into the dinp it wrote, while `out`'s gradient is alive.
+                for j in (i + 1..spec.ops.len()).take_while(|&j| is_lora_of(&spec.ops[j], out)) {
+                    let Op::Lora { w, r, .. } = spec.ops[j] else { unreachable!() };
+                    let (gs, du) = (ga.temp(w), ga.temp(r));
+                    prog.push(BwdOp::Lora { op: j, dinp, dout: g, g: gs, du });
+                    ga.free(gs);
+                    ga.free(du);
+                }
+                ga.release(out);
             }
+            // Emitted with its product's backward (above).
+            Op::Lora { .. } => {}
             Op::Rope { qkv, .. } => {
                 let g = dout(&ga, qkv);
                 prog.push(BwdOp::Rope { op: i, dqkv: g });
@@ -471,4 +635,9 @@ fn derive_backward(spec: &LayerSpec, c: usize) -> (Vec<usize>, Vec<BwdOp>) {
     }
     assert_eq!(ga.of[X], Some(DRES), "the layer input's gradient ends in dres");
     (ga.widths, prog)
+}
+
+/// True when `op` is an adapter on the product that wrote `out`.
+fn is_lora_of(op: &Op, out: Act) -> bool {
+    matches!(*op, Op::Lora { out: o, .. } if o == out)
 }

@@ -14,7 +14,10 @@ use horizon_backend::{Backend, CpuBackend, DeviceAlloc, DeviceSlice, Dinp, NormD
 
 use crate::data::pretokenized::Batch;
 use crate::hf::config::ModelConfig;
-use crate::model::layer::{Rows, Slot, act_slots, grad_slots, layer_backward, layer_forward};
+use crate::model::base::{Frozen, FrozenBase, words_as_f32};
+use crate::model::layer::{
+    Packed, Rows, Slot, Weights, act_slots, grad_slots, layer_backward, layer_forward,
+};
 use crate::model::layout::ModelLayout;
 use crate::model::params::ParamStore;
 
@@ -55,7 +58,12 @@ pub struct Transformer<B: DeviceAlloc> {
     ropes: Vec<(B::Mem, B::Mem)>,
     /// One layer's weights on the device, (largest layer len), in the backend's precision.
     w: B::WMem,
-    /// One layer's parameter gradients on the device, (largest layer len).
+    /// An adapter run's frozen base (`None`: full fine-tuning, every weight in the masters).
+    base: Option<FrozenBase>,
+    /// A quantised layer's NF4 words, and the workspace a packed weight is dequantised into.
+    packed: B::Mem,
+    ws: B::WMem,
+    /// One layer's parameter gradients on the device, (largest layer's trained part).
     dw: B::Mem,
     /// The layer's own activations, (N, width) each (the widest over the layer kinds).
     acts: Vec<B::Mem>,
@@ -88,7 +96,8 @@ pub struct Transformer<B: DeviceAlloc> {
     /// Host: L+1 layer-boundary checkpoints, each (N, C): inputs of layers 0..L and the last
     /// layer's output.
     ckpt: Vec<Vec<f32>>,
-    /// Host scratch: (layer len) gradient download, (V*C) head gradient, (N) losses.
+    /// Host scratch: (layer len) gradient download and frozen weights, (V*C) head gradient
+    /// and frozen head, (N) losses.
     host_dw: Vec<f32>,
     host_dhead: Vec<f32>,
     host_losses: Vec<f32>,
@@ -110,7 +119,17 @@ pub(crate) fn vm<T: ?Sized + DeviceSlice, M: DerefMut<Target = T>>(
 impl<B: DeviceAlloc> Transformer<B> {
     /// Allocate the whole workspace once. Nothing is allocated per step afterwards.
     pub fn new(be: B, cfg: &ModelConfig, cap: Capacity) -> Self {
-        let layout = ModelLayout::new(cfg);
+        Self::with_layout(be, ModelLayout::new(cfg), None, cap)
+    }
+
+    /// [`Transformer::new`] for `layout` (an adapter layout with its frozen `base`).
+    pub fn with_layout(
+        be: B,
+        layout: ModelLayout,
+        base: Option<FrozenBase>,
+        cap: Capacity,
+    ) -> Self {
+        assert_eq!(base.is_some(), !layout.trains_base(), "an adapter layout has a frozen base");
         let d = layout.dims;
         let n = cap.batch * cap.seq_len;
         let chunk = cap.head_chunk_rows.clamp(1, n.max(1));
@@ -130,7 +149,10 @@ impl<B: DeviceAlloc> Transformer<B> {
         let layer_len = layout.max_layer_len();
         Transformer {
             w: be.alloc_weights(layer_len),
-            dw: be.alloc(layer_len),
+            packed: be.alloc(layout.max_packed()),
+            ws: be.alloc_weights(layout.max_workspace()),
+            base,
+            dw: be.alloc(layout.max_train_len()),
             dres: be.alloc(n * d.c),
             x: be.alloc(n * d.c),
             y: be.alloc(n * d.c),
@@ -168,7 +190,40 @@ impl<B: DeviceAlloc> Transformer<B> {
             Slot::W(vm(&mut self.y, nc)),
             self.acts.iter_mut().map(|m| &mut **m),
         );
-        layer_forward(&self.be, spec, &mut slots, v(&self.w, spec.len), &ropes, rows);
+        let mut w = layer_weights::<B>(spec, &self.w, &self.packed, &mut self.ws);
+        layer_forward(&self.be, spec, &mut slots, &mut w, &ropes, rows);
+    }
+
+    /// Layer `l`'s weights into the slot: the frozen part from the base (fp32, exact), the
+    /// trained part from `params`, the packed words as they are.
+    fn upload_layer(&mut self, params: &ParamStore, l: usize) {
+        let spec = self.layout.layer(l);
+        let (frozen, len) = (spec.frozen, spec.len);
+        if let Some(base) = &self.base {
+            base.layers[l].get(0, &mut self.host_dw[..frozen]);
+            self.be.upload_weights(vm(&mut self.w, frozen), &self.host_dw[..frozen]);
+            let words = words_as_f32(&base.packed[l]);
+            self.be.upload(vm(&mut self.packed, words.len()), words);
+        }
+        self.be.upload_weights(self.w.slice_mut(frozen..len), &params.layers[l]);
+    }
+
+    /// The final norm and head weights into their buffers (from the base when frozen).
+    fn upload_head(&mut self, params: &ParamStore) {
+        match &self.base {
+            None => {
+                self.be.upload_weights(&mut self.norm_w, &params.final_norm);
+                let head = params.lm_head.as_deref().unwrap_or(&params.embed);
+                self.be.upload_weights(&mut self.head_w, head);
+            }
+            Some(base) => {
+                let c = self.layout.dims.c;
+                base.final_norm.get(0, &mut self.host_dw[..c]);
+                self.be.upload_weights(&mut self.norm_w, &self.host_dw[..c]);
+                base.lm_head.as_ref().unwrap_or(&base.embed).get(0, &mut self.host_dhead);
+                self.be.upload_weights(&mut self.head_w, &self.host_dhead);
+            }
+        }
     }
 
     fn check_batch(&self, batch: &Batch) -> Result<()> {
@@ -193,18 +248,24 @@ impl<B: DeviceAlloc> Transformer<B> {
         let nc = n * d.c;
         let rows = Rows { b: batch.b, t: batch.t };
         // Embedding rows are gathered on the host (only the rows the batch touches travel).
-        embed_rows(&mut self.ckpt[0][..nc], &batch.input_ids, &params.embed, &self.layout);
+        match &self.base {
+            None => {
+                embed_rows(&mut self.ckpt[0][..nc], &batch.input_ids, &params.embed, &self.layout)
+            }
+            Some(b) => {
+                embed_rows_frozen(&mut self.ckpt[0][..nc], &batch.input_ids, &b.embed, &self.layout)
+            }
+        }
         self.be.upload_i32(self.ids.slice_mut(0..n), &batch.input_ids);
         self.be.upload_i32(self.targets.slice_mut(0..n), &batch.targets);
         self.be.upload(vm(&mut self.x, nc), &self.ckpt[0][..nc]);
         for l in 0..d.layers {
-            let len = params.layers[l].len();
-            self.be.upload_weights(vm(&mut self.w, len), &params.layers[l]);
+            self.upload_layer(params, l);
             self.run_layer_forward(l, rows);
             std::mem::swap(&mut self.x, &mut self.y);
             self.be.download(&mut self.ckpt[l + 1][..nc], v(&self.x, nc));
         }
-        self.be.upload_weights(&mut self.norm_w, &params.final_norm);
+        self.upload_head(params);
         self.be.rmsnorm_forward(
             vm(&mut self.hf, nc),
             vm(&mut self.rstd_f, n),
@@ -212,8 +273,6 @@ impl<B: DeviceAlloc> Transformer<B> {
             &self.norm_w,
             self.layout.final_norm(),
         );
-        let head = params.lm_head.as_deref().unwrap_or(&params.embed);
-        self.be.upload_weights(&mut self.head_w, head);
         Ok(())
     }
 
@@ -321,6 +380,7 @@ impl<B: DeviceAlloc> Transformer<B> {
         let nc = n * d.c;
         let rows = Rows { b: batch.b, t: batch.t };
         let scale = 1.0 / loss_norm.max(1) as f32;
+        let trains_base = self.layout.trains_base();
 
         // Final norm, LM head and cross-entropy, forward and backward, chunk by chunk.
         self.be.zero(&mut self.dhead_w);
@@ -337,8 +397,8 @@ impl<B: DeviceAlloc> Transformer<B> {
             HeadGrads {
                 losses: vm(&mut self.losses, n),
                 dres: vm(&mut self.dres, nc),
-                dnorm_w: &mut self.dnorm_w,
-                dhead_w: &mut self.dhead_w,
+                dnorm_w: trains_base.then_some(&mut *self.dnorm_w),
+                dhead_w: trains_base.then_some(&mut *self.dhead_w),
             },
             v(&self.x, nc),
             &self.norm_w,
@@ -354,16 +414,18 @@ impl<B: DeviceAlloc> Transformer<B> {
         );
         self.be.download(&mut self.host_losses[..n], v(&self.losses, n));
         let loss_sum = self.host_losses[..n].iter().map(|&x| x as f64).sum::<f64>();
-        self.be.download(&mut self.host_dhead, &self.dhead_w);
-        let ghead = grads.lm_head.as_deref_mut().unwrap_or(&mut grads.embed);
-        add_host(ghead, &self.host_dhead);
-        self.be.download(&mut self.host_dw[..d.c], &self.dnorm_w);
-        add_host(&mut grads.final_norm, &self.host_dw[..d.c]);
+        if trains_base {
+            self.be.download(&mut self.host_dhead, &self.dhead_w);
+            let ghead = grads.lm_head.as_deref_mut().unwrap_or(&mut grads.embed);
+            add_host(ghead, &self.host_dhead);
+            self.be.download(&mut self.host_dw[..d.c], &self.dnorm_w);
+            add_host(&mut grads.final_norm, &self.host_dw[..d.c]);
+        }
 
         // Layers, last to first: recompute from the checkpoint, then backward.
         for l in (0..d.layers).rev() {
             let len = params.layers[l].len();
-            self.be.upload_weights(vm(&mut self.w, len), &params.layers[l]);
+            self.upload_layer(params, l);
             self.be.upload(vm(&mut self.x, nc), &self.ckpt[l][..nc]);
             self.run_layer_forward(l, rows);
             self.be.zero(vm(&mut self.dw, len));
@@ -376,20 +438,35 @@ impl<B: DeviceAlloc> Transformer<B> {
             );
             let mut gslots =
                 grad_slots(vm(&mut self.dres, nc), self.grads.iter_mut().map(|m| &mut **m));
-            let (w, dw) = (v(&self.w, len), vm(&mut self.dw, len));
-            layer_backward(&self.be, spec, &mut gslots, dw, &acts, w, &ropes, rows);
+            let mut w = layer_weights::<B>(spec, &self.w, &self.packed, &mut self.ws);
+            let dw = vm(&mut self.dw, len);
+            layer_backward(&self.be, spec, &mut gslots, dw, &acts, &mut w, &ropes, rows);
             drop((acts, gslots));
             self.be.download(&mut self.host_dw[..len], v(&self.dw, len));
             add_host(&mut grads.layers[l], &self.host_dw[..len]);
         }
 
         // Embedding backward on the host: scatter-add into the rows the batch touched.
-        let dx = &mut self.ckpt[0][..nc];
-        self.be.download(dx, v(&self.dres, nc));
-        embed_rows_backward(&mut grads.embed, &batch.input_ids, dx, &self.layout);
+        if trains_base {
+            let dx = &mut self.ckpt[0][..nc];
+            self.be.download(dx, v(&self.dres, nc));
+            embed_rows_backward(&mut grads.embed, &batch.input_ids, dx, &self.layout);
+        }
 
         Ok(PassOutput { loss_sum, num_targets: batch.num_targets })
     }
+}
+
+/// A layer's weights: its slot, and its packed words with the workspace when it has any.
+fn layer_weights<'a, B: DeviceAlloc>(
+    spec: &crate::model::spec::LayerSpec,
+    w: &'a B::WMem,
+    packed: &'a B::Mem,
+    ws: &'a mut B::WMem,
+) -> Weights<'a, B> {
+    let slot = v(w, spec.len);
+    let packed = (spec.packed > 0).then(|| Packed { words: v(packed, spec.packed), ws: &mut **ws });
+    Weights { slot, packed }
 }
 
 /// `acc += x` on host buffers.
@@ -426,6 +503,17 @@ pub fn rope_tables(inv_freq: &[f32], t_max: usize) -> (Vec<f32>, Vec<f32>) {
 /// transformers multiplies them). out: (N, C), overwrites.
 pub fn embed_rows(out: &mut [f32], ids: &[i32], table: &[f32], layout: &ModelLayout) {
     CpuBackend.embedding_forward(out, ids, table, layout.dims.c);
+    if layout.embed_scale != 1.0 {
+        out.iter_mut().for_each(|x| *x *= layout.embed_scale);
+    }
+}
+
+/// [`embed_rows`] from a frozen table (bf16 rows expanded exactly).
+pub fn embed_rows_frozen(out: &mut [f32], ids: &[i32], table: &Frozen, layout: &ModelLayout) {
+    let c = layout.dims.c;
+    for (row, &id) in out.chunks_exact_mut(c).zip(ids) {
+        table.get(id as usize * c, row);
+    }
     if layout.embed_scale != 1.0 {
         out.iter_mut().for_each(|x| *x *= layout.embed_scale);
     }
@@ -470,10 +558,10 @@ pub(crate) struct HeadGrads<'a, B: Backend + ?Sized> {
     pub losses: &'a mut B::Buf,
     /// (N, C) dL/d(last layer output), overwrites.
     pub dres: &'a mut B::Buf,
-    /// (C) accumulates (+=).
-    pub dnorm_w: &'a mut B::Buf,
-    /// (V, C) accumulates (+=).
-    pub dhead_w: &'a mut B::Buf,
+    /// (C) accumulates (+=); `None`: the final norm is frozen.
+    pub dnorm_w: Option<&'a mut B::Buf>,
+    /// (V, C) accumulates (+=); `None`: the head is frozen.
+    pub dhead_w: Option<&'a mut B::Buf>,
 }
 
 /// Final norm, LM head and cross-entropy of one micro-batch, forward and backward:
@@ -491,6 +579,7 @@ pub(crate) fn head_forward_backward<B: Backend, M: DerefMut<Target = B::Buf>>(
     hd: HeadDims,
 ) {
     let HeadDims { n, v: vocab, chunk, norm, scale } = hd;
+    let HeadGrads { losses, dres, mut dnorm_w, mut dhead_w } = out;
     let c = norm.c;
     let nc = n * c;
     be.rmsnorm_forward(vm(&mut hb.hf, nc), vm(&mut hb.rstd, n), x, norm_w, norm);
@@ -508,7 +597,7 @@ pub(crate) fn head_forward_backward<B: Backend, M: DerefMut<Target = B::Buf>>(
         );
         be.cross_entropy_fused(
             vm(&mut hb.logits, rows * vocab),
-            out.losses.slice_mut(r0..r0 + rows),
+            losses.slice_mut(r0..r0 + rows),
             targets.slice(r0..r0 + rows),
             rows,
             vocab,
@@ -516,7 +605,7 @@ pub(crate) fn head_forward_backward<B: Backend, M: DerefMut<Target = B::Buf>>(
         );
         be.matmul_backward(
             Some(Dinp::Write(hb.dhf.slice_mut(hf_rows.clone()))),
-            Some(&mut *out.dhead_w),
+            dhead_w.as_deref_mut(),
             None,
             v(&hb.logits, rows * vocab),
             hb.hf.slice(hf_rows),
@@ -527,6 +616,7 @@ pub(crate) fn head_forward_backward<B: Backend, M: DerefMut<Target = B::Buf>>(
         );
     }
     // The final norm's backward starts the residual-stream gradient.
-    be.zero(&mut *out.dres);
-    be.rmsnorm_backward(out.dres, Some(out.dnorm_w), v(&hb.dhf, nc), x, norm_w, v(&hb.rstd, n), norm);
+    be.zero(&mut *dres);
+    let dnorm = dnorm_w.as_deref_mut();
+    be.rmsnorm_backward(dres, dnorm, v(&hb.dhf, nc), x, norm_w, v(&hb.rstd, n), norm);
 }

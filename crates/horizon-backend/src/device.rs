@@ -308,6 +308,13 @@ pub trait Views<B: Backend + ?Sized> {
     /// within one piece of work the caller passes disjoint buffers).
     #[allow(clippy::mut_from_ref)]
     unsafe fn buf_mut(&self, b: DevBuf) -> &mut B::Buf;
+    /// A write view of `b` as weights in the backend's precision (a workspace a kernel writes
+    /// weights into: a dequantised NF4 matrix).
+    ///
+    /// # Safety
+    /// As [`Views::buf_mut`].
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn wbuf_mut(&self, b: DevBuf) -> &mut B::WBuf;
 }
 
 /// Work for the compute queue: given the views, run kernels.

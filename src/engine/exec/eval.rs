@@ -105,19 +105,23 @@ where
                     c.params[c.param_index(ParamBuf::Embed)].as_const().as_slice(),
                 )
             };
-            embed_rows(stage, &mb.ids, table, &c.layout);
+            match &c.base {
+                None => embed_rows(stage, &mb.ids, table, &c.layout),
+                Some(b) => embed_rows_frozen(stage, &mb.ids, &b.embed, &c.layout),
+            }
         }
         self.dev.upload(c.acts[0][0].prefix(nc), c.emb_stage[0].as_const().sub(0..nc));
         // The compute event after the last kernel that read each slot.
         let mut slot_free: [Option<Event>; 2] = [None, None];
         let mut slot_use = 0usize;
         // Weights into slot `s` once its last reader is done; the compute queue waits for them.
-        let upload = |slot_free: &[Option<Event>; 2], s: usize, parts: &[(usize, HostPtr)]| {
+        let upload = |slot_free: &[Option<Event>; 2], s: usize, what: Upload| {
             if let Some(e) = &slot_free[s] {
                 self.dev.wait(Queue::H2D, e);
             }
-            for &(at, src) in parts {
-                self.dev.upload_weights(c.slots[s], at, src);
+            match what {
+                Upload::Layer(l, trained) => self.upload_layer_from(c.slots[s], l, trained),
+                Upload::Head(rows, w) => self.upload_head_from(c.slots[s], rows, w),
             }
             let up = Event::new();
             self.dev.record(Queue::H2D, &up);
@@ -133,7 +137,7 @@ where
             let s = slot_use % 2;
             slot_use += 1;
             let i = c.param_index(ParamBuf::Layer(layer));
-            upload(&slot_free, s, &[(0, c.params[i].as_const())]);
+            upload(&slot_free, s, Upload::Layer(layer, c.params[i].as_const()));
             let (inp, out) = (c.acts[src][0], c.acts[1 - src][0]);
             let (cc, sdc) = (c.clone(), sd.clone());
             self.dev.launch(Box::new(move |vw: &dyn Views<D::Backend>| {
@@ -146,9 +150,10 @@ where
                     let y = Slot::W(vw.buf_mut(out.prefix(nc)));
                     let mut slots = act_slots(vw.buf(inp.prefix(nc)), y, own);
                     let spec = cc.layout.layer(layer);
-                    let w = vw.wbuf(cc.slots[s]).slice(0..spec.len);
+                    let mut w = cc.weights_in(vw, layer, cc.slots[s]);
                     let rows = Rows { b: mb.b, t: mb.t };
-                    layer_forward(vw.backend(), spec, &mut slots, w, &ropes(vw, &cc, mb.t), rows);
+                    let ropes = ropes(vw, &cc, mb.t);
+                    layer_forward(vw.backend(), spec, &mut slots, &mut w, &ropes, rows);
                 }
             }));
             slot_free[s] = done();
@@ -162,7 +167,7 @@ where
             let s = slot_use % 2;
             slot_use += 1;
             let rows = c.tiled.as_ref().map_or(0..d.v, |t| t.tiling.range(k));
-            upload(&slot_free, s, &[(0, norm), (d.c, head.sub(rows.start * d.c..rows.end * d.c))]);
+            upload(&slot_free, s, Upload::Head(rows.clone(), (norm, head)));
             let (cc, last) = (c.clone(), k + 1 == tiles);
             self.dev.launch(Box::new(move |vw: &dyn Views<D::Backend>| {
                 let norm = cc.layout.final_norm();
@@ -258,4 +263,12 @@ fn head_loss<B: Backend + ?Sized>(
         let (l, t) = (logits.slice(0..rows * v), targets.slice(r0..r0 + rows));
         be.cross_entropy_forward(losses.slice_mut(r0..r0 + rows), l, t, rows, v);
     }
+}
+
+/// What the eval pass uploads into a slot.
+enum Upload {
+    /// Layer `l`, its trained part at the pointer.
+    Layer(usize, HostPtr),
+    /// The final norm and head rows (the trained norm and head in full fine-tuning).
+    Head(std::ops::Range<usize>, (HostPtr, HostPtr)),
 }

@@ -47,7 +47,14 @@ pub fn layer(cfg: &ModelConfig, t: LayerType, table: usize) -> LayerSpec {
 
     let h1 = b.rmsnorm(X, ("h1", "rstd1"), ln_in, W_OFFSET);
     let raw = b.act("qkv_raw", qkv_w);
-    b.op(Op::Linear { inp: h1, out: raw, w: q.start..v.end, bias: None, ic: c, oc: qkv_w });
+    b.op(Op::Linear {
+        inp: h1,
+        out: raw,
+        w: (q.start..v.end).into(),
+        bias: None,
+        ic: c,
+        oc: qkv_w,
+    });
     let (qkv, rstd_qk) = (b.act("qkv", qkv_w), b.stat("rstd_qk", d.h + d.kvh));
     b.op(Op::HeadNorm {
         inp: raw,
@@ -60,17 +67,24 @@ pub fn layer(cfg: &ModelConfig, t: LayerType, table: usize) -> LayerSpec {
     let (att, lse) = (b.act("att", hd), b.stat("lse", d.h));
     b.op(Op::Attention { qkv, out: att, lse });
     let o = b.act("o", c);
-    b.op(Op::Linear { inp: att, out: o, w: wo, bias: None, ic: hd, oc: c });
+    b.op(Op::Linear { inp: att, out: o, w: wo.into(), bias: None, ic: hd, oc: c });
     let po = b.rmsnorm(o, ("po", "rstd_po"), ln_post_attn, W_OFFSET);
     let x2 = b.act("x2", c);
     b.op(Op::Add { a: X, b: po, out: x2 });
     let h2 = b.rmsnorm(x2, ("h2", "rstd2"), ln_pre_ff, W_OFFSET);
     let gu = b.act("gu", 2 * f);
-    b.op(Op::Linear { inp: h2, out: gu, w: gate.start..up.end, bias: None, ic: c, oc: 2 * f });
+    b.op(Op::Linear {
+        inp: h2,
+        out: gu,
+        w: (gate.start..up.end).into(),
+        bias: None,
+        ic: c,
+        oc: 2 * f,
+    });
     let s = b.act("s", f);
     b.op(Op::Glu { gu, out: s, act: Glu::GeluTanh, f });
     let m = b.act("m", c);
-    b.op(Op::Linear { inp: s, out: m, w: wdown, bias: None, ic: f, oc: c });
+    b.op(Op::Linear { inp: s, out: m, w: wdown.into(), bias: None, ic: f, oc: c });
     let pm = b.rmsnorm(m, ("pm", "rstd_pm"), ln_post_ff, W_OFFSET);
     b.op(Op::Add { a: x2, b: pm, out: Y });
     b.finish(type_name(t), attn_spec(cfg, t), cfg.rms_norm_eps as f32)

@@ -52,12 +52,26 @@ pub fn layer(cfg: &ModelConfig, t: LayerType, table: usize) -> LayerSpec {
     let qkv = match qk_norm {
         None => {
             let qkv = b.act("qkv", qkv_w);
-            b.op(Op::Linear { inp: h1, out: qkv, w: q.start..v.end, bias, ic: c, oc: qkv_w });
+            b.op(Op::Linear {
+                inp: h1,
+                out: qkv,
+                w: (q.start..v.end).into(),
+                bias,
+                ic: c,
+                oc: qkv_w,
+            });
             qkv
         }
         Some(w) => {
             let raw = b.act("qkv_raw", qkv_w);
-            b.op(Op::Linear { inp: h1, out: raw, w: q.start..v.end, bias, ic: c, oc: qkv_w });
+            b.op(Op::Linear {
+                inp: h1,
+                out: raw,
+                w: (q.start..v.end).into(),
+                bias,
+                ic: c,
+                oc: qkv_w,
+            });
             let (qkv, rstd) = (b.act("qkv", qkv_w), b.stat("rstd_qk", d.h + d.kvh));
             b.op(Op::HeadNorm { inp: raw, out: qkv, rstd, w, w_offset: 0.0 });
             qkv
@@ -68,15 +82,22 @@ pub fn layer(cfg: &ModelConfig, t: LayerType, table: usize) -> LayerSpec {
     b.op(Op::Attention { qkv, out: att, lse });
     // One scratch serves the o_proj and down_proj outputs: no backward reads either.
     let tmp = b.act("tmp", c);
-    b.op(Op::Linear { inp: att, out: tmp, w: wo, bias: None, ic: hd, oc: c });
+    b.op(Op::Linear { inp: att, out: tmp, w: wo.into(), bias: None, ic: hd, oc: c });
     let x2 = b.act("x2", c);
     b.op(Op::Add { a: X, b: tmp, out: x2 });
     let h2 = b.rmsnorm(x2, ("h2", "rstd2"), ln2, 0.0);
     let gu = b.act("gu", 2 * f);
-    b.op(Op::Linear { inp: h2, out: gu, w: gate.start..up.end, bias: None, ic: c, oc: 2 * f });
+    b.op(Op::Linear {
+        inp: h2,
+        out: gu,
+        w: (gate.start..up.end).into(),
+        bias: None,
+        ic: c,
+        oc: 2 * f,
+    });
     let s = b.act("s", f);
     b.op(Op::Glu { gu, out: s, act: Glu::Silu, f });
-    b.op(Op::Linear { inp: s, out: tmp, w: wdown, bias: None, ic: f, oc: c });
+    b.op(Op::Linear { inp: s, out: tmp, w: wdown.into(), bias: None, ic: f, oc: c });
     b.op(Op::Add { a: x2, b: tmp, out: Y });
     b.finish(type_name(t), attn_spec(cfg, t), cfg.rms_norm_eps as f32)
 }

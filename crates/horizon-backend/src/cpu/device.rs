@@ -374,6 +374,12 @@ impl Views<CpuBackend> for CpuViews<'_> {
         // SAFETY: forwarded: the caller guarantees no other view of `b` is live.
         unsafe { self.arena.slice_mut(b) }
     }
+
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn wbuf_mut(&self, b: DevBuf) -> &mut [f32] {
+        // SAFETY: forwarded: the caller guarantees no other view of `b` is live.
+        unsafe { self.arena.slice_mut(b) }
+    }
 }
 
 // ---- the queues -------------------------------------------------------------------------------

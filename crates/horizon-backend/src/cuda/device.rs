@@ -506,6 +506,13 @@ impl Views<CudaBackend> for CudaViews<'_> {
         // SAFETY: inside the pool; exclusivity is the caller's contract (Views::buf_mut).
         unsafe { DevSlice::from_raw_mut(self.shared.addr(b), b.len) }
     }
+
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn wbuf_mut(&self, b: DevBuf) -> &mut DevSlice<Bf16> {
+        // SAFETY: inside the pool, `b.len` f32 are `2 * b.len` bf16; exclusivity is the
+        // caller's contract (Views::wbuf_mut).
+        unsafe { DevSlice::from_raw_mut(self.shared.addr(b), 2 * b.len) }
+    }
 }
 
 // ---- the queues -------------------------------------------------------------------------------

@@ -1,0 +1,252 @@
+//! LoRA and QLoRA as an edit of a layer description: the base's tensors become frozen (the
+//! slot's first `frozen` weights, or, quantised, NF4 words in the packed region), each targeted
+//! projection gets an `A` (r, in) and `B` (out, r) appended as the layer's only trained tensors,
+//! and an [`Op::Lora`] after the product that computes it. The backward is derived again:
+//! the adapters' backward follows their product's, and no frozen weight has a gradient.
+//!
+//! A target names a module (`q_proj`); its product may be fused (`q|k|v`, `gate|up`): the
+//! adapter then adds into its columns of the fused output.
+
+use std::ops::Range;
+
+use crate::model::base::BaseDtype;
+use crate::model::spec::{
+    ActSpec, IO_SLOTS, Init, LayerSpec, Op, PackedPart, Stored, TensorSpec, Weight,
+};
+
+/// What an adapter adds to every layer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LoraSpec {
+    pub r: usize,
+    /// `alpha / r`, or `alpha / sqrt(r)` with rsLoRA.
+    pub scale: f32,
+    /// Module names (`q_proj`, `down_proj`).
+    pub targets: Vec<String>,
+    /// QLoRA: every matrix of a product is stored as NF4.
+    pub nf4: bool,
+    /// The dtype of the frozen tensors not stored as NF4.
+    pub base: BaseDtype,
+}
+
+/// One targeted module of a layer, found in its description.
+struct Target {
+    name: String,
+    /// Index of the product op that computes it.
+    op: usize,
+    /// Its rows of the product's weight, as output columns.
+    col: usize,
+    w: usize,
+    ic: usize,
+}
+
+/// The HF suffix of a target's adapter tensor (`self_attn.q_proj.lora_A.weight`).
+pub fn adapter_suffix(module: &str, b: bool) -> String {
+    format!("{module}.lora_{}.weight", if b { 'B' } else { 'A' })
+}
+
+impl LayerSpec {
+    /// This layer with `lora`'s adapters. Errors (for the user) name a target the layer does
+    /// not have, or a QLoRA layer with no product to quantise.
+    pub fn with_lora(&self, lora: &LoraSpec) -> Result<LayerSpec, String> {
+        let targets = find_targets(self, &lora.targets)?;
+        if lora.nf4 && !self.ops.iter().any(|op| matches!(op, Op::Linear { .. })) {
+            return Err(format!("layer kind {} has no Linear weight to quantise", self.kind));
+        }
+        let mut out = self.clone();
+        let moved = relayout(&mut out, lora.nf4);
+        for op in &mut out.ops {
+            remap(op, &moved);
+        }
+        add_adapters(&mut out, &targets, lora);
+        out.workspace = out
+            .ops
+            .iter()
+            .filter_map(|op| match op {
+                Op::Linear { w: w @ Weight::Packed(_), .. } => Some(w.numel()),
+                _ => None,
+            })
+            .max()
+            .unwrap_or(0);
+        out.derive();
+        Ok(out)
+    }
+}
+
+/// Every target's product and columns; an error names a target no product computes.
+fn find_targets(spec: &LayerSpec, names: &[String]) -> Result<Vec<Target>, String> {
+    let mut found = Vec::new();
+    for name in names {
+        let suffix = format!(".{name}.weight");
+        let Some(t) = spec.tensors.iter().find(|t| t.name.ends_with(&suffix)) else {
+            let have: Vec<&str> = spec
+                .ops
+                .iter()
+                .filter_map(|op| match op {
+                    Op::Linear { w: Weight::Slot(r), .. } => Some(r.start),
+                    _ => None,
+                })
+                .flat_map(|s| spec.tensors.iter().filter(move |t| t.offset >= s))
+                .filter(|t| t.shape.len() == 2)
+                .filter_map(|t| t.name.strip_suffix(".weight")?.rsplit('.').next())
+                .collect::<std::collections::BTreeSet<_>>()
+                .into_iter()
+                .collect();
+            return Err(format!(
+                "adapter target `{name}` is not a module of this model's layers (its linear \
+                 modules: {})",
+                have.join(", ")
+            ));
+        };
+        let r = t.range();
+        let op = spec.ops.iter().position(|op| {
+            matches!(op, Op::Linear { w: Weight::Slot(w), .. } if w.start <= r.start && r.end <= w.end)
+        });
+        let Some(op) = op else {
+            return Err(format!("adapter target `{name}` ({}) is not a product's weight", t.name));
+        };
+        let Op::Linear { w: Weight::Slot(ref w), ic, .. } = spec.ops[op] else { unreachable!() };
+        let col = (r.start - w.start) / ic;
+        found.push(Target {
+            name: t.name.trim_end_matches(".weight").to_string(),
+            op,
+            col,
+            w: t.shape[0],
+            ic,
+        });
+    }
+    found.sort_by_key(|t| (t.op, t.col));
+    Ok(found)
+}
+
+/// Where each tensor of the base went: old slot start -> its new tensor.
+type Moved = Vec<(usize, TensorSpec)>;
+
+/// Lay the base out again, every tensor frozen: the products' matrices packed (NF4) with
+/// `nf4`, the rest at the front of the slot. Returns the old start of each tensor with its
+/// new spec.
+fn relayout(spec: &mut LayerSpec, nf4: bool) -> Moved {
+    let matrices: Vec<Range<usize>> = spec
+        .ops
+        .iter()
+        .filter_map(|op| match op {
+            Op::Linear { w: Weight::Slot(r), .. } => Some(r.clone()),
+            _ => None,
+        })
+        .collect();
+    let packed =
+        |t: &TensorSpec| nf4 && matrices.iter().any(|m| m.start <= t.offset && t.offset < m.end);
+    let (mut slot, mut words) = (0, 0);
+    let mut moved = Vec::new();
+    for t in &spec.tensors {
+        let mut n = t.clone();
+        if packed(t) {
+            n.stored = Stored::Nf4;
+            n.offset = words;
+            words += n.stored_len();
+        } else {
+            n.offset = slot;
+            slot += n.numel();
+        }
+        moved.push((t.offset, n));
+    }
+    spec.tensors = moved.iter().map(|(_, t)| t.clone()).collect();
+    // Slot tensors first, then the packed ones (stable within each).
+    spec.tensors.sort_by_key(|t| (t.stored == Stored::Nf4, t.offset));
+    spec.len = slot;
+    spec.frozen = slot;
+    spec.packed = words;
+    moved
+}
+
+/// The new home of the base slot range `r` (a run of whole tensors).
+fn parts_of(moved: &Moved, r: &Range<usize>) -> Vec<TensorSpec> {
+    moved.iter().filter(|(s, _)| r.start <= *s && *s < r.end).map(|(_, t)| t.clone()).collect()
+}
+
+/// `r`, a run of whole slot tensors, in the new slot (they stay adjacent and in order).
+fn slot_range(moved: &Moved, r: &Range<usize>) -> Range<usize> {
+    let ts = parts_of(moved, r);
+    let (first, last) = (ts.first().expect("a weight has tensors"), ts.last().unwrap());
+    assert!(ts.iter().all(|t| t.stored == Stored::Slot), "a slot weight stays in the slot");
+    first.offset..last.offset + last.numel()
+}
+
+/// Point an op's weights at their new places.
+fn remap(op: &mut Op, moved: &Moved) {
+    match op {
+        Op::RmsNorm { w, .. } | Op::HeadNorm { w, .. } => *w = slot_range(moved, w),
+        Op::Linear { w, bias, .. } => {
+            if let Some(b) = bias {
+                *b = slot_range(moved, b);
+            }
+            let Weight::Slot(r) = w else { unreachable!("a base weight starts in the slot") };
+            let ts = parts_of(moved, r);
+            *w = if ts[0].stored == Stored::Nf4 {
+                let mut at = 0;
+                Weight::Packed(
+                    ts.iter()
+                        .map(|t| {
+                            let p = PackedPart { words: t.range(), at, n: t.numel() };
+                            at += t.numel();
+                            p
+                        })
+                        .collect(),
+                )
+            } else {
+                Weight::Slot(slot_range(moved, r))
+            };
+        }
+        _ => {}
+    }
+}
+
+/// Append each target's `A` and `B` to the slot (the trained part), its saved `u` and the
+/// shared scratch, and an [`Op::Lora`] after its product.
+fn add_adapters(spec: &mut LayerSpec, targets: &[Target], lora: &LoraSpec) {
+    let tmp_w = targets.iter().map(|t| t.w).max().unwrap_or(0);
+    spec.acts.push(ActSpec { name: "lora_tmp", width: tmp_w, differentiable: false });
+    let tmp = IO_SLOTS + spec.acts.len() - 1;
+    for (k, t) in targets.iter().enumerate() {
+        // Adapters already inserted before this target's product (on earlier products).
+        let inserted = targets[..k].iter().filter(|o| o.op < t.op).count();
+        let a = push_tensor(
+            spec,
+            adapter_suffix(&t.name, false),
+            vec![lora.r, t.ic],
+            Init::KaimingUniform,
+        );
+        let b = push_tensor(spec, adapter_suffix(&t.name, true), vec![t.w, lora.r], Init::Zeros);
+        spec.acts.push(ActSpec { name: "lora_u", width: lora.r, differentiable: false });
+        let u = IO_SLOTS + spec.acts.len() - 1;
+        let Op::Linear { inp, out, oc, .. } = spec.ops[t.op + inserted] else { unreachable!() };
+        // After the product and any adapter already added to it.
+        let mut at = t.op + inserted + 1;
+        while matches!(spec.ops.get(at), Some(Op::Lora { out: o, .. }) if *o == out) {
+            at += 1;
+        }
+        let op = Op::Lora {
+            inp,
+            out,
+            a,
+            b,
+            col: t.col,
+            w: t.w,
+            oc,
+            ic: t.ic,
+            r: lora.r,
+            u,
+            tmp,
+            scale: lora.scale,
+        };
+        spec.ops.insert(at, op);
+    }
+}
+
+/// A trained tensor at the end of the slot.
+fn push_tensor(spec: &mut LayerSpec, name: String, shape: Vec<usize>, init: Init) -> Range<usize> {
+    let t = TensorSpec { name, shape, offset: spec.len, init, stored: Stored::Slot };
+    spec.len += t.numel();
+    let r = t.range();
+    spec.tensors.push(t);
+    r
+}
