@@ -105,7 +105,7 @@ pub fn merge_dir(
         init: Some(dir.clone()),
         base_dtype: BaseChoice::Fp32,
     };
-    let yaml = format!("model: {{ path: '{}' }}\n", base_dir.display());
+    let yaml = format!("model: {{ path: '{}' }}\ndata: {{ path: unused }}\n", base_dir.display());
     let raw = RawConfig::from_yaml(&yaml, "--merge")?;
     let run = load_run_model(&raw, Some(&a))?;
     let merged = merged_params(&run);

@@ -254,3 +254,43 @@ fn streamed_engine_matches_peft_and_the_reference_path() {
         }
     }
 }
+
+/// The QLoRA case's base as the run holds it: every quantised product matrix dequantises to
+/// bitsandbytes' own values (`tests/fixtures/nf4`, made with bitsandbytes 0.50.2), bit for bit;
+/// the rest of the base is the checkpoint's.
+#[test]
+fn qlora_base_dequantises_to_bitsandbytes_values_bit_for_bit() {
+    let case = "qwen2_qlora_nf4";
+    let cfg = run_config(case, "");
+    let RunModel { layout, base, .. } = load_run_model(&cfg.raw, cfg.adapter.as_ref()).unwrap();
+    let base = base.unwrap();
+    let bnb =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/nf4/qwen2_weights.safetensors");
+    let mut packed = 0;
+    for i in 0..layout.dims.layers {
+        for t in layout.layer(i).frozen_tensors() {
+            let name = horizon::model::layout::ModelLayout::layer_name(i, &t.name);
+            let got = base.tensor_f32(i, t);
+            let want: Vec<f32> = if t.stored == horizon::model::spec::Stored::Nf4 {
+                packed += 1;
+                read_tensor_f64(&bnb, &format!("{name}.deq"))
+                    .unwrap()
+                    .1
+                    .iter()
+                    .map(|&x| x as f32)
+                    .collect()
+            } else {
+                read_tensor_f64(&dir(case).join("model/model.safetensors"), &name)
+                    .unwrap()
+                    .1
+                    .iter()
+                    .map(|&x| x as f32)
+                    .collect()
+            };
+            let diff = got.iter().zip(&want).position(|(a, b)| a.to_bits() != b.to_bits());
+            assert!(diff.is_none(), "{name}: element {diff:?} differs from bitsandbytes'");
+        }
+    }
+    // q, k, v, o, gate, up, down in each of the two layers.
+    assert_eq!(packed, 14);
+}

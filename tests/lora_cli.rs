@@ -1,0 +1,258 @@
+//! The `horizon` binary on the LoRA fixtures: `OUT/final/` is a PEFT adapter directory (PEFT's
+//! file layout, config fields and tensor names), a resumed run ends bit-identical to a straight
+//! one, `horizon export --merge` writes `W + s B A` (on the dequantised base for QLoRA), and bad
+//! adapter input gets a clear error.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use horizon::hf::checkpoint::{list_tensors, read_tensor_f64};
+use serde_json::Value;
+
+const CASES: [&str; 2] = ["llama_lora", "qwen2_qlora_nf4"];
+
+fn dir(case: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/lora").join(case)
+}
+
+fn expected(case: &str) -> Value {
+    serde_json::from_str(&fs::read_to_string(dir(case).join("expected.json")).unwrap()).unwrap()
+}
+
+fn horizon(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_horizon")).args(args).output().expect("run horizon")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// The case's run config into `tmp/config.yaml`, output in `tmp/out`; `adapter` replaces the
+/// case's adapter keys when given, `extra` adds YAML.
+fn config(tmp: &Path, case: &str, adapter: Option<&str>, extra: &str) -> PathBuf {
+    let e = expected(case);
+    let d = dir(case);
+    let kind = if e["quant"].is_null() { "lora" } else { "qlora" };
+    let targets: Vec<&str> =
+        e["targets"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+    let init = d.join("adapter_init");
+    let own = format!(
+        "type: {kind}, r: {}, alpha: {}, targets: [{}], init: '{}'",
+        e["r"],
+        e["alpha"],
+        targets.join(", "),
+        init.display()
+    );
+    let yaml = format!(
+        "model: {{ path: '{}' }}\ndata: {{ path: '{}', format: pretokenized }}\n\
+         train: {{ steps: {}, batch_size: {}, max_seq_len: 64 }}\n\
+         optimizer: {{ lr: {}, betas: [{}, {}], eps: {}, weight_decay: {}, grad_clip: {} }}\n\
+         adapter: {{ {} }}\noutput: {{ dir: '{}' }}\n{extra}",
+        d.join("model").display(),
+        d.join("data.jsonl").display(),
+        e["steps"],
+        e["batch"],
+        e["lr"],
+        e["betas"][0],
+        e["betas"][1],
+        e["eps"],
+        e["weight_decay"],
+        e["grad_clip"],
+        adapter.unwrap_or(&own),
+        tmp.join("out").display(),
+    );
+    let path = tmp.join("config.yaml");
+    fs::write(&path, yaml).unwrap();
+    path
+}
+
+fn train(cfg: &Path, more: &[&str]) -> Output {
+    let mut args = vec!["train", "--config", cfg.to_str().unwrap()];
+    args.extend_from_slice(more);
+    horizon(&args)
+}
+
+#[test]
+fn train_writes_a_peft_adapter_directory() {
+    for case in CASES {
+        let tmp = tempfile::tempdir().unwrap();
+        let o = train(&config(tmp.path(), case, None, ""), &[]);
+        assert!(o.status.success(), "{case}: {}", stderr(&o));
+        let fin = tmp.path().join("out/final");
+        let mut files: Vec<String> = fs::read_dir(&fin)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        files.sort();
+        assert_eq!(
+            files,
+            ["adapter_config.json", "adapter_model.safetensors", "horizon_adapter.json"],
+            "{case}: PEFT's two files (and Horizon's note)"
+        );
+        let c: Value =
+            serde_json::from_str(&fs::read_to_string(fin.join("adapter_config.json")).unwrap())
+                .unwrap();
+        let e = expected(case);
+        assert_eq!(c["peft_type"], "LORA");
+        assert_eq!(c["r"], e["r"]);
+        assert_eq!(c["lora_alpha"].as_f64(), e["alpha"].as_f64());
+        assert_eq!(c["use_rslora"], false);
+        let mut want: Vec<&str> =
+            e["targets"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+        let mut got: Vec<&str> =
+            c["target_modules"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+        want.sort();
+        got.sort();
+        assert_eq!(got, want, "{case}: target_modules");
+        assert_eq!(c["base_model_name_or_path"], dir(case).join("model").display().to_string());
+        let mut names = list_tensors(&fin.join("adapter_model.safetensors")).unwrap();
+        let mut want: Vec<String> = e["adapter_names"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|n| n.as_str().unwrap().to_string())
+            .collect();
+        names.sort();
+        want.sort();
+        assert_eq!(names, want, "{case}: PEFT's tensor names");
+    }
+}
+
+/// The adapter file's tensors, by name, as f64.
+fn adapter_tensors(path: &Path) -> Vec<(String, Vec<f64>)> {
+    let mut names = list_tensors(path).unwrap();
+    names.sort();
+    names.into_iter().map(|n| (n.clone(), read_tensor_f64(path, &n).unwrap().1)).collect()
+}
+
+#[test]
+fn a_resumed_adapter_run_ends_bit_identical_to_a_straight_one() {
+    for case in CASES {
+        let straight = tempfile::tempdir().unwrap();
+        let o = train(&config(straight.path(), case, None, ""), &[]);
+        assert!(o.status.success(), "{case}: {}", stderr(&o));
+        let split = tempfile::tempdir().unwrap();
+        let first = config(split.path(), case, None, "");
+        let yaml = fs::read_to_string(&first)
+            .unwrap()
+            .replace("train: { steps: 3", "train: { steps: 2, save_every: 2");
+        fs::write(&first, yaml).unwrap();
+        let o = train(&first, &[]);
+        assert!(o.status.success(), "{case}: {}", stderr(&o));
+        let again = config(split.path(), case, None, "");
+        let o = train(&again, &["--resume", "latest"]);
+        assert!(o.status.success(), "{case}: {}", stderr(&o));
+        let a = adapter_tensors(&straight.path().join("out/final/adapter_model.safetensors"));
+        let b = adapter_tensors(&split.path().join("out/final/adapter_model.safetensors"));
+        assert_eq!(a.len(), b.len());
+        for ((n, x), (_, y)) in a.iter().zip(&b) {
+            let same = x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits());
+            assert!(same, "{case} {n}: the resumed run differs");
+        }
+    }
+}
+
+#[test]
+fn export_merge_writes_the_base_plus_b_a() {
+    for case in CASES {
+        let tmp = tempfile::tempdir().unwrap();
+        let o = train(&config(tmp.path(), case, None, ""), &[]);
+        assert!(o.status.success(), "{case}: {}", stderr(&o));
+        let merged = tmp.path().join("merged");
+        let out = tmp.path().join("out");
+        let o = horizon(&[
+            "export",
+            out.to_str().unwrap(),
+            "--merge",
+            "--out",
+            merged.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{case}: {}", stderr(&o));
+        let e = expected(case);
+        let (r, s) = (
+            e["r"].as_u64().unwrap() as usize,
+            e["alpha"].as_f64().unwrap() / e["r"].as_f64().unwrap(),
+        );
+        let adapter = tmp.path().join("out/final/adapter_model.safetensors");
+        let nf4 = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/nf4/qwen2_weights.safetensors");
+        for layer in 0..2 {
+            let module = "self_attn.q_proj";
+            let name = format!("model.layers.{layer}.{module}.weight");
+            let base = if e["quant"].is_null() {
+                read_tensor_f64(&dir(case).join("model/model.safetensors"), &name).unwrap().1
+            } else {
+                read_tensor_f64(&nf4, &format!("{name}.deq")).unwrap().1
+            };
+            let pre = format!("base_model.model.model.layers.{layer}.{module}");
+            let a = read_tensor_f64(&adapter, &format!("{pre}.lora_A.weight")).unwrap().1;
+            let b = read_tensor_f64(&adapter, &format!("{pre}.lora_B.weight")).unwrap().1;
+            let (shape, got) = read_tensor_f64(&merged.join("model.safetensors"), &name).unwrap();
+            let (out_f, in_f) = (shape[0], shape[1]);
+            let scale = base.iter().fold(0f64, |m, x| m.max(x.abs()));
+            for o in 0..out_f {
+                for i in 0..in_f {
+                    let ba: f64 = (0..r).map(|k| b[o * r + k] * a[k * in_f + i]).sum();
+                    let want = base[o * in_f + i] + s * ba;
+                    let err = (got[o * in_f + i] - want).abs() / scale;
+                    assert!(err < 1e-6, "{case} {name}[{o},{i}]: {} vs {want}", got[o * in_f + i]);
+                }
+            }
+        }
+        // A tensor no adapter touches is the base's own.
+        let name = "model.layers.0.input_layernorm.weight";
+        let want = read_tensor_f64(&dir(case).join("model/model.safetensors"), name).unwrap().1;
+        assert_eq!(read_tensor_f64(&merged.join("model.safetensors"), name).unwrap().1, want);
+    }
+}
+
+/// Expect `o` to fail with every one of `needles` in its message, and no panic.
+fn expect_error(o: &Output, needles: &[&str]) {
+    let err = stderr(o);
+    assert!(!o.status.success(), "expected failure; stderr: {err}");
+    assert!(!err.contains("panicked"), "panicked instead of an error: {err}");
+    for n in needles {
+        assert!(err.contains(n), "error should mention {n:?}: {err}");
+    }
+}
+
+#[test]
+fn bad_adapter_input_is_a_clear_error() {
+    let case = "llama_lora";
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    // A target the model does not have.
+    let cfg =
+        config(t, case, Some("type: lora, r: 4, alpha: 8, targets: [q_proj, query_key_value]"), "");
+    expect_error(&train(&cfg, &[]), &["query_key_value"]);
+    // r: 0.
+    let cfg = config(t, case, Some("type: lora, r: 0"), "");
+    expect_error(&train(&cfg, &[]), &["adapter.r"]);
+    // An init adapter of another rank.
+    let init = dir(case).join("adapter_init");
+    let cfg = config(
+        t,
+        case,
+        Some(&format!("type: lora, r: 8, alpha: 8, init: '{}'", init.display())),
+        "",
+    );
+    expect_error(&train(&cfg, &[]), &["adapter.r is 8", "r 4"]);
+    // An init adapter with other targets.
+    let cfg = config(
+        t,
+        case,
+        Some(&format!(
+            "type: lora, r: 4, alpha: 8, targets: [q_proj, v_proj], init: '{}'",
+            init.display()
+        )),
+        "",
+    );
+    expect_error(&train(&cfg, &[]), &["target_modules"]);
+    // --merge of something that is not an adapter.
+    let model = dir(case).join("model");
+    let out = t.join("merged");
+    let o =
+        horizon(&["export", model.to_str().unwrap(), "--merge", "--out", out.to_str().unwrap()]);
+    expect_error(&o, &["not an adapter", "--merge"]);
+}
