@@ -162,10 +162,30 @@ pub(crate) fn tile_grad<B: Backend>(
         let dl = logits.slice(0..k * vt);
         if first {
             let dhf = rows.dhf.slice_mut(cr);
-            be.matmul_backward(Some(Dinp::Write(dhf)), Some(dtile_w), None, dl, hf, tile_w, k, c, vt);
+            be.matmul_backward(
+                Some(Dinp::Write(dhf)),
+                Some(dtile_w),
+                None,
+                dl,
+                hf,
+                tile_w,
+                k,
+                c,
+                vt,
+            );
         } else {
             let scratch = dhf_chunk.slice_mut(0..k * c);
-            be.matmul_backward(Some(Dinp::Write(scratch)), Some(dtile_w), None, dl, hf, tile_w, k, c, vt);
+            be.matmul_backward(
+                Some(Dinp::Write(scratch)),
+                Some(dtile_w),
+                None,
+                dl,
+                hf,
+                tile_w,
+                k,
+                c,
+                vt,
+            );
             be.add_inplace(rows.dhf.slice_mut(cr), dhf_chunk.slice(0..k * c));
         }
     }

@@ -528,5 +528,13 @@ pub(crate) fn head_forward_backward<B: Backend, M: DerefMut<Target = B::Buf>>(
     }
     // The final norm's backward starts the residual-stream gradient.
     be.zero(&mut *out.dres);
-    be.rmsnorm_backward(out.dres, Some(out.dnorm_w), v(&hb.dhf, nc), x, norm_w, v(&hb.rstd, n), norm);
+    be.rmsnorm_backward(
+        out.dres,
+        Some(out.dnorm_w),
+        v(&hb.dhf, nc),
+        x,
+        norm_w,
+        v(&hb.rstd, n),
+        norm,
+    );
 }
