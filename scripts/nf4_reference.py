@@ -13,8 +13,10 @@ NAME.absmax (f32, one per block of 64) and NAME.deq (the fp32 dequantised values
   tests/fixtures/nf4/edge_cases.safetensors     synthetic 1-D tensors: a zero block, values
                                                  exactly at code midpoints (and one ulp either
                                                  side) times a power-of-two absmax, negative
-                                                 zeros, huge and tiny magnitudes, partial last
-                                                 blocks (odd and even lengths, an all-zero one)
+                                                 zeros, huge and tiny magnitudes, values whose
+                                                 code depends on x*(1/absmax) vs x/absmax,
+                                                 partial last blocks (odd and even lengths, an
+                                                 all-zero one)
 
 Usage (a venv with torch and bitsandbytes 0.50):
     python scripts/nf4_reference.py MODEL.safetensors OUT_DIR
@@ -74,7 +76,30 @@ def edge_cases():
         b = np.array(b[:64], dtype=f32)
         return np.pad(b, (0, 64 - len(b)))
 
+    def reciprocal_vs_division(seed):
+        # Values whose code depends on how the block is normalised: x * (1/absmax) and
+        # x / absmax fall on different sides of a midpoint (or one of them exactly on it).
+        r = np.random.default_rng(seed)
+        while True:
+            a = f32(r.uniform(1.0, 2.0))
+            found = [a]
+            for m in np.concatenate([mid, -mid]):
+                x0 = f32(m) * a
+                for k in range(-3, 4):
+                    x = f32(x0)
+                    for _ in range(abs(k)):
+                        x = np.nextafter(x, f32(np.inf) if k > 0 else f32(-np.inf))
+                    by_mul, by_div = x * (f32(1) / a), x / a
+                    if (by_mul <= m) != (by_div <= m) and abs(x) <= a:
+                        found.append(x)
+            if len(found) >= 4:
+                b = np.array(found[:64], dtype=f32)
+                return np.pad(b, (0, 64 - len(b)))
+
     blocks = [
+        reciprocal_vs_division(1),
+        reciprocal_vs_division(2),
+        reciprocal_vs_division(3),
         np.zeros(64, f32),                                  # zero block: absmax 0
         np.full(64, -0.0, f32),                             # negative zeros only
         block_at_midpoints(4.0),
@@ -91,10 +116,12 @@ def edge_cases():
     body = np.concatenate(blocks)
     partial = block_at_midpoints(8.0)[:37]  # an odd partial block, divided by its absmax
     partial[5] = -0.0
+    divided = reciprocal_vs_division(4)[:45]  # a partial block where division matters
     tensors = {
         "full": body,
         "partial_odd": np.concatenate([body, partial]),
         "partial_even": np.concatenate([body, rng.standard_normal(22).astype(f32)]),
+        "partial_divided": np.concatenate([body[:64], divided]),
         "partial_zero": np.concatenate([body[:128], np.zeros(9, f32)]),  # absmax clamped to 1e-38
         "short": np.array([0.3, -0.0, 1e-3], f32),
         "one": np.array([-2.5], f32),

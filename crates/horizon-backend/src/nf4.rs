@@ -32,7 +32,9 @@
 
 use rayon::prelude::*;
 
-/// The 16 NF4 values (bitsandbytes' `get_4bit_type("nf4")`, ascending).
+/// The 16 NF4 values (bitsandbytes' `get_4bit_type("nf4")`, ascending), in bitsandbytes' own
+/// digits (more than an f32 holds; each literal rounds to the f32 bitsandbytes' tensor holds).
+#[allow(clippy::excessive_precision)]
 pub const CODE: [f32; 16] = [
     -1.0,
     -0.6961928009986877,
@@ -118,7 +120,7 @@ pub fn quantize(w: &[f32]) -> Nf4 {
 #[inline]
 fn nibble(codes: &[u8], i: usize) -> usize {
     let byte = codes[i / 2];
-    (if i % 2 == 0 { byte >> 4 } else { byte & 0x0f }) as usize
+    (if i.is_multiple_of(2) { byte >> 4 } else { byte & 0x0f }) as usize
 }
 
 /// `out[i] = CODE[q_i] * absmax[i / 64]` in fp32, as bitsandbytes' `dequantize_4bit`.

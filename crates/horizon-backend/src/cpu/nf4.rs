@@ -13,7 +13,7 @@ use crate::nf4::{BLOCK, CODE, code_words, words};
 #[inline]
 fn code_at(packed: &[f32], i: usize) -> usize {
     let byte = packed[i / 8].to_bits() >> (8 * ((i / 2) % 4));
-    (if i % 2 == 0 { (byte >> 4) & 0x0f } else { byte & 0x0f }) as usize
+    (if i.is_multiple_of(2) { (byte >> 4) & 0x0f } else { byte & 0x0f }) as usize
 }
 
 /// `out[i] = CODE[q_i] * absmax[i / 64]` in fp32.
