@@ -6,83 +6,14 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::path::Path;
 
+use common::lora::*;
 use common::{assert_bit_identical, assert_rel, f64s, max_err_over, update_rel_err, update_tol};
-use horizon::config::RawConfig;
-use horizon::engine::exec::{Engine, EngineConfig, StepParams};
 use horizon::hf::checkpoint::read_tensor_f64;
 use horizon::model::params::ParamStore;
-use horizon::train::{PEFT_PREFIX, RunModel, TrainState, Trainer, load_run_model};
+use horizon::train::{RunModel, Trainer, load_run_model};
 use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig};
-use serde_json::Value;
-
-const CASES: [&str; 2] = ["llama_lora", "qwen2_qlora_nf4"];
-
-fn dir(case: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/lora").join(case)
-}
-
-fn expected(case: &str) -> Value {
-    serde_json::from_str(&std::fs::read_to_string(dir(case).join("expected.json")).unwrap())
-        .unwrap()
-}
-
-/// A run config of the case: its model, data, hyper-parameters and adapter (`adapter_init`).
-fn yaml(case: &str, extra: &str) -> String {
-    let e = expected(case);
-    let d = dir(case);
-    let targets: Vec<&str> =
-        e["targets"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
-    let kind = if e["quant"].is_null() { "lora" } else { "qlora" };
-    let betas = f64s(&e["betas"]);
-    format!(
-        "model: {{ path: '{}' }}\ndata: {{ path: '{}', format: pretokenized }}\n\
-         train: {{ steps: {}, batch_size: {}, max_seq_len: 64 }}\n\
-         optimizer: {{ lr: {}, betas: [{}, {}], eps: {}, weight_decay: {}, grad_clip: {} }}\n\
-         adapter: {{ type: {kind}, r: {}, alpha: {}, rslora: {}, targets: [{}], init: '{}' }}\n\
-         output: {{ dir: unused }}\n{extra}",
-        d.join("model").display(),
-        d.join("data.jsonl").display(),
-        e["steps"],
-        e["batch"],
-        e["lr"],
-        betas[0],
-        betas[1],
-        e["eps"],
-        e["weight_decay"],
-        e["grad_clip"],
-        e["r"],
-        e["alpha"],
-        e["rslora"],
-        targets.join(", "),
-        d.join("adapter_init").display(),
-    )
-}
-
-fn run_config(case: &str, extra: &str) -> horizon::config::RunConfig {
-    RawConfig::from_yaml(&yaml(case, extra), case).unwrap().resolve(case).unwrap()
-}
-
-/// The fixture's adapter names (PEFT's) and ours.
-fn adapter_names(case: &str) -> Vec<(String, String)> {
-    let e = expected(case);
-    e["adapter_names"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|n| {
-            let peft = n.as_str().unwrap().to_string();
-            let ours = peft.strip_prefix(PEFT_PREFIX).unwrap().to_string();
-            (peft, ours)
-        })
-        .collect()
-}
-
-fn fixture_tensor(case: &str, file: &str, name: &str) -> Vec<f64> {
-    read_tensor_f64(&dir(case).join(file), name).unwrap().1
-}
 
 /// The step-0 loss and every adapter gradient, on the reference path.
 #[test]
@@ -159,68 +90,14 @@ fn reference_training_matches_peft() {
     }
 }
 
-/// The case on the streaming engine: checkpoint every `k` layers, micro-batches of `mbs` rows.
-fn streamed(case: &str, k: usize, mbs: usize) -> Streamed {
-    let cfg = run_config(case, "");
-    let RunModel { layout, params, base, .. } =
-        load_run_model(&cfg.raw, cfg.adapter.as_ref()).unwrap();
-    let init = params.clone();
-    let e = expected(case);
-    let rows =
-        horizon::data::pretokenized::load_pretokenized(&dir(case).join("data.jsonl"), 64, 100_000)
-            .unwrap()
-            .rows;
-    let betas = f64s(&e["betas"]);
-    let ecfg = EngineConfig {
-        batch_size: e["batch"].as_u64().unwrap() as usize,
-        micro_batch_size: mbs,
-        seq_len: rows.iter().map(|r| r.input_ids.len()).max().unwrap(),
-        checkpoint_every: k,
-        grad_slabs: 2,
-        head_chunk_rows: 7,
-        head_tile_rows: None,
-        adamw: horizon::optim::adamw::AdamWConfig {
-            lr: e["lr"].as_f64().unwrap(),
-            beta1: betas[0],
-            beta2: betas[1],
-            eps: e["eps"].as_f64().unwrap(),
-            weight_decay: e["weight_decay"].as_f64().unwrap(),
-        },
-        grad_clip: e["grad_clip"].as_f64().unwrap(),
-        keep_internals: false,
-        memory: horizon::config::OptimizerMemory::Exact,
-        backend: horizon::config::BackendKind::Cpu,
-        grad_wire: horizon::config::GradWire::Fp32,
-    };
-    let dev = CpuDevice::new(CpuDeviceConfig {
+/// A CPU device of 8 MiB (every case's plan fits).
+fn cpu() -> CpuDevice {
+    CpuDevice::new(CpuDeviceConfig {
         capacity_bytes: 8 << 20,
         link_gbps: 0.0,
         copy_jitter_us: 0,
         jitter_seed: 0,
-    });
-    let state = TrainState::new(params);
-    let mut engine = Engine::with_layout(dev, layout, base.map(Arc::new), state, ecfg).unwrap();
-    let head_tiles = engine.sizes().head.tiles();
-    let batch = ecfg.batch_size;
-    let lr = e["lr"].as_f64().unwrap();
-    let out = (0..e["steps"].as_u64().unwrap() as usize)
-        .map(|s| {
-            let rs: Vec<_> = rows[s * batch..(s + 1) * batch].iter().collect();
-            let mbs = horizon::train::micro_batches(&rs, mbs);
-            let o = engine.step(mbs, StepParams { lr, inject_nan: false }).unwrap();
-            (o.loss(), o.grad_norm)
-        })
-        .collect();
-    Streamed { steps: out, init, end: engine.into_state().params, head_tiles }
-}
-
-/// What a streamed run gives: per-step (loss, grad norm), the adapters before and after, and
-/// the tiles its LM head was applied in.
-struct Streamed {
-    steps: Vec<(f64, f64)>,
-    init: ParamStore,
-    end: ParamStore,
-    head_tiles: usize,
+    })
 }
 
 #[test]
@@ -230,7 +107,7 @@ fn streamed_engine_matches_peft_and_the_reference_path() {
         let layout = Trainer::new(run_config(case, "")).unwrap().engine.layout;
         let batch = expected(case)["batch"].as_u64().unwrap() as usize;
         for k in [1, 2] {
-            let r = streamed(case, k, batch);
+            let r = streamed(cpu(), case, k, batch, "auto");
             if r.head_tiles == 1 {
                 // The whole batch in one micro-batch and the whole head: the reference path's
                 // arithmetic in its order.
@@ -249,7 +126,7 @@ fn streamed_engine_matches_peft_and_the_reference_path() {
                 }
             }
             assert_matches(case, &format!("K={k} B"), &r.steps, &r.init, &r.end, &layout);
-            let r = streamed(case, k, 1);
+            let r = streamed(cpu(), case, k, 1, "auto");
             assert_matches(case, &format!("K={k} mb=1"), &r.steps, &r.init, &r.end, &layout);
         }
     }

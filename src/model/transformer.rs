@@ -579,7 +579,7 @@ pub(crate) fn head_forward_backward<B: Backend, M: DerefMut<Target = B::Buf>>(
     hd: HeadDims,
 ) {
     let HeadDims { n, v: vocab, chunk, norm, scale } = hd;
-    let HeadGrads { losses, dres, mut dnorm_w, mut dhead_w } = out;
+    let HeadGrads { losses, dres, dnorm_w, mut dhead_w } = out;
     let c = norm.c;
     let nc = n * c;
     be.rmsnorm_forward(vm(&mut hb.hf, nc), vm(&mut hb.rstd, n), x, norm_w, norm);
@@ -617,6 +617,5 @@ pub(crate) fn head_forward_backward<B: Backend, M: DerefMut<Target = B::Buf>>(
     }
     // The final norm's backward starts the residual-stream gradient.
     be.zero(&mut *dres);
-    let dnorm = dnorm_w.as_deref_mut();
-    be.rmsnorm_backward(dres, dnorm, v(&hb.dhf, nc), x, norm_w, v(&hb.rstd, n), norm);
+    be.rmsnorm_backward(dres, dnorm_w, v(&hb.dhf, nc), x, norm_w, v(&hb.rstd, n), norm);
 }

@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod lora;
+
 use std::path::{Path, PathBuf};
 
 use horizon::hf::checkpoint::read_tensor_f64;

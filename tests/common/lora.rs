@@ -1,0 +1,154 @@
+//! The LoRA fixtures (`tests/fixtures/lora`, from ../shared/fixtures-lora): their run configs,
+//! names, and a run of a case on the streaming engine of any device.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use horizon::config::RawConfig;
+use horizon::engine::exec::{Engine, EngineConfig, StepParams};
+use horizon::hf::checkpoint::read_tensor_f64;
+use horizon::model::params::ParamStore;
+use horizon::train::{PEFT_PREFIX, RunModel, TrainState, load_run_model};
+use horizon_backend::{Backend, Device};
+use serde_json::Value;
+
+use super::f64s;
+
+pub const CASES: [&str; 2] = ["llama_lora", "qwen2_qlora_nf4"];
+
+pub fn dir(case: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/lora").join(case)
+}
+
+pub fn expected(case: &str) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(dir(case).join("expected.json")).unwrap())
+        .unwrap()
+}
+
+/// A run config of the case: its model, data, hyper-parameters and adapter (`adapter_init`).
+pub fn yaml(case: &str, extra: &str) -> String {
+    yaml_with(case, "auto", extra)
+}
+
+/// [`yaml`] with the frozen base in `base_dtype` (`auto`, `bf16`, `fp32`).
+pub fn yaml_with(case: &str, base_dtype: &str, extra: &str) -> String {
+    let e = expected(case);
+    let d = dir(case);
+    let targets: Vec<&str> =
+        e["targets"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+    let kind = if e["quant"].is_null() { "lora" } else { "qlora" };
+    let betas = f64s(&e["betas"]);
+    format!(
+        "model: {{ path: '{}' }}\ndata: {{ path: '{}', format: pretokenized }}\n\
+         train: {{ steps: {}, batch_size: {}, max_seq_len: 64 }}\n\
+         optimizer: {{ lr: {}, betas: [{}, {}], eps: {}, weight_decay: {}, grad_clip: {} }}\n\
+         adapter: {{ type: {kind}, r: {}, alpha: {}, rslora: {}, targets: [{}], init: '{}', \
+         base_dtype: {base_dtype} }}\n\
+         output: {{ dir: unused }}\n{extra}",
+        d.join("model").display(),
+        d.join("data.jsonl").display(),
+        e["steps"],
+        e["batch"],
+        e["lr"],
+        betas[0],
+        betas[1],
+        e["eps"],
+        e["weight_decay"],
+        e["grad_clip"],
+        e["r"],
+        e["alpha"],
+        e["rslora"],
+        targets.join(", "),
+        d.join("adapter_init").display(),
+    )
+}
+
+pub fn run_config(case: &str, extra: &str) -> horizon::config::RunConfig {
+    RawConfig::from_yaml(&yaml(case, extra), case).unwrap().resolve(case).unwrap()
+}
+
+/// The fixture's adapter names (PEFT's) and ours.
+pub fn adapter_names(case: &str) -> Vec<(String, String)> {
+    let e = expected(case);
+    e["adapter_names"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| {
+            let peft = n.as_str().unwrap().to_string();
+            let ours = peft.strip_prefix(PEFT_PREFIX).unwrap().to_string();
+            (peft, ours)
+        })
+        .collect()
+}
+
+pub fn fixture_tensor(case: &str, file: &str, name: &str) -> Vec<f64> {
+    read_tensor_f64(&dir(case).join(file), name).unwrap().1
+}
+
+/// The case on the streaming engine: checkpoint every `k` layers, micro-batches of `mbs` rows.
+/// `base_dtype`: the frozen base's (`auto`, `bf16`, `fp32`).
+pub fn streamed<D: Device>(dev: D, case: &str, k: usize, mbs: usize, base_dtype: &str) -> Streamed
+where
+    D::Backend: 'static,
+{
+    let yaml = yaml_with(case, base_dtype, "");
+    let cfg = RawConfig::from_yaml(&yaml, case).unwrap().resolve(case).unwrap();
+    let RunModel { layout, params, base, .. } =
+        load_run_model(&cfg.raw, cfg.adapter.as_ref()).unwrap();
+    let init = params.clone();
+    let e = expected(case);
+    let rows =
+        horizon::data::pretokenized::load_pretokenized(&dir(case).join("data.jsonl"), 64, 100_000)
+            .unwrap()
+            .rows;
+    let betas = f64s(&e["betas"]);
+    let ecfg = EngineConfig {
+        batch_size: e["batch"].as_u64().unwrap() as usize,
+        micro_batch_size: mbs,
+        seq_len: rows.iter().map(|r| r.input_ids.len()).max().unwrap(),
+        checkpoint_every: k,
+        grad_slabs: 2,
+        head_chunk_rows: 7,
+        head_tile_rows: None,
+        adamw: horizon::optim::adamw::AdamWConfig {
+            lr: e["lr"].as_f64().unwrap(),
+            beta1: betas[0],
+            beta2: betas[1],
+            eps: e["eps"].as_f64().unwrap(),
+            weight_decay: e["weight_decay"].as_f64().unwrap(),
+        },
+        grad_clip: e["grad_clip"].as_f64().unwrap(),
+        keep_internals: false,
+        memory: horizon::config::OptimizerMemory::Exact,
+        backend: if D::Backend::PRECISION == horizon_backend::Precision::Bf16 {
+            horizon::config::BackendKind::Cuda
+        } else {
+            horizon::config::BackendKind::Cpu
+        },
+        grad_wire: horizon::config::GradWire::Fp32,
+    };
+    let state = TrainState::new(params);
+    let mut engine = Engine::with_layout(dev, layout, base.map(Arc::new), state, ecfg).unwrap();
+    let head_tiles = engine.sizes().head.tiles();
+    let batch = ecfg.batch_size;
+    let lr = e["lr"].as_f64().unwrap();
+    let out = (0..e["steps"].as_u64().unwrap() as usize)
+        .map(|s| {
+            let rs: Vec<_> = rows[s * batch..(s + 1) * batch].iter().collect();
+            let mbs = horizon::train::micro_batches(&rs, mbs);
+            let o = engine.step(mbs, StepParams { lr, inject_nan: false }).unwrap();
+            (o.loss(), o.grad_norm)
+        })
+        .collect();
+    Streamed { steps: out, init, end: engine.into_state().params, head_tiles }
+}
+
+/// What a streamed run gives: per-step (loss, grad norm), the adapters before and after, and
+/// the tiles its LM head was applied in.
+pub struct Streamed {
+    pub steps: Vec<(f64, f64)>,
+    pub init: ParamStore,
+    pub end: ParamStore,
+    pub head_tiles: usize,
+}

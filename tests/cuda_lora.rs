@@ -1,0 +1,39 @@
+//! LoRA and QLoRA on the CUDA device (feature `cuda`; on a GPU, or without one under the CUDA
+//! test double, `scripts/fakecuda.sh`; never skipped): both PEFT fixtures within bf16's bounds
+//! (as `cuda_engine.rs`: 2% loss, 5% gradient norm), at K 1 and 2 and micro-batches of 1 row
+//! and of the whole batch; the fp32 base rounded to bf16 on the wire, a bf16 base copied as it
+//! is (`upload_weights_bf16`), and the QLoRA base uploaded as NF4 words and dequantised on the
+//! device before each product.
+
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use common::lora::*;
+use common::{assert_rel, f64s};
+use horizon_backend::cuda::{CudaDevice, CudaDeviceConfig};
+
+fn cuda() -> CudaDevice {
+    CudaDevice::new(CudaDeviceConfig::with_capacity(128 << 20)).unwrap_or_else(|e| {
+        panic!("{e}\nhint: without a GPU, run under the CUDA test double: scripts/fakecuda.sh cargo test --features cuda")
+    })
+}
+
+#[test]
+fn adapters_on_the_gpu_track_the_peft_fixtures() {
+    for case in CASES {
+        let e = expected(case);
+        let batch = e["batch"].as_u64().unwrap() as usize;
+        let (losses, norms) = (f64s(&e["loss_per_step"]), f64s(&e["grad_norm_per_step"]));
+        for (k, mbs, base) in [(1, batch, "auto"), (2, 1, "bf16"), (2, batch, "fp32")] {
+            let r = streamed(cuda(), case, k, mbs, base);
+            let what = format!("{case} K={k} mbs={mbs} base {base}");
+            assert_eq!(r.steps.len(), losses.len(), "{what}: steps");
+            for (s, (l, g)) in r.steps.iter().enumerate() {
+                assert_rel(&format!("{what} loss {s}"), *l, losses[s], 2e-2);
+                assert_rel(&format!("{what} grad norm {s}"), *g, norms[s], 5e-2);
+            }
+            assert_ne!(r.end, r.init, "{what}: no adapter moved");
+        }
+    }
+}
