@@ -322,30 +322,13 @@ fn matmul_backward_accumulating_dinp_and_frozen_weight() {
             TOL_SUM,
         );
         // Write then Add from the written values: twice the product.
+        let dinp_only = |d: Dinp<'_, DevSlice<f32>>| {
+            be.matmul_backward(Some(d), None, None, gdout.view(), gx.view(), &gw, n, ic, oc)
+        };
         let mut gdx = Guarded::new(&be, "dinp", &vec![7.0; n * ic]);
-        be.matmul_backward(
-            Some(Dinp::Write(gdx.view_mut())),
-            None,
-            None,
-            gdout.view(),
-            gx.view(),
-            &gw,
-            n,
-            ic,
-            oc,
-        );
+        dinp_only(Dinp::Write(gdx.view_mut()));
         let once = gdx.read(&be);
-        be.matmul_backward(
-            Some(Dinp::Add(gdx.view_mut())),
-            None,
-            None,
-            gdout.view(),
-            gx.view(),
-            &gw,
-            n,
-            ic,
-            oc,
-        );
+        dinp_only(Dinp::Add(gdx.view_mut()));
         let twice: Vec<f32> = once.iter().map(|v| 2.0 * v).collect();
         assert_close(&what("matmul_backward Write then Add"), &gdx.read(&be), &twice, TOL_PRODUCT);
     }

@@ -93,6 +93,15 @@ fn cpu_dequantize_nf4_of_the_device_form_equals_dequantize() {
         let mut got = vec![f32::NAN; n];
         CpuBackend.dequantize_nf4(&mut got, &packed, n);
         assert_eq!(bits(&got), bits(&want), "n = {n}");
+        // The f64 reference: CODE[q] * absmax is exact in f64, so rounding it to f32 gives the
+        // correctly rounded fp32 product, which is what both must be.
+        let code = |i: usize| {
+            usize::from(if i.is_multiple_of(2) { q.codes[i / 2] >> 4 } else { q.codes[i / 2] & 15 })
+        };
+        let f64_ref: Vec<f32> = (0..n)
+            .map(|i| (f64::from(nf4::CODE[code(i)]) * f64::from(q.absmax[i / BLOCK])) as f32)
+            .collect();
+        assert_eq!(bits(&want), bits(&f64_ref), "n = {n}: dequantize vs the f64 reference");
     }
 }
 
