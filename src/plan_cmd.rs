@@ -119,7 +119,10 @@ pub fn report(cfg: &RunConfig, host_memory: Option<u64>) -> Result<PlanReport> {
         ByteSize::Bytes(b) => Some(b),
     };
     let layout = run_layout(raw, &model, cfg.adapter.as_ref())?;
-    let plan = plan_for_layout(&layout, &ecfg, budget).sized_for(&seq_len.why);
+    let mut plan = plan_for_layout(&layout, &ecfg, budget).sized_for(&seq_len.why);
+    if host_memory.is_some() {
+        plan.host_available = host_memory;
+    }
     let mut t = String::new();
     writeln!(t, "optimizer.memory: {}", raw.optimizer.memory.name())?;
     if let Some(a) = &layout.adapter {
@@ -140,7 +143,7 @@ pub fn report(cfg: &RunConfig, host_memory: Option<u64>) -> Result<PlanReport> {
     write!(t, "{plan}")?;
     let avail = host_memory.or_else(host_available_bytes);
     by_adapter(&mut t, &model, cfg.adapter.as_ref(), &ecfg, avail)?;
-    writeln!(t, "by optimizer.memory:")?;
+    writeln!(t, "full fine-tuning, by optimizer.memory:")?;
     for mode in OptimizerMemory::ALL {
         let e = EngineConfig { memory: mode, ..ecfg };
         let p = plan_for(&model, &e, budget);
@@ -230,6 +233,8 @@ fn by_adapter(
             p.host_total() as f64 / p.params.max(1) as f64
         );
         if let Some(a) = avail {
+            let fits = if p.host_total() <= a { "fits" } else { "does not fit" };
+            write!(line, "; this model ({} layers) {fits} in {}", model.num_layers, gib(a))?;
             match deepest_fit_as(model, &layout_of, ecfg, a) {
                 Some((layers, params, bytes)) => write!(
                     line,

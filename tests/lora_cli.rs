@@ -256,3 +256,39 @@ fn bad_adapter_input_is_a_clear_error() {
         horizon(&["export", model.to_str().unwrap(), "--merge", "--out", out.to_str().unwrap()]);
     expect_error(&o, &["not an adapter", "--merge"]);
 }
+
+/// A Llama-3-70B-shaped model (80 layers, hidden 8192, FFN 28672, 64 / 8 heads, vocabulary
+/// 128256) with `adapter.type` `kind`.
+fn llama_70b(tmp: &Path, kind: &str) -> PathBuf {
+    let yaml = format!(
+        "model: {{ init: random, arch: llama, hidden_size: 8192, intermediate_size: 28672, \
+         num_hidden_layers: 80, num_attention_heads: 64, num_key_value_heads: 8, \
+         vocab_size: 128256, max_position_embeddings: 8192, rope_theta: 500000.0, \
+         tie_word_embeddings: false }}\n\
+         data: {{ format: synthetic }}\ntrain: {{ steps: 2, batch_size: 1, max_seq_len: 512 }}\n\
+         adapter: {{ type: {kind} }}\nengine: {{ checkpoint_every: 8 }}\n\
+         output: {{ dir: '{}' }}\n",
+        tmp.join("out").display()
+    );
+    let path = tmp.join(format!("70b-{kind}.yaml"));
+    fs::write(&path, yaml).unwrap();
+    path
+}
+
+#[test]
+fn plan_fits_a_70b_llama_in_qlora_on_64_gib_and_in_lora_on_192_gib() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (kind, host, other) in [("qlora", "64GiB", "lora"), ("lora", "192GiB", "none")] {
+        let cfg = llama_70b(tmp.path(), kind);
+        let o = horizon(&["plan", "--config", cfg.to_str().unwrap(), "--host-memory", host]);
+        let out = String::from_utf8_lossy(&o.stdout).into_owned();
+        assert!(o.status.success(), "{kind} on {host}: {}{out}", stderr(&o));
+        assert!(out.trim_end().ends_with("fits"), "{kind} on {host}: {out}");
+        let line = |k: &str| {
+            out.lines().find(|l| l.trim_start().starts_with(&format!("{k} "))).unwrap().to_string()
+        };
+        assert!(line(kind).contains("this model (80 layers) fits in"), "{}", line(kind));
+        assert!(line(other).contains("does not fit"), "{}", line(other));
+        assert!(line(kind).contains("the largest of this shape that fits"), "{}", line(kind));
+    }
+}

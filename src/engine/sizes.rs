@@ -116,11 +116,11 @@ impl Sizes {
         let (trained, frozen): (Vec<_>, Vec<_>) =
             host_tensors(layout).into_iter().partition(|t| t.trainable);
         let vc = d.v * d.c;
-        let host_grads = if cfg.memory.streams_updates() {
-            vc + d.c + if layout.tied { 0 } else { vc }
-        } else {
-            params
-        };
+        // Embedding, final norm and untied head: trained in full fine-tuning only.
+        let model_level =
+            if layout.trains_base() { vc + d.c + if layout.tied { 0 } else { vc } } else { 0 };
+        let host_grads =
+            if cfg.memory.streams_updates() { model_level } else { layout.trained_params() };
         // Every product the step runs: the layers', the head's per chunk.
         let products = layout
             .kinds
