@@ -8,6 +8,7 @@
 //! [`Decode::FullRecompute`], to check the cache against.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
 use horizon_backend::cuda::{CudaBackend, KernelShape, check_kernel_limits};
@@ -16,6 +17,7 @@ use horizon_backend::{CpuBackend, DeviceAlloc, Precision};
 use crate::data::pretokenized::Batch;
 use crate::engine::options::BackendKind;
 use crate::hf::config::ModelConfig;
+use crate::model::base::FrozenBase;
 use crate::model::kv_cache::{KvDecoder, Residency};
 use crate::model::layout::ModelLayout;
 use crate::model::params::ParamStore;
@@ -79,6 +81,10 @@ enum Runner {
 /// the longest sequence asked for so far.
 pub struct Generator {
     model_cfg: ModelConfig,
+    /// The model's layout: with an adapter's LoRA when one is used unmerged.
+    layout: ModelLayout,
+    /// The adapter's frozen base (`None`: every weight in `params`).
+    base: Option<Arc<FrozenBase>>,
     params: ParamStore,
     tok: Box<dyn Tokenizer>,
     decode: Decode,
@@ -96,7 +102,28 @@ impl Generator {
         let logits = vec![0.0; model_cfg.vocab_size];
         let decode = Decode::KvCache(BackendKind::Cpu);
         let runner = Runner::None;
-        Generator { model_cfg: model_cfg.clone(), params, tok, decode, runner, stop_ids, logits }
+        let layout = ModelLayout::new(model_cfg);
+        let model_cfg = model_cfg.clone();
+        Generator { model_cfg, layout, base: None, params, tok, decode, runner, stop_ids, logits }
+    }
+
+    /// Load a HF directory and a LoRA adapter over it (`OUT/final` of an adapter run, or a
+    /// PEFT directory), used as it is: the frozen base (NF4 when the adapter was trained with
+    /// QLoRA, the weights it was trained against) with the adapters' products beside it, not
+    /// merged.
+    pub fn load_with_adapter(dir: &Path, adapter: &Path) -> Result<Self> {
+        if !dir.join("config.json").is_file() {
+            bail!("--model {}: no config.json, not a Hugging Face model directory", dir.display());
+        }
+        let auto = crate::adapter::BaseDtype::Auto;
+        let run = crate::merge::load_adapter_run(adapter, Some(dir), auto)?;
+        let tok = HfTokenizer::from_dir(dir)
+            .with_context(|| format!("--model {}: no tokenizer (tokenizer.json)", dir.display()))?;
+        let mut g = Generator::new(&run.cfg, run.params, Box::new(tok));
+        g.layout = run.layout;
+        g.base = run.base.map(Arc::new);
+        g.stop_ids.extend(generation_config_eos(dir)?);
+        Ok(g)
     }
 
     /// Decode with `decode` from now on (default: the KV cache on the CPU).
@@ -267,15 +294,22 @@ impl Generator {
             self.runner = match self.decode {
                 Decode::FullRecompute => {
                     let cap = Capacity { batch: 1, seq_len: max_len, head_chunk_rows: 1 };
-                    Runner::Full(max_len, Box::new(Transformer::new(CpuBackend, cfg, cap)))
+                    let (layout, base) = (self.layout.clone(), self.base.clone());
+                    let t = Transformer::with_layout(CpuBackend, layout, base, cap);
+                    Runner::Full(max_len, Box::new(t))
                 }
-                Decode::KvCache(BackendKind::Cpu) => Runner::KvCpu(Box::new(KvDecoder::new(
-                    CpuBackend,
-                    cfg,
-                    max_len,
-                    prompt,
-                    Residency::Resident,
-                ))),
+                Decode::KvCache(BackendKind::Cpu) => {
+                    let (layout, base) = (self.layout.clone(), self.base.clone());
+                    let sizes = (max_len, prompt);
+                    let kv = KvDecoder::with_layout(
+                        CpuBackend,
+                        layout,
+                        base,
+                        sizes,
+                        Residency::Resident,
+                    );
+                    Runner::KvCpu(Box::new(kv))
+                }
                 Decode::KvCache(BackendKind::Cuda) => {
                     let layout = ModelLayout::new(cfg);
                     let d = &layout.dims;
@@ -289,7 +323,8 @@ impl Generator {
                         _ => None,
                     };
                     let make = || CudaBackend::new(0, ws.bytes).map_err(|e| anyhow::anyhow!("{e}"));
-                    let kv = rebuilt(old, make, cfg, max_len, prompt, Residency::Streamed)?;
+                    let model = (self.layout.clone(), self.base.clone());
+                    let kv = rebuilt(old, make, model, (max_len, prompt), Residency::Streamed)?;
                     Runner::KvCuda(Box::new(kv), ws.bytes)
                 }
             };
@@ -307,16 +342,15 @@ impl Generator {
 fn rebuilt<B: DeviceAlloc>(
     old: Option<KvDecoder<B>>,
     make: impl FnOnce() -> Result<B>,
-    cfg: &ModelConfig,
-    max_len: usize,
-    max_step: usize,
+    (layout, base): (ModelLayout, Option<Arc<FrozenBase>>),
+    sizes: (usize, usize),
     residency: Residency,
 ) -> Result<KvDecoder<B>> {
     let be = match old {
         Some(kv) => kv.into_backend(),
         None => make()?,
     };
-    Ok(KvDecoder::new(be, cfg, max_len, max_step, residency))
+    Ok(KvDecoder::with_layout(be, layout, base, sizes, residency))
 }
 
 /// The largest bf16 product workspace a decode step of `rows` positions needs: the layers'

@@ -109,6 +109,10 @@ enum Command {
         /// the cache is checked against; quadratic in the length).
         #[arg(long)]
         full_recompute: bool,
+        /// A LoRA adapter over --model (an adapter run's OUT/final, or a PEFT adapter
+        /// directory), used unmerged: the base frozen as trained (NF4 for QLoRA).
+        #[arg(long)]
+        adapter: Option<PathBuf>,
     },
     /// Print a config's memory plan without training: host bytes by kind and per parameter,
     /// device bytes, the deepest model of this shape each optimizer.memory mode fits in the
@@ -221,6 +225,7 @@ fn try_main(cli: Cli) -> Result<()> {
             seed,
             device,
             full_recompute,
+            adapter,
         } => {
             use horizon::engine::options::BackendKind;
             use horizon::generate::Decode;
@@ -234,7 +239,10 @@ fn try_main(cli: Cli) -> Result<()> {
                 ("cuda", true) => bail!("--full-recompute runs on the CPU only (no --device cuda)"),
                 (other, _) => bail!("--device {other}: expected cpu or cuda"),
             };
-            let mut g = horizon::generate::Generator::load(&model)?;
+            let mut g = match &adapter {
+                None => horizon::generate::Generator::load(&model)?,
+                Some(a) => horizon::generate::Generator::load_with_adapter(&model, a)?,
+            };
             g.set_decode(decode);
             let ids = g.prompt_ids(&prompt, chat, system.as_deref())?;
             let mut stdout = std::io::stdout();

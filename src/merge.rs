@@ -72,16 +72,25 @@ pub fn merge_dir(
     out: &Path,
     opts: ExportOptions,
 ) -> Result<Exported> {
+    let run = load_adapter_run(src, base, BaseChoice::Fp32)?;
+    let base_dir = run_base_dir(src, base)?;
+    let merged = merged_params(&run);
+    let tokenizer = if base_dir.join("tokenizer.json").is_file() {
+        TokenizerSource::Dir(base_dir.clone())
+    } else {
+        TokenizerSource::None
+    };
+    let source = ExportSource { tokenizer, model_dir: Some(base_dir) };
+    export_model(&run.cfg, &merged, out, opts, &source)
+}
+
+/// The base model directory of adapter `src`: `base`, else the one Horizon's note or the
+/// adapter's `base_model_name_or_path` names (it must be a local directory).
+fn run_base_dir(src: &Path, base: Option<&Path>) -> Result<PathBuf> {
     let dir = adapter_dir(src)?;
     let adapter = peft::read(&dir)?;
-    let sidecar: Option<Sidecar> = match fs::read_to_string(dir.join(SIDECAR)) {
-        Ok(text) => Some(serde_json::from_str(&text).with_context(|| {
-            format!("{}: not a Horizon adapter note", dir.join(SIDECAR).display())
-        })?),
-        Err(_) => None,
-    };
-    let base_dir = base
-        .map(Path::to_path_buf)
+    let sidecar = read_sidecar(&dir)?;
+    base.map(Path::to_path_buf)
         .or_else(|| sidecar.as_ref().and_then(|s| s.base_model.clone()))
         .or_else(|| adapter.base_model.as_ref().map(PathBuf::from))
         .filter(|p| p.is_dir())
@@ -91,7 +100,32 @@ pub fn merge_dir(
                 dir.display(),
                 adapter.base_model.as_deref().unwrap_or("not named")
             )
-        })?;
+        })
+}
+
+/// Horizon's note in adapter directory `dir`, if it has one.
+fn read_sidecar(dir: &Path) -> Result<Option<Sidecar>> {
+    let path = dir.join(SIDECAR);
+    match fs::read_to_string(&path) {
+        Ok(text) => serde_json::from_str(&text)
+            .map(Some)
+            .with_context(|| format!("{}: not a Horizon adapter note", path.display())),
+        Err(_) => Ok(None),
+    }
+}
+
+/// The model of adapter `src` over its base (`base`, or the one it names): the base frozen in
+/// `base_dtype` (NF4 where the adapter was trained with QLoRA), the adapters from the
+/// directory.
+pub fn load_adapter_run(
+    src: &Path,
+    base: Option<&Path>,
+    base_dtype: BaseChoice,
+) -> Result<RunModel> {
+    let dir = adapter_dir(src)?;
+    let adapter = peft::read(&dir)?;
+    let sidecar = read_sidecar(&dir)?;
+    let base_dir = run_base_dir(src, base)?;
     let kind = match sidecar.as_ref().map(|s| s.kind.as_str()) {
         Some("qlora") => AdapterKind::Qlora,
         _ => AdapterKind::Lora,
@@ -103,19 +137,11 @@ pub fn merge_dir(
         rslora: adapter.rslora,
         targets: adapter.targets.clone(),
         init: Some(dir.clone()),
-        base_dtype: BaseChoice::Fp32,
+        base_dtype,
     };
     let yaml = format!("model: {{ path: '{}' }}\ndata: {{ path: unused }}\n", base_dir.display());
-    let raw = RawConfig::from_yaml(&yaml, "--merge")?;
-    let run = load_run_model(&raw, Some(&a))?;
-    let merged = merged_params(&run);
-    let tokenizer = if base_dir.join("tokenizer.json").is_file() {
-        TokenizerSource::Dir(base_dir.clone())
-    } else {
-        TokenizerSource::None
-    };
-    let source = ExportSource { tokenizer, model_dir: Some(base_dir) };
-    export_model(&run.cfg, &merged, out, opts, &source)
+    let raw = RawConfig::from_yaml(&yaml, &dir.display().to_string())?;
+    load_run_model(&raw, Some(&a))
 }
 
 /// The full model's parameters: the base (dequantised where it is NF4), each adapted weight

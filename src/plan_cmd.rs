@@ -147,23 +147,9 @@ pub fn report(cfg: &RunConfig, host_memory: Option<u64>) -> Result<PlanReport> {
     for mode in OptimizerMemory::ALL {
         let e = EngineConfig { memory: mode, ..ecfg };
         let p = plan_for(&model, &e, budget);
-        let mut line = format!(
-            "  {:<8} host {:>14}  {:>6.2} B/param",
-            mode.name(),
-            gib(p.host_total()),
-            p.host_total() as f64 / p.params.max(1) as f64
-        );
+        let mut line = host_line(mode.name(), &p);
         if let Some(a) = avail {
-            match deepest_fit(&model, &e, a) {
-                Some((layers, params, bytes)) => write!(
-                    line,
-                    "; deepest that fits {}: {layers} layers, {:.3}B params ({})",
-                    gib(a),
-                    params as f64 / 1e9,
-                    gib(bytes)
-                )?,
-                None => write!(line, "; not even one layer fits {}", gib(a))?,
-            }
+            line += &fit_words(deepest_fit(&model, &e, a), "deepest that fits", a);
         }
         writeln!(t, "{line}")?;
     }
@@ -189,6 +175,25 @@ pub fn report(cfg: &RunConfig, host_memory: Option<u64>) -> Result<PlanReport> {
         )?,
     }
     Ok(PlanReport { plan, text: t, model, seq_len: ecfg.seq_len })
+}
+
+/// `  NAME  host BYTES  B/param` of plan `p`.
+fn host_line(name: &str, p: &MemoryPlan) -> String {
+    let per = p.host_total() as f64 / p.params.max(1) as f64;
+    format!("  {name:<8} host {:>14}  {per:>6.2} B/param", gib(p.host_total()))
+}
+
+/// `; WHAT AVAIL: L layers, P params (BYTES)` of a deepest fit, or that none fits.
+fn fit_words(fit: Option<(usize, u64, u64)>, what: &str, avail: u64) -> String {
+    match fit {
+        Some((layers, params, bytes)) => format!(
+            "; {what} {}: {layers} layers, {:.3}B params ({})",
+            gib(avail),
+            params as f64 / 1e9,
+            gib(bytes)
+        ),
+        None => format!("; not even one layer fits {}", gib(avail)),
+    }
 }
 
 /// The adapter (the run's, or r 16 on every projection) of each `adapter.type`.
@@ -227,24 +232,12 @@ fn by_adapter(
             continue;
         };
         let p = plan_for_layout(&layout, ecfg, None);
-        let mut line = format!(
-            "  {name:<6} host {:>14}  {:>6.2} B/param",
-            gib(p.host_total()),
-            p.host_total() as f64 / p.params.max(1) as f64
-        );
+        let mut line = host_line(name, &p);
         if let Some(a) = avail {
             let fits = if p.host_total() <= a { "fits" } else { "does not fit" };
             write!(line, "; this model ({} layers) {fits} in {}", model.num_layers, gib(a))?;
-            match deepest_fit_as(model, &layout_of, ecfg, a) {
-                Some((layers, params, bytes)) => write!(
-                    line,
-                    "; the largest of this shape that fits {}: {layers} layers, {:.1}B params ({})",
-                    gib(a),
-                    params as f64 / 1e9,
-                    gib(bytes)
-                )?,
-                None => write!(line, "; not even one layer fits {}", gib(a))?,
-            }
+            let deepest = deepest_fit_as(model, &layout_of, ecfg, a);
+            line += &fit_words(deepest, "the largest of this shape that fits", a);
         }
         writeln!(t, "{line}")?;
     }

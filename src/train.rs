@@ -149,7 +149,7 @@ impl Trainer {
         let engine = Transformer::with_layout(
             CpuBackend,
             layout,
-            base,
+            base.map(Arc::new),
             Capacity {
                 batch: raw.train.batch_size,
                 seq_len: data.rows.iter().map(|r| r.input_ids.len()).max().unwrap_or(1),

@@ -292,3 +292,62 @@ fn plan_fits_a_70b_llama_in_qlora_on_64_gib_and_in_lora_on_192_gib() {
         assert!(line(kind).contains("the largest of this shape that fits"), "{}", line(kind));
     }
 }
+
+/// A copy of fixture `case`'s base with the byte tokenizer's HF files (the fixtures are
+/// pretokenized: ids < 259 are byte-tokenizer ids).
+fn base_with_tokenizer(tmp: &Path, case: &str) -> PathBuf {
+    let base = tmp.join("base");
+    fs::create_dir_all(&base).unwrap();
+    for f in ["config.json", "generation_config.json", "model.safetensors"] {
+        fs::copy(dir(case).join("model").join(f), base.join(f)).unwrap();
+    }
+    let (tok, cfg) = horizon::tokenizer::ByteTokenizer::hf_files();
+    fs::write(base.join("tokenizer.json"), tok.to_string()).unwrap();
+    fs::write(base.join("tokenizer_config.json"), cfg.to_string()).unwrap();
+    base
+}
+
+/// `horizon generate --adapter` uses the adapter unmerged: its greedy tokens equal the merged
+/// model's and, KV-cached, the full recompute's.
+#[test]
+fn generate_with_an_unmerged_adapter_matches_the_merged_model() {
+    use horizon::generate::{Decode, Generator};
+    for case in CASES {
+        let tmp = tempfile::tempdir().unwrap();
+        let o = train(&config(tmp.path(), case, None, ""), &[]);
+        assert!(o.status.success(), "{case}: {}", stderr(&o));
+        let base = base_with_tokenizer(tmp.path(), case);
+        let (adapter, merged) = (tmp.path().join("out/final"), tmp.path().join("merged"));
+        let o = horizon(&[
+            "export",
+            adapter.to_str().unwrap(),
+            "--merge",
+            "--base",
+            base.to_str().unwrap(),
+            "--out",
+            merged.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{case}: {}", stderr(&o));
+        let prompt: Vec<u32> = vec![22, 252, 108, 15, 30];
+        let mut unmerged = Generator::load_with_adapter(&base, &adapter).unwrap();
+        unmerged.set_stop_ids(vec![]);
+        let kv = unmerged.greedy_ids(&prompt, 24).unwrap();
+        unmerged.set_decode(Decode::FullRecompute);
+        assert_eq!(unmerged.greedy_ids(&prompt, 24).unwrap(), kv, "{case}: KV cache vs full");
+        let mut m = Generator::load(&merged).unwrap();
+        m.set_stop_ids(vec![]);
+        assert_eq!(m.greedy_ids(&prompt, 24).unwrap(), kv, "{case}: unmerged vs merged");
+        let o = horizon(&[
+            "generate",
+            "--model",
+            base.to_str().unwrap(),
+            "--adapter",
+            adapter.to_str().unwrap(),
+            "--prompt",
+            "12+34=",
+            "--max-new-tokens",
+            "8",
+        ]);
+        assert!(o.status.success(), "{case}: {}", stderr(&o));
+    }
+}

@@ -171,3 +171,24 @@ fn qlora_base_dequantises_to_bitsandbytes_values_bit_for_bit() {
     // q, k, v, o, gate, up, down in each of the two layers.
     assert_eq!(packed, 14);
 }
+
+/// `optimizer.memory: lean` and `compact` take adapters too: lean is exact's arithmetic (two
+/// layers, two slabs: every layer gradient waits for the norm) bit for bit; compact (the
+/// adapters under 4096 elements keep fp32 moments, the larger ones 8-bit) meets the fixture.
+#[test]
+fn memory_modes_train_adapters() {
+    use horizon::config::OptimizerMemory;
+    for case in CASES {
+        let exact = streamed(cpu(), case, 1, 1, "auto");
+        let lean = streamed_in(cpu(), case, (1, 1), "auto", OptimizerMemory::Lean);
+        assert_eq!(lean.steps, exact.steps, "{case}: lean losses and norms");
+        assert_bit_identical(&format!("{case} lean"), &lean.end, &exact.end);
+        let compact = streamed_in(cpu(), case, (1, 1), "auto", OptimizerMemory::Compact);
+        let e = expected(case);
+        let (losses, norms) = (f64s(&e["loss_per_step"]), f64s(&e["grad_norm_per_step"]));
+        for (s, (l, g)) in compact.steps.iter().enumerate() {
+            assert_rel(&format!("{case} compact loss {s}"), *l, losses[s], 1e-3);
+            assert_rel(&format!("{case} compact grad norm {s}"), *g, norms[s], 1e-2);
+        }
+    }
+}

@@ -11,7 +11,7 @@ use crate::engine::options::{GradWire, OptimizerMemory};
 use crate::model::layout::ModelLayout;
 use crate::model::spec::Op;
 use crate::optim::moments::MomentStorage;
-use crate::store::{host_tensors, tensor_bytes};
+use crate::store::{HostDtype, host_tensors, tensor_bytes};
 
 /// Sizes (in f32 elements unless said otherwise) of every buffer the engine allocates: the
 /// single source for the allocation and for the memory plan.
@@ -55,8 +55,9 @@ pub struct Sizes {
     pub moment_bytes: usize,
     /// Host bytes of the trained masters (fp32).
     pub master_bytes: usize,
-    /// Host bytes of an adapter run's frozen base (bf16 or fp32, NF4 words); 0 otherwise.
-    pub base_bytes: usize,
+    /// Host bytes of an adapter run's frozen base by dtype: fp32, bf16, NF4 words (0 in full
+    /// fine-tuning).
+    pub base_bytes: [usize; 3],
     /// The row length every buffer is sized for (`EngineConfig::seq_len`).
     pub seq_len: usize,
     /// Rows of a micro-batch at the longest row length.
@@ -151,7 +152,9 @@ impl Sizes {
             host_grads,
             moment_bytes: cfg.memory.moment_storage().bytes(&layout.buffer_tensors().concat()),
             master_bytes: tensor_bytes(&trained),
-            base_bytes: tensor_bytes(&frozen),
+            base_bytes: [HostDtype::F32, HostDtype::Bf16, HostDtype::Nf4].map(|d| {
+                tensor_bytes(&frozen.iter().filter(|t| t.dtype == d).cloned().collect::<Vec<_>>())
+            }),
             seq_len: cfg.seq_len,
             mb_rows,
             act: n * d.c,
@@ -259,7 +262,7 @@ impl Sizes {
     }
 
     /// Host bytes by kind.
-    pub fn host_bytes(&self) -> [(&'static str, usize); 7] {
+    pub fn host_bytes(&self) -> Vec<(&'static str, usize)> {
         let m = self.micro_batches;
         let moments = match self.memory.moment_storage() {
             MomentStorage::Q8 => {
@@ -277,8 +280,14 @@ impl Sizes {
             (GradWire::Bf16, false) => "gradient slabs (bf16, engine.grad_wire)",
             (GradWire::Bf16, true) => "gradient slabs (bf16, engine.grad_wire; + one fp32 layer)",
         };
-        [
-            ("frozen base (bf16 or fp32; qlora: NF4 products)", self.base_bytes),
+        let base = [
+            "frozen base, fp32",
+            "frozen base, bf16",
+            "frozen base, NF4 (4 bits a value + an fp32 absmax per 64)",
+        ];
+        let mut lines: Vec<(&'static str, usize)> =
+            base.into_iter().zip(self.base_bytes).filter(|&(_, b)| b > 0).collect();
+        lines.extend([
             ("master weights (fp32, the trained tensors)", self.master_bytes),
             (moments, self.moment_bytes),
             (grads, self.host_grads * 4),
@@ -288,7 +297,8 @@ impl Sizes {
                 m * (2 * self.act + self.mb_rows) * 4,
             ),
             ("checkpoints", self.blocks * m * self.act * 4),
-        ]
+        ]);
+        lines
     }
 
     pub fn device_total(&self) -> usize {

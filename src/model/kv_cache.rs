@@ -17,10 +17,15 @@ use anyhow::{Result, bail};
 use horizon_backend::{DeviceAlloc, DeviceSlice};
 
 use crate::hf::config::ModelConfig;
-use crate::model::layer::{KvStep, Rows, Slot, Weights, act_slots, layer_forward_cached};
+use std::sync::Arc;
+
+use crate::model::base::FrozenBase;
+use crate::model::layer::{KvStep, Rows, Slot, act_slots, layer_forward_cached};
 use crate::model::layout::ModelLayout;
 use crate::model::params::ParamStore;
-use crate::model::transformer::{embed_rows, rope_tables, v, vm};
+use crate::model::transformer::{
+    LayerUpload, embed_rows_of, layer_weights, rope_tables, upload_head, upload_layer, v, vm,
+};
 
 /// Where the decoder keeps the layers' weights between steps.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -41,8 +46,15 @@ pub struct KvDecoder<B: DeviceAlloc> {
     max_step: usize,
     /// Per rope table: (T_max, D/2) cos and sin.
     ropes: Vec<(B::Mem, B::Mem)>,
-    /// One weight slot (largest layer), or one per layer ([`Residency::Resident`]).
+    /// An adapter's frozen base (`None`: every weight in the `ParamStore`).
+    base: Option<Arc<FrozenBase>>,
+    /// One weight slot (largest layer), or one per layer ([`Residency::Resident`]); with each,
+    /// its packed NF4 words (QLoRA); the dequantisation workspace.
     slots: Vec<B::WMem>,
+    packed: Vec<B::Mem>,
+    ws: B::WMem,
+    /// Host scratch for frozen weights expanded to fp32 (empty without a base).
+    scratch: Vec<f32>,
     /// The layer's own activations, (max_step, width) each.
     acts: Vec<B::Mem>,
     /// (max_step, C) the residual stream: input and output of the current layer.
@@ -72,7 +84,17 @@ impl<B: DeviceAlloc> KvDecoder<B> {
         max_step: usize,
         residency: Residency,
     ) -> Self {
-        let layout = ModelLayout::new(cfg);
+        Self::with_layout(be, ModelLayout::new(cfg), None, (max_len, max_step), residency)
+    }
+
+    /// [`KvDecoder::new`] for `layout` (an adapter's, over its frozen `base`).
+    pub fn with_layout(
+        be: B,
+        layout: ModelLayout,
+        base: Option<Arc<FrozenBase>>,
+        (max_len, max_step): (usize, usize),
+        residency: Residency,
+    ) -> Self {
         let d = layout.dims;
         let (max_len, max_step) = (max_len.max(1), max_step.clamp(1, max_len.max(1)));
         let ropes = layout
@@ -86,15 +108,27 @@ impl<B: DeviceAlloc> KvDecoder<B> {
                 (cos, sin)
             })
             .collect();
-        let slots = match residency {
-            Residency::Streamed => vec![be.alloc_weights(layout.max_layer_len())],
-            Residency::Resident => {
-                (0..d.layers).map(|l| be.alloc_weights(layout.layer(l).len)).collect()
-            }
+        let (slots, packed) = match residency {
+            Residency::Streamed => (
+                vec![be.alloc_weights(layout.max_layer_len())],
+                vec![be.alloc(layout.max_packed())],
+            ),
+            Residency::Resident => (0..d.layers)
+                .map(|l| (be.alloc_weights(layout.layer(l).len), be.alloc(layout.layer(l).packed)))
+                .unzip(),
+        };
+        let scratch = if base.is_some() {
+            vec![0.0; (d.v * d.c).max(layout.max_layer_len())]
+        } else {
+            vec![]
         };
         let acts = layout.max_act_widths().iter().map(|w| be.alloc(max_step * w)).collect();
         let cache = (0..d.layers).map(|_| be.alloc(max_len * d.qkv())).collect();
         KvDecoder {
+            ws: be.alloc_weights(layout.max_workspace()),
+            base,
+            packed,
+            scratch,
             slots,
             acts,
             cache,
@@ -134,14 +168,21 @@ impl<B: DeviceAlloc> KvDecoder<B> {
     /// (and, resident, every layer).
     pub fn begin(&mut self, params: &ParamStore) {
         self.pos = 0;
-        self.be.upload_weights(&mut self.norm_w, &params.final_norm);
-        let head = params.lm_head.as_deref().unwrap_or(&params.embed);
-        self.be.upload_weights(&mut self.head_w, head);
+        let m = (self.base.as_deref(), params);
+        let heads = (&mut self.norm_w, &mut self.head_w);
+        upload_head(&self.be, &self.layout, m, heads, &mut self.scratch);
         if self.slots.len() > 1 {
-            for (slot, w) in self.slots.iter_mut().zip(&params.layers) {
-                self.be.upload_weights(slot, w);
+            for l in 0..self.slots.len() {
+                self.upload(params, l, l);
             }
         }
+    }
+
+    /// Layer `l`'s weights into slot `slot`.
+    fn upload(&mut self, params: &ParamStore, l: usize, slot: usize) {
+        let (w, packed) = (&mut self.slots[slot], &mut self.packed[slot]);
+        let mut to = LayerUpload { w, packed, scratch: &mut self.scratch };
+        upload_layer(&self.be, &self.layout, (self.base.as_deref(), params), l, &mut to);
     }
 
     /// Run the positions of `ids` (appended to the sequence, at most `max_step` at a time) and
@@ -157,17 +198,17 @@ impl<B: DeviceAlloc> KvDecoder<B> {
             );
         }
         let nc = t * d.c;
-        embed_rows(&mut self.host_x[..nc], ids, &params.embed, &self.layout);
+        embed_rows_of(&mut self.host_x[..nc], ids, (self.base.as_deref(), params), &self.layout);
         self.be.upload(vm(&mut self.x, nc), &self.host_x[..nc]);
         let half = d.d / 2;
         for l in 0..d.layers {
-            let spec = self.layout.layer(l);
             let slot = if self.slots.len() > 1 {
                 l
             } else {
-                self.be.upload_weights(vm(&mut self.slots[0], spec.len), &params.layers[l]);
+                self.upload(params, l, 0);
                 0
             };
+            let spec = self.layout.layer(l);
             let ropes: Vec<(&B::Buf, &B::Buf)> = self
                 .ropes
                 .iter()
@@ -182,8 +223,8 @@ impl<B: DeviceAlloc> KvDecoder<B> {
                 self.acts.iter_mut().map(|m| &mut **m),
             );
             let kv = KvStep { cache: &mut *self.cache[l], pos };
-            let w = v(&self.slots[slot], spec.len);
-            let mut w = Weights::slot(w);
+            let mut w =
+                layer_weights::<B>(spec, &self.slots[slot], &self.packed[slot], &mut self.ws);
             layer_forward_cached(&self.be, spec, &mut slots, &mut w, &ropes, Rows { b: 1, t }, kv);
             drop(slots);
             std::mem::swap(&mut self.x, &mut self.y);

@@ -516,18 +516,29 @@ mod tests {
         layout.rope.iter().map(|f| rope_tables(f, ROWS.t)).collect()
     }
 
+    /// Each fixture family's layout, its windows cut to 3 (shorter than the test's rows).
+    fn fixture_layouts() -> Vec<(&'static str, ModelLayout)> {
+        let cases = ["llama_gqa", "qwen2_tied_padded", "qwen3_qknorm", "gemma3_sliding"];
+        cases
+            .into_iter()
+            .map(|case| {
+                let dir = env!("CARGO_MANIFEST_DIR");
+                let path = format!("{dir}/tests/fixtures/{case}/model/config.json");
+                let cfg = ModelConfig::from_file(std::path::Path::new(&path)).unwrap();
+                let mut layout = ModelLayout::new(&cfg);
+                for spec in &mut layout.kinds {
+                    spec.attn.window = spec.attn.window.min(3);
+                }
+                (case, layout)
+            })
+            .collect()
+    }
+
     /// Each fixture family's layer kinds (Llama with GQA, Qwen2 with biases, Qwen3's q/k norm,
     /// Gemma 3's four `(1 + w)` norms, GeGLU and sliding window).
     #[test]
     fn every_family_layer_matches_finite_differences() {
-        for case in ["llama_gqa", "qwen2_tied_padded", "qwen3_qknorm", "gemma3_sliding"] {
-            let dir = env!("CARGO_MANIFEST_DIR");
-            let path = format!("{dir}/tests/fixtures/{case}/model/config.json");
-            let cfg = ModelConfig::from_file(std::path::Path::new(&path)).unwrap();
-            let mut layout = ModelLayout::new(&cfg);
-            for spec in &mut layout.kinds {
-                spec.attn.window = spec.attn.window.min(3);
-            }
+        for (case, layout) in fixture_layouts() {
             let ropes = tables(&layout);
             for spec in &layout.kinds {
                 check(&format!("{case} {}", spec.kind), spec, &ropes);
@@ -566,14 +577,7 @@ mod tests {
                 .iter()
                 .map(|t| t.to_string())
                 .collect();
-        for case in ["llama_gqa", "qwen2_tied_padded", "qwen3_qknorm", "gemma3_sliding"] {
-            let dir = env!("CARGO_MANIFEST_DIR");
-            let path = format!("{dir}/tests/fixtures/{case}/model/config.json");
-            let cfg = ModelConfig::from_file(std::path::Path::new(&path)).unwrap();
-            let mut layout = ModelLayout::new(&cfg);
-            for spec in &mut layout.kinds {
-                spec.attn.window = spec.attn.window.min(3);
-            }
+        for (case, layout) in fixture_layouts() {
             let ropes = tables(&layout);
             for nf4 in [false, true] {
                 let lora = LoraSpec {

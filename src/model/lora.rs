@@ -250,3 +250,70 @@ fn push_tensor(spec: &mut LayerSpec, name: String, shape: Vec<usize>, init: Init
     spec.tensors.push(t);
     r
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::spec::{AttnSpec, LayerBuilder, X, Y};
+
+    fn spec(nf4: bool, targets: &[&str]) -> LoraSpec {
+        LoraSpec {
+            r: 2,
+            scale: 1.0,
+            targets: targets.iter().map(|t| t.to_string()).collect(),
+            nf4,
+            base: BaseDtype::F32,
+        }
+    }
+
+    /// A layer of a norm and a residual add only: nothing to adapt, nothing to quantise.
+    fn no_products() -> LayerSpec {
+        let c = 4;
+        let mut b = LayerBuilder::new(c);
+        let ln = b.tensor("norm.weight", &[c], Init::Ones);
+        let h = b.rmsnorm(X, ("h", "rstd"), ln, 0.0);
+        b.op(Op::Add { a: X, b: h, out: Y });
+        b.finish("plain", AttnSpec { h: 1, kvh: 1, d: c, window: 0, scale: 1.0 }, 1e-6)
+    }
+
+    #[test]
+    fn qlora_on_a_layer_without_a_product_is_refused() {
+        let err = no_products().with_lora(&spec(true, &[])).unwrap_err();
+        assert!(err.contains("no Linear weight to quantise"), "{err}");
+    }
+
+    #[test]
+    fn a_target_the_layer_lacks_is_refused_naming_it_and_the_modules_it_has() {
+        let cfg = crate::hf::config::ModelConfig::from_file(std::path::Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/llama_gqa/model/config.json"
+        )))
+        .unwrap();
+        let layer = crate::model::layout::ModelLayout::new(&cfg).kinds[0].clone();
+        let err = layer.with_lora(&spec(false, &["q_proj", "wqkv"])).unwrap_err();
+        assert!(
+            err.contains("`wqkv`") && err.contains("q_proj") && err.contains("down_proj"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn adapters_are_the_trained_suffix_and_qlora_packs_every_product() {
+        let cfg = crate::hf::config::ModelConfig::from_file(std::path::Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/qwen2_tied_padded/model/config.json"
+        )))
+        .unwrap();
+        let layer = crate::model::layout::ModelLayout::new(&cfg).kinds[0].clone();
+        let q = layer.with_lora(&spec(true, &["q_proj", "v_proj", "down_proj"])).unwrap();
+        // Norms and biases stay in the slot, frozen; seven matrices are NF4.
+        let packed = q.tensors.iter().filter(|t| t.stored == Stored::Nf4).count();
+        assert_eq!(packed, 7);
+        assert_eq!(q.trained().count(), 6, "A and B of three targets");
+        let slot_base: usize =
+            q.frozen_tensors().filter(|t| t.stored == Stored::Slot).map(|t| t.numel()).sum();
+        assert_eq!(q.frozen, slot_base);
+        assert_eq!(q.train_len(), q.trained().map(|t| t.numel()).sum::<usize>());
+        assert_eq!(q.ops.iter().filter(|o| matches!(o, Op::Lora { .. })).count(), 3);
+    }
+}

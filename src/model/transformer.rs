@@ -8,6 +8,7 @@
 //! `model/layer.rs`; this file owns the buffers of the reference path and the head pass.
 
 use std::ops::{Deref, DerefMut};
+use std::sync::Arc;
 
 use anyhow::{Result, bail};
 use horizon_backend::{Backend, CpuBackend, DeviceAlloc, DeviceSlice, Dinp, NormDims};
@@ -59,7 +60,7 @@ pub struct Transformer<B: DeviceAlloc> {
     /// One layer's weights on the device, (largest layer len), in the backend's precision.
     w: B::WMem,
     /// An adapter run's frozen base (`None`: full fine-tuning, every weight in the masters).
-    base: Option<FrozenBase>,
+    base: Option<Arc<FrozenBase>>,
     /// A quantised layer's NF4 words, and the workspace a packed weight is dequantised into.
     packed: B::Mem,
     ws: B::WMem,
@@ -126,7 +127,7 @@ impl<B: DeviceAlloc> Transformer<B> {
     pub fn with_layout(
         be: B,
         layout: ModelLayout,
-        base: Option<FrozenBase>,
+        base: Option<Arc<FrozenBase>>,
         cap: Capacity,
     ) -> Self {
         assert_eq!(base.is_some(), !layout.trains_base(), "an adapter layout has a frozen base");
@@ -197,33 +198,17 @@ impl<B: DeviceAlloc> Transformer<B> {
     /// Layer `l`'s weights into the slot: the frozen part from the base (fp32, exact), the
     /// trained part from `params`, the packed words as they are.
     fn upload_layer(&mut self, params: &ParamStore, l: usize) {
-        let spec = self.layout.layer(l);
-        let (frozen, len) = (spec.frozen, spec.len);
-        if let Some(base) = &self.base {
-            base.layers[l].get(0, &mut self.host_dw[..frozen]);
-            self.be.upload_weights(vm(&mut self.w, frozen), &self.host_dw[..frozen]);
-            let words = words_as_f32(&base.packed[l]);
-            self.be.upload(vm(&mut self.packed, words.len()), words);
-        }
-        self.be.upload_weights(self.w.slice_mut(frozen..len), &params.layers[l]);
+        let (be, base) = (&self.be, self.base.as_deref());
+        let mut w =
+            LayerUpload { w: &mut self.w, packed: &mut self.packed, scratch: &mut self.host_dw };
+        upload_layer(be, &self.layout, (base, params), l, &mut w);
     }
 
     /// The final norm and head weights into their buffers (from the base when frozen).
     fn upload_head(&mut self, params: &ParamStore) {
-        match &self.base {
-            None => {
-                self.be.upload_weights(&mut self.norm_w, &params.final_norm);
-                let head = params.lm_head.as_deref().unwrap_or(&params.embed);
-                self.be.upload_weights(&mut self.head_w, head);
-            }
-            Some(base) => {
-                let c = self.layout.dims.c;
-                base.final_norm.get(0, &mut self.host_dw[..c]);
-                self.be.upload_weights(&mut self.norm_w, &self.host_dw[..c]);
-                base.lm_head.as_ref().unwrap_or(&base.embed).get(0, &mut self.host_dhead);
-                self.be.upload_weights(&mut self.head_w, &self.host_dhead);
-            }
-        }
+        let (norm, head) = (&mut self.norm_w, &mut self.head_w);
+        let m = (self.base.as_deref(), params);
+        upload_head(&self.be, &self.layout, m, (norm, head), &mut self.host_dhead);
     }
 
     fn check_batch(&self, batch: &Batch) -> Result<()> {
@@ -248,14 +233,8 @@ impl<B: DeviceAlloc> Transformer<B> {
         let nc = n * d.c;
         let rows = Rows { b: batch.b, t: batch.t };
         // Embedding rows are gathered on the host (only the rows the batch touches travel).
-        match &self.base {
-            None => {
-                embed_rows(&mut self.ckpt[0][..nc], &batch.input_ids, &params.embed, &self.layout)
-            }
-            Some(b) => {
-                embed_rows_frozen(&mut self.ckpt[0][..nc], &batch.input_ids, &b.embed, &self.layout)
-            }
-        }
+        let m = (self.base.as_deref(), params);
+        embed_rows_of(&mut self.ckpt[0][..nc], &batch.input_ids, m, &self.layout);
         self.be.upload_i32(self.ids.slice_mut(0..n), &batch.input_ids);
         self.be.upload_i32(self.targets.slice_mut(0..n), &batch.targets);
         self.be.upload(vm(&mut self.x, nc), &self.ckpt[0][..nc]);
@@ -457,8 +436,71 @@ impl<B: DeviceAlloc> Transformer<B> {
     }
 }
 
+/// A model's weights on the host: an adapter run's frozen base (or none) and the trained part.
+pub(crate) type HostModel<'a> = (Option<&'a FrozenBase>, &'a ParamStore);
+
+/// Where a layer's weights go on a synchronous backend: its slot, its packed words, and a host
+/// scratch of at least the frozen part (bf16 expanded to fp32 there).
+pub(crate) struct LayerUpload<'a, B: DeviceAlloc> {
+    pub w: &'a mut B::WMem,
+    pub packed: &'a mut B::Mem,
+    pub scratch: &'a mut [f32],
+}
+
+/// Layer `l`'s weights into its slot: the frozen part from the base (exactly, as fp32 on the
+/// CPU), the trained part from the masters, the packed words as they are.
+pub(crate) fn upload_layer<B: DeviceAlloc>(
+    be: &B,
+    layout: &ModelLayout,
+    (base, params): HostModel<'_>,
+    l: usize,
+    to: &mut LayerUpload<'_, B>,
+) {
+    let spec = layout.layer(l);
+    let (frozen, len) = (spec.frozen, spec.len);
+    if let Some(base) = base {
+        base.layers[l].get(0, &mut to.scratch[..frozen]);
+        be.upload_weights(vm(to.w, frozen), &to.scratch[..frozen]);
+        let words = words_as_f32(&base.packed[l]);
+        be.upload(vm(to.packed, words.len()), words);
+    }
+    be.upload_weights(to.w.slice_mut(frozen..len), &params.layers[l]);
+}
+
+/// The final norm and LM head weights into `norm_w`, `head_w` (from the base when it is
+/// frozen; `scratch`, (V, C), then holds the head as fp32).
+pub(crate) fn upload_head<B: DeviceAlloc>(
+    be: &B,
+    layout: &ModelLayout,
+    (base, params): HostModel<'_>,
+    (norm_w, head_w): (&mut B::WMem, &mut B::WMem),
+    scratch: &mut [f32],
+) {
+    match base {
+        None => {
+            be.upload_weights(norm_w, &params.final_norm);
+            be.upload_weights(head_w, params.lm_head.as_deref().unwrap_or(&params.embed));
+        }
+        Some(base) => {
+            let (c, vc) = (layout.dims.c, layout.dims.v * layout.dims.c);
+            base.final_norm.get(0, &mut scratch[..c]);
+            be.upload_weights(norm_w, &scratch[..c]);
+            base.lm_head.as_ref().unwrap_or(&base.embed).get(0, &mut scratch[..vc]);
+            be.upload_weights(head_w, &scratch[..vc]);
+        }
+    }
+}
+
+/// [`embed_rows`] from the masters, or from the frozen base when there is one.
+pub(crate) fn embed_rows_of(out: &mut [f32], ids: &[i32], m: HostModel<'_>, layout: &ModelLayout) {
+    match m {
+        (None, params) => embed_rows(out, ids, &params.embed, layout),
+        (Some(base), _) => embed_rows_frozen(out, ids, &base.embed, layout),
+    }
+}
+
 /// A layer's weights: its slot, and its packed words with the workspace when it has any.
-fn layer_weights<'a, B: DeviceAlloc>(
+pub(crate) fn layer_weights<'a, B: DeviceAlloc>(
     spec: &crate::model::spec::LayerSpec,
     w: &'a B::WMem,
     packed: &'a B::Mem,

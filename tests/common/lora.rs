@@ -92,6 +92,20 @@ pub fn streamed<D: Device>(dev: D, case: &str, k: usize, mbs: usize, base_dtype:
 where
     D::Backend: 'static,
 {
+    streamed_in(dev, case, (k, mbs), base_dtype, horizon::config::OptimizerMemory::Exact)
+}
+
+/// [`streamed`] in `optimizer.memory` mode `memory`.
+pub fn streamed_in<D: Device>(
+    dev: D,
+    case: &str,
+    (k, mbs): (usize, usize),
+    base_dtype: &str,
+    memory: horizon::config::OptimizerMemory,
+) -> Streamed
+where
+    D::Backend: 'static,
+{
     let yaml = yaml_with(case, base_dtype, "");
     let cfg = RawConfig::from_yaml(&yaml, case).unwrap().resolve(case).unwrap();
     let RunModel { layout, params, base, .. } =
@@ -102,33 +116,14 @@ where
         horizon::data::pretokenized::load_pretokenized(&dir(case).join("data.jsonl"), 64, 100_000)
             .unwrap()
             .rows;
-    let betas = f64s(&e["betas"]);
-    let ecfg = EngineConfig {
-        batch_size: e["batch"].as_u64().unwrap() as usize,
-        micro_batch_size: mbs,
-        seq_len: rows.iter().map(|r| r.input_ids.len()).max().unwrap(),
-        checkpoint_every: k,
-        grad_slabs: 2,
-        head_chunk_rows: 7,
-        head_tile_rows: None,
-        adamw: horizon::optim::adamw::AdamWConfig {
-            lr: e["lr"].as_f64().unwrap(),
-            beta1: betas[0],
-            beta2: betas[1],
-            eps: e["eps"].as_f64().unwrap(),
-            weight_decay: e["weight_decay"].as_f64().unwrap(),
-        },
-        grad_clip: e["grad_clip"].as_f64().unwrap(),
-        keep_internals: false,
-        memory: horizon::config::OptimizerMemory::Exact,
-        backend: if D::Backend::PRECISION == horizon_backend::Precision::Bf16 {
-            horizon::config::BackendKind::Cuda
-        } else {
-            horizon::config::BackendKind::Cpu
-        },
-        grad_wire: horizon::config::GradWire::Fp32,
+    let backend = if D::Backend::PRECISION == horizon_backend::Precision::Bf16 {
+        horizon::config::BackendKind::Cuda
+    } else {
+        horizon::config::BackendKind::Cpu
     };
-    let state = TrainState::new(params);
+    let seq_len = rows.iter().map(|r| r.input_ids.len()).max().unwrap();
+    let ecfg = EngineConfig { backend, memory, ..super::engine_config_for(&e, seq_len, k, mbs) };
+    let state = TrainState::for_memory(params, &layout, memory);
     let mut engine = Engine::with_layout(dev, layout, base.map(Arc::new), state, ecfg).unwrap();
     let head_tiles = engine.sizes().head.tiles();
     let batch = ecfg.batch_size;

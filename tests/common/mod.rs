@@ -110,12 +110,22 @@ pub fn case_yaml(case: &str, extra: &str) -> String {
 /// gradient slabs, exact memory mode, the backward recomputing, the CPU backend, fp32
 /// gradients on the wire.
 pub fn case_engine_config(case: &str, k: usize, mbs: usize) -> horizon::engine::exec::EngineConfig {
-    let e = expected(case);
+    let seq_len = case_rows(case).iter().map(|r| r.input_ids.len()).max().unwrap_or(0).max(32);
+    engine_config_for(&expected(case), seq_len, k, mbs)
+}
+
+/// [`case_engine_config`] of a fixture's `expected.json` `e`, for rows of `seq_len`.
+pub fn engine_config_for(
+    e: &Value,
+    seq_len: usize,
+    k: usize,
+    mbs: usize,
+) -> horizon::engine::exec::EngineConfig {
     let betas = f64s(&e["betas"]);
     horizon::engine::exec::EngineConfig {
         batch_size: e["batch"].as_u64().unwrap() as usize,
         micro_batch_size: mbs,
-        seq_len: case_rows(case).iter().map(|r| r.input_ids.len()).max().unwrap_or(0).max(32),
+        seq_len,
         checkpoint_every: k,
         grad_slabs: 2,
         head_chunk_rows: 7,
