@@ -1521,7 +1521,7 @@ where
             OpKind::SlabUpdate { slab, layer } => {
                 self.host_op(Phase::Optimizer, sd, grant, move |c, sd, grant| {
                     let i = c.param_index(ParamBuf::Layer(layer));
-                    let len = c.layout.layer(layer).len;
+                    let len = c.layout.layer(layer).train_len();
                     // SAFETY: ordered after the slab's download and before its next one; the
                     // layer's masters and moments are ordered against its uploads.
                     unsafe {
@@ -1538,7 +1538,7 @@ where
             OpKind::MeasureSlab { slab, layer } => {
                 self.host_op(Phase::Optimizer, sd, grant, move |c, sd, grant| {
                     let i = c.param_index(ParamBuf::Layer(layer));
-                    let len = c.layout.layer(layer).len;
+                    let len = c.layout.layer(layer).train_len();
                     let mut st = c.stats.lock().expect("no update panicked");
                     // SAFETY: ordered after the slab's download and before its update.
                     unsafe {
@@ -1550,7 +1550,7 @@ where
             OpKind::HeldSlabUpdate { slab, layer } => {
                 self.host_op(Phase::Optimizer, sd, grant, move |c, sd, grant| {
                     let i = c.param_index(ParamBuf::Layer(layer));
-                    let len = c.layout.layer(layer).len;
+                    let len = c.layout.layer(layer).train_len();
                     // SAFETY: ordered after the slab's download and the norm, and before the
                     // slab's next download; the layer's masters and moments are ordered against
                     // its uploads.
