@@ -72,8 +72,7 @@ pub fn merge_dir(
     out: &Path,
     opts: ExportOptions,
 ) -> Result<Exported> {
-    let run = load_adapter_run(src, base, BaseChoice::Fp32)?;
-    let base_dir = run_base_dir(src, base)?;
+    let (run, base_dir) = load_adapter_run(src, base, BaseChoice::Fp32)?;
     let merged = merged_params(&run);
     let tokenizer = if base_dir.join("tokenizer.json").is_file() {
         TokenizerSource::Dir(base_dir.clone())
@@ -86,12 +85,14 @@ pub fn merge_dir(
 
 /// The base model directory of adapter `src`: `base`, else the one Horizon's note or the
 /// adapter's `base_model_name_or_path` names (it must be a local directory).
-fn run_base_dir(src: &Path, base: Option<&Path>) -> Result<PathBuf> {
-    let dir = adapter_dir(src)?;
-    let adapter = peft::read(&dir)?;
-    let sidecar = read_sidecar(&dir)?;
+fn run_base_dir(
+    dir: &Path,
+    adapter: &peft::PeftAdapter,
+    sidecar: Option<&Sidecar>,
+    base: Option<&Path>,
+) -> Result<PathBuf> {
     base.map(Path::to_path_buf)
-        .or_else(|| sidecar.as_ref().and_then(|s| s.base_model.clone()))
+        .or_else(|| sidecar.and_then(|s| s.base_model.clone()))
         .or_else(|| adapter.base_model.as_ref().map(PathBuf::from))
         .filter(|p| p.is_dir())
         .with_context(|| {
@@ -116,16 +117,16 @@ fn read_sidecar(dir: &Path) -> Result<Option<Sidecar>> {
 
 /// The model of adapter `src` over its base (`base`, or the one it names): the base frozen in
 /// `base_dtype` (NF4 where the adapter was trained with QLoRA), the adapters from the
-/// directory.
+/// directory; and the base's directory.
 pub fn load_adapter_run(
     src: &Path,
     base: Option<&Path>,
     base_dtype: BaseChoice,
-) -> Result<RunModel> {
+) -> Result<(RunModel, PathBuf)> {
     let dir = adapter_dir(src)?;
     let adapter = peft::read(&dir)?;
     let sidecar = read_sidecar(&dir)?;
-    let base_dir = run_base_dir(src, base)?;
+    let base_dir = run_base_dir(&dir, &adapter, sidecar.as_ref(), base)?;
     let kind = match sidecar.as_ref().map(|s| s.kind.as_str()) {
         Some("qlora") => AdapterKind::Qlora,
         _ => AdapterKind::Lora,
@@ -141,7 +142,7 @@ pub fn load_adapter_run(
     };
     let yaml = format!("model: {{ path: '{}' }}\ndata: {{ path: unused }}\n", base_dir.display());
     let raw = RawConfig::from_yaml(&yaml, &dir.display().to_string())?;
-    load_run_model(&raw, Some(&a))
+    Ok((load_run_model(&raw, Some(&a))?, base_dir))
 }
 
 /// The full model's parameters: the base (dequantised where it is NF4), each adapted weight
