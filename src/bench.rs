@@ -52,7 +52,7 @@ pub fn report(s: &Summary) -> String {
         per(s.flops.model) * 1e-9
     );
     out += &format!(
-        "  per step (s): forward {:.3}, recompute {:.3}, backward {:.3}, head {:.3}, compute idle {:.3} | optimizer {:.3}, gradients {:.3}, embedding {:.3} (host) | transfers h2d {:.3}, d2h {:.3}\n",
+        "  per step (s): forward {:.3}, recompute {:.3}, backward {:.3}, head {:.3}, compute idle {:.3} | optimizer {:.3}, gradients {:.3}, embedding {:.3} (host; host queue busy {:.3}) | transfers h2d {:.3}, d2h {:.3}\n",
         per(p.forward),
         per(p.recompute),
         per(p.backward),
@@ -61,6 +61,7 @@ pub fn report(s: &Summary) -> String {
         per(p.optimizer),
         per(p.gradients),
         per(p.embedding),
+        per(s.host_busy_s),
         per(s.h2d_busy_s),
         per(s.d2h_busy_s)
     );

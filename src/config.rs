@@ -11,7 +11,7 @@ use crate::data::{Columns, OnError};
 use crate::schedule::{LrSchedule, ScheduleKind};
 
 // The engine's options, parsed here (the engine knows nothing of YAML).
-pub use crate::engine::options::{BackendKind, GradWire, OptimizerMemory};
+pub use crate::engine::options::{BackendKind, GradWire, OptimizerMemory, WeightUpload};
 
 /// The YAML file as written by the user. Every key except `model.path` and `data.path` has a
 /// default.
@@ -376,6 +376,11 @@ pub struct EngineSection {
     /// the host accumulates in fp32). The final norm's and LM head's gradients, and the
     /// residual gradient of the embedding, always come back fp32.
     pub grad_wire: GradWire,
+    /// CUDA: how trained weights reach the device as bf16: `image` (a page-locked bf16 copy
+    /// of the masters, rewritten by the optimizer as it updates them: uploads are pure copies,
+    /// 2 more host bytes per trained parameter), `round` (rounded inside every upload, on the
+    /// host's cores) or `auto` (default: `image` when the host plan fits with it).
+    pub weight_upload: WeightUpload,
 }
 
 impl Default for EngineSection {
@@ -387,6 +392,7 @@ impl Default for EngineSection {
             head_tile_rows: None,
             recompute: Recompute::Auto,
             grad_wire: GradWire::Fp32,
+            weight_upload: WeightUpload::Auto,
         }
     }
 }

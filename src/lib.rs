@@ -19,6 +19,7 @@ pub mod resume;
 pub mod rng;
 pub mod run_lock;
 pub mod schedule;
+pub mod sim;
 pub mod store;
 pub mod summary;
 pub mod tokenizer;

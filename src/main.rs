@@ -126,6 +126,10 @@ enum Command {
         /// available memory.
         #[arg(long)]
         host_memory: Option<String>,
+        /// Also project the run's speed on this machine: a built-in profile (h200-pcie5,
+        /// h100-pcie5, a100-pcie4, gh200, this-cpu) or a YAML profile file.
+        #[arg(long)]
+        hardware: Option<String>,
     },
 }
 
@@ -174,7 +178,7 @@ fn try_main(cli: Cli) -> Result<()> {
             horizon::train::run_streaming(cfg, true, 0, resume.as_deref())?;
             Ok(())
         }
-        Command::Plan { config, host_memory } => {
+        Command::Plan { config, host_memory, hardware } => {
             let cfg = horizon::config::RawConfig::from_file(&config)?
                 .resolve(&config.display().to_string())?;
             let host = match host_memory.as_deref().map(horizon::config::ByteSize::parse) {
@@ -183,7 +187,10 @@ fn try_main(cli: Cli) -> Result<()> {
                 Some(Ok(_)) => bail!("--host-memory must be a positive size such as 64GiB"),
                 Some(Err(e)) => bail!("--host-memory: {e}"),
             };
-            horizon::plan_cmd::run(&cfg, host)
+            match hardware {
+                Some(hw) => horizon::plan_cmd::run_on(&cfg, &hw),
+                None => horizon::plan_cmd::run(&cfg, host),
+            }
         }
         Command::Export { source, out, dtype, max_shard_size, merge, base } => {
             let max_shard_bytes = match horizon::config::ByteSize::parse(&max_shard_size) {

@@ -255,3 +255,17 @@ pub fn run(cfg: &RunConfig, host_memory: Option<u64>) -> Result<()> {
     println!("fits");
     Ok(())
 }
+
+/// `horizon plan --hardware PROFILE`: the plan and the projection on that machine; an error
+/// when the run does not fit it.
+pub fn run_on(cfg: &RunConfig, profile: &str) -> Result<()> {
+    let p = crate::sim::report::projection(cfg, profile)?;
+    print!("{}", p.text);
+    if !p.fits {
+        anyhow::bail!(
+            "the run does not fit {}: see the host and device lines above\nhint: use optimizer.memory: lean or compact, a smaller train.micro_batch_size, or engine.checkpoint_every",
+            p.hw.name
+        );
+    }
+    Ok(())
+}

@@ -41,6 +41,8 @@ pub struct Summary {
     /// Seconds the host -> device and device -> host queues spent copying.
     pub h2d_busy_s: f64,
     pub d2h_busy_s: f64,
+    /// Seconds the host queue spent running its ops (accumulation, norms, updates), timed steps.
+    pub host_busy_s: f64,
     /// Wall seconds the compute queue was not running a kernel.
     pub compute_idle_s: f64,
     /// FLOPs of the timed steps (at the planned row length): every product the schedule ran,

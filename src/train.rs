@@ -14,7 +14,7 @@ use serde::Serialize;
 
 use crate::adapter::{AdapterConfig, AdapterKind, BaseDtype as BaseChoice, peft};
 use crate::config::{
-    BackendKind, ByteSize, DataFormat, ModelInit, RawConfig, Recompute, RunConfig,
+    BackendKind, ByteSize, DataFormat, ModelInit, RawConfig, Recompute, RunConfig, WeightUpload,
 };
 use crate::data::pretokenized::{Batch, PretokenizedDataset, Row, make_batch};
 use crate::data::{
@@ -671,6 +671,35 @@ where
                 if budget.is_some() && keep.1.check().is_ok() { keep } else { planned(false) }
             }
         };
+        // engine.weight_upload: a bf16 image beside the masters, on a bf16 device, when asked
+        // for or (auto) when the host plan fits with it.
+        let (ecfg, plan) = if raw.device.backend.precision() != horizon_backend::Precision::Bf16 {
+            (ecfg, plan)
+        } else {
+            let with = |on: bool| {
+                let e = EngineConfig { weight_image: on, ..ecfg };
+                let in_host_ram = raw.device.backend.pool_in_host_ram();
+                let plan = MemoryPlan::new(&Sizes::new(&layout, &e), budget, in_host_ram);
+                (e, plan.sized_for(&seq_len.why))
+            };
+            match raw.engine.weight_upload {
+                WeightUpload::Round => (ecfg, plan),
+                WeightUpload::Image => with(true),
+                WeightUpload::Auto => {
+                    let image = with(true);
+                    if image.1.check().is_ok() { image } else { (ecfg, plan) }
+                }
+            }
+        };
+        println!(
+            "engine.weight_upload: {:?} -> {}",
+            raw.engine.weight_upload,
+            if ecfg.weight_image {
+                "a page-locked bf16 image of the trained weights, written by the optimizer"
+            } else {
+                "the fp32 masters, rounded inside each upload when the device is bf16"
+            }
+        );
         println!(
             "engine.recompute: {:?} -> {}",
             raw.engine.recompute,
@@ -775,6 +804,7 @@ pub fn engine_config(raw: &RawConfig) -> EngineConfig {
         keep_internals: false,
         backend: raw.device.backend,
         grad_wire: raw.engine.grad_wire,
+        weight_image: false,
     }
 }
 
@@ -1073,6 +1103,7 @@ where
         phase_s: tr.engine.phase_seconds().since(base_phases),
         h2d_busy_s: st.h2d_busy_s - base.h2d_busy_s,
         d2h_busy_s: st.d2h_busy_s - base.d2h_busy_s,
+        host_busy_s: st.host_busy_s - base.host_busy_s,
         compute_idle_s: (wall_s - compute).max(0.0),
         flops,
         achieved_gflops: flops.schedule / wall_s.max(1e-9) * 1e-9,

@@ -299,3 +299,27 @@ fn eval_on_the_gpu_tracks_the_reference_loss() {
         }
     }
 }
+
+/// `engine.weight_upload: image`: the optimizer writes a page-locked bf16 image of every
+/// uploaded buffer and the uploads copy it as it is. The image is the masters rounded to
+/// nearest even, what the rounding inside each upload produces, so the run is bit-identical to
+/// one without it: losses, norms and final masters, in exact and lean mode, whole and tiled
+/// head, tied and untied embeddings (the fixture cases).
+#[test]
+fn the_weight_image_changes_no_bit() {
+    use horizon::config::OptimizerMemory;
+    for case in CASES {
+        for (memory, tiles) in [(OptimizerMemory::Exact, None), (OptimizerMemory::Lean, Some(37))] {
+            let base = EngineConfig {
+                memory,
+                head_tile_rows: tiles,
+                ..cuda_config(case, 2, 1, GradWire::Bf16)
+            };
+            let (want, _, want_params) = streamed(cuda(0, 0), case, base);
+            let cfg = EngineConfig { weight_image: true, ..base };
+            let (got, _, got_params) = streamed(cuda(0, 0), case, cfg);
+            assert_eq!(got, want, "{case} {memory:?}: the image changed the losses");
+            assert_eq!(got_params, want_params, "{case} {memory:?}: the image changed the weights");
+        }
+    }
+}

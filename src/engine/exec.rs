@@ -8,11 +8,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
-use horizon_backend::bf16::{add_bf16, expand_bf16};
+use horizon_backend::bf16::{add_bf16, expand_bf16, round_to_bf16};
 use horizon_backend::cpu::add_inplace;
 use horizon_backend::{
     Backend, Bf16, DevBuf, Device, DeviceSlice, Event, HostPtr, HostPtrMut, Kernel, KernelTimer,
-    Queue, Views,
+    Precision, Queue, Views,
 };
 
 use crate::engine::head_tiles::{
@@ -75,12 +75,72 @@ pub struct EngineConfig {
     pub backend: BackendKind,
     /// `engine.grad_wire`: the format layer gradients cross the link in.
     pub grad_wire: GradWire,
+    /// `engine.weight_upload` resolved: keep a page-locked bf16 image of every uploaded trained
+    /// buffer, written by the optimizer, and upload from it (bf16 backends only).
+    pub weight_image: bool,
 }
 
 impl EngineConfig {
     pub fn micro_batches(&self) -> usize {
         self.batch_size.div_ceil(self.micro_batch_size)
     }
+}
+
+/// The shape of the plan the engine runs for `layout` under `cfg` (sized by `sizes`).
+pub fn plan_shape(layout: &ModelLayout, cfg: &EngineConfig, sizes: &Sizes) -> PlanShape {
+    PlanShape {
+        layers: layout.dims.layers,
+        micro_batches: cfg.micro_batches(),
+        checkpoint_every: cfg.checkpoint_every,
+        grad_slabs: cfg.grad_slabs,
+        tied: layout.tied,
+        head_tiles: sizes.head.tiles(),
+        keep_internals: cfg.keep_internals,
+        streamed: cfg.memory.streams_updates(),
+    }
+}
+
+/// A trained buffer's weights as an upload reads them: the fp32 masters (rounded on the way if
+/// the slots are bf16), or the buffer's bf16 image.
+#[derive(Clone, Copy)]
+pub(crate) enum Trained {
+    Masters(HostPtr),
+    Image(HostPtr<Bf16>),
+}
+
+impl Trained {
+    fn sub(self, r: std::ops::Range<usize>) -> Trained {
+        match self {
+            Trained::Masters(w) => Trained::Masters(w.sub(r)),
+            Trained::Image(w) => Trained::Image(w.sub(r)),
+        }
+    }
+}
+
+/// The page-locked bf16 images of `params` the engine uploads from (`cfg.weight_image` on a
+/// bf16 backend): one per buffer the device receives (not an untied embedding, gathered on
+/// the host from the masters; not the empty buffers of an adapter run), each the masters
+/// rounded to nearest even.
+fn weight_images<D: Device>(
+    dev: &D,
+    params: &crate::model::params::ParamStore,
+    layout: &ModelLayout,
+    cfg: &EngineConfig,
+) -> Vec<Option<D::Staging<Bf16>>> {
+    let on = cfg.weight_image && <D::Backend as Backend>::PRECISION == Precision::Bf16;
+    params
+        .buffers()
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let uploaded = i > 0 || layout.tied;
+            (on && uploaded && !p.is_empty()).then(|| {
+                let mut s = dev.alloc_staging::<Bf16>(p.len());
+                round_to_bf16(&mut s, p);
+                s
+            })
+        })
+        .collect()
 }
 
 /// The compute queue's scratch buffers.
@@ -141,6 +201,10 @@ struct Ctx {
     /// Host store, by `param_index`: masters, gradients, moments (gradients of the layers and
     /// fp32 moments are empty where the memory mode does not keep them).
     params: Vec<HostPtrMut>,
+    /// Per param buffer, its page-locked bf16 image when it has one (`EngineConfig::
+    /// weight_image`): written with the masters by every update, uploaded as it is. Declared
+    /// by the plan as part of `Res::Params` (the same writers and readers).
+    images: Vec<Option<HostPtrMut<Bf16>>>,
     /// The optimizer state, by `param_index`, in its storage (fp32 or 8-bit moments).
     moments: Vec<MomentHandle>,
     /// Streamed updates: what the step has measured so far, and the last finite step's norms.
@@ -493,6 +557,14 @@ impl Ctx {
     fn head_param(&self) -> ParamBuf {
         self.shape.head_buf()
     }
+    /// Buffer `i`'s trained weights for an upload: its image if it has one, else its masters.
+    /// The caller must hold (or not need: an idle device) the buffer's `Params` grant.
+    fn upload_src(&self, i: usize) -> Trained {
+        match self.images[i] {
+            Some(img) => Trained::Image(img.as_const()),
+            None => Trained::Masters(self.params[i].as_const()),
+        }
+    }
     fn tiled(&self) -> &TiledHead {
         self.tiled.as_ref().expect("the plan tiles the head only when the engine does")
     }
@@ -562,6 +634,7 @@ struct HostBuffers<D: Device> {
     _emb_stage: Vec<D::Staging<f32>>,
     _dx_stage: Vec<D::Staging<f32>>,
     _loss_host: Vec<D::Staging<f32>>,
+    _images: Vec<Option<D::Staging<Bf16>>>,
 }
 
 /// The streaming engine. Field order matters: the device is dropped first, which runs all
@@ -616,7 +689,6 @@ where
         cfg: EngineConfig,
     ) -> Result<Self> {
         assert_eq!(base.is_some(), !layout.trains_base(), "an adapter layout has a frozen base");
-        let d = layout.dims;
         if cfg.micro_batch_size == 0
             || cfg.batch_size == 0
             || cfg.checkpoint_every == 0
@@ -625,16 +697,7 @@ where
             bail!("engine sizes must be at least 1: {cfg:?}");
         }
         let sizes = Sizes::new(&layout, &cfg);
-        let shape = PlanShape {
-            layers: d.layers,
-            micro_batches: cfg.micro_batches(),
-            checkpoint_every: cfg.checkpoint_every,
-            grad_slabs: cfg.grad_slabs,
-            tied: layout.tied,
-            head_tiles: sizes.head.tiles(),
-            keep_internals: cfg.keep_internals,
-            streamed: cfg.memory.streams_updates(),
-        };
+        let shape = plan_shape(&layout, &cfg, &sizes);
         if cfg.keep_internals && cfg.checkpoint_every != 1 {
             bail!("kept layer internals need checkpoint_every 1: {cfg:?}");
         }
@@ -686,6 +749,7 @@ where
         let mut emb_stage: Vec<D::Staging<f32>> = (0..mbs).map(|_| stage(sizes.act)).collect();
         let mut dx_stage: Vec<D::Staging<f32>> = (0..mbs).map(|_| stage(sizes.act)).collect();
         let mut loss_host: Vec<D::Staging<f32>> = (0..mbs).map(|_| stage(n)).collect();
+        let mut images = weight_images(&dev, &state.params, &layout, &cfg);
         let bufs = |ps: &mut crate::model::params::ParamStore| -> Vec<HostPtrMut> {
             ps.buffers_mut().into_iter().map(handle).collect()
         };
@@ -723,6 +787,7 @@ where
             }),
             applied: AtomicBool::new(false),
             params: bufs(&mut state.params),
+            images: images.iter_mut().map(|i| i.as_mut().map(|s| handle(s))).collect(),
             grads: bufs(&mut state.grads),
             ckpt: ckpt.iter_mut().map(|b| b.iter_mut().map(|s| handle(s)).collect()).collect(),
             slabs: match cfg.grad_wire {
@@ -772,6 +837,7 @@ where
                 _emb_stage: emb_stage,
                 _dx_stage: dx_stage,
                 _loss_host: loss_host,
+                _images: images,
             },
             _workspace: workspace,
             schedule,
@@ -1312,17 +1378,31 @@ where
     /// Layer `i`'s weights into slot `dst`: in an adapter run the frozen part from the base as
     /// it is stored (bf16 or fp32), the adapters from the masters, then the packed words.
     fn upload_layer(&self, grant: &Grant, dst: DevBuf, i: usize) {
-        let trained = self.ctx.params(grant, ParamBuf::Layer(i), false).as_const();
-        self.upload_layer_from(dst, i, trained);
+        self.upload_layer_from(dst, i, self.trained(grant, ParamBuf::Layer(i)));
+    }
+
+    /// Buffer `p`'s trained weights for an upload: its image if it has one, else its masters.
+    fn trained(&self, grant: &Grant, p: ParamBuf) -> Trained {
+        let c = &self.ctx;
+        grant.check(Res::Params(p), false);
+        c.upload_src(c.param_index(p))
+    }
+
+    /// Trained weights `src` into weights `at..` of slot `dst`.
+    fn upload_trained(&self, dst: DevBuf, at: usize, src: Trained) {
+        match src {
+            Trained::Masters(w) => self.dev.upload_weights(dst, at, w),
+            Trained::Image(w) => self.dev.upload_weights_bf16_pinned(dst, at, w),
+        }
     }
 
     /// [`Engine::upload_layer`] with the layer's trained part at `trained`.
-    fn upload_layer_from(&self, dst: DevBuf, i: usize, trained: HostPtr) {
+    fn upload_layer_from(&self, dst: DevBuf, i: usize, trained: Trained) {
         let c = &self.ctx;
-        let Some(base) = &c.base else { return self.dev.upload_weights(dst, 0, trained) };
+        let Some(base) = &c.base else { return self.upload_trained(dst, 0, trained) };
         let spec = c.layout.layer(i);
         self.upload_frozen(dst, 0, &base.layers[i], 0..spec.frozen);
-        self.dev.upload_weights(dst, spec.frozen, trained);
+        self.upload_trained(dst, spec.frozen, trained);
         if spec.packed > 0 {
             // SAFETY: the base lives in the context's Arc for the engine's whole life and is
             // never written.
@@ -1334,8 +1414,8 @@ where
     /// The final norm, then vocabulary rows `rows` of the LM head, into slot `dst`.
     fn upload_head(&self, grant: &Grant, dst: DevBuf, rows: std::ops::Range<usize>) {
         let c = &self.ctx;
-        let norm = c.params(grant, ParamBuf::FinalNorm, false).as_const();
-        let head = c.params(grant, c.head_param(), false).as_const();
+        let norm = self.trained(grant, ParamBuf::FinalNorm);
+        let head = self.trained(grant, c.head_param());
         self.upload_head_from(dst, rows, (norm, head));
     }
 
@@ -1345,14 +1425,14 @@ where
         &self,
         dst: DevBuf,
         rows: std::ops::Range<usize>,
-        (norm, head): (HostPtr, HostPtr),
+        (norm, head): (Trained, Trained),
     ) {
         let (c, cc) = (&self.ctx, self.ctx.layout.dims.c);
         let range = rows.start * cc..rows.end * cc;
         match &c.base {
             None => {
-                self.dev.upload_weights(dst, 0, norm);
-                self.dev.upload_weights(dst, cc, head.sub(range));
+                self.upload_trained(dst, 0, norm);
+                self.upload_trained(dst, cc, head.sub(range));
             }
             Some(base) => {
                 self.upload_frozen(dst, 0, &base.final_norm, 0..cc);
@@ -1641,18 +1721,19 @@ where
             }
             OpKind::GradNorm => {
                 self.host_op(Phase::Optimizer, sd, grant, move |c, sd, grant| {
-                    // SAFETY: every gradient is complete and every loss downloaded (the schedule
-                    // orders this after them); only the host queue touches the gradients.
-                    unsafe {
-                        let sq: f64 = (0..c.grads.len())
-                            .map(|i| c.grads(grant, c.param_buf(i), false))
-                            .map(|g| sum_squares(g.as_const().as_slice()))
-                            .sum();
-                        let loss = loss_sum(c, sd, grant);
-                        let norm = sq.sqrt();
-                        c.skip.store(!(norm.is_finite() && loss.is_finite()), Ordering::Release);
-                        c.norm.store(norm.to_bits(), Ordering::Release);
-                    }
+                    let mut guard = c.stats.lock().expect("no update panicked");
+                    let st = &mut *guard;
+                    debug_assert!(st.seen.iter().all(|&s| s), "every gradient is measured");
+                    // Every buffer's squared norm, summed in buffer order: the same number a
+                    // pass over the gradients gives. The schedule orders this after every loss
+                    // download.
+                    let norm = st.sq.iter().copied().sum::<f64>().sqrt();
+                    let loss = loss_sum(c, sd, grant);
+                    c.skip.store(!(norm.is_finite() && loss.is_finite()), Ordering::Release);
+                    c.norm.store(norm.to_bits(), Ordering::Release);
+                    st.seen.fill(false);
+                    st.poisoned = false;
+                    st.loss_checked = false;
                 });
             }
             OpKind::Update { what } => {
@@ -1707,8 +1788,14 @@ unsafe fn apply_update(c: &Ctx, sd: &StepData, grant: &Grant, i: usize, g: &[f32
     grant.moments(c.param_buf(i));
     let st = AdamWStep::new(&c.adamw, sd.adam_step, sd.lr);
     let seed = sd.adam_step.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ i as u64;
-    // SAFETY: the caller's exclusivity.
-    unsafe { moments_of(c, i).update(c.params[i].as_mut_slice(), g, &st, coef, seed) }
+    // SAFETY: the caller's exclusivity (the image is part of the buffer's `Params`).
+    unsafe {
+        let w = c.params[i].as_mut_slice();
+        moments_of(c, i).update(w, g, &st, coef, seed);
+        if let Some(img) = c.images[i] {
+            round_to_bf16(img.as_mut_slice(), w);
+        }
+    }
 }
 
 /// Buffer `i`'s optimizer state, in its storage.

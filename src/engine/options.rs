@@ -64,6 +64,21 @@ pub enum GradWire {
     Bf16,
 }
 
+/// `engine.weight_upload`: how a bf16 device gets a layer's trained weights from the fp32
+/// masters (the CPU device always copies fp32).
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum WeightUpload {
+    /// `image` when the host has room for it (2 bytes per trained parameter), else `round`.
+    #[default]
+    Auto,
+    /// A page-locked bf16 image of the masters, written in the optimizer's pass over them: an
+    /// upload is a pure copy.
+    Image,
+    /// No image: each upload rounds the masters to bf16 on the host, chunk by chunk.
+    Round,
+}
+
 /// The compute device.
 #[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]

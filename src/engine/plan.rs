@@ -356,6 +356,9 @@ impl Builder {
                 vec![Res::Slab(slab)],
                 vec![Res::Grads(ParamBuf::Layer(i))],
             );
+            // Complete for the step: its squared norm now, under the backward, so that the
+            // step's norm is a sum of recorded numbers and not a pass over every gradient.
+            self.measure(ParamBuf::Layer(i));
         }
     }
 
@@ -364,8 +367,9 @@ impl Builder {
         self.push(OpKind::PoisonGrad { what: p }, Queue::Host, vec![], vec![Res::Grads(p)]);
     }
 
-    /// Streamed mode: record the squared norm of buffer `p`'s complete host gradient (and
-    /// check the step's losses) before any layer is updated.
+    /// Record the squared norm of buffer `p`'s complete host gradient (and check the step's
+    /// losses): in streamed modes before any layer is updated; in exact mode as each gradient
+    /// completes, the step's norm then summing them.
     fn measure(&mut self, p: ParamBuf) {
         let mut reads = vec![Res::Grads(p)];
         reads.extend((0..self.shape.micro_batches).map(Res::LossHost));
@@ -552,15 +556,15 @@ pub fn step_ops(shape: PlanShape) -> Vec<Op> {
     } else {
         b.tiled_head();
     }
+    // Complete for the step: every micro-batch has passed the head. The gradients stay in
+    // their host buffers until the norm is known; in streamed modes the layer updates estimate
+    // the norm from these squared norms onwards.
     if shape.streamed {
-        // Complete for the step: every micro-batch has passed the head. The gradients stay in
-        // their host buffers until the norm is known; the layer updates estimate the norm
-        // from these squared norms onwards.
         b.poison(ParamBuf::FinalNorm);
-        b.measure(ParamBuf::FinalNorm);
-        if !shape.tied {
-            b.measure(ParamBuf::Head);
-        }
+    }
+    b.measure(ParamBuf::FinalNorm);
+    if !shape.tied {
+        b.measure(ParamBuf::Head);
     }
 
     // Backward, block by block from the last: restore the block's checkpoint, recompute the
@@ -652,13 +656,15 @@ pub fn step_ops(shape: PlanShape) -> Vec<Op> {
         return b.ops;
     }
 
-    // Optimizer: exact global norm, then each buffer's update in the order the next step
+    // Optimizer: exact global norm (the sum of the squared norms measured as each gradient
+    // completed; the embedding's last), then each buffer's update in the order the next step
     // needs them, so the next forward of layer i waits only for layer i's update.
     // The norm op also checks the losses: a non-finite loss or norm skips every update.
     b.poison(ParamBuf::Embed);
-    let mut reads: Vec<Res> = shape.param_bufs().into_iter().map(Res::Grads).collect();
+    b.measure(ParamBuf::Embed);
+    let mut reads = vec![Res::StepStats];
     reads.extend((0..mbs).map(Res::LossHost));
-    b.push(OpKind::GradNorm, Queue::Host, reads, vec![Res::Norm]);
+    b.push(OpKind::GradNorm, Queue::Host, reads, vec![Res::Norm, Res::StepStats]);
     for p in shape.param_bufs() {
         b.update(p);
     }

@@ -87,6 +87,17 @@ pub struct Sizes {
     pub scratch_buffers: usize,
     /// Parameters of the model.
     pub params: usize,
+    /// bf16 elements of the weight image (`EngineConfig::weight_image`; 0 without one).
+    pub image: usize,
+}
+
+/// Elements of the trained buffers the device receives, which a weight image holds: every
+/// layer's trained part, and in full fine-tuning the final norm and the head (the embedding
+/// when tied; an untied embedding is gathered on the host from the masters).
+pub fn image_elems(layout: &ModelLayout) -> usize {
+    let d = &layout.dims;
+    let layers: usize = (0..d.layers).map(|i| layout.layer(i).train_len()).sum();
+    layers + if layout.trains_base() { d.c + d.v * d.c } else { 0 }
 }
 
 /// Weights a slot needs for the largest layer: its weights in `weight_bytes` each, then its
@@ -172,6 +183,7 @@ impl Sizes {
                 + if whole { 4 } else { 2 }
                 + 2 * layout.rope.len(),
             params,
+            image: if cfg.weight_image { image_elems(layout) } else { 0 },
         }
     }
 
@@ -298,6 +310,9 @@ impl Sizes {
             ),
             ("checkpoints", self.blocks * m * self.act * 4),
         ]);
+        if self.image > 0 {
+            lines.push(("bf16 weight image (page-locked; engine.weight_upload)", self.image * 2));
+        }
         lines
     }
 

@@ -142,6 +142,7 @@ pub fn engine_config_for(
         memory: horizon::config::OptimizerMemory::Exact,
         backend: horizon::config::BackendKind::Cpu,
         grad_wire: horizon::config::GradWire::Fp32,
+        weight_image: false,
     }
 }
 

@@ -361,6 +361,12 @@ pub trait Device: Send + Sync {
     /// bf16 as they are (half the link bytes of fp32, no rounding); the CPU device expands them
     /// to fp32 exactly.
     fn upload_weights_bf16(&self, dst: DevBuf, at: usize, src: HostPtr<Bf16>);
+    /// [`Device::upload_weights_bf16`] from page-locked memory of this device's
+    /// [`Device::alloc_staging`] (a bf16 image of the masters): the CUDA device copies straight
+    /// from it, a pure DMA with no host work. The default is `upload_weights_bf16`.
+    fn upload_weights_bf16_pinned(&self, dst: DevBuf, at: usize, src: HostPtr<Bf16>) {
+        self.upload_weights_bf16(dst, at, src)
+    }
     /// Enqueue an i32 host -> device copy on [`Queue::H2D`].
     fn upload_i32(&self, dst: DevBuf, src: Arc<Vec<i32>>);
     /// Enqueue a device -> host copy on [`Queue::D2H`]. `dst.len() == src.len`.

@@ -137,7 +137,7 @@ where
             let s = slot_use % 2;
             slot_use += 1;
             let i = c.param_index(ParamBuf::Layer(layer));
-            upload(&slot_free, s, Upload::Layer(layer, c.params[i].as_const()));
+            upload(&slot_free, s, Upload::Layer(layer, c.upload_src(i)));
             let (inp, out) = (c.acts[src][0], c.acts[1 - src][0]);
             let (cc, sdc) = (c.clone(), sd.clone());
             self.dev.launch(Box::new(move |vw: &dyn Views<D::Backend>| {
@@ -160,8 +160,8 @@ where
             src = 1 - src;
         }
         let x = c.acts[src][0];
-        let norm = c.params[c.param_index(ParamBuf::FinalNorm)].as_const();
-        let head = c.params[c.param_index(c.head_param())].as_const();
+        let norm = c.upload_src(c.param_index(ParamBuf::FinalNorm));
+        let head = c.upload_src(c.param_index(c.head_param()));
         let tiles = c.tiled.as_ref().map_or(1, |t| t.tiling.tiles());
         for k in 0..tiles {
             let s = slot_use % 2;
@@ -268,7 +268,7 @@ fn head_loss<B: Backend + ?Sized>(
 /// What the eval pass uploads into a slot.
 enum Upload {
     /// Layer `l`, its trained part at the pointer.
-    Layer(usize, HostPtr),
+    Layer(usize, Trained),
     /// The final norm and head rows (the trained norm and head in full fine-tuning).
-    Head(std::ops::Range<usize>, (HostPtr, HostPtr)),
+    Head(std::ops::Range<usize>, (Trained, Trained)),
 }

@@ -33,8 +33,15 @@ pub fn embedding_forward(out: &mut [f32], ids: &[i32], table: &[f32], c: usize) 
 //   dL/dtable[v,:] = sum_{n : ids[n] == v} dout[n,:].
 // Implemented exactly as, for n = 0, 1, ..., N-1 in order:
 //   dtable[ids[n], :] += dout[n, :]                               (accumulates)
-// Rows of dtable not named by `ids` are not touched. The loop is serial over N (the work is only
-// N*C additions), which fixes the order in which repeated ids add up.
+// Rows of dtable not named by `ids` are not touched. Every row receives its additions in the
+// order of n, which fixes how repeated ids add up; in parallel, each task owns a block of the
+// table's rows and walks all of `ids` for the rows in its block, so the order (and every bit) is
+// the serial loop's.
+
+/// Rows of dtable per parallel task of [`embedding_backward`]; below `SERIAL_ELEMS` additions
+/// the loop stays serial.
+const TASK_ROWS: usize = 2048;
+const SERIAL_ELEMS: usize = 1 << 18;
 
 /// Embedding backward; see the derivation above.
 ///
@@ -46,10 +53,47 @@ pub fn embedding_backward(dtable: &mut [f32], ids: &[i32], dout: &[f32], c: usiz
     assert_eq!(dout.len(), ids.len() * c, "embedding_backward: dout must be (N, C)");
     assert_eq!(dtable.len() % c, 0, "embedding_backward: dtable must be (V, C)");
     let v = dtable.len() / c;
-    for (drow, &id) in dout.chunks_exact(c).zip(ids) {
-        let r = row_of(id, v, "embedding_backward");
-        for (d, g) in dtable[r * c..][..c].iter_mut().zip(drow) {
-            *d += g;
+    ids.iter().for_each(|&id| _ = row_of(id, v, "embedding_backward"));
+    let block = |first: usize, rows: &mut [f32]| {
+        let end = first + rows.len() / c;
+        for (drow, &id) in dout.chunks_exact(c).zip(ids) {
+            let r = id as usize;
+            if (first..end).contains(&r) {
+                let d = &mut rows[(r - first) * c..][..c];
+                d.iter_mut().zip(drow).for_each(|(d, g)| *d += g);
+            }
         }
+    };
+    if dout.len() < SERIAL_ELEMS {
+        block(0, dtable);
+    } else {
+        dtable
+            .par_chunks_mut(TASK_ROWS * c)
+            .enumerate()
+            .for_each(|(t, rows)| block(t * TASK_ROWS, rows));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The parallel scatter is the serial loop, bit for bit: repeated ids (added in order of n)
+    /// and a table of many row blocks.
+    #[test]
+    fn the_parallel_backward_is_the_serial_loop_bit_for_bit() {
+        let (v, c, n) = (3 * TASK_ROWS + 5, 24, 2 * SERIAL_ELEMS / 24);
+        let ids: Vec<i32> =
+            (0..n).map(|i| ((i * 7919) % v) as i32 % (v as i32 / 3 + i as i32 % 3)).collect();
+        let dout: Vec<f32> = (0..n * c).map(|i| ((i * 31) % 1009) as f32 * 1e-3 - 0.5).collect();
+        let mut want: Vec<f32> = (0..v * c).map(|i| (i % 13) as f32 * 0.1).collect();
+        let mut got = want.clone();
+        for (drow, &id) in dout.chunks_exact(c).zip(&ids) {
+            for (d, g) in want[id as usize * c..][..c].iter_mut().zip(drow) {
+                *d += g;
+            }
+        }
+        embedding_backward(&mut got, &ids, &dout, c);
+        assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()));
     }
 }

@@ -241,6 +241,19 @@ impl Device for CudaDevice {
         self.submit(Queue::H2D, Task::UploadWeightsBf16 { dst, at, src });
     }
 
+    /// Copied straight from the page-locked `src` (no ring, no host work).
+    fn upload_weights_bf16_pinned(&self, dst: DevBuf, at: usize, src: HostPtr<Bf16>) {
+        let end = at.checked_add(src.len()).and_then(|e| e.checked_mul(2));
+        assert!(
+            end.is_some_and(|e| e <= dst.bytes()),
+            "upload_weights_bf16_pinned: weights {at}..+{} do not fit the {} bf16 of {dst:?}",
+            src.len(),
+            dst.bytes() / 2
+        );
+        self.shared.check(dst);
+        self.submit(Queue::H2D, Task::UploadPinnedBf16 { dst, at, src });
+    }
+
     fn upload_i32(&self, dst: DevBuf, src: Arc<Vec<i32>>) {
         same_len("upload_i32", dst.len, src.len());
         self.shared.check(dst);
@@ -524,6 +537,7 @@ enum Task {
     Upload { dst: DevBuf, src: HostPtr },
     UploadWeights { dst: DevBuf, at: usize, src: HostPtr },
     UploadWeightsBf16 { dst: DevBuf, at: usize, src: HostPtr<Bf16> },
+    UploadPinnedBf16 { dst: DevBuf, at: usize, src: HostPtr<Bf16> },
     UploadI32 { dst: DevBuf, src: Arc<Vec<i32>> },
     Download { dst: HostPtrMut, src: DevBuf },
     DownloadBf16 { dst: HostPtrMut<Bf16>, src: DevBuf },
@@ -738,6 +752,24 @@ fn run(
             let addr = shared.addr(dst) + (2 * at) as u64;
             let fill = <[Bf16]>::copy_from_slice;
             timed("a bf16 weight upload", &mut || upload_bf16(shared, ring, addr, src, fill), None);
+            shared.counters().h2d_bytes += (2 * src.len()) as u64;
+        }
+        Task::UploadPinnedBf16 { dst, at, src } => {
+            jitter.delay();
+            let stream = shared.stream(q).cu_stream();
+            let addr = shared.addr(dst) + (2 * at) as u64;
+            let direct = &mut || {
+                // SAFETY: `src` is page-locked staging of this device, alive and unwritten until
+                // this queue's next event (HostPtr's contract), which is after the copy; `addr`
+                // holds `src.len()` bf16 of the slot (checked at submission).
+                let s = unsafe { src.as_slice() };
+                if !s.is_empty() {
+                    // SAFETY: as above.
+                    let r = unsafe { cu::memcpy_htod_async(addr, s, stream) };
+                    check("cuMemcpyHtoDAsync", r);
+                }
+            };
+            timed("a pinned bf16 weight upload", direct, None);
             shared.counters().h2d_bytes += (2 * src.len()) as u64;
         }
         Task::UploadI32 { dst, src } => {

@@ -1,0 +1,380 @@
+//! The cost model: how long each op of a plan takes on a [`Hardware`] profile (see
+//! ARCHITECTURE.md, "Projection"). Device ops by roofline (or, on `this-cpu`, by this machine's
+//! measured kernel times), copies by the link's bandwidth, host ops by their bytes and the
+//! host's rates.
+
+use horizon_backend::Queue;
+
+use crate::engine::exec::{EngineConfig, Sizes};
+use crate::engine::options::{GradWire, OptimizerMemory};
+use crate::engine::plan::{GradTarget, OpKind, ParamBuf, Res, SlotContent};
+use crate::model::base::BaseDtype;
+use crate::model::layout::ModelLayout;
+use crate::model::spec::{AttnSpec, LayerSpec, Op, Weight};
+use crate::sim::des::Cost;
+use crate::sim::hardware::{Hardware, HostRates};
+
+/// How a layer's bf16 weights reach the link (see ARCHITECTURE.md, "Weight uploads").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UploadPath {
+    /// fp32 weights as they are (the CPU device).
+    Fp32,
+    /// Rounded from the fp32 masters inside the upload, on the host, chunk by chunk.
+    RoundInUpload,
+    /// A bf16 image kept beside the masters, written by the optimizer: a pure copy.
+    Image,
+}
+
+/// A device's kernel times.
+pub trait DeviceModel {
+    /// `out (m, n) = inp (m, k) · w (n, k)ᵀ`.
+    fn gemm(&self, m: usize, k: usize, n: usize) -> f64;
+    /// Its backward: `dinp (m, k) = dout (m, n) · w`, and with `dweight`
+    /// `dw (n, k) += doutᵀ · inp`.
+    fn gemm_backward(&self, m: usize, k: usize, n: usize, dweight: bool) -> f64 {
+        self.gemm(m, n, k) + if dweight { self.gemm(n, m, k) } else { 0.0 }
+    }
+    /// Attention of a layer over `b` sequences of `t` positions, forward or backward.
+    fn attention(&self, a: &AttnSpec, b: usize, t: usize, backward: bool) -> f64;
+    /// An elementwise pass moving `bytes` on the device.
+    fn stream(&self, bytes: f64) -> f64;
+    /// Fixed cost of one kernel launch.
+    fn launch(&self) -> f64;
+    /// Whether the device's kernels run on the host's cores (the CPU device).
+    fn on_host(&self) -> bool;
+}
+
+/// Everything the cost of an op depends on.
+pub struct CostModel<'a> {
+    pub layout: &'a ModelLayout,
+    pub sizes: &'a Sizes,
+    pub cfg: &'a EngineConfig,
+    pub hw: &'a Hardware,
+    pub device: &'a dyn DeviceModel,
+    pub upload: UploadPath,
+    /// Threads of the host pool (the optimizer's).
+    pub host_threads: usize,
+}
+
+/// Bytes per element of activations on the device (fp32 on every backend).
+const ACT_BYTES: f64 = 4.0;
+
+impl CostModel<'_> {
+    fn rows(&self) -> usize {
+        self.sizes.mb_rows
+    }
+
+    fn seqs(&self) -> usize {
+        self.cfg.micro_batch_size
+    }
+
+    /// A layer's forward kernels on one micro-batch.
+    pub fn layer_forward(&self, l: &LayerSpec) -> f64 {
+        let n = self.rows();
+        let d = self.device;
+        let products: f64 = l
+            .ops
+            .iter()
+            .map(|op| match *op {
+                Op::Linear { ic, oc, ref w, .. } => d.gemm(n, ic, oc) + self.dequant(w),
+                Op::Lora { ic, r, w, .. } => d.gemm(n, ic, r) + d.gemm(n, r, w),
+                Op::Attention { .. } => d.attention(&l.attn, self.seqs(), self.cfg.seq_len, false),
+                _ => 0.0,
+            })
+            .sum();
+        products + self.layer_forward_elementwise(l) + l.ops.len() as f64 * d.launch()
+    }
+
+    /// A layer's backward kernels on one micro-batch (without the recompute of its forward).
+    pub fn layer_backward(&self, l: &LayerSpec) -> f64 {
+        let n = self.rows();
+        let d = self.device;
+        let mut t = 0.0;
+        for op in &l.ops {
+            t += 2.0 * d.launch()
+                + match *op {
+                    Op::Linear { ic, oc, ref w, .. } => {
+                        let dw = matches!(w, Weight::Slot(r) if r.start >= l.frozen);
+                        d.gemm_backward(n, ic, oc, dw) + self.dequant(w)
+                    }
+                    Op::Lora { ic, r, w, .. } => {
+                        d.gemm_backward(n, ic, r, true) + d.gemm_backward(n, r, w, true)
+                    }
+                    Op::Attention { .. } => {
+                        d.attention(&l.attn, self.seqs(), self.cfg.seq_len, true)
+                    }
+                    _ => 0.0,
+                };
+        }
+        // Elementwise backwards read the forward's inputs and the output gradient and write
+        // the input gradient: twice the forward's traffic.
+        t + 2.0 * self.layer_forward_elementwise(l)
+    }
+
+    fn layer_forward_elementwise(&self, l: &LayerSpec) -> f64 {
+        let n = self.rows() as f64;
+        let d = self.device;
+        let width = |a: usize| l.acts.get(a.wrapping_sub(2)).map_or(l.c, |s| s.width) as f64;
+        l.ops
+            .iter()
+            .map(|op| match *op {
+                Op::RmsNorm { inp, out, .. } | Op::HeadNorm { inp, out, .. } => {
+                    d.stream(n * (width(inp) + width(out)) * ACT_BYTES)
+                }
+                Op::Rope { qkv, .. } => d.stream(n * 2.0 * width(qkv) * ACT_BYTES),
+                Op::Add { .. } => d.stream(n * 3.0 * l.c as f64 * ACT_BYTES),
+                Op::Glu { gu, out, .. } => d.stream(n * (width(gu) + width(out)) * ACT_BYTES),
+                _ => 0.0,
+            })
+            .sum()
+    }
+
+    /// Dequantising a packed weight into the workspace before its product (bf16 out).
+    fn dequant(&self, w: &Weight) -> f64 {
+        match w {
+            Weight::Slot(_) => 0.0,
+            Weight::Packed(_) => {
+                let n = w.numel() as f64;
+                self.device.stream(n * (0.5 + 2.0 + 4.0 / 64.0))
+            }
+        }
+    }
+
+    /// The LM head on `rows` vocabulary rows: forward product, cross-entropy, and (with
+    /// `backward`) its two backward products.
+    fn head_part(&self, vrows: usize, forward: bool, backward: bool) -> f64 {
+        let (n, c) = (self.rows(), self.layout.dims.c);
+        let d = self.device;
+        let mut t = 0.0;
+        if forward {
+            t += d.gemm(n, c, vrows) + d.stream(n as f64 * vrows as f64 * 2.0 * ACT_BYTES);
+        }
+        if backward {
+            let dw = self.layout.trains_base();
+            t += d.gemm_backward(n, c, vrows, dw)
+                + d.stream(n as f64 * vrows as f64 * 2.0 * ACT_BYTES);
+        }
+        t + 2.0 * d.launch()
+    }
+
+    fn final_norm(&self) -> f64 {
+        let (n, c) = (self.rows() as f64, self.layout.dims.c as f64);
+        self.device.stream(n * c * 3.0 * ACT_BYTES) + self.device.launch()
+    }
+
+    /// Seconds of host work with the host to itself for `params` elements at `rate` (per-core
+    /// elements/s) moving `bytes` each: threads x per-core rate, up to the memory bandwidth.
+    fn host_pass(&self, elems: f64, per_core: f64, bytes: f64) -> f64 {
+        let h = &self.hw.host;
+        let rate = (per_core * self.host_threads as f64).min(h.mem_gbps * 1e9 / bytes);
+        elems / rate
+    }
+
+    /// A single-threaded host pass (a copy thread's memcpy, a gather): its time alone and the
+    /// share of the host it uses.
+    fn host_thread(&self, bytes: f64) -> Cost {
+        let per_core = self.hw.host.rates.copy_gbps * 1e9;
+        Cost::host(bytes / per_core, 1.0 / self.host_threads as f64)
+    }
+
+    fn rates(&self) -> &HostRates {
+        &self.hw.host.rates
+    }
+
+    /// A copy of `bytes` over the link in direction `q`: the link's time, and on the CPU device
+    /// the queue thread's memcpy.
+    fn copy(&self, q: Queue, bytes: f64) -> Cost {
+        let link = &self.hw.link;
+        let gbps = if q == Queue::H2D { link.h2d_gbps } else { link.d2h_gbps };
+        let wire = if gbps > 0.0 { bytes / (gbps * 1e9) + link.latency_us * 1e-6 } else { 0.0 };
+        let c = Cost::fixed(wire);
+        if self.device.on_host() {
+            let m = self.host_thread(2.0 * bytes);
+            c.with_host(m.host_s, m.host_share)
+        } else {
+            c
+        }
+    }
+
+    /// Kernel work: on the device's own engine, or on the CPU device's share of the host.
+    fn kernel(&self, s: f64) -> Cost {
+        if self.device.on_host() { Cost::host(s, 1.0) } else { Cost::fixed(s) }
+    }
+
+    /// Elements of a host parameter buffer.
+    fn buf_len(&self, p: ParamBuf) -> usize {
+        let d = &self.layout.dims;
+        match p {
+            ParamBuf::Embed => d.v * d.c,
+            ParamBuf::Layer(i) => self.layout.layer(i).train_len(),
+            ParamBuf::FinalNorm => d.c,
+            ParamBuf::Head => d.v * d.c,
+        }
+    }
+
+    /// Whether buffer `p` is trained (an adapter run trains only the layers' adapters).
+    fn trained(&self, p: ParamBuf) -> bool {
+        matches!(p, ParamBuf::Layer(_)) || self.layout.trains_base()
+    }
+
+    /// One AdamW update of buffer `p`'s `elems` (fp32 or 8-bit moments; with the bf16 image
+    /// write if the buffer is uploaded from one: not the embedding, which is gathered on the
+    /// host from the fp32 masters).
+    fn update(&self, p: ParamBuf, elems: f64) -> f64 {
+        let r = self.rates();
+        let uploaded = p != ParamBuf::Embed || self.layout.tied;
+        let image = self.upload == UploadPath::Image && uploaded;
+        let (per_core, bytes) = match (self.cfg.memory, image) {
+            (OptimizerMemory::Compact, false) => (r.adamw8bit, 16.0),
+            (OptimizerMemory::Compact, true) => (r.adamw8bit_image, 18.0),
+            (_, false) => (r.adamw, 28.0),
+            (_, true) => (r.adamw_image, 30.0),
+        };
+        self.host_pass(elems, per_core, bytes)
+    }
+
+    /// Squared norm of `elems` fp32 values.
+    fn measure(&self, elems: f64) -> f64 {
+        self.host_pass(elems, self.rates().copy_gbps * 1e9 / 4.0, 4.0)
+    }
+
+    /// Adding a slab of `elems` into fp32 gradients.
+    fn accumulate(&self, elems: f64) -> f64 {
+        match self.cfg.grad_wire {
+            GradWire::Fp32 => self.host_pass(elems, self.rates().accumulate_f32, 12.0),
+            GradWire::Bf16 => self.host_pass(elems, self.rates().accumulate_bf16, 10.0),
+        }
+    }
+
+    /// A layer's weights on the wire, and the host work of getting them there.
+    fn upload_layer(&self, l: &LayerSpec) -> Cost {
+        let wb = self.sizes.precision.weight_bytes() as f64;
+        let bytes = l.len as f64 * wb + l.packed as f64 * 4.0;
+        let c = self.copy(Queue::H2D, bytes);
+        let rounded = match self.layout.adapter.as_ref().map(|a| a.base) {
+            Some(BaseDtype::Bf16) => l.train_len(),
+            _ => l.len,
+        };
+        self.with_rounding(c, rounded as f64)
+    }
+
+    /// `c` plus the rounding of `elems` fp32 masters to bf16 inside the upload, if the path
+    /// does that (on the upload's pool, with the whole host).
+    fn with_rounding(&self, c: Cost, elems: f64) -> Cost {
+        if self.upload != UploadPath::RoundInUpload {
+            return c;
+        }
+        let s = self.host_pass(elems, self.rates().round_bf16, 6.0);
+        c.with_host(s, 1.0)
+    }
+
+    /// The cost of one op.
+    pub fn op(&self, kind: &OpKind, reads: &[Res]) -> Cost {
+        let d = &self.layout.dims;
+        let (n, act) = (self.rows() as f64, self.sizes.act as f64 * ACT_BYTES);
+        let wb = self.sizes.precision.weight_bytes() as f64;
+        let grad_b = match self.cfg.grad_wire {
+            GradWire::Fp32 => 4.0,
+            GradWire::Bf16 => 2.0,
+        };
+        match *kind {
+            OpKind::UploadIds { .. } => self.copy(Queue::H2D, n * 4.0),
+            // A parallel gather of the rows (read and write, 8 bytes an element).
+            OpKind::EmbedGather { .. } => {
+                let e = n * d.c as f64;
+                Cost::host(self.host_pass(e, self.rates().copy_gbps * 1e9 / 8.0, 8.0), 1.0)
+            }
+            OpKind::UploadAct { .. } => self.copy(Queue::H2D, act),
+            OpKind::UploadWeights { what, .. } => match what {
+                SlotContent::Layer(i) => self.upload_layer(self.layout.layer(i)),
+                SlotContent::Head => {
+                    let e = (d.c + d.v * d.c) as f64;
+                    let c = self.copy(Queue::H2D, e * wb);
+                    if self.layout.trains_base() { self.with_rounding(c, e) } else { c }
+                }
+                SlotContent::HeadTile(_) => {
+                    let e = (self.sizes.head.rows * d.c) as f64;
+                    let c = self.copy(Queue::H2D, e * wb);
+                    if self.layout.trains_base() { self.with_rounding(c, e) } else { c }
+                }
+            },
+            OpKind::SaveCkpt { .. } | OpKind::DownloadDres { .. } => self.copy(Queue::D2H, act),
+            OpKind::Forward { layer, .. } => {
+                self.kernel(self.layer_forward(self.layout.layer(layer)))
+            }
+            OpKind::ZeroDw { .. } => self.kernel(self.device.stream(self.sizes.dw as f64 * 4.0)),
+            OpKind::PoisonGrad { .. } => Cost::default(),
+            OpKind::Head { .. } => {
+                let v = d.v;
+                self.kernel(2.0 * self.final_norm() + self.head_part(v, true, true))
+            }
+            OpKind::HeadStats { .. } => {
+                self.kernel(self.head_part(self.sizes.head.rows, true, false))
+            }
+            OpKind::HeadGrad { first, .. } => {
+                let norm = if first { self.final_norm() } else { 0.0 };
+                self.kernel(norm + self.head_part(self.sizes.head.rows, true, true))
+            }
+            OpKind::HeadFinish { .. } => self.kernel(self.final_norm()),
+            OpKind::ZeroDnorm => self.kernel(self.device.launch()),
+            OpKind::Backward { layer, .. } => {
+                let l = self.layout.layer(layer);
+                let kept = reads.iter().any(|r| matches!(r, Res::Stash { .. }));
+                let fwd = if kept { 0.0 } else { self.layer_forward(l) };
+                self.kernel(fwd + self.layer_backward(l))
+            }
+            OpKind::DownloadLosses { .. } => self.copy(Queue::D2H, n * 4.0),
+            OpKind::DownloadDw { what, .. } => {
+                let e = match what {
+                    GradTarget::Layer(i) => self.layout.layer(i).train_len(),
+                    GradTarget::Head => d.c + d.v * d.c,
+                } as f64;
+                let b = if matches!(what, GradTarget::Layer(_)) { grad_b } else { 4.0 };
+                self.copy(Queue::D2H, e * b)
+            }
+            OpKind::DownloadHeadGrads { .. } => {
+                self.copy(Queue::D2H, (d.c + d.v * d.c) as f64 * 4.0)
+            }
+            OpKind::DownloadHeadTileGrads { .. } => {
+                self.copy(Queue::D2H, (self.sizes.head.rows * d.c) as f64 * 4.0)
+            }
+            OpKind::DownloadNormGrads => self.copy(Queue::D2H, d.c as f64 * 4.0),
+            OpKind::SlabUpdate { layer, .. } => {
+                let e = self.buf_len(ParamBuf::Layer(layer)) as f64;
+                let expand =
+                    if self.cfg.grad_wire == GradWire::Bf16 { self.measure(e) } else { 0.0 };
+                Cost::host(expand + self.measure(e) + self.update(ParamBuf::Layer(layer), e), 1.0)
+            }
+            OpKind::MeasureSlab { layer, .. } => {
+                Cost::host(self.measure(self.buf_len(ParamBuf::Layer(layer)) as f64), 1.0)
+            }
+            OpKind::HeldSlabUpdate { layer, .. } => {
+                let p = ParamBuf::Layer(layer);
+                Cost::host(self.update(p, self.buf_len(p) as f64), 1.0)
+            }
+            OpKind::Measure { what } if self.trained(what) => {
+                Cost::host(self.measure(self.buf_len(what) as f64), 1.0)
+            }
+            OpKind::AccumulateGrads { what, .. } => {
+                let e = match what {
+                    GradTarget::Layer(i) => self.layout.layer(i).train_len(),
+                    GradTarget::Head => d.c + d.v * d.c,
+                };
+                Cost::host(self.accumulate(e as f64), 1.0)
+            }
+            // A parallel scatter-add of the staged rows (12 bytes an element).
+            OpKind::EmbedScatter { .. } if self.layout.trains_base() => {
+                let e = n * d.c as f64;
+                Cost::host(self.host_pass(e, self.rates().copy_gbps * 1e9 / 12.0, 12.0), 1.0)
+            }
+            // The step's norm sums the squared norms measured as each gradient completed.
+            OpKind::Update { what } if self.trained(what) => {
+                let e = self.buf_len(what) as f64;
+                // The update, then zeroing the gradient for the next step.
+                let zero = self.host_pass(e, self.rates().copy_gbps * 1e9 / 4.0, 4.0);
+                Cost::host(self.update(what, e) + zero, 1.0)
+            }
+            _ => Cost::default(),
+        }
+    }
+}

@@ -1,0 +1,246 @@
+//! `horizon plan --hardware PROFILE`: the run's plan for that machine (its device memory as the
+//! budget, the CUDA backend's bf16 weights on a GPU profile), its memory fit, and the
+//! projection of its steady step.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use anyhow::{Result, bail};
+use horizon_backend::Queue;
+
+use crate::config::{BackendKind, Recompute, RunConfig, WeightUpload};
+use crate::engine::exec::{EngineConfig, Sizes, plan_shape};
+use crate::engine::memory::gib;
+use crate::engine::plan::Schedule;
+use crate::sim::calibrate::{CpuMeasured, this_cpu};
+use crate::sim::cost::{CostModel, DeviceModel, UploadPath};
+use crate::sim::hardware::{BUILT_IN, Hardware, Roofline};
+use crate::sim::{Projection, project};
+use crate::train::{SeqLen, engine_config, load_datasets, model_config, run_layout};
+
+/// A profile by name: built in, `this-cpu` (the CPU device at `link_gbps`), or a YAML file.
+pub fn hardware(name: &str, link_gbps: f64) -> Result<Hardware> {
+    if name == "this-cpu" {
+        let host = crate::engine::memory::host_available_bytes().unwrap_or(0);
+        return Ok(this_cpu(link_gbps, host));
+    }
+    if let Some(hw) = Hardware::built_in(name) {
+        return Ok(hw);
+    }
+    let path = Path::new(name);
+    if path.exists() {
+        return Hardware::from_file(path);
+    }
+    let known: Vec<String> = BUILT_IN.iter().map(|(n, what)| format!("{n} ({what})")).collect();
+    bail!(
+        "--hardware {name:?}: no such profile or file\nhint: one of {}, or a YAML file (see the README, \"How fast will it go?\")",
+        known.join("; ")
+    )
+}
+
+/// What a projection was made for, and what it found.
+pub struct ProjectionRun {
+    pub hw: Hardware,
+    pub ecfg: EngineConfig,
+    pub upload: UploadPath,
+    /// The projection of the upload path the plan chose, and (GPU profiles) of the other one.
+    pub chosen: Projection,
+    pub other: Option<(UploadPath, Projection)>,
+    /// Whether the run fits the machine's host and device memory.
+    pub fits: bool,
+    pub text: String,
+}
+
+/// The projection of `cfg` on profile `name`.
+pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
+    let raw = &cfg.raw;
+    let hw = hardware(name, raw.device.link_gbps)?;
+    let model = model_config(raw)?;
+    let seq = match load_datasets(raw, model.vocab_size) {
+        Ok(sets) => SeqLen::of_data(raw, &sets),
+        Err(e) => SeqLen::assumed(raw, &format!("the data could not be read ({e:#})")),
+    };
+    let cpu = hw.name == "this-cpu";
+    let backend = if cpu { BackendKind::Cpu } else { BackendKind::Cuda };
+    let ecfg = EngineConfig { seq_len: seq.len, backend, ..engine_config(raw) };
+    // engine.recompute as `horizon train` resolves it, for this machine's device memory (the
+    // CPU device: for device.memory, as train does).
+    let budget = match (cpu, raw.device.memory) {
+        (false, _) => Some(hw.device_bytes()),
+        (true, crate::config::ByteSize::Bytes(b)) => Some(b),
+        (true, crate::config::ByteSize::Auto) => None,
+    };
+    let layout = run_layout(raw, &model, cfg.adapter.as_ref())?;
+    let keep = |keep: bool| EngineConfig {
+        keep_internals: keep,
+        checkpoint_every: if keep { 1 } else { ecfg.checkpoint_every },
+        ..ecfg
+    };
+    let ecfg = match raw.engine.recompute {
+        Recompute::Always => keep(false),
+        Recompute::Never => keep(true),
+        Recompute::Auto => {
+            let fits = |b: u64| Sizes::new(&layout, &keep(true)).device_total() as u64 <= b;
+            keep(budget.is_some_and(fits))
+        }
+    };
+    let sizes = Sizes::new(&layout, &ecfg);
+    let shape = plan_shape(&layout, &ecfg, &sizes);
+    let schedule = Schedule::new(shape);
+    let host_total = sizes.host_total() as u64;
+    let image = 2 * crate::engine::sizes::image_elems(&layout) as u64;
+    // engine.weight_upload as `horizon train` resolves it, for this machine's host memory.
+    let upload = match (cpu, raw.engine.weight_upload) {
+        (true, _) => UploadPath::Fp32,
+        (false, WeightUpload::Image) => UploadPath::Image,
+        (false, WeightUpload::Round) => UploadPath::RoundInUpload,
+        (false, WeightUpload::Auto) if host_total + image <= hw.host_bytes() => UploadPath::Image,
+        (false, WeightUpload::Auto) => UploadPath::RoundInUpload,
+    };
+    let host_threads = hw.host.cores;
+    let roofline = Roofline(&hw.gpu);
+    let measured;
+    let device: &dyn DeviceModel = if cpu {
+        measured = CpuMeasured::new();
+        &measured
+    } else {
+        &roofline
+    };
+    let tokens = ecfg.batch_size * ecfg.seq_len;
+    let model_of = |upload| CostModel {
+        layout: &layout,
+        sizes: &sizes,
+        cfg: &ecfg,
+        hw: &hw,
+        device,
+        upload,
+        host_threads,
+    };
+    let chosen = project(&schedule, &model_of(upload), tokens);
+    let other = match upload {
+        UploadPath::Fp32 => None,
+        UploadPath::Image => Some(UploadPath::RoundInUpload),
+        UploadPath::RoundInUpload => Some(UploadPath::Image),
+    }
+    .map(|u| (u, project(&schedule, &model_of(u), tokens)));
+    let host_need = host_total + if upload == UploadPath::Image { image } else { 0 };
+    let fits =
+        host_need <= hw.host_bytes() && (cpu || sizes.device_total() as u64 <= hw.device_bytes());
+    let mut text = String::new();
+    fit_lines(&mut text, &hw, &sizes, image, upload, cpu)?;
+    render(&mut text, &hw, &chosen, cpu)?;
+    if let Some((u, p)) = &other {
+        writeln!(
+            text,
+            "  with weights {} instead: step {:.3} s, {:.0} tokens/s{}",
+            upload_words(*u),
+            p.step_s,
+            p.tokens_per_s(),
+            if cpu { String::new() } else { format!(", MFU {:.1}%", 100.0 * p.mfu(peak(&hw))) }
+        )?;
+    }
+    Ok(ProjectionRun { hw, ecfg, upload, chosen, other, fits, text })
+}
+
+fn peak(hw: &Hardware) -> f64 {
+    hw.gpu.bf16_tflops * 1e12
+}
+
+fn upload_words(u: UploadPath) -> &'static str {
+    match u {
+        UploadPath::Fp32 => "fp32, copied as they are (the CPU device)",
+        UploadPath::Image => "from a bf16 image the optimizer writes (a pure copy)",
+        UploadPath::RoundInUpload => "rounded from the fp32 masters inside each upload",
+    }
+}
+
+fn fit_lines(
+    t: &mut String,
+    hw: &Hardware,
+    sizes: &Sizes,
+    image: u64,
+    upload: UploadPath,
+    cpu: bool,
+) -> Result<()> {
+    writeln!(t, "projection on {} ({})", hw.name, hw.about)?;
+    let host = sizes.host_total() as u64 + if upload == UploadPath::Image { image } else { 0 };
+    let fits = |a: u64, b: u64| if a <= b { "fits" } else { "DOES NOT FIT" };
+    writeln!(
+        t,
+        "  host: {} of {} ({}){}",
+        gib(host),
+        gib(hw.host_bytes()),
+        fits(host, hw.host_bytes()),
+        match upload {
+            UploadPath::Image => format!("; includes the bf16 weight image, {}", gib(image)),
+            UploadPath::RoundInUpload => format!(
+                "; no room for the bf16 weight image ({}): weights are rounded in each upload",
+                gib(image)
+            ),
+            UploadPath::Fp32 => String::new(),
+        }
+    )?;
+    if !cpu {
+        let dev = sizes.device_total() as u64;
+        writeln!(
+            t,
+            "  device: {} of {} ({})",
+            gib(dev),
+            gib(hw.device_bytes()),
+            fits(dev, hw.device_bytes())
+        )?;
+    }
+    writeln!(t, "  weight uploads: {}", upload_words(upload))?;
+    Ok(())
+}
+
+const QUEUE_NAMES: [&str; 4] = ["compute", "h2d", "d2h", "host"];
+
+fn render(t: &mut String, hw: &Hardware, p: &Projection, cpu: bool) -> Result<()> {
+    let mfu = if cpu {
+        format!("{:.1} GFLOP/s model", p.model_flops / p.step_s * 1e-9)
+    } else {
+        format!("MFU {:.1}% of {:.0} TFLOP/s", 100.0 * p.mfu(peak(hw)), hw.gpu.bf16_tflops)
+    };
+    writeln!(
+        t,
+        "  projected step {:.3} s (first step {:.3} s), {} tokens per step: {:.0} tokens/s, {mfu}",
+        p.step_s,
+        p.first_step_s,
+        p.tokens,
+        p.tokens_per_s()
+    )?;
+    let busy: Vec<String> = (0..4)
+        .map(|q| {
+            format!("{} {:.3} s ({:.0}%)", QUEUE_NAMES[q], p.busy[q], 100.0 * p.busy[q] / p.step_s)
+        })
+        .collect();
+    writeln!(t, "  busy per step: {}", busy.join(", "))?;
+    writeln!(t, "  {:<14} {:>9}  bound (critical path)", "phase", "time")?;
+    for ph in &p.phases {
+        if ph.seconds <= 0.0 {
+            continue;
+        }
+        let q = ph.bound.index();
+        writeln!(
+            t,
+            "  {:<14} {:>7.3} s  {} {:.0}% ({})",
+            ph.name,
+            ph.seconds,
+            QUEUE_NAMES[q],
+            100.0 * ph.bound_s / ph.seconds,
+            ph.top_op
+        )?;
+        let link = matches!(ph.bound, Queue::H2D | Queue::D2H);
+        let compute = ph.busy[Queue::Compute.index()];
+        if link && compute > 0.0 {
+            let need = p.tokens as f64 * ph.busy[q] / compute;
+            writeln!(
+                t,
+                "  {:<14} link-bound: compute-bound from about {:.0} tokens per step",
+                "", need
+            )?;
+        }
+    }
+    Ok(())
+}
