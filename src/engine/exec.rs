@@ -1708,7 +1708,7 @@ unsafe fn apply_update(c: &Ctx, sd: &StepData, grant: &Grant, i: usize, g: &[f32
     let st = AdamWStep::new(&c.adamw, sd.adam_step, sd.lr);
     let seed = sd.adam_step.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ i as u64;
     // SAFETY: the caller's exclusivity.
-    unsafe { moments_of(c, i).update(c.params[i].as_mut_slice(), g, &st, coef, seed) }
+    unsafe { moments_of(c, i).update(c.params[i].as_mut_slice(), g, &st, coef, seed, None) }
 }
 
 /// Buffer `i`'s optimizer state, in its storage.

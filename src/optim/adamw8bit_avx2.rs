@@ -1,0 +1,307 @@
+//! The AVX2 body of the 8-bit AdamW ([`crate::optim::adamw8bit`]): decode, update and stochastic
+//! re-encode of one block, 8 elements per instruction. Bit-identical to the scalar body: the same
+//! IEEE operations on each element (no FMA), the same code search and the same draws (tested in
+//! `adamw8bit`'s tests).
+//!
+//! Data flow of one block: codes (u8) -> gather code values -> `* absmax` -> m, sqrt(v) ->
+//! fp32 AdamW element update -> block absmax -> `t = x / absmax` -> bucket of t's bits -> gather
+//! the search start -> gather two values, compare -> (lo, hi) -> gather their values -> `p_hi`
+//! -> compare with the draw -> code.
+
+use std::arch::x86_64::*;
+
+use crate::optim::adamw::AdamWStep;
+use crate::optim::adamw8bit::{
+    BUCKET_BASE, BUCKET_SHIFT, BUCKETS, Code, Q8Mut, QBLOCK, signed_code, stochastic_code, uniform,
+    unsigned_code, update_elems, zero_index,
+};
+
+const LANES: usize = 8;
+
+/// One block of the 8-bit update (see `adamw8bit::block_scalar`, which this reproduces bit for
+/// bit). `scratch` holds the decoded m and sqrt(v).
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2")]
+pub(crate) unsafe fn update_block<const SMALL_LERP: bool, const IMAGE: bool>(
+    b: Q8Mut<'_>,
+    scratch: &mut [[f32; QBLOCK]; 2],
+    s: &AdamWStep,
+    grad_scale: f32,
+    seed: u64,
+) {
+    let (sc, uc) = (signed_code(), unsigned_code());
+    let n = b.p.len();
+    let [m, v] = scratch;
+    let (m, v) = (&mut m[..n], &mut v[..n]);
+    decode(m, b.mc, b.ma[0], sc);
+    decode(v, b.vc, b.va[0], uc);
+    update_elems::<SMALL_LERP, IMAGE>(b.p, b.img, b.g, m, v, s, grad_scale);
+    b.ma[0] = encode(b.mc, m, sc, seed);
+    b.va[0] = encode(b.vc, v, uc, !seed);
+}
+
+/// `out[i] = code[q[i]] * absmax`, as `adamw8bit::dequantize_block`.
+#[target_feature(enable = "avx2")]
+fn decode(out: &mut [f32], q: &[u8], absmax: f32, code: &Code) {
+    let body = out.len() / LANES * LANES;
+    let a = _mm256_set1_ps(absmax);
+    for (o, q) in out[..body].chunks_exact_mut(LANES).zip(q[..body].chunks_exact(LANES)) {
+        let q: [u8; LANES] = q.try_into().expect("a lane group");
+        let idx = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(i64::from_le_bytes(q)));
+        // SAFETY: every lane is a byte, below 256, and `scan` holds more than 256 values.
+        let c = unsafe { gather(&code.scan, idx) };
+        store(o, _mm256_mul_ps(c, a));
+    }
+    for (o, &q) in out[body..].iter_mut().zip(&q[body..]) {
+        *o = code[q as usize] * absmax;
+    }
+}
+
+/// Encode one block stochastically, as `adamw8bit::quantize_block_stochastic` (same scale, same
+/// codes): returns the scale and writes one code per element.
+#[target_feature(enable = "avx2")]
+fn encode(codes: &mut [u8], x: &[f32], code: &Code, seed: u64) -> f32 {
+    let absmax = absmax(x);
+    if absmax == 0.0 || !absmax.is_finite() {
+        codes.fill(zero_index(code));
+        return 0.0;
+    }
+    let inv = 1.0 / absmax;
+    let body = x.len() / LANES * LANES;
+    let lanes = codes[..body].chunks_exact_mut(LANES).zip(x[..body].chunks_exact(LANES));
+    for (k, (q, x)) in lanes.enumerate() {
+        let t = _mm256_mul_ps(load(x), _mm256_set1_ps(inv));
+        let u = uniform8(seed, (k * LANES) as u64);
+        q.copy_from_slice(&low_bytes(stochastic_codes(code, t, u)));
+    }
+    for (i, (q, &x)) in codes.iter_mut().zip(x).enumerate().skip(body) {
+        *q = stochastic_code(code, x * inv, uniform(seed, i as u64));
+    }
+    absmax
+}
+
+/// The largest `|x|`, skipping NaN: what `x.iter().fold(0, |a, v| a.max(v.abs()))` returns (the
+/// maximum of a set does not depend on the order it is taken in).
+#[target_feature(enable = "avx2")]
+fn absmax(x: &[f32]) -> f32 {
+    let body = x.len() / LANES * LANES;
+    let magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+    let mut acc = _mm256_setzero_ps();
+    for c in x[..body].chunks_exact(LANES) {
+        // `max_ps` returns its second operand when either is NaN: `acc`, never NaN, as
+        // `f32::max` returns the operand that is not NaN.
+        acc = _mm256_max_ps(_mm256_and_ps(load(c), magnitude), acc);
+    }
+    let mut lanes = [0f32; LANES];
+    store(&mut lanes, acc);
+    let a = lanes.iter().fold(0f32, |a, &l| a.max(l));
+    x[body..].iter().fold(a, |a, &v| a.max(v.abs()))
+}
+
+/// Eight codes of `adamw8bit::stochastic_code`: `t` scaled values, `u` their draws.
+#[target_feature(enable = "avx2")]
+fn stochastic_codes(code: &Code, t: __m256, u: __m256) -> __m256i {
+    let bits = _mm256_castps_si256(t);
+    // `adamw8bit::row`: the bucket of |t| from its bits, plus BUCKETS when t's sign bit is set.
+    let mag = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fff_ffff));
+    let b =
+        _mm256_sub_epi32(_mm256_srli_epi32::<BUCKET_SHIFT>(mag), _mm256_set1_epi32(BUCKET_BASE));
+    let b = _mm256_min_epi32(_mm256_max_epi32(b, _mm256_setzero_si256()), splat(BUCKETS - 1));
+    let neg = _mm256_srai_epi32::<31>(bits);
+    let row = _mm256_add_epi32(b, _mm256_and_si256(neg, splat(BUCKETS)));
+    // SAFETY: every row is below 2 * BUCKETS, the length of `window`.
+    let [below, at, above, s] = unsafe { windows(&code.window, row) };
+    let s = _mm256_castps_si256(s);
+    // `Code::first_at_least`: s, or s + 1 where code[s] < t (compare masks are -1 where true).
+    let hi = _mm256_sub_epi32(s, _mm256_castps_si256(_mm256_cmp_ps::<_CMP_LT_OQ>(at, t)));
+    let hi = _mm256_min_epi32(_mm256_max_epi32(hi, splat(1)), splat(255));
+    // hi is s or s + 1 after the clamp too, so (code[hi - 1], code[hi]) is (below, at) or
+    // (at, above).
+    let at_s = _mm256_castsi256_ps(_mm256_cmpeq_epi32(hi, s));
+    let c_lo = _mm256_blendv_ps(at, below, at_s);
+    let c_hi = _mm256_blendv_ps(above, at, at_s);
+    let p_hi = _mm256_div_ps(_mm256_sub_ps(t, c_lo), _mm256_sub_ps(c_hi, c_lo));
+    let up = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_LT_OQ>(u, p_hi));
+    _mm256_sub_epi32(_mm256_sub_epi32(hi, splat(1)), up)
+}
+
+/// The [`Code::window`] rows `row` of the eight lanes, as four vectors: `code[s - 1]`,
+/// `code[s]`, `code[s + 1]` and `s` of each lane. One 16-byte load per lane, then a 4x4
+/// transpose in each 128-bit half.
+///
+/// # Safety
+/// Every lane of `row` must index inside `window`.
+#[target_feature(enable = "avx2")]
+unsafe fn windows(window: &[[u32; 4]], row: __m256i) -> [__m256; 4] {
+    let r = lanes(row).map(|r| r as usize);
+    // SAFETY: the caller keeps every row inside `window`; each row is 16 bytes, read unaligned.
+    let w = |l: usize| unsafe { _mm_loadu_ps(window.as_ptr().add(r[l]).cast()) };
+    // Lane l in the low half, lane l + 4 in the high half.
+    let a = _mm256_set_m128(w(4), w(0));
+    let b = _mm256_set_m128(w(5), w(1));
+    let c = _mm256_set_m128(w(6), w(2));
+    let d = _mm256_set_m128(w(7), w(3));
+    let (ab_lo, ab_hi) = (_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
+    let (cd_lo, cd_hi) = (_mm256_unpacklo_ps(c, d), _mm256_unpackhi_ps(c, d));
+    let pd = _mm256_castps_pd;
+    let ps = _mm256_castpd_ps;
+    [
+        ps(_mm256_unpacklo_pd(pd(ab_lo), pd(cd_lo))),
+        ps(_mm256_unpackhi_pd(pd(ab_lo), pd(cd_lo))),
+        ps(_mm256_unpacklo_pd(pd(ab_hi), pd(cd_hi))),
+        ps(_mm256_unpackhi_pd(pd(ab_hi), pd(cd_hi))),
+    ]
+}
+
+/// The lanes of an index vector, for scalar loads: AVX2's gather instructions are slower than
+/// eight scalar loads on CPUs with the gather-data-sampling microcode fix (4.8 against 1 cycle
+/// per element measured on this project's Xeon).
+#[target_feature(enable = "avx2")]
+fn lanes(idx: __m256i) -> [i32; LANES] {
+    let mut out = [0i32; LANES];
+    // SAFETY: `out` is 32 writable bytes, what an unaligned store writes.
+    unsafe { _mm256_storeu_si256(out.as_mut_ptr().cast(), idx) };
+    out
+}
+
+/// `table[idx]` for each lane.
+///
+/// # Safety
+/// Every lane of `idx` must index inside `table`.
+#[target_feature(enable = "avx2")]
+unsafe fn gather(table: &[f32], idx: __m256i) -> __m256 {
+    let i = lanes(idx).map(|i| i as usize);
+    // SAFETY: the caller keeps every lane inside `table`.
+    let t = |l: usize| unsafe { *table.get_unchecked(i[l]) };
+    _mm256_setr_ps(t(0), t(1), t(2), t(3), t(4), t(5), t(6), t(7))
+}
+
+/// Draws `uniform(seed, i0 + l)` for lanes l = 0..8 (splitmix64's finaliser on 64-bit lanes).
+#[target_feature(enable = "avx2")]
+fn uniform8(seed: u64, i0: u64) -> __m256 {
+    let i0 = _mm256_set1_epi64x(i0 as i64);
+    let lo = top24(seed, _mm256_add_epi64(i0, _mm256_setr_epi64x(0, 1, 2, 3)));
+    let hi = top24(seed, _mm256_add_epi64(i0, _mm256_setr_epi64x(4, 5, 6, 7)));
+    // Each value sits in the low 32 bits of its 64-bit lane: [l0 l1 h0 h1 | l2 l3 h2 h3], then
+    // the 64-bit pairs reordered to lane order.
+    let d = _mm256_shuffle_ps::<0b10_00_10_00>(_mm256_castsi256_ps(lo), _mm256_castsi256_ps(hi));
+    let d = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_castps_si256(d));
+    // Exact: an integer below 2^24 converts exactly, and the product by 2^-24 is exact, as is
+    // the scalar division by 2^24.
+    _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(1.0 / 16_777_216.0))
+}
+
+/// `z >> 40` of `uniform`'s hash of each 64-bit lane of `i`. (Its final `z ^= z >> 31` leaves
+/// the top 24 bits alone, so it is skipped.)
+#[target_feature(enable = "avx2")]
+fn top24(seed: u64, i: __m256i) -> __m256i {
+    let mut z = _mm256_xor_si256(_mm256_set1_epi64x(seed as i64), mul64(i, 0x9E37_79B9_7F4A_7C15));
+    z = mul64(_mm256_xor_si256(z, _mm256_srli_epi64::<30>(z)), 0xBF58_476D_1CE4_E5B9);
+    z = mul64(_mm256_xor_si256(z, _mm256_srli_epi64::<27>(z)), 0x94D0_49BB_1331_11EB);
+    _mm256_srli_epi64::<40>(z)
+}
+
+/// `a * k` (wrapping) on 64-bit lanes from AVX2's 32x32->64 multiplies:
+/// `a_lo * k_lo + ((a_hi * k_lo + a_lo * k_hi) << 32)`.
+#[target_feature(enable = "avx2")]
+fn mul64(a: __m256i, k: u64) -> __m256i {
+    let k_lo = _mm256_set1_epi64x((k & 0xffff_ffff) as i64);
+    let k_hi = _mm256_set1_epi64x((k >> 32) as i64);
+    let low = _mm256_mul_epu32(a, k_lo);
+    let a_hi = _mm256_srli_epi64::<32>(a);
+    let cross = _mm256_add_epi64(_mm256_mul_epu32(a_hi, k_lo), _mm256_mul_epu32(a, k_hi));
+    _mm256_add_epi64(low, _mm256_slli_epi64::<32>(cross))
+}
+
+/// The low byte of each 32-bit lane (each in 0..=255), in lane order.
+#[target_feature(enable = "avx2")]
+fn low_bytes(v: __m256i) -> [u8; LANES] {
+    let words = _mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+    let bytes = _mm_packus_epi16(words, words);
+    _mm_cvtsi128_si64(bytes).to_le_bytes()
+}
+
+#[target_feature(enable = "avx2")]
+fn splat(x: usize) -> __m256i {
+    _mm256_set1_epi32(x as i32)
+}
+
+#[target_feature(enable = "avx2")]
+fn load(x: &[f32]) -> __m256 {
+    let x: &[f32; LANES] = x.try_into().expect("a lane group");
+    // SAFETY: `x` is 8 readable f32, what an unaligned load reads.
+    unsafe { _mm256_loadu_ps(x.as_ptr()) }
+}
+
+#[target_feature(enable = "avx2")]
+fn store(out: &mut [f32], v: __m256) {
+    let out: &mut [f32; LANES] = out.try_into().expect("a lane group");
+    // SAFETY: `out` is 8 writable f32, what an unaligned store writes.
+    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), v) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::optim::adamw8bit::{quantize_block_stochastic, signed_code};
+
+    fn avx2() -> bool {
+        let ok = std::arch::is_x86_feature_detected!("avx2");
+        if !ok {
+            eprintln!("skipped: this CPU has no AVX2");
+        }
+        ok
+    }
+
+    /// The encoder on the inputs that stress it: code values and their neighbours (`t` hits
+    /// the table exactly: the block maximum is 1), midpoints, signed zeros, values below the
+    /// smallest step, NaN (skipped by the maximum), and partial lane groups.
+    #[test]
+    fn encode_matches_the_scalar_encoder_on_edge_values() {
+        if !avx2() {
+            return;
+        }
+        for code in [signed_code(), unsigned_code()] {
+            let mut x: Vec<f32> = vec![1.0, 0.0, -0.0, 1e-30, -1e-30, f32::NAN, -f32::NAN];
+            for (i, &c) in code.iter().enumerate() {
+                x.extend([c, -c, f32::from_bits(c.to_bits() + 1)]);
+                if i > 0 {
+                    x.push((c + code[i - 1]) / 2.0);
+                }
+            }
+            for len in [1, 7, 8, 9, 100, QBLOCK - 1, QBLOCK] {
+                for chunk in x.chunks(len) {
+                    let mut x = chunk.to_vec();
+                    x[0] = 1.0; // the block's maximum: t is x itself
+                    let (mut want, mut got) = (vec![0u8; x.len()], vec![0u8; x.len()]);
+                    let a = quantize_block_stochastic(&mut want, &x, code, 77);
+                    // SAFETY: AVX2 was detected above.
+                    let b = unsafe { encode(&mut got, &x, code, 77) };
+                    assert_eq!(a.to_bits(), b.to_bits(), "absmax, len {len}");
+                    assert_eq!(got, want, "codes, len {len}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn draws_match_the_scalar_draws() {
+        if !avx2() {
+            return;
+        }
+        for seed in [0, 1, u64::MAX, 0x1234_5678_9abc_def0] {
+            for i0 in [0u64, 8, 248, 1 << 40] {
+                let mut got = [0f32; LANES];
+                // SAFETY: AVX2 was detected above.
+                unsafe { store(&mut got, uniform8(seed, i0)) };
+                let want: Vec<f32> = (0..LANES as u64).map(|l| uniform(seed, i0 + l)).collect();
+                assert_eq!(
+                    got.map(f32::to_bits).to_vec(),
+                    want.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+                );
+            }
+        }
+    }
+}
