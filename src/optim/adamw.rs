@@ -44,6 +44,12 @@
 //! with AVX2 and picked by runtime detection on x86-64) plus a scalar tail. No reduction crosses
 //! elements, so the result does not depend on the chunking, the thread count or the SIMD width:
 //! serial, parallel, SIMD and scalar runs are bit-identical (tested).
+//!
+//! [`adamw_update_image`] (and [`adamw_update_serial_image`]) also write the bf16 image of the
+//! new masters, `Bf16::from_f32` (round to nearest even), in the same lane loop: the device's
+//! bf16 weights, produced while the masters are in registers instead of in a second pass over
+//! them. The masters and moments are bit-identical with and without the image (tested); the
+//! plain functions are compiled without the image code.
 
 use horizon_backend::Bf16;
 use rayon::prelude::*;

@@ -16,6 +16,20 @@
 //! block's new absolute maximum, rounding stochastically (unbiased; see
 //! [`quantize_block_stochastic`]) with a deterministic seed. Blocks are independent: the
 //! result does not depend on the thread count.
+//!
+//! # Bodies
+//!
+//! A block runs on one of two bodies ([`Kernel`]): the scalar one here (the reference, and what
+//! every CPU runs) or the AVX2 one (`adamw8bit_avx2`, picked at run time by [`Kernel::detect`]),
+//! which is bit-identical: the same IEEE operations per element (no FMA), the same draws and
+//! the same code search. The search finds the first code value `>= t` from the bits of `t`: a
+//! bucket per 1/128 of a binary octave holds at most one code value, and a table row per bucket
+//! and sign ([`Code::window`]) holds the index to start from and the values either side, so one
+//! 16-byte load and one compare give both neighbours of `t`. Tests pin both bodies to a
+//! checksum recorded from the original implementation and to each other, over thread counts.
+//!
+//! [`adamw8bit_update_with`] can also write the bf16 image of the new masters in the same pass
+//! (`Bf16::from_f32`), for the fp32 segments too; masters and moments are unchanged by it.
 
 use std::sync::OnceLock;
 

@@ -38,8 +38,65 @@ pub(crate) unsafe fn update_block<const SMALL_LERP: bool, const IMAGE: bool>(
     decode(m, b.mc, b.ma[0], sc);
     decode(v, b.vc, b.va[0], uc);
     update_elems::<SMALL_LERP, IMAGE>(b.p, b.img, b.g, m, v, s, grad_scale);
-    b.ma[0] = encode(b.mc, m, sc, seed);
-    b.va[0] = encode(b.vc, v, uc, !seed);
+    let (am, av) = (absmax(m), absmax(v));
+    let usable = |a: f32| a != 0.0 && a.is_finite();
+    if usable(am) && usable(av) {
+        encode_both(b.mc, b.vc, m, v, (am, av), seed);
+        (b.ma[0], b.va[0]) = (am, av);
+    } else {
+        // A block of zeros (or of non-finite values): one moment at a time.
+        b.ma[0] = encode(b.mc, m, sc, seed);
+        b.va[0] = encode(b.vc, v, uc, !seed);
+    }
+}
+
+/// [`encode`] of m (signed code, `seed`) and sqrt(v) (unsigned code, `!seed`) in one loop, given
+/// their scales `(am, av)`, both finite and non-zero: the lane groups share their index hashes.
+#[target_feature(enable = "avx2")]
+fn encode_both(
+    mc: &mut [u8],
+    vc: &mut [u8],
+    m: &[f32],
+    v: &[f32],
+    (am, av): (f32, f32),
+    seed: u64,
+) {
+    let (sc, uc) = (signed_code(), unsigned_code());
+    let (inv_m, inv_v) = (1.0 / am, 1.0 / av);
+    let body = m.len() / LANES * LANES;
+    let (im, iv) = (_mm256_set1_ps(inv_m), _mm256_set1_ps(inv_v));
+    // First every element's window offset, then the windows read back by scalar loads (a
+    // separate pass, so the offsets come from memory, not from lane extracts).
+    let mut offsets = [[0u32; QBLOCK]; 2];
+    for i in (0..body).step_by(LANES) {
+        let r = i..i + LANES;
+        store_u32(
+            &mut offsets[0][r.clone()],
+            window_offsets(_mm256_mul_ps(load(&m[r.clone()]), im)),
+        );
+        store_u32(&mut offsets[1][r.clone()], window_offsets(_mm256_mul_ps(load(&v[r]), iv)));
+    }
+    for i in (0..body).step_by(LANES) {
+        let r = i..i + LANES;
+        let ih = index_hashes(i);
+        let (tm, tv) =
+            (_mm256_mul_ps(load(&m[r.clone()]), im), _mm256_mul_ps(load(&v[r.clone()]), iv));
+        // SAFETY: the offsets are `window_offsets`', inside the windows.
+        let (wm, wv) = unsafe {
+            (
+                windows(&sc.window, &offsets[0][r.clone()]),
+                windows(&uc.window, &offsets[1][r.clone()]),
+            )
+        };
+        let qm = codes_in_windows(tm, uniform8(seed, ih), wm);
+        let qv = codes_in_windows(tv, uniform8(!seed, ih), wv);
+        mc[r.clone()].copy_from_slice(&low_bytes(qm));
+        vc[r].copy_from_slice(&low_bytes(qv));
+    }
+    for i in body..m.len() {
+        mc[i] = stochastic_code(sc, m[i] * inv_m, uniform(seed, i as u64));
+        vc[i] = stochastic_code(uc, v[i] * inv_v, uniform(!seed, i as u64));
+    }
 }
 
 /// `out[i] = code[q[i]] * absmax`, as `adamw8bit::dequantize_block`.
@@ -48,10 +105,9 @@ fn decode(out: &mut [f32], q: &[u8], absmax: f32, code: &Code) {
     let body = out.len() / LANES * LANES;
     let a = _mm256_set1_ps(absmax);
     for (o, q) in out[..body].chunks_exact_mut(LANES).zip(q[..body].chunks_exact(LANES)) {
-        let q: [u8; LANES] = q.try_into().expect("a lane group");
-        let idx = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(i64::from_le_bytes(q)));
-        // SAFETY: every lane is a byte, below 256, and `scan` holds more than 256 values.
-        let c = unsafe { gather(&code.scan, idx) };
+        // Scalar loads: a byte indexes inside `scan` (257 values), so no bounds check remains.
+        let c = |l: usize| code.scan[q[l] as usize];
+        let c = _mm256_setr_ps(c(0), c(1), c(2), c(3), c(4), c(5), c(6), c(7));
         store(o, _mm256_mul_ps(c, a));
     }
     for (o, &q) in out[body..].iter_mut().zip(&q[body..]) {
@@ -73,7 +129,7 @@ fn encode(codes: &mut [u8], x: &[f32], code: &Code, seed: u64) -> f32 {
     let lanes = codes[..body].chunks_exact_mut(LANES).zip(x[..body].chunks_exact(LANES));
     for (k, (q, x)) in lanes.enumerate() {
         let t = _mm256_mul_ps(load(x), _mm256_set1_ps(inv));
-        let u = uniform8(seed, (k * LANES) as u64);
+        let u = uniform8(seed, index_hashes(k * LANES));
         q.copy_from_slice(&low_bytes(stochastic_codes(code, t, u)));
     }
     for (i, (q, &x)) in codes.iter_mut().zip(x).enumerate().skip(body) {
@@ -103,16 +159,30 @@ fn absmax(x: &[f32]) -> f32 {
 /// Eight codes of `adamw8bit::stochastic_code`: `t` scaled values, `u` their draws.
 #[target_feature(enable = "avx2")]
 fn stochastic_codes(code: &Code, t: __m256, u: __m256) -> __m256i {
+    let mut offsets = [0u32; LANES];
+    store_u32(&mut offsets, window_offsets(t));
+    // SAFETY: the offsets are `window_offsets`', inside the windows.
+    codes_in_windows(t, u, unsafe { windows(&code.window, &offsets) })
+}
+
+/// The byte offsets in [`Code::window`] of the rows of `t` (`adamw8bit::row`: the bucket of |t|
+/// from its bits, plus BUCKETS when t's sign bit is set; 16 bytes a row). All are below
+/// `2 * BUCKETS * 16`, inside the window table.
+#[target_feature(enable = "avx2")]
+fn window_offsets(t: __m256) -> __m256i {
     let bits = _mm256_castps_si256(t);
-    // `adamw8bit::row`: the bucket of |t| from its bits, plus BUCKETS when t's sign bit is set.
     let mag = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fff_ffff));
     let b =
         _mm256_sub_epi32(_mm256_srli_epi32::<BUCKET_SHIFT>(mag), _mm256_set1_epi32(BUCKET_BASE));
     let b = _mm256_min_epi32(_mm256_max_epi32(b, _mm256_setzero_si256()), splat(BUCKETS - 1));
     let neg = _mm256_srai_epi32::<31>(bits);
     let row = _mm256_add_epi32(b, _mm256_and_si256(neg, splat(BUCKETS)));
-    // SAFETY: every row is below 2 * BUCKETS, the length of `window`.
-    let [below, at, above, s] = unsafe { windows(&code.window, row) };
+    _mm256_slli_epi32::<4>(row)
+}
+
+/// The codes of `t` with draws `u`, given the windows of their rows (see [`windows`]).
+#[target_feature(enable = "avx2")]
+fn codes_in_windows(t: __m256, u: __m256, [below, at, above, s]: [__m256; 4]) -> __m256i {
     let s = _mm256_castps_si256(s);
     // `Code::first_at_least`: s, or s + 1 where code[s] < t (compare masks are -1 where true).
     let hi = _mm256_sub_epi32(s, _mm256_castps_si256(_mm256_cmp_ps::<_CMP_LT_OQ>(at, t)));
@@ -127,17 +197,18 @@ fn stochastic_codes(code: &Code, t: __m256, u: __m256) -> __m256i {
     _mm256_sub_epi32(_mm256_sub_epi32(hi, splat(1)), up)
 }
 
-/// The [`Code::window`] rows `row` of the eight lanes, as four vectors: `code[s - 1]`,
-/// `code[s]`, `code[s + 1]` and `s` of each lane. One 16-byte load per lane, then a 4x4
+/// The [`Code::window`] rows at byte offsets `offsets` (8 lanes), as four vectors: `code[s -
+/// 1]`, `code[s]`, `code[s + 1]` and `s` of each lane. One 16-byte load per lane, then a 4x4
 /// transpose in each 128-bit half.
 ///
 /// # Safety
-/// Every lane of `row` must index inside `window`.
+/// Every offset must be that of a row of `window` (16 times an index inside it).
 #[target_feature(enable = "avx2")]
-unsafe fn windows(window: &[[u32; 4]], row: __m256i) -> [__m256; 4] {
-    let r = lanes(row).map(|r| r as usize);
-    // SAFETY: the caller keeps every row inside `window`; each row is 16 bytes, read unaligned.
-    let w = |l: usize| unsafe { _mm_loadu_ps(window.as_ptr().add(r[l]).cast()) };
+unsafe fn windows(window: &[[u32; 4]], offsets: &[u32]) -> [__m256; 4] {
+    let o: &[u32; LANES] = offsets.try_into().expect("a lane group");
+    let base = window.as_ptr().cast::<u8>();
+    // SAFETY: the caller keeps every offset on a row of `window`; 16 bytes, read unaligned.
+    let w = |l: usize| unsafe { _mm_loadu_ps(base.add(o[l] as usize).cast()) };
     // Lane l in the low half, lane l + 4 in the high half.
     let a = _mm256_set_m128(w(4), w(0));
     let b = _mm256_set_m128(w(5), w(1));
@@ -155,35 +226,42 @@ unsafe fn windows(window: &[[u32; 4]], row: __m256i) -> [__m256; 4] {
     ]
 }
 
-/// The lanes of an index vector, for scalar loads: AVX2's gather instructions are slower than
-/// eight scalar loads on CPUs with the gather-data-sampling microcode fix (4.8 against 1 cycle
-/// per element measured on this project's Xeon).
+/// Stores 8 lanes. (AVX2's gather instructions are slower than scalar loads of stored offsets
+/// on CPUs with the gather-data-sampling microcode fix: 4.8 against 1 cycle per element
+/// measured on this project's Xeon; so offsets go through memory.)
 #[target_feature(enable = "avx2")]
-fn lanes(idx: __m256i) -> [i32; LANES] {
-    let mut out = [0i32; LANES];
+fn store_u32(out: &mut [u32], v: __m256i) {
+    let out: &mut [u32; LANES] = out.try_into().expect("a lane group");
     // SAFETY: `out` is 32 writable bytes, what an unaligned store writes.
-    unsafe { _mm256_storeu_si256(out.as_mut_ptr().cast(), idx) };
-    out
+    unsafe { _mm256_storeu_si256(out.as_mut_ptr().cast(), v) };
 }
 
-/// `table[idx]` for each lane.
-///
-/// # Safety
-/// Every lane of `idx` must index inside `table`.
+/// `i * 0x9E37_79B9_7F4A_7C15` (wrapping) for the indices of a block: the first step of
+/// [`uniform`]'s hash, the same for every block and both moments.
+static INDEX_HASHES: [u64; QBLOCK] = {
+    let mut t = [0u64; QBLOCK];
+    let mut i = 0;
+    while i < QBLOCK {
+        t[i] = (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        i += 1;
+    }
+    t
+};
+
+/// [`INDEX_HASHES`] of the lane group `i0..i0 + 8` (i0 a multiple of 8 inside a block), as two
+/// vectors of four 64-bit lanes.
 #[target_feature(enable = "avx2")]
-unsafe fn gather(table: &[f32], idx: __m256i) -> __m256 {
-    let i = lanes(idx).map(|i| i as usize);
-    // SAFETY: the caller keeps every lane inside `table`.
-    let t = |l: usize| unsafe { *table.get_unchecked(i[l]) };
-    _mm256_setr_ps(t(0), t(1), t(2), t(3), t(4), t(5), t(6), t(7))
+fn index_hashes(i0: usize) -> [__m256i; 2] {
+    let h: &[u64; LANES] = INDEX_HASHES[i0..i0 + LANES].try_into().expect("a lane group");
+    // SAFETY: `h` is 8 readable u64 (64 bytes), what the two unaligned loads read.
+    unsafe { [_mm256_loadu_si256(h.as_ptr().cast()), _mm256_loadu_si256(h[4..].as_ptr().cast())] }
 }
 
-/// Draws `uniform(seed, i0 + l)` for lanes l = 0..8 (splitmix64's finaliser on 64-bit lanes).
+/// Draws `uniform(seed, i)` for the 8 lanes whose index hashes are `ih` (splitmix64's finaliser
+/// on 64-bit lanes).
 #[target_feature(enable = "avx2")]
-fn uniform8(seed: u64, i0: u64) -> __m256 {
-    let i0 = _mm256_set1_epi64x(i0 as i64);
-    let lo = top24(seed, _mm256_add_epi64(i0, _mm256_setr_epi64x(0, 1, 2, 3)));
-    let hi = top24(seed, _mm256_add_epi64(i0, _mm256_setr_epi64x(4, 5, 6, 7)));
+fn uniform8(seed: u64, ih: [__m256i; 2]) -> __m256 {
+    let (lo, hi) = (top24(seed, ih[0]), top24(seed, ih[1]));
     // Each value sits in the low 32 bits of its 64-bit lane: [l0 l1 h0 h1 | l2 l3 h2 h3], then
     // the 64-bit pairs reordered to lane order.
     let d = _mm256_shuffle_ps::<0b10_00_10_00>(_mm256_castsi256_ps(lo), _mm256_castsi256_ps(hi));
@@ -193,11 +271,11 @@ fn uniform8(seed: u64, i0: u64) -> __m256 {
     _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(1.0 / 16_777_216.0))
 }
 
-/// `z >> 40` of `uniform`'s hash of each 64-bit lane of `i`. (Its final `z ^= z >> 31` leaves
-/// the top 24 bits alone, so it is skipped.)
+/// `z >> 40` of `uniform`'s hash, from each 64-bit lane's index hash `ih`. (Its final
+/// `z ^= z >> 31` leaves the top 24 bits alone, so it is skipped.)
 #[target_feature(enable = "avx2")]
-fn top24(seed: u64, i: __m256i) -> __m256i {
-    let mut z = _mm256_xor_si256(_mm256_set1_epi64x(seed as i64), mul64(i, 0x9E37_79B9_7F4A_7C15));
+fn top24(seed: u64, ih: __m256i) -> __m256i {
+    let mut z = _mm256_xor_si256(_mm256_set1_epi64x(seed as i64), ih);
     z = mul64(_mm256_xor_si256(z, _mm256_srli_epi64::<30>(z)), 0xBF58_476D_1CE4_E5B9);
     z = mul64(_mm256_xor_si256(z, _mm256_srli_epi64::<27>(z)), 0x94D0_49BB_1331_11EB);
     _mm256_srli_epi64::<40>(z)
@@ -292,11 +370,11 @@ mod tests {
             return;
         }
         for seed in [0, 1, u64::MAX, 0x1234_5678_9abc_def0] {
-            for i0 in [0u64, 8, 248, 1 << 40] {
+            for i0 in (0..QBLOCK).step_by(LANES) {
                 let mut got = [0f32; LANES];
                 // SAFETY: AVX2 was detected above.
-                unsafe { store(&mut got, uniform8(seed, i0)) };
-                let want: Vec<f32> = (0..LANES as u64).map(|l| uniform(seed, i0 + l)).collect();
+                unsafe { store(&mut got, uniform8(seed, index_hashes(i0))) };
+                let want: Vec<f32> = (0..LANES).map(|l| uniform(seed, (i0 + l) as u64)).collect();
                 assert_eq!(
                     got.map(f32::to_bits).to_vec(),
                     want.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
