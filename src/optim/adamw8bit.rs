@@ -711,7 +711,10 @@ fn block_avx2<const SMALL_LERP: bool, const IMAGE: bool>(
         )
     };
     #[cfg(not(target_arch = "x86_64"))]
-    unreachable!("adamw8bit_update_with refuses Kernel::Avx2 off x86-64: {}", b.p.len());
+    {
+        let _ = (scratch, s, grad_scale, seed);
+        unreachable!("adamw8bit_update_with refuses Kernel::Avx2 off x86-64 ({})", b.p.len());
+    }
 }
 
 /// The fp32 AdamW element update of one block's decoded moments (`v` holds sqrt(v) in and out):
