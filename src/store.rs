@@ -175,7 +175,7 @@ impl TrainState {
         for i in 0..self.grads.buffers().len() {
             let seed = self.updates.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ i as u64;
             let g = self.grads.buffer(i);
-            self.opt.buffer(i).update(self.params.buffer_mut(i), g, &st, coef, seed);
+            self.opt.buffer(i).update(self.params.buffer_mut(i), g, &st, coef, seed, None);
         }
     }
 }

@@ -1788,13 +1788,11 @@ unsafe fn apply_update(c: &Ctx, sd: &StepData, grant: &Grant, i: usize, g: &[f32
     grant.moments(c.param_buf(i));
     let st = AdamWStep::new(&c.adamw, sd.adam_step, sd.lr);
     let seed = sd.adam_step.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ i as u64;
-    // SAFETY: the caller's exclusivity (the image is part of the buffer's `Params`).
+    // SAFETY: the caller's exclusivity (the image is part of the buffer's `Params`): the
+    // masters and their image are written in the one pass.
     unsafe {
-        let w = c.params[i].as_mut_slice();
-        moments_of(c, i).update(w, g, &st, coef, seed);
-        if let Some(img) = c.images[i] {
-            round_to_bf16(img.as_mut_slice(), w);
-        }
+        let image = c.images[i].map(|img| img.as_mut_slice());
+        moments_of(c, i).update(c.params[i].as_mut_slice(), g, &st, coef, seed, image)
     }
 }
 

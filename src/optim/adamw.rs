@@ -44,7 +44,14 @@
 //! with AVX2 and picked by runtime detection on x86-64) plus a scalar tail. No reduction crosses
 //! elements, so the result does not depend on the chunking, the thread count or the SIMD width:
 //! serial, parallel, SIMD and scalar runs are bit-identical (tested).
+//!
+//! [`adamw_update_image`] (and [`adamw_update_serial_image`]) also write the bf16 image of the
+//! new masters, `Bf16::from_f32` (round to nearest even), in the same lane loop: the device's
+//! bf16 weights, produced while the masters are in registers instead of in a second pass over
+//! them. The masters and moments are bit-identical with and without the image (tested); the
+//! plain functions are compiled without the image code.
 
+use horizon_backend::Bf16;
 use rayon::prelude::*;
 
 /// Elements per parallel task of [`adamw_update`] (a multiple of the lane width 8).
@@ -140,26 +147,34 @@ pub(crate) fn update_one<const SMALL_LERP: bool>(
     (p, m, v)
 }
 
-/// Scalar loop over one slice.
+/// Scalar loop over one slice; with `IMAGE`, also `image[i] = bf16(param[i])` of the new
+/// masters (`image` is empty without it).
 #[inline(always)]
-fn update_scalar<const SMALL_LERP: bool>(
+fn update_scalar<const SMALL_LERP: bool, const IMAGE: bool>(
     param: &mut [f32],
+    image: &mut [Bf16],
     grad: &[f32],
     m: &mut [f32],
     v: &mut [f32],
     s: &AdamWStep,
     grad_scale: f32,
 ) {
-    for (((p, &g), m), v) in param.iter_mut().zip(grad).zip(m.iter_mut()).zip(v.iter_mut()) {
+    for (i, (((p, &g), m), v)) in
+        param.iter_mut().zip(grad).zip(m.iter_mut()).zip(v.iter_mut()).enumerate()
+    {
         (*p, *m, *v) = update_one::<SMALL_LERP>(*p, g, *m, *v, s, grad_scale);
+        if IMAGE {
+            image[i] = Bf16::from_f32(*p);
+        }
     }
 }
 
 /// Body over lanes of [`LANES`] (fixed-size arrays the compiler turns into vector instructions),
 /// then the scalar tail. Bit-identical to [`update_scalar`]: the same IEEE operations per element.
 #[inline(always)]
-fn update_lanes<const SMALL_LERP: bool>(
+fn update_lanes<const SMALL_LERP: bool, const IMAGE: bool>(
     param: &mut [f32],
+    image: &mut [Bf16],
     grad: &[f32],
     m: &mut [f32],
     v: &mut [f32],
@@ -171,11 +186,12 @@ fn update_lanes<const SMALL_LERP: bool>(
     let (g_body, g_tail) = grad.split_at(body);
     let (m_body, m_tail) = m.split_at_mut(body);
     let (v_body, v_tail) = v.split_at_mut(body);
-    for (((p, g), m), v) in p_body
+    for (c, (((p, g), m), v)) in p_body
         .chunks_exact_mut(LANES)
         .zip(g_body.chunks_exact(LANES))
         .zip(m_body.chunks_exact_mut(LANES))
         .zip(v_body.chunks_exact_mut(LANES))
+        .enumerate()
     {
         let p: &mut [f32; LANES] = p.try_into().unwrap();
         let g: &[f32; LANES] = g.try_into().unwrap();
@@ -184,8 +200,15 @@ fn update_lanes<const SMALL_LERP: bool>(
         for l in 0..LANES {
             (p[l], m[l], v[l]) = update_one::<SMALL_LERP>(p[l], g[l], m[l], v[l], s, grad_scale);
         }
+        if IMAGE {
+            let img: &mut [Bf16; LANES] = (&mut image[c * LANES..][..LANES]).try_into().unwrap();
+            for l in 0..LANES {
+                img[l] = Bf16::from_f32(p[l]);
+            }
+        }
     }
-    update_scalar::<SMALL_LERP>(p_tail, g_tail, m_tail, v_tail, s, grad_scale);
+    let i_tail = if IMAGE { &mut image[body..] } else { &mut [] };
+    update_scalar::<SMALL_LERP, IMAGE>(p_tail, i_tail, g_tail, m_tail, v_tail, s, grad_scale);
 }
 
 /// [`update_lanes`] compiled with AVX2 enabled (8 f32 lanes per instruction). Enabling AVX2 does
@@ -195,20 +218,22 @@ fn update_lanes<const SMALL_LERP: bool>(
 /// The CPU must support AVX2 (checked by the caller with `is_x86_feature_detected!`).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn update_lanes_avx2<const SMALL_LERP: bool>(
+unsafe fn update_lanes_avx2<const SMALL_LERP: bool, const IMAGE: bool>(
     param: &mut [f32],
+    image: &mut [Bf16],
     grad: &[f32],
     m: &mut [f32],
     v: &mut [f32],
     s: &AdamWStep,
     grad_scale: f32,
 ) {
-    update_lanes::<SMALL_LERP>(param, grad, m, v, s, grad_scale);
+    update_lanes::<SMALL_LERP, IMAGE>(param, image, grad, m, v, s, grad_scale);
 }
 
 /// The fastest body this CPU runs, for one chunk.
-fn update_chunk<const SMALL_LERP: bool>(
+fn update_chunk<const SMALL_LERP: bool, const IMAGE: bool>(
     param: &mut [f32],
+    image: &mut [Bf16],
     grad: &[f32],
     m: &mut [f32],
     v: &mut [f32],
@@ -219,10 +244,27 @@ fn update_chunk<const SMALL_LERP: bool>(
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: AVX2 support was just detected at run time, the only requirement of
         // `update_lanes_avx2`.
-        unsafe { update_lanes_avx2::<SMALL_LERP>(param, grad, m, v, s, grad_scale) };
+        unsafe { update_lanes_avx2::<SMALL_LERP, IMAGE>(param, image, grad, m, v, s, grad_scale) };
         return;
     }
-    update_lanes::<SMALL_LERP>(param, grad, m, v, s, grad_scale);
+    update_lanes::<SMALL_LERP, IMAGE>(param, image, grad, m, v, s, grad_scale);
+}
+
+/// [`update_chunk`] with the lerp formula of `s` picked.
+fn update_chunk_any<const IMAGE: bool>(
+    param: &mut [f32],
+    image: &mut [Bf16],
+    grad: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    s: &AdamWStep,
+    grad_scale: f32,
+) {
+    if s.lerp_weight_small() {
+        update_chunk::<true, IMAGE>(param, image, grad, m, v, s, grad_scale);
+    } else {
+        update_chunk::<false, IMAGE>(param, image, grad, m, v, s, grad_scale);
+    }
 }
 
 fn check_lengths(param: &[f32], grad: &[f32], m: &[f32], v: &[f32]) {
@@ -233,6 +275,16 @@ fn check_lengths(param: &[f32], grad: &[f32], m: &[f32], v: &[f32]) {
         grad.len(),
         m.len(),
         v.len()
+    );
+}
+
+fn check_image(param: &[f32], image: &[Bf16]) {
+    assert_eq!(
+        image.len(),
+        param.len(),
+        "adamw_update: lengths differ: image {}, param {}",
+        image.len(),
+        param.len()
     );
 }
 
@@ -255,18 +307,41 @@ pub fn adamw_update(
     grad_scale: f32,
 ) {
     check_lengths(param, grad, m, v);
-    let small = step.lerp_weight_small();
     param
         .par_chunks_mut(ADAMW_CHUNK)
         .zip(grad.par_chunks(ADAMW_CHUNK))
         .zip(m.par_chunks_mut(ADAMW_CHUNK))
         .zip(v.par_chunks_mut(ADAMW_CHUNK))
         .for_each(|(((p, g), m), v)| {
-            if small {
-                update_chunk::<true>(p, g, m, v, step, grad_scale);
-            } else {
-                update_chunk::<false>(p, g, m, v, step, grad_scale);
-            }
+            update_chunk_any::<false>(p, &mut [], g, m, v, step, grad_scale)
+        });
+}
+
+/// [`adamw_update`] that also writes the bf16 image of the new masters in the same pass.
+///
+/// - `image`: (N) overwritten: `image[i] = Bf16::from_f32(param[i])` of the updated `param`
+///   (round to nearest even), what the device's bf16 weights are.
+///
+/// `param`, `m` and `v` end bit-identical to [`adamw_update`]'s.
+pub fn adamw_update_image(
+    param: &mut [f32],
+    image: &mut [Bf16],
+    grad: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    step: &AdamWStep,
+    grad_scale: f32,
+) {
+    check_lengths(param, grad, m, v);
+    check_image(param, image);
+    param
+        .par_chunks_mut(ADAMW_CHUNK)
+        .zip(image.par_chunks_mut(ADAMW_CHUNK))
+        .zip(grad.par_chunks(ADAMW_CHUNK))
+        .zip(m.par_chunks_mut(ADAMW_CHUNK))
+        .zip(v.par_chunks_mut(ADAMW_CHUNK))
+        .for_each(|((((p, i), g), m), v)| {
+            update_chunk_any::<true>(p, i, g, m, v, step, grad_scale)
         });
 }
 
@@ -281,9 +356,28 @@ pub fn adamw_update_serial(
 ) {
     check_lengths(param, grad, m, v);
     if step.lerp_weight_small() {
-        update_scalar::<true>(param, grad, m, v, step, grad_scale);
+        update_scalar::<true, false>(param, &mut [], grad, m, v, step, grad_scale);
     } else {
-        update_scalar::<false>(param, grad, m, v, step, grad_scale);
+        update_scalar::<false, false>(param, &mut [], grad, m, v, step, grad_scale);
+    }
+}
+
+/// [`adamw_update_image`] as one plain scalar loop on the calling thread.
+pub fn adamw_update_serial_image(
+    param: &mut [f32],
+    image: &mut [Bf16],
+    grad: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    step: &AdamWStep,
+    grad_scale: f32,
+) {
+    check_lengths(param, grad, m, v);
+    check_image(param, image);
+    if step.lerp_weight_small() {
+        update_scalar::<true, true>(param, image, grad, m, v, step, grad_scale);
+    } else {
+        update_scalar::<false, true>(param, image, grad, m, v, step, grad_scale);
     }
 }
 
@@ -415,11 +509,64 @@ mod tests {
         let (mut pa, mut ma, mut va) = (values(n, 1), values(n, 2), values(n, 3));
         va.iter_mut().for_each(|x| *x = x.abs());
         let (mut pb, mut mb, mut vb) = (pa.clone(), ma.clone(), va.clone());
-        update_lanes::<true>(&mut pa, &g, &mut ma, &mut va, &s, 0.5);
-        update_scalar::<true>(&mut pb, &g, &mut mb, &mut vb, &s, 0.5);
+        update_lanes::<true, false>(&mut pa, &mut [], &g, &mut ma, &mut va, &s, 0.5);
+        update_scalar::<true, false>(&mut pb, &mut [], &g, &mut mb, &mut vb, &s, 0.5);
         assert_eq!(bits(&pa), bits(&pb));
         assert_eq!(bits(&ma), bits(&mb));
         assert_eq!(bits(&va), bits(&vb));
+    }
+
+    /// Runs `steps` of one update function from the same start; returns (param, m, v, image).
+    fn run_image(
+        n: usize,
+        beta1: f64,
+        f: impl Fn(&mut [f32], &mut [Bf16], &[f32], &mut [f32], &mut [f32], &AdamWStep, f32),
+    ) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<Bf16>) {
+        let c = AdamWConfig { beta1, ..cfg() };
+        let (mut p, mut m, mut v) = (values(n, 1), vec![0.0; n], vec![0.0; n]);
+        let mut image = vec![Bf16(0xdead); n];
+        for t in 1..=2u64 {
+            let g = values(n, 20 + t as u32);
+            f(&mut p, &mut image, &g, &mut m, &mut v, &AdamWStep::new(&c, t, c.lr), 0.6);
+        }
+        (p, m, v, image)
+    }
+
+    /// With the image the masters and moments are bit-identical to the update without it, in
+    /// the parallel and the serial path, and the image is exactly `bf16(master)`.
+    #[test]
+    fn image_is_the_rounded_masters_and_changes_nothing_else() {
+        for n in [0, 1, 7, 9, 63, ADAMW_CHUNK + 9, 2 * ADAMW_CHUNK + 13] {
+            for beta1 in [0.9, 0.3] {
+                let plain =
+                    run_image(n, beta1, |p, _, g, m, v, s, c| adamw_update(p, g, m, v, s, c));
+                let par = run_image(n, beta1, adamw_update_image);
+                let ser = run_image(n, beta1, adamw_update_serial_image);
+                for (name, got) in [("parallel", &par), ("serial", &ser)] {
+                    assert_eq!(bits(&got.0), bits(&plain.0), "{name} param, n = {n}");
+                    assert_eq!(bits(&got.1), bits(&plain.1), "{name} m, n = {n}");
+                    assert_eq!(bits(&got.2), bits(&plain.2), "{name} v, n = {n}");
+                    let want: Vec<Bf16> = plain.0.iter().map(|&x| Bf16::from_f32(x)).collect();
+                    assert!(got.3 == want, "{name} image, n = {n}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "lengths differ: image")]
+    fn image_length_mismatch_panics() {
+        let s = AdamWStep::new(&cfg(), 1, 1e-3);
+        let mut image = [Bf16(0); 2];
+        adamw_update_image(
+            &mut [0.0; 3],
+            &mut image,
+            &[0.0; 3],
+            &mut [0.0; 3],
+            &mut [0.0; 3],
+            &s,
+            1.0,
+        );
     }
 
     #[test]

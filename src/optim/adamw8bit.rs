@@ -16,12 +16,28 @@
 //! block's new absolute maximum, rounding stochastically (unbiased; see
 //! [`quantize_block_stochastic`]) with a deterministic seed. Blocks are independent: the
 //! result does not depend on the thread count.
+//!
+//! # Bodies
+//!
+//! A block runs on one of two bodies ([`Kernel`]): the scalar one here (the reference, and what
+//! every CPU runs) or the AVX2 one (`adamw8bit_avx2`, picked at run time by [`Kernel::detect`]),
+//! which is bit-identical: the same IEEE operations per element (no FMA), the same draws and
+//! the same code search. The search finds the first code value `>= t` from the bits of `t`: a
+//! bucket per 1/128 of a binary octave holds at most one code value, and a table row per bucket
+//! and sign ([`Code::window`]) holds the index to start from and the values either side, so one
+//! 16-byte load and one compare give both neighbours of `t`. Tests pin both bodies to a
+//! checksum recorded from the original implementation and to each other, over thread counts.
+//!
+//! [`adamw8bit_update_with`] can also write the bf16 image of the new masters in the same pass
+//! (`Bf16::from_f32`), for the fp32 segments too; masters and moments are unchanged by it.
 
 use std::sync::OnceLock;
 
+use horizon_backend::Bf16;
+use rayon::iter::Either;
 use rayon::prelude::*;
 
-use crate::optim::adamw::{AdamWStep, adamw_update, update_one};
+use crate::optim::adamw::{AdamWStep, adamw_update, adamw_update_image, update_one};
 
 /// Elements per quantisation block (one fp32 scale each).
 pub const QBLOCK: usize = 256;
@@ -58,27 +74,35 @@ fn dynamic_code(signed: bool) -> [f32; 256] {
     out
 }
 
-/// Mantissa bits of `|t|` that pick a search bucket: 64 buckets per binary octave. The finest
-/// gap between code values (0.9/128 ≈ 0.0070, the unsigned code's top decade) is more than half
-/// the widest bucket (1/128 ≈ 0.0078), so a bucket holds at most two values and a search scans
-/// at most three.
-const BUCKET_MANT_BITS: u32 = 6;
+/// Mantissa bits of `|t|` that pick a search bucket: 128 buckets per binary octave. The finest
+/// gap between code values (0.9/128 ≈ 0.0070, the unsigned code's top decade) is wider than the
+/// widest bucket (1/256 ≈ 0.0039), so a bucket holds at most one value and a search compares
+/// one.
+const BUCKET_MANT_BITS: u32 = 7;
 /// Binary octaves below 1 with their own buckets (2^-24 .. 1, below the smallest code value,
 /// 5.5e-7 ≈ 2^-20.8); smaller magnitudes share bucket 0.
 const BUCKET_OCTAVES: i32 = 24;
 /// Bucket 0, the octaves' buckets, and one for `|t| >= 1` (and anything larger).
-const BUCKETS: usize = ((BUCKET_OCTAVES as usize) << BUCKET_MANT_BITS) + 2;
+pub(crate) const BUCKETS: usize = ((BUCKET_OCTAVES as usize) << BUCKET_MANT_BITS) + 2;
+/// `bits(|t|) >> (23 - BUCKET_MANT_BITS)` (biased exponent, then the top mantissa bits) minus
+/// this is the bucket of `|t|`, before clamping to `0..BUCKETS`: bucket 1 starts at 2^-24.
+pub(crate) const BUCKET_BASE: i32 = ((127 - BUCKET_OCTAVES) << BUCKET_MANT_BITS) - 1;
+/// The shift of `bits(|t|)` that leaves the exponent and the bucket's mantissa bits.
+pub(crate) const BUCKET_SHIFT: i32 = 23 - BUCKET_MANT_BITS as i32;
 
-/// The search bucket of a magnitude `a >= 0` (any f32 bits: NaN and infinity land in the last).
+/// The search bucket of `|t|` (any f32 bits: NaN and infinity land in the last). For an
+/// exponent `e >= -24` it is `((e + 24) << 7) + mant7 + 1`, which is the biased exponent and
+/// mantissa bits read as one integer, less [`BUCKET_BASE`]; smaller magnitudes go to 0.
 #[inline]
-fn bucket(a: f32) -> usize {
-    let bits = a.to_bits() & 0x7fff_ffff;
-    let e = (bits >> 23) as i32 - 127;
-    if e < -BUCKET_OCTAVES {
-        return 0;
-    }
-    let mant = ((bits >> (23 - BUCKET_MANT_BITS)) & ((1 << BUCKET_MANT_BITS) - 1)) as usize;
-    ((((e + BUCKET_OCTAVES) as usize) << BUCKET_MANT_BITS) + mant + 1).min(BUCKETS - 1)
+fn bucket(t: f32) -> usize {
+    let mag = (t.to_bits() & 0x7fff_ffff) as i32;
+    ((mag >> BUCKET_SHIFT) - BUCKET_BASE).clamp(0, BUCKETS as i32 - 1) as usize
+}
+
+/// The row of [`Code::window`] for `t`: its bucket, in the second half when t's sign bit is set.
+#[inline]
+fn row(t: f32) -> usize {
+    bucket(t) + (t.to_bits() >> 31) as usize * BUCKETS
 }
 
 /// The smallest magnitude of bucket `b` (bucket 0: 0).
@@ -92,50 +116,58 @@ fn bucket_floor(b: usize) -> f32 {
 }
 
 /// A 256-entry code (ascending values; `Deref`s to them) with a table that finds the first
-/// value `>= t` in a step or two instead of a branchy binary search (the hot loop of
+/// value `>= t` with one compare instead of a branchy binary search (the hot loop of
 /// [`quantize_block_stochastic`], once per moment element per step).
 pub struct Code {
-    /// The 256 values, then three +inf: what [`Code::first_at_least`]'s compares read past the
-    /// last value.
-    scan: [f32; 259],
-    /// Per bucket of `|t|`: an index at or below the first value `>= t`, for `t >= 0` and for
-    /// `t < 0` (sign bit set).
-    start: [[u8; BUCKETS]; 2],
+    /// The 256 values, then +inf.
+    pub(crate) scan: [f32; 257],
+    /// Per [`row`] of `t` (sign and bucket of `|t|`), the bits of `[code[s - 1], code[s],
+    /// code[s + 1], s]` (0 and +inf past the ends), where `s` is the first index whose value can
+    /// be `< t` while no earlier one is `>= t`; `s <= 255`. One 16-byte load finds the first
+    /// value `>= t` (s or s + 1) and both neighbours of `t` (the AVX2 body loads nothing else).
+    pub(crate) window: Box<[[u32; 4]]>,
 }
 
 impl std::ops::Deref for Code {
     type Target = [f32; 256];
     fn deref(&self) -> &[f32; 256] {
-        self.scan.first_chunk().expect("259 >= 256")
+        self.scan.first_chunk().expect("257 >= 256")
     }
 }
 
 impl Code {
     fn new(values: [f32; 256]) -> Code {
-        let first_at_least = |x: f32| values.partition_point(|&c| c < x).min(255) as u8;
-        // t >= 0 in bucket b: t >= floor(b). t < 0: t > -floor(b + 1) (the last bucket is
-        // unbounded: start at 0).
-        let start = [
-            std::array::from_fn(|b| first_at_least(bucket_floor(b))),
-            std::array::from_fn(|b| {
-                if b + 1 < BUCKETS { first_at_least(-bucket_floor(b + 1)) } else { 0 }
-            }),
-        ];
-        let mut scan = [f32::INFINITY; 259];
+        let first_at_least = |x: f32| values.partition_point(|&c| c < x).min(255);
+        let first_above = |x: f32| values.partition_point(|&c| c <= x).min(255);
+        // t >= 0 in bucket b: floor(b) <= t < floor(b + 1), so the values below t from the
+        // first one >= floor(b) on lie in the bucket: one at most. t < 0: -floor(b + 1) < t <=
+        // -floor(b): start at the first value above -floor(b + 1) (the last bucket, |t| >= 1,
+        // is unbounded: start at 0, which is above every such t).
+        let start = |r: usize| match (r / BUCKETS, r % BUCKETS) {
+            (0, b) => first_at_least(bucket_floor(b)),
+            (_, b) if b + 1 < BUCKETS => first_above(-bucket_floor(b + 1)),
+            _ => 0,
+        };
+        let mut scan = [f32::INFINITY; 257];
         scan[..256].copy_from_slice(&values);
-        Code { scan, start }
+        let at = |i: Option<usize>| i.map_or(0.0, |i| scan[i]).to_bits();
+        let window = (0..2 * BUCKETS)
+            .map(|r| {
+                let s = start(r);
+                [at(s.checked_sub(1)), at(Some(s)), at(Some(s + 1)), s as u32]
+            })
+            .collect();
+        Code { scan, window }
     }
 
     /// `self.partition_point(|&c| c < t)`: the first index whose value is `>= t` (256: none).
     ///
-    /// Branch-free: the answer is at most three values past the bucket's start (a bucket holds
-    /// at most two values, and for `t < 0` the start may sit on the value at the bucket's upper
-    /// edge), and the values ascend, so counting those below `t` among the next three finds it.
+    /// Branch-free: from the row's start `s`, at most one value is below `t` (a bucket holds at
+    /// most one), and the values ascend, so the answer is `s`, or `s + 1` if `code[s] < t`.
     #[inline]
     pub fn first_at_least(&self, t: f32) -> usize {
-        let s = self.start[(t.to_bits() >> 31) as usize][bucket(t.abs())] as usize;
-        let w = &self.scan[s..s + 3];
-        s + (w[0] < t) as usize + (w[1] < t) as usize + (w[2] < t) as usize
+        let [_, at, _, s] = self.window[row(t)];
+        s as usize + (f32::from_bits(at) < t) as usize
     }
 }
 
@@ -201,21 +233,27 @@ pub fn quantize_block_stochastic(codes: &mut [u8], x: &[f32], code: &Code, seed:
     }
     let inv = 1.0 / absmax;
     for (i, (q, &v)) in codes.iter_mut().zip(x).enumerate() {
-        let t = v * inv;
-        // Below the lowest value (hi = 0), p_hi < 0 picks index 0; above the highest (hi =
-        // 256), p_hi > 1 picks 255. Branch-free: the draws are unpredictable.
-        let hi = code.first_at_least(t).clamp(1, 255);
-        let lo = hi - 1;
-        let u = uniform(seed, i as u64);
-        let p_hi = (t - code[lo]) / (code[hi] - code[lo]);
-        *q = lo as u8 + (u < p_hi) as u8;
+        *q = stochastic_code(code, v * inv, uniform(seed, i as u64));
     }
     absmax
 }
 
+/// The code of one scaled value `t` with draw `u` in [0, 1): the lower or the upper neighbour
+/// of `t` among the code values, the upper with probability `p_hi`, its relative distance from
+/// the lower one.
+#[inline]
+pub(crate) fn stochastic_code(code: &Code, t: f32, u: f32) -> u8 {
+    // Below the lowest value (hi = 0), p_hi < 0 picks index 0; above the highest (hi = 256),
+    // p_hi > 1 picks 255. Branch-free: the draws are unpredictable.
+    let hi = code.first_at_least(t).clamp(1, 255);
+    let lo = hi - 1;
+    let p_hi = (t - code[lo]) / (code[hi] - code[lo]);
+    lo as u8 + (u < p_hi) as u8
+}
+
 /// A uniform draw in [0, 1) from (seed, index): splitmix64's finaliser.
 #[inline]
-fn uniform(seed: u64, i: u64) -> f32 {
+pub(crate) fn uniform(seed: u64, i: u64) -> f32 {
     let mut z = seed ^ i.wrapping_mul(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
@@ -422,16 +460,35 @@ pub struct Moments8Mut<'a> {
     pub v32: &'a mut [f32],
 }
 
-/// One AdamW step on a flat buffer with [`Moments8`] moments.
-///
-/// - `param`: (N) fp32 master weights, updated in place.
-/// - `grad`: (N) gradient before clipping (`grad_scale` is the clip coefficient).
-/// - `q`: the buffer's moments: the 8-bit tensors are decoded, updated and re-encoded block by
-///   block; the small tensors take [`adamw_update`]'s fp32 step.
-///
-/// Every element goes through the fp32 update of [`crate::optim::adamw`]; only the storage of
-/// m and v between steps is 8-bit. `seed` drives the stochastic rounding of the re-encoding
-/// (the caller derives it from the step and the buffer, so runs and resumes are reproducible).
+/// Which body runs the 8-bit blocks. Both give bit-identical results.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kernel {
+    /// Plain Rust, one element at a time: the reference, and what every CPU runs.
+    Scalar,
+    /// 8 elements per instruction with AVX2 (x86-64 CPUs that have it).
+    Avx2,
+}
+
+impl Kernel {
+    /// The fastest body this CPU runs.
+    pub fn detect() -> Kernel {
+        if Kernel::Avx2.available() { Kernel::Avx2 } else { Kernel::Scalar }
+    }
+
+    /// Whether this CPU runs this body.
+    pub fn available(self) -> bool {
+        match self {
+            Kernel::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => std::arch::is_x86_feature_detected!("avx2"),
+            #[cfg(not(target_arch = "x86_64"))]
+            Kernel::Avx2 => false,
+        }
+    }
+}
+
+/// One AdamW step on a flat buffer with [`Moments8`] moments, on the fastest body this CPU runs
+/// ([`Kernel::detect`]) and without an image: [`adamw8bit_update_with`].
 pub fn adamw8bit_update(
     param: &mut [f32],
     grad: &[f32],
@@ -440,48 +497,151 @@ pub fn adamw8bit_update(
     grad_scale: f32,
     seed: u64,
 ) {
+    adamw8bit_update_with(Kernel::detect(), param, None, grad, q, step, grad_scale, seed);
+}
+
+/// One AdamW step on a flat buffer with [`Moments8`] moments.
+///
+/// - `kernel`: the body that runs the 8-bit blocks (panics if this CPU cannot run it).
+/// - `param`: (N) fp32 master weights, updated in place.
+/// - `image`: (N) if given, overwritten in the same pass: `image[i] = Bf16::from_f32(param[i])`
+///   of the updated masters. Masters and moments are the same with and without it.
+/// - `grad`: (N) gradient before clipping (`grad_scale` is the clip coefficient).
+/// - `q`: the buffer's moments: the 8-bit tensors are decoded, updated and re-encoded block by
+///   block; the small tensors take [`adamw_update`]'s fp32 step.
+///
+/// Every element goes through the fp32 update of [`crate::optim::adamw`]; only the storage of
+/// m and v between steps is 8-bit. `seed` drives the stochastic rounding of the re-encoding
+/// (the caller derives it from the step and the buffer, so runs and resumes are reproducible).
+/// The result depends on neither the kernel nor the thread count.
+#[allow(clippy::too_many_arguments)]
+pub fn adamw8bit_update_with(
+    kernel: Kernel,
+    param: &mut [f32],
+    mut image: Option<&mut [Bf16]>,
+    grad: &[f32],
+    q: Moments8Mut<'_>,
+    step: &AdamWStep,
+    grad_scale: f32,
+    seed: u64,
+) {
+    assert!(kernel.available(), "adamw8bit_update: this CPU cannot run the {kernel:?} body");
+    check_sizes(param, image.as_deref(), grad, &q);
+    for (t, seg) in segments(q.tensors).enumerate() {
+        let r = seg.start..seg.start + seg.len;
+        let (p, g) = (&mut param[r.clone()], &grad[r.clone()]);
+        let img = image.as_deref_mut().map(|i| &mut i[r]);
+        match seg.store {
+            Store::F32 { at } => {
+                let (m, v) = (&mut q.m32[at..at + seg.len], &mut q.v32[at..at + seg.len]);
+                match img {
+                    Some(img) => adamw_update_image(p, img, g, m, v, step, grad_scale),
+                    None => adamw_update(p, g, m, v, step, grad_scale),
+                }
+            }
+            Store::Q8 { code, block } => {
+                let (c, bl) = (code..code + seg.len, block..block + blocks(seg.len));
+                let seg = Q8Mut {
+                    p,
+                    img: &mut [],
+                    g,
+                    mc: &mut q.m_codes[c.clone()],
+                    vc: &mut q.v_codes[c],
+                    ma: &mut q.m_absmax[bl.clone()],
+                    va: &mut q.v_absmax[bl],
+                };
+                let seed = seed ^ (t as u64).wrapping_mul(0x8EBC_6AF0_9C88_C6E3);
+                update_segment(kernel, seg, img, step, grad_scale, seed);
+            }
+        }
+    }
+}
+
+/// Panics (a caller's bug) unless the buffers and the moments agree in size.
+fn check_sizes(param: &[f32], image: Option<&[Bf16]>, grad: &[f32], q: &Moments8Mut<'_>) {
     let n: usize = q.tensors.iter().sum();
     assert!(
-        param.len() == n && grad.len() == n,
-        "adamw8bit_update: lengths differ: param {}, grad {}, moments {n}",
+        param.len() == n && grad.len() == n && image.is_none_or(|i| i.len() == n),
+        "adamw8bit_update: lengths differ: param {}, grad {}, image {:?}, moments {n}",
         param.len(),
         grad.len(),
+        image.map(<[Bf16]>::len),
     );
     let (n8, nb, n32) = sizes(q.tensors);
     assert!(q.m_codes.len() == n8 && q.v_codes.len() == n8 && q.m32.len() == n32);
     assert!(q.m_absmax.len() == nb && q.v_absmax.len() == nb && q.v32.len() == n32);
-    let task = TASK_BLOCKS * QBLOCK;
-    let small = step.lerp_weight_small();
-    for (t, seg) in segments(q.tensors).enumerate() {
-        let r = seg.start..seg.start + seg.len;
-        let (p, g) = (&mut param[r.clone()], &grad[r]);
-        match seg.store {
-            Store::F32 { at } => {
-                let r32 = at..at + seg.len;
-                adamw_update(p, g, &mut q.m32[r32.clone()], &mut q.v32[r32], step, grad_scale);
-            }
-            Store::Q8 { code, block } => {
-                let c = code..code + seg.len;
-                let bl = block..block + blocks(seg.len);
-                let seed = seed ^ (t as u64).wrapping_mul(0x8EBC_6AF0_9C88_C6E3);
-                p.par_chunks_mut(task)
-                    .zip(g.par_chunks(task))
-                    .zip(q.m_codes[c.clone()].par_chunks_mut(task))
-                    .zip(q.v_codes[c].par_chunks_mut(task))
-                    .zip(q.m_absmax[bl.clone()].par_chunks_mut(TASK_BLOCKS))
-                    .zip(q.v_absmax[bl].par_chunks_mut(TASK_BLOCKS))
-                    .enumerate()
-                    .for_each(|(t, (((((p, g), mc), vc), ma), va))| {
-                        let seed = seed ^ (t as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93);
-                        if small {
-                            update_task::<true>(p, g, mc, vc, ma, va, step, grad_scale, seed);
-                        } else {
-                            update_task::<false>(p, g, mc, vc, ma, va, step, grad_scale, seed);
-                        }
-                    });
-            }
+}
+
+/// One 8-bit tensor, or one task of it, or one block: the masters, their image, the gradient
+/// and the moments' codes and scales over the same elements.
+pub(crate) struct Q8Mut<'a> {
+    /// (n) fp32 masters, updated in place.
+    pub p: &'a mut [f32],
+    /// (n) bf16 image of the updated masters, overwritten; empty when none is written.
+    pub img: &'a mut [Bf16],
+    /// (n) gradient before clipping.
+    pub g: &'a [f32],
+    /// (n) codes of m and of sqrt(v).
+    pub mc: &'a mut [u8],
+    pub vc: &'a mut [u8],
+    /// (blocks) scales of m and of sqrt(v).
+    pub ma: &'a mut [f32],
+    pub va: &'a mut [f32],
+}
+
+impl Q8Mut<'_> {
+    /// Block `b` (the image only if `IMAGE`).
+    fn block<const IMAGE: bool>(&mut self, b: usize) -> Q8Mut<'_> {
+        let r = b * QBLOCK..((b + 1) * QBLOCK).min(self.p.len());
+        Q8Mut {
+            p: &mut self.p[r.clone()],
+            img: if IMAGE { &mut self.img[r.clone()] } else { &mut [] },
+            g: &self.g[r.clone()],
+            mc: &mut self.mc[r.clone()],
+            vc: &mut self.vc[r],
+            ma: &mut self.ma[b..b + 1],
+            va: &mut self.va[b..b + 1],
         }
     }
+}
+
+/// One 8-bit tensor, in parallel tasks of [`TASK_BLOCKS`] blocks (a fixed split: each task's
+/// seed is derived from its index, so the thread count does not matter).
+fn update_segment(
+    kernel: Kernel,
+    seg: Q8Mut<'_>,
+    image: Option<&mut [Bf16]>,
+    s: &AdamWStep,
+    grad_scale: f32,
+    seed: u64,
+) {
+    let task = TASK_BLOCKS * QBLOCK;
+    let images = match image {
+        Some(i) => Either::Left(i.par_chunks_mut(task).map(Some)),
+        None => Either::Right(
+            rayon::iter::repeat_n((), seg.ma.len().div_ceil(TASK_BLOCKS)).map(|()| None),
+        ),
+    };
+    seg.p
+        .par_chunks_mut(task)
+        .zip(seg.g.par_chunks(task))
+        .zip(seg.mc.par_chunks_mut(task))
+        .zip(seg.vc.par_chunks_mut(task))
+        .zip(seg.ma.par_chunks_mut(TASK_BLOCKS))
+        .zip(seg.va.par_chunks_mut(TASK_BLOCKS))
+        .zip(images)
+        .enumerate()
+        .for_each(|(t, ((((((p, g), mc), vc), ma), va), img))| {
+            let seed = seed ^ (t as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93);
+            let image = img.is_some();
+            let task = Q8Mut { p, img: img.unwrap_or_default(), g, mc, vc, ma, va };
+            match (s.lerp_weight_small(), image) {
+                (true, false) => update_task::<true, false>(kernel, task, s, grad_scale, seed),
+                (true, true) => update_task::<true, true>(kernel, task, s, grad_scale, seed),
+                (false, false) => update_task::<false, false>(kernel, task, s, grad_scale, seed),
+                (false, true) => update_task::<false, true>(kernel, task, s, grad_scale, seed),
+            }
+        });
 }
 
 /// Scale the moments as if their gradients had been multiplied by `r`: `m *= r`, `v *= r²`.
@@ -494,37 +654,93 @@ pub fn rescale_moments8(q: Moments8Mut<'_>, r: f32) {
     q.v32.iter_mut().for_each(|v| *v *= r * r);
 }
 
-#[allow(clippy::too_many_arguments)]
-fn update_task<const SMALL_LERP: bool>(
-    param: &mut [f32],
-    grad: &[f32],
-    m_codes: &mut [u8],
-    v_codes: &mut [u8],
-    m_absmax: &mut [f32],
-    v_absmax: &mut [f32],
+/// One task: its blocks in order, each with its own seed.
+fn update_task<const SMALL_LERP: bool, const IMAGE: bool>(
+    kernel: Kernel,
+    mut task: Q8Mut<'_>,
+    s: &AdamWStep,
+    grad_scale: f32,
+    seed: u64,
+) {
+    let mut scratch = [[0f32; QBLOCK]; 2];
+    for b in 0..task.ma.len() {
+        let block = task.block::<IMAGE>(b);
+        let bs = seed ^ (b as u64).wrapping_mul(0xA076_1D64_78BD_642F);
+        match kernel {
+            Kernel::Scalar => {
+                block_scalar::<SMALL_LERP, IMAGE>(block, &mut scratch, s, grad_scale, bs)
+            }
+            Kernel::Avx2 => block_avx2::<SMALL_LERP, IMAGE>(block, &mut scratch, s, grad_scale, bs),
+        }
+    }
+}
+
+/// One block: decode m and sqrt(v) into `scratch`, the fp32 update, re-encode (m with the
+/// block's seed, sqrt(v) with its complement).
+fn block_scalar<const SMALL_LERP: bool, const IMAGE: bool>(
+    b: Q8Mut<'_>,
+    scratch: &mut [[f32; QBLOCK]; 2],
     s: &AdamWStep,
     grad_scale: f32,
     seed: u64,
 ) {
     let (sc, uc) = (signed_code(), unsigned_code());
-    let mut m = [0f32; QBLOCK];
-    let mut v = [0f32; QBLOCK];
-    for (b, (p, g)) in param.chunks_mut(QBLOCK).zip(grad.chunks(QBLOCK)).enumerate() {
-        let len = p.len();
-        let r = b * QBLOCK..b * QBLOCK + len;
-        let (m, v) = (&mut m[..len], &mut v[..len]);
-        dequantize_block(m, &m_codes[r.clone()], m_absmax[b], sc);
-        dequantize_block(v, &v_codes[r.clone()], v_absmax[b], uc);
-        for i in 0..len {
-            let vi = v[i] * v[i];
-            let (pi, mi, vi) = update_one::<SMALL_LERP>(p[i], g[i], m[i], vi, s, grad_scale);
-            p[i] = pi;
-            m[i] = mi;
-            v[i] = vi.sqrt();
+    let n = b.p.len();
+    let [m, v] = scratch;
+    let (m, v) = (&mut m[..n], &mut v[..n]);
+    dequantize_block(m, b.mc, b.ma[0], sc);
+    dequantize_block(v, b.vc, b.va[0], uc);
+    update_elems::<SMALL_LERP, IMAGE>(b.p, b.img, b.g, m, v, s, grad_scale);
+    b.ma[0] = quantize_block_stochastic(b.mc, m, sc, seed);
+    b.va[0] = quantize_block_stochastic(b.vc, v, uc, !seed);
+}
+
+/// [`block_scalar`] on the AVX2 body.
+fn block_avx2<const SMALL_LERP: bool, const IMAGE: bool>(
+    b: Q8Mut<'_>,
+    scratch: &mut [[f32; QBLOCK]; 2],
+    s: &AdamWStep,
+    grad_scale: f32,
+    seed: u64,
+) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `adamw8bit_update_with` refuses `Kernel::Avx2` unless this CPU has AVX2.
+    unsafe {
+        crate::optim::adamw8bit_avx2::update_block::<SMALL_LERP, IMAGE>(
+            b, scratch, s, grad_scale, seed,
+        )
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (scratch, s, grad_scale, seed);
+        unreachable!("adamw8bit_update_with refuses Kernel::Avx2 off x86-64 ({})", b.p.len());
+    }
+}
+
+/// The fp32 AdamW element update of one block's decoded moments (`v` holds sqrt(v) in and out):
+/// `v² -> update_one -> sqrt`, and with `IMAGE` `img = bf16(p)`. Inlined into each body, so the
+/// AVX2 body's copy is vectorised with AVX2; the same IEEE operations either way.
+#[inline(always)]
+pub(crate) fn update_elems<const SMALL_LERP: bool, const IMAGE: bool>(
+    p: &mut [f32],
+    img: &mut [Bf16],
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    s: &AdamWStep,
+    grad_scale: f32,
+) {
+    let n = p.len();
+    let (g, m, v) = (&g[..n], &mut m[..n], &mut v[..n]);
+    let img = if IMAGE { &mut img[..n] } else { img };
+    for i in 0..n {
+        let (pi, mi, vi) = update_one::<SMALL_LERP>(p[i], g[i], m[i], v[i] * v[i], s, grad_scale);
+        p[i] = pi;
+        m[i] = mi;
+        v[i] = vi.sqrt();
+        if IMAGE {
+            img[i] = Bf16::from_f32(pi);
         }
-        let bs = seed ^ (b as u64).wrapping_mul(0xA076_1D64_78BD_642F);
-        m_absmax[b] = quantize_block_stochastic(&mut m_codes[r.clone()], m, sc, bs);
-        v_absmax[b] = quantize_block_stochastic(&mut v_codes[r], v, uc, !bs);
     }
 }
 
@@ -744,6 +960,189 @@ mod tests {
         q2.encode(&m32, &v32);
         let (m2, v2) = q2.decode();
         assert!(m2[..96] == m32[..96] && v2[5096..] == v32[5096..]);
+    }
+
+    /// FNV-1a over the bytes of everything an update writes.
+    fn checksum(p: &[f32], q: &Moments8) -> u64 {
+        let words = p.iter().chain(&q.m_absmax).chain(&q.v_absmax).chain(&q.m32).chain(&q.v32);
+        let bytes = words
+            .flat_map(|x| x.to_bits().to_le_bytes())
+            .chain(q.m_codes.iter().chain(&q.v_codes).copied());
+        bytes
+            .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
+    }
+
+    /// The 8-bit update's results are pinned: a checksum of its outputs on a buffer of awkward
+    /// tensors (partial blocks, fp32 segments, both lerp formulas) over three steps, recorded
+    /// from the original quantiser (bucketed three-compare search, scalar body) before the
+    /// AVX2 body existed. Every body must reproduce it bit for bit.
+    #[test]
+    fn outputs_match_the_recorded_checksum() {
+        let tensors = [5000, 96, 4096 + 3 * QBLOCK + 77, 300, 70_001];
+        let n: usize = tensors.iter().sum();
+        let mut rng = SplitMix64::new(21);
+        let mut p = vec![0f32; n];
+        rng.fill_normal(&mut p, 0.02);
+        let mut g = vec![0f32; n];
+        let grads: Vec<Vec<f32>> = (0..6)
+            .map(|_| {
+                rng.fill_normal(&mut g, 1e-2);
+                g.clone()
+            })
+            .collect();
+        for kernel in [Kernel::Scalar, Kernel::Avx2].into_iter().filter(|k| k.available()) {
+            let mut sums = Vec::new();
+            for (beta1, grads) in [0.9, 0.3].into_iter().zip(grads.chunks(3)) {
+                let (mut p, mut q) = (p.clone(), Moments8::zeros(&tensors));
+                let cfg =
+                    AdamWConfig { lr: 1e-3, beta1, beta2: 0.99, eps: 1e-8, weight_decay: 0.1 };
+                for (t, g) in (1..=3).zip(grads) {
+                    let st = AdamWStep::new(&cfg, t, 1e-3);
+                    adamw8bit_update_with(kernel, &mut p, None, g, q.view_mut(), &st, 0.7, 100 + t);
+                }
+                sums.push(checksum(&p, &q));
+            }
+            assert_eq!(sums, [0x9b5f_913c_8d42_db69, 0x6975_383c_d184_ba03], "{kernel:?}");
+        }
+    }
+
+    /// Every bucket of every code holds at most one value: what `Code::first_at_least`'s single
+    /// compare relies on.
+    #[test]
+    fn a_bucket_holds_at_most_one_value() {
+        for code in [signed_code(), unsigned_code()] {
+            for b in 0..BUCKETS - 1 {
+                let (lo, hi) = (bucket_floor(b), bucket_floor(b + 1));
+                for sign in [1.0f32, -1.0] {
+                    let n = code.iter().filter(|&&c| sign * c >= lo && sign * c < hi).count();
+                    assert!(n <= 1, "bucket {b} (sign {sign}) holds {n} values");
+                }
+            }
+        }
+    }
+
+    /// A buffer of awkward tensors: exact blocks, a partial last block of one element, a
+    /// partial block mid-task, several tasks with a partial last one, fp32 segments between.
+    const AWKWARD: [usize; 7] = [4096, 96, 4097, 300, 4096 + 3 * QBLOCK + 77, 7, 70_001];
+
+    /// Three steps of the 8-bit update from a fixed start on `threads` threads, with the given
+    /// kernel and with or without the image. Gradients include exact zeros, a block that is all
+    /// zero (scale 0 after step 1), tiny and huge values, so every encoder branch runs.
+    fn run_q8(
+        kernel: Kernel,
+        image: bool,
+        threads: usize,
+        beta1: f64,
+    ) -> (Vec<f32>, Moments8, Vec<Bf16>) {
+        let n: usize = AWKWARD.iter().sum();
+        let mut rng = SplitMix64::new(31);
+        let mut p = vec![0f32; n];
+        rng.fill_normal(&mut p, 0.02);
+        let mut q = Moments8::zeros(&AWKWARD);
+        let mut img = vec![Bf16(0xdead); if image { n } else { 0 }];
+        let cfg = AdamWConfig { lr: 1e-3, beta1, beta2: 0.99, eps: 1e-8, weight_decay: 0.1 };
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        let mut g = vec![0f32; n];
+        for t in 1..=3u64 {
+            rng.fill_normal(&mut g, 1e-2);
+            for (i, x) in g.iter_mut().enumerate() {
+                match i % 37 {
+                    0 => *x = 0.0,
+                    1 => *x *= 1e-6,
+                    2 => *x *= 1e3,
+                    _ => {}
+                }
+            }
+            g[96 + QBLOCK..96 + 2 * QBLOCK].fill(0.0); // one block of the 4097 tensor: all zero
+            let st = AdamWStep::new(&cfg, t, 1e-3);
+            let im = image.then_some(img.as_mut_slice());
+            pool.install(|| {
+                adamw8bit_update_with(kernel, &mut p, im, &g, q.view_mut(), &st, 0.7, 50 + t)
+            });
+        }
+        (p, q, img)
+    }
+
+    fn f32_bits(x: &[f32]) -> Vec<u32> {
+        x.iter().map(|v| v.to_bits()).collect()
+    }
+
+    /// Asserts two runs' masters and moments are bit-identical, naming the first difference.
+    fn assert_same(
+        what: &str,
+        a: &(Vec<f32>, Moments8, Vec<Bf16>),
+        b: &(Vec<f32>, Moments8, Vec<Bf16>),
+    ) {
+        let first = |x: &[u32], y: &[u32]| x.iter().zip(y).position(|(x, y)| x != y);
+        let (qa, qb) = (&a.1, &b.1);
+        for (name, x, y) in [
+            ("param", f32_bits(&a.0), f32_bits(&b.0)),
+            ("m_absmax", f32_bits(&qa.m_absmax), f32_bits(&qb.m_absmax)),
+            ("v_absmax", f32_bits(&qa.v_absmax), f32_bits(&qb.v_absmax)),
+            ("m32", f32_bits(&qa.m32), f32_bits(&qb.m32)),
+            ("v32", f32_bits(&qa.v32), f32_bits(&qb.v32)),
+        ] {
+            assert!(x == y, "{what}: {name} differs first at {:?}", first(&x, &y));
+        }
+        let widen = |c: &[u8]| c.iter().map(|&c| u32::from(c)).collect::<Vec<_>>();
+        for (name, x, y) in
+            [("m_codes", &qa.m_codes, &qb.m_codes), ("v_codes", &qa.v_codes, &qb.v_codes)]
+        {
+            let (x, y) = (widen(x), widen(y));
+            assert!(x == y, "{what}: {name} differs first at {:?}", first(&x, &y));
+        }
+    }
+
+    /// The AVX2 body is bit-identical to the scalar one (every code, scale and master), on one
+    /// thread and on three, with and without the image; the image is exactly bf16(masters).
+    #[test]
+    fn kernels_threads_and_image_are_bit_identical() {
+        let kernels: Vec<Kernel> =
+            [Kernel::Scalar, Kernel::Avx2].into_iter().filter(|k| k.available()).collect();
+        if kernels.len() < 2 {
+            eprintln!("this CPU has no AVX2: only the scalar body is checked");
+        }
+        for beta1 in [0.9, 0.3] {
+            let want = run_q8(Kernel::Scalar, false, 1, beta1);
+            for &kernel in &kernels {
+                for threads in [1, 3] {
+                    for image in [false, true] {
+                        let got = run_q8(kernel, image, threads, beta1);
+                        let what =
+                            format!("{kernel:?}, {threads} threads, image {image}, beta1 {beta1}");
+                        assert_same(&what, &got, &want);
+                        if image {
+                            let rounded: Vec<Bf16> =
+                                got.0.iter().map(|&x| Bf16::from_f32(x)).collect();
+                            assert!(got.2 == rounded, "{what}: image != bf16(masters)");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "lengths differ")]
+    fn image_length_mismatch_panics() {
+        let mut q = Moments8::zeros(&[4096]);
+        let st = AdamWStep::new(
+            &AdamWConfig { lr: 1e-3, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.0 },
+            1,
+            1e-3,
+        );
+        let mut img = vec![Bf16(0); 10];
+        let (mut p, g) = (vec![0f32; 4096], vec![0f32; 4096]);
+        adamw8bit_update_with(
+            Kernel::Scalar,
+            &mut p,
+            Some(&mut img),
+            &g,
+            q.view_mut(),
+            &st,
+            1.0,
+            0,
+        );
     }
 
     #[test]

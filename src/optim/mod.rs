@@ -2,9 +2,12 @@
 
 pub mod adamw;
 pub mod adamw8bit;
+#[cfg(target_arch = "x86_64")]
+mod adamw8bit_avx2;
 pub mod moments;
 pub mod state;
 
 pub use adamw::{
-    AdamWConfig, AdamWStep, adamw_update, adamw_update_serial, clip_coefficient, sum_squares,
+    AdamWConfig, AdamWStep, adamw_update, adamw_update_image, adamw_update_serial,
+    adamw_update_serial_image, clip_coefficient, sum_squares,
 };

@@ -2,14 +2,28 @@
 //! modes are configurations of it (fp32 moments: `exact`, `lean`; 8-bit moments: `compact`), so
 //! the executor updates, rescales and sizes a buffer's state through one interface.
 
-use crate::optim::adamw::{AdamWStep, adamw_update};
-use crate::optim::adamw8bit::{Moments8, Moments8Mut, adamw8bit_update, rescale_moments8};
+use horizon_backend::Bf16;
+
+use crate::optim::adamw::{AdamWStep, adamw_update, adamw_update_image};
+use crate::optim::adamw8bit::{
+    Kernel, Moments8, Moments8Mut, adamw8bit_update_with, rescale_moments8,
+};
 
 /// One buffer's optimizer state, borrowed for an update.
 pub trait Moments {
-    /// AdamW on the masters `w` with gradient `g` clipped by `coef`. `seed` drives any
+    /// AdamW on the masters `w` (N) with gradient `g` (N) clipped by `coef`. `seed` drives any
     /// stochastic rounding of the state (derived by the caller from the step and the buffer).
-    fn update(&mut self, w: &mut [f32], g: &[f32], step: &AdamWStep, coef: f32, seed: u64);
+    /// `image` (N), if given, is overwritten in the same pass with the bf16 of the updated
+    /// masters (`Bf16::from_f32(w[i])`); masters and state are the same with or without it.
+    fn update(
+        &mut self,
+        w: &mut [f32],
+        g: &[f32],
+        step: &AdamWStep,
+        coef: f32,
+        seed: u64,
+        image: Option<&mut [Bf16]>,
+    );
     /// Scale the state as if its gradients had been multiplied by `r`: `m *= r`, `v *= r²`.
     fn rescale(&mut self, r: f32);
 }
@@ -21,8 +35,19 @@ pub struct Moments32<'a> {
 }
 
 impl Moments for Moments32<'_> {
-    fn update(&mut self, w: &mut [f32], g: &[f32], step: &AdamWStep, coef: f32, _seed: u64) {
-        adamw_update(w, g, self.m, self.v, step, coef);
+    fn update(
+        &mut self,
+        w: &mut [f32],
+        g: &[f32],
+        step: &AdamWStep,
+        coef: f32,
+        _seed: u64,
+        image: Option<&mut [Bf16]>,
+    ) {
+        match image {
+            Some(image) => adamw_update_image(w, image, g, self.m, self.v, step, coef),
+            None => adamw_update(w, g, self.m, self.v, step, coef),
+        }
     }
     fn rescale(&mut self, r: f32) {
         self.m.iter_mut().for_each(|m| *m *= r);
@@ -31,8 +56,17 @@ impl Moments for Moments32<'_> {
 }
 
 impl Moments for Moments8Mut<'_> {
-    fn update(&mut self, w: &mut [f32], g: &[f32], step: &AdamWStep, coef: f32, seed: u64) {
-        adamw8bit_update(w, g, self.reborrow(), step, coef, seed);
+    fn update(
+        &mut self,
+        w: &mut [f32],
+        g: &[f32],
+        step: &AdamWStep,
+        coef: f32,
+        seed: u64,
+        image: Option<&mut [Bf16]>,
+    ) {
+        let q = self.reborrow();
+        adamw8bit_update_with(Kernel::detect(), w, image, g, q, step, coef, seed);
     }
     fn rescale(&mut self, r: f32) {
         rescale_moments8(self.reborrow(), r);
@@ -47,10 +81,18 @@ pub enum AnyMoments<'a> {
 }
 
 impl Moments for AnyMoments<'_> {
-    fn update(&mut self, w: &mut [f32], g: &[f32], step: &AdamWStep, coef: f32, seed: u64) {
+    fn update(
+        &mut self,
+        w: &mut [f32],
+        g: &[f32],
+        step: &AdamWStep,
+        coef: f32,
+        seed: u64,
+        image: Option<&mut [Bf16]>,
+    ) {
         match self {
-            AnyMoments::F32(m) => m.update(w, g, step, coef, seed),
-            AnyMoments::Q8(m) => m.update(w, g, step, coef, seed),
+            AnyMoments::F32(m) => m.update(w, g, step, coef, seed, image),
+            AnyMoments::Q8(m) => m.update(w, g, step, coef, seed, image),
         }
     }
     fn rescale(&mut self, r: f32) {
@@ -99,6 +141,7 @@ impl<'a> Moments8Mut<'a> {
 mod tests {
     use super::*;
     use crate::optim::adamw::AdamWConfig;
+    use crate::optim::adamw8bit::adamw8bit_update;
 
     /// Through the trait, each storage runs exactly its own update and rescale.
     #[test]
@@ -114,13 +157,13 @@ mod tests {
             (vec![0.0; n], vec![0.0; n], vec![0.0; n], vec![0.0; n]);
         adamw_update(&mut w1, &g, &mut m1, &mut v1, &st, 0.5);
         let mut s = Moments32 { m: &mut m2, v: &mut v2 };
-        s.update(&mut w2, &g, &st, 0.5, 0);
+        s.update(&mut w2, &g, &st, 0.5, 0, None);
         s.rescale(0.5);
         assert_eq!((w1, m1.iter().map(|m| m * 0.5).collect::<Vec<_>>()), (w2, m2));
         let (mut qa, mut qb) = (Moments8::zeros(&tensors), Moments8::zeros(&tensors));
         let (mut wa, mut wb) = (w0.clone(), w0);
         adamw8bit_update(&mut wa, &g, qa.view_mut(), &st, 0.5, 9);
-        qb.view_mut().update(&mut wb, &g, &st, 0.5, 9);
+        qb.view_mut().update(&mut wb, &g, &st, 0.5, 9, None);
         assert_eq!(wa, wb);
         assert_eq!(qa.decode(), qb.decode());
         assert_eq!(MomentStorage::F32.bytes(&tensors), n * 8);

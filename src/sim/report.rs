@@ -129,6 +129,42 @@ pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
     let mut text = String::new();
     fit_lines(&mut text, &hw, &sizes, image, upload, cpu)?;
     render(&mut text, &hw, &chosen, cpu)?;
+    if !cpu {
+        let host_room =
+            hw.host_bytes().saturating_sub(if upload == UploadPath::Image { image } else { 0 });
+        let fits = |e: &EngineConfig| {
+            let s = Sizes::new(&layout, e);
+            s.device_total() as u64 <= hw.device_bytes() && s.host_total() as u64 <= host_room
+        };
+        let speed = |e: &EngineConfig| {
+            let s = Sizes::new(&layout, e);
+            let m = CostModel { sizes: &s, cfg: e, ..model_of(upload) };
+            project(&Schedule::new(plan_shape(&layout, e, &s)), &m, tokens)
+        };
+        let candidates = [1, 2, 3, 4, 6, 8]
+            .into_iter()
+            .filter(|&k| k <= layout.dims.layers)
+            .map(|k| EngineConfig { checkpoint_every: k, keep_internals: false, ..ecfg })
+            .chain([EngineConfig { checkpoint_every: 1, keep_internals: true, ..ecfg }])
+            .filter(fits);
+        let best =
+            candidates.map(|e| (speed(&e), e)).min_by(|a, b| a.0.step_s.total_cmp(&b.0.step_s));
+        if let Some((p, e)) = best
+            && (e.checkpoint_every, e.keep_internals)
+                != (ecfg.checkpoint_every, ecfg.keep_internals)
+            && p.step_s < chosen.step_s
+        {
+            writeln!(
+                text,
+                "  fastest plan that fits this machine: engine.checkpoint_every: {}{}: step {:.3} s, {:.0} tokens/s, MFU {:.1}%",
+                e.checkpoint_every,
+                if e.keep_internals { ", engine.recompute: never" } else { "" },
+                p.step_s,
+                p.tokens_per_s(),
+                100.0 * p.mfu(peak(&hw))
+            )?;
+        }
+    }
     if let Some((u, p)) = &other {
         writeln!(
             text,
