@@ -1,0 +1,111 @@
+//! `horizon plan --hardware`: the projection of a run on a machine, through the library and the
+//! binary. The simulator's exact timelines are tested in `sim::des`; here, that the projection
+//! of real plans is consistent: the step's windows add up, more tokens per step raise MFU on a
+//! link-bound shape, the bf16 image takes the rounding off the upload, a run that does not fit
+//! is refused, and the profiles resolve (built in, YAML file, `this-cpu`).
+
+use std::process::Command;
+
+use horizon::config::{RawConfig, RunConfig};
+use horizon::sim::cost::UploadPath;
+use horizon::sim::report::projection;
+
+/// A random Llama of hidden `c`, `layers` layers, `tokens` per step in rows of 1024.
+fn config(c: usize, layers: usize, batch: usize, extra: &str) -> RunConfig {
+    let yaml = format!(
+        "model: {{init: random, arch: llama, hidden_size: {c}, intermediate_size: {f}, \
+         num_hidden_layers: {layers}, num_attention_heads: {h}, num_key_value_heads: {h}, \
+         vocab_size: 32000}}\n\
+         data: {{format: synthetic}}\n\
+         train: {{steps: 1, batch_size: {batch}, micro_batch_size: 1, max_seq_len: 1024}}\n\
+         optimizer: {{memory: lean}}\n\
+         engine: {{checkpoint_every: 2, grad_slabs: 2, grad_wire: bf16}}\n{extra}",
+        f = c * 8 / 3,
+        h = c / 128
+    );
+    RawConfig::from_yaml(&yaml, "test config").unwrap().resolve("test config").unwrap()
+}
+
+#[test]
+fn a_projection_is_consistent() {
+    let p = projection(&config(2048, 8, 2, ""), "h200-pcie5").unwrap();
+    let c = &p.chosen;
+    assert!(p.fits, "{}", p.text);
+    assert_eq!(p.upload, UploadPath::Image, "the 1.5 TB host has room for the image");
+    let windows: f64 = c.phases.iter().map(|ph| ph.seconds).sum();
+    assert!((windows - c.step_s).abs() < 1e-9 * c.step_s.max(1.0), "{windows} vs {}", c.step_s);
+    for (q, &b) in c.busy.iter().enumerate() {
+        assert!(b >= 0.0 && b <= c.step_s * (1.0 + 1e-9), "queue {q} busy {b} of {}", c.step_s);
+    }
+    let mfu = c.mfu(989e12);
+    assert!(mfu > 0.0 && mfu < 0.8, "{mfu}");
+    for word in ["projected step", "busy per step", "forward", "backward", "bound"] {
+        assert!(p.text.contains(word), "{word}: {}", p.text);
+    }
+}
+
+#[test]
+fn more_tokens_per_step_move_a_link_bound_run_toward_compute_bound() {
+    // A wide model and few tokens: each layer's upload takes longer than its forward.
+    let few = projection(&config(4096, 4, 1, ""), "a100-pcie4").unwrap();
+    let many = projection(&config(4096, 4, 16, ""), "a100-pcie4").unwrap();
+    let fwd = |p: &horizon::sim::Projection| {
+        p.phases.iter().find(|ph| ph.name == "forward").cloned().unwrap()
+    };
+    assert_eq!(fwd(&few.chosen).bound, horizon_backend::Queue::H2D, "{}", few.text);
+    assert!(few.text.contains("compute-bound from about"), "{}", few.text);
+    assert!(many.chosen.mfu(312e12) > 2.0 * few.chosen.mfu(312e12), "{}\n{}", few.text, many.text);
+}
+
+#[test]
+fn the_image_takes_the_rounding_off_the_upload() {
+    let p = projection(&config(2048, 8, 1, ""), "h200-pcie5").unwrap();
+    let (u, round) = p.other.as_ref().unwrap();
+    assert_eq!(*u, UploadPath::RoundInUpload);
+    // Rounding in the upload is host work beside the link's time: never faster.
+    assert!(round.step_s >= p.chosen.step_s * (1.0 - 1e-9), "{}", p.text);
+    let mut run = config(2048, 8, 1, "");
+    run.raw.engine.weight_upload = horizon::config::WeightUpload::Round;
+    let p = projection(&run, "h200-pcie5").unwrap();
+    assert_eq!(p.upload, UploadPath::RoundInUpload);
+}
+
+#[test]
+fn profiles_resolve_and_a_run_that_does_not_fit_is_refused() {
+    for hw in ["h200-pcie5", "h100-pcie5", "a100-pcie4", "gh200", "this-cpu"] {
+        projection(&config(256, 2, 1, ""), hw).unwrap_or_else(|e| panic!("{hw}: {e:#}"));
+    }
+    let Err(e) = projection(&config(256, 2, 1, ""), "h300") else { panic!("h300 resolved") };
+    let e = format!("{e:#}");
+    assert!(e.contains("h300") && e.contains("hint") && e.contains("h200-pcie5"), "{e}");
+    let dir = std::env::temp_dir().join(format!("horizon-proj-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let f = dir.join("tiny.yaml");
+    std::fs::write(
+        &f,
+        "name: tiny\ngpu: {bf16_tflops: 50, hbm_gbps: 300, memory_gib: 0.25}\nlink: {h2d_gbps: 12, d2h_gbps: 12}\nhost: {cores: 4, mem_gbps: 20, memory_gib: 8}\n",
+    )
+    .unwrap();
+    let p = projection(&config(2048, 8, 1, ""), f.to_str().unwrap()).unwrap();
+    assert!(!p.fits && p.text.contains("DOES NOT FIT"), "{}", p.text);
+    // The binary refuses with exit status 1 and says why.
+    let cfg = dir.join("run.yaml");
+    std::fs::write(
+        &cfg,
+        "model: {init: random, arch: llama, hidden_size: 2048, intermediate_size: 5504, num_hidden_layers: 8, num_attention_heads: 16, num_key_value_heads: 16, vocab_size: 32000}\ndata: {format: synthetic}\ntrain: {steps: 1, batch_size: 1, max_seq_len: 1024}\n",
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_horizon"))
+        .args(["plan", "--config", cfg.to_str().unwrap(), "--hardware", f.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("does not fit tiny"), "{err}");
+    let out = Command::new(env!("CARGO_BIN_EXE_horizon"))
+        .args(["plan", "--config", cfg.to_str().unwrap(), "--hardware", "h200-pcie5"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("projected step"), "{text}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
