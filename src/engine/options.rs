@@ -92,4 +92,20 @@ impl BackendKind {
     pub fn pool_in_host_ram(self) -> bool {
         self == BackendKind::Cpu
     }
+
+    /// Whether the device's staging buffers (`Device::alloc_staging`) are page-locked: on CUDA
+    /// they are; the CPU device's are ordinary memory.
+    pub fn pins_staging(self) -> bool {
+        self == BackendKind::Cuda
+    }
+
+    /// Bytes of page-locked host memory the device pins of its own, besides the staging it is
+    /// asked for: the CUDA device's bf16 weight upload ring (`cuda::WIRE_RING_BYTES`, the same
+    /// whether or not this binary was built with CUDA); none on the CPU.
+    pub fn device_pinned_bytes(self) -> usize {
+        match self {
+            BackendKind::Cpu => 0,
+            BackendKind::Cuda => horizon_backend::cuda::WIRE_RING_BYTES,
+        }
+    }
 }
