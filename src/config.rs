@@ -11,7 +11,7 @@ use crate::data::{Columns, OnError};
 use crate::schedule::{LrSchedule, ScheduleKind};
 
 // The engine's options, parsed here (the engine knows nothing of YAML).
-pub use crate::engine::options::{BackendKind, GradWire, OptimizerMemory};
+pub use crate::engine::options::{BackendKind, GradWire, HostThreads, OptimizerMemory};
 
 /// The YAML file as written by the user. Every key except `model.path` and `data.path` has a
 /// default.
@@ -376,6 +376,12 @@ pub struct EngineSection {
     /// the host accumulates in fp32). The final norm's and LM head's gradients, and the
     /// residual gradient of the embedding, always come back fp32.
     pub grad_wire: GradWire,
+    /// Threads of the host work of the step (optimizer updates, gradient accumulation, norms),
+    /// a pool of their own built once: a whole number of at least 1, or `auto` (default): the
+    /// cores the process may run on (`numactl`/`taskset` masks count) less those the device's
+    /// queues keep busy, at least 1 (CUDA: all but one, for the dispatch threads; CPU backend,
+    /// whose kernels share the cores: half, rounded down).
+    pub host_threads: HostThreads,
 }
 
 impl Default for EngineSection {
@@ -387,6 +393,7 @@ impl Default for EngineSection {
             head_tile_rows: None,
             recompute: Recompute::Auto,
             grad_wire: GradWire::Fp32,
+            host_threads: HostThreads::Auto,
         }
     }
 }
@@ -564,6 +571,7 @@ impl RawConfig {
             ("engine.head_tile_rows", self.engine.head_tile_rows.unwrap_or(1)),
             ("engine.checkpoint_every", self.engine.checkpoint_every),
             ("engine.grad_slabs", self.engine.grad_slabs),
+            ("engine.host_threads", self.engine.host_threads.count().unwrap_or(1)),
             ("train.micro_batch_size", t.micro_batch_size.unwrap_or(1)),
         ] {
             if val == 0 {

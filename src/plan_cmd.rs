@@ -125,6 +125,12 @@ pub fn report(cfg: &RunConfig, host_memory: Option<u64>) -> Result<PlanReport> {
     }
     let mut t = String::new();
     writeln!(t, "optimizer.memory: {}", raw.optimizer.memory.name())?;
+    writeln!(
+        t,
+        "engine.host_threads: {} -> {} threads for the host work (optimizer, gradient accumulation, norms)",
+        ecfg.host_threads,
+        ecfg.host_threads.resolve(ecfg.backend)
+    )?;
     if let Some(a) = &layout.adapter {
         writeln!(
             t,
