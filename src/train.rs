@@ -887,7 +887,7 @@ where
         tr.inject_nan_at = v.split(',').filter_map(|x| x.trim().parse().ok()).collect();
     }
     println!(
-        "model: {} layers, hidden {}, {} params; data: {} rows; {} micro-batch(es) per step, checkpoint every {} layers; {} host threads (engine.host_threads: {})",
+        "model: {} layers, hidden {}, {} params; data: {} rows; {} micro-batch(es) per step, checkpoint every {} layers; host threads: {} (engine.host_threads: {})",
         tr.model_cfg.num_layers,
         tr.model_cfg.hidden_size,
         tr.engine.sizes().params,

@@ -184,6 +184,8 @@ impl<'de> Deserialize<'de> for HostThreads {
         #[serde(untagged)]
         enum Raw {
             N(u64),
+            I(i64),
+            F(f64),
             S(String),
         }
         let bad = |what: &str| {
@@ -196,6 +198,8 @@ impl<'de> Deserialize<'de> for HostThreads {
             Raw::N(n) => {
                 usize::try_from(n).map(HostThreads::Count).map_err(|_| bad(&n.to_string()))
             }
+            Raw::I(n) => Err(bad(&n.to_string())),
+            Raw::F(x) => Err(bad(&x.to_string())),
             Raw::S(s) if s.trim().eq_ignore_ascii_case("auto") => Ok(HostThreads::Auto),
             Raw::S(s) => match s.trim().parse::<usize>() {
                 Ok(n) => Ok(HostThreads::Count(n)),
