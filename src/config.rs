@@ -11,7 +11,9 @@ use crate::data::{Columns, OnError};
 use crate::schedule::{LrSchedule, ScheduleKind};
 
 // The engine's options, parsed here (the engine knows nothing of YAML).
-pub use crate::engine::options::{BackendKind, GradWire, OptimizerMemory, WeightUpload};
+pub use crate::engine::options::{
+    BackendKind, GradWire, HostThreads, OptimizerMemory, WeightUpload,
+};
 
 /// The YAML file as written by the user. Every key except `model.path` and `data.path` has a
 /// default.
@@ -381,6 +383,12 @@ pub struct EngineSection {
     /// 2 more host bytes per trained parameter), `round` (rounded inside every upload, on the
     /// host's cores) or `auto` (default: `image` when the host plan fits with it).
     pub weight_upload: WeightUpload,
+    /// Threads of the host work of the step (optimizer updates, gradient accumulation, norms),
+    /// a pool of their own built once: a whole number of at least 1, or `auto` (default): the
+    /// cores the process may run on (`numactl`/`taskset` masks count) less those the device's
+    /// queues keep busy, at least 1 (CUDA: all but one, for the dispatch threads; CPU backend,
+    /// whose kernels share the cores: half, rounded down).
+    pub host_threads: HostThreads,
 }
 
 impl Default for EngineSection {
@@ -393,6 +401,7 @@ impl Default for EngineSection {
             recompute: Recompute::Auto,
             grad_wire: GradWire::Fp32,
             weight_upload: WeightUpload::Auto,
+            host_threads: HostThreads::Auto,
         }
     }
 }
@@ -570,6 +579,7 @@ impl RawConfig {
             ("engine.head_tile_rows", self.engine.head_tile_rows.unwrap_or(1)),
             ("engine.checkpoint_every", self.engine.checkpoint_every),
             ("engine.grad_slabs", self.engine.grad_slabs),
+            ("engine.host_threads", self.engine.host_threads.count().unwrap_or(1)),
             ("train.micro_batch_size", t.micro_batch_size.unwrap_or(1)),
         ] {
             if val == 0 {

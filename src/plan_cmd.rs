@@ -125,6 +125,13 @@ pub fn report(cfg: &RunConfig, host_memory: Option<u64>) -> Result<PlanReport> {
     }
     let mut t = String::new();
     writeln!(t, "optimizer.memory: {}", raw.optimizer.memory.name())?;
+    let threads = ecfg.host_threads.resolve(ecfg.backend);
+    writeln!(
+        t,
+        "engine.host_threads: {} -> {threads} thread{} for the host work (optimizer, gradient accumulation, norms)",
+        ecfg.host_threads,
+        if threads == 1 { "" } else { "s" }
+    )?;
     if let Some(a) = &layout.adapter {
         writeln!(
             t,

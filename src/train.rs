@@ -805,6 +805,7 @@ pub fn engine_config(raw: &RawConfig) -> EngineConfig {
         backend: raw.device.backend,
         grad_wire: raw.engine.grad_wire,
         weight_image: false,
+        host_threads: raw.engine.host_threads,
     }
 }
 
@@ -916,13 +917,15 @@ where
         tr.inject_nan_at = v.split(',').filter_map(|x| x.trim().parse().ok()).collect();
     }
     println!(
-        "model: {} layers, hidden {}, {} params; data: {} rows; {} micro-batch(es) per step, checkpoint every {} layers",
+        "model: {} layers, hidden {}, {} params; data: {} rows; {} micro-batch(es) per step, checkpoint every {} layers; host threads: {} (engine.host_threads: {})",
         tr.model_cfg.num_layers,
         tr.model_cfg.hidden_size,
         tr.engine.sizes().params,
         tr.data.rows.len(),
         tr.engine.sizes().micro_batches,
-        tr.cfg.raw.engine.checkpoint_every
+        tr.cfg.raw.engine.checkpoint_every,
+        tr.engine.host_threads(),
+        tr.cfg.raw.engine.host_threads
     );
     let metrics_path = out_dir.join("metrics.jsonl");
     let mut metrics_file = fs::OpenOptions::new()

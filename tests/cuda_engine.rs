@@ -3,8 +3,8 @@
 //! fixtures (bf16 weights on the device, bf16 products with fp32 accumulation, so within bf16's
 //! tolerance), with fp32 and with bf16 gradients on the wire; a race stress test with random
 //! delays before every copy on the H2D and D2H streams (under the double, `FAKECUDA_JITTER_US`
-//! also delays every operation of every stream); and a failed launch that ends a run with an
-//! error naming it.
+//! also delays every operation of every stream); a failed launch that ends a run with an
+//! error naming it; and the page-locked bytes the device holds, which are the plan's to the byte.
 
 #![cfg(feature = "cuda")]
 
@@ -320,6 +320,91 @@ fn the_weight_image_changes_no_bit() {
             let (got, _, got_params) = streamed(cuda(0, 0), case, cfg);
             assert_eq!(got, want, "{case} {memory:?}: the image changed the losses");
             assert_eq!(got_params, want_params, "{case} {memory:?}: the image changed the weights");
+        }
+    }
+}
+
+/// The driver's own count of the page-locked bytes this thread asked for and are still live,
+/// where the driver is the CUDA test double (`fakecuda_host_alloc_bytes`: the bytes each
+/// `cuMemHostAlloc` asked for; other tests run on other threads); `None` on a real driver.
+fn driver_pinned_bytes() -> Option<usize> {
+    use std::ffi::{c_char, c_int, c_void};
+    unsafe extern "C" {
+        fn dlopen(file: *const c_char, mode: c_int) -> *mut c_void;
+        fn dlsym(handle: *mut c_void, name: *const c_char) -> *mut c_void;
+    }
+    const RTLD_LAZY: c_int = 1;
+    const RTLD_NOLOAD: c_int = 4;
+    for lib in [c"libcuda.so", c"libcuda.so.1"] {
+        // SAFETY: RTLD_NOLOAD opens nothing new: a handle to the library cudarc loaded, or null.
+        let h = unsafe { dlopen(lib.as_ptr(), RTLD_LAZY | RTLD_NOLOAD) };
+        if h.is_null() {
+            continue;
+        }
+        // SAFETY: `h` is a live handle; the name is a NUL-terminated string.
+        let f = unsafe { dlsym(h, c"fakecuda_host_alloc_bytes".as_ptr()) };
+        if f.is_null() {
+            return None;
+        }
+        // SAFETY: the double exports `size_t fakecuda_host_alloc_bytes(int mine, size_t*
+        // count)` (crates/fakecuda/src/driver_api.h); a null `count` is allowed.
+        let f: unsafe extern "C" fn(c_int, *mut usize) -> usize = unsafe { std::mem::transmute(f) };
+        // SAFETY: as above.
+        return Some(unsafe { f(1, std::ptr::null_mut()) });
+    }
+    None
+}
+
+/// The page-locked host memory of an engine on the CUDA device is exactly the plan's figure
+/// (`horizon plan`'s "of which pinned" line): the checkpoints, the gradient slabs (fp32 or bf16;
+/// a lean run's fp32 expansion layer is plain memory), the embedding, residual-gradient and
+/// loss staging, and the device's bf16 weight upload ring, each pinned at its exact size (the
+/// device and the engine pin on the thread that builds them). The step loop pins nothing more,
+/// and the test double's driver counts the same bytes, none left once the engine is dropped.
+#[test]
+fn pinned_host_memory_is_the_plans_figure() {
+    use horizon::config::OptimizerMemory;
+    use horizon::plan_cmd::plan_for;
+    use horizon_backend::cuda::WIRE_RING_BYTES;
+    let case = "llama_gqa";
+    let model = ModelConfig::from_file(&case_dir(case).join("model/config.json")).unwrap();
+    let layout = ModelLayout::new(&model);
+    let params = ParamStore::load_hf(&layout, &case_dir(case).join("model")).unwrap();
+    let driver = || {
+        let d = driver_pinned_bytes();
+        assert!(d.is_some() || !double_on_path(), "the double has no fakecuda_host_alloc_bytes");
+        d
+    };
+    let configs = [
+        (2, 1, GradWire::Fp32, OptimizerMemory::Exact, false),
+        (1, 2, GradWire::Bf16, OptimizerMemory::Exact, false),
+        (3, 1, GradWire::Bf16, OptimizerMemory::Lean, false),
+        // With the bf16 weight image, page-locked too.
+        (2, 1, GradWire::Bf16, OptimizerMemory::Lean, true),
+    ];
+    for (i, (k, mbs, wire, memory, weight_image)) in configs.into_iter().enumerate() {
+        let cfg = EngineConfig { memory, weight_image, ..cuda_config(case, k, mbs, wire) };
+        let what = format!("K={k} mbs={mbs} grad_wire {wire:?} {memory:?} image {weight_image}");
+        let plan = plan_for(&model, &cfg, None);
+        let staging = plan.pinned as usize - WIRE_RING_BYTES;
+        assert!(staging > 0 && plan.pinned as u64 <= plan.host_total(), "{what}: {plan}");
+        let mut engine =
+            Engine::new(cuda(0, 0), &model, TrainState::new(params.clone()), cfg).unwrap();
+        assert_eq!(engine.sizes().pinned_bytes() as u64, plan.pinned, "{what}: sizes vs plan");
+        let stats = engine.device().stats();
+        assert_eq!(stats.pinned_bytes as u64, plan.pinned, "{what}: device vs plan");
+        if let Some(driver) = driver() {
+            assert_eq!(driver as u64, plan.pinned, "{what}: the driver's count vs plan");
+        }
+        if i == 0 {
+            run_case_steps(&mut engine, case);
+            let after = engine.device().stats();
+            assert_eq!(after.pinned_bytes as u64, plan.pinned, "{what}: after the steps");
+            assert_eq!(after.pinned_peak_bytes as u64, plan.pinned, "{what}: peak");
+        }
+        drop(engine);
+        if let Some(driver) = driver() {
+            assert_eq!(driver, 0, "{what}: page-locked memory left after the engine is gone");
         }
     }
 }

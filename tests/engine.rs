@@ -263,3 +263,69 @@ fn copy_queue_delays_do_not_change_a_tiled_head() {
         }
     }
 }
+
+/// `engine.host_threads` is parsed (`auto`, a count; 0 and words refused naming the key) and
+/// reaches the engine, whose host queue runs on a pool of exactly that many threads.
+#[test]
+fn host_threads_are_parsed_and_reach_the_engine() {
+    use horizon::config::{BackendKind, HostThreads};
+    use horizon::train::engine_config;
+    let case = "llama_gqa";
+    let parse = |extra: &str| {
+        let yaml = case_yaml(case, &format!("engine: {{ head_chunk_rows: 7{extra} }}\n"));
+        RawConfig::from_yaml(&yaml, case).and_then(|r| r.resolve(case))
+    };
+    let auto = parse("").unwrap();
+    assert_eq!(auto.raw.engine.host_threads, HostThreads::Auto);
+    let three = parse(", host_threads: 3").unwrap();
+    let ecfg = engine_config(&three.raw);
+    assert_eq!(ecfg.host_threads, HostThreads::Count(3));
+    assert_eq!(parse(", host_threads: auto").unwrap().raw.engine.host_threads, HostThreads::Auto);
+    for bad in [", host_threads: 0", ", host_threads: many", ", host_threads: -2"] {
+        let err = format!("{:#}", parse(bad).unwrap_err());
+        assert!(err.contains("engine.host_threads"), "{bad}: the error names no key: {err}");
+    }
+    // `auto`: the cores the queues leave, never 0.
+    for cores in [1, 2, 3, 16] {
+        for backend in [BackendKind::Cpu, BackendKind::Cuda] {
+            let n = HostThreads::Auto.resolve_for(backend, cores);
+            assert!(n >= 1 && n <= cores, "{backend:?} on {cores} cores: {n} host threads");
+        }
+    }
+    assert_eq!(HostThreads::Auto.resolve_for(BackendKind::Cuda, 16), 15);
+    assert_eq!(HostThreads::Auto.resolve_for(BackendKind::Cpu, 16), 8);
+    let model = ModelConfig::from_file(&case_dir(case).join("model/config.json")).unwrap();
+    let params =
+        ParamStore::load_hf(&ModelLayout::new(&model), &case_dir(case).join("model")).unwrap();
+    let cfg = EngineConfig { host_threads: ecfg.host_threads, ..case_engine_config(case, 2, 1) };
+    let dev = CpuDevice::new(CpuDeviceConfig::with_capacity(4 << 20));
+    let engine = Engine::new(dev, &model, TrainState::new(params), cfg).unwrap();
+    assert_eq!(engine.host_threads(), 3);
+}
+
+/// The host work (AdamW, the 8-bit moments' update, gradient accumulation, norms) gives the
+/// same bits on 1 host thread as on 2: its parallel parts split at fixed chunk boundaries and
+/// reduce in a fixed order.
+#[test]
+fn host_thread_count_does_not_change_results() {
+    use horizon::config::{HostThreads, OptimizerMemory};
+    for case in CASES {
+        for memory in [OptimizerMemory::Exact, OptimizerMemory::Compact] {
+            let run = |n: usize| {
+                let cfg = EngineConfig {
+                    host_threads: HostThreads::Count(n),
+                    memory,
+                    ..case_engine_config(case, 2, 1)
+                };
+                run_engine(case, cfg, 0, 0)
+            };
+            let ((one, _, p1), (two, _, p2)) = (run(1), run(2));
+            let what = format!("{case} {memory:?} host_threads 1 vs 2");
+            let bits = |v: &[(f64, f64)]| -> Vec<(u64, u64)> {
+                v.iter().map(|(l, g)| (l.to_bits(), g.to_bits())).collect()
+            };
+            assert_eq!(bits(&one), bits(&two), "{what}: per-step loss and grad norm");
+            assert_bit_identical(&what, &p1, &p2);
+        }
+    }
+}

@@ -127,6 +127,48 @@ fn the_plan_halves_the_slabs_and_the_cuda_weight_slots() {
     assert!(plan_for(&model, &cpu, None).to_string().contains("in host RAM"));
 }
 
+/// The plan's page-locked figure is a part of the host total, counted once: on CUDA the
+/// staging `Engine::new` takes (checkpoints, the fp32 or bf16 slabs without a lean run's fp32
+/// expansion layer, embedding / residual-gradient / loss staging) plus the device's bf16 upload
+/// ring, which is a host line of its own; on the CPU backend nothing is pinned and there is no
+/// ring. (That the CUDA device pins exactly this is `cuda_engine`'s test, under the double.)
+#[test]
+fn the_plan_counts_pinned_memory_once() {
+    use horizon_backend::cuda::WIRE_RING_BYTES;
+    let tmp = tempfile::tempdir().unwrap();
+    let r = raw(&yaml(tmp.path(), "exact", "fp32"));
+    let model = model_config(&r).unwrap();
+    let layout = ModelLayout::new(&model);
+    let cpu = engine_config(&r);
+    for (memory, wire) in [
+        (OptimizerMemory::Exact, GradWire::Fp32),
+        (OptimizerMemory::Lean, GradWire::Bf16),
+        (OptimizerMemory::Compact, GradWire::Fp32),
+    ] {
+        let e = EngineConfig { memory, grad_wire: wire, ..cpu };
+        let cuda = EngineConfig { backend: BackendKind::Cuda, ..e };
+        let (sc, sg) = (Sizes::new(&layout, &e), Sizes::new(&layout, &cuda));
+        let what = format!("{memory:?} {wire:?}");
+        let line = |s: &Sizes, key: &str| -> usize {
+            s.host_bytes().iter().filter(|(k, _)| k.contains(key)).map(|(_, b)| b).sum()
+        };
+        let slab_elem = if wire == GradWire::Bf16 { 2 } else { 4 };
+        let slabs = sg.grad_slabs * sg.slab * slab_elem;
+        let want = line(&sg, "checkpoints") + line(&sg, "staging (") + slabs + WIRE_RING_BYTES;
+        assert_eq!(sg.pinned_bytes(), want, "{what}");
+        assert_eq!(line(&sg, "upload ring"), WIRE_RING_BYTES, "{what}: the ring's host line");
+        assert_eq!(sg.host_total(), sc.host_total() + WIRE_RING_BYTES, "{what}: host totals");
+        assert!(sg.pinned_bytes() < sg.host_total(), "{what}");
+        assert_eq!(sc.pinned_bytes(), 0, "{what}: the CPU device pins nothing");
+        assert_eq!(line(&sc, "upload ring"), 0, "{what}: no ring on the CPU");
+        let (pc, pg) = (plan_for(&model, &e, None), plan_for(&model, &cuda, None));
+        assert_eq!(pg.pinned, sg.pinned_bytes() as u64);
+        assert_eq!(pg.host_total(), sg.host_total() as u64, "the pinned line adds nothing");
+        assert!(pg.to_string().contains("of which pinned (page-locked)"), "{pg}");
+        assert!(pc.to_string().contains("pinned (page-locked): none"), "{pc}");
+    }
+}
+
 #[test]
 fn a_bad_grad_wire_is_refused_by_key() {
     let tmp = tempfile::tempdir().unwrap();

@@ -463,7 +463,11 @@ fn horizon_plan_reports_and_refuses() {
     let o = run(&plan_yaml(8, "lean", "auto"));
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success(), "{out}{}", String::from_utf8_lossy(&o.stderr));
-    for want in ["B/param", "exact", "lean", "compact", "deepest that fits", "fits"] {
+    let threads = "engine.host_threads: auto -> ";
+    let pinned = "of which pinned (page-locked): none";
+    for want in
+        ["B/param", "exact", "lean", "compact", "deepest that fits", "fits", threads, pinned]
+    {
         assert!(out.contains(want), "plan output lacks {want:?}:\n{out}");
     }
     // A device budget too small: refused, with the numbers and the largest micro-batch.

@@ -18,7 +18,7 @@ use horizon_backend::{
 use crate::engine::head_tiles::{
     HeadTiling, STATS, TileDims, TileRows, tile_finish, tile_grad, tile_stats,
 };
-use crate::engine::options::{BackendKind, GradWire, OptimizerMemory};
+use crate::engine::options::{BackendKind, GradWire, HostThreads, OptimizerMemory};
 use crate::engine::phases::{Phase, PhaseClock, PhaseSeconds};
 use crate::engine::plan::{
     ActSource, GradTarget, OpKind, ParamBuf, PlanShape, Res, Schedule, SlotContent, Wait,
@@ -78,6 +78,8 @@ pub struct EngineConfig {
     /// `engine.weight_upload` resolved: keep a page-locked bf16 image of every uploaded trained
     /// buffer, written by the optimizer, and upload from it (bf16 backends only).
     pub weight_image: bool,
+    /// `engine.host_threads`: the threads of the host queue's work (its own pool, built once).
+    pub host_threads: HostThreads,
 }
 
 impl EngineConfig {
@@ -660,6 +662,9 @@ pub struct Engine<D: Device> {
     timers: [KernelTimer; 4],
     /// Each op's grant, of the first step and of the steady state (by `Schedule::ops`).
     grants: [Vec<Grant>; 2],
+    /// The host queue's own threads (`engine.host_threads`): every host op runs inside it, so
+    /// the optimizer's and the accumulation's rayon work uses exactly these.
+    host_pool: Arc<rayon::ThreadPool>,
 }
 
 /// A raw handle to a host buffer that stays where it is for the engine's life.
@@ -712,6 +717,13 @@ where
                 precision.name()
             );
         }
+        // The host queue's threads, before anything is allocated or queued.
+        let host_threads = cfg.host_threads.resolve(cfg.backend);
+        let host_pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(host_threads)
+            .thread_name(|i| format!("horizon-host-{i}"))
+            .build()
+            .with_context(|| format!("cannot start the {host_threads} host threads"))?;
         let schedule = Schedule::new(shape);
         let DeviceBuffers {
             slots,
@@ -848,6 +860,7 @@ where
             updates,
             grants,
             timers,
+            host_pool: Arc::new(host_pool),
             dev,
         };
         for ((cos_buf, sin_buf), (cos, sin)) in table_bufs.into_iter().zip(&tables) {
@@ -935,6 +948,12 @@ where
     /// The configuration the engine was planned for.
     pub fn config(&self) -> &EngineConfig {
         &self.cfg
+    }
+
+    /// Threads of the host queue's pool (`engine.host_threads` resolved): the optimizer and
+    /// the gradient accumulation run on exactly these.
+    pub fn host_threads(&self) -> usize {
+        self.host_pool.current_num_threads()
     }
 
     /// Count a step that runs nothing (its batch carries no loss): masters, moments and the
@@ -1043,9 +1062,10 @@ where
         f: impl FnOnce(&Ctx, &StepData, &Grant) + Send + 'static,
     ) {
         let (c, sd, g) = (self.ctx.clone(), sd.clone(), grant.clone());
+        let pool = self.host_pool.clone();
         self.dev.host(Box::new(move || {
             let t0 = Instant::now();
-            f(&c, &sd, &g);
+            pool.install(|| f(&c, &sd, &g));
             c.phases.add(phase, t0);
         }));
     }

@@ -21,6 +21,9 @@ pub struct MemoryPlan {
     pub host_available: Option<u64>,
     /// The device pool lives in host RAM (CPU backend): counted in the host total too.
     pub device_in_host_ram: bool,
+    /// Of the host bytes, those page-locked ([`Sizes::pinned_bytes`]): a part of `host`, not
+    /// more; 0 when the device pins nothing (CPU backend).
+    pub pinned: u64,
     /// How the LM head is applied: whole, or in vocabulary tiles through the weight slots.
     pub head: HeadTiling,
     /// The row length the buffers are sized for.
@@ -39,6 +42,7 @@ impl MemoryPlan {
             device_budget,
             host_available: host_available_bytes(),
             device_in_host_ram,
+            pinned: sizes.pinned_bytes() as u64,
             head: sizes.head,
             seq_len: sizes.seq_len,
             seq_len_from: None,
@@ -122,6 +126,15 @@ impl fmt::Display for MemoryPlan {
             gib(self.host_total()),
             per_param(self.host_total())
         )?;
+        if self.pinned > 0 {
+            let what = "of which pinned (page-locked): checkpoints, slabs, staging, wire ring";
+            writeln!(f, "    {:<70} {:>14}", what, gib(self.pinned))?;
+        } else {
+            writeln!(
+                f,
+                "    of which pinned (page-locked): none (this device's staging is plain memory)"
+            )?;
+        }
         if let Some(a) = self.host_available {
             writeln!(f, "    {:<70} {:>14}", "available", gib(a))?;
         }

@@ -1,6 +1,7 @@
 //! The engine's options: what a run chooses about the optimizer's memory, the gradient wire
-//! format and the compute device. The engine owns these types; the YAML config (`config.rs`)
-//! parses into them and re-exports them, so the engine depends on no config code.
+//! format, the compute device and the threads of its host work. The engine owns these types;
+//! the YAML config (`config.rs`) parses into them and re-exports them, so the engine depends on
+//! no config code.
 
 use serde::{Deserialize, Serialize};
 
@@ -106,5 +107,119 @@ impl BackendKind {
     /// Whether the device pool lives in host RAM (the CPU backend), counting towards the host.
     pub fn pool_in_host_ram(self) -> bool {
         self == BackendKind::Cpu
+    }
+
+    /// Whether the device's staging buffers (`Device::alloc_staging`) are page-locked: on CUDA
+    /// they are; the CPU device's are ordinary memory.
+    pub fn pins_staging(self) -> bool {
+        self == BackendKind::Cuda
+    }
+
+    /// Bytes of page-locked host memory the device pins of its own, besides the staging it is
+    /// asked for: the CUDA device's bf16 weight upload ring (`cuda::WIRE_RING_BYTES`, the same
+    /// whether or not this binary was built with CUDA); none on the CPU.
+    pub fn device_pinned_bytes(self) -> usize {
+        match self {
+            BackendKind::Cpu => 0,
+            BackendKind::Cuda => horizon_backend::cuda::WIRE_RING_BYTES,
+        }
+    }
+
+    /// Threads the device's queues keep busy, which `engine.host_threads: auto` leaves to them:
+    /// on CUDA one core for the dispatch threads (they mostly wait on the driver); on the CPU
+    /// backend the compute kernels run on rayon's global pool over every core at the same time
+    /// as the host work, so they get half the cores (rounded up).
+    pub fn queue_threads(self, cores: usize) -> usize {
+        match self {
+            BackendKind::Cpu => cores.div_ceil(2),
+            BackendKind::Cuda => 1,
+        }
+    }
+}
+
+/// `engine.host_threads`: the threads of the engine's host work (the optimizer updates,
+/// gradient accumulation, norms: the host queue), a dedicated pool built once per engine.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum HostThreads {
+    /// The cores the device's queues do not use ([`BackendKind::queue_threads`]), at least 1.
+    #[default]
+    Auto,
+    /// Exactly this many (at least 1: the config refuses 0).
+    Count(usize),
+}
+
+impl HostThreads {
+    /// The thread count on `backend`, on a machine of `std::thread::available_parallelism`
+    /// cores (which counts the cores the process may run on: a `numactl --cpunodebind` or
+    /// `taskset` mask narrows it).
+    pub fn resolve(self, backend: BackendKind) -> usize {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        self.resolve_for(backend, cores)
+    }
+
+    /// [`HostThreads::resolve`] on a machine of `cores` cores.
+    pub fn resolve_for(self, backend: BackendKind, cores: usize) -> usize {
+        match self {
+            HostThreads::Count(n) => n.max(1),
+            HostThreads::Auto => cores.saturating_sub(backend.queue_threads(cores)).max(1),
+        }
+    }
+
+    /// The count as written (`None`: `auto`).
+    pub fn count(self) -> Option<usize> {
+        match self {
+            HostThreads::Auto => None,
+            HostThreads::Count(n) => Some(n),
+        }
+    }
+}
+
+/// As written in a config: `auto`, or the count.
+impl std::fmt::Display for HostThreads {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            HostThreads::Auto => f.write_str("auto"),
+            HostThreads::Count(n) => write!(f, "{n}"),
+        }
+    }
+}
+
+impl Serialize for HostThreads {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            HostThreads::Auto => s.serialize_str("auto"),
+            HostThreads::Count(n) => s.serialize_u64(*n as u64),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for HostThreads {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            N(u64),
+            I(i64),
+            F(f64),
+            S(String),
+        }
+        let bad = |what: &str| {
+            serde::de::Error::custom(format!(
+                "engine.host_threads: {what} is not a thread count (a whole number of at least \
+                 1, or auto)"
+            ))
+        };
+        match Raw::deserialize(d).map_err(|_| bad("this value"))? {
+            Raw::N(n) => {
+                usize::try_from(n).map(HostThreads::Count).map_err(|_| bad(&n.to_string()))
+            }
+            Raw::I(n) => Err(bad(&n.to_string())),
+            Raw::F(x) => Err(bad(&x.to_string())),
+            Raw::S(s) if s.trim().eq_ignore_ascii_case("auto") => Ok(HostThreads::Auto),
+            Raw::S(s) => match s.trim().parse::<usize>() {
+                Ok(n) => Ok(HostThreads::Count(n)),
+                Err(_) => Err(bad(&format!("'{s}'"))),
+            },
+        }
     }
 }

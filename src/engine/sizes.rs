@@ -89,6 +89,11 @@ pub struct Sizes {
     pub params: usize,
     /// bf16 elements of the weight image (`EngineConfig::weight_image`; 0 without one).
     pub image: usize,
+    /// Whether the device page-locks its staging buffers (`BackendKind::pins_staging`).
+    pub pins_staging: bool,
+    /// Page-locked host bytes the device holds of its own (the CUDA device's bf16 weight
+    /// upload ring; 0 on the CPU): `BackendKind::device_pinned_bytes`.
+    pub device_pinned: usize,
 }
 
 /// Elements of the trained buffers the device receives, which a weight image holds: every
@@ -184,6 +189,8 @@ impl Sizes {
                 + 2 * layout.rope.len(),
             params,
             image: if cfg.weight_image { image_elems(layout) } else { 0 },
+            pins_staging: cfg.backend.pins_staging(),
+            device_pinned: cfg.backend.device_pinned_bytes(),
         }
     }
 
@@ -273,9 +280,47 @@ impl Sizes {
         }
     }
 
+    /// Host bytes of the gradient slabs the device's staging holds (the fp32 layer a bf16 slab
+    /// is expanded into for a streamed update is ordinary memory, not staging).
+    fn slab_staging_bytes(&self) -> usize {
+        let elem = match self.grad_wire {
+            GradWire::Fp32 => 4,
+            GradWire::Bf16 => 2,
+        };
+        self.grad_slabs * self.slab * elem
+    }
+
+    /// Host bytes of the embedding rows, residual gradients and losses staged per micro-batch.
+    fn io_staging_bytes(&self) -> usize {
+        self.micro_batches * (2 * self.act + self.mb_rows) * 4
+    }
+
+    /// Host bytes of the checkpoints.
+    fn checkpoint_bytes(&self) -> usize {
+        self.blocks * self.micro_batches * self.act * 4
+    }
+
+    /// Host bytes of every buffer the engine takes from `Device::alloc_staging`: checkpoints,
+    /// gradient slabs, the embedding rows, residual gradients and losses.
+    pub fn staging_bytes(&self) -> usize {
+        self.checkpoint_bytes() + self.slab_staging_bytes() + self.io_staging_bytes()
+    }
+
+    /// Page-locked host bytes once the engine is built: its staging, the weight image and the
+    /// device's own pinned buffers, where the device pins (CUDA); 0 on the CPU backend, which pins nothing. Every
+    /// byte is one of [`Sizes::host_bytes`]' lines already (a part of the host total, not more).
+    /// Each buffer is pinned at its exact size, so this is exactly what the CUDA device reports
+    /// as `DeviceStats::pinned_bytes`.
+    pub fn pinned_bytes(&self) -> usize {
+        if self.pins_staging {
+            self.staging_bytes() + self.device_pinned + self.image * 2
+        } else {
+            0
+        }
+    }
+
     /// Host bytes by kind.
     pub fn host_bytes(&self) -> Vec<(&'static str, usize)> {
-        let m = self.micro_batches;
         let moments = match self.memory.moment_storage() {
             MomentStorage::Q8 => {
                 "AdamW moments (8-bit m, sqrt v, a scale per 256; small tensors fp32)"
@@ -304,14 +349,15 @@ impl Sizes {
             (moments, self.moment_bytes),
             (grads, self.host_grads * 4),
             (slabs, self.slab_bytes()),
-            (
-                "staging (embedding rows, residual gradients, losses)",
-                m * (2 * self.act + self.mb_rows) * 4,
-            ),
-            ("checkpoints", self.blocks * m * self.act * 4),
+            ("staging (embedding rows, residual gradients, losses)", self.io_staging_bytes()),
+            ("checkpoints", self.checkpoint_bytes()),
         ]);
         if self.image > 0 {
             lines.push(("bf16 weight image (page-locked; engine.weight_upload)", self.image * 2));
+        }
+        if self.device_pinned > 0 {
+            let ring = "the device's bf16 weight upload ring (2 chunks, page-locked)";
+            lines.push((ring, self.device_pinned));
         }
         lines
     }

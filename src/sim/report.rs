@@ -97,7 +97,14 @@ pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
         (false, WeightUpload::Auto) if host_total + image <= hw.host_bytes() => UploadPath::Image,
         (false, WeightUpload::Auto) => UploadPath::RoundInUpload,
     };
-    let host_threads = hw.host.cores;
+    // engine.host_threads as the engine resolves it on the profile's host (this-cpu: on this
+    // machine, where the CPU device's kernels share the cores: its host work still gets the
+    // whole pool when it runs alone, which the shared-host model accounts for).
+    let host_threads = if cpu {
+        hw.host.cores
+    } else {
+        ecfg.host_threads.resolve_for(backend, hw.host.cores).min(hw.host.cores)
+    };
     let roofline = Roofline(&hw.gpu);
     let measured;
     let device: &dyn DeviceModel = if cpu {

@@ -108,7 +108,7 @@ pub fn case_yaml(case: &str, extra: &str) -> String {
 /// micro-batches of `mbs` rows, sequences of up to 32 tokens (or the case's longest row), head
 /// chunks of 7 rows, two
 /// gradient slabs, exact memory mode, the backward recomputing, the CPU backend, fp32
-/// gradients on the wire.
+/// gradients on the wire, `auto` host threads.
 pub fn case_engine_config(case: &str, k: usize, mbs: usize) -> horizon::engine::exec::EngineConfig {
     let seq_len = case_rows(case).iter().map(|r| r.input_ids.len()).max().unwrap_or(0).max(32);
     engine_config_for(&expected(case), seq_len, k, mbs)
@@ -143,6 +143,7 @@ pub fn engine_config_for(
         backend: horizon::config::BackendKind::Cpu,
         grad_wire: horizon::config::GradWire::Fp32,
         weight_image: false,
+        host_threads: horizon::config::HostThreads::Auto,
     }
 }
 

@@ -213,10 +213,12 @@ struct Alloc {
     Context* ctx = nullptr;
 };
 
-// A cuMemHostAlloc allocation: the bytes asked for (checked) and the mapping (page-rounded).
+// A cuMemHostAlloc allocation: the bytes asked for (checked), the mapping (page-rounded) and
+// the thread that asked (fakecuda_host_alloc_bytes).
 struct HostAlloc {
     size_t bytes = 0;
     size_t mapped = 0;
+    std::thread::id owner;
 };
 
 struct Memory {
@@ -1500,7 +1502,7 @@ CUAPI CUresult cuMemHostAlloc(void** pp, size_t bytes, unsigned flags) {
     if (m == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
     memset(m, 0xFF, len);
     std::lock_guard<std::mutex> lk(G().mem.mu);
-    G().mem.host[(uintptr_t)m] = HostAlloc{bytes, len};
+    G().mem.host[(uintptr_t)m] = HostAlloc{bytes, len, std::this_thread::get_id()};
     *pp = m;
     return CUDA_SUCCESS;
 }
@@ -1709,6 +1711,18 @@ CUAPI int fakecuda_device_pointer_kind(const void* ptr) {
     std::lock_guard<std::mutex> lk(G().mem.mu);
     if (containing(G().mem.live, (uintptr_t)ptr)) return 1;
     return containing(G().mem.freed, (uintptr_t)ptr) ? 2 : 0;
+}
+
+CUAPI size_t fakecuda_host_alloc_bytes(int mine, size_t* count) {
+    std::lock_guard<std::mutex> lk(G().mem.mu);
+    size_t bytes = 0, n = 0;
+    for (const auto& [ptr, h] : G().mem.host) {
+        if (mine && h.owner != std::this_thread::get_id()) continue;
+        bytes += h.bytes;
+        n++;
+    }
+    if (count) *count = n;
+    return bytes;
 }
 
 CUAPI CUresult fakecuda_check_stream(CUstream h) {

@@ -33,6 +33,12 @@ CUresult fakecuda_check_device_range(const void* ptr, size_t bytes, const char* 
 // 0 otherwise. Prints nothing.
 int fakecuda_device_pointer_kind(const void* ptr);
 
+// The bytes asked for by the live cuMemHostAlloc allocations (as asked: not the page-rounded
+// mappings), and in `count` (if not null) how many there are; with `mine` non-zero, only those
+// the calling thread asked for (wherever they are freed). For tests that check a program pins
+// exactly what it says while other tests in the process pin too.
+size_t fakecuda_host_alloc_bytes(int mine, size_t* count);
+
 // CUDA_SUCCESS when `s` is a stream of the calling thread's current context (or a default
 // stream handle); the errors of fakecuda_enqueue otherwise. Enqueues nothing.
 CUresult fakecuda_check_stream(CUstream s);

@@ -6,7 +6,10 @@
 #[path = "cuda/config.rs"]
 mod config;
 
-pub use config::{CudaDeviceConfig, CudaError, KernelShape, MAX_HEAD_DIM, check_kernel_limits};
+pub use config::{
+    CudaDeviceConfig, CudaError, KernelShape, MAX_HEAD_DIM, WIRE_CHUNK, WIRE_RING_BYTES,
+    check_kernel_limits,
+};
 
 use std::sync::Arc;
 
@@ -285,6 +288,8 @@ impl Backend for CudaBackend {
 
 impl Device for CudaDevice {
     type Backend = CudaBackend;
+    /// Never allocated: no `CudaDevice` exists without the feature (so it pins nothing, and
+    /// `stats` cannot be called).
     type Staging<T: StagingElem> = Vec<T>;
     fn name(&self) -> String {
         match *self {}

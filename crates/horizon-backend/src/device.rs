@@ -267,6 +267,13 @@ pub struct DeviceStats {
     pub host_busy_s: f64,
     /// Seconds during which at least one copy queue was moving data.
     pub link_busy_s: f64,
+    /// Bytes of page-locked host memory the device holds now: the staging buffers it handed
+    /// out ([`Device::alloc_staging`]) and its own (the CUDA device's bf16 weight upload ring,
+    /// `cuda::WIRE_RING_BYTES`). 0 on the CPU device, which pins nothing (its staging is
+    /// ordinary memory).
+    pub pinned_bytes: usize,
+    /// Highest `pinned_bytes` seen.
+    pub pinned_peak_bytes: usize,
 }
 
 /// The device asked for more memory than its pool has left.

@@ -556,6 +556,29 @@ static void test_copy_checks() {
     OK(cu.cuStreamDestroy_v2(s));
 }
 
+static void test_host_alloc_bytes() {
+    begin("fakecuda_host_alloc_bytes: the bytes asked for, per thread");
+    using Count = size_t (*)(int, size_t*);
+    auto count = reinterpret_cast<Count>(dlsym(g_libcuda, "fakecuda_host_alloc_bytes"));
+    CHECK(count != nullptr);
+    if (!count) return;
+    size_t n0 = 0, n = 0;
+    size_t all0 = count(0, nullptr), mine0 = count(1, &n0);
+    void* a = nullptr;
+    void* b = nullptr;
+    OK(cu.cuMemHostAlloc(&a, 1000, 0));  // not a page: counted as asked, not as mapped
+    OK(cu.cuMemHostAlloc(&b, 5000, 0));
+    CHECK(count(1, &n) == mine0 + 6000 && n == n0 + 2);
+    CHECK(count(0, nullptr) == all0 + 6000);
+    size_t other = 1;
+    std::thread([&] { other = count(1, nullptr); }).join();
+    CHECK(other == 0);  // another thread asked for none of them
+    OK(cu.cuMemFreeHost(a));
+    CHECK(count(1, nullptr) == mine0 + 5000);
+    OK(cu.cuMemFreeHost(b));
+    CHECK(count(1, nullptr) == mine0 && count(0, nullptr) == all0);
+}
+
 static void test_pageable_and_pinned_copies() {
     begin("pageable vs pinned host memory");
     const int n = 256;
@@ -1236,6 +1259,7 @@ int main() {
     test_out_of_memory();
     test_copy_checks();
     test_pageable_and_pinned_copies();
+    test_host_alloc_bytes();
     test_stream_order();
     test_legacy_default_stream();
     test_events();

@@ -247,6 +247,9 @@ impl Device for CpuDevice {
             d2h_busy_s: busy(Queue::D2H),
             host_busy_s: busy(Queue::Host),
             link_busy_s: link_busy.as_secs_f64(),
+            // Nothing is page-locked: staging is a plain `Vec` (see `alloc_staging`).
+            pinned_bytes: 0,
+            pinned_peak_bytes: 0,
         }
     }
 

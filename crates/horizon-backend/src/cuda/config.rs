@@ -1,6 +1,16 @@
 //! The CUDA backend's configuration and error types; shared by the real backend and the stub
 //! that stands in for it when the `cuda` feature is off.
 
+/// Elements per bf16 chunk of a weight upload (16 MiB of bf16): the H2D stream rounds the fp32
+/// masters into a page-locked ring of two such chunks, two chunks in flight.
+pub const WIRE_CHUNK: usize = 8 << 20;
+
+/// Bytes of page-locked host memory a [`CudaDevice`] holds of its own, besides the staging
+/// buffers it is asked for: the bf16 weight upload ring, two chunks of [`WIRE_CHUNK`] bf16,
+/// pinned while the device is built. The memory plan counts it (the same whether or not this
+/// binary was built with CUDA).
+pub const WIRE_RING_BYTES: usize = 2 * WIRE_CHUNK * size_of::<crate::Bf16>();
+
 /// How a [`CudaDevice`] is built.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct CudaDeviceConfig {

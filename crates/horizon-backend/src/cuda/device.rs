@@ -40,9 +40,9 @@ use cudarc::driver::{CudaContext, CudaStream, result as cu, sys};
 use super::backend::{CudaBackend, context};
 use super::convert::round_on_device;
 use super::kernels::Kernels;
-use super::pinned::Pinned;
+use super::pinned::{Pinned, PinnedTally};
 use super::slice::DevSlice;
-use super::{CudaDeviceConfig, CudaError, DeviceFault, check};
+use super::{CudaDeviceConfig, CudaError, DeviceFault, WIRE_CHUNK, check};
 use crate::Bf16;
 use crate::bf16::{round_to_bf16, same_len};
 use crate::device::{
@@ -51,9 +51,6 @@ use crate::device::{
 };
 use crate::pool::{ALIGN_ELEMS, Pool};
 use crate::precision::GRAD_WIRE_CHUNK;
-
-/// Elements per bf16 chunk of a weight upload (16 MiB of bf16); two chunks are in flight.
-const WIRE_CHUNK: usize = 8 << 20;
 
 /// The CUDA device. Dropping it runs everything already queued, then stops the threads and
 /// frees the device memory.
@@ -116,22 +113,28 @@ impl CudaDevice {
             compute,
             d2h,
             events: event_pool,
+            pinned: Arc::new(PinnedTally::default()),
             counters: Mutex::new(Counters::default()),
             first_panic: Mutex::new(None),
             failure: Mutex::new(None),
         });
+        // The H2D thread's bf16 ring, pinned here so that the device holds it (and counts it)
+        // once `new` returns.
+        let mut ring_host =
+            Some([0, 1].map(|_| Pinned::new(&shared.ctx, &shared.pinned, WIRE_CHUNK)));
         let mut workers = Vec::with_capacity(4);
         let mut senders = Vec::with_capacity(4);
         for q in Queue::ALL {
             let (tx, rx) = mpsc::channel();
             let shared = Arc::clone(&shared);
+            let ring_host = if q == Queue::H2D { ring_host.take() } else { None };
             let jitter = match q {
                 Queue::H2D | Queue::D2H => Jitter::new(cfg.copy_jitter_us, cfg.jitter_seed, q),
                 Queue::Compute | Queue::Host => Jitter::new(0, 0, q),
             };
             let handle = thread::Builder::new()
                 .name(format!("horizon-cuda-{q:?}").to_lowercase())
-                .spawn(move || dispatcher(q, &rx, &shared, jitter))
+                .spawn(move || dispatcher(q, &rx, &shared, jitter, ring_host))
                 .map_err(|e| CudaError(format!("cannot start the {q:?} queue thread: {e}")))?;
             workers.push(handle);
             senders.push(tx);
@@ -347,12 +350,15 @@ impl Device for CudaDevice {
             host_busy_s: busy(Queue::Host),
             // The link is full duplex: it is busy as long as the busier direction.
             link_busy_s: busy(Queue::H2D).max(busy(Queue::D2H)),
+            pinned_bytes: self.shared.pinned.live(),
+            pinned_peak_bytes: self.shared.pinned.peak(),
         }
     }
 
-    /// Page-locked (flags 0: cached, not write-combined), zeroed.
+    /// Page-locked (flags 0: cached, not write-combined), of exactly `len` elements, zeroed;
+    /// counted in [`DeviceStats::pinned_bytes`] while it lives.
     fn alloc_staging<T: StagingElem>(&self, len: usize) -> Pinned<T> {
-        Pinned::new(&self.shared.ctx, len)
+        Pinned::new(&self.shared.ctx, &self.shared.pinned, len)
     }
 }
 
@@ -393,6 +399,8 @@ struct Shared {
     compute: CudaBackend,
     d2h: CudaBackend,
     events: EventPool,
+    /// Page-locked bytes held: the staging buffers handed out and the H2D thread's wire ring.
+    pinned: Arc<PinnedTally>,
     counters: Mutex<Counters>,
     first_panic: Mutex<Option<String>>,
     /// The first failed driver call or GPU fault (what [`Device::failure`] reports).
@@ -599,7 +607,14 @@ struct WireRing {
 /// A queue's dispatcher thread: runs (host queue) or enqueues (stream queues) its tasks in
 /// order until `Stop`. A failed driver call in a task ends that task and becomes the device's
 /// failure ([`Device::failure`]); other panics in tasks (bugs) are kept for `synchronize`.
-fn dispatcher(q: Queue, rx: &Receiver<Task>, shared: &Arc<Shared>, mut jitter: Jitter) {
+/// The H2D queue gets the page-locked chunks of its bf16 ring (`ring_host`).
+fn dispatcher(
+    q: Queue,
+    rx: &Receiver<Task>,
+    shared: &Arc<Shared>,
+    mut jitter: Jitter,
+    ring_host: Option<[Pinned<Bf16>; 2]>,
+) {
     super::mark_device_queue_thread();
     if let Err(e) = shared.ctx.bind_to_thread() {
         shared.note_failure(q, format!("CUDA: cannot bind the context: {e:?}"));
@@ -615,8 +630,8 @@ fn dispatcher(q: Queue, rx: &Receiver<Task>, shared: &Arc<Shared>, mut jitter: J
             .expect("cannot start a CUDA completion thread");
         (Some(tx), Some(handle))
     };
-    let mut ring = (q == Queue::H2D).then(|| WireRing {
-        host: [Pinned::new(&shared.ctx, WIRE_CHUNK), Pinned::new(&shared.ctx, WIRE_CHUNK)],
+    let mut ring = ring_host.map(|host| WireRing {
+        host,
         copied: [shared.events.get(), shared.events.get()],
         next: 0,
     });

@@ -38,9 +38,12 @@ mod rope;
 mod slice;
 
 pub use backend::{CudaBackend, CudaMem};
-pub use config::{CudaDeviceConfig, CudaError, KernelShape, MAX_HEAD_DIM, check_kernel_limits};
+pub use config::{
+    CudaDeviceConfig, CudaError, KernelShape, MAX_HEAD_DIM, WIRE_CHUNK, WIRE_RING_BYTES,
+    check_kernel_limits,
+};
 pub use device::CudaDevice;
-pub use pinned::Pinned;
+pub use pinned::{Pinned, PinnedTally};
 pub use probe::probe;
 pub use slice::DevSlice;
 

@@ -1,9 +1,14 @@
 //! Page-locked host memory (`cuMemHostAlloc` with flags 0: cached, not write-combined, which
 //! the CPU could barely read), the device's staging buffers. When the driver cannot pin the
 //! memory, the buffer falls back to ordinary memory (copies still work, without overlap).
+//!
+//! Every buffer is pinned at its exact size, `len * size_of::<T>()` bytes: no size classes, no
+//! rounding up (page-locked memory is taken from the machine's RAM for good, and the plan counts
+//! it to the byte). Each one is counted in its device's [`PinnedTally`] while it lives.
 
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use cudarc::driver::{CudaContext, result as cu};
 
@@ -12,9 +17,37 @@ use cudarc::driver::{CudaContext, result as cu};
 pub struct Pinned<T: Copy + Default> {
     ptr: *mut T,
     len: usize,
-    /// `Some` when the memory is page-locked (freed with cuMemFreeHost); `None`: a leaked
-    /// `Box<[T]>` freed as such.
-    ctx: Option<Arc<CudaContext>>,
+    /// `Some` when the memory is page-locked (freed with cuMemFreeHost, and counted in the
+    /// tally until then); `None`: a leaked `Box<[T]>` freed as such.
+    ctx: Option<(Arc<CudaContext>, Arc<PinnedTally>)>,
+}
+
+/// Bytes of page-locked memory a device holds: live now, and the most live at once.
+#[derive(Debug, Default)]
+pub struct PinnedTally {
+    live: AtomicUsize,
+    peak: AtomicUsize,
+}
+
+impl PinnedTally {
+    /// Bytes pinned now.
+    pub fn live(&self) -> usize {
+        self.live.load(Ordering::Acquire)
+    }
+
+    /// The most bytes pinned at once so far.
+    pub fn peak(&self) -> usize {
+        self.peak.load(Ordering::Acquire)
+    }
+
+    fn add(&self, bytes: usize) {
+        let now = self.live.fetch_add(bytes, Ordering::AcqRel) + bytes;
+        self.peak.fetch_max(now, Ordering::AcqRel);
+    }
+
+    fn sub(&self, bytes: usize) {
+        self.live.fetch_sub(bytes, Ordering::AcqRel);
+    }
 }
 
 // SAFETY: the buffer owns its memory like a Box<[T]>; access goes through &self / &mut self.
@@ -23,8 +56,9 @@ unsafe impl<T: Copy + Default + Send> Send for Pinned<T> {}
 unsafe impl<T: Copy + Default + Sync> Sync for Pinned<T> {}
 
 impl<T: Copy + Default> Pinned<T> {
-    /// Pins `len` elements; falls back to plain memory (with a warning) if the driver refuses.
-    pub fn new(ctx: &Arc<CudaContext>, len: usize) -> Self {
+    /// Pins exactly `len` elements, counted in `tally`; falls back to plain memory (with a
+    /// warning, not counted) if the driver refuses.
+    pub fn new(ctx: &Arc<CudaContext>, tally: &Arc<PinnedTally>, len: usize) -> Self {
         let bytes = len * size_of::<T>();
         if bytes > 0 && ctx.bind_to_thread().is_ok() {
             // SAFETY: a plain allocation of `bytes` bytes, flags 0 (portable to the context,
@@ -33,7 +67,8 @@ impl<T: Copy + Default> Pinned<T> {
                 let ptr = p.cast::<T>();
                 // SAFETY: `ptr` is `len` writable, suitably aligned (page-aligned) elements.
                 unsafe { std::slice::from_raw_parts_mut(ptr, len).fill(T::default()) };
-                return Pinned { ptr, len, ctx: Some(ctx.clone()) };
+                tally.add(bytes);
+                return Pinned { ptr, len, ctx: Some((ctx.clone(), tally.clone())) };
             }
             eprintln!(
                 "warning: cannot page-lock {bytes} bytes of host staging memory; using plain \
@@ -68,10 +103,11 @@ impl<T: Copy + Default> DerefMut for Pinned<T> {
 impl<T: Copy + Default> Drop for Pinned<T> {
     fn drop(&mut self) {
         match &self.ctx {
-            Some(ctx) => {
+            Some((ctx, tally)) => {
                 let _ = ctx.bind_to_thread();
                 // SAFETY: allocated by cuMemHostAlloc in `new`, freed only here.
                 let _ = unsafe { cu::free_host(self.ptr.cast()) };
+                tally.sub(self.len * size_of::<T>());
             }
             None => {
                 let slice = std::ptr::slice_from_raw_parts_mut(self.ptr, self.len);
