@@ -39,8 +39,9 @@ fn median_of(reps: usize, mut f: impl FnMut()) -> f64 {
     t[reps / 2]
 }
 
-/// Repetitions of a measurement: fewer for long ones.
-const REPS: usize = 3;
+/// Repetitions of a measurement (after one warm-up run), of which the median counts: this
+/// machine's other tenants move single runs by 10-20%.
+const REPS: usize = 7;
 
 impl CpuMeasured {
     pub fn new() -> Self {
@@ -58,6 +59,16 @@ impl CpuMeasured {
 
     /// The time of `out (m, n) = inp (m, k) w (n, k)ᵀ` (`pass` 0), or of its backward with
     /// (1) or without (2) the weight's gradient, memoised.
+    /// `measure()`, memoised under `key`.
+    fn memo(&self, key: (usize, usize, usize, u8), measure: impl FnOnce() -> f64) -> f64 {
+        if let Some(&s) = self.gemm.borrow().get(&key) {
+            return s;
+        }
+        let s = measure();
+        self.gemm.borrow_mut().insert(key, s);
+        s
+    }
+
     fn product(&self, m: usize, k: usize, n: usize, pass: u8) -> f64 {
         if m == 0 || k == 0 || n == 0 {
             return 0.0;
@@ -125,6 +136,31 @@ impl DeviceModel for CpuMeasured {
         bytes / self.stream_bps
     }
 
+    fn glu(&self, n: usize, f: usize, backward: bool) -> f64 {
+        self.memo((n, f, 0, if backward { 4 } else { 3 }), || {
+            let gu: Vec<f32> = (0..n * 2 * f).map(|i| (i % 61) as f32 * 0.05 - 1.5).collect();
+            let (mut out, mut dgu) = (vec![0.0f32; n * f], vec![0.0f32; n * 2 * f]);
+            if backward {
+                median_of(REPS, || self.be.swiglu_backward(&mut dgu, &out, &gu, n, f))
+            } else {
+                median_of(REPS, || self.be.swiglu_forward(&mut out, &gu, n, f))
+            }
+        })
+    }
+
+    fn cross_entropy(&self, n: usize, v: usize) -> f64 {
+        self.memo((n, v, 0, 5), || {
+            let logits: Vec<f32> = (0..n * v).map(|i| (i % 97) as f32 * 0.01).collect();
+            let targets: Vec<i32> = (0..n).map(|i| (i % v) as i32).collect();
+            let mut losses = vec![0.0f32; n];
+            // The forward's softmax and loss; the gradient pass costs about as much again.
+            let s = median_of(REPS, || {
+                self.be.cross_entropy_forward(&mut losses, &logits, &targets, n, v)
+            });
+            2.0 * s
+        })
+    }
+
     fn launch(&self) -> f64 {
         0.0
     }
@@ -134,16 +170,21 @@ impl DeviceModel for CpuMeasured {
     }
 }
 
-/// This machine's host rates, per core (the all-thread rate over the thread count: the CPU
-/// device's host work always has the whole pool).
-pub fn measure_host_rates() -> HostRates {
+/// This machine's host rates per core, measured on a pool of `threads` threads (the engine's
+/// host pool, `engine.host_threads`) and divided by them.
+pub fn measure_host_rates(threads: usize) -> HostRates {
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a host pool");
+    pool.install(|| host_rates_here(threads))
+}
+
+fn host_rates_here(threads: usize) -> HostRates {
     let n = 4 << 20;
     let mut p: Vec<f32> = (0..n).map(|i| (i % 1000) as f32 * 1e-3 - 0.5).collect();
     let g: Vec<f32> = (0..n).map(|i| (i % 777) as f32 * 1e-4 - 0.03).collect();
     let (mut m, mut v) = (vec![0.0f32; n], vec![0.0f32; n]);
     let cfg = AdamWConfig { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 };
     let st = AdamWStep::new(&cfg, 1, cfg.lr);
-    let per = |s: f64| n as f64 / s / rayon::current_num_threads() as f64;
+    let per = |s: f64| n as f64 / s / threads as f64;
     let adamw = per(median_of(REPS, || adamw_update(&mut p, &g, &mut m, &mut v, &st, 1.0)));
     let mut q = Moments8::zeros(&[n]);
     let adamw8bit =
@@ -172,8 +213,9 @@ pub fn measure_host_rates() -> HostRates {
 }
 
 /// The `this-cpu` profile: the CPU device's link at `link_gbps` (0: free), this machine's
-/// cores and host rates. Its `gpu` figures are unused (the device model is [`CpuMeasured`]).
-pub fn this_cpu(link_gbps: f64, host_memory_bytes: u64) -> Hardware {
+/// cores and host rates (on `host_threads` threads). Its `gpu` figures are unused (the device
+/// model is [`CpuMeasured`]).
+pub fn this_cpu(link_gbps: f64, host_memory_bytes: u64, host_threads: usize) -> Hardware {
     let cores = rayon::current_num_threads();
     Hardware {
         name: "this-cpu".to_string(),
@@ -194,7 +236,7 @@ pub fn this_cpu(link_gbps: f64, host_memory_bytes: u64) -> Hardware {
             // The measured rates already include this machine's bandwidth limit.
             mem_gbps: f64::INFINITY,
             memory_gib: host_memory_bytes as f64 / (1u64 << 30) as f64,
-            rates: measure_host_rates(),
+            rates: measure_host_rates(host_threads),
         },
     }
 }

@@ -38,6 +38,15 @@ pub trait DeviceModel {
     fn attention(&self, a: &AttnSpec, b: usize, t: usize, backward: bool) -> f64;
     /// An elementwise pass moving `bytes` on the device.
     fn stream(&self, bytes: f64) -> f64;
+    /// A gated unit `act(gate) * up` over (n, 2f) -> (n, f), forward or backward.
+    fn glu(&self, n: usize, f: usize, backward: bool) -> f64 {
+        let bytes = (n * 3 * f) as f64 * ACT_BYTES;
+        self.stream(if backward { 2.0 * bytes } else { bytes })
+    }
+    /// Cross-entropy over (n, v) logits (softmax, loss, logits turned into their gradient).
+    fn cross_entropy(&self, n: usize, v: usize) -> f64 {
+        self.stream((n * v) as f64 * 2.0 * ACT_BYTES)
+    }
     /// Fixed cost of one kernel launch.
     fn launch(&self) -> f64;
     /// Whether the device's kernels run on the host's cores (the CPU device).
@@ -103,6 +112,8 @@ impl CostModel<'_> {
                     Op::Attention { .. } => {
                         d.attention(&l.attn, self.seqs(), self.cfg.seq_len, true)
                     }
+                    // Its own kernel, in place of twice the forward's traffic below.
+                    Op::Glu { f, .. } => d.glu(n, f, true) - 2.0 * d.glu(n, f, false),
                     _ => 0.0,
                 };
         }
@@ -123,7 +134,7 @@ impl CostModel<'_> {
                 }
                 Op::Rope { qkv, .. } => d.stream(n * 2.0 * width(qkv) * ACT_BYTES),
                 Op::Add { .. } => d.stream(n * 3.0 * l.c as f64 * ACT_BYTES),
-                Op::Glu { gu, out, .. } => d.stream(n * (width(gu) + width(out)) * ACT_BYTES),
+                Op::Glu { f, .. } => d.glu(self.rows(), f, false),
                 _ => 0.0,
             })
             .sum()
@@ -147,12 +158,11 @@ impl CostModel<'_> {
         let d = self.device;
         let mut t = 0.0;
         if forward {
-            t += d.gemm(n, c, vrows) + d.stream(n as f64 * vrows as f64 * 2.0 * ACT_BYTES);
+            t += d.gemm(n, c, vrows) + d.cross_entropy(n, vrows);
         }
         if backward {
             let dw = self.layout.trains_base();
-            t += d.gemm_backward(n, c, vrows, dw)
-                + d.stream(n as f64 * vrows as f64 * 2.0 * ACT_BYTES);
+            t += d.gemm_backward(n, c, vrows, dw);
         }
         t + 2.0 * d.launch()
     }
@@ -174,7 +184,13 @@ impl CostModel<'_> {
     /// share of the host it uses.
     fn host_thread(&self, bytes: f64) -> Cost {
         let per_core = self.hw.host.rates.copy_gbps * 1e9;
-        Cost::host(bytes / per_core, 1.0 / self.host_threads as f64)
+        Cost::host(bytes / per_core, 1.0 / self.hw.host.cores as f64)
+    }
+
+    /// Host work of the host queue: on the engine's own pool of `host_threads` threads, so at
+    /// most that share of the host's cores.
+    fn pool(&self, s: f64) -> Cost {
+        Cost::host(s, (self.host_threads as f64 / self.hw.host.cores as f64).min(1.0))
     }
 
     fn rates(&self) -> &HostRates {
@@ -282,7 +298,11 @@ impl CostModel<'_> {
             // A parallel gather of the rows (read and write, 8 bytes an element).
             OpKind::EmbedGather { .. } => {
                 let e = n * d.c as f64;
-                Cost::host(self.host_pass(e, self.rates().copy_gbps * 1e9 / 8.0, 8.0), 1.0)
+                // On the H2D thread, over the global pool: every core.
+                let h = &self.hw.host;
+                let rate = (self.rates().copy_gbps * 1e9 / 8.0 * h.cores as f64)
+                    .min(h.mem_gbps * 1e9 / 8.0);
+                Cost::host(e / rate, 1.0)
             }
             OpKind::UploadAct { .. } => self.copy(Queue::H2D, act),
             OpKind::UploadWeights { what, .. } => match what {
@@ -343,36 +363,36 @@ impl CostModel<'_> {
                 let e = self.buf_len(ParamBuf::Layer(layer)) as f64;
                 let expand =
                     if self.cfg.grad_wire == GradWire::Bf16 { self.measure(e) } else { 0.0 };
-                Cost::host(expand + self.measure(e) + self.update(ParamBuf::Layer(layer), e), 1.0)
+                self.pool(expand + self.measure(e) + self.update(ParamBuf::Layer(layer), e))
             }
             OpKind::MeasureSlab { layer, .. } => {
-                Cost::host(self.measure(self.buf_len(ParamBuf::Layer(layer)) as f64), 1.0)
+                self.pool(self.measure(self.buf_len(ParamBuf::Layer(layer)) as f64))
             }
             OpKind::HeldSlabUpdate { layer, .. } => {
                 let p = ParamBuf::Layer(layer);
-                Cost::host(self.update(p, self.buf_len(p) as f64), 1.0)
+                self.pool(self.update(p, self.buf_len(p) as f64))
             }
             OpKind::Measure { what } if self.trained(what) => {
-                Cost::host(self.measure(self.buf_len(what) as f64), 1.0)
+                self.pool(self.measure(self.buf_len(what) as f64))
             }
             OpKind::AccumulateGrads { what, .. } => {
                 let e = match what {
                     GradTarget::Layer(i) => self.layout.layer(i).train_len(),
                     GradTarget::Head => d.c + d.v * d.c,
                 };
-                Cost::host(self.accumulate(e as f64), 1.0)
+                self.pool(self.accumulate(e as f64))
             }
             // A parallel scatter-add of the staged rows (12 bytes an element).
             OpKind::EmbedScatter { .. } if self.layout.trains_base() => {
                 let e = n * d.c as f64;
-                Cost::host(self.host_pass(e, self.rates().copy_gbps * 1e9 / 12.0, 12.0), 1.0)
+                self.pool(self.host_pass(e, self.rates().copy_gbps * 1e9 / 12.0, 12.0))
             }
             // The step's norm sums the squared norms measured as each gradient completed.
             OpKind::Update { what } if self.trained(what) => {
                 let e = self.buf_len(what) as f64;
                 // The update, then zeroing the gradient for the next step.
                 let zero = self.host_pass(e, self.rates().copy_gbps * 1e9 / 4.0, 4.0);
-                Cost::host(self.update(what, e) + zero, 1.0)
+                self.pool(self.update(what, e) + zero)
             }
             _ => Cost::default(),
         }

@@ -126,16 +126,18 @@ pub struct HostRates {
 }
 
 impl Default for HostRates {
+    /// `adamw_speed` on one thread of the development machine (16M parameters, median of 9,
+    /// quiet machine, 2026-12-01).
     fn default() -> Self {
         HostRates {
-            adamw: 420e6,
-            adamw_image: 390e6,
-            adamw8bit: 60e6,
-            adamw8bit_image: 58e6,
-            accumulate_f32: 900e6,
-            accumulate_bf16: 800e6,
-            round_bf16: 1100e6,
-            copy_gbps: 9.0,
+            adamw: 466e6,
+            adamw_image: 385e6,
+            adamw8bit: 240e6,
+            adamw8bit_image: 196e6,
+            accumulate_f32: 1233e6,
+            accumulate_bf16: 1621e6,
+            round_bf16: 999e6,
+            copy_gbps: 10.5,
         }
     }
 }

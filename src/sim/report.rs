@@ -18,11 +18,12 @@ use crate::sim::hardware::{BUILT_IN, Hardware, Roofline};
 use crate::sim::{Projection, project};
 use crate::train::{SeqLen, engine_config, load_datasets, model_config, run_layout};
 
-/// A profile by name: built in, `this-cpu` (the CPU device at `link_gbps`), or a YAML file.
-pub fn hardware(name: &str, link_gbps: f64) -> Result<Hardware> {
+/// A profile by name: built in, `this-cpu` (the CPU device at `link_gbps`, its host work on
+/// `host_threads`), or a YAML file.
+pub fn hardware(name: &str, link_gbps: f64, host_threads: usize) -> Result<Hardware> {
     if name == "this-cpu" {
         let host = crate::engine::memory::host_available_bytes().unwrap_or(0);
-        return Ok(this_cpu(link_gbps, host));
+        return Ok(this_cpu(link_gbps, host, host_threads));
     }
     if let Some(hw) = Hardware::built_in(name) {
         return Ok(hw);
@@ -54,7 +55,8 @@ pub struct ProjectionRun {
 /// The projection of `cfg` on profile `name`.
 pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
     let raw = &cfg.raw;
-    let hw = hardware(name, raw.device.link_gbps)?;
+    let cpu_threads = raw.engine.host_threads.resolve(BackendKind::Cpu);
+    let hw = hardware(name, raw.device.link_gbps, cpu_threads)?;
     let model = model_config(raw)?;
     let seq = match load_datasets(raw, model.vocab_size) {
         Ok(sets) => SeqLen::of_data(raw, &sets),
@@ -101,7 +103,7 @@ pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
     // machine, where the CPU device's kernels share the cores: its host work still gets the
     // whole pool when it runs alone, which the shared-host model accounts for).
     let host_threads = if cpu {
-        hw.host.cores
+        ecfg.host_threads.resolve(backend).min(hw.host.cores)
     } else {
         ecfg.host_threads.resolve_for(backend, hw.host.cores).min(hw.host.cores)
     };
