@@ -17,11 +17,14 @@ use crate::optim::adamw8bit::{Moments8, adamw8bit_update};
 use crate::sim::cost::DeviceModel;
 use crate::sim::hardware::{Gpu, Hardware, Host, HostRates, Link};
 
+/// An attention shape: heads, kv heads, head dim, window, sequences, positions, backward.
+type AttnKey = (usize, usize, usize, usize, usize, usize, bool);
+
 /// The CPU backend's kernels, timed on first use.
 pub struct CpuMeasured {
     be: CpuBackend,
     gemm: RefCell<HashMap<(usize, usize, usize, u8), f64>>,
-    attn: RefCell<HashMap<(usize, usize, usize, usize, usize, usize, bool), f64>>,
+    attn: RefCell<HashMap<AttnKey, f64>>,
     /// Bytes per second of a parallel elementwise pass.
     stream_bps: f64,
 }

@@ -139,26 +139,10 @@ pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
     fit_lines(&mut text, &hw, &sizes, image, upload, cpu)?;
     render(&mut text, &hw, &chosen, cpu)?;
     if !cpu {
-        let host_room =
+        let room =
             hw.host_bytes().saturating_sub(if upload == UploadPath::Image { image } else { 0 });
-        let fits = |e: &EngineConfig| {
-            let s = Sizes::new(&layout, e);
-            s.device_total() as u64 <= hw.device_bytes() && s.host_total() as u64 <= host_room
-        };
-        let speed = |e: &EngineConfig| {
-            let s = Sizes::new(&layout, e);
-            let m = CostModel { sizes: &s, cfg: e, ..model_of(upload) };
-            project(&Schedule::new(plan_shape(&layout, e, &s)), &m, tokens)
-        };
-        let candidates = [1, 2, 3, 4, 6, 8]
-            .into_iter()
-            .filter(|&k| k <= layout.dims.layers)
-            .map(|k| EngineConfig { checkpoint_every: k, keep_internals: false, ..ecfg })
-            .chain([EngineConfig { checkpoint_every: 1, keep_internals: true, ..ecfg }])
-            .filter(fits);
-        let best =
-            candidates.map(|e| (speed(&e), e)).min_by(|a, b| a.0.step_s.total_cmp(&b.0.step_s));
-        if let Some((p, e)) = best
+        let base = model_of(upload);
+        if let Some((p, e)) = fastest_fit(&base, room, tokens)
             && (e.checkpoint_every, e.keep_internals)
                 != (ecfg.checkpoint_every, ecfg.keep_internals)
             && p.step_s < chosen.step_s
@@ -185,6 +169,33 @@ pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
         )?;
     }
     Ok(ProjectionRun { hw, ecfg, upload, chosen, other, fits, text })
+}
+
+/// The fastest of the checkpoint spacings (and kept internals) whose plan fits the machine's
+/// device and `host_room` bytes of host, projected under `base`'s model.
+fn fastest_fit(
+    base: &CostModel<'_>,
+    host_room: u64,
+    tokens: usize,
+) -> Option<(Projection, EngineConfig)> {
+    let (layout, hw, ecfg) = (base.layout, base.hw, *base.cfg);
+    let fits = |e: &EngineConfig| {
+        let s = Sizes::new(layout, e);
+        s.device_total() as u64 <= hw.device_bytes() && s.host_total() as u64 <= host_room
+    };
+    let speed = |e: &EngineConfig| {
+        let s = Sizes::new(layout, e);
+        let m = CostModel { sizes: &s, cfg: e, ..*base };
+        project(&Schedule::new(plan_shape(layout, e, &s)), &m, tokens)
+    };
+    [1, 2, 3, 4, 6, 8]
+        .into_iter()
+        .filter(|&k| k <= layout.dims.layers)
+        .map(|k| EngineConfig { checkpoint_every: k, keep_internals: false, ..ecfg })
+        .chain([EngineConfig { checkpoint_every: 1, keep_internals: true, ..ecfg }])
+        .filter(fits)
+        .map(|e| (speed(&e), e))
+        .min_by(|a, b| a.0.step_s.total_cmp(&b.0.step_s))
 }
 
 fn peak(hw: &Hardware) -> f64 {
