@@ -112,6 +112,9 @@ print(max(1, min(28 * 8, int((budget - fixed) / layer))))
 PY
 }
 
+# The profile the projection of each benchmark is made for (`horizon plan --hardware`).
+HW_PROFILE=${HW_PROFILE:-h200-pcie5}
+
 bench() { # name hidden inter layers heads kvh vocab batch mbs seq ckpt
     local name=$1 c=$2 f=$3 l=$4 h=$5 kvh=$6 v=$7 b=$8 mbs=$9 t=${10} k=${11}
     local cfg="$OUT/$name.yaml"
@@ -152,7 +155,16 @@ print(f"  D2H                 {s['d2h_bytes'] / wall / 1e9:.1f} GB/s over the ru
 print(f"  compute idle        {100 * max(0.0, 1 - s['device_compute_s'] / wall):.1f}% of wall time")
 print(f"  peak device memory  {s['peak_device_bytes'] / 2**30:.2f} GiB (plan {s['planned_device_bytes'] / 2**30:.2f} GiB)")
 print(f"  overlap ratio       {s['overlap_ratio']:.2f}   final loss {s['final_loss']:.4f}")
+n = max(s["steps"], 1)
+print(f"  measured per step   {wall / n:.3f} s; busy: compute {s['device_compute_s'] / n:.3f} s, "
+      f"h2d {s['h2d_busy_s'] / n:.3f} s, d2h {s['d2h_busy_s'] / n:.3f} s, host {s['host_busy_s'] / n:.3f} s")
 PY
+    # The projection of the same config on the machine this is meant to be (issue 17): set its
+    # step and busy times beside the measured ones above.
+    echo "  projection (horizon plan --hardware $HW_PROFILE):"
+    "$HORIZON_BIN" plan --config "$cfg" --hardware "$HW_PROFILE" 2>&1 \
+        | grep -E "projected step|busy per step|bound|^  (forward|head|backward|step boundary) " \
+        | sed 's/^/  /' || true
 }
 
 # Qwen2.5-7B per layer: hidden 3584, FFN 18944, 28 heads / 4 kv heads, vocab 152064; 28 layers
