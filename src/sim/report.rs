@@ -145,7 +145,7 @@ pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
         if let Some((p, e)) = fastest_fit(&base, room, tokens)
             && (e.checkpoint_every, e.keep_internals)
                 != (ecfg.checkpoint_every, ecfg.keep_internals)
-            && p.step_s < chosen.step_s
+            && p.step_s < 0.99 * chosen.step_s
         {
             writeln!(
                 text,
