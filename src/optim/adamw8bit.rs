@@ -1008,7 +1008,7 @@ mod tests {
                 }
                 sums.push(checksum(&p, &q));
             }
-            assert_eq!(sums, [0x9b5f_913c_8d42_db69, 0x6975_383c_d184_ba03], "{kernel:?}");
+            assert_eq!(sums, [0xa94c_a92a_d5d0_7dcf, 0xe677_6164_e580_92af], "{kernel:?}");
         }
     }
 
