@@ -26,7 +26,7 @@
 //! bucket per 1/128 of a binary octave holds at most one code value, and a table row per bucket
 //! and sign ([`Code::window`]) holds the index to start from and the values either side, so one
 //! 16-byte load and one compare give both neighbours of `t`. Tests pin both bodies to a
-//! checksum recorded from the scalar body and to each other, over thread counts.
+//! checksum recorded from the original implementation and to each other, over thread counts.
 //!
 //! [`adamw8bit_update_with`] can also write the bf16 image of the new masters in the same pass
 //! (`Bf16::from_f32`), for the fp32 segments too; masters and moments are unchanged by it.
@@ -251,19 +251,14 @@ pub(crate) fn stochastic_code(code: &Code, t: f32, u: f32) -> u8 {
     lo as u8 + (u < p_hi) as u8
 }
 
-/// A uniform draw in [0, 1) from (seed, index within its block): the block's 64-bit seed
-/// folded to 32 bits, xor the index's golden-ratio hash, through Wellons' `lowbias32` finaliser
-/// (a 32-bit hash: AVX2 multiplies 32-bit lanes natively; 64-bit ones cost three multiplies).
-/// The top 24 bits make the draw.
+/// A uniform draw in [0, 1) from (seed, index): splitmix64's finaliser.
 #[inline]
 pub(crate) fn uniform(seed: u64, i: u64) -> f32 {
-    let mut z = (seed as u32 ^ (seed >> 32) as u32) ^ (i as u32).wrapping_mul(0x9E37_79B9);
-    z ^= z >> 16;
-    z = z.wrapping_mul(0x7FEB_352D);
-    z ^= z >> 15;
-    z = z.wrapping_mul(0x846C_A68B);
-    z ^= z >> 16;
-    (z >> 8) as f32 / (1u32 << 24) as f32
+    let mut z = seed ^ i.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    (z >> 40) as f32 / (1u64 << 24) as f32
 }
 
 /// Decode one block into `out`.
@@ -979,9 +974,8 @@ mod tests {
 
     /// The 8-bit update's results are pinned: a checksum of its outputs on a buffer of awkward
     /// tensors (partial blocks, fp32 segments, both lerp formulas) over three steps, recorded
-    /// from the scalar body (first from the original quantiser before the AVX2 body existed;
-    /// recorded again when the stochastic rounding's draw became the 32-bit `lowbias32` hash,
-    /// the one intended change of the numbers). Every body must reproduce it bit for bit.
+    /// from the original quantiser (bucketed three-compare search, scalar body) before the
+    /// AVX2 body existed. Every body must reproduce it bit for bit.
     #[test]
     fn outputs_match_the_recorded_checksum() {
         let tensors = [5000, 96, 4096 + 3 * QBLOCK + 77, 300, 70_001];
@@ -1008,7 +1002,7 @@ mod tests {
                 }
                 sums.push(checksum(&p, &q));
             }
-            assert_eq!(sums, [0xa94c_a92a_d5d0_7dcf, 0xe677_6164_e580_92af], "{kernel:?}");
+            assert_eq!(sums, [0x9b5f_913c_8d42_db69, 0x6975_383c_d184_ba03], "{kernel:?}");
         }
     }
 

@@ -236,41 +236,61 @@ fn store_u32(out: &mut [u32], v: __m256i) {
     unsafe { _mm256_storeu_si256(out.as_mut_ptr().cast(), v) };
 }
 
-/// `i * 0x9E37_79B9` (wrapping) for the indices of a block: the first step of [`uniform`]'s
-/// hash, the same for every block and both moments.
-static INDEX_HASHES: [u32; QBLOCK] = {
-    let mut t = [0u32; QBLOCK];
+/// `i * 0x9E37_79B9_7F4A_7C15` (wrapping) for the indices of a block: the first step of
+/// [`uniform`]'s hash, the same for every block and both moments.
+static INDEX_HASHES: [u64; QBLOCK] = {
+    let mut t = [0u64; QBLOCK];
     let mut i = 0;
     while i < QBLOCK {
-        t[i] = (i as u32).wrapping_mul(0x9E37_79B9);
+        t[i] = (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
         i += 1;
     }
     t
 };
 
-/// [`INDEX_HASHES`] of the lane group `i0..i0 + 8` (i0 a multiple of 8 inside a block).
+/// [`INDEX_HASHES`] of the lane group `i0..i0 + 8` (i0 a multiple of 8 inside a block), as two
+/// vectors of four 64-bit lanes.
 #[target_feature(enable = "avx2")]
-fn index_hashes(i0: usize) -> __m256i {
-    let h: &[u32; LANES] = INDEX_HASHES[i0..i0 + LANES].try_into().expect("a lane group");
-    // SAFETY: `h` is 8 readable u32 (32 bytes), what the unaligned load reads.
-    unsafe { _mm256_loadu_si256(h.as_ptr().cast()) }
+fn index_hashes(i0: usize) -> [__m256i; 2] {
+    let h: &[u64; LANES] = INDEX_HASHES[i0..i0 + LANES].try_into().expect("a lane group");
+    // SAFETY: `h` is 8 readable u64 (64 bytes), what the two unaligned loads read.
+    unsafe { [_mm256_loadu_si256(h.as_ptr().cast()), _mm256_loadu_si256(h[4..].as_ptr().cast())] }
 }
 
-/// Draws `uniform(seed, i)` for the 8 lanes whose index hashes are `ih` (`lowbias32` on 32-bit
-/// lanes).
+/// Draws `uniform(seed, i)` for the 8 lanes whose index hashes are `ih` (splitmix64's finaliser
+/// on 64-bit lanes).
 #[target_feature(enable = "avx2")]
-fn uniform8(seed: u64, ih: __m256i) -> __m256 {
-    let folded = (seed as u32 ^ (seed >> 32) as u32) as i32;
-    let mut z = _mm256_xor_si256(_mm256_set1_epi32(folded), ih);
-    z = _mm256_xor_si256(z, _mm256_srli_epi32::<16>(z));
-    z = _mm256_mullo_epi32(z, _mm256_set1_epi32(0x7FEB_352D));
-    z = _mm256_xor_si256(z, _mm256_srli_epi32::<15>(z));
-    z = _mm256_mullo_epi32(z, _mm256_set1_epi32(0x846C_A68B_u32 as i32));
-    z = _mm256_xor_si256(z, _mm256_srli_epi32::<16>(z));
+fn uniform8(seed: u64, ih: [__m256i; 2]) -> __m256 {
+    let (lo, hi) = (top24(seed, ih[0]), top24(seed, ih[1]));
+    // Each value sits in the low 32 bits of its 64-bit lane: [l0 l1 h0 h1 | l2 l3 h2 h3], then
+    // the 64-bit pairs reordered to lane order.
+    let d = _mm256_shuffle_ps::<0b10_00_10_00>(_mm256_castsi256_ps(lo), _mm256_castsi256_ps(hi));
+    let d = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_castps_si256(d));
     // Exact: an integer below 2^24 converts exactly, and the product by 2^-24 is exact, as is
     // the scalar division by 2^24.
-    let top = _mm256_srli_epi32::<8>(z);
-    _mm256_mul_ps(_mm256_cvtepi32_ps(top), _mm256_set1_ps(1.0 / 16_777_216.0))
+    _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(1.0 / 16_777_216.0))
+}
+
+/// `z >> 40` of `uniform`'s hash, from each 64-bit lane's index hash `ih`. (Its final
+/// `z ^= z >> 31` leaves the top 24 bits alone, so it is skipped.)
+#[target_feature(enable = "avx2")]
+fn top24(seed: u64, ih: __m256i) -> __m256i {
+    let mut z = _mm256_xor_si256(_mm256_set1_epi64x(seed as i64), ih);
+    z = mul64(_mm256_xor_si256(z, _mm256_srli_epi64::<30>(z)), 0xBF58_476D_1CE4_E5B9);
+    z = mul64(_mm256_xor_si256(z, _mm256_srli_epi64::<27>(z)), 0x94D0_49BB_1331_11EB);
+    _mm256_srli_epi64::<40>(z)
+}
+
+/// `a * k` (wrapping) on 64-bit lanes from AVX2's 32x32->64 multiplies:
+/// `a_lo * k_lo + ((a_hi * k_lo + a_lo * k_hi) << 32)`.
+#[target_feature(enable = "avx2")]
+fn mul64(a: __m256i, k: u64) -> __m256i {
+    let k_lo = _mm256_set1_epi64x((k & 0xffff_ffff) as i64);
+    let k_hi = _mm256_set1_epi64x((k >> 32) as i64);
+    let low = _mm256_mul_epu32(a, k_lo);
+    let a_hi = _mm256_srli_epi64::<32>(a);
+    let cross = _mm256_add_epi64(_mm256_mul_epu32(a_hi, k_lo), _mm256_mul_epu32(a, k_hi));
+    _mm256_add_epi64(low, _mm256_slli_epi64::<32>(cross))
 }
 
 /// The low byte of each 32-bit lane (each in 0..=255), in lane order.
