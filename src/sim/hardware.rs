@@ -130,10 +130,10 @@ impl Default for HostRates {
     /// quiet machine, 2026-12-01).
     fn default() -> Self {
         HostRates {
-            adamw: 466e6,
-            adamw_image: 385e6,
-            adamw8bit: 240e6,
-            adamw8bit_image: 196e6,
+            adamw: 376e6,
+            adamw_image: 335e6,
+            adamw8bit: 135e6,
+            adamw8bit_image: 124e6,
             accumulate_f32: 1233e6,
             accumulate_bf16: 1621e6,
             round_bf16: 999e6,
