@@ -249,9 +249,14 @@ impl CostModel<'_> {
         self.host_pass(elems, per_core, bytes)
     }
 
+    /// A memory-bound host pass moving `bytes` per element, at the per-core copy rate.
+    fn stream_pass(&self, elems: f64, bytes: f64) -> f64 {
+        self.host_pass(elems, self.rates().copy_gbps * 1e9 / bytes, bytes)
+    }
+
     /// Squared norm of `elems` fp32 values.
     fn measure(&self, elems: f64) -> f64 {
-        self.host_pass(elems, self.rates().copy_gbps * 1e9 / 4.0, 4.0)
+        self.stream_pass(elems, 4.0)
     }
 
     /// Adding a slab of `elems` into fp32 gradients.
@@ -385,13 +390,13 @@ impl CostModel<'_> {
             // A parallel scatter-add of the staged rows (12 bytes an element).
             OpKind::EmbedScatter { .. } if self.layout.trains_base() => {
                 let e = n * d.c as f64;
-                self.pool(self.host_pass(e, self.rates().copy_gbps * 1e9 / 12.0, 12.0))
+                self.pool(self.stream_pass(e, 12.0))
             }
             // The step's norm sums the squared norms measured as each gradient completed.
             OpKind::Update { what } if self.trained(what) => {
                 let e = self.buf_len(what) as f64;
                 // The update, then zeroing the gradient for the next step.
-                let zero = self.host_pass(e, self.rates().copy_gbps * 1e9 / 4.0, 4.0);
+                let zero = self.stream_pass(e, 4.0);
                 self.pool(self.update(what, e) + zero)
             }
             _ => Cost::default(),
