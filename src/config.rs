@@ -12,7 +12,7 @@ use crate::schedule::{LrSchedule, ScheduleKind};
 
 // The engine's options, parsed here (the engine knows nothing of YAML).
 pub use crate::engine::options::{
-    BackendKind, GradWire, HostThreads, OptimizerMemory, WeightUpload,
+    BackendKind, GradWire, HostThreads, OptimizerMemory, WeightPath, WeightUpload,
 };
 
 /// The YAML file as written by the user. Every key except `model.path` and `data.path` has a

@@ -14,7 +14,8 @@ use serde::Serialize;
 
 use crate::adapter::{AdapterConfig, AdapterKind, BaseDtype as BaseChoice, peft};
 use crate::config::{
-    BackendKind, ByteSize, DataFormat, ModelInit, RawConfig, Recompute, RunConfig, WeightUpload,
+    BackendKind, ByteSize, DataFormat, ModelInit, RawConfig, Recompute, RunConfig, WeightPath,
+    WeightUpload,
 };
 use crate::data::pretokenized::{Batch, PretokenizedDataset, Row, make_batch};
 use crate::data::{
@@ -676,28 +677,35 @@ where
         let (ecfg, plan) = if raw.device.backend.precision() != horizon_backend::Precision::Bf16 {
             (ecfg, plan)
         } else {
-            let with = |on: bool| {
-                let e = EngineConfig { weight_image: on, ..ecfg };
+            let with = |weights: WeightPath| {
+                let e = EngineConfig { weights, ..ecfg };
                 let in_host_ram = raw.device.backend.pool_in_host_ram();
                 let plan = MemoryPlan::new(&Sizes::new(&layout, &e), budget, in_host_ram);
                 (e, plan.sized_for(&seq_len.why))
             };
             match raw.engine.weight_upload {
                 WeightUpload::Round => (ecfg, plan),
-                WeightUpload::Image => with(true),
+                WeightUpload::Image => with(WeightPath::Image),
+                WeightUpload::Staged => with(WeightPath::Staged),
                 WeightUpload::Auto => {
-                    let image = with(true);
-                    if image.1.check().is_ok() { image } else { (ecfg, plan) }
+                    let image = with(WeightPath::Image);
+                    if image.1.check().is_ok() { image } else { with(WeightPath::Staged) }
                 }
             }
         };
         println!(
             "engine.weight_upload: {:?} -> {}",
             raw.engine.weight_upload,
-            if ecfg.weight_image {
-                "a page-locked bf16 image of the trained weights, written by the optimizer"
-            } else {
-                "the fp32 masters, rounded inside each upload when the device is bf16"
+            match ecfg.weights {
+                WeightPath::Image => {
+                    "a page-locked bf16 image of the trained weights, written by the optimizer"
+                }
+                WeightPath::Staged => {
+                    "two page-locked bf16 stages, rounded from the masters by the host queue ahead of each upload"
+                }
+                WeightPath::Masters => {
+                    "the fp32 masters, rounded inside each upload when the device is bf16"
+                }
             }
         );
         println!(
@@ -804,7 +812,7 @@ pub fn engine_config(raw: &RawConfig) -> EngineConfig {
         keep_internals: false,
         backend: raw.device.backend,
         grad_wire: raw.engine.grad_wire,
-        weight_image: false,
+        weights: WeightPath::Masters,
         host_threads: raw.engine.host_threads,
     }
 }

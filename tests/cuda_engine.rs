@@ -301,13 +301,14 @@ fn eval_on_the_gpu_tracks_the_reference_loss() {
 }
 
 /// `engine.weight_upload: image`: the optimizer writes a page-locked bf16 image of every
-/// uploaded buffer and the uploads copy it as it is. The image is the masters rounded to
-/// nearest even, what the rounding inside each upload produces, so the run is bit-identical to
-/// one without it: losses, norms and final masters, in exact and lean mode, whole and tiled
-/// head, tied and untied embeddings (the fixture cases).
+/// uploaded buffer and the uploads copy it as it is; `staged`: the host queue rounds each
+/// upload's weights into its slot's page-locked stage ahead of the upload, which copies it.
+/// Both hold the masters rounded to nearest even, what the rounding inside each upload
+/// produces, so the run is bit-identical to one with neither: losses, norms and final masters,
+/// in exact and lean mode, whole and tiled head, tied and untied embeddings (the fixture cases).
 #[test]
 fn the_weight_image_changes_no_bit() {
-    use horizon::config::OptimizerMemory;
+    use horizon::config::{OptimizerMemory, WeightPath};
     for case in CASES {
         for (memory, tiles) in [(OptimizerMemory::Exact, None), (OptimizerMemory::Lean, Some(37))] {
             let base = EngineConfig {
@@ -316,10 +317,13 @@ fn the_weight_image_changes_no_bit() {
                 ..cuda_config(case, 2, 1, GradWire::Bf16)
             };
             let (want, _, want_params) = streamed(cuda(0, 0), case, base);
-            let cfg = EngineConfig { weight_image: true, ..base };
-            let (got, _, got_params) = streamed(cuda(0, 0), case, cfg);
-            assert_eq!(got, want, "{case} {memory:?}: the image changed the losses");
-            assert_eq!(got_params, want_params, "{case} {memory:?}: the image changed the weights");
+            for weights in [WeightPath::Image, WeightPath::Staged] {
+                let cfg = EngineConfig { weights, ..base };
+                let (got, _, got_params) = streamed(cuda(0, 0), case, cfg);
+                let what = format!("{case} {memory:?} {weights:?}");
+                assert_eq!(got, want, "{what}: changed the losses");
+                assert_eq!(got_params, want_params, "{what}: changed the weights");
+            }
         }
     }
 }
@@ -363,7 +367,7 @@ fn driver_pinned_bytes() -> Option<usize> {
 /// and the test double's driver counts the same bytes, none left once the engine is dropped.
 #[test]
 fn pinned_host_memory_is_the_plans_figure() {
-    use horizon::config::OptimizerMemory;
+    use horizon::config::{OptimizerMemory, WeightPath};
     use horizon::plan_cmd::plan_for;
     use horizon_backend::cuda::WIRE_RING_BYTES;
     let case = "llama_gqa";
@@ -376,15 +380,16 @@ fn pinned_host_memory_is_the_plans_figure() {
         d
     };
     let configs = [
-        (2, 1, GradWire::Fp32, OptimizerMemory::Exact, false),
-        (1, 2, GradWire::Bf16, OptimizerMemory::Exact, false),
-        (3, 1, GradWire::Bf16, OptimizerMemory::Lean, false),
-        // With the bf16 weight image, page-locked too.
-        (2, 1, GradWire::Bf16, OptimizerMemory::Lean, true),
+        (2, 1, GradWire::Fp32, OptimizerMemory::Exact, WeightPath::Masters),
+        (1, 2, GradWire::Bf16, OptimizerMemory::Exact, WeightPath::Masters),
+        (3, 1, GradWire::Bf16, OptimizerMemory::Lean, WeightPath::Masters),
+        // With the bf16 weight image, or the two weight stages: page-locked too.
+        (2, 1, GradWire::Bf16, OptimizerMemory::Lean, WeightPath::Image),
+        (1, 1, GradWire::Bf16, OptimizerMemory::Exact, WeightPath::Staged),
     ];
-    for (i, (k, mbs, wire, memory, weight_image)) in configs.into_iter().enumerate() {
-        let cfg = EngineConfig { memory, weight_image, ..cuda_config(case, k, mbs, wire) };
-        let what = format!("K={k} mbs={mbs} grad_wire {wire:?} {memory:?} image {weight_image}");
+    for (i, (k, mbs, wire, memory, weights)) in configs.into_iter().enumerate() {
+        let cfg = EngineConfig { memory, weights, ..cuda_config(case, k, mbs, wire) };
+        let what = format!("K={k} mbs={mbs} grad_wire {wire:?} {memory:?} {weights:?}");
         let plan = plan_for(&model, &cfg, None);
         let staging = plan.pinned as usize - WIRE_RING_BYTES;
         assert!(staging > 0 && plan.pinned as u64 <= plan.host_total(), "{what}: {plan}");

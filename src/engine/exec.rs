@@ -18,7 +18,7 @@ use horizon_backend::{
 use crate::engine::head_tiles::{
     HeadTiling, STATS, TileDims, TileRows, tile_finish, tile_grad, tile_stats,
 };
-use crate::engine::options::{BackendKind, GradWire, HostThreads, OptimizerMemory};
+use crate::engine::options::{BackendKind, GradWire, HostThreads, OptimizerMemory, WeightPath};
 use crate::engine::phases::{Phase, PhaseClock, PhaseSeconds};
 use crate::engine::plan::{
     ActSource, GradTarget, OpKind, ParamBuf, PlanShape, Res, Schedule, SlotContent, Wait,
@@ -75,9 +75,10 @@ pub struct EngineConfig {
     pub backend: BackendKind,
     /// `engine.grad_wire`: the format layer gradients cross the link in.
     pub grad_wire: GradWire,
-    /// `engine.weight_upload` resolved: keep a page-locked bf16 image of every uploaded trained
-    /// buffer, written by the optimizer, and upload from it (bf16 backends only).
-    pub weight_image: bool,
+    /// `engine.weight_upload` resolved (bf16 backends only; the CPU device copies the masters):
+    /// upload from the masters, from a page-locked bf16 image of every uploaded trained buffer
+    /// written by the optimizer, or from the stage of the slot, rounded by a host-queue op.
+    pub weights: WeightPath,
     /// `engine.host_threads`: the threads of the host queue's work (its own pool, built once).
     pub host_threads: HostThreads,
 }
@@ -85,6 +86,12 @@ pub struct EngineConfig {
 impl EngineConfig {
     pub fn micro_batches(&self) -> usize {
         self.batch_size.div_ceil(self.micro_batch_size)
+    }
+    /// Whether uploads copy the weight stages (`WeightPath::Staged` on a bf16 backend: the CPU
+    /// device copies the fp32 masters whatever the path).
+    pub fn stages_weights(&self) -> bool {
+        self.weights == WeightPath::Staged
+            && self.backend.precision() == horizon_backend::Precision::Bf16
     }
 }
 
@@ -99,6 +106,7 @@ pub fn plan_shape(layout: &ModelLayout, cfg: &EngineConfig, sizes: &Sizes) -> Pl
         head_tiles: sizes.head.tiles(),
         keep_internals: cfg.keep_internals,
         streamed: cfg.memory.streams_updates(),
+        staged: cfg.stages_weights(),
     }
 }
 
@@ -119,7 +127,7 @@ impl Trained {
     }
 }
 
-/// The page-locked bf16 images of `params` the engine uploads from (`cfg.weight_image` on a
+/// The page-locked bf16 images of `params` the engine uploads from (`cfg.weights` Image on a
 /// bf16 backend): one per buffer the device receives (not an untied embedding, gathered on
 /// the host from the masters; not the empty buffers of an adapter run), each the masters
 /// rounded to nearest even.
@@ -129,7 +137,8 @@ fn weight_images<D: Device>(
     layout: &ModelLayout,
     cfg: &EngineConfig,
 ) -> Vec<Option<D::Staging<Bf16>>> {
-    let on = cfg.weight_image && <D::Backend as Backend>::PRECISION == Precision::Bf16;
+    let on =
+        cfg.weights == WeightPath::Image && <D::Backend as Backend>::PRECISION == Precision::Bf16;
     params
         .buffers()
         .into_iter()
@@ -203,10 +212,13 @@ struct Ctx {
     /// Host store, by `param_index`: masters, gradients, moments (gradients of the layers and
     /// fp32 moments are empty where the memory mode does not keep them).
     params: Vec<HostPtrMut>,
-    /// Per param buffer, its page-locked bf16 image when it has one (`EngineConfig::
-    /// weight_image`): written with the masters by every update, uploaded as it is. Declared
+    /// Per param buffer, its page-locked bf16 image when it has one (`WeightPath::
+    /// Image`): written with the masters by every update, uploaded as it is. Declared
     /// by the plan as part of `Res::Params` (the same writers and readers).
     images: Vec<Option<HostPtrMut<Bf16>>>,
+    /// Staged uploads (`WeightPath::Staged`): per weight slot, its page-locked bf16 stage
+    /// (`Res::WeightStage`), rounded from the masters by `StageWeights`; empty otherwise.
+    stages: Vec<HostPtrMut<Bf16>>,
     /// The optimizer state, by `param_index`, in its storage (fp32 or 8-bit moments).
     moments: Vec<MomentHandle>,
     /// Streamed updates: what the step has measured so far, and the last finite step's norms.
@@ -455,6 +467,12 @@ impl Ctx {
         }
     }
 
+    /// Slot `slot`'s weight stage, as the op's grant allows.
+    fn stage(&self, g: &Grant, slot: usize, write: bool) -> HostPtrMut<Bf16> {
+        g.check(Res::WeightStage(slot), write);
+        self.stages[slot]
+    }
+
     /// The host gradient slabs, for slab `slab`, as the op's grant allows.
     fn slabs(&self, g: &Grant, slab: usize, write: bool) -> &Slabs {
         g.check(Res::Slab(slab), write);
@@ -637,6 +655,7 @@ struct HostBuffers<D: Device> {
     _dx_stage: Vec<D::Staging<f32>>,
     _loss_host: Vec<D::Staging<f32>>,
     _images: Vec<Option<D::Staging<Bf16>>>,
+    _stages: Vec<D::Staging<Bf16>>,
 }
 
 /// The streaming engine. Field order matters: the device is dropped first, which runs all
@@ -762,6 +781,9 @@ where
         let mut dx_stage: Vec<D::Staging<f32>> = (0..mbs).map(|_| stage(sizes.act)).collect();
         let mut loss_host: Vec<D::Staging<f32>> = (0..mbs).map(|_| stage(n)).collect();
         let mut images = weight_images(&dev, &state.params, &layout, &cfg);
+        let n_stages = if shape.staged { 2 } else { 0 };
+        let mut stages: Vec<D::Staging<Bf16>> =
+            (0..n_stages).map(|_| dev.alloc_staging::<Bf16>(sizes.stage)).collect();
         let bufs = |ps: &mut crate::model::params::ParamStore| -> Vec<HostPtrMut> {
             ps.buffers_mut().into_iter().map(handle).collect()
         };
@@ -800,6 +822,7 @@ where
             applied: AtomicBool::new(false),
             params: bufs(&mut state.params),
             images: images.iter_mut().map(|i| i.as_mut().map(|s| handle(s))).collect(),
+            stages: stages.iter_mut().map(|s| handle(s)).collect(),
             grads: bufs(&mut state.grads),
             ckpt: ckpt.iter_mut().map(|b| b.iter_mut().map(|s| handle(s)).collect()).collect(),
             slabs: match cfg.grad_wire {
@@ -850,6 +873,7 @@ where
                 _dx_stage: dx_stage,
                 _loss_host: loss_host,
                 _images: images,
+                _stages: stages,
             },
             _workspace: workspace,
             schedule,
@@ -868,8 +892,20 @@ where
             engine.dev.upload(cos_buf, unsafe { HostPtr::new(cos) });
             engine.dev.upload(sin_buf, unsafe { HostPtr::new(sin) });
         }
+        engine.fill_stages();
         engine.dev.synchronize();
         Ok(engine)
+    }
+
+    /// Staged uploads: the stages hold what the step before the first would have staged, the
+    /// first upload into each slot (see `plan::stage_uploads`).
+    fn fill_stages(&self) {
+        let c = &self.ctx;
+        for (slot, what) in first_uploads(self.schedule.ops(0), c.stages.len()) {
+            // SAFETY: the device is idle and no step has run: nothing else touches the masters
+            // or the stages.
+            unsafe { self.host_pool.install(|| stage_weights(c, slot, what)) };
+        }
     }
 
     /// The schedule the engine runs.
@@ -1381,6 +1417,10 @@ where
                     (c.staging(grant, src, false), c.dev(grant, Res::Act { set, m }, true));
                 self.dev.upload(dst.prefix(nc), src.as_const().sub(0..nc));
             }
+            OpKind::UploadWeights { slot, what } if c.shape.staged => {
+                let dst = c.dev(grant, Res::Slot(slot), true);
+                self.upload_staged(dst, what, c.stage(grant, slot, false).as_const());
+            }
             OpKind::UploadWeights { slot, what } => {
                 let dst = c.dev(grant, Res::Slot(slot), true);
                 match what {
@@ -1431,6 +1471,25 @@ where
         }
     }
 
+    /// `what`'s weights into slot `dst`, the trained ones from the slot's stage `stage`
+    /// (laid out as [`stage_weights`] writes it).
+    fn upload_staged(&self, dst: DevBuf, what: SlotContent, stage: HostPtr<Bf16>) {
+        let c = &self.ctx;
+        match what {
+            SlotContent::Layer(i) => {
+                let len = c.layout.layer(i).train_len();
+                self.upload_layer_from(dst, i, Trained::Image(stage.sub(0..len)));
+            }
+            SlotContent::Head | SlotContent::HeadTile(_) => {
+                let rows = head_rows(c, what);
+                let cc = c.layout.dims.c;
+                let norm = Trained::Image(stage.sub(0..cc));
+                let head = Trained::Image(stage.sub(cc..cc + rows.len() * cc));
+                self.upload_head_rows(dst, rows, (norm, head));
+            }
+        }
+    }
+
     /// The final norm, then vocabulary rows `rows` of the LM head, into slot `dst`.
     fn upload_head(&self, grant: &Grant, dst: DevBuf, rows: std::ops::Range<usize>) {
         let c = &self.ctx;
@@ -1447,12 +1506,24 @@ where
         rows: std::ops::Range<usize>,
         (norm, head): (Trained, Trained),
     ) {
+        let cc = self.ctx.layout.dims.c;
+        let range = rows.start * cc..rows.end * cc;
+        self.upload_head_rows(dst, rows, (norm, head.sub(range)))
+    }
+
+    /// [`Engine::upload_head_from`] with the trained head's rows `rows` alone at `head_rows`.
+    fn upload_head_rows(
+        &self,
+        dst: DevBuf,
+        rows: std::ops::Range<usize>,
+        (norm, head_rows): (Trained, Trained),
+    ) {
         let (c, cc) = (&self.ctx, self.ctx.layout.dims.c);
         let range = rows.start * cc..rows.end * cc;
         match &c.base {
             None => {
                 self.upload_trained(dst, 0, norm);
-                self.upload_trained(dst, cc, head.sub(range));
+                self.upload_trained(dst, cc, head_rows);
             }
             Some(base) => {
                 self.upload_frozen(dst, 0, &base.final_norm, 0..cc);
@@ -1756,6 +1827,22 @@ where
                     st.loss_checked = false;
                 });
             }
+            OpKind::StageWeights { slot, what } => {
+                self.host_op(Phase::Optimizer, sd, grant, move |c, _, grant| {
+                    // SAFETY: the schedule orders this after the stage's last upload and the
+                    // weights' last write, and before the slot's next upload.
+                    unsafe {
+                        grant.check(Res::WeightStage(slot), true);
+                        match what {
+                            SlotContent::Layer(i) => {
+                                grant.check(Res::Params(ParamBuf::Layer(i)), false)
+                            }
+                            _ => grant.check(Res::Params(c.head_param()), false),
+                        }
+                        stage_weights(c, slot, what)
+                    }
+                });
+            }
             OpKind::Update { what } => {
                 self.host_op(Phase::Optimizer, sd, grant, move |c, sd, grant| {
                     let i = c.param_index(what);
@@ -1771,6 +1858,56 @@ where
             _ => unreachable!("{kind:?} is not an op of this queue"),
         }
     }
+}
+
+/// The vocabulary rows a head upload carries.
+fn head_rows(c: &Ctx, what: SlotContent) -> std::ops::Range<usize> {
+    match what {
+        SlotContent::HeadTile(k) => c.tiled().tiling.range(k),
+        _ => 0..c.layout.dims.v,
+    }
+}
+
+/// Rounds `what`'s trained weights into slot `slot`'s stage: a layer's trained part, or the
+/// final norm then the slot's rows of the head (nothing of a frozen head).
+///
+/// # Safety
+/// Nothing else may touch the stage, and nothing may write those weights, meanwhile.
+unsafe fn stage_weights(c: &Ctx, slot: usize, what: SlotContent) {
+    let stage = c.stages[slot];
+    let l = c.layout.dims.layers;
+    // SAFETY: the caller's exclusivity.
+    unsafe {
+        let stage = stage.as_mut_slice();
+        match what {
+            SlotContent::Layer(i) => {
+                let w = c.params[1 + i].as_const().as_slice();
+                round_to_bf16(&mut stage[..w.len()], w);
+            }
+            _ if c.base.is_some() => {}
+            SlotContent::Head | SlotContent::HeadTile(_) => {
+                let cc = c.layout.dims.c;
+                let rows = head_rows(c, what);
+                let norm = c.params[l + 1].as_const().as_slice();
+                let head = c.params[c.param_index(c.head_param())].as_const().as_slice();
+                let (n, h) = stage.split_at_mut(cc);
+                round_to_bf16(n, norm);
+                round_to_bf16(&mut h[..rows.len() * cc], &head[rows.start * cc..rows.end * cc]);
+            }
+        }
+    }
+}
+
+/// The first weight upload into each of the `slots` weight slots in `ops`, as (slot, what).
+fn first_uploads(ops: &[crate::engine::plan::Op], slots: usize) -> Vec<(usize, SlotContent)> {
+    (0..slots)
+        .filter_map(|s| {
+            ops.iter().find_map(|op| match op.kind {
+                OpKind::UploadWeights { slot, what } if slot == s => Some((s, what)),
+                _ => None,
+            })
+        })
+        .collect()
 }
 
 /// Views of micro-batch `m`'s tiled-head rows: hf, rstd, stats, dhf.

@@ -78,6 +78,25 @@ pub enum WeightUpload {
     Image,
     /// No image: each upload rounds the masters to bf16 on the host, chunk by chunk.
     Round,
+    /// No image: the host queue rounds each upload's masters into one of two page-locked bf16
+    /// buffers (one per weight slot) ahead of the link, as an op of the plan; the upload is a
+    /// pure copy. 2 bytes per parameter of the two largest uploads instead of the image's 2 per
+    /// trained parameter.
+    Staged,
+}
+
+/// [`WeightUpload`] resolved for the engine: where a bf16 upload's trained weights come from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WeightPath {
+    /// The fp32 masters, rounded inside each upload on a bf16 device (copied as they are on the
+    /// CPU device).
+    #[default]
+    Masters,
+    /// The page-locked bf16 image the optimizer writes (`WeightUpload::Image`).
+    Image,
+    /// The page-locked stage of the upload's slot, rounded by a host-queue op of the plan
+    /// (`WeightUpload::Staged`).
+    Staged,
 }
 
 /// The compute device.

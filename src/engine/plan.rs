@@ -64,6 +64,8 @@ pub enum Res {
     },
     /// Host gradient slab.
     Slab(usize),
+    /// The page-locked bf16 stage of weight slot s (`PlanShape::staged`).
+    WeightStage(usize),
     /// Host staging: embedding rows of micro-batch `m`; residual gradient of micro-batch `m`.
     EmbStage(usize),
     DxStage(usize),
@@ -117,6 +119,9 @@ pub enum OpKind {
     UploadAct { m: usize, set: usize, from: ActSource },
     /// H2D: weights into a slot.
     UploadWeights { slot: usize, what: SlotContent },
+    /// Host: round `what`'s trained weights into the stage of `slot` (`PlanShape::staged`),
+    /// for the slot's next upload.
+    StageWeights { slot: usize, what: SlotContent },
     /// D2H: the input of a block's first layer, to the host checkpoint.
     SaveCkpt { block: usize, m: usize, set: usize },
     /// Compute: one layer forward of micro-batch `m`, `Act{src}` -> `Act{dst}`; `recompute`:
@@ -229,6 +234,10 @@ pub struct PlanShape {
     /// `grad_slabs` layers of the backward, whose slabs are not needed again in the step and
     /// wait for the step's norm.
     pub streamed: bool,
+    /// Staged weight uploads (`WeightPath::Staged`): a host-queue op rounds each upload's
+    /// trained weights into the page-locked stage of its slot ahead of the link, and the
+    /// upload copies the stage (see [`stage_uploads`]).
+    pub staged: bool,
 }
 
 impl PlanShape {
@@ -490,6 +499,68 @@ impl Builder {
 
 /// The operations of one optimizer step, in submission order, without waits.
 pub fn step_ops(shape: PlanShape) -> Vec<Op> {
+    let ops = unstaged_ops(shape);
+    if shape.staged { stage_uploads(ops) } else { ops }
+}
+
+/// Staged uploads: each weight upload copies the page-locked stage of its slot, which a
+/// host-queue `StageWeights` op has rounded from the masters, placed in submission order as
+/// early as it can run: after the slot's previous upload (the stage's last reader) and after
+/// the last write of the weights it rounds. The first upload into a slot in a step is staged
+/// by the step before (at the end of its ops, after the optimizer's write of those weights),
+/// so a step begins with both stages filled; the engine fills them itself before its first
+/// step. The rounding thus runs on the host queue while the link carries the previous upload,
+/// and never inside an upload.
+fn stage_uploads(ops: Vec<Op>) -> Vec<Op> {
+    let uploads: Vec<(usize, usize, SlotContent)> = ops
+        .iter()
+        .enumerate()
+        .filter_map(|(j, op)| match op.kind {
+            OpKind::UploadWeights { slot, what } => Some((j, slot, what)),
+            _ => None,
+        })
+        .collect();
+    let last_write_before = |reads: &[Res], end: usize| {
+        ops[..end].iter().rposition(|op| op.writes.iter().any(|w| reads.contains(w)))
+    };
+    // (op index the stage follows, the stage op), in the uploads' order.
+    let mut stages: Vec<(usize, Op)> = Vec::new();
+    for (u, &(j, slot, what)) in uploads.iter().enumerate() {
+        let same_slot = |&&(_, s, _): &&(usize, usize, SlotContent)| s == slot;
+        let prev = uploads[..u].iter().rfind(same_slot);
+        // No earlier upload into this slot: staged by the previous step, after its last one.
+        let (after, end) = match prev {
+            Some(&(p, ..)) => (p, j),
+            None => (uploads.iter().rfind(same_slot).expect("this upload").0, ops.len()),
+        };
+        let reads = ops[j].reads.clone();
+        let after = last_write_before(&reads, end).map_or(after, |w| w.max(after));
+        let kind = OpKind::StageWeights { slot, what };
+        stages.push((
+            after,
+            Op {
+                kind,
+                queue: Queue::Host,
+                reads,
+                writes: vec![Res::WeightStage(slot)],
+                waits: vec![],
+            },
+        ));
+    }
+    let mut out = Vec::with_capacity(ops.len() + stages.len());
+    for (i, mut op) in ops.into_iter().enumerate() {
+        if let OpKind::UploadWeights { slot, .. } = op.kind {
+            op.reads = vec![Res::WeightStage(slot)];
+        }
+        out.push(op);
+        // Stable: stages following the same op keep the uploads' order.
+        out.extend(stages.iter().filter(|(a, _)| *a == i).map(|(_, s)| s.clone()));
+    }
+    out
+}
+
+/// [`step_ops`] without staged uploads.
+fn unstaged_ops(shape: PlanShape) -> Vec<Op> {
     assert!(shape.layers > 0 && shape.micro_batches > 0 && shape.checkpoint_every > 0);
     assert!(shape.grad_slabs > 0 && shape.head_tiles > 0);
     assert!(!shape.keep_internals || shape.checkpoint_every == 1, "kept internals need K = 1");
@@ -991,6 +1062,7 @@ mod tests {
             head_tiles: 1,
             keep_internals: false,
             streamed: false,
+            staged: false,
         }
     }
 
@@ -1000,14 +1072,17 @@ mod tests {
             for mbs in [1, 2, 3] {
                 for k in [1, 2, 3, 4] {
                     for tied in [false, true] {
-                        for streamed in [false, true] {
+                        for (streamed, staged) in
+                            [(false, false), (true, false), (false, true), (true, true)]
+                        {
                             let s = Schedule::new(PlanShape {
                                 tied,
                                 streamed,
+                                staged,
                                 ..shape(layers, mbs, k)
                             });
                             check(&s.unrolled(3), 0).unwrap_or_else(|h| {
-                                panic!("L{layers} M{mbs} K{k} tied {tied} streamed {streamed}: {h}")
+                                panic!("L{layers} M{mbs} K{k} tied {tied} streamed {streamed} staged {staged}: {h}")
                             });
                         }
                     }
@@ -1038,7 +1113,59 @@ mod tests {
         // Removing any single wait from an unrolled two-step plan must be caught: the
         // derivation adds a wait only where the ops are not yet ordered.
         for streamed in [false, true] {
-            every_wait_is_needed_in(Schedule::new(PlanShape { streamed, ..shape(4, 2, 2) }));
+            for staged in [false, true] {
+                let s = Schedule::new(PlanShape { streamed, staged, ..shape(4, 2, 2) });
+                every_wait_is_needed_in(s);
+            }
+        }
+    }
+
+    /// Staged uploads: every upload copies its slot's stage, which one `StageWeights` of the
+    /// same weights, on the host queue, filled after the slot's previous upload; the first
+    /// uploads of a step are staged by the step before, after the optimizer wrote them.
+    #[test]
+    fn staged_uploads_copy_a_stage_filled_ahead() {
+        for (streamed, tiles, keep) in [(false, 1, false), (true, 1, false), (false, 3, true)] {
+            let k = if keep { 1 } else { 2 };
+            let shape = PlanShape {
+                streamed,
+                staged: true,
+                head_tiles: tiles,
+                keep_internals: keep,
+                ..shape(4, 2, k)
+            };
+            let s = Schedule::new(shape);
+            let ops = s.unrolled(3);
+            let n = s.len();
+            let kinds = |f: fn(&OpKind) -> bool| ops[n..].iter().filter(|o| f(&o.kind)).count();
+            let stages = kinds(|k| matches!(k, OpKind::StageWeights { .. }));
+            assert_eq!(stages, kinds(|k| matches!(k, OpKind::UploadWeights { .. })));
+            for (j, op) in ops.iter().enumerate().skip(n) {
+                let OpKind::UploadWeights { slot, what } = op.kind else { continue };
+                assert_eq!(op.reads, vec![Res::WeightStage(slot)], "{op}");
+                let stage =
+                    ops[..j].iter().rposition(|o| o.writes.contains(&Res::WeightStage(slot)));
+                let st = &ops[stage.expect("a stage before every upload")];
+                assert_eq!(st.kind, OpKind::StageWeights { slot, what }, "{op}");
+                assert_eq!(st.queue, Queue::Host);
+                let uploads_between = ops[stage.unwrap()..j]
+                    .iter()
+                    .filter(
+                        |o| matches!(o.kind, OpKind::UploadWeights { slot: s, .. } if s == slot),
+                    )
+                    .count();
+                assert_eq!(uploads_between, 0, "the stage of {op} is not overwritten first");
+            }
+            // The next step's first stage (of layer 0) follows layer 0's last write.
+            let first = s.steady.iter().position(|o| {
+                matches!(o.kind, OpKind::StageWeights { what: SlotContent::Layer(0), .. })
+            });
+            let last_write =
+                s.steady.iter().rposition(|o| o.writes.contains(&Res::Params(ParamBuf::Layer(0))));
+            let wrap = s.steady.iter().rposition(|o| {
+                matches!(o.kind, OpKind::StageWeights { what: SlotContent::Layer(0), .. })
+            });
+            assert!(first.is_some() && wrap.unwrap() > last_write.unwrap());
         }
     }
 
@@ -1216,19 +1343,22 @@ mod tests {
                             if keep && k != 1 {
                                 continue;
                             }
-                            let s = Schedule::new(PlanShape {
-                                tied,
-                                streamed,
-                                keep_internals: keep,
-                                head_tiles: tiles,
-                                ..shape(layers, mbs, k)
-                            });
-                            check(&s.unrolled(3), 0).unwrap_or_else(|h| {
-                                panic!(
-                                    "L{layers} M{mbs} K{k} tiles {tiles} tied {tied} \
-                                     streamed {streamed} keep {keep}: {h}"
-                                )
-                            });
+                            for staged in [false, true] {
+                                let s = Schedule::new(PlanShape {
+                                    tied,
+                                    streamed,
+                                    keep_internals: keep,
+                                    head_tiles: tiles,
+                                    staged,
+                                    ..shape(layers, mbs, k)
+                                });
+                                check(&s.unrolled(3), 0).unwrap_or_else(|h| {
+                                    panic!(
+                                        "L{layers} M{mbs} K{k} tiles {tiles} tied {tied} \
+                                         streamed {streamed} keep {keep} staged {staged}: {h}"
+                                    )
+                                });
+                            }
                         }
                     }
                 }
@@ -1324,6 +1454,7 @@ mod doc_tests {
             head_tiles: 1,
             keep_internals: false,
             streamed,
+            staged: false,
         });
         let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/ARCHITECTURE.md"))
             .unwrap();

@@ -7,7 +7,7 @@ use horizon_backend::pool::ALIGN_ELEMS;
 
 use crate::engine::exec::EngineConfig;
 use crate::engine::head_tiles::{HeadTiling, STATS};
-use crate::engine::options::{GradWire, OptimizerMemory};
+use crate::engine::options::{GradWire, OptimizerMemory, WeightPath};
 use crate::model::layout::ModelLayout;
 use crate::model::spec::Op;
 use crate::optim::moments::MomentStorage;
@@ -87,8 +87,11 @@ pub struct Sizes {
     pub scratch_buffers: usize,
     /// Parameters of the model.
     pub params: usize,
-    /// bf16 elements of the weight image (`EngineConfig::weight_image`; 0 without one).
+    /// bf16 elements of the weight image (`WeightPath::Image`; 0 without one).
     pub image: usize,
+    /// bf16 elements of each of the two weight stages (`WeightPath::Staged`, one per slot: the
+    /// largest upload's trained weights, [`stage_elems`]; 0 without them).
+    pub stage: usize,
     /// Whether the device page-locks its staging buffers (`BackendKind::pins_staging`).
     pub pins_staging: bool,
     /// Page-locked host bytes the device holds of its own (the CUDA device's bf16 weight
@@ -103,6 +106,15 @@ pub fn image_elems(layout: &ModelLayout) -> usize {
     let d = &layout.dims;
     let layers: usize = (0..d.layers).map(|i| layout.layer(i).train_len()).sum();
     layers + if layout.trains_base() { d.c + d.v * d.c } else { 0 }
+}
+
+/// Elements of the largest upload's trained weights, which a weight stage holds: a layer's
+/// trained part, or in full fine-tuning the final norm and one tile of the head (`head`).
+pub fn stage_elems(layout: &ModelLayout, head: &HeadTiling) -> usize {
+    let d = &layout.dims;
+    let layers = (0..d.layers).map(|i| layout.layer(i).train_len()).max().unwrap_or(0);
+    let head = if layout.trains_base() { d.c + head.rows.min(d.v) * d.c } else { 0 };
+    layers.max(head)
 }
 
 /// Weights a slot needs for the largest layer: its weights in `weight_bytes` each, then its
@@ -188,7 +200,8 @@ impl Sizes {
                 + if whole { 4 } else { 2 }
                 + 2 * layout.rope.len(),
             params,
-            image: if cfg.weight_image { image_elems(layout) } else { 0 },
+            image: if cfg.weights == WeightPath::Image { image_elems(layout) } else { 0 },
+            stage: if cfg.stages_weights() { stage_elems(layout, &head) } else { 0 },
             pins_staging: cfg.backend.pins_staging(),
             device_pinned: cfg.backend.device_pinned_bytes(),
         }
@@ -306,6 +319,11 @@ impl Sizes {
         self.checkpoint_bytes() + self.slab_staging_bytes() + self.io_staging_bytes()
     }
 
+    /// Host bytes of the two weight stages (`WeightPath::Staged`; 0 without them).
+    pub fn stage_bytes(&self) -> usize {
+        2 * self.stage * 2
+    }
+
     /// Page-locked host bytes once the engine is built: its staging, the weight image and the
     /// device's own pinned buffers, where the device pins (CUDA); 0 on the CPU backend, which pins nothing. Every
     /// byte is one of [`Sizes::host_bytes`]' lines already (a part of the host total, not more).
@@ -313,7 +331,7 @@ impl Sizes {
     /// as `DeviceStats::pinned_bytes`.
     pub fn pinned_bytes(&self) -> usize {
         if self.pins_staging {
-            self.staging_bytes() + self.device_pinned + self.image * 2
+            self.staging_bytes() + self.device_pinned + self.image * 2 + self.stage_bytes()
         } else {
             0
         }
@@ -354,6 +372,10 @@ impl Sizes {
         ]);
         if self.image > 0 {
             lines.push(("bf16 weight image (page-locked; engine.weight_upload)", self.image * 2));
+        }
+        if self.stage > 0 {
+            let stages = "bf16 weight stages (2 of the largest upload, page-locked)";
+            lines.push((stages, self.stage_bytes()));
         }
         if self.device_pinned > 0 {
             let ring = "the device's bf16 weight upload ring (2 chunks, page-locked)";

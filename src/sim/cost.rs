@@ -6,7 +6,7 @@
 use horizon_backend::Queue;
 
 use crate::engine::exec::{EngineConfig, Sizes};
-use crate::engine::options::{GradWire, OptimizerMemory};
+use crate::engine::options::{GradWire, OptimizerMemory, WeightPath};
 use crate::engine::plan::{GradTarget, OpKind, ParamBuf, Res, SlotContent};
 use crate::model::base::BaseDtype;
 use crate::model::layout::ModelLayout;
@@ -23,6 +23,20 @@ pub enum UploadPath {
     RoundInUpload,
     /// A bf16 image kept beside the masters, written by the optimizer: a pure copy.
     Image,
+    /// Rounded by a host-queue op (`OpKind::StageWeights`) into the slot's stage ahead of the
+    /// link: the upload is a pure copy of the stage.
+    Staged,
+}
+
+impl UploadPath {
+    /// The engine's weight path for this upload path.
+    pub fn weights(self) -> WeightPath {
+        match self {
+            UploadPath::Fp32 | UploadPath::RoundInUpload => WeightPath::Masters,
+            UploadPath::Image => WeightPath::Image,
+            UploadPath::Staged => WeightPath::Staged,
+        }
+    }
 }
 
 /// A device's kernel times.
@@ -276,13 +290,38 @@ impl CostModel<'_> {
             Some(BaseDtype::Bf16) => l.train_len(),
             _ => l.len,
         };
+        if self.upload == UploadPath::Staged {
+            // The stage holds the trained part; an fp32 frozen base is still rounded on the way.
+            return self.rounded_in(c, (rounded - l.train_len()) as f64);
+        }
         self.with_rounding(c, rounded as f64)
+    }
+
+    /// `StageWeights`: rounding `what`'s trained weights into its slot's stage, on the host
+    /// queue's pool.
+    fn stage(&self, what: SlotContent) -> Cost {
+        let d = &self.layout.dims;
+        let elems = match what {
+            SlotContent::Layer(i) => self.layout.layer(i).train_len(),
+            _ if !self.layout.trains_base() => 0,
+            SlotContent::Head => d.c + d.v * d.c,
+            SlotContent::HeadTile(_) => d.c + self.sizes.head.rows * d.c,
+        };
+        self.pool(self.host_pass(elems as f64, self.rates().round_bf16, 6.0))
     }
 
     /// `c` plus the rounding of `elems` fp32 masters to bf16 inside the upload, if the path
     /// does that (on the upload's pool, with the whole host).
     fn with_rounding(&self, c: Cost, elems: f64) -> Cost {
         if self.upload != UploadPath::RoundInUpload {
+            return c;
+        }
+        self.rounded_in(c, elems)
+    }
+
+    /// `c` with `elems` rounded inside it.
+    fn rounded_in(&self, c: Cost, elems: f64) -> Cost {
+        if elems == 0.0 {
             return c;
         }
         let s = self.host_pass(elems, self.rates().round_bf16, 6.0);
@@ -323,6 +362,7 @@ impl CostModel<'_> {
                     if self.layout.trains_base() { self.with_rounding(c, e) } else { c }
                 }
             },
+            OpKind::StageWeights { what, .. } => self.stage(what),
             OpKind::SaveCkpt { .. } | OpKind::DownloadDres { .. } => self.copy(Queue::D2H, act),
             OpKind::Forward { layer, .. } => {
                 self.kernel(self.layer_forward(self.layout.layer(layer)))

@@ -86,19 +86,28 @@ pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
             keep(budget.is_some_and(fits))
         }
     };
-    let sizes = Sizes::new(&layout, &ecfg);
-    let shape = plan_shape(&layout, &ecfg, &sizes);
-    let schedule = Schedule::new(shape);
-    let host_total = sizes.host_total() as u64;
-    let image = 2 * crate::engine::sizes::image_elems(&layout) as u64;
+    // The engine's sizes and schedule for each way of uploading weights (what the image or
+    // the stages take is a line of the host plan; staging adds ops to the schedule).
+    let planned = |u: UploadPath| {
+        let e = EngineConfig { weights: u.weights(), ..ecfg };
+        let sizes = Sizes::new(&layout, &e);
+        let schedule = Schedule::new(plan_shape(&layout, &e, &sizes));
+        (e, sizes, schedule)
+    };
+    let host_need = |u: UploadPath| planned(u).1.host_total() as u64;
     // engine.weight_upload as `horizon train` resolves it, for this machine's host memory.
     let upload = match (cpu, raw.engine.weight_upload) {
         (true, _) => UploadPath::Fp32,
         (false, WeightUpload::Image) => UploadPath::Image,
         (false, WeightUpload::Round) => UploadPath::RoundInUpload,
-        (false, WeightUpload::Auto) if host_total + image <= hw.host_bytes() => UploadPath::Image,
-        (false, WeightUpload::Auto) => UploadPath::RoundInUpload,
+        (false, WeightUpload::Staged) => UploadPath::Staged,
+        (false, WeightUpload::Auto) if host_need(UploadPath::Image) <= hw.host_bytes() => {
+            UploadPath::Image
+        }
+        (false, WeightUpload::Auto) => UploadPath::Staged,
     };
+    let (ecfg, sizes, schedule) = planned(upload);
+    let image = 2 * crate::engine::sizes::image_elems(&layout) as u64;
     // engine.host_threads as the engine resolves it on the profile's host (this-cpu: on this
     // machine, where the CPU device's kernels share the cores: its host work still gets the
     // whole pool when it runs alone, which the shared-host model accounts for).
@@ -116,7 +125,7 @@ pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
         &roofline
     };
     let tokens = ecfg.batch_size * ecfg.seq_len;
-    let model_of = |upload| CostModel {
+    let base = CostModel {
         layout: &layout,
         sizes: &sizes,
         cfg: &ecfg,
@@ -125,24 +134,24 @@ pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
         upload,
         host_threads,
     };
-    let chosen = project(&schedule, &model_of(upload), tokens);
+    let chosen = project(&schedule, &base, tokens);
     let other = match upload {
         UploadPath::Fp32 => None,
-        UploadPath::Image => Some(UploadPath::RoundInUpload),
-        UploadPath::RoundInUpload => Some(UploadPath::Image),
+        UploadPath::Image => Some(UploadPath::Staged),
+        UploadPath::RoundInUpload | UploadPath::Staged => Some(UploadPath::Image),
     }
-    .map(|u| (u, project(&schedule, &model_of(u), tokens)));
-    let host_need = host_total + if upload == UploadPath::Image { image } else { 0 };
+    .map(|u| {
+        let (e, s, sched) = planned(u);
+        (u, project(&sched, &CostModel { sizes: &s, cfg: &e, upload: u, ..base }, tokens))
+    });
+    let host_need = sizes.host_total() as u64;
     let fits =
         host_need <= hw.host_bytes() && (cpu || sizes.device_total() as u64 <= hw.device_bytes());
     let mut text = String::new();
     fit_lines(&mut text, &hw, &sizes, image, upload, cpu)?;
     render(&mut text, &hw, &chosen, cpu)?;
     if !cpu {
-        let room =
-            hw.host_bytes().saturating_sub(if upload == UploadPath::Image { image } else { 0 });
-        let base = model_of(upload);
-        if let Some((p, e)) = fastest_fit(&base, room, tokens)
+        if let Some((p, e)) = fastest_fit(&base, hw.host_bytes(), tokens)
             && (e.checkpoint_every, e.keep_internals)
                 != (ecfg.checkpoint_every, ecfg.keep_internals)
             && p.step_s < 0.99 * chosen.step_s
@@ -207,6 +216,9 @@ fn upload_words(u: UploadPath) -> &'static str {
         UploadPath::Fp32 => "fp32, copied as they are (the CPU device)",
         UploadPath::Image => "from a bf16 image the optimizer writes (a pure copy)",
         UploadPath::RoundInUpload => "rounded from the fp32 masters inside each upload",
+        UploadPath::Staged => {
+            "rounded by the host queue into two bf16 stages ahead of the link (a pure copy)"
+        }
     }
 }
 
@@ -219,7 +231,7 @@ fn fit_lines(
     cpu: bool,
 ) -> Result<()> {
     writeln!(t, "projection on {} ({})", hw.name, hw.about)?;
-    let host = sizes.host_total() as u64 + if upload == UploadPath::Image { image } else { 0 };
+    let host = sizes.host_total() as u64;
     let fits = |a: u64, b: u64| if a <= b { "fits" } else { "DOES NOT FIT" };
     writeln!(
         t,
@@ -229,8 +241,12 @@ fn fit_lines(
         fits(host, hw.host_bytes()),
         match upload {
             UploadPath::Image => format!("; includes the bf16 weight image, {}", gib(image)),
-            UploadPath::RoundInUpload => format!(
-                "; no room for the bf16 weight image ({}): weights are rounded in each upload",
+            UploadPath::RoundInUpload => {
+                format!("; without the bf16 weight image ({})", gib(image))
+            }
+            UploadPath::Staged => format!(
+                "; two bf16 weight stages, {}, instead of the bf16 weight image, {}",
+                gib(sizes.stage_bytes() as u64),
                 gib(image)
             ),
             UploadPath::Fp32 => String::new(),

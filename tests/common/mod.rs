@@ -142,7 +142,7 @@ pub fn engine_config_for(
         memory: horizon::config::OptimizerMemory::Exact,
         backend: horizon::config::BackendKind::Cpu,
         grad_wire: horizon::config::GradWire::Fp32,
-        weight_image: false,
+        weights: horizon::engine::options::WeightPath::Masters,
         host_threads: horizon::config::HostThreads::Auto,
     }
 }
