@@ -689,7 +689,7 @@ where
                 WeightUpload::Staged => with(WeightPath::Staged),
                 WeightUpload::Auto => {
                     let image = with(WeightPath::Image);
-                    if image.1.check().is_ok() { image } else { with(WeightPath::Staged) }
+                    if image.1.check().is_ok() { image } else { (ecfg, plan) }
                 }
             }
         };

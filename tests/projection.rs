@@ -70,6 +70,30 @@ fn the_image_takes_the_rounding_off_the_upload() {
     assert_eq!(p.upload, UploadPath::RoundInUpload);
 }
 
+/// `engine.weight_upload: staged`: the rounding is host-queue work of its own (the plan's
+/// `StageWeights` ops) and the upload a pure copy; the host plan holds two stages instead of
+/// the image.
+#[test]
+fn staged_uploads_round_on_the_host_queue_and_copy() {
+    let run = |u| {
+        let mut run = config(2048, 8, 1, "");
+        run.raw.engine.weight_upload = u;
+        projection(&run, "h200-pcie5").unwrap()
+    };
+    use horizon::config::WeightUpload;
+    let (staged, image, round) =
+        (run(WeightUpload::Staged), run(WeightUpload::Image), run(WeightUpload::Round));
+    assert_eq!(staged.upload, UploadPath::Staged);
+    assert!(staged.text.contains("two bf16 weight stages"), "{}", staged.text);
+    let (h2d, host) = (1, 3);
+    let [s, i, r] = [&staged, &image, &round].map(|p| p.chosen.busy);
+    // The link carries the same bytes, with no host work inside the copies.
+    assert!((s[h2d] - i[h2d]).abs() < 1e-9 * i[h2d], "{s:?} vs {i:?}");
+    assert!(r[h2d] >= s[h2d] * (1.0 - 1e-9), "{r:?} vs {s:?}");
+    // The rounding is the host queue's, not the upload's.
+    assert!(s[host] > r[host], "{s:?} vs {r:?}");
+}
+
 #[test]
 fn profiles_resolve_and_a_run_that_does_not_fit_is_refused() {
     for hw in ["h200-pcie5", "h100-pcie5", "a100-pcie4", "gh200", "this-cpu"] {

@@ -81,7 +81,8 @@ pub enum WeightUpload {
     /// No image: the host queue rounds each upload's masters into one of two page-locked bf16
     /// buffers (one per weight slot) ahead of the link, as an op of the plan; the upload is a
     /// pure copy. 2 bytes per parameter of the two largest uploads instead of the image's 2 per
-    /// trained parameter.
+    /// trained parameter. The host queue runs its ops in order, so a stage can wait behind the
+    /// optimizer's work (`horizon plan --hardware` shows when): `auto` does not choose it.
     Staged,
 }
 

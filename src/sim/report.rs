@@ -104,7 +104,7 @@ pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
         (false, WeightUpload::Auto) if host_need(UploadPath::Image) <= hw.host_bytes() => {
             UploadPath::Image
         }
-        (false, WeightUpload::Auto) => UploadPath::Staged,
+        (false, WeightUpload::Auto) => UploadPath::RoundInUpload,
     };
     let (ecfg, sizes, schedule) = planned(upload);
     let image = 2 * crate::engine::sizes::image_elems(&layout) as u64;
@@ -137,12 +137,13 @@ pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
     let chosen = project(&schedule, &base, tokens);
     let other = match upload {
         UploadPath::Fp32 => None,
-        UploadPath::Image => Some(UploadPath::Staged),
+        UploadPath::Image => Some(UploadPath::RoundInUpload),
         UploadPath::RoundInUpload | UploadPath::Staged => Some(UploadPath::Image),
     }
     .map(|u| {
         let (e, s, sched) = planned(u);
-        (u, project(&sched, &CostModel { sizes: &s, cfg: &e, upload: u, ..base }, tokens))
+        let p = project(&sched, &CostModel { sizes: &s, cfg: &e, upload: u, ..base }, tokens);
+        (u, p, s.host_total() as u64 <= hw.host_bytes())
     });
     let host_need = sizes.host_total() as u64;
     let fits =
@@ -150,33 +151,33 @@ pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
     let mut text = String::new();
     fit_lines(&mut text, &hw, &sizes, image, upload, cpu)?;
     render(&mut text, &hw, &chosen, cpu)?;
-    if !cpu {
-        if let Some((p, e)) = fastest_fit(&base, hw.host_bytes(), tokens)
-            && (e.checkpoint_every, e.keep_internals)
-                != (ecfg.checkpoint_every, ecfg.keep_internals)
-            && p.step_s < 0.99 * chosen.step_s
-        {
-            writeln!(
-                text,
-                "  fastest plan that fits this machine: engine.checkpoint_every: {}{}: step {:.3} s, {:.0} tokens/s, MFU {:.1}%",
-                e.checkpoint_every,
-                if e.keep_internals { ", engine.recompute: never" } else { "" },
-                p.step_s,
-                p.tokens_per_s(),
-                100.0 * p.mfu(peak(&hw))
-            )?;
-        }
-    }
-    if let Some((u, p)) = &other {
+    if !cpu
+        && let Some((p, e)) = fastest_fit(&base, hw.host_bytes(), tokens)
+        && (e.checkpoint_every, e.keep_internals) != (ecfg.checkpoint_every, ecfg.keep_internals)
+        && p.step_s < 0.99 * chosen.step_s
+    {
         writeln!(
             text,
-            "  with weights {} instead: step {:.3} s, {:.0} tokens/s{}",
+            "  fastest plan that fits this machine: engine.checkpoint_every: {}{}: step {:.3} s, {:.0} tokens/s, MFU {:.1}%",
+            e.checkpoint_every,
+            if e.keep_internals { ", engine.recompute: never" } else { "" },
+            p.step_s,
+            p.tokens_per_s(),
+            100.0 * p.mfu(peak(&hw))
+        )?;
+    }
+    if let Some((u, p, fits)) = &other {
+        writeln!(
+            text,
+            "  with weights {} instead: step {:.3} s, {:.0} tokens/s{}{}",
             upload_words(*u),
             p.step_s,
             p.tokens_per_s(),
-            if cpu { String::new() } else { format!(", MFU {:.1}%", 100.0 * p.mfu(peak(&hw))) }
+            if cpu { String::new() } else { format!(", MFU {:.1}%", 100.0 * p.mfu(peak(&hw))) },
+            if *fits { "" } else { " (its host plan does not fit this machine)" }
         )?;
     }
+    let other = other.map(|(u, p, _)| (u, p));
     Ok(ProjectionRun { hw, ecfg, upload, chosen, other, fits, text })
 }
 
