@@ -57,4 +57,13 @@ pub struct Summary {
     pub params: u64,
     pub planned_host_bytes_per_param: f64,
     pub peak_rss_bytes_per_param: f64,
+    /// Page-locked host bytes the device holds, and the plan's figure (equal on CUDA; 0 on the
+    /// CPU device, which pins nothing).
+    pub pinned_bytes: u64,
+    pub planned_pinned_bytes: u64,
+    /// Threads of the host queue's pool (`engine.host_threads` resolved).
+    pub host_threads: usize,
+    /// Where bf16 uploads took the trained weights from (`engine.weight_upload` resolved):
+    /// masters, image or staged.
+    pub weight_upload: String,
 }

@@ -1124,6 +1124,10 @@ where
         planned_host_bytes_per_param: tr.plan.host_total() as f64 / tr.plan.params.max(1) as f64,
         peak_rss_bytes_per_param: peak_rss_bytes().unwrap_or(0) as f64
             / tr.plan.params.max(1) as f64,
+        pinned_bytes: st.pinned_bytes as u64,
+        planned_pinned_bytes: tr.plan.pinned,
+        host_threads: tr.engine.host_threads(),
+        weight_upload: format!("{:?}", tr.engine.config().weights).to_lowercase(),
     }
 }
 

@@ -33,5 +33,10 @@ fn the_default_job_learns() {
     let summary: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
     assert_eq!(summary["eval_rows"], 1000);
+    // The CPU device pins nothing, as planned; its host work has a pool of its own.
+    assert_eq!(summary["pinned_bytes"], 0);
+    assert_eq!(summary["planned_pinned_bytes"], 0);
+    assert!(summary["host_threads"].as_u64().unwrap() >= 1, "{summary}");
+    assert_eq!(summary["weight_upload"], "masters");
     assert!(out.join("training.png").is_file());
 }
