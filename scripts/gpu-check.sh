@@ -13,7 +13,8 @@
 #   DIR/gpu-check.sh                        # on the GPU machine: runs what DIR holds
 # Environment: HORIZON_BIN (the horizon binary), TEST_BIN_DIR (test executables cuda_*),
 # BENCH_STEPS (default 3, after one warm-up step), OUT (default out/gpu-check), GRAD_WIRE
-# (engine.grad_wire of the benchmarks: fp32, the default, or bf16).
+# (engine.grad_wire of the benchmarks: fp32, the default, or bf16), WEIGHT_UPLOAD
+# (engine.weight_upload of the benchmarks: auto, the default, image, round or staged).
 # The GPU holds bf16 weights (half the bytes of fp32 slots) and runs bf16 products with fp32
 # accumulation; the parity tests compare against the CPU with the tolerances of ARCHITECTURE.md.
 # Libraries: the NVIDIA driver (libcuda), NVRTC 13 and cuBLAS 13 must be loadable; pip wheels
@@ -112,6 +113,9 @@ print(max(1, min(28 * 8, int((budget - fixed) / layer))))
 PY
 }
 
+# engine.weight_upload of the benchmarks: auto | image | round | staged.
+WEIGHT_UPLOAD=${WEIGHT_UPLOAD:-auto}
+
 # The profile the projection of each benchmark is made for (`horizon plan --hardware`).
 HW_PROFILE=${HW_PROFILE:-h200-pcie5}
 
@@ -124,7 +128,8 @@ model: {init: random, arch: qwen2, hidden_size: $c, intermediate_size: $f, num_h
         tie_word_embeddings: false}
 data: {format: synthetic}
 train: {steps: $((STEPS + 1)), batch_size: $b, micro_batch_size: $mbs, max_seq_len: $t}
-engine: {checkpoint_every: $k, grad_slabs: 4, head_chunk_rows: 2048, grad_wire: $GRAD_WIRE}
+engine: {checkpoint_every: $k, grad_slabs: 4, head_chunk_rows: 2048, grad_wire: $GRAD_WIRE,
+         weight_upload: $WEIGHT_UPLOAD}
 device: {backend: cuda, memory: auto}
 output: {dir: $OUT/$name}
 YAML
@@ -155,6 +160,8 @@ print(f"  D2H                 {s['d2h_bytes'] / wall / 1e9:.1f} GB/s over the ru
 print(f"  compute idle        {100 * max(0.0, 1 - s['device_compute_s'] / wall):.1f}% of wall time")
 print(f"  peak device memory  {s['peak_device_bytes'] / 2**30:.2f} GiB (plan {s['planned_device_bytes'] / 2**30:.2f} GiB)")
 print(f"  overlap ratio       {s['overlap_ratio']:.2f}   final loss {s['final_loss']:.4f}")
+print(f"  weights uploaded    from {s['weight_upload']}; pinned {s['pinned_bytes'] / 2**30:.2f} GiB "
+      f"(plan {s['planned_pinned_bytes'] / 2**30:.2f} GiB); host threads {s['host_threads']}")
 n = max(s["steps"], 1)
 print(f"  measured per step   {wall / n:.3f} s; busy: compute {s['device_compute_s'] / n:.3f} s, "
       f"h2d {s['h2d_busy_s'] / n:.3f} s, d2h {s['d2h_busy_s'] / n:.3f} s, host {s['host_busy_s'] / n:.3f} s")
