@@ -1507,8 +1507,10 @@ where
         (norm, head): (Trained, Trained),
     ) {
         let cc = self.ctx.layout.dims.c;
-        let range = rows.start * cc..rows.end * cc;
-        self.upload_head_rows(dst, rows, (norm, head.sub(range)))
+        // An adapter run trains neither (both empty): its head is the frozen base's.
+        let head_rows =
+            if self.ctx.base.is_some() { head } else { head.sub(rows.start * cc..rows.end * cc) };
+        self.upload_head_rows(dst, rows, (norm, head_rows))
     }
 
     /// [`Engine::upload_head_from`] with the trained head's rows `rows` alone at `head_rows`.
