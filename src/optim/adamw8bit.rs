@@ -467,12 +467,14 @@ pub enum Kernel {
     Scalar,
     /// 8 elements per instruction with AVX2 (x86-64 CPUs that have it).
     Avx2,
+    /// 16 elements per instruction with AVX-512 F and DQ (x86-64 CPUs that have them).
+    Avx512,
 }
 
 impl Kernel {
     /// The fastest body this CPU runs.
     pub fn detect() -> Kernel {
-        if Kernel::Avx2.available() { Kernel::Avx2 } else { Kernel::Scalar }
+        [Kernel::Avx512, Kernel::Avx2].into_iter().find(|k| k.available()).unwrap_or(Kernel::Scalar)
     }
 
     /// Whether this CPU runs this body.
@@ -481,8 +483,13 @@ impl Kernel {
             Kernel::Scalar => true,
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx2 => std::arch::is_x86_feature_detected!("avx2"),
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512 => {
+                std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx512dq")
+            }
             #[cfg(not(target_arch = "x86_64"))]
-            Kernel::Avx2 => false,
+            Kernel::Avx2 | Kernel::Avx512 => false,
         }
     }
 }
@@ -671,6 +678,9 @@ fn update_task<const SMALL_LERP: bool, const IMAGE: bool>(
                 block_scalar::<SMALL_LERP, IMAGE>(block, &mut scratch, s, grad_scale, bs)
             }
             Kernel::Avx2 => block_avx2::<SMALL_LERP, IMAGE>(block, &mut scratch, s, grad_scale, bs),
+            Kernel::Avx512 => {
+                block_avx512::<SMALL_LERP, IMAGE>(block, &mut scratch, s, grad_scale, bs)
+            }
         }
     }
 }
@@ -714,6 +724,29 @@ fn block_avx2<const SMALL_LERP: bool, const IMAGE: bool>(
     {
         let _ = (scratch, s, grad_scale, seed);
         unreachable!("adamw8bit_update_with refuses Kernel::Avx2 off x86-64 ({})", b.p.len());
+    }
+}
+
+/// [`block_scalar`] on the AVX-512 body.
+fn block_avx512<const SMALL_LERP: bool, const IMAGE: bool>(
+    b: Q8Mut<'_>,
+    scratch: &mut [[f32; QBLOCK]; 2],
+    s: &AdamWStep,
+    grad_scale: f32,
+    seed: u64,
+) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `adamw8bit_update_with` refuses `Kernel::Avx512` unless this CPU has AVX-512 F and
+    // DQ.
+    unsafe {
+        crate::optim::adamw8bit_avx512::update_block::<SMALL_LERP, IMAGE>(
+            b, scratch, s, grad_scale, seed,
+        )
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (scratch, s, grad_scale, seed);
+        unreachable!("adamw8bit_update_with refuses Kernel::Avx512 off x86-64 ({})", b.p.len());
     }
 }
 
@@ -990,7 +1023,9 @@ mod tests {
                 g.clone()
             })
             .collect();
-        for kernel in [Kernel::Scalar, Kernel::Avx2].into_iter().filter(|k| k.available()) {
+        for kernel in
+            [Kernel::Scalar, Kernel::Avx2, Kernel::Avx512].into_iter().filter(|k| k.available())
+        {
             let mut sums = Vec::new();
             for (beta1, grads) in [0.9, 0.3].into_iter().zip(grads.chunks(3)) {
                 let (mut p, mut q) = (p.clone(), Moments8::zeros(&tensors));
@@ -1097,8 +1132,10 @@ mod tests {
     /// thread and on three, with and without the image; the image is exactly bf16(masters).
     #[test]
     fn kernels_threads_and_image_are_bit_identical() {
-        let kernels: Vec<Kernel> =
-            [Kernel::Scalar, Kernel::Avx2].into_iter().filter(|k| k.available()).collect();
+        let kernels: Vec<Kernel> = [Kernel::Scalar, Kernel::Avx2, Kernel::Avx512]
+            .into_iter()
+            .filter(|k| k.available())
+            .collect();
         if kernels.len() < 2 {
             eprintln!("this CPU has no AVX2: only the scalar body is checked");
         }
