@@ -126,6 +126,9 @@ pub struct Code {
     /// be `< t` while no earlier one is `>= t`; `s <= 255`. One 16-byte load finds the first
     /// value `>= t` (s or s + 1) and both neighbours of `t` (the AVX2 body loads nothing else).
     pub(crate) window: Box<[[u32; 4]]>,
+    /// Byte `k` (little-endian) of the bits of each of the 256 values, per k: the byte tables
+    /// the AVX-512 body decodes with.
+    pub(crate) bytes: [[u8; 256]; 4],
 }
 
 impl std::ops::Deref for Code {
@@ -157,7 +160,8 @@ impl Code {
                 [at(s.checked_sub(1)), at(Some(s)), at(Some(s + 1)), s as u32]
             })
             .collect();
-        Code { scan, window }
+        let bytes = std::array::from_fn(|k| values.map(|c| (c.to_bits() >> (8 * k)) as u8));
+        Code { scan, window, bytes }
     }
 
     /// `self.partition_point(|&c| c < t)`: the first index whose value is `>= t` (256: none).
@@ -467,7 +471,7 @@ pub enum Kernel {
     Scalar,
     /// 8 elements per instruction with AVX2 (x86-64 CPUs that have it).
     Avx2,
-    /// 16 elements per instruction with AVX-512 F and DQ (x86-64 CPUs that have them).
+    /// 16 elements per instruction with AVX-512 F, DQ, BW and VBMI (x86-64 CPUs that have them).
     Avx512,
 }
 
@@ -487,6 +491,8 @@ impl Kernel {
             Kernel::Avx512 => {
                 std::arch::is_x86_feature_detected!("avx512f")
                     && std::arch::is_x86_feature_detected!("avx512dq")
+                    && std::arch::is_x86_feature_detected!("avx512bw")
+                    && std::arch::is_x86_feature_detected!("avx512vbmi")
             }
             #[cfg(not(target_arch = "x86_64"))]
             Kernel::Avx2 | Kernel::Avx512 => false,
@@ -736,8 +742,8 @@ fn block_avx512<const SMALL_LERP: bool, const IMAGE: bool>(
     seed: u64,
 ) {
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: `adamw8bit_update_with` refuses `Kernel::Avx512` unless this CPU has AVX-512 F and
-    // DQ.
+    // SAFETY: `adamw8bit_update_with` refuses `Kernel::Avx512` unless this CPU has AVX-512 F, DQ,
+    // BW and VBMI.
     unsafe {
         crate::optim::adamw8bit_avx512::update_block::<SMALL_LERP, IMAGE>(
             b, scratch, s, grad_scale, seed,

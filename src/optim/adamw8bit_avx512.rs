@@ -4,7 +4,8 @@
 //! draws (tested in `adamw8bit`'s tests).
 //!
 //! Data flow of one block: codes (u8) -> code values from the 256-entry table held in 16
-//! registers (8 two-register permutes, then a 3-level mask blend) -> `* absmax` -> m, sqrt(v) ->
+//! registers (each byte of the values by two byte permutes and a blend, 64 codes at a time)
+//! -> `* absmax` -> m, sqrt(v) ->
 //! fp32 AdamW element update (16 lanes) -> block absmax -> `t = x / absmax` -> bucket of t's
 //! bits -> one 16-byte window row per lane, transposed -> compare -> (lo, hi) and their values
 //! -> `p_hi` -> compare with the draw (splitmix64 with native 64-bit multiplies) -> code.
@@ -29,8 +30,8 @@ const LANES: usize = 16;
 /// bit). `scratch` holds the decoded m and sqrt(v).
 ///
 /// # Safety
-/// The CPU must support AVX-512 F and DQ.
-#[target_feature(enable = "avx512f,avx512dq")]
+/// The CPU must support AVX-512 F, DQ, BW and VBMI.
+#[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
 pub(crate) unsafe fn update_block<const SMALL_LERP: bool, const IMAGE: bool>(
     b: Q8Mut<'_>,
     scratch: &mut [[f32; QBLOCK]; 2],
@@ -59,7 +60,7 @@ pub(crate) unsafe fn update_block<const SMALL_LERP: bool, const IMAGE: bool>(
 
 /// [`encode`] of m (signed code, `seed`) and sqrt(v) (unsigned code, `!seed`) in one loop, given
 /// their scales `(am, av)`, both finite and non-zero: the lane groups share their index hashes.
-#[target_feature(enable = "avx512f,avx512dq")]
+#[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
 fn encode_both(
     mc: &mut [u8],
     vc: &mut [u8],
@@ -72,20 +73,23 @@ fn encode_both(
     let (inv_m, inv_v) = (1.0 / am, 1.0 / av);
     let body = m.len() / LANES * LANES;
     let (im, iv) = (_mm512_set1_ps(inv_m), _mm512_set1_ps(inv_v));
-    // First every element's window offset, then the windows read back by scalar loads (a
-    // separate pass, so the offsets come from memory, not from lane extracts).
+    // First every element's window offset and draws, then the windows read back by scalar
+    // loads (a separate pass, so the offsets come from memory, not from lane extracts, and the
+    // draws' long multiply chains overlap the offsets' arithmetic instead of the searches).
     let mut offsets = [[0u32; QBLOCK]; 2];
-    for i in (0..body).step_by(LANES) {
-        let r = i..i + LANES;
-        store_u32(
-            &mut offsets[0][r.clone()],
-            window_offsets(_mm512_mul_ps(load(&m[r.clone()]), im)),
-        );
-        store_u32(&mut offsets[1][r.clone()], window_offsets(_mm512_mul_ps(load(&v[r]), iv)));
-    }
+    let mut draws = [[0f32; QBLOCK]; 2];
     for i in (0..body).step_by(LANES) {
         let r = i..i + LANES;
         let ih = index_hashes(i);
+        let tm = _mm512_mul_ps(load(&m[r.clone()]), im);
+        let tv = _mm512_mul_ps(load(&v[r.clone()]), iv);
+        store_u32(&mut offsets[0][r.clone()], window_offsets(tm));
+        store_u32(&mut offsets[1][r.clone()], window_offsets(tv));
+        store(&mut draws[0][r.clone()], uniform16(seed, ih));
+        store(&mut draws[1][r], uniform16(!seed, ih));
+    }
+    for i in (0..body).step_by(LANES) {
+        let r = i..i + LANES;
         let (tm, tv) =
             (_mm512_mul_ps(load(&m[r.clone()]), im), _mm512_mul_ps(load(&v[r.clone()]), iv));
         // SAFETY: the offsets are `window_offsets`', inside the windows.
@@ -95,8 +99,8 @@ fn encode_both(
                 windows(&uc.window, &offsets[1][r.clone()]),
             )
         };
-        let qm = codes_in_windows(tm, uniform16(seed, ih), wm);
-        let qv = codes_in_windows(tv, uniform16(!seed, ih), wv);
+        let qm = codes_in_windows(tm, load(&draws[0][r.clone()]), wm);
+        let qv = codes_in_windows(tv, load(&draws[1][r.clone()]), wv);
         store_bytes(&mut mc[r.clone()], qm);
         store_bytes(&mut vc[r], qv);
     }
@@ -106,42 +110,82 @@ fn encode_both(
     }
 }
 
-/// `out[i] = code[q[i]] * absmax`, as `adamw8bit::dequantize_block`: the 256 code values sit in
-/// 16 registers; see [`lookup`].
-#[target_feature(enable = "avx512f,avx512dq")]
+/// Elements per [`decode`] group: one register of codes.
+const GROUP: usize = 64;
+
+/// `out[i] = code[q[i]] * absmax`, as `adamw8bit::dequantize_block`, 64 codes at a time: each
+/// of the 4 bytes of the code values is a 256-entry byte table in 4 registers, looked up by two
+/// 128-entry byte permutes and a blend on the code's top bit; the 4 bytes are then interleaved
+/// into f32 lanes.
+#[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
 fn decode(out: &mut [f32], q: &[u8], absmax: f32, code: &Code) {
-    let body = out.len() / LANES * LANES;
-    let table: [__m512; 16] = std::array::from_fn(|r| load(&code.scan[r * LANES..][..LANES]));
+    let body = out.len() / GROUP * GROUP;
+    let planes = byte_planes(code);
+    // Byte 16 L + 4 j + e goes to lane 4 L + e of output register j (see `interleave`): so the
+    // codes are first reordered, the element 16 j + 4 L + e to byte 16 L + 4 j + e.
+    // SAFETY: `ORDER` is 64 readable bytes, what an unaligned 64-byte load reads.
+    let order = unsafe { _mm512_loadu_si512(ORDER.as_ptr().cast()) };
     let a = _mm512_set1_ps(absmax);
-    for (o, q) in out[..body].chunks_exact_mut(LANES).zip(q[..body].chunks_exact(LANES)) {
-        let q: &[u8; LANES] = q.try_into().expect("a lane group");
-        // SAFETY: `q` is 16 readable bytes, what an unaligned 16-byte load reads.
-        let q = unsafe { _mm_loadu_si128(q.as_ptr().cast()) };
-        store(o, _mm512_mul_ps(lookup(&table, _mm512_cvtepu8_epi32(q)), a));
+    for (o, q) in out[..body].chunks_exact_mut(GROUP).zip(q[..body].chunks_exact(GROUP)) {
+        let q: &[u8; GROUP] = q.try_into().expect("a group");
+        // SAFETY: `q` is 64 readable bytes, what an unaligned 64-byte load reads.
+        let q = _mm512_permutexvar_epi8(order, unsafe { _mm512_loadu_si512(q.as_ptr().cast()) });
+        let top = _mm512_movepi8_mask(q);
+        let bytes: [__m512i; 4] = std::array::from_fn(|k| {
+            let [p0, p1, p2, p3] = planes[k];
+            let lo = _mm512_permutex2var_epi8(p0, q, p1);
+            let hi = _mm512_permutex2var_epi8(p2, q, p3);
+            _mm512_mask_blend_epi8(top, lo, hi)
+        });
+        for (j, v) in interleave(bytes).into_iter().enumerate() {
+            store(&mut o[j * LANES..][..LANES], _mm512_mul_ps(_mm512_castsi512_ps(v), a));
+        }
     }
     for (o, &q) in out[body..].iter_mut().zip(&q[body..]) {
         *o = code[q as usize] * absmax;
     }
 }
 
-/// `table[idx]` for 16 indices in 0..256, from a table of 256 values in 16 registers: each pair
-/// of registers (32 values) is permuted by the low 5 bits of the index, then bits 5, 6 and 7
-/// pick among the eight results.
-#[target_feature(enable = "avx512f,avx512dq")]
-fn lookup(table: &[__m512; 16], idx: __m512i) -> __m512 {
-    let p: [__m512; 8] =
-        std::array::from_fn(|j| _mm512_permutex2var_ps(table[2 * j], idx, table[2 * j + 1]));
-    let bit = |b: i32| _mm512_test_epi32_mask(idx, _mm512_set1_epi32(1 << b));
-    let k5 = bit(5);
-    let q: [__m512; 4] = std::array::from_fn(|j| _mm512_mask_blend_ps(k5, p[2 * j], p[2 * j + 1]));
-    let k6 = bit(6);
-    let r = [_mm512_mask_blend_ps(k6, q[0], q[1]), _mm512_mask_blend_ps(k6, q[2], q[3])];
-    _mm512_mask_blend_ps(bit(7), r[0], r[1])
+/// [`decode`]'s reordering of a group of codes: byte `16 L + 4 j + e` takes the code of element
+/// `16 j + 4 L + e` (L, j, e in 0..4).
+static ORDER: [u8; GROUP] = {
+    let mut t = [0u8; GROUP];
+    let mut p = 0;
+    while p < GROUP {
+        let (l, j, e) = (p / 16, p / 4 % 4, p % 4);
+        t[p] = (16 * j + 4 * l + e) as u8;
+        p += 1;
+    }
+    t
+};
+
+/// [`Code::bytes`] in registers: byte `k` of the 256 code values as four registers of 64.
+#[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
+fn byte_planes(code: &Code) -> [[__m512i; 4]; 4] {
+    std::array::from_fn(|k| {
+        let plane = &code.bytes[k];
+        // SAFETY: each quarter of `plane` is 64 readable bytes, what an unaligned load reads.
+        std::array::from_fn(|h| unsafe { _mm512_loadu_si512(plane[h * 64..].as_ptr().cast()) })
+    })
+}
+
+/// The f32 bits of 64 lanes from their 4 bytes (`bytes[k]` holds byte k of each), as four
+/// registers: in each 128-bit quarter L, register j holds the bytes at positions 4 j..4 j + 4.
+#[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
+fn interleave([b0, b1, b2, b3]: [__m512i; 4]) -> [__m512i; 4] {
+    let (w01_lo, w01_hi) = (_mm512_unpacklo_epi8(b0, b1), _mm512_unpackhi_epi8(b0, b1));
+    let (w23_lo, w23_hi) = (_mm512_unpacklo_epi8(b2, b3), _mm512_unpackhi_epi8(b2, b3));
+    [
+        _mm512_unpacklo_epi16(w01_lo, w23_lo),
+        _mm512_unpackhi_epi16(w01_lo, w23_lo),
+        _mm512_unpacklo_epi16(w01_hi, w23_hi),
+        _mm512_unpackhi_epi16(w01_hi, w23_hi),
+    ]
 }
 
 /// Encode one block stochastically, as `adamw8bit::quantize_block_stochastic` (same scale, same
 /// codes): returns the scale and writes one code per element.
-#[target_feature(enable = "avx512f,avx512dq")]
+#[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
 fn encode(codes: &mut [u8], x: &[f32], code: &Code, seed: u64) -> f32 {
     let absmax = absmax(x);
     if absmax == 0.0 || !absmax.is_finite() {
@@ -164,7 +208,7 @@ fn encode(codes: &mut [u8], x: &[f32], code: &Code, seed: u64) -> f32 {
 
 /// The largest `|x|`, skipping NaN: what `x.iter().fold(0, |a, v| a.max(v.abs()))` returns (the
 /// maximum of a set does not depend on the order it is taken in).
-#[target_feature(enable = "avx512f,avx512dq")]
+#[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
 fn absmax(x: &[f32]) -> f32 {
     let body = x.len() / LANES * LANES;
     let mut acc = _mm512_setzero_ps();
@@ -180,7 +224,7 @@ fn absmax(x: &[f32]) -> f32 {
 }
 
 /// Sixteen codes of `adamw8bit::stochastic_code`: `t` scaled values, `u` their draws.
-#[target_feature(enable = "avx512f,avx512dq")]
+#[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
 fn stochastic_codes(code: &Code, t: __m512, u: __m512) -> __m512i {
     let mut offsets = [0u32; LANES];
     store_u32(&mut offsets, window_offsets(t));
@@ -191,7 +235,7 @@ fn stochastic_codes(code: &Code, t: __m512, u: __m512) -> __m512i {
 /// The byte offsets in [`Code::window`] of the rows of `t` (`adamw8bit::row`: the bucket of |t|
 /// from its bits, plus BUCKETS when t's sign bit is set; 16 bytes a row). All are below
 /// `2 * BUCKETS * 16`, inside the window table.
-#[target_feature(enable = "avx512f,avx512dq")]
+#[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
 fn window_offsets(t: __m512) -> __m512i {
     let bits = _mm512_castps_si512(t);
     let mag = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fff_ffff));
@@ -204,7 +248,7 @@ fn window_offsets(t: __m512) -> __m512i {
 }
 
 /// The codes of `t` with draws `u`, given the windows of their rows (see [`windows`]).
-#[target_feature(enable = "avx512f,avx512dq")]
+#[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
 fn codes_in_windows(t: __m512, u: __m512, [below, at, above, s]: [__m512; 4]) -> __m512i {
     let s = _mm512_castps_si512(s);
     let one = splat(1);
@@ -228,7 +272,7 @@ fn codes_in_windows(t: __m512, u: __m512, [below, at, above, s]: [__m512; 4]) ->
 ///
 /// # Safety
 /// Every offset must be that of a row of `window` (16 times an index inside it).
-#[target_feature(enable = "avx512f,avx512dq")]
+#[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
 unsafe fn windows(window: &[[u32; 4]], offsets: &[u32]) -> [__m512; 4] {
     let o: &[u32; LANES] = offsets.try_into().expect("a lane group");
     let base = window.as_ptr().cast::<u8>();
@@ -255,7 +299,7 @@ unsafe fn windows(window: &[[u32; 4]], offsets: &[u32]) -> [__m512; 4] {
 }
 
 /// Stores 16 lanes (offsets go through memory: see `adamw8bit_avx2::store_u32`).
-#[target_feature(enable = "avx512f,avx512dq")]
+#[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
 fn store_u32(out: &mut [u32], v: __m512i) {
     let out: &mut [u32; LANES] = out.try_into().expect("a lane group");
     // SAFETY: `out` is 64 writable bytes, what an unaligned store writes.
@@ -264,7 +308,7 @@ fn store_u32(out: &mut [u32], v: __m512i) {
 
 /// [`INDEX_HASHES`] of the lane group `i0..i0 + 16` (i0 a multiple of 16 inside a block), as two
 /// vectors of eight 64-bit lanes.
-#[target_feature(enable = "avx512f,avx512dq")]
+#[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
 fn index_hashes(i0: usize) -> [__m512i; 2] {
     let h: &[u64; LANES] = INDEX_HASHES[i0..i0 + LANES].try_into().expect("a lane group");
     // SAFETY: `h` is 16 readable u64 (128 bytes), what the two unaligned loads read.
@@ -273,7 +317,7 @@ fn index_hashes(i0: usize) -> [__m512i; 2] {
 
 /// Draws `uniform(seed, i)` for the 16 lanes whose index hashes are `ih` (splitmix64's
 /// finaliser on 64-bit lanes).
-#[target_feature(enable = "avx512f,avx512dq")]
+#[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
 fn uniform16(seed: u64, ih: [__m512i; 2]) -> __m512 {
     let (lo, hi) = (top24(seed, ih[0]), top24(seed, ih[1]));
     // Each value sits in the low 32 bits of its 64-bit lane: the even 32-bit lanes of lo, then
@@ -287,7 +331,7 @@ fn uniform16(seed: u64, ih: [__m512i; 2]) -> __m512 {
 
 /// `z >> 40` of `uniform`'s hash, from each 64-bit lane's index hash `ih`. (Its final
 /// `z ^= z >> 31` leaves the top 24 bits alone, so it is skipped.)
-#[target_feature(enable = "avx512f,avx512dq")]
+#[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
 fn top24(seed: u64, ih: __m512i) -> __m512i {
     let k = |k: u64| _mm512_set1_epi64(k as i64);
     let mut z = _mm512_xor_si512(k(seed), ih);
@@ -303,31 +347,31 @@ fn top24(seed: u64, ih: __m512i) -> __m512i {
 }
 
 /// Stores the low byte of each 32-bit lane (each in 0..=255), in lane order.
-#[target_feature(enable = "avx512f,avx512dq")]
+#[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
 fn store_bytes(out: &mut [u8], v: __m512i) {
     let out: &mut [u8; LANES] = out.try_into().expect("a lane group");
     // SAFETY: `out` is 16 writable bytes, what an unaligned 16-byte store writes.
     unsafe { _mm_storeu_si128(out.as_mut_ptr().cast(), _mm512_cvtepi32_epi8(v)) };
 }
 
-#[target_feature(enable = "avx512f,avx512dq")]
+#[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
 fn splat(x: usize) -> __m512i {
     _mm512_set1_epi32(x as i32)
 }
 
-#[target_feature(enable = "avx512f,avx512dq")]
+#[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
 fn splat_i(x: i32) -> __m512i {
     _mm512_set1_epi32(x)
 }
 
-#[target_feature(enable = "avx512f,avx512dq")]
+#[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
 fn load(x: &[f32]) -> __m512 {
     let x: &[f32; LANES] = x.try_into().expect("a lane group");
     // SAFETY: `x` is 16 readable f32, what an unaligned load reads.
     unsafe { _mm512_loadu_ps(x.as_ptr()) }
 }
 
-#[target_feature(enable = "avx512f,avx512dq")]
+#[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
 fn store(out: &mut [f32], v: __m512) {
     let out: &mut [f32; LANES] = out.try_into().expect("a lane group");
     // SAFETY: `out` is 16 writable f32, what an unaligned store writes.
@@ -340,10 +384,9 @@ mod tests {
     use crate::optim::adamw8bit::{dequantize_block, quantize_block_stochastic};
 
     fn avx512() -> bool {
-        let ok = std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx512dq");
+        let ok = crate::optim::adamw8bit::Kernel::Avx512.available();
         if !ok {
-            eprintln!("skipped: this CPU has no AVX-512 F and DQ");
+            eprintln!("skipped: this CPU lacks AVX-512 F, DQ, BW or VBMI");
         }
         ok
     }
@@ -374,7 +417,7 @@ mod tests {
                     x[0] = 1.0; // the block's maximum: t is x itself
                     let (mut want, mut got) = (vec![0u8; x.len()], vec![0u8; x.len()]);
                     let a = quantize_block_stochastic(&mut want, &x, code, 77);
-                    // SAFETY: AVX-512 F and DQ were detected above.
+                    // SAFETY: AVX-512 F, DQ, BW and VBMI were detected above.
                     let b = unsafe { encode(&mut got, &x, code, 77) };
                     assert_eq!(a.to_bits(), b.to_bits(), "absmax, len {len}");
                     assert_eq!(got, want, "codes, len {len}");
@@ -392,10 +435,10 @@ mod tests {
         let q: Vec<u8> = (0..QBLOCK).map(|i| (i * 167 % 256) as u8).collect();
         for code in [signed_code(), unsigned_code()] {
             for absmax in [1.0f32, 3.7e-5, 0.0] {
-                for len in [1, 15, 16, 17, QBLOCK - 1, QBLOCK] {
+                for len in [1, 15, 16, 17, 63, 64, 65, 200, QBLOCK - 1, QBLOCK] {
                     let (mut want, mut got) = (vec![0f32; len], vec![9f32; len]);
                     dequantize_block(&mut want, &q[..len], absmax, code);
-                    // SAFETY: AVX-512 F and DQ were detected above.
+                    // SAFETY: AVX-512 F, DQ, BW and VBMI were detected above.
                     unsafe { decode(&mut got, &q[..len], absmax, code) };
                     let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
                     assert_eq!(bits(&got), bits(&want), "len {len}, absmax {absmax}");
@@ -412,7 +455,7 @@ mod tests {
         for seed in [0, 1, u64::MAX, 0x1234_5678_9abc_def0] {
             for i0 in (0..QBLOCK).step_by(LANES) {
                 let mut got = [0f32; LANES];
-                // SAFETY: AVX-512 F and DQ were detected above.
+                // SAFETY: AVX-512 F, DQ, BW and VBMI were detected above.
                 unsafe { store(&mut got, uniform16(seed, index_hashes(i0))) };
                 let want: Vec<f32> = (0..LANES).map(|l| uniform(seed, (i0 + l) as u64)).collect();
                 assert_eq!(
@@ -423,3 +466,4 @@ mod tests {
         }
     }
 }
+
