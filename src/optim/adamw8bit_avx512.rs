@@ -13,7 +13,8 @@
 //! What differs from the AVX2 body (`adamw8bit_avx2`): compares give masks, so selections are
 //! masked adds and blends instead of blendv; `_mm512_mullo_epi64` replaces the three 32-bit
 //! multiplies of each 64-bit one; decode reads the code from registers instead of one scalar
-//! load per element; the codes are narrowed to bytes by one `vpmovdb`.
+//! load per element; the codes are narrowed to bytes by one `vpmovdb`; each block asks for
+//! the next block's cache lines before it starts.
 
 use std::arch::x86_64::*;
 
@@ -41,6 +42,7 @@ pub(crate) unsafe fn update_block<const SMALL_LERP: bool, const IMAGE: bool>(
 ) {
     let (sc, uc) = (signed_code(), unsigned_code());
     let n = b.p.len();
+    prefetch_next_block(&b);
     let [m, v] = scratch;
     let (m, v) = (&mut m[..n], &mut v[..n]);
     decode(m, b.mc, b.ma[0], sc);
@@ -55,6 +57,27 @@ pub(crate) unsafe fn update_block<const SMALL_LERP: bool, const IMAGE: bool>(
         // A block of zeros (or of non-finite values): one moment at a time.
         b.ma[0] = encode(b.mc, m, sc, seed);
         b.va[0] = encode(b.vc, v, uc, !seed);
+    }
+}
+
+/// Asks for the cache lines of the block after `b` in the same buffers (masters, gradient,
+/// codes; the image too when there is one): a block computes for thousands of cycles between
+/// its streaming reads, too long for the hardware prefetcher to run ahead of them.
+#[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
+fn prefetch_next_block(b: &Q8Mut<'_>) {
+    let lines = |p: *const u8, bytes: usize| {
+        for off in (0..bytes).step_by(64) {
+            // A prefetch reads nothing architecturally and never faults: past the end of the
+            // buffer it is a hint about an address, not an access.
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(bytes + off).cast());
+        }
+    };
+    lines(b.p.as_ptr().cast(), 4 * QBLOCK);
+    lines(b.g.as_ptr().cast(), 4 * QBLOCK);
+    lines(b.mc.as_ptr(), QBLOCK);
+    lines(b.vc.as_ptr(), QBLOCK);
+    if !b.img.is_empty() {
+        lines(b.img.as_ptr().cast(), 2 * QBLOCK);
     }
 }
 
@@ -466,4 +489,3 @@ mod tests {
         }
     }
 }
-
