@@ -9,10 +9,11 @@
 //! Bytes moved per parameter (read + written):
 //! - `adamw`: fp32 AdamW (`adamw_update`): param, grad, m, v read, param, m, v written: 28.
 //! - `adamw_image`: the same writing the bf16 image (`adamw_update_image`): 28 + 2 = 30.
-//! - `adamw8bit_scalar`, `adamw8bit`: the 8-bit AdamW of `optimizer.memory: compact`
-//!   (`adamw8bit_update_with`) on its scalar body and on the fastest this CPU has (AVX2 where
-//!   present): param read and written (8), grad read (4), one byte of m and of sqrt(v) read and
-//!   written (4): 16 (plus 16 bytes of block scales per 256 parameters, not counted).
+//! - `adamw8bit_scalar`, `adamw8bit_avx2`, `adamw8bit`: the 8-bit AdamW of `optimizer.memory:
+//!   compact` (`adamw8bit_update_with`) on its scalar body, on its AVX2 body (printed only where
+//!   the CPU has AVX2) and on the fastest this CPU has (`Kernel::detect`: AVX-512, else AVX2):
+//!   param read and written (8), grad read (4), one byte of m and of sqrt(v) read and written
+//!   (4): 16 (plus 16 bytes of block scales per 256 parameters, not counted).
 //! - `adamw8bit_image`: the fastest 8-bit body writing the bf16 image: 18.
 //! - `accumulate_f32`: `acc += x` on fp32 slabs (`cpu::add_inplace`): acc read and written, x
 //!   read: 12.
@@ -135,6 +136,9 @@ fn main() {
 
     let mut ops = fp32_ops(n, &p0, &g);
     ops.push(q8_op("adamw8bit_scalar", Kernel::Scalar, false, &p0, &g));
+    if Kernel::Avx2.available() {
+        ops.push(q8_op("adamw8bit_avx2", Kernel::Avx2, false, &p0, &g));
+    }
     ops.push(q8_op("adamw8bit", Kernel::detect(), false, &p0, &g));
     ops.push(q8_op("adamw8bit_image", Kernel::detect(), true, &p0, &g));
     ops.extend(slab_ops(n, &g));
@@ -181,7 +185,9 @@ fn main() {
         let i = ops.iter().position(|o| o.key == key).expect("an op");
         secs[0][t] / secs[i][t]
     };
-    for key in ["adamw8bit_scalar", "adamw8bit", "adamw8bit_image", "adamw_image"] {
+    let keys =
+        ["adamw8bit_scalar", "adamw8bit_avx2", "adamw8bit", "adamw8bit_image", "adamw_image"];
+    for key in keys.into_iter().filter(|k| ops.iter().any(|o| o.key == *k)) {
         println!(
             "{key} / adamw (parameters/s): 1 thread {:.2}, {threads} threads {:.2}",
             ratio(key, 0),

@@ -19,14 +19,17 @@
 //!
 //! # Bodies
 //!
-//! A block runs on one of two bodies ([`Kernel`]): the scalar one here (the reference, and what
-//! every CPU runs) or the AVX2 one (`adamw8bit_avx2`, picked at run time by [`Kernel::detect`]),
-//! which is bit-identical: the same IEEE operations per element (no FMA), the same draws and
-//! the same code search. The search finds the first code value `>= t` from the bits of `t`: a
-//! bucket per 1/128 of a binary octave holds at most one code value, and a table row per bucket
-//! and sign ([`Code::window`]) holds the index to start from and the values either side, so one
-//! 16-byte load and one compare give both neighbours of `t`. Tests pin both bodies to a
-//! checksum recorded from the original implementation and to each other, over thread counts.
+//! A block runs on one of three bodies ([`Kernel`]): the scalar one here (the reference, and
+//! what every CPU runs), the AVX2 one (`adamw8bit_avx2`, 8 lanes) or the AVX-512 one
+//! (`adamw8bit_avx512`, 16 lanes: F, DQ, BW and VBMI; native 64-bit multiplies for the draws,
+//! the code values decoded from byte tables held in registers, masks for the selections).
+//! [`Kernel::detect`] picks the fastest the CPU runs at run time (AVX-512, else AVX2, else
+//! scalar). All three are bit-identical: the same IEEE operations per element (no FMA), the same
+//! draws and the same code search. The search finds the first code value `>= t` from the bits
+//! of `t`: a bucket per 1/128 of a binary octave holds at most one code value, and a table row
+//! per bucket and sign ([`Code::window`]) holds the index to start from and the values either
+//! side, so one 16-byte load and one compare give both neighbours of `t`. Tests pin every body to
+//! a checksum recorded from the original implementation and to each other, over thread counts.
 //!
 //! [`adamw8bit_update_with`] can also write the bf16 image of the new masters in the same pass
 //! (`Bf16::from_f32`), for the fp32 segments too; masters and moments are unchanged by it.
@@ -126,6 +129,9 @@ pub struct Code {
     /// be `< t` while no earlier one is `>= t`; `s <= 255`. One 16-byte load finds the first
     /// value `>= t` (s or s + 1) and both neighbours of `t` (the AVX2 body loads nothing else).
     pub(crate) window: Box<[[u32; 4]]>,
+    /// Byte `k` (little-endian) of the bits of each of the 256 values, per k: the byte tables
+    /// the AVX-512 body decodes with.
+    pub(crate) bytes: [[u8; 256]; 4],
 }
 
 impl std::ops::Deref for Code {
@@ -157,7 +163,8 @@ impl Code {
                 [at(s.checked_sub(1)), at(Some(s)), at(Some(s + 1)), s as u32]
             })
             .collect();
-        Code { scan, window }
+        let bytes = std::array::from_fn(|k| values.map(|c| (c.to_bits() >> (8 * k)) as u8));
+        Code { scan, window, bytes }
     }
 
     /// `self.partition_point(|&c| c < t)`: the first index whose value is `>= t` (256: none).
@@ -460,19 +467,21 @@ pub struct Moments8Mut<'a> {
     pub v32: &'a mut [f32],
 }
 
-/// Which body runs the 8-bit blocks. Both give bit-identical results.
+/// Which body runs the 8-bit blocks. All give bit-identical results.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kernel {
     /// Plain Rust, one element at a time: the reference, and what every CPU runs.
     Scalar,
     /// 8 elements per instruction with AVX2 (x86-64 CPUs that have it).
     Avx2,
+    /// 16 elements per instruction with AVX-512 F, DQ, BW and VBMI (x86-64 CPUs that have them).
+    Avx512,
 }
 
 impl Kernel {
     /// The fastest body this CPU runs.
     pub fn detect() -> Kernel {
-        if Kernel::Avx2.available() { Kernel::Avx2 } else { Kernel::Scalar }
+        [Kernel::Avx512, Kernel::Avx2].into_iter().find(|k| k.available()).unwrap_or(Kernel::Scalar)
     }
 
     /// Whether this CPU runs this body.
@@ -481,8 +490,15 @@ impl Kernel {
             Kernel::Scalar => true,
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx2 => std::arch::is_x86_feature_detected!("avx2"),
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512 => {
+                std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx512dq")
+                    && std::arch::is_x86_feature_detected!("avx512bw")
+                    && std::arch::is_x86_feature_detected!("avx512vbmi")
+            }
             #[cfg(not(target_arch = "x86_64"))]
-            Kernel::Avx2 => false,
+            Kernel::Avx2 | Kernel::Avx512 => false,
         }
     }
 }
@@ -671,6 +687,9 @@ fn update_task<const SMALL_LERP: bool, const IMAGE: bool>(
                 block_scalar::<SMALL_LERP, IMAGE>(block, &mut scratch, s, grad_scale, bs)
             }
             Kernel::Avx2 => block_avx2::<SMALL_LERP, IMAGE>(block, &mut scratch, s, grad_scale, bs),
+            Kernel::Avx512 => {
+                block_avx512::<SMALL_LERP, IMAGE>(block, &mut scratch, s, grad_scale, bs)
+            }
         }
     }
 }
@@ -714,6 +733,29 @@ fn block_avx2<const SMALL_LERP: bool, const IMAGE: bool>(
     {
         let _ = (scratch, s, grad_scale, seed);
         unreachable!("adamw8bit_update_with refuses Kernel::Avx2 off x86-64 ({})", b.p.len());
+    }
+}
+
+/// [`block_scalar`] on the AVX-512 body.
+fn block_avx512<const SMALL_LERP: bool, const IMAGE: bool>(
+    b: Q8Mut<'_>,
+    scratch: &mut [[f32; QBLOCK]; 2],
+    s: &AdamWStep,
+    grad_scale: f32,
+    seed: u64,
+) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `adamw8bit_update_with` refuses `Kernel::Avx512` unless this CPU has AVX-512 F, DQ,
+    // BW and VBMI.
+    unsafe {
+        crate::optim::adamw8bit_avx512::update_block::<SMALL_LERP, IMAGE>(
+            b, scratch, s, grad_scale, seed,
+        )
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (scratch, s, grad_scale, seed);
+        unreachable!("adamw8bit_update_with refuses Kernel::Avx512 off x86-64 ({})", b.p.len());
     }
 }
 
@@ -990,7 +1032,9 @@ mod tests {
                 g.clone()
             })
             .collect();
-        for kernel in [Kernel::Scalar, Kernel::Avx2].into_iter().filter(|k| k.available()) {
+        for kernel in
+            [Kernel::Scalar, Kernel::Avx2, Kernel::Avx512].into_iter().filter(|k| k.available())
+        {
             let mut sums = Vec::new();
             for (beta1, grads) in [0.9, 0.3].into_iter().zip(grads.chunks(3)) {
                 let (mut p, mut q) = (p.clone(), Moments8::zeros(&tensors));
@@ -1093,14 +1137,19 @@ mod tests {
         }
     }
 
-    /// The AVX2 body is bit-identical to the scalar one (every code, scale and master), on one
+    /// The AVX2 and AVX-512 bodies are bit-identical to the scalar one (every code, scale and master), on one
     /// thread and on three, with and without the image; the image is exactly bf16(masters).
     #[test]
     fn kernels_threads_and_image_are_bit_identical() {
-        let kernels: Vec<Kernel> =
-            [Kernel::Scalar, Kernel::Avx2].into_iter().filter(|k| k.available()).collect();
+        let kernels: Vec<Kernel> = [Kernel::Scalar, Kernel::Avx2, Kernel::Avx512]
+            .into_iter()
+            .filter(|k| k.available())
+            .collect();
         if kernels.len() < 2 {
             eprintln!("this CPU has no AVX2: only the scalar body is checked");
+        }
+        if kernels.len() < 3 {
+            eprintln!("this CPU lacks AVX-512 F, DQ, BW or VBMI: its body is not checked");
         }
         for beta1 in [0.9, 0.3] {
             let want = run_q8(Kernel::Scalar, false, 1, beta1);

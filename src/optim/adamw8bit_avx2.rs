@@ -238,7 +238,7 @@ fn store_u32(out: &mut [u32], v: __m256i) {
 
 /// `i * 0x9E37_79B9_7F4A_7C15` (wrapping) for the indices of a block: the first step of
 /// [`uniform`]'s hash, the same for every block and both moments.
-static INDEX_HASHES: [u64; QBLOCK] = {
+pub(crate) static INDEX_HASHES: [u64; QBLOCK] = {
     let mut t = [0u64; QBLOCK];
     let mut i = 0;
     while i < QBLOCK {

@@ -4,6 +4,8 @@ pub mod adamw;
 pub mod adamw8bit;
 #[cfg(target_arch = "x86_64")]
 mod adamw8bit_avx2;
+#[cfg(target_arch = "x86_64")]
+mod adamw8bit_avx512;
 pub mod moments;
 pub mod state;
 
