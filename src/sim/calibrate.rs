@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use horizon_backend::bf16::{Bf16, add_bf16, expand_bf16, round_to_bf16};
 use horizon_backend::cpu::add_inplace;
-use horizon_backend::{Backend, CpuBackend, Dinp};
+use horizon_backend::{Backend, CpuBackend, Dinp, Queue};
 
 use crate::model::layout::ModelLayout;
 use crate::model::spec::AttnSpec;
@@ -221,7 +221,7 @@ pub struct HostMeasured {
     pool: rayon::ThreadPool,
     layout: ModelLayout,
     memo: RefCell<HashMap<(HostPass, usize), f64>>,
-    copies: RefCell<HashMap<usize, f64>>,
+    copies: RefCell<HashMap<(Queue, usize), f64>>,
     dispatch_s: f64,
 }
 
@@ -392,11 +392,16 @@ fn time_gather(layout: &ModelLayout, n: usize) -> f64 {
     median_cycling(&mut b, |(table, out)| embed_rows(out, &ids, table, layout))
 }
 
-/// A copy queue's memcpy of `bytes`, on this thread, from and to buffers cycled cold.
-fn time_memcpy(bytes: usize) -> f64 {
+/// Copy queue `q`'s memcpy of `bytes`, on this thread. An upload reads the host's state and
+/// writes a device slot, both out of the cache (cycled cold); a download reads what a kernel
+/// has just written (in the cache: one source) into the host's staging (cycled cold).
+fn time_memcpy(q: Queue, bytes: usize) -> f64 {
     let n = bytes.div_ceil(4);
-    let mut b: Vec<_> = (0..cold_sets(8 * n)).map(|k| (filled(n, k), vec![0.0f32; n])).collect();
-    median_cycling(&mut b, |(src, dst)| dst.copy_from_slice(src))
+    let sets = cold_sets(8 * n);
+    let src: Vec<Vec<f32>> =
+        (0..if q == Queue::H2D { sets } else { 1 }).map(|k| filled(n, k)).collect();
+    let mut b: Vec<_> = (0..sets).map(|k| (k % src.len(), vec![0.0f32; n])).collect();
+    median_cycling(&mut b, |(k, dst)| dst.copy_from_slice(&src[*k]))
 }
 
 impl HostModel for HostMeasured {
@@ -416,15 +421,15 @@ impl HostModel for HostMeasured {
         self.dispatch_s
     }
 
-    fn memcpy(&self, bytes: usize) -> f64 {
+    fn memcpy(&self, q: Queue, bytes: usize) -> f64 {
         if bytes == 0 {
             return 0.0;
         }
-        if let Some(&s) = self.copies.borrow().get(&bytes) {
+        if let Some(&s) = self.copies.borrow().get(&(q, bytes)) {
             return s;
         }
-        let s = time_memcpy(bytes);
-        self.copies.borrow_mut().insert(bytes, s);
+        let s = time_memcpy(q, bytes);
+        self.copies.borrow_mut().insert((q, bytes), s);
         s
     }
 }
@@ -456,6 +461,7 @@ mod tests {
         for p in [HostPass::Measure, HostPass::Zero, HostPass::Scatter, HostPass::Gather] {
             assert!(h.pass(p, 64 * layout.dims.c) > 0.0, "{p:?}");
         }
-        assert!(h.memcpy(1 << 20) > h.memcpy(1 << 10), "a bigger copy takes longer");
+        let (big, small) = (h.memcpy(Queue::H2D, 1 << 22), h.memcpy(Queue::H2D, 1 << 10));
+        assert!(big > small, "a bigger copy takes longer: {small} vs {big}");
     }
 }

@@ -84,9 +84,9 @@ pub trait HostModel {
     fn pass(&self, pass: HostPass, elems: usize) -> f64;
     /// Fixed seconds of handing one op to the host queue's pool, besides its passes.
     fn dispatch(&self) -> f64;
-    /// Seconds of a copy queue's memcpy of `bytes` (the CPU device's link copies), on one
+    /// Seconds of copy queue `q`'s memcpy of `bytes` (the CPU device's link copies), on one
     /// thread.
-    fn memcpy(&self, bytes: usize) -> f64;
+    fn memcpy(&self, q: Queue, bytes: usize) -> f64;
 }
 
 /// The rate-based host model (the GPU profiles): a pass over `n` elements takes
@@ -135,7 +135,7 @@ impl HostModel for HostByRates<'_> {
         0.0
     }
 
-    fn memcpy(&self, bytes: usize) -> f64 {
+    fn memcpy(&self, _: Queue, bytes: usize) -> f64 {
         2.0 * bytes as f64 / (self.host.rates.copy_gbps * 1e9)
     }
 }
@@ -260,14 +260,13 @@ impl CostModel<'_> {
         self.device.stream(n * c * 3.0 * ACT_BYTES) + self.device.launch()
     }
 
-    /// A copy thread's memcpy of `bytes`: its time alone and the share of the host it uses.
-    fn host_thread(&self, bytes: f64) -> Cost {
-        Cost::host(self.host.memcpy(bytes as usize), 1.0 / self.hw.host.cores as f64)
+    /// Copy queue `q`'s memcpy of `bytes`: its time alone and the share of the host it uses.
+    fn host_thread(&self, q: Queue, bytes: f64) -> Cost {
+        Cost::host(self.host.memcpy(q, bytes as usize), 1.0 / self.hw.host.cores as f64)
     }
 
-    /// Host work of the host queue: on the engine's own pool of `host_threads` threads, so at
-    /// most that share of the host's cores.
-    /// Besides `s`, the fixed cost of handing the op to the pool.
+    /// Host work `s` of the host queue, and the fixed cost of handing it to the pool: on the
+    /// engine's own pool of `host_threads` threads, so at most that share of the host's cores.
     fn pool(&self, s: f64) -> Cost {
         let share = (self.host_threads as f64 / self.hw.host.cores as f64).min(1.0);
         Cost::host(s + self.host.dispatch(), share)
@@ -286,7 +285,7 @@ impl CostModel<'_> {
         let wire = if gbps > 0.0 { bytes / (gbps * 1e9) + link.latency_us * 1e-6 } else { 0.0 };
         let c = Cost::fixed(wire);
         if self.device.on_host() {
-            let m = self.host_thread(bytes);
+            let m = self.host_thread(q, bytes);
             c.with_host(m.host_s, m.host_share)
         } else {
             c
@@ -490,6 +489,6 @@ mod tests {
         assert!((capped - n as f64 * 28.0 / 10e9).abs() < 1e-12, "{capped}");
         let by = HostByRates { host: &fast, threads: 2 };
         assert_eq!(by.dispatch(), 0.0, "the rate model has no fixed costs");
-        assert!((by.memcpy(1000) - 2000.0 / (r.copy_gbps * 1e9)).abs() < 1e-15);
+        assert!((by.memcpy(Queue::H2D, 1000) - 2000.0 / (r.copy_gbps * 1e9)).abs() < 1e-15);
     }
 }
