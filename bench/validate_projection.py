@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Does the projection predict a real run? For each case, `horizon plan --hardware this-cpu`
-(the CPU device's kernels and host rates measured on this machine, the simulated link at the
+(the CPU device's kernels and host work timed on this machine, the simulated link at the
 config's device.link_gbps) against `horizon bench` of the same config (the CPU device running
 the same plan for real): steady step time and the busy seconds per step of each queue.
 

@@ -1,20 +1,25 @@
 //! `this-cpu`: the CPU device on this machine. Its kernels run on the host's cores, so its
 //! "device" costs are the CPU backend's own kernel times, measured here at the shapes the plan
 //! uses (each product and attention shape once, the median of a few runs, memoised), and its
-//! host rates are measured here too (a few million elements each). The link is the CPU
-//! device's simulated one (`device.link_gbps`).
+//! host work is timed here too ([`HostMeasured`]: each pass the host queue runs, at the plan's
+//! sizes, on a pool of the engine's host threads). The link is the CPU device's simulated one
+//! (`device.link_gbps`).
 
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::time::Instant;
 
-use horizon_backend::bf16::{Bf16, add_bf16, round_to_bf16};
-use horizon_backend::{Backend, CpuBackend, Dinp};
+use horizon_backend::bf16::{Bf16, add_bf16, expand_bf16, round_to_bf16};
+use horizon_backend::cpu::add_inplace;
+use horizon_backend::{Backend, CpuBackend, Dinp, Queue};
 
+use crate::model::layout::ModelLayout;
 use crate::model::spec::AttnSpec;
-use crate::optim::adamw::{AdamWConfig, AdamWStep, adamw_update};
-use crate::optim::adamw8bit::{Moments8, adamw8bit_update};
-use crate::sim::cost::DeviceModel;
+use crate::model::transformer::{embed_rows, embed_rows_backward};
+use crate::optim::adamw::{AdamWConfig, AdamWStep, sum_squares};
+use crate::optim::adamw8bit::Moments8;
+use crate::optim::moments::{Moments, Moments32};
+use crate::sim::cost::{DeviceModel, HostModel, HostPass};
 use crate::sim::hardware::{Gpu, Hardware, Host, HostRates, Link};
 
 /// An attention shape: heads, kv heads, head dim, window, sequences, positions, backward.
@@ -173,56 +178,14 @@ impl DeviceModel for CpuMeasured {
     }
 }
 
-/// This machine's host rates per core, measured on a pool of `threads` threads (the engine's
-/// host pool, `engine.host_threads`) and divided by them.
-pub fn measure_host_rates(threads: usize) -> HostRates {
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a host pool");
-    pool.install(|| host_rates_here(threads))
-}
-
-fn host_rates_here(threads: usize) -> HostRates {
-    let n = 4 << 20;
-    let mut p: Vec<f32> = (0..n).map(|i| (i % 1000) as f32 * 1e-3 - 0.5).collect();
-    let g: Vec<f32> = (0..n).map(|i| (i % 777) as f32 * 1e-4 - 0.03).collect();
-    let (mut m, mut v) = (vec![0.0f32; n], vec![0.0f32; n]);
-    let cfg = AdamWConfig { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 };
-    let st = AdamWStep::new(&cfg, 1, cfg.lr);
-    let per = |s: f64| n as f64 / s / threads as f64;
-    let adamw = per(median_of(REPS, || adamw_update(&mut p, &g, &mut m, &mut v, &st, 1.0)));
-    let mut q = Moments8::zeros(&[n]);
-    let adamw8bit =
-        per(median_of(REPS, || adamw8bit_update(&mut p, &g, q.view_mut(), &st, 1.0, 7)));
-    let mut acc = vec![0.0f32; n];
-    let be = CpuBackend::new();
-    let accumulate_f32 = per(median_of(REPS, || be.add_inplace(&mut acc, &g)));
-    let mut h = vec![Bf16(0); n];
-    let round_bf16 = per(median_of(REPS, || round_to_bf16(&mut h, &g)));
-    let accumulate_bf16 = per(median_of(REPS, || add_bf16(&mut acc, &h)));
-    let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().expect("a 1-thread pool");
-    let copy_gbps = one.install(|| {
-        let s = median_of(REPS, || acc.copy_from_slice(&g));
-        8.0 * n as f64 / s * 1e-9
-    });
-    HostRates {
-        adamw,
-        adamw_image: adamw,
-        adamw8bit,
-        adamw8bit_image: adamw8bit,
-        accumulate_f32,
-        accumulate_bf16,
-        round_bf16,
-        copy_gbps,
-    }
-}
-
 /// The `this-cpu` profile: the CPU device's link at `link_gbps` (0: free), this machine's
-/// cores and host rates (on `host_threads` threads). Its `gpu` figures are unused (the device
-/// model is [`CpuMeasured`]).
-pub fn this_cpu(link_gbps: f64, host_memory_bytes: u64, host_threads: usize) -> Hardware {
+/// cores. Its `gpu` figures and host rates are unused (the device model is [`CpuMeasured`],
+/// the host model [`HostMeasured`]).
+pub fn this_cpu(link_gbps: f64, host_memory_bytes: u64) -> Hardware {
     let cores = rayon::current_num_threads();
     Hardware {
         name: "this-cpu".to_string(),
-        about: "the CPU device on this machine: kernel and host rates measured now".to_string(),
+        about: "the CPU device on this machine: its kernels and host work timed now".to_string(),
         gpu: Gpu {
             bf16_tflops: 1.0,
             hbm_gbps: 1.0,
@@ -236,10 +199,269 @@ pub fn this_cpu(link_gbps: f64, host_memory_bytes: u64, host_threads: usize) -> 
         link: Link { h2d_gbps: link_gbps, d2h_gbps: link_gbps, latency_us: 0.0 },
         host: Host {
             cores,
-            // The measured rates already include this machine's bandwidth limit.
+            // The measured times already include this machine's bandwidth limit.
             mem_gbps: f64::INFINITY,
             memory_gib: host_memory_bytes as f64 / (1u64 << 30) as f64,
-            rates: measure_host_rates(host_threads),
+            rates: HostRates::default(),
         },
+    }
+}
+
+/// Bytes of buffers a host pass is timed over, in turn, so that each run finds its data out of
+/// the cache, as the engine's passes do (a step cycles through all of the host's state):
+/// more than the last-level cache of the machines this runs on.
+const COLD_BYTES: usize = 128 << 20;
+
+/// The host's work timed on this machine (see the module): each pass at the sizes the plan
+/// asks for, on a pool of the engine's host threads, over buffers cycled so that each run
+/// starts cold; memoised. What bench counts as a host op's busy time is the host queue's
+/// `pool.install` of its passes: the passes, and handing them to the pool, measured apart
+/// ([`HostModel::dispatch`]) because one op can run several passes.
+pub struct HostMeasured {
+    pool: rayon::ThreadPool,
+    layout: ModelLayout,
+    memo: RefCell<HashMap<(HostPass, usize), f64>>,
+    copies: RefCell<HashMap<(Queue, usize), f64>>,
+    dispatch_s: f64,
+}
+
+/// The median time of `f` over `sets` buffers in turn (each run on the next), after one
+/// untimed run on every set (which also maps their pages: a fresh `vec!` of zeros is not).
+fn median_cycling<S>(sets: &mut [S], mut f: impl FnMut(&mut S)) -> f64 {
+    sets.iter_mut().for_each(&mut f);
+    let mut t: Vec<f64> = (0..REPS)
+        .map(|k| {
+            let s = &mut sets[k % sets.len()];
+            let t0 = Instant::now();
+            f(s);
+            t0.elapsed().as_secs_f64()
+        })
+        .collect();
+    t.sort_by(f64::total_cmp);
+    t[REPS / 2]
+}
+
+/// How many buffer sets of `bytes` each make [`COLD_BYTES`] (1 to 8).
+fn cold_sets(bytes: usize) -> usize {
+    COLD_BYTES.div_ceil(bytes.max(1)).clamp(1, 8)
+}
+
+/// Values in -0.5..0.5, distinct per set, so no pass meets only zeros.
+fn filled(n: usize, salt: usize) -> Vec<f32> {
+    (0..n).map(|i| ((i * 7 + salt) % 1000) as f32 * 1e-3 - 0.5).collect()
+}
+
+impl HostMeasured {
+    /// A pool of `threads` host threads, and the cost of handing it one op from outside.
+    pub fn new(threads: usize, layout: &ModelLayout) -> Self {
+        let pool =
+            rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a host pool");
+        let dispatch_s = dispatch_time(&pool);
+        HostMeasured {
+            pool,
+            layout: layout.clone(),
+            memo: RefCell::default(),
+            copies: RefCell::default(),
+            dispatch_s,
+        }
+    }
+
+    /// `f`, run inside the pool from this thread (as the host queue does), timed there.
+    fn on_pool(&self, f: impl FnOnce() -> f64 + Send) -> f64 {
+        self.pool.install(f)
+    }
+
+    /// Seconds of `pass` over `n` elements, measured.
+    fn measure(&self, pass: HostPass, n: usize) -> f64 {
+        match pass {
+            HostPass::Update { eight_bit, image } => {
+                self.on_pool(|| time_update(n, eight_bit, image))
+            }
+            HostPass::Measure => self.on_pool(|| {
+                let mut g: Vec<Vec<f32>> = (0..cold_sets(4 * n)).map(|k| filled(n, k)).collect();
+                median_cycling(&mut g, |g| {
+                    std::hint::black_box(sum_squares(g));
+                })
+            }),
+            HostPass::Accumulate { bf16_slab } => self.on_pool(|| time_accumulate(n, bf16_slab)),
+            HostPass::Expand => self.on_pool(|| {
+                let sets = cold_sets(6 * n);
+                let mut b: Vec<_> =
+                    (0..sets).map(|_| (vec![0.0f32; n], vec![Bf16(0x3f80); n])).collect();
+                median_cycling(&mut b, |(g, h)| expand_bf16(g, h))
+            }),
+            HostPass::Zero => self.on_pool(|| {
+                let mut g: Vec<Vec<f32>> = (0..cold_sets(4 * n)).map(|k| filled(n, k)).collect();
+                median_cycling(&mut g, |g| g.fill(0.0))
+            }),
+            HostPass::Scatter => {
+                let layout = &self.layout;
+                self.on_pool(|| time_scatter(layout, n))
+            }
+            // On the H2D queue's thread, over the global pool: not on the host pool.
+            HostPass::Gather => time_gather(&self.layout, n),
+            HostPass::Round => self.on_pool(|| {
+                let sets = cold_sets(6 * n);
+                let mut b: Vec<_> = (0..sets).map(|k| (filled(n, k), vec![Bf16(0); n])).collect();
+                median_cycling(&mut b, |(g, h)| round_to_bf16(h, g))
+            }),
+        }
+    }
+}
+
+/// An empty op handed to `pool` from outside it, after the pool has gone idle (its workers
+/// asleep, as between the host queue's ops): the median of several.
+fn dispatch_time(pool: &rayon::ThreadPool) -> f64 {
+    let mut t: Vec<f64> = (0..4 * REPS)
+        .map(|_| {
+            std::thread::sleep(std::time::Duration::from_millis(2));
+            let t0 = Instant::now();
+            pool.install(|| rayon::join(|| (), || ()));
+            t0.elapsed().as_secs_f64()
+        })
+        .collect();
+    t.sort_by(f64::total_cmp);
+    t[t.len() / 2]
+}
+
+/// AdamW over `n` elements as the host queue runs it (the engine's [`Moments`]).
+fn time_update(n: usize, eight_bit: bool, image: bool) -> f64 {
+    let cfg = AdamWConfig { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 };
+    let st = AdamWStep::new(&cfg, 1, cfg.lr);
+    let per_elem = if eight_bit { 10 } else { 16 } + if image { 2 } else { 0 };
+    let sets = cold_sets(per_elem * n);
+    let img = |_| if image { vec![Bf16(0); n] } else { Vec::new() };
+    if eight_bit {
+        let mut b: Vec<_> = (0..sets)
+            .map(|k| (filled(n, k), filled(n, k + 1), Moments8::zeros(&[n]), img(k)))
+            .collect();
+        median_cycling(&mut b, |(p, g, q, i)| {
+            q.view_mut().update(p, g, &st, 1.0, 7, image_of(i, image))
+        })
+    } else {
+        let mut b: Vec<_> = (0..sets)
+            .map(|k| (filled(n, k), filled(n, k + 1), vec![0.0f32; n], vec![0.0f32; n], img(k)))
+            .collect();
+        median_cycling(&mut b, |(p, g, m, v, i)| {
+            Moments32 { m, v }.update(p, g, &st, 1.0, 7, image_of(i, image))
+        })
+    }
+}
+
+/// The image argument of an update: `i` when it writes one.
+fn image_of(i: &mut [Bf16], image: bool) -> Option<&mut [Bf16]> {
+    if image { Some(i) } else { None }
+}
+
+/// A slab of `n` elements, fp32 or bf16 as it travelled, added into fp32 gradients.
+fn time_accumulate(n: usize, bf16_slab: bool) -> f64 {
+    match bf16_slab {
+        false => {
+            let mut b: Vec<_> =
+                (0..cold_sets(8 * n)).map(|k| (filled(n, k), filled(n, k + 1))).collect();
+            median_cycling(&mut b, |(acc, g)| add_inplace(acc, g))
+        }
+        true => {
+            let mut b: Vec<_> =
+                (0..cold_sets(6 * n)).map(|k| (filled(n, k), vec![Bf16(0x3c00); n])).collect();
+            median_cycling(&mut b, |(acc, g)| add_bf16(acc, g))
+        }
+    }
+}
+
+/// Staged ids of `rows` rows over a vocabulary of `v`: spread over the table.
+fn ids(rows: usize, v: usize) -> Vec<i32> {
+    (0..rows).map(|i| ((i * 2_654_435_761) % v) as i32).collect()
+}
+
+/// The embedding's scatter-add of `n` staged elements (rows x C) into its gradient.
+fn time_scatter(layout: &ModelLayout, n: usize) -> f64 {
+    let (c, v) = (layout.dims.c, layout.dims.v);
+    let ids = ids(n / c, v);
+    let sets = cold_sets(4 * (v * c + 2 * n));
+    let mut b: Vec<_> = (0..sets).map(|k| (vec![0.0f32; v * c], filled(n / c * c, k))).collect();
+    median_cycling(&mut b, |(table, dx)| embed_rows_backward(table, &ids, dx, layout))
+}
+
+/// The embedding gather of `n` elements (rows x C) from the table, on this thread.
+fn time_gather(layout: &ModelLayout, n: usize) -> f64 {
+    let (c, v) = (layout.dims.c, layout.dims.v);
+    let ids = ids(n / c, v);
+    let sets = cold_sets(4 * (v * c + n));
+    let mut b: Vec<_> = (0..sets).map(|k| (filled(v * c, k), vec![0.0f32; n / c * c])).collect();
+    median_cycling(&mut b, |(table, out)| embed_rows(out, &ids, table, layout))
+}
+
+/// Copy queue `q`'s memcpy of `bytes`, on this thread. An upload reads the host's state and
+/// writes a device slot, both out of the cache (cycled cold); a download reads what a kernel
+/// has just written (in the cache: one source) into the host's staging (cycled cold).
+fn time_memcpy(q: Queue, bytes: usize) -> f64 {
+    let n = bytes.div_ceil(4);
+    let sets = cold_sets(8 * n);
+    let src: Vec<Vec<f32>> =
+        (0..if q == Queue::H2D { sets } else { 1 }).map(|k| filled(n, k)).collect();
+    let mut b: Vec<_> = (0..sets).map(|k| (k % src.len(), vec![0.0f32; n])).collect();
+    median_cycling(&mut b, |(k, dst)| dst.copy_from_slice(&src[*k]))
+}
+
+impl HostModel for HostMeasured {
+    fn pass(&self, pass: HostPass, elems: usize) -> f64 {
+        if elems == 0 {
+            return 0.0;
+        }
+        if let Some(&s) = self.memo.borrow().get(&(pass, elems)) {
+            return s;
+        }
+        let s = self.measure(pass, elems);
+        self.memo.borrow_mut().insert((pass, elems), s);
+        s
+    }
+
+    fn dispatch(&self) -> f64 {
+        self.dispatch_s
+    }
+
+    fn memcpy(&self, q: Queue, bytes: usize) -> f64 {
+        if bytes == 0 {
+            return 0.0;
+        }
+        if let Some(&s) = self.copies.borrow().get(&(q, bytes)) {
+            return s;
+        }
+        let s = time_memcpy(q, bytes);
+        self.copies.borrow_mut().insert((q, bytes), s);
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The layout of the test fixture's small Llama.
+    fn tiny_layout() -> ModelLayout {
+        let cfg = crate::hf::config::ModelConfig::from_file(std::path::Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/llama_gqa/model/config.json"
+        )))
+        .unwrap();
+        ModelLayout::new(&cfg)
+    }
+
+    #[test]
+    fn host_passes_are_timed_once_and_grow_with_size() {
+        let layout = tiny_layout();
+        let h = HostMeasured::new(2, &layout);
+        assert!(h.dispatch() > 0.0 && h.dispatch() < 0.01, "{}", h.dispatch());
+        let update = HostPass::Update { eight_bit: false, image: false };
+        let (small, big) = (h.pass(update, 1 << 12), h.pass(update, 1 << 20));
+        assert!(small > 0.0 && big > small, "{small} vs {big}");
+        assert_eq!(h.pass(update, 1 << 20), big, "memoised");
+        assert_eq!(h.pass(HostPass::Measure, 0), 0.0);
+        for p in [HostPass::Measure, HostPass::Zero, HostPass::Scatter, HostPass::Gather] {
+            assert!(h.pass(p, 64 * layout.dims.c) > 0.0, "{p:?}");
+        }
+        let (big, small) = (h.memcpy(Queue::H2D, 1 << 22), h.memcpy(Queue::H2D, 1 << 10));
+        assert!(big > small, "a bigger copy takes longer: {small} vs {big}");
     }
 }

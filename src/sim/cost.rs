@@ -1,7 +1,7 @@
 //! The cost model: how long each op of a plan takes on a [`Hardware`] profile (see
 //! ARCHITECTURE.md, "Projection"). Device ops by roofline (or, on `this-cpu`, by this machine's
-//! measured kernel times), copies by the link's bandwidth, host ops by their bytes and the
-//! host's rates.
+//! measured kernel times), copies by the link's bandwidth, host ops by a [`HostModel`] (their
+//! bytes and the host's rates, or on `this-cpu` the passes themselves timed here).
 
 use horizon_backend::Queue;
 
@@ -12,7 +12,7 @@ use crate::model::base::BaseDtype;
 use crate::model::layout::ModelLayout;
 use crate::model::spec::{AttnSpec, LayerSpec, Op, Weight};
 use crate::sim::des::Cost;
-use crate::sim::hardware::{Hardware, HostRates};
+use crate::sim::hardware::{Hardware, Host};
 
 /// How a layer's bf16 weights reach the link (see ARCHITECTURE.md, "Weight uploads").
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -67,6 +67,93 @@ pub trait DeviceModel {
     fn on_host(&self) -> bool;
 }
 
+/// A pass of host work over a buffer: what a host op runs (see [`HostModel`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum HostPass {
+    /// AdamW over fp32 moments (`eight_bit`: 8-bit ones), writing the bf16 image as well with
+    /// `image`.
+    Update { eight_bit: bool, image: bool },
+    /// A squared norm of fp32 gradients.
+    Measure,
+    /// A gradient slab, as it travelled (fp32, or bf16 with `bf16_slab`), added into the fp32
+    /// gradients.
+    Accumulate { bf16_slab: bool },
+    /// A bf16 slab expanded to fp32.
+    Expand,
+    /// Zeroing fp32 gradients (a serial fill).
+    Zero,
+    /// The embedding's scatter-add of staged rows into its gradient (elements: rows x C).
+    Scatter,
+    /// The embedding gather of rows from the table (elements: rows x C), on the H2D queue's
+    /// thread over every core.
+    Gather,
+    /// Rounding fp32 masters to bf16 inside an upload, over every core.
+    Round,
+}
+
+/// The host's time for host work.
+pub trait HostModel {
+    /// Seconds of `pass` over `elems` elements with the host to itself: on the host queue's
+    /// pool, except where [`HostPass`] says otherwise.
+    fn pass(&self, pass: HostPass, elems: usize) -> f64;
+    /// Fixed seconds of handing one op to the host queue's pool, besides its passes.
+    fn dispatch(&self) -> f64;
+    /// Seconds of copy queue `q`'s memcpy of `bytes` (the CPU device's link copies), on one
+    /// thread.
+    fn memcpy(&self, q: Queue, bytes: usize) -> f64;
+}
+
+/// The rate-based host model (the GPU profiles): a pass over `n` elements takes
+/// `n / min(per-core rate x threads, memory GB/s / bytes per element)`; no fixed costs.
+pub struct HostByRates<'a> {
+    pub host: &'a Host,
+    /// Threads of the host queue's pool.
+    pub threads: usize,
+}
+
+impl HostByRates<'_> {
+    /// Seconds of a pass over `elems` at `per_core` elements/s on `threads` threads, moving
+    /// `bytes` each, up to the memory bandwidth.
+    fn at(&self, elems: f64, per_core: f64, threads: usize, bytes: f64) -> f64 {
+        elems / (per_core * threads as f64).min(self.host.mem_gbps * 1e9 / bytes)
+    }
+
+    /// A memory-bound pass moving `bytes` per element, at the per-core copy rate.
+    fn stream(&self, elems: f64, threads: usize, bytes: f64) -> f64 {
+        self.at(elems, self.host.rates.copy_gbps * 1e9 / bytes, threads, bytes)
+    }
+}
+
+impl HostModel for HostByRates<'_> {
+    fn pass(&self, pass: HostPass, elems: usize) -> f64 {
+        let (r, e, t) = (&self.host.rates, elems as f64, self.threads);
+        match pass {
+            HostPass::Update { eight_bit: true, image: false } => self.at(e, r.adamw8bit, t, 16.0),
+            HostPass::Update { eight_bit: true, image: true } => {
+                self.at(e, r.adamw8bit_image, t, 18.0)
+            }
+            HostPass::Update { eight_bit: false, image: false } => self.at(e, r.adamw, t, 28.0),
+            HostPass::Update { eight_bit: false, image: true } => {
+                self.at(e, r.adamw_image, t, 30.0)
+            }
+            HostPass::Accumulate { bf16_slab: false } => self.at(e, r.accumulate_f32, t, 12.0),
+            HostPass::Accumulate { bf16_slab: true } => self.at(e, r.accumulate_bf16, t, 10.0),
+            HostPass::Measure | HostPass::Expand | HostPass::Zero => self.stream(e, t, 4.0),
+            HostPass::Scatter => self.stream(e, t, 12.0),
+            HostPass::Gather => self.stream(e, self.host.cores, 8.0),
+            HostPass::Round => self.at(e, r.round_bf16, t, 6.0),
+        }
+    }
+
+    fn dispatch(&self) -> f64 {
+        0.0
+    }
+
+    fn memcpy(&self, _: Queue, bytes: usize) -> f64 {
+        2.0 * bytes as f64 / (self.host.rates.copy_gbps * 1e9)
+    }
+}
+
 /// Everything the cost of an op depends on.
 pub struct CostModel<'a> {
     pub layout: &'a ModelLayout,
@@ -74,6 +161,7 @@ pub struct CostModel<'a> {
     pub cfg: &'a EngineConfig,
     pub hw: &'a Hardware,
     pub device: &'a dyn DeviceModel,
+    pub host: &'a dyn HostModel,
     pub upload: UploadPath,
     /// Threads of the host pool (the optimizer's).
     pub host_threads: usize,
@@ -186,29 +274,21 @@ impl CostModel<'_> {
         self.device.stream(n * c * 3.0 * ACT_BYTES) + self.device.launch()
     }
 
-    /// Seconds of host work with the host to itself for `params` elements at `rate` (per-core
-    /// elements/s) moving `bytes` each: threads x per-core rate, up to the memory bandwidth.
-    fn host_pass(&self, elems: f64, per_core: f64, bytes: f64) -> f64 {
-        let h = &self.hw.host;
-        let rate = (per_core * self.host_threads as f64).min(h.mem_gbps * 1e9 / bytes);
-        elems / rate
+    /// Copy queue `q`'s memcpy of `bytes`: its time alone and the share of the host it uses.
+    fn host_thread(&self, q: Queue, bytes: f64) -> Cost {
+        Cost::host(self.host.memcpy(q, bytes as usize), 1.0 / self.hw.host.cores as f64)
     }
 
-    /// A single-threaded host pass (a copy thread's memcpy, a gather): its time alone and the
-    /// share of the host it uses.
-    fn host_thread(&self, bytes: f64) -> Cost {
-        let per_core = self.hw.host.rates.copy_gbps * 1e9;
-        Cost::host(bytes / per_core, 1.0 / self.hw.host.cores as f64)
-    }
-
-    /// Host work of the host queue: on the engine's own pool of `host_threads` threads, so at
-    /// most that share of the host's cores.
+    /// Host work `s` of the host queue, and the fixed cost of handing it to the pool: on the
+    /// engine's own pool of `host_threads` threads, so at most that share of the host's cores.
     fn pool(&self, s: f64) -> Cost {
-        Cost::host(s, (self.host_threads as f64 / self.hw.host.cores as f64).min(1.0))
+        let share = (self.host_threads as f64 / self.hw.host.cores as f64).min(1.0);
+        Cost::host(s + self.host.dispatch(), share)
     }
 
-    fn rates(&self) -> &HostRates {
-        &self.hw.host.rates
+    /// Seconds of host pass `p` over `elems` elements.
+    fn pass(&self, p: HostPass, elems: usize) -> f64 {
+        self.host.pass(p, elems)
     }
 
     /// A copy of `bytes` over the link in direction `q`: the link's time, and on the CPU device
@@ -219,7 +299,7 @@ impl CostModel<'_> {
         let wire = if gbps > 0.0 { bytes / (gbps * 1e9) + link.latency_us * 1e-6 } else { 0.0 };
         let c = Cost::fixed(wire);
         if self.device.on_host() {
-            let m = self.host_thread(2.0 * bytes);
+            let m = self.host_thread(q, bytes);
             c.with_host(m.host_s, m.host_share)
         } else {
             c
@@ -250,35 +330,11 @@ impl CostModel<'_> {
     /// One AdamW update of buffer `p`'s `elems` (fp32 or 8-bit moments; with the bf16 image
     /// write if the buffer is uploaded from one: not the embedding, which is gathered on the
     /// host from the fp32 masters).
-    fn update(&self, p: ParamBuf, elems: f64) -> f64 {
-        let r = self.rates();
+    fn update(&self, p: ParamBuf, elems: usize) -> f64 {
         let uploaded = p != ParamBuf::Embed || self.layout.tied;
         let image = self.upload == UploadPath::Image && uploaded;
-        let (per_core, bytes) = match (self.cfg.memory, image) {
-            (OptimizerMemory::Compact, false) => (r.adamw8bit, 16.0),
-            (OptimizerMemory::Compact, true) => (r.adamw8bit_image, 18.0),
-            (_, false) => (r.adamw, 28.0),
-            (_, true) => (r.adamw_image, 30.0),
-        };
-        self.host_pass(elems, per_core, bytes)
-    }
-
-    /// A memory-bound host pass moving `bytes` per element, at the per-core copy rate.
-    fn stream_pass(&self, elems: f64, bytes: f64) -> f64 {
-        self.host_pass(elems, self.rates().copy_gbps * 1e9 / bytes, bytes)
-    }
-
-    /// Squared norm of `elems` fp32 values.
-    fn measure(&self, elems: f64) -> f64 {
-        self.stream_pass(elems, 4.0)
-    }
-
-    /// Adding a slab of `elems` into fp32 gradients.
-    fn accumulate(&self, elems: f64) -> f64 {
-        match self.cfg.grad_wire {
-            GradWire::Fp32 => self.host_pass(elems, self.rates().accumulate_f32, 12.0),
-            GradWire::Bf16 => self.host_pass(elems, self.rates().accumulate_bf16, 10.0),
-        }
+        let eight_bit = self.cfg.memory == OptimizerMemory::Compact;
+        self.pass(HostPass::Update { eight_bit, image }, elems)
     }
 
     /// A layer's weights on the wire, and the host work of getting them there.
@@ -307,7 +363,7 @@ impl CostModel<'_> {
             SlotContent::Head => d.c + d.v * d.c,
             SlotContent::HeadTile(_) => d.c + self.sizes.head.rows * d.c,
         };
-        self.pool(self.host_pass(elems as f64, self.rates().round_bf16, 6.0))
+        self.pool(self.pass(HostPass::Round, elems))
     }
 
     /// `c` plus the rounding of `elems` fp32 masters to bf16 inside the upload, if the path
@@ -324,8 +380,7 @@ impl CostModel<'_> {
         if elems == 0.0 {
             return c;
         }
-        let s = self.host_pass(elems, self.rates().round_bf16, 6.0);
-        c.with_host(s, 1.0)
+        c.with_host(self.pass(HostPass::Round, elems as usize), 1.0)
     }
 
     /// The cost of one op.
@@ -341,12 +396,7 @@ impl CostModel<'_> {
             OpKind::UploadIds { .. } => self.copy(Queue::H2D, n * 4.0),
             // A parallel gather of the rows (read and write, 8 bytes an element).
             OpKind::EmbedGather { .. } => {
-                let e = n * d.c as f64;
-                // On the H2D thread, over the global pool: every core.
-                let h = &self.hw.host;
-                let rate = (self.rates().copy_gbps * 1e9 / 8.0 * h.cores as f64)
-                    .min(h.mem_gbps * 1e9 / 8.0);
-                Cost::host(e / rate, 1.0)
+                Cost::host(self.pass(HostPass::Gather, self.rows() * d.c), 1.0)
             }
             OpKind::UploadAct { .. } => self.copy(Queue::H2D, act),
             OpKind::UploadWeights { what, .. } => match what {
@@ -368,7 +418,8 @@ impl CostModel<'_> {
                 self.kernel(self.layer_forward(self.layout.layer(layer)))
             }
             OpKind::ZeroDw { .. } => self.kernel(self.device.stream(self.sizes.dw as f64 * 4.0)),
-            OpKind::PoisonGrad { .. } => Cost::default(),
+            // A host op that writes one element when a test asks it to.
+            OpKind::PoisonGrad { .. } => self.pool(0.0),
             OpKind::Head { .. } => {
                 let v = d.v;
                 self.kernel(2.0 * self.final_norm() + self.head_part(v, true, true))
@@ -405,41 +456,79 @@ impl CostModel<'_> {
             }
             OpKind::DownloadNormGrads => self.copy(Queue::D2H, d.c as f64 * 4.0),
             OpKind::SlabUpdate { layer, .. } => {
-                let e = self.buf_len(ParamBuf::Layer(layer)) as f64;
-                let expand =
-                    if self.cfg.grad_wire == GradWire::Bf16 { self.measure(e) } else { 0.0 };
-                self.pool(expand + self.measure(e) + self.update(ParamBuf::Layer(layer), e))
+                let e = self.buf_len(ParamBuf::Layer(layer));
+                let expand = if self.cfg.grad_wire == GradWire::Bf16 {
+                    self.pass(HostPass::Expand, e)
+                } else {
+                    0.0
+                };
+                let measure = self.pass(HostPass::Measure, e);
+                self.pool(expand + measure + self.update(ParamBuf::Layer(layer), e))
             }
             OpKind::MeasureSlab { layer, .. } => {
-                self.pool(self.measure(self.buf_len(ParamBuf::Layer(layer)) as f64))
+                self.pool(self.pass(HostPass::Measure, self.buf_len(ParamBuf::Layer(layer))))
             }
             OpKind::HeldSlabUpdate { layer, .. } => {
                 let p = ParamBuf::Layer(layer);
-                self.pool(self.update(p, self.buf_len(p) as f64))
+                self.pool(self.update(p, self.buf_len(p)))
             }
             OpKind::Measure { what } if self.trained(what) => {
-                self.pool(self.measure(self.buf_len(what) as f64))
+                self.pool(self.pass(HostPass::Measure, self.buf_len(what)))
             }
+            OpKind::Measure { .. } => self.pool(0.0),
+            // The streamed modes measure the embedding's gradient here (its scatters are done).
+            OpKind::GradNorm if self.cfg.memory.streams_updates() && self.layout.trains_base() => {
+                self.pool(self.pass(HostPass::Measure, self.buf_len(ParamBuf::Embed)))
+            }
+            OpKind::GradNorm => self.pool(0.0),
             OpKind::AccumulateGrads { what, .. } => {
                 let e = match what {
                     GradTarget::Layer(i) => self.layout.layer(i).train_len(),
                     GradTarget::Head => d.c + d.v * d.c,
                 };
-                self.pool(self.accumulate(e as f64))
+                {
+                    let bf16_slab = self.cfg.grad_wire == GradWire::Bf16;
+                    self.pool(self.pass(HostPass::Accumulate { bf16_slab }, e))
+                }
             }
-            // A parallel scatter-add of the staged rows (12 bytes an element).
             OpKind::EmbedScatter { .. } if self.layout.trains_base() => {
-                let e = n * d.c as f64;
-                self.pool(self.stream_pass(e, 12.0))
+                self.pool(self.pass(HostPass::Scatter, self.rows() * d.c))
             }
             // The step's norm sums the squared norms measured as each gradient completed.
             OpKind::Update { what } if self.trained(what) => {
-                let e = self.buf_len(what) as f64;
+                let e = self.buf_len(what);
                 // The update, then zeroing the gradient for the next step.
-                let zero = self.stream_pass(e, 4.0);
-                self.pool(self.update(what, e) + zero)
+                self.pool(self.update(what, e) + self.pass(HostPass::Zero, e))
             }
             _ => Cost::default(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sim::hardware::HostRates;
+
+    fn host(mem_gbps: f64) -> Host {
+        Host { cores: 8, mem_gbps, memory_gib: 64.0, rates: HostRates::default() }
+    }
+
+    #[test]
+    fn rate_passes_scale_with_threads_up_to_the_memory_bandwidth() {
+        let (fast, slow) = (host(f64::INFINITY), host(10.0));
+        let r = HostRates::default();
+        let n = 1 << 20;
+        let update = HostPass::Update { eight_bit: false, image: false };
+        let one = HostByRates { host: &fast, threads: 1 }.pass(update, n);
+        let four = HostByRates { host: &fast, threads: 4 }.pass(update, n);
+        assert!((one - n as f64 / r.adamw).abs() < 1e-12, "{one}");
+        assert!((one / four - 4.0).abs() < 1e-9, "{one} vs {four}");
+        // 28 bytes an element at 10 GB/s, whatever the threads.
+        let capped = HostByRates { host: &slow, threads: 8 }.pass(update, n);
+        assert!((capped - n as f64 * 28.0 / 10e9).abs() < 1e-12, "{capped}");
+        let by = HostByRates { host: &fast, threads: 2 };
+        assert_eq!(by.dispatch(), 0.0, "the rate model has no fixed costs");
+        assert!((by.memcpy(Queue::H2D, 1000) - 2000.0 / (r.copy_gbps * 1e9)).abs() < 1e-15);
     }
 }

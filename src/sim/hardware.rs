@@ -159,7 +159,7 @@ pub const BUILT_IN: [(&str, &str); 5] = [
     ("gh200", "GH200 (H100 96 GB HBM3, 4 TB/s), NVLink-C2C to a 72-core Grace with 480 GB LPDDR5X"),
     (
         "this-cpu",
-        "the CPU device on this machine: its measured kernel and host rates, device.link_gbps",
+        "the CPU device on this machine: its kernels and host work timed, device.link_gbps",
     ),
 ];
 

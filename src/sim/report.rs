@@ -12,18 +12,17 @@ use crate::config::{BackendKind, Recompute, RunConfig, WeightUpload};
 use crate::engine::exec::{EngineConfig, Sizes, plan_shape};
 use crate::engine::memory::gib;
 use crate::engine::plan::Schedule;
-use crate::sim::calibrate::{CpuMeasured, this_cpu};
-use crate::sim::cost::{CostModel, DeviceModel, UploadPath};
+use crate::sim::calibrate::{CpuMeasured, HostMeasured, this_cpu};
+use crate::sim::cost::{CostModel, DeviceModel, HostByRates, HostModel, UploadPath};
 use crate::sim::hardware::{BUILT_IN, Hardware, Roofline};
 use crate::sim::{Projection, project};
 use crate::train::{SeqLen, engine_config, load_datasets, model_config, run_layout};
 
-/// A profile by name: built in, `this-cpu` (the CPU device at `link_gbps`, its host work on
-/// `host_threads`), or a YAML file.
-pub fn hardware(name: &str, link_gbps: f64, host_threads: usize) -> Result<Hardware> {
+/// A profile by name: built in, `this-cpu` (the CPU device at `link_gbps`), or a YAML file.
+pub fn hardware(name: &str, link_gbps: f64) -> Result<Hardware> {
     if name == "this-cpu" {
         let host = crate::engine::memory::host_available_bytes().unwrap_or(0);
-        return Ok(this_cpu(link_gbps, host, host_threads));
+        return Ok(this_cpu(link_gbps, host));
     }
     if let Some(hw) = Hardware::built_in(name) {
         return Ok(hw);
@@ -55,8 +54,7 @@ pub struct ProjectionRun {
 /// The projection of `cfg` on profile `name`.
 pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
     let raw = &cfg.raw;
-    let cpu_threads = raw.engine.host_threads.resolve(BackendKind::Cpu);
-    let hw = hardware(name, raw.device.link_gbps, cpu_threads)?;
+    let hw = hardware(name, raw.device.link_gbps)?;
     let model = model_config(raw)?;
     let seq = match load_datasets(raw, model.vocab_size) {
         Ok(sets) => SeqLen::of_data(raw, &sets),
@@ -117,12 +115,13 @@ pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
         ecfg.host_threads.resolve_for(backend, hw.host.cores).min(hw.host.cores)
     };
     let roofline = Roofline(&hw.gpu);
-    let measured;
-    let device: &dyn DeviceModel = if cpu {
+    let (measured, host_measured);
+    let (device, host): (&dyn DeviceModel, &dyn HostModel) = if cpu {
         measured = CpuMeasured::new();
-        &measured
+        host_measured = HostMeasured::new(host_threads, &layout);
+        (&measured, &host_measured)
     } else {
-        &roofline
+        (&roofline, &HostByRates { host: &hw.host, threads: host_threads })
     };
     let tokens = ecfg.batch_size * ecfg.seq_len;
     let base = CostModel {
@@ -131,6 +130,7 @@ pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
         cfg: &ecfg,
         hw: &hw,
         device,
+        host,
         upload,
         host_threads,
     };
