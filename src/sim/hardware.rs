@@ -127,13 +127,13 @@ pub struct HostRates {
 
 impl Default for HostRates {
     /// `adamw_speed` on one thread of the development machine (16M parameters, median of 9,
-    /// quiet machine, 2026-12-01).
+    /// quiet machine, 2026-12-01; the 8-bit rates from the AVX-512 body, 2026-12-02).
     fn default() -> Self {
         HostRates {
             adamw: 376e6,
             adamw_image: 335e6,
-            adamw8bit: 135e6,
-            adamw8bit_image: 124e6,
+            adamw8bit: 188e6,
+            adamw8bit_image: 181e6,
             accumulate_f32: 1233e6,
             accumulate_bf16: 1621e6,
             round_bf16: 999e6,
