@@ -686,10 +686,7 @@ fn update_task<const SMALL_LERP: bool, const IMAGE: bool>(
             Kernel::Scalar => {
                 block_scalar::<SMALL_LERP, IMAGE>(block, &mut scratch, s, grad_scale, bs)
             }
-            Kernel::Avx2 => block_avx2::<SMALL_LERP, IMAGE>(block, &mut scratch, s, grad_scale, bs),
-            Kernel::Avx512 => {
-                block_avx512::<SMALL_LERP, IMAGE>(block, &mut scratch, s, grad_scale, bs)
-            }
+            simd => block_simd::<SMALL_LERP, IMAGE>(simd, block, &mut scratch, s, grad_scale, bs),
         }
     }
 }
@@ -714,8 +711,9 @@ fn block_scalar<const SMALL_LERP: bool, const IMAGE: bool>(
     b.va[0] = quantize_block_stochastic(b.vc, v, uc, !seed);
 }
 
-/// [`block_scalar`] on the AVX2 body.
-fn block_avx2<const SMALL_LERP: bool, const IMAGE: bool>(
+/// [`block_scalar`] on a SIMD body (`Kernel::Avx2` or `Kernel::Avx512`).
+fn block_simd<const SMALL_LERP: bool, const IMAGE: bool>(
+    kernel: Kernel,
     b: Q8Mut<'_>,
     scratch: &mut [[f32; QBLOCK]; 2],
     s: &AdamWStep,
@@ -723,39 +721,23 @@ fn block_avx2<const SMALL_LERP: bool, const IMAGE: bool>(
     seed: u64,
 ) {
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: `adamw8bit_update_with` refuses `Kernel::Avx2` unless this CPU has AVX2.
+    // SAFETY: `adamw8bit_update_with` refuses a kernel this CPU lacks (`Kernel::available`).
     unsafe {
-        crate::optim::adamw8bit_avx2::update_block::<SMALL_LERP, IMAGE>(
-            b, scratch, s, grad_scale, seed,
-        )
+        use crate::optim::{adamw8bit_avx2 as avx2, adamw8bit_avx512 as avx512};
+        match kernel {
+            Kernel::Avx2 => {
+                avx2::update_block::<SMALL_LERP, IMAGE>(b, scratch, s, grad_scale, seed)
+            }
+            Kernel::Avx512 => {
+                avx512::update_block::<SMALL_LERP, IMAGE>(b, scratch, s, grad_scale, seed)
+            }
+            Kernel::Scalar => unreachable!("the scalar body is block_scalar"),
+        }
     };
     #[cfg(not(target_arch = "x86_64"))]
     {
         let _ = (scratch, s, grad_scale, seed);
-        unreachable!("adamw8bit_update_with refuses Kernel::Avx2 off x86-64 ({})", b.p.len());
-    }
-}
-
-/// [`block_scalar`] on the AVX-512 body.
-fn block_avx512<const SMALL_LERP: bool, const IMAGE: bool>(
-    b: Q8Mut<'_>,
-    scratch: &mut [[f32; QBLOCK]; 2],
-    s: &AdamWStep,
-    grad_scale: f32,
-    seed: u64,
-) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: `adamw8bit_update_with` refuses `Kernel::Avx512` unless this CPU has AVX-512 F, DQ,
-    // BW and VBMI.
-    unsafe {
-        crate::optim::adamw8bit_avx512::update_block::<SMALL_LERP, IMAGE>(
-            b, scratch, s, grad_scale, seed,
-        )
-    };
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = (scratch, s, grad_scale, seed);
-        unreachable!("adamw8bit_update_with refuses Kernel::Avx512 off x86-64 ({})", b.p.len());
+        unreachable!("adamw8bit_update_with refuses {kernel:?} off x86-64 ({})", b.p.len());
     }
 }
 
