@@ -1127,7 +1127,7 @@ where
         pinned_bytes: st.pinned_bytes as u64,
         planned_pinned_bytes: tr.plan.pinned,
         host_threads: tr.engine.host_threads(),
-        weight_upload: format!("{:?}", tr.engine.config().weights).to_lowercase(),
+        weight_upload: tr.engine.config().weight_path().name().to_string(),
     }
 }
 

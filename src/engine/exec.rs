@@ -87,11 +87,13 @@ impl EngineConfig {
     pub fn micro_batches(&self) -> usize {
         self.batch_size.div_ceil(self.micro_batch_size)
     }
-    /// Whether uploads copy the weight stages (`WeightPath::Staged` on a bf16 backend: the CPU
-    /// device copies the fp32 masters whatever the path).
-    pub fn stages_weights(&self) -> bool {
-        self.weights == WeightPath::Staged
-            && self.backend.precision() == horizon_backend::Precision::Bf16
+    /// The weight path the engine takes: `weights` on a bf16 backend; the CPU device copies
+    /// the fp32 masters whatever the path.
+    pub fn weight_path(&self) -> WeightPath {
+        match self.backend.precision() {
+            Precision::Bf16 => self.weights,
+            _ => WeightPath::Masters,
+        }
     }
 }
 
@@ -106,7 +108,7 @@ pub fn plan_shape(layout: &ModelLayout, cfg: &EngineConfig, sizes: &Sizes) -> Pl
         head_tiles: sizes.head.tiles(),
         keep_internals: cfg.keep_internals,
         streamed: cfg.memory.streams_updates(),
-        staged: cfg.stages_weights(),
+        staged: cfg.weight_path() == WeightPath::Staged,
     }
 }
 
@@ -127,7 +129,7 @@ impl Trained {
     }
 }
 
-/// The page-locked bf16 images of `params` the engine uploads from (`cfg.weights` Image on a
+/// The page-locked bf16 images of `params` the engine uploads from (`WeightPath::Image` on a
 /// bf16 backend): one per buffer the device receives (not an untied embedding, gathered on
 /// the host from the masters; not the empty buffers of an adapter run), each the masters
 /// rounded to nearest even.
@@ -137,8 +139,7 @@ fn weight_images<D: Device>(
     layout: &ModelLayout,
     cfg: &EngineConfig,
 ) -> Vec<Option<D::Staging<Bf16>>> {
-    let on =
-        cfg.weights == WeightPath::Image && <D::Backend as Backend>::PRECISION == Precision::Bf16;
+    let on = cfg.weight_path() == WeightPath::Image;
     params
         .buffers()
         .into_iter()
@@ -1425,10 +1426,7 @@ where
                 let dst = c.dev(grant, Res::Slot(slot), true);
                 match what {
                     SlotContent::Layer(i) => self.upload_layer(grant, dst, i),
-                    SlotContent::Head => self.upload_head(grant, dst, 0..d.v),
-                    SlotContent::HeadTile(k) => {
-                        self.upload_head(grant, dst, c.tiled().tiling.range(k))
-                    }
+                    head => self.upload_head(grant, dst, head_rows(c, head)),
                 }
             }
             _ => unreachable!("{kind:?} is not an op of this queue"),
@@ -1839,7 +1837,10 @@ where
                             SlotContent::Layer(i) => {
                                 grant.check(Res::Params(ParamBuf::Layer(i)), false)
                             }
-                            _ => grant.check(Res::Params(c.head_param()), false),
+                            _ => {
+                                grant.check(Res::Params(ParamBuf::FinalNorm), false);
+                                grant.check(Res::Params(c.head_param()), false)
+                            }
                         }
                         stage_weights(c, slot, what)
                     }

@@ -100,6 +100,17 @@ pub enum WeightPath {
     Staged,
 }
 
+impl WeightPath {
+    /// The path's name, as `summary.json` gives it.
+    pub fn name(self) -> &'static str {
+        match self {
+            WeightPath::Masters => "masters",
+            WeightPath::Image => "image",
+            WeightPath::Staged => "staged",
+        }
+    }
+}
+
 /// The compute device.
 #[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]

@@ -200,8 +200,12 @@ impl Sizes {
                 + if whole { 4 } else { 2 }
                 + 2 * layout.rope.len(),
             params,
-            image: if cfg.weights == WeightPath::Image { image_elems(layout) } else { 0 },
-            stage: if cfg.stages_weights() { stage_elems(layout, &head) } else { 0 },
+            image: if cfg.weight_path() == WeightPath::Image { image_elems(layout) } else { 0 },
+            stage: if cfg.weight_path() == WeightPath::Staged {
+                stage_elems(layout, &head)
+            } else {
+                0
+            },
             pins_staging: cfg.backend.pins_staging(),
             device_pinned: cfg.backend.device_pinned_bytes(),
         }

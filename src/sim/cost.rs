@@ -486,10 +486,8 @@ impl CostModel<'_> {
                     GradTarget::Layer(i) => self.layout.layer(i).train_len(),
                     GradTarget::Head => d.c + d.v * d.c,
                 };
-                {
-                    let bf16_slab = self.cfg.grad_wire == GradWire::Bf16;
-                    self.pool(self.pass(HostPass::Accumulate { bf16_slab }, e))
-                }
+                let bf16_slab = self.cfg.grad_wire == GradWire::Bf16;
+                self.pool(self.pass(HostPass::Accumulate { bf16_slab }, e))
             }
             OpKind::EmbedScatter { .. } if self.layout.trains_base() => {
                 self.pool(self.pass(HostPass::Scatter, self.rows() * d.c))

@@ -86,22 +86,21 @@ pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
     };
     // The engine's sizes and schedule for each way of uploading weights (what the image or
     // the stages take is a line of the host plan; staging adds ops to the schedule).
+    let cfg_of = |u: UploadPath| EngineConfig { weights: u.weights(), ..ecfg };
     let planned = |u: UploadPath| {
-        let e = EngineConfig { weights: u.weights(), ..ecfg };
-        let sizes = Sizes::new(&layout, &e);
+        let (e, sizes) = (cfg_of(u), Sizes::new(&layout, &cfg_of(u)));
         let schedule = Schedule::new(plan_shape(&layout, &e, &sizes));
         (e, sizes, schedule)
     };
-    let host_need = |u: UploadPath| planned(u).1.host_total() as u64;
+    let image_fits =
+        Sizes::new(&layout, &cfg_of(UploadPath::Image)).host_total() as u64 <= hw.host_bytes();
     // engine.weight_upload as `horizon train` resolves it, for this machine's host memory.
     let upload = match (cpu, raw.engine.weight_upload) {
         (true, _) => UploadPath::Fp32,
         (false, WeightUpload::Image) => UploadPath::Image,
         (false, WeightUpload::Round) => UploadPath::RoundInUpload,
         (false, WeightUpload::Staged) => UploadPath::Staged,
-        (false, WeightUpload::Auto) if host_need(UploadPath::Image) <= hw.host_bytes() => {
-            UploadPath::Image
-        }
+        (false, WeightUpload::Auto) if image_fits => UploadPath::Image,
         (false, WeightUpload::Auto) => UploadPath::RoundInUpload,
     };
     let (ecfg, sizes, schedule) = planned(upload);
@@ -145,9 +144,8 @@ pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
         let p = project(&sched, &CostModel { sizes: &s, cfg: &e, upload: u, ..base }, tokens);
         (u, p, s.host_total() as u64 <= hw.host_bytes())
     });
-    let host_need = sizes.host_total() as u64;
-    let fits =
-        host_need <= hw.host_bytes() && (cpu || sizes.device_total() as u64 <= hw.device_bytes());
+    let fits = sizes.host_total() as u64 <= hw.host_bytes()
+        && (cpu || sizes.device_total() as u64 <= hw.device_bytes());
     let mut text = String::new();
     fit_lines(&mut text, &hw, &sizes, image, upload, cpu)?;
     render(&mut text, &hw, &chosen, cpu)?;
