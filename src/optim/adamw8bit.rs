@@ -768,6 +768,41 @@ pub(crate) fn update_elems<const SMALL_LERP: bool, const IMAGE: bool>(
     }
 }
 
+/// A SIMD encoder of `lanes` lanes against the scalar [`quantize_block_stochastic`] on the
+/// inputs that stress it: code values and their neighbours (`t` hits the table exactly: the
+/// block maximum is 1), midpoints, signed zeros, infinities, values below the smallest step,
+/// NaN (skipped by the maximum), and partial lane groups. For the bodies' tests.
+#[cfg(test)]
+pub(crate) fn check_encoder_on_edge_values(
+    lanes: usize,
+    encode: impl Fn(&mut [u8], &[f32], &Code, u64) -> f32,
+) {
+    for code in [signed_code(), unsigned_code()] {
+        let mut x: Vec<f32> = vec![1.0, 0.0, -0.0, 1e-30, -1e-30, f32::NAN, -f32::NAN];
+        x.extend([f32::INFINITY, 2.0, -2.0, f32::MIN_POSITIVE, -f32::MIN_POSITIVE]);
+        for (i, &c) in code.iter().enumerate() {
+            x.extend([c, -c, f32::from_bits(c.to_bits() + 1)]);
+            if c != 0.0 {
+                x.push(f32::from_bits(c.to_bits() - 1));
+            }
+            if i > 0 {
+                x.push((c + code[i - 1]) / 2.0);
+            }
+        }
+        for len in [1, lanes - 1, lanes, lanes + 1, 100, QBLOCK - 1, QBLOCK] {
+            for chunk in x.chunks(len) {
+                let mut x = chunk.to_vec();
+                x[0] = 1.0; // the block's maximum: t is x itself
+                let (mut want, mut got) = (vec![0u8; x.len()], vec![0u8; x.len()]);
+                let a = quantize_block_stochastic(&mut want, &x, code, 77);
+                let b = encode(&mut got, &x, code, 77);
+                assert_eq!(a.to_bits(), b.to_bits(), "absmax, len {len}");
+                assert_eq!(got, want, "codes, len {len}");
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

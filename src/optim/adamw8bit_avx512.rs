@@ -404,7 +404,7 @@ fn store(out: &mut [f32], v: __m512) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::optim::adamw8bit::{dequantize_block, quantize_block_stochastic};
+    use crate::optim::adamw8bit::{check_encoder_on_edge_values, dequantize_block};
 
     fn avx512() -> bool {
         let ok = crate::optim::adamw8bit::Kernel::Avx512.available();
@@ -414,39 +414,14 @@ mod tests {
         ok
     }
 
-    /// The encoder on the inputs that stress it: code values and their neighbours (`t` hits
-    /// the table exactly: the block maximum is 1), midpoints, signed zeros, values below the
-    /// smallest step, NaN (skipped by the maximum), and partial lane groups.
+    /// The encoder on the inputs that stress it (`check_encoder_on_edge_values`).
     #[test]
     fn encode_matches_the_scalar_encoder_on_edge_values() {
         if !avx512() {
             return;
         }
-        for code in [signed_code(), unsigned_code()] {
-            let mut x: Vec<f32> = vec![1.0, 0.0, -0.0, 1e-30, -1e-30, f32::NAN, -f32::NAN];
-            x.extend([f32::INFINITY, 2.0, -2.0, f32::MIN_POSITIVE, -f32::MIN_POSITIVE]);
-            for (i, &c) in code.iter().enumerate() {
-                x.extend([c, -c, f32::from_bits(c.to_bits() + 1)]);
-                if c != 0.0 {
-                    x.push(f32::from_bits(c.to_bits() - 1));
-                }
-                if i > 0 {
-                    x.push((c + code[i - 1]) / 2.0);
-                }
-            }
-            for len in [1, 15, 16, 17, 100, QBLOCK - 1, QBLOCK] {
-                for chunk in x.chunks(len) {
-                    let mut x = chunk.to_vec();
-                    x[0] = 1.0; // the block's maximum: t is x itself
-                    let (mut want, mut got) = (vec![0u8; x.len()], vec![0u8; x.len()]);
-                    let a = quantize_block_stochastic(&mut want, &x, code, 77);
-                    // SAFETY: AVX-512 F, DQ, BW and VBMI were detected above.
-                    let b = unsafe { encode(&mut got, &x, code, 77) };
-                    assert_eq!(a.to_bits(), b.to_bits(), "absmax, len {len}");
-                    assert_eq!(got, want, "codes, len {len}");
-                }
-            }
-        }
+        // SAFETY: AVX-512 F, DQ, BW and VBMI were detected above.
+        check_encoder_on_edge_values(LANES, |q, x, code, seed| unsafe { encode(q, x, code, seed) });
     }
 
     /// Every code index decodes to the scalar decoder's value, at every lane and partial length.
