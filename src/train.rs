@@ -14,17 +14,17 @@ use serde::Serialize;
 
 use crate::adapter::{AdapterConfig, AdapterKind, BaseDtype as BaseChoice, peft};
 use crate::config::{
-    BackendKind, ByteSize, DataFormat, ModelInit, RawConfig, Recompute, RunConfig, WeightPath,
-    WeightUpload,
+    BackendKind, ByteSize, DataFormat, ModelInit, RawConfig, RunConfig, WeightPath,
 };
 use crate::data::pretokenized::{Batch, PretokenizedDataset, Row, make_batch};
 use crate::data::{
     LoadReport, Source, carries_loss, load_alpaca, load_chat, load_pretokenized_rows,
     load_sharegpt, load_text, pack, shuffled_order, split_eval,
 };
-use crate::engine::exec::{Engine, EngineConfig, MicroBatch, Sizes, StepParams};
+use crate::engine::exec::{Engine, EngineConfig, MicroBatch, StepParams};
 use crate::engine::memory::{MemoryPlan, gib, peak_rss_bytes};
 use crate::engine::phases::{PhaseSeconds, StepFlops, step_flops};
+use crate::engine::resolve::{Machine, resolve};
 use crate::hf::checkpoint::NonFinite;
 use crate::hf::config::ModelConfig;
 use crate::model::base::{BaseDtype, FrozenBase};
@@ -647,52 +647,18 @@ where
         let sets = load_datasets(raw, model_cfg.vocab_size)?;
         let seq_len = SeqLen::of_data(raw, &sets);
         let ecfg = EngineConfig { seq_len: seq_len.len, ..engine_config(raw) };
-        let budget = match raw.device.memory {
-            ByteSize::Auto => None,
-            ByteSize::Bytes(b) => Some(b),
+        let machine = Machine {
+            device_budget: match raw.device.memory {
+                ByteSize::Auto => None,
+                ByteSize::Bytes(b) => Some(b),
+            },
+            host_bytes: crate::engine::memory::host_available_bytes(),
+            pool_in_host_ram: raw.device.backend.pool_in_host_ram(),
+            bf16: raw.device.backend.precision() == horizon_backend::Precision::Bf16,
         };
-        // engine.recompute: keeping a layer's internals means a checkpoint every layer (no
-        // block recompute) and every layer's internals on the device; `auto` keeps them when
-        // an explicit device.memory holds that plan (`auto` memory is the smallest plan).
-        let planned = |keep: bool| {
-            let e = EngineConfig {
-                keep_internals: keep,
-                checkpoint_every: if keep { 1 } else { ecfg.checkpoint_every },
-                ..ecfg
-            };
-            let in_host_ram = raw.device.backend.pool_in_host_ram();
-            let plan = MemoryPlan::new(&Sizes::new(&layout, &e), budget, in_host_ram);
-            (e, plan.sized_for(&seq_len.why))
-        };
-        let (ecfg, plan) = match raw.engine.recompute {
-            Recompute::Always => planned(false),
-            Recompute::Never => planned(true),
-            Recompute::Auto => {
-                let keep = planned(true);
-                if budget.is_some() && keep.1.check().is_ok() { keep } else { planned(false) }
-            }
-        };
-        // engine.weight_upload: a bf16 image beside the masters, on a bf16 device, when asked
-        // for or (auto) when the host plan fits with it.
-        let (ecfg, plan) = if raw.device.backend.precision() != horizon_backend::Precision::Bf16 {
-            (ecfg, plan)
-        } else {
-            let with = |weights: WeightPath| {
-                let e = EngineConfig { weights, ..ecfg };
-                let in_host_ram = raw.device.backend.pool_in_host_ram();
-                let plan = MemoryPlan::new(&Sizes::new(&layout, &e), budget, in_host_ram);
-                (e, plan.sized_for(&seq_len.why))
-            };
-            match raw.engine.weight_upload {
-                WeightUpload::Round => (ecfg, plan),
-                WeightUpload::Image => with(WeightPath::Image),
-                WeightUpload::Staged => with(WeightPath::Staged),
-                WeightUpload::Auto => {
-                    let image = with(WeightPath::Image);
-                    if image.1.check().is_ok() { image } else { (ecfg, plan) }
-                }
-            }
-        };
+        let (recompute, upload) = (raw.engine.recompute, raw.engine.weight_upload);
+        let ecfg = resolve(&layout, ecfg, recompute, upload, &machine);
+        let plan = machine.plan(&layout, &ecfg).sized_for(&seq_len.why);
         println!(
             "engine.weight_upload: {:?} -> {}",
             raw.engine.weight_upload,

@@ -2189,13 +2189,13 @@ fn alloc_device<D: Device>(
     })
 }
 
-#[cfg(test)]
+/// The binding's assertions exist only in debug builds.
+#[cfg(all(test, debug_assertions))]
 mod tests {
     use super::*;
 
     /// An op that touches what its declaration does not name fails the binding's assertion.
     #[test]
-    #[cfg(debug_assertions)]
     fn touching_an_undeclared_resource_is_caught() {
         let g = Grant {
             reads: vec![Res::Grads(ParamBuf::Embed)].into(),

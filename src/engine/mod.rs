@@ -1,6 +1,7 @@
 //! The streaming engine: host RAM holds the model; the device borrows one layer at a time.
 //! `plan` builds the step as data and checks it for hazards; `exec` runs it on a [`Device`];
-//! `sizes` sizes every buffer, `memory` says before allocating what the run will need; `phases` times the step by phase and
+//! `sizes` sizes every buffer, `resolve` turns `engine.recompute` and `engine.weight_upload` into
+//! settings for a machine, `memory` says before allocating what the run will need; `phases` times the step by phase and
 //! counts its FLOPs; `head_tiles` applies an LM head too large for a weight slot in vocabulary
 //! tiles.
 //!
@@ -12,4 +13,5 @@ pub mod memory;
 pub mod options;
 pub mod phases;
 pub mod plan;
+pub mod resolve;
 pub mod sizes;

@@ -8,10 +8,11 @@ use std::path::Path;
 use anyhow::{Result, bail};
 use horizon_backend::Queue;
 
-use crate::config::{BackendKind, Recompute, RunConfig, WeightUpload};
+use crate::config::{BackendKind, RunConfig, WeightPath};
 use crate::engine::exec::{EngineConfig, Sizes, plan_shape};
 use crate::engine::memory::gib;
 use crate::engine::plan::Schedule;
+use crate::engine::resolve::{Machine, resolve};
 use crate::sim::calibrate::{CpuMeasured, HostMeasured, this_cpu};
 use crate::sim::cost::{CostModel, DeviceModel, HostByRates, HostModel, UploadPath};
 use crate::sim::hardware::{BUILT_IN, Hardware, Roofline};
@@ -63,26 +64,25 @@ pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
     let cpu = hw.name == "this-cpu";
     let backend = if cpu { BackendKind::Cpu } else { BackendKind::Cuda };
     let ecfg = EngineConfig { seq_len: seq.len, backend, ..engine_config(raw) };
-    // engine.recompute as `horizon train` resolves it, for this machine's device memory (the
-    // CPU device: for device.memory, as train does).
-    let budget = match (cpu, raw.device.memory) {
-        (false, _) => Some(hw.device_bytes()),
-        (true, crate::config::ByteSize::Bytes(b)) => Some(b),
-        (true, crate::config::ByteSize::Auto) => None,
-    };
+    // engine.recompute and engine.weight_upload as `horizon train` resolves them, on the
+    // profile's device and host memory (the CPU device: device.memory, as train does).
     let layout = run_layout(raw, &model, cfg.adapter.as_ref())?;
-    let keep = |keep: bool| EngineConfig {
-        keep_internals: keep,
-        checkpoint_every: if keep { 1 } else { ecfg.checkpoint_every },
-        ..ecfg
+    let machine = Machine {
+        device_budget: match (cpu, raw.device.memory) {
+            (false, _) => Some(hw.device_bytes()),
+            (true, crate::config::ByteSize::Bytes(b)) => Some(b),
+            (true, crate::config::ByteSize::Auto) => None,
+        },
+        host_bytes: Some(hw.host_bytes()),
+        pool_in_host_ram: backend.pool_in_host_ram(),
+        bf16: backend.precision() == horizon_backend::Precision::Bf16,
     };
-    let ecfg = match raw.engine.recompute {
-        Recompute::Always => keep(false),
-        Recompute::Never => keep(true),
-        Recompute::Auto => {
-            let fits = |b: u64| Sizes::new(&layout, &keep(true)).device_total() as u64 <= b;
-            keep(budget.is_some_and(fits))
-        }
+    let ecfg = resolve(&layout, ecfg, raw.engine.recompute, raw.engine.weight_upload, &machine);
+    let upload = match (cpu, ecfg.weights) {
+        (true, _) => UploadPath::Fp32,
+        (false, WeightPath::Masters) => UploadPath::RoundInUpload,
+        (false, WeightPath::Image) => UploadPath::Image,
+        (false, WeightPath::Staged) => UploadPath::Staged,
     };
     // The engine's sizes and schedule for each way of uploading weights (what the image or
     // the stages take is a line of the host plan; staging adds ops to the schedule).
@@ -91,17 +91,6 @@ pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
         let (e, sizes) = (cfg_of(u), Sizes::new(&layout, &cfg_of(u)));
         let schedule = Schedule::new(plan_shape(&layout, &e, &sizes));
         (e, sizes, schedule)
-    };
-    let image_fits =
-        Sizes::new(&layout, &cfg_of(UploadPath::Image)).host_total() as u64 <= hw.host_bytes();
-    // engine.weight_upload as `horizon train` resolves it, for this machine's host memory.
-    let upload = match (cpu, raw.engine.weight_upload) {
-        (true, _) => UploadPath::Fp32,
-        (false, WeightUpload::Image) => UploadPath::Image,
-        (false, WeightUpload::Round) => UploadPath::RoundInUpload,
-        (false, WeightUpload::Staged) => UploadPath::Staged,
-        (false, WeightUpload::Auto) if image_fits => UploadPath::Image,
-        (false, WeightUpload::Auto) => UploadPath::RoundInUpload,
     };
     let (ecfg, sizes, schedule) = planned(upload);
     let image = 2 * crate::engine::sizes::image_elems(&layout) as u64;
