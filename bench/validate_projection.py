@@ -8,9 +8,14 @@ Cases: bench/overlap.yaml at link_gbps 0, 0.05 and 0.026; the same model in opti
 lean (at 0.05) and compact (at 0). Runs are interleaved (projection, bench, projection, ...)
 REPS times; the table shows medians and projected/measured ratios.
 
-    cargo build --release && python3 bench/validate_projection.py [REPS] [HORIZON]
+    cargo build --release && cargo build --release -p horizon-backend --example idle_probe
+    python3 bench/validate_projection.py [REPS] [HORIZON]
 
-Run it on an otherwise idle machine: the bench measures wall time.
+Run it on an otherwise idle machine: the bench measures wall time. Before and after the cases
+it runs `idle_probe` (when built): kernels after 5-50 ms of sleep against the same kernels back
+to back. The projection times kernels back to back; where the probe shows them slower after a
+pause, a link-bound case's compute queue (which sleeps while it waits for the link) is measured
+busier than projected by about that factor, an effect of the machine, not of the plan.
 """
 
 import json
@@ -24,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 REPS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 HORIZON = sys.argv[2] if len(sys.argv) > 2 else str(ROOT / "target/release/horizon")
+PROBE = ROOT / "target/release/examples/idle_probe"
 
 CASES = [
     ("overlap, link 0", {"device.link_gbps": "0"}),
@@ -71,7 +77,19 @@ def measured(cfg):
     return s["wall_s"] / n, busy
 
 
+def idle_probe(when):
+    """Prints `idle_probe`'s lines (kernels after a pause against back to back), if built."""
+    if not PROBE.exists():
+        print(f"({PROBE.relative_to(ROOT)} not built: no idle probe {when} the cases)")
+        return
+    out = subprocess.run([str(PROBE)], capture_output=True, text=True, check=True).stdout
+    print(f"idle probe, {when} the cases:")
+    for line in out.strip().splitlines():
+        print(f"    {line}")
+
+
 def main():
+    idle_probe("before")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, sets in CASES:
@@ -97,6 +115,7 @@ def main():
             r = pb[q] / mb[q] if mb[q] > 0 else float("nan")
             cells.append(f"{pb[q]:.3f} / {mb[q]:.3f} ({r:.2f})")
         print(f"| {name} | {ps:.3f} / {ms:.3f} | {ps / ms:.3f} | " + " | ".join(cells) + " |")
+    idle_probe("after")
     print(f"\nworst step-time error: {100 * worst:.1f}% (median of {REPS} interleaved runs each)")
 
 

@@ -1,0 +1,77 @@
+//! Do kernels run slower after the thread has slept? `cargo run --release -p horizon-backend
+//! --example idle_probe [-- REPS [LAYERS]]`. Times a burst of matrix products on
+//! `bench/overlap.yaml`'s shapes (hidden 256, FFN 704, 2 x 128 tokens; LAYERS layers' forward
+//! products, 3 by default) right after the previous burst and after sleeping 5 to 200 ms,
+//! interleaved, and prints each median and its ratio to the back-to-back one.
+//!
+//! Why it exists: on a shared virtual machine the compute queue of a link-bound CPU-device run
+//! (which sleeps while it waits for the simulated link) has been measured up to 1.6x slower
+//! than the same kernels back to back, at some times and not at others. The projection times
+//! kernels back to back; `bench/validate_projection.py` runs this probe beside its cases so a
+//! compute-busy gap can be told apart from a projection error.
+
+use std::time::{Duration, Instant};
+
+use horizon_backend::cpu::matmul_forward;
+use horizon_backend::cpu::testing::Rng;
+
+/// (N, IC, OC) of one layer's forward products: qkv, o, gate|up, down.
+const SHAPES: [(usize, usize, usize); 4] =
+    [(256, 256, 768), (256, 256, 256), (256, 256, 1408), (256, 704, 256)];
+const PAUSES_MS: [u64; 6] = [0, 5, 25, 50, 100, 200];
+
+struct Operands {
+    inp: Vec<f32>,
+    w: Vec<f32>,
+    out: Vec<f32>,
+}
+
+/// The seconds one burst takes.
+fn burst(ops: &mut [Operands], layers: usize) -> f64 {
+    let t = Instant::now();
+    for _ in 0..layers {
+        for (o, &(n, ic, oc)) in ops.iter_mut().zip(&SHAPES) {
+            matmul_forward(&mut o.out, &o.inp, &o.w, None, n, ic, oc);
+        }
+    }
+    t.elapsed().as_secs_f64()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() {
+    let arg = |i: usize, default: usize| {
+        std::env::args().nth(i).map_or(default, |s| s.parse().expect("REPS, LAYERS: numbers"))
+    };
+    // Layers per burst: by default a forward block's worth of products between two waits.
+    let (reps, layers) = (arg(1, 30), arg(2, 3));
+    let mut rng = Rng::new(1);
+    let mut ops: Vec<Operands> = SHAPES
+        .iter()
+        .map(|&(n, ic, oc)| Operands {
+            inp: rng.vec(n * ic, 1.0),
+            w: rng.vec(oc * ic, 0.05),
+            out: vec![0.0; n * oc],
+        })
+        .collect();
+    burst(&mut ops, layers);
+    let mut times = vec![Vec::with_capacity(reps); PAUSES_MS.len()];
+    for _ in 0..reps {
+        for (t, &ms) in times.iter_mut().zip(&PAUSES_MS) {
+            if ms == 0 {
+                burst(&mut ops, layers);
+            } else {
+                std::thread::sleep(Duration::from_millis(ms));
+            }
+            t.push(burst(&mut ops, layers));
+        }
+    }
+    let base = median(times[0].clone());
+    for (t, ms) in times.into_iter().zip(PAUSES_MS) {
+        let m = median(t);
+        println!("after {ms:>2} ms idle: {:.2} ms a burst, {:.2}x back to back", m * 1e3, m / base);
+    }
+}
