@@ -647,15 +647,12 @@ where
         let sets = load_datasets(raw, model_cfg.vocab_size)?;
         let seq_len = SeqLen::of_data(raw, &sets);
         let ecfg = EngineConfig { seq_len: seq_len.len, ..engine_config(raw) };
-        let machine = Machine {
-            device_budget: match raw.device.memory {
-                ByteSize::Auto => None,
-                ByteSize::Bytes(b) => Some(b),
-            },
-            host_bytes: crate::engine::memory::host_available_bytes(),
-            pool_in_host_ram: raw.device.backend.pool_in_host_ram(),
-            bf16: raw.device.backend.precision() == horizon_backend::Precision::Bf16,
+        let budget = match raw.device.memory {
+            ByteSize::Auto => None,
+            ByteSize::Bytes(b) => Some(b),
         };
+        let host = crate::engine::memory::host_available_bytes();
+        let machine = Machine::new(raw.device.backend, budget, host);
         let (recompute, upload) = (raw.engine.recompute, raw.engine.weight_upload);
         let ecfg = resolve(&layout, ecfg, recompute, upload, &machine);
         let plan = machine.plan(&layout, &ecfg).sized_for(&seq_len.why);

@@ -5,7 +5,7 @@
 use crate::config::Recompute;
 use crate::engine::exec::EngineConfig;
 use crate::engine::memory::MemoryPlan;
-use crate::engine::options::{WeightPath, WeightUpload};
+use crate::engine::options::{BackendKind, WeightPath, WeightUpload};
 use crate::engine::sizes::Sizes;
 use crate::model::layout::ModelLayout;
 
@@ -23,6 +23,16 @@ pub struct Machine {
 }
 
 impl Machine {
+    /// `backend`'s machine with these memories.
+    pub fn new(backend: BackendKind, device_budget: Option<u64>, host_bytes: Option<u64>) -> Self {
+        Machine {
+            device_budget,
+            host_bytes,
+            pool_in_host_ram: backend.pool_in_host_ram(),
+            bf16: backend.precision() == horizon_backend::Precision::Bf16,
+        }
+    }
+
     /// The memory plan of `e` on this machine.
     pub fn plan(&self, layout: &ModelLayout, e: &EngineConfig) -> MemoryPlan {
         let mut plan =
@@ -80,16 +90,7 @@ pub fn resolve(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::options::BackendKind;
-
-    fn layout() -> ModelLayout {
-        let cfg = crate::hf::config::ModelConfig::from_file(std::path::Path::new(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/tests/fixtures/llama_gqa/model/config.json"
-        )))
-        .unwrap();
-        ModelLayout::new(&cfg)
-    }
+    use crate::model::layout::fixture_layout;
 
     fn base() -> EngineConfig {
         EngineConfig {
@@ -125,7 +126,7 @@ mod tests {
 
     #[test]
     fn auto_keeps_internals_only_when_an_explicit_budget_holds_them() {
-        let l = layout();
+        let l = fixture_layout();
         let gpu = |budget, host| Machine {
             device_budget: budget,
             host_bytes: host,
@@ -145,7 +146,7 @@ mod tests {
 
     #[test]
     fn auto_takes_the_image_when_the_host_holds_it() {
-        let l = layout();
+        let l = fixture_layout();
         let m = |host, bf16: bool| Machine {
             device_budget: None,
             host_bytes: host,

@@ -284,12 +284,7 @@ mod tests {
 
     #[test]
     fn a_target_the_layer_lacks_is_refused_naming_it_and_the_modules_it_has() {
-        let cfg = crate::hf::config::ModelConfig::from_file(std::path::Path::new(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/tests/fixtures/llama_gqa/model/config.json"
-        )))
-        .unwrap();
-        let layer = crate::model::layout::ModelLayout::new(&cfg).kinds[0].clone();
+        let layer = crate::model::layout::fixture_layout().kinds[0].clone();
         let err = layer.with_lora(&spec(false, &["q_proj", "wqkv"])).unwrap_err();
         assert!(
             err.contains("`wqkv`") && err.contains("q_proj") && err.contains("down_proj"),

@@ -772,6 +772,23 @@ pub(crate) fn update_elems<const SMALL_LERP: bool, const IMAGE: bool>(
 /// inputs that stress it: code values and their neighbours (`t` hits the table exactly: the
 /// block maximum is 1), midpoints, signed zeros, infinities, values below the smallest step,
 /// NaN (skipped by the maximum), and partial lane groups. For the bodies' tests.
+/// Each value of `code`, its negation, its neighbours in f32 and the midpoints between
+/// consecutive values: the inputs at which a code search can go wrong. For the tests.
+#[cfg(test)]
+pub(crate) fn code_neighbourhood(code: &Code) -> Vec<f32> {
+    let mut x = Vec::with_capacity(5 * code.len());
+    for (i, &c) in code.iter().enumerate() {
+        x.extend([c, -c, f32::from_bits(c.to_bits() + 1)]);
+        if c != 0.0 {
+            x.push(f32::from_bits(c.to_bits() - 1));
+        }
+        if i > 0 {
+            x.push((c + code[i - 1]) / 2.0);
+        }
+    }
+    x
+}
+
 #[cfg(test)]
 pub(crate) fn check_encoder_on_edge_values(
     lanes: usize,
@@ -780,15 +797,7 @@ pub(crate) fn check_encoder_on_edge_values(
     for code in [signed_code(), unsigned_code()] {
         let mut x: Vec<f32> = vec![1.0, 0.0, -0.0, 1e-30, -1e-30, f32::NAN, -f32::NAN];
         x.extend([f32::INFINITY, 2.0, -2.0, f32::MIN_POSITIVE, -f32::MIN_POSITIVE]);
-        for (i, &c) in code.iter().enumerate() {
-            x.extend([c, -c, f32::from_bits(c.to_bits() + 1)]);
-            if c != 0.0 {
-                x.push(f32::from_bits(c.to_bits() - 1));
-            }
-            if i > 0 {
-                x.push((c + code[i - 1]) / 2.0);
-            }
-        }
+        x.extend(code_neighbourhood(code));
         for len in [1, lanes - 1, lanes, lanes + 1, 100, QBLOCK - 1, QBLOCK] {
             for chunk in x.chunks(len) {
                 let mut x = chunk.to_vec();
@@ -830,16 +839,7 @@ mod tests {
         for code in [signed_code(), unsigned_code()] {
             let mut ts: Vec<f32> = vec![0.0, -0.0, 1.0, -1.0, 1.0 + f32::EPSILON, 2.0, -2.0];
             ts.extend([f32::INFINITY, f32::NEG_INFINITY, f32::MIN_POSITIVE, 1e-30, -1e-30]);
-            for (i, &c) in code.iter().enumerate() {
-                // Each value, its neighbours in f32, and the midpoints.
-                ts.extend([c, -c, f32::from_bits(c.to_bits() + 1)]);
-                if c != 0.0 {
-                    ts.push(f32::from_bits(c.to_bits() - 1));
-                }
-                if i > 0 {
-                    ts.push((c + code[i - 1]) / 2.0);
-                }
-            }
+            ts.extend(code_neighbourhood(code));
             let mut x = vec![0f32; 200_000];
             rng.fill_normal(&mut x, 1.0);
             for (i, v) in x.iter().enumerate() {

@@ -286,20 +286,13 @@ impl OptimizerState for OptState {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::hf::config::ModelConfig;
-
-    fn layout() -> ModelLayout {
-        let path =
-            concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/llama_gqa/model/config.json");
-        let json = serde_json::from_str(&fs::read_to_string(path).unwrap()).unwrap();
-        ModelLayout::new(&ModelConfig::from_json(&json, path).unwrap())
-    }
+    use crate::model::layout::fixture_layout;
 
     /// Each storage's save and load round-trip bit-exactly, and the bytes agree with the
     /// storage's own count.
     #[test]
     fn save_load_round_trips_each_storage() {
-        let layout = layout();
+        let layout = fixture_layout();
         let dir = std::env::temp_dir().join(format!("horizon-optstate-{}", std::process::id()));
         fs::create_dir_all(&dir).unwrap();
         let mut s32 = AdamW32::zeros(&layout);

@@ -438,19 +438,9 @@ impl HostModel for HostMeasured {
 mod tests {
     use super::*;
 
-    /// The layout of the test fixture's small Llama.
-    fn tiny_layout() -> ModelLayout {
-        let cfg = crate::hf::config::ModelConfig::from_file(std::path::Path::new(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/tests/fixtures/llama_gqa/model/config.json"
-        )))
-        .unwrap();
-        ModelLayout::new(&cfg)
-    }
-
     #[test]
     fn host_passes_are_timed_once_and_grow_with_size() {
-        let layout = tiny_layout();
+        let layout = crate::model::layout::fixture_layout();
         let h = HostMeasured::new(2, &layout);
         assert!(h.dispatch() > 0.0 && h.dispatch() < 0.01, "{}", h.dispatch());
         let update = HostPass::Update { eight_bit: false, image: false };

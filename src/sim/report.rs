@@ -67,16 +67,12 @@ pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
     // engine.recompute and engine.weight_upload as `horizon train` resolves them, on the
     // profile's device and host memory (the CPU device: device.memory, as train does).
     let layout = run_layout(raw, &model, cfg.adapter.as_ref())?;
-    let machine = Machine {
-        device_budget: match (cpu, raw.device.memory) {
-            (false, _) => Some(hw.device_bytes()),
-            (true, crate::config::ByteSize::Bytes(b)) => Some(b),
-            (true, crate::config::ByteSize::Auto) => None,
-        },
-        host_bytes: Some(hw.host_bytes()),
-        pool_in_host_ram: backend.pool_in_host_ram(),
-        bf16: backend.precision() == horizon_backend::Precision::Bf16,
+    let budget = match (cpu, raw.device.memory) {
+        (false, _) => Some(hw.device_bytes()),
+        (true, crate::config::ByteSize::Bytes(b)) => Some(b),
+        (true, crate::config::ByteSize::Auto) => None,
     };
+    let machine = Machine::new(backend, budget, Some(hw.host_bytes()));
     let ecfg = resolve(&layout, ecfg, raw.engine.recompute, raw.engine.weight_upload, &machine);
     let upload = match (cpu, ecfg.weights) {
         (true, _) => UploadPath::Fp32,
@@ -86,9 +82,9 @@ pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
     };
     // The engine's sizes and schedule for each way of uploading weights (what the image or
     // the stages take is a line of the host plan; staging adds ops to the schedule).
-    let cfg_of = |u: UploadPath| EngineConfig { weights: u.weights(), ..ecfg };
     let planned = |u: UploadPath| {
-        let (e, sizes) = (cfg_of(u), Sizes::new(&layout, &cfg_of(u)));
+        let e = EngineConfig { weights: u.weights(), ..ecfg };
+        let sizes = Sizes::new(&layout, &e);
         let schedule = Schedule::new(plan_shape(&layout, &e, &sizes));
         (e, sizes, schedule)
     };
@@ -139,7 +135,7 @@ pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
     fit_lines(&mut text, &hw, &sizes, image, upload, cpu)?;
     render(&mut text, &hw, &chosen, cpu)?;
     if !cpu
-        && let Some((p, e)) = fastest_fit(&base, hw.host_bytes(), tokens)
+        && let Some((p, e)) = fastest_fit(&base, &machine, tokens)
         && (e.checkpoint_every, e.keep_internals) != (ecfg.checkpoint_every, ecfg.keep_internals)
         && p.step_s < 0.99 * chosen.step_s
     {
@@ -168,18 +164,15 @@ pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
     Ok(ProjectionRun { hw, ecfg, upload, chosen, other, fits, text })
 }
 
-/// The fastest of the checkpoint spacings (and kept internals) whose plan fits the machine's
-/// device and `host_room` bytes of host, projected under `base`'s model.
+/// The fastest of the checkpoint spacings (and kept internals) whose plan fits `machine`,
+/// projected under `base`'s model.
 fn fastest_fit(
     base: &CostModel<'_>,
-    host_room: u64,
+    machine: &Machine,
     tokens: usize,
 ) -> Option<(Projection, EngineConfig)> {
-    let (layout, hw, ecfg) = (base.layout, base.hw, *base.cfg);
-    let fits = |e: &EngineConfig| {
-        let s = Sizes::new(layout, e);
-        s.device_total() as u64 <= hw.device_bytes() && s.host_total() as u64 <= host_room
-    };
+    let (layout, ecfg) = (base.layout, *base.cfg);
+    let fits = |e: &EngineConfig| machine.fits(layout, e);
     let speed = |e: &EngineConfig| {
         let s = Sizes::new(layout, e);
         let m = CostModel { sizes: &s, cfg: e, ..*base };
