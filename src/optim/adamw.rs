@@ -92,6 +92,9 @@ pub struct AdamWStep {
     pub one_minus_beta2: f32,
     /// `(1 - beta2^t) ** 0.5`.
     pub bias_correction2_sqrt: f32,
+    /// `1 / (1 - beta2^t) ** 0.5`, rounded once from f64: what the 8-bit update multiplies by
+    /// instead of dividing by `bias_correction2_sqrt` ([`update_one_8bit`]).
+    pub inv_bias_correction2_sqrt: f32,
     /// `eps` (`add_`).
     pub eps: f32,
     /// `-lr / (1 - beta1^t)`, the value of `addcdiv_`.
@@ -115,6 +118,7 @@ impl AdamWStep {
             one_minus_beta2: (1.0 - cfg.beta2) as f32,
             // Python's `** 0.5`; sqrt is correctly rounded, as glibc's pow is in practice.
             bias_correction2_sqrt: bias_correction2.sqrt() as f32,
+            inv_bias_correction2_sqrt: (1.0 / bias_correction2.sqrt()) as f32,
             eps: cfg.eps as f32,
             neg_step_size: (-step_size) as f32,
         }
@@ -137,12 +141,45 @@ pub(crate) fn update_one<const SMALL_LERP: bool>(
     s: &AdamWStep,
     grad_scale: f32,
 ) -> (f32, f32, f32) {
+    update_one_as::<SMALL_LERP, false>(p, grad, m, v, s, grad_scale)
+}
+
+/// [`update_one`] with `sqrt(v) * inv_bias_correction2_sqrt` in place of the division by
+/// `bias_correction2_sqrt`: one division per element fewer, for the 8-bit AdamW, whose SIMD
+/// bodies are bound by the divider and whose moments are stored in 8 bits, so the last bit of
+/// the denominator is moot there. Not torch's operation: the fp32 AdamW keeps [`update_one`].
+#[inline(always)]
+pub(crate) fn update_one_8bit<const SMALL_LERP: bool>(
+    p: f32,
+    grad: f32,
+    m: f32,
+    v: f32,
+    s: &AdamWStep,
+    grad_scale: f32,
+) -> (f32, f32, f32) {
+    update_one_as::<SMALL_LERP, true>(p, grad, m, v, s, grad_scale)
+}
+
+#[inline(always)]
+fn update_one_as<const SMALL_LERP: bool, const RECIPROCAL: bool>(
+    p: f32,
+    grad: f32,
+    m: f32,
+    v: f32,
+    s: &AdamWStep,
+    grad_scale: f32,
+) -> (f32, f32, f32) {
     let g = grad * grad_scale;
     let p = p * s.decay;
     let m =
         if SMALL_LERP { m + s.lerp_weight * (g - m) } else { g - (g - m) * (1.0 - s.lerp_weight) };
     let v = v * s.beta2 + s.one_minus_beta2 * g * g;
-    let denom = v.sqrt() / s.bias_correction2_sqrt + s.eps;
+    let v_hat_sqrt = if RECIPROCAL {
+        v.sqrt() * s.inv_bias_correction2_sqrt
+    } else {
+        v.sqrt() / s.bias_correction2_sqrt
+    };
+    let denom = v_hat_sqrt + s.eps;
     let p = p + s.neg_step_size * m / denom;
     (p, m, v)
 }

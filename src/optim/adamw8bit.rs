@@ -40,7 +40,7 @@ use horizon_backend::Bf16;
 use rayon::iter::Either;
 use rayon::prelude::*;
 
-use crate::optim::adamw::{AdamWStep, adamw_update, adamw_update_image, update_one};
+use crate::optim::adamw::{AdamWStep, adamw_update, adamw_update_image, update_one_8bit};
 
 /// Elements per quantisation block (one fp32 scale each).
 pub const QBLOCK: usize = 256;
@@ -230,8 +230,15 @@ pub fn quantize_block(codes: &mut [u8], x: &[f32], code: &Code) -> f32 {
 /// one with probability proportional to its distance from the lower one, so the encoding is
 /// unbiased. Round-to-nearest would freeze a moment whose per-step change is below half a code
 /// gap (v decays by beta2 = 0.999 per step, a 0.05% change): its decoded value would never
-/// decay. The uniform draws are a hash of `seed` and the element's index: deterministic.
-pub fn quantize_block_stochastic(codes: &mut [u8], x: &[f32], code: &Code, seed: u64) -> f32 {
+/// decay. The uniform draws are `draw`'s field of a hash of `seed` and the element's index:
+/// deterministic.
+pub fn quantize_block_stochastic(
+    codes: &mut [u8],
+    x: &[f32],
+    code: &Code,
+    seed: u64,
+    draw: Draw,
+) -> f32 {
     debug_assert_eq!(codes.len(), x.len());
     let absmax = x.iter().fold(0f32, |a, &v| a.max(v.abs()));
     if absmax == 0.0 || !absmax.is_finite() {
@@ -240,32 +247,59 @@ pub fn quantize_block_stochastic(codes: &mut [u8], x: &[f32], code: &Code, seed:
     }
     let inv = 1.0 / absmax;
     for (i, (q, &v)) in codes.iter_mut().zip(x).enumerate() {
-        *q = stochastic_code(code, v * inv, uniform(seed, i as u64));
+        *q = stochastic_code(code, v * inv, uniform(seed, i as u64, draw));
     }
     absmax
 }
 
 /// The code of one scaled value `t` with draw `u` in [0, 1): the lower or the upper neighbour
 /// of `t` among the code values, the upper with probability `p_hi`, its relative distance from
-/// the lower one.
+/// the lower one. `u < p_hi` is tested as `u * gap < t - lo` (a product, not a division: the
+/// divider is the SIMD bodies' busiest unit).
 #[inline]
 pub(crate) fn stochastic_code(code: &Code, t: f32, u: f32) -> u8 {
-    // Below the lowest value (hi = 0), p_hi < 0 picks index 0; above the highest (hi = 256),
-    // p_hi > 1 picks 255. Branch-free: the draws are unpredictable.
+    // Below the lowest value (hi = 0), t - lo < 0 picks index 0; above the highest (hi = 256),
+    // t - lo > gap > u * gap picks 255; NaN compares false and picks lo. Branch-free: the draws
+    // are unpredictable.
     let hi = code.first_at_least(t).clamp(1, 255);
     let lo = hi - 1;
-    let p_hi = (t - code[lo]) / (code[hi] - code[lo]);
-    lo as u8 + (u < p_hi) as u8
+    lo as u8 + (u * (code[hi] - code[lo]) < t - code[lo]) as u8
 }
 
-/// A uniform draw in [0, 1) from (seed, index): splitmix64's finaliser.
+/// Which of an element's two draws ([`uniform`]): both come from one hash, so the two moments
+/// of a block cost one hash per element.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Draw {
+    /// The draw that re-encodes `m`: the hash's bits 40..64.
+    M,
+    /// The draw that re-encodes `sqrt(v)`: the hash's bits 16..40.
+    V,
+}
+
+impl Draw {
+    /// The shift that brings the draw's 24 bits to the bottom of the hash.
+    pub(crate) const fn shift(self) -> u32 {
+        match self {
+            Draw::M => 40,
+            Draw::V => 16,
+        }
+    }
+}
+
+/// `uniform`'s hash of (seed, index): splitmix64's finaliser.
 #[inline]
-pub(crate) fn uniform(seed: u64, i: u64) -> f32 {
+pub(crate) fn draw_hash(seed: u64, i: u64) -> u64 {
     let mut z = seed ^ i.wrapping_mul(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^= z >> 31;
-    (z >> 40) as f32 / (1u64 << 24) as f32
+    z ^ (z >> 31)
+}
+
+/// A uniform draw in [0, 1) from (seed, index): 24 bits of splitmix64's finaliser, the field
+/// `draw` names (disjoint fields of one hash are independent draws).
+#[inline]
+pub(crate) fn uniform(seed: u64, i: u64, draw: Draw) -> f32 {
+    ((draw_hash(seed, i) >> draw.shift()) & 0xff_ffff) as f32 / (1u64 << 24) as f32
 }
 
 /// Decode one block into `out`.
@@ -691,8 +725,8 @@ fn update_task<const SMALL_LERP: bool, const IMAGE: bool>(
     }
 }
 
-/// One block: decode m and sqrt(v) into `scratch`, the fp32 update, re-encode (m with the
-/// block's seed, sqrt(v) with its complement).
+/// One block: decode m and sqrt(v) into `scratch`, the fp32 update, re-encode (both with the
+/// block's seed: m with each element's [`Draw::M`], sqrt(v) with its [`Draw::V`]).
 fn block_scalar<const SMALL_LERP: bool, const IMAGE: bool>(
     b: Q8Mut<'_>,
     scratch: &mut [[f32; QBLOCK]; 2],
@@ -707,8 +741,8 @@ fn block_scalar<const SMALL_LERP: bool, const IMAGE: bool>(
     dequantize_block(m, b.mc, b.ma[0], sc);
     dequantize_block(v, b.vc, b.va[0], uc);
     update_elems::<SMALL_LERP, IMAGE>(b.p, b.img, b.g, m, v, s, grad_scale);
-    b.ma[0] = quantize_block_stochastic(b.mc, m, sc, seed);
-    b.va[0] = quantize_block_stochastic(b.vc, v, uc, !seed);
+    b.ma[0] = quantize_block_stochastic(b.mc, m, sc, seed, Draw::M);
+    b.va[0] = quantize_block_stochastic(b.vc, v, uc, seed, Draw::V);
 }
 
 /// [`block_scalar`] on a SIMD body (`Kernel::Avx2` or `Kernel::Avx512`).
@@ -742,8 +776,9 @@ fn block_simd<const SMALL_LERP: bool, const IMAGE: bool>(
 }
 
 /// The fp32 AdamW element update of one block's decoded moments (`v` holds sqrt(v) in and out):
-/// `v² -> update_one -> sqrt`, and with `IMAGE` `img = bf16(p)`. Inlined into each body, so the
-/// AVX2 body's copy is vectorised with AVX2; the same IEEE operations either way.
+/// `v² -> update_one_8bit -> sqrt` (AdamW's update with a product by the reciprocal of the bias
+/// correction for one of its divisions), and with `IMAGE` `img = bf16(p)`. Inlined into each
+/// body, so the AVX2 body's copy is vectorised with AVX2; the same IEEE operations either way.
 #[inline(always)]
 pub(crate) fn update_elems<const SMALL_LERP: bool, const IMAGE: bool>(
     p: &mut [f32],
@@ -758,7 +793,8 @@ pub(crate) fn update_elems<const SMALL_LERP: bool, const IMAGE: bool>(
     let (g, m, v) = (&g[..n], &mut m[..n], &mut v[..n]);
     let img = if IMAGE { &mut img[..n] } else { img };
     for i in 0..n {
-        let (pi, mi, vi) = update_one::<SMALL_LERP>(p[i], g[i], m[i], v[i] * v[i], s, grad_scale);
+        let (pi, mi, vi) =
+            update_one_8bit::<SMALL_LERP>(p[i], g[i], m[i], v[i] * v[i], s, grad_scale);
         p[i] = pi;
         m[i] = mi;
         v[i] = vi.sqrt();
@@ -792,9 +828,9 @@ pub(crate) fn code_neighbourhood(code: &Code) -> Vec<f32> {
 #[cfg(test)]
 pub(crate) fn check_encoder_on_edge_values(
     lanes: usize,
-    encode: impl Fn(&mut [u8], &[f32], &Code, u64) -> f32,
+    encode: impl Fn(&mut [u8], &[f32], &Code, u64, Draw) -> f32,
 ) {
-    for code in [signed_code(), unsigned_code()] {
+    for (code, draw) in [(signed_code(), Draw::M), (unsigned_code(), Draw::V)] {
         let mut x: Vec<f32> = vec![1.0, 0.0, -0.0, 1e-30, -1e-30, f32::NAN, -f32::NAN];
         x.extend([f32::INFINITY, 2.0, -2.0, f32::MIN_POSITIVE, -f32::MIN_POSITIVE]);
         x.extend(code_neighbourhood(code));
@@ -803,8 +839,8 @@ pub(crate) fn check_encoder_on_edge_values(
                 let mut x = chunk.to_vec();
                 x[0] = 1.0; // the block's maximum: t is x itself
                 let (mut want, mut got) = (vec![0u8; x.len()], vec![0u8; x.len()]);
-                let a = quantize_block_stochastic(&mut want, &x, code, 77);
-                let b = encode(&mut got, &x, code, 77);
+                let a = quantize_block_stochastic(&mut want, &x, code, 77, draw);
+                let b = encode(&mut got, &x, code, 77, draw);
                 assert_eq!(a.to_bits(), b.to_bits(), "absmax, len {len}");
                 assert_eq!(got, want, "codes, len {len}");
             }
@@ -1033,8 +1069,9 @@ mod tests {
 
     /// The 8-bit update's results are pinned: a checksum of its outputs on a buffer of awkward
     /// tensors (partial blocks, fp32 segments, both lerp formulas) over three steps, recorded
-    /// from the original quantiser (bucketed three-compare search, scalar body) before the
-    /// AVX2 body existed. Every body must reproduce it bit for bit.
+    /// from the scalar body when both moments' draws came to share one hash and the rounding
+    /// test and the bias correction became products (before, it was recorded from the original
+    /// quantiser before the AVX2 body existed). Every body must reproduce it bit for bit.
     #[test]
     fn outputs_match_the_recorded_checksum() {
         let tensors = [5000, 96, 4096 + 3 * QBLOCK + 77, 300, 70_001];
@@ -1063,7 +1100,7 @@ mod tests {
                 }
                 sums.push(checksum(&p, &q));
             }
-            assert_eq!(sums, [0x9b5f_913c_8d42_db69, 0x6975_383c_d184_ba03], "{kernel:?}");
+            assert_eq!(sums, [0x50a7_90f2_2ee6_3f73, 0x6ed9_4d6c_781b_91b9], "{kernel:?}");
         }
     }
 

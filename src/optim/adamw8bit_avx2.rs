@@ -4,16 +4,17 @@
 //! `adamw8bit`'s tests).
 //!
 //! Data flow of one block: codes (u8) -> gather code values -> `* absmax` -> m, sqrt(v) ->
-//! fp32 AdamW element update -> block absmax -> `t = x / absmax` -> bucket of t's bits -> gather
-//! the search start -> gather two values, compare -> (lo, hi) -> gather their values -> `p_hi`
-//! -> compare with the draw -> code.
+//! fp32 AdamW element update -> block absmax -> `t = x / absmax` -> bucket of t's bits -> one
+//! 16-byte window row per lane, transposed -> compare -> (lo, hi) and their values -> `u * gap <
+//! t - lo` with the element's draw (one splitmix64 hash per element gives m's and sqrt(v)'s) ->
+//! code.
 
 use std::arch::x86_64::*;
 
 use crate::optim::adamw::AdamWStep;
 use crate::optim::adamw8bit::{
-    BUCKET_BASE, BUCKET_SHIFT, BUCKETS, Code, Q8Mut, QBLOCK, signed_code, stochastic_code, uniform,
-    unsigned_code, update_elems, zero_index,
+    BUCKET_BASE, BUCKET_SHIFT, BUCKETS, Code, Draw, Q8Mut, QBLOCK, signed_code, stochastic_code,
+    uniform, unsigned_code, update_elems, zero_index,
 };
 
 const LANES: usize = 8;
@@ -45,13 +46,14 @@ pub(crate) unsafe fn update_block<const SMALL_LERP: bool, const IMAGE: bool>(
         (b.ma[0], b.va[0]) = (am, av);
     } else {
         // A block of zeros (or of non-finite values): one moment at a time.
-        b.ma[0] = encode(b.mc, m, sc, seed);
-        b.va[0] = encode(b.vc, v, uc, !seed);
+        b.ma[0] = encode(b.mc, m, sc, seed, Draw::M);
+        b.va[0] = encode(b.vc, v, uc, seed, Draw::V);
     }
 }
 
-/// [`encode`] of m (signed code, `seed`) and sqrt(v) (unsigned code, `!seed`) in one loop, given
-/// their scales `(am, av)`, both finite and non-zero: the lane groups share their index hashes.
+/// [`encode`] of m (signed code, [`Draw::M`]) and sqrt(v) (unsigned code, [`Draw::V`]) in one
+/// loop, given their scales `(am, av)`, both finite and non-zero: one hash per element gives
+/// both draws.
 #[target_feature(enable = "avx2")]
 fn encode_both(
     mc: &mut [u8],
@@ -88,14 +90,15 @@ fn encode_both(
                 windows(&uc.window, &offsets[1][r.clone()]),
             )
         };
-        let qm = codes_in_windows(tm, uniform8(seed, ih), wm);
-        let qv = codes_in_windows(tv, uniform8(!seed, ih), wv);
+        let h = [hash4(seed, ih[0]), hash4(seed, ih[1])];
+        let qm = codes_in_windows(tm, field8(h, Draw::M), wm);
+        let qv = codes_in_windows(tv, field8(h, Draw::V), wv);
         mc[r.clone()].copy_from_slice(&low_bytes(qm));
         vc[r].copy_from_slice(&low_bytes(qv));
     }
     for i in body..m.len() {
-        mc[i] = stochastic_code(sc, m[i] * inv_m, uniform(seed, i as u64));
-        vc[i] = stochastic_code(uc, v[i] * inv_v, uniform(!seed, i as u64));
+        mc[i] = stochastic_code(sc, m[i] * inv_m, uniform(seed, i as u64, Draw::M));
+        vc[i] = stochastic_code(uc, v[i] * inv_v, uniform(seed, i as u64, Draw::V));
     }
 }
 
@@ -118,7 +121,7 @@ fn decode(out: &mut [f32], q: &[u8], absmax: f32, code: &Code) {
 /// Encode one block stochastically, as `adamw8bit::quantize_block_stochastic` (same scale, same
 /// codes): returns the scale and writes one code per element.
 #[target_feature(enable = "avx2")]
-fn encode(codes: &mut [u8], x: &[f32], code: &Code, seed: u64) -> f32 {
+fn encode(codes: &mut [u8], x: &[f32], code: &Code, seed: u64, draw: Draw) -> f32 {
     let absmax = absmax(x);
     if absmax == 0.0 || !absmax.is_finite() {
         codes.fill(zero_index(code));
@@ -129,11 +132,11 @@ fn encode(codes: &mut [u8], x: &[f32], code: &Code, seed: u64) -> f32 {
     let lanes = codes[..body].chunks_exact_mut(LANES).zip(x[..body].chunks_exact(LANES));
     for (k, (q, x)) in lanes.enumerate() {
         let t = _mm256_mul_ps(load(x), _mm256_set1_ps(inv));
-        let u = uniform8(seed, index_hashes(k * LANES));
+        let u = uniform8(seed, index_hashes(k * LANES), draw);
         q.copy_from_slice(&low_bytes(stochastic_codes(code, t, u)));
     }
     for (i, (q, &x)) in codes.iter_mut().zip(x).enumerate().skip(body) {
-        *q = stochastic_code(code, x * inv, uniform(seed, i as u64));
+        *q = stochastic_code(code, x * inv, uniform(seed, i as u64, draw));
     }
     absmax
 }
@@ -192,8 +195,9 @@ fn codes_in_windows(t: __m256, u: __m256, [below, at, above, s]: [__m256; 4]) ->
     let at_s = _mm256_castsi256_ps(_mm256_cmpeq_epi32(hi, s));
     let c_lo = _mm256_blendv_ps(at, below, at_s);
     let c_hi = _mm256_blendv_ps(above, at, at_s);
-    let p_hi = _mm256_div_ps(_mm256_sub_ps(t, c_lo), _mm256_sub_ps(c_hi, c_lo));
-    let up = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_LT_OQ>(u, p_hi));
+    // `stochastic_code`'s test, u * gap < t - lo.
+    let gap = _mm256_mul_ps(u, _mm256_sub_ps(c_hi, c_lo));
+    let up = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_LT_OQ>(gap, _mm256_sub_ps(t, c_lo)));
     _mm256_sub_epi32(_mm256_sub_epi32(hi, splat(1)), up)
 }
 
@@ -257,28 +261,36 @@ fn index_hashes(i0: usize) -> [__m256i; 2] {
     unsafe { [_mm256_loadu_si256(h.as_ptr().cast()), _mm256_loadu_si256(h[4..].as_ptr().cast())] }
 }
 
-/// Draws `uniform(seed, i)` for the 8 lanes whose index hashes are `ih` (splitmix64's finaliser
-/// on 64-bit lanes).
+/// Draws `uniform(seed, i, draw)` for the 8 lanes whose index hashes are `ih`.
 #[target_feature(enable = "avx2")]
-fn uniform8(seed: u64, ih: [__m256i; 2]) -> __m256 {
-    let (lo, hi) = (top24(seed, ih[0]), top24(seed, ih[1]));
-    // Each value sits in the low 32 bits of its 64-bit lane: [l0 l1 h0 h1 | l2 l3 h2 h3], then
-    // the 64-bit pairs reordered to lane order.
+fn uniform8(seed: u64, ih: [__m256i; 2], draw: Draw) -> __m256 {
+    field8([hash4(seed, ih[0]), hash4(seed, ih[1])], draw)
+}
+
+/// The draws `draw` of 8 lanes from their hashes `h` ([`hash4`] of lanes 0..4 and 4..8).
+#[target_feature(enable = "avx2")]
+fn field8(h: [__m256i; 2], draw: Draw) -> __m256 {
+    let (lo, hi) = match draw {
+        Draw::M => (_mm256_srli_epi64::<40>(h[0]), _mm256_srli_epi64::<40>(h[1])),
+        Draw::V => (_mm256_srli_epi64::<16>(h[0]), _mm256_srli_epi64::<16>(h[1])),
+    };
+    // The low 32 bits of each 64-bit lane: [l0 l1 h0 h1 | l2 l3 h2 h3], then the 64-bit pairs
+    // reordered to lane order, then the field's 24 bits.
     let d = _mm256_shuffle_ps::<0b10_00_10_00>(_mm256_castsi256_ps(lo), _mm256_castsi256_ps(hi));
     let d = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_castps_si256(d));
+    let d = _mm256_and_si256(d, _mm256_set1_epi32(0xff_ffff));
     // Exact: an integer below 2^24 converts exactly, and the product by 2^-24 is exact, as is
     // the scalar division by 2^24.
     _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(1.0 / 16_777_216.0))
 }
 
-/// `z >> 40` of `uniform`'s hash, from each 64-bit lane's index hash `ih`. (Its final
-/// `z ^= z >> 31` leaves the top 24 bits alone, so it is skipped.)
+/// `adamw8bit::draw_hash` of 4 lanes, from each 64-bit lane's index hash `ih`.
 #[target_feature(enable = "avx2")]
-fn top24(seed: u64, ih: __m256i) -> __m256i {
+fn hash4(seed: u64, ih: __m256i) -> __m256i {
     let mut z = _mm256_xor_si256(_mm256_set1_epi64x(seed as i64), ih);
     z = mul64(_mm256_xor_si256(z, _mm256_srli_epi64::<30>(z)), 0xBF58_476D_1CE4_E5B9);
     z = mul64(_mm256_xor_si256(z, _mm256_srli_epi64::<27>(z)), 0x94D0_49BB_1331_11EB);
-    _mm256_srli_epi64::<40>(z)
+    _mm256_xor_si256(z, _mm256_srli_epi64::<31>(z))
 }
 
 /// `a * k` (wrapping) on 64-bit lanes from AVX2's 32x32->64 multiplies:
@@ -340,7 +352,9 @@ mod tests {
             return;
         }
         // SAFETY: AVX2 was detected above.
-        check_encoder_on_edge_values(LANES, |q, x, code, seed| unsafe { encode(q, x, code, seed) });
+        check_encoder_on_edge_values(LANES, |q, x, code, seed, draw| unsafe {
+            encode(q, x, code, seed, draw)
+        });
     }
 
     #[test]
@@ -348,12 +362,16 @@ mod tests {
         if !avx2() {
             return;
         }
-        for seed in [0, 1, u64::MAX, 0x1234_5678_9abc_def0] {
+        for (seed, draw) in [0, 1, u64::MAX, 0x1234_5678_9abc_def0]
+            .into_iter()
+            .flat_map(|s| [(s, Draw::M), (s, Draw::V)])
+        {
             for i0 in (0..QBLOCK).step_by(LANES) {
                 let mut got = [0f32; LANES];
                 // SAFETY: AVX2 was detected above.
-                unsafe { store(&mut got, uniform8(seed, index_hashes(i0))) };
-                let want: Vec<f32> = (0..LANES).map(|l| uniform(seed, (i0 + l) as u64)).collect();
+                unsafe { store(&mut got, uniform8(seed, index_hashes(i0), draw)) };
+                let want: Vec<f32> =
+                    (0..LANES).map(|l| uniform(seed, (i0 + l) as u64, draw)).collect();
                 assert_eq!(
                     got.map(f32::to_bits).to_vec(),
                     want.iter().map(|x| x.to_bits()).collect::<Vec<_>>()

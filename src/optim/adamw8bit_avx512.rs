@@ -8,7 +8,8 @@
 //! -> `* absmax` -> m, sqrt(v) ->
 //! fp32 AdamW element update (16 lanes) -> block absmax -> `t = x / absmax` -> bucket of t's
 //! bits -> one 16-byte window row per lane, transposed -> compare -> (lo, hi) and their values
-//! -> `p_hi` -> compare with the draw (splitmix64 with native 64-bit multiplies) -> code.
+//! -> `u * gap < t - lo` with the element's draw (splitmix64 with native 64-bit multiplies, one
+//! hash per element for both moments) -> code.
 //!
 //! What differs from the AVX2 body (`adamw8bit_avx2`): compares give masks, so selections are
 //! masked adds and blends instead of blendv; `_mm512_mullo_epi64` replaces the three 32-bit
@@ -20,8 +21,8 @@ use std::arch::x86_64::*;
 
 use crate::optim::adamw::AdamWStep;
 use crate::optim::adamw8bit::{
-    BUCKET_BASE, BUCKET_SHIFT, BUCKETS, Code, Q8Mut, QBLOCK, signed_code, stochastic_code, uniform,
-    unsigned_code, update_elems, zero_index,
+    BUCKET_BASE, BUCKET_SHIFT, BUCKETS, Code, Draw, Q8Mut, QBLOCK, signed_code, stochastic_code,
+    uniform, unsigned_code, update_elems, zero_index,
 };
 use crate::optim::adamw8bit_avx2::INDEX_HASHES;
 
@@ -55,8 +56,8 @@ pub(crate) unsafe fn update_block<const SMALL_LERP: bool, const IMAGE: bool>(
         (b.ma[0], b.va[0]) = (am, av);
     } else {
         // A block of zeros (or of non-finite values): one moment at a time.
-        b.ma[0] = encode(b.mc, m, sc, seed);
-        b.va[0] = encode(b.vc, v, uc, !seed);
+        b.ma[0] = encode(b.mc, m, sc, seed, Draw::M);
+        b.va[0] = encode(b.vc, v, uc, seed, Draw::V);
     }
 }
 
@@ -81,8 +82,9 @@ fn prefetch_next_block(b: &Q8Mut<'_>) {
     }
 }
 
-/// [`encode`] of m (signed code, `seed`) and sqrt(v) (unsigned code, `!seed`) in one loop, given
-/// their scales `(am, av)`, both finite and non-zero: the lane groups share their index hashes.
+/// [`encode`] of m (signed code, [`Draw::M`]) and sqrt(v) (unsigned code, [`Draw::V`]) in one
+/// loop, given their scales `(am, av)`, both finite and non-zero: one hash per element gives
+/// both draws.
 #[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
 fn encode_both(
     mc: &mut [u8],
@@ -108,8 +110,9 @@ fn encode_both(
         let tv = _mm512_mul_ps(load(&v[r.clone()]), iv);
         store_u32(&mut offsets[0][r.clone()], window_offsets(tm));
         store_u32(&mut offsets[1][r.clone()], window_offsets(tv));
-        store(&mut draws[0][r.clone()], uniform16(seed, ih));
-        store(&mut draws[1][r], uniform16(!seed, ih));
+        let h = [hash8(seed, ih[0]), hash8(seed, ih[1])];
+        store(&mut draws[0][r.clone()], field16(h, Draw::M));
+        store(&mut draws[1][r], field16(h, Draw::V));
     }
     for i in (0..body).step_by(LANES) {
         let r = i..i + LANES;
@@ -128,8 +131,8 @@ fn encode_both(
         store_bytes(&mut vc[r], qv);
     }
     for i in body..m.len() {
-        mc[i] = stochastic_code(sc, m[i] * inv_m, uniform(seed, i as u64));
-        vc[i] = stochastic_code(uc, v[i] * inv_v, uniform(!seed, i as u64));
+        mc[i] = stochastic_code(sc, m[i] * inv_m, uniform(seed, i as u64, Draw::M));
+        vc[i] = stochastic_code(uc, v[i] * inv_v, uniform(seed, i as u64, Draw::V));
     }
 }
 
@@ -209,7 +212,7 @@ fn interleave([b0, b1, b2, b3]: [__m512i; 4]) -> [__m512i; 4] {
 /// Encode one block stochastically, as `adamw8bit::quantize_block_stochastic` (same scale, same
 /// codes): returns the scale and writes one code per element.
 #[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
-fn encode(codes: &mut [u8], x: &[f32], code: &Code, seed: u64) -> f32 {
+fn encode(codes: &mut [u8], x: &[f32], code: &Code, seed: u64, draw: Draw) -> f32 {
     let absmax = absmax(x);
     if absmax == 0.0 || !absmax.is_finite() {
         codes.fill(zero_index(code));
@@ -220,11 +223,11 @@ fn encode(codes: &mut [u8], x: &[f32], code: &Code, seed: u64) -> f32 {
     let lanes = codes[..body].chunks_exact_mut(LANES).zip(x[..body].chunks_exact(LANES));
     for (k, (q, x)) in lanes.enumerate() {
         let t = _mm512_mul_ps(load(x), _mm512_set1_ps(inv));
-        let u = uniform16(seed, index_hashes(k * LANES));
+        let u = uniform16(seed, index_hashes(k * LANES), draw);
         store_bytes(q, stochastic_codes(code, t, u));
     }
     for (i, (q, &x)) in codes.iter_mut().zip(x).enumerate().skip(body) {
-        *q = stochastic_code(code, x * inv, uniform(seed, i as u64));
+        *q = stochastic_code(code, x * inv, uniform(seed, i as u64, draw));
     }
     absmax
 }
@@ -283,8 +286,9 @@ fn codes_in_windows(t: __m512, u: __m512, [below, at, above, s]: [__m512; 4]) ->
     let at_s = _mm512_cmpeq_epi32_mask(hi, s);
     let c_lo = _mm512_mask_blend_ps(at_s, at, below);
     let c_hi = _mm512_mask_blend_ps(at_s, above, at);
-    let p_hi = _mm512_div_ps(_mm512_sub_ps(t, c_lo), _mm512_sub_ps(c_hi, c_lo));
-    let up = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(u, p_hi);
+    // `stochastic_code`'s test, u * gap < t - lo.
+    let gap = _mm512_mul_ps(u, _mm512_sub_ps(c_hi, c_lo));
+    let up = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(gap, _mm512_sub_ps(t, c_lo));
     let lo = _mm512_sub_epi32(hi, one);
     _mm512_mask_add_epi32(lo, up, lo, one)
 }
@@ -338,24 +342,38 @@ fn index_hashes(i0: usize) -> [__m512i; 2] {
     unsafe { [_mm512_loadu_si512(h.as_ptr().cast()), _mm512_loadu_si512(h[8..].as_ptr().cast())] }
 }
 
-/// Draws `uniform(seed, i)` for the 16 lanes whose index hashes are `ih` (splitmix64's
-/// finaliser on 64-bit lanes).
+/// Draws `uniform(seed, i, draw)` for the 16 lanes whose index hashes are `ih`.
 #[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
-fn uniform16(seed: u64, ih: [__m512i; 2]) -> __m512 {
-    let (lo, hi) = (top24(seed, ih[0]), top24(seed, ih[1]));
-    // Each value sits in the low 32 bits of its 64-bit lane: the even 32-bit lanes of lo, then
-    // those of hi.
-    let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    let d = _mm512_permutex2var_epi32(lo, even, hi);
+fn uniform16(seed: u64, ih: [__m512i; 2], draw: Draw) -> __m512 {
+    field16([hash8(seed, ih[0]), hash8(seed, ih[1])], draw)
+}
+
+/// The draws `draw` of 16 lanes from their hashes `h` ([`hash8`] of lanes 0..8 and 8..16).
+#[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
+fn field16(h: [__m512i; 2], draw: Draw) -> __m512 {
+    let d = match draw {
+        // Bits 40..64: the high 32 bits of each 64-bit lane (the odd 32-bit lanes of h[0], then
+        // those of h[1]), shifted down by 8.
+        Draw::M => {
+            let odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+            _mm512_srli_epi32::<8>(_mm512_permutex2var_epi32(h[0], odd, h[1]))
+        }
+        // Bits 16..40: the low 32 bits of each lane shifted down by 16 (the even 32-bit lanes),
+        // less their top 8 bits.
+        Draw::V => {
+            let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+            let (lo, hi) = (_mm512_srli_epi64::<16>(h[0]), _mm512_srli_epi64::<16>(h[1]));
+            _mm512_and_si512(_mm512_permutex2var_epi32(lo, even, hi), splat(0xff_ffff))
+        }
+    };
     // Exact: an integer below 2^24 converts exactly, and the product by 2^-24 is exact, as is
     // the scalar division by 2^24.
     _mm512_mul_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(1.0 / 16_777_216.0))
 }
 
-/// `z >> 40` of `uniform`'s hash, from each 64-bit lane's index hash `ih`. (Its final
-/// `z ^= z >> 31` leaves the top 24 bits alone, so it is skipped.)
+/// `adamw8bit::draw_hash` of 8 lanes, from each 64-bit lane's index hash `ih`.
 #[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vbmi")]
-fn top24(seed: u64, ih: __m512i) -> __m512i {
+fn hash8(seed: u64, ih: __m512i) -> __m512i {
     let k = |k: u64| _mm512_set1_epi64(k as i64);
     let mut z = _mm512_xor_si512(k(seed), ih);
     z = _mm512_mullo_epi64(
@@ -366,7 +384,7 @@ fn top24(seed: u64, ih: __m512i) -> __m512i {
         _mm512_xor_si512(z, _mm512_srli_epi64::<27>(z)),
         k(0x94D0_49BB_1331_11EB),
     );
-    _mm512_srli_epi64::<40>(z)
+    _mm512_xor_si512(z, _mm512_srli_epi64::<31>(z))
 }
 
 /// Stores the low byte of each 32-bit lane (each in 0..=255), in lane order.
@@ -421,7 +439,9 @@ mod tests {
             return;
         }
         // SAFETY: AVX-512 F, DQ, BW and VBMI were detected above.
-        check_encoder_on_edge_values(LANES, |q, x, code, seed| unsafe { encode(q, x, code, seed) });
+        check_encoder_on_edge_values(LANES, |q, x, code, seed, draw| unsafe {
+            encode(q, x, code, seed, draw)
+        });
     }
 
     /// Every code index decodes to the scalar decoder's value, at every lane and partial length.
@@ -450,12 +470,16 @@ mod tests {
         if !avx512() {
             return;
         }
-        for seed in [0, 1, u64::MAX, 0x1234_5678_9abc_def0] {
+        for (seed, draw) in [0, 1, u64::MAX, 0x1234_5678_9abc_def0]
+            .into_iter()
+            .flat_map(|s| [(s, Draw::M), (s, Draw::V)])
+        {
             for i0 in (0..QBLOCK).step_by(LANES) {
                 let mut got = [0f32; LANES];
                 // SAFETY: AVX-512 F, DQ, BW and VBMI were detected above.
-                unsafe { store(&mut got, uniform16(seed, index_hashes(i0))) };
-                let want: Vec<f32> = (0..LANES).map(|l| uniform(seed, (i0 + l) as u64)).collect();
+                unsafe { store(&mut got, uniform16(seed, index_hashes(i0), draw)) };
+                let want: Vec<f32> =
+                    (0..LANES).map(|l| uniform(seed, (i0 + l) as u64, draw)).collect();
                 assert_eq!(
                     got.map(f32::to_bits).to_vec(),
                     want.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
