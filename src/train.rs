@@ -674,11 +674,7 @@ where
         println!(
             "engine.recompute: {:?} -> {}",
             raw.engine.recompute,
-            if ecfg.keep_internals {
-                "every layer's internals kept for its backward (no recompute)"
-            } else {
-                "the backward recomputes each block's inputs and each layer's internals"
-            }
+            recompute_words(ecfg.kept_layers, layout.dims.layers)
         );
         print!("{plan}");
         plan.check()?;
@@ -757,6 +753,20 @@ where
     }
 }
 
+/// What the resolved `engine.recompute` does, for the start-up line: `kept` of `layers` layers
+/// keep their internals.
+pub(crate) fn recompute_words(kept: usize, layers: usize) -> String {
+    match kept {
+        0 => "the backward recomputes each block's inputs and each layer's internals".to_string(),
+        k if k == layers => {
+            "every layer's internals kept for its backward (no recompute)".to_string()
+        }
+        k => format!(
+            "{k} of {layers} layers keep their internals for their backward (spread evenly, K = 1); the others recompute theirs"
+        ),
+    }
+}
+
 /// The engine configuration a run config describes, sized for rows of `train.max_seq_len`
 /// (a run sizes for its data instead: [`SeqLen::of_data`]).
 pub fn engine_config(raw: &RawConfig) -> EngineConfig {
@@ -772,7 +782,7 @@ pub fn engine_config(raw: &RawConfig) -> EngineConfig {
         adamw: adamw_config(raw),
         grad_clip: raw.optimizer.grad_clip,
         memory: raw.optimizer.memory,
-        keep_internals: false,
+        kept_layers: 0,
         backend: raw.device.backend,
         grad_wire: raw.engine.grad_wire,
         weights: WeightPath::Masters,

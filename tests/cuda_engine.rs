@@ -89,6 +89,25 @@ fn bf16_engine_tracks_the_fixtures() {
     }
 }
 
+/// Kept internals (one layer's, every layer's; `engine.recompute` with a budget) give the same
+/// bits as recomputing them: the backward reads what the forward wrote, and a recompute writes
+/// the same, from the same bf16 weights with fixed-order kernels.
+#[test]
+fn kept_internals_change_no_bit() {
+    for case in CASES {
+        let batch = expected(case)["batch"].as_u64().unwrap() as usize;
+        let model = ModelConfig::from_file(&case_dir(case).join("model/config.json")).unwrap();
+        let base = cuda_config(case, 1, batch, GradWire::Bf16);
+        let (want, _, want_params) = streamed(cuda(0, 0), case, base);
+        for kept in [1, model.num_layers] {
+            let cfg = EngineConfig { kept_layers: kept, ..base };
+            let (got, _, params) = streamed(cuda(0, 0), case, cfg);
+            assert_eq!(got, want, "{case} {kept} kept: losses and norms");
+            assert_eq!(params, want_params, "{case} {kept} kept: weights");
+        }
+    }
+}
+
 /// The LM head in vocabulary tiles of 37 rows (7 to 9 tiles: the tile cross-entropy kernels,
 /// both passes, the tile gradients into the host head rows) meets the fixtures within the bf16
 /// bounds above, and random stream delays do not change a bit of it.

@@ -33,19 +33,22 @@ fn streamed(
     jitter_us: u64,
     seed: u64,
 ) -> (Vec<(f64, f64)>, ParamStore, ParamStore) {
-    streamed_with(case, k, false, mbs, jitter_us, seed)
+    streamed_with(case, k, 0, mbs, jitter_us, seed)
 }
 
-/// As [`streamed`]; `keep` keeps every layer's internals for its backward (needs K = 1).
+/// As [`streamed`]; `kept` layers (at most the model's depth) keep their internals for their
+/// backward (non-zero needs K = 1).
 fn streamed_with(
     case: &str,
     k: usize,
-    keep: bool,
+    kept: usize,
     mbs: usize,
     jitter_us: u64,
     seed: u64,
 ) -> (Vec<(f64, f64)>, ParamStore, ParamStore) {
-    let cfg = EngineConfig { keep_internals: keep, ..case_engine_config(case, k, mbs) };
+    let model = ModelConfig::from_file(&case_dir(case).join("model/config.json")).unwrap();
+    let kept_layers = kept.min(model.num_layers);
+    let cfg = EngineConfig { kept_layers, ..case_engine_config(case, k, mbs) };
     run_engine(case, cfg, jitter_us, seed)
 }
 
@@ -81,8 +84,9 @@ fn whole_batch_is_bit_identical_to_the_reference_path() {
     for case in CASES {
         let (ref_steps, ref_params) = reference(case);
         let batch = expected(case)["batch"].as_u64().unwrap() as usize;
-        // K = 1, 2, 3 recomputing; K = 1 keeping every layer's internals (no recompute).
-        for (k, keep) in [(1, false), (2, false), (3, false), (1, true)] {
+        // K = 1, 2, 3 recomputing; K = 1 keeping one, two or every layer's internals (the
+        // others recomputing; none recomputing).
+        for (k, keep) in [(1, 0), (2, 0), (3, 0), (1, 1), (1, 2), (1, usize::MAX)] {
             let (steps, _, params) = streamed_with(case, k, keep, batch, 0, 0);
             for (s, (a, b)) in steps.iter().zip(&ref_steps).enumerate() {
                 assert_eq!(

@@ -22,6 +22,7 @@ use crate::engine::options::{BackendKind, GradWire, HostThreads, OptimizerMemory
 use crate::engine::phases::{Phase, PhaseClock, PhaseSeconds};
 use crate::engine::plan::{
     ActSource, GradTarget, OpKind, ParamBuf, PlanShape, Res, Schedule, SlotContent, Wait,
+    keeps_internals,
 };
 pub use crate::engine::sizes::Sizes;
 use crate::hf::config::ModelConfig;
@@ -65,9 +66,11 @@ pub struct EngineConfig {
     /// AdamW and clipping (the learning rate comes with each step, from the schedule).
     pub adamw: AdamWConfig,
     pub grad_clip: f64,
-    /// Keep every layer's forward internals on the device for its backward instead of
-    /// recomputing them (`engine.recompute` resolved); needs `checkpoint_every == 1`.
-    pub keep_internals: bool,
+    /// Layers whose forward internals stay on the device for their backward instead of being
+    /// recomputed (`engine.recompute` resolved: 0 recomputes all, the model's depth none),
+    /// spread evenly over the depth (`plan::keeps_internals`); non-zero needs
+    /// `checkpoint_every == 1`.
+    pub kept_layers: usize,
     /// `optimizer.memory`: exact, lean or compact.
     pub memory: OptimizerMemory,
     /// `device.backend`: its precision (`Backend::PRECISION`) sets the format of the weight
@@ -106,7 +109,7 @@ pub fn plan_shape(layout: &ModelLayout, cfg: &EngineConfig, sizes: &Sizes) -> Pl
         grad_slabs: cfg.grad_slabs,
         tied: layout.tied,
         head_tiles: sizes.head.tiles(),
-        keep_internals: cfg.keep_internals,
+        kept_layers: cfg.kept_layers,
         streamed: cfg.memory.streams_updates(),
         staged: cfg.weight_path() == WeightPath::Staged,
     }
@@ -239,8 +242,9 @@ struct Ctx {
     skip: AtomicBool,
     /// Seconds of queue work by phase (shared with the engine's kernel timers).
     phases: Arc<PhaseClock>,
-    /// [layer][m]: forward internals kept for the backward (empty when it recomputes them).
-    stash: Vec<Vec<Vec<DevBuf>>>,
+    /// [layer][m]: forward internals kept for the backward (`None` for a layer that recomputes
+    /// them).
+    stash: Vec<Option<Vec<Vec<DevBuf>>>>,
 }
 
 /// The host gradient slabs, in the format layer gradients cross the link in (`engine.grad_wire`).
@@ -490,7 +494,7 @@ impl Ctx {
     /// Layer `layer`'s kept internals for micro-batch `m`, if it keeps them, as the op's grant
     /// allows.
     fn stash(&self, g: &Grant, layer: usize, m: usize, write: bool) -> Option<&[DevBuf]> {
-        let kept = self.stash.get(layer).map(|s| s[m].as_slice());
+        let kept = self.stash.get(layer).and_then(Option::as_ref).map(|s| s[m].as_slice());
         if kept.is_some() {
             g.check(Res::Stash { layer, m }, write);
         }
@@ -723,8 +727,15 @@ where
         }
         let sizes = Sizes::new(&layout, &cfg);
         let shape = plan_shape(&layout, &cfg, &sizes);
-        if cfg.keep_internals && cfg.checkpoint_every != 1 {
+        if cfg.kept_layers > 0 && cfg.checkpoint_every != 1 {
             bail!("kept layer internals need checkpoint_every 1: {cfg:?}");
+        }
+        if cfg.kept_layers > layout.dims.layers {
+            bail!(
+                "{} kept layers of a {}-layer model: {cfg:?}",
+                cfg.kept_layers,
+                layout.dims.layers
+            );
         }
         let precision = <D::Backend as Backend>::PRECISION;
         if cfg.backend.precision() != precision {
@@ -1591,7 +1602,7 @@ where
                 self.launch_whole_head((slot, m, src, dw), sd, grant)
             }
             OpKind::Backward { layer, slot, m, set, dw } => {
-                if c.stash.get(layer).is_none() {
+                if c.stash.get(layer).is_none_or(Option::is_none) {
                     // Rebuild the layer's internals into the scratch first: its own task, so
                     // its time counts as recompute.
                     let inp = c.dev(grant, Res::Act { set, m }, false);
@@ -2096,7 +2107,7 @@ struct DeviceBuffers {
     /// Rows of a head chunk.
     chunk: usize,
     scratch: Scratch,
-    stash: Vec<Vec<Vec<DevBuf>>>,
+    stash: Vec<Option<Vec<Vec<DevBuf>>>>,
     tiled: Option<TiledHead>,
 }
 
@@ -2132,13 +2143,12 @@ fn alloc_device<D: Device>(
     let layer_acts =
         || -> Result<Vec<DevBuf>> { act_widths.iter().map(|w| alloc(n * w)).collect() };
     let acts_scratch = layer_acts()?;
-    let stash = if cfg.keep_internals {
-        (0..d.layers)
-            .map(|_| (0..mbs).map(|_| layer_acts()).collect::<Result<Vec<_>>>())
-            .collect::<Result<Vec<_>>>()?
-    } else {
-        Vec::new()
-    };
+    let stash = (0..d.layers)
+        .map(|i| match keeps_internals(d.layers, cfg.kept_layers, i) {
+            true => (0..mbs).map(|_| layer_acts()).collect::<Result<Vec<_>>>().map(Some),
+            false => Ok(None),
+        })
+        .collect::<Result<Vec<_>>>()?;
     let grads_scratch =
         layout.max_grad_widths()[1..].iter().map(|w| alloc(n * w)).collect::<Result<Vec<_>>>()?;
     let half = d.d / 2;

@@ -52,7 +52,7 @@ pub enum Res {
     Grads(ParamBuf),
     Moments(ParamBuf),
     /// Device: layer `layer`'s forward internals for micro-batch `m`, kept for its backward
-    /// (`PlanShape::keep_internals`).
+    /// (`PlanShape::kept_layers`).
     Stash {
         layer: usize,
         m: usize,
@@ -226,9 +226,11 @@ pub struct PlanShape {
     /// Vocabulary tiles the LM head is applied in: 1 = whole (it fits in a weight slot beside
     /// the final norm), else two passes over the tiles (see [`step_ops`]).
     pub head_tiles: usize,
-    /// Each layer's forward keeps its internals on the device for the backward, which then
-    /// recomputes nothing (`engine.recompute: never`); needs `checkpoint_every == 1`.
-    pub keep_internals: bool,
+    /// Layers whose forward keeps its internals on the device for their backward, which then
+    /// recomputes nothing; spread evenly over the depth ([`keeps_internals`]). The others
+    /// recompute theirs. `layers` is `engine.recompute: never`, 0 `always`, and `auto` keeps
+    /// as many as the device budget holds. Non-zero needs `checkpoint_every == 1`.
+    pub kept_layers: usize,
     /// Streamed updates (`optimizer.memory` lean or compact): no whole-model gradient exists;
     /// each layer is updated from its slab as soon as its gradient is complete, except the last
     /// `grad_slabs` layers of the backward, whose slabs are not needed again in the step and
@@ -240,7 +242,21 @@ pub struct PlanShape {
     pub staged: bool,
 }
 
+/// Whether layer `i` of `layers` is one of the `kept` layers that keep their internals: the
+/// kept layers are spread evenly over the depth (layer `i` keeps when `(i + 1) kept / layers`
+/// steps up at it), so the backward alternates layers that recompute (compute-heavier) with
+/// layers that do not (whose compute may not cover their uploads).
+pub fn keeps_internals(layers: usize, kept: usize, i: usize) -> bool {
+    debug_assert!(kept <= layers && i < layers);
+    (i + 1) * kept / layers > i * kept / layers
+}
+
 impl PlanShape {
+    /// Whether layer `i` keeps its internals ([`keeps_internals`]).
+    pub fn keeps(&self, i: usize) -> bool {
+        keeps_internals(self.layers, self.kept_layers, i)
+    }
+
     /// Residual-stream buffer sets per micro-batch: the forward ping-pongs between two, the
     /// block recompute keeps the inputs of a block's K layers.
     pub fn act_sets(&self) -> usize {
@@ -563,10 +579,11 @@ fn stage_uploads(ops: Vec<Op>) -> Vec<Op> {
 fn unstaged_ops(shape: PlanShape) -> Vec<Op> {
     assert!(shape.layers > 0 && shape.micro_batches > 0 && shape.checkpoint_every > 0);
     assert!(shape.grad_slabs > 0 && shape.head_tiles > 0);
-    assert!(!shape.keep_internals || shape.checkpoint_every == 1, "kept internals need K = 1");
+    assert!(shape.kept_layers == 0 || shape.checkpoint_every == 1, "kept internals need K = 1");
+    assert!(shape.kept_layers <= shape.layers, "more kept layers than layers");
     // Where a layer forward leaves its internals, and where its backward finds them.
     let internals = |layer: usize, m: usize| {
-        if shape.keep_internals { Res::Stash { layer, m } } else { Res::Scratch }
+        if shape.keeps(layer) { Res::Stash { layer, m } } else { Res::Scratch }
     };
     let (l_count, mbs, k) = (shape.layers, shape.micro_batches, shape.checkpoint_every);
     let mut b = Builder {
@@ -609,7 +626,7 @@ fn unstaged_ops(shape: PlanShape) -> Vec<Op> {
             }
             // The scratch also holds the dequantisation workspace of a quantised base.
             let mut writes = vec![Res::Act { set: dst, m }, internals(i, m)];
-            if shape.keep_internals {
+            if shape.keeps(i) {
                 writes.push(Res::Scratch);
             }
             b.push(
@@ -674,7 +691,7 @@ fn unstaged_ops(shape: PlanShape) -> Vec<Op> {
             for m in 0..mbs {
                 let set = i - first;
                 let mut reads = vec![Res::Slot(slot), Res::Act { set, m }];
-                if shape.keep_internals {
+                if shape.keeps(i) {
                     reads.push(internals(i, m));
                 }
                 b.push(
@@ -1060,7 +1077,7 @@ mod tests {
             grad_slabs: 2,
             tied: false,
             head_tiles: 1,
-            keep_internals: false,
+            kept_layers: 0,
             streamed: false,
             staged: false,
         }
@@ -1095,7 +1112,7 @@ mod tests {
     fn kept_internals_are_hazard_free_and_recompute_nothing() {
         for layers in [1, 3, 4] {
             for mbs in [1, 2] {
-                let s = Schedule::new(PlanShape { keep_internals: true, ..shape(layers, mbs, 1) });
+                let s = Schedule::new(PlanShape { kept_layers: layers, ..shape(layers, mbs, 1) });
                 check(&s.unrolled(3), 0).unwrap_or_else(|h| panic!("L{layers} M{mbs}: {h}"));
                 let ops = s.ops(2);
                 let head = ops.iter().position(|o| matches!(o.kind, OpKind::Head { .. }));
@@ -1104,6 +1121,46 @@ mod tests {
                 let kept = |o: &Op| o.reads.iter().any(|r| matches!(r, Res::Stash { .. }));
                 let backwards = after.iter().filter(|o| kept(o)).count();
                 assert_eq!(backwards, layers * mbs, "every backward reads kept internals");
+            }
+        }
+    }
+
+    /// Some layers keep their internals, the others recompute: the plans are hazard-free, and
+    /// exactly the kept layers' backwards read kept internals, the kept layers spread evenly.
+    #[test]
+    fn partly_kept_internals_are_hazard_free_and_read_where_kept() {
+        for layers in [1, 2, 3, 5, 7] {
+            for kept in 0..=layers {
+                let which: Vec<usize> =
+                    (0..layers).filter(|&i| keeps_internals(layers, kept, i)).collect();
+                assert_eq!(which.len(), kept, "L{layers} kept {kept}: {which:?}");
+                // Evenly: between two kept layers (and before the first) at most
+                // ceil(L / kept) layers.
+                if kept > 0 {
+                    let most = layers.div_ceil(kept);
+                    let gaps = which.iter().scan(None, |prev: &mut Option<usize>, &i| {
+                        let gap = prev.map_or(i + 1, |p| i - p);
+                        *prev = Some(i);
+                        Some(gap)
+                    });
+                    assert!(gaps.into_iter().all(|g| g <= most), "L{layers} {which:?}");
+                }
+                for (mbs, streamed, staged) in
+                    [(1, false, false), (2, true, false), (2, false, true)]
+                {
+                    let shape =
+                        PlanShape { kept_layers: kept, streamed, staged, ..shape(layers, mbs, 1) };
+                    let s = Schedule::new(shape);
+                    check(&s.unrolled(3), 0).unwrap_or_else(|h| {
+                        panic!("L{layers} kept {kept} M{mbs} streamed {streamed}: {h}")
+                    });
+                    for op in s.ops(2) {
+                        if let OpKind::Backward { layer, .. } = op.kind {
+                            let reads = op.reads.iter().any(|r| matches!(r, Res::Stash { .. }));
+                            assert_eq!(reads, shape.keeps(layer), "L{layers} kept {kept}: {op}");
+                        }
+                    }
+                }
             }
         }
     }
@@ -1131,7 +1188,7 @@ mod tests {
                 streamed,
                 staged: true,
                 head_tiles: tiles,
-                keep_internals: keep,
+                kept_layers: if keep { 4 } else { 0 },
                 ..shape(4, 2, k)
             };
             let s = Schedule::new(shape);
@@ -1347,7 +1404,7 @@ mod tests {
                                 let s = Schedule::new(PlanShape {
                                     tied,
                                     streamed,
-                                    keep_internals: keep,
+                                    kept_layers: if keep { layers } else { 0 },
                                     head_tiles: tiles,
                                     staged,
                                     ..shape(layers, mbs, k)
@@ -1452,7 +1509,7 @@ mod doc_tests {
             grad_slabs: 2,
             tied: false,
             head_tiles: 1,
-            keep_internals: false,
+            kept_layers: 0,
             streamed,
             staged: false,
         });

@@ -49,8 +49,9 @@ impl Machine {
 
 /// `base` with `recompute` and `upload` resolved on `m`:
 /// - `engine.recompute`: `always` recomputes, `never` keeps each layer's internals (a checkpoint
-///   every layer, no block recompute); `auto` keeps them when an explicit device budget holds
-///   that plan (`device.memory: auto` is the smallest plan, which recomputes).
+///   every layer, no block recompute); `auto` keeps as many layers' internals as an explicit
+///   device budget holds ([`most_kept`]; the others recompute theirs), none under
+///   `device.memory: auto` (the smallest plan, which recomputes).
 /// - `engine.weight_upload` on a bf16 device: `round` uploads from the fp32 masters, `image`
 ///   and `staged` as asked, `auto` the image when the plan fits with it, else the masters. A
 ///   device that computes in fp32 always takes the masters.
@@ -61,19 +62,14 @@ pub fn resolve(
     upload: WeightUpload,
     m: &Machine,
 ) -> EngineConfig {
-    let keep = |keep: bool| EngineConfig {
-        keep_internals: keep,
-        checkpoint_every: if keep { 1 } else { base.checkpoint_every },
-        weights: WeightPath::Masters,
-        ..base
-    };
+    let base = EngineConfig { weights: WeightPath::Masters, ..base };
     let e = match recompute {
-        Recompute::Always => keep(false),
-        Recompute::Never => keep(true),
-        Recompute::Auto => {
-            let kept = keep(true);
-            if m.device_budget.is_some() && m.fits(layout, &kept) { kept } else { keep(false) }
+        Recompute::Always => keeping(base, 0),
+        Recompute::Never => keeping(base, layout.dims.layers),
+        Recompute::Auto if m.device_budget.is_some() => {
+            most_kept(layout, base, m).unwrap_or(keeping(base, 0))
         }
+        Recompute::Auto => keeping(base, 0),
     };
     let with = |weights: WeightPath| EngineConfig { weights, ..e };
     match (m.bf16, upload) {
@@ -85,6 +81,29 @@ pub fn resolve(
         }
         (true, WeightUpload::Auto) => e,
     }
+}
+
+/// `base` with `kept` layers keeping their internals: a checkpoint every layer when any does,
+/// else `base`'s spacing.
+pub fn keeping(base: EngineConfig, kept: usize) -> EngineConfig {
+    let checkpoint_every = if kept > 0 { 1 } else { base.checkpoint_every };
+    EngineConfig { kept_layers: kept, checkpoint_every, ..base }
+}
+
+/// `base` keeping the most layers' internals whose plan fits `m` (at least one), or `None`
+/// when not even one layer's do. The plan grows with every kept layer, so a binary search.
+pub fn most_kept(layout: &ModelLayout, base: EngineConfig, m: &Machine) -> Option<EngineConfig> {
+    let fits = |kept: usize| m.fits(layout, &keeping(base, kept));
+    if !fits(1) {
+        return None;
+    }
+    // `lo` layers fit; `hi` do not (one more than the model has, as a sentinel).
+    let (mut lo, mut hi) = (1, layout.dims.layers + 1);
+    while hi - lo > 1 {
+        let mid = (lo + hi) / 2;
+        if fits(mid) { lo = mid } else { hi = mid }
+    }
+    Some(keeping(base, lo))
 }
 
 #[cfg(test)]
@@ -109,7 +128,7 @@ mod tests {
                 weight_decay: 0.0,
             },
             grad_clip: 1.0,
-            keep_internals: false,
+            kept_layers: 0,
             memory: Default::default(),
             backend: BackendKind::Cuda,
             grad_wire: Default::default(),
@@ -125,7 +144,7 @@ mod tests {
     }
 
     #[test]
-    fn auto_keeps_internals_only_when_an_explicit_budget_holds_them() {
+    fn auto_keeps_as_many_layers_internals_as_an_explicit_budget_holds() {
         let l = fixture_layout();
         let gpu = |budget, host| Machine {
             device_budget: budget,
@@ -134,14 +153,22 @@ mod tests {
             bf16: true,
         };
         let r = |m: &Machine| resolve(&l, base(), Recompute::Auto, WeightUpload::Round, m);
+        let layers = l.dims.layers;
         let kept = resolve(&l, base(), Recompute::Never, WeightUpload::Round, &gpu(None, None));
-        assert!(kept.keep_internals && kept.checkpoint_every == 1);
-        let (need, _) = totals(&l, &kept);
-        assert!(r(&gpu(Some(need), None)).keep_internals, "a budget that holds the plan");
-        assert!(!r(&gpu(Some(need - 1), None)).keep_internals, "one byte short");
-        assert!(!r(&gpu(None, None)).keep_internals, "device.memory: auto");
+        assert!(kept.kept_layers == layers && kept.checkpoint_every == 1);
+        let need = |kept: usize| totals(&l, &keeping(base(), kept)).0;
+        assert_eq!(r(&gpu(Some(need(layers)), None)).kept_layers, layers, "all fit");
+        // Each budget just below what n layers need keeps n - 1 of them, at K = 1.
+        for n in 2..=layers {
+            let e = r(&gpu(Some(need(n) - 1), None));
+            assert_eq!((e.kept_layers, e.checkpoint_every), (n - 1, 1), "one byte short of {n}");
+            assert_eq!(r(&gpu(Some(need(n)), None)).kept_layers, n);
+        }
+        let none = r(&gpu(Some(need(1) - 1), None));
+        assert_eq!((none.kept_layers, none.checkpoint_every), (0, 2), "not even one layer");
+        assert_eq!(r(&gpu(None, None)).kept_layers, 0, "device.memory: auto");
         let always = resolve(&l, base(), Recompute::Always, WeightUpload::Round, &gpu(None, None));
-        assert_eq!((always.keep_internals, always.checkpoint_every), (false, 2));
+        assert_eq!((always.kept_layers, always.checkpoint_every), (0, 2));
     }
 
     #[test]

@@ -192,8 +192,8 @@ impl Sizes {
             grad_slabs: cfg.grad_slabs,
             scratch: layer_scratch + grad_scratch + head_scratch + rope,
             per_mb_small: 3 * n,
-            stash: if cfg.keep_internals { d.layers * cfg.micro_batches() * layer_acts } else { 0 },
-            stash_sets: if cfg.keep_internals { d.layers * cfg.micro_batches() } else { 0 },
+            stash: cfg.kept_layers * cfg.micro_batches() * layer_acts,
+            stash_sets: cfg.kept_layers * cfg.micro_batches(),
             act_buffers: act_widths.len(),
             scratch_buffers: act_widths.len() + grad_widths.len() - 1
                 + 1
@@ -266,7 +266,7 @@ impl Sizes {
                 "backend workspace (bf16 product inputs, cuBLAS, bf16 gradient chunk)",
                 self.workspace_elems() * 4,
             ),
-            ("kept layer internals (engine.recompute: no recompute)", self.stash * 4),
+            ("kept layer internals (engine.recompute)", self.stash * 4),
         ];
         if tiled {
             lines.extend([

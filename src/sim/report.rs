@@ -12,12 +12,14 @@ use crate::config::{BackendKind, RunConfig, WeightPath};
 use crate::engine::exec::{EngineConfig, Sizes, plan_shape};
 use crate::engine::memory::gib;
 use crate::engine::plan::Schedule;
-use crate::engine::resolve::{Machine, resolve};
+use crate::engine::resolve::{Machine, keeping, most_kept, resolve};
 use crate::sim::calibrate::{CpuMeasured, HostMeasured, this_cpu};
 use crate::sim::cost::{CostModel, DeviceModel, HostByRates, HostModel, UploadPath};
 use crate::sim::hardware::{BUILT_IN, Hardware, Roofline};
 use crate::sim::{Projection, project};
-use crate::train::{SeqLen, engine_config, load_datasets, model_config, run_layout};
+use crate::train::{
+    SeqLen, engine_config, load_datasets, model_config, recompute_words, run_layout,
+};
 
 /// A profile by name: built in, `this-cpu` (the CPU device at `link_gbps`), or a YAML file.
 pub fn hardware(name: &str, link_gbps: f64) -> Result<Hardware> {
@@ -133,17 +135,24 @@ pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
         && (cpu || sizes.device_total() as u64 <= hw.device_bytes());
     let mut text = String::new();
     fit_lines(&mut text, &hw, &sizes, image, upload, cpu)?;
+    writeln!(
+        text,
+        "  engine.recompute: {:?} -> {} (engine.checkpoint_every: {})",
+        raw.engine.recompute,
+        recompute_words(ecfg.kept_layers, layout.dims.layers),
+        ecfg.checkpoint_every
+    )?;
     render(&mut text, &hw, &chosen, cpu)?;
     if !cpu
         && let Some((p, e)) = fastest_fit(&base, &machine, tokens)
-        && (e.checkpoint_every, e.keep_internals) != (ecfg.checkpoint_every, ecfg.keep_internals)
+        && (e.checkpoint_every, e.kept_layers) != (ecfg.checkpoint_every, ecfg.kept_layers)
         && p.step_s < 0.99 * chosen.step_s
     {
         writeln!(
             text,
             "  fastest plan that fits this machine: engine.checkpoint_every: {}{}: step {:.3} s, {:.0} tokens/s, MFU {:.1}%",
             e.checkpoint_every,
-            if e.keep_internals { ", engine.recompute: never" } else { "" },
+            kept_words(e.kept_layers, layout.dims.layers),
             p.step_s,
             p.tokens_per_s(),
             100.0 * p.mfu(peak(&hw))
@@ -164,8 +173,20 @@ pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
     Ok(ProjectionRun { hw, ecfg, upload, chosen, other, fits, text })
 }
 
-/// The fastest of the checkpoint spacings (and kept internals) whose plan fits `machine`,
-/// projected under `base`'s model.
+/// What `kept` of `layers` layers keeping their internals asks of the config, for the fastest
+/// plan's line.
+fn kept_words(kept: usize, layers: usize) -> String {
+    match kept {
+        0 => String::new(),
+        k if k == layers => ", engine.recompute: never".to_string(),
+        k => format!(
+            ", engine.recompute: auto with device.memory: the GPU's ({k} of {layers} layers keep their internals)"
+        ),
+    }
+}
+
+/// The fastest of the checkpoint spacings (and kept internals: every layer's, or as many as
+/// the device holds) whose plan fits `machine`, projected under `base`'s model.
 fn fastest_fit(
     base: &CostModel<'_>,
     machine: &Machine,
@@ -181,8 +202,9 @@ fn fastest_fit(
     [1, 2, 3, 4, 6, 8]
         .into_iter()
         .filter(|&k| k <= layout.dims.layers)
-        .map(|k| EngineConfig { checkpoint_every: k, keep_internals: false, ..ecfg })
-        .chain([EngineConfig { checkpoint_every: 1, keep_internals: true, ..ecfg }])
+        .map(|k| EngineConfig { checkpoint_every: k, kept_layers: 0, ..ecfg })
+        .chain([keeping(ecfg, layout.dims.layers)])
+        .chain(most_kept(layout, ecfg, machine))
         .filter(fits)
         .map(|e| (speed(&e), e))
         .min_by(|a, b| a.0.step_s.total_cmp(&b.0.step_s))

@@ -138,7 +138,7 @@ pub fn engine_config_for(
             weight_decay: e["weight_decay"].as_f64().unwrap(),
         },
         grad_clip: e["grad_clip"].as_f64().unwrap(),
-        keep_internals: false,
+        kept_layers: 0,
         memory: horizon::config::OptimizerMemory::Exact,
         backend: horizon::config::BackendKind::Cpu,
         grad_wire: horizon::config::GradWire::Fp32,
