@@ -1,8 +1,11 @@
 //! Do kernels run slower after the thread has slept? `cargo run --release -p horizon-backend
 //! --example idle_probe [-- REPS [LAYERS]]`. Times a burst of matrix products on
 //! `bench/overlap.yaml`'s shapes (hidden 256, FFN 704, 2 x 128 tokens; LAYERS layers' forward
-//! products, 3 by default) right after the previous burst and after sleeping 5 to 200 ms,
-//! interleaved, and prints each median and its ratio to the back-to-back one.
+//! products, 3 by default) right after the previous burst, after sleeping 5 to 200 ms, and
+//! after 100 ms of other work that keeps the thread busy (a spin on the clock, a scalar
+//! integer loop) or of the same products, interleaved, and prints each median and its ratio to
+//! the back-to-back one. The busy rows tell whether a slowdown follows idleness or any work
+//! that is not the kernels.
 //!
 //! Why it exists: on a shared virtual machine the compute queue of a link-bound CPU-device run
 //! (which sleeps while it waits for the simulated link) has been measured up to 1.6x slower
@@ -19,6 +22,9 @@ use horizon_backend::cpu::testing::Rng;
 const SHAPES: [(usize, usize, usize); 4] =
     [(256, 256, 768), (256, 256, 256), (256, 256, 1408), (256, 704, 256)];
 const PAUSES_MS: [u64; 6] = [0, 5, 25, 50, 100, 200];
+/// What the thread does for [`BUSY`] before a burst, in the busy rows.
+const BUSY_KINDS: [&str; 3] = ["spinning on the clock", "a scalar integer loop", "the products"];
+const BUSY: Duration = Duration::from_millis(100);
 
 struct Operands {
     inp: Vec<f32>,
@@ -35,6 +41,22 @@ fn burst(ops: &mut [Operands], layers: usize) -> f64 {
         }
     }
     t.elapsed().as_secs_f64()
+}
+
+/// [`BUSY`] of work of kind `kind` (an index of [`BUSY_KINDS`]).
+fn busy_for(kind: usize, ops: &mut [Operands]) {
+    let start = Instant::now();
+    let mut x = 1u64;
+    while start.elapsed() < BUSY {
+        match kind {
+            0 => std::hint::spin_loop(),
+            1 => (0..1000).for_each(|_| x = x.wrapping_mul(0x5851_f42d_4c95_7f2d).wrapping_add(1)),
+            _ => {
+                burst(ops, 1);
+            }
+        }
+    }
+    std::hint::black_box(x);
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -59,6 +81,7 @@ fn main() {
         .collect();
     burst(&mut ops, layers);
     let mut times = vec![Vec::with_capacity(reps); PAUSES_MS.len()];
+    let mut busy = vec![Vec::with_capacity(reps); BUSY_KINDS.len()];
     for _ in 0..reps {
         for (t, &ms) in times.iter_mut().zip(&PAUSES_MS) {
             if ms == 0 {
@@ -68,10 +91,23 @@ fn main() {
             }
             t.push(burst(&mut ops, layers));
         }
+        for (kind, t) in busy.iter_mut().enumerate() {
+            busy_for(kind, &mut ops);
+            t.push(burst(&mut ops, layers));
+        }
     }
     let base = median(times[0].clone());
     for (t, ms) in times.into_iter().zip(PAUSES_MS) {
         let m = median(t);
         println!("after {ms:>2} ms idle: {:.2} ms a burst, {:.2}x back to back", m * 1e3, m / base);
+    }
+    for (t, kind) in busy.into_iter().zip(BUSY_KINDS) {
+        let m = median(t);
+        let ms = BUSY.as_millis();
+        println!(
+            "after {ms} ms of {kind}: {:.2} ms a burst, {:.2}x back to back",
+            m * 1e3,
+            m / base
+        );
     }
 }
