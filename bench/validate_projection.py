@@ -12,10 +12,11 @@ REPS times; the table shows medians and projected/measured ratios.
     python3 bench/validate_projection.py [REPS] [HORIZON]
 
 Run it on an otherwise idle machine: the bench measures wall time. Before and after the cases
-it runs `idle_probe` (when built): kernels after 5-50 ms of sleep against the same kernels back
-to back. The projection times kernels back to back; where the probe shows them slower after a
-pause, a link-bound case's compute queue (which sleeps while it waits for the link) is measured
-busier than projected by about that factor, an effect of the machine, not of the plan.
+it runs `idle_probe` (when built): kernels after 5-200 ms of sleep, and after 100 ms of other
+busy work or of the same kernels, against the same kernels back to back. The projection times
+kernels back to back; where the probe shows them slower after a pause or after other work, a
+link-bound case's compute queue (which sleeps while it waits for the link) is measured busier
+than projected by about that factor, an effect of the machine, not of the plan.
 """
 
 import json

@@ -14,7 +14,10 @@
 # Environment: HORIZON_BIN (the horizon binary), TEST_BIN_DIR (test executables cuda_*),
 # BENCH_STEPS (default 3, after one warm-up step), OUT (default out/gpu-check), GRAD_WIRE
 # (engine.grad_wire of the benchmarks: fp32, the default, or bf16), WEIGHT_UPLOAD
-# (engine.weight_upload of the benchmarks: auto, the default, image, round or staged).
+# (engine.weight_upload of the benchmarks: auto, the default, image, round or staged),
+# DEVICE_MEMORY (device.memory of the benchmarks: auto, the default, which recomputes every
+# layer's internals; a size such as 120GiB lets engine.recompute: auto keep as many layers'
+# internals as it holds, as the projection does with the profile's GPU memory).
 # The GPU holds bf16 weights (half the bytes of fp32 slots) and runs bf16 products with fp32
 # accumulation; the parity tests compare against the CPU with the tolerances of ARCHITECTURE.md.
 # Libraries: the NVIDIA driver (libcuda), NVRTC 13 and cuBLAS 13 must be loadable; pip wheels
@@ -115,6 +118,11 @@ PY
 
 # engine.weight_upload of the benchmarks: auto | image | round | staged.
 WEIGHT_UPLOAD=${WEIGHT_UPLOAD:-auto}
+# device.memory of the benchmarks (see the usage above).
+DEVICE_MEMORY=${DEVICE_MEMORY:-auto}
+# With device.memory: auto the run recomputes; say so in the config, so that its projection
+# (planned on the profile's GPU memory, where auto would keep internals) plans the same run.
+if [[ "$DEVICE_MEMORY" == auto ]]; then RECOMPUTE=always; else RECOMPUTE=auto; fi
 
 # The profile the projection of each benchmark is made for (`horizon plan --hardware`).
 HW_PROFILE=${HW_PROFILE:-h200-pcie5}
@@ -129,8 +137,8 @@ model: {init: random, arch: qwen2, hidden_size: $c, intermediate_size: $f, num_h
 data: {format: synthetic}
 train: {steps: $((STEPS + 1)), batch_size: $b, micro_batch_size: $mbs, max_seq_len: $t}
 engine: {checkpoint_every: $k, grad_slabs: 4, head_chunk_rows: 2048, grad_wire: $GRAD_WIRE,
-         weight_upload: $WEIGHT_UPLOAD}
-device: {backend: cuda, memory: auto}
+         weight_upload: $WEIGHT_UPLOAD, recompute: $RECOMPUTE}
+device: {backend: cuda, memory: $DEVICE_MEMORY}
 output: {dir: $OUT/$name}
 YAML
     echo "== bench $name: $l layers, hidden $c, ffn $f, heads $h/$kvh, vocab $v, $b x $t tokens/step, grad_wire $GRAD_WIRE"

@@ -93,7 +93,7 @@ pub struct AdamWStep {
     /// `(1 - beta2^t) ** 0.5`.
     pub bias_correction2_sqrt: f32,
     /// `1 / (1 - beta2^t) ** 0.5`, rounded once from f64: what the 8-bit update multiplies by
-    /// instead of dividing by `bias_correction2_sqrt` ([`update_one_8bit`]).
+    /// instead of dividing by `bias_correction2_sqrt` ([`update_one`]'s `RECIPROCAL`).
     pub inv_bias_correction2_sqrt: f32,
     /// `eps` (`add_`).
     pub eps: f32,
@@ -131,37 +131,13 @@ impl AdamWStep {
 }
 
 /// One element of the update: returns the new `(param, m, v)`. Every operation rounds to f32,
-/// in ATen's order (see the module table); no FMA.
+/// in ATen's order (see the module table); no FMA. With `RECIPROCAL`, `sqrt(v) *
+/// inv_bias_correction2_sqrt` replaces the division by `bias_correction2_sqrt`: one division
+/// per element fewer, for the 8-bit AdamW, whose SIMD bodies are bound by the divider and whose
+/// moments are stored in 8 bits, so the last bit of the denominator is moot there. Not torch's
+/// operation: the fp32 AdamW passes `false`.
 #[inline(always)]
-pub(crate) fn update_one<const SMALL_LERP: bool>(
-    p: f32,
-    grad: f32,
-    m: f32,
-    v: f32,
-    s: &AdamWStep,
-    grad_scale: f32,
-) -> (f32, f32, f32) {
-    update_one_as::<SMALL_LERP, false>(p, grad, m, v, s, grad_scale)
-}
-
-/// [`update_one`] with `sqrt(v) * inv_bias_correction2_sqrt` in place of the division by
-/// `bias_correction2_sqrt`: one division per element fewer, for the 8-bit AdamW, whose SIMD
-/// bodies are bound by the divider and whose moments are stored in 8 bits, so the last bit of
-/// the denominator is moot there. Not torch's operation: the fp32 AdamW keeps [`update_one`].
-#[inline(always)]
-pub(crate) fn update_one_8bit<const SMALL_LERP: bool>(
-    p: f32,
-    grad: f32,
-    m: f32,
-    v: f32,
-    s: &AdamWStep,
-    grad_scale: f32,
-) -> (f32, f32, f32) {
-    update_one_as::<SMALL_LERP, true>(p, grad, m, v, s, grad_scale)
-}
-
-#[inline(always)]
-fn update_one_as<const SMALL_LERP: bool, const RECIPROCAL: bool>(
+pub(crate) fn update_one<const SMALL_LERP: bool, const RECIPROCAL: bool>(
     p: f32,
     grad: f32,
     m: f32,
@@ -199,7 +175,7 @@ fn update_scalar<const SMALL_LERP: bool, const IMAGE: bool>(
     for (i, (((p, &g), m), v)) in
         param.iter_mut().zip(grad).zip(m.iter_mut()).zip(v.iter_mut()).enumerate()
     {
-        (*p, *m, *v) = update_one::<SMALL_LERP>(*p, g, *m, *v, s, grad_scale);
+        (*p, *m, *v) = update_one::<SMALL_LERP, false>(*p, g, *m, *v, s, grad_scale);
         if IMAGE {
             image[i] = Bf16::from_f32(*p);
         }
@@ -235,7 +211,8 @@ fn update_lanes<const SMALL_LERP: bool, const IMAGE: bool>(
         let m: &mut [f32; LANES] = m.try_into().unwrap();
         let v: &mut [f32; LANES] = v.try_into().unwrap();
         for l in 0..LANES {
-            (p[l], m[l], v[l]) = update_one::<SMALL_LERP>(p[l], g[l], m[l], v[l], s, grad_scale);
+            (p[l], m[l], v[l]) =
+                update_one::<SMALL_LERP, false>(p[l], g[l], m[l], v[l], s, grad_scale);
         }
         if IMAGE {
             let img: &mut [Bf16; LANES] = (&mut image[c * LANES..][..LANES]).try_into().unwrap();

@@ -40,7 +40,7 @@ use horizon_backend::Bf16;
 use rayon::iter::Either;
 use rayon::prelude::*;
 
-use crate::optim::adamw::{AdamWStep, adamw_update, adamw_update_image, update_one_8bit};
+use crate::optim::adamw::{AdamWStep, adamw_update, adamw_update_image, update_one};
 
 /// Elements per quantisation block (one fp32 scale each).
 pub const QBLOCK: usize = 256;
@@ -776,7 +776,7 @@ fn block_simd<const SMALL_LERP: bool, const IMAGE: bool>(
 }
 
 /// The fp32 AdamW element update of one block's decoded moments (`v` holds sqrt(v) in and out):
-/// `v² -> update_one_8bit -> sqrt` (AdamW's update with a product by the reciprocal of the bias
+/// `v² -> update_one -> sqrt` (AdamW's update with a product by the reciprocal of the bias
 /// correction for one of its divisions), and with `IMAGE` `img = bf16(p)`. Inlined into each
 /// body, so the AVX2 body's copy is vectorised with AVX2; the same IEEE operations either way.
 #[inline(always)]
@@ -794,7 +794,7 @@ pub(crate) fn update_elems<const SMALL_LERP: bool, const IMAGE: bool>(
     let img = if IMAGE { &mut img[..n] } else { img };
     for i in 0..n {
         let (pi, mi, vi) =
-            update_one_8bit::<SMALL_LERP>(p[i], g[i], m[i], v[i] * v[i], s, grad_scale);
+            update_one::<SMALL_LERP, true>(p[i], g[i], m[i], v[i] * v[i], s, grad_scale);
         p[i] = pi;
         m[i] = mi;
         v[i] = vi.sqrt();
