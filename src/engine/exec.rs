@@ -494,7 +494,7 @@ impl Ctx {
     /// Layer `layer`'s kept internals for micro-batch `m`, if it keeps them, as the op's grant
     /// allows.
     fn stash(&self, g: &Grant, layer: usize, m: usize, write: bool) -> Option<&[DevBuf]> {
-        let kept = self.stash.get(layer).and_then(Option::as_ref).map(|s| s[m].as_slice());
+        let kept = self.stash[layer].as_ref().map(|s| s[m].as_slice());
         if kept.is_some() {
             g.check(Res::Stash { layer, m }, write);
         }
@@ -1602,7 +1602,7 @@ where
                 self.launch_whole_head((slot, m, src, dw), sd, grant)
             }
             OpKind::Backward { layer, slot, m, set, dw } => {
-                if c.stash.get(layer).is_none_or(Option::is_none) {
+                if c.stash[layer].is_none() {
                     // Rebuild the layer's internals into the scratch first: its own task, so
                     // its time counts as recompute.
                     let inp = c.dev(grant, Res::Act { set, m }, false);

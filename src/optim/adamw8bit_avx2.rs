@@ -196,8 +196,8 @@ fn codes_in_windows(t: __m256, u: __m256, [below, at, above, s]: [__m256; 4]) ->
     let c_lo = _mm256_blendv_ps(at, below, at_s);
     let c_hi = _mm256_blendv_ps(above, at, at_s);
     // `stochastic_code`'s test, u * gap < t - lo.
-    let gap = _mm256_mul_ps(u, _mm256_sub_ps(c_hi, c_lo));
-    let up = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_LT_OQ>(gap, _mm256_sub_ps(t, c_lo)));
+    let u_gap = _mm256_mul_ps(u, _mm256_sub_ps(c_hi, c_lo));
+    let up = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_LT_OQ>(u_gap, _mm256_sub_ps(t, c_lo)));
     _mm256_sub_epi32(_mm256_sub_epi32(hi, splat(1)), up)
 }
 

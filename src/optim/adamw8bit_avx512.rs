@@ -287,8 +287,8 @@ fn codes_in_windows(t: __m512, u: __m512, [below, at, above, s]: [__m512; 4]) ->
     let c_lo = _mm512_mask_blend_ps(at_s, at, below);
     let c_hi = _mm512_mask_blend_ps(at_s, above, at);
     // `stochastic_code`'s test, u * gap < t - lo.
-    let gap = _mm512_mul_ps(u, _mm512_sub_ps(c_hi, c_lo));
-    let up = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(gap, _mm512_sub_ps(t, c_lo));
+    let u_gap = _mm512_mul_ps(u, _mm512_sub_ps(c_hi, c_lo));
+    let up = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(u_gap, _mm512_sub_ps(t, c_lo));
     let lo = _mm512_sub_epi32(hi, one);
     _mm512_mask_add_epi32(lo, up, lo, one)
 }

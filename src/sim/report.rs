@@ -12,7 +12,7 @@ use crate::config::{BackendKind, RunConfig, WeightPath};
 use crate::engine::exec::{EngineConfig, Sizes, plan_shape};
 use crate::engine::memory::gib;
 use crate::engine::plan::Schedule;
-use crate::engine::resolve::{Machine, keeping, most_kept, resolve};
+use crate::engine::resolve::{Machine, most_kept, resolve};
 use crate::sim::calibrate::{CpuMeasured, HostMeasured, this_cpu};
 use crate::sim::cost::{CostModel, DeviceModel, HostByRates, HostModel, UploadPath};
 use crate::sim::hardware::{BUILT_IN, Hardware, Roofline};
@@ -203,9 +203,9 @@ fn fastest_fit(
         .into_iter()
         .filter(|&k| k <= layout.dims.layers)
         .map(|k| EngineConfig { checkpoint_every: k, kept_layers: 0, ..ecfg })
-        .chain([keeping(ecfg, layout.dims.layers)])
-        .chain(most_kept(layout, ecfg, machine))
         .filter(fits)
+        // Already fitted: every layer's internals when they fit, else as many as do.
+        .chain(most_kept(layout, ecfg, machine))
         .map(|e| (speed(&e), e))
         .min_by(|a, b| a.0.step_s.total_cmp(&b.0.step_s))
 }
