@@ -430,11 +430,41 @@ pub struct DeviceSection {
     /// CPU backend: simulated link bandwidth in GB/s for host<->device copies, each direction;
     /// 0 = unthrottled. Default 0.
     pub link_gbps: f64,
+    /// CPU backend: how the compute and host queues wait for the other queues, `block`
+    /// (default) or `spin` (their threads stay awake, as a GPU's cores do: for timing runs on
+    /// shared machines).
+    pub wait: DeviceWait,
 }
 
 impl Default for DeviceSection {
     fn default() -> Self {
-        DeviceSection { backend: BackendKind::Cpu, memory: ByteSize::Auto, link_gbps: 0.0 }
+        DeviceSection {
+            backend: BackendKind::Cpu,
+            memory: ByteSize::Auto,
+            link_gbps: 0.0,
+            wait: DeviceWait::Block,
+        }
+    }
+}
+
+/// `device.wait`: [`horizon_backend::cpu::WaitMode`] in the config.
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceWait {
+    /// Sleep on the event; the cores are free for the host work meanwhile.
+    #[default]
+    Block,
+    /// Every kernel thread spins (yielding, and running other pool work) until the event.
+    Spin,
+}
+
+impl DeviceWait {
+    /// The CPU device's mode.
+    pub fn mode(self) -> horizon_backend::cpu::WaitMode {
+        match self {
+            DeviceWait::Block => horizon_backend::cpu::WaitMode::Block,
+            DeviceWait::Spin => horizon_backend::cpu::WaitMode::Spin,
+        }
     }
 }
 
@@ -623,6 +653,11 @@ impl RawConfig {
                 self.device.link_gbps
             );
         }
+        if self.device.backend == BackendKind::Cuda && self.device.wait == DeviceWait::Spin {
+            bail!(
+                "{origin}: device.wait = spin is the CPU device's\nhint: leave device.wait out with device.backend = cuda (the CUDA driver picks how the host waits)"
+            );
+        }
         if self.device.backend == BackendKind::Cuda && !horizon_backend::cuda::BUILT_WITH_CUDA {
             bail!(
                 "{origin}: device.backend = cuda: this binary was built without CUDA\nhint: rebuild with `cargo build --release --features cuda`, or use device.backend = cpu"
@@ -796,6 +831,21 @@ mod tests {
         .unwrap();
         let e = c.resolve("t.yaml").unwrap_err().to_string();
         assert!(e.contains("train.batch_size"), "{e}");
+    }
+
+    #[test]
+    fn device_wait_is_the_cpu_devices() {
+        let yaml =
+            |dev: &str| format!("model: {{path: m}}\ndata: {{path: d.jsonl}}\ndevice: {dev}\n");
+        let c = RawConfig::from_yaml(&yaml("{wait: spin}"), "t.yaml").unwrap();
+        assert_eq!(c.device.wait.mode(), horizon_backend::cpu::WaitMode::Spin);
+        c.resolve("t.yaml").unwrap();
+        let c = RawConfig::from_yaml(&yaml("{}"), "t.yaml").unwrap();
+        assert_eq!(c.device.wait, DeviceWait::Block);
+        let c = RawConfig::from_yaml(&yaml("{backend: cuda, wait: spin}"), "t.yaml").unwrap();
+        let e = c.resolve("t.yaml").unwrap_err().to_string();
+        assert!(e.contains("device.wait") && e.contains("hint"), "{e}");
+        assert!(RawConfig::from_yaml(&yaml("{wait: nap}"), "t.yaml").is_err());
     }
 
     #[test]

@@ -624,6 +624,7 @@ impl StreamTrainer {
                 link_gbps: raw.device.link_gbps,
                 copy_jitter_us: 0,
                 jitter_seed: 0,
+                wait: raw.device.wait.mode(),
             }))
         })
     }
@@ -1101,6 +1102,7 @@ where
         planned_pinned_bytes: tr.plan.pinned,
         host_threads: tr.engine.host_threads(),
         weight_upload: tr.engine.config().weight_path().name().to_string(),
+        device_wait: format!("{:?}", tr.cfg.raw.device.wait).to_lowercase(),
     }
 }
 

@@ -12,7 +12,7 @@ use horizon::hf::config::ModelConfig;
 use horizon::model::layout::ModelLayout;
 use horizon::model::params::ParamStore;
 use horizon::train::{TrainState, Trainer};
-use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig};
+use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig, WaitMode};
 
 /// Per-step (loss, grad norm) and the final parameters of the reference path.
 fn reference(case: &str) -> (Vec<(f64, f64)>, ParamStore) {
@@ -60,6 +60,16 @@ fn run_engine(
     jitter_us: u64,
     seed: u64,
 ) -> (Vec<(f64, f64)>, ParamStore, ParamStore) {
+    run_engine_waiting(case, cfg, (jitter_us, seed), WaitMode::Block)
+}
+
+/// [`run_engine`] with the compute queue waiting as `wait` says.
+fn run_engine_waiting(
+    case: &str,
+    cfg: EngineConfig,
+    (jitter_us, seed): (u64, u64),
+    wait: WaitMode,
+) -> (Vec<(f64, f64)>, ParamStore, ParamStore) {
     let model = ModelConfig::from_file(&case_dir(case).join("model/config.json")).unwrap();
     let layout = ModelLayout::new(&model);
     let params = ParamStore::load_hf(&layout, &case_dir(case).join("model")).unwrap();
@@ -70,6 +80,7 @@ fn run_engine(
         link_gbps: 0.0,
         copy_jitter_us: jitter_us,
         jitter_seed: seed,
+        wait,
     });
     let mut engine = Engine::new(dev, &model, TrainState::new(params), cfg).unwrap();
     let out = run_case_steps(&mut engine, case).into_iter().map(|(l, g, _)| (l, g)).collect();
@@ -138,6 +149,24 @@ fn copy_queue_delays_do_not_change_results() {
     }
 }
 
+/// A compute queue that spins while it waits (`device.wait: spin`, its threads running the
+/// copies' bf16 passes meanwhile) changes nothing either, with or without copy delays.
+#[test]
+fn spinning_waits_do_not_change_results() {
+    for case in CASES {
+        for (k, mbs) in [(1, 1), (3, 2)] {
+            let cfg = || case_engine_config(case, k, mbs);
+            let (base, _, base_params) = run_engine(case, cfg(), 0, 0);
+            for (jitter, seed) in [(0, 0), (300, 1), (300, 2)] {
+                let spin = run_engine_waiting(case, cfg(), (jitter, seed), WaitMode::Spin);
+                let what = format!("{case} K={k} mbs={mbs} spin, jitter {jitter} seed {seed}");
+                assert_eq!(spin.0, base, "{what}");
+                assert_bit_identical(&what, &spin.2, &base_params);
+            }
+        }
+    }
+}
+
 /// Step-0 loss of `model` (the llama_gqa weights) through the reference path and through the
 /// engine with K = 1 and 2 (one micro-batch: bit-identical).
 fn step0_losses(model: &ModelConfig) -> Vec<f64> {
@@ -160,6 +189,7 @@ fn step0_losses(model: &ModelConfig) -> Vec<f64> {
             link_gbps: 0.0,
             copy_jitter_us: 0,
             jitter_seed: 0,
+            wait: WaitMode::Block,
         });
         let cfg = case_engine_config(case, k, batch);
         let mut e = Engine::new(dev, model, TrainState::new(params.clone()), cfg).unwrap();

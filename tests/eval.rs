@@ -14,7 +14,7 @@ use horizon::model::params::ParamStore;
 use horizon::model::transformer::{Capacity, Transformer};
 use horizon::train::{TrainState, micro_batches};
 use horizon_backend::CpuBackend;
-use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig};
+use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig, WaitMode};
 
 fn model(case: &str) -> (ModelConfig, ParamStore) {
     let cfg = ModelConfig::from_file(&case_dir(case).join("model/config.json")).unwrap();
@@ -29,6 +29,7 @@ fn engine(cfg: &ModelConfig, params: ParamStore, ecfg: EngineConfig) -> Engine<C
         link_gbps: 0.0,
         copy_jitter_us: 0,
         jitter_seed: 0,
+        wait: WaitMode::Block,
     });
     Engine::new(dev, cfg, TrainState::new(params), ecfg).unwrap()
 }

@@ -13,7 +13,7 @@ use common::{assert_bit_identical, assert_rel, f64s, max_err_over, update_rel_er
 use horizon::hf::checkpoint::read_tensor_f64;
 use horizon::model::params::ParamStore;
 use horizon::train::{RunModel, Trainer, load_run_model};
-use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig};
+use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig, WaitMode};
 
 /// The step-0 loss and every adapter gradient, on the reference path.
 #[test]
@@ -97,6 +97,7 @@ fn cpu() -> CpuDevice {
         link_gbps: 0.0,
         copy_jitter_us: 0,
         jitter_seed: 0,
+        wait: WaitMode::Block,
     })
 }
 

@@ -750,11 +750,14 @@ where
         }
         // The host queue's threads, before anything is allocated or queued.
         let host_threads = cfg.host_threads.resolve(cfg.backend);
-        let host_pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(host_threads)
-            .thread_name(|i| format!("horizon-host-{i}"))
-            .build()
-            .with_context(|| format!("cannot start the {host_threads} host threads"))?;
+        let host_pool = Arc::new(
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(host_threads)
+                .thread_name(|i| format!("horizon-host-{i}"))
+                .build()
+                .with_context(|| format!("cannot start the {host_threads} host threads"))?,
+        );
+        dev.host_threads(host_pool.clone());
         let schedule = Schedule::new(shape);
         let DeviceBuffers {
             slots,
@@ -896,7 +899,7 @@ where
             updates,
             grants,
             timers,
-            host_pool: Arc::new(host_pool),
+            host_pool,
             dev,
         };
         for ((cos_buf, sin_buf), (cos, sin)) in table_bufs.into_iter().zip(&tables) {

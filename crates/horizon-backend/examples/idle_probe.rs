@@ -2,16 +2,20 @@
 //! --example idle_probe [-- REPS [LAYERS]]`. Times a burst of matrix products on
 //! `bench/overlap.yaml`'s shapes (hidden 256, FFN 704, 2 x 128 tokens; LAYERS layers' forward
 //! products, 3 by default) right after the previous burst, after sleeping 5 to 200 ms, and
-//! after 100 ms of other work that keeps the thread busy (a spin on the clock, a scalar
-//! integer loop) or of the same products, interleaved, and prints each median and its ratio to
-//! the back-to-back one. The busy rows tell whether a slowdown follows idleness or any work
-//! that is not the kernels.
+//! after 100 ms of other work: on the calling thread only (a spin on the clock, a scalar
+//! integer loop), the same products, and on every thread of the kernels' pool (a spin, or a
+//! wake-up each millisecond), interleaved; prints each median and its ratio to the back-to-back
+//! one.
 //!
 //! Why it exists: on a shared virtual machine the compute queue of a link-bound CPU-device run
 //! (which sleeps while it waits for the simulated link) has been measured up to 1.6x slower
-//! than the same kernels back to back, at some times and not at others. The projection times
-//! kernels back to back; `bench/validate_projection.py` runs this probe beside its cases so a
-//! compute-busy gap can be told apart from a projection error.
+//! than the same kernels back to back. What the rows showed on the 2-vCPU VM this project is
+//! built on: after 50 ms or more in which the pool's other thread had nothing to do (sleep, or
+//! work on the calling thread alone), a burst runs at about one thread's speed
+//! (`RAYON_NUM_THREADS=1` bursts take as long, and show no slowdown after idleness); after
+//! the pool's threads spun, it runs at full speed; waking each millisecond does not help. So an
+//! idle vCPU comes back slowly, for tens of milliseconds: the reason for `device.wait: spin`.
+//! `bench/validate_projection.py` runs this probe beside its cases.
 
 use std::time::{Duration, Instant};
 
@@ -23,7 +27,14 @@ const SHAPES: [(usize, usize, usize); 4] =
     [(256, 256, 768), (256, 256, 256), (256, 256, 1408), (256, 704, 256)];
 const PAUSES_MS: [u64; 6] = [0, 5, 25, 50, 100, 200];
 /// What the thread does for [`BUSY`] before a burst, in the busy rows.
-const BUSY_KINDS: [&str; 3] = ["spinning on the clock", "a scalar integer loop", "the products"];
+const BUSY_KINDS: [&str; 6] = [
+    "spinning on the clock",
+    "a scalar integer loop",
+    "the products",
+    "spinning on every pool thread",
+    "every pool thread waking each ms",
+    "spinning on as many threads outside the pool",
+];
 const BUSY: Duration = Duration::from_millis(100);
 
 struct Operands {
@@ -51,9 +62,32 @@ fn busy_for(kind: usize, ops: &mut [Operands]) {
         match kind {
             0 => std::hint::spin_loop(),
             1 => (0..1000).for_each(|_| x = x.wrapping_mul(0x5851_f42d_4c95_7f2d).wrapping_add(1)),
-            _ => {
+            2 => {
                 burst(ops, 1);
             }
+            3 => {
+                rayon::broadcast(|_| {
+                    while start.elapsed() < BUSY {
+                        std::hint::spin_loop();
+                    }
+                });
+            }
+            4 => {
+                rayon::broadcast(|_| {
+                    while start.elapsed() < BUSY {
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                });
+            }
+            _ => std::thread::scope(|s| {
+                for _ in 0..rayon::current_num_threads() {
+                    s.spawn(|| {
+                        while start.elapsed() < BUSY {
+                            std::hint::spin_loop();
+                        }
+                    });
+                }
+            }),
         }
     }
     std::hint::black_box(x);

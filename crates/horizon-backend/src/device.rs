@@ -401,6 +401,11 @@ pub trait Device: Send + Sync {
     fn host(&self, w: HostWork) {
         self.host_on(Queue::Host, w);
     }
+    /// The threads that run [`Queue::Host`]'s work (the engine's host pool): a device whose
+    /// waits spin keeps them spinning while that queue waits, so they are as awake for its
+    /// next op as they were when their work was timed (the CPU device under
+    /// `WaitMode::Spin`). Others ignore it.
+    fn host_threads(&self, _pool: Arc<rayon::ThreadPool>) {}
     /// Block until every queue has run everything submitted so far. Panics if queued work
     /// panicked (a bug); a *device failure* is not a panic: see [`Device::failure`].
     fn synchronize(&self);

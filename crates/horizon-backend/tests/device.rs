@@ -13,8 +13,9 @@ use std::time::{Duration, Instant};
 
 use horizon_backend::cpu::device::ALIGN_ELEMS;
 use horizon_backend::cpu::testing::Rng;
-use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig};
+use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig, WaitMode};
 use horizon_backend::{Backend, Bf16, DevBuf, Device, Event, HostPtr, HostPtrMut, Queue};
+use rayon::prelude::*;
 
 fn device(capacity_bytes: usize) -> CpuDevice {
     CpuDevice::new(CpuDeviceConfig::with_capacity(capacity_bytes))
@@ -209,16 +210,27 @@ fn i32_upload_is_read_by_ibuf() {
 
 /// H2D -> Compute -> D2H -> Host, each step ordered by an event, many iterations in flight at
 /// once, with up to 2 ms of random delay before every copy. If any wait were ignored, a kernel
-/// would read a zero (never uploaded) input or the host would check a stale download.
+/// would read a zero (never uploaded) input or the host would check a stale download. Both
+/// ways of waiting on the compute queue.
 #[test]
 fn events_order_work_across_queues_under_jitter() {
+    for wait in [WaitMode::Block, WaitMode::Spin] {
+        events_order_work_across_queues(wait);
+    }
+}
+
+fn events_order_work_across_queues(wait: WaitMode) {
     let cfg = CpuDeviceConfig {
         capacity_bytes: 64 << 20,
         link_gbps: 0.0,
         copy_jitter_us: 2000,
         jitter_seed: 7,
+        wait,
     };
     let dev = CpuDevice::new(cfg);
+    // The host work runs on its own pool, which a spinning host queue keeps spinning.
+    let pool = Arc::new(rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap());
+    dev.host_threads(pool.clone());
     let iters = 60;
     let mut rng = Rng::new(2);
     let inputs: Vec<Vec<f32>> = (0..iters).map(|i| rng.vec(1000 + 37 * i, 1.0)).collect();
@@ -251,11 +263,11 @@ fn events_order_work_across_queues_under_jitter() {
         dev.wait(Queue::Host, &downloaded);
         // SAFETY: as above: the download that writes `out` has run when this runs.
         let (got, want) = (unsafe { HostPtr::new(out) }, unsafe { HostPtr::new(x) });
-        let verdicts = Arc::clone(&verdicts);
+        let (verdicts, pool) = (Arc::clone(&verdicts), pool.clone());
         dev.host(Box::new(move || {
             // SAFETY: both buffers outlive the final synchronize and are not written meanwhile.
             let (got, want) = unsafe { (got.as_slice(), want.as_slice()) };
-            let ok = got.iter().zip(want).all(|(g, w)| *g == w + w);
+            let ok = pool.install(|| got.par_iter().zip(want).all(|(g, w)| *g == w + w));
             verdicts.lock().unwrap().push((i, ok));
         }));
     }
@@ -269,6 +281,34 @@ fn events_order_work_across_queues_under_jitter() {
     assert_eq!(*verdicts, want, "host work saw a download before it finished, or out of order");
 }
 
+/// A spinning compute queue keeps the kernel threads busy while it waits for a copy that runs
+/// its bf16 pass on the global pool: the wait ends (a spinner that the pass's pool could run
+/// nested inside the pass would hang here), and the kernel sees the copy's result.
+#[test]
+fn a_spinning_wait_lets_the_copy_it_waits_for_run() {
+    let cfg = CpuDeviceConfig { wait: WaitMode::Spin, ..CpuDeviceConfig::with_capacity(64 << 20) };
+    let dev = CpuDevice::new(cfg);
+    // Many chunks of the bf16 passes' parallel split, so the pass does go to the pool.
+    let n = 1 << 20;
+    let src: Vec<Bf16> = (0..n).map(|i| Bf16::from_f32((i % 251) as f32)).collect();
+    let (a, b) = (dev.alloc(n).unwrap(), dev.alloc(n).unwrap());
+    for round in 0..4 {
+        // SAFETY: `src` outlives the synchronize below.
+        dev.upload_weights_bf16(a, 0, unsafe { HostPtr::new(&src) });
+        let uploaded = Event::new();
+        dev.record(Queue::H2D, &uploaded);
+        dev.wait(Queue::Compute, &uploaded);
+        dev.launch(Box::new(move |v| {
+            // SAFETY: b is disjoint from a.
+            let y = unsafe { v.buf_mut(b) };
+            v.backend().residual_forward(y, v.buf(a), v.buf(a));
+        }));
+        let got = download_now(&dev, b);
+        let want: Vec<f32> = src.iter().map(|x| 2.0 * x.to_f32()).collect();
+        assert_eq!(got, want, "round {round}");
+    }
+}
+
 #[test]
 fn work_on_one_queue_runs_in_submission_order() {
     let cfg = CpuDeviceConfig {
@@ -276,6 +316,7 @@ fn work_on_one_queue_runs_in_submission_order() {
         link_gbps: 0.0,
         copy_jitter_us: 300,
         jitter_seed: 3,
+        wait: WaitMode::Block,
     };
     let dev = CpuDevice::new(cfg);
     // Host and compute: append indices.
@@ -314,6 +355,7 @@ fn link_simulation_bounds_copy_time_and_counters_move() {
         link_gbps: 1.0,
         copy_jitter_us: 0,
         jitter_seed: 0,
+        wait: WaitMode::Block,
     };
     let dev = CpuDevice::new(cfg);
     let n = 1 << 20;

@@ -28,6 +28,9 @@ use crate::pool::Pool;
 /// overshoots by tens of microseconds.
 const SPIN: Duration = Duration::from_micros(100);
 
+/// The longest one spinner of a spinning wait runs before it is sent again.
+const SPIN_TURN: Duration = Duration::from_millis(1);
+
 /// How the CPU device is built.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct CpuDeviceConfig {
@@ -40,21 +43,49 @@ pub struct CpuDeviceConfig {
     pub copy_jitter_us: u64,
     /// Seed of the jitter.
     pub jitter_seed: u64,
+    /// How the compute and host queues wait for another queue's event (`device.wait`).
+    pub wait: WaitMode,
+}
+
+/// How the CPU device's compute and host queues wait for an event of another queue, like CUDA's
+/// `cudaDeviceScheduleBlockingSync` against `cudaDeviceScheduleSpin`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WaitMode {
+    /// Sleep on the event: the kernels' cores are free for the host queue meanwhile.
+    #[default]
+    Block,
+    /// The compute queue's kernel threads spin until the event is reached, and so do the host
+    /// queue's threads while it waits, once the engine has named them
+    /// ([`Device::host_threads`]); each yields its core to any other runnable thread. The
+    /// copy queues block as before: their spinning threads took the kernels' cores on a
+    /// 2-core machine. Why spin: on the shared virtual machine this project is built on, a
+    /// thread that slept for 50 ms or more runs slowly for tens of milliseconds (kernels up to
+    /// twice as long as back to back), while spinning those threads (not other threads) keeps
+    /// them at full speed (`examples/idle_probe`); so a queue that waits long for a slow
+    /// simulated link is measured slower than its work is.
+    Spin,
 }
 
 impl CpuDeviceConfig {
     /// A pool of `capacity_bytes`, an unthrottled link and no jitter.
     pub fn with_capacity(capacity_bytes: usize) -> Self {
-        CpuDeviceConfig { capacity_bytes, link_gbps: 0.0, copy_jitter_us: 0, jitter_seed: 0 }
+        CpuDeviceConfig {
+            capacity_bytes,
+            link_gbps: 0.0,
+            copy_jitter_us: 0,
+            jitter_seed: 0,
+            wait: WaitMode::Block,
+        }
     }
 }
 
 /// The CPU device. Memory is one zeroed host allocation (`calloc`, so pages never touched do not
 /// count towards the process's resident memory); each queue is a thread fed by a channel.
 ///
-/// Kernels run on the compute queue's thread and parallelise on the global rayon pool. A panic
-/// inside queued work is a bug: the queue keeps going (still signalling its events, so nothing
-/// deadlocks) and the next [`Device::synchronize`] panics with the first message. Dropping the
+/// Kernels run on the device's own rayon pool (as many threads as the global one), handed to it
+/// by the compute queue's thread. A panic inside queued work is a bug: the queue keeps going
+/// (still signalling its events, so nothing deadlocks) and the next [`Device::synchronize`]
+/// panics with the first message. Dropping the
 /// device runs everything already queued, then stops the threads; an event that is waited for
 /// but never recorded therefore hangs the drop, as it would hang `synchronize`.
 pub struct CpuDevice {
@@ -75,8 +106,15 @@ impl CpuDevice {
             cfg.link_gbps
         );
         let len = cfg.capacity_bytes / 4 / ALIGN_ELEMS * ALIGN_ELEMS;
+        let kernels = rayon::ThreadPoolBuilder::new()
+            .num_threads(rayon::current_num_threads())
+            .thread_name(|i| format!("horizon-cpu-kernels-{i}"))
+            .build()
+            .expect("cannot start the CPU device's kernel threads");
         let shared = Arc::new(Shared {
             arena: Arena::new(len),
+            kernels,
+            host_threads: Mutex::new(None),
             link_gbps: cfg.link_gbps,
             counters: Mutex::new(Counters::new()),
             first_panic: Mutex::new(None),
@@ -153,7 +191,11 @@ impl Device for CpuDevice {
     }
 
     fn wait(&self, q: Queue, e: &Event) {
-        self.submit(q, Task::Wait(e.clone()));
+        let task = match (q, self.cfg.wait) {
+            (Queue::Compute | Queue::Host, WaitMode::Spin) => Task::SpinWait(e.clone()),
+            _ => Task::Wait(e.clone()),
+        };
+        self.submit(q, task);
     }
 
     fn upload(&self, dst: DevBuf, src: HostPtr) {
@@ -202,6 +244,11 @@ impl Device for CpuDevice {
     /// Timed by the compute thread around the kernels (which run there).
     fn launch_timed(&self, k: Kernel<CpuBackend>, timer: KernelTimer) {
         self.submit(Queue::Compute, Task::Kernel(k, Some(timer)));
+    }
+
+    fn host_threads(&self, pool: Arc<rayon::ThreadPool>) {
+        *self.shared.host_threads.lock().expect("CPU device host threads lock poisoned") =
+            Some(pool);
     }
 
     fn host_on(&self, q: Queue, w: HostWork) {
@@ -387,7 +434,8 @@ impl Views<CpuBackend> for CpuViews<'_> {
 
 // ---- the queues -------------------------------------------------------------------------------
 
-/// One unit of queued work.
+/// One unit of queued work. `SpinWait` is a compute- or host-queue wait under
+/// [`WaitMode::Spin`].
 enum Task {
     Kernel(Kernel<CpuBackend>, Option<KernelTimer>),
     Host(HostWork),
@@ -398,12 +446,19 @@ enum Task {
     DownloadBf16 { dst: HostPtrMut<Bf16>, src: DevBuf },
     Signal(Event),
     Wait(Event),
+    SpinWait(Event),
     Stop,
 }
 
 /// State the device and its queue threads share.
 struct Shared {
     arena: Arena,
+    /// The kernels' own pool, as many threads as the global one: only the compute queue hands
+    /// it work, so a spinning wait on it ([`WaitMode::Spin`]) can never sit inside another
+    /// queue's job (the copies' bf16 passes and the gather run on the global pool).
+    kernels: rayon::ThreadPool,
+    /// The host queue's threads ([`Device::host_threads`]), kept spinning while it waits.
+    host_threads: Mutex<Option<Arc<rayon::ThreadPool>>>,
     link_gbps: f64,
     counters: Mutex<Counters>,
     /// The first panic message from queued work since the last `synchronize`.
@@ -441,11 +496,11 @@ impl Shared {
         self.counters.lock().expect("CPU device counters lock poisoned")
     }
 
-    fn run(&self, task: Task) {
+    fn run(&self, q: Queue, task: Task) {
         match task {
             Task::Kernel(k, timer) => {
                 let t0 = Instant::now();
-                k(&CpuViews { arena: &self.arena, backend: CpuBackend });
+                self.kernels.install(|| k(&CpuViews { arena: &self.arena, backend: CpuBackend }));
                 if let Some(timer) = timer {
                     timer(t0.elapsed());
                 }
@@ -478,7 +533,34 @@ impl Shared {
             }),
             Task::Signal(e) => e.signal(),
             Task::Wait(e) => e.wait_host(),
+            Task::SpinWait(e) => self.spin_wait(q, &e),
             Task::Stop => unreachable!("Stop is handled by the worker loop"),
+        }
+    }
+
+    /// Waits for `e` with the threads that run queue `q`'s work spinning ([`WaitMode::Spin`]):
+    /// the kernels' pool for the compute queue, the registered host threads for the host queue
+    /// (none registered: an ordinary wait). Each spinner yields its core to any other runnable
+    /// thread, and returns after [`SPIN_TURN`] to be sent again: a pool that other code also
+    /// uses (the host threads) never holds that code's job behind a spinner for longer.
+    fn spin_wait(&self, q: Queue, e: &Event) {
+        let host = match q {
+            Queue::Host => self.host_threads.lock().expect("host threads lock poisoned").clone(),
+            _ => None,
+        };
+        let pool = match (q, &host) {
+            (Queue::Compute, _) => &self.kernels,
+            (_, Some(pool)) => pool,
+            (_, None) => return e.wait_host(),
+        };
+        while !e.is_done() {
+            pool.broadcast(|_| {
+                let turn = Instant::now();
+                while !e.is_done() && turn.elapsed() < SPIN_TURN {
+                    std::hint::spin_loop();
+                    thread::yield_now();
+                }
+            });
         }
     }
 
@@ -578,7 +660,7 @@ fn worker(q: Queue, rx: &Receiver<Task>, shared: &Shared, mut jitter: Jitter) {
     for task in rx {
         let counts_busy = match &task {
             Task::Stop => break,
-            Task::Signal(_) | Task::Wait(_) => false,
+            Task::Signal(_) | Task::Wait(_) | Task::SpinWait(_) => false,
             Task::Upload { .. }
             | Task::UploadBf16 { .. }
             | Task::UploadI32 { .. }
@@ -590,7 +672,7 @@ fn worker(q: Queue, rx: &Receiver<Task>, shared: &Shared, mut jitter: Jitter) {
             Task::Kernel(..) | Task::Host(_) => true,
         };
         let start = Instant::now();
-        let result = panic::catch_unwind(AssertUnwindSafe(|| shared.run(task)));
+        let result = panic::catch_unwind(AssertUnwindSafe(|| shared.run(q, task)));
         if counts_busy {
             let took = start.elapsed();
             shared.counters().busy[q.index()] += took;
