@@ -398,10 +398,14 @@ fn time_gather(layout: &ModelLayout, n: usize) -> f64 {
 fn time_memcpy(q: Queue, bytes: usize) -> f64 {
     let n = bytes.div_ceil(4);
     let sets = cold_sets(8 * n);
-    let src: Vec<Vec<f32>> =
-        (0..if q == Queue::H2D { sets } else { 1 }).map(|k| filled(n, k)).collect();
-    let mut b: Vec<_> = (0..sets).map(|k| (k % src.len(), vec![0.0f32; n])).collect();
-    median_cycling(&mut b, |(k, dst)| dst.copy_from_slice(&src[*k]))
+    // The cold side cycles through `sets` buffers; the warm side is one buffer: an upload
+    // reads the host's state into a device slot used again by the next layer, a download
+    // reads what a kernel just wrote into staging.
+    let (srcs, dsts) = if q == Queue::H2D { (sets, 1) } else { (1, sets) };
+    let src: Vec<Vec<f32>> = (0..srcs).map(|k| filled(n, k)).collect();
+    let mut dst: Vec<Vec<f32>> = (0..dsts).map(|_| vec![0.0f32; n]).collect();
+    let mut b: Vec<(usize, usize)> = (0..sets).map(|k| (k % srcs, k % dsts)).collect();
+    median_cycling(&mut b, |&mut (s, d)| dst[d].copy_from_slice(&src[s]))
 }
 
 impl HostModel for HostMeasured {
