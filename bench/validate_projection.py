@@ -5,18 +5,21 @@ config's device.link_gbps) against `horizon bench` of the same config (the CPU d
 the same plan for real): steady step time and the busy seconds per step of each queue.
 
 Cases: bench/overlap.yaml at link_gbps 0, 0.05 and 0.026; the same model in optimizer.memory
-lean (at 0.05) and compact (at 0). Runs are interleaved (projection, bench, projection, ...)
-REPS times; the table shows medians and projected/measured ratios.
+lean (at 0.05) and compact (at 0). Each case is measured with the queues blocking while they
+wait (`device.wait: block`, the default) and spinning (`spin`), or as WAITS says. Runs are
+interleaved in pairs (projection then bench, block, then the same for spin, ...) REPS times;
+the tables show medians and the median of each pair's projected/measured ratio.
 
     cargo build --release && cargo build --release -p horizon-backend --example idle_probe
-    python3 bench/validate_projection.py [REPS] [HORIZON]
+    python3 bench/validate_projection.py [REPS] [HORIZON] [WAITS, e.g. spin or block,spin]
 
 Run it on an otherwise idle machine: the bench measures wall time. Before and after the cases
 it runs `idle_probe` (when built): kernels after 5-200 ms of sleep, and after 100 ms of other
-busy work or of the same kernels, against the same kernels back to back. The projection times
-kernels back to back; where the probe shows them slower after a pause or after other work, a
-link-bound case's compute queue (which sleeps while it waits for the link) is measured busier
-than projected by about that factor, an effect of the machine, not of the plan.
+work, against the same kernels back to back. The projection times kernels back to back; where
+the probe shows them slower after their threads slept, a link-bound case's compute queue
+measured with `block` (whose kernel threads sleep while it waits for the link) is busier than
+projected by about that factor, an effect of the machine, not of the plan; `spin` keeps the
+kernel threads awake, as a GPU's cores are, and measures what the plan costs.
 """
 
 import json
@@ -30,6 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 REPS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 HORIZON = sys.argv[2] if len(sys.argv) > 2 else str(ROOT / "target/release/horizon")
+# How the CPU device's queues wait: each is measured, interleaved, against its own projection.
+WAITS = sys.argv[3].split(",") if len(sys.argv) > 3 else ["block", "spin"]
 PROBE = ROOT / "target/release/examples/idle_probe"
 
 CASES = [
@@ -89,35 +94,52 @@ def idle_probe(when):
         print(f"    {line}")
 
 
-def main():
-    idle_probe("before")
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, sets in CASES:
-            cfg = Path(tmp) / "case.yaml"
-            config_with(sets, cfg)
-            proj, meas = [], []
-            for _ in range(REPS):
-                proj.append(projection(cfg))
-                meas.append(measured(cfg))
-            med = lambda xs: statistics.median(xs)
-            p_step, m_step = med([p[0] for p in proj]), med([m[0] for m in meas])
-            p_busy = {q: med([p[1][q] for p in proj]) for q in QUEUES}
-            m_busy = {q: med([m[1][q] for m in meas]) for q in QUEUES}
-            rows.append((name, p_step, m_step, p_busy, m_busy))
+def table(rows, title):
+    """Prints one markdown table; a row is (name, [(projected, measured)] for each rep, where
+    either is (step, {queue: busy})). Values are medians; a ratio is the median of each run's
+    ratio to the projection made just before it (this machine's speed drifts by 10-20% within
+    minutes, more than within one pair). Returns the worst step-time and busy-time errors."""
+    med = statistics.median
+    print(f"\n{title}\n")
     print(f"| case | step projected / measured (s) | ratio | " +
           " | ".join(f"{q} busy proj / meas (s)" for q in QUEUES) + " |")
     print("|---" * (3 + len(QUEUES)) + "|")
-    worst = 0.0
-    for name, ps, ms, pb, mb in rows:
-        worst = max(worst, abs(ps / ms - 1))
+    worst_step, worst_busy = 0.0, 0.0
+    for name, pairs in rows:
+        ps, ms = med([p[0] for p, _ in pairs]), med([m[0] for _, m in pairs])
+        r = med([p[0] / m[0] for p, m in pairs])
+        worst_step = max(worst_step, abs(r - 1))
         cells = []
         for q in QUEUES:
-            r = pb[q] / mb[q] if mb[q] > 0 else float("nan")
-            cells.append(f"{pb[q]:.3f} / {mb[q]:.3f} ({r:.2f})")
-        print(f"| {name} | {ps:.3f} / {ms:.3f} | {ps / ms:.3f} | " + " | ".join(cells) + " |")
+            pq, mq = med([p[1][q] for p, _ in pairs]), med([m[1][q] for _, m in pairs])
+            rq = med([p[1][q] / m[1][q] if m[1][q] > 0 else float("nan") for p, m in pairs])
+            worst_busy = max(worst_busy, abs(rq - 1))
+            cells.append(f"{pq:.3f} / {mq:.3f} ({rq:.2f})")
+        print(f"| {name} | {ps:.3f} / {ms:.3f} | {r:.3f} | " + " | ".join(cells) + " |")
+    return worst_step, worst_busy
+
+
+def main():
+    idle_probe("before")
+    rows = {wait: [] for wait in WAITS}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, sets in CASES:
+            cfgs = {}
+            for wait in WAITS:
+                cfgs[wait] = Path(tmp) / f"case-{wait}.yaml"
+                config_with({**sets, "device.wait": wait}, cfgs[wait])
+            pairs = {wait: [] for wait in WAITS}
+            for _ in range(REPS):
+                for wait in WAITS:
+                    pairs[wait].append((projection(cfgs[wait]), measured(cfgs[wait])))
+            for wait in WAITS:
+                rows[wait].append((name, pairs[wait]))
+    worst = {wait: table(rows[wait], f"device.wait: {wait}") for wait in WAITS}
     idle_probe("after")
-    print(f"\nworst step-time error: {100 * worst:.1f}% (median of {REPS} interleaved runs each)")
+    print()
+    for wait, (step, busy) in worst.items():
+        print(f"device.wait: {wait}: worst step-time error {100 * step:.1f}%, worst busy-time "
+              f"error {100 * busy:.1f}% (medians of {REPS} interleaved pairs each)")
 
 
 if __name__ == "__main__":
