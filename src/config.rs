@@ -454,7 +454,8 @@ pub enum DeviceWait {
     /// Sleep on the event; the cores are free for the host work meanwhile.
     #[default]
     Block,
-    /// Every kernel thread spins (yielding, and running other pool work) until the event.
+    /// The compute queue's kernel threads and the host queue's threads spin while those
+    /// queues wait, yielding their cores to any runnable thread.
     Spin,
 }
 
