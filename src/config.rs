@@ -460,6 +460,14 @@ pub enum DeviceWait {
 }
 
 impl DeviceWait {
+    /// As written in the config.
+    pub fn name(self) -> &'static str {
+        match self {
+            DeviceWait::Block => "block",
+            DeviceWait::Spin => "spin",
+        }
+    }
+
     /// The CPU device's mode.
     pub fn mode(self) -> horizon_backend::cpu::WaitMode {
         match self {
@@ -840,6 +848,7 @@ mod tests {
             |dev: &str| format!("model: {{path: m}}\ndata: {{path: d.jsonl}}\ndevice: {dev}\n");
         let c = RawConfig::from_yaml(&yaml("{wait: spin}"), "t.yaml").unwrap();
         assert_eq!(c.device.wait.mode(), horizon_backend::cpu::WaitMode::Spin);
+        assert_eq!(c.device.wait.name(), "spin");
         c.resolve("t.yaml").unwrap();
         let c = RawConfig::from_yaml(&yaml("{}"), "t.yaml").unwrap();
         assert_eq!(c.device.wait, DeviceWait::Block);

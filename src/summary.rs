@@ -66,6 +66,6 @@ pub struct Summary {
     /// Where bf16 uploads took the trained weights from (`engine.weight_upload` resolved):
     /// masters, image or staged.
     pub weight_upload: String,
-    /// How the compute queue waited (`device.wait`): block or spin.
+    /// How the compute and host queues waited (`device.wait`): block or spin.
     pub device_wait: String,
 }

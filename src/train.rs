@@ -1102,7 +1102,7 @@ where
         planned_pinned_bytes: tr.plan.pinned,
         host_threads: tr.engine.host_threads(),
         weight_upload: tr.engine.config().weight_path().name().to_string(),
-        device_wait: format!("{:?}", tr.cfg.raw.device.wait).to_lowercase(),
+        device_wait: tr.cfg.raw.device.wait.name().to_string(),
     }
 }
 

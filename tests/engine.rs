@@ -63,7 +63,7 @@ fn run_engine(
     run_engine_waiting(case, cfg, (jitter_us, seed), WaitMode::Block)
 }
 
-/// [`run_engine`] with the compute queue waiting as `wait` says.
+/// [`run_engine`] with the compute and host queues waiting as `wait` says.
 fn run_engine_waiting(
     case: &str,
     cfg: EngineConfig,
@@ -76,11 +76,10 @@ fn run_engine_waiting(
     let init = params.clone();
     // A device budget of a few MiB: every fixture's plan fits in 4 MiB.
     let dev = CpuDevice::new(CpuDeviceConfig {
-        capacity_bytes: 4 << 20,
-        link_gbps: 0.0,
         copy_jitter_us: jitter_us,
         jitter_seed: seed,
         wait,
+        ..CpuDeviceConfig::with_capacity(4 << 20)
     });
     let mut engine = Engine::new(dev, &model, TrainState::new(params), cfg).unwrap();
     let out = run_case_steps(&mut engine, case).into_iter().map(|(l, g, _)| (l, g)).collect();
@@ -149,8 +148,8 @@ fn copy_queue_delays_do_not_change_results() {
     }
 }
 
-/// A compute queue that spins while it waits (`device.wait: spin`, its threads running the
-/// copies' bf16 passes meanwhile) changes nothing either, with or without copy delays.
+/// Compute and host queues that spin while they wait (`device.wait: spin`) change nothing
+/// either, with or without copy delays.
 #[test]
 fn spinning_waits_do_not_change_results() {
     for case in CASES {
@@ -184,13 +183,7 @@ fn step0_losses(model: &ModelConfig) -> Vec<f64> {
     grads.fill_zero();
     let mut out = vec![t.forward_backward(&params, &mut grads, &b, b.num_targets).unwrap().loss()];
     for k in [1, 2] {
-        let dev = CpuDevice::new(CpuDeviceConfig {
-            capacity_bytes: 64 << 20,
-            link_gbps: 0.0,
-            copy_jitter_us: 0,
-            jitter_seed: 0,
-            wait: WaitMode::Block,
-        });
+        let dev = CpuDevice::new(CpuDeviceConfig::with_capacity(64 << 20));
         let cfg = case_engine_config(case, k, batch);
         let mut e = Engine::new(dev, model, TrainState::new(params.clone()), cfg).unwrap();
         let sp = horizon::engine::exec::StepParams { lr: 0.0, inject_nan: false };

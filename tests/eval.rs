@@ -14,7 +14,7 @@ use horizon::model::params::ParamStore;
 use horizon::model::transformer::{Capacity, Transformer};
 use horizon::train::{TrainState, micro_batches};
 use horizon_backend::CpuBackend;
-use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig, WaitMode};
+use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig};
 
 fn model(case: &str) -> (ModelConfig, ParamStore) {
     let cfg = ModelConfig::from_file(&case_dir(case).join("model/config.json")).unwrap();
@@ -24,13 +24,7 @@ fn model(case: &str) -> (ModelConfig, ParamStore) {
 }
 
 fn engine(cfg: &ModelConfig, params: ParamStore, ecfg: EngineConfig) -> Engine<CpuDevice> {
-    let dev = CpuDevice::new(CpuDeviceConfig {
-        capacity_bytes: 4 << 20,
-        link_gbps: 0.0,
-        copy_jitter_us: 0,
-        jitter_seed: 0,
-        wait: WaitMode::Block,
-    });
+    let dev = CpuDevice::new(CpuDeviceConfig::with_capacity(4 << 20));
     Engine::new(dev, cfg, TrainState::new(params), ecfg).unwrap()
 }
 

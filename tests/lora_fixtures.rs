@@ -13,7 +13,7 @@ use common::{assert_bit_identical, assert_rel, f64s, max_err_over, update_rel_er
 use horizon::hf::checkpoint::read_tensor_f64;
 use horizon::model::params::ParamStore;
 use horizon::train::{RunModel, Trainer, load_run_model};
-use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig, WaitMode};
+use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig};
 
 /// The step-0 loss and every adapter gradient, on the reference path.
 #[test]
@@ -92,13 +92,7 @@ fn reference_training_matches_peft() {
 
 /// A CPU device of 8 MiB (every case's plan fits).
 fn cpu() -> CpuDevice {
-    CpuDevice::new(CpuDeviceConfig {
-        capacity_bytes: 8 << 20,
-        link_gbps: 0.0,
-        copy_jitter_us: 0,
-        jitter_seed: 0,
-        wait: WaitMode::Block,
-    })
+    CpuDevice::new(CpuDeviceConfig::with_capacity(8 << 20))
 }
 
 #[test]

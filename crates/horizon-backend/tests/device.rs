@@ -211,7 +211,7 @@ fn i32_upload_is_read_by_ibuf() {
 /// H2D -> Compute -> D2H -> Host, each step ordered by an event, many iterations in flight at
 /// once, with up to 2 ms of random delay before every copy. If any wait were ignored, a kernel
 /// would read a zero (never uploaded) input or the host would check a stale download. Both
-/// ways of waiting on the compute queue.
+/// ways of waiting on the compute and host queues.
 #[test]
 fn events_order_work_across_queues_under_jitter() {
     for wait in [WaitMode::Block, WaitMode::Spin] {
@@ -221,11 +221,10 @@ fn events_order_work_across_queues_under_jitter() {
 
 fn events_order_work_across_queues(wait: WaitMode) {
     let cfg = CpuDeviceConfig {
-        capacity_bytes: 64 << 20,
-        link_gbps: 0.0,
         copy_jitter_us: 2000,
         jitter_seed: 7,
         wait,
+        ..CpuDeviceConfig::with_capacity(64 << 20)
     };
     let dev = CpuDevice::new(cfg);
     // The host work runs on its own pool, which a spinning host queue keeps spinning.
@@ -312,11 +311,9 @@ fn a_spinning_wait_lets_the_copy_it_waits_for_run() {
 #[test]
 fn work_on_one_queue_runs_in_submission_order() {
     let cfg = CpuDeviceConfig {
-        capacity_bytes: 1 << 20,
-        link_gbps: 0.0,
         copy_jitter_us: 300,
         jitter_seed: 3,
-        wait: WaitMode::Block,
+        ..CpuDeviceConfig::with_capacity(1 << 20)
     };
     let dev = CpuDevice::new(cfg);
     // Host and compute: append indices.
@@ -350,13 +347,7 @@ fn work_on_one_queue_runs_in_submission_order() {
 
 #[test]
 fn link_simulation_bounds_copy_time_and_counters_move() {
-    let cfg = CpuDeviceConfig {
-        capacity_bytes: 64 << 20,
-        link_gbps: 1.0,
-        copy_jitter_us: 0,
-        jitter_seed: 0,
-        wait: WaitMode::Block,
-    };
+    let cfg = CpuDeviceConfig { link_gbps: 1.0, ..CpuDeviceConfig::with_capacity(64 << 20) };
     let dev = CpuDevice::new(cfg);
     let n = 1 << 20;
     let bytes = (n * 4) as u64;

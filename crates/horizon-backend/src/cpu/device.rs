@@ -85,9 +85,9 @@ impl CpuDeviceConfig {
 /// Kernels run on the device's own rayon pool (as many threads as the global one), handed to it
 /// by the compute queue's thread. A panic inside queued work is a bug: the queue keeps going
 /// (still signalling its events, so nothing deadlocks) and the next [`Device::synchronize`]
-/// panics with the first message. Dropping the
-/// device runs everything already queued, then stops the threads; an event that is waited for
-/// but never recorded therefore hangs the drop, as it would hang `synchronize`.
+/// panics with the first message. Dropping the device runs everything already queued, then
+/// stops the threads; an event that is waited for but never recorded therefore hangs the
+/// drop, as it would hang `synchronize`.
 pub struct CpuDevice {
     cfg: CpuDeviceConfig,
     shared: Arc<Shared>,
