@@ -661,15 +661,19 @@ fn unstaged_ops(shape: PlanShape) -> Vec<Op> {
         let first = block * k;
         let last = (first + k).min(l_count) - 1;
         // The block's first weights go ahead of its checkpoint on the copy queue: the checkpoint
-        // must wait until the previous block's backward is done with the buffer it lands in,
-        // the weights only until their slot is free, which is earlier.
+        // must wait until an earlier backward is done with the buffer it lands in, the weights
+        // only until their slot is free, which is earlier.
         b.ensure(SlotContent::Layer(if first < last { first } else { last }));
+        // With K = 1 the blocks alternate between the two sets the forward ping-pongs
+        // between, so a block's checkpoint lands while the block above it runs its backward
+        // from the other set, instead of after it.
+        let base = if k == 1 { block % 2 } else { 0 };
         for m in 0..mbs {
             b.push(
-                OpKind::UploadAct { m, set: 0, from: ActSource::Ckpt(block) },
+                OpKind::UploadAct { m, set: base, from: ActSource::Ckpt(block) },
                 Queue::H2D,
                 vec![Res::Ckpt { block, m }],
-                vec![Res::Act { set: 0, m }],
+                vec![Res::Act { set: base, m }],
             );
         }
         for i in first..last {
@@ -689,7 +693,7 @@ fn unstaged_ops(shape: PlanShape) -> Vec<Op> {
             let dw = b.take_dw();
             b.push(OpKind::ZeroDw { dw }, Queue::Compute, vec![], vec![Res::Dw(dw)]);
             for m in 0..mbs {
-                let set = i - first;
+                let set = base + i - first;
                 let mut reads = vec![Res::Slot(slot), Res::Act { set, m }];
                 if shape.keeps(i) {
                     reads.push(internals(i, m));
@@ -1352,6 +1356,46 @@ mod tests {
         // backward, except the one still resident when the backward reaches it.
         let s = Schedule::new(shape(8, 1, 4));
         assert_eq!(s.uploads_per_layer(), vec![3, 3, 2, 2, 3, 3, 2, 2]);
+    }
+
+    #[test]
+    fn with_k1_a_checkpoint_lands_during_the_backward_above_it() {
+        for kept in [0, 4] {
+            let s = Schedule::new(PlanShape { kept_layers: kept, ..shape(4, 2, 1) });
+            let ops = &s.steady;
+            // Whether op `a` of the steady step is ordered before op `b`: through waits within
+            // the step or the queues' order.
+            let before = |a: usize, b: usize| {
+                let mut stack = vec![b];
+                let mut seen = vec![false; ops.len()];
+                while let Some(j) = stack.pop() {
+                    let prev_on_queue = (0..j).rev().find(|&i| ops[i].queue == ops[j].queue);
+                    let waits = s.waits(1, j).filter_map(|w| match w {
+                        Wait::This(i) => Some(i),
+                        Wait::Prev(_) => None,
+                    });
+                    for i in waits.chain(prev_on_queue) {
+                        if i == a {
+                            return true;
+                        }
+                        if !std::mem::replace(&mut seen[i], true) {
+                            stack.push(i);
+                        }
+                    }
+                }
+                false
+            };
+            let pos = |f: &dyn Fn(&OpKind) -> bool| ops.iter().position(|op| f(&op.kind)).unwrap();
+            for block in 0..3 {
+                let upload = pos(
+                    &|k| matches!(k, OpKind::UploadAct { m: 0, from: ActSource::Ckpt(b), .. } if *b == block),
+                );
+                let above = pos(
+                    &|k| matches!(k, OpKind::Backward { layer, m: 0, .. } if *layer == block + 1),
+                );
+                assert!(!before(above, upload), "kept {kept}, block {block}");
+            }
+        }
     }
 
     #[test]
