@@ -726,8 +726,13 @@ where
             self.engine.skip_step();
             return Ok(StepMetrics::no_loss(k, lr, tokens, t0));
         }
-        let mbs = micro_batches(&rows, self.engine.config().micro_batch_size);
-        let out = self.engine.step(mbs, StepParams { lr, inject_nan })?;
+        let size = self.engine.config().micro_batch_size;
+        let mbs = micro_batches(&rows, size);
+        // The next batch's token ids (padding included): the engine updates the embedding rows
+        // they gather first, so that the next forward need not wait for the whole embedding.
+        let next = step_rows(&mut self.order, &self.data, k + 1);
+        let next_ids = micro_batches(&next, size).into_iter().map(|mb| mb.ids).collect();
+        let out = self.engine.step_ahead(mbs, StepParams { lr, inject_nan }, next_ids)?;
         Ok(StepMetrics {
             step: k + 1,
             loss: out.loss(),

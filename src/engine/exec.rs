@@ -33,10 +33,12 @@ use crate::model::layer::{
 use crate::model::layout::ModelLayout;
 use crate::model::spec::LayerSpec;
 use crate::model::transformer::{
-    HeadBufs, HeadDims, HeadGrads, embed_rows, embed_rows_backward, embed_rows_frozen,
-    head_forward_backward, rope_tables,
+    HeadBufs, HeadDims, HeadGrads, embed_rows, embed_rows_backward, embed_rows_by,
+    embed_rows_frozen, head_forward_backward, rope_tables,
 };
-use crate::optim::adamw::{AdamWConfig, AdamWStep, clip_coefficient, sum_squares};
+use crate::optim::adamw::{
+    AdamWConfig, AdamWStep, adamw_update_local, clip_coefficient, sum_squares,
+};
 use crate::optim::adamw8bit::{Moments8, Moments8Mut};
 use crate::optim::moments::{AnyMoments, Moments, Moments32};
 use crate::optim::state::OptState;
@@ -240,6 +242,9 @@ struct Ctx {
     norm: AtomicU64,
     /// The step is skipped: its loss or gradient norm is not finite.
     skip: AtomicBool,
+    /// Per embedding row, whether the first part of the embedding's update takes it
+    /// ([`OpKind::EmbedUpdate`]); only the host queue touches it, in order.
+    embed_next: Mutex<Vec<bool>>,
     /// Seconds of queue work by phase (shared with the engine's kernel timers).
     phases: Arc<PhaseClock>,
     /// [layer][m]: forward internals kept for the backward (`None` for a layer that recomputes
@@ -623,6 +628,9 @@ struct StepData {
     lr: f64,
     /// Test hook: poison the gradient before its norm is taken.
     inject_nan: bool,
+    /// The token ids of the next step's micro-batches, when the caller knows them: the
+    /// embedding rows they gather are updated first ([`OpKind::EmbedUpdate`]).
+    next_ids: Vec<Arc<Vec<i32>>>,
 }
 
 /// Per-step inputs besides the rows.
@@ -852,6 +860,10 @@ where
             loss_host: loss_host.iter_mut().map(|s| handle(s)).collect(),
             norm: AtomicU64::new(0),
             skip: AtomicBool::new(false),
+            embed_next: Mutex::new(vec![
+                false;
+                if layout.trains_base() { layout.dims.v } else { 0 }
+            ]),
             phases: Arc::new(PhaseClock::default()),
             stash,
         };
@@ -1019,6 +1031,19 @@ where
     /// `micro_batch_size` rows). Returns when the loss and the gradient norm are known; the
     /// optimizer updates run on, overlapped with the next step's work.
     pub fn step(&mut self, mbs: Vec<MicroBatch>, sp: StepParams) -> Result<StepOutput> {
+        self.step_ahead(mbs, sp, Vec::new())
+    }
+
+    /// [`Engine::step`], told the token ids of the next step's micro-batches (`next_ids`; empty
+    /// when unknown): the embedding rows they gather are updated first, so that the next
+    /// forward waits only for those rows, not for the whole embedding. The results are the
+    /// same either way.
+    pub fn step_ahead(
+        &mut self,
+        mbs: Vec<MicroBatch>,
+        sp: StepParams,
+        next_ids: Vec<Arc<Vec<i32>>>,
+    ) -> Result<StepOutput> {
         let rows: usize = mbs.iter().map(|mb| mb.b).sum();
         if rows == 0 || rows > self.cfg.batch_size {
             bail!("a step takes 1..={} rows, got {rows}", self.cfg.batch_size);
@@ -1050,6 +1075,7 @@ where
             adam_step: self.updates + 1,
             lr: sp.lr,
             inject_nan: sp.inject_nan,
+            next_ids,
         });
 
         // Events of step k-2 are reused: every one of them has been reached.
@@ -1400,7 +1426,8 @@ where
                 self.dev.upload_i32(targets.prefix(n), sd.mbs[m].targets.clone());
             }
             OpKind::EmbedGather { m } => {
-                let table = c.params(grant, ParamBuf::Embed, false);
+                grant.check(Res::EmbedNext, false);
+                let table = c.params[c.param_index(ParamBuf::Embed)].as_const();
                 let stage = c.staging(grant, Res::EmbStage(m), true);
                 let frozen = c.base.clone();
                 let (c, sd) = (c.clone(), sd.clone());
@@ -1409,13 +1436,16 @@ where
                     Box::new(move || {
                         let t0 = Instant::now();
                         let nc = sd.mbs[m].n() * d.c;
-                        // SAFETY: the schedule orders this gather after every write of the
-                        // embedding and of this staging buffer, and before their next uses.
-                        let (out, table) = unsafe {
-                            (stage.sub(0..nc).as_mut_slice(), table.as_const().as_slice())
-                        };
+                        // SAFETY: the schedule orders this gather after every write of this
+                        // staging buffer and of the rows it gathers (`Res::EmbedNext`), and
+                        // before their next uses. It borrows only those rows: the second part
+                        // of the previous step's update may be writing the others.
+                        let out = unsafe { stage.sub(0..nc).as_mut_slice() };
+                        // SAFETY: as above, for each row gathered.
+                        let row =
+                            |r: usize| unsafe { table.sub(r * d.c..(r + 1) * d.c).as_slice() };
                         match &frozen {
-                            None => embed_rows(out, &sd.mbs[m].ids, table, &c.layout),
+                            None => embed_rows_by(out, &sd.mbs[m].ids, row, &c.layout),
                             Some(b) => embed_rows_frozen(out, &sd.mbs[m].ids, &b.embed, &c.layout),
                         }
                         c.phases.add(Phase::Embedding, t0);
@@ -1860,6 +1890,20 @@ where
                     }
                 });
             }
+            // A frozen embedding has no update (an adapter run).
+            OpKind::EmbedUpdate { .. } if !c.layout.trains_base() => {}
+            OpKind::EmbedUpdate { next } => {
+                self.host_op(Phase::Optimizer, sd, grant, move |c, sd, grant| {
+                    let mut pick = c.embed_next.lock().expect("no update panicked");
+                    if next {
+                        pick_next_rows(c, sd, &mut pick);
+                    }
+                    // SAFETY: the schedule orders each part after every read of its rows'
+                    // parameters in this step (the gather's through the norm) and before
+                    // every read in the next; the parts run in order on the host queue.
+                    unsafe { update_embed_rows(c, sd, grant, &pick, next) };
+                });
+            }
             OpKind::Update { what } => {
                 self.host_op(Phase::Optimizer, sd, grant, move |c, sd, grant| {
                     let i = c.param_index(what);
@@ -2068,6 +2112,75 @@ unsafe fn update_after_norm(c: &Ctx, sd: &StepData, grant: &Grant, i: usize, g: 
         // SAFETY: the caller's exclusivity.
         unsafe { apply_update(c, sd, grant, i, g, clip_coefficient(norm, c.grad_clip)) };
     }
+}
+
+/// Mark the embedding rows the first part of its update takes: those the next step gathers,
+/// or every row when the caller did not name them or the moments are 8-bit (whose blocks and
+/// stochastic rounding span rows).
+fn pick_next_rows(c: &Ctx, sd: &StepData, pick: &mut [bool]) {
+    let i = c.param_index(ParamBuf::Embed);
+    let all = sd.next_ids.is_empty() || matches!(c.moments[i], MomentHandle::Q8(_));
+    pick.fill(all);
+    for &id in sd.next_ids.iter().flat_map(|ids| ids.iter()) {
+        // An id outside the table is left for the gather to report.
+        if let Some(p) = usize::try_from(id).ok().and_then(|r| pick.get_mut(r)) {
+            *p = true;
+        }
+    }
+}
+
+/// Embedding rows per task of a part of its update.
+const EMBED_ROW_TASK: usize = 64;
+
+/// One part of the embedding's update: AdamW (unless the step is skipped) on each run of rows
+/// whose `pick` is `want`, then their gradient zeroed. Each element goes through the same
+/// update as in [`apply_update`]'s whole-buffer pass, so the two parts end bit-identical to it.
+///
+/// # Safety
+/// The schedule must give the caller exclusive use of those rows' masters, image, gradient and
+/// moments. Nothing else of the buffer is borrowed.
+unsafe fn update_embed_rows(c: &Ctx, sd: &StepData, grant: &Grant, pick: &[bool], want: bool) {
+    use rayon::prelude::*;
+    let i = c.param_index(ParamBuf::Embed);
+    grant.moments(ParamBuf::Embed);
+    let (p, g) = (c.params(grant, ParamBuf::Embed, true), c.grads(grant, ParamBuf::Embed, true));
+    let MomentHandle::F32 { m, v } = c.moments[i] else {
+        // 8-bit moments: the first part takes every row (`pick_next_rows`).
+        if pick.contains(&want) {
+            // SAFETY: the caller's exclusivity, over every row.
+            unsafe {
+                let g = g.as_mut_slice();
+                update_after_norm(c, sd, grant, i, g);
+                g.fill(0.0);
+            }
+        }
+        return;
+    };
+    let coef = (!c.skip.load(Ordering::Acquire))
+        .then(|| clip_coefficient(f64::from_bits(c.norm.load(Ordering::Acquire)), c.grad_clip));
+    let st = AdamWStep::new(&c.adamw, sd.adam_step, sd.lr);
+    let (cc, img) = (c.layout.dims.c, c.images[i]);
+    pick.par_chunks(EMBED_ROW_TASK).enumerate().for_each(|(t, rows)| {
+        let mut r = 0;
+        while r < rows.len() {
+            let end = r + rows[r..].iter().take_while(|&&x| x == rows[r]).count();
+            if rows[r] == want {
+                let e = (t * EMBED_ROW_TASK + r) * cc..(t * EMBED_ROW_TASK + end) * cc;
+                // SAFETY: the caller's exclusivity over these rows; each task borrows its own.
+                unsafe {
+                    let g = g.sub(e.clone()).as_mut_slice();
+                    if let Some(coef) = coef {
+                        let (p, m, v) = (p.sub(e.clone()), m.sub(e.clone()), v.sub(e.clone()));
+                        let img = img.map(|x| x.sub(e.clone()).as_mut_slice());
+                        let (p, m, v) = (p.as_mut_slice(), m.as_mut_slice(), v.as_mut_slice());
+                        adamw_update_local(p, img, g, m, v, &st, coef);
+                    }
+                    g.fill(0.0);
+                }
+            }
+            r = end;
+        }
+    });
 }
 
 /// Scale buffer `i`'s moments as if its gradient had been multiplied by `r`: `m *= r`,

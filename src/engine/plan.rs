@@ -57,6 +57,12 @@ pub enum Res {
         layer: usize,
         m: usize,
     },
+    /// Host: the embedding rows the next step gathers, which the first part of the embedding's
+    /// update writes ([`OpKind::EmbedUpdate`]). The gather declares reading these rows, not the
+    /// whole table (`Params(Embed)`): the update's second part writes only other rows, so the
+    /// gather does not wait for it. Every write of the rows a step gathers comes after that
+    /// step's gather: through its norm, which waits for the step's forward.
+    EmbedNext,
     /// Host checkpoint: input of the first layer of `block`, micro-batch `m`.
     Ckpt {
         block: usize,
@@ -191,6 +197,11 @@ pub enum OpKind {
     /// (unless the step is skipped for a non-finite loss or norm), then zero the gradient for
     /// the next step.
     Update { what: ParamBuf },
+    /// Host: [`OpKind::Update`] of the embedding in two parts of rows, so that the next step's
+    /// gather waits only for the rows it reads: `next` the rows the next step gathers (every
+    /// row when the caller did not name them, or with 8-bit moments), then, once the layers
+    /// the next forward needs first are updated, every other row.
+    EmbedUpdate { next: bool },
 }
 
 /// An operation, its queue, what it touches, and the operations it waits for.
@@ -401,6 +412,17 @@ impl Builder {
         self.push(OpKind::Measure { what: p }, Queue::Host, reads, vec![Res::StepStats]);
     }
 
+    /// One part of the embedding's update ([`OpKind::EmbedUpdate`]): the first also writes the
+    /// rows the next step's gather reads.
+    fn update_embed(&mut self, next: bool) {
+        let p = ParamBuf::Embed;
+        let mut writes = vec![Res::Params(p), Res::Grads(p), Res::Moments(p)];
+        if next {
+            writes.push(Res::EmbedNext);
+        }
+        self.push(OpKind::EmbedUpdate { next }, Queue::Host, vec![Res::Norm], writes);
+    }
+
     /// Clip by the step's norm and update buffer `p` from its host gradient.
     fn update(&mut self, p: ParamBuf) {
         self.push(
@@ -595,11 +617,11 @@ fn unstaged_ops(shape: PlanShape) -> Vec<Op> {
         next_slab: 0,
         held: Vec::new(),
     };
-    let embed = Res::Params(ParamBuf::Embed);
+    let embed = Res::EmbedNext;
 
     // Inputs: token ids, and the embedding rows, gathered by the host-to-device queue itself
     // (as a host function on that queue), so that the next step's forward waits only for the
-    // embedding's update, not for the whole optimizer on the host queue.
+    // update of those rows, not for the whole optimizer on the host queue.
     for m in 0..mbs {
         b.push(OpKind::UploadIds { m }, Queue::H2D, vec![], vec![Res::Ids(m)]);
         b.push(OpKind::EmbedGather { m }, Queue::H2D, vec![embed], vec![Res::EmbStage(m)]);
@@ -732,7 +754,7 @@ fn unstaged_ops(shape: PlanShape) -> Vec<Op> {
         writes.extend((shape.grad_slabs..l_count).map(|i| Res::Moments(ParamBuf::Layer(i))));
         b.push(OpKind::GradNorm, Queue::Host, reads, writes);
         // Everything left waits for the norm; in the order the next step needs it.
-        b.update(ParamBuf::Embed);
+        b.update_embed(true);
         for (slab, layer) in std::mem::take(&mut b.held).into_iter().rev() {
             b.push(
                 OpKind::HeldSlabUpdate { slab, layer },
@@ -745,6 +767,7 @@ fn unstaged_ops(shape: PlanShape) -> Vec<Op> {
         if !shape.tied {
             b.update(ParamBuf::Head);
         }
+        b.update_embed(false);
         return b.ops;
     }
 
@@ -758,8 +781,9 @@ fn unstaged_ops(shape: PlanShape) -> Vec<Op> {
     reads.extend((0..mbs).map(Res::LossHost));
     b.push(OpKind::GradNorm, Queue::Host, reads, vec![Res::Norm, Res::StepStats]);
     for p in shape.param_bufs() {
-        b.update(p);
+        if p == ParamBuf::Embed { b.update_embed(true) } else { b.update(p) }
     }
+    b.update_embed(false);
     b.ops
 }
 
@@ -1253,8 +1277,15 @@ mod tests {
             assert!(upd(1).is_none() && upd(0).is_none());
             assert!(held(0).unwrap() > norm && held(1).unwrap() > held(0).unwrap());
             for p in s.shape.param_bufs().into_iter().filter(|p| !matches!(p, ParamBuf::Layer(_))) {
-                assert!(pos(&|k| *k == OpKind::Update { what: p }).unwrap() > norm, "{p:?}");
+                let kind = match p {
+                    ParamBuf::Embed => OpKind::EmbedUpdate { next: true },
+                    p => OpKind::Update { what: p },
+                };
+                assert!(pos(&|k| *k == kind).unwrap() > norm, "{p:?}");
             }
+            // The embedding's other rows last, after the layers the next forward needs first.
+            let rest = pos(&|k| *k == OpKind::EmbedUpdate { next: false }).unwrap();
+            assert!(rest > held(1).unwrap() && rest == s.steady.len() - 1);
             // The next step's uploads wait for the updates of their own layer only.
             for (j, op) in s.steady.iter().enumerate() {
                 if let OpKind::UploadWeights { what: SlotContent::Layer(i), .. } = op.kind {
@@ -1402,7 +1433,11 @@ mod tests {
     fn the_next_forward_waits_only_for_its_own_update() {
         let s = Schedule::new(shape(4, 2, 2));
         let update_of = |p: ParamBuf| {
-            s.first.iter().position(|op| op.kind == OpKind::Update { what: p }).unwrap()
+            let kind = match p {
+                ParamBuf::Embed => OpKind::EmbedUpdate { next: true },
+                p => OpKind::Update { what: p },
+            };
+            s.first.iter().position(|op| op.kind == kind).unwrap()
         };
         for (j, op) in s.steady.iter().enumerate() {
             let prev: Vec<usize> = s

@@ -550,6 +550,20 @@ pub fn embed_rows(out: &mut [f32], ids: &[i32], table: &[f32], layout: &ModelLay
     }
 }
 
+/// [`embed_rows`] from a table reached one row at a time (`row(r)`: row `r`'s C elements), for
+/// a caller that may borrow only the rows it gathers.
+pub fn embed_rows_by<'a>(
+    out: &mut [f32],
+    ids: &[i32],
+    row: impl Fn(usize) -> &'a [f32] + Sync,
+    layout: &ModelLayout,
+) {
+    horizon_backend::cpu::embedding_forward_rows(out, ids, layout.dims.v, layout.dims.c, row);
+    if layout.embed_scale != 1.0 {
+        out.iter_mut().for_each(|x| *x *= layout.embed_scale);
+    }
+}
+
 /// [`embed_rows`] from a frozen table (bf16 rows expanded exactly).
 pub fn embed_rows_frozen(out: &mut [f32], ids: &[i32], table: &Frozen, layout: &ModelLayout) {
     let c = layout.dims.c;

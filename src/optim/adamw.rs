@@ -359,6 +359,28 @@ pub fn adamw_update_image(
         });
 }
 
+/// [`adamw_update`] (no `image`) or [`adamw_update_image`] of one stretch, vectorised, on the
+/// calling thread: the body of their parallel chunks, for callers that split a buffer their own
+/// way (the embedding's update in two parts of rows). Bit-identical to them on every element.
+pub fn adamw_update_local(
+    param: &mut [f32],
+    image: Option<&mut [Bf16]>,
+    grad: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    step: &AdamWStep,
+    grad_scale: f32,
+) {
+    check_lengths(param, grad, m, v);
+    match image {
+        Some(image) => {
+            check_image(param, image);
+            update_chunk_any::<true>(param, image, grad, m, v, step, grad_scale);
+        }
+        None => update_chunk_any::<false>(param, &mut [], grad, m, v, step, grad_scale),
+    }
+}
+
 /// [`adamw_update`] as one plain scalar loop on the calling thread: the reference path.
 pub fn adamw_update_serial(
     param: &mut [f32],
@@ -461,6 +483,35 @@ mod tests {
 
     fn bits(x: &[f32]) -> Vec<u32> {
         x.iter().map(|y| y.to_bits()).collect()
+    }
+
+    #[test]
+    fn a_buffer_updated_in_uneven_stretches_matches_the_whole_update() {
+        let n = 3 * ADAMW_CHUNK / 2 + 37;
+        let (p0, g) = (values(n, 1), values(n, 2));
+        let (m0, v0) = (values(n, 3), values(n, 4).iter().map(|x| x * x).collect::<Vec<_>>());
+        for (step, with_image) in [(1, false), (7, true)] {
+            let s = AdamWStep::new(&cfg(), step, 1e-3);
+            let (mut p, mut m, mut v) = (p0.clone(), m0.clone(), v0.clone());
+            let mut img = vec![Bf16::from_f32(0.0); n];
+            adamw_update_image(&mut p, &mut img, &g, &mut m, &mut v, &s, 0.7);
+            let (mut pl, mut ml, mut vl) = (p0.clone(), m0.clone(), v0.clone());
+            let mut imgl = vec![Bf16::from_f32(0.0); n];
+            // Stretches of 1, 2, 3, ... elements, the last what is left.
+            let (mut at, mut len) = (0, 1);
+            while at < n {
+                let r = at..(at + len).min(n);
+                let image = with_image.then(|| &mut imgl[r.clone()]);
+                let (p, m, v) = (&mut pl[r.clone()], &mut ml[r.clone()], &mut vl[r.clone()]);
+                adamw_update_local(p, image, &g[r.clone()], m, v, &s, 0.7);
+                (at, len) = (r.end, len + 1);
+            }
+            assert_eq!(bits(&pl), bits(&p), "step {step}");
+            assert_eq!((bits(&ml), bits(&vl)), (bits(&m), bits(&v)), "step {step}");
+            if with_image {
+                assert_eq!(imgl, img);
+            }
+        }
     }
 
     #[test]

@@ -498,6 +498,18 @@ impl CostModel<'_> {
                 // The update, then zeroing the gradient for the next step.
                 self.pool(self.update(what, e) + self.pass(HostPass::Zero, e))
             }
+            OpKind::EmbedUpdate { next } if self.layout.trains_base() => {
+                let e = self.buf_len(ParamBuf::Embed);
+                // The rows the next step gathers: at most one per token of the step (every
+                // row with 8-bit moments, which update whole blocks).
+                let v = self.layout.dims.v;
+                let eight_bit = self.cfg.memory == OptimizerMemory::Compact;
+                let first =
+                    if eight_bit { v } else { (self.rows() * self.sizes.micro_batches).min(v) };
+                let rows = if next { first } else { v - first };
+                let e = e / v * rows;
+                self.pool(self.update(ParamBuf::Embed, e) + self.pass(HostPass::Zero, e))
+            }
             _ => Cost::default(),
         }
     }

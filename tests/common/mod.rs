@@ -163,16 +163,38 @@ pub fn run_case_steps<D: horizon_backend::Device>(
 where
     D::Backend: 'static,
 {
+    run_case_steps_ahead(engine, case, false)
+}
+
+/// [`run_case_steps`]; with `ahead`, each step is told the next one's token ids (as the trainer
+/// does: `Engine::step_ahead`), the last one none.
+pub fn run_case_steps_ahead<D: horizon_backend::Device>(
+    engine: &mut horizon::engine::exec::Engine<D>,
+    case: &str,
+    ahead: bool,
+) -> Vec<(f64, f64, bool)>
+where
+    D::Backend: 'static,
+{
     let e = expected(case);
     let batch = e["batch"].as_u64().unwrap() as usize;
     let lr = e["lr"].as_f64().unwrap();
     let data = case_rows(case);
-    (0..e["steps"].as_u64().unwrap() as usize)
+    let steps = e["steps"].as_u64().unwrap() as usize;
+    let size = engine.config().micro_batch_size;
+    let mbs_of = |s: usize| {
+        let rows: Vec<_> = data[s * batch..(s + 1) * batch].iter().collect();
+        horizon::train::micro_batches(&rows, size)
+    };
+    (0..steps)
         .map(|s| {
-            let rows: Vec<_> = data[s * batch..(s + 1) * batch].iter().collect();
             let sp = horizon::engine::exec::StepParams { lr, inject_nan: false };
-            let mbs = horizon::train::micro_batches(&rows, engine.config().micro_batch_size);
-            let o = engine.step(mbs, sp).unwrap();
+            let next = if ahead && s + 1 < steps {
+                mbs_of(s + 1).into_iter().map(|mb| mb.ids).collect()
+            } else {
+                Vec::new()
+            };
+            let o = engine.step_ahead(mbs_of(s), sp, next).unwrap();
             (o.loss(), o.grad_norm, o.skipped)
         })
         .collect()

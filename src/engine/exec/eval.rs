@@ -70,6 +70,7 @@ where
                 adam_step: 0,
                 lr: 0.0,
                 inject_nan: false,
+                next_ids: Vec::new(),
             });
             self.eval_micro_batch(&sd);
             self.dev.synchronize();

@@ -20,10 +20,21 @@ pub fn embedding_forward(out: &mut [f32], ids: &[i32], table: &[f32], c: usize) 
     assert!(c > 0, "embedding_forward: C must be positive");
     assert_eq!(out.len(), ids.len() * c, "embedding_forward: out must be (N, C)");
     assert_eq!(table.len() % c, 0, "embedding_forward: table must be (V, C)");
-    let v = table.len() / c;
-    out.par_chunks_mut(c).zip(ids).for_each(|(row, &id)| {
-        let r = row_of(id, v, "embedding_forward");
-        row.copy_from_slice(&table[r * c..][..c]);
+    embedding_forward_rows(out, ids, table.len() / c, c, |r| &table[r * c..][..c]);
+}
+
+/// [`embedding_forward`] from a table of `v` rows of `c` reached one row at a time
+/// (`row(r)`, C elements): for a caller that may borrow only the rows it reads.
+pub fn embedding_forward_rows<'a>(
+    out: &mut [f32],
+    ids: &[i32],
+    v: usize,
+    c: usize,
+    row: impl Fn(usize) -> &'a [f32] + Sync,
+) {
+    assert_eq!(out.len(), ids.len() * c, "embedding_forward: out must be (N, C)");
+    out.par_chunks_mut(c).zip(ids).for_each(|(out_row, &id)| {
+        out_row.copy_from_slice(row(row_of(id, v, "embedding_forward")));
     });
 }
 
