@@ -29,6 +29,7 @@ use crate::hf::config::ModelConfig;
 use crate::model::base::{Frozen, FrozenBase, words_as_f32};
 use crate::model::layer::{
     Packed, Rows, Slot, Weights, act_slots, grad_slots, layer_backward, layer_forward,
+    layer_rebuild,
 };
 use crate::model::layout::ModelLayout;
 use crate::model::spec::LayerSpec;
@@ -1383,11 +1384,18 @@ where
                 // SAFETY: as for the forward kernel; the recompute (if any) was enqueued just
                 // before, on this queue.
                 unsafe {
-                    // Kept by this layer's forward, or rebuilt by the recompute just before.
-                    let own = c.stash(&g, layer, m, false).unwrap_or(&scratch.acts);
+                    // Kept by this layer's forward (what it did not keep, in the scratch, is
+                    // rebuilt first), or rebuilt by the recompute just before.
+                    let kept = c.stash(&g, layer, m, false);
+                    let own = kept.unwrap_or(&scratch.acts);
                     let x = vw.buf(c.dev(&g, Res::Act { set, m }, false).prefix(nc));
                     let y = Slot::R(vw.buf(scratch.y));
-                    let acts = act_slots(x, y, own.iter().map(|&b| vw.buf_mut(b)));
+                    let mut acts = act_slots(x, y, own.iter().map(|&b| vw.buf_mut(b)));
+                    let mut w = c.layer_weights(&g, vw, layer, slot);
+                    let rows = Rows { b: mb.b, t: mb.t };
+                    if kept.is_some() {
+                        layer_rebuild(vw.backend(), spec, &mut acts, &mut w, rows);
+                    }
                     let gs = scratch.grads.iter().map(|&b| vw.buf_mut(b));
                     let mut grads = grad_slots(vw.buf_mut(c.dev(&g, Res::Dres(m), true)), gs);
                     layer_backward(
@@ -1396,9 +1404,9 @@ where
                         &mut grads,
                         vw.buf_mut(c.dev(&g, Res::Dw(dw), true).prefix(spec.train_len())),
                         &acts,
-                        &mut c.layer_weights(&g, vw, layer, slot),
+                        &mut w,
                         &ropes(vw, &c, mb.t),
-                        Rows { b: mb.b, t: mb.t },
+                        rows,
                     );
                 }
             }),
@@ -2259,9 +2267,18 @@ fn alloc_device<D: Device>(
     let layer_acts =
         || -> Result<Vec<DevBuf>> { act_widths.iter().map(|w| alloc(n * w)).collect() };
     let acts_scratch = layer_acts()?;
+    // A kept layer's own buffers: its own where it keeps the value, else the scratch's.
+    let stashed = layout.stashed_acts();
+    let kept_acts = || -> Result<Vec<DevBuf>> {
+        let own = |(j, w): (usize, &usize)| match stashed[j] {
+            true => alloc(n * w),
+            false => Ok(acts_scratch[j]),
+        };
+        act_widths.iter().enumerate().map(own).collect()
+    };
     let stash = (0..d.layers)
         .map(|i| match keeps_internals(d.layers, cfg.kept_layers, i) {
-            true => (0..mbs).map(|_| layer_acts()).collect::<Result<Vec<_>>>().map(Some),
+            true => (0..mbs).map(|_| kept_acts()).collect::<Result<Vec<_>>>().map(Some),
             false => Ok(None),
         })
         .collect::<Result<Vec<_>>>()?;

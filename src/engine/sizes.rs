@@ -80,7 +80,7 @@ pub struct Sizes {
     /// Sets of kept internals (layers x micro-batches; 0 when the backward recomputes), each
     /// `act_buffers` buffers.
     pub stash_sets: usize,
-    /// Buffers of one layer's internals (the layer description's activations).
+    /// Buffers one layer that keeps its internals keeps (of its description's activations).
     pub act_buffers: usize,
     /// Buffers of the compute queue's scratch (internals, gradient scratch, layer output, head
     /// scratch, rope tables).
@@ -133,6 +133,11 @@ impl Sizes {
         // From the layer descriptions: every activation and gradient buffer, (N, width) each.
         let (act_widths, grad_widths) = (layout.max_act_widths(), layout.max_grad_widths());
         let layer_acts = n * act_widths.iter().sum::<usize>();
+        // What a layer that keeps its internals keeps: the values its backward reads and cannot
+        // rebuild (`LayerSpec::stashed`); the rest share the scratch.
+        let stashed = layout.stashed_acts();
+        let kept_widths = || act_widths.iter().zip(&stashed).filter(|(_, s)| **s).map(|(w, _)| w);
+        let layer_kept = n * kept_widths().sum::<usize>();
         let layer_scratch = layer_acts + n * d.c; // y
         let grad_scratch = n * grad_widths[1..].iter().sum::<usize>();
         let precision = cfg.backend.precision();
@@ -192,9 +197,9 @@ impl Sizes {
             grad_slabs: cfg.grad_slabs,
             scratch: layer_scratch + grad_scratch + head_scratch + rope,
             per_mb_small: 3 * n,
-            stash: cfg.kept_layers * cfg.micro_batches() * layer_acts,
+            stash: cfg.kept_layers * cfg.micro_batches() * layer_kept,
             stash_sets: cfg.kept_layers * cfg.micro_batches(),
-            act_buffers: act_widths.len(),
+            act_buffers: kept_widths().count(),
             scratch_buffers: act_widths.len() + grad_widths.len() - 1
                 + 1
                 + if whole { 4 } else { 2 }

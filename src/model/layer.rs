@@ -123,7 +123,19 @@ pub fn layer_forward<B: Backend>(
     ropes: &[(&B::Buf, &B::Buf)],
     rows: Rows,
 ) {
-    forward_ops(be, spec, slots, w, ropes, rows, None);
+    forward_ops(be, spec, slots, w, ropes, rows, None, None);
+}
+
+/// Before the backward of a layer that kept its internals: run its rebuild ops again
+/// ([`LayerSpec::rebuild_ops`]), writing the values it did not keep.
+pub fn layer_rebuild<B: Backend>(
+    be: &B,
+    spec: &LayerSpec,
+    slots: &mut [Slot<'_, B::Buf>],
+    w: &mut Weights<'_, B>,
+    rows: Rows,
+) {
+    forward_ops(be, spec, slots, w, &[], rows, None, Some(&spec.rebuild_ops()));
 }
 
 /// A layer's KV cache in a decode step: every position's fused q|k|v row so far and the
@@ -151,10 +163,12 @@ pub fn layer_forward_cached<B: Backend>(
     kv: KvStep<'_, B::Buf>,
 ) {
     assert_eq!(rows.b, 1, "a KV cache holds one sequence");
-    forward_ops(be, spec, slots, w, ropes, rows, Some(kv));
+    forward_ops(be, spec, slots, w, ropes, rows, Some(kv), None);
 }
 
-/// The forward ops of a layer, attention over `kv`'s cache when given.
+/// The forward ops of a layer (those of `only` when given), attention over `kv`'s cache when
+/// given.
+#[allow(clippy::too_many_arguments)]
 fn forward_ops<B: Backend>(
     be: &B,
     spec: &LayerSpec,
@@ -163,13 +177,15 @@ fn forward_ops<B: Backend>(
     ropes: &[(&B::Buf, &B::Buf)],
     rows: Rows,
     mut kv: Option<KvStep<'_, B::Buf>>,
+    only: Option<&[usize]>,
 ) {
     let w = wts.slot;
     let n = rows.b * rows.t;
     let len = |a: Act| n * spec.width(a);
     let ad = spec.attn.dims(rows.b, rows.t);
     let norm = |w_offset: f32, c: usize| NormDims { c, eps: spec.eps, w_offset };
-    for op in &spec.ops {
+    let ops = spec.ops.iter().enumerate();
+    for (_, op) in ops.filter(|(i, _)| only.is_none_or(|o| o.contains(i))) {
         match *op {
             Op::RmsNorm { inp, out, rstd, w: ref r, w_offset } => {
                 let [i, o, s] = pick(slots, [inp, out, rstd]);
@@ -434,12 +450,39 @@ mod tests {
         ropes: &[(Vec<f32>, Vec<f32>)],
         r: &[f32],
     ) -> (Vec<f32>, Vec<f32>) {
+        grads_kept(spec, x, w, ropes, r, false)
+    }
+
+    /// [`grads`]; with `kept`, as a layer that kept its internals: every value it does not
+    /// keep ([`LayerSpec::stashed`]) poisoned (NaN) after the forward, its rebuild ops run again
+    /// before the backward.
+    fn grads_kept(
+        spec: &LayerSpec,
+        x: &[f32],
+        w: &mut TestWeights,
+        ropes: &[(Vec<f32>, Vec<f32>)],
+        r: &[f32],
+        kept: bool,
+    ) -> (Vec<f32>, Vec<f32>) {
         let (be, n) = (CpuBackend::new(), ROWS.b * ROWS.t);
         let mut y = vec![0.0; n * spec.c];
         let mut own: Vec<Vec<f32>> = spec.acts.iter().map(|a| vec![0.0; n * a.width]).collect();
         let views: Vec<(&[f32], &[f32])> = ropes.iter().map(|(c, s)| (&c[..], &s[..])).collect();
+        {
+            let mut slots = act_slots(x, Slot::W(&mut y[..]), own.iter_mut().map(|v| &mut v[..]));
+            layer_forward(&be, spec, &mut slots, &mut w.view(), &views, ROWS);
+        }
+        if kept {
+            for (a, keep) in own.iter_mut().zip(spec.stashed()) {
+                if !keep {
+                    a.fill(f32::NAN);
+                }
+            }
+        }
         let mut slots = act_slots(x, Slot::W(&mut y[..]), own.iter_mut().map(|v| &mut v[..]));
-        layer_forward(&be, spec, &mut slots, &mut w.view(), &views, ROWS);
+        if kept {
+            layer_rebuild(&be, spec, &mut slots, &mut w.view(), ROWS);
+        }
         let mut dres = r.to_vec();
         let mut rest: Vec<Vec<f32>> = spec.grads[1..].iter().map(|&g| vec![0.0; n * g]).collect();
         let mut g = grad_slots(&mut dres[..], rest.iter_mut().map(|v| &mut v[..]));
@@ -542,6 +585,53 @@ mod tests {
             let ropes = tables(&layout);
             for spec in &layout.kinds {
                 check(&format!("{case} {}", spec.kind), spec, &ropes);
+            }
+        }
+    }
+
+    /// A layer that keeps its internals keeps only what its backward reads and cannot rebuild:
+    /// with everything else poisoned and its rebuild ops (the norms) run again, its backward is
+    /// bit-identical, for every family, with and without adapters. In Llama's layer that keeps
+    /// q|k|v, the attention's output and statistics, the residual mid-point and gate|up and
+    /// their activation: not the two norms' outputs, nor the products that only feed an add.
+    #[test]
+    fn a_kept_layer_needs_only_what_it_keeps_and_rebuilds() {
+        use crate::model::base::BaseDtype;
+        use crate::model::lora::LoraSpec;
+        let targets = ["q_proj", "o_proj", "down_proj"].iter().map(|t| t.to_string()).collect();
+        let lora = LoraSpec { r: 3, scale: 1.7, targets, nf4: false, base: BaseDtype::F32 };
+        for (case, layout) in fixture_layouts() {
+            let ropes = tables(&layout);
+            let adapted = layout.with_lora(&lora).unwrap();
+            for spec in layout.kinds.iter().chain(&adapted.kinds) {
+                let n = ROWS.b * ROWS.t;
+                let mut rng = SplitMix64::new(11);
+                let mut normal = |len: usize| {
+                    let mut v = vec![0.0; len];
+                    rng.fill_normal(&mut v, 0.5);
+                    v
+                };
+                let (x, r) = (normal(n * spec.c), normal(n * spec.c));
+                let mut tw = TestWeights { w: normal(spec.len), words: vec![], ws: vec![] };
+                let want = grads(spec, &x, &mut tw, &ropes, &r);
+                let got = grads_kept(spec, &x, &mut tw, &ropes, &r, true);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                let what = format!("{case} {} (adapted: {})", spec.kind, spec.frozen > 0);
+                assert_eq!((bits(&got.0), bits(&got.1)), (bits(&want.0), bits(&want.1)), "{what}");
+            }
+            if case == "llama_gqa" {
+                let spec = &layout.kinds[0];
+                let names = |keep: bool| -> Vec<&str> {
+                    let st = spec.stashed();
+                    spec.acts
+                        .iter()
+                        .zip(st)
+                        .filter(|(_, s)| *s == keep)
+                        .map(|(a, _)| a.name)
+                        .collect()
+                };
+                assert_eq!(names(true), ["qkv", "att", "lse", "x2", "gu", "s"]);
+                assert_eq!(names(false), ["h1", "rstd1", "tmp", "h2", "rstd2"]);
             }
         }
     }

@@ -5,7 +5,7 @@
 use crate::hf::config::ModelConfig;
 use crate::model::lora::LoraSpec;
 pub use crate::model::spec::TensorSpec;
-use crate::model::spec::{Init, LayerSpec};
+use crate::model::spec::{IO_SLOTS, Init, LayerSpec};
 
 /// Sizes of the model, in the shape legend `C H KVH D F V`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -160,6 +160,22 @@ impl ModelLayout {
     /// Largest width of activation slot `a` over the layer kinds (0 where no kind has it).
     pub fn max_act_widths(&self) -> Vec<usize> {
         max_by_index(self.kinds.iter().map(|k| k.acts.iter().map(|a| a.width).collect()))
+    }
+
+    /// Per own activation index, whether a layer of any kind that keeps its internals keeps it
+    /// on the device ([`crate::model::spec::LayerSpec::stashed`]); the kept buffers are
+    /// allocated by index, at [`ModelLayout::max_act_widths`].
+    pub fn stashed_acts(&self) -> Vec<bool> {
+        let lists = self.kinds.iter().map(|k| k.stashed().into_iter().map(usize::from).collect());
+        let stashed: Vec<bool> = max_by_index(lists).into_iter().map(|x| x > 0).collect();
+        // A kind's rebuilt values must not be kept for another kind at the same index: its
+        // rebuild would write a kept buffer its backward only reads.
+        for k in &self.kinds {
+            for a in k.rebuild_ops().into_iter().flat_map(|i| k.ops[i].forward_io_writes()) {
+                assert!(!stashed[a - IO_SLOTS], "layer kinds disagree on keeping activation {a}");
+            }
+        }
+        stashed
     }
 
     /// Largest width of gradient buffer `g` over the layer kinds.

@@ -187,6 +187,11 @@ impl Op {
         }
     }
 
+    /// The activations the op writes in its forward.
+    pub fn forward_io_writes(&self) -> Vec<Act> {
+        self.forward_io().1
+    }
+
     /// The activations the op's backward reads (saved inputs and statistics).
     fn saved(&self) -> Vec<Act> {
         match *self {
@@ -304,6 +309,36 @@ impl LayerSpec {
     /// Width of activation slot `a` (X and Y are C wide).
     pub fn width(&self, a: Act) -> usize {
         if a < IO_SLOTS { self.c } else { self.acts[a - IO_SLOTS].width }
+    }
+
+    /// The ops a layer that keeps its internals (`engine.recompute`) runs again just before its
+    /// backward, in order, instead of keeping their outputs: each RMSNorm whose output another
+    /// op's backward reads. Its input is still there (the layer input X, a value some backward
+    /// reads and so kept, or an earlier rebuilt norm's output), and nothing overwrites it in
+    /// the forward ([`check_saved`]), so output and `rstd` come back bit for bit: one pass
+    /// over (N, C) where keeping them takes (N, C + 1) of device memory.
+    pub fn rebuild_ops(&self) -> Vec<usize> {
+        let read_by_others = |op: usize, a: Act| {
+            self.ops.iter().enumerate().any(|(j, o)| j != op && o.saved().contains(&a))
+        };
+        (0..self.ops.len())
+            .filter(|&i| matches!(self.ops[i], Op::RmsNorm { out, .. } if read_by_others(i, out)))
+            .collect()
+    }
+
+    /// Per own activation (slot `IO_SLOTS + i`), whether a layer that keeps its internals keeps
+    /// it on the device for its backward: some op's backward reads it and no rebuild op
+    /// ([`LayerSpec::rebuild_ops`]) writes it. The others (rebuilt, or read by no backward, as a
+    /// product output that only feeds a residual add) live in the compute queue's scratch.
+    pub fn stashed(&self) -> Vec<bool> {
+        let rebuilt: Vec<Act> =
+            self.rebuild_ops().into_iter().flat_map(|i| self.ops[i].forward_io().1).collect();
+        (0..self.acts.len())
+            .map(|i| {
+                let a = IO_SLOTS + i;
+                !rebuilt.contains(&a) && self.ops.iter().any(|op| op.saved().contains(&a))
+            })
+            .collect()
     }
 
     /// Forward FLOPs over `b` sequences of `t` positions: (matrix products, attention).

@@ -224,6 +224,23 @@ impl CostModel<'_> {
         t + 2.0 * self.layer_forward_elementwise(l)
     }
 
+    /// What a layer that kept its internals runs before its backward: its rebuild ops
+    /// ([`LayerSpec::rebuild_ops`], norms), each a pass over its input and output.
+    pub fn layer_rebuild(&self, l: &LayerSpec) -> f64 {
+        let n = self.rows() as f64;
+        let d = self.device;
+        let width = |a: usize| l.acts.get(a.wrapping_sub(2)).map_or(l.c, |s| s.width) as f64;
+        l.rebuild_ops()
+            .into_iter()
+            .map(|i| match l.ops[i] {
+                Op::RmsNorm { inp, out, .. } => {
+                    d.stream(n * (width(inp) + width(out)) * ACT_BYTES) + d.launch()
+                }
+                _ => unreachable!("only norms are rebuilt"),
+            })
+            .sum()
+    }
+
     fn layer_forward_elementwise(&self, l: &LayerSpec) -> f64 {
         let n = self.rows() as f64;
         let d = self.device;
@@ -436,7 +453,7 @@ impl CostModel<'_> {
             OpKind::Backward { layer, .. } => {
                 let l = self.layout.layer(layer);
                 let kept = reads.iter().any(|r| matches!(r, Res::Stash { .. }));
-                let fwd = if kept { 0.0 } else { self.layer_forward(l) };
+                let fwd = if kept { self.layer_rebuild(l) } else { self.layer_forward(l) };
                 self.kernel(fwd + self.layer_backward(l))
             }
             OpKind::DownloadLosses { .. } => self.copy(Queue::D2H, n * 4.0),
