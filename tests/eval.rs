@@ -81,12 +81,22 @@ fn engine_eval_equals_the_reference_forward_loss() {
     }
 }
 
+/// Also with every layer keeping its internals, where the eval borrows the first layer's kept
+/// buffers as its scratch.
 #[test]
 fn eval_between_steps_changes_nothing_the_steps_compute() {
     let case = "llama_gqa";
+    let (cfg, _) = model(case);
+    let base = case_engine_config(case, 2, expected(case)["batch"].as_u64().unwrap() as usize);
+    let all_kept = EngineConfig { checkpoint_every: 1, kept_layers: cfg.num_layers, ..base };
+    for ecfg in [base, all_kept] {
+        eval_between_steps(case, ecfg);
+    }
+}
+
+fn eval_between_steps(case: &str, ecfg: EngineConfig) {
     let (cfg, params) = model(case);
     let rows = case_rows(case);
-    let ecfg = case_engine_config(case, 2, expected(case)["batch"].as_u64().unwrap() as usize);
     let batch: Vec<&Row> = rows.iter().take(ecfg.batch_size).collect();
     let step = |e: &mut Engine<CpuDevice>| {
         let mbs = micro_batches(&batch, ecfg.micro_batch_size);

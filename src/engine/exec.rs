@@ -2263,16 +2263,22 @@ fn alloc_device<D: Device>(
     let targets = per_mb(n)?;
     let losses = per_mb(n)?;
     let chunk = cfg.head_chunk_rows.clamp(1, n.max(1));
-    let act_widths = layout.max_act_widths();
-    let layer_acts =
-        || -> Result<Vec<DevBuf>> { act_widths.iter().map(|w| alloc(n * w)).collect() };
-    let acts_scratch = layer_acts()?;
+    let (act_widths, stashed) = (layout.max_act_widths(), layout.stashed_acts());
+    // When every layer keeps its internals, no recompute writes the scratch's copies of what
+    // they keep: those are not allocated (`Sizes::new`), and `Engine::eval`, with the device
+    // idle, borrows the first layer's kept buffers instead.
+    let keeps_all = cfg.kept_layers == d.layers;
+    let own_scratch = |j: usize, w: usize| match keeps_all && stashed[j] {
+        true => Ok(None),
+        false => alloc(n * w).map(Some),
+    };
+    let scratch_or_kept: Vec<Option<DevBuf>> =
+        act_widths.iter().enumerate().map(|(j, &w)| own_scratch(j, w)).collect::<Result<_>>()?;
     // A kept layer's own buffers: its own where it keeps the value, else the scratch's.
-    let stashed = layout.stashed_acts();
     let kept_acts = || -> Result<Vec<DevBuf>> {
-        let own = |(j, w): (usize, &usize)| match stashed[j] {
-            true => alloc(n * w),
-            false => Ok(acts_scratch[j]),
+        let own = |(j, w): (usize, &usize)| match (stashed[j], scratch_or_kept[j]) {
+            (false, Some(b)) => Ok(b),
+            _ => alloc(n * w),
         };
         act_widths.iter().enumerate().map(own).collect()
     };
@@ -2282,6 +2288,13 @@ fn alloc_device<D: Device>(
             false => Ok(None),
         })
         .collect::<Result<Vec<_>>>()?;
+    let first_kept =
+        |j: usize| stash[0].as_ref().expect("layer 0 keeps when every layer does")[0][j];
+    let acts_scratch: Vec<DevBuf> = scratch_or_kept
+        .iter()
+        .enumerate()
+        .map(|(j, b)| b.unwrap_or_else(|| first_kept(j)))
+        .collect();
     let grads_scratch =
         layout.max_grad_widths()[1..].iter().map(|w| alloc(n * w)).collect::<Result<Vec<_>>>()?;
     let half = d.d / 2;

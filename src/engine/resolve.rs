@@ -91,7 +91,9 @@ pub fn keeping(base: EngineConfig, kept: usize) -> EngineConfig {
 }
 
 /// `base` keeping the most layers' internals whose plan fits `m` (at least one), or `None`
-/// when not even one layer's do. The plan grows with every kept layer, so a binary search.
+/// when not even one layer's do. The plan grows with every kept layer (the last one kept
+/// drops the scratch's copy of what layers keep, one micro-batch's worth, so it grows less but
+/// does not shrink), so a binary search.
 pub fn most_kept(layout: &ModelLayout, base: EngineConfig, m: &Machine) -> Option<EngineConfig> {
     let fits = |kept: usize| m.fits(layout, &keeping(base, kept));
     if !fits(1) {

@@ -138,7 +138,11 @@ impl Sizes {
         let stashed = layout.stashed_acts();
         let kept_widths = || act_widths.iter().zip(&stashed).filter(|(_, s)| **s).map(|(w, _)| w);
         let layer_kept = n * kept_widths().sum::<usize>();
-        let layer_scratch = layer_acts + n * d.c; // y
+        // When every layer keeps its internals, nothing recomputes into the scratch: it holds
+        // only what they do not keep (the executor's `alloc_device`).
+        let keeps_all = cfg.kept_layers == d.layers;
+        let scratch_acts = if keeps_all { layer_acts - layer_kept } else { layer_acts };
+        let layer_scratch = scratch_acts + n * d.c; // y
         let grad_scratch = n * grad_widths[1..].iter().sum::<usize>();
         let precision = cfg.backend.precision();
         let layer_slot = layer_slot_weights(layout, precision.weight_bytes());
@@ -200,7 +204,9 @@ impl Sizes {
             stash: cfg.kept_layers * cfg.micro_batches() * layer_kept,
             stash_sets: cfg.kept_layers * cfg.micro_batches(),
             act_buffers: kept_widths().count(),
-            scratch_buffers: act_widths.len() + grad_widths.len() - 1
+            scratch_buffers: act_widths.len() - if keeps_all { kept_widths().count() } else { 0 }
+                + grad_widths.len()
+                - 1
                 + 1
                 + if whole { 4 } else { 2 }
                 + 2 * layout.rope.len(),
