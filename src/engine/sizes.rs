@@ -267,9 +267,9 @@ impl Sizes {
             ),
             (
                 if tiled {
-                    "workspace (one layer's internals, rope)"
+                    "workspace (one layer's internals and gradients, rope)"
                 } else {
-                    "workspace (one layer's internals, head chunk, rope)"
+                    "workspace (one layer's internals and gradients, head chunk, rope)"
                 },
                 self.scratch * 4,
             ),

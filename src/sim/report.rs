@@ -264,6 +264,11 @@ fn fit_lines(
             gib(hw.device_bytes()),
             fits(dev, hw.device_bytes())
         )?;
+        // What the device's memory goes to: the planner keeps as many layers' internals as
+        // the rest leaves room for.
+        for (what, b) in sizes.device_bytes().into_iter().filter(|&(_, b)| b > 0) {
+            writeln!(t, "    {:>12}  {what}", gib(b as u64))?;
+        }
     }
     writeln!(t, "  weight uploads: {}", upload_words(upload))?;
     Ok(())
