@@ -135,7 +135,7 @@ pub fn layer_rebuild<B: Backend>(
     w: &mut Weights<'_, B>,
     rows: Rows,
 ) {
-    forward_ops(be, spec, slots, w, &[], rows, None, Some(&spec.rebuild_ops()));
+    forward_ops(be, spec, slots, w, &[], rows, None, Some(spec.rebuild_ops()));
 }
 
 /// A layer's KV cache in a decode step: every position's fused q|k|v row so far and the

@@ -171,7 +171,7 @@ impl ModelLayout {
         // A kind's rebuilt values must not be kept for another kind at the same index: its
         // rebuild would write a kept buffer its backward only reads.
         for k in &self.kinds {
-            for a in k.rebuild_ops().into_iter().flat_map(|i| k.ops[i].forward_io_writes()) {
+            for a in k.rebuild_ops().iter().flat_map(|&i| k.ops[i].forward_io().1) {
                 assert!(!stashed[a - IO_SLOTS], "layer kinds disagree on keeping activation {a}");
             }
         }

@@ -173,7 +173,7 @@ pub enum Op {
 
 impl Op {
     /// The activations the op reads in its forward, and those it writes.
-    fn forward_io(&self) -> (Vec<Act>, Vec<Act>) {
+    pub(crate) fn forward_io(&self) -> (Vec<Act>, Vec<Act>) {
         match *self {
             Op::RmsNorm { inp, out, rstd, .. } | Op::HeadNorm { inp, out, rstd, .. } => {
                 (vec![inp], vec![out, rstd])
@@ -185,11 +185,6 @@ impl Op {
             Op::Glu { gu, out, .. } => (vec![gu], vec![out]),
             Op::Lora { inp, out, u, tmp, .. } => (vec![inp, out], vec![out, u, tmp]),
         }
-    }
-
-    /// The activations the op writes in its forward.
-    pub fn forward_io_writes(&self) -> Vec<Act> {
-        self.forward_io().1
     }
 
     /// The activations the op's backward reads (saved inputs and statistics).
@@ -303,6 +298,9 @@ pub struct LayerSpec {
     pub grads: Vec<usize>,
     /// The backward program, derived from `ops`.
     pub backward: Vec<BwdOp>,
+    /// The ops a layer that keeps its internals runs again before its backward, derived from
+    /// `ops` ([`LayerSpec::rebuild_ops`]).
+    rebuild: Vec<usize>,
 }
 
 impl LayerSpec {
@@ -316,14 +314,10 @@ impl LayerSpec {
     /// op's backward reads. Its input is still there (the layer input X, a value some backward
     /// reads and so kept, or an earlier rebuilt norm's output), and nothing overwrites it in
     /// the forward ([`check_saved`]), so output and `rstd` come back bit for bit: one pass
-    /// over (N, C) where keeping them takes (N, C + 1) of device memory.
-    pub fn rebuild_ops(&self) -> Vec<usize> {
-        let read_by_others = |op: usize, a: Act| {
-            self.ops.iter().enumerate().any(|(j, o)| j != op && o.saved().contains(&a))
-        };
-        (0..self.ops.len())
-            .filter(|&i| matches!(self.ops[i], Op::RmsNorm { out, .. } if read_by_others(i, out)))
-            .collect()
+    /// over (N, C) where keeping them takes (N, C + 1) of device memory. Derived once, with
+    /// the backward program.
+    pub fn rebuild_ops(&self) -> &[usize] {
+        &self.rebuild
     }
 
     /// Per own activation (slot `IO_SLOTS + i`), whether a layer that keeps its internals keeps
@@ -332,7 +326,7 @@ impl LayerSpec {
     /// product output that only feeds a residual add) live in the compute queue's scratch.
     pub fn stashed(&self) -> Vec<bool> {
         let rebuilt: Vec<Act> =
-            self.rebuild_ops().into_iter().flat_map(|i| self.ops[i].forward_io().1).collect();
+            self.rebuild.iter().flat_map(|&i| self.ops[i].forward_io().1).collect();
         (0..self.acts.len())
             .map(|i| {
                 let a = IO_SLOTS + i;
@@ -456,6 +450,7 @@ impl LayerBuilder {
             eps,
             grads: vec![self.c],
             backward: Vec::new(),
+            rebuild: Vec::new(),
         };
         spec.derive();
         spec
@@ -470,7 +465,17 @@ impl LayerSpec {
         let (grads, backward) = derive_backward(self, self.c);
         self.grads = grads;
         self.backward = backward;
+        self.rebuild = derive_rebuild(&self.ops);
     }
+}
+
+/// [`LayerSpec::rebuild_ops`] of `ops`: each RMSNorm whose output another op's backward reads.
+fn derive_rebuild(ops: &[Op]) -> Vec<usize> {
+    let read_by_others =
+        |op: usize, a: Act| ops.iter().enumerate().any(|(j, o)| j != op && o.saved().contains(&a));
+    (0..ops.len())
+        .filter(|&i| matches!(ops[i], Op::RmsNorm { out, .. } if read_by_others(i, out)))
+        .collect()
 }
 
 /// Every value a backward reads must still be the one its forward op saw: no later op of the

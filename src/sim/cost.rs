@@ -231,8 +231,8 @@ impl CostModel<'_> {
         let d = self.device;
         let width = |a: usize| l.acts.get(a.wrapping_sub(2)).map_or(l.c, |s| s.width) as f64;
         l.rebuild_ops()
-            .into_iter()
-            .map(|i| match l.ops[i] {
+            .iter()
+            .map(|&i| match l.ops[i] {
                 Op::RmsNorm { inp, out, .. } => {
                     d.stream(n * (width(inp) + width(out)) * ACT_BYTES) + d.launch()
                 }
