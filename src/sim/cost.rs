@@ -227,36 +227,29 @@ impl CostModel<'_> {
     /// What a layer that kept its internals runs before its backward: its rebuild ops
     /// ([`LayerSpec::rebuild_ops`], norms), each a pass over its input and output.
     pub fn layer_rebuild(&self, l: &LayerSpec) -> f64 {
-        let n = self.rows() as f64;
-        let d = self.device;
-        let width = |a: usize| l.acts.get(a.wrapping_sub(2)).map_or(l.c, |s| s.width) as f64;
-        l.rebuild_ops()
-            .iter()
-            .map(|&i| match l.ops[i] {
-                Op::RmsNorm { inp, out, .. } => {
-                    d.stream(n * (width(inp) + width(out)) * ACT_BYTES) + d.launch()
-                }
-                _ => unreachable!("only norms are rebuilt"),
-            })
-            .sum()
+        let ops = l.rebuild_ops().iter();
+        ops.map(|&i| self.elementwise_forward(l, &l.ops[i]) + self.device.launch()).sum()
     }
 
     fn layer_forward_elementwise(&self, l: &LayerSpec) -> f64 {
+        l.ops.iter().map(|op| self.elementwise_forward(l, op)).sum()
+    }
+
+    /// One op's forward if it is elementwise (its activations' bytes at the stream rate), else
+    /// 0.
+    fn elementwise_forward(&self, l: &LayerSpec, op: &Op) -> f64 {
         let n = self.rows() as f64;
         let d = self.device;
-        let width = |a: usize| l.acts.get(a.wrapping_sub(2)).map_or(l.c, |s| s.width) as f64;
-        l.ops
-            .iter()
-            .map(|op| match *op {
-                Op::RmsNorm { inp, out, .. } | Op::HeadNorm { inp, out, .. } => {
-                    d.stream(n * (width(inp) + width(out)) * ACT_BYTES)
-                }
-                Op::Rope { qkv, .. } => d.stream(n * 2.0 * width(qkv) * ACT_BYTES),
-                Op::Add { .. } => d.stream(n * 3.0 * l.c as f64 * ACT_BYTES),
-                Op::Glu { f, .. } => d.glu(self.rows(), f, false),
-                _ => 0.0,
-            })
-            .sum()
+        let width = |a: usize| l.width(a) as f64;
+        match *op {
+            Op::RmsNorm { inp, out, .. } | Op::HeadNorm { inp, out, .. } => {
+                d.stream(n * (width(inp) + width(out)) * ACT_BYTES)
+            }
+            Op::Rope { qkv, .. } => d.stream(n * 2.0 * width(qkv) * ACT_BYTES),
+            Op::Add { .. } => d.stream(n * 3.0 * l.c as f64 * ACT_BYTES),
+            Op::Glu { f, .. } => d.glu(self.rows(), f, false),
+            _ => 0.0,
+        }
     }
 
     /// Dequantising a packed weight into the workspace before its product (bf16 out).
@@ -352,6 +345,11 @@ impl CostModel<'_> {
         let image = self.upload == UploadPath::Image && uploaded;
         let eight_bit = self.cfg.memory == OptimizerMemory::Compact;
         self.pass(HostPass::Update { eight_bit, image }, elems)
+    }
+
+    /// A host op updating `elems` of buffer `p`, then zeroing their gradient for the next step.
+    fn update_op(&self, p: ParamBuf, elems: usize) -> Cost {
+        self.pool(self.update(p, elems) + self.pass(HostPass::Zero, elems))
     }
 
     /// A layer's weights on the wire, and the host work of getting them there.
@@ -511,9 +509,7 @@ impl CostModel<'_> {
             }
             // The step's norm sums the squared norms measured as each gradient completed.
             OpKind::Update { what } if self.trained(what) => {
-                let e = self.buf_len(what);
-                // The update, then zeroing the gradient for the next step.
-                self.pool(self.update(what, e) + self.pass(HostPass::Zero, e))
+                self.update_op(what, self.buf_len(what))
             }
             OpKind::EmbedUpdate { next } if self.layout.trains_base() => {
                 let e = self.buf_len(ParamBuf::Embed);
@@ -524,8 +520,7 @@ impl CostModel<'_> {
                 let first =
                     if eight_bit { v } else { (self.rows() * self.sizes.micro_batches).min(v) };
                 let rows = if next { first } else { v - first };
-                let e = e / v * rows;
-                self.pool(self.update(ParamBuf::Embed, e) + self.pass(HostPass::Zero, e))
+                self.update_op(ParamBuf::Embed, e / v * rows)
             }
             _ => Cost::default(),
         }
