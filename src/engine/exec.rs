@@ -1917,11 +1917,7 @@ where
                     let i = c.param_index(what);
                     // SAFETY: the schedule orders this update after every read of these
                     // parameters in this step and before every read in the next.
-                    unsafe {
-                        let g = c.grads(grant, what, true).as_mut_slice();
-                        update_after_norm(c, sd, grant, i, g);
-                        g.fill(0.0);
-                    }
+                    unsafe { update_and_zero(c, sd, grant, i, c.grads(grant, what, true)) };
                 });
             }
             _ => unreachable!("{kind:?} is not an op of this queue"),
@@ -2115,11 +2111,31 @@ unsafe fn streamed_update(c: &Ctx, sd: &StepData, grant: &Grant, i: usize, g: &[
 /// # Safety
 /// As [`apply_update`], and ordered after the step's norm op.
 unsafe fn update_after_norm(c: &Ctx, sd: &StepData, grant: &Grant, i: usize, g: &[f32]) {
-    if !c.skip.load(Ordering::Acquire) {
-        let norm = f64::from_bits(c.norm.load(Ordering::Acquire));
+    if let Some(coef) = norm_clip(c) {
         // SAFETY: the caller's exclusivity.
-        unsafe { apply_update(c, sd, grant, i, g, clip_coefficient(norm, c.grad_clip)) };
+        unsafe { apply_update(c, sd, grant, i, g, coef) };
     }
+}
+
+/// [`update_after_norm`], then the gradient zeroed for the next step (a host gradient buffer's
+/// whole update).
+///
+/// # Safety
+/// As [`update_after_norm`], with exclusive use of the gradient `g`.
+unsafe fn update_and_zero(c: &Ctx, sd: &StepData, grant: &Grant, i: usize, g: HostPtrMut) {
+    // SAFETY: the caller's exclusivity.
+    unsafe {
+        let g = g.as_mut_slice();
+        update_after_norm(c, sd, grant, i, g);
+        g.fill(0.0);
+    }
+}
+
+/// The clip coefficient of the step's norm, or `None` when the step is skipped. Read once the
+/// step's norm op has run.
+fn norm_clip(c: &Ctx) -> Option<f32> {
+    let norm = f64::from_bits(c.norm.load(Ordering::Acquire));
+    (!c.skip.load(Ordering::Acquire)).then(|| clip_coefficient(norm, c.grad_clip))
 }
 
 /// Mark the embedding rows the first part of its update takes: those the next step gathers,
@@ -2156,16 +2172,11 @@ unsafe fn update_embed_rows(c: &Ctx, sd: &StepData, grant: &Grant, pick: &[bool]
         // 8-bit moments: the first part takes every row (`pick_next_rows`).
         if pick.contains(&want) {
             // SAFETY: the caller's exclusivity, over every row.
-            unsafe {
-                let g = g.as_mut_slice();
-                update_after_norm(c, sd, grant, i, g);
-                g.fill(0.0);
-            }
+            unsafe { update_and_zero(c, sd, grant, i, g) };
         }
         return;
     };
-    let coef = (!c.skip.load(Ordering::Acquire))
-        .then(|| clip_coefficient(f64::from_bits(c.norm.load(Ordering::Acquire)), c.grad_clip));
+    let coef = norm_clip(c);
     let st = AdamWStep::new(&c.adamw, sd.adam_step, sd.lr);
     let (cc, img) = (c.layout.dims.c, c.images[i]);
     pick.par_chunks(EMBED_ROW_TASK).enumerate().for_each(|(t, rows)| {
