@@ -544,10 +544,8 @@ pub fn rope_tables(inv_freq: &[f32], t_max: usize) -> (Vec<f32>, Vec<f32>) {
 /// The embedding rows of `ids`, times the model's embedding scale (Gemma: `sqrt(C)`, in fp32 as
 /// transformers multiplies them). out: (N, C), overwrites.
 pub fn embed_rows(out: &mut [f32], ids: &[i32], table: &[f32], layout: &ModelLayout) {
-    CpuBackend.embedding_forward(out, ids, table, layout.dims.c);
-    if layout.embed_scale != 1.0 {
-        out.iter_mut().for_each(|x| *x *= layout.embed_scale);
-    }
+    let c = layout.dims.c;
+    embed_rows_by(out, ids, |r| &table[r * c..][..c], layout);
 }
 
 /// [`embed_rows`] from a table reached one row at a time (`row(r)`: row `r`'s C elements), for
@@ -559,6 +557,11 @@ pub fn embed_rows_by<'a>(
     layout: &ModelLayout,
 ) {
     horizon_backend::cpu::embedding_forward_rows(out, ids, layout.dims.v, layout.dims.c, row);
+    scale_embedded(out, layout);
+}
+
+/// Gathered embedding rows times the model's embedding scale, in place.
+fn scale_embedded(out: &mut [f32], layout: &ModelLayout) {
     if layout.embed_scale != 1.0 {
         out.iter_mut().for_each(|x| *x *= layout.embed_scale);
     }
@@ -570,9 +573,7 @@ pub fn embed_rows_frozen(out: &mut [f32], ids: &[i32], table: &Frozen, layout: &
     for (row, &id) in out.chunks_exact_mut(c).zip(ids) {
         table.get(id as usize * c, row);
     }
-    if layout.embed_scale != 1.0 {
-        out.iter_mut().for_each(|x| *x *= layout.embed_scale);
-    }
+    scale_embedded(out, layout);
 }
 
 /// The embedding's backward: `dtable[ids] += dx * scale`, in place of `dx` (N, C), which it
