@@ -284,9 +284,10 @@ impl CostModel<'_> {
         self.device.stream(n * c * 3.0 * ACT_BYTES) + self.device.launch()
     }
 
-    /// Copy queue `q`'s memcpy of `bytes`: its time alone and the share of the host it uses.
+    /// Copy queue `q`'s memcpy of `bytes`: its time alone and the share of the host it uses, one
+    /// core, which its thread takes as it wakes (see [`Cost::host_first`]).
     fn host_thread(&self, q: Queue, bytes: f64) -> Cost {
-        Cost::host(self.host.memcpy(q, bytes as usize), 1.0 / self.hw.host.cores as f64)
+        Cost::host_first(self.host.memcpy(q, bytes as usize), 1.0 / self.hw.host.cores as f64)
     }
 
     /// Host work `s` of the host queue, and the fixed cost of handing it to the pool: on the
@@ -308,12 +309,7 @@ impl CostModel<'_> {
         let gbps = if q == Queue::H2D { link.h2d_gbps } else { link.d2h_gbps };
         let wire = if gbps > 0.0 { bytes / (gbps * 1e9) + link.latency_us * 1e-6 } else { 0.0 };
         let c = Cost::fixed(wire);
-        if self.device.on_host() {
-            let m = self.host_thread(q, bytes);
-            c.with_host(m.host_s, m.host_share)
-        } else {
-            c
-        }
+        if self.device.on_host() { c.with_host(self.host_thread(q, bytes)) } else { c }
     }
 
     /// Kernel work: on the device's own engine, or on the CPU device's share of the host.
@@ -395,7 +391,7 @@ impl CostModel<'_> {
         if elems == 0.0 {
             return c;
         }
-        c.with_host(self.pass(HostPass::Round, elems as usize), 1.0)
+        c.with_host(Cost::host(self.pass(HostPass::Round, elems as usize), 1.0))
     }
 
     /// The cost of one op.

@@ -7,8 +7,11 @@
 //! compute, one direction of the link), which nothing else on its queue shares; and `host_s`,
 //! host work, which every op then running shares. The host is one pool of capacity 1: an op can
 //! use at most `host_share` of it (1: a pass over every host thread; `1/threads`: one thread),
-//! and the running ops split it max-min fairly (water-filling). `host_s` is the op's time with
-//! the host to itself. An op ends when both parts are done. The simulation is exact for this
+//! and the running ops split it max-min fairly (water-filling), except that an op marked
+//! `first` takes its share before the others split the rest: a thread that slept and wakes for
+//! a short job, which the OS runs at once (the CPU device's copy threads, which its runs
+//! measure at their speed alone beside busy kernels). `host_s` is the op's time with the host
+//! to itself. An op ends when both parts are done. The simulation is exact for this
 //! fluid model: between two events (an op starting, or one part of one op ending) every rate
 //! is constant.
 
@@ -23,20 +26,26 @@ pub struct Cost {
     pub host_s: f64,
     /// The largest fraction of the host the op can use, in (0, 1].
     pub host_share: f64,
+    /// Whether the op takes its share of the host before the others split the rest.
+    pub first: bool,
 }
 
 impl Cost {
     /// `s` seconds on the op's own engine, no host work.
     pub fn fixed(s: f64) -> Cost {
-        Cost { fixed_s: s, host_s: 0.0, host_share: 1.0 }
+        Cost { fixed_s: s, host_s: 0.0, host_share: 1.0, first: false }
     }
     /// `s` seconds of host work at up to `share` of the host.
     pub fn host(s: f64, share: f64) -> Cost {
-        Cost { fixed_s: 0.0, host_s: s, host_share: share }
+        Cost { fixed_s: 0.0, host_s: s, host_share: share, first: false }
     }
-    /// Both parts.
-    pub fn with_host(self, s: f64, share: f64) -> Cost {
-        Cost { host_s: s, host_share: share, ..self }
+    /// `s` seconds of host work at up to `share` of the host, taken before the other ops'.
+    pub fn host_first(s: f64, share: f64) -> Cost {
+        Cost { first: true, ..Cost::host(s, share) }
+    }
+    /// Both parts: `host`'s host work beside this cost's own engine time.
+    pub fn with_host(self, host: Cost) -> Cost {
+        Cost { host_s: host.host_s, host_share: host.host_share, first: host.first, ..self }
     }
 }
 
@@ -65,6 +74,7 @@ struct Running {
     fixed_left: f64,
     host_left: f64,
     share: f64,
+    first: bool,
 }
 
 /// Work left below this (seconds) is none: what float rounding leaves of a finished part.
@@ -105,6 +115,7 @@ pub fn simulate(ops: &[SimOp]) -> Timeline {
                 fixed_left: c.fixed_s.max(0.0),
                 host_left: c.host_s.max(0.0),
                 share: c.host_share,
+                first: c.first,
             });
         }
         // Ops with nothing left end now (a zero-cost op, or the part that ended last).
@@ -145,12 +156,19 @@ pub fn simulate(ops: &[SimOp]) -> Timeline {
     Timeline { start, end, cause }
 }
 
-/// Progress rates (alone-seconds of host work per second) of the running ops: the host's
-/// capacity split max-min fairly among the ops with host work left, each capped at its share.
+/// Progress rates (alone-seconds of host work per second) of the running ops: the ops marked
+/// `first` take their shares, then the rest of the host's capacity is split max-min fairly
+/// among the other ops with host work left, each capped at its share.
 fn host_rates(running: &[Running]) -> Vec<f64> {
     let mut alloc = vec![0.0; running.len()];
-    let mut open: Vec<usize> = (0..running.len()).filter(|&i| running[i].host_left > EPS).collect();
     let mut left = 1.0f64;
+    let has_work = |i: &usize| running[*i].host_left > EPS;
+    for i in (0..running.len()).filter(has_work).filter(|&i| running[i].first) {
+        alloc[i] = running[i].share.min(left);
+        left -= alloc[i];
+    }
+    let mut open: Vec<usize> =
+        (0..running.len()).filter(has_work).filter(|&i| !running[i].first).collect();
     // Water-filling: the ops whose cap is below an equal split get their cap; repeat.
     open.sort_by(|&a, &b| running[a].share.total_cmp(&running[b].share));
     while let Some(&i) = open.first() {
@@ -272,11 +290,35 @@ mod tests {
         assert!(close(tl.end[0], 1.0), "{:?}", tl.end);
         assert!(close(tl.end[1], 1.25), "{:?}", tl.end);
         // An upload's link time and its rounding overlap: it ends with the longer part.
-        let up = Cost::fixed(2.0).with_host(1.0, 1.0);
+        let up = Cost::fixed(2.0).with_host(Cost::host(1.0, 1.0));
         let ops = vec![op(H2D, up, &[]), op(Host, Cost::host(1.0, 1.0), &[])];
         let tl = simulate(&ops);
         // Both host parts share the host until they end together at 2 s, the link at 2 s.
         assert!(close(tl.end[0], 2.0) && close(tl.end[1], 2.0), "{:?}", tl.end);
+    }
+
+    #[test]
+    fn a_first_op_takes_its_share_before_the_others_split_the_rest() {
+        // A one-thread copy taken first (a quarter, 1 s alone) beside two full passes: the copy
+        // runs at its speed alone; the passes split the other 3/4 until it ends at 1 s (3/8
+        // each), then half each: 1 - 3/8 = 5/8 left at rate 1/2, ending at 2.25 s.
+        let ops = vec![
+            op(Host, Cost::host(1.0, 1.0), &[]),
+            op(H2D, Cost::host_first(1.0, 0.25), &[]),
+            op(Compute, Cost::host(1.0, 1.0), &[]),
+        ];
+        let tl = simulate(&ops);
+        assert!(close(tl.end[1], 1.0), "{:?}", tl.end);
+        assert!(close(tl.end[0], 2.25) && close(tl.end[2], 2.25), "{:?}", tl.end);
+        // Two first ops over the whole host: the earlier takes its share, the later the rest.
+        let ops = vec![
+            op(H2D, Cost::host_first(1.0, 0.75), &[]),
+            op(D2H, Cost::host_first(1.0, 0.5), &[]),
+        ];
+        let tl = simulate(&ops);
+        // The second runs at 0.25 / 0.5 until the first ends at 1 s (0.5 s of its work done),
+        // then at its full share: 1.5 s.
+        assert!(close(tl.end[0], 1.0) && close(tl.end[1], 1.5), "{:?}", tl.end);
     }
 
     #[test]
