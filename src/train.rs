@@ -608,6 +608,9 @@ pub struct StreamTrainer<D: Device = CpuDevice> {
     pub engine: Engine<D>,
     /// Fault injection for tests: steps (0-based) whose gradient gets a NaN.
     pub inject_nan_at: Vec<usize>,
+    /// The micro-batches of the batch after the last step's (its index and them): built for
+    /// their token ids, which that step took, and used again when that batch's step comes.
+    ahead: Option<(usize, Vec<MicroBatch>)>,
 }
 
 impl StreamTrainer {
@@ -710,6 +713,7 @@ where
             plan,
             engine,
             inject_nan_at: Vec::new(),
+            ahead: None,
         })
     }
 
@@ -727,11 +731,15 @@ where
             return Ok(StepMetrics::no_loss(k, lr, tokens, t0));
         }
         let size = self.engine.config().micro_batch_size;
-        let mbs = micro_batches(&rows, size);
+        let mbs = match self.ahead.take() {
+            Some((j, mbs)) if j == k => mbs,
+            _ => micro_batches(&rows, size),
+        };
         // The next batch's token ids (padding included): the engine updates the embedding rows
         // they gather first, so that the next forward need not wait for the whole embedding.
-        let next = step_rows(&mut self.order, &self.data, k + 1);
-        let next_ids = micro_batches(&next, size).into_iter().map(|mb| mb.ids).collect();
+        let next = micro_batches(&step_rows(&mut self.order, &self.data, k + 1), size);
+        let next_ids = next.iter().map(|mb| mb.ids.clone()).collect();
+        self.ahead = Some((k + 1, next));
         let out = self.engine.step_ahead(mbs, StepParams { lr, inject_nan }, next_ids)?;
         Ok(StepMetrics {
             step: k + 1,
