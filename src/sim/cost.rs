@@ -4,6 +4,7 @@
 //! bytes and the host's rates, or on `this-cpu` the passes themselves timed here).
 
 use horizon_backend::Queue;
+use horizon_backend::cpu::GATHER_SERIAL_ELEMS;
 
 use crate::engine::exec::{EngineConfig, Sizes};
 use crate::engine::options::{GradWire, OptimizerMemory, WeightPath};
@@ -140,7 +141,10 @@ impl HostModel for HostByRates<'_> {
             HostPass::Accumulate { bf16_slab: true } => self.at(e, r.accumulate_bf16, t, 10.0),
             HostPass::Measure | HostPass::Expand | HostPass::Zero => self.stream(e, t, 4.0),
             HostPass::Scatter => self.stream(e, t, 12.0),
-            HostPass::Gather => self.stream(e, self.host.cores, 8.0),
+            HostPass::Gather => {
+                let threads = if elems < GATHER_SERIAL_ELEMS { 1 } else { self.host.cores };
+                self.stream(e, threads, 8.0)
+            }
             HostPass::Round => self.at(e, r.round_bf16, t, 6.0),
         }
     }
@@ -407,7 +411,13 @@ impl CostModel<'_> {
             OpKind::UploadIds { .. } => self.copy(Queue::H2D, n * 4.0),
             // A parallel gather of the rows (read and write, 8 bytes an element).
             OpKind::EmbedGather { .. } => {
-                Cost::host(self.pass(HostPass::Gather, self.rows() * d.c), 1.0)
+                let n = self.rows() * d.c;
+                let s = self.pass(HostPass::Gather, n);
+                // On the H2D queue's thread when small, like a copy; else over every core.
+                match n < GATHER_SERIAL_ELEMS {
+                    true => Cost::host_first(s, 1.0 / self.hw.host.cores as f64),
+                    false => Cost::host(s, 1.0),
+                }
             }
             OpKind::UploadAct { .. } => self.copy(Queue::H2D, act),
             OpKind::UploadWeights { what, .. } => match what {

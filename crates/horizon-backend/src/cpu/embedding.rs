@@ -33,9 +33,27 @@ pub fn embedding_forward_rows<'a>(
     row: impl Fn(usize) -> &'a [f32] + Sync,
 ) {
     assert_eq!(out.len(), ids.len() * c, "embedding_forward: out must be (N, C)");
-    out.par_chunks_mut(c).zip(ids).for_each(|(out_row, &id)| {
+    let gather = |(out_row, &id): (&mut [f32], &i32)| {
         out_row.copy_from_slice(row(row_of(id, v, "embedding_forward")));
-    });
+    };
+    if gathers_serially(out.len()) {
+        out.chunks_mut(c).zip(ids).for_each(gather);
+    } else {
+        out.par_chunks_mut(c).zip(ids).for_each(gather);
+    }
+}
+
+/// Elements below which a gather called from outside every rayon pool (the CPU device's H2D
+/// queue thread, or the engine's) runs on the calling thread: handing it to the global pool
+/// wakes that pool's threads (50-100 µs on the 2-core validation machine, and milliseconds
+/// where the device's kernels hold every core), while a single thread copies these 1 MiB in
+/// about 0.1 ms.
+pub const GATHER_SERIAL_ELEMS: usize = 1 << 18;
+
+/// Whether a gather of `elems` elements runs on the calling thread ([`GATHER_SERIAL_ELEMS`]);
+/// inside a pool, the pool's threads are awake and take it.
+pub fn gathers_serially(elems: usize) -> bool {
+    elems < GATHER_SERIAL_ELEMS && rayon::current_thread_index().is_none()
 }
 
 // Embedding backward.
@@ -106,5 +124,27 @@ mod tests {
         }
         embedding_backward(&mut got, &ids, &dout, c);
         assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()));
+    }
+
+    /// A small gather from outside every pool runs on the calling thread; inside a pool, or
+    /// large, on the pool; each way it is the plain row copy.
+    #[test]
+    fn a_small_gather_from_outside_the_pools_runs_on_the_calling_thread() {
+        let (v, c) = (50, 16);
+        assert!(gathers_serially(GATHER_SERIAL_ELEMS - 1));
+        assert!(!gathers_serially(GATHER_SERIAL_ELEMS));
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        assert!(!pool.install(|| gathers_serially(1)));
+        let table: Vec<f32> = (0..v * c).map(|i| i as f32).collect();
+        for n in [3, GATHER_SERIAL_ELEMS / c + 1] {
+            let ids: Vec<i32> = (0..n).map(|i| ((i * 7) % v) as i32).collect();
+            let want: Vec<f32> =
+                ids.iter().flat_map(|&id| table[id as usize * c..][..c].to_vec()).collect();
+            let mut got = vec![0.0; n * c];
+            embedding_forward(&mut got, &ids, &table, c);
+            assert_eq!(got, want, "{n} rows from outside the pools");
+            pool.install(|| embedding_forward(&mut got, &ids, &table, c));
+            assert_eq!(got, want, "{n} rows inside a pool");
+        }
     }
 }

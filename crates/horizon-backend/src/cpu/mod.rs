@@ -30,7 +30,10 @@ pub use cross_entropy_tile::{
     cross_entropy_tile_grad, cross_entropy_tile_loss, cross_entropy_tile_stats,
 };
 pub use device::{CpuDevice, CpuDeviceConfig, WaitMode};
-pub use embedding::{embedding_backward, embedding_forward, embedding_forward_rows};
+pub use embedding::{
+    GATHER_SERIAL_ELEMS, embedding_backward, embedding_forward, embedding_forward_rows,
+    gathers_serially,
+};
 pub use geglu::{geglu_backward, geglu_forward};
 pub use head_rmsnorm::{head_rmsnorm_backward, head_rmsnorm_forward};
 pub use matmul::{matmul_backward, matmul_forward};
