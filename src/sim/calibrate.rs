@@ -408,11 +408,13 @@ fn time_gather(layout: &ModelLayout, n: usize) -> f64 {
 fn time_memcpy(arenas: &mut (Vec<f32>, Vec<f32>), q: Queue, bytes: usize) -> f64 {
     let n = bytes.div_ceil(4);
     let (host, dev) = arenas;
-    if host.len() < n {
-        *host = filled(n, 1);
+    // Made on first use, and again for a copy larger than they are (elements, 4 bytes each).
+    let (host_len, dev_len) = ((COLD_BYTES / 4).max(n), (COLD_BYTES / 8 / 4).max(2 * n));
+    if host.len() < host_len {
+        *host = filled(host_len, 1);
     }
-    if dev.len() < 2 * n {
-        *dev = filled(2 * n, 2);
+    if dev.len() < dev_len {
+        *dev = filled(dev_len, 2);
     }
     let (hw, dw) = (host.len() / n, dev.len() / n);
     let mut copy = |k: usize| {
@@ -459,11 +461,7 @@ impl HostModel for HostMeasured {
         if let Some(&s) = self.copies.borrow().get(&(q, bytes)) {
             return s;
         }
-        let mut arenas = self.arenas.borrow_mut();
-        if arenas.0.is_empty() {
-            *arenas = (filled(COLD_BYTES / 4, 1), filled(COLD_BYTES / 8 / 4, 2));
-        }
-        let s = time_memcpy(&mut arenas, q, bytes);
+        let s = time_memcpy(&mut self.arenas.borrow_mut(), q, bytes);
         self.copies.borrow_mut().insert((q, bytes), s);
         s
     }
