@@ -409,14 +409,15 @@ impl CostModel<'_> {
         };
         match *kind {
             OpKind::UploadIds { .. } => self.copy(Queue::H2D, n * 4.0),
-            // A parallel gather of the rows (read and write, 8 bytes an element).
+            // A gather of the rows (read and write, 8 bytes an element): on the H2D queue's
+            // own thread when small, taking its core like a copy; else over every core.
             OpKind::EmbedGather { .. } => {
                 let n = self.rows() * d.c;
                 let s = self.pass(HostPass::Gather, n);
-                // On the H2D queue's thread when small, like a copy; else over every core.
-                match n < GATHER_SERIAL_ELEMS {
-                    true => Cost::host_first(s, 1.0 / self.hw.host.cores as f64),
-                    false => Cost::host(s, 1.0),
+                if n < GATHER_SERIAL_ELEMS {
+                    Cost::host_first(s, 1.0 / self.hw.host.cores as f64)
+                } else {
+                    Cost::host(s, 1.0)
                 }
             }
             OpKind::UploadAct { .. } => self.copy(Queue::H2D, act),
