@@ -23,6 +23,7 @@ kernel threads awake, as a GPU's cores are, and measures what the plan costs.
 """
 
 import json
+import math
 import re
 import statistics
 import subprocess
@@ -94,6 +95,13 @@ def idle_probe(when):
         print(f"    {line}")
 
 
+def secs(x):
+    """Seconds to three significant digits, at least three decimals (as `horizon plan` prints)."""
+    if x <= 0 or x != x:
+        return f"{x:.3f}"
+    return f"{x:.{min(9, max(3, 2 - math.floor(math.log10(x))))}f}"
+
+
 def table(rows, title):
     """Prints one markdown table; a row is (name, [(projected, measured)] for each rep, where
     either is (step, {queue: busy})). Values are medians; a ratio is the median of each run's
@@ -114,8 +122,8 @@ def table(rows, title):
             pq, mq = med([p[1][q] for p, _ in pairs]), med([m[1][q] for _, m in pairs])
             rq = med([p[1][q] / m[1][q] if m[1][q] > 0 else float("nan") for p, m in pairs])
             worst_busy = max(worst_busy, abs(rq - 1))
-            cells.append(f"{pq:.3f} / {mq:.3f} ({rq:.2f})")
-        print(f"| {name} | {ps:.3f} / {ms:.3f} | {r:.3f} | " + " | ".join(cells) + " |")
+            cells.append(f"{secs(pq)} / {secs(mq)} ({rq:.2f})")
+        print(f"| {name} | {secs(ps)} / {secs(ms)} | {r:.3f} | " + " | ".join(cells) + " |")
     return worst_step, worst_busy
 
 

@@ -276,6 +276,13 @@ fn fit_lines(
 
 const QUEUE_NAMES: [&str; 4] = ["compute", "h2d", "d2h", "host"];
 
+/// Seconds to at least three significant digits and at least three decimals: a queue busy for
+/// 6.42 ms a step reads `0.00642`, not `0.006` (which a validation would compare as 6 ms).
+fn secs(s: f64) -> String {
+    let decimals = if s > 0.0 && s.is_finite() { 2 - s.log10().floor() as i32 } else { 3 };
+    format!("{s:.*}", decimals.clamp(3, 9) as usize)
+}
+
 fn render(t: &mut String, hw: &Hardware, p: &Projection, cpu: bool) -> Result<()> {
     let mfu = if cpu {
         format!("{:.1} GFLOP/s model", p.model_flops / p.step_s * 1e-9)
@@ -284,15 +291,16 @@ fn render(t: &mut String, hw: &Hardware, p: &Projection, cpu: bool) -> Result<()
     };
     writeln!(
         t,
-        "  projected step {:.3} s (first step {:.3} s), {} tokens per step: {:.0} tokens/s, {mfu}",
-        p.step_s,
-        p.first_step_s,
+        "  projected step {} s (first step {} s), {} tokens per step: {:.0} tokens/s, {mfu}",
+        secs(p.step_s),
+        secs(p.first_step_s),
         p.tokens,
         p.tokens_per_s()
     )?;
     let busy: Vec<String> = (0..4)
         .map(|q| {
-            format!("{} {:.3} s ({:.0}%)", QUEUE_NAMES[q], p.busy[q], 100.0 * p.busy[q] / p.step_s)
+            let share = 100.0 * p.busy[q] / p.step_s;
+            format!("{} {} s ({share:.0}%)", QUEUE_NAMES[q], secs(p.busy[q]))
         })
         .collect();
     writeln!(t, "  busy per step: {}", busy.join(", "))?;
@@ -323,4 +331,19 @@ fn render(t: &mut String, hw: &Hardware, p: &Projection, cpu: bool) -> Result<()
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::secs;
+
+    #[test]
+    fn seconds_keep_three_significant_digits() {
+        assert_eq!(secs(1.4364), "1.436");
+        assert_eq!(secs(0.4201), "0.420");
+        assert_eq!(secs(0.006_424), "0.00642");
+        assert_eq!(secs(0.000_031_25), "0.0000313");
+        assert_eq!(secs(0.0), "0.000");
+        assert_eq!(secs(12.5), "12.500");
+    }
 }
