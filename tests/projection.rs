@@ -133,3 +133,29 @@ fn profiles_resolve_and_a_run_that_does_not_fit_is_refused() {
     assert!(out.status.success() && text.contains("projected step"), "{text}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Each head tile moves its own rows: cut into 8 tiles of 4,000 rows or into 7 of 4,400 and a
+/// last of 1,200, the head's gradients (each tile's downloaded once) take the link the same
+/// time (the cost model once priced every tile at full size, 3,200 rows more than there are).
+/// The uploads differ: the tiles still in the two slots after the first pass are not sent
+/// again, and which those are depends on the cut.
+#[test]
+fn a_ragged_last_head_tile_moves_only_its_own_rows() {
+    let dir = std::env::temp_dir().join(format!("horizon-tiles-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let f = dir.join("slow-link.yaml");
+    std::fs::write(
+        &f,
+        "name: slow-link\ngpu: {bf16_tflops: 989, hbm_gbps: 4800, memory_gib: 141}\nlink: {h2d_gbps: 0.5, d2h_gbps: 0.5}\nhost: {cores: 64, mem_gbps: 400, memory_gib: 1024}\n",
+    )
+    .unwrap();
+    let busy = |rows| {
+        let mut run = config(512, 2, 1, "");
+        run.raw.engine.head_tile_rows = Some(rows);
+        projection(&run, f.to_str().unwrap()).unwrap().chosen.busy
+    };
+    let (even, ragged) = (busy(4000), busy(4400));
+    std::fs::remove_dir_all(&dir).unwrap();
+    let (e, r) = (even[2], ragged[2]);
+    assert!((e - r).abs() < 1e-9 * e, "d2h: {e} s with even tiles, {r} s ragged");
+}

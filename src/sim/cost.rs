@@ -267,6 +267,11 @@ impl CostModel<'_> {
         }
     }
 
+    /// Vocabulary rows of head tile `t` (the last one ragged).
+    fn tile_rows(&self, t: usize) -> usize {
+        self.sizes.head.range(t).len()
+    }
+
     /// The LM head on `rows` vocabulary rows: forward product, cross-entropy, and (with
     /// `backward`) its two backward products.
     fn head_part(&self, vrows: usize, forward: bool, backward: bool) -> f64 {
@@ -376,7 +381,7 @@ impl CostModel<'_> {
             SlotContent::Layer(i) => self.layout.layer(i).train_len(),
             _ if !self.layout.trains_base() => 0,
             SlotContent::Head => d.c + d.v * d.c,
-            SlotContent::HeadTile(_) => d.c + self.sizes.head.rows * d.c,
+            SlotContent::HeadTile(t) => d.c + self.tile_rows(t) * d.c,
         };
         self.pool(self.pass(HostPass::Round, elems))
     }
@@ -428,8 +433,8 @@ impl CostModel<'_> {
                     let c = self.copy(Queue::H2D, e * wb);
                     if self.layout.trains_base() { self.with_rounding(c, e) } else { c }
                 }
-                SlotContent::HeadTile(_) => {
-                    let e = (self.sizes.head.rows * d.c) as f64;
+                SlotContent::HeadTile(t) => {
+                    let e = (self.tile_rows(t) * d.c) as f64;
                     let c = self.copy(Queue::H2D, e * wb);
                     if self.layout.trains_base() { self.with_rounding(c, e) } else { c }
                 }
@@ -446,12 +451,12 @@ impl CostModel<'_> {
                 let v = d.v;
                 self.kernel(2.0 * self.final_norm() + self.head_part(v, true, true))
             }
-            OpKind::HeadStats { .. } => {
-                self.kernel(self.head_part(self.sizes.head.rows, true, false))
+            OpKind::HeadStats { tile, .. } => {
+                self.kernel(self.head_part(self.tile_rows(tile), true, false))
             }
-            OpKind::HeadGrad { first, .. } => {
+            OpKind::HeadGrad { first, tile, .. } => {
                 let norm = if first { self.final_norm() } else { 0.0 };
-                self.kernel(norm + self.head_part(self.sizes.head.rows, true, true))
+                self.kernel(norm + self.head_part(self.tile_rows(tile), true, true))
             }
             OpKind::HeadFinish { .. } => self.kernel(self.final_norm()),
             OpKind::ZeroDnorm => self.kernel(self.device.launch()),
@@ -473,8 +478,8 @@ impl CostModel<'_> {
             OpKind::DownloadHeadGrads { .. } => {
                 self.copy(Queue::D2H, (d.c + d.v * d.c) as f64 * 4.0)
             }
-            OpKind::DownloadHeadTileGrads { .. } => {
-                self.copy(Queue::D2H, (self.sizes.head.rows * d.c) as f64 * 4.0)
+            OpKind::DownloadHeadTileGrads { tile, .. } => {
+                self.copy(Queue::D2H, (self.tile_rows(tile) * d.c) as f64 * 4.0)
             }
             OpKind::DownloadNormGrads => self.copy(Queue::D2H, d.c as f64 * 4.0),
             OpKind::SlabUpdate { layer, .. } => {
