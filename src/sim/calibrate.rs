@@ -7,7 +7,7 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use horizon_backend::bf16::{Bf16, add_bf16, expand_bf16, round_to_bf16};
 use horizon_backend::cpu::add_inplace;
@@ -401,10 +401,12 @@ fn time_gather(layout: &ModelLayout, n: usize) -> f64 {
 /// through, as a step cycles through the host's state; and the device's, of an eighth of that,
 /// as the device's few buffers of a size (slots, activation sets) are used again and again:
 /// in the shared last-level cache, but not in the copying core's own, since the kernels that
-/// use them run on the other cores. The median of [`COPY_REPS`] runs, after two untimed rounds
-/// over the host's arena. In the CPU device's runs (on the 2-core machine of the validation)
-/// the copies of 256 KB and 3 MB take within about 10% of these; timed with the device's side
-/// in this core's cache, they took 1.5x (3 MB) to 3x (256 KB) less than in the runs.
+/// use them run on the other cores. Each timed copy follows a [`COPY_NAP`] sleep, as a copy
+/// queue's thread sleeps on its channel or an event before each copy: on the 2-core machine
+/// of the validation, a copy right after a sleep took 1.3-1.7x one back to back (3 MB: 260-340
+/// µs against 181-197, minutes apart on the same binary), and the runs' copies took the
+/// former (286-320 µs). The median of [`COPY_REPS`] runs, after two untimed rounds over the
+/// host's arena, back to back.
 fn time_memcpy(arenas: &mut (Vec<f32>, Vec<f32>), q: Queue, bytes: usize) -> f64 {
     let n = bytes.div_ceil(4);
     let (host, dev) = arenas;
@@ -417,8 +419,11 @@ fn time_memcpy(arenas: &mut (Vec<f32>, Vec<f32>), q: Queue, bytes: usize) -> f64
         *dev = filled(dev_len, 2);
     }
     let (hw, dw) = (host.len() / n, dev.len() / n);
-    let mut copy = |k: usize| {
+    let mut copy = |k: usize, nap: bool| {
         let (h, d) = ((k % hw) * n..(k % hw + 1) * n, (k % dw) * n..(k % dw + 1) * n);
+        if nap {
+            std::thread::sleep(COPY_NAP);
+        }
         let t0 = Instant::now();
         match q {
             Queue::D2H => host[h].copy_from_slice(&dev[d]),
@@ -427,15 +432,20 @@ fn time_memcpy(arenas: &mut (Vec<f32>, Vec<f32>), q: Queue, bytes: usize) -> f64
         t0.elapsed().as_secs_f64()
     };
     (0..2 * hw).for_each(|k| {
-        copy(k);
+        copy(k, false);
     });
-    let mut t: Vec<f64> = (0..COPY_REPS).map(copy).collect();
+    let mut t: Vec<f64> = (0..COPY_REPS).map(|k| copy(k, true)).collect();
     t.sort_by(f64::total_cmp);
     t[COPY_REPS / 2]
 }
 
 /// Timed runs of a copy: more than a pass's [`REPS`], since a copy takes a millisecond at most.
 const COPY_REPS: usize = 21;
+
+/// How long [`time_memcpy`]'s thread sleeps before each timed copy: long enough for its core to
+/// go idle, as it does between a run's copies (which come milliseconds apart), and short enough
+/// that the timed copies of each size add a few tens of milliseconds to a projection.
+const COPY_NAP: Duration = Duration::from_millis(1);
 
 impl HostModel for HostMeasured {
     fn pass(&self, pass: HostPass, elems: usize) -> f64 {
