@@ -38,7 +38,7 @@ use crate::model::transformer::{
     embed_rows_frozen, head_forward_backward, rope_tables,
 };
 use crate::optim::adamw::{
-    AdamWConfig, AdamWStep, adamw_update_local, clip_coefficient, sum_squares,
+    AdamWConfig, AdamWStep, ROW_TASK, adamw_update_local, clip_coefficient, row_runs, sum_squares,
 };
 use crate::optim::adamw8bit::{Moments8, Moments8Mut};
 use crate::optim::moments::{AnyMoments, Moments, Moments32};
@@ -2153,9 +2153,6 @@ fn pick_next_rows(c: &Ctx, sd: &StepData, pick: &mut [bool]) {
     }
 }
 
-/// Embedding rows per task of a part of its update.
-const EMBED_ROW_TASK: usize = 64;
-
 /// One part of the embedding's update: AdamW (unless the step is skipped) on each run of rows
 /// whose `pick` is `want`, then their gradient zeroed. Each element goes through the same
 /// update as in [`apply_update`]'s whole-buffer pass, so the two parts end bit-identical to it.
@@ -2179,25 +2176,20 @@ unsafe fn update_embed_rows(c: &Ctx, sd: &StepData, grant: &Grant, pick: &[bool]
     let coef = norm_clip(c);
     let st = AdamWStep::new(&c.adamw, sd.adam_step, sd.lr);
     let (cc, img) = (c.layout.dims.c, c.images[i]);
-    pick.par_chunks(EMBED_ROW_TASK).enumerate().for_each(|(t, rows)| {
-        let mut r = 0;
-        while r < rows.len() {
-            let end = r + rows[r..].iter().take_while(|&&x| x == rows[r]).count();
-            if rows[r] == want {
-                let e = (t * EMBED_ROW_TASK + r) * cc..(t * EMBED_ROW_TASK + end) * cc;
-                // SAFETY: the caller's exclusivity over these rows; each task borrows its own.
-                unsafe {
-                    let g = g.sub(e.clone()).as_mut_slice();
-                    if let Some(coef) = coef {
-                        let (p, m, v) = (p.sub(e.clone()), m.sub(e.clone()), v.sub(e.clone()));
-                        let img = img.map(|x| x.sub(e.clone()).as_mut_slice());
-                        let (p, m, v) = (p.as_mut_slice(), m.as_mut_slice(), v.as_mut_slice());
-                        adamw_update_local(p, img, g, m, v, &st, coef);
-                    }
-                    g.fill(0.0);
+    pick.par_chunks(ROW_TASK).enumerate().for_each(|(t, rows)| {
+        for run in row_runs(rows, want) {
+            let e = (t * ROW_TASK + run.start) * cc..(t * ROW_TASK + run.end) * cc;
+            // SAFETY: the caller's exclusivity over these rows; each task borrows its own.
+            unsafe {
+                let g = g.sub(e.clone()).as_mut_slice();
+                if let Some(coef) = coef {
+                    let (p, m, v) = (p.sub(e.clone()), m.sub(e.clone()), v.sub(e.clone()));
+                    let img = img.map(|x| x.sub(e.clone()).as_mut_slice());
+                    let (p, m, v) = (p.as_mut_slice(), m.as_mut_slice(), v.as_mut_slice());
+                    adamw_update_local(p, img, g, m, v, &st, coef);
                 }
+                g.fill(0.0);
             }
-            r = end;
         }
     });
 }

@@ -359,6 +359,26 @@ pub fn adamw_update_image(
         });
 }
 
+/// Table rows per parallel task of a row-wise update ([`row_runs`]).
+pub const ROW_TASK: usize = 64;
+
+/// The runs of consecutive rows in `rows` (one task's [`ROW_TASK`] rows of a table) whose pick
+/// is `want`, as row ranges within them: how the embedding's update walks each of its two parts
+/// (the rows the next step gathers, then the rest).
+pub fn row_runs(rows: &[bool], want: bool) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
+    let mut r = 0;
+    std::iter::from_fn(move || {
+        while r < rows.len() {
+            let start = r;
+            r += rows[r..].iter().take_while(|&&x| x == rows[start]).count();
+            if rows[start] == want {
+                return Some(start..r);
+            }
+        }
+        None
+    })
+}
+
 /// [`adamw_update`] (no `image`) or [`adamw_update_image`] of one stretch, vectorised, on the
 /// calling thread: the body of their parallel chunks, for callers that split a buffer their own
 /// way (the embedding's update in two parts of rows). Bit-identical to them on every element.
@@ -463,6 +483,16 @@ pub fn clip_coefficient(total_norm: f64, max_norm: f64) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn row_runs_are_the_runs_of_the_wanted_pick() {
+        let rows = [true, true, false, true, false, false, true];
+        let runs = |want| row_runs(&rows, want).collect::<Vec<_>>();
+        assert_eq!(runs(true), vec![0..2, 3..4, 6..7]);
+        assert_eq!(runs(false), vec![2..3, 4..6]);
+        assert_eq!(row_runs(&[], true).count(), 0);
+        assert_eq!(row_runs(&[false; 3], true).count(), 0);
+    }
 
     fn cfg() -> AdamWConfig {
         AdamWConfig { lr: 1e-3, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 }

@@ -74,6 +74,11 @@ pub enum HostPass {
     /// AdamW over fp32 moments (`eight_bit`: 8-bit ones), writing the bf16 image as well with
     /// `image`.
     Update { eight_bit: bool, image: bool },
+    /// One part of the embedding's update with fp32 moments (writing the bf16 image as well
+    /// with `image`), its gradient zeroed in the same walk: the rows the next step gathers
+    /// (`next`: scattered rows, one run each) or the rest (the runs between them). Elements:
+    /// the part's rows x C. Row by row, its memory is not streamed as a whole buffer's is.
+    UpdateRows { next: bool, image: bool },
     /// A squared norm of fp32 gradients.
     Measure,
     /// A gradient slab, as it travelled (fp32, or bf16 with `bf16_slab`), added into the fp32
@@ -136,6 +141,11 @@ impl HostModel for HostByRates<'_> {
             HostPass::Update { eight_bit: false, image: false } => self.at(e, r.adamw, t, 28.0),
             HostPass::Update { eight_bit: false, image: true } => {
                 self.at(e, r.adamw_image, t, 30.0)
+            }
+            // Rows of thousands of elements (a GPU-sized model's): streamed like a whole buffer.
+            HostPass::UpdateRows { image, .. } => {
+                let update = HostPass::Update { eight_bit: false, image };
+                self.pass(update, elems) + self.pass(HostPass::Zero, elems)
             }
             HostPass::Accumulate { bf16_slab: false } => self.at(e, r.accumulate_f32, t, 12.0),
             HostPass::Accumulate { bf16_slab: true } => self.at(e, r.accumulate_bf16, t, 10.0),
@@ -524,15 +534,17 @@ impl CostModel<'_> {
                 self.update_op(what, self.buf_len(what))
             }
             OpKind::EmbedUpdate { next } if self.layout.trains_base() => {
-                let e = self.buf_len(ParamBuf::Embed);
-                // The rows the next step gathers: at most one per token of the step (every
-                // row with 8-bit moments, which update whole blocks).
-                let v = self.layout.dims.v;
-                let eight_bit = self.cfg.memory == OptimizerMemory::Compact;
-                let first =
-                    if eight_bit { v } else { (self.rows() * self.sizes.micro_batches).min(v) };
+                let (v, c) = (d.v, d.c);
+                // 8-bit moments update whole blocks: the first part takes every row.
+                if self.cfg.memory == OptimizerMemory::Compact {
+                    let e = if next { v * c } else { 0 };
+                    return self.update_op(ParamBuf::Embed, e);
+                }
+                // The rows the next step gathers: at most one per token of the step.
+                let first = (self.rows() * self.sizes.micro_batches).min(v);
                 let rows = if next { first } else { v - first };
-                self.update_op(ParamBuf::Embed, e / v * rows)
+                let image = self.upload == UploadPath::Image && self.layout.tied;
+                self.pool(self.pass(HostPass::UpdateRows { next, image }, rows * c))
             }
             _ => Cost::default(),
         }
