@@ -39,6 +39,7 @@ use crate::model::transformer::{
 };
 use crate::optim::adamw::{
     AdamWConfig, AdamWStep, ROW_TASK, adamw_update_local, clip_coefficient, row_runs, sum_squares,
+    sum_squares_rows,
 };
 use crate::optim::adamw8bit::{Moments8, Moments8Mut};
 use crate::optim::moments::{AnyMoments, Moments, Moments32};
@@ -246,6 +247,9 @@ struct Ctx {
     /// Per embedding row, whether the first part of the embedding's update takes it
     /// ([`OpKind::EmbedUpdate`]); only the host queue touches it, in order.
     embed_next: Mutex<Vec<bool>>,
+    /// Per embedding row, whether the step's tokens name it ([`embed_sum_squares`]); empty
+    /// where every row can have a gradient (a tied head's) or none does (a frozen embedding).
+    embed_touched: Mutex<Vec<bool>>,
     /// Seconds of queue work by phase (shared with the engine's kernel timers).
     phases: Arc<PhaseClock>,
     /// [layer][m]: forward internals kept for the backward (`None` for a layer that recomputes
@@ -864,6 +868,14 @@ where
             embed_next: Mutex::new(vec![
                 false;
                 if layout.trains_base() { layout.dims.v } else { 0 }
+            ]),
+            embed_touched: Mutex::new(vec![
+                false;
+                if layout.trains_base() && !layout.tied {
+                    layout.dims.v
+                } else {
+                    0
+                }
             ]),
             phases: Arc::new(PhaseClock::default()),
             stash,
@@ -1798,16 +1810,12 @@ where
                     let mut st = c.stats.lock().expect("no update panicked");
                     // SAFETY: ordered after the gradient is complete and before its update;
                     // only the host queue touches the gradients.
-                    unsafe {
-                        measure(
-                            c,
-                            sd,
-                            grant,
-                            &mut st,
-                            i,
-                            c.grads(grant, what, false).as_const().as_slice(),
-                        );
-                    }
+                    let g = unsafe { c.grads(grant, what, false).as_const().as_slice() };
+                    let sq = match what {
+                        ParamBuf::Embed => embed_sum_squares(c, sd, g),
+                        _ => sum_squares(g),
+                    };
+                    record(c, sd, grant, &mut st, i, sq);
                 });
             }
             // A frozen embedding has no gradient (an adapter run).
@@ -1834,8 +1842,8 @@ where
                     let emb = c.param_index(ParamBuf::Embed);
                     // SAFETY: ordered after the embedding's scatters; only the host queue
                     // touches the gradients.
-                    let g = c.grads(grant, ParamBuf::Embed, false);
-                    unsafe { measure(c, sd, grant, st, emb, g.as_const().as_slice()) };
+                    let g = unsafe { c.grads(grant, ParamBuf::Embed, false).as_const().as_slice() };
+                    record(c, sd, grant, st, emb, embed_sum_squares(c, sd, g));
                     debug_assert!(st.seen.iter().all(|&s| s), "every gradient is measured");
                     // The same sum, in the same order, as the exact mode's norm.
                     let norm = st.sq.iter().copied().sum::<f64>().sqrt();
@@ -2046,7 +2054,11 @@ fn loss_sum(c: &Ctx, sd: &StepData, g: &Grant) -> f64 {
 /// step's losses once. Returns whether the step is still finite (no non-finite loss or
 /// gradient met so far).
 fn measure(c: &Ctx, sd: &StepData, grant: &Grant, st: &mut StepStats, i: usize, g: &[f32]) -> bool {
-    let sq = sum_squares(g);
+    record(c, sd, grant, st, i, sum_squares(g))
+}
+
+/// Record `sq`, buffer `i`'s squared gradient norm, as [`measure`] does.
+fn record(c: &Ctx, sd: &StepData, grant: &Grant, st: &mut StepStats, i: usize, sq: f64) -> bool {
     st.sq[i] = sq;
     st.seen[i] = true;
     if !st.loss_checked {
@@ -2055,6 +2067,29 @@ fn measure(c: &Ctx, sd: &StepData, grant: &Grant, st: &mut StepStats, i: usize, 
     }
     st.poisoned |= !sq.is_finite();
     !st.poisoned
+}
+
+/// The squared norm of the embedding's complete gradient `g`, bit for bit [`sum_squares`]`(g)`.
+/// Untied, only the rows the step's tokens name are ever non-zero (the scatters write them; each
+/// update zeroes every row), and the fault hook's first element: it reads just those rows,
+/// a pass over at most one row per token instead of the whole table.
+fn embed_sum_squares(c: &Ctx, sd: &StepData, g: &[f32]) -> f64 {
+    let mut rows = c.embed_touched.lock().expect("no update panicked");
+    if rows.is_empty() {
+        return sum_squares(g);
+    }
+    rows.fill(false);
+    for &id in sd.mbs.iter().flat_map(|mb| mb.ids.iter()) {
+        // An id outside the table is the gather's to report.
+        if let Some(r) = usize::try_from(id).ok().and_then(|r| rows.get_mut(r)) {
+            *r = true;
+        }
+    }
+    // `OpKind::PoisonGrad` writes the first element.
+    rows[0] |= sd.inject_nan;
+    let sq = sum_squares_rows(g, c.layout.dims.c, &rows);
+    debug_assert_eq!(sq.to_bits(), sum_squares(g).to_bits(), "an unnamed row has a gradient");
+    sq
 }
 
 /// The clip coefficient of a layer updated before the step's norm is known (`lean`/`compact`).

@@ -465,6 +465,64 @@ pub fn sum_squares(x: &[f32]) -> f64 {
     partials.iter().fold(0.0, |acc, &s| acc + s)
 }
 
+/// [`sum_squares`] of a table of rows of `width` elements whose rows not marked in `rows` are
+/// all zero (an untied embedding's gradient: only the rows a step's tokens name are written),
+/// read from the marked rows only: the same number, bit for bit. Every element goes into the
+/// same chunk, lane and order as there, and a zero adds exactly nothing to a non-negative sum,
+/// as a chunk of zeros adds nothing to the total.
+pub fn sum_squares_rows(x: &[f32], width: usize, rows: &[bool]) -> f64 {
+    assert_eq!(x.len(), width * rows.len(), "a table of rows.len() rows of `width`");
+    let chunks = x.len().div_ceil(SUM_SQUARES_CHUNK);
+    let partials: Vec<f64> = (0..chunks)
+        .into_par_iter()
+        .filter_map(|k| {
+            let span = k * SUM_SQUARES_CHUNK..((k + 1) * SUM_SQUARES_CHUNK).min(x.len());
+            let mut marked = (span.start / width..span.end.div_ceil(width)).filter(|&r| rows[r]);
+            let first = marked.next()?;
+            Some(sum_squares_chunk_rows(x, span, width, std::iter::once(first).chain(marked)))
+        })
+        .collect();
+    partials.iter().fold(0.0, |acc, &s| acc + s)
+}
+
+/// [`sum_squares_chunk`] of `x[span]` from the parts of rows `rows` (ascending) inside it, the
+/// rest being zeros.
+fn sum_squares_chunk_rows(
+    x: &[f32],
+    span: std::ops::Range<usize>,
+    width: usize,
+    rows: impl Iterator<Item = usize>,
+) -> f64 {
+    let sq = |y: f32| f64::from(y) * f64::from(y);
+    // Where the chunk's 8-lane body ends and its tail begins.
+    let body_end = span.start + (span.len() / LANES) * LANES;
+    let lane = |i: usize| (i - span.start) % LANES;
+    let (mut acc, mut tail) = ([0.0f64; LANES], 0.0f64);
+    for r in rows {
+        let (s, e) = ((r * width).max(span.start), ((r + 1) * width).min(span.end));
+        let (mut i, body) = (s, e.min(body_end));
+        while i < body && lane(i) != 0 {
+            acc[lane(i)] += sq(x[i]);
+            i += 1;
+        }
+        let whole = (body.saturating_sub(i) / LANES) * LANES;
+        for c in x[i..i + whole].chunks_exact(LANES) {
+            for l in 0..LANES {
+                acc[l] += sq(c[l]);
+            }
+        }
+        i += whole;
+        while i < body {
+            acc[lane(i)] += sq(x[i]);
+            i += 1;
+        }
+        for &y in &x[s.max(body_end)..e.max(body_end)] {
+            tail += sq(y);
+        }
+    }
+    ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail
+}
+
 /// `torch.nn.utils.clip_grad_norm_`'s factor for the gradients: `min(1, max_norm / (total_norm +
 /// 1e-6))`, `1.0` when `max_norm <= 0` (clipping off).
 ///
@@ -669,6 +727,28 @@ mod tests {
     fn length_mismatch_panics() {
         let s = AdamWStep::new(&cfg(), 1, 1e-3);
         adamw_update(&mut [0.0; 3], &[0.0; 2], &mut [0.0; 3], &mut [0.0; 3], &s, 1.0);
+    }
+
+    #[test]
+    fn sum_squares_rows_is_sum_squares_bit_for_bit() {
+        // Widths that straddle chunks and lanes, tables whose length is not a multiple of 8,
+        // picks from none to all; the unpicked rows zeroed.
+        for (width, n_rows) in [(1, 200_000), (7, 40_000), (300, 1000), (3584, 40), (65_539, 3)] {
+            let full = values(width * n_rows, width as u32);
+            // Every `every`-th row (1: all), and none.
+            for every in [Some(1), Some(2), Some(3), Some(17), None] {
+                let rows: Vec<bool> =
+                    (0..n_rows).map(|r| every.is_some_and(|k| r % k == 0)).collect();
+                let mut x = full.clone();
+                for (r, &keep) in rows.iter().enumerate() {
+                    if !keep {
+                        x[r * width..(r + 1) * width].fill(0.0);
+                    }
+                }
+                let (dense, sparse) = (sum_squares(&x), sum_squares_rows(&x, width, &rows));
+                assert_eq!(dense.to_bits(), sparse.to_bits(), "width {width}, every {every:?}");
+            }
+        }
     }
 
     #[test]
