@@ -17,7 +17,7 @@ use crate::model::layout::ModelLayout;
 use crate::model::spec::AttnSpec;
 use crate::model::transformer::{embed_rows, embed_rows_backward};
 use crate::optim::adamw::{
-    AdamWConfig, AdamWStep, ROW_TASK, adamw_update_local, row_runs, sum_squares,
+    AdamWConfig, AdamWStep, ROW_TASK, adamw_update_local, row_runs, sum_squares, sum_squares_rows,
 };
 use crate::optim::adamw8bit::Moments8;
 use crate::optim::moments::{Moments, Moments32};
@@ -293,6 +293,10 @@ impl HostMeasured {
                     std::hint::black_box(sum_squares(g));
                 })
             }),
+            HostPass::MeasureRows => {
+                let layout = &self.layout;
+                self.on_pool(|| time_measure_rows(layout, n))
+            }
             HostPass::Accumulate { bf16_slab } => self.on_pool(|| time_accumulate(n, bf16_slab)),
             HostPass::Expand => self.on_pool(|| {
                 let sets = cold_sets(6 * n);
@@ -367,15 +371,7 @@ fn time_update_rows(layout: &ModelLayout, n: usize, next: bool, image: bool) -> 
     use rayon::prelude::*;
     let (v, c) = (layout.dims.v, layout.dims.c.max(1));
     let wanted = if next { n / c } else { v.saturating_sub(n / c) };
-    let mut pick = vec![false; v];
-    let (mut state, mut picked) = (0x9e37_79b9_7f4a_7c15u64, 0);
-    while picked < wanted.min(v) {
-        state =
-            state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
-        let r = (state >> 33) as usize % v;
-        picked += usize::from(!pick[r]);
-        pick[r] = true;
-    }
+    let pick = random_rows(v, wanted);
     let cfg = AdamWConfig { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 };
     let st = AdamWStep::new(&cfg, 1, cfg.lr);
     let len = v * c;
@@ -404,6 +400,32 @@ fn time_update_rows(layout: &ModelLayout, n: usize, next: bool, image: bool) -> 
                     g[e].fill(0.0);
                 }
             })
+    })
+}
+
+/// `wanted` of `v` rows (all of them at most), picked at random, always the same.
+fn random_rows(v: usize, wanted: usize) -> Vec<bool> {
+    let mut pick = vec![false; v];
+    let (mut state, mut picked) = (0x9e37_79b9_7f4a_7c15u64, 0);
+    while picked < wanted.min(v) {
+        state =
+            state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        let r = (state >> 33) as usize % v;
+        picked += usize::from(!pick[r]);
+        pick[r] = true;
+    }
+    pick
+}
+
+/// The embedding gradient's squared norm from `n / C` of its rows, at random, over a cold
+/// table, as the engine reads it (`sum_squares_rows`).
+fn time_measure_rows(layout: &ModelLayout, n: usize) -> f64 {
+    let (v, c) = (layout.dims.v, layout.dims.c.max(1));
+    let pick = random_rows(v, n / c);
+    let len = v * c;
+    let mut g: Vec<Vec<f32>> = (0..cold_sets(4 * len)).map(|k| filled(len, k)).collect();
+    median_cycling(&mut g, |g| {
+        std::hint::black_box(sum_squares_rows(g, c, &pick));
     })
 }
 
@@ -546,7 +568,8 @@ mod tests {
         assert!(small > 0.0 && big > small, "{small} vs {big}");
         assert_eq!(h.pass(update, 1 << 20), big, "memoised");
         assert_eq!(h.pass(HostPass::Measure, 0), 0.0);
-        for p in [HostPass::Measure, HostPass::Zero, HostPass::Scatter, HostPass::Gather] {
+        let passes = [HostPass::Measure, HostPass::MeasureRows, HostPass::Zero, HostPass::Scatter];
+        for p in passes.into_iter().chain([HostPass::Gather]) {
             assert!(h.pass(p, 64 * layout.dims.c) > 0.0, "{p:?}");
         }
         let (big, small) = (h.memcpy(Queue::H2D, 1 << 22), h.memcpy(Queue::D2H, 1 << 10));

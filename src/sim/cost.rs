@@ -81,6 +81,9 @@ pub enum HostPass {
     UpdateRows { next: bool, image: bool },
     /// A squared norm of fp32 gradients.
     Measure,
+    /// The squared norm of an untied embedding's gradient, read from the rows the step's
+    /// tokens name (elements: rows x C), row by row.
+    MeasureRows,
     /// A gradient slab, as it travelled (fp32, or bf16 with `bf16_slab`), added into the fp32
     /// gradients.
     Accumulate { bf16_slab: bool },
@@ -149,7 +152,10 @@ impl HostModel for HostByRates<'_> {
             }
             HostPass::Accumulate { bf16_slab: false } => self.at(e, r.accumulate_f32, t, 12.0),
             HostPass::Accumulate { bf16_slab: true } => self.at(e, r.accumulate_bf16, t, 10.0),
-            HostPass::Measure | HostPass::Expand | HostPass::Zero => self.stream(e, t, 4.0),
+            // Rows of thousands of elements: streamed like a whole buffer.
+            HostPass::Measure | HostPass::MeasureRows | HostPass::Expand | HostPass::Zero => {
+                self.stream(e, t, 4.0)
+            }
             HostPass::Scatter => self.stream(e, t, 12.0),
             HostPass::Gather => {
                 let threads = if elems < GATHER_SERIAL_ELEMS { 1 } else { self.host.cores };
@@ -348,6 +354,21 @@ impl CostModel<'_> {
     }
 
     /// Whether buffer `p` is trained (an adapter run trains only the layers' adapters).
+    /// The squared norm of the embedding's gradient: over the rows the step's tokens name (at
+    /// most one per token), or the whole table with a tied head, whose gradient fills it.
+    fn embed_norm(&self) -> f64 {
+        let d = &self.layout.dims;
+        if self.layout.tied {
+            self.pass(HostPass::Measure, d.v * d.c)
+        } else {
+            self.pass(HostPass::MeasureRows, self.tokens_per_step().min(d.v) * d.c)
+        }
+    }
+
+    fn tokens_per_step(&self) -> usize {
+        self.rows() * self.sizes.micro_batches
+    }
+
     fn trained(&self, p: ParamBuf) -> bool {
         matches!(p, ParamBuf::Layer(_)) || self.layout.trains_base()
     }
@@ -509,13 +530,16 @@ impl CostModel<'_> {
                 let p = ParamBuf::Layer(layer);
                 self.pool(self.update(p, self.buf_len(p)))
             }
+            OpKind::Measure { what: ParamBuf::Embed } if self.layout.trains_base() => {
+                self.pool(self.embed_norm())
+            }
             OpKind::Measure { what } if self.trained(what) => {
                 self.pool(self.pass(HostPass::Measure, self.buf_len(what)))
             }
             OpKind::Measure { .. } => self.pool(0.0),
             // The streamed modes measure the embedding's gradient here (its scatters are done).
             OpKind::GradNorm if self.cfg.memory.streams_updates() && self.layout.trains_base() => {
-                self.pool(self.pass(HostPass::Measure, self.buf_len(ParamBuf::Embed)))
+                self.pool(self.embed_norm())
             }
             OpKind::GradNorm => self.pool(0.0),
             OpKind::AccumulateGrads { what, .. } => {
@@ -541,7 +565,7 @@ impl CostModel<'_> {
                     return self.update_op(ParamBuf::Embed, e);
                 }
                 // The rows the next step gathers: at most one per token of the step.
-                let first = (self.rows() * self.sizes.micro_batches).min(v);
+                let first = self.tokens_per_step().min(v);
                 let rows = if next { first } else { v - first };
                 let image = self.upload == UploadPath::Image && self.layout.tied;
                 self.pool(self.pass(HostPass::UpdateRows { next, image }, rows * c))
