@@ -353,7 +353,6 @@ impl CostModel<'_> {
         }
     }
 
-    /// Whether buffer `p` is trained (an adapter run trains only the layers' adapters).
     /// The squared norm of the embedding's gradient: over the rows the step's tokens name (at
     /// most one per token), or the whole table with a tied head, whose gradient fills it.
     fn embed_norm(&self) -> f64 {
@@ -365,10 +364,12 @@ impl CostModel<'_> {
         }
     }
 
+    /// Tokens of a step: every micro-batch's rows.
     fn tokens_per_step(&self) -> usize {
         self.rows() * self.sizes.micro_batches
     }
 
+    /// Whether buffer `p` is trained (an adapter run trains only the layers' adapters).
     fn trained(&self, p: ParamBuf) -> bool {
         matches!(p, ParamBuf::Layer(_)) || self.layout.trains_base()
     }
