@@ -6,9 +6,12 @@ the same plan for real): steady step time and the busy seconds per step of each 
 
 Cases: bench/overlap.yaml at link_gbps 0, 0.05 and 0.026; the same model in optimizer.memory
 lean (at 0.05) and compact (at 0). Each case is measured with the queues blocking while they
-wait (`device.wait: block`, the default) and spinning (`spin`), or as WAITS says. Runs are
-interleaved in pairs (projection then bench, block, then the same for spin, ...) REPS times;
-the tables show medians and the median of each pair's projected/measured ratio.
+wait (`device.wait: block`, the default) and spinning (`spin`), or as WAITS says. Projections
+and runs alternate (projection, bench with block, projection, bench with spin, ..., REPS
+times, and a last projection), so that each run lies between two projections (which do not
+depend on device.wait) and is compared with their mean: that cancels a steady drift of the
+machine's speed, which moves a single projection by 10-20% within minutes. The tables show
+medians and the median of each run's projected/measured ratio.
 
     cargo build --release && cargo build --release -p horizon-backend --example idle_probe
     python3 bench/validate_projection.py [REPS] [HORIZON] [WAITS, e.g. spin or block,spin]
@@ -84,6 +87,11 @@ def measured(cfg):
     return s["wall_s"] / n, busy
 
 
+def bracket(before, after):
+    """The mean of two projections (step, {queue: busy})."""
+    return ((before[0] + after[0]) / 2, {q: (before[1][q] + after[1][q]) / 2 for q in QUEUES})
+
+
 def idle_probe(when):
     """Prints `idle_probe`'s lines (kernels after a pause against back to back), if built."""
     if not PROBE.exists():
@@ -105,8 +113,8 @@ def secs(x):
 def table(rows, title):
     """Prints one markdown table; a row is (name, [(projected, measured)] for each rep, where
     either is (step, {queue: busy})). Values are medians; a ratio is the median of each run's
-    ratio to the projection made just before it (this machine's speed drifts by 10-20% within
-    minutes, more than within one pair). Returns the worst step-time and busy-time errors."""
+    ratio to the mean of the projections made just before and just after it (this machine's
+    speed drifts by 10-20% within minutes, more than within one run). Returns the worst step-time and busy-time errors."""
     med = statistics.median
     print(f"\n{title}\n")
     print(f"| case | step projected / measured (s) | ratio | " +
@@ -136,10 +144,19 @@ def main():
             for wait in WAITS:
                 cfgs[wait] = Path(tmp) / f"case-{wait}.yaml"
                 config_with({**sets, "device.wait": wait}, cfgs[wait])
-            pairs = {wait: [] for wait in WAITS}
+            # Projection, run, projection, run, ..., projection: each run lies between two
+            # projections (the projection does not depend on device.wait), and is compared
+            # with their mean, which cancels a steady drift of the machine's speed.
+            timeline = []
             for _ in range(REPS):
                 for wait in WAITS:
-                    pairs[wait].append((projection(cfgs[wait]), measured(cfgs[wait])))
+                    timeline.append(projection(cfgs[wait]))
+                    timeline.append((wait, measured(cfgs[wait])))
+            timeline.append(projection(cfgs[WAITS[-1]]))
+            pairs = {wait: [] for wait in WAITS}
+            for k in range(1, len(timeline), 2):
+                wait, run = timeline[k]
+                pairs[wait].append((bracket(timeline[k - 1], timeline[k + 1]), run))
             for wait in WAITS:
                 rows[wait].append((name, pairs[wait]))
     worst = {wait: table(rows[wait], f"device.wait: {wait}") for wait in WAITS}
