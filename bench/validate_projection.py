@@ -114,7 +114,8 @@ def table(rows, title):
     """Prints one markdown table; a row is (name, [(projected, measured)] for each rep, where
     either is (step, {queue: busy})). Values are medians; a ratio is the median of each run's
     ratio to the mean of the projections made just before and just after it (this machine's
-    speed drifts by 10-20% within minutes, more than within one run). Returns the worst step-time and busy-time errors."""
+    speed drifts by 10-20% within minutes, more than within one run). Returns the worst
+    step-time and busy-time errors."""
     med = statistics.median
     print(f"\n{title}\n")
     print(f"| case | step projected / measured (s) | ratio | " +

@@ -2079,12 +2079,7 @@ fn embed_sum_squares(c: &Ctx, sd: &StepData, g: &[f32]) -> f64 {
         return sum_squares(g);
     }
     rows.fill(false);
-    for &id in sd.mbs.iter().flat_map(|mb| mb.ids.iter()) {
-        // An id outside the table is the gather's to report.
-        if let Some(r) = usize::try_from(id).ok().and_then(|r| rows.get_mut(r)) {
-            *r = true;
-        }
-    }
+    mark_named_rows(&mut rows, sd.mbs.iter().flat_map(|mb| mb.ids.iter()));
     // `OpKind::PoisonGrad` writes the first element.
     rows[0] |= sd.inject_nan;
     let sq = sum_squares_rows(g, c.layout.dims.c, &rows);
@@ -2180,10 +2175,15 @@ fn pick_next_rows(c: &Ctx, sd: &StepData, pick: &mut [bool]) {
     let i = c.param_index(ParamBuf::Embed);
     let all = sd.next_ids.is_empty() || matches!(c.moments[i], MomentHandle::Q8(_));
     pick.fill(all);
-    for &id in sd.next_ids.iter().flat_map(|ids| ids.iter()) {
-        // An id outside the table is left for the gather to report.
-        if let Some(p) = usize::try_from(id).ok().and_then(|r| pick.get_mut(r)) {
-            *p = true;
+    mark_named_rows(pick, sd.next_ids.iter().flat_map(|ids| ids.iter()));
+}
+
+/// Mark the embedding rows `ids` name; an id outside the table is left for the gather to
+/// report.
+fn mark_named_rows<'a>(rows: &mut [bool], ids: impl Iterator<Item = &'a i32>) {
+    for &id in ids {
+        if let Some(r) = usize::try_from(id).ok().and_then(|r| rows.get_mut(r)) {
+            *r = true;
         }
     }
 }

@@ -453,6 +453,12 @@ fn sum_squares_chunk(x: &[f32]) -> f64 {
         let y = f64::from(y);
         tail += y * y;
     }
+    combine_lanes(&acc, tail)
+}
+
+/// A chunk's lane accumulators combined in a fixed tree, then its tail: the one order both
+/// [`sum_squares_chunk`] and [`sum_squares_chunk_rows`] use, so that they agree bit for bit.
+fn combine_lanes(acc: &[f64; LANES], tail: f64) -> f64 {
     ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail
 }
 
@@ -520,7 +526,7 @@ fn sum_squares_chunk_rows(
             tail += sq(y);
         }
     }
-    ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail
+    combine_lanes(&acc, tail)
 }
 
 /// `torch.nn.utils.clip_grad_norm_`'s factor for the gradients: `min(1, max_norm / (total_norm +
