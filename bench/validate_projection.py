@@ -11,7 +11,7 @@ and runs alternate (projection, bench with block, projection, bench with spin, .
 times, and a last projection), so that each run lies between two projections (which do not
 depend on device.wait) and is compared with their mean: that cancels a steady drift of the
 machine's speed, which moves a single projection by 10-20% within minutes. The tables show
-medians and the median of each run's projected/measured ratio.
+medians, the median of each run's projected/measured ratio, and the lowest and highest ratio.
 
     cargo build --release && cargo build --release -p horizon-backend --example idle_probe
     python3 bench/validate_projection.py [REPS] [HORIZON] [WAITS, e.g. spin or block,spin]
@@ -110,12 +110,17 @@ def secs(x):
     return f"{x:.{min(9, max(3, 2 - math.floor(math.log10(x))))}f}"
 
 
+def spread(ratios):
+    """The lowest and highest of the runs' ratios: how far the machine moved one run."""
+    return f"{min(ratios):.2f}-{max(ratios):.2f}"
+
+
 def table(rows, title):
     """Prints one markdown table; a row is (name, [(projected, measured)] for each rep, where
     either is (step, {queue: busy})). Values are medians; a ratio is the median of each run's
     ratio to the mean of the projections made just before and just after it (this machine's
-    speed drifts by 10-20% within minutes, more than within one run). Returns the worst
-    step-time and busy-time errors."""
+    speed drifts by 10-20% within minutes, more than within one run), then the lowest and
+    highest of those ratios. Returns the worst step-time and busy-time errors."""
     med = statistics.median
     print(f"\n{title}\n")
     print(f"| case | step projected / measured (s) | ratio | " +
@@ -124,15 +129,18 @@ def table(rows, title):
     worst_step, worst_busy = 0.0, 0.0
     for name, pairs in rows:
         ps, ms = med([p[0] for p, _ in pairs]), med([m[0] for _, m in pairs])
-        r = med([p[0] / m[0] for p, m in pairs])
+        rs = [p[0] / m[0] for p, m in pairs]
+        r = med(rs)
         worst_step = max(worst_step, abs(r - 1))
         cells = []
         for q in QUEUES:
             pq, mq = med([p[1][q] for p, _ in pairs]), med([m[1][q] for _, m in pairs])
-            rq = med([p[1][q] / m[1][q] if m[1][q] > 0 else float("nan") for p, m in pairs])
+            rqs = [p[1][q] / m[1][q] if m[1][q] > 0 else float("nan") for p, m in pairs]
+            rq = med(rqs)
             worst_busy = max(worst_busy, abs(rq - 1))
-            cells.append(f"{secs(pq)} / {secs(mq)} ({rq:.2f})")
-        print(f"| {name} | {secs(ps)} / {secs(ms)} | {r:.3f} | " + " | ".join(cells) + " |")
+            cells.append(f"{secs(pq)} / {secs(mq)} ({rq:.2f}, {spread(rqs)})")
+        print(f"| {name} | {secs(ps)} / {secs(ms)} | {r:.3f} ({spread(rs)}) | " +
+              " | ".join(cells) + " |")
     return worst_step, worst_busy
 
 
