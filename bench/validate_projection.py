@@ -17,16 +17,19 @@ medians, the median of each run's projected/measured ratio, and the lowest and h
     python3 bench/validate_projection.py [REPS] [HORIZON] [WAITS, e.g. spin or block,spin]
 
 Run it on an otherwise idle machine: the bench measures wall time. Before and after the cases
-it runs `idle_probe` (when built): kernels after 5-200 ms of sleep, and after 100 ms of other
-work, against the same kernels back to back. The projection times kernels back to back; where
-the probe shows them slower after their threads slept, a link-bound case's compute queue
-measured with `block` (whose kernel threads sleep while it waits for the link) is busier than
-projected by about that factor, an effect of the machine, not of the plan; `spin` keeps the
-kernel threads awake, as a GPU's cores are, and measures what the plan costs.
+it runs `idle_probe` (when built), with its threads pinned as the CPU device pins its kernels'
+threads (`engine.pin_threads`, the default) and unpinned: kernels after 5-200 ms of sleep, and
+after 100 ms of other work, against the same kernels back to back. The projection times
+kernels back to back; where the probe shows them slower after their threads slept, a
+link-bound case's compute queue measured with `block` (whose kernel threads sleep while it
+waits for the link) is busier than projected by about that factor, an effect of the machine,
+not of the plan; `spin` keeps the kernel threads awake, as a GPU's cores are, and measures
+what the plan costs.
 """
 
 import json
 import math
+import os
 import re
 import statistics
 import subprocess
@@ -97,10 +100,13 @@ def idle_probe(when):
     if not PROBE.exists():
         print(f"({PROBE.relative_to(ROOT)} not built: no idle probe {when} the cases)")
         return
-    out = subprocess.run([str(PROBE)], capture_output=True, text=True, check=True).stdout
-    print(f"idle probe, {when} the cases:")
-    for line in out.strip().splitlines():
-        print(f"    {line}")
+    # Pinned as the CPU device's kernels are by default (engine.pin_threads), then unpinned.
+    for pin, how in ((True, "pinned"), (False, "unpinned")):
+        env = {**os.environ, "PIN": "1"} if pin else {k: v for k, v in os.environ.items() if k != "PIN"}
+        out = subprocess.run([str(PROBE)], capture_output=True, text=True, check=True, env=env)
+        print(f"idle probe, {how}, {when} the cases:")
+        for line in out.stdout.strip().splitlines():
+            print(f"    {line}")
 
 
 def secs(x):

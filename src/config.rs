@@ -389,6 +389,12 @@ pub struct EngineSection {
     /// queues keep busy, at least 1 (CUDA: all but one, for the dispatch threads; CPU backend,
     /// whose kernels share the cores: half, rounded down).
     pub host_threads: HostThreads,
+    /// Pin each worker thread of the engine to one CPU of those the process may run on
+    /// (`taskset`/`numactl` masks count): the host threads to the last ones, and on the CPU
+    /// backend the kernels' threads to the first ones. Default true: an unpinned pool's
+    /// threads, waking, can land beside each other on one core and run at one core's speed
+    /// for tens of milliseconds. False leaves them to the scheduler.
+    pub pin_threads: bool,
 }
 
 impl Default for EngineSection {
@@ -402,6 +408,7 @@ impl Default for EngineSection {
             grad_wire: GradWire::Fp32,
             weight_upload: WeightUpload::Auto,
             host_threads: HostThreads::Auto,
+            pin_threads: true,
         }
     }
 }

@@ -8,6 +8,7 @@
 use std::fmt::Write as _;
 
 use anyhow::Result;
+use horizon_backend::threads::{self, Placement};
 
 use crate::adapter::{AdapterConfig, AdapterKind};
 use crate::config::{ByteSize, OptimizerMemory, RunConfig};
@@ -128,9 +129,10 @@ pub fn report(cfg: &RunConfig, host_memory: Option<u64>) -> Result<PlanReport> {
     let threads = ecfg.host_threads.resolve(ecfg.backend);
     writeln!(
         t,
-        "engine.host_threads: {} -> {threads} thread{} for the host work (optimizer, gradient accumulation, norms)",
+        "engine.host_threads: {} -> {threads} thread{} for the host work (optimizer, gradient accumulation, norms), {}",
         ecfg.host_threads,
-        if threads == 1 { "" } else { "s" }
+        if threads == 1 { "" } else { "s" },
+        pinning(threads, ecfg.pin_threads)
     )?;
     if let Some(a) = &layout.adapter {
         writeln!(
@@ -275,4 +277,18 @@ pub fn run_on(cfg: &RunConfig, profile: &str) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Where `threads` host threads run: the CPUs they are pinned to (`engine.pin_threads`).
+fn pinning(threads: usize, pin: bool) -> String {
+    let cpus = threads::cpus_of(threads, Placement::last(threads, pin));
+    match (cpus.first(), cpus.last()) {
+        (Some(a), Some(b)) if a == b => format!("pinned to CPU {a} (engine.pin_threads)"),
+        (Some(a), Some(b)) if b > a && cpus.windows(2).all(|w| w[1] == w[0] + 1) => {
+            format!("pinned to CPUs {a}-{b} (engine.pin_threads)")
+        }
+        (Some(_), Some(_)) => format!("pinned to CPUs {cpus:?} (engine.pin_threads)"),
+        _ if pin => "unpinned (this system cannot pin threads)".to_string(),
+        _ => "unpinned (engine.pin_threads: false)".to_string(),
+    }
 }

@@ -628,6 +628,7 @@ impl StreamTrainer {
                 copy_jitter_us: 0,
                 jitter_seed: 0,
                 wait: raw.device.wait.mode(),
+                pin_threads: raw.engine.pin_threads,
             }))
         })
     }
@@ -801,6 +802,7 @@ pub fn engine_config(raw: &RawConfig) -> EngineConfig {
         grad_wire: raw.engine.grad_wire,
         weights: WeightPath::Masters,
         host_threads: raw.engine.host_threads,
+        pin_threads: raw.engine.pin_threads,
     }
 }
 

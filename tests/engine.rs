@@ -79,6 +79,7 @@ fn run_engine_waiting(
         copy_jitter_us: jitter_us,
         jitter_seed: seed,
         wait,
+        pin_threads: cfg.pin_threads,
         ..CpuDeviceConfig::with_capacity(4 << 20)
     });
     let mut engine = Engine::new(dev, &model, TrainState::new(params), cfg).unwrap();
@@ -363,6 +364,33 @@ fn host_threads_are_parsed_and_reach_the_engine() {
     let dev = CpuDevice::new(CpuDeviceConfig::with_capacity(4 << 20));
     let engine = Engine::new(dev, &model, TrainState::new(params), cfg).unwrap();
     assert_eq!(engine.host_threads(), 3);
+}
+
+/// `engine.pin_threads` is parsed (true by default) and reaches the engine; pinning the
+/// kernels' and the host threads (or not) changes where threads run, never the bits.
+#[test]
+fn pinned_threads_are_configurable_and_change_no_bits() {
+    use horizon::train::engine_config;
+    let case = "llama_gqa";
+    let parse = |extra: &str| {
+        let yaml = case_yaml(case, &format!("engine: {{ head_chunk_rows: 7{extra} }}\n"));
+        RawConfig::from_yaml(&yaml, case).and_then(|r| r.resolve(case))
+    };
+    assert!(parse("").unwrap().raw.engine.pin_threads);
+    let free = parse(", pin_threads: false").unwrap();
+    assert!(!engine_config(&free.raw).pin_threads);
+    let err = format!("{:#}", parse(", pin_threads: sometimes").unwrap_err());
+    assert!(err.contains("pin_threads"), "the error names no key: {err}");
+    let run = |pin: bool| {
+        let cfg = EngineConfig { pin_threads: pin, ..case_engine_config(case, 2, 1) };
+        run_engine(case, cfg, 0, 0)
+    };
+    let ((pinned, _, p1), (unpinned, _, p2)) = (run(true), run(false));
+    let bits = |v: &[(f64, f64)]| -> Vec<(u64, u64)> {
+        v.iter().map(|(l, g)| (l.to_bits(), g.to_bits())).collect()
+    };
+    assert_eq!(bits(&pinned), bits(&unpinned), "per-step loss and grad norm");
+    assert_bit_identical("pinned vs unpinned", &p1, &p2);
 }
 
 /// The host work (AdamW, the 8-bit moments' update, gradient accumulation, norms) gives the

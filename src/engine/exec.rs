@@ -10,6 +10,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use horizon_backend::bf16::{add_bf16, expand_bf16, round_to_bf16};
 use horizon_backend::cpu::add_inplace;
+use horizon_backend::threads::Placement;
 use horizon_backend::{
     Backend, Bf16, DevBuf, Device, DeviceSlice, Event, HostPtr, HostPtrMut, Kernel, KernelTimer,
     Precision, Queue, Views,
@@ -88,6 +89,8 @@ pub struct EngineConfig {
     pub weights: WeightPath,
     /// `engine.host_threads`: the threads of the host queue's work (its own pool, built once).
     pub host_threads: HostThreads,
+    /// `engine.pin_threads`: the host pool's threads each pinned to one of the last CPUs.
+    pub pin_threads: bool,
 }
 
 impl EngineConfig {
@@ -763,11 +766,9 @@ where
         }
         // The host queue's threads, before anything is allocated or queued.
         let host_threads = cfg.host_threads.resolve(cfg.backend);
+        let placement = Placement::last(host_threads, cfg.pin_threads);
         let host_pool = Arc::new(
-            rayon::ThreadPoolBuilder::new()
-                .num_threads(host_threads)
-                .thread_name(|i| format!("horizon-host-{i}"))
-                .build()
+            horizon_backend::threads::pool("horizon-host", host_threads, placement)
                 .with_context(|| format!("cannot start the {host_threads} host threads"))?,
         );
         dev.host_threads(host_pool.clone());

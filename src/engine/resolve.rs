@@ -136,6 +136,7 @@ mod tests {
             grad_wire: Default::default(),
             weights: WeightPath::Masters,
             host_threads: Default::default(),
+            pin_threads: true,
         }
     }
 

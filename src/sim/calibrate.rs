@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use horizon_backend::bf16::{Bf16, add_bf16, expand_bf16, round_to_bf16};
 use horizon_backend::cpu::add_inplace;
+use horizon_backend::threads::{self, Placement};
 use horizon_backend::{Backend, CpuBackend, Dinp, Queue};
 
 use crate::model::layout::ModelLayout;
@@ -27,9 +28,34 @@ use crate::sim::hardware::{Gpu, Hardware, Host, HostRates, Link};
 /// An attention shape: heads, kv heads, head dim, window, sequences, positions, backward.
 type AttnKey = (usize, usize, usize, usize, usize, usize, bool);
 
-/// The CPU backend's kernels, timed on first use.
+/// One set of a product's operands: its input, weight and output (the output gradient in a
+/// backward), and the backward's two gradients; every element written, so every page is mapped
+/// before the timing.
+struct Operands {
+    inp: Vec<f32>,
+    w: Vec<f32>,
+    out: Vec<f32>,
+    dinp: Vec<f32>,
+    dw: Vec<f32>,
+}
+
+impl Operands {
+    fn new(m: usize, k: usize, n: usize) -> Self {
+        Operands {
+            inp: vec![0.5; m * k],
+            w: vec![0.25; n * k],
+            out: vec![0.1; m * n],
+            dinp: vec![0.01; m * k],
+            dw: vec![0.01; n * k],
+        }
+    }
+}
+
+/// The CPU backend's kernels, timed on first use, on a pool placed as the CPU device's
+/// kernels' pool is (`engine.pin_threads`).
 pub struct CpuMeasured {
     be: CpuBackend,
+    kernels: rayon::ThreadPool,
     gemm: RefCell<HashMap<(usize, usize, usize, u8), f64>>,
     attn: RefCell<HashMap<AttnKey, f64>>,
     /// Bytes per second of a parallel elementwise pass.
@@ -54,21 +80,30 @@ fn median_of(reps: usize, mut f: impl FnMut()) -> f64 {
 const REPS: usize = 7;
 
 impl CpuMeasured {
-    pub fn new() -> Self {
+    /// Kernels timed on as many threads as the CPU device's pool, pinned as it pins them when
+    /// `pin` (`engine.pin_threads`).
+    pub fn new(pin: bool) -> Self {
         let n = 4 << 20;
         let (src, mut dst) = (vec![1.0f32; n], vec![0.0f32; n]);
         let be = CpuBackend::new();
-        let s = median_of(REPS, || be.add_inplace(&mut dst, &src));
+        let threads = rayon::current_num_threads();
+        let kernels = threads::pool("horizon-calibrate-kernels", threads, Placement::first(pin))
+            .expect("cannot start the calibration's kernel threads");
+        let s = kernels.install(|| median_of(REPS, || be.add_inplace(&mut dst, &src)));
         CpuMeasured {
             be,
+            kernels,
             gemm: RefCell::default(),
             attn: RefCell::default(),
             stream_bps: 12.0 * n as f64 / s,
         }
     }
 
-    /// The time of `out (m, n) = inp (m, k) w (n, k)ᵀ` (`pass` 0), or of its backward with
-    /// (1) or without (2) the weight's gradient, memoised.
+    /// [`median_of`] `f` inside the kernels' pool, as the device runs kernels.
+    fn timed(&self, f: impl FnMut() + Send) -> f64 {
+        self.kernels.install(|| median_of(REPS, f))
+    }
+
     /// `measure()`, memoised under `key`.
     fn memo(&self, key: (usize, usize, usize, u8), measure: impl FnOnce() -> f64) -> f64 {
         if let Some(&s) = self.gemm.borrow().get(&key) {
@@ -79,6 +114,8 @@ impl CpuMeasured {
         s
     }
 
+    /// The time of `out (m, n) = inp (m, k) w (n, k)ᵀ` (`pass` 0), or of its backward with
+    /// (1) or without (2) the weight's gradient, memoised.
     fn product(&self, m: usize, k: usize, n: usize, pass: u8) -> f64 {
         if m == 0 || k == 0 || n == 0 {
             return 0.0;
@@ -87,27 +124,24 @@ impl CpuMeasured {
         if let Some(&s) = self.gemm.borrow().get(&key) {
             return s;
         }
-        let (inp, w) = (vec![0.5f32; m * k], vec![0.25f32; n * k]);
-        let s = if pass == 0 {
-            let mut out = vec![0.0f32; m * n];
-            median_of(REPS, || self.be.matmul_forward(&mut out, &inp, &w, None, m, k, n))
-        } else {
-            let dout = vec![0.1f32; m * n];
-            let (mut dinp, mut dw) = (vec![0.0f32; m * k], vec![0.0f32; n * k]);
-            median_of(REPS, || {
-                let dw = if pass == 1 { Some(&mut dw[..]) } else { None };
-                let dinp = Some(Dinp::Write(&mut dinp[..]));
-                self.be.matmul_backward(dinp, dw, None, &dout, &inp, &w, m, k, n)
-            })
-        };
+        let sets = 1;
+        let mut b: Vec<Operands> = (0..sets).map(|_| Operands::new(m, k, n)).collect();
+        let be = &self.be;
+        let mut next = 0;
+        let s = self.timed(|| {
+            let o = &mut b[next % sets];
+            next += 1;
+            match pass {
+                0 => be.matmul_forward(&mut o.out, &o.inp, &o.w, None, m, k, n),
+                _ => {
+                    let dw = if pass == 1 { Some(&mut o.dw[..]) } else { None };
+                    let dinp = Some(Dinp::Write(&mut o.dinp[..]));
+                    be.matmul_backward(dinp, dw, None, &o.out, &o.inp, &o.w, m, k, n)
+                }
+            }
+        });
         self.gemm.borrow_mut().insert(key, s);
         s
-    }
-}
-
-impl Default for CpuMeasured {
-    fn default() -> Self {
-        Self::new()
     }
 }
 
@@ -130,13 +164,14 @@ impl DeviceModel for CpuMeasured {
         let qkv: Vec<f32> = (0..rows * qkv_w).map(|i| ((i % 97) as f32 - 48.0) * 0.01).collect();
         let mut out = vec![0.0f32; rows * out_w];
         let mut lse = vec![0.0f32; b * a.h * t];
-        self.be.attention_forward(&mut out, &mut lse, &qkv, dims);
+        let be = &self.be;
+        self.kernels.install(|| be.attention_forward(&mut out, &mut lse, &qkv, dims));
         let s = if bwd {
             let dout = vec![0.01f32; rows * out_w];
             let mut dqkv = vec![0.0f32; rows * qkv_w];
-            median_of(REPS, || self.be.attention_backward(&mut dqkv, &dout, &qkv, &out, &lse, dims))
+            self.timed(|| be.attention_backward(&mut dqkv, &dout, &qkv, &out, &lse, dims))
         } else {
-            median_of(REPS, || self.be.attention_forward(&mut out, &mut lse, &qkv, dims))
+            self.timed(|| be.attention_forward(&mut out, &mut lse, &qkv, dims))
         };
         self.attn.borrow_mut().insert(key, s);
         s
@@ -150,10 +185,11 @@ impl DeviceModel for CpuMeasured {
         self.memo((n, f, 0, if backward { 4 } else { 3 }), || {
             let gu: Vec<f32> = (0..n * 2 * f).map(|i| (i % 61) as f32 * 0.05 - 1.5).collect();
             let (mut out, mut dgu) = (vec![0.0f32; n * f], vec![0.0f32; n * 2 * f]);
+            let be = &self.be;
             if backward {
-                median_of(REPS, || self.be.swiglu_backward(&mut dgu, &out, &gu, n, f))
+                self.timed(|| be.swiglu_backward(&mut dgu, &out, &gu, n, f))
             } else {
-                median_of(REPS, || self.be.swiglu_forward(&mut out, &gu, n, f))
+                self.timed(|| be.swiglu_forward(&mut out, &gu, n, f))
             }
         })
     }
@@ -164,9 +200,8 @@ impl DeviceModel for CpuMeasured {
             let targets: Vec<i32> = (0..n).map(|i| (i % v) as i32).collect();
             let mut losses = vec![0.0f32; n];
             // The forward's softmax and loss; the gradient pass costs about as much again.
-            let s = median_of(REPS, || {
-                self.be.cross_entropy_forward(&mut losses, &logits, &targets, n, v)
-            });
+            let be = &self.be;
+            let s = self.timed(|| be.cross_entropy_forward(&mut losses, &logits, &targets, n, v));
             2.0 * s
         })
     }
@@ -265,10 +300,12 @@ fn filled(n: usize, salt: usize) -> Vec<f32> {
 }
 
 impl HostMeasured {
-    /// A pool of `threads` host threads, and the cost of handing it one op from outside.
-    pub fn new(threads: usize, layout: &ModelLayout) -> Self {
-        let pool =
-            rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a host pool");
+    /// A pool of `threads` host threads placed as the engine places its own (`pin`:
+    /// `engine.pin_threads`), and the cost of handing it one op from outside.
+    pub fn new(threads: usize, layout: &ModelLayout, pin: bool) -> Self {
+        let placement = Placement::last(threads, pin);
+        let pool = threads::pool("horizon-calibrate-host", threads, placement)
+            .expect("cannot start the calibration's host threads");
         let dispatch_s = dispatch_time(&pool);
         HostMeasured {
             pool,
@@ -569,7 +606,7 @@ mod tests {
     #[test]
     fn host_passes_are_timed_once_and_grow_with_size() {
         let layout = crate::model::layout::fixture_layout();
-        let h = HostMeasured::new(2, &layout);
+        let h = HostMeasured::new(2, &layout, true);
         assert!(h.dispatch() > 0.0 && h.dispatch() < 0.01, "{}", h.dispatch());
         let update = HostPass::Update { eight_bit: false, image: false };
         let (small, big) = (h.pass(update, 1 << 12), h.pass(update, 1 << 20));

@@ -103,8 +103,8 @@ pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
     let roofline = Roofline(&hw.gpu);
     let (measured, host_measured);
     let (device, host): (&dyn DeviceModel, &dyn HostModel) = if cpu {
-        measured = CpuMeasured::new();
-        host_measured = HostMeasured::new(host_threads, &layout);
+        measured = CpuMeasured::new(ecfg.pin_threads);
+        host_measured = HostMeasured::new(host_threads, &layout, ecfg.pin_threads);
         (&measured, &host_measured)
     } else {
         (&roofline, &HostByRates { host: &hw.host, threads: host_threads })

@@ -144,6 +144,7 @@ pub fn engine_config_for(
         grad_wire: horizon::config::GradWire::Fp32,
         weights: horizon::engine::options::WeightPath::Masters,
         host_threads: horizon::config::HostThreads::Auto,
+        pin_threads: true,
     }
 }
 

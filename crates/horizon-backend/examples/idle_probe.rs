@@ -16,6 +16,14 @@
 //! the pool's threads spun, it runs at full speed; waking each millisecond does not help. So an
 //! idle vCPU comes back slowly, for tens of milliseconds: the reason for `device.wait: spin`.
 //! `bench/validate_projection.py` runs this probe beside its cases.
+//!
+//! With `PIN=1` the pool's threads are pinned, each to its own CPU, as the CPU device's
+//! kernels' threads are by default (`engine.pin_threads`). On 2026-12-04 (two runs of 15,
+//! interleaved with unpinned ones): unpinned, back to back 13.4-13.5 ms a burst, 1.20-1.22x
+//! after 200 ms asleep, 0.63-0.64x after 100 ms of the products; pinned, back to back
+//! 8.4 ms, and 0.96-1.24x in every other row (1.00-1.01x after the products). The slow
+//! bursts were the pool's two threads on one CPU, which a wake-up causes and tens of
+//! milliseconds of running undo.
 
 use std::time::{Duration, Instant};
 
@@ -99,6 +107,19 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn main() {
+    // `PIN=1`: the global pool's threads pinned as the CPU device pins its kernels' threads.
+    if std::env::var_os("PIN").is_some() {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads);
+        let cpus = horizon_backend::threads::allowed_cpus();
+        pool.start_handler(move |i| {
+            if !cpus.is_empty() {
+                horizon_backend::threads::pin_current_thread(cpus[i % cpus.len()]);
+            }
+        })
+        .build_global()
+        .expect("the global pool, before any use");
+    }
     let arg = |i: usize, default: usize| {
         std::env::args().nth(i).map_or(default, |s| s.parse().expect("REPS, LAYERS: numbers"))
     };

@@ -25,6 +25,7 @@ pub mod device;
 pub mod nf4;
 pub mod pool;
 pub mod precision;
+pub mod threads;
 
 pub use bf16::Bf16;
 pub use cpu::CpuBackend;

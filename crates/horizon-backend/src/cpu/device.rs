@@ -23,6 +23,7 @@ use crate::device::{
 
 pub use crate::pool::ALIGN_ELEMS;
 use crate::pool::Pool;
+use crate::threads::{self, Placement};
 
 /// The link simulation sleeps until this close to the end of a copy, then spins: `sleep`
 /// overshoots by tens of microseconds.
@@ -45,6 +46,9 @@ pub struct CpuDeviceConfig {
     pub jitter_seed: u64,
     /// How the compute and host queues wait for another queue's event (`device.wait`).
     pub wait: WaitMode,
+    /// Pin the kernels' threads, each to one CPU from the first of the process's allowed set
+    /// (`engine.pin_threads`; [`crate::threads`] says why).
+    pub pin_threads: bool,
 }
 
 /// How the CPU device's compute and host queues wait for an event of another queue, like CUDA's
@@ -58,11 +62,12 @@ pub enum WaitMode {
     /// queue's threads while it waits, once the engine has named them
     /// ([`Device::host_threads`]); each yields its core to any other runnable thread. The
     /// copy queues block as before: their spinning threads took the kernels' cores on a
-    /// 2-core machine. Why spin: on the shared virtual machine this project is built on, a
-    /// thread that slept for 50 ms or more runs slowly for tens of milliseconds (kernels up to
-    /// twice as long as back to back), while spinning those threads (not other threads) keeps
-    /// them at full speed (`examples/idle_probe`); so a queue that waits long for a slow
-    /// simulated link is measured slower than its work is.
+    /// 2-core machine. Why spin: a GPU's engines stay awake while they wait, and a thread
+    /// that slept can run slowly for a while after. On the shared virtual machine this project
+    /// is built on that was mostly the kernels' unpinned threads waking onto one CPU (a burst
+    /// up to 1.6x as long as back to back, `examples/idle_probe`); with the threads pinned
+    /// ([`CpuDeviceConfig::pin_threads`], the default) what remains is 1.04-1.24x after 50-200
+    /// ms of sleep, which spinning avoids.
     Spin,
 }
 
@@ -75,6 +80,7 @@ impl CpuDeviceConfig {
             copy_jitter_us: 0,
             jitter_seed: 0,
             wait: WaitMode::Block,
+            pin_threads: true,
         }
     }
 }
@@ -82,8 +88,9 @@ impl CpuDeviceConfig {
 /// The CPU device. Memory is one zeroed host allocation (`calloc`, so pages never touched do not
 /// count towards the process's resident memory); each queue is a thread fed by a channel.
 ///
-/// Kernels run on the device's own rayon pool (as many threads as the global one), handed to it
-/// by the compute queue's thread. A panic inside queued work is a bug: the queue keeps going
+/// Kernels run on the device's own rayon pool (as many threads as the global one, pinned to
+/// the first CPUs unless [`CpuDeviceConfig::pin_threads`] is false), handed to it by the
+/// compute queue's thread. A panic inside queued work is a bug: the queue keeps going
 /// (still signalling its events, so nothing deadlocks) and the next [`Device::synchronize`]
 /// panics with the first message. Dropping the device runs everything already queued, then
 /// stops the threads; an event that is waited for but never recorded therefore hangs the
@@ -106,10 +113,8 @@ impl CpuDevice {
             cfg.link_gbps
         );
         let len = cfg.capacity_bytes / 4 / ALIGN_ELEMS * ALIGN_ELEMS;
-        let kernels = rayon::ThreadPoolBuilder::new()
-            .num_threads(rayon::current_num_threads())
-            .thread_name(|i| format!("horizon-cpu-kernels-{i}"))
-            .build()
+        let placement = Placement::first(cfg.pin_threads);
+        let kernels = threads::pool("horizon-cpu-kernels", rayon::current_num_threads(), placement)
             .expect("cannot start the CPU device's kernel threads");
         let shared = Arc::new(Shared {
             arena: Arena::new(len),
