@@ -115,7 +115,12 @@ impl CpuMeasured {
     }
 
     /// The time of `out (m, n) = inp (m, k) w (n, k)ᵀ` (`pass` 0), or of its backward with
-    /// (1) or without (2) the weight's gradient, memoised.
+    /// (1) or without (2) the weight's gradient, memoised. Each timed run takes the next of
+    /// as many operand sets as fill [`COLD_BYTES`], so its operands start out of the cores'
+    /// caches, as a step's do (each layer's weights arrive by a copy, from a host store far
+    /// larger than the caches). Timed on one set, hot, the products of `bench/overlap.yaml`
+    /// summed 7-13% under the runs' compute queue (validation of 2026-12-04, 02:00 UTC, with
+    /// the threads pinned; cycled: within 9%, and every step within 2%).
     fn product(&self, m: usize, k: usize, n: usize, pass: u8) -> f64 {
         if m == 0 || k == 0 || n == 0 {
             return 0.0;
@@ -124,7 +129,7 @@ impl CpuMeasured {
         if let Some(&s) = self.gemm.borrow().get(&key) {
             return s;
         }
-        let sets = 1;
+        let sets = cold_sets(4 * (2 * m * k + 2 * n * k + m * n));
         let mut b: Vec<Operands> = (0..sets).map(|_| Operands::new(m, k, n)).collect();
         let be = &self.be;
         let mut next = 0;
