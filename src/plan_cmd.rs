@@ -284,7 +284,7 @@ fn pinning(threads: usize, pin: bool) -> String {
     let cpus = threads::cpus_of(threads, Placement::last(threads, pin));
     match (cpus.first(), cpus.last()) {
         (Some(a), Some(b)) if a == b => format!("pinned to CPU {a} (engine.pin_threads)"),
-        (Some(a), Some(b)) if b > a && cpus.windows(2).all(|w| w[1] == w[0] + 1) => {
+        (Some(a), Some(b)) if cpus.windows(2).all(|w| w[1] == w[0] + 1) => {
             format!("pinned to CPUs {a}-{b} (engine.pin_threads)")
         }
         (Some(_), Some(_)) => format!("pinned to CPUs {cpus:?} (engine.pin_threads)"),

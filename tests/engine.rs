@@ -327,6 +327,18 @@ fn copy_queue_delays_do_not_change_a_tiled_head() {
     }
 }
 
+/// Fixture `case`'s config with `extra` (`, key: value` pairs) added to its `engine:`
+/// section, resolved.
+fn with_engine_keys(case: &str, extra: &str) -> anyhow::Result<horizon::config::RunConfig> {
+    let yaml = case_yaml(case, &format!("engine: {{ head_chunk_rows: 7{extra} }}\n"));
+    RawConfig::from_yaml(&yaml, case).and_then(|r| r.resolve(case))
+}
+
+/// Each step's (loss, grad norm) as bits, for exact comparison.
+fn step_bits(v: &[(f64, f64)]) -> Vec<(u64, u64)> {
+    v.iter().map(|(l, g)| (l.to_bits(), g.to_bits())).collect()
+}
+
 /// `engine.host_threads` is parsed (`auto`, a count; 0 and words refused naming the key) and
 /// reaches the engine, whose host queue runs on a pool of exactly that many threads.
 #[test]
@@ -334,10 +346,7 @@ fn host_threads_are_parsed_and_reach_the_engine() {
     use horizon::config::{BackendKind, HostThreads};
     use horizon::train::engine_config;
     let case = "llama_gqa";
-    let parse = |extra: &str| {
-        let yaml = case_yaml(case, &format!("engine: {{ head_chunk_rows: 7{extra} }}\n"));
-        RawConfig::from_yaml(&yaml, case).and_then(|r| r.resolve(case))
-    };
+    let parse = |extra: &str| with_engine_keys(case, extra);
     let auto = parse("").unwrap();
     assert_eq!(auto.raw.engine.host_threads, HostThreads::Auto);
     let three = parse(", host_threads: 3").unwrap();
@@ -372,10 +381,7 @@ fn host_threads_are_parsed_and_reach_the_engine() {
 fn pinned_threads_are_configurable_and_change_no_bits() {
     use horizon::train::engine_config;
     let case = "llama_gqa";
-    let parse = |extra: &str| {
-        let yaml = case_yaml(case, &format!("engine: {{ head_chunk_rows: 7{extra} }}\n"));
-        RawConfig::from_yaml(&yaml, case).and_then(|r| r.resolve(case))
-    };
+    let parse = |extra: &str| with_engine_keys(case, extra);
     assert!(parse("").unwrap().raw.engine.pin_threads);
     let free = parse(", pin_threads: false").unwrap();
     assert!(!engine_config(&free.raw).pin_threads);
@@ -386,10 +392,7 @@ fn pinned_threads_are_configurable_and_change_no_bits() {
         run_engine(case, cfg, 0, 0)
     };
     let ((pinned, _, p1), (unpinned, _, p2)) = (run(true), run(false));
-    let bits = |v: &[(f64, f64)]| -> Vec<(u64, u64)> {
-        v.iter().map(|(l, g)| (l.to_bits(), g.to_bits())).collect()
-    };
-    assert_eq!(bits(&pinned), bits(&unpinned), "per-step loss and grad norm");
+    assert_eq!(step_bits(&pinned), step_bits(&unpinned), "per-step loss and grad norm");
     assert_bit_identical("pinned vs unpinned", &p1, &p2);
 }
 
@@ -411,10 +414,7 @@ fn host_thread_count_does_not_change_results() {
             };
             let ((one, _, p1), (two, _, p2)) = (run(1), run(2));
             let what = format!("{case} {memory:?} host_threads 1 vs 2");
-            let bits = |v: &[(f64, f64)]| -> Vec<(u64, u64)> {
-                v.iter().map(|(l, g)| (l.to_bits(), g.to_bits())).collect()
-            };
-            assert_eq!(bits(&one), bits(&two), "{what}: per-step loss and grad norm");
+            assert_eq!(step_bits(&one), step_bits(&two), "{what}: per-step loss and grad norm");
             assert_bit_identical(&what, &p1, &p2);
         }
     }

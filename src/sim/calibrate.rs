@@ -118,9 +118,10 @@ impl CpuMeasured {
     /// (1) or without (2) the weight's gradient, memoised. Each timed run takes the next of
     /// as many operand sets as fill [`COLD_BYTES`], so its operands start out of the cores'
     /// caches, as a step's do (each layer's weights arrive by a copy, from a host store far
-    /// larger than the caches). Timed on one set, hot, the products of `bench/overlap.yaml`
-    /// summed 7-13% under the runs' compute queue (validation of 2026-12-04, 02:00 UTC, with
-    /// the threads pinned; cycled: within 9%, and every step within 2%).
+    /// larger than the caches). Timed on one set, hot, the compute queue of
+    /// `bench/overlap.yaml` read 0.82-0.94 projected/measured (validation of 2026-12-04,
+    /// 01:53 UTC, threads pinned); cycled, 0.91-1.02 and 0.93-1.01 in two validations, every
+    /// step within 3% (README, "How close is the projection?").
     fn product(&self, m: usize, k: usize, n: usize, pass: u8) -> f64 {
         if m == 0 || k == 0 || n == 0 {
             return 0.0;

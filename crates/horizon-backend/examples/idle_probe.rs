@@ -109,16 +109,11 @@ fn median(mut v: Vec<f64>) -> f64 {
 fn main() {
     // `PIN=1`: the global pool's threads pinned as the CPU device pins its kernels' threads.
     if std::env::var_os("PIN").is_some() {
+        use horizon_backend::threads::{Placement, builder};
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads);
-        let cpus = horizon_backend::threads::allowed_cpus();
-        pool.start_handler(move |i| {
-            if !cpus.is_empty() {
-                horizon_backend::threads::pin_current_thread(cpus[i % cpus.len()]);
-            }
-        })
-        .build_global()
-        .expect("the global pool, before any use");
+        builder("idle-probe", threads, Placement::first(true))
+            .build_global()
+            .expect("the global pool, before any use");
     }
     let arg = |i: usize, default: usize| {
         std::env::args().nth(i).map_or(default, |s| s.parse().expect("REPS, LAYERS: numbers"))

@@ -66,6 +66,15 @@ pub fn pool(
     threads: usize,
     placement: Placement,
 ) -> Result<rayon::ThreadPool, rayon::ThreadPoolBuildError> {
+    builder(name, threads, placement).build()
+}
+
+/// The builder of [`pool`], for a caller that builds rayon's global pool with it.
+pub fn builder(
+    name: &'static str,
+    threads: usize,
+    placement: Placement,
+) -> rayon::ThreadPoolBuilder {
     let cpus = cpus_of(threads, placement);
     rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
@@ -75,7 +84,6 @@ pub fn pool(
                 pin_current_thread(cpu);
             }
         })
-        .build()
 }
 
 /// The CPUs this process's threads may run on (the calling thread's affinity mask), in
