@@ -17,7 +17,10 @@
 # (engine.weight_upload of the benchmarks: auto, the default, image, round or staged),
 # DEVICE_MEMORY (device.memory of the benchmarks: auto, the default, which recomputes every
 # layer's internals; a size such as 120GiB lets engine.recompute: auto keep as many layers'
-# internals as it holds, as the projection does with the profile's GPU memory).
+# internals as it holds, as the projection does with the profile's GPU memory), TRACE (1: run
+# each benchmark once more with `bench --trace` and set its ops beside the projection's,
+# `bench/compare_trace.py`; the traces, OUT/NAME.run.json and OUT/NAME.plan.json, open in
+# Perfetto).
 # The GPU holds bf16 weights (half the bytes of fp32 slots) and runs bf16 products with fp32
 # accumulation; the parity tests compare against the CPU with the tolerances of ARCHITECTURE.md.
 # Libraries: the NVIDIA driver (libcuda), NVRTC 13 and cuBLAS 13 must be loadable; pip wheels
@@ -46,6 +49,7 @@ for line in sys.stdin:
         print(m["executable"])' \
         | while read -r exe; do cp "$exe" "$DIR/tests/$(basename "$exe" | sed 's/-[0-9a-f]*$//')"; done
     cp "$0" "$DIR/gpu-check.sh"
+    cp bench/compare_trace.py "$DIR/"
     # The engine tests find their fixtures at the build machine's path (CARGO_MANIFEST_DIR):
     # ship them, and the path, so the run can link them there.
     [[ -d tests/fixtures ]] && cp -r tests/fixtures "$DIR/"
@@ -127,6 +131,10 @@ if [[ "$DEVICE_MEMORY" == auto ]]; then RECOMPUTE=always; else RECOMPUTE=auto; f
 # The profile the projection of each benchmark is made for (`horizon plan --hardware`).
 HW_PROFILE=${HW_PROFILE:-h200-pcie5}
 
+# bench/compare_trace.py: beside this script in a bundle, else in the checkout.
+COMPARE="$HERE/compare_trace.py"
+[[ -f "$COMPARE" ]] || COMPARE="$ROOT/bench/compare_trace.py"
+
 bench() { # name hidden inter layers heads kvh vocab batch mbs seq ckpt
     local name=$1 c=$2 f=$3 l=$4 h=$5 kvh=$6 v=$7 b=$8 mbs=$9 t=${10} k=${11}
     local cfg="$OUT/$name.yaml"
@@ -177,9 +185,18 @@ PY
     # The projection of the same config on the machine this is meant to be (issue 17): set its
     # step and busy times beside the measured ones above.
     echo "  projection (horizon plan --hardware $HW_PROFILE):"
-    "$HORIZON_BIN" plan --config "$cfg" --hardware "$HW_PROFILE" 2>&1 \
-        | grep -E "projected step|busy per step|bound|^  (forward|head|backward|step boundary) " \
+    "$HORIZON_BIN" plan --config "$cfg" --hardware "$HW_PROFILE" --trace "$OUT/$name.plan.json" \
+        2>&1 | grep -E "projected step|busy per step|bound|^  (forward|head|backward|step boundary) " \
         | sed 's/^/  /' || true
+    if [[ "${TRACE:-0}" == 1 ]]; then
+        echo "  traced run against the projection, op by op (OUT/$name.run.json, OUT/$name.plan.json):"
+        if "$HORIZON_BIN" bench --config "$cfg" --warmup 1 --trace "$OUT/$name.run.json" \
+            > "$OUT/$name.traced.log" 2>&1; then
+            python3 "$COMPARE" "$OUT/$name.run.json" "$OUT/$name.plan.json" 1 | sed 's/^/  /' || true
+        else
+            echo "  traced bench $name FAILED (log: $OUT/$name.traced.log)"
+        fi
+    fi
 }
 
 # Qwen2.5-7B per layer: hidden 3584, FFN 18944, 28 heads / 4 kv heads, vocab 152064; 28 layers

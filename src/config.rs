@@ -570,6 +570,8 @@ pub struct RunConfig {
     pub origin: String,
     /// The validated `adapter:` section; `None` for full fine-tuning (`type: none`).
     pub adapter: Option<AdapterConfig>,
+    /// Where to write a trace of the run's ops (`horizon bench --trace`; not a config key).
+    pub trace: Option<std::path::PathBuf>,
 }
 
 impl RawConfig {
@@ -715,7 +717,7 @@ impl RawConfig {
             .check(f.name(), &f.fields())
             .map_err(|e| anyhow::anyhow!("{origin}: {e}"))?;
         let adapter = self.adapter.resolve(origin)?;
-        Ok(RunConfig { raw: self, origin: origin.to_string(), adapter })
+        Ok(RunConfig { raw: self, origin: origin.to_string(), adapter, trace: None })
     }
 
     /// The config as YAML (printed at start and saved beside the results).

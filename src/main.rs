@@ -51,6 +51,10 @@ enum Command {
         /// Override `engine.recompute`: auto, always or never.
         #[arg(long)]
         recompute: Option<String>,
+        /// Write when each op ran, every step, to this file as a Chrome trace (open it in
+        /// Perfetto or chrome://tracing; compare with `plan --hardware this-cpu --trace`).
+        #[arg(long, value_name = "FILE")]
+        trace: Option<PathBuf>,
     },
     /// Write a Hugging Face directory (config.json, safetensors shards + index, tokenizer files)
     /// from a checkpoint, a run's output directory (its newest checkpoint) or a HF directory.
@@ -130,6 +134,10 @@ enum Command {
         /// h100-pcie5, a100-pcie4, gh200, this-cpu) or a YAML profile file.
         #[arg(long)]
         hardware: Option<String>,
+        /// With --hardware: write the projected steps' timeline, op by op, to this file as a
+        /// Chrome trace.
+        #[arg(long, value_name = "FILE", requires = "hardware")]
+        trace: Option<PathBuf>,
     },
 }
 
@@ -178,7 +186,7 @@ fn try_main(cli: Cli) -> Result<()> {
             horizon::train::run_streaming(cfg, true, 0, resume.as_deref())?;
             Ok(())
         }
-        Command::Plan { config, host_memory, hardware } => {
+        Command::Plan { config, host_memory, hardware, trace } => {
             let cfg = horizon::config::RawConfig::from_file(&config)?
                 .resolve(&config.display().to_string())?;
             let host = match host_memory.as_deref().map(horizon::config::ByteSize::parse) {
@@ -188,7 +196,7 @@ fn try_main(cli: Cli) -> Result<()> {
                 Some(Err(e)) => bail!("--host-memory: {e}"),
             };
             match hardware {
-                Some(hw) => horizon::plan_cmd::run_on(&cfg, &hw),
+                Some(hw) => horizon::plan_cmd::run_on(&cfg, &hw, trace.as_deref()),
                 None => horizon::plan_cmd::run(&cfg, host),
             }
         }
@@ -263,7 +271,7 @@ fn try_main(cli: Cli) -> Result<()> {
             println!();
             Ok(())
         }
-        Command::Bench { config, model, warmup, json, recompute, set } => {
+        Command::Bench { config, model, warmup, json, recompute, set, trace } => {
             let mut cfg = match (config, model) {
                 (Some(path), _) => horizon::config::RawConfig::from_file_with(&path, &set)?
                     .resolve(&path.display().to_string())?,
@@ -273,6 +281,7 @@ fn try_main(cli: Cli) -> Result<()> {
             if let Some(r) = recompute {
                 cfg.raw.engine.recompute = horizon::bench::parse_recompute(&r)?;
             }
+            cfg.trace = trace;
             let s = horizon::train::run_streaming(cfg, false, warmup, None)?;
             if json {
                 println!("{}", serde_json::to_string(&s)?);

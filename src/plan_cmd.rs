@@ -266,10 +266,15 @@ pub fn run(cfg: &RunConfig, host_memory: Option<u64>) -> Result<()> {
 }
 
 /// `horizon plan --hardware PROFILE`: the plan and the projection on that machine; an error
-/// when the run does not fit it.
-pub fn run_on(cfg: &RunConfig, profile: &str) -> Result<()> {
+/// when the run does not fit it. With `trace`, the projected timeline of the plan's chosen
+/// path is written there as a Chrome trace ([`crate::engine::trace`]).
+pub fn run_on(cfg: &RunConfig, profile: &str, trace: Option<&std::path::Path>) -> Result<()> {
     let p = crate::sim::report::projection(cfg, profile)?;
     print!("{}", p.text);
+    if let Some(path) = trace {
+        crate::engine::trace::write_chrome(path, "projection", &p.chosen.spans)?;
+        println!("trace of the projected steps: {}", path.display());
+    }
     if !p.fits {
         anyhow::bail!(
             "the run does not fit {}: see the host and device lines above\nhint: use optimizer.memory: lean or compact, a smaller train.micro_batch_size, or engine.checkpoint_every",

@@ -933,6 +933,9 @@ where
         .open(&metrics_path)
         .with_context(|| format!("cannot create {}", metrics_path.display()))?;
     let mut progress = Progress::new(start, steps);
+    if tr.cfg.trace.is_some() {
+        tr.engine.start_trace(steps - start);
+    }
     let mut base = tr.engine.device().stats();
     let mut base_phases = tr.engine.phase_seconds();
     let mut t0 = Instant::now();
@@ -1027,6 +1030,10 @@ where
     fs::write(&summary_path, serde_json::to_string_pretty(&summary)?)
         .with_context(|| format!("cannot write {}", summary_path.display()))?;
     println!("{}", serde_json::to_string_pretty(&summary)?);
+    if let Some(path) = &tr.cfg.trace {
+        crate::engine::trace::write_chrome(path, "bench", &tr.engine.trace_spans())?;
+        println!("trace of the run's steps: {}", path.display());
+    }
     // Nothing was applied: the weights are the ones the run started from, and exporting them
     // as this run's result would pass a broken model on. metrics.jsonl and summary.json stay.
     if ran > 0 && skipped_steps == ran {

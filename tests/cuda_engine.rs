@@ -122,6 +122,32 @@ fn kept_internals_change_no_bit() {
     }
 }
 
+/// A traced run (`horizon bench --trace`: a mark queued before and after every op, each first
+/// synchronizing its stream) has a slice for every op of every step, each queue's in order,
+/// and changes no bit.
+#[test]
+fn a_traced_run_marks_every_op_and_changes_no_bit() {
+    let case = CASES[0];
+    let batch = expected(case)["batch"].as_u64().unwrap() as usize;
+    let cfg = cuda_config(case, 2, batch, GradWire::Bf16);
+    let (want, _, want_params) = streamed(cuda(0, 0), case, cfg);
+    let model = ModelConfig::from_file(&case_dir(case).join("model/config.json")).unwrap();
+    let params = ParamStore::load_hf(&ModelLayout::new(&model), &case_dir(case).join("model"));
+    let mut engine =
+        Engine::new(cuda(0, 0), &model, TrainState::new(params.unwrap()), cfg).unwrap();
+    engine.start_trace(want.len());
+    let got: Vec<(f64, f64)> =
+        run_case_steps(&mut engine, case).into_iter().map(|(l, g, _)| (l, g)).collect();
+    let mut spans = engine.trace_spans();
+    assert_eq!(spans.len(), want.len() * engine.schedule().len(), "a slice per op and step");
+    spans.sort_by_key(|s| (s.queue.index(), s.step, s.op));
+    for w in spans.windows(2).filter(|w| w[0].queue == w[1].queue) {
+        assert!(w[1].start_s >= w[0].end_s, "{:?} before {:?}", w[0], w[1]);
+    }
+    assert_eq!(got, want, "losses and norms");
+    assert_eq!(engine.into_state().params, want_params, "weights");
+}
+
 /// The LM head in vocabulary tiles of 37 rows (7 to 9 tiles: the tile cross-entropy kernels,
 /// both passes, the tile gradients into the host head rows) meets the fixtures within the bf16
 /// bounds above, and random stream delays do not change a bit of it.

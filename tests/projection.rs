@@ -179,3 +179,90 @@ fn the_embedding_norm_reads_the_steps_rows_not_the_table() {
     let ((small, a), (large, b)) = (boundary(32000), boundary(256_000));
     assert!((large - small).abs() < 1e-4, "{small} s at 32K rows, {large} s at 256K\n{a}\n{b}");
 }
+
+/// The ops of a traced step, per queue, in order: (queue track, op index, name).
+fn traced_ops(path: &std::path::Path, step: u64) -> Vec<(u64, u64, String)> {
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap())
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let mut ops: Vec<(u64, u64, String, f64, f64)> = v["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["ph"] == "X" && e["args"]["step"].as_u64() == Some(step))
+        .map(|e| {
+            let (ts, dur) = (e["ts"].as_f64().unwrap(), e["dur"].as_f64().unwrap());
+            (
+                e["tid"].as_u64().unwrap(),
+                e["args"]["op"].as_u64().unwrap(),
+                e["name"].to_string(),
+                ts,
+                dur,
+            )
+        })
+        .collect();
+    ops.sort_by_key(|a| (a.0, a.1));
+    // Each queue runs its ops one after another, in the schedule's order.
+    for w in ops.windows(2).filter(|w| w[0].0 == w[1].0) {
+        assert!(
+            w[1].3 >= w[0].3 + w[0].4 - 1e-3,
+            "{}: {:?} overlaps {:?}",
+            path.display(),
+            w[0],
+            w[1]
+        );
+    }
+    ops.into_iter().map(|(q, j, name, ..)| (q, j, name)).collect()
+}
+
+/// `bench --trace` and `plan --hardware this-cpu --trace` of one config: a slice for every op
+/// of every step in both, each queue's ops in order without overlap, and the same ops on the
+/// same queues in a steady step of each (the run runs the plan the projection simulated).
+#[test]
+fn a_run_and_its_projection_trace_the_same_ops() {
+    let dir = std::env::temp_dir().join(format!("horizon-trace-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("run.yaml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "model: {{init: random, arch: llama, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 3, num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 256}}\ndata: {{format: synthetic}}\ntrain: {{steps: 3, batch_size: 2, micro_batch_size: 1, max_seq_len: 32}}\nengine: {{checkpoint_every: 2, grad_slabs: 2}}\noutput: {{dir: {}}}\n",
+            dir.join("out").display()
+        ),
+    )
+    .unwrap();
+    let (run, plan) = (dir.join("run.json"), dir.join("plan.json"));
+    let horizon = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_horizon")).args(args).output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(out.status.success(), "{args:?}: {text}{}", String::from_utf8_lossy(&out.stderr));
+        text
+    };
+    let c = cfg.to_str().unwrap();
+    let text = horizon(&["bench", "--config", c, "--trace", run.to_str().unwrap()]);
+    assert!(text.contains("trace of the run's steps"), "{text}");
+    let text = horizon(&[
+        "plan",
+        "--config",
+        c,
+        "--hardware",
+        "this-cpu",
+        "--trace",
+        plan.to_str().unwrap(),
+    ]);
+    assert!(text.contains("trace of the projected steps"), "{text}");
+    let steady = traced_ops(&run, 2);
+    assert!(!steady.is_empty());
+    for step in 0..3 {
+        let n = traced_ops(&run, step).len();
+        assert_eq!(n, steady.len(), "run step {step}: every op has a slice");
+    }
+    assert_eq!(traced_ops(&plan, 2), steady, "the projection's steady step runs the same ops");
+    assert_eq!(traced_ops(&plan, 0).len(), steady.len());
+    // --trace needs --hardware.
+    let out = Command::new(env!("CARGO_BIN_EXE_horizon"))
+        .args(["plan", "--config", c, "--trace", plan.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--hardware"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

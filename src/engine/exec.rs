@@ -26,6 +26,7 @@ use crate::engine::plan::{
     keeps_internals,
 };
 pub use crate::engine::sizes::Sizes;
+use crate::engine::trace::{OpMarks, Span};
 use crate::hf::config::ModelConfig;
 use crate::model::base::{Frozen, FrozenBase, words_as_f32};
 use crate::model::layer::{
@@ -705,6 +706,8 @@ pub struct Engine<D: Device> {
     /// The host queue's own threads (`engine.host_threads`): every host op runs inside it, so
     /// the optimizer's and the accumulation's rayon work uses exactly these.
     host_pool: Arc<rayon::ThreadPool>,
+    /// The marks of a traced run ([`Engine::start_trace`]) and the engine step it began at.
+    trace: Option<(Arc<OpMarks>, u64)>,
 }
 
 /// A raw handle to a host buffer that stays where it is for the engine's life.
@@ -926,6 +929,7 @@ where
             grants,
             timers,
             host_pool,
+            trace: None,
             dev,
         };
         for ((cos_buf, sin_buf), (cos, sin)) in table_bufs.into_iter().zip(&tables) {
@@ -1033,6 +1037,31 @@ where
         self.host_pool.current_num_threads()
     }
 
+    /// Trace the next `steps` steps: when each op begins and ends on its queue (see
+    /// [`crate::engine::trace`]); [`Engine::trace_spans`] reads them.
+    pub fn start_trace(&mut self, steps: usize) {
+        self.trace = Some((OpMarks::new(steps, self.schedule.len()), self.steps));
+    }
+
+    /// The spans of the traced steps' ops so far (empty without [`Engine::start_trace`]), after
+    /// the queued work has finished.
+    pub fn trace_spans(&self) -> Vec<Span> {
+        let Some((marks, from)) = &self.trace else { return Vec::new() };
+        self.dev.synchronize();
+        marks.spans(|step| self.schedule.ops(from + step as u64))
+    }
+
+    /// Queue a trace mark of op `j` of step `k` on `queue` (its begin or, with `end`, its end),
+    /// when the step is traced.
+    fn mark(&self, queue: Queue, k: u64, j: usize, end: bool) {
+        let Some((marks, from)) = &self.trace else { return };
+        let step = k.saturating_sub(*from) as usize;
+        if k >= *from && marks.covers(step) {
+            let marks = marks.clone();
+            self.dev.host_on(queue, Box::new(move || marks.mark(step, j, end)));
+        }
+    }
+
     /// Count a step that runs nothing (its batch carries no loss): masters, moments and the
     /// update count are untouched. Queued work is finished first, so that the next step starts
     /// as it would after a resume (every event of the earlier steps reached).
@@ -1108,7 +1137,9 @@ where
                 };
                 self.dev.wait(op.queue, e);
             }
+            self.mark(op.queue, k, j, false);
             self.dispatch(op.queue, op.kind, &sd, &self.grants[usize::from(k > 0)][j]);
+            self.mark(op.queue, k, j, true);
             self.dev.record(op.queue, &self.events[par][j]);
         }
         self.steps += 1;

@@ -3,7 +3,7 @@
 //! `sizes` sizes every buffer, `resolve` turns `engine.recompute` and `engine.weight_upload` into
 //! settings for a machine, `memory` says before allocating what the run will need; `phases` times the step by phase and
 //! counts its FLOPs; `head_tiles` applies an LM head too large for a weight slot in vocabulary
-//! tiles.
+//! tiles; `trace` records when a run's ops ran.
 //!
 //! [`Device`]: horizon_backend::Device
 
@@ -15,3 +15,4 @@ pub mod phases;
 pub mod plan;
 pub mod resolve;
 pub mod sizes;
+pub mod trace;

@@ -13,6 +13,7 @@ use horizon_backend::Queue;
 
 use crate::engine::phases::step_flops;
 use crate::engine::plan::{OpKind, Schedule};
+use crate::engine::trace::{Span, kind_name};
 use crate::sim::cost::CostModel;
 use crate::sim::des::{SimOp, Timeline, busy_in, critical_path, simulate};
 
@@ -45,6 +46,9 @@ pub struct Projection {
     /// Busy seconds of each queue in the steady step ([`Queue::index`]).
     pub busy: [f64; 4],
     pub phases: Vec<PhaseBound>,
+    /// Every simulated op of the [`STEPS`] steps, from an idle machine at 0
+    /// (`horizon plan --trace`).
+    pub spans: Vec<Span>,
 }
 
 impl Projection {
@@ -55,12 +59,6 @@ impl Projection {
     pub fn mfu(&self, peak_flops: f64) -> f64 {
         self.model_flops / self.step_s / peak_flops
     }
-}
-
-/// The op's name: its kind without fields.
-fn kind_name(k: &OpKind) -> String {
-    let s = format!("{k:?}");
-    s.split([' ', '{', '(']).next().unwrap_or_default().to_string()
 }
 
 /// Simulate `STEPS` steps of `schedule` under `model`.
@@ -106,6 +104,18 @@ pub fn project(schedule: &Schedule, model: &CostModel<'_>, tokens: usize) -> Pro
         model_flops: flops.model,
         busy,
         phases,
+        spans: ops
+            .iter()
+            .enumerate()
+            .map(|(j, op)| Span {
+                step: j / n,
+                op: j % n,
+                queue: op.queue,
+                kind: op.kind,
+                start_s: tl.start[j],
+                end_s: tl.end[j],
+            })
+            .collect(),
     }
 }
 
