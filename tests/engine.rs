@@ -396,6 +396,35 @@ fn pinned_threads_are_configurable_and_change_no_bits() {
     assert_bit_identical("pinned vs unpinned", &p1, &p2);
 }
 
+/// With `engine.pin_threads`, the thread that runs the host queue's work (and hands it to the
+/// host pool) is pinned to the CPU of the pool's first thread, the last allowed one; without
+/// it, it runs anywhere the process may.
+#[cfg(target_os = "linux")]
+#[test]
+fn the_host_queue_thread_runs_beside_its_pool() {
+    use horizon_backend::Device;
+    use horizon_backend::threads::allowed_cpus;
+    let case = "llama_gqa";
+    let model = ModelConfig::from_file(&case_dir(case).join("model/config.json")).unwrap();
+    let params = ParamStore::load_hf(&ModelLayout::new(&model), &case_dir(case).join("model"));
+    let params = params.unwrap();
+    let all = allowed_cpus();
+    for pin in [true, false] {
+        let cfg = EngineConfig { pin_threads: pin, ..case_engine_config(case, 2, 1) };
+        let dev = CpuDevice::new(CpuDeviceConfig {
+            pin_threads: pin,
+            ..CpuDeviceConfig::with_capacity(4 << 20)
+        });
+        let engine = Engine::new(dev, &model, TrainState::new(params.clone()), cfg).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        engine.device().host(Box::new(move || tx.send(allowed_cpus()).unwrap()));
+        engine.device().synchronize();
+        let mask = rx.recv().unwrap();
+        let want = if pin { vec![*all.last().unwrap()] } else { all.clone() };
+        assert_eq!(mask, want, "pin_threads {pin}: the host queue thread's CPUs");
+    }
+}
+
 /// The host work (AdamW, the 8-bit moments' update, gradient accumulation, norms) gives the
 /// same bits on 1 host thread as on 2: its parallel parts split at fixed chunk boundaries and
 /// reduce in a fixed order.

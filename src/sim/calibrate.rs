@@ -312,7 +312,8 @@ impl HostMeasured {
         let placement = Placement::last(threads, pin);
         let pool = threads::pool("horizon-calibrate-host", threads, placement)
             .expect("cannot start the calibration's host threads");
-        let dispatch_s = dispatch_time(&pool);
+        let dispatch_s =
+            dispatch_time(&pool, threads::cpus_of(threads, placement).first().copied());
         HostMeasured {
             pool,
             layout: layout.clone(),
@@ -374,19 +375,35 @@ impl HostMeasured {
     }
 }
 
-/// An empty op handed to `pool` from outside it, after the pool has gone idle (its workers
-/// asleep, as between the host queue's ops): the median of several.
-fn dispatch_time(pool: &rayon::ThreadPool) -> f64 {
-    let mut t: Vec<f64> = (0..4 * REPS)
-        .map(|_| {
-            std::thread::sleep(std::time::Duration::from_millis(2));
-            let t0 = Instant::now();
-            pool.install(|| rayon::join(|| (), || ()));
-            t0.elapsed().as_secs_f64()
-        })
-        .collect();
-    t.sort_by(f64::total_cmp);
-    t[t.len() / 2]
+/// What handing one op to `pool` costs beyond its work, from a thread placed as the engine
+/// places the host queue's (beside the pool's first thread, on `caller`, when pinned): the
+/// median of several, each after the pool has gone idle (its workers asleep, as between the
+/// host queue's ops), each op 200 us of spinning so that the reply, too, finds its thread
+/// asleep. Handed across CPUs of this project's virtual machine it costs 80-90 us, on one 6-7
+/// (`examples/wake_probe`).
+fn dispatch_time(pool: &rayon::ThreadPool, caller: Option<usize>) -> f64 {
+    const WORK: Duration = Duration::from_micros(200);
+    let probe = || {
+        if let Some(cpu) = caller {
+            threads::pin_current_thread(cpu);
+        }
+        let mut t: Vec<f64> = (0..4 * REPS)
+            .map(|_| {
+                std::thread::sleep(Duration::from_millis(2));
+                let t0 = Instant::now();
+                pool.install(|| {
+                    let w = Instant::now();
+                    while w.elapsed() < WORK {
+                        std::hint::spin_loop();
+                    }
+                });
+                (t0.elapsed().saturating_sub(WORK)).as_secs_f64()
+            })
+            .collect();
+        t.sort_by(f64::total_cmp);
+        t[t.len() / 2]
+    };
+    std::thread::scope(|s| s.spawn(probe).join().expect("the dispatch probe panicked"))
 }
 
 /// AdamW over `n` elements as the host queue runs it (the engine's [`Moments`]).
