@@ -12,6 +12,7 @@ use horizon::hf::config::ModelConfig;
 use horizon::model::layout::ModelLayout;
 use horizon::model::params::ParamStore;
 use horizon::train::{TrainState, Trainer};
+use horizon_backend::Queue;
 use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig, WaitMode};
 
 /// Per-step (loss, grad norm) and the final parameters of the reference path.
@@ -397,8 +398,9 @@ fn pinned_threads_are_configurable_and_change_no_bits() {
 }
 
 /// With `engine.pin_threads`, the thread that runs the host queue's work (and hands it to the
-/// host pool) is pinned to the CPU of the pool's first thread, the last allowed one; without
-/// it, it runs anywhere the process may.
+/// host pool) is pinned to the CPU of the pool's first thread, the last allowed one, and the
+/// other queues' threads run on the CPUs the host thread leaves; without it, every queue's
+/// thread runs anywhere the process may.
 #[cfg(target_os = "linux")]
 #[test]
 fn the_host_queue_thread_runs_beside_its_pool() {
@@ -410,18 +412,32 @@ fn the_host_queue_thread_runs_beside_its_pool() {
     let params = params.unwrap();
     let all = allowed_cpus();
     for pin in [true, false] {
-        let cfg = EngineConfig { pin_threads: pin, ..case_engine_config(case, 2, 1) };
+        let cfg = EngineConfig {
+            pin_threads: pin,
+            host_threads: horizon::config::HostThreads::Count(1),
+            ..case_engine_config(case, 2, 1)
+        };
         let dev = CpuDevice::new(CpuDeviceConfig {
             pin_threads: pin,
             ..CpuDeviceConfig::with_capacity(4 << 20)
         });
         let engine = Engine::new(dev, &model, TrainState::new(params.clone()), cfg).unwrap();
         let (tx, rx) = std::sync::mpsc::channel();
-        engine.device().host(Box::new(move || tx.send(allowed_cpus()).unwrap()));
+        for q in Queue::ALL {
+            let tx = tx.clone();
+            engine.device().host_on(q, Box::new(move || tx.send((q, allowed_cpus())).unwrap()));
+        }
         engine.device().synchronize();
-        let mask = rx.recv().unwrap();
-        let want = if pin { vec![*all.last().unwrap()] } else { all.clone() };
-        assert_eq!(mask, want, "pin_threads {pin}: the host queue thread's CPUs");
+        for (q, mask) in rx.try_iter() {
+            let want = match (pin, q) {
+                (false, _) => all.clone(),
+                (true, Queue::Host) => vec![*all.last().unwrap()],
+                // Off the host thread's CPU, where there is another.
+                (true, _) if all.len() > 1 => all[..all.len() - 1].to_vec(),
+                (true, _) => all.clone(),
+            };
+            assert_eq!(mask, want, "pin_threads {pin}: the {q:?} queue thread's CPUs");
+        }
     }
 }
 

@@ -710,6 +710,36 @@ pub struct Engine<D: Device> {
     trace: Option<(Arc<OpMarks>, u64)>,
 }
 
+/// Where the queues' own threads run, once the host threads are pinned to `host_cpus` (none:
+/// they run free, and so do these). The host queue's thread, which hands each host op to the
+/// pool and is blocked while the pool works, runs beside the pool's first thread: handed
+/// across CPUs, an op waited for an idle CPU to wake and its reply for another, 80-90 us on
+/// this project's virtual machine against 6-7 on one CPU (`examples/wake_probe`). The other
+/// queues' threads (the CUDA device's dispatchers, the CPU device's copy threads and its
+/// kernels' dispatcher) run on the CPUs the host threads leave, where there are any: an
+/// unpinned copy thread of the CPU device, woken onto the host thread's CPU, took half of it
+/// for its memcpy, and a gradient accumulation beside it 910-960 us against 480-520.
+fn place_queue_threads<D: Device>(dev: &D, host_cpus: &[usize]) {
+    if let Some(&cpu) = host_cpus.first() {
+        dev.host(Box::new(move || {
+            threads::pin_current_thread(cpu);
+        }));
+    }
+    let rest = threads::cpus_besides(host_cpus);
+    if rest.is_empty() {
+        return;
+    }
+    for q in [Queue::Compute, Queue::H2D, Queue::D2H] {
+        let rest = rest.clone();
+        dev.host_on(
+            q,
+            Box::new(move || {
+                threads::restrict_current_thread(&rest);
+            }),
+        );
+    }
+}
+
 /// A raw handle to a host buffer that stays where it is for the engine's life.
 fn handle<T>(s: &mut [T]) -> HostPtrMut<T> {
     // SAFETY: every buffer handed out here is owned by the engine (boxed state or staging
@@ -775,15 +805,7 @@ where
                 .with_context(|| format!("cannot start the {host_threads} host threads"))?,
         );
         dev.host_threads(host_pool.clone());
-        // The thread that hands the host queue's ops to the pool runs beside the pool's first
-        // thread, which wakes on the same CPU: handed across CPUs, an op waited for an idle
-        // CPU to wake twice, 80-90 us on this project's virtual machine against 6 on one CPU
-        // (`examples/wake_probe`). It is blocked while the pool works, so they never compete.
-        if let Some(&cpu) = threads::cpus_of(host_threads, placement).first() {
-            dev.host(Box::new(move || {
-                threads::pin_current_thread(cpu);
-            }));
-        }
+        place_queue_threads(&dev, &threads::cpus_of(host_threads, placement));
         let schedule = Schedule::new(shape);
         let DeviceBuffers {
             slots,

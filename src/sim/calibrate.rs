@@ -269,6 +269,8 @@ pub struct HostMeasured {
     /// first use.
     arenas: RefCell<(Vec<f32>, Vec<f32>)>,
     dispatch_s: f64,
+    /// Where the copy queues' threads run: the CPUs the host threads leave (empty: anywhere).
+    copy_cpus: Vec<usize>,
 }
 
 /// The median time of `f` over `sets` buffers in turn (each run on the next), after one
@@ -312,9 +314,10 @@ impl HostMeasured {
         let placement = Placement::last(threads, pin);
         let pool = threads::pool("horizon-calibrate-host", threads, placement)
             .expect("cannot start the calibration's host threads");
-        let dispatch_s =
-            dispatch_time(&pool, threads::cpus_of(threads, placement).first().copied());
+        let host_cpus = threads::cpus_of(threads, placement);
+        let dispatch_s = dispatch_time(&pool, host_cpus.first().copied());
         HostMeasured {
+            copy_cpus: threads::cpus_besides(&host_cpus),
             pool,
             layout: layout.clone(),
             memo: RefCell::default(),
@@ -327,6 +330,17 @@ impl HostMeasured {
     /// `f`, run inside the pool from this thread (as the host queue does), timed there.
     fn on_pool(&self, f: impl FnOnce() -> f64 + Send) -> f64 {
         self.pool.install(f)
+    }
+
+    /// `f`, run on a thread placed as the engine places the copy queues' threads (on the CPUs
+    /// the host threads leave, when pinned).
+    fn on_copy_thread(&self, f: impl FnOnce() -> f64 + Send) -> f64 {
+        let cpus = &self.copy_cpus;
+        let run = move || {
+            threads::restrict_current_thread(cpus);
+            f()
+        };
+        std::thread::scope(|s| s.spawn(run).join().expect("a calibration copy panicked"))
     }
 
     /// Seconds of `pass` over `n` elements, measured.
@@ -365,7 +379,10 @@ impl HostMeasured {
                 self.on_pool(|| time_scatter(layout, n))
             }
             // On the H2D queue's thread, over the global pool: not on the host pool.
-            HostPass::Gather => time_gather(&self.layout, n),
+            HostPass::Gather => {
+                let layout = &self.layout;
+                self.on_copy_thread(|| time_gather(layout, n))
+            }
             HostPass::Round => self.on_pool(|| {
                 let sets = cold_sets(6 * n);
                 let mut b: Vec<_> = (0..sets).map(|k| (filled(n, k), vec![Bf16(0); n])).collect();
@@ -616,7 +633,9 @@ impl HostModel for HostMeasured {
         if let Some(&s) = self.copies.borrow().get(&(q, bytes)) {
             return s;
         }
-        let s = time_memcpy(&mut self.arenas.borrow_mut(), q, bytes);
+        let mut arenas = self.arenas.borrow_mut();
+        let arenas = &mut *arenas;
+        let s = self.on_copy_thread(|| time_memcpy(arenas, q, bytes));
         self.copies.borrow_mut().insert((q, bytes), s);
         s
     }

@@ -94,7 +94,23 @@ pub fn allowed_cpus() -> Vec<usize> {
 
 /// Pins the calling thread to `cpu`; false where it could not.
 pub fn pin_current_thread(cpu: usize) -> bool {
-    imp::pin_current_thread(cpu)
+    restrict_current_thread(&[cpu])
+}
+
+/// Lets the calling thread run on `cpus` only (any of them); false where it could not, or
+/// when `cpus` is empty.
+pub fn restrict_current_thread(cpus: &[usize]) -> bool {
+    !cpus.is_empty() && imp::restrict_current_thread(cpus)
+}
+
+/// The allowed CPUs none of `taken` is, in increasing order: where threads that must not
+/// share a CPU with pinned ones can go. Empty when `taken` is (nothing is pinned) or leaves
+/// no CPU.
+pub fn cpus_besides(taken: &[usize]) -> Vec<usize> {
+    if taken.is_empty() {
+        return Vec::new();
+    }
+    allowed_cpus().into_iter().filter(|c| !taken.contains(c)).collect()
 }
 
 #[cfg(target_os = "linux")]
@@ -112,15 +128,17 @@ mod imp {
         }
     }
 
-    pub fn pin_current_thread(cpu: usize) -> bool {
-        if cpu >= libc::CPU_SETSIZE as usize {
+    pub fn restrict_current_thread(cpus: &[usize]) -> bool {
+        if cpus.iter().any(|&c| c >= libc::CPU_SETSIZE as usize) {
             return false;
         }
-        // SAFETY: as above; `CPU_SET` writes bit `cpu`, checked in bounds; pid 0 is the
-        // calling thread, and the set is only read by the call.
+        // SAFETY: as above; `CPU_SET` writes bit `c`, checked in bounds; pid 0 is the calling
+        // thread, and the set is only read by the call.
         unsafe {
             let mut set: libc::cpu_set_t = std::mem::zeroed();
-            libc::CPU_SET(cpu, &mut set);
+            for &c in cpus {
+                libc::CPU_SET(c, &mut set);
+            }
             libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
         }
     }
@@ -132,7 +150,7 @@ mod imp {
         Vec::new()
     }
 
-    pub fn pin_current_thread(_cpu: usize) -> bool {
+    pub fn restrict_current_thread(_cpus: &[usize]) -> bool {
         false
     }
 }
@@ -152,6 +170,24 @@ mod tests {
         for (i, mask) in seen.iter().enumerate() {
             assert_eq!(mask, &vec![cpus[i % cpus.len()]], "thread {i}'s mask");
         }
+    }
+
+    #[test]
+    #[cfg(target_os = "linux")]
+    fn a_thread_restricted_to_the_cpus_besides_pinned_ones_runs_only_there() {
+        let cpus = allowed_cpus();
+        assert!(cpus_besides(&[]).is_empty(), "nothing pinned: no restriction");
+        let rest = cpus_besides(&[*cpus.last().unwrap()]);
+        assert_eq!(rest, cpus[..cpus.len() - 1]);
+        if !rest.is_empty() {
+            let want = rest.clone();
+            let mask = std::thread::spawn(move || {
+                assert!(restrict_current_thread(&rest));
+                allowed_cpus()
+            });
+            assert_eq!(mask.join().unwrap(), want);
+        }
+        assert!(!restrict_current_thread(&[]), "an empty set restricts nothing");
     }
 
     #[test]
