@@ -132,6 +132,10 @@ fn step<B: Backend<Buf = [f32], IBuf = [i32], WBuf = [f32]>>(be: &B, seed: u64) 
     let mut z = vec![1.0; 5];
     be.zero(&mut z);
     assert_eq!(z, [0.0; 5]);
+    // Above the parallel threshold, with a ragged last chunk.
+    let mut z = vec![1.0f32; (1 << 17) + 3];
+    be.zero(&mut z);
+    assert!(z.iter().all(|&x| x == 0.0));
     host
 }
 
