@@ -70,15 +70,19 @@ pub fn chrome_json(process: &str, spans: &[Span]) -> String {
             queue_name(q)
         );
     }
+    // Microseconds to the nanosecond, each end rounded once, so that an op that starts as
+    // the one before it ends does not overlap it in the file.
+    let us = |t: f64| (t * 1e9).round() / 1e3;
     for s in spans {
         let detail = serde_json::Value::from(format!("{:?}", s.kind));
+        let (ts, end) = (us(s.start_s), us(s.end_s));
         let _ = write!(
             out,
             ",\n{{\"ph\":\"X\",\"pid\":1,\"tid\":{},\"name\":\"{}\",\"ts\":{:.3},\"dur\":{:.3},\"args\":{{\"step\":{},\"op\":{},\"kind\":{detail}}}}}",
             s.queue.index(),
             kind_name(&s.kind),
-            s.start_s * 1e6,
-            (s.end_s - s.start_s).max(0.0) * 1e6,
+            ts,
+            (end - ts).max(0.0),
             s.step,
             s.op
         );
