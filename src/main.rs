@@ -51,8 +51,8 @@ enum Command {
         /// Override `engine.recompute`: auto, always or never.
         #[arg(long)]
         recompute: Option<String>,
-        /// Write when each op ran, every step, to this file as a Chrome trace (open it in
-        /// Perfetto or chrome://tracing; compare with `plan --hardware this-cpu --trace`).
+        /// Write when each op ran, in the first 100 steps, to this file as a Chrome trace (open
+        /// it in Perfetto or chrome://tracing; compare with `plan --hardware this-cpu --trace`).
         #[arg(long, value_name = "FILE")]
         trace: Option<PathBuf>,
     },

@@ -934,7 +934,7 @@ where
         .with_context(|| format!("cannot create {}", metrics_path.display()))?;
     let mut progress = Progress::new(start, steps);
     if tr.cfg.trace.is_some() {
-        tr.engine.start_trace(steps - start);
+        tr.engine.start_trace((steps - start).min(crate::engine::trace::MAX_STEPS));
     }
     let mut base = tr.engine.device().stats();
     let mut base_phases = tr.engine.phase_seconds();

@@ -25,6 +25,10 @@ use horizon_backend::Queue;
 
 use crate::engine::plan::OpKind;
 
+/// The most steps a run traces (its first): 100 steps of a schedule of a thousand ops are
+/// 1.6 MB of marks and a file of about 20 MB.
+pub const MAX_STEPS: usize = 100;
+
 /// One op's slice of a trace, in seconds from the trace's origin.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Span {
