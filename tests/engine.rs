@@ -428,7 +428,9 @@ fn the_host_queue_thread_runs_beside_its_pool() {
             engine.device().host_on(q, Box::new(move || tx.send((q, allowed_cpus())).unwrap()));
         }
         engine.device().synchronize();
-        for (q, mask) in rx.try_iter() {
+        let masks: Vec<_> = rx.try_iter().collect();
+        assert_eq!(masks.len(), Queue::ALL.len(), "every queue ran its probe");
+        for (q, mask) in masks {
             let want = match (pin, q) {
                 (false, _) => all.clone(),
                 (true, Queue::Host) => vec![*all.last().unwrap()],

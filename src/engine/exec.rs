@@ -710,31 +710,27 @@ pub struct Engine<D: Device> {
     trace: Option<(Arc<OpMarks>, u64)>,
 }
 
-/// Where the queues' own threads run, once the host threads are pinned to `host_cpus` (none:
-/// they run free, and so do these). The host queue's thread, which hands each host op to the
-/// pool and is blocked while the pool works, runs beside the pool's first thread: handed
-/// across CPUs, an op waited for an idle CPU to wake and its reply for another, 80-90 us on
-/// this project's virtual machine against 6-7 on one CPU (`examples/wake_probe`). The other
-/// queues' threads (the CUDA device's dispatchers, the CPU device's copy threads and its
-/// kernels' dispatcher) run on the CPUs the host threads leave, where there are any: an
-/// unpinned copy thread of the CPU device, woken onto the host thread's CPU, took half of it
-/// for its memcpy, and a gradient accumulation beside it 910-960 us against 480-520.
-fn place_queue_threads<D: Device>(dev: &D, host_cpus: &[usize]) {
-    if let Some(&cpu) = host_cpus.first() {
+/// Places the queues' own threads as [`threads::QueueCpus`] says. Handed across CPUs, a host
+/// op waited for an idle CPU to wake and its reply for another, 80-90 us on this project's
+/// virtual machine against 6-7 on one CPU (`examples/wake_probe`); an unpinned copy thread of
+/// the CPU device, woken onto the host thread's CPU, took half of it for its memcpy, and a
+/// gradient accumulation beside it 910-960 us against 480-520. The others are the CUDA
+/// device's dispatchers, the CPU device's copy threads and its kernels' dispatcher.
+fn place_queue_threads<D: Device>(dev: &D, cpus: threads::QueueCpus) {
+    if let Some(cpu) = cpus.host {
         dev.host(Box::new(move || {
             threads::pin_current_thread(cpu);
         }));
     }
-    let rest = threads::cpus_besides(host_cpus);
-    if rest.is_empty() {
+    if cpus.others.is_empty() {
         return;
     }
     for q in [Queue::Compute, Queue::H2D, Queue::D2H] {
-        let rest = rest.clone();
+        let others = cpus.others.clone();
         dev.host_on(
             q,
             Box::new(move || {
-                threads::restrict_current_thread(&rest);
+                threads::restrict_current_thread(&others);
             }),
         );
     }
@@ -805,7 +801,8 @@ where
                 .with_context(|| format!("cannot start the {host_threads} host threads"))?,
         );
         dev.host_threads(host_pool.clone());
-        place_queue_threads(&dev, &threads::cpus_of(host_threads, placement));
+        let host_cpus = threads::cpus_of(host_threads, placement);
+        place_queue_threads(&dev, threads::QueueCpus::beside(&host_cpus));
         let schedule = Schedule::new(shape);
         let DeviceBuffers {
             slots,
@@ -1086,8 +1083,8 @@ where
     /// when the step is traced.
     fn mark(&self, queue: Queue, k: u64, j: usize, end: bool) {
         let Some((marks, from)) = &self.trace else { return };
-        let step = k.saturating_sub(*from) as usize;
-        if k >= *from && marks.covers(step) {
+        let Some(step) = k.checked_sub(*from).map(|s| s as usize) else { return };
+        if marks.covers(step) {
             let marks = marks.clone();
             self.dev.host_on(queue, Box::new(move || marks.mark(step, j, end)));
         }

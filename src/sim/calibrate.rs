@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use horizon_backend::bf16::{Bf16, add_bf16, expand_bf16, round_to_bf16};
 use horizon_backend::cpu::add_inplace;
-use horizon_backend::threads::{self, Placement};
+use horizon_backend::threads::{self, Placement, QueueCpus};
 use horizon_backend::{Backend, CpuBackend, Dinp, Queue};
 
 use crate::model::layout::ModelLayout;
@@ -269,8 +269,8 @@ pub struct HostMeasured {
     /// first use.
     arenas: RefCell<(Vec<f32>, Vec<f32>)>,
     dispatch_s: f64,
-    /// Where the copy queues' threads run: the CPUs the host threads leave (empty: anywhere).
-    copy_cpus: Vec<usize>,
+    /// Where the engine's queue threads run beside this pool's threads.
+    queues: QueueCpus,
 }
 
 /// The median time of `f` over `sets` buffers in turn (each run on the next), after one
@@ -314,10 +314,11 @@ impl HostMeasured {
         let placement = Placement::last(threads, pin);
         let pool = threads::pool("horizon-calibrate-host", threads, placement)
             .expect("cannot start the calibration's host threads");
-        let host_cpus = threads::cpus_of(threads, placement);
-        let dispatch_s = dispatch_time(&pool, host_cpus.first().copied());
+        let queues = QueueCpus::beside(&threads::cpus_of(threads, placement));
+        let host_queue: Vec<usize> = queues.host.into_iter().collect();
+        let dispatch_s = on_thread(&host_queue, || dispatch_time(&pool));
         HostMeasured {
-            copy_cpus: threads::cpus_besides(&host_cpus),
+            queues,
             pool,
             layout: layout.clone(),
             memo: RefCell::default(),
@@ -335,12 +336,7 @@ impl HostMeasured {
     /// `f`, run on a thread placed as the engine places the copy queues' threads (on the CPUs
     /// the host threads leave, when pinned).
     fn on_copy_thread(&self, f: impl FnOnce() -> f64 + Send) -> f64 {
-        let cpus = &self.copy_cpus;
-        let run = move || {
-            threads::restrict_current_thread(cpus);
-            f()
-        };
-        std::thread::scope(|s| s.spawn(run).join().expect("a calibration copy panicked"))
+        on_thread(&self.queues.others, f)
     }
 
     /// Seconds of `pass` over `n` elements, measured.
@@ -392,35 +388,38 @@ impl HostMeasured {
     }
 }
 
-/// What handing one op to `pool` costs beyond its work, from a thread placed as the engine
-/// places the host queue's (beside the pool's first thread, on `caller`, when pinned): the
-/// median of several, each after the pool has gone idle (its workers asleep, as between the
-/// host queue's ops), each op 200 us of spinning so that the reply, too, finds its thread
-/// asleep. Handed across CPUs of this project's virtual machine it costs 80-90 us, on one 6-7
-/// (`examples/wake_probe`).
-fn dispatch_time(pool: &rayon::ThreadPool, caller: Option<usize>) -> f64 {
-    const WORK: Duration = Duration::from_micros(200);
-    let probe = || {
-        if let Some(cpu) = caller {
-            threads::pin_current_thread(cpu);
-        }
-        let mut t: Vec<f64> = (0..4 * REPS)
-            .map(|_| {
-                std::thread::sleep(Duration::from_millis(2));
-                let t0 = Instant::now();
-                pool.install(|| {
-                    let w = Instant::now();
-                    while w.elapsed() < WORK {
-                        std::hint::spin_loop();
-                    }
-                });
-                (t0.elapsed().saturating_sub(WORK)).as_secs_f64()
-            })
-            .collect();
-        t.sort_by(f64::total_cmp);
-        t[t.len() / 2]
+/// `f`, run on a thread of its own restricted to `cpus` (empty: anywhere).
+fn on_thread(cpus: &[usize], f: impl FnOnce() -> f64 + Send) -> f64 {
+    let run = move || {
+        threads::restrict_current_thread(cpus);
+        f()
     };
-    std::thread::scope(|s| s.spawn(probe).join().expect("the dispatch probe panicked"))
+    std::thread::scope(|s| s.spawn(run).join().expect("a calibration thread panicked"))
+}
+
+/// What handing one op to `pool` costs beyond its work, from the calling thread (placed as the
+/// engine places the host queue's: beside the pool's first thread, when pinned): the median of
+/// several, each after the pool has gone idle (its workers asleep, as between the host queue's
+/// ops), each op 200 us of spinning so that the reply, too, finds its thread asleep. Handed
+/// across CPUs of this project's virtual machine it costs 80-90 us, on one 6-7
+/// (`examples/wake_probe`).
+fn dispatch_time(pool: &rayon::ThreadPool) -> f64 {
+    const WORK: Duration = Duration::from_micros(200);
+    let mut t: Vec<f64> = (0..4 * REPS)
+        .map(|_| {
+            std::thread::sleep(Duration::from_millis(2));
+            let t0 = Instant::now();
+            pool.install(|| {
+                let w = Instant::now();
+                while w.elapsed() < WORK {
+                    std::hint::spin_loop();
+                }
+            });
+            t0.elapsed().saturating_sub(WORK).as_secs_f64()
+        })
+        .collect();
+    t.sort_by(f64::total_cmp);
+    t[t.len() / 2]
 }
 
 /// AdamW over `n` elements as the host queue runs it (the engine's [`Moments`]).

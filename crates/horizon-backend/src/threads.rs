@@ -113,6 +113,25 @@ pub fn cpus_besides(taken: &[usize]) -> Vec<usize> {
     allowed_cpus().into_iter().filter(|c| !taken.contains(c)).collect()
 }
 
+/// Where the queues' own threads run beside host threads pinned to `host_cpus` (empty: they
+/// run free, and so do these). The engine places its queues so, and the `this-cpu`
+/// calibration times their work on threads placed the same way.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct QueueCpus {
+    /// The host queue's thread, which hands each host op to the host pool and is blocked while
+    /// the pool works: on the pool's first thread's CPU, so that the hand-off and its reply
+    /// wake no other CPU.
+    pub host: Option<usize>,
+    /// Every other queue's thread: on the CPUs the host threads leave (empty: anywhere).
+    pub others: Vec<usize>,
+}
+
+impl QueueCpus {
+    pub fn beside(host_cpus: &[usize]) -> Self {
+        QueueCpus { host: host_cpus.first().copied(), others: cpus_besides(host_cpus) }
+    }
+}
+
 #[cfg(target_os = "linux")]
 mod imp {
     pub fn allowed_cpus() -> Vec<usize> {
