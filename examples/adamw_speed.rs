@@ -19,7 +19,8 @@
 //!   read: 12.
 //! - `accumulate_bf16`: `acc += f32(x)` of a bf16 slab into fp32 (`bf16::add_bf16`): 10.
 //! - `round_bf16`: fp32 -> bf16 (`bf16::round_to_bf16`): 4 read, 2 written: 6.
-//! - `memcpy` (printed for reference, not in the JSON): one fp32 slab copied in parallel: 8.
+//! - `memcpy`: one fp32 slab copied (per core: `HostRates::copy_gbps`; on all threads: about
+//!   the memory bandwidth a profile's `host.mem_gbps` wants): 8.
 
 use std::time::Instant;
 
@@ -98,7 +99,7 @@ fn slab_ops<'a>(n: usize, g: &'a [f32]) -> Vec<Op<'a>> {
         Op { key: "accumulate_f32", bytes: 12.0, json: true, run: Box::new(f32_acc) },
         Op { key: "accumulate_bf16", bytes: 10.0, json: true, run: Box::new(bf16_acc) },
         Op { key: "round_bf16", bytes: 6.0, json: true, run: Box::new(round) },
-        Op { key: "memcpy", bytes: 8.0, json: false, run: Box::new(memcpy) },
+        Op { key: "memcpy", bytes: 8.0, json: true, run: Box::new(memcpy) },
     ]
 }
 

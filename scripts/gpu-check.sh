@@ -3,7 +3,9 @@
 # `horizon bench` on a Qwen2.5-7B-shaped random model (~16K tokens per step) and on a model
 # deeper than the first; prints tokens/s, model TFLOP/s, MFU against 989 dense bf16 TFLOP/s
 # (H100/H200 SXM), H2D and D2H GB/s, the compute stream's idle fraction and peak device memory
-# against the plan.
+# against the plan. Each benchmark is set beside its projection (`horizon plan --hardware`) on
+# HW_PROFILE and, where PyTorch sees the GPU, on a profile of this machine made from its measured
+# ceilings (bench/gpu_ceilings.py, adamw_speed, bench/lent_profile.py: OUT/lent.yaml).
 #
 # Usage:
 #   scripts/gpu-check.sh                    # with cargo: build (release, --features cuda), test, bench
@@ -12,8 +14,13 @@
 #                                           # machine without Rust
 #   DIR/gpu-check.sh                        # on the GPU machine: runs what DIR holds
 # Environment: HORIZON_BIN (the horizon binary), TEST_BIN_DIR (test executables cuda_*),
-# BENCH_STEPS (default 3, after one warm-up step), OUT (default out/gpu-check), GRAD_WIRE
-# (engine.grad_wire of the benchmarks: fp32, the default, or bf16), WEIGHT_UPLOAD
+# BENCHES (the benchmarks to run, of "qwen7b-shape deep"; default both), LAYERS_7B (the 7B
+# shape's depth; default as many of its 28 layers as host RAM holds), TEST_TIMEOUT (seconds for
+# each test executable, default 600), BENCH_TIMEOUT (seconds for each benchmark run, default
+# 3600), BENCH_STEPS (default 3, after one warm-up step), OUT
+# (default out/gpu-check), GRAD_WIRE
+# (engine.grad_wire of the benchmarks: fp32, the default, or bf16), OPT_MEMORY
+# (optimizer.memory of the benchmarks: lean, the default, or exact), WEIGHT_UPLOAD
 # (engine.weight_upload of the benchmarks: auto, the default, image, round or staged),
 # DEVICE_MEMORY (device.memory of the benchmarks: auto, the default, which recomputes every
 # layer's internals; a size such as 120GiB lets engine.recompute: auto keep as many layers'
@@ -39,6 +46,7 @@ if [[ "${1:-}" == "--bundle" ]]; then
     cd "$ROOT"
     cargo build --release --locked --features cuda
     cp target/release/horizon "$DIR/"
+    strip "$DIR/horizon" 2>/dev/null || true
     cargo test --release --locked --features cuda --no-run --message-format=json \
         -p horizon-backend -p horizon 2>/dev/null \
         | python3 -c '
@@ -48,11 +56,22 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"].startswith("cuda_"):
         print(m["executable"])' \
         | while read -r exe; do cp "$exe" "$DIR/tests/$(basename "$exe" | sed 's/-[0-9a-f]*$//')"; done
+    # Without debug information the binaries are a tenth of the size (about 30 MB in all), so a
+    # bundle travels where transfers are limited.
+    strip "$DIR"/tests/* 2>/dev/null || true
+    # The host rates of a profile of the machine (below).
+    cargo build --release --locked --example adamw_speed
+    cp target/release/examples/adamw_speed "$DIR/"
+    strip "$DIR/adamw_speed" 2>/dev/null || true
     cp "$0" "$DIR/gpu-check.sh"
-    cp bench/compare_trace.py "$DIR/"
+    cp bench/compare_trace.py bench/gpu_ceilings.py bench/lent_profile.py "$DIR/"
     # The engine tests find their fixtures at the build machine's path (CARGO_MANIFEST_DIR):
-    # ship them, and the path, so the run can link them there.
-    [[ -d tests/fixtures ]] && cp -r tests/fixtures "$DIR/"
+    # ship them, and the path, so the run can link them there. A bundle inside the checkout
+    # finds them in the checkout (below) and does not copy them.
+    case "$(cd "$DIR" && pwd)/" in
+        "$ROOT"/*) ;;
+        *) [[ -d tests/fixtures ]] && cp -r tests/fixtures "$DIR/" ;;
+    esac
     echo "$ROOT" > "$DIR/manifest_dir"
     echo "bundle in $DIR: $(ls "$DIR" "$DIR/tests" | tr '\n' ' ')"
     exit 0
@@ -69,6 +88,7 @@ for lib in libcuda.so.1 libnvrtc.so.13 libcublas.so.13 libcublasLt.so.13; do
     fi
 done
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "nvidia-smi: not available" >&2
+echo "host: $(nproc) CPUs ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')), $(awk '/MemTotal|MemAvailable/ {printf "%s %.1f GiB  ", $1, $2 / 1048576}' /proc/meminfo)"
 
 # ---- binaries ------------------------------------------------------------------------------
 if [[ -z "${HORIZON_BIN:-}" && -x "$HERE/horizon" ]]; then HORIZON_BIN="$HERE/horizon"; fi
@@ -81,10 +101,12 @@ if [[ -z "${HORIZON_BIN:-}" ]]; then
 fi
 
 echo "== parity tests"
-if [[ -f "$HERE/manifest_dir" && -d "$HERE/fixtures" ]]; then
+fixtures="$HERE/fixtures"
+[[ -d "$fixtures" ]] || fixtures="$ROOT/tests/fixtures"  # a bundle inside a checkout
+if [[ -f "$HERE/manifest_dir" && -d "$fixtures" ]]; then
     m="$(cat "$HERE/manifest_dir")"
     if [[ ! -e "$m/tests/fixtures" ]]; then
-        mkdir -p "$m/tests" && ln -s "$HERE/fixtures" "$m/tests/fixtures" \
+        mkdir -p "$m/tests" && ln -s "$fixtures" "$m/tests/fixtures" \
             || echo "warning: cannot link the fixtures at $m/tests/fixtures; cuda_engine will fail" >&2
     fi
 fi
@@ -92,9 +114,11 @@ if [[ -n "${TEST_BIN_DIR:-}" ]]; then
     fail=0
     for t in "$TEST_BIN_DIR"/cuda_*; do
         echo "-- $(basename "$t")"
-        (cd "$ROOT" && "$t" --test-threads=1) || fail=1
+        (cd "$ROOT" && timeout "${TEST_TIMEOUT:-600}" "$t" --test-threads=1) || fail=1
     done
-    [[ $fail == 0 ]] || { echo "parity tests FAILED" >&2; exit 1; }
+    # A failed parity test fails the check, but the benchmarks still run: their figures are
+    # worth having from a lent GPU either way.
+    [[ $fail == 0 ]] || echo "parity tests FAILED" >&2
 else
     (cd "$ROOT" && cargo test --release --locked --features cuda -p horizon-backend --test 'cuda_*' -- --test-threads=1)
     (cd "$ROOT" && cargo test --release --locked --features cuda --test 'cuda_*' -- --test-threads=1)
@@ -102,9 +126,11 @@ fi
 
 # ---- benchmarks ----------------------------------------------------------------------------
 mkdir -p "$OUT"
-status=0
+status=${fail:-0}
+BENCHES=${BENCHES:-qwen7b-shape deep}
+wanted() { [[ " $BENCHES " == *" $1 "* ]]; }
 avail_kb=$(awk '/MemAvailable/ {print $2}' /proc/meminfo)
-gpu_bytes=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 | awk '{print $1 * 1048576}')
+gpu_bytes=$( (nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null || true) | head -1 | awk '{print $1 * 1048576}')
 gpu_bytes=${gpu_bytes:-150000000000}
 
 # Host bytes per parameter: fp32 master + gradient + two moments.
@@ -128,12 +154,44 @@ DEVICE_MEMORY=${DEVICE_MEMORY:-auto}
 # (planned on the profile's GPU memory, where auto would keep internals) plans the same run.
 if [[ "$DEVICE_MEMORY" == auto ]]; then RECOMPUTE=always; else RECOMPUTE=auto; fi
 
+# optimizer.memory of the benchmarks: lean (the default, as the README's H200 projections) or exact.
+OPT_MEMORY=${OPT_MEMORY:-lean}
+
 # The profile the projection of each benchmark is made for (`horizon plan --hardware`).
 HW_PROFILE=${HW_PROFILE:-h200-pcie5}
 
-# bench/compare_trace.py: beside this script in a bundle, else in the checkout.
-COMPARE="$HERE/compare_trace.py"
-[[ -f "$COMPARE" ]] || COMPARE="$ROOT/bench/compare_trace.py"
+# bench/*.py: beside this script in a bundle, else in the checkout.
+script() { if [[ -f "$HERE/$1" ]]; then echo "$HERE/$1"; else echo "$ROOT/bench/$1"; fi; }
+COMPARE=$(script compare_trace.py)
+
+# ---- the machine's own profile ---------------------------------------------------------------
+# Its ceilings, measured here (the link each way and cuBLAS products through PyTorch, the host's
+# per-core rates and memory bandwidth through adamw_speed), as a hardware profile: each
+# benchmark is projected on it as well as on HW_PROFILE, so that the run is set beside a
+# projection of the machine it ran on.
+LENT=""
+ADAMW_SPEED="$HERE/adamw_speed"
+[[ -x "$ADAMW_SPEED" ]] || ADAMW_SPEED="$ROOT/target/release/examples/adamw_speed"
+if [[ -x "$ADAMW_SPEED" ]] && python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
+    echo "== this machine's ceilings (gpu_ceilings.py, adamw_speed)"
+    mem_gib=$(awk '/MemTotal/ {printf "%.1f", $2 / 1048576}' /proc/meminfo)
+    if python3 "$(script gpu_ceilings.py)" --json "$OUT/ceilings.json" \
+        && "$ADAMW_SPEED" 16 5 --json > "$OUT/host_rates.json" \
+        && python3 "$(script lent_profile.py)" "$OUT/ceilings.json" "$OUT/host_rates.json" \
+            "$(nproc)" "$mem_gib" > "$OUT/lent.yaml"; then
+        LENT="$OUT/lent.yaml"
+        sed 's/^/  /' "$LENT"
+    else
+        echo "  (no profile of this machine: a measurement failed)"
+    fi
+fi
+
+project() { # config profile trace -> the projection's step, busy and bound lines
+    echo "  projection (horizon plan --hardware $2):"
+    "$HORIZON_BIN" plan --config "$1" --hardware "$2" --trace "$3" 2>&1 \
+        | grep -E "projected step|busy per step|bound|^  (forward|head|backward|step boundary) " \
+        | sed 's/^/  /' || true
+}
 
 bench() { # name hidden inter layers heads kvh vocab batch mbs seq ckpt
     local name=$1 c=$2 f=$3 l=$4 h=$5 kvh=$6 v=$7 b=$8 mbs=$9 t=${10} k=${11}
@@ -141,16 +199,18 @@ bench() { # name hidden inter layers heads kvh vocab batch mbs seq ckpt
     cat > "$cfg" <<YAML
 model: {init: random, arch: qwen2, hidden_size: $c, intermediate_size: $f, num_hidden_layers: $l,
         num_attention_heads: $h, num_key_value_heads: $kvh, vocab_size: $v, rope_theta: 1000000.0,
-        tie_word_embeddings: false}
+        max_position_embeddings: 32768, tie_word_embeddings: false}
 data: {format: synthetic}
 train: {steps: $((STEPS + 1)), batch_size: $b, micro_batch_size: $mbs, max_seq_len: $t}
+optimizer: {memory: $OPT_MEMORY}
 engine: {checkpoint_every: $k, grad_slabs: 4, head_chunk_rows: 2048, grad_wire: $GRAD_WIRE,
          weight_upload: $WEIGHT_UPLOAD, recompute: $RECOMPUTE}
 device: {backend: cuda, memory: $DEVICE_MEMORY}
 output: {dir: $OUT/$name}
 YAML
     echo "== bench $name: $l layers, hidden $c, ffn $f, heads $h/$kvh, vocab $v, $b x $t tokens/step, grad_wire $GRAD_WIRE"
-    if ! "$HORIZON_BIN" bench --config "$cfg" --warmup 1 > "$OUT/$name.log" 2>&1; then
+    if ! timeout "${BENCH_TIMEOUT:-3600}" "$HORIZON_BIN" bench --config "$cfg" --warmup 1 \
+        > "$OUT/$name.log" 2>&1; then
         tail -n 30 "$OUT/$name.log"
         echo "bench $name FAILED (log: $OUT/$name.log)" >&2
         status=1
@@ -182,17 +242,20 @@ n = max(s["steps"], 1)
 print(f"  measured per step   {wall / n:.3f} s; busy: compute {s['device_compute_s'] / n:.3f} s, "
       f"h2d {s['h2d_busy_s'] / n:.3f} s, d2h {s['d2h_busy_s'] / n:.3f} s, host {s['host_busy_s'] / n:.3f} s")
 PY
-    # The projection of the same config on the machine this is meant to be (issue 17): set its
-    # step and busy times beside the measured ones above.
-    echo "  projection (horizon plan --hardware $HW_PROFILE):"
-    "$HORIZON_BIN" plan --config "$cfg" --hardware "$HW_PROFILE" --trace "$OUT/$name.plan.json" \
-        2>&1 | grep -E "projected step|busy per step|bound|^  (forward|head|backward|step boundary) " \
-        | sed 's/^/  /' || true
+    # The projection of the same config on the machine this is meant to be (issue 17), and on
+    # this machine's own profile: set their step and busy times beside the measured ones above.
+    local plan="$OUT/$name.plan.json"
+    project "$cfg" "$HW_PROFILE" "$OUT/$name.plan.json"
+    if [[ -n "$LENT" ]]; then
+        plan="$OUT/$name.lent.json"
+        project "$cfg" "$LENT" "$plan"
+    fi
     if [[ "${TRACE:-0}" == 1 ]]; then
-        echo "  traced run against the projection, op by op (OUT/$name.run.json, OUT/$name.plan.json):"
-        if "$HORIZON_BIN" bench --config "$cfg" --warmup 1 --trace "$OUT/$name.run.json" \
+        echo "  traced run against the projection on $(basename "$plan" .json), op by op:"
+        if timeout "${BENCH_TIMEOUT:-3600}" "$HORIZON_BIN" bench --config "$cfg" --warmup 1 \
+            --trace "$OUT/$name.run.json" \
             > "$OUT/$name.traced.log" 2>&1; then
-            python3 "$COMPARE" "$OUT/$name.run.json" "$OUT/$name.plan.json" 1 | sed 's/^/  /' || true
+            python3 "$COMPARE" "$OUT/$name.run.json" "$plan" 1 | sed 's/^/  /' || true
         else
             echo "  traced bench $name FAILED (log: $OUT/$name.traced.log)"
         fi
@@ -201,22 +264,27 @@ PY
 
 # Qwen2.5-7B per layer: hidden 3584, FFN 18944, 28 heads / 4 kv heads, vocab 152064; 28 layers
 # where host RAM holds fp32 masters, gradients and moments (16 bytes per parameter), fewer
-# otherwise (every layer is the same, so the per-layer figures stand).
-L7=$(layers_that_fit 3584 18944 152064 28 4)
-L7=$(( L7 < 28 ? L7 : 28 ))
-[[ $L7 -lt 28 ]] && echo "note: host RAM holds $L7 of Qwen2.5-7B's 28 layers; benchmarking $L7"
-bench qwen7b-shape 3584 18944 "$L7" 28 4 152064 8 4 2048 4
+# otherwise (every layer is the same, so the per-layer figures stand). 4 x 4096 tokens a step in
+# one micro-batch, as bench/h200/qwen2.5-7b-16k.yaml (the README's H200 projection).
+if wanted qwen7b-shape; then
+    L7=${LAYERS_7B:-$(layers_that_fit 3584 18944 152064 28 4)}
+    L7=$(( L7 < 28 ? L7 : 28 ))
+    [[ $L7 -lt 28 ]] && echo "note: benchmarking $L7 of Qwen2.5-7B's 28 layers (host RAM, or LAYERS_7B)"
+    bench qwen7b-shape 3584 18944 "$L7" 28 4 152064 4 4 4096 4
+fi
 
 # Deeper: weights several times GPU memory if host RAM allows; else the same width at twice
 # the depth of a smaller model, to show peak device memory does not grow with depth.
-LD=$(layers_that_fit 2048 8192 32000 16 4)
-need=$(python3 -c "print(int(3 * $gpu_bytes / (4 * (2048*2048*2 + 2*2048*512 + 3*2048*8192))) + 1)")
-if (( LD >= need )); then
-    bench deep 2048 8192 "$need" 16 4 32000 8 4 2048 4
-else
-    echo "note: host RAM holds $LD layers of the deep model; weights 3x GPU memory need $need: comparing depth $((LD / 2)) and $LD instead"
-    bench deep-half 2048 8192 $((LD / 2)) 16 4 32000 8 4 2048 4
-    bench deep 2048 8192 "$LD" 16 4 32000 8 4 2048 4
+if wanted deep; then
+    LD=$(layers_that_fit 2048 8192 32000 16 4)
+    need=$(python3 -c "print(int(3 * $gpu_bytes / (4 * (2048*2048*2 + 2*2048*512 + 3*2048*8192))) + 1)")
+    if (( LD >= need )); then
+        bench deep 2048 8192 "$need" 16 4 32000 8 4 2048 4
+    else
+        echo "note: host RAM holds $LD layers of the deep model; weights 3x GPU memory need $need: comparing depth $((LD / 2)) and $LD instead"
+        bench deep-half 2048 8192 $((LD / 2)) 16 4 32000 8 4 2048 4
+        bench deep 2048 8192 "$LD" 16 4 32000 8 4 2048 4
+    fi
 fi
 echo "== done: summaries and logs under $OUT"
 exit "$status"
