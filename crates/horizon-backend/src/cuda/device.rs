@@ -71,11 +71,20 @@ impl CudaDevice {
         super::probe()?;
         let ctx = context(cfg.ordinal)?;
         let gpu_name = ctx.name().unwrap_or_else(|_| "unknown GPU".to_string());
-        let stream = |what: &str| -> Result<Arc<CudaStream>, CudaError> {
-            ctx.new_stream()
+        // The copy streams outrank the compute stream: the D2H stream's kernel (a gradient's
+        // rounding to bf16 before its download) then gets multiprocessors as soon as its blocks
+        // are ready, instead of waiting behind the blocks of a long backward kernel (measured on
+        // an H200: a 7B layer's gradient download took 390 ms beside the backward, 10 ms alone).
+        // The compute stream keeps the default, lowest priority.
+        ctx.bind_to_thread().map_err(|e| CudaError::driver("binding the context", e))?;
+        let (least, greatest) = cu::stream::get_priority_range()
+            .map_err(|e| CudaError::driver("querying stream priorities", e))?;
+        let stream = |what: &str, priority: i32| -> Result<Arc<CudaStream>, CudaError> {
+            ctx.new_stream_with_priority(priority)
                 .map_err(|e| CudaError::driver(&format!("creating the {what} stream"), e))
         };
-        let streams = [stream("compute")?, stream("H2D")?, stream("D2H")?];
+        let streams =
+            [stream("compute", least)?, stream("H2D", greatest)?, stream("D2H", greatest)?];
         let kernels = Arc::new(Kernels::load(&ctx)?);
         // Products run on the compute stream only; the D2H stream launches the gradient
         // rounding and needs no cuBLAS handle.
