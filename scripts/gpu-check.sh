@@ -17,7 +17,8 @@
 # BENCHES (the benchmarks to run, of "qwen7b-shape deep"; default both), LAYERS_7B (the 7B
 # shape's depth; default as many of its 28 layers as host RAM holds), TEST_TIMEOUT (seconds for
 # each test executable, default 600), BENCH_TIMEOUT (seconds for each benchmark run, default
-# 3600), BENCH_STEPS (default 3, after one warm-up step), OUT
+# 3600), LENT_PROFILE (a profile of this machine measured before, OUT/lent.yaml of an earlier
+# run: skips measuring it again), BENCH_STEPS (default 3, after one warm-up step), OUT
 # (default out/gpu-check), GRAD_WIRE
 # (engine.grad_wire of the benchmarks: fp32, the default, or bf16), OPT_MEMORY
 # (optimizer.memory of the benchmarks: lean, the default, or exact), WEIGHT_UPLOAD
@@ -53,7 +54,8 @@ if [[ "${1:-}" == "--bundle" ]]; then
 import json, sys
 for line in sys.stdin:
     m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"].startswith("cuda_"):
+    t = m.get("target", {})
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and "test" in t.get("kind", []) and t["name"].startswith("cuda_"):
         print(m["executable"])' \
         | while read -r exe; do cp "$exe" "$DIR/tests/$(basename "$exe" | sed 's/-[0-9a-f]*$//')"; done
     # Without debug information the binaries are a tenth of the size (about 30 MB in all), so a
@@ -169,10 +171,13 @@ COMPARE=$(script compare_trace.py)
 # per-core rates and memory bandwidth through adamw_speed), as a hardware profile: each
 # benchmark is projected on it as well as on HW_PROFILE, so that the run is set beside a
 # projection of the machine it ran on.
-LENT=""
+# LENT_PROFILE=FILE uses a profile measured before (OUT/lent.yaml of an earlier run) instead.
+LENT="${LENT_PROFILE:-}"
 ADAMW_SPEED="$HERE/adamw_speed"
 [[ -x "$ADAMW_SPEED" ]] || ADAMW_SPEED="$ROOT/target/release/examples/adamw_speed"
-if [[ -x "$ADAMW_SPEED" ]] && python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
+if [[ -n "$LENT" ]]; then
+    echo "== this machine's profile: $LENT (LENT_PROFILE)"
+elif [[ -x "$ADAMW_SPEED" ]] && python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
     echo "== this machine's ceilings (gpu_ceilings.py, adamw_speed)"
     mem_gib=$(awk '/MemTotal/ {printf "%.1f", $2 / 1048576}' /proc/meminfo)
     if python3 "$(script gpu_ceilings.py)" --json "$OUT/ceilings.json" \
