@@ -116,11 +116,427 @@ extern "C" __global__ void attention_forward(float* out, float* lse, const float
     }
 }
 
+// ---- The tiled forward: D <= 128, D % 4 == 0, 16-byte aligned rows -------------------------
+// The same function as attention_forward, computed as an SGEMM computes a product: 64 query
+// rows of one head per block, 256 threads as 16 x 16. Thread (ty, tx) holds the scores of rows
+// ty*4..ty*4+3 against keys tx*4..tx*4+3 of each 64-key tile in registers (a 4 x 4 tile: two
+// 16-byte shared loads feed 16 FMAs, where the warp-per-row kernel needs two loads per FMA), and
+// the output of its 4 rows at columns tx*4 + 64u (u = 0, 1). Q and K are kept transposed in
+// shared memory (element (i, k) at [k][i]) so that those loads are 16 bytes; P goes through
+// shared memory, transposed, to the P V product. A row's softmax statistics are reduced over
+// the 16 threads of its half-warp. The latest query blocks, which see the most keys, start
+// first. Shared: (3 * 64 * D + 64 * 64) floats. Launcher: attention_forward in
+// src/cuda/attention.rs, which falls back to the kernel above for other shapes.
+
+#define FQ 64
+#define FK 64
+
+struct __align__(16) f4 {
+    float x, y, z, w;
+};
+
+__device__ __forceinline__ float f4_at(const f4& v, int e) { return e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w; }
+
+// Max and sum over the 16 threads of a half-warp (xor butterflies: every lane gets the same bits).
+__device__ float half_max(float v) {
+    for (int o = 8; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+__device__ float half_sum(float v) {
+    for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Rows r0..r0+rows of sequence b (at column `col` of rows of `width`), D = 4*d4 wide, into
+// `dst` transposed: element (r, k) at dst[k * rows + r]; rows past T are 0.
+__device__ void load_transposed(float* dst, const float* base, long long b_row0, int r0, int rows,
+                                int t, int width, int col, int d4) {
+    for (int idx = threadIdx.x; idx < rows * d4; idx += blockDim.x) {
+        int r = idx % rows, k4 = idx / rows;
+        f4 v = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (r0 + r < t) v = *(const f4*)(base + (b_row0 + r0 + r) * width + col + 4 * k4);
+        dst[(4 * k4 + 0) * rows + r] = v.x;
+        dst[(4 * k4 + 1) * rows + r] = v.y;
+        dst[(4 * k4 + 2) * rows + r] = v.z;
+        dst[(4 * k4 + 3) * rows + r] = v.w;
+    }
+}
+
+// The same rows, row-major (dst[r * D + k]); rows past T are 0.
+__device__ void load_rows(float* dst, const float* base, long long b_row0, int r0, int rows, int t,
+                          int width, int col, int d4) {
+    for (int idx = threadIdx.x; idx < rows * d4; idx += blockDim.x) {
+        int r = idx / d4, k4 = idx % d4;
+        f4 v = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (r0 + r < t) v = *(const f4*)(base + (b_row0 + r0 + r) * width + col + 4 * k4);
+        *(f4*)(dst + r * 4 * d4 + 4 * k4) = v;
+    }
+}
+
+// out (N, H*D), lse (B, H, T): overwrite. grid (ceil(T/FQ), H, B), block 256 threads.
+extern "C" __global__ void attention_forward_tiled(float* out, float* lse, const float* qkv,
+                                                   int t, int h, int kvh, int d, int window,
+                                                   float scale) {
+    extern __shared__ __align__(16) float smem[];
+    float* qt = smem;         // [D][FQ]
+    float* kt = qt + d * FQ;  // [D][FK]
+    float* vs = kt + d * FK;  // [FK][D]
+    float* pt = vs + FK * d;  // [FK][FQ]
+    int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    int hi = blockIdx.y, bi = blockIdx.z;
+    int width = (h + 2 * kvh) * d, d4 = d / 4;
+    int g = hi / (h / kvh);
+    long long row0 = (long long)bi * t;
+    int i0 = (gridDim.x - 1 - blockIdx.x) * FQ;
+    int ilast = min(i0 + FQ, t) - 1;
+    const float NEG_INF = -__int_as_float(0x7f800000);
+    load_transposed(qt, qkv, row0, i0, FQ, t, width, hi * d, d4);
+    float o[4][8], m[4], l[4];
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        m[r] = NEG_INF;
+        l[r] = 0.0f;
+#pragma unroll
+        for (int c = 0; c < 8; c++) o[r][c] = 0.0f;
+    }
+    for (int j0 = window_lo(i0, window) / FK * FK; j0 <= ilast; j0 += FK) {
+        __syncthreads();  // the last tile's kt, vs and pt are no longer read
+        load_transposed(kt, qkv, row0, j0, FK, t, width, (h + g) * d, d4);
+        load_rows(vs, qkv, row0, j0, FK, t, width, (h + kvh + g) * d, d4);
+        __syncthreads();
+        float s[4][4];
+#pragma unroll
+        for (int r = 0; r < 4; r++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) s[r][c] = 0.0f;
+        for (int k = 0; k < d; k++) {
+            f4 a = *(const f4*)(qt + k * FQ + ty * 4);
+            f4 b = *(const f4*)(kt + k * FK + tx * 4);
+#pragma unroll
+            for (int r = 0; r < 4; r++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) s[r][c] += f4_at(a, r) * f4_at(b, c);
+        }
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            int i = i0 + ty * 4 + r, lo = window_lo(i, window);
+            float tmax = NEG_INF;
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                int j = j0 + tx * 4 + c;
+                bool seen = i < t && j >= lo && j <= i;
+                s[r][c] = seen ? s[r][c] * scale : NEG_INF;
+                tmax = fmaxf(tmax, s[r][c]);
+            }
+            float m_new = fmaxf(m[r], half_max(tmax));
+            // A row that sees no key of this tile (yet) keeps its state.
+            float corr = m_new == NEG_INF ? 1.0f : expf(m[r] - m_new);
+            float psum = 0.0f;
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                float p = s[r][c] == NEG_INF ? 0.0f : expf(s[r][c] - m_new);
+                pt[(tx * 4 + c) * FQ + ty * 4 + r] = p;
+                psum += p;
+            }
+            l[r] = l[r] * corr + half_sum(psum);
+            m[r] = m_new;
+#pragma unroll
+            for (int c = 0; c < 8; c++) o[r][c] *= corr;
+        }
+        __syncthreads();
+        int jn = min(FK, ilast - j0 + 1);
+        for (int jj = 0; jj < jn; jj++) {
+            f4 p = *(const f4*)(pt + jj * FQ + ty * 4);
+#pragma unroll
+            for (int u = 0; u < 2; u++) {
+                int col = tx * 4 + 64 * u;
+                if (col < d) {
+                    f4 v = *(const f4*)(vs + jj * d + col);
+#pragma unroll
+                    for (int r = 0; r < 4; r++) {
+                        float pr = f4_at(p, r);
+                        o[r][4 * u + 0] += pr * v.x;
+                        o[r][4 * u + 1] += pr * v.y;
+                        o[r][4 * u + 2] += pr * v.z;
+                        o[r][4 * u + 3] += pr * v.w;
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        int i = i0 + ty * 4 + r;
+        if (i >= t) continue;
+        float inv = 1.0f / l[r];
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            int col = tx * 4 + 64 * u;
+            if (col < d) {
+                f4 v = {o[r][4 * u] * inv, o[r][4 * u + 1] * inv, o[r][4 * u + 2] * inv,
+                        o[r][4 * u + 3] * inv};
+                *(f4*)(out + (row0 + i) * h * d + hi * d + col) = v;
+            }
+        }
+        if (tx == 0) lse[((long long)bi * h + hi) * t + i] = m[r] + logf(l[r]);
+    }
+}
+
+// Rows r0..r0+rows (as load_transposed), both transposed (dst_t[k * rows + r]) and row-major
+// (dst_r[r * D + k]), from one read.
+__device__ void load_both(float* dst_t, float* dst_r, const float* base, long long b_row0, int r0,
+                          int rows, int t, int width, int col, int d4) {
+    for (int idx = threadIdx.x; idx < rows * d4; idx += blockDim.x) {
+        int r = idx % rows, k4 = idx / rows;
+        f4 v = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (r0 + r < t) v = *(const f4*)(base + (b_row0 + r0 + r) * width + col + 4 * k4);
+        dst_t[(4 * k4 + 0) * rows + r] = v.x;
+        dst_t[(4 * k4 + 1) * rows + r] = v.y;
+        dst_t[(4 * k4 + 2) * rows + r] = v.z;
+        dst_t[(4 * k4 + 3) * rows + r] = v.w;
+        *(f4*)(dst_r + r * 4 * d4 + 4 * k4) = v;
+    }
+}
+
+// acc[a][b] += sum_k x[k][ra + a] * y[k][rb + b] over k < d: the 4 x 4 register tile of a
+// product of two transposed shared tiles (x of xr rows, y of yr rows).
+__device__ __forceinline__ void tile_product(float acc[4][4], const float* x, int xr, int ra, const float* y,
+                             int yr, int rb, int d) {
+    for (int k = 0; k < d; k++) {
+        f4 a = *(const f4*)(x + k * xr + ra);
+        f4 b = *(const f4*)(y + k * yr + rb);
+#pragma unroll
+        for (int r = 0; r < 4; r++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) acc[r][c] += f4_at(a, r) * f4_at(b, c);
+    }
+}
+
+// acc[a][4u + e] += sum_{m < mn} w[m][ra + a] * rows[m][cb + 64u + e]: a thread's 4 rows x 8
+// columns of (W^T R) for W (mn x 64, shared) and R (mn x D, row-major shared).
+__device__ __forceinline__ void rows_product(float acc[4][8], const float* w, int ra, const float* rows, int cb,
+                             int mn, int d) {
+    for (int m = 0; m < mn; m++) {
+        f4 p = *(const f4*)(w + m * 64 + ra);
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            int col = cb + 64 * u;
+            if (col < d) {
+                f4 v = *(const f4*)(rows + m * d + col);
+#pragma unroll
+                for (int r = 0; r < 4; r++) {
+                    float pr = f4_at(p, r);
+                    acc[r][4 * u + 0] += pr * v.x;
+                    acc[r][4 * u + 1] += pr * v.y;
+                    acc[r][4 * u + 2] += pr * v.z;
+                    acc[r][4 * u + 3] += pr * v.w;
+                }
+            }
+        }
+    }
+}
+
+// Writes a thread's 4 rows x 8 columns (columns cb + 64u + e) of row-major (.., stride) at
+// rows r0 + ra + a, times `mul`, for rows below t.
+__device__ __forceinline__ void store_rows(float* dst, long long b_row0, int r0, int ra, int t, int stride,
+                           int col0, int cb, int d, const float acc[4][8], float mul) {
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        int i = r0 + ra + r;
+        if (i >= t) continue;
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            int col = cb + 64 * u;
+            if (col < d) {
+                f4 v = {acc[r][4 * u] * mul, acc[r][4 * u + 1] * mul, acc[r][4 * u + 2] * mul,
+                        acc[r][4 * u + 3] * mul};
+                *(f4*)(dst + (b_row0 + i) * stride + col0 + col) = v;
+            }
+        }
+    }
+}
+
+// ---- The tiled backward: the shapes of the tiled forward -----------------------------------
+// dq, then dk and dv, as attention_backward_dq and _dkv compute them, with the tiled forward's
+// 4 x 4 register tiles: dq per 64-query block over 64-key tiles (S and dP as products of
+// transposed tiles, dS through shared memory to dQ += dS K); dk and dv per 64-key block over
+// the 64-query tiles of every query head of its group (S^T and dP^T likewise, P^T and dS^T
+// through shared memory to dV += P^T dO and dK += dS^T Q). delta (B, H, T) comes from
+// attention_delta. No atomics: every output element is summed by one thread in a fixed order.
+
+// dq part of dqkv: overwrites. grid (ceil(T/64), H, B), block 256, dynamic shared
+// (5 * 64 * D + 64 * 64 + 128) floats.
+extern "C" __global__ void attention_backward_dq_tiled(float* dqkv, const float* dout,
+                                                       const float* qkv, const float* delta,
+                                                       const float* lse, int t, int h, int kvh,
+                                                       int d, int window, float scale) {
+    extern __shared__ __align__(16) float smem[];
+    float* qt = smem;          // [D][64] queries, transposed
+    float* dot_ = qt + 64 * d;  // [D][64] dout, transposed
+    float* kt = dot_ + 64 * d;  // [D][64] keys, transposed
+    float* vt = kt + 64 * d;   // [D][64] values, transposed
+    float* ks = vt + 64 * d;   // [64][D] keys, row-major
+    float* dst = ks + 64 * d;  // [64 keys][64 queries] dS, transposed
+    float* lse_t = dst + 64 * 64;
+    float* delta_t = lse_t + 64;
+    int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    int hi = blockIdx.y, bi = blockIdx.z;
+    int width = (h + 2 * kvh) * d, d4 = d / 4;
+    int g = hi / (h / kvh);
+    long long row0 = (long long)bi * t;
+    int i0 = (gridDim.x - 1 - blockIdx.x) * 64;
+    int ilast = min(i0 + 64, t) - 1;
+    load_transposed(qt, qkv, row0, i0, 64, t, width, hi * d, d4);
+    load_transposed(dot_, dout, row0, i0, 64, t, h * d, hi * d, d4);
+    if (threadIdx.x < 64) {
+        int i = i0 + threadIdx.x;
+        long long at = ((long long)bi * h + hi) * t + i;
+        lse_t[threadIdx.x] = i < t ? lse[at] : 0.0f;
+        delta_t[threadIdx.x] = i < t ? delta[at] : 0.0f;
+    }
+    float dq[4][8];
+#pragma unroll
+    for (int r = 0; r < 4; r++)
+#pragma unroll
+        for (int c = 0; c < 8; c++) dq[r][c] = 0.0f;
+    for (int j0 = window_lo(i0, window) / 64 * 64; j0 <= ilast; j0 += 64) {
+        __syncthreads();  // the last tile's kt, vt, ks and dst are no longer read
+        load_both(kt, ks, qkv, row0, j0, 64, t, width, (h + g) * d, d4);
+        load_transposed(vt, qkv, row0, j0, 64, t, width, (h + kvh + g) * d, d4);
+        __syncthreads();
+        float sc[4][4], dp[4][4];
+#pragma unroll
+        for (int r = 0; r < 4; r++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) sc[r][c] = dp[r][c] = 0.0f;
+        tile_product(sc, qt, 64, ty * 4, kt, 64, tx * 4, d);
+        tile_product(dp, dot_, 64, ty * 4, vt, 64, tx * 4, d);
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            int il = ty * 4 + r, i = i0 + il, lo = window_lo(i, window);
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                int j = j0 + tx * 4 + c;
+                float ds = 0.0f;
+                if (i < t && j >= lo && j <= i) {
+                    float p = expf(sc[r][c] * scale - lse_t[il]);
+                    ds = p * (dp[r][c] - delta_t[il]);
+                }
+                dst[(tx * 4 + c) * 64 + il] = ds;
+            }
+        }
+        __syncthreads();
+        rows_product(dq, dst, ty * 4, ks, tx * 4, min(64, ilast - j0 + 1), d);
+    }
+    store_rows(dqkv, row0, i0, ty * 4, t, width, hi * d, tx * 4, d, dq, scale);
+}
+
+// dk and dv parts of dqkv: overwrite. grid (ceil(T/64), KVH, B), block 256, dynamic shared
+// (6 * 64 * D + 64 * 64 + 128) floats.
+extern "C" __global__ void attention_backward_dkv_tiled(float* dqkv, const float* dout,
+                                                        const float* qkv, const float* delta,
+                                                        const float* lse, int t, int h, int kvh,
+                                                        int d, int window, float scale) {
+    extern __shared__ __align__(16) float smem[];
+    float* kt = smem;          // [D][64] keys, transposed
+    float* vt = kt + 64 * d;   // [D][64] values, transposed
+    float* qt = vt + 64 * d;   // [D][64] queries, transposed
+    float* dot_ = qt + 64 * d;  // [D][64] dout, transposed
+    float* qs = dot_ + 64 * d;  // [64][D] queries, row-major
+    float* dos = qs + 64 * d;  // [64][D] dout, row-major
+    float* pt = dos + 64 * d;  // [64 queries][64 keys]: P^T, then dS^T
+    float* lse_t = pt + 64 * 64;
+    float* delta_t = lse_t + 64;
+    int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    int g = blockIdx.y, bi = blockIdx.z;
+    int width = (h + 2 * kvh) * d, d4 = d / 4;
+    int group = h / kvh;
+    long long row0 = (long long)bi * t;
+    int j0 = blockIdx.x * 64;
+    int i_end = window_hi(min(j0 + 64, t) - 1, window, t);
+    load_transposed(kt, qkv, row0, j0, 64, t, width, (h + g) * d, d4);
+    load_transposed(vt, qkv, row0, j0, 64, t, width, (h + kvh + g) * d, d4);
+    float dk[4][8], dv[4][8];
+#pragma unroll
+    for (int r = 0; r < 4; r++)
+#pragma unroll
+        for (int c = 0; c < 8; c++) dk[r][c] = dv[r][c] = 0.0f;
+    for (int hq = g * group; hq < (g + 1) * group; hq++) {
+        for (int i0 = j0; i0 < i_end; i0 += 64) {
+            __syncthreads();  // the last tile's qt, dot_, qs, dos and pt are no longer read
+            load_both(qt, qs, qkv, row0, i0, 64, t, width, hq * d, d4);
+            load_both(dot_, dos, dout, row0, i0, 64, t, h * d, hq * d, d4);
+            if (threadIdx.x < 64) {
+                int i = i0 + threadIdx.x;
+                long long at = ((long long)bi * h + hq) * t + i;
+                lse_t[threadIdx.x] = i < t ? lse[at] : 0.0f;
+                delta_t[threadIdx.x] = i < t ? delta[at] : 0.0f;
+            }
+            __syncthreads();
+            float sc[4][4], dp[4][4];
+#pragma unroll
+            for (int r = 0; r < 4; r++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) sc[r][c] = dp[r][c] = 0.0f;
+            // Rows: keys ty*4 + r; columns: queries tx*4 + c.
+            tile_product(sc, kt, 64, ty * 4, qt, 64, tx * 4, d);
+            tile_product(dp, vt, 64, ty * 4, dot_, 64, tx * 4, d);
+            float p[4][4];
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                int j = j0 + ty * 4 + r;
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    int il = tx * 4 + c, i = i0 + il;
+                    p[r][c] = 0.0f;
+                    if (i < t && j < t && j >= window_lo(i, window) && j <= i)
+                        p[r][c] = expf(sc[r][c] * scale - lse_t[il]);
+                    pt[il * 64 + ty * 4 + r] = p[r][c];
+                }
+            }
+            __syncthreads();
+            int mn = min(64, i_end - i0);
+            rows_product(dv, pt, ty * 4, dos, tx * 4, mn, d);
+            __syncthreads();  // P^T is read: dS^T takes its place
+#pragma unroll
+            for (int r = 0; r < 4; r++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    int il = tx * 4 + c;
+                    pt[il * 64 + ty * 4 + r] = p[r][c] * (dp[r][c] - delta_t[il]);
+                }
+            __syncthreads();
+            rows_product(dk, pt, ty * 4, qs, tx * 4, mn, d);
+        }
+    }
+    store_rows(dqkv, row0, j0, ty * 4, t, width, (h + g) * d, tx * 4, d, dk, scale);
+    store_rows(dqkv, row0, j0, ty * 4, t, width, (h + kvh + g) * d, tx * 4, d, dv, 1.0f);
+}
+
+// delta (B, H, T) = rowwise dout . out per head, for the backward kernels: overwrites. One warp
+// per (row, head), lanes over the head's dims, then a warp sum (the order attention_backward_dq
+// used for its own delta). grid (ceil(N*H/ROWS)), block 32*ROWS.
+extern "C" __global__ void attention_delta(float* delta, const float* dout, const float* out,
+                                           int n, int t, int h, int d) {
+    long long w = (long long)blockIdx.x * ROWS + threadIdx.x / 32;
+    int lane = threadIdx.x % 32;
+    if (w >= (long long)n * h) return;
+    long long row = w / h;
+    int hq = (int)(w % h);
+    const float* dy = dout + row * h * d + hq * d;
+    const float* y = out + row * h * d + hq * d;
+    float part = 0.0f;
+    for (int k = lane; k < d; k += 32) part += dy[k] * y[k];
+    part = warp_sum(part);
+    if (lane == 0) delta[((row / t) * h + hq) * t + row % t] = part;
+}
+
 // dq part of dqkv: overwrites. grid (ceil(T/ROWS), H, B), block 32*ROWS, dynamic shared
 // (2*TILE*(D+1) + 2*ROWS*D) floats.
 extern "C" __global__ void attention_backward_dq(float* dqkv, const float* dout, const float* qkv,
-                                                 const float* out, const float* lse, int t, int h,
-                                                 int kvh, int d, int window, float scale) {
+                                                 const float* delta_buf, const float* lse, int t,
+                                                 int h, int kvh, int d, int window, float scale) {
     extern __shared__ float smem[];
     float* ks = smem;
     float* vs = ks + TILE * (d + 1);
@@ -139,14 +555,11 @@ extern "C" __global__ void attention_backward_dq(float* dqkv, const float* dout,
     float* dy = dos + warp * d;
     float delta = 0.0f, lse_i = 0.0f;
     if (i < t) {
-        float part = 0.0f;
         for (int k = lane; k < d; k += 32) {
             q[k] = qkv[(row0 + i) * width + hi * d + k];
-            float dyk = dout[(row0 + i) * h * d + hi * d + k];
-            dy[k] = dyk;
-            part += dyk * out[(row0 + i) * h * d + hi * d + k];
+            dy[k] = dout[(row0 + i) * h * d + hi * d + k];
         }
-        delta = warp_sum(part);
+        delta = delta_buf[((long long)bi * h + hi) * t + i];
         lse_i = lse[((long long)bi * h + hi) * t + i];
     }
     float dq[MAXU];
@@ -193,7 +606,7 @@ extern "C" __global__ void attention_backward_dq(float* dqkv, const float* dout,
 // and walks the query tiles from the block's first key to one past the last query that sees the
 // block's last key (T without a window), for every query head of the group.
 extern "C" __global__ void attention_backward_dkv(float* dqkv, const float* dout,
-                                                  const float* qkv, const float* out,
+                                                  const float* qkv, const float* delta,
                                                   const float* lse, int t, int h, int kvh,
                                                   int d, int window, float scale) {
     extern __shared__ float smem[];
@@ -235,8 +648,7 @@ extern "C" __global__ void attention_backward_dkv(float* dqkv, const float* dout
                 int i = i0 + threadIdx.x;
                 float dl = 0.0f, ls = 0.0f;
                 if (i < t) {
-                    const float* dr = dot_ + threadIdx.x * (d + 1);
-                    for (int k = 0; k < d; k++) dl += dr[k] * out[(row0 + i) * h * d + hq * d + k];
+                    dl = delta[((long long)bi * h + hq) * t + i];
                     ls = lse[((long long)bi * h + hq) * t + i];
                 }
                 delta_t[threadIdx.x] = dl;

@@ -49,32 +49,40 @@ const NO_GPU_HINT: &str = "hint: without a GPU, run the CUDA tests under the CUD
 struct Guarded {
     mem: CudaMem<f32>,
     len: usize,
+    guard: usize,
     name: &'static str,
 }
 
 impl Guarded {
+    /// Guards of [`GUARD`] elements: the view starts 4-byte aligned only.
     fn new(be: &CudaBackend, name: &'static str, data: &[f32]) -> Self {
+        Self::with_guard(be, name, data, GUARD)
+    }
+    /// Guards of `guard` elements (a multiple of 4 starts the view 16-byte aligned, which
+    /// kernels with 16-byte accesses need).
+    fn with_guard(be: &CudaBackend, name: &'static str, data: &[f32], guard: usize) -> Self {
         let len = data.len();
-        let mut host = vec![f32::from_bits(SENTINEL); len + 2 * GUARD];
-        host[GUARD..GUARD + len].copy_from_slice(data);
-        let mut mem = be.alloc(len + 2 * GUARD);
+        let mut host = vec![f32::from_bits(SENTINEL); len + 2 * guard];
+        host[guard..guard + len].copy_from_slice(data);
+        let mut mem = be.alloc(len + 2 * guard);
         be.upload(&mut mem, &host);
-        Guarded { mem, len, name }
+        Guarded { mem, len, guard, name }
     }
     fn view(&self) -> &DevSlice<f32> {
-        self.mem.slice(GUARD..GUARD + self.len)
+        self.mem.slice(self.guard..self.guard + self.len)
     }
     fn view_mut(&mut self) -> &mut DevSlice<f32> {
-        self.mem.slice_mut(GUARD..GUARD + self.len)
+        self.mem.slice_mut(self.guard..self.guard + self.len)
     }
     /// The buffer's contents, after checking both guard regions are untouched.
     fn read(&self, be: &CudaBackend) -> Vec<f32> {
-        let mut host = vec![0.0; self.len + 2 * GUARD];
+        let g = self.guard;
+        let mut host = vec![0.0; self.len + 2 * g];
         be.download(&mut host, &self.mem);
-        for (i, g) in host[..GUARD].iter().chain(&host[GUARD + self.len..]).enumerate() {
-            assert_eq!(g.to_bits(), SENTINEL, "{}: guard element {i} was overwritten", self.name);
+        for (i, x) in host[..g].iter().chain(&host[g + self.len..]).enumerate() {
+            assert_eq!(x.to_bits(), SENTINEL, "{}: guard element {i} was overwritten", self.name);
         }
-        host[GUARD..GUARD + self.len].to_vec()
+        host[g..g + self.len].to_vec()
     }
 }
 
@@ -500,15 +508,28 @@ fn rope_forward_and_backward() {
 
 /// Attention forward and backward of `dims` on the GPU against the CPU (both the output and the
 /// lse; dqkv of the backward, prefilled with 9s to show it overwrites); returns the GPU's
-/// `out`, `lse` and `dqkv`.
+/// `out`, `lse` and `dqkv`. Each case runs twice: with 4-byte aligned buffers (the warp-per-row
+/// forward) and 16-byte aligned ones (the tiled forward where D is a multiple of 4 up to 128,
+/// `cuda/attention.rs`); the two must agree with the CPU alike.
 fn check_attention(be: &CudaBackend, rng: &mut Rng, dims: AttnDims) -> [Vec<f32>; 3] {
+    let seed = rng.next_u64();
+    check_attention_with(be, &mut Rng::new(seed), dims, GUARD);
+    check_attention_with(be, &mut Rng::new(seed), dims, 4 * GUARD.div_ceil(4))
+}
+
+fn check_attention_with(
+    be: &CudaBackend,
+    rng: &mut Rng,
+    dims: AttnDims,
+    guard: usize,
+) -> [Vec<f32>; 3] {
     let (n, width, hd) = (dims.n(), dims.qkv_width(), dims.h * dims.d);
     let qkv = rng.vec(n * width, 1.0);
     let (mut out, mut lse) = (vec![0.0; n * hd], vec![0.0; dims.b * dims.h * dims.t]);
     CpuBackend.attention_forward(&mut out, &mut lse, &qkv, dims);
-    let gqkv = Guarded::new(be, "qkv", &qkv);
-    let mut gout = Guarded::new(be, "out", &vec![0.0; n * hd]);
-    let mut glse = Guarded::new(be, "lse", &vec![0.0; lse.len()]);
+    let gqkv = Guarded::with_guard(be, "qkv", &qkv, guard);
+    let mut gout = Guarded::with_guard(be, "out", &vec![0.0; n * hd], guard);
+    let mut glse = Guarded::with_guard(be, "lse", &vec![0.0; lse.len()], guard);
     be.attention_forward(gout.view_mut(), glse.view_mut(), gqkv.view(), dims);
     let (got_out, got_lse) = (gout.read(be), glse.read(be));
     assert_close(&format!("attention_forward out {dims:?}"), &got_out, &out, TOL_SUM);
@@ -517,8 +538,8 @@ fn check_attention(be: &CudaBackend, rng: &mut Rng, dims: AttnDims) -> [Vec<f32>
     let dout = rng.vec(n * hd, 1.0);
     let mut dqkv = vec![0.0; n * width];
     CpuBackend.attention_backward(&mut dqkv, &dout, &qkv, &out, &lse, dims);
-    let gdout = Guarded::new(be, "dout", &dout);
-    let mut gdqkv = Guarded::new(be, "dqkv", &vec![9.0; n * width]);
+    let gdout = Guarded::with_guard(be, "dout", &dout, guard);
+    let mut gdqkv = Guarded::with_guard(be, "dqkv", &vec![9.0; n * width], guard);
     be.attention_backward(
         gdqkv.view_mut(),
         gdout.view(),
@@ -548,8 +569,10 @@ fn windowed(dims: AttnDims, window: usize, scale: f32) -> AttnDims {
 
 /// Sliding windows (1: each query sees itself only; 5 on T = 37: several tiles start past key 0
 /// and the dk/dv walk stops early; 37 on T = 129 with GQA 4:1 and D = 128: a window longer than a
-/// tile, not aligned to one) and scores scaled other than 1/sqrt(D) (Gemma's
-/// `query_pre_attn_scalar^-1/2`), against the CPU; a window of at least T is full causal.
+/// tile, not aligned to one; 70 on T = 200 with GQA 3:1: the tiled kernels' 64-row blocks
+/// start past key 0 and stop their dk/dv walk early, across four tiles) and scores scaled other
+/// than 1/sqrt(D) (Gemma's `query_pre_attn_scalar^-1/2`), against the CPU; a window of at least
+/// T is full causal.
 #[test]
 fn attention_window_and_scale() {
     let be = gpu();
@@ -557,7 +580,10 @@ fn attention_window_and_scale() {
     let d6 = AttnDims::new(2, 37, 4, 2, 6);
     let d40 = AttnDims::new(1, 37, 3, 1, 40);
     let d128 = AttnDims::new(1, 129, 4, 1, 128);
+    let d32 = AttnDims::new(2, 200, 6, 2, 32);
     for dims in [
+        d32,
+        windowed(d32, 70, d32.scale),
         windowed(d6, 1, d6.scale),
         windowed(d6, 5, d6.scale),
         windowed(d40, 1, d40.scale),

@@ -737,7 +737,8 @@ static void test_compile_errors() {
 
 // The kernels of each project file (crates/horizon-backend/src/cuda/kernels.rs, FUNCTIONS).
 static const std::vector<std::pair<const char*, std::vector<const char*>>> kProjectKernels = {
-    {"attention", {"attention_forward", "attention_backward_dq", "attention_backward_dkv"}},
+    {"attention", {"attention_forward", "attention_forward_tiled", "attention_delta", "attention_backward_dq",
+                   "attention_backward_dkv", "attention_backward_dq_tiled", "attention_backward_dkv_tiled"}},
     {"attention_decode", {"attention_decode"}},
     {"convert", {"convert_f32_to_bf16"}},
     {"cross_entropy", {"cross_entropy_forward", "cross_entropy_fused"}},

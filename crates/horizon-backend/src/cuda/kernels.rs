@@ -34,7 +34,18 @@ pub const SOURCES: [(&str, &str); 15] = [
 
 /// The `extern "C"` entry points of each source, loaded by name.
 pub const FUNCTIONS: [(&str, &[&str]); 15] = [
-    ("attention", &["attention_forward", "attention_backward_dq", "attention_backward_dkv"]),
+    (
+        "attention",
+        &[
+            "attention_forward",
+            "attention_forward_tiled",
+            "attention_delta",
+            "attention_backward_dq",
+            "attention_backward_dkv",
+            "attention_backward_dq_tiled",
+            "attention_backward_dkv_tiled",
+        ],
+    ),
     ("attention_decode", &["attention_decode"]),
     ("cols", &["add_cols", "scaled_cols"]),
     ("convert", &["convert_f32_to_bf16"]),
