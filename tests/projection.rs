@@ -139,6 +139,33 @@ fn profiles_resolve_and_a_run_that_does_not_fit_is_refused() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A GPU projection prices attention at the profile's rate (Horizon's fp32 kernels by default)
+/// and also says what a tensor-core attention would give: a shorter step, and a line naming
+/// both rates; a profile whose attention is already that fast gets no such line.
+#[test]
+fn a_gpu_projection_says_what_a_tensor_core_attention_would_give() {
+    let cfg = config(4096, 8, 16, "");
+    let p = projection(&cfg, "h200-pcie5").unwrap();
+    let line = p.text.lines().find(|l| l.contains("tensor-core attention")).unwrap_or_else(|| {
+        panic!("no tensor-core attention line:\n{}", p.text);
+    });
+    assert!(line.contains("52%") && line.contains("(2.0%)"), "{line}");
+    let step: f64 = line.split("step ").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
+    assert!(step < 0.9 * p.chosen.step_s, "{step} vs {}: {}", p.chosen.step_s, p.text);
+    let dir = std::env::temp_dir().join(format!("horizon-flash-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let f = dir.join("fast.yaml");
+    std::fs::write(
+        &f,
+        "name: fast\ngpu: {bf16_tflops: 989, hbm_gbps: 4800, memory_gib: 131, attention_efficiency: 0.6}\nlink: {h2d_gbps: 55, d2h_gbps: 55}\nhost: {cores: 112, mem_gbps: 430, memory_gib: 1536}\n",
+    )
+    .unwrap();
+    let fast = projection(&cfg, f.to_str().unwrap()).unwrap();
+    assert!(!fast.text.contains("tensor-core attention"), "{}", fast.text);
+    assert!(fast.chosen.step_s < step, "{} vs {step}", fast.chosen.step_s);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// Each head tile moves its own rows: cut into 8 tiles of 4,000 rows or into 7 of 4,400 and a
 /// last of 1,200, the head's gradients (each tile's downloaded once) take the link the same
 /// time (the cost model once priced every tile at full size, 3,200 rows more than there are).

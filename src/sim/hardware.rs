@@ -40,8 +40,9 @@ pub struct Gpu {
     /// fall off the peak.
     #[serde(default = "default_gemm_half_dim")]
     pub gemm_half_dim: f64,
-    /// Fraction of the peak the attention kernels reach (Horizon's own kernels, not
-    /// FlashAttention: stated low).
+    /// Fraction of the bf16 peak the attention kernels reach, forward and backward (the
+    /// backward costed as 2.5 forwards). Horizon's own kernels run on fp32 CUDA cores, not
+    /// tensor cores: see [`default_attention_efficiency`].
     #[serde(default = "default_attention_efficiency")]
     pub attention_efficiency: f64,
     /// Fraction of the HBM bandwidth an elementwise kernel reaches.
@@ -58,9 +59,23 @@ fn default_gemm_efficiency() -> f64 {
 fn default_gemm_half_dim() -> f64 {
     96.0
 }
+/// Horizon's fp32 attention kernels, as a fraction of a 989 TFLOP/s bf16 peak. Measured on an
+/// H200 (`examples/cuda_op_speed`, Qwen2.5-7B layer, 4 x 4096 tokens, 2026-12-04): the
+/// warp-per-row kernels ran at 4.2 TFLOP/s forward and 3.3 backward, 0.0035 of the peak over
+/// both (a projection at that rate predicted the measured 7B step within 7%). The tiled kernels
+/// that now run for D <= 128 hold 16 independent sums per thread where those held one, and
+/// feed 16 FMAs from two 16-byte shared loads where those fed one from two 4-byte loads; they
+/// are estimated at about 20 TFLOP/s (0.02: 30% of the fp32 CUDA cores' 67 TFLOP/s) until a
+/// GPU times them. A tensor-core attention would reach [`FLASH_ATTENTION_EFFICIENCY`].
 fn default_attention_efficiency() -> f64 {
-    0.35
+    0.02
 }
+
+/// What a tensor-core attention reaches: PyTorch's FlashAttention (`scaled_dot_product_attention`,
+/// bf16, causal, forward and backward, Qwen2.5-7B heads at 4 x 4096) ran at 516-520 TFLOP/s on
+/// the H200 lent on 2026-12-04 (`bench/gpu_ceilings.py`), 0.52 of the peak. `horizon plan`
+/// projects each GPU run at this rate too, to show what the rest of the plan allows.
+pub const FLASH_ATTENTION_EFFICIENCY: f64 = 0.52;
 fn default_stream_efficiency() -> f64 {
     0.8
 }

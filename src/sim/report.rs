@@ -15,7 +15,7 @@ use crate::engine::plan::Schedule;
 use crate::engine::resolve::{Machine, most_kept, resolve};
 use crate::sim::calibrate::{CpuMeasured, HostMeasured, this_cpu};
 use crate::sim::cost::{CostModel, DeviceModel, HostByRates, HostModel, UploadPath};
-use crate::sim::hardware::{BUILT_IN, Hardware, Roofline};
+use crate::sim::hardware::{BUILT_IN, FLASH_ATTENTION_EFFICIENCY, Gpu, Hardware, Roofline};
 use crate::sim::{Projection, project};
 use crate::train::{
     SeqLen, engine_config, load_datasets, model_config, recompute_words, run_layout,
@@ -169,8 +169,35 @@ pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
             if *fits { "" } else { " (its host plan does not fit this machine)" }
         )?;
     }
+    if !cpu && let Some(p) = with_flash_attention(&schedule, &base, tokens) {
+        writeln!(
+            text,
+            "  with a tensor-core attention ({:.0}% of the peak, as FlashAttention on an H200) instead of Horizon's fp32 kernels ({:.1}%): step {:.3} s, {:.0} tokens/s, MFU {:.1}%",
+            100.0 * FLASH_ATTENTION_EFFICIENCY,
+            100.0 * hw.gpu.attention_efficiency,
+            p.step_s,
+            p.tokens_per_s(),
+            100.0 * p.mfu(peak(&hw))
+        )?;
+    }
     let other = other.map(|(u, p, _)| (u, p));
     Ok(ProjectionRun { hw, ecfg, upload, chosen, other, fits, text })
+}
+
+/// The run projected with attention at [`FLASH_ATTENTION_EFFICIENCY`] of the peak, where the
+/// profile's attention is slower: the step the rest of the plan allows.
+fn with_flash_attention(
+    schedule: &Schedule,
+    base: &CostModel,
+    tokens: usize,
+) -> Option<Projection> {
+    let gpu = &base.hw.gpu;
+    if gpu.attention_efficiency >= FLASH_ATTENTION_EFFICIENCY {
+        return None;
+    }
+    let fast = Gpu { attention_efficiency: FLASH_ATTENTION_EFFICIENCY, ..gpu.clone() };
+    let device = Roofline(&fast);
+    Some(project(schedule, &CostModel { device: &device, ..*base }, tokens))
 }
 
 /// What `kept` of `layers` layers keeping their internals asks of the config, for the fastest
