@@ -16,7 +16,8 @@
 # Environment: HORIZON_BIN (the horizon binary), TEST_BIN_DIR (test executables cuda_*),
 # BENCHES (the benchmarks to run, of "qwen7b-shape deep"; default both), LAYERS_7B (the 7B
 # shape's depth; default as many of its 28 layers as host RAM holds), TEST_TIMEOUT (seconds for
-# each test executable, default 600), BENCH_TIMEOUT (seconds for each benchmark run, default
+# each test executable, default 600), OP_SPEED_RUN (0 skips examples/cuda_op_speed, the
+# per-op times of a 7B layer), BENCH_TIMEOUT (seconds for each benchmark run, default
 # 3600), LENT_PROFILE (a profile of this machine measured before, OUT/lent.yaml of an earlier
 # run: skips measuring it again), BENCH_STEPS (default 3, after one warm-up step), OUT
 # (default out/gpu-check), GRAD_WIRE
@@ -63,8 +64,9 @@ for line in sys.stdin:
     strip "$DIR"/tests/* 2>/dev/null || true
     # The host rates of a profile of the machine (below).
     cargo build --release --locked --example adamw_speed
-    cp target/release/examples/adamw_speed "$DIR/"
-    strip "$DIR/adamw_speed" 2>/dev/null || true
+    cargo build --release --locked --features cuda -p horizon-backend --example cuda_op_speed
+    cp target/release/examples/adamw_speed target/release/examples/cuda_op_speed "$DIR/"
+    strip "$DIR/adamw_speed" "$DIR/cuda_op_speed" 2>/dev/null || true
     cp "$0" "$DIR/gpu-check.sh"
     cp bench/compare_trace.py bench/gpu_ceilings.py bench/lent_profile.py "$DIR/"
     # The engine tests find their fixtures at the build machine's path (CARGO_MANIFEST_DIR):
@@ -99,6 +101,7 @@ if [[ -z "${HORIZON_BIN:-}" ]]; then
     command -v cargo >/dev/null || { echo "no cargo and no HORIZON_BIN: use --bundle on a machine with Rust" >&2; exit 1; }
     echo "== build (release, --features cuda)"
     (cd "$ROOT" && cargo build --release --locked --features cuda)
+    (cd "$ROOT" && cargo build --release --locked --features cuda -p horizon-backend --example cuda_op_speed)
     HORIZON_BIN="$ROOT/target/release/horizon"
 fi
 
@@ -128,6 +131,15 @@ fi
 
 # ---- benchmarks ----------------------------------------------------------------------------
 mkdir -p "$OUT"
+
+# Every op of a Qwen2.5-7B layer at 4 x 4096 tokens, both attention kernel sets side by side
+# (examples/cuda_op_speed): what a step's Forward and Backward are made of.
+OP_SPEED="$HERE/cuda_op_speed"
+[[ -x "$OP_SPEED" ]] || OP_SPEED="$ROOT/target/release/examples/cuda_op_speed"
+if [[ -x "$OP_SPEED" && "${OP_SPEED_RUN:-1}" == 1 ]]; then
+    echo "== ops of a layer (cuda_op_speed)"
+    timeout "${BENCH_TIMEOUT:-3600}" "$OP_SPEED" 2>&1 | tee "$OUT/op_speed.txt" || echo "cuda_op_speed FAILED"
+fi
 status=${fail:-0}
 BENCHES=${BENCHES:-qwen7b-shape deep}
 wanted() { [[ " $BENCHES " == *" $1 "* ]]; }
