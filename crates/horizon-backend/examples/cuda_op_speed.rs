@@ -1,11 +1,14 @@
 //! Time of every op of one decoder layer on the CUDA backend, forward and backward, at a
 //! Qwen2.5-7B layer's shapes and 16K tokens (4 x 4096) by default: `cargo run --release
-//! --features cuda --example cuda_op_speed [-- B T C F H KVH D REPS]`. Prints, per op, the
+//! --features cuda --example cuda_op_speed [-- B T C F H KVH D REPS V CHUNK]`. Prints, per op, the
 //! median milliseconds of REPS runs (default 5, after one warm-up), its TFLOP/s (products and
 //! attention) or GB/s (the rest: the fewest bytes it must read and write), and each op's share
 //! of the layer; then the forward's and the backward's sums. This is what `horizon bench`'s
 //! per-layer `Forward` and `Backward` ops are made of, so it says which kernel holds a step back
-//! on a real GPU (and what the projection's roofline assumes for it). Without a GPU it runs
+//! on a real GPU (and what the projection's roofline assumes for it). Then the LM head's ops on
+//! one chunk of CHUNK rows (default 2048) against a vocabulary tile of V/3 rows (V default
+//! 152064, three tiles as the 7B plan cuts it): the logits product, the tile's statistics and
+//! gradient, and the two backward products, per chunk and per tile. Without a GPU it runs
 //! under the CUDA test double (`scripts/fakecuda.sh`), at small shapes only.
 //!
 //! Each op is timed as `REPS` runs each followed by a stream synchronize, wall clock: the ops
@@ -124,10 +127,19 @@ fn parse() -> (Shape, usize) {
     (s, get(7, 5))
 }
 
+/// The LM head's shapes: vocabulary tile rows and rows per chunk (arguments 9 and 10).
+fn head_shape() -> (usize, usize) {
+    let a: Vec<usize> = std::env::args().skip(1).filter_map(|s| s.parse().ok()).collect();
+    (a.get(8).copied().unwrap_or(152064).div_ceil(3), a.get(9).copied().unwrap_or(2048))
+}
+
 fn main() {
     let (s, reps) = parse();
     let (n, c, f, qkv) = (s.n(), s.c, s.f, s.qkv());
-    let largest = Precision::Bf16.product_bytes(n, f.max(c), (2 * f).max(qkv));
+    let (vt, chunk) = head_shape();
+    let largest = Precision::Bf16
+        .product_bytes(n, f.max(c), (2 * f).max(qkv))
+        .max(Precision::Bf16.product_bytes(chunk, c, vt));
     let be = CudaBackend::new(0, Precision::Bf16.workspace(largest).bytes)
         .unwrap_or_else(|e| panic!("no CUDA backend: {e}"));
     let mut rng = Rng::new(17);
@@ -137,6 +149,7 @@ fn main() {
     );
     let rows = layer(&be, &mut rng, s, reps);
     report(&rows);
+    head(&be, &mut rng, s, (vt, chunk), reps);
     cublas_alone(&be, &mut rng, s, reps);
 }
 
@@ -445,6 +458,75 @@ fn layer(be: &CudaBackend, rng: &mut Rng, s: Shape, reps: usize) -> Vec<Row> {
         bwd_,
     );
     rows
+}
+
+/// The LM head's ops on one chunk of rows against one vocabulary tile, as the engine's
+/// HeadStats (product, statistics) and HeadGrad (product, gradient, two backward products) run
+/// them; the chunk's times scaled to the whole step's rows give a tile's.
+fn head(be: &CudaBackend, rng: &mut Rng, s: Shape, (vt, chunk): (usize, usize), reps: usize) {
+    let c = s.c;
+    let chunks = s.n().div_ceil(chunk);
+    println!(
+        "LM head: a {vt}-row vocabulary tile, chunks of {chunk} rows ({chunks} chunks a tile):"
+    );
+    let hf = random(be, rng, chunk * c, 1.0);
+    let w = weights(be, rng, vt * c);
+    let mut logits = be.alloc(chunk * vt);
+    let mut stats = be.alloc(chunk * 3);
+    let mut targets = be.alloc_i32(chunk);
+    let ids: Vec<i32> = (0..chunk).map(|_| rng.below(vt) as i32).collect();
+    be.upload_i32(&mut targets, &ids);
+    let (mut dhf, mut dw) = (be.alloc(chunk * c), be.alloc(vt * c));
+    let fl = 2.0 * (chunk * c * vt) as f64;
+    let pass = 4.0 * (chunk * vt) as f64;
+    let rows: [(&str, f64, f64, f64); 4] = [
+        (
+            "logits product",
+            time(be, reps, || be.matmul_forward(&mut logits, &hf, &w, None, chunk, c, vt)),
+            fl,
+            0.0,
+        ),
+        (
+            "tile stats",
+            time(be, reps, || {
+                be.cross_entropy_tile_stats(&mut stats, &logits, &targets, chunk, vt, 0, true)
+            }),
+            0.0,
+            pass,
+        ),
+        (
+            "tile grad",
+            time(be, reps, || {
+                be.cross_entropy_tile_grad(&mut logits, &stats, &targets, chunk, vt, 0, 1e-4)
+            }),
+            0.0,
+            2.0 * pass,
+        ),
+        (
+            "head products bwd",
+            time(be, reps, || {
+                be.matmul_backward(
+                    Some(Dinp::Add(&mut dhf)),
+                    Some(&mut dw),
+                    None,
+                    &logits,
+                    &hf,
+                    &w,
+                    chunk,
+                    c,
+                    vt,
+                )
+            }),
+            2.0 * fl,
+            0.0,
+        ),
+    ];
+    println!("{:<22} {:>10} {:>10} {:>9} {:>12}", "op", "ms/chunk", "TFLOP/s", "GB/s", "ms/tile");
+    for (name, t, flops, bytes) in rows {
+        let tf = if flops > 0.0 { format!("{:.1}", flops / t * 1e-12) } else { "-".into() };
+        let gb = if bytes > 0.0 { format!("{:.0}", bytes / t * 1e-9) } else { "-".into() };
+        println!("{name:<22} {:>10.3} {tf:>10} {gb:>9} {:>12.3}", t * 1e3, t * 1e3 * chunks as f64);
+    }
 }
 
 fn report(rows: &[Row]) {
