@@ -29,15 +29,21 @@ __device__ int window_hi(int j, int window, int t) {
     return window > 0 ? min(t, j + window) : t;
 }
 
-__device__ float warp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+// Max and sum over each group of `lanes` consecutive lanes (32: the warp; 16: a half-warp), by
+// xor butterflies: every lane of a group gets the same bits.
+__device__ float lanes_max(float v, int lanes) {
+    for (int o = lanes / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
 
-__device__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+__device__ float lanes_sum(float v, int lanes) {
+    for (int o = lanes / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
+
+__device__ float warp_max(float v) { return lanes_max(v, 32); }
+
+__device__ float warp_sum(float v) { return lanes_sum(v, 32); }
 
 // Copy TILE rows of D floats (rows start..start+TILE of sequence b, at column `col` of qkv-like
 // rows of `width`) into a padded shared tile; rows past T read as 0.
@@ -135,17 +141,9 @@ struct __align__(16) f4 {
     float x, y, z, w;
 };
 
-__device__ __forceinline__ float f4_at(const f4& v, int e) { return e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w; }
-
-// Max and sum over the 16 threads of a half-warp (xor butterflies: every lane gets the same bits).
-__device__ float half_max(float v) {
-    for (int o = 8; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-
-__device__ float half_sum(float v) {
-    for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
+// Element e of v (e a compile-time constant once the loops around it unroll: no local memory).
+__device__ __forceinline__ float f4_at(const f4& v, int e) {
+    return e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w;
 }
 
 // Rows r0..r0+rows of sequence b (at column `col` of rows of `width`), D = 4*d4 wide, into
@@ -229,7 +227,7 @@ extern "C" __global__ void attention_forward_tiled(float* out, float* lse, const
                 s[r][c] = seen ? s[r][c] * scale : NEG_INF;
                 tmax = fmaxf(tmax, s[r][c]);
             }
-            float m_new = fmaxf(m[r], half_max(tmax));
+            float m_new = fmaxf(m[r], lanes_max(tmax, 16));
             // A row that sees no key of this tile (yet) keeps its state.
             float corr = m_new == NEG_INF ? 1.0f : expf(m[r] - m_new);
             float psum = 0.0f;
@@ -239,7 +237,7 @@ extern "C" __global__ void attention_forward_tiled(float* out, float* lse, const
                 pt[(tx * 4 + c) * FQ + ty * 4 + r] = p;
                 psum += p;
             }
-            l[r] = l[r] * corr + half_sum(psum);
+            l[r] = l[r] * corr + lanes_sum(psum, 16);
             m[r] = m_new;
 #pragma unroll
             for (int c = 0; c < 8; c++) o[r][c] *= corr;
@@ -301,8 +299,8 @@ __device__ void load_both(float* dst_t, float* dst_r, const float* base, long lo
 
 // acc[a][b] += sum_k x[k][ra + a] * y[k][rb + b] over k < d: the 4 x 4 register tile of a
 // product of two transposed shared tiles (x of xr rows, y of yr rows).
-__device__ __forceinline__ void tile_product(float acc[4][4], const float* x, int xr, int ra, const float* y,
-                             int yr, int rb, int d) {
+__device__ __forceinline__ void tile_product(float acc[4][4], const float* x, int xr, int ra,
+                                             const float* y, int yr, int rb, int d) {
     for (int k = 0; k < d; k++) {
         f4 a = *(const f4*)(x + k * xr + ra);
         f4 b = *(const f4*)(y + k * yr + rb);
@@ -315,8 +313,8 @@ __device__ __forceinline__ void tile_product(float acc[4][4], const float* x, in
 
 // acc[a][4u + e] += sum_{m < mn} w[m][ra + a] * rows[m][cb + 64u + e]: a thread's 4 rows x 8
 // columns of (W^T R) for W (mn x 64, shared) and R (mn x D, row-major shared).
-__device__ __forceinline__ void rows_product(float acc[4][8], const float* w, int ra, const float* rows, int cb,
-                             int mn, int d) {
+__device__ __forceinline__ void rows_product(float acc[4][8], const float* w, int ra,
+                                             const float* rows, int cb, int mn, int d) {
     for (int m = 0; m < mn; m++) {
         f4 p = *(const f4*)(w + m * 64 + ra);
 #pragma unroll
@@ -339,8 +337,9 @@ __device__ __forceinline__ void rows_product(float acc[4][8], const float* w, in
 
 // Writes a thread's 4 rows x 8 columns (columns cb + 64u + e) of row-major (.., stride) at
 // rows r0 + ra + a, times `mul`, for rows below t.
-__device__ __forceinline__ void store_rows(float* dst, long long b_row0, int r0, int ra, int t, int stride,
-                           int col0, int cb, int d, const float acc[4][8], float mul) {
+__device__ __forceinline__ void store_rows(float* dst, long long b_row0, int r0, int ra, int t,
+                                           int stride, int col0, int cb, int d,
+                                           const float acc[4][8], float mul) {
 #pragma unroll
     for (int r = 0; r < 4; r++) {
         int i = r0 + ra + r;
