@@ -397,15 +397,31 @@ fn pinned_threads_are_configurable_and_change_no_bits() {
     assert_bit_identical("pinned vs unpinned", &p1, &p2);
 }
 
+/// The calling thread's EEVDF time slice in ns (`se.slice` of /proc/thread-self/sched), where
+/// the kernel reports one.
+#[cfg(target_os = "linux")]
+fn thread_slice_ns() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/thread-self/sched").ok()?;
+    let line = text.lines().find(|l| l.starts_with("se.slice"))?;
+    line.split(':').nth(1)?.trim().parse().ok()
+}
+
 /// With `engine.pin_threads`, the thread that runs the host queue's work (and hands it to the
 /// host pool) is pinned to the CPU of the pool's first thread, the last allowed one, and the
 /// other queues' threads run on the CPUs the host thread leaves; without it, every queue's
-/// thread runs anywhere the process may.
+/// thread runs anywhere the process may. Either way the copy queues' threads run with the
+/// shortest time slice where the kernel takes one (Linux 6.12 and later).
 #[cfg(target_os = "linux")]
 #[test]
 fn the_host_queue_thread_runs_beside_its_pool() {
     use horizon_backend::Device;
-    use horizon_backend::threads::allowed_cpus;
+    use horizon_backend::threads::{allowed_cpus, short_slice_current_thread};
+    // Whether this kernel keeps a thread's own slice (older ones take the call and ignore it).
+    let custom_slices = std::thread::spawn(|| {
+        short_slice_current_thread(100) && thread_slice_ns() == Some(100_000)
+    })
+    .join()
+    .unwrap();
     let case = "llama_gqa";
     let model = ModelConfig::from_file(&case_dir(case).join("model/config.json")).unwrap();
     let params = ParamStore::load_hf(&ModelLayout::new(&model), &case_dir(case).join("model"));
@@ -425,12 +441,16 @@ fn the_host_queue_thread_runs_beside_its_pool() {
         let (tx, rx) = std::sync::mpsc::channel();
         for q in Queue::ALL {
             let tx = tx.clone();
-            engine.device().host_on(q, Box::new(move || tx.send((q, allowed_cpus())).unwrap()));
+            let probe = move || tx.send((q, allowed_cpus(), thread_slice_ns())).unwrap();
+            engine.device().host_on(q, Box::new(probe));
         }
         engine.device().synchronize();
         let masks: Vec<_> = rx.try_iter().collect();
         assert_eq!(masks.len(), Queue::ALL.len(), "every queue ran its probe");
-        for (q, mask) in masks {
+        for (q, mask, slice) in masks {
+            if custom_slices && matches!(q, Queue::H2D | Queue::D2H) {
+                assert_eq!(slice, Some(100_000), "pin_threads {pin}: the {q:?} thread's slice");
+            }
             let want = match (pin, q) {
                 (false, _) => all.clone(),
                 (true, Queue::Host) => vec![*all.last().unwrap()],

@@ -103,6 +103,16 @@ pub fn restrict_current_thread(cpus: &[usize]) -> bool {
     !cpus.is_empty() && imp::restrict_current_thread(cpus)
 }
 
+/// Asks the scheduler for a short time slice (`slice_us` microseconds) for the calling thread,
+/// keeping its policy (`SCHED_OTHER`) and nice value: under Linux's EEVDF scheduler (6.12 and
+/// later) a thread with a shorter slice than the one running gets the CPU when it wakes,
+/// instead of waiting for the running thread's slice to end. For threads that sleep most of
+/// the time and wake for short work (a queue's copy or hand-off) beside busy compute threads.
+/// False where the kernel refuses it (older kernels take the call and ignore the slice).
+pub fn short_slice_current_thread(slice_us: u64) -> bool {
+    imp::short_slice_current_thread(slice_us)
+}
+
 /// The allowed CPUs none of `taken` is, in increasing order: where threads that must not
 /// share a CPU with pinned ones can go. Empty when `taken` is (nothing is pinned) or leaves
 /// no CPU.
@@ -161,6 +171,39 @@ mod imp {
             libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
         }
     }
+
+    /// `struct sched_attr` of `sched_setattr(2)` (its first version, 48 bytes); libc has the
+    /// syscall number but not the struct.
+    #[repr(C)]
+    struct SchedAttr {
+        size: u32,
+        policy: u32,
+        flags: u64,
+        nice: i32,
+        priority: u32,
+        runtime: u64,
+        deadline: u64,
+        period: u64,
+    }
+
+    pub fn short_slice_current_thread(slice_us: u64) -> bool {
+        // SAFETY: getpriority only reads the calling thread's nice value (errno is not
+        // consulted: a nice of -1 is as good a value to keep as any).
+        let nice = unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) };
+        let attr = SchedAttr {
+            size: std::mem::size_of::<SchedAttr>() as u32,
+            policy: libc::SCHED_OTHER as u32,
+            flags: 0,
+            nice,
+            priority: 0,
+            runtime: slice_us * 1000,
+            deadline: 0,
+            period: 0,
+        };
+        // SAFETY: `attr` is a valid, fully initialised `struct sched_attr` of the size it
+        // declares, read by the kernel only during the call; pid 0 is the calling thread.
+        unsafe { libc::syscall(libc::SYS_sched_setattr, 0, &attr as *const SchedAttr, 0) == 0 }
+    }
 }
 
 #[cfg(not(target_os = "linux"))]
@@ -170,6 +213,10 @@ mod imp {
     }
 
     pub fn restrict_current_thread(_cpus: &[usize]) -> bool {
+        false
+    }
+
+    pub fn short_slice_current_thread(_slice_us: u64) -> bool {
         false
     }
 }
