@@ -269,8 +269,9 @@ PY
     fi
     if [[ "${TRACE:-0}" == 1 ]]; then
         echo "  traced run against the projection on $(basename "$plan" .json), op by op:"
+        # Its own output directory: the untraced run's summary.json stays as it was.
         if timeout "${BENCH_TIMEOUT:-3600}" "$HORIZON_BIN" bench --config "$cfg" --warmup 1 \
-            --trace "$OUT/$name.run.json" \
+            --trace "$OUT/$name.run.json" --set "output.dir=$OUT/$name-traced" \
             > "$OUT/$name.traced.log" 2>&1; then
             python3 "$COMPARE" "$OUT/$name.run.json" "$plan" 1 | sed 's/^/  /' || true
         else
