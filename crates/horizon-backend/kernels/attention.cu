@@ -147,142 +147,8 @@ __device__ __forceinline__ float f4_at(const f4& v, int e) {
 }
 
 // Rows r0..r0+rows of sequence b (at column `col` of rows of `width`), D = 4*d4 wide, into
-// `dst` transposed: element (r, k) at dst[k * rows + r]; rows past T are 0.
-__device__ void load_transposed(float* dst, const float* base, long long b_row0, int r0, int rows,
-                                int t, int width, int col, int d4) {
-    for (int idx = threadIdx.x; idx < rows * d4; idx += blockDim.x) {
-        int r = idx % rows, k4 = idx / rows;
-        f4 v = {0.0f, 0.0f, 0.0f, 0.0f};
-        if (r0 + r < t) v = *(const f4*)(base + (b_row0 + r0 + r) * width + col + 4 * k4);
-        dst[(4 * k4 + 0) * rows + r] = v.x;
-        dst[(4 * k4 + 1) * rows + r] = v.y;
-        dst[(4 * k4 + 2) * rows + r] = v.z;
-        dst[(4 * k4 + 3) * rows + r] = v.w;
-    }
-}
-
-// The same rows, row-major (dst[r * D + k]); rows past T are 0.
-__device__ void load_rows(float* dst, const float* base, long long b_row0, int r0, int rows, int t,
-                          int width, int col, int d4) {
-    for (int idx = threadIdx.x; idx < rows * d4; idx += blockDim.x) {
-        int r = idx / d4, k4 = idx % d4;
-        f4 v = {0.0f, 0.0f, 0.0f, 0.0f};
-        if (r0 + r < t) v = *(const f4*)(base + (b_row0 + r0 + r) * width + col + 4 * k4);
-        *(f4*)(dst + r * 4 * d4 + 4 * k4) = v;
-    }
-}
-
-// out (N, H*D), lse (B, H, T): overwrite. grid (ceil(T/FQ), H, B), block 256 threads.
-extern "C" __global__ void attention_forward_tiled(float* out, float* lse, const float* qkv,
-                                                   int t, int h, int kvh, int d, int window,
-                                                   float scale) {
-    extern __shared__ __align__(16) float smem[];
-    float* qt = smem;         // [D][FQ]
-    float* kt = qt + d * FQ;  // [D][FK]
-    float* vs = kt + d * FK;  // [FK][D]
-    float* pt = vs + FK * d;  // [FK][FQ]
-    int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-    int hi = blockIdx.y, bi = blockIdx.z;
-    int width = (h + 2 * kvh) * d, d4 = d / 4;
-    int g = hi / (h / kvh);
-    long long row0 = (long long)bi * t;
-    int i0 = (gridDim.x - 1 - blockIdx.x) * FQ;
-    int ilast = min(i0 + FQ, t) - 1;
-    const float NEG_INF = -__int_as_float(0x7f800000);
-    load_transposed(qt, qkv, row0, i0, FQ, t, width, hi * d, d4);
-    float o[4][8], m[4], l[4];
-#pragma unroll
-    for (int r = 0; r < 4; r++) {
-        m[r] = NEG_INF;
-        l[r] = 0.0f;
-#pragma unroll
-        for (int c = 0; c < 8; c++) o[r][c] = 0.0f;
-    }
-    for (int j0 = window_lo(i0, window) / FK * FK; j0 <= ilast; j0 += FK) {
-        __syncthreads();  // the last tile's kt, vs and pt are no longer read
-        load_transposed(kt, qkv, row0, j0, FK, t, width, (h + g) * d, d4);
-        load_rows(vs, qkv, row0, j0, FK, t, width, (h + kvh + g) * d, d4);
-        __syncthreads();
-        float s[4][4];
-#pragma unroll
-        for (int r = 0; r < 4; r++)
-#pragma unroll
-            for (int c = 0; c < 4; c++) s[r][c] = 0.0f;
-        for (int k = 0; k < d; k++) {
-            f4 a = *(const f4*)(qt + k * FQ + ty * 4);
-            f4 b = *(const f4*)(kt + k * FK + tx * 4);
-#pragma unroll
-            for (int r = 0; r < 4; r++)
-#pragma unroll
-                for (int c = 0; c < 4; c++) s[r][c] += f4_at(a, r) * f4_at(b, c);
-        }
-#pragma unroll
-        for (int r = 0; r < 4; r++) {
-            int i = i0 + ty * 4 + r, lo = window_lo(i, window);
-            float tmax = NEG_INF;
-#pragma unroll
-            for (int c = 0; c < 4; c++) {
-                int j = j0 + tx * 4 + c;
-                bool seen = i < t && j >= lo && j <= i;
-                s[r][c] = seen ? s[r][c] * scale : NEG_INF;
-                tmax = fmaxf(tmax, s[r][c]);
-            }
-            float m_new = fmaxf(m[r], lanes_max(tmax, 16));
-            // A row that sees no key of this tile (yet) keeps its state.
-            float corr = m_new == NEG_INF ? 1.0f : expf(m[r] - m_new);
-            float psum = 0.0f;
-#pragma unroll
-            for (int c = 0; c < 4; c++) {
-                float p = s[r][c] == NEG_INF ? 0.0f : expf(s[r][c] - m_new);
-                pt[(tx * 4 + c) * FQ + ty * 4 + r] = p;
-                psum += p;
-            }
-            l[r] = l[r] * corr + lanes_sum(psum, 16);
-            m[r] = m_new;
-#pragma unroll
-            for (int c = 0; c < 8; c++) o[r][c] *= corr;
-        }
-        __syncthreads();
-        int jn = min(FK, ilast - j0 + 1);
-        for (int jj = 0; jj < jn; jj++) {
-            f4 p = *(const f4*)(pt + jj * FQ + ty * 4);
-#pragma unroll
-            for (int u = 0; u < 2; u++) {
-                int col = tx * 4 + 64 * u;
-                if (col < d) {
-                    f4 v = *(const f4*)(vs + jj * d + col);
-#pragma unroll
-                    for (int r = 0; r < 4; r++) {
-                        float pr = f4_at(p, r);
-                        o[r][4 * u + 0] += pr * v.x;
-                        o[r][4 * u + 1] += pr * v.y;
-                        o[r][4 * u + 2] += pr * v.z;
-                        o[r][4 * u + 3] += pr * v.w;
-                    }
-                }
-            }
-        }
-    }
-#pragma unroll
-    for (int r = 0; r < 4; r++) {
-        int i = i0 + ty * 4 + r;
-        if (i >= t) continue;
-        float inv = 1.0f / l[r];
-#pragma unroll
-        for (int u = 0; u < 2; u++) {
-            int col = tx * 4 + 64 * u;
-            if (col < d) {
-                f4 v = {o[r][4 * u] * inv, o[r][4 * u + 1] * inv, o[r][4 * u + 2] * inv,
-                        o[r][4 * u + 3] * inv};
-                *(f4*)(out + (row0 + i) * h * d + hi * d + col) = v;
-            }
-        }
-        if (tx == 0) lse[((long long)bi * h + hi) * t + i] = m[r] + logf(l[r]);
-    }
-}
-
-// Rows r0..r0+rows (as load_transposed), both transposed (dst_t[k * rows + r]) and row-major
-// (dst_r[r * D + k]), from one read.
+// `dst_t` transposed (element (r, k) at dst_t[k * rows + r]) and, unless `dst_r` is null, into
+// `dst_r` row-major (dst_r[r * D + k]), from one read; rows past T are 0.
 __device__ void load_both(float* dst_t, float* dst_r, const float* base, long long b_row0, int r0,
                           int rows, int t, int width, int col, int d4) {
     for (int idx = threadIdx.x; idx < rows * d4; idx += blockDim.x) {
@@ -293,7 +159,24 @@ __device__ void load_both(float* dst_t, float* dst_r, const float* base, long lo
         dst_t[(4 * k4 + 1) * rows + r] = v.y;
         dst_t[(4 * k4 + 2) * rows + r] = v.z;
         dst_t[(4 * k4 + 3) * rows + r] = v.w;
-        *(f4*)(dst_r + r * 4 * d4 + 4 * k4) = v;
+        if (dst_r) *(f4*)(dst_r + r * 4 * d4 + 4 * k4) = v;
+    }
+}
+
+// The same rows, transposed only.
+__device__ void load_transposed(float* dst, const float* base, long long b_row0, int r0, int rows,
+                                int t, int width, int col, int d4) {
+    load_both(dst, nullptr, base, b_row0, r0, rows, t, width, col, d4);
+}
+
+// The same rows, row-major (dst[r * D + k]); rows past T are 0.
+__device__ void load_rows(float* dst, const float* base, long long b_row0, int r0, int rows, int t,
+                          int width, int col, int d4) {
+    for (int idx = threadIdx.x; idx < rows * d4; idx += blockDim.x) {
+        int r = idx / d4, k4 = idx % d4;
+        f4 v = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (r0 + r < t) v = *(const f4*)(base + (b_row0 + r0 + r) * width + col + 4 * k4);
+        *(f4*)(dst + r * 4 * d4 + 4 * k4) = v;
     }
 }
 
@@ -356,6 +239,95 @@ __device__ __forceinline__ void store_rows(float* dst, long long b_row0, int r0,
     }
 }
 
+// lse and delta of rows i0..i0+64 of one (sequence, head), whose rows start at `at0` of the
+// (B, H, T) buffers, into shared memory (0 past T).
+__device__ __forceinline__ void load_row_stats(float* lse_t, float* delta_t, const float* lse,
+                                               const float* delta, long long at0, int i0, int t) {
+    if (threadIdx.x < 64) {
+        int i = i0 + threadIdx.x;
+        lse_t[threadIdx.x] = i < t ? lse[at0 + i] : 0.0f;
+        delta_t[threadIdx.x] = i < t ? delta[at0 + i] : 0.0f;
+    }
+}
+
+// out (N, H*D), lse (B, H, T): overwrite. grid (ceil(T/FQ), H, B), block 256 threads.
+extern "C" __global__ void attention_forward_tiled(float* out, float* lse, const float* qkv,
+                                                   int t, int h, int kvh, int d, int window,
+                                                   float scale) {
+    extern __shared__ __align__(16) float smem[];
+    float* qt = smem;         // [D][FQ]
+    float* kt = qt + d * FQ;  // [D][FK]
+    float* vs = kt + d * FK;  // [FK][D]
+    float* pt = vs + FK * d;  // [FK][FQ]
+    int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    int hi = blockIdx.y, bi = blockIdx.z;
+    int width = (h + 2 * kvh) * d, d4 = d / 4;
+    int g = hi / (h / kvh);
+    long long row0 = (long long)bi * t;
+    int i0 = (gridDim.x - 1 - blockIdx.x) * FQ;
+    int ilast = min(i0 + FQ, t) - 1;
+    const float NEG_INF = -__int_as_float(0x7f800000);
+    load_transposed(qt, qkv, row0, i0, FQ, t, width, hi * d, d4);
+    float o[4][8], m[4], l[4];
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        m[r] = NEG_INF;
+        l[r] = 0.0f;
+#pragma unroll
+        for (int c = 0; c < 8; c++) o[r][c] = 0.0f;
+    }
+    for (int j0 = window_lo(i0, window) / FK * FK; j0 <= ilast; j0 += FK) {
+        __syncthreads();  // the last tile's kt, vs and pt are no longer read
+        load_transposed(kt, qkv, row0, j0, FK, t, width, (h + g) * d, d4);
+        load_rows(vs, qkv, row0, j0, FK, t, width, (h + kvh + g) * d, d4);
+        __syncthreads();
+        float s[4][4];
+#pragma unroll
+        for (int r = 0; r < 4; r++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) s[r][c] = 0.0f;
+        tile_product(s, qt, FQ, ty * 4, kt, FK, tx * 4, d);
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            int i = i0 + ty * 4 + r, lo = window_lo(i, window);
+            float tmax = NEG_INF;
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                int j = j0 + tx * 4 + c;
+                bool seen = i < t && j >= lo && j <= i;
+                s[r][c] = seen ? s[r][c] * scale : NEG_INF;
+                tmax = fmaxf(tmax, s[r][c]);
+            }
+            float m_new = fmaxf(m[r], lanes_max(tmax, 16));
+            // A row that sees no key of this tile (yet) keeps its state.
+            float corr = m_new == NEG_INF ? 1.0f : expf(m[r] - m_new);
+            float psum = 0.0f;
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                float p = s[r][c] == NEG_INF ? 0.0f : expf(s[r][c] - m_new);
+                pt[(tx * 4 + c) * FQ + ty * 4 + r] = p;
+                psum += p;
+            }
+            l[r] = l[r] * corr + lanes_sum(psum, 16);
+            m[r] = m_new;
+#pragma unroll
+            for (int c = 0; c < 8; c++) o[r][c] *= corr;
+        }
+        __syncthreads();
+        rows_product(o, pt, ty * 4, vs, tx * 4, min(FK, ilast - j0 + 1), d);
+    }
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        int i = i0 + ty * 4 + r;
+        if (i >= t) continue;  // (l is 0 there; store_rows skips the row too)
+        float inv = 1.0f / l[r];
+#pragma unroll
+        for (int c = 0; c < 8; c++) o[r][c] *= inv;
+        if (tx == 0) lse[((long long)bi * h + hi) * t + i] = m[r] + logf(l[r]);
+    }
+    store_rows(out, row0, i0, ty * 4, t, h * d, hi * d, tx * 4, d, o, 1.0f);
+}
+
 // ---- The tiled backward: the shapes of the tiled forward -----------------------------------
 // dq, then dk and dv, as attention_backward_dq and _dkv compute them, with the tiled forward's
 // 4 x 4 register tiles: dq per 64-query block over 64-key tiles (S and dP as products of
@@ -388,12 +360,7 @@ extern "C" __global__ void attention_backward_dq_tiled(float* dqkv, const float*
     int ilast = min(i0 + 64, t) - 1;
     load_transposed(qt, qkv, row0, i0, 64, t, width, hi * d, d4);
     load_transposed(dot_, dout, row0, i0, 64, t, h * d, hi * d, d4);
-    if (threadIdx.x < 64) {
-        int i = i0 + threadIdx.x;
-        long long at = ((long long)bi * h + hi) * t + i;
-        lse_t[threadIdx.x] = i < t ? lse[at] : 0.0f;
-        delta_t[threadIdx.x] = i < t ? delta[at] : 0.0f;
-    }
+    load_row_stats(lse_t, delta_t, lse, delta, ((long long)bi * h + hi) * t, i0, t);
     float dq[4][8];
 #pragma unroll
     for (int r = 0; r < 4; r++)
@@ -466,12 +433,7 @@ extern "C" __global__ void attention_backward_dkv_tiled(float* dqkv, const float
             __syncthreads();  // the last tile's qt, dot_, qs, dos and pt are no longer read
             load_both(qt, qs, qkv, row0, i0, 64, t, width, hq * d, d4);
             load_both(dot_, dos, dout, row0, i0, 64, t, h * d, hq * d, d4);
-            if (threadIdx.x < 64) {
-                int i = i0 + threadIdx.x;
-                long long at = ((long long)bi * h + hq) * t + i;
-                lse_t[threadIdx.x] = i < t ? lse[at] : 0.0f;
-                delta_t[threadIdx.x] = i < t ? delta[at] : 0.0f;
-            }
+            load_row_stats(lse_t, delta_t, lse, delta, ((long long)bi * h + hq) * t, i0, t);
             __syncthreads();
             float sc[4][4], dp[4][4];
 #pragma unroll
