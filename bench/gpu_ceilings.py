@@ -48,15 +48,17 @@ def link(out):
 
 
 def gemms(out, peak):
-    # (name, m, n, k): the products of one Qwen2.5-7B layer's forward at 16384 tokens.
+    # (name, m, n, k): the products of one Qwen2.5-7B layer's forward at 16384 tokens, recorded
+    # in the output (`gemm_layer_shapes`) for bench/lent_profile.py; then a square one.
     tokens, c, f, kv = 16384, 3584, 18944, 512
-    shapes = [
-        ("qkv", tokens, c + 2 * kv, c),
-        ("o", tokens, c, c),
-        ("gate_up", tokens, 2 * f, c),
-        ("down", tokens, c, f),
-        ("square_8192", 8192, 8192, 8192),
-    ]
+    layer = {
+        "qkv": (tokens, c + 2 * kv, c),
+        "o": (tokens, c, c),
+        "gate_up": (tokens, 2 * f, c),
+        "down": (tokens, c, f),
+    }
+    out["gemm_layer_shapes"] = layer
+    shapes = [(name, *mnk) for name, mnk in layer.items()] + [("square_8192", 8192, 8192, 8192)]
     for name, m, n, k in shapes:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)

@@ -17,12 +17,6 @@ import statistics
 import sys
 
 HALF_DIM = 96.0  # sim::hardware default_gemm_half_dim
-SHAPES = {  # gpu_ceilings.py's products of one Qwen2.5-7B layer at 16384 tokens: m, n, k
-    "qkv": (16384, 3584 + 1024, 3584),
-    "o": (16384, 3584, 3584),
-    "gate_up": (16384, 2 * 18944, 3584),
-    "down": (16384, 3584, 18944),
-}
 
 
 def shape_factor(dims):
@@ -36,9 +30,11 @@ def main():
     ceil = json.load(open(sys.argv[1]))
     rates = json.load(open(sys.argv[2]))
     cores, memory_gib = int(sys.argv[3]), float(sys.argv[4])
+    # The layer's products as gpu_ceilings.py timed them: {name: (m, n, k)}.
+    shapes = ceil.get("gemm_layer_shapes", {})
     effs = [
         ceil[f"gemm_{k}_efficiency"] / shape_factor(dims)
-        for k, dims in SHAPES.items()
+        for k, dims in shapes.items()
         if f"gemm_{k}_efficiency" in ceil
     ]
     gemm = min(1.0, statistics.median(effs)) if effs else 0.8
