@@ -109,10 +109,12 @@ fn weights(be: &CudaBackend, rng: &mut Rng, len: usize) -> CudaMem<Bf16> {
     mem
 }
 
-fn parse() -> (Shape, usize) {
+/// The arguments `B T C F H KVH D REPS V CHUNK`, each defaulted: the layer's shape, the
+/// repetitions, and the LM head's vocabulary tile (a third of V) and rows per chunk.
+fn parse() -> (Shape, usize, (usize, usize)) {
     let a: Vec<usize> = std::env::args()
         .skip(1)
-        .map(|s| s.parse().expect("arguments: B T C F H KVH D REPS, each a whole number"))
+        .map(|s| s.parse().expect("arguments: B T C F H KVH D REPS V CHUNK, each a whole number"))
         .collect();
     let get = |i: usize, d: usize| a.get(i).copied().unwrap_or(d);
     let s = Shape {
@@ -124,19 +126,12 @@ fn parse() -> (Shape, usize) {
         kvh: get(5, 4),
         d: get(6, 128),
     };
-    (s, get(7, 5))
-}
-
-/// The LM head's shapes: vocabulary tile rows and rows per chunk (arguments 9 and 10).
-fn head_shape() -> (usize, usize) {
-    let a: Vec<usize> = std::env::args().skip(1).filter_map(|s| s.parse().ok()).collect();
-    (a.get(8).copied().unwrap_or(152064).div_ceil(3), a.get(9).copied().unwrap_or(2048))
+    (s, get(7, 5), (get(8, 152064).div_ceil(3), get(9, 2048)))
 }
 
 fn main() {
-    let (s, reps) = parse();
+    let (s, reps, (vt, chunk)) = parse();
     let (n, c, f, qkv) = (s.n(), s.c, s.f, s.qkv());
-    let (vt, chunk) = head_shape();
     let largest = Precision::Bf16
         .product_bytes(n, f.max(c), (2 * f).max(qkv))
         .max(Precision::Bf16.product_bytes(chunk, c, vt));
