@@ -427,6 +427,90 @@ inline unsigned atomicDec(unsigned* p, unsigned m) {
 #define atomicCAS_block atomicCAS
 #define atomicExch_block atomicExch
 
+// ---- Tensor-core products: PTX wmma, m16n16k16, bf16 x bf16 -> fp32 --------------------------
+// NVRTC ships no mma.h, so kernels reach the tensor cores through the PTX instructions
+// (wmma.load.{a,b,c}, wmma.mma, wmma.store.d) in inline asm, which g++ cannot run: a kernel
+// calls these instead when __FAKECUDA__ is defined (kernels/attention_tc.cu). A fragment's
+// layout across the warp's lanes is opaque in PTX, so any layout that keeps the semantics is a
+// faithful double: here lane L holds logical elements 8L..8L+7 of the 16 x 16 matrix in
+// row-major order ((row, column) of A and C, (k, n) of B), two bf16 to a 32-bit register. Loads
+// and stores touch only the lane's own elements, so a lane that reads what another lane stored
+// without a __syncwarp between reads stale data, as on a GPU. The product is a warp collective
+// (every lane deposits its fragments, meets the others, computes its own outputs, meets them
+// again), so a lane missing from it fails the launch as a missing shuffle lane does. What PTX
+// requires of the operands is checked: 32-byte aligned addresses and rows of a multiple of 16
+// bytes (trap 716, misaligned address).
+namespace fakecuda {
+
+// One warp's operands of a product, in logical order.
+struct WmmaTile {
+    unsigned short a[256], b[256];
+    float c[256];
+};
+// Per block: a block's threads are fibers of one OS thread.
+static thread_local WmmaTile wmma_tiles[32];
+
+inline unsigned wmma_lane_index() {
+    return cur->thread_idx.x + cur->block_dim.x * (cur->thread_idx.y + cur->block_dim.y * cur->thread_idx.z);
+}
+
+inline void wmma_check(const void* p, unsigned ld, unsigned elem_bytes, int line) {
+    if (reinterpret_cast<uintptr_t>(p) % 32 != 0)
+        trap(716, "wmma: the matrix address is not 32-byte aligned", line);
+    if ((ld * elem_bytes) % 16 != 0 || ld < 16)
+        trap(716, "wmma: the leading dimension is not a multiple of 16 bytes (or is below 16)", line);
+}
+
+inline float wmma_bf16(unsigned short b) { return __uint_as_float((unsigned)b << 16); }
+
+// A or B fragment of bf16 from p: element (r, c) at p[r * ld + c] (row-major) or p[c * ld + r].
+inline void wmma_load_bf16(unsigned (&frag)[4], const unsigned short* p, unsigned ld, bool col_major,
+                           int line) {
+    wmma_check(p, ld, 2, line);
+    unsigned lane = wmma_lane_index() % 32;
+    unsigned short e[8];
+    for (unsigned i = 0; i < 8; i++) {
+        unsigned r = (8 * lane + i) / 16, c = (8 * lane + i) % 16;
+        e[i] = col_major ? p[c * ld + r] : p[r * ld + c];
+    }
+    memcpy(frag, e, sizeof e);
+}
+
+// An fp32 accumulator fragment from / to row-major p (element (r, c) at p[r * ld + c]).
+inline void wmma_load_f32(float (&frag)[8], const float* p, unsigned ld, int line) {
+    wmma_check(p, ld, 4, line);
+    unsigned lane = wmma_lane_index() % 32;
+    for (unsigned i = 0; i < 8; i++) frag[i] = p[((8 * lane + i) / 16) * ld + (8 * lane + i) % 16];
+}
+
+inline void wmma_store_f32(float* p, const float (&frag)[8], unsigned ld, int line) {
+    wmma_check(p, ld, 4, line);
+    unsigned lane = wmma_lane_index() % 32;
+    for (unsigned i = 0; i < 8; i++) p[((8 * lane + i) / 16) * ld + (8 * lane + i) % 16] = frag[i];
+    FAKECUDA_FENCE();
+}
+
+// c += a b over the whole warp (wmma.mma.sync.aligned, fp32 accumulate).
+inline void wmma_mma_bf16(float (&c)[8], const unsigned (&a)[4], const unsigned (&b)[4], int line) {
+    unsigned tid = wmma_lane_index(), lane = tid % 32;
+    WmmaTile& s = wmma_tiles[(tid / 32) % 32];
+    memcpy(&s.a[8 * lane], a, 16);
+    memcpy(&s.b[8 * lane], b, 16);
+    memcpy(&s.c[8 * lane], c, 32);
+    warp_vote(line, -1, ::fakecuda_abi::kSyncWarp, 0xffffffffu, 0);
+    float d[8];
+    for (unsigned i = 0; i < 8; i++) {
+        unsigned m = (8 * lane + i) / 16, n = (8 * lane + i) % 16;
+        float acc = s.c[8 * lane + i];
+        for (unsigned k = 0; k < 16; k++) acc += wmma_bf16(s.a[m * 16 + k]) * wmma_bf16(s.b[k * 16 + n]);
+        d[i] = acc;
+    }
+    warp_vote(line, -2, ::fakecuda_abi::kSyncWarp, 0xffffffffu, 0);
+    memcpy(c, d, sizeof d);
+}
+
+}  // namespace fakecuda
+
 // ---- Module registration (used by the code the fake NVRTC appends) ---------------------------
 namespace fakecuda {
 

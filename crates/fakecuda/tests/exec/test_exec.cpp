@@ -312,6 +312,31 @@ extern "C" __global__ void barrier_loop(int iters, int* out) {
     }
     if (threadIdx.x == 0) out[blockIdx.x] = acc;
 }
+
+// The tensor cores' wmma (shim: fakecuda::wmma_*), one warp: d = a b + c, 16 x 16 each; a
+// row-major, b row-major or (b_col) column-major, c and d fp32 row-major.
+extern "C" __global__ void wmma_product(float* d, const unsigned short* a, const unsigned short* b,
+                                        const float* c, int b_col) {
+    unsigned fa[4], fb[4];
+    float fc[8];
+    ::fakecuda::wmma_load_bf16(fa, a, 16, false, __LINE__);
+    ::fakecuda::wmma_load_bf16(fb, b, 16, b_col != 0, __LINE__);
+    ::fakecuda::wmma_load_f32(fc, c, 16, __LINE__);
+    ::fakecuda::wmma_mma_bf16(fc, fa, fb, __LINE__);
+    ::fakecuda::wmma_store_f32(d, fc, 16, __LINE__);
+}
+extern "C" __global__ void wmma_misaligned(const unsigned short* a) {
+    unsigned f[4];
+    ::fakecuda::wmma_load_bf16(f, a + 8, 16, false, __LINE__);  // 16 bytes past an aligned base
+}
+extern "C" __global__ void wmma_lane_missing(float* d, const unsigned short* a) {
+    if (threadIdx.x == 3) return;
+    unsigned f[4];
+    float c[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    ::fakecuda::wmma_load_bf16(f, a, 16, false, __LINE__);
+    ::fakecuda::wmma_mma_bf16(c, f, f, __LINE__);
+    ::fakecuda::wmma_store_f32(d, c, 16, __LINE__);
+}
 )CU";
 
 static const std::string kPlainSrc = R"CU(
@@ -503,6 +528,48 @@ static void test_shuffle_failures() {
     // 40 threads: lanes 0-7 of warp 1 exist; lane 0 (width 16, delta 8) reads lane 8, which does not.
     r = launch(kernel(g_sync, "shuffle_beyond"), {1, 1, 1}, {40, 1, 1}, 0, a);
     check_failure(r, 719, {"kernel shuffle_beyond", "reads lane 8, which is beyond the block (40 threads)"});
+    check_recovers();
+}
+
+// wmma: a 16 x 16 x 16 bf16 product with fp32 accumulation against a double reference, with b
+// in either layout; a misaligned operand and a lane missing from the product fail the launch.
+static void test_wmma() {
+    alignas(32) static unsigned short a[256], b[256];
+    alignas(32) static float c[256], d[256];
+    auto bf = [](float x) {  // x is exact in bf16 below: its top 16 bits
+        unsigned u;
+        memcpy(&u, &x, 4);
+        return (unsigned short)(u >> 16);
+    };
+    auto val = [](int i) { return (float)((i * 37) % 17 - 8) * 0.25f; };
+    for (int b_col : {0, 1}) {
+        for (int i = 0; i < 256; i++) {
+            a[i] = bf(val(i));
+            b[i] = bf(val(i + 5));
+            c[i] = (float)(i % 7) - 3.0f;
+            d[i] = -1.0f;
+        }
+        Args args;
+        args.add(&d[0]).add((const unsigned short*)a).add((const unsigned short*)b).add((const float*)c).add(b_col);
+        RunResult r = launch(kernel(g_sync, "wmma_product"), {1, 1, 1}, {32, 1, 1}, 0, args, 5);
+        check(r.code == 0, r.message);
+        for (int m = 0; m < 16; m++)
+            for (int n = 0; n < 16; n++) {
+                double want = c[m * 16 + n];
+                for (int k = 0; k < 16; k++)
+                    want += (double)val(m * 16 + k) * val(b_col ? n * 16 + k + 5 : k * 16 + n + 5);
+                check(std::fabs(d[m * 16 + n] - want) < 1e-4, "wmma d[" + std::to_string(m) + "][" +
+                      std::to_string(n) + "] = " + std::to_string(d[m * 16 + n]) + ", want " + std::to_string(want));
+            }
+    }
+    Args mis;
+    mis.add((const unsigned short*)a);
+    RunResult r = launch(kernel(g_sync, "wmma_misaligned"), {1, 1, 1}, {32, 1, 1}, 0, mis);
+    check_failure(r, 716, {"kernel wmma_misaligned", "not 32-byte aligned"});
+    Args lane;
+    lane.add(&d[0]).add((const unsigned short*)a);
+    r = launch(kernel(g_sync, "wmma_lane_missing"), {1, 1, 1}, {32, 1, 1}, 0, lane);
+    check(r.code == 719, "a product without lane 3 ran: " + std::to_string(r.code) + " " + r.message);
     check_recovers();
 }
 
@@ -920,6 +987,7 @@ int main(int argc, char** argv) {
     run_test("3-D thread and block coordinates", test_coords);
     run_test("barrier failures", test_barrier_failures);
     run_test("shuffle failures", test_shuffle_failures);
+    run_test("wmma on bf16 tensor cores", test_wmma);
     run_test("dynamic shared memory", test_smem_failures);
     run_test("faults", test_faults);
     run_test("faults outside kernels", test_foreign_fault);
