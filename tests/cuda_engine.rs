@@ -205,7 +205,7 @@ fn double_on_path() -> bool {
 }
 
 /// A kernel that fails mid-run (the double's fault injection, `FAKECUDA_FAIL_KERNEL`, fails the
-/// 5th `attention_backward_dq_tiled`: step 3 of a 2-layer model) ends `horizon train` with an error
+/// 5th `attention_backward_dq_tc`: step 3 of a 2-layer model) ends `horizon train` with an error
 /// naming the failed CUDA operation, not a panic; the checkpoint of step 2 is intact, and the
 /// run resumes from it to the end.
 #[test]
@@ -243,7 +243,7 @@ fn a_failed_launch_is_an_error_and_the_last_checkpoint_survives() {
         };
         cmd.output().expect("run horizon")
     };
-    let failed = horizon(false, Some("attention_backward_dq_tiled:5"));
+    let failed = horizon(false, Some("attention_backward_dq_tc:5"));
     let err = String::from_utf8_lossy(&failed.stderr);
     assert!(!failed.status.success(), "the run with a failed kernel succeeded:\n{err}");
     assert!(!err.contains("panicked"), "a panic, not an error:\n{err}");

@@ -18,7 +18,7 @@
 use std::time::Instant;
 
 use horizon_backend::cpu::testing::Rng;
-use horizon_backend::cuda::{CudaBackend, CudaMem};
+use horizon_backend::cuda::{AttentionKernels, CudaBackend, CudaMem};
 use horizon_backend::{
     AttnDims, Backend, Bf16, DeviceAlloc, DeviceSlice, Dinp, NormDims, Precision,
 };
@@ -404,8 +404,25 @@ fn layer(be: &CudaBackend, rng: &mut Rng, s: Shape, reps: usize) -> Vec<Row> {
         0.0,
         bwd_,
     );
-    // The warp-per-row kernels, which run where the tiled ones cannot (here: buffers offset
-    // by one element, so not 16-byte aligned), on the same inputs.
+    // The fp32 tiled kernels, which run where the tensor-core ones cannot (D not a multiple of
+    // 16, or a device before sm_80) or are not wanted, on the same buffers; then the
+    // warp-per-row kernels, which run where neither can (here: buffers offset by one element,
+    // so not 16-byte aligned), on the same inputs.
+    be.set_attention_kernels(AttentionKernels::Fp32);
+    push(
+        "attention fp32 tiled",
+        time(be, reps, || be.attention_forward(&mut att, &mut lse, &q, dims)),
+        s.attn_flops(),
+        0.0,
+        reference,
+    );
+    push(
+        "attention bwd fp32 tiled",
+        time(be, reps, || be.attention_backward(&mut dq, &datt, &q, &att, &lse, dims)),
+        2.5 * s.attn_flops(),
+        0.0,
+        reference,
+    );
     let off = |m: &CudaMem<f32>, len: usize| {
         let mut o = be.alloc(len + 1);
         be.copy(o.slice_mut(1..len + 1), m);
@@ -445,6 +462,7 @@ fn layer(be: &CudaBackend, rng: &mut Rng, s: Shape, reps: usize) -> Vec<Row> {
         0.0,
         reference,
     );
+    be.set_attention_kernels(AttentionKernels::Tensor);
     push(
         "rmsnorm bwd",
         time(be, reps, || be.rmsnorm_backward(&mut o, Some(&mut dwn), &dx, &x, &wn, &rstd, norm)),

@@ -15,13 +15,16 @@
 //! the same bf16 inputs (exact products, fp32 tensor-core sums in another order), 2e-2 for
 //! products against the fp32 CPU (each input rounded to 8 significant bits, relative error up
 //! to 2^-8 each), bitwise for the bf16 roundings and the embedding scatter-add (same order as
-//! the CPU).
+//! the CPU); attention on the tensor cores, against the CPU on the same bf16-rounded inputs,
+//! 1e-2 per element and 3e-3 relative over each output (P and dS rounded to bf16).
 
 #![cfg(feature = "cuda")]
 
 use horizon_backend::cpu::testing::{Rng, assert_close};
 use horizon_backend::cuda::convert;
-use horizon_backend::cuda::{CudaBackend, CudaDevice, CudaDeviceConfig, CudaMem, DevSlice};
+use horizon_backend::cuda::{
+    AttentionKernels, CudaBackend, CudaDevice, CudaDeviceConfig, CudaMem, DevSlice,
+};
 use horizon_backend::nf4;
 use horizon_backend::precision::GRAD_WIRE_CHUNK;
 use horizon_backend::{
@@ -110,6 +113,12 @@ const TOL_SUM: f64 = 5e-5;
 const TOL_PRODUCT: f64 = 1e-4;
 /// Products against the plain fp32 CPU.
 const TOL_BF16: f64 = 2e-2;
+/// Attention on the tensor cores against the CPU on the same bf16-rounded inputs: P and dS are
+/// rounded to bf16 too (relative error up to 2^-9 each) before their products.
+const TOL_TENSOR_ATTENTION: f64 = 1e-2;
+/// The same, as the relative error of a whole output (out, dq, dk, dv): bf16's rounding of P
+/// and dS alone gives 1.2-1.9e-3 on the cases here (under the CUDA test double).
+const TOL_TENSOR_NORM: f64 = 3e-3;
 
 #[test]
 fn embedding_forward_and_backward() {
@@ -478,6 +487,7 @@ fn attn_cases() -> Vec<AttnDims> {
         AttnDims::new(1, 67, 3, 1, 40),
         AttnDims::new(3, 33, 2, 2, 72),
         AttnDims::new(1, 129, 4, 1, 128),
+        AttnDims::new(2, 70, 4, 2, 64),
         AttnDims::new(1, 45, 2, 1, 256),
     ]
 }
@@ -507,24 +517,47 @@ fn rope_forward_and_backward() {
 }
 
 /// Attention forward and backward of `dims` on the GPU against the CPU (both the output and the
-/// lse; dqkv of the backward, prefilled with 9s to show it overwrites); returns the GPU's
-/// `out`, `lse` and `dqkv`. Each case runs twice: with 4-byte aligned buffers (the warp-per-row
-/// forward) and 16-byte aligned ones (the tiled forward where D is a multiple of 4 up to 128,
-/// `cuda/attention.rs`); the two must agree with the CPU alike.
+/// lse; dqkv of the backward, prefilled with 9s to show it overwrites); returns the fp32 GPU
+/// kernels' `out`, `lse` and `dqkv`. Each case runs on every kernel set that takes it
+/// (`cuda/attention.rs`): with 4-byte aligned buffers (the warp-per-row kernels) and 16-byte
+/// aligned ones (the tiled kernels where D is a multiple of 4 up to 128), both in fp32 and held
+/// to the CPU alike; then, where D is a multiple of 16 up to 128, on the tensor-core kernels
+/// (the default), whose bf16 operands are held to the CPU on bf16-rounded inputs at
+/// [`TOL_TENSOR_ATTENTION`].
 fn check_attention(be: &CudaBackend, rng: &mut Rng, dims: AttnDims) -> [Vec<f32>; 3] {
     let seed = rng.next_u64();
-    check_attention_with(be, &mut Rng::new(seed), dims, GUARD);
-    check_attention_with(be, &mut Rng::new(seed), dims, 4 * GUARD.div_ceil(4))
+    let aligned = 4 * GUARD.div_ceil(4);
+    be.set_attention_kernels(AttentionKernels::Fp32);
+    check_attention_with(be, &mut Rng::new(seed), dims, GUARD, false);
+    let fp32 = check_attention_with(be, &mut Rng::new(seed), dims, aligned, false);
+    be.set_attention_kernels(AttentionKernels::Tensor);
+    if dims.d.is_multiple_of(16) && dims.d <= 128 {
+        check_attention_with(be, &mut Rng::new(seed), dims, aligned, true);
+    }
+    fp32
 }
 
+/// `x` rounded to bf16 and back.
+fn bf16_rounded(x: Vec<f32>) -> Vec<f32> {
+    x.into_iter().map(|v| Bf16::from_f32(v).to_f32()).collect()
+}
+
+/// One run of [`check_attention`]'s: the inputs rounded to bf16 and the tensor cores'
+/// tolerance when `tensor`.
 fn check_attention_with(
     be: &CudaBackend,
     rng: &mut Rng,
     dims: AttnDims,
     guard: usize,
+    tensor: bool,
 ) -> [Vec<f32>; 3] {
     let (n, width, hd) = (dims.n(), dims.qkv_width(), dims.h * dims.d);
-    let qkv = rng.vec(n * width, 1.0);
+    let (round, tol) = match tensor {
+        true => (bf16_rounded as fn(Vec<f32>) -> Vec<f32>, TOL_TENSOR_ATTENTION),
+        false => ((|x| x) as fn(Vec<f32>) -> Vec<f32>, TOL_SUM),
+    };
+    let set = if tensor { "tensor cores" } else { "fp32" };
+    let qkv = round(rng.vec(n * width, 1.0));
     let (mut out, mut lse) = (vec![0.0; n * hd], vec![0.0; dims.b * dims.h * dims.t]);
     CpuBackend.attention_forward(&mut out, &mut lse, &qkv, dims);
     let gqkv = Guarded::with_guard(be, "qkv", &qkv, guard);
@@ -532,10 +565,10 @@ fn check_attention_with(
     let mut glse = Guarded::with_guard(be, "lse", &vec![0.0; lse.len()], guard);
     be.attention_forward(gout.view_mut(), glse.view_mut(), gqkv.view(), dims);
     let (got_out, got_lse) = (gout.read(be), glse.read(be));
-    assert_close(&format!("attention_forward out {dims:?}"), &got_out, &out, TOL_SUM);
-    assert_close(&format!("attention_forward lse {dims:?}"), &got_lse, &lse, TOL_SUM);
+    assert_close(&format!("attention_forward ({set}) out {dims:?}"), &got_out, &out, tol);
+    assert_close(&format!("attention_forward ({set}) lse {dims:?}"), &got_lse, &lse, tol);
 
-    let dout = rng.vec(n * hd, 1.0);
+    let dout = round(rng.vec(n * hd, 1.0));
     let mut dqkv = vec![0.0; n * width];
     CpuBackend.attention_backward(&mut dqkv, &dout, &qkv, &out, &lse, dims);
     let gdout = Guarded::with_guard(be, "dout", &dout, guard);
@@ -549,8 +582,30 @@ fn check_attention_with(
         dims,
     );
     let got_dqkv = gdqkv.read(be);
-    assert_close(&format!("attention_backward dqkv {dims:?}"), &got_dqkv, &dqkv, TOL_SUM);
+    assert_close(&format!("attention_backward ({set}) dqkv {dims:?}"), &got_dqkv, &dqkv, tol);
+    if tensor {
+        let (q, kv) = (dims.h * dims.d, dims.kvh * dims.d);
+        let part = |x: &[f32], cols: std::ops::Range<usize>| -> Vec<f32> {
+            x.chunks(width).flat_map(|row| row[cols.clone()].to_vec()).collect()
+        };
+        let parts = [("dq", 0..q), ("dk", q..q + kv), ("dv", q + kv..width)];
+        assert_norm_close(&format!("attention_forward out {dims:?}"), &got_out, &out);
+        for (what, cols) in parts {
+            let (g, w) = (part(&got_dqkv, cols.clone()), part(&dqkv, cols));
+            assert_norm_close(&format!("attention_backward {what} {dims:?}"), &g, &w);
+        }
+    }
     [got_out, got_lse, got_dqkv]
+}
+
+/// `||got - want|| / ||want||` within [`TOL_TENSOR_NORM`]: the tensor cores' error over a whole
+/// output, which the elementwise bound (absolute below 1) cannot see where the values are small.
+fn assert_norm_close(what: &str, got: &[f32], want: &[f32]) {
+    let sq = |x: f64| x * x;
+    let diff: f64 = got.iter().zip(want).map(|(&g, &w)| sq(f64::from(g) - f64::from(w))).sum();
+    let norm: f64 = want.iter().map(|&w| sq(f64::from(w))).sum();
+    let rel = (diff / norm.max(f64::MIN_POSITIVE)).sqrt();
+    assert!(rel <= TOL_TENSOR_NORM, "{what}: relative error {rel:.2e} > {TOL_TENSOR_NORM:e}");
 }
 
 #[test]

@@ -807,6 +807,7 @@ static const std::vector<std::pair<const char*, std::vector<const char*>>> kProj
     {"attention", {"attention_forward", "attention_forward_tiled", "attention_delta", "attention_backward_dq",
                    "attention_backward_dkv", "attention_backward_dq_tiled", "attention_backward_dkv_tiled"}},
     {"attention_decode", {"attention_decode"}},
+    {"attention_tc", {"attention_forward_tc", "attention_backward_dq_tc", "attention_backward_dkv_tc"}},
     {"convert", {"convert_f32_to_bf16"}},
     {"cross_entropy", {"cross_entropy_forward", "cross_entropy_fused"}},
     {"embedding", {"embedding_forward", "embedding_backward"}},

@@ -3,11 +3,18 @@
 //! global memory), forward and backward (the rows' `delta = dout . out`, then dq, then dk and
 //! dv). Derivation: `cpu/attention.rs`.
 //!
-//! Two kernel sets compute the same function in fp32: the tiled kernels (64-row blocks, 4 x 4
-//! register tiles, as an SGEMM) where D is a multiple of 4 up to 128 and the buffers are 16-byte
-//! aligned (the engine's always are), and the warp-per-row kernels otherwise (any D up to 256,
-//! any alignment). On an H200 the warp-per-row kernels ran a Qwen2.5-7B layer's attention at
-//! 4.2 TFLOP/s forward and 3.3 backward (`examples/cuda_op_speed`, which times both sets).
+//! Three kernel sets compute the same function:
+//! - on the tensor cores (`kernels/attention_tc.cu`: bf16 operands, fp32 accumulation, as the
+//!   backend's products), where the device has bf16 tensor cores (sm_80 and later), D is a
+//!   multiple of 16 up to 128, the buffers are 16-byte aligned (the engine's always are) and
+//!   [`CudaBackend::set_attention_kernels`] did not ask for fp32: the default for every family
+//!   but Gemma (D = 256);
+//! - in fp32, tiled (64-row blocks, 4 x 4 register tiles, as an SGEMM) where D is a multiple of
+//!   4 up to 128 and the buffers are 16-byte aligned;
+//! - in fp32, one warp per row, otherwise (any D up to 256, any alignment).
+//!
+//! On an H200 the warp-per-row kernels ran a Qwen2.5-7B layer's attention at 4.2 TFLOP/s forward
+//! and 3.3 backward, 92% of the layer's time (`examples/cuda_op_speed`, which times every set).
 
 use super::CudaBackend;
 use super::backend::{arg, expect_len, int};
@@ -40,9 +47,9 @@ pub(super) fn window_scale(dims: AttnDims) -> (i32, f32) {
     (int(w, "window"), dims.scale)
 }
 
-/// Dynamic shared memory of a kernel, allowed above 48 KiB where needed.
-pub(super) fn shared(be: &CudaBackend, name: &str, floats: usize) -> u32 {
-    let bytes = (floats * 4) as u32;
+/// Dynamic shared memory of a kernel, `bytes`, allowed above 48 KiB where needed.
+pub(super) fn shared(be: &CudaBackend, name: &str, bytes: usize) -> u32 {
+    let bytes = bytes as u32;
     if bytes > 48 * 1024 {
         be.allow_shared(name, bytes);
     }
@@ -54,11 +61,48 @@ pub(super) const TILED_ROWS: usize = 64;
 /// The largest head dim the tiled forward takes (its threads hold 8 output columns each).
 pub(super) const TILED_MAX_D: usize = 128;
 
-/// Whether the tiled forward (`attention_forward_tiled`) can run: D a multiple of 4 up to
-/// [`TILED_MAX_D`], and every buffer 16-byte aligned (its loads and stores are 16 bytes; the
-/// engine's buffers are 64-byte aligned). Otherwise the warp-per-row kernel runs.
+/// Whether the tiled kernels (`attention_forward_tiled`, ...) can run: D a multiple of 4 up to
+/// [`TILED_MAX_D`], and every buffer 16-byte aligned (their loads and stores are 16 bytes; the
+/// engine's buffers are 64-byte aligned). Otherwise the warp-per-row kernels run.
 fn tiled(dims: AttnDims, addrs: &[u64]) -> bool {
     dims.d.is_multiple_of(4) && dims.d <= TILED_MAX_D && addrs.iter().all(|a| a % 16 == 0)
+}
+
+/// The kernel sets of `attention.cu` and `attention_tc.cu`, fastest first.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Set {
+    /// `*_tc`: wmma on bf16 tensor cores.
+    Tensor,
+    /// `*_tiled`: fp32 register tiles.
+    Tiled,
+    /// The warp-per-row kernels.
+    Rows,
+}
+
+/// Which kernels run `dims` on buffers at `addrs`: the tensor-core ones where the backend
+/// allows them and D is a multiple of 16 up to [`TILED_MAX_D`] (16 x 16 fragments; the
+/// tensor-core kernels share the tiled ones' alignment and shared-memory bounds), else
+/// [`tiled`]'s choice.
+fn kernel_set(be: &CudaBackend, dims: AttnDims, addrs: &[u64]) -> Set {
+    match tiled(dims, addrs) {
+        true if be.tensor_attention() && dims.d.is_multiple_of(16) => Set::Tensor,
+        true => Set::Tiled,
+        false => Set::Rows,
+    }
+}
+
+/// Dynamic shared memory of the tensor-core kernels, in bytes, for head dim `d` (their layout
+/// in `kernels/attention_tc.cu`): bf16 tiles of 64 x (D + 8), fp32 score tiles of 64 x 68, bf16
+/// P and dS tiles of 64 x 72, fp32 accumulators of 64 x (D + 4), and 64-float statistics.
+fn tc_shared_bytes(kernel: &str, d: usize) -> usize {
+    let rows = TILED_ROWS;
+    let (bf16_tile, scores, probs, acc) =
+        (rows * (d + 8) * 2, rows * 68 * 4, rows * 72 * 2, rows * (d + 4) * 4);
+    match kernel {
+        "attention_forward_tc" => 3 * bf16_tile + scores + acc + probs,
+        "attention_backward_dq_tc" => 4 * bf16_tile + 2 * scores + probs,
+        _ => 4 * bf16_tile + 2 * scores + 2 * acc + 2 * rows * 4 + 2 * probs,
+    }
 }
 
 /// out: (N, H*D), overwrites. lse: (B, H, T), overwrites. qkv: (N, QKV) after rope.
@@ -74,24 +118,30 @@ pub(crate) fn attention_forward(
     expect_len("attention_forward", "out", out.len(), dims.n() * dims.h * dims.d);
     expect_len("attention_forward", "lse", lse.len(), dims.b * dims.h * dims.t);
     let (o, l, x) = (out.addr(), lse.addr(), qkv.addr());
-    let fast = tiled(dims, &[o, x]);
-    let (name, rows, threads, floats) = if fast {
-        let f = 3 * TILED_ROWS * dims.d + TILED_ROWS * TILED_ROWS;
-        ("attention_forward_tiled", TILED_ROWS, 256, f)
-    } else {
-        let f = 2 * TILE * (dims.d + 1) + ROWS * dims.d;
-        ("attention_forward", ROWS, 32 * ROWS as u32, f)
+    let (name, rows, threads, bytes) = match kernel_set(be, dims, &[o, x]) {
+        Set::Tensor => {
+            let name = "attention_forward_tc";
+            (name, TILED_ROWS, 128, tc_shared_bytes(name, dims.d))
+        }
+        Set::Tiled => {
+            let f = 3 * TILED_ROWS * dims.d + TILED_ROWS * TILED_ROWS;
+            ("attention_forward_tiled", TILED_ROWS, 256, 4 * f)
+        }
+        Set::Rows => {
+            let f = 2 * TILE * (dims.d + 1) + ROWS * dims.d;
+            ("attention_forward", ROWS, 32 * ROWS as u32, 4 * f)
+        }
     };
-    let smem = shared(be, name, floats);
+    let smem = shared(be, name, bytes);
     let (t, h, kvh, d) =
         (int(dims.t, "T"), int(dims.h, "H"), int(dims.kvh, "KVH"), int(dims.d, "D"));
     let (w, scale) = window_scale(dims);
     let mut args =
         [arg(&o), arg(&l), arg(&x), arg(&t), arg(&h), arg(&kvh), arg(&d), arg(&w), arg(&scale)];
-    // SAFETY: argument types match both kernels (pointers, five ints, one float); the grid
-    // covers (T/rows, H, B) and every index the kernel forms lies inside the buffers whose
+    // SAFETY: argument types match the three kernels (pointers, five ints, one float); the
+    // grid covers (T/rows, H, B) and every index the kernel forms lies inside the buffers whose
     // lengths are checked above (keys and queries outside the window are never read); the
-    // tiled kernel's 16-byte accesses are aligned (`tiled`).
+    // tiled and tensor-core kernels' 16-byte accesses are aligned (`tiled`).
     unsafe {
         be.launch(
             name,
@@ -150,21 +200,27 @@ pub(crate) fn attention_backward(
             &mut delta_args,
         );
     }
-    let fast = tiled(dims, &[dx, dy, x, o]);
-    let (dq_name, dkv_name, rows, threads) = if fast {
-        ("attention_backward_dq_tiled", "attention_backward_dkv_tiled", TILED_ROWS, 256)
-    } else {
-        ("attention_backward_dq", "attention_backward_dkv", ROWS, 32 * ROWS as u32)
+    let set = kernel_set(be, dims, &[dx, dy, x, o]);
+    let (dq_name, dkv_name, rows, threads) = match set {
+        Set::Tensor => ("attention_backward_dq_tc", "attention_backward_dkv_tc", TILED_ROWS, 128),
+        Set::Tiled => {
+            ("attention_backward_dq_tiled", "attention_backward_dkv_tiled", TILED_ROWS, 256)
+        }
+        Set::Rows => ("attention_backward_dq", "attention_backward_dkv", ROWS, 32 * ROWS as u32),
     };
-    let (dq_floats, dkv_floats) = if fast {
-        let (tile, stats) = (TILED_ROWS * dims.d, TILED_ROWS * TILED_ROWS + 2 * TILED_ROWS);
-        (5 * tile + stats, 6 * tile + stats)
-    } else {
-        let tiles = 2 * TILE * (dims.d + 1) + 2 * ROWS * dims.d;
-        (tiles, tiles + 2 * TILE)
+    let (dq_bytes, dkv_bytes) = match set {
+        Set::Tensor => (tc_shared_bytes(dq_name, dims.d), tc_shared_bytes(dkv_name, dims.d)),
+        Set::Tiled => {
+            let (tile, stats) = (TILED_ROWS * dims.d, TILED_ROWS * TILED_ROWS + 2 * TILED_ROWS);
+            (4 * (5 * tile + stats), 4 * (6 * tile + stats))
+        }
+        Set::Rows => {
+            let tiles = 2 * TILE * (dims.d + 1) + 2 * ROWS * dims.d;
+            (4 * tiles, 4 * (tiles + 2 * TILE))
+        }
     };
-    let smem_dq = shared(be, dq_name, dq_floats);
-    let smem_dkv = shared(be, dkv_name, dkv_floats);
+    let smem_dq = shared(be, dq_name, dq_bytes);
+    let smem_dkv = shared(be, dkv_name, dkv_bytes);
     let rows = dims.t.div_ceil(rows) as u32;
     let (w, scale) = window_scale(dims);
     let mut args = [
@@ -180,7 +236,7 @@ pub(crate) fn attention_backward(
         arg(&w),
         arg(&scale),
     ];
-    // SAFETY: argument types match both kernels (pointers, five ints, one float); the dq
+    // SAFETY: argument types match every set's kernels (pointers, five ints, one float); the dq
     // kernel writes only the q part of each row and the dk/dv kernel only the k and v parts, so
     // together they overwrite dqkv; every index lies inside the buffers whose lengths are
     // checked above.

@@ -23,7 +23,7 @@ pub(crate) fn attention_decode(
     if t_new == 0 {
         return;
     }
-    let smem = shared(be, "attention_decode", 2 * TILE * (dims.d + 1) + ROWS * dims.d);
+    let smem = shared(be, "attention_decode", 4 * (2 * TILE * (dims.d + 1) + ROWS * dims.d));
     let (o, x) = (out.addr(), qkv.addr());
     let (t, tn, h, kvh, d) = (
         int(dims.t, "T"),

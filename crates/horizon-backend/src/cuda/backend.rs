@@ -10,6 +10,7 @@
 
 use std::ffi::c_void;
 use std::ops::{Deref, DerefMut};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::cublas;
@@ -41,6 +42,21 @@ struct Inner {
     products: Mutex<(u64, usize)>,
     /// A workspace this backend allocated itself (standalone backends), freed on drop.
     own_workspace: Option<u64>,
+    /// Whether the device has bf16 tensor cores (compute capability 8.0 or later).
+    tensor_cores: bool,
+    /// Whether attention runs on the fp32 kernels even where the tensor-core ones could
+    /// ([`CudaBackend::set_attention_kernels`]).
+    fp32_attention: AtomicBool,
+}
+
+/// Which kernels compute attention where the shape allows either (`cuda/attention.rs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttentionKernels {
+    /// bf16 operands on the tensor cores, fp32 accumulation (`kernels/attention_tc.cu`): the
+    /// default where the device has them (sm_80 and later) and D is a multiple of 16 up to 128.
+    Tensor,
+    /// fp32 on the CUDA cores (`kernels/attention.cu`): the reference's arithmetic.
+    Fp32,
 }
 
 impl Drop for Inner {
@@ -156,8 +172,19 @@ impl CudaBackend {
         } else {
             None
         };
-        let inner =
-            Inner { ctx, stream, kernels, blas, products: Mutex::new((0, 0)), own_workspace };
+        let (major, _) = ctx
+            .compute_capability()
+            .map_err(|e| CudaError::driver("reading the compute capability", e))?;
+        let inner = Inner {
+            ctx,
+            stream,
+            kernels,
+            blas,
+            products: Mutex::new((0, 0)),
+            own_workspace,
+            tensor_cores: major >= 8,
+            fp32_attention: AtomicBool::new(false),
+        };
         Ok(CudaBackend { inner: Arc::new(inner) })
     }
 
@@ -207,6 +234,19 @@ impl CudaBackend {
     /// until the product's last use of it is enqueued.
     pub(crate) fn products(&self) -> MutexGuard<'_, (u64, usize)> {
         self.inner.products.lock().expect("workspace lock poisoned")
+    }
+
+    /// Chooses the kernels attention runs on where the shape allows either; every clone of
+    /// this backend follows. [`AttentionKernels::Tensor`] is the default, and on a device
+    /// without bf16 tensor cores means the fp32 kernels.
+    pub fn set_attention_kernels(&self, kernels: AttentionKernels) {
+        self.inner.fp32_attention.store(kernels == AttentionKernels::Fp32, Ordering::Relaxed);
+    }
+
+    /// Whether attention may run on the tensor-core kernels: the device has them and
+    /// [`CudaBackend::set_attention_kernels`] did not ask for fp32.
+    pub(crate) fn tensor_attention(&self) -> bool {
+        self.inner.tensor_cores && !self.inner.fp32_attention.load(Ordering::Relaxed)
     }
 
     /// The context.

@@ -14,9 +14,10 @@ use cudarc::nvrtc;
 use super::CudaError;
 
 /// `(op, source)` of every kernel file, `kernels/<op>.cu`.
-pub const SOURCES: [(&str, &str); 15] = [
+pub const SOURCES: [(&str, &str); 16] = [
     ("attention", include_str!("../../kernels/attention.cu")),
     ("attention_decode", include_str!("../../kernels/attention_decode.cu")),
+    ("attention_tc", include_str!("../../kernels/attention_tc.cu")),
     ("cols", include_str!("../../kernels/cols.cu")),
     ("convert", include_str!("../../kernels/convert.cu")),
     ("cross_entropy", include_str!("../../kernels/cross_entropy.cu")),
@@ -33,7 +34,7 @@ pub const SOURCES: [(&str, &str); 15] = [
 ];
 
 /// The `extern "C"` entry points of each source, loaded by name.
-pub const FUNCTIONS: [(&str, &[&str]); 15] = [
+pub const FUNCTIONS: [(&str, &[&str]); 16] = [
     (
         "attention",
         &[
@@ -47,6 +48,10 @@ pub const FUNCTIONS: [(&str, &[&str]); 15] = [
         ],
     ),
     ("attention_decode", &["attention_decode"]),
+    (
+        "attention_tc",
+        &["attention_forward_tc", "attention_backward_dq_tc", "attention_backward_dkv_tc"],
+    ),
     ("cols", &["add_cols", "scaled_cols"]),
     ("convert", &["convert_f32_to_bf16"]),
     (

@@ -37,7 +37,7 @@ mod rmsnorm;
 mod rope;
 mod slice;
 
-pub use backend::{CudaBackend, CudaMem};
+pub use backend::{AttentionKernels, CudaBackend, CudaMem};
 pub use config::{
     CudaDeviceConfig, CudaError, KernelShape, MAX_HEAD_DIM, WIRE_CHUNK, WIRE_RING_BYTES,
     check_kernel_limits,
