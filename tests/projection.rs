@@ -139,19 +139,22 @@ fn profiles_resolve_and_a_run_that_does_not_fit_is_refused() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// A GPU projection prices attention at the profile's rate (Horizon's fp32 kernels by default)
-/// and also says what a tensor-core attention would give: a shorter step, and a line naming
-/// both rates; a profile whose attention is already that fast gets no such line.
+/// A GPU projection prices attention at the profile's rate (Horizon's tensor-core kernels by
+/// default) and also says what a FlashAttention-class attention would give: a shorter step,
+/// and a line naming both rates; a profile whose attention is already that fast gets no such
+/// line.
 #[test]
-fn a_gpu_projection_says_what_a_tensor_core_attention_would_give() {
+fn a_gpu_projection_says_what_a_flash_attention_would_give() {
     let cfg = config(4096, 8, 16, "");
     let p = projection(&cfg, "h200-pcie5").unwrap();
-    let line = p.text.lines().find(|l| l.contains("tensor-core attention")).unwrap_or_else(|| {
-        panic!("no tensor-core attention line:\n{}", p.text);
+    let what = "FlashAttention-class attention";
+    let line = p.text.lines().find(|l| l.contains(what)).unwrap_or_else(|| {
+        panic!("no {what} line:\n{}", p.text);
     });
-    assert!(line.contains("52%") && line.contains("(2.0%)"), "{line}");
+    assert!(line.contains("52%") && line.contains("(8.0%)"), "{line}");
     let step: f64 = line.split("step ").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
-    assert!(step < 0.9 * p.chosen.step_s, "{step} vs {}: {}", p.chosen.step_s, p.text);
+    // (At 1,024 tokens a sequence attention is a tenth of this step: 0.38 s against 0.42.)
+    assert!(step < p.chosen.step_s, "{step} vs {}: {}", p.chosen.step_s, p.text);
     let dir = std::env::temp_dir().join(format!("horizon-flash-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let f = dir.join("fast.yaml");
@@ -161,7 +164,7 @@ fn a_gpu_projection_says_what_a_tensor_core_attention_would_give() {
     )
     .unwrap();
     let fast = projection(&cfg, f.to_str().unwrap()).unwrap();
-    assert!(!fast.text.contains("tensor-core attention"), "{}", fast.text);
+    assert!(!fast.text.contains(what), "{}", fast.text);
     assert!(fast.chosen.step_s < step, "{} vs {step}", fast.chosen.step_s);
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -41,8 +41,9 @@ pub struct Gpu {
     #[serde(default = "default_gemm_half_dim")]
     pub gemm_half_dim: f64,
     /// Fraction of the bf16 peak the attention kernels reach, forward and backward (the
-    /// backward costed as 2.5 forwards). Horizon's own kernels run on fp32 CUDA cores, not
-    /// tensor cores: see [`default_attention_efficiency`].
+    /// backward costed as 2.5 forwards), where Horizon's tensor-core kernels take the head dim
+    /// (a multiple of 16 up to 128): see [`default_attention_efficiency`]. Other head dims run
+    /// on fp32 CUDA cores ([`fp32_attention_efficiency`]).
     #[serde(default = "default_attention_efficiency")]
     pub attention_efficiency: f64,
     /// Fraction of the HBM bandwidth an elementwise kernel reaches.
@@ -59,16 +60,33 @@ fn default_gemm_efficiency() -> f64 {
 fn default_gemm_half_dim() -> f64 {
     96.0
 }
-/// Horizon's fp32 attention kernels, as a fraction of a 989 TFLOP/s bf16 peak. Measured on an
-/// H200 (`examples/cuda_op_speed`, Qwen2.5-7B layer, 4 x 4096 tokens, 2026-12-04): the
-/// warp-per-row kernels ran at 4.2 TFLOP/s forward and 3.3 backward, 0.0035 of the peak over
-/// both (a projection at that rate predicted the measured 7B step within 7%). The tiled kernels
-/// that now run for D <= 128 hold 16 independent sums per thread where those held one, and
-/// feed 16 FMAs from two 16-byte shared loads where those fed one from two 4-byte loads; they
-/// are estimated at about 20 TFLOP/s (0.02: 30% of the fp32 CUDA cores' 67 TFLOP/s) until a
-/// GPU times them. A tensor-core attention would reach [`FLASH_ATTENTION_EFFICIENCY`].
+/// Horizon's tensor-core attention kernels (`kernels/attention_tc.cu`: wmma m16n16k16 on bf16
+/// operands, 64-row blocks of 4 warps, scores and probabilities through shared memory), as a
+/// fraction of a 989 TFLOP/s bf16 peak: estimated at 0.08 (79 TFLOP/s) until a GPU times them.
+/// The estimate: a warp's shared-memory traffic per key tile (fragment loads of both operands
+/// for every product, the scores out and back, the accumulators in and out) is about 90 KB
+/// for 0.5 MFLOP at D = 128, 5.8 FLOPs a byte, which caps them near 190 TFLOP/s at an H200's
+/// 33 TB/s of shared bandwidth; one block of 4 warps per multiprocessor hides little of the
+/// load latency, and the backward moves more per FLOP, hence well under half that cap.
+/// FlashAttention itself (fragments in registers, `wgmma`) reaches
+/// [`FLASH_ATTENTION_EFFICIENCY`].
 fn default_attention_efficiency() -> f64 {
-    0.02
+    0.08
+}
+
+/// Horizon's fp32 attention kernels, for head dims the tensor-core ones do not take, as a
+/// fraction of the bf16 peak: the warp-per-row kernels (D above 128, or not a multiple of 4)
+/// measured on an H200 at 4.2 TFLOP/s forward and 3.3 backward (`examples/cuda_op_speed`,
+/// Qwen2.5-7B layer, 4 x 4096 tokens, 2026-12-04), 0.0035 over both, with which a projection
+/// predicted the measured 7B step within 7%; the tiled ones (D a multiple of 4 up to 128)
+/// estimated at 0.02 (20 TFLOP/s, 30% of the fp32 cores' 67) until a GPU times them.
+pub fn fp32_attention_efficiency(d: usize) -> f64 {
+    if d.is_multiple_of(4) && d <= 128 { 0.02 } else { 0.0035 }
+}
+
+/// Whether Horizon's tensor-core attention kernels take head dim `d` (`cuda/attention.rs`).
+pub fn tensor_core_head_dim(d: usize) -> bool {
+    d.is_multiple_of(16) && d <= 128
 }
 
 /// What a tensor-core attention reaches: PyTorch's FlashAttention (`scaled_dot_product_attention`,
@@ -309,7 +327,8 @@ impl Hardware {
 const GIB: f64 = (1u64 << 30) as f64;
 
 /// The GPU by roofline: a product at the bf16 peak times a shape-dependent efficiency, or at
-/// HBM speed if its bytes take longer; attention at a fixed fraction of the peak; elementwise
+/// HBM speed if its bytes take longer; attention at a fixed fraction of the peak (the profile's
+/// where the tensor-core kernels take the head dim, the fp32 kernels' otherwise); elementwise
 /// kernels at a fraction of HBM bandwidth.
 pub struct Roofline<'a>(pub &'a Gpu);
 
@@ -329,7 +348,11 @@ impl DeviceModel for Roofline<'_> {
     fn attention(&self, a: &crate::model::spec::AttnSpec, b: usize, t: usize, bwd: bool) -> f64 {
         let flops = 4.0 * (a.d * a.h) as f64 * (b * a.pairs(t)) as f64;
         let flops = if bwd { 2.5 * flops } else { flops };
-        flops / (self.0.bf16_tflops * 1e12 * self.0.attention_efficiency)
+        let eff = match tensor_core_head_dim(a.d) {
+            true => self.0.attention_efficiency,
+            false => self.0.attention_efficiency.min(fp32_attention_efficiency(a.d)),
+        };
+        flops / (self.0.bf16_tflops * 1e12 * eff)
     }
 
     fn stream(&self, bytes: f64) -> f64 {
@@ -348,6 +371,24 @@ impl DeviceModel for Roofline<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Attention of the same FLOPs costs the profile's rate where the tensor-core kernels take
+    /// the head dim (D = 128) and the fp32 kernels' where they do not: D = 256 (Gemma) runs one
+    /// warp per row, D = 100 the tiled kernels.
+    #[test]
+    fn attention_is_priced_by_the_kernels_that_take_its_head_dim() {
+        let gpu = Hardware::built_in("h200-pcie5").unwrap().gpu;
+        let spec = |h, d| crate::model::spec::AttnSpec { h, kvh: h, d, window: 0, scale: 1.0 };
+        let s = |h, d| Roofline(&gpu).attention(&spec(h, d), 2, 512, false);
+        let (tc, rows, tiled) = (s(8, 128), s(4, 256), s(8, 100));
+        let ratio = |x: f64| x / tc;
+        assert!((ratio(rows) - gpu.attention_efficiency / 0.0035).abs() < 1e-9, "{rows} vs {tc}");
+        let tiled_ratio = gpu.attention_efficiency / 0.02 * 100.0 / 128.0;
+        assert!((ratio(tiled) - tiled_ratio).abs() < 1e-9, "{tiled} vs {tc}");
+        assert!(
+            tensor_core_head_dim(64) && !tensor_core_head_dim(72) && !tensor_core_head_dim(256)
+        );
+    }
 
     #[test]
     fn built_in_profiles_resolve_and_check() {

@@ -172,7 +172,7 @@ pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
     if !cpu && let Some(p) = with_flash_attention(&schedule, &base, tokens) {
         writeln!(
             text,
-            "  with a tensor-core attention ({:.0}% of the peak, as FlashAttention on an H200) instead of Horizon's fp32 kernels ({:.1}%): step {:.3} s, {:.0} tokens/s, MFU {:.1}%",
+            "  with a FlashAttention-class attention ({:.0}% of the peak, as PyTorch's on an H200) instead of Horizon's kernels ({:.1}%): step {:.3} s, {:.0} tokens/s, MFU {:.1}%",
             100.0 * FLASH_ATTENTION_EFFICIENCY,
             100.0 * hw.gpu.attention_efficiency,
             p.step_s,
