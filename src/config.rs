@@ -441,6 +441,11 @@ pub struct DeviceSection {
     /// (default) or `spin` (their threads stay awake, as a GPU's cores do: for timing runs on
     /// shared machines).
     pub wait: DeviceWait,
+    /// CUDA backend: which kernels compute attention, `auto` (default: bf16 tensor cores with
+    /// fp32 accumulation where the GPU has them and the head dim is a multiple of 16 up to 128,
+    /// else fp32) or `fp32` (always the fp32 kernels: the CPU reference's arithmetic, several
+    /// times slower). The CPU backend's attention is fp32 either way.
+    pub attention: DeviceAttention,
 }
 
 impl Default for DeviceSection {
@@ -450,6 +455,28 @@ impl Default for DeviceSection {
             memory: ByteSize::Auto,
             link_gbps: 0.0,
             wait: DeviceWait::Block,
+            attention: DeviceAttention::Auto,
+        }
+    }
+}
+
+/// `device.attention`: [`horizon_backend::cuda::AttentionKernels`] in the config.
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceAttention {
+    /// The tensor cores where the GPU and the head dim allow, else the fp32 kernels.
+    #[default]
+    Auto,
+    /// The fp32 kernels always.
+    Fp32,
+}
+
+impl DeviceAttention {
+    /// The CUDA device's choice.
+    pub fn kernels(self) -> horizon_backend::cuda::AttentionKernels {
+        match self {
+            DeviceAttention::Auto => horizon_backend::cuda::AttentionKernels::Tensor,
+            DeviceAttention::Fp32 => horizon_backend::cuda::AttentionKernels::Fp32,
         }
     }
 }
@@ -865,6 +892,21 @@ mod tests {
         let e = c.resolve("t.yaml").unwrap_err().to_string();
         assert!(e.contains("device.wait") && e.contains("hint"), "{e}");
         assert!(RawConfig::from_yaml(&yaml("{wait: nap}"), "t.yaml").is_err());
+    }
+
+    #[test]
+    fn device_attention_picks_the_cuda_kernels() {
+        use horizon_backend::cuda::AttentionKernels;
+        let yaml =
+            |dev: &str| format!("model: {{path: m}}\ndata: {{path: d.jsonl}}\ndevice: {dev}\n");
+        let c = RawConfig::from_yaml(&yaml("{}"), "t.yaml").unwrap();
+        assert_eq!(c.device.attention.kernels(), AttentionKernels::Tensor);
+        let c = RawConfig::from_yaml(&yaml("{attention: fp32}"), "t.yaml").unwrap();
+        assert_eq!(c.device.attention.kernels(), AttentionKernels::Fp32);
+        c.resolve("t.yaml").unwrap();
+        let e = RawConfig::from_yaml(&yaml("{attention: bf16}"), "t.yaml").unwrap_err();
+        let e = format!("{e:#}");
+        assert!(e.contains("attention") && e.contains("fp32"), "{e}");
     }
 
     #[test]

@@ -874,10 +874,12 @@ pub fn cuda_kernel_limits(layout: &ModelLayout, raw: &RawConfig, seq_len: usize)
 }
 
 /// The CUDA device of a run (`device.backend: cuda`): GPU 0, a pool of the plan's device bytes,
-/// bf16 weights on the wire and in the slots, bf16 tensor-core matmuls with fp32 accumulation.
-/// In a binary built without the `cuda` feature this is an error saying so.
-fn cuda_device(_raw: &RawConfig, plan: &MemoryPlan) -> Result<CudaDevice> {
-    let cfg = CudaDeviceConfig::with_capacity(plan.device_capacity() as usize);
+/// bf16 weights on the wire and in the slots, bf16 tensor-core matmuls with fp32 accumulation,
+/// attention on the kernels `device.attention` picks. In a binary built without the `cuda`
+/// feature this is an error saying so.
+fn cuda_device(raw: &RawConfig, plan: &MemoryPlan) -> Result<CudaDevice> {
+    let mut cfg = CudaDeviceConfig::with_capacity(plan.device_capacity() as usize);
+    cfg.attention = raw.device.attention.kernels();
     CudaDevice::new(cfg).context("device.backend = cuda")
 }
 

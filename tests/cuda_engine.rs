@@ -204,45 +204,85 @@ fn double_on_path() -> bool {
     path.split(':').any(|d| std::path::Path::new(d).join("FAKECUDA").exists())
 }
 
-/// A kernel that fails mid-run (the double's fault injection, `FAKECUDA_FAIL_KERNEL`, fails the
-/// 5th `attention_backward_dq_tc`: step 3 of a 2-layer model) ends `horizon train` with an error
-/// naming the failed CUDA operation, not a panic; the checkpoint of step 2 is intact, and the
-/// run resumes from it to the end.
-#[test]
-fn a_failed_launch_is_an_error_and_the_last_checkpoint_survives() {
-    if !double_on_path() {
-        use std::io::Write;
-        let why = "SKIPPED: fault injection needs the CUDA test double (scripts/fakecuda.sh)";
-        let _ = writeln!(std::io::stderr(), "{why}");
-        return;
+/// Whether the CUDA test double runs this test; when not (on a GPU), says the test is skipped.
+fn under_the_double(why: &str) -> bool {
+    if double_on_path() {
+        return true;
     }
-    let tmp = tempfile::tempdir().unwrap();
-    let out = tmp.path().join("out");
-    let cfg = tmp.path().join("run.yaml");
+    use std::io::Write;
+    let _ = writeln!(
+        std::io::stderr(),
+        "SKIPPED: {why} needs the CUDA test double (scripts/fakecuda.sh)"
+    );
+    false
+}
+
+/// A 2-layer model's run of `steps` steps on the CUDA device in `dir` (its `out` folder), with
+/// `device.attention: attention`, a checkpoint every 2 steps; returns its config's path.
+fn small_cuda_run(dir: &std::path::Path, steps: usize, attention: &str) -> std::path::PathBuf {
+    let cfg = dir.join("run.yaml");
     std::fs::write(
         &cfg,
         format!(
             "model: {{init: random, arch: llama, hidden_size: 64, intermediate_size: 96, \
              num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, \
              vocab_size: 96}}\ndata: {{format: synthetic}}\n\
-             train: {{steps: 5, batch_size: 2, max_seq_len: 16, save_every: 2}}\n\
-             device: {{backend: cuda, memory: auto}}\noutput: {{dir: {}}}\n",
-            out.display()
+             train: {{steps: {steps}, batch_size: 2, max_seq_len: 16, save_every: 2}}\n\
+             device: {{backend: cuda, memory: auto, attention: {attention}}}\n\
+             output: {{dir: {}}}\n",
+            dir.join("out").display()
         ),
     )
     .unwrap();
-    let horizon = |resume: bool, fail: Option<&str>| {
-        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_horizon"));
-        cmd.args(["train", "--config", cfg.to_str().unwrap()]);
-        if resume {
-            cmd.args(["--resume", "latest"]);
-        }
-        match fail {
-            Some(spec) => cmd.env("FAKECUDA_FAIL_KERNEL", spec),
-            None => cmd.env_remove("FAKECUDA_FAIL_KERNEL"),
-        };
-        cmd.output().expect("run horizon")
+    cfg
+}
+
+/// `horizon train --config cfg` (resuming from the latest checkpoint if `resume`), with the
+/// double failing the kernel launch `fail` names (`FAKECUDA_FAIL_KERNEL`), if any.
+fn horizon_train(cfg: &std::path::Path, resume: bool, fail: Option<&str>) -> std::process::Output {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_horizon"));
+    cmd.args(["train", "--config", cfg.to_str().unwrap()]);
+    if resume {
+        cmd.args(["--resume", "latest"]);
+    }
+    match fail {
+        Some(spec) => cmd.env("FAKECUDA_FAIL_KERNEL", spec),
+        None => cmd.env_remove("FAKECUDA_FAIL_KERNEL"),
     };
+    cmd.output().expect("run horizon")
+}
+
+/// `device.attention` picks the attention kernels: by default the tensor-core ones, so a
+/// failure injected into the fp32 tiled backward never fires; with `fp32`, the fp32 ones, so it
+/// ends the run.
+#[test]
+fn device_attention_picks_the_attention_kernels() {
+    if !under_the_double("fault injection") {
+        return;
+    }
+    for (attention, fails) in [("auto", false), ("fp32", true)] {
+        let tmp = tempfile::tempdir().unwrap();
+        let cfg = small_cuda_run(tmp.path(), 2, attention);
+        let run = horizon_train(&cfg, false, Some("attention_backward_dq_tiled:1"));
+        let err = String::from_utf8_lossy(&run.stderr);
+        assert_eq!(!run.status.success(), fails, "device.attention: {attention}:\n{err}");
+        assert_eq!(err.contains("CUDA_ERROR_LAUNCH_FAILED"), fails, "{attention}:\n{err}");
+    }
+}
+
+/// A kernel that fails mid-run (the double's fault injection, `FAKECUDA_FAIL_KERNEL`, fails the
+/// 5th `attention_backward_dq_tc`: step 3 of a 2-layer model) ends `horizon train` with an error
+/// naming the failed CUDA operation, not a panic; the checkpoint of step 2 is intact, and the
+/// run resumes from it to the end.
+#[test]
+fn a_failed_launch_is_an_error_and_the_last_checkpoint_survives() {
+    if !under_the_double("fault injection") {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let cfg = small_cuda_run(tmp.path(), 5, "auto");
+    let horizon = |resume: bool, fail: Option<&str>| horizon_train(&cfg, resume, fail);
     let failed = horizon(false, Some("attention_backward_dq_tc:5"));
     let err = String::from_utf8_lossy(&failed.stderr);
     assert!(!failed.status.success(), "the run with a failed kernel succeeded:\n{err}");

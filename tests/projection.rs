@@ -169,6 +169,22 @@ fn a_gpu_projection_says_what_a_flash_attention_would_give() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `device.attention: fp32` is priced at the fp32 kernels' rate (0.02 of the peak for D = 128,
+/// the tiled ones), a longer step than the tensor-core kernels' default.
+#[test]
+fn fp32_attention_is_projected_at_the_fp32_kernels_rate() {
+    let tc = projection(&config(4096, 8, 16, ""), "h200-pcie5").unwrap();
+    let fp32 =
+        projection(&config(4096, 8, 16, "device: {attention: fp32}\n"), "h200-pcie5").unwrap();
+    assert!(
+        fp32.chosen.step_s > tc.chosen.step_s,
+        "{} vs {}",
+        fp32.chosen.step_s,
+        tc.chosen.step_s
+    );
+    assert!(fp32.text.contains("Horizon's kernels (2.0%)"), "{}", fp32.text);
+}
+
 /// Each head tile moves its own rows: cut into 8 tiles of 4,000 rows or into 7 of 4,400 and a
 /// last of 1,200, the head's gradients (each tile's downloaded once) take the link the same
 /// time (the cost model once priced every tile at full size, 3,200 rows more than there are).

@@ -8,14 +8,16 @@ use std::path::Path;
 use anyhow::{Result, bail};
 use horizon_backend::Queue;
 
-use crate::config::{BackendKind, RunConfig, WeightPath};
+use crate::config::{BackendKind, DeviceAttention, RunConfig, WeightPath};
 use crate::engine::exec::{EngineConfig, Sizes, plan_shape};
 use crate::engine::memory::gib;
 use crate::engine::plan::Schedule;
 use crate::engine::resolve::{Machine, most_kept, resolve};
 use crate::sim::calibrate::{CpuMeasured, HostMeasured, this_cpu};
 use crate::sim::cost::{CostModel, DeviceModel, HostByRates, HostModel, UploadPath};
-use crate::sim::hardware::{BUILT_IN, FLASH_ATTENTION_EFFICIENCY, Gpu, Hardware, Roofline};
+use crate::sim::hardware::{
+    BUILT_IN, FLASH_ATTENTION_EFFICIENCY, Gpu, Hardware, Roofline, fp32_attention_efficiency,
+};
 use crate::sim::{Projection, project};
 use crate::train::{
     SeqLen, engine_config, load_datasets, model_config, recompute_words, run_layout,
@@ -57,7 +59,7 @@ pub struct ProjectionRun {
 /// The projection of `cfg` on profile `name`.
 pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
     let raw = &cfg.raw;
-    let hw = hardware(name, raw.device.link_gbps)?;
+    let mut hw = hardware(name, raw.device.link_gbps)?;
     let model = model_config(raw)?;
     let seq = match load_datasets(raw, model.vocab_size) {
         Ok(sets) => SeqLen::of_data(raw, &sets),
@@ -69,6 +71,10 @@ pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
     // engine.recompute and engine.weight_upload as `horizon train` resolves them, on the
     // profile's device and host memory (the CPU device: device.memory, as train does).
     let layout = run_layout(raw, &model, cfg.adapter.as_ref())?;
+    if raw.device.attention == DeviceAttention::Fp32 {
+        let fp32 = fp32_attention_efficiency(layout.dims.d);
+        hw.gpu.attention_efficiency = hw.gpu.attention_efficiency.min(fp32);
+    }
     let budget = match (cpu, raw.device.memory) {
         (false, _) => Some(hw.device_bytes()),
         (true, crate::config::ByteSize::Bytes(b)) => Some(b),

@@ -7,8 +7,8 @@
 mod config;
 
 pub use config::{
-    CudaDeviceConfig, CudaError, KernelShape, MAX_HEAD_DIM, WIRE_CHUNK, WIRE_RING_BYTES,
-    check_kernel_limits,
+    AttentionKernels, CudaDeviceConfig, CudaError, KernelShape, MAX_HEAD_DIM, WIRE_CHUNK,
+    WIRE_RING_BYTES, check_kernel_limits,
 };
 
 use std::sync::Arc;

@@ -18,7 +18,7 @@ use cudarc::driver::{CudaContext, CudaStream, result as cu, sys};
 
 use super::kernels::Kernels;
 use super::slice::DevSlice;
-use super::{CudaError, check};
+use super::{AttentionKernels, CudaError, check};
 use crate::bf16::round_to_bf16;
 use crate::precision::{BLAS_WORKSPACE_BYTES, GRAD_WIRE_CHUNK, WORKSPACE_ALIGN};
 use crate::{AttnDims, Backend, Bf16, DeviceAlloc, Dinp, NormDims, Precision};
@@ -47,16 +47,6 @@ struct Inner {
     /// Whether attention runs on the fp32 kernels even where the tensor-core ones could
     /// ([`CudaBackend::set_attention_kernels`]).
     fp32_attention: AtomicBool,
-}
-
-/// Which kernels compute attention where the shape allows either (`cuda/attention.rs`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum AttentionKernels {
-    /// bf16 operands on the tensor cores, fp32 accumulation (`kernels/attention_tc.cu`): the
-    /// default where the device has them (sm_80 and later) and D is a multiple of 16 up to 128.
-    Tensor,
-    /// fp32 on the CUDA cores (`kernels/attention.cu`): the reference's arithmetic.
-    Fp32,
 }
 
 impl Drop for Inner {

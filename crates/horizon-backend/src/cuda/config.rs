@@ -22,13 +22,31 @@ pub struct CudaDeviceConfig {
     /// streams; 0 = none. For race stress tests.
     pub copy_jitter_us: u64,
     pub jitter_seed: u64,
+    /// Which kernels attention runs on where the head dim allows either (`device.attention`).
+    pub attention: AttentionKernels,
 }
 
 impl CudaDeviceConfig {
     /// GPU 0, a pool of `capacity_bytes`, no jitter.
     pub fn with_capacity(capacity_bytes: usize) -> Self {
-        CudaDeviceConfig { ordinal: 0, capacity_bytes, copy_jitter_us: 0, jitter_seed: 0 }
+        CudaDeviceConfig {
+            ordinal: 0,
+            capacity_bytes,
+            copy_jitter_us: 0,
+            jitter_seed: 0,
+            attention: AttentionKernels::Tensor,
+        }
     }
+}
+
+/// Which kernels compute attention where the shape allows either (`cuda/attention.rs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttentionKernels {
+    /// bf16 operands on the tensor cores, fp32 accumulation (`kernels/attention_tc.cu`): the
+    /// default where the device has them (sm_80 and later) and D is a multiple of 16 up to 128.
+    Tensor,
+    /// fp32 on the CUDA cores (`kernels/attention.cu`): the reference's arithmetic.
+    Fp32,
 }
 
 /// Why the CUDA backend could not start (or a driver call failed): a message naming the step

@@ -90,6 +90,7 @@ impl CudaDevice {
         // rounding and needs no cuBLAS handle.
         let compute =
             CudaBackend::on_stream(ctx.clone(), streams[0].clone(), kernels.clone(), true)?;
+        compute.set_attention_kernels(cfg.attention);
         let d2h = CudaBackend::on_stream(ctx.clone(), streams[2].clone(), kernels, false)?;
         let len = cfg.capacity_bytes / 4 / ALIGN_ELEMS * ALIGN_ELEMS;
         let (free, total) = cu::mem_get_info().unwrap_or((0, 0));

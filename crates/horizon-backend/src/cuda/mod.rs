@@ -37,10 +37,10 @@ mod rmsnorm;
 mod rope;
 mod slice;
 
-pub use backend::{AttentionKernels, CudaBackend, CudaMem};
+pub use backend::{CudaBackend, CudaMem};
 pub use config::{
-    CudaDeviceConfig, CudaError, KernelShape, MAX_HEAD_DIM, WIRE_CHUNK, WIRE_RING_BYTES,
-    check_kernel_limits,
+    AttentionKernels, CudaDeviceConfig, CudaError, KernelShape, MAX_HEAD_DIM, WIRE_CHUNK,
+    WIRE_RING_BYTES, check_kernel_limits,
 };
 pub use device::CudaDevice;
 pub use pinned::{Pinned, PinnedTally};
