@@ -132,7 +132,7 @@ fi
 # ---- benchmarks ----------------------------------------------------------------------------
 mkdir -p "$OUT"
 
-# Every op of a Qwen2.5-7B layer at 4 x 4096 tokens, both attention kernel sets side by side
+# Every op of a Qwen2.5-7B layer at 4 x 4096 tokens, every attention kernel set side by side
 # (examples/cuda_op_speed): what a step's Forward and Backward are made of.
 OP_SPEED="$HERE/cuda_op_speed"
 [[ -x "$OP_SPEED" ]] || OP_SPEED="$ROOT/target/release/examples/cuda_op_speed"
@@ -180,7 +180,8 @@ COMPARE=$(script compare_trace.py)
 
 # ---- the machine's own profile ---------------------------------------------------------------
 # Its ceilings, measured here (the link each way and cuBLAS products through PyTorch, the host's
-# per-core rates and memory bandwidth through adamw_speed), as a hardware profile: each
+# per-core rates and memory bandwidth through adamw_speed, Horizon's attention kernels through
+# cuda_op_speed above), as a hardware profile: each
 # benchmark is projected on it as well as on HW_PROFILE, so that the run is set beside a
 # projection of the machine it ran on.
 # LENT_PROFILE=FILE uses a profile measured before (OUT/lent.yaml of an earlier run) instead.
@@ -195,7 +196,8 @@ elif [[ -x "$ADAMW_SPEED" ]] && python3 -c 'import torch; assert torch.cuda.is_a
     if python3 "$(script gpu_ceilings.py)" --json "$OUT/ceilings.json" \
         && "$ADAMW_SPEED" 16 5 --json > "$OUT/host_rates.json" \
         && python3 "$(script lent_profile.py)" "$OUT/ceilings.json" "$OUT/host_rates.json" \
-            "$(nproc)" "$mem_gib" > "$OUT/lent.yaml"; then
+            "$(nproc)" "$mem_gib" $( [[ -s "$OUT/op_speed.txt" ]] && echo "$OUT/op_speed.txt") \
+            > "$OUT/lent.yaml"; then
         LENT="$OUT/lent.yaml"
         sed 's/^/  /' "$LENT"
     else
