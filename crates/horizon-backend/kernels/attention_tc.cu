@@ -14,6 +14,8 @@
 // Work split: 64 rows per block (query rows in the forward and dq kernels, key rows in the dk/dv
 // kernel), 4 warps of 16 rows each. After a tile is loaded (by every thread), a warp's products,
 // softmax and accumulation touch only its own rows, so warps meet only to load the next tile.
+// A warp's own rows of Q and dout (forward, dq) stay in registers as fragments for the whole
+// kernel, its keys' and values' (dk/dv) for a tile, and each P or dS tile's for its products.
 // In the softmax, lanes 2r and 2r + 1 of a warp own its row r, 32 columns each. No atomics:
 // every output element has one fixed summation order.
 //
@@ -23,6 +25,7 @@
 
 #define TC_ROWS 64
 #define TC_THREADS 128
+#define TC_MAXD 128
 // Leading dimensions: bf16 tiles of D columns are padded to D + 8, fp32 score tiles to 68, P and
 // dS tiles to 72, fp32 accumulators to D + 4; each keeps the 32-byte fragment alignment and a
 // row stride that is a multiple of 16 bytes, and spreads rows over shared memory's banks.
@@ -147,37 +150,51 @@ __device__ void tc_load_rows(bf16* dst, const float* src, long long row0, int r0
     }
 }
 
-// out (16 x 64, fp32, leading dimension TC_LDS) = a (16 x D rows of a row-major bf16 tile) times
-// the transpose of b (64 x D rows of another): a warp's scores against a tile of keys.
-__device__ void tc_scores(float* out, const bf16* a, const bf16* b, int d) {
+// A warp's 16 rows of D columns of a row-major bf16 tile (leading dimension D + 8) as D / 16
+// fragments, held in registers for every product they take part in (a warp's queries, keys,
+// values or dout, the same for each tile the kernel walks): loaded once instead of once per
+// product.
+struct RowFrags { FragA f[TC_MAXD / 16]; };
+
+__device__ __forceinline__ void tc_load_row_frags(RowFrags& r, const bf16* rows, int d) {
+#pragma unroll
+    for (int k = 0; k < TC_MAXD / 16; k++)
+        if (k * 16 < d) tc_load_a(r.f[k], rows + k * 16, d + 8);
+}
+
+// out (16 x 64, fp32, leading dimension TC_LDS) = a (a warp's 16 rows) times the transpose of b
+// (64 x D rows of a row-major bf16 tile): a warp's scores against a tile of keys.
+__device__ __forceinline__ void tc_scores(float* out, const RowFrags& a, const bf16* b, int d) {
     int ld = d + 8;
     for (int n = 0; n < 4; n++) {
         FragC s;
         tc_zero(s);
-        for (int k = 0; k < d; k += 16) {
-            FragA fa;
+#pragma unroll
+        for (int k = 0; k < TC_MAXD / 16; k++) {
+            if (k * 16 >= d) break;
             FragBc fb;
-            tc_load_a(fa, a + k, ld);
-            tc_load_bc(fb, b + n * 16 * ld + k, ld);
-            tc_mma(s, fa, fb);
+            tc_load_bc(fb, b + n * 16 * ld + k * 16, ld);
+            tc_mma(s, a.f[k], fb);
         }
         tc_store_c(out + n * 16, s, TC_LDS);
     }
 }
 
 // acc (16 x D, fp32 in shared memory, leading dimension D + 4) += w (16 x 64 bf16, leading
-// dimension TC_LDP) times rows (64 x D, a row-major bf16 tile).
-__device__ void tc_accumulate(float* acc, const bf16* w, const bf16* rows, int d) {
+// dimension TC_LDP) times rows (64 x D, a row-major bf16 tile); w's 4 fragments are loaded once.
+__device__ __forceinline__ void tc_accumulate(float* acc, const bf16* w, const bf16* rows, int d) {
     int ld = d + 8, ldo = d + 4;
+    FragA wf[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) tc_load_a(wf[k], w + k * 16, TC_LDP);
     for (int n = 0; n < d; n += 16) {
         FragC c;
         tc_load_c(c, acc + n, ldo);
-        for (int k = 0; k < TC_ROWS; k += 16) {
-            FragA fa;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
             FragBr fb;
-            tc_load_a(fa, w + k, TC_LDP);
-            tc_load_br(fb, rows + k * ld + n, ld);
-            tc_mma(c, fa, fb);
+            tc_load_br(fb, rows + k * 16 * ld + n, ld);
+            tc_mma(c, wf[k], fb);
         }
         tc_store_c(acc + n, c, ldo);
     }
@@ -215,6 +232,9 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
     const float NEG_INF = -__int_as_float(0x7f800000);
     tc_load_rows(qs, qkv, row0, i0, t, width, hi * d, d);
     for (int e = lane; e < 16 * d; e += 32) os[(wr + e / d) * ldo + e % d] = 0.0f;
+    __syncthreads();
+    RowFrags qf;
+    tc_load_row_frags(qf, qs + wr * ldh, d);
     // This lane's softmax row and half of the tile's columns; m and l live in both lanes.
     int r = wr + lane / 2, half = lane % 2, i = i0 + r, lo = tc_window_lo(i, window);
     float m = NEG_INF, l = 0.0f;
@@ -223,7 +243,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
         tc_load_rows(ks, qkv, row0, j0, t, width, (h + g) * d, d);
         tc_load_rows(vs, qkv, row0, j0, t, width, (h + kvh + g) * d, d);
         __syncthreads();
-        tc_scores(ss + wr * TC_LDS, qs + wr * ldh, ks, d);
+        tc_scores(ss + wr * TC_LDS, qf, ks, d);
         __syncwarp();
         float* srow = ss + r * TC_LDS + half * 32;
         float tmax = NEG_INF;
@@ -283,18 +303,22 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
     int i0 = (gridDim.x - 1 - blockIdx.x) * TC_ROWS, ilast = min(i0 + TC_ROWS, t) - 1;
     tc_load_rows(qs, qkv, row0, i0, t, width, hi * d, d);
     tc_load_rows(dos, dout, row0, i0, t, h * d, hi * d, d);
+    __syncthreads();
+    RowFrags qf, dof;
+    tc_load_row_frags(qf, qs + wr * ldh, d);
+    tc_load_row_frags(dof, dos + wr * ldh, d);
     int r = wr + lane / 2, half = lane % 2, i = i0 + r, lo = tc_window_lo(i, window);
     float lse_i = i < t ? lse[at + i] : 0.0f, delta_i = i < t ? delta[at + i] : 0.0f;
-    FragC dq[8];
+    FragC dq[TC_MAXD / 16];
 #pragma unroll
-    for (int n = 0; n < 8; n++) tc_zero(dq[n]);
+    for (int n = 0; n < TC_MAXD / 16; n++) tc_zero(dq[n]);
     for (int j0 = tc_window_lo(i0, window) / TC_ROWS * TC_ROWS; j0 <= ilast; j0 += TC_ROWS) {
         __syncthreads();  // the last tile's keys and values are no longer read
         tc_load_rows(ks, qkv, row0, j0, t, width, (h + g) * d, d);
         tc_load_rows(vs, qkv, row0, j0, t, width, (h + kvh + g) * d, d);
         __syncthreads();
-        tc_scores(ss + wr * TC_LDS, qs + wr * ldh, ks, d);
-        tc_scores(dps + wr * TC_LDS, dos + wr * ldh, vs, d);
+        tc_scores(ss + wr * TC_LDS, qf, ks, d);
+        tc_scores(dps + wr * TC_LDS, dof, vs, d);
         __syncwarp();
         for (int c = 0; c < 32; c++) {
             int jl = half * 32 + c, j = j0 + jl;
@@ -306,21 +330,23 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
             dss[r * TC_LDP + jl] = (bf16)tc_bf16(ds);
         }
         __syncwarp();
+        FragA sf[4];
 #pragma unroll
-        for (int n = 0; n < 8; n++) {
+        for (int k = 0; k < 4; k++) tc_load_a(sf[k], dss + wr * TC_LDP + k * 16, TC_LDP);
+#pragma unroll
+        for (int n = 0; n < TC_MAXD / 16; n++) {
             if (n * 16 >= d) break;
-            for (int k = 0; k < TC_ROWS; k += 16) {
-                FragA fa;
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
                 FragBr fb;
-                tc_load_a(fa, dss + wr * TC_LDP + k, TC_LDP);
-                tc_load_br(fb, ks + k * ldh + n * 16, ldh);
-                tc_mma(dq[n], fa, fb);
+                tc_load_br(fb, ks + k * 16 * ldh + n * 16, ldh);
+                tc_mma(dq[n], sf[k], fb);
             }
         }
     }
     __syncthreads();  // every warp is done with ss and dps, where dq goes
 #pragma unroll
-    for (int n = 0; n < 8; n++)
+    for (int n = 0; n < TC_MAXD / 16; n++)
         if (n * 16 < d) tc_store_c(dqs + wr * ldo + n * 16, dq[n], ldo);
     __syncwarp();
     tc_store_rows(dqkv, dqs + wr * ldo, row0, i0 + wr, t, width, hi * d, d, scale);
@@ -371,8 +397,13 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
             }
             __syncthreads();
             // Rows: the warp's keys; columns: the tile's queries.
-            tc_scores(st + wr * TC_LDS, ks + wr * ldh, qs, d);
-            tc_scores(dpt + wr * TC_LDS, vs + wr * ldh, dos, d);
+            // The warp's key (then value) fragments, once a tile: held across the whole walk
+            // with the rest, they would not fit in registers.
+            RowFrags kv;
+            tc_load_row_frags(kv, ks + wr * ldh, d);
+            tc_scores(st + wr * TC_LDS, kv, qs, d);
+            tc_load_row_frags(kv, vs + wr * ldh, d);
+            tc_scores(dpt + wr * TC_LDS, kv, dos, d);
             __syncwarp();
             for (int c = 0; c < 32; c++) {
                 int il = half * 32 + c, iq = i0 + il;
