@@ -13,6 +13,9 @@
 //!   4 up to 128 and the buffers are 16-byte aligned;
 //! - in fp32, one warp per row, otherwise (any D up to 256, any alignment).
 //!
+//! Each pass (forward, dq, dk/dv) takes the fastest of these whose shared memory fits the
+//! device's limit a block (`choose`): on an A100 at D = 128 dk/dv runs one warp per row.
+//!
 //! On an H200 the warp-per-row kernels ran a Qwen2.5-7B layer's attention at 4.2 TFLOP/s forward
 //! and 3.3 backward, 92% of the layer's time (`examples/cuda_op_speed`, which times every set).
 
@@ -61,13 +64,6 @@ pub(super) const TILED_ROWS: usize = 64;
 /// The largest head dim the tiled forward takes (its threads hold 8 output columns each).
 pub(super) const TILED_MAX_D: usize = 128;
 
-/// Whether the tiled kernels (`attention_forward_tiled`, ...) can run: D a multiple of 4 up to
-/// [`TILED_MAX_D`], and every buffer 16-byte aligned (their loads and stores are 16 bytes; the
-/// engine's buffers are 64-byte aligned). Otherwise the warp-per-row kernels run.
-fn tiled(dims: AttnDims, addrs: &[u64]) -> bool {
-    dims.d.is_multiple_of(4) && dims.d <= TILED_MAX_D && addrs.iter().all(|a| a % 16 == 0)
-}
-
 /// The kernel sets of `attention.cu` and `attention_tc.cu`, fastest first.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Set {
@@ -79,30 +75,99 @@ enum Set {
     Rows,
 }
 
-/// Which kernels run `dims` on buffers at `addrs`: the tensor-core ones where the backend
-/// allows them and D is a multiple of 16 up to [`TILED_MAX_D`] (16 x 16 fragments; the
-/// tensor-core kernels share the tiled ones' alignment and shared-memory bounds), else
-/// [`tiled`]'s choice.
-fn kernel_set(be: &CudaBackend, dims: AttnDims, addrs: &[u64]) -> Set {
-    match tiled(dims, addrs) {
-        true if be.tensor_attention() && dims.d.is_multiple_of(16) => Set::Tensor,
-        true => Set::Tiled,
-        false => Set::Rows,
+/// A kernel of attention: the forward, the backward's dq, or its dk and dv.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Pass {
+    Forward,
+    Dq,
+    Dkv,
+}
+
+/// One kernel to launch: its name, rows a block, threads a block, dynamic shared bytes.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+struct Launch {
+    name: &'static str,
+    rows: usize,
+    threads: u32,
+    smem: usize,
+}
+
+impl Set {
+    /// This set's kernel for `pass` at head dim `d`, with its shared memory (the layouts in
+    /// the kernels' files).
+    fn launch(self, pass: Pass, d: usize) -> Launch {
+        let pick = |names: [&'static str; 3]| names[pass as usize];
+        match self {
+            // bf16 tiles of 64 x (D + 8), fp32 score tiles of 64 x 68, bf16 P and dS tiles of
+            // 64 x 72, fp32 accumulators of 64 x (D + 4), 64-float statistics.
+            Set::Tensor => {
+                let r = TILED_ROWS;
+                let (tile, scores, probs, acc) =
+                    (r * (d + 8) * 2, r * 68 * 4, r * 72 * 2, r * (d + 4) * 4);
+                let smem = match pass {
+                    Pass::Forward => 3 * tile + scores + acc + probs,
+                    Pass::Dq => 4 * tile + 2 * scores + probs,
+                    Pass::Dkv => 4 * tile + 2 * scores + 2 * acc + 2 * r * 4 + 2 * probs,
+                };
+                let name = pick([
+                    "attention_forward_tc",
+                    "attention_backward_dq_tc",
+                    "attention_backward_dkv_tc",
+                ]);
+                Launch { name, rows: r, threads: 128, smem }
+            }
+            Set::Tiled => {
+                let (tile, stats) = (TILED_ROWS * d, TILED_ROWS * TILED_ROWS + 2 * TILED_ROWS);
+                let floats = match pass {
+                    Pass::Forward => 3 * tile + TILED_ROWS * TILED_ROWS,
+                    Pass::Dq => 5 * tile + stats,
+                    Pass::Dkv => 6 * tile + stats,
+                };
+                let name = pick([
+                    "attention_forward_tiled",
+                    "attention_backward_dq_tiled",
+                    "attention_backward_dkv_tiled",
+                ]);
+                Launch { name, rows: TILED_ROWS, threads: 256, smem: 4 * floats }
+            }
+            Set::Rows => {
+                let tiles = 2 * TILE * (d + 1);
+                let floats = match pass {
+                    Pass::Forward => tiles + ROWS * d,
+                    Pass::Dq => tiles + 2 * ROWS * d,
+                    Pass::Dkv => tiles + 2 * ROWS * d + 2 * TILE,
+                };
+                let name =
+                    pick(["attention_forward", "attention_backward_dq", "attention_backward_dkv"]);
+                Launch { name, rows: ROWS, threads: 32 * ROWS as u32, smem: 4 * floats }
+            }
+        }
     }
 }
 
-/// Dynamic shared memory of the tensor-core kernels, in bytes, for head dim `d` (their layout
-/// in `kernels/attention_tc.cu`): bf16 tiles of 64 x (D + 8), fp32 score tiles of 64 x 68, bf16
-/// P and dS tiles of 64 x 72, fp32 accumulators of 64 x (D + 4), and 64-float statistics.
-fn tc_shared_bytes(kernel: &str, d: usize) -> usize {
-    let rows = TILED_ROWS;
-    let (bf16_tile, scores, probs, acc) =
-        (rows * (d + 8) * 2, rows * 68 * 4, rows * 72 * 2, rows * (d + 4) * 4);
-    match kernel {
-        "attention_forward_tc" => 3 * bf16_tile + scores + acc + probs,
-        "attention_backward_dq_tc" => 4 * bf16_tile + 2 * scores + probs,
-        _ => 4 * bf16_tile + 2 * scores + 2 * acc + 2 * rows * 4 + 2 * probs,
-    }
+/// The kernel that runs `pass` at head dim `d`: the fastest set that takes it and whose
+/// shared memory fits `max_shared` bytes a block (the device's opt-in limit: 227 KiB on
+/// sm_90, 163 on sm_80, 99 on sm_86 and sm_89). The tensor-core kernels take D a multiple of 16
+/// up to [`TILED_MAX_D`] where `tensor` (the device has them and fp32 was not asked for); they
+/// and the tiled ones need `aligned` buffers (16-byte loads; the engine's are 64-byte aligned).
+/// The warp-per-row kernels take any D up to 256, and run when nothing else fits (a launch
+/// beyond the limit then fails, naming it). The passes choose apart: on an A100 at D = 128 the
+/// forward and dq run on the tensor cores and dk/dv, whose tiles would need 187 KiB, one warp
+/// per row.
+fn choose(pass: Pass, d: usize, tensor: bool, aligned: bool, max_shared: usize) -> Launch {
+    let tiled = aligned && d.is_multiple_of(4) && d <= TILED_MAX_D;
+    [(Set::Tensor, tiled && tensor && d.is_multiple_of(16)), (Set::Tiled, tiled)]
+        .into_iter()
+        .filter(|&(_, takes)| takes)
+        .map(|(set, _)| set.launch(pass, d))
+        .find(|l| l.smem <= max_shared)
+        .unwrap_or_else(|| Set::Rows.launch(pass, d))
+}
+
+/// [`choose`] on `be`'s device for buffers at `addrs`.
+fn kernel(be: &CudaBackend, pass: Pass, dims: AttnDims, addrs: &[u64]) -> Launch {
+    let aligned = addrs.iter().all(|a| a % 16 == 0);
+    choose(pass, dims.d, be.tensor_attention(), aligned, be.max_shared())
 }
 
 /// out: (N, H*D), overwrites. lse: (B, H, T), overwrites. qkv: (N, QKV) after rope.
@@ -118,21 +183,8 @@ pub(crate) fn attention_forward(
     expect_len("attention_forward", "out", out.len(), dims.n() * dims.h * dims.d);
     expect_len("attention_forward", "lse", lse.len(), dims.b * dims.h * dims.t);
     let (o, l, x) = (out.addr(), lse.addr(), qkv.addr());
-    let (name, rows, threads, bytes) = match kernel_set(be, dims, &[o, x]) {
-        Set::Tensor => {
-            let name = "attention_forward_tc";
-            (name, TILED_ROWS, 128, tc_shared_bytes(name, dims.d))
-        }
-        Set::Tiled => {
-            let f = 3 * TILED_ROWS * dims.d + TILED_ROWS * TILED_ROWS;
-            ("attention_forward_tiled", TILED_ROWS, 256, 4 * f)
-        }
-        Set::Rows => {
-            let f = 2 * TILE * (dims.d + 1) + ROWS * dims.d;
-            ("attention_forward", ROWS, 32 * ROWS as u32, 4 * f)
-        }
-    };
-    let smem = shared(be, name, bytes);
+    let k = kernel(be, Pass::Forward, dims, &[o, x]);
+    let smem = shared(be, k.name, k.smem);
     let (t, h, kvh, d) =
         (int(dims.t, "T"), int(dims.h, "H"), int(dims.kvh, "KVH"), int(dims.d, "D"));
     let (w, scale) = window_scale(dims);
@@ -141,12 +193,12 @@ pub(crate) fn attention_forward(
     // SAFETY: argument types match the three kernels (pointers, five ints, one float); the
     // grid covers (T/rows, H, B) and every index the kernel forms lies inside the buffers whose
     // lengths are checked above (keys and queries outside the window are never read); the
-    // tiled and tensor-core kernels' 16-byte accesses are aligned (`tiled`).
+    // tiled and tensor-core kernels' 16-byte accesses are aligned (`choose`).
     unsafe {
         be.launch(
-            name,
-            (dims.t.div_ceil(rows) as u32, dims.h as u32, dims.b as u32),
-            (threads, 1, 1),
+            k.name,
+            (dims.t.div_ceil(k.rows) as u32, dims.h as u32, dims.b as u32),
+            (k.threads, 1, 1),
             smem,
             &mut args,
         );
@@ -200,28 +252,9 @@ pub(crate) fn attention_backward(
             &mut delta_args,
         );
     }
-    let set = kernel_set(be, dims, &[dx, dy, x, o]);
-    let (dq_name, dkv_name, rows, threads) = match set {
-        Set::Tensor => ("attention_backward_dq_tc", "attention_backward_dkv_tc", TILED_ROWS, 128),
-        Set::Tiled => {
-            ("attention_backward_dq_tiled", "attention_backward_dkv_tiled", TILED_ROWS, 256)
-        }
-        Set::Rows => ("attention_backward_dq", "attention_backward_dkv", ROWS, 32 * ROWS as u32),
-    };
-    let (dq_bytes, dkv_bytes) = match set {
-        Set::Tensor => (tc_shared_bytes(dq_name, dims.d), tc_shared_bytes(dkv_name, dims.d)),
-        Set::Tiled => {
-            let (tile, stats) = (TILED_ROWS * dims.d, TILED_ROWS * TILED_ROWS + 2 * TILED_ROWS);
-            (4 * (5 * tile + stats), 4 * (6 * tile + stats))
-        }
-        Set::Rows => {
-            let tiles = 2 * TILE * (dims.d + 1) + 2 * ROWS * dims.d;
-            (4 * tiles, 4 * (tiles + 2 * TILE))
-        }
-    };
-    let smem_dq = shared(be, dq_name, dq_bytes);
-    let smem_dkv = shared(be, dkv_name, dkv_bytes);
-    let rows = dims.t.div_ceil(rows) as u32;
+    let addrs = [dx, dy, x, o];
+    let (dq, dkv) = (kernel(be, Pass::Dq, dims, &addrs), kernel(be, Pass::Dkv, dims, &addrs));
+    let (smem_dq, smem_dkv) = (shared(be, dq.name, dq.smem), shared(be, dkv.name, dkv.smem));
     let (w, scale) = window_scale(dims);
     let mut args = [
         arg(&dx),
@@ -242,19 +275,69 @@ pub(crate) fn attention_backward(
     // checked above.
     unsafe {
         be.launch(
-            dq_name,
-            (rows, dims.h as u32, dims.b as u32),
-            (threads, 1, 1),
+            dq.name,
+            (dims.t.div_ceil(dq.rows) as u32, dims.h as u32, dims.b as u32),
+            (dq.threads, 1, 1),
             smem_dq,
             &mut args,
         );
         be.launch(
-            dkv_name,
-            (rows, dims.kvh as u32, dims.b as u32),
-            (threads, 1, 1),
+            dkv.name,
+            (dims.t.div_ceil(dkv.rows) as u32, dims.kvh as u32, dims.b as u32),
+            (dkv.threads, 1, 1),
             smem_dkv,
             &mut args,
         );
     }
     drop(ws);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Opt-in shared memory a block: sm_90 (H100, H200), sm_80 (A100), sm_86 and sm_89.
+    const SM90: usize = 232_448;
+    const SM80: usize = 166_912;
+    const SM86: usize = 101_376;
+
+    fn names(d: usize, tensor: bool, aligned: bool, max_shared: usize) -> [&'static str; 3] {
+        [Pass::Forward, Pass::Dq, Pass::Dkv].map(|p| choose(p, d, tensor, aligned, max_shared).name)
+    }
+
+    /// Each pass takes the fastest kernel that takes its head dim and fits the device's shared
+    /// memory, and every kernel chosen fits (or is the warp-per-row fallback).
+    #[test]
+    fn each_pass_runs_the_fastest_kernel_that_fits() {
+        let tc = ["attention_forward_tc", "attention_backward_dq_tc", "attention_backward_dkv_tc"];
+        assert_eq!(names(128, true, true, SM90), tc);
+        assert_eq!(names(64, true, true, SM90), tc);
+        // A100: dk/dv's tiles need 187 KiB (tensor) or 209 (tiled) at D = 128.
+        let a100 = ["attention_forward_tc", "attention_backward_dq_tc", "attention_backward_dkv"];
+        assert_eq!(names(128, true, true, SM80), a100);
+        assert_eq!(names(64, true, true, SM80), tc);
+        // sm_86 / sm_89: 99 KiB; at D = 64 the forward and dq fit on the tensor cores, dk/dv
+        // (122 KiB) does not.
+        let rows = ["attention_forward", "attention_backward_dq", "attention_backward_dkv"];
+        assert_eq!(names(128, true, true, SM86), rows);
+        assert_eq!(names(64, true, true, SM86), a100);
+        // fp32 asked for, or no tensor cores; D not a multiple of 16; unaligned; Gemma's 256.
+        let tiled = [
+            "attention_forward_tiled",
+            "attention_backward_dq_tiled",
+            "attention_backward_dkv_tiled",
+        ];
+        assert_eq!(names(128, false, true, SM90), tiled);
+        assert_eq!(names(72, true, true, SM90), tiled);
+        assert_eq!(names(128, true, false, SM90), rows);
+        assert_eq!(names(256, true, true, SM90), rows);
+        for d in [16, 32, 40, 64, 72, 96, 128, 256] {
+            for max in [SM90, SM80, SM86] {
+                for p in [Pass::Forward, Pass::Dq, Pass::Dkv] {
+                    let k = choose(p, d, true, true, max);
+                    assert!(k.smem <= max || k.name == Set::Rows.launch(p, d).name, "{k:?}");
+                }
+            }
+        }
+    }
 }

@@ -47,6 +47,8 @@ struct Inner {
     /// Whether attention runs on the fp32 kernels even where the tensor-core ones could
     /// ([`CudaBackend::set_attention_kernels`]).
     fp32_attention: AtomicBool,
+    /// The most dynamic shared memory a block may have (the device's opt-in limit), bytes.
+    max_shared: usize,
 }
 
 impl Drop for Inner {
@@ -165,6 +167,10 @@ impl CudaBackend {
         let (major, _) = ctx
             .compute_capability()
             .map_err(|e| CudaError::driver("reading the compute capability", e))?;
+        let optin = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN;
+        let max_shared = ctx
+            .attribute(optin)
+            .map_err(|e| CudaError::driver("reading the shared memory per block", e))?;
         let inner = Inner {
             ctx,
             stream,
@@ -174,6 +180,7 @@ impl CudaBackend {
             own_workspace,
             tensor_cores: major >= 8,
             fp32_attention: AtomicBool::new(false),
+            max_shared: max_shared.max(0) as usize,
         };
         Ok(CudaBackend { inner: Arc::new(inner) })
     }
@@ -237,6 +244,11 @@ impl CudaBackend {
     /// [`CudaBackend::set_attention_kernels`] did not ask for fp32.
     pub(crate) fn tensor_attention(&self) -> bool {
         self.inner.tensor_cores && !self.inner.fp32_attention.load(Ordering::Relaxed)
+    }
+
+    /// The most dynamic shared memory a block may have on this device, bytes.
+    pub(crate) fn max_shared(&self) -> usize {
+        self.inner.max_shared
     }
 
     /// The context.
