@@ -218,8 +218,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
                          int window, float scale) {
     extern __shared__ __align__(128) unsigned char tc_smem[];
     int ldh = d + 8, ldo = d + 4;
-    bf16* qs = (bf16*)tc_smem;           // [64][ldh] queries
-    bf16* ks = qs + TC_ROWS * ldh;       // [64][ldh] keys
+    bf16* ks = (bf16*)tc_smem;           // [64][ldh] keys; first, the block's queries
     bf16* vs = ks + TC_ROWS * ldh;       // [64][ldh] values
     float* ss = (float*)(vs + TC_ROWS * ldh);  // [64][TC_LDS] scores
     float* os = ss + TC_ROWS * TC_LDS;   // [64][ldo] unnormalised output
@@ -230,11 +229,13 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
     long long row0 = (long long)bi * t;
     int i0 = (gridDim.x - 1 - blockIdx.x) * TC_ROWS, ilast = min(i0 + TC_ROWS, t) - 1;
     const float NEG_INF = -__int_as_float(0x7f800000);
-    tc_load_rows(qs, qkv, row0, i0, t, width, hi * d, d);
+    // The queries pass through the keys' tile into registers (the loop's first barrier keeps
+    // the first keys from overwriting them before every warp has its fragments).
+    tc_load_rows(ks, qkv, row0, i0, t, width, hi * d, d);
     for (int e = lane; e < 16 * d; e += 32) os[(wr + e / d) * ldo + e % d] = 0.0f;
     __syncthreads();
     RowFrags qf;
-    tc_load_row_frags(qf, qs + wr * ldh, d);
+    tc_load_row_frags(qf, ks + wr * ldh, d);
     // This lane's softmax row and half of the tile's columns; m and l live in both lanes.
     int r = wr + lane / 2, half = lane % 2, i = i0 + r, lo = tc_window_lo(i, window);
     float m = NEG_INF, l = 0.0f;
@@ -288,10 +289,8 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
                              int window, float scale) {
     extern __shared__ __align__(128) unsigned char tc_smem[];
     int ldh = d + 8, ldo = d + 4;
-    bf16* qs = (bf16*)tc_smem;            // [64][ldh] queries
-    bf16* dos = qs + TC_ROWS * ldh;       // [64][ldh] dout
-    bf16* ks = dos + TC_ROWS * ldh;       // [64][ldh] keys
-    bf16* vs = ks + TC_ROWS * ldh;        // [64][ldh] values
+    bf16* ks = (bf16*)tc_smem;            // [64][ldh] keys; first, the block's queries
+    bf16* vs = ks + TC_ROWS * ldh;        // [64][ldh] values; first, the block's dout
     float* ss = (float*)(vs + TC_ROWS * ldh);  // [64][TC_LDS] scores
     float* dps = ss + TC_ROWS * TC_LDS;   // [64][TC_LDS] dP = dout V^T
     bf16* dss = (bf16*)(dps + TC_ROWS * TC_LDS);  // [64][TC_LDP] dS
@@ -301,12 +300,14 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
     int width = (h + 2 * kvh) * d, g = hi / (h / kvh);
     long long row0 = (long long)bi * t, at = ((long long)bi * h + hi) * t;
     int i0 = (gridDim.x - 1 - blockIdx.x) * TC_ROWS, ilast = min(i0 + TC_ROWS, t) - 1;
-    tc_load_rows(qs, qkv, row0, i0, t, width, hi * d, d);
-    tc_load_rows(dos, dout, row0, i0, t, h * d, hi * d, d);
+    // Queries and dout pass through the key and value tiles into registers (the loop's first
+    // barrier keeps the first keys and values from overwriting them too early).
+    tc_load_rows(ks, qkv, row0, i0, t, width, hi * d, d);
+    tc_load_rows(vs, dout, row0, i0, t, h * d, hi * d, d);
     __syncthreads();
     RowFrags qf, dof;
-    tc_load_row_frags(qf, qs + wr * ldh, d);
-    tc_load_row_frags(dof, dos + wr * ldh, d);
+    tc_load_row_frags(qf, ks + wr * ldh, d);
+    tc_load_row_frags(dof, vs + wr * ldh, d);
     int r = wr + lane / 2, half = lane % 2, i = i0 + r, lo = tc_window_lo(i, window);
     float lse_i = i < t ? lse[at + i] : 0.0f, delta_i = i < t ? delta[at + i] : 0.0f;
     FragC dq[TC_MAXD / 16];
