@@ -365,14 +365,12 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
     bf16* vs = ks + TC_ROWS * ldh;        // [64][ldh] values
     bf16* qs = vs + TC_ROWS * ldh;        // [64][ldh] queries
     bf16* dos = qs + TC_ROWS * ldh;       // [64][ldh] dout
-    float* st = (float*)(dos + TC_ROWS * ldh);  // [64 keys][TC_LDS] S^T
-    float* dpt = st + TC_ROWS * TC_LDS;   // [64 keys][TC_LDS] dP^T
-    float* dks = dpt + TC_ROWS * TC_LDS;  // [64][ldo] dk
+    float* st = (float*)(dos + TC_ROWS * ldh);  // [64 keys][TC_LDS] S^T, then dP^T
+    float* dks = st + TC_ROWS * TC_LDS;   // [64][ldo] dk
     float* dvs = dks + TC_ROWS * ldo;     // [64][ldo] dv
     float* lse_t = dvs + TC_ROWS * ldo;   // [64] of the query tile
     float* delta_t = lse_t + TC_ROWS;     // [64]
-    bf16* pt = (bf16*)(delta_t + TC_ROWS);  // [64 keys][TC_LDP] P^T
-    bf16* dst = pt + TC_ROWS * TC_LDP;    // [64 keys][TC_LDP] dS^T
+    bf16* pt = (bf16*)(delta_t + TC_ROWS);  // [64 keys][TC_LDP] P^T, then dS^T
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wr = warp * 16;
     int g = blockIdx.y, bi = blockIdx.z;
     int width = (h + 2 * kvh) * d, group = h / kvh;
@@ -397,28 +395,36 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
                 delta_t[threadIdx.x] = iq < t ? delta[at + iq] : 0.0f;
             }
             __syncthreads();
-            // Rows: the warp's keys; columns: the tile's queries.
+            // Rows: the warp's keys; columns: the tile's queries. One score tile and one
+            // probability tile serve twice: S^T, then dP^T; P^T, then dS^T (so that the kernel
+            // fits an A100's 163 KiB at D = 128); this lane's P values wait in registers.
             // The warp's key (then value) fragments, once a tile: held across the whole walk
             // with the rest, they would not fit in registers.
             RowFrags kv;
             tc_load_row_frags(kv, ks + wr * ldh, d);
             tc_scores(st + wr * TC_LDS, kv, qs, d);
-            tc_load_row_frags(kv, vs + wr * ldh, d);
-            tc_scores(dpt + wr * TC_LDS, kv, dos, d);
             __syncwarp();
+            float p[32];
+#pragma unroll
             for (int c = 0; c < 32; c++) {
                 int il = half * 32 + c, iq = i0 + il;
-                float p = 0.0f, ds = 0.0f;
-                if (iq < t && j < t && j >= tc_window_lo(iq, window) && j <= iq) {
-                    p = expf(st[r * TC_LDS + il] * scale - lse_t[il]);
-                    ds = p * (dpt[r * TC_LDS + il] - delta_t[il]);
-                }
-                pt[r * TC_LDP + il] = (bf16)tc_bf16(p);
-                dst[r * TC_LDP + il] = (bf16)tc_bf16(ds);
+                bool seen = iq < t && j < t && j >= tc_window_lo(iq, window) && j <= iq;
+                p[c] = seen ? expf(st[r * TC_LDS + il] * scale - lse_t[il]) : 0.0f;
+                pt[r * TC_LDP + il] = (bf16)tc_bf16(p[c]);
             }
             __syncwarp();
             tc_accumulate(dvs + wr * ldo, pt + wr * TC_LDP, dos, d);
-            tc_accumulate(dks + wr * ldo, dst + wr * TC_LDP, qs, d);
+            tc_load_row_frags(kv, vs + wr * ldh, d);
+            tc_scores(st + wr * TC_LDS, kv, dos, d);
+            __syncwarp();
+#pragma unroll
+            for (int c = 0; c < 32; c++) {
+                int il = half * 32 + c;
+                float ds = p[c] * (st[r * TC_LDS + il] - delta_t[il]);
+                pt[r * TC_LDP + il] = (bf16)tc_bf16(ds);
+            }
+            __syncwarp();
+            tc_accumulate(dks + wr * ldo, pt + wr * TC_LDP, qs, d);
         }
     }
     __syncwarp();

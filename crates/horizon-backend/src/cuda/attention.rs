@@ -14,7 +14,8 @@
 //! - in fp32, one warp per row, otherwise (any D up to 256, any alignment).
 //!
 //! Each pass (forward, dq, dk/dv) takes the fastest of these whose shared memory fits the
-//! device's limit a block (`choose`): on an A100 at D = 128 dk/dv runs one warp per row.
+//! device's limit a block (`choose`): on an sm_86/89 GPU (99 KiB) at D = 128 dk/dv runs one
+//! warp per row.
 //!
 //! On an H200 the warp-per-row kernels ran a Qwen2.5-7B layer's attention at 4.2 TFLOP/s forward
 //! and 3.3 backward, 92% of the layer's time (`examples/cuda_op_speed`, which times every set).
@@ -107,7 +108,7 @@ impl Set {
                 let smem = match pass {
                     Pass::Forward => 2 * tile + scores + acc + probs,
                     Pass::Dq => 2 * tile + 2 * scores + probs,
-                    Pass::Dkv => 4 * tile + 2 * scores + 2 * acc + 2 * r * 4 + 2 * probs,
+                    Pass::Dkv => 4 * tile + scores + 2 * acc + 2 * r * 4 + probs,
                 };
                 let name = pick([
                     "attention_forward_tc",
@@ -151,9 +152,9 @@ impl Set {
 /// up to [`TILED_MAX_D`] where `tensor` (the device has them and fp32 was not asked for); they
 /// and the tiled ones need `aligned` buffers (16-byte loads; the engine's are 64-byte aligned).
 /// The warp-per-row kernels take any D up to 256, and run when nothing else fits (a launch
-/// beyond the limit then fails, naming it). The passes choose apart: on an A100 at D = 128 the
-/// forward and dq run on the tensor cores and dk/dv, whose tiles would need 187 KiB, one warp
-/// per row.
+/// beyond the limit then fails, naming it). The passes choose apart: on an sm_86 or sm_89 GPU
+/// at D = 128 the forward and dq run on the tensor cores and dk/dv, whose tiles need 160 KiB,
+/// one warp per row.
 fn choose(pass: Pass, d: usize, tensor: bool, aligned: bool, max_shared: usize) -> Launch {
     let tiled = aligned && d.is_multiple_of(4) && d <= TILED_MAX_D;
     [(Set::Tensor, tiled && tensor && d.is_multiple_of(16)), (Set::Tiled, tiled)]
@@ -312,14 +313,14 @@ mod tests {
         let tc = ["attention_forward_tc", "attention_backward_dq_tc", "attention_backward_dkv_tc"];
         assert_eq!(names(128, true, true, SM90), tc);
         assert_eq!(names(64, true, true, SM90), tc);
-        // A100: dk/dv's tiles need 187 KiB (tensor) or 209 (tiled) at D = 128.
-        let a100 = ["attention_forward_tc", "attention_backward_dq_tc", "attention_backward_dkv"];
-        assert_eq!(names(128, true, true, SM80), a100);
+        // A100 (163 KiB): every tensor-core kernel fits at D = 128 (dk/dv: 160 KiB).
+        assert_eq!(names(128, true, true, SM80), tc);
         assert_eq!(names(64, true, true, SM80), tc);
-        // sm_86 / sm_89: 99 KiB; the forward (93 KiB at D = 128) and dq (77) fit on the tensor
-        // cores, dk/dv (122 KiB at D = 64) does not.
-        assert_eq!(names(128, true, true, SM86), a100);
-        assert_eq!(names(64, true, true, SM86), a100);
+        // sm_86 / sm_89 (99 KiB): at D = 128 the forward (93 KiB) and dq (77) fit on the tensor
+        // cores, dk/dv does not, nor does the tiled one (209); at D = 64 all three fit.
+        let sm86 = ["attention_forward_tc", "attention_backward_dq_tc", "attention_backward_dkv"];
+        assert_eq!(names(128, true, true, SM86), sm86);
+        assert_eq!(names(64, true, true, SM86), tc);
         let rows = ["attention_forward", "attention_backward_dq", "attention_backward_dkv"];
         // fp32 asked for, or no tensor cores; D not a multiple of 16; unaligned; Gemma's 256.
         let tiled = [
