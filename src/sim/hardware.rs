@@ -63,10 +63,10 @@ fn default_gemm_half_dim() -> f64 {
 /// Horizon's tensor-core attention kernels (`kernels/attention_tc.cu`: wmma m16n16k16 on bf16
 /// operands, 64-row blocks of 4 warps, scores and probabilities through shared memory), as a
 /// fraction of a 989 TFLOP/s bf16 peak: estimated at 0.08 (79 TFLOP/s) until a GPU times them.
-/// The estimate: in the forward at D = 128 a warp moves about 76 KB through shared memory per
-/// key tile (the keys' and values' fragments, the scores out and back through the softmax, the
-/// output accumulators in and out; its queries' fragments stay in registers) for 0.5 MFLOP, 6.9
-/// FLOPs a byte, which caps them near 230 TFLOP/s at an H200's 33 TB/s of shared bandwidth; one
+/// The estimate: in the forward at D = 128 a warp moves about 68 KB through shared memory per
+/// key tile (the keys' and values' fragments, the scores out and once back in to the softmax,
+/// the output accumulators in and out; its queries' fragments stay in registers) for 0.5
+/// MFLOP, 7.7 FLOPs a byte, which caps them near 250 TFLOP/s at an H200's 33 TB/s of shared bandwidth; one
 /// or two blocks of 4 warps per multiprocessor hide little of the load latency, and the
 /// backward moves more per FLOP, hence well under half that cap. FlashAttention itself
 /// (fragments in registers, `wgmma`) reaches [`FLASH_ATTENTION_EFFICIENCY`].

@@ -246,20 +246,22 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
         __syncthreads();
         tc_scores(ss + wr * TC_LDS, qf, ks, d);
         __syncwarp();
-        float* srow = ss + r * TC_LDS + half * 32;
-        float tmax = NEG_INF;
+        // This lane's 32 scores, read once into registers.
+        const float* srow = ss + r * TC_LDS + half * 32;
+        float sv[32], tmax = NEG_INF;
+#pragma unroll
         for (int c = 0; c < 32; c++) {
             int j = j0 + half * 32 + c;
-            float s = i < t && j >= lo && j <= i ? srow[c] * scale : NEG_INF;
-            srow[c] = s;
-            tmax = fmaxf(tmax, s);
+            sv[c] = i < t && j >= lo && j <= i ? srow[c] * scale : NEG_INF;
+            tmax = fmaxf(tmax, sv[c]);
         }
         float m_new = fmaxf(m, fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1)));
         // A row that sees no key of this tile (yet) keeps its state.
         float corr = m_new == NEG_INF ? 1.0f : expf(m - m_new), psum = 0.0f;
         bf16* prow = ps + r * TC_LDP + half * 32;
+#pragma unroll
         for (int c = 0; c < 32; c++) {
-            float p = srow[c] == NEG_INF ? 0.0f : expf(srow[c] - m_new);
+            float p = sv[c] == NEG_INF ? 0.0f : expf(sv[c] - m_new);
             prow[c] = (bf16)tc_bf16(p);
             psum += p;
         }
