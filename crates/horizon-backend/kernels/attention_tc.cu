@@ -21,7 +21,8 @@
 //
 // Requires D a multiple of 16 up to 128, sm_80 or later, and 16-byte aligned qkv, out, dout and
 // dqkv (float4 loads). Launcher: src/cuda/attention.rs, which runs attention.cu's kernels
-// otherwise. Shared memory (bytes): see tc_shared_bytes there.
+// otherwise, or where these do not fit the device's shared memory. Shared memory (bytes): see
+// Set::launch there.
 
 #define TC_ROWS 64
 #define TC_THREADS 128
