@@ -89,6 +89,17 @@ pub fn tensor_core_head_dim(d: usize) -> bool {
     d.is_multiple_of(16) && d <= 128
 }
 
+/// The fraction of `gpu`'s peak attention reaches at head dim `d`: the profile's rate where
+/// the tensor-core kernels take `d`, or where the profile is at a FlashAttention-class rate
+/// (such a kernel takes every head dim); the fp32 kernels' rate otherwise, at most.
+pub fn attention_efficiency_at(gpu: &Gpu, d: usize) -> f64 {
+    let eff = gpu.attention_efficiency;
+    match tensor_core_head_dim(d) || eff >= FLASH_ATTENTION_EFFICIENCY {
+        true => eff,
+        false => eff.min(fp32_attention_efficiency(d)),
+    }
+}
+
 /// What a tensor-core attention reaches: PyTorch's FlashAttention (`scaled_dot_product_attention`,
 /// bf16, causal, forward and backward, Qwen2.5-7B heads at 4 x 4096) ran at 516-520 TFLOP/s on
 /// the H200 lent on 2026-12-04 (`bench/gpu_ceilings.py`), 0.52 of the peak. `horizon plan`
@@ -348,11 +359,7 @@ impl DeviceModel for Roofline<'_> {
     fn attention(&self, a: &crate::model::spec::AttnSpec, b: usize, t: usize, bwd: bool) -> f64 {
         let flops = 4.0 * (a.d * a.h) as f64 * (b * a.pairs(t)) as f64;
         let flops = if bwd { 2.5 * flops } else { flops };
-        let eff = match tensor_core_head_dim(a.d) {
-            true => self.0.attention_efficiency,
-            false => self.0.attention_efficiency.min(fp32_attention_efficiency(a.d)),
-        };
-        flops / (self.0.bf16_tflops * 1e12 * eff)
+        flops / (self.0.bf16_tflops * 1e12 * attention_efficiency_at(self.0, a.d))
     }
 
     fn stream(&self, bytes: f64) -> f64 {
@@ -388,6 +395,10 @@ mod tests {
         assert!(
             tensor_core_head_dim(64) && !tensor_core_head_dim(72) && !tensor_core_head_dim(256)
         );
+        // A FlashAttention-class profile takes every head dim at its rate.
+        let flash = Gpu { attention_efficiency: FLASH_ATTENTION_EFFICIENCY, ..gpu.clone() };
+        let f = |h, d| Roofline(&flash).attention(&spec(h, d), 2, 512, false);
+        assert!((f(4, 256) / f(8, 128) - 1.0).abs() < 1e-9, "{} vs {}", f(4, 256), f(8, 128));
     }
 
     #[test]

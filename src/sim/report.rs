@@ -16,7 +16,8 @@ use crate::engine::resolve::{Machine, most_kept, resolve};
 use crate::sim::calibrate::{CpuMeasured, HostMeasured, this_cpu};
 use crate::sim::cost::{CostModel, DeviceModel, HostByRates, HostModel, UploadPath};
 use crate::sim::hardware::{
-    BUILT_IN, FLASH_ATTENTION_EFFICIENCY, Gpu, Hardware, Roofline, fp32_attention_efficiency,
+    BUILT_IN, FLASH_ATTENTION_EFFICIENCY, Gpu, Hardware, Roofline, attention_efficiency_at,
+    fp32_attention_efficiency,
 };
 use crate::sim::{Projection, project};
 use crate::train::{
@@ -180,7 +181,7 @@ pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
             text,
             "  with a FlashAttention-class attention ({:.0}% of the peak, as PyTorch's on an H200) instead of Horizon's kernels ({:.1}%): step {:.3} s, {:.0} tokens/s, MFU {:.1}%",
             100.0 * FLASH_ATTENTION_EFFICIENCY,
-            100.0 * hw.gpu.attention_efficiency,
+            100.0 * attention_efficiency_at(&hw.gpu, layout.dims.d),
             p.step_s,
             p.tokens_per_s(),
             100.0 * p.mfu(peak(&hw))
@@ -198,7 +199,7 @@ fn with_flash_attention(
     tokens: usize,
 ) -> Option<Projection> {
     let gpu = &base.hw.gpu;
-    if gpu.attention_efficiency >= FLASH_ATTENTION_EFFICIENCY {
+    if attention_efficiency_at(gpu, base.layout.dims.d) >= FLASH_ATTENTION_EFFICIENCY {
         return None;
     }
     let fast = Gpu { attention_efficiency: FLASH_ATTENTION_EFFICIENCY, ..gpu.clone() };
