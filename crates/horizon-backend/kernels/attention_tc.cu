@@ -201,6 +201,17 @@ __device__ __forceinline__ void tc_accumulate(float* acc, const bf16* w, const b
     }
 }
 
+// The key and value tile of kv head g from key j0 into ks and vs, between two barriers: the
+// last tile's are no longer read before, the new ones are complete after.
+__device__ __forceinline__ void tc_next_keys(bf16* ks, bf16* vs, const float* qkv, long long row0,
+                                             int j0, int t, int h, int kvh, int g, int d) {
+    int width = (h + 2 * kvh) * d;
+    __syncthreads();
+    tc_load_rows(ks, qkv, row0, j0, t, width, (h + g) * d, d);
+    tc_load_rows(vs, qkv, row0, j0, t, width, (h + kvh + g) * d, d);
+    __syncthreads();
+}
+
 // Rows r0..r0+16 (below T) of a block's fp32 results (leading dimension D + 4), times `mul`,
 // into row-major dst (rows of `width`, at column `col`), coalesced over the warp's lanes.
 __device__ void tc_store_rows(float* dst, const float* src, long long row0, int r0, int t,
@@ -241,10 +252,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
     int r = wr + lane / 2, half = lane % 2, i = i0 + r, lo = tc_window_lo(i, window);
     float m = NEG_INF, l = 0.0f;
     for (int j0 = tc_window_lo(i0, window) / TC_ROWS * TC_ROWS; j0 <= ilast; j0 += TC_ROWS) {
-        __syncthreads();  // the last tile's keys and values are no longer read
-        tc_load_rows(ks, qkv, row0, j0, t, width, (h + g) * d, d);
-        tc_load_rows(vs, qkv, row0, j0, t, width, (h + kvh + g) * d, d);
-        __syncthreads();
+        tc_next_keys(ks, vs, qkv, row0, j0, t, h, kvh, g, d);
         tc_scores(ss + wr * TC_LDS, qf, ks, d);
         __syncwarp();
         // This lane's 32 scores, read once into registers.
@@ -317,10 +325,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
 #pragma unroll
     for (int n = 0; n < TC_MAXD / 16; n++) tc_zero(dq[n]);
     for (int j0 = tc_window_lo(i0, window) / TC_ROWS * TC_ROWS; j0 <= ilast; j0 += TC_ROWS) {
-        __syncthreads();  // the last tile's keys and values are no longer read
-        tc_load_rows(ks, qkv, row0, j0, t, width, (h + g) * d, d);
-        tc_load_rows(vs, qkv, row0, j0, t, width, (h + kvh + g) * d, d);
-        __syncthreads();
+        tc_next_keys(ks, vs, qkv, row0, j0, t, h, kvh, g, d);
         tc_scores(ss + wr * TC_LDS, qf, ks, d);
         tc_scores(dps + wr * TC_LDS, dof, vs, d);
         __syncwarp();
