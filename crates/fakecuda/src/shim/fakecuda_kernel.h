@@ -450,7 +450,8 @@ struct WmmaTile {
 // Per block: a block's threads are fibers of one OS thread.
 static thread_local WmmaTile wmma_tiles[32];
 
-inline unsigned wmma_lane_index() {
+// The calling thread's index in its block (x fastest); its warp is index / 32, its lane index % 32.
+inline unsigned wmma_thread_index() {
     return cur->thread_idx.x + cur->block_dim.x * (cur->thread_idx.y + cur->block_dim.y * cur->thread_idx.z);
 }
 
@@ -467,7 +468,7 @@ inline float wmma_bf16(unsigned short b) { return __uint_as_float((unsigned)b <<
 inline void wmma_load_bf16(unsigned (&frag)[4], const unsigned short* p, unsigned ld, bool col_major,
                            int line) {
     wmma_check(p, ld, 2, line);
-    unsigned lane = wmma_lane_index() % 32;
+    unsigned lane = wmma_thread_index() % 32;
     unsigned short e[8];
     for (unsigned i = 0; i < 8; i++) {
         unsigned r = (8 * lane + i) / 16, c = (8 * lane + i) % 16;
@@ -479,20 +480,20 @@ inline void wmma_load_bf16(unsigned (&frag)[4], const unsigned short* p, unsigne
 // An fp32 accumulator fragment from / to row-major p (element (r, c) at p[r * ld + c]).
 inline void wmma_load_f32(float (&frag)[8], const float* p, unsigned ld, int line) {
     wmma_check(p, ld, 4, line);
-    unsigned lane = wmma_lane_index() % 32;
+    unsigned lane = wmma_thread_index() % 32;
     for (unsigned i = 0; i < 8; i++) frag[i] = p[((8 * lane + i) / 16) * ld + (8 * lane + i) % 16];
 }
 
 inline void wmma_store_f32(float* p, const float (&frag)[8], unsigned ld, int line) {
     wmma_check(p, ld, 4, line);
-    unsigned lane = wmma_lane_index() % 32;
+    unsigned lane = wmma_thread_index() % 32;
     for (unsigned i = 0; i < 8; i++) p[((8 * lane + i) / 16) * ld + (8 * lane + i) % 16] = frag[i];
     FAKECUDA_FENCE();
 }
 
 // c += a b over the whole warp (wmma.mma.sync.aligned, fp32 accumulate).
 inline void wmma_mma_bf16(float (&c)[8], const unsigned (&a)[4], const unsigned (&b)[4], int line) {
-    unsigned tid = wmma_lane_index(), lane = tid % 32;
+    unsigned tid = wmma_thread_index(), lane = tid % 32;
     WmmaTile& s = wmma_tiles[(tid / 32) % 32];
     memcpy(&s.a[8 * lane], a, 16);
     memcpy(&s.b[8 * lane], b, 16);
