@@ -300,18 +300,21 @@ impl CudaBackend {
         f(blas.0)
     }
 
-    /// Sets a function's dynamic shared memory limit to `bytes` (needed above 48 KiB).
+    /// Raises a function's dynamic shared memory limit to `bytes` (needed above 48 KiB), once:
+    /// a later call for as many bytes or fewer changes nothing.
     pub(crate) fn allow_shared(&self, name: &str, bytes: u32) {
-        let f = self.inner.kernels.get(name);
-        // SAFETY: `f` is a live function of this context.
-        let r = unsafe {
-            cu::function::set_function_attribute(
-                f,
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                bytes as i32,
-            )
-        };
-        check(&format!("allowing {bytes} bytes of shared memory for {name}"), r);
+        let kernels = &self.inner.kernels;
+        kernels.allow_shared_once(name, bytes, || {
+            // SAFETY: the function is a live function of this context.
+            let r = unsafe {
+                cu::function::set_function_attribute(
+                    kernels.get(name),
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    bytes as i32,
+                )
+            };
+            check(&format!("allowing {bytes} bytes of shared memory for {name}"), r);
+        });
     }
 
     /// `bytes` zero bytes at `addr`, on the stream.

@@ -157,6 +157,9 @@ fn cached_cubin(op: &'static str, src: &str, arch: &str) -> Result<Vec<u8>, Cuda
 /// Every kernel, compiled and loaded into one context, looked up by name.
 pub struct Kernels {
     funcs: HashMap<&'static str, CudaFunction>,
+    /// The dynamic shared memory each function has been allowed so far (bytes; absent: the
+    /// default 48 KiB), so that the attribute is set once, not before every launch.
+    shared: Mutex<HashMap<&'static str, u32>>,
 }
 
 impl Kernels {
@@ -177,7 +180,19 @@ impl Kernels {
                 funcs.insert(name, f);
             }
         }
-        Ok(Kernels { funcs })
+        Ok(Kernels { funcs, shared: Mutex::default() })
+    }
+
+    /// Runs `allow` (which raises function `name`'s dynamic shared memory limit to `bytes`)
+    /// unless an earlier call already allowed at least `bytes`.
+    pub(crate) fn allow_shared_once(&self, name: &str, bytes: u32, allow: impl FnOnce()) {
+        let (&key, _) =
+            self.funcs.get_key_value(name).unwrap_or_else(|| panic!("no CUDA kernel named {name}"));
+        let mut shared = self.shared.lock().expect("shared memory table lock poisoned");
+        if shared.get(key).is_none_or(|&allowed| allowed < bytes) {
+            allow();
+            shared.insert(key, bytes);
+        }
     }
 
     /// The function `name` (a bug if it does not exist).
