@@ -510,6 +510,81 @@ inline void wmma_mma_bf16(float (&c)[8], const unsigned (&a)[4], const unsigned 
     memcpy(c, d, sizeof d);
 }
 
+
+// ---- Tensor-core products: PTX mma.sync m16n8k16 and ldmatrix, bf16 x bf16 -> fp32 -----------
+// Unlike wmma's, these fragments have the layouts the PTX ISA documents ("Matrix Fragments for
+// mma.m16n8k16", "ldmatrix"), so a kernel may compute on them in registers (the softmax of
+// kernels/attention_mma.cu does): the double implements exactly those layouts. With
+// g = lane / 4 and q = lane % 4, two bf16 to a 32-bit register (the lower column or k first):
+//   A (16 x 16, row): a[0] = A[g][2q, 2q+1], a[1] = A[g+8][2q, 2q+1], a[2] = A[g][2q+8, 2q+9],
+//                     a[3] = A[g+8][2q+8, 2q+9];
+//   B (16 x 8, col):  b[0] = B[2q, 2q+1][g], b[1] = B[2q+8, 2q+9][g];
+//   C, D (16 x 8):    c[0], c[1] = C[g][2q, 2q+1]; c[2], c[3] = C[g+8][2q, 2q+1].
+// ldmatrix.x4 loads four 8 x 8 bf16 matrices: lane 8j + i gives the address of row i of matrix j
+// (16 bytes, 16-byte aligned: trap 716 otherwise); register j of lane L receives matrix j's
+// row L/4, columns 2(L%4) and 2(L%4)+1, or with .trans the same of its transpose (its column
+// L/4, rows 2(L%4) and 2(L%4)+1). Both are warp collectives, as the wmma product above.
+struct MmaWarp {
+    unsigned a[32][4], b[32][2];
+    float c[32][4];
+    const unsigned short* rows[32];
+};
+static thread_local MmaWarp mma_warps[32];
+
+inline MmaWarp& mma_warp() { return mma_warps[(wmma_thread_index() / 32) % 32]; }
+
+inline unsigned short mma_half(unsigned reg, unsigned hi) { return (unsigned short)(reg >> (16 * hi)); }
+
+// d = a b + c over the whole warp (mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32).
+inline void mma_m16n8k16_bf16(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2], int line) {
+    unsigned lane = wmma_thread_index() % 32;
+    MmaWarp& w = mma_warp();
+    memcpy(w.a[lane], a, 16);
+    memcpy(w.b[lane], b, 8);
+    memcpy(w.c[lane], c, 16);
+    warp_vote(line, -3, ::fakecuda_abi::kSyncWarp, 0xffffffffu, 0);
+    // A[m][k] and B[k][n] from the lanes that hold them.
+    auto a_at = [&](unsigned m, unsigned k) {
+        unsigned owner = 4 * (m % 8) + (k % 8) / 2, reg = (m / 8) + 2 * (k / 8);
+        return wmma_bf16(mma_half(w.a[owner][reg], k % 2));
+    };
+    auto b_at = [&](unsigned k, unsigned n) {
+        unsigned owner = 4 * n + (k % 8) / 2;
+        return wmma_bf16(mma_half(w.b[owner][k / 8], k % 2));
+    };
+    unsigned g = lane / 4, q = lane % 4;
+    float d[4];
+    for (unsigned e = 0; e < 4; e++) {
+        unsigned m = g + 8 * (e / 2), n = 2 * q + e % 2;
+        float acc = w.c[lane][e];
+        for (unsigned k = 0; k < 16; k++) acc += a_at(m, k) * b_at(k, n);
+        d[e] = acc;
+    }
+    warp_vote(line, -4, ::fakecuda_abi::kSyncWarp, 0xffffffffu, 0);
+    memcpy(c, d, sizeof d);
+}
+
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: this lane's row address `row`.
+inline void ldmatrix_x4(unsigned (&r)[4], const unsigned short* row, bool trans, int line) {
+    if (reinterpret_cast<uintptr_t>(row) % 16 != 0)
+        trap(716, "ldmatrix: a row address is not 16-byte aligned", line);
+    unsigned lane = wmma_thread_index() % 32;
+    MmaWarp& w = mma_warp();
+    w.rows[lane] = row;
+    warp_vote(line, -5, ::fakecuda_abi::kSyncWarp, 0xffffffffu, 0);
+    unsigned out[4];
+    for (unsigned j = 0; j < 4; j++) {
+        unsigned short e[2];
+        for (unsigned h = 0; h < 2; h++) {
+            unsigned i = lane / 4, k = 2 * (lane % 4) + h;  // (row, column) of the matrix
+            e[h] = trans ? w.rows[8 * j + k][i] : w.rows[8 * j + i][k];
+        }
+        out[j] = (unsigned)e[0] | ((unsigned)e[1] << 16);
+    }
+    warp_vote(line, -6, ::fakecuda_abi::kSyncWarp, 0xffffffffu, 0);
+    memcpy(r, out, sizeof out);
+}
+
 }  // namespace fakecuda
 
 // ---- Module registration (used by the code the fake NVRTC appends) ---------------------------

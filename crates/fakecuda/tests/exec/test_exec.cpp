@@ -337,6 +337,31 @@ extern "C" __global__ void wmma_lane_missing(float* d, const unsigned short* a) 
     ::fakecuda::wmma_mma_bf16(c, f, f, __LINE__);
     ::fakecuda::wmma_store_f32(d, c, 16, __LINE__);
 }
+// mma.sync m16n8k16 (shim: fakecuda::mma_m16n8k16_bf16), one warp, with its fragments gathered
+// from row-major a (16 x 16), b (16 x 8) and c (16 x 8) by the layouts the PTX ISA documents.
+extern "C" __global__ void mma_product(float* d, const unsigned short* a, const unsigned short* b,
+                                       const float* c) {
+    unsigned lane = threadIdx.x, g = lane / 4, q = lane % 4;
+    auto pair = [](unsigned short lo, unsigned short hi) { return (unsigned)lo | ((unsigned)hi << 16); };
+    unsigned fa[4], fb[2];
+    float fc[4];
+    for (unsigned r = 0; r < 4; r++) {
+        unsigned m = g + 8 * (r % 2), k = 2 * q + 8 * (r / 2);
+        fa[r] = pair(a[m * 16 + k], a[m * 16 + k + 1]);
+    }
+    for (unsigned r = 0; r < 2; r++) fb[r] = pair(b[(2 * q + 8 * r) * 8 + g], b[(2 * q + 8 * r + 1) * 8 + g]);
+    for (unsigned e = 0; e < 4; e++) fc[e] = c[(g + 8 * (e / 2)) * 8 + 2 * q + e % 2];
+    ::fakecuda::mma_m16n8k16_bf16(fc, fa, fb, __LINE__);
+    for (unsigned e = 0; e < 4; e++) d[(g + 8 * (e / 2)) * 8 + 2 * q + e % 2] = fc[e];
+}
+// ldmatrix.x4 of the four 8 x 8 quarters of row-major m (16 x 16, rows of `ld` elements):
+// lane L's register j to out[(trans * 32 + L) * 4 + j].
+extern "C" __global__ void ldmatrix_quarters(unsigned* out, const unsigned short* m, int ld, int trans) {
+    unsigned lane = threadIdx.x, j = lane / 8, i = lane % 8;
+    unsigned r[4];
+    ::fakecuda::ldmatrix_x4(r, m + (8 * (j % 2) + i) * ld + 8 * (j / 2), trans != 0, __LINE__);
+    for (unsigned k = 0; k < 4; k++) out[(trans * 32 + lane) * 4 + k] = r[k];
+}
 )CU";
 
 static const std::string kPlainSrc = R"CU(
@@ -570,6 +595,60 @@ static void test_wmma() {
     lane.add(&d[0]).add((const unsigned short*)a);
     r = launch(kernel(g_sync, "wmma_lane_missing"), {1, 1, 1}, {32, 1, 1}, 0, lane);
     check(r.code == 719, "a product without lane 3 ran: " + std::to_string(r.code) + " " + r.message);
+    check_recovers();
+}
+
+// mma.sync m16n8k16 against a double reference, its fragments in the documented layouts; ldmatrix
+// (plain and transposed) gives each lane the elements the PTX ISA says, and a misaligned row fails.
+static void test_mma() {
+    alignas(32) static unsigned short a[256], b[128], m[16 * 24];
+    alignas(32) static float c[128], d[128];
+    alignas(32) static unsigned got[2 * 32 * 4];
+    auto bf = [](float x) {  // exact in bf16 below: its top 16 bits
+        unsigned u;
+        memcpy(&u, &x, 4);
+        return (unsigned short)(u >> 16);
+    };
+    auto val = [](int i) { return (float)((i * 37) % 17 - 8) * 0.25f; };
+    for (int i = 0; i < 256; i++) a[i] = bf(val(i));
+    for (int i = 0; i < 128; i++) {
+        b[i] = bf(val(i + 5));
+        c[i] = (float)(i % 7) - 3.0f;
+        d[i] = -1.0f;
+    }
+    Args args;
+    args.add(&d[0]).add((const unsigned short*)a).add((const unsigned short*)b).add((const float*)c);
+    RunResult r = launch(kernel(g_sync, "mma_product"), {1, 1, 1}, {32, 1, 1}, 0, args, 3);
+    check(r.code == 0, r.message);
+    for (int i = 0; i < 16; i++)
+        for (int n = 0; n < 8; n++) {
+            double want = c[i * 8 + n];
+            for (int k = 0; k < 16; k++) want += (double)val(i * 16 + k) * val(k * 8 + n + 5);
+            check(std::fabs(d[i * 8 + n] - want) < 1e-4, "mma d[" + std::to_string(i) + "][" +
+                  std::to_string(n) + "] = " + std::to_string(d[i * 8 + n]) + ", want " + std::to_string(want));
+        }
+    for (int i = 0; i < 16 * 24; i++) m[i] = (unsigned short)i;
+    for (int trans : {0, 1}) {
+        Args la;
+        la.add(&got[0]).add((const unsigned short*)m).add(24).add(trans);
+        r = launch(kernel(g_sync, "ldmatrix_quarters"), {1, 1, 1}, {32, 1, 1}, 0, la);
+        check(r.code == 0, r.message);
+        for (unsigned lane = 0; lane < 32; lane++)
+            for (unsigned j = 0; j < 4; j++)
+                for (unsigned h = 0; h < 2; h++) {
+                    unsigned row = lane / 4, col = 2 * (lane % 4) + h;
+                    if (trans) std::swap(row, col);
+                    unsigned want = m[(8 * (j % 2) + row) * 24 + 8 * (j / 2) + col];
+                    unsigned have = (got[(trans * 32 + lane) * 4 + j] >> (16 * h)) & 0xffffu;
+                    check(have == want, "ldmatrix trans=" + std::to_string(trans) + " lane " +
+                          std::to_string(lane) + " reg " + std::to_string(j) + ": " + std::to_string(have) +
+                          ", want " + std::to_string(want));
+                }
+    }
+    Args mis;
+    mis.add(&got[0]).add((const unsigned short*)m).add(20).add(0);  // rows 40 bytes apart
+    r = launch(kernel(g_sync, "ldmatrix_quarters"), {1, 1, 1}, {32, 1, 1}, 0, mis);
+    check_failure(r, 716, {"kernel ldmatrix_quarters", "not 16-byte aligned"});
     check_recovers();
 }
 
@@ -989,6 +1068,7 @@ int main(int argc, char** argv) {
     run_test("barrier failures", test_barrier_failures);
     run_test("shuffle failures", test_shuffle_failures);
     run_test("wmma on bf16 tensor cores", test_wmma);
+    run_test("mma.sync m16n8k16 and ldmatrix in their documented layouts", test_mma);
     run_test("dynamic shared memory", test_smem_failures);
     run_test("faults", test_faults);
     run_test("faults outside kernels", test_foreign_fault);
