@@ -271,7 +271,7 @@ fn device_attention_picks_the_attention_kernels() {
 }
 
 /// A kernel that fails mid-run (the double's fault injection, `FAKECUDA_FAIL_KERNEL`, fails the
-/// 5th `attention_backward_dq_tc`: step 3 of a 2-layer model) ends `horizon train` with an error
+/// 5th `attention_backward_dq_mma`: step 3 of a 2-layer model) ends `horizon train` with an error
 /// naming the failed CUDA operation, not a panic; the checkpoint of step 2 is intact, and the
 /// run resumes from it to the end.
 #[test]
@@ -283,7 +283,7 @@ fn a_failed_launch_is_an_error_and_the_last_checkpoint_survives() {
     let out = tmp.path().join("out");
     let cfg = small_cuda_run(tmp.path(), 5, "auto");
     let horizon = |resume: bool, fail: Option<&str>| horizon_train(&cfg, resume, fail);
-    let failed = horizon(false, Some("attention_backward_dq_tc:5"));
+    let failed = horizon(false, Some("attention_backward_dq_mma:5"));
     let err = String::from_utf8_lossy(&failed.stderr);
     assert!(!failed.status.success(), "the run with a failed kernel succeeded:\n{err}");
     assert!(!err.contains("panicked"), "a panic, not an error:\n{err}");

@@ -404,10 +404,26 @@ fn layer(be: &CudaBackend, rng: &mut Rng, s: Shape, reps: usize) -> Vec<Row> {
         0.0,
         bwd_,
     );
-    // The fp32 tiled kernels, which run where the tensor-core ones cannot (D not a multiple of
-    // 16, or a device before sm_80) or are not wanted, on the same buffers; then the
-    // warp-per-row kernels, which run where neither can (here: buffers offset by one element,
-    // so not 16-byte aligned), on the same inputs.
+    // The wmma kernels (the tensor-core set before the mma.sync one), on the same buffers; the
+    // fp32 tiled kernels, which run where the tensor-core ones cannot (D not a multiple of 16,
+    // or a device before sm_80) or are not wanted; then the warp-per-row kernels, which run
+    // where neither can (here: buffers offset by one element, so not 16-byte aligned), on the
+    // same inputs.
+    be.set_attention_kernels(AttentionKernels::Wmma);
+    push(
+        "attention wmma",
+        time(be, reps, || be.attention_forward(&mut att, &mut lse, &q, dims)),
+        s.attn_flops(),
+        0.0,
+        reference,
+    );
+    push(
+        "attention bwd wmma",
+        time(be, reps, || be.attention_backward(&mut dq, &datt, &q, &att, &lse, dims)),
+        2.5 * s.attn_flops(),
+        0.0,
+        reference,
+    );
     be.set_attention_kernels(AttentionKernels::Fp32);
     push(
         "attention fp32 tiled",

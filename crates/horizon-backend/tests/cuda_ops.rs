@@ -521,19 +521,22 @@ fn rope_forward_and_backward() {
 /// kernels' `out`, `lse` and `dqkv`. Each case runs on every kernel set that takes it
 /// (`cuda/attention.rs`): with 4-byte aligned buffers (the warp-per-row kernels) and 16-byte
 /// aligned ones (the tiled kernels where D is a multiple of 4 up to 128), both in fp32 and held
-/// to the CPU alike; then, where D is a multiple of 16 up to 128, on the tensor-core kernels
-/// (the default), whose bf16 operands are held to the CPU on bf16-rounded inputs at
-/// [`TOL_TENSOR_ATTENTION`].
+/// to the CPU alike; then, where D is a multiple of 16 up to 128, on both tensor-core sets
+/// (wmma, then the default mma.sync), whose bf16 operands are held to the CPU on bf16-rounded
+/// inputs at [`TOL_TENSOR_ATTENTION`].
 fn check_attention(be: &CudaBackend, rng: &mut Rng, dims: AttnDims) -> [Vec<f32>; 3] {
     let seed = rng.next_u64();
     let aligned = 4 * GUARD.div_ceil(4);
     be.set_attention_kernels(AttentionKernels::Fp32);
-    check_attention_with(be, &mut Rng::new(seed), dims, GUARD, false);
-    let fp32 = check_attention_with(be, &mut Rng::new(seed), dims, aligned, false);
-    be.set_attention_kernels(AttentionKernels::Tensor);
+    check_attention_with(be, &mut Rng::new(seed), dims, GUARD, None);
+    let fp32 = check_attention_with(be, &mut Rng::new(seed), dims, aligned, None);
     if dims.d.is_multiple_of(16) && dims.d <= 128 {
-        check_attention_with(be, &mut Rng::new(seed), dims, aligned, true);
+        for set in [AttentionKernels::Wmma, AttentionKernels::Tensor] {
+            be.set_attention_kernels(set);
+            check_attention_with(be, &mut Rng::new(seed), dims, aligned, Some(set));
+        }
     }
+    be.set_attention_kernels(AttentionKernels::Tensor);
     fp32
 }
 
@@ -543,20 +546,20 @@ fn bf16_rounded(x: Vec<f32>) -> Vec<f32> {
 }
 
 /// One run of [`check_attention`]'s: the inputs rounded to bf16 and the tensor cores'
-/// tolerance when `tensor`.
+/// tolerance when `tensor` names the tensor-core set that runs.
 fn check_attention_with(
     be: &CudaBackend,
     rng: &mut Rng,
     dims: AttnDims,
     guard: usize,
-    tensor: bool,
+    tensor: Option<AttentionKernels>,
 ) -> [Vec<f32>; 3] {
     let (n, width, hd) = (dims.n(), dims.qkv_width(), dims.h * dims.d);
-    let (round, tol) = match tensor {
+    let (round, tol) = match tensor.is_some() {
         true => (bf16_rounded as fn(Vec<f32>) -> Vec<f32>, TOL_TENSOR_ATTENTION),
         false => ((|x| x) as fn(Vec<f32>) -> Vec<f32>, TOL_SUM),
     };
-    let set = if tensor { "tensor cores" } else { "fp32" };
+    let set = tensor.map_or("fp32".to_string(), |k| format!("tensor cores, {k:?}"));
     let qkv = round(rng.vec(n * width, 1.0));
     let (mut out, mut lse) = (vec![0.0; n * hd], vec![0.0; dims.b * dims.h * dims.t]);
     CpuBackend.attention_forward(&mut out, &mut lse, &qkv, dims);
@@ -583,16 +586,16 @@ fn check_attention_with(
     );
     let got_dqkv = gdqkv.read(be);
     assert_close(&format!("attention_backward ({set}) dqkv {dims:?}"), &got_dqkv, &dqkv, tol);
-    if tensor {
+    if tensor.is_some() {
         let (q, kv) = (dims.h * dims.d, dims.kvh * dims.d);
         let part = |x: &[f32], cols: std::ops::Range<usize>| -> Vec<f32> {
             x.chunks(width).flat_map(|row| row[cols.clone()].to_vec()).collect()
         };
         let parts = [("dq", 0..q), ("dk", q..q + kv), ("dv", q + kv..width)];
-        assert_norm_close(&format!("attention_forward out {dims:?}"), &got_out, &out);
+        assert_norm_close(&format!("attention_forward ({set}) out {dims:?}"), &got_out, &out);
         for (what, cols) in parts {
             let (g, w) = (part(&got_dqkv, cols.clone()), part(&dqkv, cols));
-            assert_norm_close(&format!("attention_backward {what} {dims:?}"), &g, &w);
+            assert_norm_close(&format!("attention_backward ({set}) {what} {dims:?}"), &g, &w);
         }
     }
     [got_out, got_lse, got_dqkv]

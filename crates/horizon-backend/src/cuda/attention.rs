@@ -3,26 +3,30 @@
 //! global memory), forward and backward (the rows' `delta = dout . out`, then dq, then dk and
 //! dv). Derivation: `cpu/attention.rs`.
 //!
-//! Three kernel sets compute the same function:
-//! - on the tensor cores (`kernels/attention_tc.cu`: bf16 operands, fp32 accumulation, as the
-//!   backend's products), where the device has bf16 tensor cores (sm_80 and later), D is a
+//! Four kernel sets compute the same function:
+//! - on the tensor cores, FlashAttention-2 style (`kernels/attention_mma.cu`: mma.sync with
+//!   scores, probabilities and accumulators in registers; bf16 operands, fp32 accumulation, as
+//!   the backend's products), where the device has bf16 tensor cores (sm_80 and later), D is a
 //!   multiple of 16 up to 128, the buffers are 16-byte aligned (the engine's always are) and
-//!   [`CudaBackend::set_attention_kernels`] did not ask for fp32: the default for every family
-//!   but Gemma (D = 256);
+//!   [`CudaBackend::set_attention_kernels`] asked for neither fp32 nor wmma: the default for
+//!   every family but Gemma (D = 256);
+//! - on the tensor cores through wmma (`kernels/attention_tc.cu`: the same precision, scores
+//!   and probabilities in shared memory), on the same conditions, where asked for
+//!   ([`AttentionKernels::Wmma`], to time the two sets side by side);
 //! - in fp32, tiled (64-row blocks, 4 x 4 register tiles, as an SGEMM) where D is a multiple of
 //!   4 up to 128 and the buffers are 16-byte aligned;
 //! - in fp32, one warp per row, otherwise (any D up to 256, any alignment).
 //!
 //! Each pass (forward, dq, dk/dv) takes the fastest of these whose shared memory fits the
-//! device's limit a block (`choose`): on an sm_86/89 GPU (99 KiB) at D = 128 dk/dv runs one
-//! warp per row.
+//! device's limit a block (`choose`).
 //!
 //! On an H200 the warp-per-row kernels ran a Qwen2.5-7B layer's attention at 4.2 TFLOP/s forward
 //! and 3.3 backward, 92% of the layer's time (`examples/cuda_op_speed`, which times every set).
+//! Neither tensor-core set has run on a GPU yet.
 
 use super::CudaBackend;
 use super::backend::{arg, expect_len, int};
-use super::config::MAX_HEAD_DIM;
+use super::config::{AttentionKernels, MAX_HEAD_DIM};
 use super::slice::DevSlice;
 use crate::AttnDims;
 
@@ -65,11 +69,13 @@ pub(super) const TILED_ROWS: usize = 64;
 /// The largest head dim the tiled forward takes (its threads hold 8 output columns each).
 pub(super) const TILED_MAX_D: usize = 128;
 
-/// The kernel sets of `attention.cu` and `attention_tc.cu`, fastest first.
+/// The kernel sets of `attention_mma.cu`, `attention_tc.cu` and `attention.cu`, fastest first.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Set {
+    /// `*_mma`: mma.sync on bf16 tensor cores, FlashAttention-2 style.
+    Mma,
     /// `*_tc`: wmma on bf16 tensor cores.
-    Tensor,
+    Wmma,
     /// `*_tiled`: fp32 register tiles.
     Tiled,
     /// The warp-per-row kernels.
@@ -99,9 +105,25 @@ impl Set {
     fn launch(self, pass: Pass, d: usize) -> Launch {
         let pick = |names: [&'static str; 3]| names[pass as usize];
         match self {
+            // bf16 tiles of 64 x (D + 8) (dk/dv: two, and two of 32 query rows with the
+            // query tile's lse and delta); scores and accumulators are in registers.
+            Set::Mma => {
+                let (tile, qt) = (TILED_ROWS * (d + 8) * 2, 32);
+                let smem = match pass {
+                    Pass::Forward => 2 * tile,
+                    Pass::Dq => 4 * tile,
+                    Pass::Dkv => 2 * tile + 2 * qt * (d + 8) * 2 + 2 * qt * 4,
+                };
+                let name = pick([
+                    "attention_forward_mma",
+                    "attention_backward_dq_mma",
+                    "attention_backward_dkv_mma",
+                ]);
+                Launch { name, rows: TILED_ROWS, threads: 128, smem }
+            }
             // bf16 tiles of 64 x (D + 8), fp32 score tiles of 64 x 68, bf16 P and dS tiles of
             // 64 x 72, fp32 accumulators of 64 x (D + 4), 64-float statistics.
-            Set::Tensor => {
+            Set::Wmma => {
                 let r = TILED_ROWS;
                 let (tile, scores, probs, acc) =
                     (r * (d + 8) * 2, r * 68 * 4, r * 72 * 2, r * (d + 4) * 4);
@@ -149,26 +171,37 @@ impl Set {
 /// The kernel that runs `pass` at head dim `d`: the fastest set that takes it and whose
 /// shared memory fits `max_shared` bytes a block (the device's opt-in limit: 227 KiB on
 /// sm_90, 163 on sm_80, 99 on sm_86 and sm_89). The tensor-core kernels take D a multiple of 16
-/// up to [`TILED_MAX_D`] where `tensor` (the device has them and fp32 was not asked for); they
+/// up to [`TILED_MAX_D`] where `kernels` is not fp32 (the mma.sync set unless it is wmma); they
 /// and the tiled ones need `aligned` buffers (16-byte loads; the engine's are 64-byte aligned).
 /// The warp-per-row kernels take any D up to 256, and run when nothing else fits (a launch
 /// beyond the limit then fails, naming it). The passes choose apart: on an sm_86 or sm_89 GPU
-/// at D = 128 the forward and dq run on the tensor cores and dk/dv, whose tiles need 160 KiB,
-/// one warp per row.
-fn choose(pass: Pass, d: usize, tensor: bool, aligned: bool, max_shared: usize) -> Launch {
+/// at D = 128 with wmma asked for, the forward and dq run on the tensor cores and dk/dv, whose
+/// tiles need 160 KiB, one warp per row.
+fn choose(
+    pass: Pass,
+    d: usize,
+    kernels: AttentionKernels,
+    aligned: bool,
+    max_shared: usize,
+) -> Launch {
     let tiled = aligned && d.is_multiple_of(4) && d <= TILED_MAX_D;
-    [(Set::Tensor, tiled && tensor && d.is_multiple_of(16)), (Set::Tiled, tiled)]
-        .into_iter()
-        .filter(|&(_, takes)| takes)
-        .map(|(set, _)| set.launch(pass, d))
-        .find(|l| l.smem <= max_shared)
-        .unwrap_or_else(|| Set::Rows.launch(pass, d))
+    let tensor = tiled && d.is_multiple_of(16);
+    [
+        (Set::Mma, tensor && kernels == AttentionKernels::Tensor),
+        (Set::Wmma, tensor && kernels != AttentionKernels::Fp32),
+        (Set::Tiled, tiled),
+    ]
+    .into_iter()
+    .filter(|&(_, takes)| takes)
+    .map(|(set, _)| set.launch(pass, d))
+    .find(|l| l.smem <= max_shared)
+    .unwrap_or_else(|| Set::Rows.launch(pass, d))
 }
 
 /// [`choose`] on `be`'s device for buffers at `addrs`.
 fn kernel(be: &CudaBackend, pass: Pass, dims: AttnDims, addrs: &[u64]) -> Launch {
     let aligned = addrs.iter().all(|a| a % 16 == 0);
-    choose(pass, dims.d, be.tensor_attention(), aligned, be.max_shared())
+    choose(pass, dims.d, be.attention_kernels(), aligned, be.max_shared())
 }
 
 /// out: (N, H*D), overwrites. lse: (B, H, T), overwrites. qkv: (N, QKV) after rope.
@@ -302,41 +335,52 @@ mod tests {
     const SM80: usize = 166_912;
     const SM86: usize = 101_376;
 
-    fn names(d: usize, tensor: bool, aligned: bool, max_shared: usize) -> [&'static str; 3] {
-        [Pass::Forward, Pass::Dq, Pass::Dkv].map(|p| choose(p, d, tensor, aligned, max_shared).name)
+    fn names(d: usize, k: AttentionKernels, aligned: bool, max: usize) -> [&'static str; 3] {
+        [Pass::Forward, Pass::Dq, Pass::Dkv].map(|p| choose(p, d, k, aligned, max).name)
     }
 
     /// Each pass takes the fastest kernel that takes its head dim and fits the device's shared
     /// memory, and every kernel chosen fits (or is the warp-per-row fallback).
     #[test]
     fn each_pass_runs_the_fastest_kernel_that_fits() {
+        use AttentionKernels::{Fp32, Tensor, Wmma};
+        let mma =
+            ["attention_forward_mma", "attention_backward_dq_mma", "attention_backward_dkv_mma"];
         let tc = ["attention_forward_tc", "attention_backward_dq_tc", "attention_backward_dkv_tc"];
-        assert_eq!(names(128, true, true, SM90), tc);
-        assert_eq!(names(64, true, true, SM90), tc);
-        // A100 (163 KiB): every tensor-core kernel fits at D = 128 (dk/dv: 160 KiB).
-        assert_eq!(names(128, true, true, SM80), tc);
-        assert_eq!(names(64, true, true, SM80), tc);
-        // sm_86 / sm_89 (99 KiB): at D = 128 the forward (93 KiB) and dq (77) fit on the tensor
-        // cores, dk/dv does not, nor does the tiled one (209); at D = 64 all three fit.
+        // The mma.sync kernels fit every device's limit at every head dim they take (dk/dv:
+        // 51 KiB at D = 128).
+        for max in [SM90, SM80, SM86] {
+            for d in [16, 64, 128] {
+                assert_eq!(names(d, Tensor, true, max), mma);
+            }
+        }
+        assert_eq!(names(128, Wmma, true, SM90), tc);
+        // A100 (163 KiB): every wmma kernel fits at D = 128 (dk/dv: 160 KiB).
+        assert_eq!(names(128, Wmma, true, SM80), tc);
+        assert_eq!(names(64, Wmma, true, SM80), tc);
+        // sm_86 / sm_89 (99 KiB): at D = 128 the wmma forward (93 KiB) and dq (77) fit, dk/dv
+        // does not, nor does the tiled one (209); at D = 64 all three fit.
         let sm86 = ["attention_forward_tc", "attention_backward_dq_tc", "attention_backward_dkv"];
-        assert_eq!(names(128, true, true, SM86), sm86);
-        assert_eq!(names(64, true, true, SM86), tc);
+        assert_eq!(names(128, Wmma, true, SM86), sm86);
+        assert_eq!(names(64, Wmma, true, SM86), tc);
         let rows = ["attention_forward", "attention_backward_dq", "attention_backward_dkv"];
-        // fp32 asked for, or no tensor cores; D not a multiple of 16; unaligned; Gemma's 256.
+        // fp32 asked for (or no tensor cores); D not a multiple of 16; unaligned; Gemma's 256.
         let tiled = [
             "attention_forward_tiled",
             "attention_backward_dq_tiled",
             "attention_backward_dkv_tiled",
         ];
-        assert_eq!(names(128, false, true, SM90), tiled);
-        assert_eq!(names(72, true, true, SM90), tiled);
-        assert_eq!(names(128, true, false, SM90), rows);
-        assert_eq!(names(256, true, true, SM90), rows);
+        assert_eq!(names(128, Fp32, true, SM90), tiled);
+        assert_eq!(names(72, Tensor, true, SM90), tiled);
+        assert_eq!(names(128, Tensor, false, SM90), rows);
+        assert_eq!(names(256, Tensor, true, SM90), rows);
         for d in [16, 32, 40, 64, 72, 96, 128, 256] {
             for max in [SM90, SM80, SM86] {
                 for p in [Pass::Forward, Pass::Dq, Pass::Dkv] {
-                    let k = choose(p, d, true, true, max);
-                    assert!(k.smem <= max || k.name == Set::Rows.launch(p, d).name, "{k:?}");
+                    for k in [Tensor, Wmma, Fp32] {
+                        let l = choose(p, d, k, true, max);
+                        assert!(l.smem <= max || l.name == Set::Rows.launch(p, d).name, "{l:?}");
+                    }
                 }
             }
         }

@@ -10,7 +10,6 @@
 
 use std::ffi::c_void;
 use std::ops::{Deref, DerefMut};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::cublas;
@@ -44,9 +43,8 @@ struct Inner {
     own_workspace: Option<u64>,
     /// Whether the device has bf16 tensor cores (compute capability 8.0 or later).
     tensor_cores: bool,
-    /// Whether attention runs on the fp32 kernels even where the tensor-core ones could
-    /// ([`CudaBackend::set_attention_kernels`]).
-    fp32_attention: AtomicBool,
+    /// The kernels attention runs on where the shape allows ([`CudaBackend::set_attention_kernels`]).
+    attention: Mutex<AttentionKernels>,
     /// The most dynamic shared memory a block may have (the device's opt-in limit), bytes.
     max_shared: usize,
 }
@@ -179,7 +177,7 @@ impl CudaBackend {
             products: Mutex::new((0, 0)),
             own_workspace,
             tensor_cores: major >= 8,
-            fp32_attention: AtomicBool::new(false),
+            attention: Mutex::new(AttentionKernels::Tensor),
             max_shared: max_shared.max(0) as usize,
         };
         Ok(CudaBackend { inner: Arc::new(inner) })
@@ -233,17 +231,20 @@ impl CudaBackend {
         self.inner.products.lock().expect("workspace lock poisoned")
     }
 
-    /// Chooses the kernels attention runs on where the shape allows either; every clone of
-    /// this backend follows. [`AttentionKernels::Tensor`] is the default, and on a device
-    /// without bf16 tensor cores means the fp32 kernels.
+    /// Chooses the kernels attention runs on where the shape allows; every clone of this
+    /// backend follows. [`AttentionKernels::Tensor`] is the default, and on a device without
+    /// bf16 tensor cores means the fp32 kernels.
     pub fn set_attention_kernels(&self, kernels: AttentionKernels) {
-        self.inner.fp32_attention.store(kernels == AttentionKernels::Fp32, Ordering::Relaxed);
+        *self.inner.attention.lock().expect("attention choice poisoned") = kernels;
     }
 
-    /// Whether attention may run on the tensor-core kernels: the device has them and
-    /// [`CudaBackend::set_attention_kernels`] did not ask for fp32.
-    pub(crate) fn tensor_attention(&self) -> bool {
-        self.inner.tensor_cores && !self.inner.fp32_attention.load(Ordering::Relaxed)
+    /// The kernels attention may run on: [`CudaBackend::set_attention_kernels`]'s choice, fp32
+    /// where the device has no bf16 tensor cores.
+    pub(crate) fn attention_kernels(&self) -> AttentionKernels {
+        match *self.inner.attention.lock().expect("attention choice poisoned") {
+            _ if !self.inner.tensor_cores => AttentionKernels::Fp32,
+            k => k,
+        }
     }
 
     /// The most dynamic shared memory a block may have on this device, bytes.

@@ -42,9 +42,15 @@ impl CudaDeviceConfig {
 /// Which kernels compute attention where the shape allows either (`cuda/attention.rs`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AttentionKernels {
-    /// bf16 operands on the tensor cores, fp32 accumulation (`kernels/attention_tc.cu`): the
-    /// default where the device has them (sm_80 and later) and D is a multiple of 16 up to 128.
+    /// bf16 operands on the tensor cores, fp32 accumulation, the fastest set the device runs:
+    /// `kernels/attention_mma.cu` (mma.sync, softmax in registers), else
+    /// `kernels/attention_tc.cu` (wmma) where the former's shared memory does not fit. The
+    /// default where the device has tensor cores (sm_80 and later) and D is a multiple of 16 up
+    /// to 128.
     Tensor,
+    /// The wmma kernels (`kernels/attention_tc.cu`) where [`AttentionKernels::Tensor`] would run
+    /// the mma.sync ones: for timing the two sets side by side (`examples/cuda_op_speed`).
+    Wmma,
     /// fp32 on the CUDA cores (`kernels/attention.cu`): the reference's arithmetic.
     Fp32,
 }

@@ -14,9 +14,10 @@ use cudarc::nvrtc;
 use super::CudaError;
 
 /// `(op, source)` of every kernel file, `kernels/<op>.cu`.
-pub const SOURCES: [(&str, &str); 16] = [
+pub const SOURCES: [(&str, &str); 17] = [
     ("attention", include_str!("../../kernels/attention.cu")),
     ("attention_decode", include_str!("../../kernels/attention_decode.cu")),
+    ("attention_mma", include_str!("../../kernels/attention_mma.cu")),
     ("attention_tc", include_str!("../../kernels/attention_tc.cu")),
     ("cols", include_str!("../../kernels/cols.cu")),
     ("convert", include_str!("../../kernels/convert.cu")),
@@ -34,7 +35,7 @@ pub const SOURCES: [(&str, &str); 16] = [
 ];
 
 /// The `extern "C"` entry points of each source, loaded by name.
-pub const FUNCTIONS: [(&str, &[&str]); 16] = [
+pub const FUNCTIONS: [(&str, &[&str]); 17] = [
     (
         "attention",
         &[
@@ -48,6 +49,10 @@ pub const FUNCTIONS: [(&str, &[&str]); 16] = [
         ],
     ),
     ("attention_decode", &["attention_decode"]),
+    (
+        "attention_mma",
+        &["attention_forward_mma", "attention_backward_dq_mma", "attention_backward_dkv_mma"],
+    ),
     (
         "attention_tc",
         &["attention_forward_tc", "attention_backward_dq_tc", "attention_backward_dkv_tc"],
