@@ -60,18 +60,20 @@ fn default_gemm_efficiency() -> f64 {
 fn default_gemm_half_dim() -> f64 {
     96.0
 }
-/// Horizon's tensor-core attention kernels (`kernels/attention_tc.cu`: wmma m16n16k16 on bf16
-/// operands, 64-row blocks of 4 warps, scores and probabilities through shared memory), as a
-/// fraction of a 989 TFLOP/s bf16 peak: estimated at 0.08 (79 TFLOP/s) until a GPU times them.
-/// The estimate: in the forward at D = 128 a warp moves about 68 KB through shared memory per
-/// key tile (the keys' and values' fragments, the scores out and once back in to the softmax,
-/// the output accumulators in and out; its queries' fragments stay in registers) for 0.5
-/// MFLOP, 7.7 FLOPs a byte, which caps them near 250 TFLOP/s at an H200's 33 TB/s of shared bandwidth; one
-/// or two blocks of 4 warps per multiprocessor hide little of the load latency, and the
-/// backward moves more per FLOP, hence well under half that cap. FlashAttention itself
-/// (fragments in registers, `wgmma`) reaches [`FLASH_ATTENTION_EFFICIENCY`].
+/// Horizon's tensor-core attention kernels (`kernels/attention_mma.cu`: FlashAttention-2 style,
+/// mma.sync m16n8k16 on bf16 operands with scores, probabilities and accumulators in registers,
+/// 64-row blocks of 4 warps), as a fraction of a 989 TFLOP/s bf16 peak: estimated at 0.15 (148
+/// TFLOP/s) until a GPU times them. The estimate: FlashAttention-2, built the same way, runs
+/// forward and backward at about 0.3 of an H100's peak (mma.sync reaches about two thirds of
+/// the peak wgmma does); these kernels lack its cp.async pipelining (their fp32 inputs are
+/// rounded as they are stored, so loads do not overlap the products), and the backward splits
+/// dq from dk/dv (computing the scores twice) with 32-query tiles in dk/dv, so half that. In
+/// the forward at D = 128 a warp reads 32 KB of shared memory per key tile for 0.5 MFLOP (16
+/// FLOPs a byte), which caps it well above this. The wmma kernels before them
+/// (`attention_tc.cu`, scores through shared memory) were estimated at 0.08. FlashAttention
+/// itself (`wgmma`) reaches [`FLASH_ATTENTION_EFFICIENCY`].
 fn default_attention_efficiency() -> f64 {
-    0.08
+    0.15
 }
 
 /// Horizon's fp32 attention kernels, for head dims the tensor-core ones do not take, as a
