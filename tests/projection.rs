@@ -1,7 +1,7 @@
 //! `horizon plan --hardware`: the projection of a run on a machine, through the library and the
 //! binary. The simulator's exact timelines are tested in `sim::des`; here, that the projection
 //! of real plans is consistent: the step's windows add up, more tokens per step raise MFU on a
-//! link-bound shape, the bf16 image takes the rounding off the upload, a run that does not fit
+//! link-bound shape and end a host-bound step, the bf16 image takes the rounding off the upload, a run that does not fit
 //! is refused, and the profiles resolve (built in, YAML file, `this-cpu`).
 
 use std::process::Command;
@@ -60,6 +60,37 @@ fn more_tokens_per_step_move_a_link_bound_run_toward_compute_bound() {
     assert_eq!(fwd(&few.chosen).bound, horizon_backend::Queue::H2D, "{}", few.text);
     assert!(few.text.contains("compute-bound from about"), "{}", few.text);
     assert!(many.chosen.mfu(312e12) > 2.0 * few.chosen.mfu(312e12), "{}\n{}", few.text, many.text);
+}
+
+/// On a host with few cores and little memory bandwidth (the lent H200's was 16 cores, 91 GB/s)
+/// the optimizer's updates bound the step; the plan says so, with the tokens per step from which
+/// compute would bound it instead (host work does not grow with the tokens), and a little past
+/// those tokens compute is the busier queue and the host no longer fills the step.
+#[test]
+fn a_host_bound_step_says_how_many_tokens_make_it_compute_bound() {
+    let dir = std::env::temp_dir().join(format!("horizon-host-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let f = dir.join("thin-host.yaml");
+    std::fs::write(
+        &f,
+        "name: thin-host\ngpu: {bf16_tflops: 989, hbm_gbps: 4800, memory_gib: 131}\nlink: {h2d_gbps: 55, d2h_gbps: 55}\nhost: {cores: 8, mem_gbps: 40, memory_gib: 1024}\n",
+    )
+    .unwrap();
+    let hw = f.to_str().unwrap();
+    let few = projection(&config(4096, 8, 4, ""), hw).unwrap();
+    let line = few.text.lines().find(|l| l.contains("host-bound:")).unwrap_or_else(|| {
+        panic!("no host-bound line:\n{}", few.text);
+    });
+    let need: f64 =
+        line.split("about ").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
+    assert!(need > 8.0 * 4096.0, "{line}");
+    let busy = |p: &horizon::sim::Projection, q: horizon_backend::Queue| p.busy[q.index()];
+    let rows = (1.1 * need / 1024.0).ceil() as usize;
+    let many = projection(&config(4096, 8, rows, ""), hw).unwrap();
+    let (c, h) = (&many.chosen, horizon_backend::Queue::Host);
+    assert!(busy(c, horizon_backend::Queue::Compute) > busy(c, h), "{}", many.text);
+    assert!(busy(c, h) < 0.95 * c.step_s && !many.text.contains("host-bound"), "{}", many.text);
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]

@@ -364,6 +364,19 @@ fn render(t: &mut String, hw: &Hardware, p: &Projection, cpu: bool) -> Result<()
             )?;
         }
     }
+    // The host's work (optimizer updates, roundings) does not grow with the tokens a step, its
+    // compute does; host work moves between phases as they stretch, so this is said of the
+    // whole step, not of a phase.
+    let (host, compute) = (p.busy[Queue::Host.index()], p.busy[Queue::Compute.index()]);
+    if host >= 0.95 * p.step_s && compute > 0.0 && host > compute {
+        writeln!(
+            t,
+            "  host-bound: the host's {} s a step do not grow with the tokens; compute would \
+             bound the step from about {:.0} tokens per step (train.batch_size)",
+            secs(host),
+            p.tokens as f64 * host / compute
+        )?;
+    }
     Ok(())
 }
 
