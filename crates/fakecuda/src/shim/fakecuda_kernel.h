@@ -585,6 +585,69 @@ inline void ldmatrix_x4(unsigned (&r)[4], const unsigned short* row, bool trans,
     memcpy(r, out, sizeof out);
 }
 
+
+// ---- Asynchronous copies: PTX cp.async.cg.shared.global (16 bytes), commit_group, wait_group ---
+// On a GPU a copy lands at some time between its issue and the cp.async.wait_group that lets
+// its group complete; until then its destination is undefined. The double makes that
+// observable: at issue the destination's 16 bytes become all ones (a NaN in bf16 and fp32), and
+// the copy is made when a wait_group lets it complete (every committed group but the newest
+// `n`). So a kernel that reads a tile before waiting for it, or refills a buffer other threads
+// still read (no barrier between their reads and the issue), computes on NaNs. A barrier alone
+// does not complete a copy. `src_bytes` below 16 fills the rest with zeros (PTX's src-size).
+// Both addresses must be 16-byte aligned (trap 716). Copies still pending from an earlier
+// block of the same thread slot, never waited for, trap (720) when the slot is next used.
+struct CpAsyncCopy {
+    void* dst;
+    const void* src;
+    unsigned src_bytes, group;
+};
+struct CpAsyncThread {
+    static constexpr unsigned kCap = 64;
+    CpAsyncCopy pending[kCap];
+    unsigned count, committed;
+    void* block;  // the dynamic shared memory of the block that issued them
+};
+static thread_local CpAsyncThread cp_async_threads[1024];
+
+inline CpAsyncThread& cp_async_thread(int line) {
+    CpAsyncThread& c = cp_async_threads[wmma_thread_index() % 1024];
+    if (c.block != cur->dyn_smem) {
+        if (c.count != 0) trap(720, "cp.async: copies of an earlier block were never waited for", line);
+        c.block = cur->dyn_smem;
+        c.committed = 0;
+    }
+    return c;
+}
+
+inline void cp_async_16(void* dst, const void* src, unsigned src_bytes, int line) {
+    if (reinterpret_cast<uintptr_t>(dst) % 16 != 0 || reinterpret_cast<uintptr_t>(src) % 16 != 0)
+        trap(716, "cp.async: an address is not 16-byte aligned", line);
+    CpAsyncThread& c = cp_async_thread(line);
+    if (c.count == CpAsyncThread::kCap)
+        trap(720, "cp.async: more copies outstanding than the double holds (64 a thread)", line);
+    c.pending[c.count++] = CpAsyncCopy{dst, src, src_bytes < 16 ? src_bytes : 16, c.committed};
+    memset(dst, 0xff, 16);
+    FAKECUDA_FENCE();
+}
+
+inline void cp_async_commit(int line) { cp_async_thread(line).committed++; }
+
+inline void cp_async_wait(unsigned n, int line) {
+    CpAsyncThread& c = cp_async_thread(line);
+    unsigned kept = 0;
+    for (unsigned i = 0; i < c.count; i++) {
+        CpAsyncCopy& k = c.pending[i];
+        if (k.group + n < c.committed) {
+            memcpy(k.dst, k.src, k.src_bytes);
+            memset(static_cast<char*>(k.dst) + k.src_bytes, 0, 16 - k.src_bytes);
+        } else {
+            c.pending[kept++] = k;
+        }
+    }
+    c.count = kept;
+    FAKECUDA_FENCE();
+}
+
 }  // namespace fakecuda
 
 // ---- Module registration (used by the code the fake NVRTC appends) ---------------------------

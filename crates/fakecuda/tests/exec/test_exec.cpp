@@ -362,6 +362,22 @@ extern "C" __global__ void ldmatrix_quarters(unsigned* out, const unsigned short
     ::fakecuda::ldmatrix_x4(r, m + (8 * (j % 2) + i) * ld + 8 * (j / 2), trans != 0, __LINE__);
     for (unsigned k = 0; k < 4; k++) out[(trans * 32 + lane) * 4 + k] = r[k];
 }
+// cp.async (shim: fakecuda::cp_async_*): each thread's 8 shared words before any wait, after
+// wait_group 1 and after wait_group 0, to out[(phase * 32 + thread) * 8 + k]; the first copy is
+// 16 bytes, the second src_bytes = 4 (thread % 4) with zero fill.
+extern "C" __global__ void cp_async_probe(unsigned* out, const unsigned* src, int misalign) {
+    extern __shared__ __align__(16) unsigned sm[];
+    unsigned t = threadIdx.x;
+    for (unsigned k = 0; k < 8; k++) sm[t * 8 + k] = 0xaaaaaaaau;
+    ::fakecuda::cp_async_16(&sm[t * 8 + misalign], src + t * 4, 16, __LINE__);
+    ::fakecuda::cp_async_commit(__LINE__);
+    ::fakecuda::cp_async_16(&sm[t * 8 + 4], src + t * 4, 4 * (t % 4), __LINE__);
+    ::fakecuda::cp_async_commit(__LINE__);
+    for (unsigned phase = 0; phase < 3; phase++) {
+        if (phase > 0) ::fakecuda::cp_async_wait(2 - phase, __LINE__);
+        for (unsigned k = 0; k < 8; k++) out[(phase * 32 + t) * 8 + k] = sm[t * 8 + k];
+    }
+}
 )CU";
 
 static const std::string kPlainSrc = R"CU(
@@ -649,6 +665,34 @@ static void test_mma() {
     mis.add(&got[0]).add((const unsigned short*)m).add(20).add(0);  // rows 40 bytes apart
     r = launch(kernel(g_sync, "ldmatrix_quarters"), {1, 1, 1}, {32, 1, 1}, 0, mis);
     check_failure(r, 716, {"kernel ldmatrix_quarters", "not 16-byte aligned"});
+    check_recovers();
+}
+
+// cp.async: a pending copy's destination is all ones, the copy lands when a wait_group lets its
+// group complete, src_bytes below 16 fills with zeros, and a misaligned address fails the launch.
+static void test_cp_async() {
+    alignas(16) static unsigned src[128], out[3 * 32 * 8];
+    for (unsigned i = 0; i < 128; i++) src[i] = 1000 + i;
+    Args args;
+    args.add(&out[0]).add((const unsigned*)src).add(0);
+    RunResult r = launch(kernel(g_sync, "cp_async_probe"), {1, 1, 1}, {32, 1, 1}, 32 * 8 * 4, args);
+    check(r.code == 0, r.message);
+    for (unsigned t = 0; t < 32; t++)
+        for (unsigned k = 0; k < 8; k++) {
+            // Pending, a copy's destination is all ones.
+            unsigned first = k < 4 ? src[t * 4 + k] : 0xffffffffu;
+            unsigned second = k < 4 ? src[t * 4 + k] : (k - 4 < t % 4 ? src[t * 4 + k - 4] : 0u);
+            unsigned want[3] = {0xffffffffu, first, second};
+            for (unsigned phase = 0; phase < 3; phase++)
+                check(out[(phase * 32 + t) * 8 + k] == want[phase],
+                      "cp.async phase " + std::to_string(phase) + " thread " + std::to_string(t) + " word " +
+                          std::to_string(k) + ": " + std::to_string(out[(phase * 32 + t) * 8 + k]) + ", want " +
+                          std::to_string(want[phase]));
+        }
+    Args mis;
+    mis.add(&out[0]).add((const unsigned*)src).add(1);
+    r = launch(kernel(g_sync, "cp_async_probe"), {1, 1, 1}, {32, 1, 1}, 32 * 8 * 4, mis);
+    check_failure(r, 716, {"kernel cp_async_probe", "not 16-byte aligned"});
     check_recovers();
 }
 
@@ -1069,6 +1113,7 @@ int main(int argc, char** argv) {
     run_test("shuffle failures", test_shuffle_failures);
     run_test("wmma on bf16 tensor cores", test_wmma);
     run_test("mma.sync m16n8k16 and ldmatrix in their documented layouts", test_mma);
+    run_test("cp.async lands at its wait_group", test_cp_async);
     run_test("dynamic shared memory", test_smem_failures);
     run_test("faults", test_faults);
     run_test("faults outside kernels", test_foreign_fault);
