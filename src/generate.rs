@@ -354,14 +354,15 @@ fn rebuilt<B: DeviceAlloc>(
 }
 
 /// The largest bf16 product workspace a decode step of `rows` positions needs: the layers'
-/// products over `rows`, the head's over one row.
+/// products and attention over `rows`, the head's product over one row.
 fn decode_product_bytes(layout: &ModelLayout, rows: usize) -> usize {
     let d = layout.dims;
     let layers = layout.kinds.iter().flat_map(|k| &k.ops).filter_map(|op| match *op {
         Op::Linear { ic, oc, .. } => Some(Precision::Bf16.product_bytes(rows, ic, oc)),
         _ => None,
     });
-    layers.chain([Precision::Bf16.product_bytes(1, d.c, d.v)]).max().unwrap_or(0)
+    let attention = crate::engine::sizes::attention_bytes(layout, rows, Precision::Bf16);
+    layers.chain([Precision::Bf16.product_bytes(1, d.c, d.v)]).chain(attention).max().unwrap_or(0)
 }
 
 /// `eos_token_id` of a HF directory's `generation_config.json` (a number or a list), if any.

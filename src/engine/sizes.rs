@@ -170,6 +170,7 @@ impl Sizes {
             })
             .chain(std::iter::once((chunk, d.c, head.rows)))
             .map(|(n, ic, oc)| cfg.backend.precision().product_bytes(n, ic, oc))
+            .chain(attention_bytes(layout, n, cfg.backend.precision()))
             .max()
             .unwrap_or(0);
         let slot = layer_slot.max(d.c + head.rows * d.c);
@@ -405,5 +406,51 @@ impl Sizes {
 
     pub fn host_total(&self) -> usize {
         self.host_bytes().iter().map(|(_, b)| b).sum()
+    }
+}
+
+/// The workspace each attention layer's kernels take over `n` rows (the products' share of
+/// the workspace, between products): [`Precision::attention_bytes`].
+pub(crate) fn attention_bytes(
+    layout: &ModelLayout,
+    n: usize,
+    precision: Precision,
+) -> impl Iterator<Item = usize> + '_ {
+    layout
+        .kinds
+        .iter()
+        .filter(|k| k.ops.iter().any(|op| matches!(op, Op::Attention { .. })))
+        .map(move |k| precision.attention_bytes(n, k.attn.h, k.attn.kvh, k.attn.d))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The CUDA backend's workspace holds attention's bf16 q, k, v and dout and its row sums
+    /// for every attention layer, also where they outgrow every product's inputs (H D above
+    /// C, as in Qwen3-0.6B: 16 heads of 128 over a hidden size of 1024).
+    #[test]
+    fn the_workspace_holds_attention_where_it_outgrows_the_products() {
+        let cfg = serde_json::json!({"model_type": "qwen3", "hidden_size": 64,
+            "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 8,
+            "head_dim": 32, "intermediate_size": 64, "vocab_size": 16});
+        let layout =
+            ModelLayout::new(&crate::hf::config::ModelConfig::from_json(&cfg, "test").unwrap());
+        let yaml = "model: {init: random, arch: qwen3, hidden_size: 64, intermediate_size: 64, \
+                    num_hidden_layers: 2, num_attention_heads: 8, num_key_value_heads: 8, \
+                    vocab_size: 16}\ndata: {format: synthetic}\n\
+                    train: {steps: 1, batch_size: 2, max_seq_len: 64}\n\
+                    device: {backend: cuda}\n";
+        let raw = crate::config::RawConfig::from_yaml(yaml, "test").unwrap();
+        let ecfg = crate::train::engine_config(&raw);
+        assert_eq!(ecfg.backend.precision(), Precision::Bf16);
+        let s = Sizes::new(&layout, &ecfg);
+        let (n, p) = (s.mb_rows, Precision::Bf16);
+        let attention = p.attention_bytes(n, 8, 8, 32);
+        // The layer's largest products: qkv (64 -> 768) and o (256 -> 64).
+        let products = p.product_bytes(n, 64, 768).max(p.product_bytes(n, 256, 64));
+        assert!(attention > products, "H D = 256 outgrows C = 64: {attention} vs {products}");
+        assert!(s.workspace_bytes >= p.workspace(attention).bytes, "{}", s.workspace_bytes);
     }
 }

@@ -134,7 +134,8 @@ fn main() {
     let (n, c, f, qkv) = (s.n(), s.c, s.f, s.qkv());
     let largest = Precision::Bf16
         .product_bytes(n, f.max(c), (2 * f).max(qkv))
-        .max(Precision::Bf16.product_bytes(chunk, c, vt));
+        .max(Precision::Bf16.product_bytes(chunk, c, vt))
+        .max(Precision::Bf16.attention_bytes(n, s.h, s.kvh, s.d));
     let be = CudaBackend::new(0, Precision::Bf16.workspace(largest).bytes)
         .unwrap_or_else(|e| panic!("no CUDA backend: {e}"));
     let mut rng = Rng::new(17);

@@ -1,8 +1,10 @@
 // Causal grouped-query attention on tensor cores, FlashAttention-2 style: the function of
 // attention.cu (same shapes, window, scale and lse; the derivation is there and in
-// src/cpu/attention.rs) with the precision of attention_tc.cu (Q, K, V and dout rounded to bf16
-// as they enter shared memory, P and dS as they leave the softmax; scores, statistics and every
-// accumulator fp32).
+// src/cpu/attention.rs) with the precision of attention_tc.cu (Q, K, V and dout in bf16, P and
+// dS rounded to bf16 as they leave the softmax; scores, statistics and every accumulator fp32).
+// Unlike attention_tc.cu's, these kernels take qkv and dout already in bf16: the launcher
+// rounds them once into the workspace, so the tiles every block reloads are half the bytes and
+// move as they are, 16 bytes a load.
 //
 // What differs from attention_tc.cu: the products are PTX mma.sync m16n8k16, whose fragment
 // layouts the PTX ISA documents, so scores, probabilities and every accumulator stay in
@@ -16,11 +18,14 @@
 // (crates/fakecuda/src/shim/fakecuda_kernel.h).
 //
 // Work split: 64 rows a block (query rows in the forward and dq kernels, key rows in dk/dv), 4
-// warps of 16 rows each; tiles of 64 keys (forward, dq) or MMA_QT queries (dk/dv). Warps meet
-// only to load a tile. No atomics: every output element has one fixed summation order.
+// warps of 16 rows each; tiles of 64 keys (forward), MMA_DQ_KT keys (dq) or MMA_QT queries
+// (dk/dv), copied by cp.async into two buffers in turn, so that the next tile's copy overlaps
+// the products on this one. Warps meet only at a tile's two barriers. No atomics: every output
+// element has one fixed summation order.
 //
-// Requires D a multiple of 16 up to 128, sm_80 or later, and 16-byte aligned qkv, out, dout and
-// dqkv (float4 loads). Launcher: src/cuda/attention.rs (shared memory: Set::launch there).
+// Requires D a multiple of 16 up to 128, sm_80 or later, 16-byte aligned bf16 qkv and dout, and
+// 8-byte aligned out and dqkv. Launcher: src/cuda/attention.rs (shared memory: Set::launch
+// there).
 
 #define MMA_ROWS 64
 #define MMA_THREADS 128
@@ -28,6 +33,9 @@
 // Queries a tile of the dk/dv kernel: its warps hold dk and dv (64 registers each at D = 128)
 // beside a 16 x MMA_QT score tile and its dP tile, so the tile is narrower than the forward's.
 #define MMA_QT 32
+// Keys a tile of the dq kernel: its block keeps its queries and dout in shared memory beside
+// two buffers of keys and values, 68 KiB at D = 128 (an sm_86/89 GPU allows 99).
+#define MMA_DQ_KT 32
 #define MMA_LOG2E 1.4426950408889634f
 #define MMA_LN2 0.6931471805599453f
 
@@ -66,6 +74,14 @@ __device__ __forceinline__ void mma_ldsm(unsigned (&r)[4], const bf16* p) {
 __device__ __forceinline__ void mma_ldsm_t(unsigned (&r)[4], const bf16* p) {
     ::fakecuda::ldmatrix_x4(r, p, true, __LINE__);
 }
+__device__ __forceinline__ void mma_cp16(bf16* dst, const bf16* src, bool valid) {
+    ::fakecuda::cp_async_16(dst, src, valid ? 16 : 0, __LINE__);
+}
+__device__ __forceinline__ void mma_commit() { ::fakecuda::cp_async_commit(__LINE__); }
+template <int N>
+__device__ __forceinline__ void mma_wait() {
+    ::fakecuda::cp_async_wait(N, __LINE__);
+}
 #elif __CUDA_ARCH__ >= 800
 __device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned (&a)[4], unsigned b0,
                                           unsigned b1) {
@@ -88,11 +104,32 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned (&a)[4],
 MMA_LDSM(mma_ldsm, "")
 MMA_LDSM(mma_ldsm_t, ".trans")
 #undef MMA_LDSM
+// 16 bytes from global src to shared dst without passing through registers; zeros where not
+// `valid` (src-size 0: nothing is read).
+__device__ __forceinline__ void mma_cp16(bf16* dst, const bf16* src, bool valid) {
+    asm volatile(
+        "{\n .reg .u64 a64;\n .reg .u32 a32;\n cvta.to.shared.u64 a64, %0;\n"
+        " cvt.u32.u64 a32, a64;\n cp.async.cg.shared.global [a32], [%1], 16, %2;\n}"
+        :
+        : "l"(dst), "l"(src), "r"(valid ? 16 : 0)
+        : "memory");
+}
+__device__ __forceinline__ void mma_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void mma_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
 #else
 // Before sm_80 there are no bf16 tensor cores: the launcher never runs these kernels there.
 __device__ void mma_16816(float (&)[4], const unsigned (&)[4], unsigned, unsigned) { __trap(); }
 __device__ void mma_ldsm(unsigned (&)[4], const bf16*) { __trap(); }
 __device__ void mma_ldsm_t(unsigned (&)[4], const bf16*) { __trap(); }
+__device__ void mma_cp16(bf16*, const bf16*, bool) { __trap(); }
+__device__ void mma_commit() { __trap(); }
+template <int N>
+__device__ void mma_wait() {
+    __trap();
+}
 #endif
 
 // ldmatrix.x4 of the 16 x 16 block at p of a row-major bf16 tile (leading dimension ld): lane
@@ -181,28 +218,47 @@ __device__ __forceinline__ void mma_zero(float (&acc)[N][4]) {
 }
 
 // ---- Tiles in shared memory and results out of registers ------------------------------------
-// `rows` rows from r0 of sequence b (row0: its first row), D wide at column `col` of rows of
-// `width` floats, rounded to bf16 into dst (row-major, leading dimension D + 8); rows past T 0.
-__device__ void mma_load_rows(bf16* dst, const float* src, long long row0, int r0, int rows,
+// Tiles move by cp.async, double-buffered: a block issues the next tile's copies, then computes
+// on the current one while they fly, and waits for them only before the next tile (its
+// barriers make every thread's copies visible to all). Every kernel walks its tiles as:
+//   issue tile 0; commit
+//   per tile i: [issue tile i + 1 into the other buffer; commit; wait_group 1] or wait_group 0;
+//               __syncthreads; compute on tile i; __syncthreads (its buffer is refilled next)
+
+// Issues the copies of `rows` rows from r0 of sequence b (row0: its first row), D wide at
+// column `col` of bf16 rows of `width`, into dst (row-major, leading dimension D + 8), 16 bytes
+// a copy; rows past T are zeros (read from nowhere).
+__device__ void mma_copy_rows(bf16* dst, const bf16* src, long long row0, int r0, int rows,
                               int t, int width, int col, int d) {
-    int d4 = d / 4, ld = d + 8;
-    for (int idx = threadIdx.x; idx < rows * d4; idx += MMA_THREADS) {
-        int r = idx / d4, k = (idx % d4) * 4;
-        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (r0 + r < t) v = *(const float4*)(src + (row0 + r0 + r) * width + col + k);
-        *(uint2*)(dst + r * ld + k) = make_uint2(mma_pack(v.x, v.y), mma_pack(v.z, v.w));
+    int d8 = d / 8, ld = d + 8;
+    for (int idx = threadIdx.x; idx < rows * d8; idx += MMA_THREADS) {
+        int r = idx / d8, k = (idx % d8) * 8;
+        bool in = r0 + r < t;
+        mma_cp16(dst + r * ld + k, src + (row0 + (in ? r0 + r : 0)) * width + col + k, in);
     }
 }
 
-// The key and value tile of kv head g from key j0 into ks and vs, between two barriers: the
-// last tile's are no longer read before, the new ones are complete after.
-__device__ __forceinline__ void mma_next_keys(bf16* ks, bf16* vs, const float* qkv,
-                                              long long row0, int j0, int t, int h, int kvh,
-                                              int g, int d) {
+// Issues the copies of the key and value tile of kv head g (`rows` keys from j0) into ks, vs.
+__device__ __forceinline__ void mma_copy_keys(bf16* ks, bf16* vs, const bf16* qkv, long long row0,
+                                              int j0, int rows, int t, int h, int kvh, int g,
+                                              int d) {
     int width = (h + 2 * kvh) * d;
-    __syncthreads();
-    mma_load_rows(ks, qkv, row0, j0, MMA_ROWS, t, width, (h + g) * d, d);
-    mma_load_rows(vs, qkv, row0, j0, MMA_ROWS, t, width, (h + kvh + g) * d, d);
+    mma_copy_rows(ks, qkv, row0, j0, rows, t, width, (h + g) * d, d);
+    mma_copy_rows(vs, qkv, row0, j0, rows, t, width, (h + kvh + g) * d, d);
+}
+
+// The pipeline's step before computing on a tile: the next tile's copies issued (by `issue`,
+// if there is one) and committed, then this tile's awaited, then the barrier that shows every
+// thread's copies to all.
+template <class F>
+__device__ __forceinline__ void mma_next_tile(bool more, F issue) {
+    if (more) {
+        issue();
+        mma_commit();
+        mma_wait<1>();
+    } else {
+        mma_wait<0>();
+    }
     __syncthreads();
 }
 
@@ -282,33 +338,42 @@ __device__ __forceinline__ void mma_softmax_tile(float (&s)[8][4], float (&o)[MM
 // out (N, H*D), lse (B, H, T): overwrite. grid (ceil(T/64), H, B), block 128; the latest query
 // blocks, which see the most keys, start first.
 extern "C" __global__ void __launch_bounds__(MMA_THREADS)
-    attention_forward_mma(float* out, float* lse, const float* qkv, int t, int h, int kvh, int d,
+    attention_forward_mma(float* out, float* lse, const bf16* qkv, int t, int h, int kvh, int d,
                           int window, float scale) {
     extern __shared__ __align__(128) unsigned char mma_smem[];
-    int ld = d + 8;
-    bf16* ks = (bf16*)mma_smem;      // [64][ld] keys; first, the block's queries
-    bf16* vs = ks + MMA_ROWS * ld;   // [64][ld] values
+    int ld = d + 8, tile = MMA_ROWS * ld;
+    // Two buffers of a key tile and its value tile, [2][2][64][ld]; the block's queries pass
+    // through the second buffer's keys into registers first.
+    bf16* bufs = (bf16*)mma_smem;
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wr = warp * 16;
     int hi = blockIdx.y, bi = blockIdx.z;
     int width = (h + 2 * kvh) * d, g = hi / (h / kvh);
     long long row0 = (long long)bi * t;
     int i0 = (gridDim.x - 1 - blockIdx.x) * MMA_ROWS, ilast = min(i0 + MMA_ROWS, t) - 1;
+    int j_first = mma_window_lo(i0, window) / MMA_ROWS * MMA_ROWS;
     const float NEG_INF = -__int_as_float(0x7f800000), sl2 = scale * MMA_LOG2E;
-    // The queries pass through the keys' tile into registers (the loop's first barrier keeps
-    // the first keys from overwriting them before every warp has its fragments).
-    mma_load_rows(ks, qkv, row0, i0, MMA_ROWS, t, width, hi * d, d);
+    mma_copy_rows(bufs + 2 * tile, qkv, row0, i0, MMA_ROWS, t, width, hi * d, d);
+    mma_commit();
+    mma_copy_keys(bufs, bufs + tile, qkv, row0, j_first, MMA_ROWS, t, h, kvh, g, d);
+    mma_commit();
+    mma_wait<1>();
     __syncthreads();
     unsigned qf[MMA_MAXD / 16][4];
 #pragma unroll
     for (int kc = 0; kc < MMA_MAXD / 16; kc++)
-        if (kc * 16 < d) mma_frag_a(qf[kc], ks + wr * ld + kc * 16, ld);
+        if (kc * 16 < d) mma_frag_a(qf[kc], bufs + 2 * tile + wr * ld + kc * 16, ld);
+    __syncthreads();  // every warp has its queries before the second buffer is refilled
     // This lane's rows i0 + wr + lane / 4 and 8 below it: running maximum (log2 units) and
     // this lane's part of the row sum.
     int ia = i0 + wr + lane / 4;
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f}, o[MMA_MAXD / 8][4];
     mma_zero(o);
-    for (int j0 = mma_window_lo(i0, window) / MMA_ROWS * MMA_ROWS; j0 <= ilast; j0 += MMA_ROWS) {
-        mma_next_keys(ks, vs, qkv, row0, j0, t, h, kvh, g, d);
+    for (int j0 = j_first, i = 0; j0 <= ilast; j0 += MMA_ROWS, i++) {
+        bf16 *ks = bufs + (i % 2) * 2 * tile, *vs = ks + tile;
+        bf16* next = bufs + ((i + 1) % 2) * 2 * tile;
+        mma_next_tile(j0 + MMA_ROWS <= ilast, [&] {
+            mma_copy_keys(next, next + tile, qkv, row0, j0 + MMA_ROWS, MMA_ROWS, t, h, kvh, g, d);
+        });
         float s[8][4];
         mma_zero(s);
 #pragma unroll
@@ -325,6 +390,7 @@ extern "C" __global__ void __launch_bounds__(MMA_THREADS)
         mma_softmax_tile(s, o, m[0], l[0], 0, ia, j0, t, window, sl2);
         mma_softmax_tile(s, o, m[1], l[1], 1, ia + 8, j0, t, window, sl2);
         mma_accumulate<64>(o, s, vs, d, ld);
+        __syncthreads();  // this buffer is refilled next
     }
     float inv[2];
 #pragma unroll
@@ -341,24 +407,26 @@ extern "C" __global__ void __launch_bounds__(MMA_THREADS)
 // ---- Backward -------------------------------------------------------------------------------
 // delta (B, H, T) = dout . out per row and head comes from attention.cu's attention_delta.
 
-// dq part of dqkv: overwrites. grid (ceil(T/64), H, B), block 128.
+// dq part of dqkv: overwrites. grid (ceil(T/64), H, B), block 128. Key tiles of MMA_DQ_KT.
 extern "C" __global__ void __launch_bounds__(MMA_THREADS)
-    attention_backward_dq_mma(float* dqkv, const float* dout, const float* qkv,
+    attention_backward_dq_mma(float* dqkv, const bf16* dout, const bf16* qkv,
                               const float* delta, const float* lse, int t, int h, int kvh, int d,
                               int window, float scale) {
     extern __shared__ __align__(128) unsigned char mma_smem[];
-    int ld = d + 8;
+    int ld = d + 8, ktile = MMA_DQ_KT * ld;
     bf16* qs = (bf16*)mma_smem;      // [64][ld] the block's queries
     bf16* dos = qs + MMA_ROWS * ld;  // [64][ld] the block's dout
-    bf16* ks = dos + MMA_ROWS * ld;  // [64][ld] keys
-    bf16* vs = ks + MMA_ROWS * ld;   // [64][ld] values
+    bf16* bufs = dos + MMA_ROWS * ld;  // [2][keys, values][MMA_DQ_KT][ld]
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wr = warp * 16, q = lane % 4;
     int hi = blockIdx.y, bi = blockIdx.z;
     int width = (h + 2 * kvh) * d, g = hi / (h / kvh);
     long long row0 = (long long)bi * t, at = ((long long)bi * h + hi) * t;
     int i0 = (gridDim.x - 1 - blockIdx.x) * MMA_ROWS, ilast = min(i0 + MMA_ROWS, t) - 1;
-    mma_load_rows(qs, qkv, row0, i0, MMA_ROWS, t, width, hi * d, d);
-    mma_load_rows(dos, dout, row0, i0, MMA_ROWS, t, h * d, hi * d, d);
+    int j_first = mma_window_lo(i0, window) / MMA_DQ_KT * MMA_DQ_KT;
+    mma_copy_rows(qs, qkv, row0, i0, MMA_ROWS, t, width, hi * d, d);
+    mma_copy_rows(dos, dout, row0, i0, MMA_ROWS, t, h * d, hi * d, d);
+    mma_copy_keys(bufs, bufs + ktile, qkv, row0, j_first, MMA_DQ_KT, t, h, kvh, g, d);
+    mma_commit();
     // This lane's rows ia and ia + 8: lse in log2 units, delta.
     int ia = i0 + wr + lane / 4;
     float lse2[2], dl[2];
@@ -371,16 +439,21 @@ extern "C" __global__ void __launch_bounds__(MMA_THREADS)
     const float sl2 = scale * MMA_LOG2E;
     float dq[MMA_MAXD / 8][4];
     mma_zero(dq);
-    for (int j0 = mma_window_lo(i0, window) / MMA_ROWS * MMA_ROWS; j0 <= ilast; j0 += MMA_ROWS) {
-        mma_next_keys(ks, vs, qkv, row0, j0, t, h, kvh, g, d);
-        float s[8][4], dp[8][4];
+    for (int j0 = j_first, i = 0; j0 <= ilast; j0 += MMA_DQ_KT, i++) {
+        bf16 *ks = bufs + (i % 2) * 2 * ktile, *vs = ks + ktile;
+        bf16* next = bufs + ((i + 1) % 2) * 2 * ktile;
+        mma_next_tile(j0 + MMA_DQ_KT <= ilast, [&] {
+            mma_copy_keys(next, next + ktile, qkv, row0, j0 + MMA_DQ_KT, MMA_DQ_KT, t, h, kvh, g,
+                          d);
+        });
+        float s[MMA_DQ_KT / 8][4], dp[MMA_DQ_KT / 8][4];
         mma_zero(s);
         mma_zero(dp);
-        mma_scores<64>(s, qs + wr * ld, ks, d, ld);
-        mma_scores<64>(dp, dos + wr * ld, vs, d, ld);
+        mma_scores<MMA_DQ_KT>(s, qs + wr * ld, ks, d, ld);
+        mma_scores<MMA_DQ_KT>(dp, dos + wr * ld, vs, d, ld);
         // dS = P (dP - delta), P = exp(S scale - lse), in place of S.
 #pragma unroll
-        for (int nt = 0; nt < 8; nt++)
+        for (int nt = 0; nt < MMA_DQ_KT / 8; nt++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 int i = ia + 8 * (e / 2), j = j0 + nt * 8 + 2 * q + e % 2;
@@ -388,7 +461,8 @@ extern "C" __global__ void __launch_bounds__(MMA_THREADS)
                 s[nt][e] = seen ? exp2f(s[nt][e] * sl2 - lse2[e / 2]) * (dp[nt][e] - dl[e / 2])
                                 : 0.0f;
             }
-        mma_accumulate<64>(dq, s, ks, d, ld);
+        mma_accumulate<MMA_DQ_KT>(dq, s, ks, d, ld);
+        __syncthreads();  // this buffer is refilled next
     }
     mma_store(dqkv, dq, row0, i0 + wr, t, width, hi * d, d, scale, scale);
 }
@@ -398,63 +472,70 @@ extern "C" __global__ void __launch_bounds__(MMA_THREADS)
 // A warp's 16 keys are the rows of its products: S^T = K Q^T, dV += P^T dout, dP^T = V dout^T,
 // dK += dS^T Q.
 extern "C" __global__ void __launch_bounds__(MMA_THREADS)
-    attention_backward_dkv_mma(float* dqkv, const float* dout, const float* qkv,
+    attention_backward_dkv_mma(float* dqkv, const bf16* dout, const bf16* qkv,
                                const float* delta, const float* lse, int t, int h, int kvh,
                                int d, int window, float scale) {
     extern __shared__ __align__(128) unsigned char mma_smem[];
-    int ld = d + 8;
+    int ld = d + 8, qtile = MMA_QT * ld;
     bf16* ks = (bf16*)mma_smem;        // [64][ld] the block's keys
     bf16* vs = ks + MMA_ROWS * ld;     // [64][ld] the block's values
-    bf16* qs = vs + MMA_ROWS * ld;     // [MMA_QT][ld] queries
-    bf16* dos = qs + MMA_QT * ld;      // [MMA_QT][ld] dout
-    float* lse_t = (float*)(dos + MMA_QT * ld);  // [MMA_QT] the tile's lse, log2 units
-    float* delta_t = lse_t + MMA_QT;   // [MMA_QT]
+    bf16* bufs = vs + MMA_ROWS * ld;   // [2][queries, dout][MMA_QT][ld]
+    float* stats = (float*)(bufs + 4 * qtile);  // [2][lse (log2 units), delta][MMA_QT]
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wr = warp * 16, q = lane % 4;
     int g = blockIdx.y, bi = blockIdx.z;
     int width = (h + 2 * kvh) * d, group = h / kvh;
     long long row0 = (long long)bi * t;
     int j0 = blockIdx.x * MMA_ROWS, i_end = mma_window_hi(min(j0 + MMA_ROWS, t) - 1, window, t);
-    mma_load_rows(ks, qkv, row0, j0, MMA_ROWS, t, width, (h + g) * d, d);
-    mma_load_rows(vs, qkv, row0, j0, MMA_ROWS, t, width, (h + kvh + g) * d, d);
+    // The walk: tile k is query head g * group + k / nq, queries from j0 + (k % nq) * MMA_QT.
+    int nq = (i_end - j0 + MMA_QT - 1) / MMA_QT, tiles = group * nq;
+    auto issue = [&](int k) {
+        int hq = g * group + k / nq, i0 = j0 + (k % nq) * MMA_QT;
+        bf16* qb = bufs + (k % 2) * 2 * qtile;
+        float* st = stats + (k % 2) * 2 * MMA_QT;
+        mma_copy_rows(qb, qkv, row0, i0, MMA_QT, t, width, hq * d, d);
+        mma_copy_rows(qb + qtile, dout, row0, i0, MMA_QT, t, h * d, hq * d, d);
+        if (threadIdx.x < MMA_QT) {
+            long long at = ((long long)bi * h + hq) * t;
+            int iq = i0 + threadIdx.x;
+            st[threadIdx.x] = iq < t ? lse[at + iq] * MMA_LOG2E : 0.0f;
+            st[MMA_QT + threadIdx.x] = iq < t ? delta[at + iq] : 0.0f;
+        }
+    };
+    mma_copy_keys(ks, vs, qkv, row0, j0, MMA_ROWS, t, h, kvh, g, d);
+    issue(0);
+    mma_commit();
     const float sl2 = scale * MMA_LOG2E;
     int ja = j0 + wr + lane / 4;  // this lane's keys ja and ja + 8
     float dk[MMA_MAXD / 8][4], dv[MMA_MAXD / 8][4];
     mma_zero(dk);
     mma_zero(dv);
-    for (int hq = g * group; hq < (g + 1) * group; hq++) {
-        long long at = ((long long)bi * h + hq) * t;
-        for (int i0 = j0; i0 < i_end; i0 += MMA_QT) {
-            __syncthreads();  // the last tile's queries, dout and statistics are no longer read
-            mma_load_rows(qs, qkv, row0, i0, MMA_QT, t, width, hq * d, d);
-            mma_load_rows(dos, dout, row0, i0, MMA_QT, t, h * d, hq * d, d);
-            if (threadIdx.x < MMA_QT) {
-                int iq = i0 + threadIdx.x;
-                lse_t[threadIdx.x] = iq < t ? lse[at + iq] * MMA_LOG2E : 0.0f;
-                delta_t[threadIdx.x] = iq < t ? delta[at + iq] : 0.0f;
+    for (int k = 0; k < tiles; k++) {
+        bf16 *qs = bufs + (k % 2) * 2 * qtile, *dos = qs + qtile;
+        const float *lse_t = stats + (k % 2) * 2 * MMA_QT, *delta_t = lse_t + MMA_QT;
+        int i0 = j0 + (k % nq) * MMA_QT;
+        mma_next_tile(k + 1 < tiles, [&] { issue(k + 1); });
+        float p[MMA_QT / 8][4], dp[MMA_QT / 8][4];
+        mma_zero(p);
+        mma_zero(dp);
+        mma_scores<MMA_QT>(p, ks + wr * ld, qs, d, ld);
+#pragma unroll
+        for (int nt = 0; nt < MMA_QT / 8; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int j = ja + 8 * (e / 2), il = nt * 8 + 2 * q + e % 2, iq = i0 + il;
+                bool seen = iq < t && j < t && j >= mma_window_lo(iq, window) && j <= iq;
+                p[nt][e] = seen ? exp2f(p[nt][e] * sl2 - lse_t[il]) : 0.0f;
             }
-            __syncthreads();
-            float p[MMA_QT / 8][4], dp[MMA_QT / 8][4];
-            mma_zero(p);
-            mma_zero(dp);
-            mma_scores<MMA_QT>(p, ks + wr * ld, qs, d, ld);
+        mma_accumulate<MMA_QT>(dv, p, dos, d, ld);
+        mma_scores<MMA_QT>(dp, vs + wr * ld, dos, d, ld);
+        // dS^T = P^T (dP^T - delta), in place of dP^T.
 #pragma unroll
-            for (int nt = 0; nt < MMA_QT / 8; nt++)
+        for (int nt = 0; nt < MMA_QT / 8; nt++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    int j = ja + 8 * (e / 2), il = nt * 8 + 2 * q + e % 2, iq = i0 + il;
-                    bool seen = iq < t && j < t && j >= mma_window_lo(iq, window) && j <= iq;
-                    p[nt][e] = seen ? exp2f(p[nt][e] * sl2 - lse_t[il]) : 0.0f;
-                }
-            mma_accumulate<MMA_QT>(dv, p, dos, d, ld);
-            mma_scores<MMA_QT>(dp, vs + wr * ld, dos, d, ld);
-            // dS^T = P^T (dP^T - delta), in place of dP^T.
-#pragma unroll
-            for (int nt = 0; nt < MMA_QT / 8; nt++)
-#pragma unroll
-                for (int e = 0; e < 4; e++)
-                    dp[nt][e] = p[nt][e] * (dp[nt][e] - delta_t[nt * 8 + 2 * q + e % 2]);
-            mma_accumulate<MMA_QT>(dk, dp, qs, d, ld);
-        }
+            for (int e = 0; e < 4; e++)
+                dp[nt][e] = p[nt][e] * (dp[nt][e] - delta_t[nt * 8 + 2 * q + e % 2]);
+        mma_accumulate<MMA_QT>(dk, dp, qs, d, ld);
+        __syncthreads();  // this buffer is refilled next
     }
     mma_store(dqkv, dk, row0, j0 + wr, t, width, (h + g) * d, d, scale, scale);
     mma_store(dqkv, dv, row0, j0 + wr, t, width, (h + kvh + g) * d, d, 1.0f, 1.0f);

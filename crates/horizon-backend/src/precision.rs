@@ -57,6 +57,16 @@ impl Precision {
         }
     }
 
+    /// Workspace bytes attention over `n` rows needs ([`attention_parts`]): bf16 copies of
+    /// `qkv` (N, (H + 2 KVH) D) and `dout` (N, H D), which the tensor-core kernels read, and
+    /// the backward's row sums `delta` (N H, fp32). 0 for [`Precision::F32`].
+    pub fn attention_bytes(self, n: usize, h: usize, kvh: usize, d: usize) -> usize {
+        match self {
+            Precision::F32 => 0,
+            Precision::Bf16 => attention_parts(n, h, kvh, d).2.end,
+        }
+    }
+
     /// The device workspace of a backend whose largest product needs `product_bytes` (the
     /// largest [`Precision::product_bytes`] of the run): nothing for [`Precision::F32`].
     pub fn workspace(self, product_bytes: usize) -> WorkspaceLayout {
@@ -103,6 +113,21 @@ pub fn product_parts(n: usize, ic: usize, oc: usize) -> (Range<usize>, Range<usi
     (dout, inp)
 }
 
+/// Byte ranges, inside the products' share of the workspace, of attention's bf16 `qkv`
+/// (N, (H + 2 KVH) D), bf16 `dout` (N, H D) and fp32 `delta` (N H). The forward uses only the
+/// first.
+pub fn attention_parts(
+    n: usize,
+    h: usize,
+    kvh: usize,
+    d: usize,
+) -> (Range<usize>, Range<usize>, Range<usize>) {
+    let qkv = 0..align(2 * n * (h + 2 * kvh) * d);
+    let dout = qkv.end..qkv.end + align(2 * n * h * d);
+    let delta = dout.end..dout.end + align(4 * n * h);
+    (qkv, dout, delta)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -123,5 +148,13 @@ mod tests {
         let (dout, inp) = product_parts(1000, 333, 77);
         assert!(dout.len() >= 2 * 1000 * 77 && inp.len() >= 2 * 1000 * 333);
         assert!(dout.end <= inp.start && inp.start % WORKSPACE_ALIGN == 0);
+        let (qkv, dout, delta) = attention_parts(100, 7, 1, 16);
+        assert!(qkv.len() >= 2 * 100 * 9 * 16 && dout.len() >= 2 * 100 * 7 * 16);
+        assert!(qkv.end <= dout.start && dout.end <= delta.start && delta.len() >= 4 * 700);
+        for r in [&qkv, &dout, &delta] {
+            assert_eq!(r.start % WORKSPACE_ALIGN, 0);
+        }
+        assert_eq!(Precision::Bf16.attention_bytes(100, 7, 1, 16), delta.end);
+        assert_eq!(Precision::F32.attention_bytes(100, 7, 1, 16), 0);
     }
 }

@@ -488,6 +488,9 @@ fn attn_cases() -> Vec<AttnDims> {
         AttnDims::new(3, 33, 2, 2, 72),
         AttnDims::new(1, 129, 4, 1, 128),
         AttnDims::new(2, 70, 4, 2, 64),
+        // The tensor cores' other head dims: one 16-column block, an odd count of them.
+        AttnDims::new(1, 150, 4, 4, 16),
+        AttnDims::new(2, 65, 6, 3, 48),
         AttnDims::new(1, 45, 2, 1, 256),
     ]
 }
@@ -639,9 +642,11 @@ fn attention_window_and_scale() {
     let d40 = AttnDims::new(1, 37, 3, 1, 40);
     let d128 = AttnDims::new(1, 129, 4, 1, 128);
     let d32 = AttnDims::new(2, 200, 6, 2, 32);
+    let d48 = AttnDims::new(1, 130, 4, 2, 48);
     for dims in [
         d32,
         windowed(d32, 70, d32.scale),
+        windowed(d48, 20, d48.scale),
         windowed(d6, 1, d6.scale),
         windowed(d6, 5, d6.scale),
         windowed(d40, 1, d40.scale),

@@ -27,8 +27,10 @@
 use super::CudaBackend;
 use super::backend::{arg, expect_len, int};
 use super::config::{AttentionKernels, MAX_HEAD_DIM};
+use super::convert::round_on_device;
 use super::slice::DevSlice;
-use crate::AttnDims;
+use crate::precision::attention_parts;
+use crate::{AttnDims, Bf16, Precision};
 
 /// Rows (warps) per block and rows per shared tile; must match the kernel's ROWS and TILE.
 pub(super) const ROWS: usize = 8;
@@ -105,14 +107,17 @@ impl Set {
     fn launch(self, pass: Pass, d: usize) -> Launch {
         let pick = |names: [&'static str; 3]| names[pass as usize];
         match self {
-            // bf16 tiles of 64 x (D + 8) (dk/dv: two, and two of 32 query rows with the
-            // query tile's lse and delta); scores and accumulators are in registers.
+            // bf16 tiles of (D + 8) columns, double-buffered where a block walks them: the
+            // forward's key and value tiles of 64 rows; dq's block of queries and dout (64
+            // rows each) and key and value tiles of 32; dk/dv's block of keys and values and
+            // query and dout tiles of 32, with the query tile's lse and delta. Scores and
+            // accumulators are in registers.
             Set::Mma => {
-                let (tile, qt) = (TILED_ROWS * (d + 8) * 2, 32);
+                let (tile, half) = (TILED_ROWS * (d + 8) * 2, 32 * (d + 8) * 2);
                 let smem = match pass {
-                    Pass::Forward => 2 * tile,
-                    Pass::Dq => 4 * tile,
-                    Pass::Dkv => 2 * tile + 2 * qt * (d + 8) * 2 + 2 * qt * 4,
+                    Pass::Forward => 4 * tile,
+                    Pass::Dq => 2 * tile + 4 * half,
+                    Pass::Dkv => 2 * tile + 4 * half + 4 * 32 * 4,
                 };
                 let name = pick([
                     "attention_forward_mma",
@@ -216,12 +221,18 @@ pub(crate) fn attention_forward(
     expect_len("attention_forward", "qkv", qkv.len(), dims.n() * dims.qkv_width());
     expect_len("attention_forward", "out", out.len(), dims.n() * dims.h * dims.d);
     expect_len("attention_forward", "lse", lse.len(), dims.b * dims.h * dims.t);
-    let (o, l, x) = (out.addr(), lse.addr(), qkv.addr());
-    let k = kernel(be, Pass::Forward, dims, &[o, x]);
+    let (o, l) = (out.addr(), lse.addr());
+    let k = kernel(be, Pass::Forward, dims, &[o, qkv.addr()]);
     let smem = shared(be, k.name, k.smem);
     let (t, h, kvh, d) =
         (int(dims.t, "T"), int(dims.h, "H"), int(dims.kvh, "KVH"), int(dims.d, "D"));
     let (w, scale) = window_scale(dims);
+    // The mma.sync kernels read q, k and v as bf16, rounded once into the workspace (held to
+    // the end: no product can use it while the kernel reads it).
+    let ws = be.products();
+    let mma = k.name.ends_with("_mma");
+    // SAFETY: the workspace lock is held until the kernel is enqueued.
+    let x = if mma { unsafe { rounded(be, &ws, Some(qkv), None, dims).0 } } else { qkv.addr() };
     let mut args =
         [arg(&o), arg(&l), arg(&x), arg(&t), arg(&h), arg(&kvh), arg(&d), arg(&w), arg(&scale)];
     // SAFETY: argument types match the three kernels (pointers, five ints, one float); the
@@ -237,6 +248,42 @@ pub(crate) fn attention_forward(
             &mut args,
         );
     }
+    drop(ws);
+}
+
+/// Attention's share of the workspace `ws` (held locked by the caller) for `dims`: the device
+/// addresses of `qkv` and `dout` rounded there to bf16 on the stream (each where given), and of
+/// the backward's `delta` (N H fp32); [`attention_parts`]. Panics if the workspace is too small (a
+/// bug: the plan sizes it for every attention layer, [`Precision::attention_bytes`]).
+///
+/// # Safety
+/// Use the addresses only in work enqueued on `be`'s stream while `ws` stays locked.
+unsafe fn rounded(
+    be: &CudaBackend,
+    ws: &(u64, usize),
+    qkv: Option<&DevSlice<f32>>,
+    dout: Option<&DevSlice<f32>>,
+    dims: AttnDims,
+) -> (u64, u64, u64) {
+    let (n, h, kvh, d) = (dims.n(), dims.h, dims.kvh, dims.d);
+    let need = Precision::Bf16.attention_bytes(n, h, kvh, d);
+    assert!(
+        ws.0 != 0 && need <= ws.1,
+        "attention over {n} rows needs {need} bytes of workspace (bf16 q, k, v and dout, row \
+         sums); the backend has {} (the plan sizes the workspace for every attention layer)",
+        ws.1
+    );
+    let (xr, dyr, deltar) = attention_parts(n, h, kvh, d);
+    let at = |r: &std::ops::Range<usize>| ws.0 + r.start as u64;
+    // SAFETY (below): the ranges lie inside the workspace (checked above) and are disjoint;
+    // the caller holds its lock and keeps their use on the stream.
+    for (x, r) in [(qkv, &xr), (dout, &dyr)] {
+        if let Some(x) = x {
+            // SAFETY: see above.
+            round_on_device(be, unsafe { DevSlice::<Bf16>::from_raw_mut(at(r), x.len()) }, x);
+        }
+    }
+    (at(&xr), at(&dyr), at(&deltar))
 }
 
 /// dqkv: (N, QKV), overwrites. dout: (N, H*D). qkv, out, lse: as the forward used and made.
@@ -255,18 +302,18 @@ pub(crate) fn attention_backward(
     expect_len("attention_backward", "out", out.len(), dims.n() * dims.h * dims.d);
     expect_len("attention_backward", "dout", dout.len(), dims.n() * dims.h * dims.d);
     expect_len("attention_backward", "lse", lse.len(), dims.b * dims.h * dims.t);
-    // delta (B, H, T) = dout . out per row and head, once, in the products part of the
-    // workspace (held to the end: no product can use it while the kernels read it).
+    // delta (B, H, T) = dout . out per row and head, once, and (for the mma.sync kernels) q,
+    // k, v and dout in bf16, in the products part of the workspace (held to the end: no
+    // product can use it while the kernels read it).
     let ws = be.products();
-    let delta_bytes = dims.b * dims.h * dims.t * 4;
-    assert!(
-        ws.0 != 0 && delta_bytes <= ws.1,
-        "attention_backward needs {delta_bytes} bytes of workspace for its row sums; the \
-         backend has {} (the plan sizes the workspace for the largest product, which is larger)",
-        ws.1
-    );
-    let delta = ws.0;
     let (dx, dy, x, o, l) = (dqkv.addr(), dout.addr(), qkv.addr(), out.addr(), lse.addr());
+    let addrs = [dx, dy, x, o];
+    let (dq, dkv) = (kernel(be, Pass::Dq, dims, &addrs), kernel(be, Pass::Dkv, dims, &addrs));
+    let mma = [dq, dkv].map(|k| k.name.ends_with("_mma"));
+    // SAFETY: the workspace lock is held until the kernels are enqueued.
+    let any = mma.contains(&true);
+    let (x16, dy16, delta) =
+        unsafe { rounded(be, &ws, any.then_some(qkv), any.then_some(dout), dims) };
     let (n, t, h, kvh, d) = (
         int(dims.n(), "N"),
         int(dims.t, "T"),
@@ -286,23 +333,26 @@ pub(crate) fn attention_backward(
             &mut delta_args,
         );
     }
-    let addrs = [dx, dy, x, o];
-    let (dq, dkv) = (kernel(be, Pass::Dq, dims, &addrs), kernel(be, Pass::Dkv, dims, &addrs));
     let (smem_dq, smem_dkv) = (shared(be, dq.name, dq.smem), shared(be, dkv.name, dkv.smem));
     let (w, scale) = window_scale(dims);
-    let mut args = [
-        arg(&dx),
-        arg(&dy),
-        arg(&x),
-        arg(&delta),
-        arg(&l),
-        arg(&t),
-        arg(&h),
-        arg(&kvh),
-        arg(&d),
-        arg(&w),
-        arg(&scale),
-    ];
+    // The mma.sync kernels take dout and qkv in bf16, the others in fp32.
+    let inputs = |mma: bool| if mma { (dy16, x16) } else { (dy, x) };
+    let ((dy_q, x_q), (dy_kv, x_kv)) = (inputs(mma[0]), inputs(mma[1]));
+    let args = |dy: &u64, x: &u64| {
+        [
+            arg(&dx),
+            arg(dy),
+            arg(x),
+            arg(&delta),
+            arg(&l),
+            arg(&t),
+            arg(&h),
+            arg(&kvh),
+            arg(&d),
+            arg(&w),
+            arg(&scale),
+        ]
+    };
     // SAFETY: argument types match every set's kernels (pointers, five ints, one float); the dq
     // kernel writes only the q part of each row and the dk/dv kernel only the k and v parts, so
     // together they overwrite dqkv; every index lies inside the buffers whose lengths are
@@ -313,14 +363,14 @@ pub(crate) fn attention_backward(
             (dims.t.div_ceil(dq.rows) as u32, dims.h as u32, dims.b as u32),
             (dq.threads, 1, 1),
             smem_dq,
-            &mut args,
+            &mut args(&dy_q, &x_q),
         );
         be.launch(
             dkv.name,
             (dims.t.div_ceil(dkv.rows) as u32, dims.kvh as u32, dims.b as u32),
             (dkv.threads, 1, 1),
             smem_dkv,
-            &mut args,
+            &mut args(&dy_kv, &x_kv),
         );
     }
     drop(ws);
@@ -347,8 +397,8 @@ mod tests {
         let mma =
             ["attention_forward_mma", "attention_backward_dq_mma", "attention_backward_dkv_mma"];
         let tc = ["attention_forward_tc", "attention_backward_dq_tc", "attention_backward_dkv_tc"];
-        // The mma.sync kernels fit every device's limit at every head dim they take (dk/dv:
-        // 51 KiB at D = 128).
+        // The mma.sync kernels fit every device's limit at every head dim they take (68, 68
+        // and 68.5 KiB at D = 128).
         for max in [SM90, SM80, SM86] {
             for d in [16, 64, 128] {
                 assert_eq!(names(d, Tensor, true, max), mma);
