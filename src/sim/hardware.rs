@@ -62,16 +62,17 @@ fn default_gemm_half_dim() -> f64 {
 }
 /// Horizon's tensor-core attention kernels (`kernels/attention_mma.cu`: FlashAttention-2 style,
 /// mma.sync m16n8k16 on bf16 operands with scores, probabilities and accumulators in registers,
-/// 64-row blocks of 4 warps), as a fraction of a 989 TFLOP/s bf16 peak: estimated at 0.15 (148
-/// TFLOP/s) until a GPU times them. The estimate: FlashAttention-2, built the same way, runs
-/// forward and backward at about 0.3 of an H100's peak (mma.sync reaches about two thirds of
-/// the peak wgmma does); these kernels lack its cp.async pipelining (their fp32 inputs are
-/// rounded as they are stored, so loads do not overlap the products), and the backward splits
-/// dq from dk/dv (computing the scores twice) with 32-query tiles in dk/dv, so half that. In
-/// the forward at D = 128 a warp reads 32 KB of shared memory per key tile for 0.5 MFLOP (16
-/// FLOPs a byte), which caps it well above this. The wmma kernels before them
-/// (`attention_tc.cu`, scores through shared memory) were estimated at 0.08. FlashAttention
-/// itself (`wgmma`) reaches [`FLASH_ATTENTION_EFFICIENCY`].
+/// tiles double-buffered by cp.async, 64-row blocks of 4 warps), as a fraction of a 989 TFLOP/s
+/// bf16 peak: estimated at 0.15 (148 TFLOP/s) until a GPU times them. The estimate:
+/// FlashAttention-2, built the same way, runs forward at about 0.35 of an H100's peak and
+/// backward at about 0.28 (mma.sync reaches about two thirds of the peak wgmma does); these
+/// kernels give each warp 16 rows where its forward gives 32 (so each key and value fragment
+/// read from shared memory serves half the products: about 0.7 of its rate, 0.25), and split
+/// the backward into dq and dk/dv, which computes the scores twice (7 products where the 2.5x
+/// the forward that the cost model counts are 5) on 32-row tiles: about 0.14. Over forward and
+/// backward, 0.16. The wmma kernels before them (`attention_tc.cu`, scores through shared
+/// memory) were estimated at 0.08. FlashAttention itself (`wgmma`) reaches
+/// [`FLASH_ATTENTION_EFFICIENCY`].
 fn default_attention_efficiency() -> f64 {
     0.15
 }
