@@ -275,7 +275,7 @@ impl Sizes {
                 self.scratch * 4,
             ),
             (
-                "backend workspace (bf16 product inputs, cuBLAS, bf16 gradient chunk)",
+                "backend workspace (bf16 product and attention inputs, cuBLAS, bf16 gradient chunk)",
                 self.workspace_elems() * 4,
             ),
             ("kept layer internals (engine.recompute)", self.stash * 4),
