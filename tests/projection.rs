@@ -31,6 +31,16 @@ fn config_vocab(c: usize, layers: usize, batch: usize, vocab: usize, extra: &str
     RawConfig::from_yaml(&yaml, "test config").unwrap().resolve("test config").unwrap()
 }
 
+/// A hardware profile of `yaml` in a file of a fresh temporary directory (removed when the
+/// returned guard drops), and the file's path.
+fn profile_file(yaml: &str) -> (tempfile::TempDir, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("profile.yaml");
+    std::fs::write(&f, yaml).unwrap();
+    let path = f.to_str().unwrap().to_string();
+    (dir, path)
+}
+
 #[test]
 fn a_projection_is_consistent() {
     let p = projection(&config(2048, 8, 2, ""), "h200-pcie5").unwrap();
@@ -68,15 +78,10 @@ fn more_tokens_per_step_move_a_link_bound_run_toward_compute_bound() {
 /// those tokens compute is the busier queue and the host no longer fills the step.
 #[test]
 fn a_host_bound_step_says_how_many_tokens_make_it_compute_bound() {
-    let dir = std::env::temp_dir().join(format!("horizon-host-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let f = dir.join("thin-host.yaml");
-    std::fs::write(
-        &f,
+    let (_dir, hw) = profile_file(
         "name: thin-host\ngpu: {bf16_tflops: 989, hbm_gbps: 4800, memory_gib: 131}\nlink: {h2d_gbps: 55, d2h_gbps: 55}\nhost: {cores: 8, mem_gbps: 40, memory_gib: 1024}\n",
-    )
-    .unwrap();
-    let hw = f.to_str().unwrap();
+    );
+    let hw = hw.as_str();
     let few = projection(&config(4096, 8, 4, ""), hw).unwrap();
     let line = few.text.lines().find(|l| l.contains("host-bound:")).unwrap_or_else(|| {
         panic!("no host-bound line:\n{}", few.text);
@@ -90,7 +95,6 @@ fn a_host_bound_step_says_how_many_tokens_make_it_compute_bound() {
     let (c, h) = (&many.chosen, horizon_backend::Queue::Host);
     assert!(busy(c, horizon_backend::Queue::Compute) > busy(c, h), "{}", many.text);
     assert!(busy(c, h) < 0.95 * c.step_s && !many.text.contains("host-bound"), "{}", many.text);
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
@@ -186,18 +190,12 @@ fn a_gpu_projection_says_what_a_flash_attention_would_give() {
     let step: f64 = line.split("step ").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
     // (At 1,024 tokens a sequence attention is a tenth of this step: 0.38 s against 0.42.)
     assert!(step < p.chosen.step_s, "{step} vs {}: {}", p.chosen.step_s, p.text);
-    let dir = std::env::temp_dir().join(format!("horizon-flash-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let f = dir.join("fast.yaml");
-    std::fs::write(
-        &f,
+    let (_dir, f) = profile_file(
         "name: fast\ngpu: {bf16_tflops: 989, hbm_gbps: 4800, memory_gib: 131, attention_efficiency: 0.6}\nlink: {h2d_gbps: 55, d2h_gbps: 55}\nhost: {cores: 112, mem_gbps: 430, memory_gib: 1536}\n",
-    )
-    .unwrap();
-    let fast = projection(&cfg, f.to_str().unwrap()).unwrap();
+    );
+    let fast = projection(&cfg, &f).unwrap();
     assert!(!fast.text.contains(what), "{}", fast.text);
     assert!(fast.chosen.step_s < step, "{} vs {step}", fast.chosen.step_s);
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// `device.attention: fp32` is priced at the fp32 kernels' rate (0.02 of the peak for D = 128,
