@@ -14,7 +14,7 @@
 // Shared memory holds only bf16 tiles of Q, K, V and dout, read by ldmatrix (transposed where a
 // product needs a tile's columns). With g = lane / 4 and q = lane % 4, a lane holds rows g and
 // g + 8 of its warp's 16, columns 2q and 2q + 1 of each 8-column tile. Under the CUDA test
-// double (__FAKECUDA__) mma.sync and ldmatrix are its emulation of those same layouts
+// double (__FAKECUDA__) mma.sync, ldmatrix and cp.async are its emulation (the same layouts)
 // (crates/fakecuda/src/shim/fakecuda_kernel.h).
 //
 // Work split: 64 rows a block (query rows in the forward and dq kernels, key rows in dk/dv), 4
@@ -61,7 +61,7 @@ __device__ __forceinline__ unsigned mma_pack(float lo, float hi) {
     return mma_bf16(lo) | (mma_bf16(hi) << 16);
 }
 
-// ---- mma.sync and ldmatrix ----------------------------------------------------------------
+// ---- mma.sync, ldmatrix and cp.async ------------------------------------------------------
 #if defined(__FAKECUDA__)
 __device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned (&a)[4], unsigned b0,
                                           unsigned b1) {
@@ -114,7 +114,9 @@ __device__ __forceinline__ void mma_cp16(bf16* dst, const bf16* src, bool valid)
         : "l"(dst), "l"(src), "r"(valid ? 16 : 0)
         : "memory");
 }
-__device__ __forceinline__ void mma_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void mma_commit() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
 template <int N>
 __device__ __forceinline__ void mma_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
@@ -262,8 +264,9 @@ __device__ __forceinline__ void mma_next_tile(bool more, F issue) {
     __syncthreads();
 }
 
-// A warp's 16 x D result held as fragments, times `mul`, into rows r0 (this warp's first) of
-// row-major dst (rows of `width` floats from row0, at column `col`); rows at or past T skipped.
+// A warp's 16 x D result held as fragments, times `mul0` (this lane's row g) or `mul1` (row
+// g + 8), into rows r0 (the warp's first) of row-major dst (rows of `width` floats from row0, at
+// column `col`); rows at or past T skipped.
 __device__ __forceinline__ void mma_store(float* dst, const float (&acc)[MMA_MAXD / 8][4],
                                           long long row0, int r0, int t, int width, int col,
                                           int d, float mul0, float mul1) {
