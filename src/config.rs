@@ -464,9 +464,13 @@ impl Default for DeviceSection {
 #[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum DeviceAttention {
-    /// The tensor cores where the GPU and the head dim allow, else the fp32 kernels.
+    /// The tensor cores where the GPU and the head dim allow (the mma.sync kernels), else the
+    /// fp32 kernels.
     #[default]
     Auto,
+    /// The tensor cores through the wmma kernels where `auto` would run the mma.sync ones (the
+    /// set before them, same precision), else the fp32 kernels.
+    Wmma,
     /// The fp32 kernels always.
     Fp32,
 }
@@ -474,9 +478,11 @@ pub enum DeviceAttention {
 impl DeviceAttention {
     /// The CUDA device's choice.
     pub fn kernels(self) -> horizon_backend::cuda::AttentionKernels {
+        use horizon_backend::cuda::AttentionKernels;
         match self {
-            DeviceAttention::Auto => horizon_backend::cuda::AttentionKernels::Tensor,
-            DeviceAttention::Fp32 => horizon_backend::cuda::AttentionKernels::Fp32,
+            DeviceAttention::Auto => AttentionKernels::Tensor,
+            DeviceAttention::Wmma => AttentionKernels::Wmma,
+            DeviceAttention::Fp32 => AttentionKernels::Fp32,
         }
     }
 }
@@ -901,6 +907,8 @@ mod tests {
             |dev: &str| format!("model: {{path: m}}\ndata: {{path: d.jsonl}}\ndevice: {dev}\n");
         let c = RawConfig::from_yaml(&yaml("{}"), "t.yaml").unwrap();
         assert_eq!(c.device.attention.kernels(), AttentionKernels::Tensor);
+        let c = RawConfig::from_yaml(&yaml("{attention: wmma}"), "t.yaml").unwrap();
+        assert_eq!(c.device.attention.kernels(), AttentionKernels::Wmma);
         let c = RawConfig::from_yaml(&yaml("{attention: fp32}"), "t.yaml").unwrap();
         assert_eq!(c.device.attention.kernels(), AttentionKernels::Fp32);
         c.resolve("t.yaml").unwrap();

@@ -252,18 +252,25 @@ fn horizon_train(cfg: &std::path::Path, resume: bool, fail: Option<&str>) -> std
     cmd.output().expect("run horizon")
 }
 
-/// `device.attention` picks the attention kernels: by default the tensor-core ones, so a
-/// failure injected into the fp32 tiled backward never fires; with `fp32`, the fp32 ones, so it
-/// ends the run.
+/// `device.attention` picks the attention kernels: by default the mma.sync ones, so a failure
+/// injected into the fp32 tiled or the wmma backward never fires; with `fp32` or `wmma`, those,
+/// so it ends the run.
 #[test]
 fn device_attention_picks_the_attention_kernels() {
     if !under_the_double("fault injection") {
         return;
     }
-    for (attention, fails) in [("auto", false), ("fp32", true)] {
+    let (tiled, wmma) = ("attention_backward_dq_tiled:1", "attention_backward_dq_tc:1");
+    let cases = [
+        ("auto", tiled, false),
+        ("fp32", tiled, true),
+        ("auto", wmma, false),
+        ("wmma", wmma, true),
+    ];
+    for (attention, kernel, fails) in cases {
         let tmp = tempfile::tempdir().unwrap();
         let cfg = small_cuda_run(tmp.path(), 2, attention);
-        let run = horizon_train(&cfg, false, Some("attention_backward_dq_tiled:1"));
+        let run = horizon_train(&cfg, false, Some(kernel));
         let err = String::from_utf8_lossy(&run.stderr);
         assert_eq!(!run.status.success(), fails, "device.attention: {attention}:\n{err}");
         assert_eq!(err.contains("CUDA_ERROR_LAUNCH_FAILED"), fails, "{attention}:\n{err}");

@@ -199,7 +199,8 @@ fn a_gpu_projection_says_what_a_flash_attention_would_give() {
 }
 
 /// `device.attention: fp32` is priced at the fp32 kernels' rate (0.02 of the peak for D = 128,
-/// the tiled ones), a longer step than the tensor-core kernels' default.
+/// the tiled ones), a longer step than the tensor-core kernels' default; `wmma` at the wmma
+/// kernels' (0.08), in between.
 #[test]
 fn fp32_attention_is_projected_at_the_fp32_kernels_rate() {
     let tc = projection(&config(4096, 8, 16, ""), "h200-pcie5").unwrap();
@@ -212,6 +213,11 @@ fn fp32_attention_is_projected_at_the_fp32_kernels_rate() {
         tc.chosen.step_s
     );
     assert!(fp32.text.contains("Horizon's kernels (2.0%)"), "{}", fp32.text);
+    // The wmma kernels, between the two.
+    let wmma =
+        projection(&config(4096, 8, 16, "device: {attention: wmma}\n"), "h200-pcie5").unwrap();
+    assert!(wmma.text.contains("Horizon's kernels (8.0%)"), "{}", wmma.text);
+    assert!(tc.chosen.step_s < wmma.chosen.step_s && wmma.chosen.step_s < fp32.chosen.step_s);
 }
 
 /// Each head tile moves its own rows: cut into 8 tiles of 4,000 rows or into 7 of 4,400 and a

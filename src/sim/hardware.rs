@@ -70,12 +70,19 @@ fn default_gemm_half_dim() -> f64 {
 /// read from shared memory serves half the products: about 0.7 of its rate, 0.25), and split
 /// the backward into dq and dk/dv, which computes the scores twice (7 products where the 2.5x
 /// the forward that the cost model counts are 5) on 32-row tiles: about 0.14. Over forward and
-/// backward, 0.16. The wmma kernels before them (`attention_tc.cu`, scores through shared
-/// memory) were estimated at 0.08. FlashAttention itself (`wgmma`) reaches
+/// backward, 0.16. The wmma kernels before them are estimated at
+/// [`WMMA_ATTENTION_EFFICIENCY`]. FlashAttention itself (`wgmma`) reaches
 /// [`FLASH_ATTENTION_EFFICIENCY`].
 fn default_attention_efficiency() -> f64 {
     0.15
 }
+
+/// Horizon's wmma attention kernels (`kernels/attention_tc.cu`, `device.attention: wmma`), as a
+/// fraction of the bf16 peak: estimated at 0.08 (79 TFLOP/s) until a GPU times them. Their
+/// scores and probabilities pass through shared memory: in the forward at D = 128 a warp moves
+/// about 68 KB through it per key tile for 0.5 MFLOP (7.7 FLOPs a byte), which caps them near
+/// 250 TFLOP/s at an H200's 33 TB/s of shared bandwidth, and the backward moves more per FLOP.
+pub const WMMA_ATTENTION_EFFICIENCY: f64 = 0.08;
 
 /// Horizon's fp32 attention kernels, for head dims the tensor-core ones do not take, as a
 /// fraction of the bf16 peak: the warp-per-row kernels (D above 128, or not a multiple of 4)

@@ -16,8 +16,8 @@ use crate::engine::resolve::{Machine, most_kept, resolve};
 use crate::sim::calibrate::{CpuMeasured, HostMeasured, this_cpu};
 use crate::sim::cost::{CostModel, DeviceModel, HostByRates, HostModel, UploadPath};
 use crate::sim::hardware::{
-    BUILT_IN, FLASH_ATTENTION_EFFICIENCY, Gpu, Hardware, Roofline, attention_efficiency_at,
-    fp32_attention_efficiency,
+    BUILT_IN, FLASH_ATTENTION_EFFICIENCY, Gpu, Hardware, Roofline, WMMA_ATTENTION_EFFICIENCY,
+    attention_efficiency_at, fp32_attention_efficiency,
 };
 use crate::sim::{Projection, project};
 use crate::train::{
@@ -72,10 +72,13 @@ pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
     // engine.recompute and engine.weight_upload as `horizon train` resolves them, on the
     // profile's device and host memory (the CPU device: device.memory, as train does).
     let layout = run_layout(raw, &model, cfg.adapter.as_ref())?;
-    if raw.device.attention == DeviceAttention::Fp32 {
-        let fp32 = fp32_attention_efficiency(layout.dims.d);
-        hw.gpu.attention_efficiency = hw.gpu.attention_efficiency.min(fp32);
-    }
+    // `device.attention` other than auto runs slower kernels: at most their rate.
+    let asked = match raw.device.attention {
+        DeviceAttention::Auto => f64::INFINITY,
+        DeviceAttention::Wmma => WMMA_ATTENTION_EFFICIENCY,
+        DeviceAttention::Fp32 => fp32_attention_efficiency(layout.dims.d),
+    };
+    hw.gpu.attention_efficiency = hw.gpu.attention_efficiency.min(asked);
     let budget = match (cpu, raw.device.memory) {
         (false, _) => Some(hw.device_bytes()),
         (true, crate::config::ByteSize::Bytes(b)) => Some(b),
