@@ -70,6 +70,9 @@ pub(super) fn shared(be: &CudaBackend, name: &str, bytes: usize) -> u32 {
 pub(super) const TILED_ROWS: usize = 64;
 /// The largest head dim the tiled forward takes (its threads hold 8 output columns each).
 pub(super) const TILED_MAX_D: usize = 128;
+/// Rows of the mma.sync backward's walked tiles; must match `attention_mma.cu`'s MMA_DQ_KT and
+/// MMA_QT.
+const MMA_TILE: usize = 32;
 
 /// The kernel sets of `attention_mma.cu`, `attention_tc.cu` and `attention.cu`, fastest first.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -113,11 +116,11 @@ impl Set {
             // query and dout tiles of 32, with the query tile's lse and delta. Scores and
             // accumulators are in registers.
             Set::Mma => {
-                let (tile, half) = (TILED_ROWS * (d + 8) * 2, 32 * (d + 8) * 2);
+                let (tile, half) = (TILED_ROWS * (d + 8) * 2, MMA_TILE * (d + 8) * 2);
                 let smem = match pass {
                     Pass::Forward => 4 * tile,
                     Pass::Dq => 2 * tile + 4 * half,
-                    Pass::Dkv => 2 * tile + 4 * half + 4 * 32 * 4,
+                    Pass::Dkv => 2 * tile + 4 * half + 4 * MMA_TILE * 4,
                 };
                 let name = pick([
                     "attention_forward_mma",
@@ -235,10 +238,11 @@ pub(crate) fn attention_forward(
     let x = if mma { unsafe { rounded(be, &ws, Some(qkv), None, dims).0 } } else { qkv.addr() };
     let mut args =
         [arg(&o), arg(&l), arg(&x), arg(&t), arg(&h), arg(&kvh), arg(&d), arg(&w), arg(&scale)];
-    // SAFETY: argument types match the three kernels (pointers, five ints, one float); the
-    // grid covers (T/rows, H, B) and every index the kernel forms lies inside the buffers whose
-    // lengths are checked above (keys and queries outside the window are never read); the
-    // tiled and tensor-core kernels' 16-byte accesses are aligned (`choose`).
+    // SAFETY: argument types match every set's forward (pointers, five ints, one float; the
+    // mma.sync kernel's qkv is the bf16 copy, of the same length); the grid covers (T/rows, H,
+    // B) and every index the kernel forms lies inside the buffers whose lengths are checked
+    // above (keys and queries outside the window are never read); 16-byte accesses are aligned
+    // (`choose`; the workspace's parts on 256 bytes).
     unsafe {
         be.launch(
             k.name,
