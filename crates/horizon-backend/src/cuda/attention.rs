@@ -95,9 +95,10 @@ enum Pass {
     Dkv,
 }
 
-/// One kernel to launch: its name, rows a block, threads a block, dynamic shared bytes.
+/// One kernel to launch: its set, name, rows a block, threads a block, dynamic shared bytes.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 struct Launch {
+    set: Set,
     name: &'static str,
     rows: usize,
     threads: u32,
@@ -127,7 +128,7 @@ impl Set {
                     "attention_backward_dq_mma",
                     "attention_backward_dkv_mma",
                 ]);
-                Launch { name, rows: TILED_ROWS, threads: 128, smem }
+                Launch { set: self, name, rows: TILED_ROWS, threads: 128, smem }
             }
             // bf16 tiles of 64 x (D + 8), fp32 score tiles of 64 x 68, bf16 P and dS tiles of
             // 64 x 72, fp32 accumulators of 64 x (D + 4), 64-float statistics.
@@ -145,7 +146,7 @@ impl Set {
                     "attention_backward_dq_tc",
                     "attention_backward_dkv_tc",
                 ]);
-                Launch { name, rows: r, threads: 128, smem }
+                Launch { set: self, name, rows: r, threads: 128, smem }
             }
             Set::Tiled => {
                 let (tile, stats) = (TILED_ROWS * d, TILED_ROWS * TILED_ROWS + 2 * TILED_ROWS);
@@ -159,7 +160,7 @@ impl Set {
                     "attention_backward_dq_tiled",
                     "attention_backward_dkv_tiled",
                 ]);
-                Launch { name, rows: TILED_ROWS, threads: 256, smem: 4 * floats }
+                Launch { set: self, name, rows: TILED_ROWS, threads: 256, smem: 4 * floats }
             }
             Set::Rows => {
                 let tiles = 2 * TILE * (d + 1);
@@ -170,7 +171,7 @@ impl Set {
                 };
                 let name =
                     pick(["attention_forward", "attention_backward_dq", "attention_backward_dkv"]);
-                Launch { name, rows: ROWS, threads: 32 * ROWS as u32, smem: 4 * floats }
+                Launch { set: self, name, rows: ROWS, threads: 32 * ROWS as u32, smem: 4 * floats }
             }
         }
     }
@@ -233,9 +234,12 @@ pub(crate) fn attention_forward(
     // The mma.sync kernels read q, k and v as bf16, rounded once into the workspace (held to
     // the end: no product can use it while the kernel reads it).
     let ws = be.products();
-    let mma = k.name.ends_with("_mma");
     // SAFETY: the workspace lock is held until the kernel is enqueued.
-    let x = if mma { unsafe { rounded(be, &ws, Some(qkv), None, dims).0 } } else { qkv.addr() };
+    let x = if k.set == Set::Mma {
+        unsafe { rounded(be, &ws, Some(qkv), None, dims).0 }
+    } else {
+        qkv.addr()
+    };
     let mut args =
         [arg(&o), arg(&l), arg(&x), arg(&t), arg(&h), arg(&kvh), arg(&d), arg(&w), arg(&scale)];
     // SAFETY: argument types match every set's forward (pointers, five ints, one float; the
@@ -313,7 +317,7 @@ pub(crate) fn attention_backward(
     let (dx, dy, x, o, l) = (dqkv.addr(), dout.addr(), qkv.addr(), out.addr(), lse.addr());
     let addrs = [dx, dy, x, o];
     let (dq, dkv) = (kernel(be, Pass::Dq, dims, &addrs), kernel(be, Pass::Dkv, dims, &addrs));
-    let mma = [dq, dkv].map(|k| k.name.ends_with("_mma"));
+    let mma = [dq, dkv].map(|k| k.set == Set::Mma);
     // SAFETY: the workspace lock is held until the kernels are enqueued.
     let any = mma.contains(&true);
     let (x16, dy16, delta) =
@@ -433,7 +437,7 @@ mod tests {
                 for p in [Pass::Forward, Pass::Dq, Pass::Dkv] {
                     for k in [Tensor, Wmma, Fp32] {
                         let l = choose(p, d, k, true, max);
-                        assert!(l.smem <= max || l.name == Set::Rows.launch(p, d).name, "{l:?}");
+                        assert!(l.smem <= max || l.set == Set::Rows, "{l:?}");
                     }
                 }
             }
