@@ -63,35 +63,34 @@ fn default_gemm_half_dim() -> f64 {
 /// Horizon's tensor-core attention kernels (`kernels/attention_mma.cu`: FlashAttention-2 style,
 /// mma.sync m16n8k16 on bf16 operands with scores, probabilities and accumulators in registers,
 /// tiles double-buffered by cp.async, 64-row blocks of 4 warps), as a fraction of a 989 TFLOP/s
-/// bf16 peak: estimated at 0.15 (148 TFLOP/s) until a GPU times them. The estimate:
-/// FlashAttention-2, built the same way, runs forward at about 0.35 of an H100's peak and
-/// backward at about 0.28 (mma.sync reaches about two thirds of the peak wgmma does); these
-/// kernels give each warp 16 rows where its forward gives 32 (so each key and value fragment
-/// read from shared memory serves half the products: about 0.7 of its rate, 0.25), and split
-/// the backward into dq and dk/dv, which computes the scores twice (7 products where the 2.5x
-/// the forward that the cost model counts are 5) on 32-row tiles: about 0.14. Over forward and
-/// backward, 0.16. The wmma kernels before them are estimated at
-/// [`WMMA_ATTENTION_EFFICIENCY`]. FlashAttention itself (`wgmma`) reaches
+/// bf16 peak: measured on the H200 lent on 2026-12-04 (`examples/cuda_op_speed`, a Qwen2.5-7B
+/// layer, D = 128, 4 x 4096 tokens, median of 5) at 102.2 TFLOP/s forward and 65.9 backward
+/// (the backward counted as 2.5 forwards), 0.074 over both (`bench/lent_profile.py`). The
+/// estimate before the measurement was 0.15: the gap to FlashAttention-2's 0.35 and 0.28 is
+/// each warp's 16 rows (FlashAttention-2 gives a warp 32, so each key and value fragment read
+/// from shared memory serves twice the products) and the backward's split into dq and dk/dv,
+/// which computes the scores twice. The wmma kernels before them are at
+/// [`WMMA_ATTENTION_EFFICIENCY`]; FlashAttention itself (`wgmma`) at
 /// [`FLASH_ATTENTION_EFFICIENCY`].
 fn default_attention_efficiency() -> f64 {
-    0.15
+    0.074
 }
 
 /// Horizon's wmma attention kernels (`kernels/attention_tc.cu`, `device.attention: wmma`), as a
-/// fraction of the bf16 peak: estimated at 0.08 (79 TFLOP/s) until a GPU times them. Their
-/// scores and probabilities pass through shared memory: in the forward at D = 128 a warp moves
-/// about 68 KB through it per key tile for 0.5 MFLOP (7.7 FLOPs a byte), which caps them near
-/// 250 TFLOP/s at an H200's 33 TB/s of shared bandwidth, and the backward moves more per FLOP.
-pub const WMMA_ATTENTION_EFFICIENCY: f64 = 0.08;
+/// fraction of the bf16 peak: measured on the same H200, layer and day as
+/// [`default_attention_efficiency`] at 30.8 TFLOP/s forward and 23.2 backward, 0.025 over both
+/// (estimated at 0.08 before). Their scores and probabilities pass through shared memory.
+pub const WMMA_ATTENTION_EFFICIENCY: f64 = 0.025;
 
 /// Horizon's fp32 attention kernels, for head dims the tensor-core ones do not take, as a
-/// fraction of the bf16 peak: the warp-per-row kernels (D above 128, or not a multiple of 4)
-/// measured on an H200 at 4.2 TFLOP/s forward and 3.3 backward (`examples/cuda_op_speed`,
-/// Qwen2.5-7B layer, 4 x 4096 tokens, 2026-12-04), 0.0035 over both, with which a projection
-/// predicted the measured 7B step within 7%; the tiled ones (D a multiple of 4 up to 128)
-/// estimated at 0.02 (20 TFLOP/s, 30% of the fp32 cores' 67) until a GPU times them.
+/// fraction of the bf16 peak, measured on the same H200, layer and day as
+/// [`default_attention_efficiency`]: the tiled ones (D a multiple of 4 up to 128) at 19.8
+/// TFLOP/s forward and 10.3 backward, 0.012 over both (estimated at 0.02 before); the
+/// warp-per-row ones (D above 128, or not a multiple of 4) at 4.2 and 4.0, 0.004 (0.0035 with
+/// the backward of the morning's run, with which a projection predicted the measured 7B step
+/// within 7%).
 pub fn fp32_attention_efficiency(d: usize) -> f64 {
-    if d.is_multiple_of(4) && d <= 128 { 0.02 } else { 0.0035 }
+    if d.is_multiple_of(4) && d <= 128 { 0.012 } else { 0.004 }
 }
 
 /// Whether Horizon's tensor-core attention kernels take head dim `d` (`cuda/attention.rs`).
@@ -399,8 +398,8 @@ mod tests {
         let s = |h, d| Roofline(&gpu).attention(&spec(h, d), 2, 512, false);
         let (tc, rows, tiled) = (s(8, 128), s(4, 256), s(8, 100));
         let ratio = |x: f64| x / tc;
-        assert!((ratio(rows) - gpu.attention_efficiency / 0.0035).abs() < 1e-9, "{rows} vs {tc}");
-        let tiled_ratio = gpu.attention_efficiency / 0.02 * 100.0 / 128.0;
+        assert!((ratio(rows) - gpu.attention_efficiency / 0.004).abs() < 1e-9, "{rows} vs {tc}");
+        let tiled_ratio = gpu.attention_efficiency / 0.012 * 100.0 / 128.0;
         assert!((ratio(tiled) - tiled_ratio).abs() < 1e-9, "{tiled} vs {tc}");
         assert!(
             tensor_core_head_dim(64) && !tensor_core_head_dim(72) && !tensor_core_head_dim(256)
