@@ -438,10 +438,9 @@ fn the_weight_image_changes_no_bit() {
     }
 }
 
-/// The driver's own count of the page-locked bytes this thread asked for and are still live,
-/// where the driver is the CUDA test double (`fakecuda_host_alloc_bytes`: the bytes each
-/// `cuMemHostAlloc` asked for; other tests run on other threads); `None` on a real driver.
-fn driver_pinned_bytes() -> Option<usize> {
+/// A function the CUDA test double exports (`crates/fakecuda/src/driver_api.h`), where the
+/// loaded driver is the double; `None` on a real driver.
+fn double_fn(name: &std::ffi::CStr) -> Option<*mut std::ffi::c_void> {
     use std::ffi::{c_char, c_int, c_void};
     unsafe extern "C" {
         fn dlopen(file: *const c_char, mode: c_int) -> *mut c_void;
@@ -456,17 +455,84 @@ fn driver_pinned_bytes() -> Option<usize> {
             continue;
         }
         // SAFETY: `h` is a live handle; the name is a NUL-terminated string.
-        let f = unsafe { dlsym(h, c"fakecuda_host_alloc_bytes".as_ptr()) };
-        if f.is_null() {
-            return None;
-        }
-        // SAFETY: the double exports `size_t fakecuda_host_alloc_bytes(int mine, size_t*
-        // count)` (crates/fakecuda/src/driver_api.h); a null `count` is allowed.
-        let f: unsafe extern "C" fn(c_int, *mut usize) -> usize = unsafe { std::mem::transmute(f) };
-        // SAFETY: as above.
-        return Some(unsafe { f(1, std::ptr::null_mut()) });
+        let f = unsafe { dlsym(h, name.as_ptr()) };
+        return (!f.is_null()).then_some(f);
     }
     None
+}
+
+/// The driver's own count of the page-locked bytes this thread asked for and are still live,
+/// where the driver is the CUDA test double (`fakecuda_host_alloc_bytes`: the bytes each
+/// `cuMemHostAlloc` asked for and each `cuMemHostRegister` range; other tests run on other
+/// threads); `None` on a real driver.
+fn driver_pinned_bytes() -> Option<usize> {
+    let f = double_fn(c"fakecuda_host_alloc_bytes")?;
+    // SAFETY: the double exports `size_t fakecuda_host_alloc_bytes(int mine, size_t* count)`;
+    // a null `count` is allowed.
+    let f: unsafe extern "C" fn(std::ffi::c_int, *mut usize) -> usize =
+        unsafe { std::mem::transmute(f) };
+    // SAFETY: as above.
+    Some(unsafe { f(1, std::ptr::null_mut()) })
+}
+
+/// The test double's count of the copies so far, in this process, whose host side was
+/// pageable (`fakecuda_pageable_copies`); `None` on a real driver.
+fn driver_pageable_copies() -> Option<usize> {
+    let f = double_fn(c"fakecuda_pageable_copies")?;
+    // SAFETY: the double exports `size_t fakecuda_pageable_copies(void)`.
+    let f: unsafe extern "C" fn() -> usize = unsafe { std::mem::transmute(f) };
+    // SAFETY: as above.
+    Some(unsafe { f() })
+}
+
+/// Copies between the device and pageable host memory cost the step twice on a real GPU: the
+/// driver stages them through its own buffer at a fraction of the link's rate, and other
+/// streams' launches wait meanwhile (a 7B head's gradient tiles, downloaded into the host
+/// store, took 94 ms instead of 13 on an H200 and tripled `HeadGrad`'s time). So every copy of
+/// a step goes to or from page-locked memory: the staging, the weight image and ring, and the
+/// final norm's and head's gradients, registered in place. Whole and tiled heads, tied and
+/// untied, on the test double's count. Runs alone in a child process (the count is the
+/// process's; other tests copy too); only the token ids of each micro-batch (a few bytes,
+/// uploaded from their own vector by the H2D queue) still cross from pageable memory.
+#[test]
+fn a_step_copies_nothing_through_pageable_memory() {
+    const ALONE: &str = "HORIZON_TEST_ALONE";
+    if !under_the_double("counts pageable copies in the test double") {
+        return;
+    }
+    if std::env::var_os(ALONE).is_none() {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "a_step_copies_nothing_through_pageable_memory", "--nocapture"])
+            .env(ALONE, "1")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success() && text.contains("1 passed"), "{text}");
+        return;
+    }
+    for (case, tiles) in
+        [("llama_gqa", None), ("llama_gqa", Some(37)), ("qwen2_tied_padded", Some(64))]
+    {
+        let cfg = EngineConfig {
+            head_tile_rows: tiles,
+            weights: horizon::config::WeightPath::Image,
+            ..cuda_config(case, 1, 1, GradWire::Bf16)
+        };
+        let model = ModelConfig::from_file(&case_dir(case).join("model/config.json")).unwrap();
+        let layout = ModelLayout::new(&model);
+        let params = ParamStore::load_hf(&layout, &case_dir(case).join("model")).unwrap();
+        let mut engine = Engine::new(cuda(0, 0), &model, TrainState::new(params), cfg).unwrap();
+        let before = driver_pageable_copies().expect("the double counts pageable copies");
+        let steps = run_case_steps(&mut engine, case).len();
+        let micro_batches = steps * cfg.batch_size.div_ceil(cfg.micro_batch_size);
+        let pageable = driver_pageable_copies().unwrap() - before;
+        // The token ids and the targets of each micro-batch (two in all before the gradients
+        // were registered: the final norm's and the head's, each step).
+        assert!(
+            pageable <= 2 * micro_batches,
+            "{case} tiles {tiles:?}: {pageable} pageable copies in {steps} steps"
+        );
+    }
 }
 
 /// The page-locked host memory of an engine on the CUDA device is exactly the plan's figure

@@ -129,8 +129,9 @@ fn the_plan_halves_the_slabs_and_the_cuda_weight_slots() {
 
 /// The plan's page-locked figure is a part of the host total, counted once: on CUDA the
 /// staging `Engine::new` takes (checkpoints, the fp32 or bf16 slabs without a lean run's fp32
-/// expansion layer, embedding / residual-gradient / loss staging) plus the device's bf16 upload
-/// ring, which is a host line of its own; on the CPU backend nothing is pinned and there is no
+/// expansion layer, embedding / residual-gradient / loss staging), the final norm's and the
+/// head's gradients (registered in place), plus the device's bf16 upload ring, which is a host
+/// line of its own; on the CPU backend nothing is pinned and there is no
 /// ring. (That the CUDA device pins exactly this is `cuda_engine`'s test, under the double.)
 #[test]
 fn the_plan_counts_pinned_memory_once() {
@@ -154,7 +155,13 @@ fn the_plan_counts_pinned_memory_once() {
         };
         let slab_elem = if wire == GradWire::Bf16 { 2 } else { 4 };
         let slabs = sg.grad_slabs * sg.slab * slab_elem;
-        let want = line(&sg, "checkpoints") + line(&sg, "staging (") + slabs + WIRE_RING_BYTES;
+        // The final norm's and the head's gradients, page-locked in place in the host store
+        // (an untied head here), a part of the gradients' line.
+        let (c, v) = (layout.dims.c, layout.dims.v);
+        let grads = (c + v * c) * 4;
+        assert!(grads <= line(&sg, "gradients ("), "{what}: pinned gradients outside their line");
+        let want = line(&sg, "checkpoints") + line(&sg, "staging (") + slabs + grads;
+        let want = want + WIRE_RING_BYTES;
         assert_eq!(sg.pinned_bytes(), want, "{what}");
         assert_eq!(line(&sg, "upload ring"), WIRE_RING_BYTES, "{what}: the ring's host line");
         assert_eq!(sg.host_total(), sc.host_total() + WIRE_RING_BYTES, "{what}: host totals");

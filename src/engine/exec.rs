@@ -685,6 +685,9 @@ struct HostBuffers<D: Device> {
 pub struct Engine<D: Device> {
     dev: D,
     ctx: Arc<Ctx>,
+    /// The registrations of `state`'s gradients that the device downloads into
+    /// ([`pin_downloaded_grads`]): dropped before `state`, whose memory they page-lock.
+    pinned_grads: Vec<D::HostPin>,
     state: Box<TrainState>,
     _host: HostBuffers<D>,
     /// The backend's workspace (kept allocated for the device's life).
@@ -746,6 +749,37 @@ fn place_queue_threads<D: Device>(dev: &D, cpus: threads::QueueCpus) {
             }),
         );
     }
+}
+
+/// Page-locks the gradients the device downloads straight into the host store, the final
+/// norm's and `head`'s (the head, or the embedding when tied), in full fine-tuning: from
+/// pageable memory a tile of a 7B head's gradient (726 MB) took 94 ms on an H200 instead of
+/// 13, and held up the compute stream's launches meanwhile (`HeadGrad` at 3x its kernels).
+fn pin_downloaded_grads<D: Device>(
+    dev: &D,
+    state: &mut TrainState,
+    layout: &ModelLayout,
+    head: ParamBuf,
+) -> Vec<D::HostPin> {
+    if !layout.trains_base() {
+        return Vec::new();
+    }
+    let l = layout.dims.layers;
+    let head = match head {
+        ParamBuf::Embed => 0,
+        ParamBuf::Head => l + 2,
+        p => unreachable!("{p:?} is not the head"),
+    };
+    let mut grads = state.grads.buffers_mut();
+    [l + 1, head]
+        .into_iter()
+        .map(|i| {
+            // SAFETY: the state is boxed and owned by the engine, its gradient buffers never
+            // resized while it runs; the registrations are dropped before it (field order, and
+            // `into_state`).
+            unsafe { dev.pin_host(std::mem::take(&mut grads[i])) }
+        })
+        .collect()
 }
 
 /// The copy queues' threads' time slice: 100 us, the shortest Linux's EEVDF scheduler takes.
@@ -839,6 +873,7 @@ where
         // Host staging buffers, allocated once.
         let mut state = Box::new(state.into_memory(&layout, cfg.memory));
         let nbufs = state.params.buffers().len();
+        let pinned_grads = pin_downloaded_grads(&dev, &mut state, &layout, shape.head_buf());
         let moments = MomentHandle::all(&mut state.opt);
         let stage = |len: usize| dev.alloc_staging::<f32>(len);
         let mut ckpt: Vec<Vec<D::Staging<f32>>> =
@@ -950,6 +985,7 @@ where
         let grants = [0, 1].map(|k| schedule.ops(k).iter().map(Grant::of).collect());
         let engine = Engine {
             ctx: Arc::new(ctx),
+            pinned_grads,
             state,
             _host: HostBuffers {
                 _ckpt: ckpt,
@@ -1049,8 +1085,9 @@ where
     pub fn into_state(self) -> TrainState {
         self.dev.synchronize();
         let last_sq = self.last_sq();
-        let Engine { dev, state, _host, steps, updates, .. } = self;
+        let Engine { dev, pinned_grads, state, _host, steps, updates, .. } = self;
         drop(dev);
+        drop(pinned_grads);
         drop(_host);
         let mut state = *state;
         state.step = steps;

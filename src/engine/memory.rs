@@ -127,7 +127,7 @@ impl fmt::Display for MemoryPlan {
             per_param(self.host_total())
         )?;
         if self.pinned > 0 {
-            let what = "of which pinned (page-locked): checkpoints, slabs, staging, wire ring";
+            let what = "of which pinned (page-locked): checkpoints, slabs, staging, head grads";
             writeln!(f, "    {:<70} {:>14}", what, gib(self.pinned))?;
         } else {
             writeln!(

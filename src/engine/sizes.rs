@@ -97,6 +97,10 @@ pub struct Sizes {
     /// Page-locked host bytes the device holds of its own (the CUDA device's bf16 weight
     /// upload ring; 0 on the CPU): `BackendKind::device_pinned_bytes`.
     pub device_pinned: usize,
+    /// fp32 gradients the device downloads straight into the host store, page-locked in place
+    /// where the device pins (`Device::pin_host`): the final norm's and the head's (the
+    /// embedding's when tied), in full fine-tuning; 0 in an adapter run.
+    pub pinned_grads: usize,
 }
 
 /// Elements of the trained buffers the device receives, which a weight image holds: every
@@ -220,6 +224,7 @@ impl Sizes {
             },
             pins_staging: cfg.backend.pins_staging(),
             device_pinned: cfg.backend.device_pinned_bytes(),
+            pinned_grads: if layout.trains_base() { d.c + vc } else { 0 },
         }
     }
 
@@ -340,14 +345,19 @@ impl Sizes {
         2 * self.stage * 2
     }
 
-    /// Page-locked host bytes once the engine is built: its staging, the weight image and the
-    /// device's own pinned buffers, where the device pins (CUDA); 0 on the CPU backend, which pins nothing. Every
-    /// byte is one of [`Sizes::host_bytes`]' lines already (a part of the host total, not more).
-    /// Each buffer is pinned at its exact size, so this is exactly what the CUDA device reports
-    /// as `DeviceStats::pinned_bytes`.
+    /// Page-locked host bytes once the engine is built: its staging, the weight image, the
+    /// gradients the device downloads into in place and the device's own pinned buffers, where
+    /// the device pins (CUDA); 0 on the CPU backend, which pins nothing. Every byte is one of
+    /// [`Sizes::host_bytes`]' lines already (a part of the host total, not more). Each buffer
+    /// is pinned at its exact size, so this is exactly what the CUDA device reports as
+    /// `DeviceStats::pinned_bytes`.
     pub fn pinned_bytes(&self) -> usize {
         if self.pins_staging {
-            self.staging_bytes() + self.device_pinned + self.image * 2 + self.stage_bytes()
+            self.staging_bytes()
+                + self.device_pinned
+                + self.image * 2
+                + self.stage_bytes()
+                + self.pinned_grads * 4
         } else {
             0
         }

@@ -214,11 +214,13 @@ struct Alloc {
 };
 
 // A cuMemHostAlloc allocation: the bytes asked for (checked), the mapping (page-rounded) and
-// the thread that asked (fakecuda_host_alloc_bytes).
+// the thread that asked (fakecuda_host_alloc_bytes); or a cuMemHostRegister range (mapped ==
+// bytes).
 struct HostAlloc {
     size_t bytes = 0;
     size_t mapped = 0;
     std::thread::id owner;
+    bool registered = false;  // cuMemHostRegister: the caller's memory, not a mapping of ours
 };
 
 struct Memory {
@@ -227,7 +229,8 @@ struct Memory {
     std::map<uintptr_t, Alloc> freed;   // quarantined, by ptr
     std::deque<uintptr_t> fifo;         // quarantine order
     size_t quarantined = 0;             // bytes of address space in quarantine
-    std::map<uintptr_t, HostAlloc> host;  // cuMemHostAlloc, by ptr
+    std::map<uintptr_t, HostAlloc> host;  // cuMemHostAlloc and cuMemHostRegister, by ptr
+    size_t pageable_copies = 0;           // copies to or from pageable host memory so far
 };
 
 // Lock order: primary -> reg -> sched; mem.mu is never held with another lock.
@@ -554,10 +557,12 @@ HostKind host_kind(const void* ptr, size_t n, const char* what, const char* role
         return HostKind::Bad;
     }
     auto it = m.host.upper_bound(p);
-    if (it == m.host.begin()) return HostKind::Pageable;
+    if (it == m.host.begin() || p >= std::prev(it)->first + std::prev(it)->second.mapped) {
+        m.pageable_copies++;
+        return HostKind::Pageable;
+    }
     --it;
     uintptr_t end = it->first + it->second.bytes;
-    if (p >= it->first + it->second.mapped) return HostKind::Pageable;
     if (p + n <= end) return HostKind::Pinned;
     complain("%s: the host %s 0x%llx + %zu bytes runs %llu bytes past the end of the "
              "cuMemHostAlloc allocation 0x%llx of %zu bytes", what, role, (unsigned long long)p, n,
@@ -1509,6 +1514,53 @@ CUAPI CUresult cuMemHostAlloc(void** pp, size_t bytes, unsigned flags) {
 
 CUAPI CUresult cuMemAllocHost_v2(void** pp, size_t bytes) { return cuMemHostAlloc(pp, bytes, 0); }
 
+// Page-locks the caller's [p, p + bytes): later copies to or from it are pinned ones (truly
+// asynchronous). A range that overlaps device memory or another pinned range is refused.
+CUAPI CUresult cuMemHostRegister_v2(void* p, size_t bytes, unsigned flags) {
+    Context* c;
+    CUresult e = enter(c);
+    if (e) return e;
+    if (!p || bytes == 0 || flags > 0xF) return CUDA_ERROR_INVALID_VALUE;
+    uintptr_t a = (uintptr_t)p;
+    Memory& m = G().mem;
+    std::lock_guard<std::mutex> lk(m.mu);
+    if (overlapping(m.live, a, bytes) || overlapping(m.freed, a, bytes)) {
+        complain("cuMemHostRegister_v2: %p + %zu bytes is device memory", p, bytes);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    auto next = m.host.lower_bound(a);
+    bool overlaps = next != m.host.end() && next->first < a + bytes;
+    if (next != m.host.begin()) {
+        auto prev = std::prev(next);
+        overlaps |= prev->first + prev->second.mapped > a;
+    }
+    if (overlaps) {
+        complain("cuMemHostRegister_v2: %p + %zu bytes overlaps pinned host memory", p, bytes);
+        return CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
+    }
+    m.host[a] = HostAlloc{bytes, bytes, std::this_thread::get_id(), true};
+    return CUDA_SUCCESS;
+}
+
+// Waits for the current context's streams first (the range may be in an async copy).
+CUAPI CUresult cuMemHostUnregister(void* p) {
+    Context* c;
+    CUresult e = enter(c, true);
+    if (e) return e;
+    {
+        std::lock_guard<std::mutex> lk(G().mem.mu);
+        auto it = G().mem.host.find((uintptr_t)p);
+        if (it == G().mem.host.end() || !it->second.registered) {
+            complain("cuMemHostUnregister: %p is not the start of a registered range", p);
+            return CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED;
+        }
+    }
+    drain(*c);
+    std::lock_guard<std::mutex> lk(G().mem.mu);
+    G().mem.host.erase((uintptr_t)p);
+    return sticky_or(*c);
+}
+
 // Waits for the current context's streams first (pinned memory may be in an async copy).
 CUAPI CUresult cuMemFreeHost(void* p) {
     Context* c;
@@ -1516,7 +1568,8 @@ CUAPI CUresult cuMemFreeHost(void* p) {
     if (e) return e;
     {
         std::lock_guard<std::mutex> lk(G().mem.mu);
-        if (!G().mem.host.count((uintptr_t)p)) {
+        auto it = G().mem.host.find((uintptr_t)p);
+        if (it == G().mem.host.end() || it->second.registered) {
             complain("cuMemFreeHost: %p is not a pointer from cuMemHostAlloc", p);
             return CUDA_ERROR_INVALID_VALUE;
         }
@@ -1723,6 +1776,11 @@ CUAPI size_t fakecuda_host_alloc_bytes(int mine, size_t* count) {
     }
     if (count) *count = n;
     return bytes;
+}
+
+CUAPI size_t fakecuda_pageable_copies(void) {
+    std::lock_guard<std::mutex> lk(G().mem.mu);
+    return G().mem.pageable_copies;
 }
 
 CUAPI CUresult fakecuda_check_stream(CUstream h) {

@@ -33,11 +33,16 @@ CUresult fakecuda_check_device_range(const void* ptr, size_t bytes, const char* 
 // 0 otherwise. Prints nothing.
 int fakecuda_device_pointer_kind(const void* ptr);
 
-// The bytes asked for by the live cuMemHostAlloc allocations (as asked: not the page-rounded
-// mappings), and in `count` (if not null) how many there are; with `mine` non-zero, only those
-// the calling thread asked for (wherever they are freed). For tests that check a program pins
-// exactly what it says while other tests in the process pin too.
+// The page-locked bytes: those asked for by the live cuMemHostAlloc allocations (as asked: not
+// the page-rounded mappings) and the live cuMemHostRegister ranges; in `count` (if not null) how
+// many there are; with `mine` non-zero, only those the calling thread asked for (wherever they
+// are freed). For tests that check a program pins exactly what it says while other tests in the
+// process pin too.
 size_t fakecuda_host_alloc_bytes(int mine, size_t* count);
+
+// How many copies so far had a pageable host side (a real driver stages them through its own
+// buffer, at a fraction of the link's rate, and holds up other streams' launches meanwhile).
+size_t fakecuda_pageable_copies(void);
 
 // CUDA_SUCCESS when `s` is a stream of the calling thread's current context (or a default
 // stream handle); the errors of fakecuda_enqueue otherwise. Enqueues nothing.

@@ -342,4 +342,8 @@ impl Device for CudaDevice {
     fn alloc_staging<T: StagingElem>(&self, _: usize) -> Vec<T> {
         match *self {}
     }
+    type HostPin = ();
+    unsafe fn pin_host(&self, _: &mut [f32]) {
+        match *self {}
+    }
 }

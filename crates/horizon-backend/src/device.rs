@@ -423,4 +423,17 @@ pub trait Device: Send + Sync {
     type Staging<T: StagingElem>: std::ops::DerefMut<Target = [T]> + Send + Sync;
     /// A zeroed staging buffer of `len` elements.
     fn alloc_staging<T: StagingElem>(&self, len: usize) -> Self::Staging<T>;
+
+    /// Host memory allocated elsewhere (not staging) that the device copies to or from,
+    /// page-locked while this guard lives where the device pins ([`Device::pin_host`]).
+    type HostPin: Send + Sync;
+    /// Page-locks `buf` for the device's copies until the returned guard is dropped (CUDA:
+    /// `cuMemHostRegister`, counted in [`DeviceStats::pinned_bytes`]): a copy to or from
+    /// pageable memory runs at a fraction of the link's rate and, on CUDA, holds up the
+    /// launches of the other streams while it runs. Plain memory where the driver refuses
+    /// (with a warning), and on devices that pin nothing (the CPU device).
+    ///
+    /// # Safety
+    /// `buf` must stay allocated, at the same address, until the guard is dropped.
+    unsafe fn pin_host(&self, buf: &mut [f32]) -> Self::HostPin;
 }

@@ -60,6 +60,8 @@ CUresult cuMemsetD8Async(CUdeviceptr, unsigned char, size_t, CUstream);
 CUresult cuMemsetD32Async(CUdeviceptr, unsigned, size_t, CUstream);
 CUresult cuMemHostAlloc(void**, size_t, unsigned);
 CUresult cuMemFreeHost(void*);
+CUresult cuMemHostRegister_v2(void*, size_t, unsigned);
+CUresult cuMemHostUnregister(void*);
 CUresult cuMemcpyHtoD_v2(CUdeviceptr, const void*, size_t);
 CUresult cuMemcpyDtoH_v2(void*, CUdeviceptr, size_t);
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr, const void*, size_t, CUstream);
@@ -114,6 +116,7 @@ struct Api {
     API(cuStreamSynchronize); API(cuStreamQuery); API(cuStreamWaitEvent); API(cuLaunchHostFunc);
     API(cuMemGetInfo_v2); API(cuMemAlloc_v2); API(cuMemFree_v2); API(cuMemsetD8_v2);
     API(cuMemsetD8Async); API(cuMemsetD32Async); API(cuMemHostAlloc); API(cuMemFreeHost);
+    API(cuMemHostRegister_v2); API(cuMemHostUnregister);
     API(cuMemcpyHtoD_v2); API(cuMemcpyDtoH_v2); API(cuMemcpyHtoDAsync_v2);
     API(cuMemcpyDtoHAsync_v2); API(cuMemcpyDtoDAsync_v2); API(cuEventCreate); API(cuEventRecord);
     API(cuEventQuery); API(cuEventSynchronize); API(cuEventElapsedTime);
@@ -188,7 +191,8 @@ static void load_all() {
     LOAD(d, cuStreamQuery); LOAD(d, cuStreamWaitEvent); LOAD(d, cuLaunchHostFunc);
     LOAD(d, cuMemGetInfo_v2); LOAD(d, cuMemAlloc_v2); LOAD(d, cuMemFree_v2);
     LOAD(d, cuMemsetD8_v2); LOAD(d, cuMemsetD8Async); LOAD(d, cuMemsetD32Async);
-    LOAD(d, cuMemHostAlloc); LOAD(d, cuMemFreeHost); LOAD(d, cuMemcpyHtoD_v2);
+    LOAD(d, cuMemHostAlloc); LOAD(d, cuMemFreeHost);
+    LOAD(d, cuMemHostRegister_v2); LOAD(d, cuMemHostUnregister); LOAD(d, cuMemcpyHtoD_v2);
     LOAD(d, cuMemcpyDtoH_v2); LOAD(d, cuMemcpyHtoDAsync_v2); LOAD(d, cuMemcpyDtoHAsync_v2);
     LOAD(d, cuMemcpyDtoDAsync_v2); LOAD(d, cuEventCreate); LOAD(d, cuEventRecord);
     LOAD(d, cuEventQuery); LOAD(d, cuEventSynchronize); LOAD(d, cuEventElapsedTime);
@@ -577,6 +581,50 @@ static void test_host_alloc_bytes() {
     CHECK(count(1, nullptr) == mine0 + 5000);
     OK(cu.cuMemFreeHost(b));
     CHECK(count(1, nullptr) == mine0 && count(0, nullptr) == all0);
+}
+
+static void test_host_register() {
+    begin("cuMemHostRegister: the caller's memory, pinned in place");
+    using Count = size_t (*)(int, size_t*);
+    using Pageable = size_t (*)(void);
+    auto count = reinterpret_cast<Count>(dlsym(g_libcuda, "fakecuda_host_alloc_bytes"));
+    auto pageable = reinterpret_cast<Pageable>(dlsym(g_libcuda, "fakecuda_pageable_copies"));
+    CHECK(count != nullptr && pageable != nullptr);
+    if (!count || !pageable) return;
+    const int n = 256;
+    CUstream s = new_stream();
+    CUdeviceptr d = dalloc(n * 4);
+    std::vector<float> host(n + 8, 0.0f);
+    float* mine = host.data() + 4;  // not page-aligned: CUDA takes any range
+    size_t mine0 = count(1, nullptr), copies0 = pageable();
+    OK(cu.cuMemHostRegister_v2(mine, n * 4, 0));
+    CHECK(count(1, nullptr) == mine0 + n * 4);
+    // Overlapping ranges are refused; cuMemFreeHost does not take a registered pointer.
+    CHECK_RC(cu.cuMemHostRegister_v2(host.data(), 32, 0), CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED);
+    CHECK_RC(cu.cuMemHostRegister_v2(mine + n - 1, 64, 0), CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED);
+    CHECK_RC(cu.cuMemFreeHost(mine), CUDA_ERROR_INVALID_VALUE);
+    // A pinned DtoH: written later, by the stream; no pageable copy counted.
+    {
+        Gate g;
+        gate(s, g);
+        OK(cu.cuMemsetD32Async(d, bits(6.0f), n, s));
+        OK(cu.cuMemcpyDtoHAsync_v2(mine, d, n * 4, s));
+        CHECK(mine[0] == 0.0f);
+        g.release();
+        OK(cu.cuStreamSynchronize(s));
+        CHECK(mine[0] == 6.0f && mine[n - 1] == 6.0f && host[3] == 0.0f && host[n + 4] == 0.0f);
+    }
+    CHECK(pageable() == copies0);
+    // Just before the range: pageable, and counted.
+    OK(cu.cuMemcpyDtoHAsync_v2(host.data(), d, 16, s));
+    CHECK(pageable() == copies0 + 1);
+    OK(cu.cuMemHostUnregister(mine));
+    CHECK(count(1, nullptr) == mine0);
+    CHECK_RC(cu.cuMemHostUnregister(mine), CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED);
+    OK(cu.cuMemcpyDtoHAsync_v2(mine, d, n * 4, s));  // pageable again
+    CHECK(pageable() == copies0 + 2);
+    OK(cu.cuMemFree_v2(d));
+    OK(cu.cuStreamDestroy_v2(s));
 }
 
 static void test_pageable_and_pinned_copies() {
@@ -1260,6 +1308,7 @@ int main() {
     test_copy_checks();
     test_pageable_and_pinned_copies();
     test_host_alloc_bytes();
+    test_host_register();
     test_stream_order();
     test_legacy_default_stream();
     test_events();

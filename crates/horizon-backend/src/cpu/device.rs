@@ -309,6 +309,10 @@ impl Device for CpuDevice {
     fn alloc_staging<T: StagingElem>(&self, len: usize) -> Vec<T> {
         vec![T::default(); len]
     }
+
+    type HostPin = ();
+    /// Nothing to page-lock (see `alloc_staging`).
+    unsafe fn pin_host(&self, _: &mut [f32]) {}
 }
 
 impl Drop for CpuDevice {

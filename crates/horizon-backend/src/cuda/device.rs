@@ -40,7 +40,7 @@ use cudarc::driver::{CudaContext, CudaStream, result as cu, sys};
 use super::backend::{CudaBackend, context};
 use super::convert::round_on_device;
 use super::kernels::Kernels;
-use super::pinned::{Pinned, PinnedTally};
+use super::pinned::{Pinned, PinnedTally, Registered};
 use super::slice::DevSlice;
 use super::{CudaDeviceConfig, CudaError, DeviceFault, WIRE_CHUNK, check};
 use crate::Bf16;
@@ -370,6 +370,12 @@ impl Device for CudaDevice {
     fn alloc_staging<T: StagingElem>(&self, len: usize) -> Pinned<T> {
         Pinned::new(&self.shared.ctx, &self.shared.pinned, len)
     }
+
+    type HostPin = Registered;
+    unsafe fn pin_host(&self, buf: &mut [f32]) -> Registered {
+        // SAFETY: the caller keeps `buf` allocated, at its address, while the guard lives.
+        unsafe { Registered::new(&self.shared.ctx, &self.shared.pinned, buf) }
+    }
 }
 
 impl Drop for CudaDevice {
@@ -409,7 +415,8 @@ struct Shared {
     compute: CudaBackend,
     d2h: CudaBackend,
     events: EventPool,
-    /// Page-locked bytes held: the staging buffers handed out and the H2D thread's wire ring.
+    /// Page-locked bytes held: the staging buffers handed out, the host memory registered by
+    /// `pin_host` and the H2D thread's wire ring.
     pinned: Arc<PinnedTally>,
     counters: Mutex<Counters>,
     first_panic: Mutex<Option<String>>,

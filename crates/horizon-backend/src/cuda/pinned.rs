@@ -4,7 +4,9 @@
 //!
 //! Every buffer is pinned at its exact size, `len * size_of::<T>()` bytes: no size classes, no
 //! rounding up (page-locked memory is taken from the machine's RAM for good, and the plan counts
-//! it to the byte). Each one is counted in its device's [`PinnedTally`] while it lives.
+//! it to the byte). Each one is counted in its device's [`PinnedTally`] while it lives, as is
+//! each range of memory allocated elsewhere and page-locked in place ([`Registered`]:
+//! `cuMemHostRegister`).
 
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
@@ -114,6 +116,62 @@ impl<T: Copy + Default> Drop for Pinned<T> {
                 // SAFETY: from `Box::into_raw` of a boxed slice of `len` in `new`.
                 drop(unsafe { Box::from_raw(slice) });
             }
+        }
+    }
+}
+
+/// Host memory allocated elsewhere, page-locked in place (`cuMemHostRegister`, flags 0) while
+/// this guard lives and counted in the device's [`PinnedTally`] at its exact size; the
+/// registration of [`crate::Device::pin_host`]. When the driver refuses, the memory stays
+/// pageable (with a warning, not counted): copies still work, at the pageable rate.
+pub struct Registered {
+    ptr: *mut std::ffi::c_void,
+    bytes: usize,
+    ctx: Option<(Arc<CudaContext>, Arc<PinnedTally>)>,
+}
+
+// SAFETY: the guard holds only the address to unregister; it never reads or writes the memory.
+unsafe impl Send for Registered {}
+// SAFETY: as above; `&Registered` exposes nothing.
+unsafe impl Sync for Registered {}
+
+impl Registered {
+    /// # Safety
+    /// `buf` must stay allocated, at its address, until the guard is dropped.
+    pub unsafe fn new(ctx: &Arc<CudaContext>, tally: &Arc<PinnedTally>, buf: &mut [f32]) -> Self {
+        let (ptr, bytes) = (buf.as_mut_ptr().cast::<std::ffi::c_void>(), size_of_val(buf));
+        let mut pinned = None;
+        if bytes > 0 && ctx.bind_to_thread().is_ok() {
+            // SAFETY: `buf` is `bytes` bytes of live host memory that the caller keeps in place
+            // while the guard lives; flags 0 (portable to the context, not mapped).
+            let r = unsafe { cudarc::driver::sys::cuMemHostRegister_v2(ptr, bytes, 0) };
+            if r == cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+                tally.add(bytes);
+                pinned = Some((ctx.clone(), tally.clone()));
+            } else {
+                eprintln!(
+                    "warning: cannot page-lock {bytes} bytes of host memory ({r:?}); its \
+                     copies run at the pageable rate"
+                );
+            }
+        }
+        Registered { ptr, bytes, ctx: pinned }
+    }
+
+    /// True when the memory is page-locked.
+    pub fn is_pinned(&self) -> bool {
+        self.ctx.is_some()
+    }
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        if let Some((ctx, tally)) = &self.ctx {
+            let _ = ctx.bind_to_thread();
+            // SAFETY: registered in `new` at this address, unregistered only here, while the
+            // memory is still allocated (the caller's contract).
+            let _ = unsafe { cudarc::driver::sys::cuMemHostUnregister(self.ptr) };
+            tally.sub(self.bytes);
         }
     }
 }
