@@ -6,10 +6,12 @@
 //! of the layer; then the forward's and the backward's sums. This is what `horizon bench`'s
 //! per-layer `Forward` and `Backward` ops are made of, so it says which kernel holds a step back
 //! on a real GPU (and what the projection's roofline assumes for it). Then the LM head's ops on
-//! one chunk of CHUNK rows (default 2048) against a vocabulary tile of V/3 rows (V default
-//! 152064, three tiles as the 7B plan cuts it): the logits product, the tile's statistics and
-//! gradient, and the two backward products, per chunk and per tile. Without a GPU it runs
-//! under the CUDA test double (`scripts/fakecuda.sh`), at small shapes only.
+//! one chunk of CHUNK rows (default 2048) against a vocabulary tile (V default 152064): the
+//! logits product, the tile's statistics and gradient, and the two backward products, per
+//! chunk and per tile; for three tiles side by side: V/3 rows, as many as a weight slot (the
+//! layer) holds (65,026 at the 7B shape, what the engine cut until 2026-12-04), and that
+//! rounded down to a multiple of 128 (65,024, what it cuts now: `HeadTiling`). Without a GPU
+//! it runs under the CUDA test double (`scripts/fakecuda.sh`), at small shapes only.
 //!
 //! Each op is timed as `REPS` runs each followed by a stream synchronize, wall clock: the ops
 //! are milliseconds long at the default shapes, so the synchronize's microseconds do not count.
@@ -110,7 +112,7 @@ fn weights(be: &CudaBackend, rng: &mut Rng, len: usize) -> CudaMem<Bf16> {
 }
 
 /// The arguments `B T C F H KVH D REPS V CHUNK`, each defaulted: the layer's shape, the
-/// repetitions, and the LM head's vocabulary tile (a third of V) and rows per chunk.
+/// repetitions, and the LM head's vocabulary and rows per chunk.
 fn parse() -> (Shape, usize, (usize, usize)) {
     let a: Vec<usize> = std::env::args()
         .skip(1)
@@ -126,12 +128,19 @@ fn parse() -> (Shape, usize, (usize, usize)) {
         kvh: get(5, 4),
         d: get(6, 128),
     };
-    (s, get(7, 5), (get(8, 152064).div_ceil(3), get(9, 2048)))
+    (s, get(7, 5), (get(8, 152064), get(9, 2048)))
 }
 
 fn main() {
-    let (s, reps, (vt, chunk)) = parse();
+    let (s, reps, (v, chunk)) = parse();
     let (n, c, f, qkv) = (s.n(), s.c, s.f, s.qkv());
+    // The engine's slot holds the largest layer: q, k, v (with biases, as Qwen2's), o, the
+    // three MLP products and the two norms; a tile is as many vocabulary rows as fit beside
+    // the final norm, rounded down to 128 (`horizon::engine::head_tiles::HeadTiling`).
+    let layer_len = c * qkv + qkv + s.h * s.d * c + 3 * c * f + 2 * c;
+    let fit = ((layer_len - c) / c).clamp(1, v);
+    let tiles = [v.div_ceil(3), fit, if fit >= 128 { fit - fit % 128 } else { fit }];
+    let vt = tiles.into_iter().max().unwrap_or(1);
     let largest = Precision::Bf16
         .product_bytes(n, f.max(c), (2 * f).max(qkv))
         .max(Precision::Bf16.product_bytes(chunk, c, vt))
@@ -145,7 +154,9 @@ fn main() {
     );
     let rows = layer(&be, &mut rng, s, reps);
     report(&rows);
-    head(&be, &mut rng, s, (vt, chunk), reps);
+    for vt in tiles {
+        head(&be, &mut rng, s, (vt, chunk), reps);
+    }
     cublas_alone(&be, &mut rng, s, reps);
 }
 
