@@ -1497,6 +1497,14 @@ CUAPI CUresult cuMemFree_v2(CUdeviceptr p) {
     return sticky_or(*c);
 }
 
+// Whether `p` starts a live host entry of that kind: a cuMemHostRegister range (`registered`)
+// or a cuMemHostAlloc allocation.
+bool host_entry_is(void* p, bool registered) {
+    std::lock_guard<std::mutex> lk(G().mem.mu);
+    auto it = G().mem.host.find((uintptr_t)p);
+    return it != G().mem.host.end() && it->second.registered == registered;
+}
+
 CUAPI CUresult cuMemHostAlloc(void** pp, size_t bytes, unsigned flags) {
     Context* c;
     CUresult e = enter(c);
@@ -1547,13 +1555,9 @@ CUAPI CUresult cuMemHostUnregister(void* p) {
     Context* c;
     CUresult e = enter(c, true);
     if (e) return e;
-    {
-        std::lock_guard<std::mutex> lk(G().mem.mu);
-        auto it = G().mem.host.find((uintptr_t)p);
-        if (it == G().mem.host.end() || !it->second.registered) {
-            complain("cuMemHostUnregister: %p is not the start of a registered range", p);
-            return CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED;
-        }
+    if (!host_entry_is(p, true)) {
+        complain("cuMemHostUnregister: %p is not the start of a registered range", p);
+        return CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED;
     }
     drain(*c);
     std::lock_guard<std::mutex> lk(G().mem.mu);
@@ -1566,13 +1570,9 @@ CUAPI CUresult cuMemFreeHost(void* p) {
     Context* c;
     CUresult e = enter(c, true);
     if (e) return e;
-    {
-        std::lock_guard<std::mutex> lk(G().mem.mu);
-        auto it = G().mem.host.find((uintptr_t)p);
-        if (it == G().mem.host.end() || it->second.registered) {
-            complain("cuMemFreeHost: %p is not a pointer from cuMemHostAlloc", p);
-            return CUDA_ERROR_INVALID_VALUE;
-        }
+    if (!host_entry_is(p, false)) {
+        complain("cuMemFreeHost: %p is not a pointer from cuMemHostAlloc", p);
+        return CUDA_ERROR_INVALID_VALUE;
     }
     drain(*c);
     std::lock_guard<std::mutex> lk(G().mem.mu);
