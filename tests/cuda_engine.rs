@@ -485,15 +485,15 @@ fn driver_pageable_copies() -> Option<usize> {
     Some(unsafe { f() })
 }
 
-/// Copies between the device and pageable host memory cost the step twice on a real GPU: the
-/// driver stages them through its own buffer at a fraction of the link's rate, and other
-/// streams' launches wait meanwhile (a 7B head's gradient tiles, downloaded into the host
-/// store, took 94 ms instead of 13 on an H200 and tripled `HeadGrad`'s time). So every copy of
-/// a step goes to or from page-locked memory: the staging, the weight image and ring, and the
-/// final norm's and head's gradients, registered in place. Whole and tiled heads, tied and
-/// untied, on the test double's count. Runs alone in a child process (the count is the
-/// process's; other tests copy too); only the token ids of each micro-batch (a few bytes,
-/// uploaded from their own vector by the H2D queue) still cross from pageable memory.
+/// Copies between the device and pageable host memory run at a fraction of the link's rate on
+/// a real GPU, and synchronously: the driver stages them through its own buffer (a 7B head's
+/// gradient tiles, downloaded into the host store, took 94 ms each on an H200 and 18 ms
+/// page-locked). So every copy of a step goes to or from page-locked memory: the staging, the
+/// weight image and ring, and the final norm's and head's gradients, registered in place.
+/// Whole and tiled heads, tied and untied, on the test double's count. Runs alone in a child
+/// process (the count is the process's; other tests copy too); only the token ids and targets
+/// of each micro-batch (a few bytes, uploaded from their own vectors by the H2D queue) still
+/// cross from pageable memory.
 #[test]
 fn a_step_copies_nothing_through_pageable_memory() {
     const ALONE: &str = "HORIZON_TEST_ALONE";

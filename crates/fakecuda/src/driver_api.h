@@ -41,7 +41,7 @@ int fakecuda_device_pointer_kind(const void* ptr);
 size_t fakecuda_host_alloc_bytes(int mine, size_t* count);
 
 // How many copies so far had a pageable host side (a real driver stages them through its own
-// buffer, at a fraction of the link's rate, and holds up other streams' launches meanwhile).
+// buffer, at a fraction of the link's rate, and returns when a download is done).
 size_t fakecuda_pageable_copies(void);
 
 // CUDA_SUCCESS when `s` is a stream of the calling thread's current context (or a default
