@@ -585,13 +585,7 @@ impl Ctx {
     }
 
     fn param_index(&self, p: ParamBuf) -> usize {
-        let l = self.layout.dims.layers;
-        match p {
-            ParamBuf::Embed => 0,
-            ParamBuf::Layer(i) => 1 + i,
-            ParamBuf::FinalNorm => l + 1,
-            ParamBuf::Head => l + 2,
-        }
+        param_index(self.layout.dims.layers, p)
     }
     fn head_param(&self) -> ParamBuf {
         self.shape.head_buf()
@@ -751,6 +745,17 @@ fn place_queue_threads<D: Device>(dev: &D, cpus: threads::QueueCpus) {
     }
 }
 
+/// Buffer `p`'s index among a `layers`-layer model's buffers, in the order of
+/// `ParamStore::buffers`.
+fn param_index(layers: usize, p: ParamBuf) -> usize {
+    match p {
+        ParamBuf::Embed => 0,
+        ParamBuf::Layer(i) => 1 + i,
+        ParamBuf::FinalNorm => layers + 1,
+        ParamBuf::Head => layers + 2,
+    }
+}
+
 /// Page-locks the gradients the device downloads straight into the host store, the final
 /// norm's and `head`'s (the head, or the embedding when tied), in full fine-tuning: into
 /// pageable memory a tile of a 7B head's gradient (932 MB) took 94 ms on an H200, page-locked
@@ -764,14 +769,9 @@ fn pin_downloaded_grads<D: Device>(
     if !layout.trains_base() {
         return Vec::new();
     }
-    let l = layout.dims.layers;
-    let head = match head {
-        ParamBuf::Embed => 0,
-        ParamBuf::Head => l + 2,
-        p => unreachable!("{p:?} is not the head"),
-    };
     let mut grads = state.grads.buffers_mut();
-    [l + 1, head]
+    [ParamBuf::FinalNorm, head]
+        .map(|p| param_index(layout.dims.layers, p))
         .into_iter()
         .map(|i| {
             // SAFETY: the state is boxed and owned by the engine, its gradient buffers never
