@@ -421,36 +421,16 @@ fn layer(be: &CudaBackend, rng: &mut Rng, s: Shape, reps: usize) -> Vec<Row> {
     // or a device before sm_80) or are not wanted; then the warp-per-row kernels, which run
     // where neither can (here: buffers offset by one element, so not 16-byte aligned), on the
     // same inputs.
-    be.set_attention_kernels(AttentionKernels::Wmma);
-    push(
-        "attention wmma",
-        time(be, reps, || be.attention_forward(&mut att, &mut lse, &q, dims)),
-        s.attn_flops(),
-        0.0,
-        reference,
-    );
-    push(
-        "attention bwd wmma",
-        time(be, reps, || be.attention_backward(&mut dq, &datt, &q, &att, &lse, dims)),
-        2.5 * s.attn_flops(),
-        0.0,
-        reference,
-    );
-    be.set_attention_kernels(AttentionKernels::Fp32);
-    push(
-        "attention fp32 tiled",
-        time(be, reps, || be.attention_forward(&mut att, &mut lse, &q, dims)),
-        s.attn_flops(),
-        0.0,
-        reference,
-    );
-    push(
-        "attention bwd fp32 tiled",
-        time(be, reps, || be.attention_backward(&mut dq, &datt, &q, &att, &lse, dims)),
-        2.5 * s.attn_flops(),
-        0.0,
-        reference,
-    );
+    for (kernels, [forward, backward]) in [
+        (AttentionKernels::Wmma, ["attention wmma", "attention bwd wmma"]),
+        (AttentionKernels::Fp32, ["attention fp32 tiled", "attention bwd fp32 tiled"]),
+    ] {
+        be.set_attention_kernels(kernels);
+        let t = time(be, reps, || be.attention_forward(&mut att, &mut lse, &q, dims));
+        push(forward, t, s.attn_flops(), 0.0, reference);
+        let t = time(be, reps, || be.attention_backward(&mut dq, &datt, &q, &att, &lse, dims));
+        push(backward, t, 2.5 * s.attn_flops(), 0.0, reference);
+    }
     let off = |m: &CudaMem<f32>, len: usize| {
         let mut o = be.alloc(len + 1);
         be.copy(o.slice_mut(1..len + 1), m);
