@@ -230,7 +230,7 @@ struct Memory {
     std::deque<uintptr_t> fifo;         // quarantine order
     size_t quarantined = 0;             // bytes of address space in quarantine
     std::map<uintptr_t, HostAlloc> host;  // cuMemHostAlloc and cuMemHostRegister, by ptr
-    size_t pageable_copies = 0;           // copies to or from pageable host memory so far
+    std::atomic<size_t> pageable_copies{0};  // copies to or from pageable host memory so far
 };
 
 // Lock order: primary -> reg -> sched; mem.mu is never held with another lock.
@@ -557,11 +557,9 @@ HostKind host_kind(const void* ptr, size_t n, const char* what, const char* role
         return HostKind::Bad;
     }
     auto it = m.host.upper_bound(p);
-    if (it == m.host.begin() || p >= std::prev(it)->first + std::prev(it)->second.mapped) {
-        m.pageable_copies++;
-        return HostKind::Pageable;
-    }
+    if (it == m.host.begin()) return HostKind::Pageable;
     --it;
+    if (p >= it->first + it->second.mapped) return HostKind::Pageable;
     uintptr_t end = it->first + it->second.bytes;
     if (p + n <= end) return HostKind::Pinned;
     complain("%s: the host %s 0x%llx + %zu bytes runs %llu bytes past the end of the "
@@ -827,6 +825,7 @@ CUresult copy_htod(const char* what, CUdeviceptr dst, const void* src, size_t n,
     if ((e = check_range(dst, n, what))) return e;
     HostKind kind = host_kind(src, n, what, "source");
     if (kind == HostKind::Bad) return CUDA_ERROR_INVALID_VALUE;
+    if (kind == HostKind::Pageable) G().mem.pageable_copies++;
     void* d = (void*)(uintptr_t)dst;
     std::function<void(bool)> work;
     if (kind == HostKind::Pinned) {
@@ -852,6 +851,7 @@ CUresult copy_dtoh(const char* what, void* dst, CUdeviceptr src, size_t n, CUstr
     if ((e = check_range(src, n, what))) return e;
     HostKind kind = host_kind(dst, n, what, "destination");
     if (kind == HostKind::Bad) return CUDA_ERROR_INVALID_VALUE;
+    if (kind == HostKind::Pageable) G().mem.pageable_copies++;
     const void* s = (const void*)(uintptr_t)src;
     Pos pos;
     auto work = [dst, s, n](bool failed) { if (!failed) memcpy(dst, s, n); };
@@ -1778,10 +1778,7 @@ CUAPI size_t fakecuda_host_alloc_bytes(int mine, size_t* count) {
     return bytes;
 }
 
-CUAPI size_t fakecuda_pageable_copies(void) {
-    std::lock_guard<std::mutex> lk(G().mem.mu);
-    return G().mem.pageable_copies;
-}
+CUAPI size_t fakecuda_pageable_copies(void) { return G().mem.pageable_copies.load(); }
 
 CUAPI CUresult fakecuda_check_stream(CUstream h) {
     Context* c;
