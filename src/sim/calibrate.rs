@@ -246,6 +246,8 @@ pub fn this_cpu(link_gbps: f64, host_memory_bytes: u64) -> Hardware {
             mem_gbps: f64::INFINITY,
             memory_gib: host_memory_bytes as f64 / (1u64 << 30) as f64,
             rates: HostRates::default(),
+            // Measured with the pools (`HostMeasured::contended`).
+            contended: 1.0,
         },
     }
 }
@@ -386,6 +388,97 @@ impl HostMeasured {
             }),
         }
     }
+}
+
+impl HostMeasured {
+    /// What the pool's threads keep of their speed beside the CPU device's kernels, which run
+    /// on every core ([`Host::contended`]): an AdamW pass over a layer's trained elements (at
+    /// most [`CONTENDED_MAX_ELEMS`]) on the pool, over buffers cycled cold, each after a
+    /// [`CONTENDED_NAP`] sleep (the host queue's work arrives between its waits), alone and
+    /// while `device`'s kernel pool runs a layer's up projection on `rows` rows back to back
+    /// (entered from a thread placed as the compute queue's), in turn [`CONTENDED_ROUNDS`]
+    /// times; the median pass alone over the median beside, at most 1.
+    ///
+    /// On the 2-core validation machine (`examples/contention_probe`, a layer of
+    /// `bench/overlap.yaml`) an update ran at 0.85-0.95 of its speed alone beside those
+    /// products, and at 0.67-0.72 beside products of 512 x 512 x 1024; in its runs the layers'
+    /// updates that overlapped kernels took 1.08-1.16x those that did not.
+    pub fn contended(&self, device: &CpuMeasured, rows: usize) -> f64 {
+        let n = (0..self.layout.dims.layers)
+            .map(|i| self.layout.layer(i).train_len())
+            .max()
+            .unwrap_or(0)
+            .clamp(1 << 12, CONTENDED_MAX_ELEMS);
+        let cfg = AdamWConfig { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 };
+        let st = AdamWStep::new(&cfg, 1, cfg.lr);
+        let mut sets: Vec<_> = (0..cold_sets(16 * n))
+            .map(|k| (filled(n, k), filled(n, k + 1), filled(n, k + 2), filled(n, k + 3)))
+            .collect();
+        let (count, mut next) = (sets.len(), 0);
+        let mut pass = || {
+            let (p, g, m, v) = &mut sets[next % count];
+            next += 1;
+            std::thread::sleep(CONTENDED_NAP);
+            self.on_pool(|| {
+                let t0 = Instant::now();
+                Moments32 { m, v }.update(p, g, &st, 1.0, 7, None);
+                t0.elapsed().as_secs_f64()
+            })
+        };
+        pass();
+        let shape = (rows.max(1), self.layout.dims.c, self.layout.dims.f);
+        let (mut alone, mut beside) = (Vec::new(), Vec::new());
+        for _ in 0..CONTENDED_ROUNDS {
+            alone.extend((0..REPS).map(|_| pass()));
+            beside.extend(device.beside_products(&self.queues.others, shape, || {
+                (0..REPS).map(|_| pass()).collect::<Vec<f64>>()
+            }));
+        }
+        (median(alone) / median(beside)).min(1.0)
+    }
+}
+
+impl CpuMeasured {
+    /// `f`'s result, run while the kernel pool runs products of `(m, k, n)` back to back,
+    /// entered from a thread on `cpus` (as the compute queue's thread is placed).
+    fn beside_products<T>(
+        &self,
+        cpus: &[usize],
+        (m, k, n): (usize, usize, usize),
+        f: impl FnOnce() -> T,
+    ) -> T {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let stop = AtomicBool::new(false);
+        let (be, kernels) = (&self.be, &self.kernels);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                threads::restrict_current_thread(cpus);
+                let mut o = Operands::new(m, k, n);
+                while !stop.load(Ordering::Relaxed) {
+                    kernels.install(|| be.matmul_forward(&mut o.out, &o.inp, &o.w, None, m, k, n));
+                }
+            });
+            // Let the kernels get going before `f` starts.
+            std::thread::sleep(Duration::from_millis(5));
+            let out = f();
+            stop.store(true, Ordering::Relaxed);
+            out
+        })
+    }
+}
+
+/// The most elements [`HostMeasured::contended`]'s AdamW pass runs over (16 MB of buffers).
+const CONTENDED_MAX_ELEMS: usize = 1 << 20;
+
+/// How long [`HostMeasured::contended`] sleeps before each pass.
+const CONTENDED_NAP: Duration = Duration::from_millis(1);
+
+/// Rounds of [`HostMeasured::contended`], each timing the pass alone and beside the kernels.
+const CONTENDED_ROUNDS: usize = 3;
+
+fn median(mut t: Vec<f64>) -> f64 {
+    t.sort_by(f64::total_cmp);
+    t[t.len() / 2]
 }
 
 /// `f`, run on a thread of its own restricted to `cpus` (empty: anywhere).
@@ -660,5 +753,13 @@ mod tests {
         }
         let (big, small) = (h.memcpy(Queue::H2D, 1 << 22), h.memcpy(Queue::D2H, 1 << 10));
         assert!(big > small, "a bigger copy takes longer: {small} vs {big}");
+    }
+
+    #[test]
+    fn host_threads_beside_the_kernels_keep_a_measured_part_of_their_speed() {
+        let layout = crate::model::layout::fixture_layout();
+        let h = HostMeasured::new(1, &layout, true);
+        let c = h.contended(&CpuMeasured::new(true), 64);
+        assert!(c > 0.0 && c <= 1.0, "{c}");
     }
 }

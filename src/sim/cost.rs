@@ -582,7 +582,7 @@ mod tests {
     use crate::sim::hardware::HostRates;
 
     fn host(mem_gbps: f64) -> Host {
-        Host { cores: 8, mem_gbps, memory_gib: 64.0, rates: HostRates::default() }
+        Host { cores: 8, mem_gbps, memory_gib: 64.0, rates: HostRates::default(), contended: 1.0 }
     }
 
     #[test]

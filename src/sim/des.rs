@@ -10,8 +10,10 @@
 //! and the running ops split it max-min fairly (water-filling), except that an op marked
 //! `first` takes its share before the others split the rest: a thread that slept and wakes for
 //! a short job, which the OS runs at once (the CPU device's copy threads, which its runs
-//! measure at their speed alone beside busy kernels). `host_s` is the op's time with the host
-//! to itself. An op ends when both parts are done. The simulation is exact for this
+//! measure at their speed alone beside busy kernels). When the other ops' shares add up to
+//! more than what the first ones leave, their threads outnumber the cores and take turns on
+//! them, and each gets only `contended` of its split (see [`crate::sim::hardware::Host`]).
+//! `host_s` is the op's time with the host to itself. An op ends when both parts are done. The simulation is exact for this
 //! fluid model: between two events (an op starting, or one part of one op ending) every rate
 //! is constant.
 
@@ -80,9 +82,11 @@ struct Running {
 /// Work left below this (seconds) is none: what float rounding leaves of a finished part.
 const EPS: f64 = 1e-9;
 
-/// Simulate `ops` (in submission order). Panics if an op waits for a later one or for itself
-/// (a bug in the plan: [`crate::engine::plan::check`] rejects such plans).
-pub fn simulate(ops: &[SimOp]) -> Timeline {
+/// Simulate `ops` (in submission order) on a host that delivers `contended` of the split when
+/// oversubscribed (see the module). Panics if an op waits for a later one or for itself (a bug
+/// in the plan: [`crate::engine::plan::check`] rejects such plans).
+pub fn simulate(ops: &[SimOp], contended: f64) -> Timeline {
+    assert!(contended > 0.0 && contended <= 1.0, "contended {contended}");
     let n = ops.len();
     let mut per_queue: [Vec<usize>; 4] = Default::default();
     for (j, op) in ops.iter().enumerate() {
@@ -135,7 +139,7 @@ pub fn simulate(ops: &[SimOp]) -> Timeline {
             continue;
         }
         assert!(!running.is_empty(), "the plan deadlocks: no op can start at t = {t}");
-        let rates = host_rates(&running);
+        let rates = host_rates(&running, contended);
         // The next event: one part of one op ends.
         let dt = running
             .iter()
@@ -158,8 +162,9 @@ pub fn simulate(ops: &[SimOp]) -> Timeline {
 
 /// Progress rates (alone-seconds of host work per second) of the running ops: the ops marked
 /// `first` take their shares, then the rest of the host's capacity is split max-min fairly
-/// among the other ops with host work left, each capped at its share.
-fn host_rates(running: &[Running]) -> Vec<f64> {
+/// among the other ops with host work left, each capped at its share; if their shares add up
+/// to more than that rest, each gets `contended` of its part.
+fn host_rates(running: &[Running], contended: f64) -> Vec<f64> {
     let mut alloc = vec![0.0; running.len()];
     let mut left = 1.0f64;
     let has_work = |i: &usize| running[*i].host_left > EPS;
@@ -170,11 +175,13 @@ fn host_rates(running: &[Running]) -> Vec<f64> {
     let mut open: Vec<usize> =
         (0..running.len()).filter(has_work).filter(|&i| !running[i].first).collect();
     // Water-filling: the ops whose cap is below an equal split get their cap; repeat.
+    let asked: f64 = open.iter().map(|&i| running[i].share).sum();
+    let loss = if asked > left + EPS { contended } else { 1.0 };
     open.sort_by(|&a, &b| running[a].share.total_cmp(&running[b].share));
     while let Some(&i) = open.first() {
         let fair = left / open.len() as f64;
         let give = running[i].share.min(fair);
-        alloc[i] = give;
+        alloc[i] = give * loss;
         left -= give;
         open.remove(0);
     }
@@ -230,7 +237,7 @@ mod tests {
     fn a_chain_on_one_queue_runs_back_to_back() {
         let ops: Vec<SimOp> =
             [1.0, 2.0, 0.5].iter().map(|&s| op(Compute, Cost::fixed(s), &[])).collect();
-        let tl = simulate(&ops);
+        let tl = simulate(&ops, 1.0);
         assert_eq!(tl.start, vec![0.0, 1.0, 3.0]);
         assert_eq!(tl.end, vec![1.0, 3.0, 3.5]);
         assert_eq!(tl.cause, vec![None, Some(0), Some(1)]);
@@ -250,7 +257,7 @@ mod tests {
             op(H2D, Cost::fixed(5.0), &[]),
             op(Compute, Cost::fixed(1.0), &[4]),
         ];
-        let tl = simulate(&ops);
+        let tl = simulate(&ops, 1.0);
         assert_eq!(tl.start, vec![0.0, 2.0, 2.0, 5.0, 4.0, 9.0]);
         assert_eq!(tl.end, vec![2.0, 5.0, 4.0, 6.0, 9.0, 10.0]);
         assert_eq!(tl.cause[3], Some(1), "compute 1 waited for its queue");
@@ -272,7 +279,7 @@ mod tests {
             op(Host, Cost::host(2.0, 1.0), &[2]),
         ];
         ops[2].waits = vec![1];
-        let tl = simulate(&ops);
+        let tl = simulate(&ops, 1.0);
         assert_eq!(tl.end, vec![1.0, 3.0, 4.0, 6.0]);
         assert_eq!(tl.cause[2], Some(1));
     }
@@ -281,18 +288,18 @@ mod tests {
     fn host_work_is_shared_fairly_and_capped() {
         // Two full-host passes of 1 s each, side by side: both end at 2 s.
         let ops = vec![op(Host, Cost::host(1.0, 1.0), &[]), op(H2D, Cost::host(1.0, 1.0), &[])];
-        let tl = simulate(&ops);
+        let tl = simulate(&ops, 1.0);
         assert!(close(tl.end[0], 2.0) && close(tl.end[1], 2.0), "{:?}", tl.end);
         // A one-thread copy (share 1/4, 1 s alone) beside a full pass (1 s alone): the copy
         // keeps its quarter, the pass gets 3/4 until the copy ends at 1 s, then all.
         let ops = vec![op(H2D, Cost::host(1.0, 0.25), &[]), op(Host, Cost::host(1.0, 1.0), &[])];
-        let tl = simulate(&ops);
+        let tl = simulate(&ops, 1.0);
         assert!(close(tl.end[0], 1.0), "{:?}", tl.end);
         assert!(close(tl.end[1], 1.25), "{:?}", tl.end);
         // An upload's link time and its rounding overlap: it ends with the longer part.
         let up = Cost::fixed(2.0).with_host(Cost::host(1.0, 1.0));
         let ops = vec![op(H2D, up, &[]), op(Host, Cost::host(1.0, 1.0), &[])];
-        let tl = simulate(&ops);
+        let tl = simulate(&ops, 1.0);
         // Both host parts share the host until they end together at 2 s, the link at 2 s.
         assert!(close(tl.end[0], 2.0) && close(tl.end[1], 2.0), "{:?}", tl.end);
     }
@@ -307,7 +314,7 @@ mod tests {
             op(H2D, Cost::host_first(1.0, 0.25), &[]),
             op(Compute, Cost::host(1.0, 1.0), &[]),
         ];
-        let tl = simulate(&ops);
+        let tl = simulate(&ops, 1.0);
         assert!(close(tl.end[1], 1.0), "{:?}", tl.end);
         assert!(close(tl.end[0], 2.25) && close(tl.end[2], 2.25), "{:?}", tl.end);
         // Two first ops over the whole host: the earlier takes its share, the later the rest.
@@ -315,10 +322,30 @@ mod tests {
             op(H2D, Cost::host_first(1.0, 0.75), &[]),
             op(D2H, Cost::host_first(1.0, 0.5), &[]),
         ];
-        let tl = simulate(&ops);
+        let tl = simulate(&ops, 1.0);
         // The second runs at 0.25 / 0.5 until the first ends at 1 s (0.5 s of its work done),
         // then at its full share: 1.5 s.
         assert!(close(tl.end[0], 1.0) && close(tl.end[1], 1.5), "{:?}", tl.end);
+    }
+
+    #[test]
+    fn oversubscribed_threads_get_the_contended_part_of_their_split() {
+        // A kernel over the whole host (1 s alone) beside a pool op on half of it (1 s alone),
+        // at 0.8: each gets 0.8 of its half, the pool op ends at 1.25 s; the kernel has done
+        // 0.5 s of its work by then and runs the rest alone: 1.75 s.
+        let ops = vec![op(Compute, Cost::host(1.0, 1.0), &[]), op(Host, Cost::host(1.0, 0.5), &[])];
+        let tl = simulate(&ops, 0.8);
+        assert!(close(tl.end[1], 1.25) && close(tl.end[0], 1.75), "{:?}", tl.end);
+        // A copy taken first keeps its share; the kernel gets 0.8 of the half it leaves: the
+        // copy ends at 1 s, the kernel (0.4 s of work done) at 1.6 s.
+        let ops =
+            vec![op(Compute, Cost::host(1.0, 1.0), &[]), op(H2D, Cost::host_first(1.0, 0.5), &[])];
+        let tl = simulate(&ops, 0.8);
+        assert!(close(tl.end[1], 1.0) && close(tl.end[0], 1.6), "{:?}", tl.end);
+        // Shares that fit the host lose nothing: a quarter and a half, 1 s each.
+        let ops = vec![op(Host, Cost::host(1.0, 0.5), &[]), op(H2D, Cost::host(1.0, 0.25), &[])];
+        let tl = simulate(&ops, 0.8);
+        assert!(close(tl.end[0], 1.0) && close(tl.end[1], 1.0), "{:?}", tl.end);
     }
 
     #[test]
@@ -328,7 +355,7 @@ mod tests {
             op(H2D, Cost::fixed(1.0), &[0]),
             op(Compute, Cost::default(), &[1]),
         ];
-        let tl = simulate(&ops);
+        let tl = simulate(&ops, 1.0);
         assert_eq!(tl.end, vec![0.0, 1.0, 1.0]);
     }
 }

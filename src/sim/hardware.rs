@@ -151,6 +151,17 @@ pub struct Host {
     /// Per-core rates of the host work; by default this machine's (see [`HostRates`]).
     #[serde(default)]
     pub rates: HostRates,
+    /// What the host's threads get of what they would share when more of them want the cores
+    /// than there are, in (0, 1] ([`crate::sim::des`]): threads taking turns on a core refill
+    /// its caches after each switch, and a parallel kernel waits for its slowest thread. 1 (no
+    /// loss) unless measured: `this-cpu` measures it, where the CPU device's kernels share the
+    /// cores with the host work ([`crate::sim::calibrate::HostMeasured::contended`]).
+    #[serde(default = "uncontended")]
+    pub contended: f64,
+}
+
+fn uncontended() -> f64 {
+    1.0
 }
 
 /// Per-core rates of the host work, elements per second on one core (and GB/s for plain
@@ -220,7 +231,7 @@ pub const BUILT_IN: [(&str, &str); 5] = [
 /// of DDR5-4800 are 614 GB/s peak, of which STREAM reaches about 70% (430 GB/s) across both
 /// sockets.
 fn ddr5_host(memory_gib: f64) -> Host {
-    Host { cores: 112, mem_gbps: 430.0, memory_gib, rates: HostRates::default() }
+    Host { cores: 112, mem_gbps: 430.0, memory_gib, rates: HostRates::default(), contended: 1.0 }
 }
 
 /// PCIe Gen5 x16: 64 GB/s raw per direction; pinned cudaMemcpyAsync reaches about 55 GB/s
@@ -272,6 +283,7 @@ impl Hardware {
                     mem_gbps: 290.0,
                     memory_gib: 1024.0,
                     rates: HostRates::default(),
+                    contended: 1.0,
                 },
                 "NVIDIA A100 datasheet; PCIe Gen4 pinned ~25 GB/s; 2-socket EPYC 7763 DDR4 host",
             ),
@@ -282,7 +294,13 @@ impl Hardware {
             "gh200" => (
                 gpu(989.0, 4000.0, 96.0 * 1e9 / GIB),
                 Link { h2d_gbps: 375.0, d2h_gbps: 300.0, latency_us: 5.0 },
-                Host { cores: 72, mem_gbps: 450.0, memory_gib: 480.0, rates: HostRates::default() },
+                Host {
+                    cores: 72,
+                    mem_gbps: 450.0,
+                    memory_gib: 480.0,
+                    rates: HostRates::default(),
+                    contended: 1.0,
+                },
                 "NVIDIA GH200 datasheet; NVLink-C2C copies ~375 H2D / ~300 D2H GB/s as measured by others",
             ),
             _ => return None,

@@ -115,6 +115,7 @@ pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
     let (device, host): (&dyn DeviceModel, &dyn HostModel) = if cpu {
         measured = CpuMeasured::new(ecfg.pin_threads);
         host_measured = HostMeasured::new(host_threads, &layout, ecfg.pin_threads);
+        hw.host.contended = host_measured.contended(&measured, sizes.mb_rows);
         (&measured, &host_measured)
     } else {
         (&roofline, &HostByRates { host: &hw.host, threads: host_threads })
@@ -308,6 +309,13 @@ fn fit_lines(
         }
     }
     writeln!(t, "  weight uploads: {}", upload_words(upload))?;
+    if cpu {
+        writeln!(
+            t,
+            "  host threads beside the kernels on the same cores: {:.2} of their speed (measured)",
+            hw.host.contended
+        )?;
+    }
     Ok(())
 }
 
