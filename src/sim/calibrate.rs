@@ -62,17 +62,23 @@ pub struct CpuMeasured {
     stream_bps: f64,
 }
 
+/// The median of `t` (its upper median when its length is even).
+fn median(mut t: Vec<f64>) -> f64 {
+    t.sort_by(f64::total_cmp);
+    t[t.len() / 2]
+}
+
 fn median_of(reps: usize, mut f: impl FnMut()) -> f64 {
     f();
-    let mut t: Vec<f64> = (0..reps)
-        .map(|_| {
-            let t0 = Instant::now();
-            f();
-            t0.elapsed().as_secs_f64()
-        })
-        .collect();
-    t.sort_by(f64::total_cmp);
-    t[reps / 2]
+    median(
+        (0..reps)
+            .map(|_| {
+                let t0 = Instant::now();
+                f();
+                t0.elapsed().as_secs_f64()
+            })
+            .collect(),
+    )
 }
 
 /// Repetitions of a measurement (after one warm-up run), of which the median counts: this
@@ -279,16 +285,16 @@ pub struct HostMeasured {
 /// untimed run on every set (which also maps their pages: a fresh `vec!` of zeros is not).
 fn median_cycling<S>(sets: &mut [S], mut f: impl FnMut(&mut S)) -> f64 {
     sets.iter_mut().for_each(&mut f);
-    let mut t: Vec<f64> = (0..REPS)
-        .map(|k| {
-            let s = &mut sets[k % sets.len()];
-            let t0 = Instant::now();
-            f(s);
-            t0.elapsed().as_secs_f64()
-        })
-        .collect();
-    t.sort_by(f64::total_cmp);
-    t[REPS / 2]
+    median(
+        (0..REPS)
+            .map(|k| {
+                let s = &mut sets[k % sets.len()];
+                let t0 = Instant::now();
+                f(s);
+                t0.elapsed().as_secs_f64()
+            })
+            .collect(),
+    )
 }
 
 /// How many buffer sets of `bytes` each make [`COLD_BYTES`], at most [`MAX_COLD_SETS`].
@@ -409,8 +415,7 @@ impl HostMeasured {
             .max()
             .unwrap_or(0)
             .clamp(1 << 12, CONTENDED_MAX_ELEMS);
-        let cfg = AdamWConfig { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 };
-        let st = AdamWStep::new(&cfg, 1, cfg.lr);
+        let st = timed_step();
         let mut sets: Vec<_> = (0..cold_sets(16 * n))
             .map(|k| (filled(n, k), filled(n, k + 1), filled(n, k + 2), filled(n, k + 3)))
             .collect();
@@ -476,11 +481,6 @@ const CONTENDED_NAP: Duration = Duration::from_millis(1);
 /// Rounds of [`HostMeasured::contended`], each timing the pass alone and beside the kernels.
 const CONTENDED_ROUNDS: usize = 3;
 
-fn median(mut t: Vec<f64>) -> f64 {
-    t.sort_by(f64::total_cmp);
-    t[t.len() / 2]
-}
-
 /// `f`, run on a thread of its own restricted to `cpus` (empty: anywhere).
 fn on_thread(cpus: &[usize], f: impl FnOnce() -> f64 + Send) -> f64 {
     let run = move || {
@@ -498,27 +498,33 @@ fn on_thread(cpus: &[usize], f: impl FnOnce() -> f64 + Send) -> f64 {
 /// (`examples/wake_probe`).
 fn dispatch_time(pool: &rayon::ThreadPool) -> f64 {
     const WORK: Duration = Duration::from_micros(200);
-    let mut t: Vec<f64> = (0..4 * REPS)
-        .map(|_| {
-            std::thread::sleep(Duration::from_millis(2));
-            let t0 = Instant::now();
-            pool.install(|| {
-                let w = Instant::now();
-                while w.elapsed() < WORK {
-                    std::hint::spin_loop();
-                }
-            });
-            t0.elapsed().saturating_sub(WORK).as_secs_f64()
-        })
-        .collect();
-    t.sort_by(f64::total_cmp);
-    t[t.len() / 2]
+    median(
+        (0..4 * REPS)
+            .map(|_| {
+                std::thread::sleep(Duration::from_millis(2));
+                let t0 = Instant::now();
+                pool.install(|| {
+                    let w = Instant::now();
+                    while w.elapsed() < WORK {
+                        std::hint::spin_loop();
+                    }
+                });
+                t0.elapsed().saturating_sub(WORK).as_secs_f64()
+            })
+            .collect(),
+    )
+}
+
+/// The first step of a typical AdamW: the hyperparameters every timed update runs with (they
+/// do not change its speed).
+fn timed_step() -> AdamWStep {
+    let cfg = AdamWConfig { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 };
+    AdamWStep::new(&cfg, 1, cfg.lr)
 }
 
 /// AdamW over `n` elements as the host queue runs it (the engine's [`Moments`]).
 fn time_update(n: usize, eight_bit: bool, image: bool) -> f64 {
-    let cfg = AdamWConfig { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 };
-    let st = AdamWStep::new(&cfg, 1, cfg.lr);
+    let st = timed_step();
     let per_elem = if eight_bit { 10 } else { 16 } + if image { 2 } else { 0 };
     let sets = cold_sets(per_elem * n);
     let img = |_| if image { vec![Bf16(0); n] } else { Vec::new() };
@@ -549,8 +555,7 @@ fn time_update_rows(layout: &ModelLayout, n: usize, next: bool, image: bool) -> 
     let (v, c) = (layout.dims.v, layout.dims.c.max(1));
     let wanted = if next { n / c } else { v.saturating_sub(n / c) };
     let pick = random_rows(v, wanted);
-    let cfg = AdamWConfig { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 };
-    let st = AdamWStep::new(&cfg, 1, cfg.lr);
+    let st = timed_step();
     let len = v * c;
     let mut sets: Vec<_> = (0..cold_sets(18 * len))
         .map(|k| {

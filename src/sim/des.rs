@@ -13,9 +13,9 @@
 //! measure at their speed alone beside busy kernels). When the other ops' shares add up to
 //! more than what the first ones leave, their threads outnumber the cores and take turns on
 //! them, and each gets only `contended` of its split (see [`crate::sim::hardware::Host`]).
-//! `host_s` is the op's time with the host to itself. An op ends when both parts are done. The simulation is exact for this
-//! fluid model: between two events (an op starting, or one part of one op ending) every rate
-//! is constant.
+//! `host_s` is the op's time with the host to itself. An op ends when both parts are done.
+//! The simulation is exact for this fluid model: between two events (an op starting, or one
+//! part of one op ending) every rate is constant.
 
 use horizon_backend::Queue;
 
@@ -174,9 +174,9 @@ fn host_rates(running: &[Running], contended: f64) -> Vec<f64> {
     }
     let mut open: Vec<usize> =
         (0..running.len()).filter(has_work).filter(|&i| !running[i].first).collect();
-    // Water-filling: the ops whose cap is below an equal split get their cap; repeat.
     let asked: f64 = open.iter().map(|&i| running[i].share).sum();
     let loss = if asked > left + EPS { contended } else { 1.0 };
+    // Water-filling: the ops whose cap is below an equal split get their cap; repeat.
     open.sort_by(|&a, &b| running[a].share.total_cmp(&running[b].share));
     while let Some(&i) = open.first() {
         let fair = left / open.len() as f64;
