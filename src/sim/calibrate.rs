@@ -7,6 +7,7 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use horizon_backend::bf16::{Bf16, add_bf16, expand_bf16, round_to_bf16};
@@ -279,6 +280,16 @@ pub struct HostMeasured {
     dispatch_s: f64,
     /// Where the engine's queue threads run beside this pool's threads.
     queues: QueueCpus,
+    /// The CPU device's kernels, which the copies and [`HostMeasured::contended`] are timed
+    /// beside ([`HostMeasured::beside`]); none: copies are timed alone.
+    beside: Option<Beside>,
+}
+
+/// The CPU device's kernels as [`HostMeasured`] times work beside them.
+struct Beside {
+    device: Rc<CpuMeasured>,
+    /// The product they run back to back: a layer's up projection on a micro-batch's rows.
+    shape: (usize, usize, usize),
 }
 
 /// The median time of `f` over `sets` buffers in turn (each run on the next), after one
@@ -333,6 +344,7 @@ impl HostMeasured {
             copies: RefCell::default(),
             arenas: RefCell::default(),
             dispatch_s,
+            beside: None,
         }
     }
 
@@ -397,19 +409,32 @@ impl HostMeasured {
 }
 
 impl HostMeasured {
+    /// Times the copies, and [`HostMeasured::contended`], beside `device`'s kernels running a
+    /// layer's up projection on `rows` rows back to back, as the CPU device's copies and host
+    /// work run beside its kernels: a copy thread shares its CPU with a kernel thread, and
+    /// takes it when it wakes but not always for the whole copy. Timed alone, the copies of
+    /// `bench/overlap.yaml` at link 0 were projected at 0.81-0.82 of the runs' uploads and
+    /// 0.85 of their downloads (medians of 20 and 24 interleaved runs, `block` and `spin`,
+    /// `overlap` and `compact`); timed beside the kernels, 0.88-0.90 and 0.85-0.87.
+    pub fn beside(self, device: Rc<CpuMeasured>, rows: usize) -> Self {
+        let shape = (rows.max(1), self.layout.dims.c, self.layout.dims.f);
+        HostMeasured { beside: Some(Beside { device, shape }), ..self }
+    }
+
     /// What the pool's threads keep of their speed beside the CPU device's kernels, which run
     /// on every core ([`Host::contended`]): an AdamW pass over a layer's trained elements (at
     /// most [`CONTENDED_MAX_ELEMS`]) on the pool, over buffers cycled cold, each after a
     /// [`CONTENDED_NAP`] sleep (the host queue's work arrives between its waits), alone and
-    /// while `device`'s kernel pool runs a layer's up projection on `rows` rows back to back
-    /// (entered from a thread placed as the compute queue's), in turn [`CONTENDED_ROUNDS`]
-    /// times; the median pass alone over the median beside, at most 1.
+    /// while the kernels of [`HostMeasured::beside`] run (entered from a thread placed as the
+    /// compute queue's), in turn [`CONTENDED_ROUNDS`] times; the median pass alone over the
+    /// median beside, at most 1 (1 with no kernels to time it beside).
     ///
     /// On the 2-core validation machine (`examples/contention_probe`, a layer of
     /// `bench/overlap.yaml`) an update ran at 0.85-0.95 of its speed alone beside those
     /// products, and at 0.67-0.72 beside products of 512 x 512 x 1024; in its runs the layers'
     /// updates that overlapped kernels took 1.08-1.16x those that did not.
-    pub fn contended(&self, device: &CpuMeasured, rows: usize) -> f64 {
+    pub fn contended(&self) -> f64 {
+        let Some(Beside { device, shape }) = &self.beside else { return 1.0 };
         let n = (0..self.layout.dims.layers)
             .map(|i| self.layout.layer(i).train_len())
             .max()
@@ -431,11 +456,10 @@ impl HostMeasured {
             })
         };
         pass();
-        let shape = (rows.max(1), self.layout.dims.c, self.layout.dims.f);
         let (mut alone, mut beside) = (Vec::new(), Vec::new());
         for _ in 0..CONTENDED_ROUNDS {
             alone.extend((0..REPS).map(|_| pass()));
-            beside.extend(device.beside_products(&self.queues.others, shape, || {
+            beside.extend(device.beside_products(&self.queues.others, *shape, || {
                 (0..REPS).map(|_| pass()).collect::<Vec<f64>>()
             }));
         }
@@ -669,7 +693,19 @@ fn time_gather(layout: &ModelLayout, n: usize) -> f64 {
 /// copies, and about one copy in ten waits for its core (in two traced runs of
 /// `bench/overlap.yaml` at link 0 a layer's upload took 345-355 µs at the median and 385-408
 /// on average; timed here 310-330 at the median, about 350 on average).
-fn time_memcpy(arenas: &mut (Vec<f32>, Vec<f32>), q: Queue, bytes: usize) -> f64 {
+///
+/// With `kernels` (the CPU device's kernel pool, which the caller keeps running products
+/// meanwhile: [`HostMeasured::beside`]), each download's source window is first written on
+/// that pool, each thread a part, as the kernel whose output it downloads wrote it: on the
+/// validation machine a 3 MB download whose source the other CPU (or both, a half each) had
+/// just written took 428-447 µs at the median, against 347-356 when its own CPU had and
+/// 357-376 cold (`examples/copy_probe`).
+fn time_memcpy(
+    arenas: &mut (Vec<f32>, Vec<f32>),
+    q: Queue,
+    bytes: usize,
+    kernels: Option<&rayon::ThreadPool>,
+) -> f64 {
     let n = bytes.div_ceil(4);
     let (host, dev) = arenas;
     // Made on first use, and again for a copy larger than they are (elements, 4 bytes each).
@@ -685,6 +721,9 @@ fn time_memcpy(arenas: &mut (Vec<f32>, Vec<f32>), q: Queue, bytes: usize) -> f64
         let (h, d) = ((k % hw) * n..(k % hw + 1) * n, (k % dw) * n..(k % dw + 1) * n);
         if nap {
             std::thread::sleep(COPY_NAP);
+            if let (Queue::D2H, Some(pool)) = (q, kernels) {
+                write_on(pool, &mut dev[d.clone()], k as f32);
+            }
         }
         let t0 = Instant::now();
         match q {
@@ -697,6 +736,13 @@ fn time_memcpy(arenas: &mut (Vec<f32>, Vec<f32>), q: Queue, bytes: usize) -> f64
         copy(k, false);
     });
     (0..COPY_REPS).map(|k| copy(k, true)).sum::<f64>() / COPY_REPS as f64
+}
+
+/// Writes `v` over `buf` on `pool`'s threads, each a part, as a kernel writes its output.
+fn write_on(pool: &rayon::ThreadPool, buf: &mut [f32], v: f32) {
+    use rayon::prelude::*;
+    let part = buf.len().div_ceil(pool.current_num_threads()).max(1);
+    pool.install(|| buf.par_chunks_mut(part).for_each(|c| c.fill(v)));
 }
 
 /// Timed runs of a copy: more than a pass's [`REPS`], since a copy takes a millisecond at most.
@@ -733,7 +779,15 @@ impl HostModel for HostMeasured {
         }
         let mut arenas = self.arenas.borrow_mut();
         let arenas = &mut *arenas;
-        let s = self.on_copy_thread(|| time_memcpy(arenas, q, bytes));
+        let s = match &self.beside {
+            Some(Beside { device, shape }) => {
+                let pool = &device.kernels;
+                device.beside_products(&self.queues.others, *shape, || {
+                    self.on_copy_thread(|| time_memcpy(arenas, q, bytes, Some(pool)))
+                })
+            }
+            None => self.on_copy_thread(|| time_memcpy(arenas, q, bytes, None)),
+        };
         self.copies.borrow_mut().insert((q, bytes), s);
         s
     }
@@ -762,10 +816,14 @@ mod tests {
     }
 
     #[test]
-    fn host_threads_beside_the_kernels_keep_a_measured_part_of_their_speed() {
+    fn host_threads_and_copies_are_timed_beside_the_kernels() {
         let layout = crate::model::layout::fixture_layout();
         let h = HostMeasured::new(1, &layout, true);
-        let c = h.contended(&CpuMeasured::new(true), 64);
+        assert_eq!(h.contended(), 1.0, "nothing to time it beside");
+        let h = h.beside(Rc::new(CpuMeasured::new(true)), 64);
+        let c = h.contended();
         assert!(c > 0.0 && c <= 1.0, "{c}");
+        let (big, small) = (h.memcpy(Queue::D2H, 1 << 22), h.memcpy(Queue::H2D, 1 << 10));
+        assert!(big > small, "copies beside the kernels: {small} vs {big}");
     }
 }

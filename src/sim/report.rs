@@ -4,6 +4,7 @@
 
 use std::fmt::Write as _;
 use std::path::Path;
+use std::rc::Rc;
 
 use anyhow::{Result, bail};
 use horizon_backend::Queue;
@@ -113,10 +114,11 @@ pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
     let roofline = Roofline(&hw.gpu);
     let (measured, host_measured);
     let (device, host): (&dyn DeviceModel, &dyn HostModel) = if cpu {
-        measured = CpuMeasured::new(ecfg.pin_threads);
-        host_measured = HostMeasured::new(host_threads, &layout, ecfg.pin_threads);
-        hw.host.contended = host_measured.contended(&measured, sizes.mb_rows);
-        (&measured, &host_measured)
+        measured = Rc::new(CpuMeasured::new(ecfg.pin_threads));
+        host_measured = HostMeasured::new(host_threads, &layout, ecfg.pin_threads)
+            .beside(Rc::clone(&measured), sizes.mb_rows);
+        hw.host.contended = host_measured.contended();
+        (&*measured, &host_measured)
     } else {
         (&roofline, &HostByRates { host: &hw.host, threads: host_threads })
     };
