@@ -5,6 +5,7 @@
 
 use horizon_backend::Queue;
 use horizon_backend::cpu::GATHER_SERIAL_ELEMS;
+use horizon_backend::threads::{self, Placement};
 
 use crate::engine::exec::{EngineConfig, Sizes};
 use crate::engine::options::{GradWire, OptimizerMemory, WeightPath};
@@ -12,7 +13,7 @@ use crate::engine::plan::{GradTarget, OpKind, ParamBuf, Res, SlotContent};
 use crate::model::base::BaseDtype;
 use crate::model::layout::ModelLayout;
 use crate::model::spec::{AttnSpec, LayerSpec, Op, Weight};
-use crate::sim::des::Cost;
+use crate::sim::des::{Cost, Sharing};
 use crate::sim::hardware::{Hardware, Host};
 
 /// How a layer's bf16 weights reach the link (see ARCHITECTURE.md, "Weight uploads").
@@ -307,6 +308,27 @@ impl CostModel<'_> {
     fn final_norm(&self) -> f64 {
         let (n, c) = (self.rows() as f64, self.layout.dims.c as f64);
         self.device.stream(n * c * 3.0 * ACT_BYTES) + self.device.launch()
+    }
+
+    /// How the ops share the host in the simulation: the host's `contended`, and on the CPU
+    /// device the part of the host its copy threads run on, the CPUs the pinned host threads
+    /// leave them ([`threads::QueueCpus`], as the engine places them; all, when nothing is
+    /// pinned or the host threads take every CPU).
+    pub fn sharing(&self) -> Sharing {
+        let queue_cpus = match self.device.on_host() {
+            true => {
+                let placement = Placement::last(self.host_threads, self.cfg.pin_threads);
+                let host_cpus = threads::cpus_of(self.host_threads, placement);
+                threads::QueueCpus::beside(&host_cpus).others.len()
+            }
+            false => 0,
+        };
+        let cores = self.hw.host.cores.max(1);
+        let queue_share = match queue_cpus {
+            0 => 1.0,
+            k => (k as f64 / cores as f64).min(1.0),
+        };
+        Sharing { contended: self.hw.host.contended, queue_share }
     }
 
     /// Copy queue `q`'s memcpy of `bytes`: its time alone and the share of the host it uses, one

@@ -73,7 +73,7 @@ pub fn project(schedule: &Schedule, model: &CostModel<'_>, tokens: usize) -> Pro
             waits: op.waits.clone(),
         })
         .collect();
-    let tl = simulate(&sim, model.hw.host.contended);
+    let tl = simulate(&sim, model.sharing());
     let step_end = |k: usize| tl.end[k * n..(k + 1) * n].iter().copied().fold(0.0, f64::max);
     // The steady step `s`: from its first layer forward to the next step's, whose critical
     // path is walked back into it.
