@@ -5,8 +5,10 @@
 //! the median and mean in µs of 21 copies:
 //! - an upload alone, and beside products (a layer's up projection) on a 2-thread pool pinned
 //!   to both CPUs, as the CPU device's kernels run;
-//! - a download whose source was not written lately, written just before by CPU 0, by CPU 1,
-//!   or half by each (as a 2-thread kernel writes its output).
+//! - an upload whose destination was not read lately, or read just before by CPU 0, by CPU 1,
+//!   or half by each (as a 2-thread kernel reads the weights of the slot the upload reuses);
+//! - a download whose source was not written lately, or written just before by CPU 0, by
+//!   CPU 1, or half by each (as a 2-thread kernel writes its output).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -17,6 +19,8 @@ use horizon_backend::{Backend, CpuBackend};
 const N: usize = 800 * 1024;
 const HOST: usize = 128 << 20;
 const COPIES: usize = 21;
+/// Which CPUs touch a copy's device side before it: none, CPU 0, CPU 1, both (a half each).
+const CPUS: [&[usize]; 4] = [&[], &[0], &[1], &[0, 1]];
 
 fn stats(mut x: Vec<f64>) -> String {
     x.sort_by(f64::total_cmp);
@@ -74,12 +78,21 @@ fn main() {
             stop.store(true, Ordering::Relaxed);
             t
         });
-        print!(
-            "{round}: upload alone {}, beside products {}; download",
-            stats(alone),
-            stats(beside)
-        );
-        for writers in [&[][..], &[0], &[1], &[0, 1]] {
+        print!("{round}: upload alone {}, beside products {}", stats(alone), stats(beside));
+        print!("; upload, its destination read by");
+        for readers in CPUS {
+            let t = (0..COPIES).map(|i| {
+                let part = N / readers.len().max(1);
+                for (c, &cpu) in dev[i % 5 * N..][..N].chunks(part).zip(readers) {
+                    on_cpu(cpu, || std::hint::black_box(c.iter().sum::<f32>()));
+                }
+                let h = (round * 13 + i * 7) % windows * N;
+                copy(&mut dev[i % 5 * N..][..N], &host[h..][..N])
+            });
+            print!(" {:?} {}", readers, stats(t.collect()));
+        }
+        print!("; download, its source written by");
+        for writers in CPUS {
             let t = (0..COPIES).map(|i| {
                 let src = &mut dev[i % 5 * N..][..N];
                 let part = N / writers.len().max(1);

@@ -695,11 +695,16 @@ fn time_gather(layout: &ModelLayout, n: usize) -> f64 {
 /// on average; timed here 310-330 at the median, about 350 on average).
 ///
 /// With `kernels` (the CPU device's kernel pool, which the caller keeps running products
-/// meanwhile: [`HostMeasured::beside`]), each download's source window is first written on
-/// that pool, each thread a part, as the kernel whose output it downloads wrote it: on the
-/// validation machine a 3 MB download whose source the other CPU (or both, a half each) had
-/// just written took 428-447 µs at the median, against 347-356 when its own CPU had and
-/// 357-376 cold (`examples/copy_probe`).
+/// meanwhile: [`HostMeasured::beside`]), each copy's device side is first touched on that
+/// pool, each thread a part, as the kernels touched it in a run: a download's source written,
+/// as the kernel whose output it downloads wrote it; an upload's destination read, as the
+/// kernels read the weights or activations of the slot it reuses. On the validation machine
+/// (`examples/copy_probe`, medians of 21) a 3 MB download whose source the other CPU (or
+/// both, a half each) had just written took 1.1-1.25x one of a cold source (428-447 µs
+/// against 357-376), an upload whose destination the other CPU had just read 1.2-1.3x one
+/// into an unread destination (434-452 against 329-344); what the copying CPU itself touched
+/// costs nothing more. Timed so in projections interleaved with runs, the uploads moved by
+/// about 3% (paired medians, 20 pairs), the downloads by 1.5%.
 fn time_memcpy(
     arenas: &mut (Vec<f32>, Vec<f32>),
     q: Queue,
@@ -721,8 +726,10 @@ fn time_memcpy(
         let (h, d) = ((k % hw) * n..(k % hw + 1) * n, (k % dw) * n..(k % dw + 1) * n);
         if nap {
             std::thread::sleep(COPY_NAP);
-            if let (Queue::D2H, Some(pool)) = (q, kernels) {
-                write_on(pool, &mut dev[d.clone()], k as f32);
+            match (q, kernels) {
+                (Queue::D2H, Some(pool)) => write_on(pool, &mut dev[d.clone()], k as f32),
+                (_, Some(pool)) => read_on(pool, &dev[d.clone()]),
+                (_, None) => {}
             }
         }
         let t0 = Instant::now();
@@ -743,6 +750,14 @@ fn write_on(pool: &rayon::ThreadPool, buf: &mut [f32], v: f32) {
     use rayon::prelude::*;
     let part = buf.len().div_ceil(pool.current_num_threads()).max(1);
     pool.install(|| buf.par_chunks_mut(part).for_each(|c| c.fill(v)));
+}
+
+/// Reads `buf` on `pool`'s threads, each a part, as a kernel reads its operands.
+fn read_on(pool: &rayon::ThreadPool, buf: &[f32]) {
+    use rayon::prelude::*;
+    let part = buf.len().div_ceil(pool.current_num_threads()).max(1);
+    let sum: f32 = pool.install(|| buf.par_chunks(part).map(|c| c.iter().sum::<f32>()).sum());
+    std::hint::black_box(sum);
 }
 
 /// Timed runs of a copy: more than a pass's [`REPS`], since a copy takes a millisecond at most.
