@@ -850,8 +850,8 @@ where
                 .with_context(|| format!("cannot start the {host_threads} host threads"))?,
         );
         dev.host_threads(host_pool.clone());
-        let host_cpus = threads::cpus_of(host_threads, placement);
-        place_queue_threads(&dev, threads::QueueCpus::beside(&host_cpus));
+        let queues = threads::QueueCpus::beside_host_threads(host_threads, cfg.pin_threads);
+        place_queue_threads(&dev, queues);
         let schedule = Schedule::new(shape);
         let DeviceBuffers {
             slots,

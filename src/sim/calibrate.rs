@@ -333,7 +333,7 @@ impl HostMeasured {
         let placement = Placement::last(threads, pin);
         let pool = threads::pool("horizon-calibrate-host", threads, placement)
             .expect("cannot start the calibration's host threads");
-        let queues = QueueCpus::beside(&threads::cpus_of(threads, placement));
+        let queues = QueueCpus::beside_host_threads(threads, pin);
         let host_queue: Vec<usize> = queues.host.into_iter().collect();
         let dispatch_s = on_thread(&host_queue, || dispatch_time(&pool));
         HostMeasured {
@@ -794,14 +794,11 @@ impl HostModel for HostMeasured {
         }
         let mut arenas = self.arenas.borrow_mut();
         let arenas = &mut *arenas;
+        let kernels = self.beside.as_ref().map(|b| &b.device.kernels);
+        let time = move || self.on_copy_thread(move || time_memcpy(arenas, q, bytes, kernels));
         let s = match &self.beside {
-            Some(Beside { device, shape }) => {
-                let pool = &device.kernels;
-                device.beside_products(&self.queues.others, *shape, || {
-                    self.on_copy_thread(|| time_memcpy(arenas, q, bytes, Some(pool)))
-                })
-            }
-            None => self.on_copy_thread(|| time_memcpy(arenas, q, bytes, None)),
+            Some(b) => b.device.beside_products(&self.queues.others, b.shape, time),
+            None => time(),
         };
         self.copies.borrow_mut().insert((q, bytes), s);
         s

@@ -5,7 +5,7 @@
 
 use horizon_backend::Queue;
 use horizon_backend::cpu::GATHER_SERIAL_ELEMS;
-use horizon_backend::threads::{self, Placement};
+use horizon_backend::threads::QueueCpus;
 
 use crate::engine::exec::{EngineConfig, Sizes};
 use crate::engine::options::{GradWire, OptimizerMemory, WeightPath};
@@ -316,15 +316,11 @@ impl CostModel<'_> {
     /// pinned or the host threads take every CPU).
     pub fn sharing(&self) -> Sharing {
         let queue_cpus = match self.device.on_host() {
-            true => {
-                let placement = Placement::last(self.host_threads, self.cfg.pin_threads);
-                let host_cpus = threads::cpus_of(self.host_threads, placement);
-                threads::QueueCpus::beside(&host_cpus).others.len()
-            }
-            false => 0,
+            true => QueueCpus::beside_host_threads(self.host_threads, self.cfg.pin_threads).others,
+            false => Vec::new(),
         };
         let cores = self.hw.host.cores.max(1);
-        let queue_share = match queue_cpus {
+        let queue_share = match queue_cpus.len() {
             0 => 1.0,
             k => (k as f64 / cores as f64).min(1.0),
         };

@@ -140,6 +140,12 @@ impl QueueCpus {
     pub fn beside(host_cpus: &[usize]) -> Self {
         QueueCpus { host: host_cpus.first().copied(), others: cpus_besides(host_cpus) }
     }
+
+    /// Beside `threads` host threads placed as [`Placement::last`] places them (`pin`:
+    /// `engine.pin_threads`).
+    pub fn beside_host_threads(threads: usize, pin: bool) -> Self {
+        Self::beside(&cpus_of(threads, Placement::last(threads, pin)))
+    }
 }
 
 #[cfg(target_os = "linux")]
