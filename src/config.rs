@@ -437,9 +437,9 @@ pub struct DeviceSection {
     /// CPU backend: simulated link bandwidth in GB/s for host<->device copies, each direction;
     /// 0 = unthrottled. Default 0.
     pub link_gbps: f64,
-    /// CPU backend: how the compute and host queues wait for the other queues, `block`
-    /// (default) or `spin` (their threads stay awake, as a GPU's cores do: for timing runs on
-    /// shared machines).
+    /// CPU backend: how the compute and host queues wait for the other queues, `block` (their
+    /// threads sleep), `spin` (they stay awake, as a GPU's engines do) or `auto` (default:
+    /// `spin` with a simulated link, `block` without; [`DeviceWait::resolve`]).
     pub wait: DeviceWait,
     /// CUDA backend: which kernels compute attention, `auto` (default: bf16 tensor cores with
     /// fp32 accumulation where the GPU has them and the head dim is a multiple of 16 up to 128,
@@ -454,7 +454,7 @@ impl Default for DeviceSection {
             backend: BackendKind::Cpu,
             memory: ByteSize::Auto,
             link_gbps: 0.0,
-            wait: DeviceWait::Block,
+            wait: DeviceWait::Auto,
             attention: DeviceAttention::Auto,
         }
     }
@@ -491,8 +491,10 @@ impl DeviceAttention {
 #[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum DeviceWait {
-    /// Sleep on the event; the cores are free for the host work meanwhile.
+    /// `Spin` where the link is simulated (`device.link_gbps` > 0), else `Block`.
     #[default]
+    Auto,
+    /// Sleep on the event; the cores are free for the host work meanwhile.
     Block,
     /// The compute queue's kernel threads and the host queue's threads spin while those
     /// queues wait, yielding their cores to any runnable thread.
@@ -503,16 +505,35 @@ impl DeviceWait {
     /// As written in the config.
     pub fn name(self) -> &'static str {
         match self {
+            DeviceWait::Auto => "auto",
             DeviceWait::Block => "block",
             DeviceWait::Spin => "spin",
         }
     }
 
-    /// The CPU device's mode.
-    pub fn mode(self) -> horizon_backend::cpu::WaitMode {
+    /// `Block` or `Spin`: `Auto` spins where the link is simulated (`link_gbps` > 0). A
+    /// simulated link stands for a GPU's, whose engines stay awake while they wait; and the
+    /// compute queue of a link-bound run waits most of the step, tens of milliseconds at a
+    /// time, long enough for an idle virtual CPU to go back to its hypervisor. Sleeping through
+    /// those waits on this project's 2-vCPU virtual machine, some runs' kernels took 2-10x
+    /// their time now and then (20-104 ms against 4-11, with nothing else running beside
+    /// them), never when spinning: `bench/overlap.yaml` at 0.026 GB/s measured 0.71-0.98 of its
+    /// compute queue's projection blocking, 0.97-1.01 spinning, at no cost to its step (README,
+    /// "How close is the projection?"). Without a simulated link the waits are short, and
+    /// blocking leaves the cores to the host work.
+    pub fn resolve(self, link_gbps: f64) -> DeviceWait {
         match self {
-            DeviceWait::Block => horizon_backend::cpu::WaitMode::Block,
+            DeviceWait::Auto if link_gbps > 0.0 => DeviceWait::Spin,
+            DeviceWait::Auto => DeviceWait::Block,
+            w => w,
+        }
+    }
+
+    /// The CPU device's mode with a simulated link of `link_gbps` ([`DeviceWait::resolve`]).
+    pub fn mode(self, link_gbps: f64) -> horizon_backend::cpu::WaitMode {
+        match self.resolve(link_gbps) {
             DeviceWait::Spin => horizon_backend::cpu::WaitMode::Spin,
+            _ => horizon_backend::cpu::WaitMode::Block,
         }
     }
 }
@@ -888,12 +909,21 @@ mod tests {
     fn device_wait_is_the_cpu_devices() {
         let yaml =
             |dev: &str| format!("model: {{path: m}}\ndata: {{path: d.jsonl}}\ndevice: {dev}\n");
+        use horizon_backend::cpu::WaitMode;
         let c = RawConfig::from_yaml(&yaml("{wait: spin}"), "t.yaml").unwrap();
-        assert_eq!(c.device.wait.mode(), horizon_backend::cpu::WaitMode::Spin);
+        assert_eq!(c.device.wait.mode(0.0), WaitMode::Spin);
         assert_eq!(c.device.wait.name(), "spin");
         c.resolve("t.yaml").unwrap();
+        let c = RawConfig::from_yaml(&yaml("{wait: block, link_gbps: 0.05}"), "t.yaml").unwrap();
+        assert_eq!(c.device.wait.mode(c.device.link_gbps), WaitMode::Block);
+        // By default the queues spin where the link is simulated, and only there.
         let c = RawConfig::from_yaml(&yaml("{}"), "t.yaml").unwrap();
-        assert_eq!(c.device.wait, DeviceWait::Block);
+        assert_eq!(c.device.wait, DeviceWait::Auto);
+        assert_eq!(c.device.wait.mode(0.0), WaitMode::Block);
+        assert_eq!(c.device.wait.mode(0.05), WaitMode::Spin);
+        assert_eq!(c.device.wait.resolve(0.026).name(), "spin");
+        let c = RawConfig::from_yaml(&yaml("{backend: cuda, wait: auto}"), "t.yaml").unwrap();
+        assert_eq!(c.device.wait, DeviceWait::Auto);
         let c = RawConfig::from_yaml(&yaml("{backend: cuda, wait: spin}"), "t.yaml").unwrap();
         let e = c.resolve("t.yaml").unwrap_err().to_string();
         assert!(e.contains("device.wait") && e.contains("hint"), "{e}");

@@ -66,6 +66,7 @@ pub struct Summary {
     /// Where bf16 uploads took the trained weights from (`engine.weight_upload` resolved):
     /// masters, image or staged.
     pub weight_upload: String,
-    /// How the compute and host queues waited (`device.wait`): block or spin.
+    /// How the CPU device's compute and host queues waited (`device.wait` resolved): block or
+    /// spin.
     pub device_wait: String,
 }

@@ -627,7 +627,7 @@ impl StreamTrainer {
                 link_gbps: raw.device.link_gbps,
                 copy_jitter_us: 0,
                 jitter_seed: 0,
-                wait: raw.device.wait.mode(),
+                wait: raw.device.wait.mode(raw.device.link_gbps),
                 pin_threads: raw.engine.pin_threads,
             }))
         })
@@ -1126,7 +1126,7 @@ where
         planned_pinned_bytes: tr.plan.pinned,
         host_threads: tr.engine.host_threads(),
         weight_upload: tr.engine.config().weight_path().name().to_string(),
-        device_wait: tr.cfg.raw.device.wait.name().to_string(),
+        device_wait: tr.cfg.raw.device.wait.resolve(tr.cfg.raw.device.link_gbps).name().to_string(),
     }
 }
 
