@@ -5,8 +5,9 @@ config's device.link_gbps) against `horizon bench` of the same config (the CPU d
 the same plan for real): steady step time and the busy seconds per step of each queue.
 
 Cases: bench/overlap.yaml at link_gbps 0, 0.05 and 0.026; the same model in optimizer.memory
-lean (at 0.05) and compact (at 0). Each case is measured with the queues blocking while they
-wait (`device.wait: block`, the default) and spinning (`spin`), or as WAITS says. Projections
+lean (at 0.05) and compact (at 0). Each case is measured as the config runs by default
+(`device.wait: auto`: the queues spin while they wait where the link is simulated, and block
+at link 0), blocking (`block`) and spinning (`spin`), or as WAITS says. Projections
 and runs alternate (projection, bench with block, projection, bench with spin, ..., REPS
 times, and a last projection), so that each run lies between two projections (which do not
 depend on device.wait) and is compared with their mean: that cancels a steady drift of the
@@ -14,7 +15,7 @@ machine's speed, which moves a single projection by 10-20% within minutes. The t
 medians, the median of each run's projected/measured ratio, and the lowest and highest ratio.
 
     cargo build --release && cargo build --release -p horizon-backend --example idle_probe
-    python3 bench/validate_projection.py [REPS] [HORIZON] [WAITS, e.g. spin or block,spin]
+    python3 bench/validate_projection.py [REPS] [HORIZON] [WAITS, e.g. auto or block,spin]
 
 Run it on an otherwise idle machine: the bench measures wall time. Before and after the cases
 it runs `idle_probe` (when built), with its threads pinned as the CPU device pins its kernels'
@@ -41,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 REPS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 HORIZON = sys.argv[2] if len(sys.argv) > 2 else str(ROOT / "target/release/horizon")
 # How the CPU device's queues wait: each is measured, interleaved, against its own projection.
-WAITS = sys.argv[3].split(",") if len(sys.argv) > 3 else ["block", "spin"]
+WAITS = sys.argv[3].split(",") if len(sys.argv) > 3 else ["auto", "block", "spin"]
 PROBE = ROOT / "target/release/examples/idle_probe"
 
 CASES = [

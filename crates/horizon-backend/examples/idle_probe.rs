@@ -106,6 +106,21 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// `t`'s median, mean and largest, in ms, and the median's and mean's ratios to `base`'s:
+/// a queue's busy time is a sum, so its rare long bursts count as much as its typical ones.
+fn summary(t: Vec<f64>, base: &[f64]) -> String {
+    let mean = |t: &[f64]| t.iter().sum::<f64>() / t.len() as f64;
+    let (med, avg, max) = (median(t.clone()), mean(&t), t.iter().copied().fold(0.0, f64::max));
+    format!(
+        "{:.2} ms a burst, {:.2}x back to back (mean {:.2} ms, {:.2}x; longest {:.1} ms)",
+        med * 1e3,
+        med / median(base.to_vec()),
+        avg * 1e3,
+        avg / mean(base),
+        max * 1e3
+    )
+}
+
 fn main() {
     // `PIN=1`: the global pool's threads pinned as the CPU device pins its kernels' threads.
     if std::env::var_os("PIN").is_some() {
@@ -146,18 +161,11 @@ fn main() {
             t.push(burst(&mut ops, layers));
         }
     }
-    let base = median(times[0].clone());
+    let base = times[0].clone();
     for (t, ms) in times.into_iter().zip(PAUSES_MS) {
-        let m = median(t);
-        println!("after {ms:>2} ms idle: {:.2} ms a burst, {:.2}x back to back", m * 1e3, m / base);
+        println!("after {ms:>2} ms idle: {}", summary(t, &base));
     }
     for (t, kind) in busy.into_iter().zip(BUSY_KINDS) {
-        let m = median(t);
-        let ms = BUSY.as_millis();
-        println!(
-            "after {ms} ms of {kind}: {:.2} ms a burst, {:.2}x back to back",
-            m * 1e3,
-            m / base
-        );
+        println!("after {} ms of {kind}: {}", BUSY.as_millis(), summary(t, &base));
     }
 }
