@@ -533,7 +533,7 @@ impl DeviceWait {
     pub fn mode(self, link_gbps: f64) -> horizon_backend::cpu::WaitMode {
         match self.resolve(link_gbps) {
             DeviceWait::Spin => horizon_backend::cpu::WaitMode::Spin,
-            _ => horizon_backend::cpu::WaitMode::Block,
+            DeviceWait::Block | DeviceWait::Auto => horizon_backend::cpu::WaitMode::Block,
         }
     }
 }

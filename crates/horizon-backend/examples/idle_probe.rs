@@ -4,8 +4,8 @@
 //! products, 3 by default) right after the previous burst, after sleeping 5 to 200 ms, and
 //! after 100 ms of other work: on the calling thread only (a spin on the clock, a scalar
 //! integer loop), the same products, and on every thread of the kernels' pool (a spin, or a
-//! wake-up each millisecond), interleaved; prints each median and its ratio to the back-to-back
-//! one.
+//! wake-up each millisecond), interleaved; prints each median and mean with its ratio to the
+//! back-to-back one, and the longest burst.
 //!
 //! Why it exists: on a shared virtual machine the compute queue of a link-bound CPU-device run
 //! (which sleeps while it waits for the simulated link) has been measured up to 1.6x slower
