@@ -12,8 +12,9 @@ use crate::schedule::{LrSchedule, ScheduleKind};
 
 // The engine's options, parsed here (the engine knows nothing of YAML).
 pub use crate::engine::options::{
-    BackendKind, GradWire, HostThreads, OptimizerMemory, WeightPath, WeightUpload,
+    BackendKind, GradWire, HostThreads, Recompute, WeightPath, WeightUpload,
 };
+pub use crate::optim::state::OptimizerMemory;
 
 /// The YAML file as written by the user. Every key except `model.path` and `data.path` has a
 /// default.
@@ -411,19 +412,6 @@ impl Default for EngineSection {
             pin_threads: true,
         }
     }
-}
-
-/// `engine.recompute`.
-#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
-#[serde(rename_all = "lowercase")]
-pub enum Recompute {
-    /// Keep the internals when the plan fits with them, else recompute.
-    #[default]
-    Auto,
-    /// Recompute every layer's internals (and each block's inputs) in the backward.
-    Always,
-    /// Keep every layer's internals from the forward to its backward.
-    Never,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize)]

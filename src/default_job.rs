@@ -11,7 +11,6 @@ use std::path::{Path, PathBuf};
 use crate::config::RawConfig;
 use crate::data::pretokenized::Row;
 use crate::generate::{Generator, SampleOptions};
-use crate::model::layout::ModelLayout;
 use crate::model::params::ParamStore;
 use crate::rng::SplitMix64;
 use crate::tokenizer::{ByteTokenizer, Tokenizer};
@@ -130,7 +129,7 @@ fn evaluate(
     held_out: &[Problem],
 ) -> Result<f64> {
     let model_cfg = model_config(raw)?;
-    let params = ParamStore::load_hf(&ModelLayout::new(&model_cfg), final_dir)?;
+    let params = ParamStore::load_hf(&crate::model::describe(&model_cfg), final_dir)?;
     let mut g = Generator::new(&model_cfg, params, Box::new(ByteTokenizer::new()));
     let n = 200.min(held_out.len());
     let mut correct = 0;

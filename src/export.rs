@@ -14,7 +14,6 @@ use crate::config::RawConfig;
 pub use crate::config::{DEFAULT_MAX_SHARD_BYTES, ExportOptions};
 use crate::hf::checkpoint::write_safetensors;
 use crate::hf::config::ModelConfig;
-use crate::model::layout::ModelLayout;
 use crate::model::params::ParamStore;
 use crate::tokenizer::byte::{BOS_ID, EOS_ID, PAD_ID};
 use crate::tokenizer::{ByteTokenizer, HfTokenizer, Tokenizer};
@@ -193,7 +192,7 @@ pub fn export_model(
     fs::create_dir_all(dir).with_context(|| {
         format!("cannot create {}\nhint: choose a writable output directory", dir.display())
     })?;
-    let layout = ModelLayout::new(model_cfg);
+    let layout = crate::model::describe(model_cfg);
     let mut cfg_json = model_cfg.to_hf_json();
     if let Some(o) = cfg_json.as_object_mut() {
         o.insert("torch_dtype".into(), opts.dtype.torch_dtype().into());
@@ -356,8 +355,10 @@ fn load_source(src: &Path) -> Result<(ModelConfig, ParamStore, ExportSource)> {
             );
         }
         let model_cfg = ModelConfig::from_json(&state.model, &origin)?;
-        let params =
-            ParamStore::load_hf(&ModelLayout::new(&model_cfg), &src.join(crate::resume::PARAMS))?;
+        let params = ParamStore::load_hf(
+            &crate::model::describe(&model_cfg),
+            &src.join(crate::resume::PARAMS),
+        )?;
         let source = RawConfig::from_yaml(&state.config, &origin)
             .map(|raw| ExportSource::of_config(&raw))
             .unwrap_or_else(|_| ExportSource::none());
@@ -370,7 +371,7 @@ fn load_source(src: &Path) -> Result<(ModelConfig, ParamStore, ExportSource)> {
     }
     if src.join("config.json").is_file() {
         let model_cfg = ModelConfig::from_file(&src.join("config.json"))?;
-        let params = ParamStore::load_hf(&ModelLayout::new(&model_cfg), src)?;
+        let params = ParamStore::load_hf(&crate::model::describe(&model_cfg), src)?;
         let tokenizer = if src.join("tokenizer.json").is_file() {
             TokenizerSource::Dir(src.to_path_buf())
         } else {

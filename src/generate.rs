@@ -14,7 +14,6 @@ use anyhow::{Context, Result, bail};
 use horizon_backend::cuda::{CudaBackend, KernelShape, check_kernel_limits};
 use horizon_backend::{CpuBackend, DeviceAlloc, Precision};
 
-use crate::data::pretokenized::Batch;
 use crate::engine::options::BackendKind;
 use crate::hf::config::ModelConfig;
 use crate::model::base::FrozenBase;
@@ -22,7 +21,7 @@ use crate::model::kv_cache::{KvDecoder, Residency};
 use crate::model::layout::ModelLayout;
 use crate::model::params::ParamStore;
 use crate::model::spec::Op;
-use crate::model::transformer::{Capacity, Transformer};
+use crate::model::transformer::{Capacity, Tokens, Transformer};
 use crate::rng::SplitMix64;
 use crate::tokenizer::{HfTokenizer, Message, Tokenizer};
 
@@ -102,7 +101,7 @@ impl Generator {
         let logits = vec![0.0; model_cfg.vocab_size];
         let decode = Decode::KvCache(BackendKind::Cpu);
         let runner = Runner::None;
-        let layout = ModelLayout::new(model_cfg);
+        let layout = crate::model::describe(model_cfg);
         let model_cfg = model_cfg.clone();
         Generator { model_cfg, layout, base: None, params, tok, decode, runner, stop_ids, logits }
     }
@@ -143,7 +142,7 @@ impl Generator {
             );
         }
         let model_cfg = ModelConfig::from_file(&dir.join("config.json"))?;
-        let params = ParamStore::load_hf(&ModelLayout::new(&model_cfg), dir)?;
+        let params = ParamStore::load_hf(&crate::model::describe(&model_cfg), dir)?;
         let tok = HfTokenizer::from_dir(dir).with_context(|| {
             format!(
                 "--model {}: no tokenizer\nhint: export with `horizon export` (it writes the tokenizer files), or copy tokenizer.json into the directory",
@@ -255,9 +254,9 @@ impl Generator {
             match &mut self.runner {
                 Runner::Full(_, tr) => {
                     let t = seq.len();
-                    let (input_ids, targets) = (seq.clone(), vec![-100; t]);
-                    let batch = Batch { b: 1, t, input_ids, targets, num_targets: 0 };
-                    tr.last_logits(params, &batch, logits)?;
+                    let targets = vec![-100; t];
+                    let tokens = Tokens { b: 1, t, ids: &seq, targets: &targets };
+                    tr.last_logits(params, tokens, logits)?;
                 }
                 Runner::KvCpu(kv) => kv.step(params, fresh, logits)?,
                 Runner::KvCuda(kv, _) => kv.step(params, fresh, logits)?,
@@ -311,7 +310,7 @@ impl Generator {
                     Runner::KvCpu(Box::new(kv))
                 }
                 Decode::KvCache(BackendKind::Cuda) => {
-                    let layout = ModelLayout::new(cfg);
+                    let layout = crate::model::describe(cfg);
                     let d = &layout.dims;
                     let (c, h, kvh, hd, f, v) = (d.c, d.h, d.kvh, d.d, d.f, d.v);
                     let shape = KernelShape { c, h, kvh, d: hd, f, v, b: 1, t: max_len };

@@ -7,11 +7,9 @@
 //! files, saying whether the base was quantised and where it is; for a foreign PEFT directory
 //! the base is `base_model_name_or_path` (a local directory) or `--base`.
 
-use std::fs;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
-use serde::{Deserialize, Serialize};
 
 use crate::adapter::{AdapterConfig, AdapterKind, BaseDtype as BaseChoice, peft};
 use crate::config::RawConfig;
@@ -20,31 +18,6 @@ use crate::model::layout::ModelLayout;
 use crate::model::params::ParamStore;
 use crate::model::spec::Op;
 use crate::train::{RunModel, load_run_model};
-
-/// Horizon's note beside a PEFT adapter's files.
-pub const SIDECAR: &str = "horizon_adapter.json";
-
-/// What PEFT's files do not say about an adapter run.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-pub struct Sidecar {
-    /// `lora` or `qlora`.
-    #[serde(rename = "type")]
-    pub kind: String,
-    /// The base model directory (`model.path`), when the run had one.
-    pub base_model: Option<PathBuf>,
-}
-
-/// Write the sidecar of an adapter run into `dir`.
-pub fn write_sidecar(dir: &Path, a: &AdapterConfig, base: Option<&Path>) -> Result<()> {
-    let kind = match a.kind {
-        AdapterKind::Lora => "lora",
-        AdapterKind::Qlora => "qlora",
-    };
-    let s = Sidecar { kind: kind.into(), base_model: base.map(Path::to_path_buf) };
-    let path = dir.join(SIDECAR);
-    fs::write(&path, serde_json::to_string_pretty(&s)?)
-        .with_context(|| format!("cannot write {}", path.display()))
-}
 
 /// The adapter directory `src` names: itself, or a run directory's `final/`.
 fn adapter_dir(src: &Path) -> Result<PathBuf> {
@@ -88,7 +61,7 @@ pub fn merge_dir(
 fn run_base_dir(
     dir: &Path,
     adapter: &peft::PeftAdapter,
-    sidecar: Option<&Sidecar>,
+    sidecar: Option<&peft::Sidecar>,
     base: Option<&Path>,
 ) -> Result<PathBuf> {
     base.map(Path::to_path_buf)
@@ -104,17 +77,6 @@ fn run_base_dir(
         })
 }
 
-/// Horizon's note in adapter directory `dir`, if it has one.
-fn read_sidecar(dir: &Path) -> Result<Option<Sidecar>> {
-    let path = dir.join(SIDECAR);
-    match fs::read_to_string(&path) {
-        Ok(text) => serde_json::from_str(&text)
-            .map(Some)
-            .with_context(|| format!("{}: not a Horizon adapter note", path.display())),
-        Err(_) => Ok(None),
-    }
-}
-
 /// The model of adapter `src` over its base (`base`, or the one it names): the base frozen in
 /// `base_dtype` (NF4 where the adapter was trained with QLoRA), the adapters from the
 /// directory; and the base's directory.
@@ -125,7 +87,7 @@ pub fn load_adapter_run(
 ) -> Result<(RunModel, PathBuf)> {
     let dir = adapter_dir(src)?;
     let adapter = peft::read(&dir)?;
-    let sidecar = read_sidecar(&dir)?;
+    let sidecar = peft::read_sidecar(&dir)?;
     let base_dir = run_base_dir(&dir, &adapter, sidecar.as_ref(), base)?;
     let kind = match sidecar.as_ref().map(|s| s.kind.as_str()) {
         Some("qlora") => AdapterKind::Qlora,
@@ -148,7 +110,7 @@ pub fn load_adapter_run(
 /// The full model's parameters: the base (dequantised where it is NF4), each adapted weight
 /// plus `s · B A` (summed in f64, rounded once to fp32).
 pub fn merged_params(run: &RunModel) -> ParamStore {
-    let full = ModelLayout::new(&run.cfg);
+    let full = crate::model::describe(&run.cfg);
     let base = run.base.as_ref().expect("an adapter run has a base");
     let mut out = ParamStore::zeros(&full);
     base.embed.get(0, &mut out.embed);

@@ -12,11 +12,12 @@ use horizon_backend::threads::{self, Placement};
 
 use crate::adapter::{AdapterConfig, AdapterKind};
 use crate::config::{ByteSize, OptimizerMemory, RunConfig};
-use crate::engine::exec::{EngineConfig, Sizes};
 use crate::engine::memory::{MemoryPlan, gib, host_available_bytes};
+use crate::engine::options::EngineConfig;
+use crate::engine::sizes::Sizes;
 use crate::hf::config::ModelConfig;
-use crate::model::base::BaseDtype;
 use crate::model::layout::ModelLayout;
+use crate::model::lora::BaseDtype;
 use crate::model::lora::LoraSpec;
 use crate::train::{SeqLen, engine_config, load_datasets, model_config, run_layout};
 
@@ -33,7 +34,7 @@ pub struct PlanReport {
 /// The memory plan of a model / engine configuration on `ecfg.backend` (the CPU backend's pool
 /// counts in host RAM).
 pub fn plan_for(model: &ModelConfig, ecfg: &EngineConfig, budget: Option<u64>) -> MemoryPlan {
-    plan_for_layout(&ModelLayout::new(model), ecfg, budget)
+    plan_for_layout(&crate::model::describe(model), ecfg, budget)
 }
 
 /// [`plan_for`] of a layout (an adapter run's).
@@ -56,7 +57,7 @@ pub fn deepest_fit(
     ecfg: &EngineConfig,
     avail: u64,
 ) -> Option<(usize, u64, u64)> {
-    deepest_fit_as(model, &|m| Some(ModelLayout::new(m)), ecfg, avail)
+    deepest_fit_as(model, &|m| Some(crate::model::describe(m)), ecfg, avail)
 }
 
 /// [`deepest_fit`] with each depth laid out by `layout_of`.
@@ -230,7 +231,7 @@ fn by_adapter(
     for (name, kind) in kinds {
         let spec = adapter_of(kind, run);
         let layout_of = |m: &ModelConfig| -> Option<ModelLayout> {
-            let full = ModelLayout::new(m);
+            let full = crate::model::describe(m);
             match &spec {
                 None => Some(full),
                 Some(s) => full.with_lora(s).ok(),
@@ -259,7 +260,7 @@ pub fn run(cfg: &RunConfig, host_memory: Option<u64>) -> Result<()> {
     print!("{}", r.text);
     r.plan.check()?;
     if cfg.raw.device.backend == crate::config::BackendKind::Cuda {
-        crate::train::cuda_kernel_limits(&ModelLayout::new(&r.model), &cfg.raw, r.seq_len)?;
+        crate::train::cuda_kernel_limits(&crate::model::describe(&r.model), &cfg.raw, r.seq_len)?;
     }
     println!("fits");
     Ok(())

@@ -15,11 +15,11 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 
-use crate::config::OptimizerMemory;
 use crate::hf::checkpoint::SaveDtype;
 use crate::hf::config::ModelConfig;
 use crate::model::layout::ModelLayout;
 use crate::model::params::ParamStore;
+use crate::optim::state::OptimizerMemory;
 use crate::optim::state::{OptState, OptimizerState};
 use crate::store::TrainState;
 
@@ -198,7 +198,7 @@ pub fn read_state(dir: &Path) -> Result<CheckpointState> {
 pub fn load(dir: &Path, model_cfg: &ModelConfig) -> Result<TrainState> {
     let meta = read_state(dir)?;
     let mode = meta.memory;
-    load_with(dir, model_cfg, &ModelLayout::new(model_cfg), meta, mode)
+    load_with(dir, model_cfg, &crate::model::describe(model_cfg), meta, mode)
 }
 
 fn load_with(

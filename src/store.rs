@@ -2,14 +2,13 @@
 //! moments in fp32 or 8-bit), laid out for one `optimizer.memory` mode, which it states. Host RAM
 //! is the authoritative store; whatever a device holds is a transient copy.
 
-use crate::engine::options::OptimizerMemory;
-use crate::model::base::BaseDtype;
 use crate::model::layout::ModelLayout;
+use crate::model::lora::BaseDtype;
 use crate::model::params::ParamStore;
 use crate::model::spec::Stored;
 use crate::optim::adamw::{AdamWConfig, AdamWStep, clip_coefficient, sum_squares};
 use crate::optim::moments::Moments;
-use crate::optim::state::{AdamW32, OptState, OptimizerState};
+use crate::optim::state::{AdamW32, OptState, OptimizerMemory, OptimizerState};
 
 /// How a host tensor's elements are stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

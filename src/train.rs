@@ -21,17 +21,19 @@ use crate::data::{
     LoadReport, Source, carries_loss, load_alpaca, load_chat, load_pretokenized_rows,
     load_sharegpt, load_text, pack, shuffled_order, split_eval,
 };
-use crate::engine::exec::{Engine, EngineConfig, MicroBatch, StepParams};
+use crate::engine::exec::{Engine, MicroBatch, StepParams};
 use crate::engine::memory::{MemoryPlan, gib, peak_rss_bytes};
+use crate::engine::options::EngineConfig;
 use crate::engine::phases::{PhaseSeconds, StepFlops, step_flops};
 use crate::engine::resolve::{Machine, resolve};
 use crate::hf::checkpoint::NonFinite;
 use crate::hf::config::ModelConfig;
-use crate::model::base::{BaseDtype, FrozenBase};
+use crate::model::base::FrozenBase;
 use crate::model::layout::ModelLayout;
+use crate::model::lora::BaseDtype;
 use crate::model::lora::{LoraSpec, adapter_suffix};
 use crate::model::params::ParamStore;
-use crate::model::transformer::{Capacity, Transformer};
+use crate::model::transformer::{Capacity, Tokens, Transformer};
 use crate::optim::adamw::AdamWConfig;
 use crate::rng::SplitMix64;
 pub use crate::store::TrainState;
@@ -186,7 +188,7 @@ impl Trainer {
         let out = self.engine.forward_backward(
             &self.state.params,
             &mut self.state.grads,
-            &batch,
+            tokens_of(&batch),
             batch.num_targets,
         )?;
         let grad_norm = self.state.grad_norm();
@@ -258,7 +260,7 @@ pub fn model_config(raw: &RawConfig) -> Result<ModelConfig> {
 /// The model a config names: loaded from a HF directory, or randomly initialised.
 pub fn load_model(raw: &RawConfig) -> Result<(ModelConfig, ParamStore)> {
     let model_cfg = model_config(raw)?;
-    let layout = ModelLayout::new(&model_cfg);
+    let layout = crate::model::describe(&model_cfg);
     let params = match (raw.model.init, &raw.model.path) {
         (Some(ModelInit::Random), _) => {
             let std =
@@ -292,7 +294,7 @@ pub fn run_layout(
     model_cfg: &ModelConfig,
     adapter: Option<&AdapterConfig>,
 ) -> Result<ModelLayout> {
-    let full = ModelLayout::new(model_cfg);
+    let full = crate::model::describe(model_cfg);
     let Some(a) = adapter else { return Ok(full) };
     let base = match (a.base_dtype, raw.model.init, &raw.model.path) {
         (BaseChoice::Bf16, ..) => BaseDtype::Bf16,
@@ -320,7 +322,7 @@ pub fn run_layout(
 pub fn load_run_model(raw: &RawConfig, adapter: Option<&AdapterConfig>) -> Result<RunModel> {
     let Some(a) = adapter else {
         let (cfg, params) = load_model(raw)?;
-        let layout = ModelLayout::new(&cfg);
+        let layout = crate::model::describe(&cfg);
         return Ok(RunModel { cfg, layout, params, base: None });
     };
     let cfg = model_config(raw)?;
@@ -398,7 +400,7 @@ pub fn write_adapter(
         })
         .collect();
     peft::write(dir, a, base_model, &tensors)?;
-    crate::merge::write_sidecar(dir, a, base_model.map(Path::new))
+    peft::write_sidecar(dir, a, base_model.map(Path::new))
 }
 
 /// What PEFT puts before a model's own tensor names.
@@ -1284,6 +1286,11 @@ pub fn micro_batches(rows: &[&Row], size: usize) -> Vec<MicroBatch> {
             MicroBatch { b: b.b, t: b.t, ids: Arc::new(b.input_ids), targets: Arc::new(b.targets) }
         })
         .collect()
+}
+
+/// A data batch as the model takes it: its rows' token ids and shifted targets.
+pub fn tokens_of(batch: &Batch) -> Tokens<'_> {
+    Tokens { b: batch.b, t: batch.t, ids: &batch.input_ids, targets: &batch.targets }
 }
 
 #[cfg(test)]

@@ -6,10 +6,10 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
-use horizon::adapter::init::init_a;
 use horizon::adapter::peft::{self, PeftAdapter, module_path, tensor_name};
 use horizon::adapter::{AdapterConfig, AdapterKind, BaseDtype, TARGETS};
 use horizon::config::RawConfig;
+use horizon::model::lora::init_a;
 use serde_json::Value;
 
 fn fixture(case: &str) -> PathBuf {

@@ -12,11 +12,13 @@ mod common;
 
 use common::*;
 use horizon::config::{BackendKind, GradWire};
-use horizon::engine::exec::{Engine, EngineConfig};
+use horizon::engine::exec::Engine;
+use horizon::engine::options::EngineConfig;
 use horizon::hf::config::ModelConfig;
 use horizon::model::layout::ModelLayout;
 use horizon::model::params::ParamStore;
 use horizon::train::TrainState;
+use horizon::train::tokens_of;
 use horizon_backend::Device;
 use horizon_backend::cuda::{CudaDevice, CudaDeviceConfig};
 
@@ -54,7 +56,7 @@ where
     D::Backend: 'static,
 {
     let model = ModelConfig::from_file(&case_dir(case).join("model/config.json")).unwrap();
-    let layout = ModelLayout::new(&model);
+    let layout = horizon::model::describe(&model);
     let params = ParamStore::load_hf(&layout, &case_dir(case).join("model")).unwrap();
     let init = params.clone();
     let mut engine = Engine::new(dev, &model, TrainState::new(params), cfg).unwrap();
@@ -69,7 +71,7 @@ where
     D::Backend: 'static,
 {
     let model = ModelConfig::from_file(&case_dir(case).join("model/config.json")).unwrap();
-    let layout = ModelLayout::new(&model);
+    let layout = horizon::model::describe(&model);
     let params = ParamStore::load_hf(&layout, &case_dir(case).join("model")).unwrap();
     let mut engine = Engine::new(dev, &model, TrainState::new(params), cfg).unwrap();
     run_case_steps_ahead(&mut engine, case, true);
@@ -132,7 +134,8 @@ fn a_traced_run_marks_every_op_and_changes_no_bit() {
     let cfg = cuda_config(case, 2, batch, GradWire::Bf16);
     let (want, _, want_params) = streamed(cuda(0, 0), case, cfg);
     let model = ModelConfig::from_file(&case_dir(case).join("model/config.json")).unwrap();
-    let params = ParamStore::load_hf(&ModelLayout::new(&model), &case_dir(case).join("model"));
+    let params =
+        ParamStore::load_hf(&horizon::model::describe(&model), &case_dir(case).join("model"));
     let mut engine =
         Engine::new(cuda(0, 0), &model, TrainState::new(params.unwrap()), cfg).unwrap();
     engine.start_trace(want.len());
@@ -329,7 +332,7 @@ fn kv_cache_generation_on_the_gpu_tracks_the_cpu_tokens() {
     for case in CASES {
         let dir = case_dir(case).join("model");
         let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
-        let params = ParamStore::load_hf(&ModelLayout::new(&cfg), &dir).unwrap();
+        let params = ParamStore::load_hf(&horizon::model::describe(&cfg), &dir).unwrap();
         let len = prompt.len() + new;
         let ws = Precision::Bf16.workspace(Precision::Bf16.product_bytes(64, 512, 512));
         let be = CudaBackend::new(0, ws.bytes).unwrap_or_else(|e| panic!("{e}\n{NO_GPU_HINT}"));
@@ -378,7 +381,8 @@ fn eval_on_the_gpu_tracks_the_reference_loss() {
     for case in ["llama_gqa", "gemma3_sliding"] {
         let model = ModelConfig::from_file(&case_dir(case).join("model/config.json")).unwrap();
         let params =
-            ParamStore::load_hf(&ModelLayout::new(&model), &case_dir(case).join("model")).unwrap();
+            ParamStore::load_hf(&horizon::model::describe(&model), &case_dir(case).join("model"))
+                .unwrap();
         let rows = case_rows(case);
         let refs: Vec<&Row> = rows.iter().collect();
         let cfg = cuda_config(case, 2, 2, GradWire::Fp32);
@@ -386,7 +390,7 @@ fn eval_on_the_gpu_tracks_the_reference_loss() {
         let mut tr = Transformer::new(CpuBackend, &model, cap);
         let (mut want, mut n) = (0.0, 0);
         for chunk in refs.chunks(2) {
-            let out = tr.forward_loss(&params, &make_batch(chunk)).unwrap();
+            let out = tr.forward_loss(&params, tokens_of(&make_batch(chunk))).unwrap();
             want += out.loss_sum;
             n += out.num_targets;
         }
@@ -519,7 +523,7 @@ fn a_step_copies_nothing_through_pageable_memory() {
             ..cuda_config(case, 1, 1, GradWire::Bf16)
         };
         let model = ModelConfig::from_file(&case_dir(case).join("model/config.json")).unwrap();
-        let layout = ModelLayout::new(&model);
+        let layout = horizon::model::describe(&model);
         let params = ParamStore::load_hf(&layout, &case_dir(case).join("model")).unwrap();
         let mut engine = Engine::new(cuda(0, 0), &model, TrainState::new(params), cfg).unwrap();
         let before = driver_pageable_copies().expect("the double counts pageable copies");
@@ -548,7 +552,7 @@ fn pinned_host_memory_is_the_plans_figure() {
     use horizon_backend::cuda::WIRE_RING_BYTES;
     let case = "llama_gqa";
     let model = ModelConfig::from_file(&case_dir(case).join("model/config.json")).unwrap();
-    let layout = ModelLayout::new(&model);
+    let layout = horizon::model::describe(&model);
     let params = ParamStore::load_hf(&layout, &case_dir(case).join("model")).unwrap();
     let driver = || {
         let d = driver_pinned_bytes();

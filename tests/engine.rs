@@ -7,10 +7,11 @@ mod common;
 
 use common::*;
 use horizon::config::RawConfig;
-use horizon::engine::exec::{Engine, EngineConfig};
+use horizon::engine::exec::Engine;
+use horizon::engine::options::EngineConfig;
 use horizon::hf::config::ModelConfig;
-use horizon::model::layout::ModelLayout;
 use horizon::model::params::ParamStore;
+use horizon::train::tokens_of;
 use horizon::train::{TrainState, Trainer};
 use horizon_backend::Queue;
 use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig, WaitMode};
@@ -72,7 +73,7 @@ fn run_engine_waiting(
     wait: WaitMode,
 ) -> (Vec<(f64, f64)>, ParamStore, ParamStore) {
     let model = ModelConfig::from_file(&case_dir(case).join("model/config.json")).unwrap();
-    let layout = ModelLayout::new(&model);
+    let layout = horizon::model::describe(&model);
     let params = ParamStore::load_hf(&layout, &case_dir(case).join("model")).unwrap();
     let init = params.clone();
     // A device budget of a few MiB: every fixture's plan fits in 4 MiB.
@@ -181,7 +182,7 @@ fn updating_the_next_steps_embedding_rows_first_changes_no_bit() {
                 let run = |ahead: bool| {
                     let model =
                         ModelConfig::from_file(&case_dir(case).join("model/config.json")).unwrap();
-                    let layout = ModelLayout::new(&model);
+                    let layout = horizon::model::describe(&model);
                     let params =
                         ParamStore::load_hf(&layout, &case_dir(case).join("model")).unwrap();
                     let state = TrainState::for_memory(params, &layout, memory);
@@ -208,7 +209,7 @@ fn updating_the_next_steps_embedding_rows_first_changes_no_bit() {
 fn step0_losses(model: &ModelConfig) -> Vec<f64> {
     use horizon::model::transformer::{Capacity, Transformer};
     let case = "llama_gqa";
-    let layout = ModelLayout::new(model);
+    let layout = horizon::model::describe(model);
     let params = ParamStore::load_hf(&layout, &case_dir(case).join("model")).unwrap();
     let rows = case_rows(case);
     let batch = expected(case)["batch"].as_u64().unwrap() as usize;
@@ -218,7 +219,8 @@ fn step0_losses(model: &ModelConfig) -> Vec<f64> {
     let mut t = Transformer::new(horizon_backend::CpuBackend, model, cap);
     let mut grads = params.clone();
     grads.fill_zero();
-    let mut out = vec![t.forward_backward(&params, &mut grads, &b, b.num_targets).unwrap().loss()];
+    let mut out =
+        vec![t.forward_backward(&params, &mut grads, tokens_of(&b), b.num_targets).unwrap().loss()];
     for k in [1, 2] {
         let dev = CpuDevice::new(CpuDeviceConfig::with_capacity(64 << 20));
         let cfg = case_engine_config(case, k, batch);
@@ -302,7 +304,7 @@ fn a_tiled_head_matches_the_whole_head_on_the_first_step() {
 fn a_forced_tile_size_cuts_the_head_into_tiles() {
     for case in CASES {
         let model = ModelConfig::from_file(&case_dir(case).join("model/config.json")).unwrap();
-        let layout = ModelLayout::new(&model);
+        let layout = horizon::model::describe(&model);
         let sizes = horizon::engine::exec::Sizes::new(&layout, &tiled_config(case, 1, 1, 100));
         assert!(sizes.head.tiles() >= 3, "{case}: {:?}", sizes.head);
         assert_eq!(sizes.slot, layout.max_layer_len(), "{case}");
@@ -369,7 +371,8 @@ fn host_threads_are_parsed_and_reach_the_engine() {
     assert_eq!(HostThreads::Auto.resolve_for(BackendKind::Cpu, 16), 8);
     let model = ModelConfig::from_file(&case_dir(case).join("model/config.json")).unwrap();
     let params =
-        ParamStore::load_hf(&ModelLayout::new(&model), &case_dir(case).join("model")).unwrap();
+        ParamStore::load_hf(&horizon::model::describe(&model), &case_dir(case).join("model"))
+            .unwrap();
     let cfg = EngineConfig { host_threads: ecfg.host_threads, ..case_engine_config(case, 2, 1) };
     let dev = CpuDevice::new(CpuDeviceConfig::with_capacity(4 << 20));
     let engine = Engine::new(dev, &model, TrainState::new(params), cfg).unwrap();
@@ -424,7 +427,8 @@ fn the_host_queue_thread_runs_beside_its_pool() {
     .unwrap();
     let case = "llama_gqa";
     let model = ModelConfig::from_file(&case_dir(case).join("model/config.json")).unwrap();
-    let params = ParamStore::load_hf(&ModelLayout::new(&model), &case_dir(case).join("model"));
+    let params =
+        ParamStore::load_hf(&horizon::model::describe(&model), &case_dir(case).join("model"));
     let params = params.unwrap();
     let all = allowed_cpus();
     for pin in [true, false] {

@@ -7,11 +7,12 @@ mod common;
 
 use common::*;
 use horizon::data::pretokenized::{Row, make_batch};
-use horizon::engine::exec::{Engine, EngineConfig, MicroBatch, StepParams};
+use horizon::engine::exec::{Engine, MicroBatch, StepParams};
+use horizon::engine::options::EngineConfig;
 use horizon::hf::config::ModelConfig;
-use horizon::model::layout::ModelLayout;
 use horizon::model::params::ParamStore;
 use horizon::model::transformer::{Capacity, Transformer};
+use horizon::train::tokens_of;
 use horizon::train::{TrainState, micro_batches};
 use horizon_backend::CpuBackend;
 use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig};
@@ -19,7 +20,8 @@ use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig};
 fn model(case: &str) -> (ModelConfig, ParamStore) {
     let cfg = ModelConfig::from_file(&case_dir(case).join("model/config.json")).unwrap();
     let params =
-        ParamStore::load_hf(&ModelLayout::new(&cfg), &case_dir(case).join("model")).unwrap();
+        ParamStore::load_hf(&horizon::model::describe(&cfg), &case_dir(case).join("model"))
+            .unwrap();
     (cfg, params)
 }
 
@@ -41,7 +43,7 @@ fn reference(
     let (mut sum, mut n) = (0.0, 0);
     for chunk in rows.chunks(mbs) {
         let refs: Vec<&Row> = chunk.iter().collect();
-        let out = tr.forward_loss(params, &make_batch(&refs)).unwrap();
+        let out = tr.forward_loss(params, tokens_of(&make_batch(&refs))).unwrap();
         sum += out.loss_sum;
         n += out.num_targets;
     }

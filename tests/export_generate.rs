@@ -11,9 +11,9 @@ use std::process::{Command, Output};
 use common::*;
 use horizon::data::pretokenized::{Row, make_batch};
 use horizon::hf::config::ModelConfig;
-use horizon::model::layout::ModelLayout;
 use horizon::model::params::ParamStore;
 use horizon::model::transformer::{Capacity, Transformer};
+use horizon::train::tokens_of;
 use horizon_backend::CpuBackend;
 use serde_json::Value;
 
@@ -50,12 +50,12 @@ fn trained_case(tmp: &Path, extra: &str) -> PathBuf {
 
 fn loss_of(dir: &Path, rows: &[Row]) -> f64 {
     let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
-    let params = ParamStore::load_hf(&ModelLayout::new(&cfg), dir).unwrap();
+    let params = ParamStore::load_hf(&horizon::model::describe(&cfg), dir).unwrap();
     let refs: Vec<&Row> = rows.iter().collect();
     let batch = make_batch(&refs);
     let cap = Capacity { batch: batch.b, seq_len: batch.t, head_chunk_rows: 16 };
     let mut tr = Transformer::new(CpuBackend, &cfg, cap);
-    tr.forward_loss(&params, &batch).unwrap().loss()
+    tr.forward_loss(&params, tokens_of(&batch)).unwrap().loss()
 }
 
 fn fixture_rows() -> Vec<Row> {
@@ -78,7 +78,7 @@ fn export_round_trips_fp32_exactly_and_bf16_rounded() {
     let ckpt =
         fs::read_dir(out.join("checkpoints")).unwrap().flatten().map(|e| e.path()).max().unwrap();
     let cfg = ModelConfig::from_file(&final_dir.join("config.json")).unwrap();
-    let layout = ModelLayout::new(&cfg);
+    let layout = horizon::model::describe(&cfg);
     let masters = ParamStore::load_hf(&layout, &ckpt.join("params.safetensors")).unwrap();
 
     // fp32 from the checkpoint: the masters, bit for bit, and the same loss as final/.
@@ -413,7 +413,7 @@ fn kv_cache_generates_the_full_recompute_tokens() {
     for case in CASES {
         let dir = case_dir(case).join("model");
         let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
-        let params = ParamStore::load_hf(&ModelLayout::new(&cfg), &dir).unwrap();
+        let params = ParamStore::load_hf(&horizon::model::describe(&cfg), &dir).unwrap();
         let [kv, full] = kv_and_full_ids(&cfg, &params, &[3, 17, 5, 42, 9], 32);
         assert_eq!(full.len(), 32, "{case}");
         assert_eq!(kv, full, "{case}: KV cache vs full recompute");

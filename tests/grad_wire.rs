@@ -6,8 +6,8 @@
 //! plan's slabs and (CUDA) weight slots halve.
 
 use horizon::config::{BackendKind, GradWire, OptimizerMemory, RawConfig};
-use horizon::engine::exec::{EngineConfig, Sizes};
-use horizon::model::layout::ModelLayout;
+use horizon::engine::options::EngineConfig;
+use horizon::engine::sizes::Sizes;
 use horizon::plan_cmd::plan_for;
 use horizon::train::{StreamTrainer, engine_config, model_config};
 use horizon_backend::Device;
@@ -39,7 +39,7 @@ fn run(memory: &str, wire: &str) -> (Vec<(f64, f64)>, u64, usize) {
         StreamTrainer::new(raw(&yaml(tmp.path(), memory, wire)).resolve("test").unwrap()).unwrap();
     let metrics = (0..STEPS).map(|k| t.step(k).unwrap()).map(|m| (m.loss, m.grad_norm)).collect();
     t.engine.state();
-    let layer = ModelLayout::new(&t.model_cfg).layer(0).len;
+    let layer = horizon::model::describe(&t.model_cfg).layer(0).len;
     (metrics, t.engine.device().stats().d2h_bytes, layer)
 }
 
@@ -97,7 +97,7 @@ fn the_plan_halves_the_slabs_and_the_cuda_weight_slots() {
     let tmp = tempfile::tempdir().unwrap();
     let r = raw(&yaml(tmp.path(), "exact", "fp32"));
     let model = model_config(&r).unwrap();
-    let layout = ModelLayout::new(&model);
+    let layout = horizon::model::describe(&model);
     let cpu = engine_config(&r);
     let sizes = |e: EngineConfig| Sizes::new(&layout, &e);
     let (fp32, bf16) = (sizes(cpu), sizes(EngineConfig { grad_wire: GradWire::Bf16, ..cpu }));
@@ -139,7 +139,7 @@ fn the_plan_counts_pinned_memory_once() {
     let tmp = tempfile::tempdir().unwrap();
     let r = raw(&yaml(tmp.path(), "exact", "fp32"));
     let model = model_config(&r).unwrap();
-    let layout = ModelLayout::new(&model);
+    let layout = horizon::model::describe(&model);
     let cpu = engine_config(&r);
     for (memory, wire) in [
         (OptimizerMemory::Exact, GradWire::Fp32),

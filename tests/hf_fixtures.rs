@@ -9,6 +9,7 @@ use common::*;
 use horizon::config::RawConfig;
 use horizon::model::layout::ModelLayout;
 use horizon::train::Trainer;
+use horizon::train::tokens_of;
 
 fn trainer(case: &str, head_chunk_rows: usize) -> Trainer {
     let yaml = case_yaml(case, &format!("engine: {{ head_chunk_rows: {head_chunk_rows} }}\n"));
@@ -20,7 +21,7 @@ fn trainer(case: &str, head_chunk_rows: usize) -> Trainer {
 fn check_step0_forward(case: &str) {
     let mut t = trainer(case, 7);
     let (batch, _) = t.batch(0);
-    let (hidden, logits) = t.engine.forward_inspect(&t.state.params, &batch).unwrap();
+    let (hidden, logits) = t.engine.forward_inspect(&t.state.params, tokens_of(&batch)).unwrap();
     for (i, h) in hidden.iter().enumerate() {
         let want = tensor(case, "step0_logits.safetensors", &format!("hidden_states.{i}"));
         let scale = want.iter().fold(0.0f64, |a, &x| a.max(x.abs()));
@@ -44,7 +45,7 @@ fn check_step0_grads(case: &str, head_chunk_rows: usize) {
     let (batch, _) = t.batch(0);
     let out = t
         .engine
-        .forward_backward(&t.state.params, &mut t.state.grads, &batch, batch.num_targets)
+        .forward_backward(&t.state.params, &mut t.state.grads, tokens_of(&batch), batch.num_targets)
         .unwrap();
     let e = expected(case);
     assert_rel(&format!("{case} step-0 loss"), out.loss(), f64s(&e["loss_per_step"])[0], 1e-5);
@@ -171,11 +172,21 @@ fn head_chunking_is_exact() {
         let (batch, _) = a.batch(0);
         let oa = a
             .engine
-            .forward_backward(&a.state.params, &mut a.state.grads, &batch, batch.num_targets)
+            .forward_backward(
+                &a.state.params,
+                &mut a.state.grads,
+                tokens_of(&batch),
+                batch.num_targets,
+            )
             .unwrap();
         let ob = b
             .engine
-            .forward_backward(&b.state.params, &mut b.state.grads, &batch, batch.num_targets)
+            .forward_backward(
+                &b.state.params,
+                &mut b.state.grads,
+                tokens_of(&batch),
+                batch.num_targets,
+            )
             .unwrap();
         assert_eq!(oa.loss_sum.to_bits(), ob.loss_sum.to_bits(), "{case}");
         // The head gradient sums chunks in a different order; every layer gradient is identical.
@@ -193,11 +204,21 @@ fn backward_twice_doubles_gradients() {
         let mut t = trainer(case, 256);
         let (batch, _) = t.batch(0);
         t.engine
-            .forward_backward(&t.state.params, &mut t.state.grads, &batch, batch.num_targets)
+            .forward_backward(
+                &t.state.params,
+                &mut t.state.grads,
+                tokens_of(&batch),
+                batch.num_targets,
+            )
             .unwrap();
         let once = t.state.grads.clone();
         t.engine
-            .forward_backward(&t.state.params, &mut t.state.grads, &batch, batch.num_targets)
+            .forward_backward(
+                &t.state.params,
+                &mut t.state.grads,
+                tokens_of(&batch),
+                batch.num_targets,
+            )
             .unwrap();
         // The embedding gradient is a scatter-add: a token id repeated in the batch adds its rows
         // one by one, so `(g + a) + b` differs from `2 (a + b)` by rounding. Every other
@@ -223,7 +244,7 @@ fn gemma3_multimodal_checkpoint_loads_its_language_model() {
     use horizon::model::params::ParamStore;
     let case = "gemma3_sliding";
     let text = ModelConfig::from_file(&case_dir(case).join("model/config.json")).unwrap();
-    let layout = ModelLayout::new(&text);
+    let layout = horizon::model::describe(&text);
     let want = ParamStore::load_hf(&layout, &case_dir(case).join("model")).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let mm = serde_json::json!({
@@ -243,7 +264,7 @@ fn gemma3_multimodal_checkpoint_loads_its_language_model() {
     write_safetensors(&dir.path().join("model.safetensors"), &tensors, SaveDtype::F32).unwrap();
     let cfg = ModelConfig::from_file(&dir.path().join("config.json")).unwrap();
     assert_eq!(cfg.tensor_prefix, "language_model.");
-    let mm_layout = ModelLayout::new(&cfg);
+    let mm_layout = horizon::model::describe(&cfg);
     assert_eq!(ParamStore::load_hf(&mm_layout, dir.path()).unwrap(), want);
     // A missing language-model tensor is still named.
     tensors.remove(0);

@@ -12,6 +12,7 @@ use common::lora::*;
 use common::{assert_bit_identical, assert_rel, f64s, max_err_over, update_rel_err, update_tol};
 use horizon::hf::checkpoint::read_tensor_f64;
 use horizon::model::params::ParamStore;
+use horizon::train::tokens_of;
 use horizon::train::{RunModel, Trainer, load_run_model};
 use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig};
 
@@ -23,7 +24,12 @@ fn reference_step0_adapter_gradients_match_peft() {
         let (batch, _) = t.batch(0);
         let out = t
             .engine
-            .forward_backward(&t.state.params, &mut t.state.grads, &batch, batch.num_targets)
+            .forward_backward(
+                &t.state.params,
+                &mut t.state.grads,
+                tokens_of(&batch),
+                batch.num_targets,
+            )
             .unwrap();
         let e = expected(case);
         assert_rel(&format!("{case} step-0 loss"), out.loss(), f64s(&e["loss_per_step"])[0], 1e-5);

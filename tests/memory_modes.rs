@@ -9,9 +9,9 @@ use std::process::Command;
 
 use common::*;
 use horizon::config::{OptimizerMemory, RawConfig};
-use horizon::engine::exec::{Engine, EngineConfig};
+use horizon::engine::exec::Engine;
+use horizon::engine::options::EngineConfig;
 use horizon::hf::config::ModelConfig;
-use horizon::model::layout::ModelLayout;
 use horizon::model::params::ParamStore;
 use horizon::train::{StreamTrainer, TrainState};
 use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig};
@@ -42,7 +42,7 @@ fn fixture_run_tiled(
     head_tile_rows: Option<usize>,
 ) -> (Vec<(f64, f64)>, TrainState) {
     let model = ModelConfig::from_file(&case_dir(case).join("model/config.json")).unwrap();
-    let layout = ModelLayout::new(&model);
+    let layout = horizon::model::describe(&model);
     let params = ParamStore::load_hf(&layout, &case_dir(case).join("model")).unwrap();
     let cfg =
         EngineConfig { grad_clip: 0.0, memory, head_tile_rows, ..case_engine_config(case, k, mbs) };

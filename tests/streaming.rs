@@ -121,14 +121,13 @@ fn train_writes_a_summary() {
 #[test]
 fn a_qwen3_8b_shape_plans_no_head_sized_device_buffer() {
     use horizon::config::BackendKind;
-    use horizon::model::layout::ModelLayout;
     use horizon::plan_cmd::plan_for;
     use horizon::train::{engine_config, model_config};
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/bench/qwen3-8b-shape.yaml");
     let raw = RawConfig::from_yaml(&std::fs::read_to_string(path).unwrap(), path).unwrap();
     let (model, ecfg) = (model_config(&raw).unwrap(), engine_config(&raw));
     assert_eq!(ecfg.backend, BackendKind::Cuda);
-    let layout = ModelLayout::new(&model);
+    let layout = horizon::model::describe(&model);
     let (c, v, layer) = (layout.dims.c, layout.dims.v, layout.max_layer_len());
     assert_eq!((c, v, layout.dims.layers, layout.tied), (4096, 151936, 36, false));
     assert!(v * c > 3 * layer, "the head is 3.2x a layer");

@@ -3,17 +3,20 @@
 //! `base_model.model.model.layers.{i}.{self_attn|mlp}.{target}.lora_{A|B}.weight`, A (r, in),
 //! B (out, r). Reading refuses, by file and key, every variant Horizon does not implement;
 //! [`check_against`] holds an `adapter.init` to the run's config and model; [`write`] writes a
-//! directory PEFT loads.
+//! directory PEFT loads, and [`write_sidecar`] Horizon's note beside it (what PEFT's files do
+//! not say: whether the base was quantised, and where it is).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, anyhow, bail};
 use serde_json::{Map, Value, json};
 
-use super::config::{AdapterConfig, TARGETS};
+use serde::{Deserialize, Serialize};
+
+use super::config::{AdapterConfig, AdapterKind, TARGETS};
 use crate::hf::checkpoint::{SaveDtype, list_tensors, read_tensor_f64, write_safetensors};
 
 /// The adapter's configuration file.
@@ -532,4 +535,40 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
         let _ = fs::remove_file(&tmp);
         format!("renaming {} to {}", tmp.display(), path.display())
     })
+}
+
+/// Horizon's note beside a PEFT adapter's files.
+pub const SIDECAR: &str = "horizon_adapter.json";
+
+/// What PEFT's files do not say about an adapter run.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Sidecar {
+    /// `lora` or `qlora`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The base model directory (`model.path`), when the run had one.
+    pub base_model: Option<PathBuf>,
+}
+
+/// Write the sidecar of an adapter run into `dir`.
+pub fn write_sidecar(dir: &Path, a: &AdapterConfig, base: Option<&Path>) -> Result<()> {
+    let kind = match a.kind {
+        AdapterKind::Lora => "lora",
+        AdapterKind::Qlora => "qlora",
+    };
+    let s = Sidecar { kind: kind.into(), base_model: base.map(Path::to_path_buf) };
+    let path = dir.join(SIDECAR);
+    fs::write(&path, serde_json::to_string_pretty(&s)?)
+        .with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// Horizon's note in adapter directory `dir`, if it has one.
+pub fn read_sidecar(dir: &Path) -> Result<Option<Sidecar>> {
+    let path = dir.join(SIDECAR);
+    match fs::read_to_string(&path) {
+        Ok(text) => serde_json::from_str(&text)
+            .map(Some)
+            .with_context(|| format!("{}: not a Horizon adapter note", path.display())),
+        Err(_) => Ok(None),
+    }
 }

@@ -13,13 +13,13 @@ use horizon_backend::cpu::add_inplace;
 use horizon_backend::threads::{self, Placement};
 use horizon_backend::{
     Backend, Bf16, DevBuf, Device, DeviceSlice, Event, HostPtr, HostPtrMut, Kernel, KernelTimer,
-    Precision, Queue, Views,
+    Queue, Views,
 };
 
 use crate::engine::head_tiles::{
     HeadTiling, STATS, TileDims, TileRows, tile_finish, tile_grad, tile_stats,
 };
-use crate::engine::options::{BackendKind, GradWire, HostThreads, OptimizerMemory, WeightPath};
+use crate::engine::options::{EngineConfig, GradWire, WeightPath};
 use crate::engine::phases::{Phase, PhaseClock, PhaseSeconds};
 use crate::engine::plan::{
     ActSource, GradTarget, OpKind, ParamBuf, PlanShape, Res, Schedule, SlotContent, Wait,
@@ -46,67 +46,11 @@ use crate::optim::adamw::{
 use crate::optim::adamw8bit::{Moments8, Moments8Mut};
 use crate::optim::moments::{AnyMoments, Moments, Moments32};
 use crate::optim::state::OptState;
+use crate::optim::state::OptimizerMemory;
 use crate::store::TrainState;
 
 mod eval;
 pub use eval::EvalOutput;
-
-/// How the engine runs a step.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct EngineConfig {
-    /// Rows per optimizer step.
-    pub batch_size: usize,
-    /// Rows per micro-batch (`batch_size` when not splitting).
-    pub micro_batch_size: usize,
-    /// Longest row.
-    pub seq_len: usize,
-    /// A host checkpoint every K layers.
-    pub checkpoint_every: usize,
-    /// Host gradient slabs.
-    pub grad_slabs: usize,
-    /// Rows per LM-head chunk.
-    pub head_chunk_rows: usize,
-    /// `engine.head_tile_rows`: vocabulary rows per LM-head tile, at most what fits in a weight
-    /// slot ([`HeadTiling::new`]); `None`: as many as fit.
-    pub head_tile_rows: Option<usize>,
-    /// AdamW and clipping (the learning rate comes with each step, from the schedule).
-    pub adamw: AdamWConfig,
-    pub grad_clip: f64,
-    /// Layers whose forward internals stay on the device for their backward instead of being
-    /// recomputed (`engine.recompute` resolved: 0 recomputes all, the model's depth none),
-    /// spread evenly over the depth (`plan::keeps_internals`); non-zero needs
-    /// `checkpoint_every == 1`.
-    pub kept_layers: usize,
-    /// `optimizer.memory`: exact, lean or compact.
-    pub memory: OptimizerMemory,
-    /// `device.backend`: its precision (`Backend::PRECISION`) sets the format of the weight
-    /// slots and the workspace its products need. Must match the device the engine runs on.
-    pub backend: BackendKind,
-    /// `engine.grad_wire`: the format layer gradients cross the link in.
-    pub grad_wire: GradWire,
-    /// `engine.weight_upload` resolved (bf16 backends only; the CPU device copies the masters):
-    /// upload from the masters, from a page-locked bf16 image of every uploaded trained buffer
-    /// written by the optimizer, or from the stage of the slot, rounded by a host-queue op.
-    pub weights: WeightPath,
-    /// `engine.host_threads`: the threads of the host queue's work (its own pool, built once).
-    pub host_threads: HostThreads,
-    /// `engine.pin_threads`: the host pool's threads each pinned to one of the last CPUs.
-    pub pin_threads: bool,
-}
-
-impl EngineConfig {
-    pub fn micro_batches(&self) -> usize {
-        self.batch_size.div_ceil(self.micro_batch_size)
-    }
-    /// The weight path the engine takes: `weights` on a bf16 backend; the CPU device copies
-    /// the fp32 masters whatever the path.
-    pub fn weight_path(&self) -> WeightPath {
-        match self.backend.precision() {
-            Precision::Bf16 => self.weights,
-            _ => WeightPath::Masters,
-        }
-    }
-}
 
 /// The shape of the plan the engine runs for `layout` under `cfg` (sized by `sizes`).
 pub fn plan_shape(layout: &ModelLayout, cfg: &EngineConfig, sizes: &Sizes) -> PlanShape {
@@ -799,7 +743,7 @@ where
 {
     /// Allocate every buffer the run needs and take ownership of the host state.
     pub fn new(dev: D, model: &ModelConfig, state: TrainState, cfg: EngineConfig) -> Result<Self> {
-        Self::with_layout(dev, ModelLayout::new(model), None, state, cfg)
+        Self::with_layout(dev, crate::model::describe(model), None, state, cfg)
     }
 
     /// [`Engine::new`] for `layout`: an adapter layout trains `state` (its adapters) beside

@@ -224,7 +224,7 @@ mod tests {
         let cfg = serde_json::json!({"model_type": "llama", "hidden_size": 8,
             "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
             "intermediate_size": if layers_big { 64 } else { 8 }, "vocab_size": 100});
-        ModelLayout::new(&crate::hf::config::ModelConfig::from_json(&cfg, "test").unwrap())
+        crate::model::describe(&crate::hf::config::ModelConfig::from_json(&cfg, "test").unwrap())
     }
 
     #[test]
@@ -253,7 +253,8 @@ mod tests {
         let cfg = serde_json::json!({"model_type": "qwen2", "hidden_size": 3584,
             "num_hidden_layers": 1, "num_attention_heads": 28, "num_key_value_heads": 4,
             "intermediate_size": 18944, "vocab_size": 152064});
-        let l = ModelLayout::new(&crate::hf::config::ModelConfig::from_json(&cfg, "q").unwrap());
+        let l =
+            crate::model::describe(&crate::hf::config::ModelConfig::from_json(&cfg, "q").unwrap());
         assert_eq!(l.max_layer_len(), 233_057_792);
         let t = HeadTiling::new(&l, None);
         assert_eq!((t.rows, t.tiles(), t.range(2)), (65_024, 3, 130_048..152_064));

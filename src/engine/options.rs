@@ -1,57 +1,25 @@
-//! The engine's options: what a run chooses about the optimizer's memory, the gradient wire
-//! format, the compute device and the threads of its host work. The engine owns these types;
+//! The engine's options: what a run chooses about recomputation, the gradient wire format, the
+//! weight uploads, the compute device and the threads of its host work. The engine owns these types;
 //! the YAML config (`config.rs`) parses into them and re-exports them, so the engine depends on
 //! no config code.
 
+use horizon_backend::Precision;
 use serde::{Deserialize, Serialize};
 
-use crate::optim::moments::MomentStorage;
+use crate::optim::adamw::AdamWConfig;
+use crate::optim::state::OptimizerMemory;
 
-/// `optimizer.memory`: how much host memory the optimizer state takes (see README).
+/// `engine.recompute`.
 #[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
-pub enum OptimizerMemory {
-    /// fp32 masters, m, v and a whole-model fp32 gradient; exact global-norm clipping.
+pub enum Recompute {
+    /// Keep the internals when the plan fits with them, else recompute.
     #[default]
-    Exact,
-    /// fp32 masters, m, v; no whole-model gradient: a layer is updated as soon as its gradient
-    /// is complete (clipping by an estimate of the step's norm) unless its slab can wait for the
-    /// norm; embedding, final norm and head clip by the step's norm.
-    Lean,
-    /// `lean` with m and v quantised to 8 bits per block of 256 (dynamic quantisation).
-    Compact,
-}
-
-impl OptimizerMemory {
-    pub const ALL: [OptimizerMemory; 3] =
-        [OptimizerMemory::Exact, OptimizerMemory::Lean, OptimizerMemory::Compact];
-
-    /// The name used in configs and messages.
-    pub fn name(self) -> &'static str {
-        match self {
-            OptimizerMemory::Exact => "exact",
-            OptimizerMemory::Lean => "lean",
-            OptimizerMemory::Compact => "compact",
-        }
-    }
-
-    /// Whether gradients are consumed layer by layer (no whole-model gradient buffer).
-    pub fn streams_updates(self) -> bool {
-        self != OptimizerMemory::Exact
-    }
-
-    /// Whether the host store keeps the decoder layers' gradients (only `exact` does).
-    pub fn keeps_layer_grads(self) -> bool {
-        !self.streams_updates()
-    }
-
-    /// How the mode stores the AdamW moments.
-    pub fn moment_storage(self) -> MomentStorage {
-        match self {
-            OptimizerMemory::Compact => MomentStorage::Q8,
-            OptimizerMemory::Exact | OptimizerMemory::Lean => MomentStorage::F32,
-        }
-    }
+    Auto,
+    /// Recompute every layer's internals (and each block's inputs) in the backward.
+    Always,
+    /// Keep every layer's internals from the forward to its backward.
+    Never,
 }
 
 /// `engine.grad_wire`.
@@ -251,6 +219,89 @@ impl<'de> Deserialize<'de> for HostThreads {
                 Ok(n) => Ok(HostThreads::Count(n)),
                 Err(_) => Err(bad(&format!("'{s}'"))),
             },
+        }
+    }
+}
+
+/// How the engine runs a step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct EngineConfig {
+    /// Rows per optimizer step.
+    pub batch_size: usize,
+    /// Rows per micro-batch (`batch_size` when not splitting).
+    pub micro_batch_size: usize,
+    /// Longest row.
+    pub seq_len: usize,
+    /// A host checkpoint every K layers.
+    pub checkpoint_every: usize,
+    /// Host gradient slabs.
+    pub grad_slabs: usize,
+    /// Rows per LM-head chunk.
+    pub head_chunk_rows: usize,
+    /// `engine.head_tile_rows`: vocabulary rows per LM-head tile, at most what fits in a weight
+    /// slot ([`HeadTiling::new`](crate::engine::head_tiles::HeadTiling::new)); `None`: as many as fit.
+    pub head_tile_rows: Option<usize>,
+    /// AdamW and clipping (the learning rate comes with each step, from the schedule).
+    pub adamw: AdamWConfig,
+    pub grad_clip: f64,
+    /// Layers whose forward internals stay on the device for their backward instead of being
+    /// recomputed (`engine.recompute` resolved: 0 recomputes all, the model's depth none),
+    /// spread evenly over the depth (`plan::keeps_internals`); non-zero needs
+    /// `checkpoint_every == 1`.
+    pub kept_layers: usize,
+    /// `optimizer.memory`: exact, lean or compact.
+    pub memory: OptimizerMemory,
+    /// `device.backend`: its precision (`Backend::PRECISION`) sets the format of the weight
+    /// slots and the workspace its products need. Must match the device the engine runs on.
+    pub backend: BackendKind,
+    /// `engine.grad_wire`: the format layer gradients cross the link in.
+    pub grad_wire: GradWire,
+    /// `engine.weight_upload` resolved (bf16 backends only; the CPU device copies the masters):
+    /// upload from the masters, from a page-locked bf16 image of every uploaded trained buffer
+    /// written by the optimizer, or from the stage of the slot, rounded by a host-queue op.
+    pub weights: WeightPath,
+    /// `engine.host_threads`: the threads of the host queue's work (its own pool, built once).
+    pub host_threads: HostThreads,
+    /// `engine.pin_threads`: the host pool's threads each pinned to one of the last CPUs.
+    pub pin_threads: bool,
+}
+
+impl EngineConfig {
+    pub fn micro_batches(&self) -> usize {
+        self.batch_size.div_ceil(self.micro_batch_size)
+    }
+    /// The weight path the engine takes: `weights` on a bf16 backend; the CPU device copies
+    /// the fp32 masters whatever the path.
+    pub fn weight_path(&self) -> WeightPath {
+        match self.backend.precision() {
+            Precision::Bf16 => self.weights,
+            _ => WeightPath::Masters,
+        }
+    }
+}
+
+#[cfg(test)]
+impl EngineConfig {
+    /// A small configuration for unit tests on `backend`: steps of 2 rows in micro-batches of 1,
+    /// rows of 16 positions, a checkpoint every 2 layers, clipping at 1.
+    pub(crate) fn small(backend: BackendKind) -> Self {
+        EngineConfig {
+            batch_size: 2,
+            micro_batch_size: 1,
+            seq_len: 16,
+            checkpoint_every: 2,
+            grad_slabs: 2,
+            head_chunk_rows: 64,
+            head_tile_rows: None,
+            adamw: AdamWConfig { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 },
+            grad_clip: 1.0,
+            kept_layers: 0,
+            memory: Default::default(),
+            backend,
+            grad_wire: Default::default(),
+            weights: WeightPath::Masters,
+            host_threads: Default::default(),
+            pin_threads: true,
         }
     }
 }

@@ -164,7 +164,6 @@ pub fn step_flops(schedule: &Schedule, layout: &ModelLayout, b: usize, t: usize)
 
 #[cfg(test)]
 mod tests {
-    use super::*;
 
     #[test]
     fn model_flops_are_six_n_tokens_plus_attention() {
@@ -172,7 +171,7 @@ mod tests {
             "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
             "intermediate_size": 16, "vocab_size": 32});
         let cfg = crate::hf::config::ModelConfig::from_json(&cfg, "test").unwrap();
-        let (mat, attn) = ModelLayout::new(&cfg).layer(0).forward_flops(2, 3);
+        let (mat, attn) = crate::model::describe(&cfg).layer(0).forward_flops(2, 3);
         // Matrix parameters of the layer: q 8x8, k and v 4x8 each, o 8x8, gate|up 2x16x8, down.
         let params = 64 + 32 + 32 + 64 + 256 + 128;
         assert_eq!(mat, 2.0 * 6.0 * params as f64);

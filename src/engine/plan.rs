@@ -1571,16 +1571,16 @@ mod tests {
 mod doc_tests {
     use super::*;
 
-    /// ARCHITECTURE.md shows the steady-state timeline of one step for 4 layers, K = 2, one
+    /// docs/schedule.md shows the steady-state timeline of one step for 4 layers, K = 2, one
     /// micro-batch, in exact and in streamed (`lean`/`compact`) mode; this keeps both true.
     #[test]
-    fn architecture_md_shows_the_current_timeline() {
+    fn schedule_md_shows_the_current_timeline() {
         for streamed in [false, true] {
-            architecture_md_shows(streamed);
+            schedule_md_shows(streamed);
         }
     }
 
-    fn architecture_md_shows(streamed: bool) {
+    fn schedule_md_shows(streamed: bool) {
         let s = Schedule::new(PlanShape {
             layers: 4,
             micro_batches: 1,
@@ -1592,7 +1592,7 @@ mod doc_tests {
             streamed,
             staged: false,
         });
-        let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/ARCHITECTURE.md"))
+        let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/schedule.md"))
             .unwrap();
         let timeline = s.timeline();
         if std::env::var_os("HORIZON_PRINT_TIMELINE").is_some() {
@@ -1600,8 +1600,8 @@ mod doc_tests {
         }
         assert!(
             doc.contains(&timeline),
-            "ARCHITECTURE.md's timeline is stale; regenerate it with\n\
-             HORIZON_PRINT_TIMELINE=1 cargo test --lib architecture_md -- --nocapture\n{timeline}"
+            "docs/schedule.md's timeline is stale; regenerate it with\n\
+             HORIZON_PRINT_TIMELINE=1 cargo test --lib schedule_md -- --nocapture\n{timeline}"
         );
     }
 }

@@ -2,9 +2,9 @@
 //! machine. One rule for `horizon train` (on this machine) and `horizon plan --hardware` (on
 //! the profile's), so that a projection plans the run that would run.
 
-use crate::config::Recompute;
-use crate::engine::exec::EngineConfig;
 use crate::engine::memory::MemoryPlan;
+use crate::engine::options::EngineConfig;
+use crate::engine::options::Recompute;
 use crate::engine::options::{BackendKind, WeightPath, WeightUpload};
 use crate::engine::sizes::Sizes;
 use crate::model::layout::ModelLayout;
@@ -111,33 +111,10 @@ pub fn most_kept(layout: &ModelLayout, base: EngineConfig, m: &Machine) -> Optio
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::layout::fixture_layout;
+    use crate::model::families::fixture_layout;
 
     fn base() -> EngineConfig {
-        EngineConfig {
-            batch_size: 2,
-            micro_batch_size: 1,
-            seq_len: 16,
-            checkpoint_every: 2,
-            grad_slabs: 2,
-            head_chunk_rows: 64,
-            head_tile_rows: None,
-            adamw: crate::optim::adamw::AdamWConfig {
-                lr: 1e-3,
-                beta1: 0.9,
-                beta2: 0.999,
-                eps: 1e-8,
-                weight_decay: 0.0,
-            },
-            grad_clip: 1.0,
-            kept_layers: 0,
-            memory: Default::default(),
-            backend: BackendKind::Cuda,
-            grad_wire: Default::default(),
-            weights: WeightPath::Masters,
-            host_threads: Default::default(),
-            pin_threads: true,
-        }
+        EngineConfig::small(BackendKind::Cuda)
     }
 
     /// The plan's device and host totals of `e`.

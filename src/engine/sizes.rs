@@ -5,12 +5,13 @@
 use horizon_backend::Precision;
 use horizon_backend::pool::ALIGN_ELEMS;
 
-use crate::engine::exec::EngineConfig;
 use crate::engine::head_tiles::{HeadTiling, STATS};
-use crate::engine::options::{GradWire, OptimizerMemory, WeightPath};
+use crate::engine::options::EngineConfig;
+use crate::engine::options::{GradWire, WeightPath};
 use crate::model::layout::ModelLayout;
 use crate::model::spec::Op;
 use crate::optim::moments::MomentStorage;
+use crate::optim::state::OptimizerMemory;
 use crate::store::{HostDtype, host_tensors, tensor_bytes};
 
 /// Sizes (in f32 elements unless said otherwise) of every buffer the engine allocates: the
@@ -445,15 +446,15 @@ mod tests {
         let cfg = serde_json::json!({"model_type": "qwen3", "hidden_size": 64,
             "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 8,
             "head_dim": 32, "intermediate_size": 64, "vocab_size": 16});
-        let layout =
-            ModelLayout::new(&crate::hf::config::ModelConfig::from_json(&cfg, "test").unwrap());
-        let yaml = "model: {init: random, arch: qwen3, hidden_size: 64, intermediate_size: 64, \
-                    num_hidden_layers: 2, num_attention_heads: 8, num_key_value_heads: 8, \
-                    vocab_size: 16}\ndata: {format: synthetic}\n\
-                    train: {steps: 1, batch_size: 2, max_seq_len: 64}\n\
-                    device: {backend: cuda}\n";
-        let raw = crate::config::RawConfig::from_yaml(yaml, "test").unwrap();
-        let ecfg = crate::train::engine_config(&raw);
+        let layout = crate::model::describe(
+            &crate::hf::config::ModelConfig::from_json(&cfg, "test").unwrap(),
+        );
+        // Steps of 2 rows of up to 64 positions, on the CUDA backend.
+        let ecfg = EngineConfig {
+            micro_batch_size: 2,
+            seq_len: 64,
+            ..EngineConfig::small(crate::engine::options::BackendKind::Cuda)
+        };
         assert_eq!(ecfg.backend.precision(), Precision::Bf16);
         let s = Sizes::new(&layout, &ecfg);
         let (n, p) = (s.mb_rows, Precision::Bf16);

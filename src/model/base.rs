@@ -16,24 +16,9 @@ use rayon::prelude::*;
 
 use crate::hf::checkpoint::{Checkpoint, NonFinite};
 use crate::model::layout::{EMBED, FINAL_NORM, LM_HEAD, ModelLayout};
+use crate::model::lora::BaseDtype;
 use crate::model::spec::{Init, Stored, TensorSpec};
 use crate::rng::SplitMix64;
-
-/// The dtype the frozen tensors (all but NF4 ones) are kept in.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum BaseDtype {
-    F32,
-    Bf16,
-}
-
-impl BaseDtype {
-    pub fn bytes(self) -> usize {
-        match self {
-            BaseDtype::F32 => 4,
-            BaseDtype::Bf16 => 2,
-        }
-    }
-}
 
 /// Frozen values in their dtype.
 #[derive(Clone, Debug, PartialEq)]

@@ -84,7 +84,7 @@ impl<B: DeviceAlloc> KvDecoder<B> {
         max_step: usize,
         residency: Residency,
     ) -> Self {
-        Self::with_layout(be, ModelLayout::new(cfg), None, (max_len, max_step), residency)
+        Self::with_layout(be, crate::model::describe(cfg), None, (max_len, max_step), residency)
     }
 
     /// [`KvDecoder::new`] for `layout` (an adapter's, over its frozen `base`).

@@ -568,7 +568,7 @@ mod tests {
                 let dir = env!("CARGO_MANIFEST_DIR");
                 let path = format!("{dir}/tests/fixtures/{case}/model/config.json");
                 let cfg = ModelConfig::from_file(std::path::Path::new(&path)).unwrap();
-                let mut layout = ModelLayout::new(&cfg);
+                let mut layout = crate::model::describe(&cfg);
                 for spec in &mut layout.kinds {
                     spec.attn.window = spec.attn.window.min(3);
                 }
@@ -596,7 +596,7 @@ mod tests {
     /// their activation: not the two norms' outputs, nor the products that only feed an add.
     #[test]
     fn a_kept_layer_needs_only_what_it_keeps_and_rebuilds() {
-        use crate::model::base::BaseDtype;
+        use crate::model::lora::BaseDtype;
         use crate::model::lora::LoraSpec;
         let targets = ["q_proj", "o_proj", "down_proj"].iter().map(|t| t.to_string()).collect();
         let lora = LoraSpec { r: 3, scale: 1.7, targets, nf4: false, base: BaseDtype::F32 };
@@ -660,7 +660,7 @@ mod tests {
     /// adapters' gradients and dX against finite differences; the frozen base gets none.
     #[test]
     fn adapted_layers_match_finite_differences() {
-        use crate::model::base::BaseDtype;
+        use crate::model::lora::BaseDtype;
         use crate::model::lora::LoraSpec;
         let targets: Vec<String> =
             ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -83,20 +83,9 @@ pub const EMBED: &str = "model.embed_tokens.weight";
 pub const FINAL_NORM: &str = "model.norm.weight";
 pub const LM_HEAD: &str = "lm_head.weight";
 
-/// The layout of the test fixture's small Llama (grouped-query attention), for unit tests.
-#[cfg(test)]
-pub(crate) fn fixture_layout() -> ModelLayout {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/llama_gqa/model/config.json");
-    ModelLayout::new(&ModelConfig::from_file(std::path::Path::new(path)).expect("the fixture"))
-}
-
 impl ModelLayout {
-    /// The description of `cfg`'s model, by its family.
-    pub fn new(cfg: &ModelConfig) -> Self {
-        crate::model::families::describe(cfg)
-    }
-
-    /// A layout from a family's parts.
+    /// A layout from a family's parts (a family's `describe` builds it; callers take the
+    /// description of a model from [`crate::model::describe`]).
     pub fn from_parts(
         cfg: &ModelConfig,
         kinds: Vec<LayerSpec>,

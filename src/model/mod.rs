@@ -12,3 +12,5 @@ pub mod lora;
 pub mod params;
 pub mod spec;
 pub mod transformer;
+
+pub use families::describe;

@@ -222,7 +222,7 @@ impl ParamStore {
             Init::Normal => {}
             Init::Ones => buf.fill(1.0),
             Init::Zeros => buf.fill(0.0),
-            Init::KaimingUniform => crate::adapter::init::init_a(buf, t.shape[1], seed, stream),
+            Init::KaimingUniform => crate::model::lora::init_a(buf, t.shape[1], seed, stream),
         };
         if layout.trains_base() {
             match layout.final_norm_init() {

@@ -13,7 +13,6 @@ use std::sync::Arc;
 use anyhow::{Result, bail};
 use horizon_backend::{Backend, CpuBackend, DeviceAlloc, DeviceSlice, Dinp, NormDims};
 
-use crate::data::pretokenized::Batch;
 use crate::hf::config::ModelConfig;
 use crate::model::base::{Frozen, FrozenBase, words_as_f32};
 use crate::model::layer::{
@@ -21,6 +20,27 @@ use crate::model::layer::{
 };
 use crate::model::layout::ModelLayout;
 use crate::model::params::ParamStore;
+
+/// The rows of one pass as the model takes them: `b` rows of `t` positions, right-padded, with
+/// each position's next token (shifted targets).
+#[derive(Clone, Copy, Debug)]
+pub struct Tokens<'a> {
+    /// Rows (B).
+    pub b: usize,
+    /// Positions per row (T).
+    pub t: usize,
+    /// (B*T) token ids.
+    pub ids: &'a [i32],
+    /// (B*T) the next token of each position, -100 where no loss is taken.
+    pub targets: &'a [i32],
+}
+
+impl Tokens<'_> {
+    /// Positions that carry a loss (targets other than -100).
+    pub fn num_targets(&self) -> usize {
+        self.targets.iter().filter(|&&t| t != -100).count()
+    }
+}
 
 /// What one forward+backward pass over a batch produced.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -120,7 +140,7 @@ pub(crate) fn vm<T: ?Sized + DeviceSlice, M: DerefMut<Target = T>>(
 impl<B: DeviceAlloc> Transformer<B> {
     /// Allocate the whole workspace once. Nothing is allocated per step afterwards.
     pub fn new(be: B, cfg: &ModelConfig, cap: Capacity) -> Self {
-        Self::with_layout(be, ModelLayout::new(cfg), None, cap)
+        Self::with_layout(be, crate::model::describe(cfg), None, cap)
     }
 
     /// [`Transformer::new`] for `layout` (an adapter layout with its frozen `base`).
@@ -211,7 +231,7 @@ impl<B: DeviceAlloc> Transformer<B> {
         upload_head(&self.be, &self.layout, m, (norm, head), &mut self.host_dhead);
     }
 
-    fn check_batch(&self, batch: &Batch) -> Result<()> {
+    fn check_batch(&self, batch: &Tokens<'_>) -> Result<()> {
         if batch.b > self.cap.batch || batch.t > self.cap.seq_len {
             bail!(
                 "batch of {}x{} tokens exceeds the workspace capacity {}x{}",
@@ -226,17 +246,17 @@ impl<B: DeviceAlloc> Transformer<B> {
 
     /// Forward through the decoder layers. Leaves the final-norm output in `hf` and the
     /// checkpoints in `ckpt[0..=L]`.
-    fn forward_layers(&mut self, params: &ParamStore, batch: &Batch) -> Result<()> {
-        self.check_batch(batch)?;
+    fn forward_layers(&mut self, params: &ParamStore, batch: Tokens<'_>) -> Result<()> {
+        self.check_batch(&batch)?;
         let d = self.layout.dims;
         let n = batch.b * batch.t;
         let nc = n * d.c;
         let rows = Rows { b: batch.b, t: batch.t };
         // Embedding rows are gathered on the host (only the rows the batch touches travel).
         let m = (self.base.as_deref(), params);
-        embed_rows_of(&mut self.ckpt[0][..nc], &batch.input_ids, m, &self.layout);
-        self.be.upload_i32(self.ids.slice_mut(0..n), &batch.input_ids);
-        self.be.upload_i32(self.targets.slice_mut(0..n), &batch.targets);
+        embed_rows_of(&mut self.ckpt[0][..nc], batch.ids, m, &self.layout);
+        self.be.upload_i32(self.ids.slice_mut(0..n), batch.ids);
+        self.be.upload_i32(self.targets.slice_mut(0..n), batch.targets);
         self.be.upload(vm(&mut self.x, nc), &self.ckpt[0][..nc]);
         for l in 0..d.layers {
             self.upload_layer(params, l);
@@ -260,7 +280,7 @@ impl<B: DeviceAlloc> Transformer<B> {
     pub fn forward_inspect(
         &mut self,
         params: &ParamStore,
-        batch: &Batch,
+        batch: Tokens<'_>,
     ) -> Result<(Vec<Vec<f32>>, Vec<f32>)> {
         self.forward_layers(params, batch)?;
         let d = self.layout.dims;
@@ -293,7 +313,7 @@ impl<B: DeviceAlloc> Transformer<B> {
     pub fn last_logits(
         &mut self,
         params: &ParamStore,
-        batch: &Batch,
+        batch: Tokens<'_>,
         out: &mut [f32],
     ) -> Result<()> {
         self.forward_layers(params, batch)?;
@@ -313,7 +333,7 @@ impl<B: DeviceAlloc> Transformer<B> {
     }
 
     /// Forward only, loss of the batch (evaluation).
-    pub fn forward_loss(&mut self, params: &ParamStore, batch: &Batch) -> Result<PassOutput> {
+    pub fn forward_loss(&mut self, params: &ParamStore, batch: Tokens<'_>) -> Result<PassOutput> {
         self.forward_layers(params, batch)?;
         let d = self.layout.dims;
         let n = batch.b * batch.t;
@@ -340,7 +360,7 @@ impl<B: DeviceAlloc> Transformer<B> {
             self.be.download(&mut self.host_losses[..rows], v(&self.losses, rows));
             loss_sum += self.host_losses[..rows].iter().map(|&x| x as f64).sum::<f64>();
         }
-        Ok(PassOutput { loss_sum, num_targets: batch.num_targets })
+        Ok(PassOutput { loss_sum, num_targets: batch.num_targets() })
     }
 
     /// One forward and backward pass over `batch`. Parameter gradients **accumulate** (+=) into
@@ -350,7 +370,7 @@ impl<B: DeviceAlloc> Transformer<B> {
         &mut self,
         params: &ParamStore,
         grads: &mut ParamStore,
-        batch: &Batch,
+        batch: Tokens<'_>,
         loss_norm: usize,
     ) -> Result<PassOutput> {
         self.forward_layers(params, batch)?;
@@ -429,10 +449,10 @@ impl<B: DeviceAlloc> Transformer<B> {
         if trains_base {
             let dx = &mut self.ckpt[0][..nc];
             self.be.download(dx, v(&self.dres, nc));
-            embed_rows_backward(&mut grads.embed, &batch.input_ids, dx, &self.layout);
+            embed_rows_backward(&mut grads.embed, batch.ids, dx, &self.layout);
         }
 
-        Ok(PassOutput { loss_sum, num_targets: batch.num_targets })
+        Ok(PassOutput { loss_sum, num_targets: batch.num_targets() })
     }
 }
 

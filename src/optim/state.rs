@@ -9,12 +9,60 @@ use std::io::{Read, Write};
 use std::path::Path;
 
 use anyhow::{Context, Result, bail};
+use serde::{Deserialize, Serialize};
 
 use crate::hf::checkpoint::SaveDtype;
 use crate::model::layout::ModelLayout;
 use crate::model::params::ParamStore;
 use crate::optim::adamw8bit::Moments8;
 use crate::optim::moments::{AnyMoments, MomentStorage, Moments32};
+
+/// `optimizer.memory`: how much host memory the optimizer state takes (see docs/configuration.md).
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimizerMemory {
+    /// fp32 masters, m, v and a whole-model fp32 gradient; exact global-norm clipping.
+    #[default]
+    Exact,
+    /// fp32 masters, m, v; no whole-model gradient: a layer is updated as soon as its gradient
+    /// is complete (clipping by an estimate of the step's norm) unless its slab can wait for the
+    /// norm; embedding, final norm and head clip by the step's norm.
+    Lean,
+    /// `lean` with m and v quantised to 8 bits per block of 256 (dynamic quantisation).
+    Compact,
+}
+
+impl OptimizerMemory {
+    pub const ALL: [OptimizerMemory; 3] =
+        [OptimizerMemory::Exact, OptimizerMemory::Lean, OptimizerMemory::Compact];
+
+    /// The name used in configs and messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            OptimizerMemory::Exact => "exact",
+            OptimizerMemory::Lean => "lean",
+            OptimizerMemory::Compact => "compact",
+        }
+    }
+
+    /// Whether gradients are consumed layer by layer (no whole-model gradient buffer).
+    pub fn streams_updates(self) -> bool {
+        self != OptimizerMemory::Exact
+    }
+
+    /// Whether the host store keeps the decoder layers' gradients (only `exact` does).
+    pub fn keeps_layer_grads(self) -> bool {
+        !self.streams_updates()
+    }
+
+    /// How the mode stores the AdamW moments.
+    pub fn moment_storage(self) -> MomentStorage {
+        match self {
+            OptimizerMemory::Compact => MomentStorage::Q8,
+            OptimizerMemory::Exact | OptimizerMemory::Lean => MomentStorage::F32,
+        }
+    }
+}
 
 /// What every optimizer's state can do.
 pub trait OptimizerState: Sized {
@@ -286,7 +334,7 @@ impl OptimizerState for OptState {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::layout::fixture_layout;
+    use crate::model::families::fixture_layout;
 
     /// Each storage's save and load round-trip bit-exactly, and the bytes agree with the
     /// storage's own count.

@@ -811,7 +811,7 @@ mod tests {
 
     #[test]
     fn host_passes_are_timed_once_and_grow_with_size() {
-        let layout = crate::model::layout::fixture_layout();
+        let layout = crate::model::families::fixture_layout();
         let h = HostMeasured::new(2, &layout, true);
         assert!(h.dispatch() > 0.0 && h.dispatch() < 0.01, "{}", h.dispatch());
         let update = HostPass::Update { eight_bit: false, image: false };
@@ -829,7 +829,7 @@ mod tests {
 
     #[test]
     fn host_threads_and_copies_are_timed_beside_the_kernels() {
-        let layout = crate::model::layout::fixture_layout();
+        let layout = crate::model::families::fixture_layout();
         let h = HostMeasured::new(1, &layout, true);
         assert_eq!(h.contended(), 1.0, "nothing to time it beside");
         let h = h.beside(Rc::new(CpuMeasured::new(true)), 64);

@@ -7,12 +7,14 @@ use horizon_backend::Queue;
 use horizon_backend::cpu::GATHER_SERIAL_ELEMS;
 use horizon_backend::threads::QueueCpus;
 
-use crate::engine::exec::{EngineConfig, Sizes};
-use crate::engine::options::{GradWire, OptimizerMemory, WeightPath};
+use crate::engine::options::EngineConfig;
+use crate::engine::options::{GradWire, WeightPath};
 use crate::engine::plan::{GradTarget, OpKind, ParamBuf, Res, SlotContent};
-use crate::model::base::BaseDtype;
+use crate::engine::sizes::Sizes;
 use crate::model::layout::ModelLayout;
+use crate::model::lora::BaseDtype;
 use crate::model::spec::{AttnSpec, LayerSpec, Op, Weight};
+use crate::optim::state::OptimizerMemory;
 use crate::sim::des::{Cost, Sharing};
 use crate::sim::hardware::{Hardware, Host};
 

@@ -10,10 +10,12 @@ use anyhow::{Result, bail};
 use horizon_backend::Queue;
 
 use crate::config::{BackendKind, DeviceAttention, RunConfig, WeightPath};
-use crate::engine::exec::{EngineConfig, Sizes, plan_shape};
+use crate::engine::exec::plan_shape;
 use crate::engine::memory::gib;
+use crate::engine::options::EngineConfig;
 use crate::engine::plan::Schedule;
 use crate::engine::resolve::{Machine, most_kept, resolve};
+use crate::engine::sizes::Sizes;
 use crate::sim::calibrate::{CpuMeasured, HostMeasured, this_cpu};
 use crate::sim::cost::{CostModel, DeviceModel, HostByRates, HostModel, UploadPath};
 use crate::sim::hardware::{

@@ -5,7 +5,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use horizon::config::RawConfig;
-use horizon::engine::exec::{Engine, EngineConfig, StepParams};
+use horizon::engine::exec::{Engine, StepParams};
+use horizon::engine::options::EngineConfig;
 use horizon::hf::checkpoint::read_tensor_f64;
 use horizon::model::params::ParamStore;
 use horizon::train::{PEFT_PREFIX, RunModel, TrainState, load_run_model};

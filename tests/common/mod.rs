@@ -109,7 +109,11 @@ pub fn case_yaml(case: &str, extra: &str) -> String {
 /// chunks of 7 rows, two
 /// gradient slabs, exact memory mode, the backward recomputing, the CPU backend, fp32
 /// gradients on the wire, `auto` host threads.
-pub fn case_engine_config(case: &str, k: usize, mbs: usize) -> horizon::engine::exec::EngineConfig {
+pub fn case_engine_config(
+    case: &str,
+    k: usize,
+    mbs: usize,
+) -> horizon::engine::options::EngineConfig {
     let seq_len = case_rows(case).iter().map(|r| r.input_ids.len()).max().unwrap_or(0).max(32);
     engine_config_for(&expected(case), seq_len, k, mbs)
 }
@@ -120,9 +124,9 @@ pub fn engine_config_for(
     seq_len: usize,
     k: usize,
     mbs: usize,
-) -> horizon::engine::exec::EngineConfig {
+) -> horizon::engine::options::EngineConfig {
     let betas = f64s(&e["betas"]);
-    horizon::engine::exec::EngineConfig {
+    horizon::engine::options::EngineConfig {
         batch_size: e["batch"].as_u64().unwrap() as usize,
         micro_batch_size: mbs,
         seq_len,
@@ -219,7 +223,7 @@ pub fn assert_matches_fixture(
     let model =
         horizon::hf::config::ModelConfig::from_file(&case_dir(case).join("model/config.json"))
             .unwrap();
-    let layout = horizon::model::layout::ModelLayout::new(&model);
+    let layout = horizon::model::describe(&model);
     for (name, _) in layout.hf_tensors() {
         let want = tensor(case, "final.safetensors", &name);
         let got = params.tensor(&layout, &name).unwrap();

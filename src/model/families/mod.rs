@@ -61,3 +61,44 @@ pub fn type_name(t: LayerType) -> &'static str {
         LayerType::Sliding => "sliding_attention",
     }
 }
+
+/// The layout of the test fixture's small Llama (grouped-query attention), for unit tests.
+#[cfg(test)]
+pub(crate) fn fixture_layout() -> ModelLayout {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/llama_gqa/model/config.json");
+    describe(&ModelConfig::from_file(std::path::Path::new(path)).expect("the fixture"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixture(case: &str) -> std::path::PathBuf {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures")
+            .join(case)
+            .join("model/config.json")
+    }
+
+    #[test]
+    fn num_params_counts_fixture_tensors() {
+        // llama_gqa: V*C + L*(attn + mlp + norms) + C + untied head.
+        let num_params = |c: &ModelConfig| describe(c).num_params();
+        let c = ModelConfig::from_file(&fixture("llama_gqa")).unwrap();
+        let layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 176 + 2 * 64;
+        assert_eq!(num_params(&c), 2 * 256 * 64 + 2 * layer + 64);
+        // qwen2: tied, with q/k/v biases.
+        let c = ModelConfig::from_file(&fixture("qwen2_tied_padded")).unwrap();
+        let layer = 64 * 64 + 2 * 64 * 16 + 64 * 64 + (64 + 2 * 16) + 3 * 64 * 128 + 2 * 64;
+        assert_eq!(num_params(&c), 320 * 64 + 3 * layer + 64);
+        // And every family's description agrees with the element count of its checkpoint.
+        for case in ["llama_gqa", "qwen2_tied_padded", "qwen3_qknorm", "gemma3_sliding"] {
+            let c = ModelConfig::from_file(&fixture(case)).unwrap();
+            let dir = fixture(case).parent().unwrap().to_path_buf();
+            let ckpt = crate::hf::checkpoint::Checkpoint::open(&dir).unwrap();
+            let numel: usize =
+                ckpt.names().iter().map(|n| ckpt.shape(n).unwrap().iter().product::<usize>()).sum();
+            assert_eq!(num_params(&c), numel, "{case}");
+        }
+    }
+}
