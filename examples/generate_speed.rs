@@ -7,7 +7,7 @@
 use std::time::Instant;
 
 use horizon::engine::options::BackendKind;
-use horizon::generate::{Decode, Generator};
+use horizon::run::decode::{Decode, Generator};
 use horizon::tokenizer::ByteTokenizer;
 
 fn median(mut x: Vec<f64>) -> f64 {
@@ -19,8 +19,8 @@ fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
     let new: usize = args.next().map_or(256, |s| s.parse().expect("NEW: a number"));
     let reps: usize = args.next().map_or(3, |s| s.parse().expect("REPS: a number"));
-    let cfg = horizon::bench::named_config("llama-58m")?;
-    let (model_cfg, params) = horizon::train::load_model(&cfg.raw)?;
+    let cfg = horizon::run::bench::named_config("llama-58m")?;
+    let (model_cfg, params) = horizon::run::load::load_model(&cfg.raw)?;
     let mut g = Generator::new(&model_cfg, params, Box::new(ByteTokenizer::new()));
     g.set_stop_ids(Vec::new());
     let prompt: Vec<u32> = (0..8).map(|i| 100 + 37 * i).collect();

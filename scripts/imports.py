@@ -136,6 +136,8 @@ def main():
     where = defaultdict(list)
     for mod, path in mods.items():
         text = strip_comments(open(path).read())
+        if path.endswith("main.rs"):  # the binary reaches the library as `horizon::`
+            text = re.sub(r"\bhorizon::", "crate::", text)
         for line, p in paths_in(text):
             # `super::` inside a file's inline test module means the file itself.
             target = resolve(mods, mod if p.startswith("crate") else mod, p)
@@ -180,6 +182,16 @@ def main():
     print(f"file cycles inside one folder: {len(same)}")
     for c in same:
         print("  " + " <-> ".join("::".join(m) for m in sorted(c)))
+    verbs = ["train", "bench", "export", "generate", "plan", "default_job"]
+    among = [
+        f"run::{a} -> run::{b}"
+        for a in verbs
+        for b in verbs
+        if a != b and ("run", b) in file_edges.get(("run", a), ())
+    ]
+    print(f"verbs of run/ importing another verb: {len(among)}")
+    for line in among:
+        print("  " + line)
     if "--arrows" in sys.argv:
         for (a, b), ws in sorted(where.items()):
             if a != b:

@@ -1,26 +1,19 @@
 //! Horizon: train LLMs whose state is far larger than accelerator memory. Library half of the
 //! `horizon` binary (the binary is `src/main.rs`).
+//!
+//! The modules are layers, and every import points down (`layering` keeps it so):
+//! `run` (the verbs and what they share) -> `sim` (the model of a machine) -> `engine` (the step
+//! as a plan, and its executor) -> `store` (the host state) -> `optim` -> `model` -> `data`,
+//! `adapter` -> `hf`, `tokenizer`, `rng`, and the backend crate below them all.
 
 pub mod adapter;
-pub mod bench;
-pub mod config;
 pub mod data;
-pub mod default_job;
 pub mod engine;
-pub mod export;
-pub mod generate;
 pub mod hf;
-pub mod merge;
 pub mod model;
 pub mod optim;
-pub mod plan_cmd;
-pub mod report;
-pub mod resume;
 pub mod rng;
-pub mod run_lock;
-pub mod schedule;
+pub mod run;
 pub mod sim;
 pub mod store;
-pub mod summary;
 pub mod tokenizer;
-pub mod train;

@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 
 use horizon::adapter::peft::{self, PeftAdapter, module_path, tensor_name};
 use horizon::adapter::{AdapterConfig, AdapterKind, BaseDtype, TARGETS};
-use horizon::config::RawConfig;
 use horizon::model::lora::init_a;
+use horizon::run::config::RawConfig;
 use serde_json::Value;
 
 fn fixture(case: &str) -> PathBuf {
@@ -462,7 +462,7 @@ fn init_a_is_kaiming_uniform_and_deterministic() {
 
 const BASE: &str = "model: {path: m}\ndata: {path: d.jsonl}\n";
 
-fn resolve(adapter: &str) -> anyhow::Result<horizon::config::RunConfig> {
+fn resolve(adapter: &str) -> anyhow::Result<horizon::run::config::RunConfig> {
     RawConfig::from_yaml(&format!("{BASE}adapter: {adapter}\n"), "t.yaml")?.resolve("t.yaml")
 }
 

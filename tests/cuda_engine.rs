@@ -11,14 +11,14 @@
 mod common;
 
 use common::*;
-use horizon::config::{BackendKind, GradWire};
 use horizon::engine::exec::Engine;
 use horizon::engine::options::EngineConfig;
 use horizon::hf::config::ModelConfig;
 use horizon::model::layout::ModelLayout;
 use horizon::model::params::ParamStore;
-use horizon::train::TrainState;
-use horizon::train::tokens_of;
+use horizon::run::config::{BackendKind, GradWire};
+use horizon::run::data::tokens_of;
+use horizon::store::TrainState;
 use horizon_backend::Device;
 use horizon_backend::cuda::{CudaDevice, CudaDeviceConfig};
 
@@ -323,8 +323,8 @@ fn top(logits: &[f32]) -> (usize, f32) {
 /// run gives the GPU's tokens up to the first step where they may differ.
 #[test]
 fn kv_cache_generation_on_the_gpu_tracks_the_cpu_tokens() {
-    use horizon::generate::{Decode, Generator};
     use horizon::model::kv_cache::{KvDecoder, Residency};
+    use horizon::run::decode::{Decode, Generator};
     use horizon_backend::cuda::CudaBackend;
     use horizon_backend::{CpuBackend, Precision};
     let prompt = [3u32, 17, 5, 42, 9];
@@ -398,7 +398,7 @@ fn eval_on_the_gpu_tracks_the_reference_loss() {
             let ecfg = EngineConfig { head_tile_rows: tiles, ..cfg };
             let mut e =
                 Engine::new(cuda(0, 0), &model, TrainState::new(params.clone()), ecfg).unwrap();
-            let got = e.eval(horizon::train::micro_batches(&refs, 2)).unwrap();
+            let got = e.eval(horizon::run::data::micro_batches(&refs, 2)).unwrap();
             assert_eq!(got.num_targets, n);
             assert_rel(
                 &format!("{case} eval on the GPU, tiles {tiles:?}"),
@@ -418,7 +418,7 @@ fn eval_on_the_gpu_tracks_the_reference_loss() {
 /// in exact and lean mode, whole and tiled head, tied and untied embeddings (the fixture cases).
 #[test]
 fn the_weight_image_changes_no_bit() {
-    use horizon::config::{OptimizerMemory, WeightPath};
+    use horizon::run::config::{OptimizerMemory, WeightPath};
     for case in CASES {
         for (memory, tiles) in [(OptimizerMemory::Exact, None), (OptimizerMemory::Lean, Some(37))] {
             let base = EngineConfig {
@@ -519,7 +519,7 @@ fn a_step_copies_nothing_through_pageable_memory() {
     {
         let cfg = EngineConfig {
             head_tile_rows: tiles,
-            weights: horizon::config::WeightPath::Image,
+            weights: horizon::run::config::WeightPath::Image,
             ..cuda_config(case, 1, 1, GradWire::Bf16)
         };
         let model = ModelConfig::from_file(&case_dir(case).join("model/config.json")).unwrap();
@@ -547,8 +547,8 @@ fn a_step_copies_nothing_through_pageable_memory() {
 /// and the test double's driver counts the same bytes, none left once the engine is dropped.
 #[test]
 fn pinned_host_memory_is_the_plans_figure() {
-    use horizon::config::{OptimizerMemory, WeightPath};
-    use horizon::plan_cmd::plan_for;
+    use horizon::run::config::{OptimizerMemory, WeightPath};
+    use horizon::run::plan::plan_for;
     use horizon_backend::cuda::WIRE_RING_BYTES;
     let case = "llama_gqa";
     let model = ModelConfig::from_file(&case_dir(case).join("model/config.json")).unwrap();

@@ -10,11 +10,11 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use horizon::config::RawConfig;
 use horizon::data::{
     Columns, LoadReport, OnError, Row, Source, load_alpaca, load_chat, load_pretokenized_rows,
     load_sharegpt, load_text,
 };
+use horizon::run::config::RawConfig;
 use horizon::tokenizer::ByteTokenizer;
 use parquet_writer::{Col, write};
 use serde_json::{Map, Value, json};

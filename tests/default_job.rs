@@ -6,7 +6,7 @@
 fn the_default_job_learns() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("out");
-    horizon::default_job::run_with(&out, 120, &[]).unwrap();
+    horizon::run::default_job::run_with(&out, 120, &[]).unwrap();
     let metrics: Vec<serde_json::Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
         .unwrap()
         .lines()
@@ -21,14 +21,14 @@ fn the_default_job_learns() {
     assert!(out.join("final/model.safetensors").is_file());
     // The 1000 held-out problems' loss, every EVAL_EVERY steps and after the last, in the
     // metrics and in what the plot draws.
-    let every = horizon::default_job::EVAL_EVERY;
+    let every = horizon::run::default_job::EVAL_EVERY;
     let evals: Vec<(f64, f64)> = metrics
         .iter()
         .filter_map(|m| Some((m["step"].as_f64()?, m["eval_loss"].as_f64()?)))
         .collect();
     assert_eq!(evals.iter().map(|e| e.0 as usize).collect::<Vec<_>>(), [every, 120]);
-    let points = horizon::report::read_metrics(&out.join("metrics.jsonl")).unwrap();
-    assert_eq!(horizon::report::eval_series(&points), evals);
+    let points = horizon::run::plot::read_metrics(&out.join("metrics.jsonl")).unwrap();
+    assert_eq!(horizon::run::plot::eval_series(&points), evals);
     assert!(evals[1].1 < 0.6 * first, "the held-out loss did not fall: {evals:?}");
     let summary: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();

@@ -6,13 +6,14 @@
 mod common;
 
 use common::*;
-use horizon::config::RawConfig;
 use horizon::engine::exec::Engine;
 use horizon::engine::options::EngineConfig;
 use horizon::hf::config::ModelConfig;
 use horizon::model::params::ParamStore;
-use horizon::train::tokens_of;
-use horizon::train::{TrainState, Trainer};
+use horizon::run::config::RawConfig;
+use horizon::run::data::tokens_of;
+use horizon::run::reference::ReferenceTrainer;
+use horizon::store::TrainState;
 use horizon_backend::Queue;
 use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig, WaitMode};
 
@@ -20,7 +21,7 @@ use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig, WaitMode};
 fn reference(case: &str) -> (Vec<(f64, f64)>, ParamStore) {
     let yaml = case_yaml(case, "engine: { head_chunk_rows: 7 }\n");
     let cfg = RawConfig::from_yaml(&yaml, case).unwrap().resolve(case).unwrap();
-    let mut t = Trainer::new(cfg).unwrap();
+    let mut t = ReferenceTrainer::new(cfg).unwrap();
     let steps = expected(case)["steps"].as_u64().unwrap() as usize;
     let out = (0..steps).map(|k| t.step(k).unwrap()).map(|m| (m.loss, m.grad_norm)).collect();
     (out, t.state.params.clone())
@@ -175,7 +176,7 @@ fn spinning_waits_do_not_change_results() {
 /// the first part), tied and untied embeddings, one and two micro-batches.
 #[test]
 fn updating_the_next_steps_embedding_rows_first_changes_no_bit() {
-    use horizon::config::OptimizerMemory;
+    use horizon::run::config::OptimizerMemory;
     for case in CASES {
         for memory in [OptimizerMemory::Exact, OptimizerMemory::Lean, OptimizerMemory::Compact] {
             for mbs in [1, 2] {
@@ -226,7 +227,7 @@ fn step0_losses(model: &ModelConfig) -> Vec<f64> {
         let cfg = case_engine_config(case, k, batch);
         let mut e = Engine::new(dev, model, TrainState::new(params.clone()), cfg).unwrap();
         let sp = horizon::engine::exec::StepParams { lr: 0.0, inject_nan: false };
-        let mbs = horizon::train::micro_batches(&rows, e.config().micro_batch_size);
+        let mbs = horizon::run::data::micro_batches(&rows, e.config().micro_batch_size);
         out.push(e.step(mbs, sp).unwrap().loss());
     }
     out
@@ -305,10 +306,10 @@ fn a_forced_tile_size_cuts_the_head_into_tiles() {
     for case in CASES {
         let model = ModelConfig::from_file(&case_dir(case).join("model/config.json")).unwrap();
         let layout = horizon::model::describe(&model);
-        let sizes = horizon::engine::exec::Sizes::new(&layout, &tiled_config(case, 1, 1, 100));
+        let sizes = horizon::engine::sizes::Sizes::new(&layout, &tiled_config(case, 1, 1, 100));
         assert!(sizes.head.tiles() >= 3, "{case}: {:?}", sizes.head);
         assert_eq!(sizes.slot, layout.max_layer_len(), "{case}");
-        let whole = horizon::engine::exec::Sizes::new(&layout, &case_engine_config(case, 1, 1));
+        let whole = horizon::engine::sizes::Sizes::new(&layout, &case_engine_config(case, 1, 1));
         assert!(whole.head.is_whole(), "{case}: the fixtures' heads fit in a slot");
     }
 }
@@ -332,7 +333,7 @@ fn copy_queue_delays_do_not_change_a_tiled_head() {
 
 /// Fixture `case`'s config with `extra` (`, key: value` pairs) added to its `engine:`
 /// section, resolved.
-fn with_engine_keys(case: &str, extra: &str) -> anyhow::Result<horizon::config::RunConfig> {
+fn with_engine_keys(case: &str, extra: &str) -> anyhow::Result<horizon::run::config::RunConfig> {
     let yaml = case_yaml(case, &format!("engine: {{ head_chunk_rows: 7{extra} }}\n"));
     RawConfig::from_yaml(&yaml, case).and_then(|r| r.resolve(case))
 }
@@ -346,14 +347,13 @@ fn step_bits(v: &[(f64, f64)]) -> Vec<(u64, u64)> {
 /// reaches the engine, whose host queue runs on a pool of exactly that many threads.
 #[test]
 fn host_threads_are_parsed_and_reach_the_engine() {
-    use horizon::config::{BackendKind, HostThreads};
-    use horizon::train::engine_config;
+    use horizon::run::config::{BackendKind, HostThreads};
     let case = "llama_gqa";
     let parse = |extra: &str| with_engine_keys(case, extra);
     let auto = parse("").unwrap();
     assert_eq!(auto.raw.engine.host_threads, HostThreads::Auto);
     let three = parse(", host_threads: 3").unwrap();
-    let ecfg = engine_config(&three.raw);
+    let ecfg = three.raw.engine_config();
     assert_eq!(ecfg.host_threads, HostThreads::Count(3));
     assert_eq!(parse(", host_threads: auto").unwrap().raw.engine.host_threads, HostThreads::Auto);
     for bad in [", host_threads: 0", ", host_threads: many", ", host_threads: -2"] {
@@ -383,12 +383,11 @@ fn host_threads_are_parsed_and_reach_the_engine() {
 /// kernels' and the host threads (or not) changes where threads run, never the bits.
 #[test]
 fn pinned_threads_are_configurable_and_change_no_bits() {
-    use horizon::train::engine_config;
     let case = "llama_gqa";
     let parse = |extra: &str| with_engine_keys(case, extra);
     assert!(parse("").unwrap().raw.engine.pin_threads);
     let free = parse(", pin_threads: false").unwrap();
-    assert!(!engine_config(&free.raw).pin_threads);
+    assert!(!free.raw.engine_config().pin_threads);
     let err = format!("{:#}", parse(", pin_threads: sometimes").unwrap_err());
     assert!(err.contains("pin_threads"), "the error names no key: {err}");
     let run = |pin: bool| {
@@ -434,7 +433,7 @@ fn the_host_queue_thread_runs_beside_its_pool() {
     for pin in [true, false] {
         let cfg = EngineConfig {
             pin_threads: pin,
-            host_threads: horizon::config::HostThreads::Count(1),
+            host_threads: horizon::run::config::HostThreads::Count(1),
             ..case_engine_config(case, 2, 1)
         };
         let dev = CpuDevice::new(CpuDeviceConfig {
@@ -472,7 +471,7 @@ fn the_host_queue_thread_runs_beside_its_pool() {
 /// reduce in a fixed order.
 #[test]
 fn host_thread_count_does_not_change_results() {
-    use horizon::config::{HostThreads, OptimizerMemory};
+    use horizon::run::config::{HostThreads, OptimizerMemory};
     for case in CASES {
         for memory in [OptimizerMemory::Exact, OptimizerMemory::Compact] {
             let run = |n: usize| {

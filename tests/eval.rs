@@ -12,8 +12,9 @@ use horizon::engine::options::EngineConfig;
 use horizon::hf::config::ModelConfig;
 use horizon::model::params::ParamStore;
 use horizon::model::transformer::{Capacity, Transformer};
-use horizon::train::tokens_of;
-use horizon::train::{TrainState, micro_batches};
+use horizon::run::data::micro_batches;
+use horizon::run::data::tokens_of;
+use horizon::store::TrainState;
 use horizon_backend::CpuBackend;
 use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig};
 

@@ -13,7 +13,7 @@ use horizon::data::pretokenized::{Row, make_batch};
 use horizon::hf::config::ModelConfig;
 use horizon::model::params::ParamStore;
 use horizon::model::transformer::{Capacity, Transformer};
-use horizon::train::tokens_of;
+use horizon::run::data::tokens_of;
 use horizon_backend::CpuBackend;
 use serde_json::Value;
 
@@ -224,8 +224,8 @@ fn eval_loss_is_reported_and_is_the_held_out_loss() {
     assert!(summary["eval_rows"].as_u64().unwrap() > 0);
 
     // The reported number is the loss of the held-out rows under the exported weights.
-    let raw = horizon::config::RawConfig::from_file(&tmp.path().join("c.yaml")).unwrap();
-    let sets = horizon::train::load_datasets(&raw, 259).unwrap();
+    let raw = horizon::run::config::RawConfig::from_file(&tmp.path().join("c.yaml")).unwrap();
+    let sets = horizon::run::data::load_datasets(&raw, 259).unwrap();
     let eval = sets.eval.unwrap();
     assert_eq!(eval.rows.len() as u64, summary["eval_rows"].as_u64().unwrap());
     let train_rows = sets.train.rows.len();
@@ -395,7 +395,7 @@ fn kv_and_full_ids(
     n: usize,
 ) -> [Vec<u32>; 2] {
     use horizon::engine::options::BackendKind;
-    use horizon::generate::{Decode, Generator};
+    use horizon::run::decode::{Decode, Generator};
     let tok = Box::new(horizon::tokenizer::ByteTokenizer::new());
     let mut g = Generator::new(cfg, params.clone(), tok);
     g.set_stop_ids(Vec::new());
@@ -419,10 +419,10 @@ fn kv_cache_generates_the_full_recompute_tokens() {
         assert_eq!(kv, full, "{case}: KV cache vs full recompute");
     }
     let tmp = tempfile::tempdir().unwrap();
-    let yaml = horizon::default_job::config_yaml(tmp.path(), 1);
+    let yaml = horizon::run::default_job::config_yaml(tmp.path(), 1);
     let set = ["model.max_position_embeddings=64".to_string()];
-    let raw = horizon::config::RawConfig::from_yaml_with(&yaml, "default job", &set).unwrap();
-    let (cfg, params) = horizon::train::load_model(&raw).unwrap();
+    let raw = horizon::run::config::RawConfig::from_yaml_with(&yaml, "default job", &set).unwrap();
+    let (cfg, params) = horizon::run::load::load_model(&raw).unwrap();
     let prompt: Vec<u32> = "47+38=".bytes().map(u32::from).collect();
     let [kv, full] = kv_and_full_ids(&cfg, &params, &prompt, 32);
     assert_eq!(full.len(), 32);

@@ -5,11 +5,12 @@
 //! steps, in exact and lean mode; the link carries exactly half the layer-gradient bytes; the
 //! plan's slabs and (CUDA) weight slots halve.
 
-use horizon::config::{BackendKind, GradWire, OptimizerMemory, RawConfig};
 use horizon::engine::options::EngineConfig;
 use horizon::engine::sizes::Sizes;
-use horizon::plan_cmd::plan_for;
-use horizon::train::{StreamTrainer, engine_config, model_config};
+use horizon::run::config::{BackendKind, GradWire, OptimizerMemory, RawConfig};
+use horizon::run::load::model_config;
+use horizon::run::plan::plan_for;
+use horizon::run::trainer::Trainer;
 use horizon_backend::Device;
 
 const STEPS: usize = 30;
@@ -36,7 +37,7 @@ fn raw(yaml: &str) -> RawConfig {
 fn run(memory: &str, wire: &str) -> (Vec<(f64, f64)>, u64, usize) {
     let tmp = tempfile::tempdir().unwrap();
     let mut t =
-        StreamTrainer::new(raw(&yaml(tmp.path(), memory, wire)).resolve("test").unwrap()).unwrap();
+        Trainer::new(raw(&yaml(tmp.path(), memory, wire)).resolve("test").unwrap()).unwrap();
     let metrics = (0..STEPS).map(|k| t.step(k).unwrap()).map(|m| (m.loss, m.grad_norm)).collect();
     t.engine.state();
     let layer = horizon::model::describe(&t.model_cfg).layer(0).len;
@@ -80,7 +81,7 @@ fn lean_holding_every_bf16_slab_is_exact() {
     let run = |memory: &str| {
         let tmp = tempfile::tempdir().unwrap();
         let y = yaml(tmp.path(), memory, "bf16").replace("grad_slabs: 3", "grad_slabs: 5");
-        let mut t = StreamTrainer::new(raw(&y).resolve("test").unwrap()).unwrap();
+        let mut t = Trainer::new(raw(&y).resolve("test").unwrap()).unwrap();
         let m: Vec<(u64, u64)> = (0..10)
             .map(|k| t.step(k).unwrap())
             .map(|m| (m.loss.to_bits(), m.grad_norm.to_bits()))
@@ -98,7 +99,7 @@ fn the_plan_halves_the_slabs_and_the_cuda_weight_slots() {
     let r = raw(&yaml(tmp.path(), "exact", "fp32"));
     let model = model_config(&r).unwrap();
     let layout = horizon::model::describe(&model);
-    let cpu = engine_config(&r);
+    let cpu = r.engine_config();
     let sizes = |e: EngineConfig| Sizes::new(&layout, &e);
     let (fp32, bf16) = (sizes(cpu), sizes(EngineConfig { grad_wire: GradWire::Bf16, ..cpu }));
     assert_eq!(bf16.slab_bytes() * 2, fp32.slab_bytes());
@@ -140,7 +141,7 @@ fn the_plan_counts_pinned_memory_once() {
     let r = raw(&yaml(tmp.path(), "exact", "fp32"));
     let model = model_config(&r).unwrap();
     let layout = horizon::model::describe(&model);
-    let cpu = engine_config(&r);
+    let cpu = r.engine_config();
     for (memory, wire) in [
         (OptimizerMemory::Exact, GradWire::Fp32),
         (OptimizerMemory::Lean, GradWire::Bf16),

@@ -6,15 +6,15 @@
 mod common;
 
 use common::*;
-use horizon::config::RawConfig;
 use horizon::model::layout::ModelLayout;
-use horizon::train::Trainer;
-use horizon::train::tokens_of;
+use horizon::run::config::RawConfig;
+use horizon::run::data::tokens_of;
+use horizon::run::reference::ReferenceTrainer;
 
-fn trainer(case: &str, head_chunk_rows: usize) -> Trainer {
+fn trainer(case: &str, head_chunk_rows: usize) -> ReferenceTrainer {
     let yaml = case_yaml(case, &format!("engine: {{ head_chunk_rows: {head_chunk_rows} }}\n"));
     let cfg = RawConfig::from_yaml(&yaml, case).unwrap().resolve(case).unwrap();
-    Trainer::new(cfg).unwrap()
+    ReferenceTrainer::new(cfg).unwrap()
 }
 
 /// Hidden states and logits of the first batch.

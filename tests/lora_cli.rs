@@ -311,7 +311,7 @@ fn base_with_tokenizer(tmp: &Path, case: &str) -> PathBuf {
 /// model's and, KV-cached, the full recompute's.
 #[test]
 fn generate_with_an_unmerged_adapter_matches_the_merged_model() {
-    use horizon::generate::{Decode, Generator};
+    use horizon::run::decode::{Decode, Generator};
     for case in CASES {
         let tmp = tempfile::tempdir().unwrap();
         let o = train(&config(tmp.path(), case, None, ""), &[]);

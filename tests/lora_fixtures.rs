@@ -12,15 +12,17 @@ use common::lora::*;
 use common::{assert_bit_identical, assert_rel, f64s, max_err_over, update_rel_err, update_tol};
 use horizon::hf::checkpoint::read_tensor_f64;
 use horizon::model::params::ParamStore;
-use horizon::train::tokens_of;
-use horizon::train::{RunModel, Trainer, load_run_model};
+use horizon::run::data::tokens_of;
+use horizon::run::load::{RunModel, load_run_model};
+use horizon::run::reference::ReferenceTrainer;
 use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig};
 
 /// The step-0 loss and every adapter gradient, on the reference path.
 #[test]
 fn reference_step0_adapter_gradients_match_peft() {
     for case in CASES {
-        let mut t = Trainer::new(run_config(case, "engine: { head_chunk_rows: 7 }\n")).unwrap();
+        let mut t =
+            ReferenceTrainer::new(run_config(case, "engine: { head_chunk_rows: 7 }\n")).unwrap();
         let (batch, _) = t.batch(0);
         let out = t
             .engine
@@ -80,7 +82,8 @@ fn assert_matches(
 
 /// Per-step (loss, grad norm), initial and final adapters of the reference path.
 fn reference(case: &str) -> (Vec<(f64, f64)>, ParamStore, ParamStore) {
-    let mut t = Trainer::new(run_config(case, "engine: { head_chunk_rows: 7 }\n")).unwrap();
+    let mut t =
+        ReferenceTrainer::new(run_config(case, "engine: { head_chunk_rows: 7 }\n")).unwrap();
     let init = t.state.params.clone();
     let steps = expected(case)["steps"].as_u64().unwrap() as usize;
     let out = (0..steps).map(|k| t.step(k).unwrap()).map(|m| (m.loss, m.grad_norm)).collect();
@@ -91,7 +94,7 @@ fn reference(case: &str) -> (Vec<(f64, f64)>, ParamStore, ParamStore) {
 fn reference_training_matches_peft() {
     for case in CASES {
         let (steps, init, end) = reference(case);
-        let layout = Trainer::new(run_config(case, "")).unwrap().engine.layout;
+        let layout = ReferenceTrainer::new(run_config(case, "")).unwrap().engine.layout;
         assert_matches(case, "reference", &steps, &init, &end, &layout);
     }
 }
@@ -105,7 +108,7 @@ fn cpu() -> CpuDevice {
 fn streamed_engine_matches_peft_and_the_reference_path() {
     for case in CASES {
         let (ref_steps, _, ref_end) = reference(case);
-        let layout = Trainer::new(run_config(case, "")).unwrap().engine.layout;
+        let layout = ReferenceTrainer::new(run_config(case, "")).unwrap().engine.layout;
         let batch = expected(case)["batch"].as_u64().unwrap() as usize;
         for k in [1, 2] {
             let r = streamed(cpu(), case, k, batch, "auto");
@@ -178,7 +181,7 @@ fn qlora_base_dequantises_to_bitsandbytes_values_bit_for_bit() {
 /// adapters under 4096 elements keep fp32 moments, the larger ones 8-bit) meets the fixture.
 #[test]
 fn memory_modes_train_adapters() {
-    use horizon::config::OptimizerMemory;
+    use horizon::run::config::OptimizerMemory;
     for case in CASES {
         let exact = streamed(cpu(), case, 1, 1, "auto");
         let lean = streamed_in(cpu(), case, (1, 1), "auto", OptimizerMemory::Lean);

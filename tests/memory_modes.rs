@@ -8,12 +8,13 @@ mod common;
 use std::process::Command;
 
 use common::*;
-use horizon::config::{OptimizerMemory, RawConfig};
 use horizon::engine::exec::Engine;
 use horizon::engine::options::EngineConfig;
 use horizon::hf::config::ModelConfig;
 use horizon::model::params::ParamStore;
-use horizon::train::{StreamTrainer, TrainState};
+use horizon::run::config::{OptimizerMemory, RawConfig};
+use horizon::run::trainer::Trainer;
+use horizon::store::TrainState;
 use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig};
 
 /// A state's fp32 moments (m, v).
@@ -126,9 +127,9 @@ fn random_yaml_slabs(
     )
 }
 
-fn trainer(yaml: &str) -> StreamTrainer {
+fn trainer(yaml: &str) -> Trainer {
     let raw = RawConfig::from_yaml(yaml, "test").unwrap();
-    StreamTrainer::new(raw.resolve("test").unwrap()).unwrap()
+    Trainer::new(raw.resolve("test").unwrap()).unwrap()
 }
 
 #[test]
@@ -247,7 +248,7 @@ fn a_nan_gradient_never_reaches_masters_or_moments_in_streamed_modes() {
         let mut t = trainer(&random_yaml(tmp.path(), 4, 0.0, memory, ""));
         t.inject_nan_at = vec![1];
         assert!(!t.step(0).unwrap().skipped);
-        let snap = |t: &mut StreamTrainer| {
+        let snap = |t: &mut Trainer| {
             let s = t.engine.state();
             (s.params.clone(), s.opt.clone(), s.last_sq.clone())
         };
@@ -279,7 +280,7 @@ fn compact_resumes_bit_identically_and_is_refused_across_modes() {
         first.step(k).unwrap();
     }
     let model_cfg = first.model_cfg.clone();
-    let dir = horizon::resume::save(
+    let dir = horizon::run::resume::save(
         tmp.path(),
         first.engine.state(),
         &first.layout,
@@ -291,7 +292,7 @@ fn compact_resumes_bit_identically_and_is_refused_across_modes() {
     assert!(dir.join("moments8.bin").is_file());
     drop(first);
     let raw = RawConfig::from_yaml(&yaml, "test").unwrap().resolve("test").unwrap();
-    let mut resumed = StreamTrainer::with_resume(raw, Some(&dir)).unwrap();
+    let mut resumed = Trainer::with_resume(raw, Some(&dir)).unwrap();
     for k in 2..4 {
         resumed.step(k).unwrap();
     }
@@ -301,7 +302,7 @@ fn compact_resumes_bit_identically_and_is_refused_across_modes() {
 
     let lean = random_yaml(&tmp.path().join("b"), 4, 1.0, "lean", "");
     let raw = RawConfig::from_yaml(&lean, "test").unwrap().resolve("test").unwrap();
-    let err = StreamTrainer::with_resume(raw, Some(&dir)).err().expect("refused").to_string();
+    let err = Trainer::with_resume(raw, Some(&dir)).err().expect("refused").to_string();
     assert!(err.contains("compact") && err.contains("hint"), "{err}");
 
     // A `moments8.bin` of the first layout (blocks across tensors) is refused with a hint.
@@ -310,7 +311,7 @@ fn compact_resumes_bit_identically_and_is_refused_across_modes() {
     bytes[..8].copy_from_slice(b"HZNQ8v1\0");
     std::fs::write(&path, bytes).unwrap();
     let raw = RawConfig::from_yaml(&yaml, "test").unwrap().resolve("test").unwrap();
-    let err = StreamTrainer::with_resume(raw, Some(&dir)).err().expect("refused");
+    let err = Trainer::with_resume(raw, Some(&dir)).err().expect("refused");
     let err = format!("{err:#}");
     assert!(err.contains("moments8.bin") && err.contains("older layout"), "{err}");
 }
@@ -329,7 +330,7 @@ fn lean_and_exact_resume_each_other() {
         first.step(k).unwrap();
     }
     let model_cfg = first.model_cfg.clone();
-    let dir = horizon::resume::save(
+    let dir = horizon::run::resume::save(
         tmp.path(),
         first.engine.state(),
         &first.layout,
@@ -341,7 +342,7 @@ fn lean_and_exact_resume_each_other() {
     drop(first);
     let lean = random_yaml(&tmp.path().join("b"), 4, 0.0, "lean", "");
     let raw = RawConfig::from_yaml(&lean, "test").unwrap().resolve("test").unwrap();
-    let mut resumed = StreamTrainer::with_resume(raw, Some(&dir)).unwrap();
+    let mut resumed = Trainer::with_resume(raw, Some(&dir)).unwrap();
     for k in 2..4 {
         resumed.step(k).unwrap();
     }
@@ -353,15 +354,15 @@ fn lean_and_exact_resume_each_other() {
 fn default_job_final_loss(steps: usize, memory: &str, seed: u64) -> f64 {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("out");
-    horizon::default_job::write_data(&out).unwrap();
-    let yaml = horizon::default_job::config_yaml(&out, steps);
+    horizon::run::default_job::write_data(&out).unwrap();
+    let yaml = horizon::run::default_job::config_yaml(&out, steps);
     assert_eq!(yaml.matches("  seed: 0\n").count(), 2, "the default job's config changed shape");
     let yaml = yaml
         .replace("  seed: 0\n", &format!("  seed: {seed}\n"))
         .replace("  grad_clip: 1.0\n", &format!("  grad_clip: 1.0\n  memory: {memory}\n"));
     assert!(yaml.contains("memory: "), "the default job's config changed shape");
     let cfg = RawConfig::from_yaml(&yaml, "t").unwrap().resolve("t").unwrap();
-    horizon::train::run_streaming(cfg, false, 0, None).unwrap();
+    horizon::run::trainer::run_streaming(cfg, false, 0, None).unwrap();
     let losses: Vec<f64> = std::fs::read_to_string(out.join("metrics.jsonl"))
         .unwrap()
         .lines()
@@ -420,12 +421,12 @@ fn plan_yaml(layers: usize, memory: &str, device: &str) -> String {
 
 #[test]
 fn plan_bytes_per_parameter_by_mode() {
-    use horizon::plan_cmd::{deepest_fit, largest_micro_batch, plan_for};
+    use horizon::run::plan::{deepest_fit, largest_micro_batch, plan_for};
     let mut per_param = Vec::new();
     for memory in ["exact", "lean", "compact"] {
         let raw = RawConfig::from_yaml(&plan_yaml(48, memory, "auto"), "t").unwrap();
-        let model = horizon::train::model_config(&raw).unwrap();
-        let ecfg = horizon::train::engine_config(&raw);
+        let model = horizon::run::load::model_config(&raw).unwrap();
+        let ecfg = raw.engine_config();
         let plan = plan_for(&model, &ecfg, None);
         let host: u64 = plan.host.iter().map(|(_, b)| b).sum();
         per_param.push(host as f64 / plan.params as f64);
@@ -482,6 +483,6 @@ fn horizon_plan_reports_and_refuses() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("host memory"), "{err}");
     let raw = RawConfig::from_yaml(&huge, "t").unwrap().resolve("t").unwrap();
-    let err = StreamTrainer::new(raw).err().expect("refused").to_string();
+    let err = Trainer::new(raw).err().expect("refused").to_string();
     assert!(err.contains("host memory") && err.contains("GiB"), "{err}");
 }

@@ -6,9 +6,9 @@
 
 use std::process::Command;
 
-use horizon::config::{RawConfig, RunConfig};
+use horizon::run::config::{RawConfig, RunConfig};
+use horizon::run::projection::projection;
 use horizon::sim::cost::UploadPath;
-use horizon::sim::report::projection;
 
 /// A random Llama of hidden `c`, `layers` layers, `tokens` per step in rows of 1024.
 fn config(c: usize, layers: usize, batch: usize, extra: &str) -> RunConfig {
@@ -105,7 +105,7 @@ fn the_image_takes_the_rounding_off_the_upload() {
     // Rounding in the upload is host work beside the link's time: never faster.
     assert!(round.step_s >= p.chosen.step_s * (1.0 - 1e-9), "{}", p.text);
     let mut run = config(2048, 8, 1, "");
-    run.raw.engine.weight_upload = horizon::config::WeightUpload::Round;
+    run.raw.engine.weight_upload = horizon::run::config::WeightUpload::Round;
     let p = projection(&run, "h200-pcie5").unwrap();
     assert_eq!(p.upload, UploadPath::RoundInUpload);
 }
@@ -120,7 +120,7 @@ fn staged_uploads_round_on_the_host_queue_and_copy() {
         run.raw.engine.weight_upload = u;
         projection(&run, "h200-pcie5").unwrap()
     };
-    use horizon::config::WeightUpload;
+    use horizon::run::config::WeightUpload;
     let (staged, image, round) =
         (run(WeightUpload::Staged), run(WeightUpload::Image), run(WeightUpload::Round));
     assert_eq!(staged.upload, UploadPath::Staged);

@@ -6,8 +6,8 @@ use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use horizon::config::RawConfig;
-use horizon::train::StreamTrainer;
+use horizon::run::config::RawConfig;
+use horizon::run::trainer::Trainer;
 
 fn config(out: &Path, steps: usize, link_gbps: f64, extra: &str) -> String {
     format!(
@@ -92,7 +92,7 @@ fn sigkill_mid_training_and_mid_save_resumes_bit_identically() {
 fn a_nan_gradient_skips_the_update() {
     let tmp = tempfile::tempdir().unwrap();
     let raw = RawConfig::from_yaml(&config(&tmp.path().join("out"), 4, 0.0, ""), "t").unwrap();
-    let mut t = StreamTrainer::new(raw.resolve("t").unwrap()).unwrap();
+    let mut t = Trainer::new(raw.resolve("t").unwrap()).unwrap();
     t.inject_nan_at = vec![1];
     assert!(!t.step(0).unwrap().skipped);
     let before = t.engine.state().clone_params_and_moments();

@@ -5,8 +5,8 @@
 
 use std::process::Command;
 
-use horizon::config::RawConfig;
-use horizon::train::StreamTrainer;
+use horizon::run::config::RawConfig;
+use horizon::run::trainer::Trainer;
 use horizon_backend::Device;
 
 /// A small random Llama of `layers` layers.
@@ -23,10 +23,10 @@ fn config(layers: usize, memory: &str, out: &std::path::Path) -> String {
     )
 }
 
-fn trainer(layers: usize, memory: &str) -> anyhow::Result<StreamTrainer> {
+fn trainer(layers: usize, memory: &str) -> anyhow::Result<Trainer> {
     let tmp = tempfile::tempdir().unwrap();
     let raw = RawConfig::from_yaml(&config(layers, memory, tmp.path()), "test")?;
-    StreamTrainer::new(raw.resolve("test")?)
+    Trainer::new(raw.resolve("test")?)
 }
 
 #[test]
@@ -120,12 +120,12 @@ fn train_writes_a_summary() {
 /// per-row buffers, whatever the depth.
 #[test]
 fn a_qwen3_8b_shape_plans_no_head_sized_device_buffer() {
-    use horizon::config::BackendKind;
-    use horizon::plan_cmd::plan_for;
-    use horizon::train::{engine_config, model_config};
+    use horizon::run::config::BackendKind;
+    use horizon::run::load::model_config;
+    use horizon::run::plan::plan_for;
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/bench/qwen3-8b-shape.yaml");
     let raw = RawConfig::from_yaml(&std::fs::read_to_string(path).unwrap(), path).unwrap();
-    let (model, ecfg) = (model_config(&raw).unwrap(), engine_config(&raw));
+    let (model, ecfg) = (model_config(&raw).unwrap(), raw.engine_config());
     assert_eq!(ecfg.backend, BackendKind::Cuda);
     let layout = horizon::model::describe(&model);
     let (c, v, layer) = (layout.dims.c, layout.dims.v, layout.max_layer_len());
@@ -206,7 +206,7 @@ fn the_plan_is_sized_for_the_longest_row_of_the_data() {
     );
     // `horizon train` plans the same and runs in that budget.
     let raw = RawConfig::from_yaml(&yaml(&data, "16MiB"), "t").unwrap().resolve("t").unwrap();
-    let mut t = StreamTrainer::new(raw).unwrap();
+    let mut t = Trainer::new(raw).unwrap();
     assert_eq!(t.engine.config().seq_len, 48);
     assert!(t.plan.device_total() <= 16 << 20, "{}", t.plan);
     assert!(t.step(0).unwrap().loss.is_finite());

@@ -6,6 +6,7 @@ pub mod adamw8bit;
 mod adamw8bit_avx2;
 #[cfg(target_arch = "x86_64")]
 mod adamw8bit_avx512;
+pub mod lr;
 pub mod moments;
 pub mod state;
 

@@ -1,13 +1,13 @@
 //! How fast a run will go on a given machine, before it runs: the same [`Schedule`] the
 //! executor runs, simulated op by op ([`des`]) with each op's duration from a cost model
 //! ([`cost`]) of a hardware profile ([`hardware`], [`calibrate`]). `horizon plan --hardware`
-//! prints the projection ([`report`]).
+//! prints it ([`crate::run::projection`]): the model of the machine lives here, its printer in
+//! the run layer.
 
 pub mod calibrate;
 pub mod cost;
 pub mod des;
 pub mod hardware;
-pub mod report;
 
 use horizon_backend::Queue;
 

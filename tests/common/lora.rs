@@ -4,12 +4,13 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use horizon::config::RawConfig;
 use horizon::engine::exec::{Engine, StepParams};
 use horizon::engine::options::EngineConfig;
 use horizon::hf::checkpoint::read_tensor_f64;
 use horizon::model::params::ParamStore;
-use horizon::train::{PEFT_PREFIX, RunModel, TrainState, load_run_model};
+use horizon::run::config::RawConfig;
+use horizon::run::load::{PEFT_PREFIX, RunModel, load_run_model};
+use horizon::store::TrainState;
 use horizon_backend::{Backend, Device};
 use serde_json::Value;
 
@@ -64,7 +65,7 @@ pub fn yaml_with(case: &str, base_dtype: &str, extra: &str) -> String {
     )
 }
 
-pub fn run_config(case: &str, extra: &str) -> horizon::config::RunConfig {
+pub fn run_config(case: &str, extra: &str) -> horizon::run::config::RunConfig {
     RawConfig::from_yaml(&yaml(case, extra), case).unwrap().resolve(case).unwrap()
 }
 
@@ -93,7 +94,7 @@ pub fn streamed<D: Device>(dev: D, case: &str, k: usize, mbs: usize, base_dtype:
 where
     D::Backend: 'static,
 {
-    streamed_in(dev, case, (k, mbs), base_dtype, horizon::config::OptimizerMemory::Exact)
+    streamed_in(dev, case, (k, mbs), base_dtype, horizon::run::config::OptimizerMemory::Exact)
 }
 
 /// [`streamed`] in `optimizer.memory` mode `memory`.
@@ -102,7 +103,7 @@ pub fn streamed_in<D: Device>(
     case: &str,
     (k, mbs): (usize, usize),
     base_dtype: &str,
-    memory: horizon::config::OptimizerMemory,
+    memory: horizon::run::config::OptimizerMemory,
 ) -> Streamed
 where
     D::Backend: 'static,
@@ -118,9 +119,9 @@ where
             .unwrap()
             .rows;
     let backend = if D::Backend::PRECISION == horizon_backend::Precision::Bf16 {
-        horizon::config::BackendKind::Cuda
+        horizon::run::config::BackendKind::Cuda
     } else {
-        horizon::config::BackendKind::Cpu
+        horizon::run::config::BackendKind::Cpu
     };
     let seq_len = rows.iter().map(|r| r.input_ids.len()).max().unwrap();
     let ecfg = EngineConfig { backend, memory, ..super::engine_config_for(&e, seq_len, k, mbs) };
@@ -132,7 +133,7 @@ where
     let out = (0..e["steps"].as_u64().unwrap() as usize)
         .map(|s| {
             let rs: Vec<_> = rows[s * batch..(s + 1) * batch].iter().collect();
-            let mbs = horizon::train::micro_batches(&rs, mbs);
+            let mbs = horizon::run::data::micro_batches(&rs, mbs);
             let o = engine.step(mbs, StepParams { lr, inject_nan: false }).unwrap();
             (o.loss(), o.grad_norm)
         })

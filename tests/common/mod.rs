@@ -143,11 +143,11 @@ pub fn engine_config_for(
         },
         grad_clip: e["grad_clip"].as_f64().unwrap(),
         kept_layers: 0,
-        memory: horizon::config::OptimizerMemory::Exact,
-        backend: horizon::config::BackendKind::Cpu,
-        grad_wire: horizon::config::GradWire::Fp32,
+        memory: horizon::run::config::OptimizerMemory::Exact,
+        backend: horizon::run::config::BackendKind::Cpu,
+        grad_wire: horizon::run::config::GradWire::Fp32,
         weights: horizon::engine::options::WeightPath::Masters,
-        host_threads: horizon::config::HostThreads::Auto,
+        host_threads: horizon::run::config::HostThreads::Auto,
         pin_threads: true,
     }
 }
@@ -189,7 +189,7 @@ where
     let size = engine.config().micro_batch_size;
     let mbs_of = |s: usize| {
         let rows: Vec<_> = data[s * batch..(s + 1) * batch].iter().collect();
-        horizon::train::micro_batches(&rows, size)
+        horizon::run::data::micro_batches(&rows, size)
     };
     (0..steps)
         .map(|s| {

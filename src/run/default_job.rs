@@ -8,13 +8,14 @@ use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use crate::config::RawConfig;
 use crate::data::pretokenized::Row;
-use crate::generate::{Generator, SampleOptions};
 use crate::model::params::ParamStore;
 use crate::rng::SplitMix64;
+use crate::run::config::RawConfig;
+use crate::run::decode::{Generator, SampleOptions};
+use crate::run::load::model_config;
+use crate::run::trainer::run_streaming;
 use crate::tokenizer::{ByteTokenizer, Tokenizer};
-use crate::train::{model_config, run_streaming};
 use anyhow::{Context, Result};
 
 /// Optimizer steps of the default job: about 2.3 minutes on two cores, after which about 95% of

@@ -1,15 +1,66 @@
 //! `horizon bench`: named benchmark shapes and the report printed after a run on the streaming
 //! engine (tokens/s, FLOP rates, time by phase, memory).
 
+use std::path::PathBuf;
+
 use anyhow::{Result, bail};
 
-use crate::config::{RawConfig, Recompute, RunConfig};
-use crate::summary::Summary;
+use crate::run::config::{RawConfig, Recompute, RunConfig};
+use crate::run::summary::Summary;
+use crate::run::trainer::run_streaming;
+
+/// `horizon bench`'s arguments.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The run configuration (YAML); `data.format: synthetic` needs no data file.
+    #[arg(long, short, conflicts_with = "model", required_unless_present = "model")]
+    pub config: Option<PathBuf>,
+    /// A named benchmark shape instead of a config: `llama-58m`.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Steps excluded from the timings.
+    #[arg(long, default_value_t = 1)]
+    pub warmup: usize,
+    /// Override a config key: `--set train.steps=20` (repeatable; the value is YAML).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    /// Print the summary as one JSON object on the last line.
+    #[arg(long)]
+    pub json: bool,
+    /// Override `engine.recompute`: auto, always or never.
+    #[arg(long)]
+    pub recompute: Option<String>,
+    /// Write when each op ran, in the first 100 steps, to this file as a Chrome trace (open
+    /// it in Perfetto or chrome://tracing; compare with `plan --hardware this-cpu --trace`).
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<PathBuf>,
+}
+
+/// Run the benchmark `args` name and print its report (or the summary as JSON).
+pub fn run(args: &Args) -> Result<()> {
+    let mut cfg = match (&args.config, &args.model) {
+        (Some(path), _) => {
+            RawConfig::from_file_with(path, &args.set)?.resolve(&path.display().to_string())?
+        }
+        (None, Some(name)) => named_config(name)?,
+        (None, None) => bail!("bench needs --config FILE or --model NAME"),
+    };
+    if let Some(r) = &args.recompute {
+        cfg.raw.engine.recompute = parse_recompute(r)?;
+    }
+    cfg.trace = args.trace.clone();
+    let s = run_streaming(cfg, false, args.warmup, None)?;
+    match args.json {
+        true => println!("{}", serde_json::to_string(&s)?),
+        false => println!("{}", report(&s)),
+    }
+    Ok(())
+}
 
 /// Benchmark shapes `horizon bench --model NAME` runs: (name, config, what it is).
 pub const NAMED: [(&str, &str, &str); 1] = [(
     "llama-58m",
-    include_str!("../bench/llama-58m.yaml"),
+    include_str!("../../bench/llama-58m.yaml"),
     "Llama, hidden 512, 8 layers, 8 heads, FFN 1408, vocab 32000, 4 x 256 tokens, fp32, AdamW + clipping (bench/torch_baseline.py's shape)",
 )];
 

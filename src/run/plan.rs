@@ -7,11 +7,12 @@
 
 use std::fmt::Write as _;
 
-use anyhow::Result;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Result, bail};
 use horizon_backend::threads::{self, Placement};
 
 use crate::adapter::{AdapterConfig, AdapterKind};
-use crate::config::{ByteSize, OptimizerMemory, RunConfig};
 use crate::engine::memory::{MemoryPlan, gib, host_available_bytes};
 use crate::engine::options::EngineConfig;
 use crate::engine::sizes::Sizes;
@@ -19,7 +20,9 @@ use crate::hf::config::ModelConfig;
 use crate::model::layout::ModelLayout;
 use crate::model::lora::BaseDtype;
 use crate::model::lora::LoraSpec;
-use crate::train::{SeqLen, engine_config, load_datasets, model_config, run_layout};
+use crate::run::config::{ByteSize, OptimizerMemory, RawConfig, RunConfig};
+use crate::run::data::{SeqLen, load_datasets};
+use crate::run::load::{model_config, run_layout};
 
 /// The plan of `cfg` as run (its own mode), and the report `horizon plan` prints.
 pub struct PlanReport {
@@ -115,7 +118,7 @@ pub fn report(cfg: &RunConfig, host_memory: Option<u64>) -> Result<PlanReport> {
         Ok(sets) => SeqLen::of_data(raw, &sets),
         Err(e) => SeqLen::assumed(raw, &format!("the data could not be read ({e:#})")),
     };
-    let ecfg = EngineConfig { seq_len: seq_len.len, ..engine_config(raw) };
+    let ecfg = EngineConfig { seq_len: seq_len.len, ..raw.engine_config() };
     let budget = match raw.device.memory {
         ByteSize::Auto => None,
         ByteSize::Bytes(b) => Some(b),
@@ -254,13 +257,54 @@ fn by_adapter(
     Ok(())
 }
 
+/// `horizon plan`'s arguments.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The run configuration (YAML).
+    #[arg(long, short)]
+    pub config: PathBuf,
+    /// Plan for a host with this much memory (`64GiB`, `192GB`) instead of this one's
+    /// available memory.
+    #[arg(long)]
+    pub host_memory: Option<String>,
+    /// Also project the run's speed on this machine: a built-in profile (h200-pcie5,
+    /// h100-pcie5, a100-pcie4, gh200, this-cpu) or a YAML profile file.
+    #[arg(long)]
+    pub hardware: Option<String>,
+    /// With --hardware: write the projected steps' timeline, op by op, to this file as a
+    /// Chrome trace.
+    #[arg(long, value_name = "FILE", requires = "hardware")]
+    pub trace: Option<PathBuf>,
+}
+
+/// `horizon plan` as `args` say: the memory plan, or with `--hardware` the plan and the
+/// projection.
+pub fn run(args: &Args) -> Result<()> {
+    let path = &args.config;
+    let cfg = RawConfig::from_file(path)?.resolve(&path.display().to_string())?;
+    let host = match args.host_memory.as_deref().map(ByteSize::parse) {
+        None => None,
+        Some(Ok(ByteSize::Bytes(b))) if b > 0 => Some(b),
+        Some(Ok(_)) => bail!("--host-memory must be a positive size such as 64GiB"),
+        Some(Err(e)) => bail!("--host-memory: {e}"),
+    };
+    match &args.hardware {
+        Some(hw) => print_projection(&cfg, hw, args.trace.as_deref()),
+        None => print_plan(&cfg, host),
+    }
+}
+
 /// `horizon plan`: print the report; an error (with the numbers) when the config does not fit.
-pub fn run(cfg: &RunConfig, host_memory: Option<u64>) -> Result<()> {
+pub fn print_plan(cfg: &RunConfig, host_memory: Option<u64>) -> Result<()> {
     let r = report(cfg, host_memory)?;
     print!("{}", r.text);
     r.plan.check()?;
-    if cfg.raw.device.backend == crate::config::BackendKind::Cuda {
-        crate::train::cuda_kernel_limits(&crate::model::describe(&r.model), &cfg.raw, r.seq_len)?;
+    if cfg.raw.device.backend == crate::run::config::BackendKind::Cuda {
+        crate::run::trainer::cuda_kernel_limits(
+            &crate::model::describe(&r.model),
+            &cfg.raw,
+            r.seq_len,
+        )?;
     }
     println!("fits");
     Ok(())
@@ -269,15 +313,15 @@ pub fn run(cfg: &RunConfig, host_memory: Option<u64>) -> Result<()> {
 /// `horizon plan --hardware PROFILE`: the plan and the projection on that machine; an error
 /// when the run does not fit it. With `trace`, the projected timeline of the plan's chosen
 /// path is written there as a Chrome trace ([`crate::engine::trace`]).
-pub fn run_on(cfg: &RunConfig, profile: &str, trace: Option<&std::path::Path>) -> Result<()> {
-    let p = crate::sim::report::projection(cfg, profile)?;
+pub fn print_projection(cfg: &RunConfig, profile: &str, trace: Option<&Path>) -> Result<()> {
+    let p = crate::run::projection::projection(cfg, profile)?;
     print!("{}", p.text);
     if let Some(path) = trace {
         crate::engine::trace::write_chrome(path, "projection", &p.chosen.spans)?;
         println!("trace of the projected steps: {}", path.display());
     }
     if !p.fits {
-        anyhow::bail!(
+        bail!(
             "the run does not fit {}: see the host and device lines above\nhint: use optimizer.memory: lean or compact, a smaller train.micro_batch_size, or engine.checkpoint_every",
             p.hw.name
         );

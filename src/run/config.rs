@@ -8,7 +8,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::adapter::{AdapterConfig, AdapterSection};
 use crate::data::{Columns, OnError};
-use crate::schedule::{LrSchedule, ScheduleKind};
+use crate::engine::options::EngineConfig;
+use crate::optim::adamw::AdamWConfig;
+use crate::optim::lr::{LrSchedule, ScheduleKind};
 
 // The engine's options, parsed here (the engine knows nothing of YAML).
 pub use crate::engine::options::{
@@ -602,6 +604,42 @@ impl RawConfig {
             total_steps: self.train.steps,
         }
     }
+
+    /// The engine configuration the run describes, sized for rows of `train.max_seq_len` (a
+    /// run sizes for its data instead: [`crate::run::data::SeqLen::of_data`]).
+    pub fn engine_config(&self) -> EngineConfig {
+        let t = &self.train;
+        EngineConfig {
+            batch_size: t.batch_size,
+            micro_batch_size: t.micro_batch_rows(),
+            seq_len: t.max_seq_len,
+            checkpoint_every: self.engine.checkpoint_every,
+            grad_slabs: self.engine.grad_slabs,
+            head_chunk_rows: self.engine.head_chunk_rows,
+            head_tile_rows: self.engine.head_tile_rows,
+            adamw: self.adamw(),
+            grad_clip: self.optimizer.grad_clip,
+            memory: self.optimizer.memory,
+            kept_layers: 0,
+            backend: self.device.backend,
+            grad_wire: self.engine.grad_wire,
+            weights: WeightPath::Masters,
+            host_threads: self.engine.host_threads,
+            pin_threads: self.engine.pin_threads,
+        }
+    }
+
+    /// AdamW's hyper-parameters (the learning rate of a step comes from [`Self::lr_schedule`]).
+    pub fn adamw(&self) -> AdamWConfig {
+        let o = &self.optimizer;
+        AdamWConfig {
+            lr: o.lr,
+            beta1: o.betas[0],
+            beta2: o.betas[1],
+            eps: o.eps,
+            weight_decay: o.weight_decay,
+        }
+    }
 }
 
 /// The validated configuration a run uses.
@@ -621,7 +659,7 @@ impl RawConfig {
     pub fn from_yaml(text: &str, origin: &str) -> Result<Self> {
         serde_saphyr::from_str::<RawConfig>(text).map_err(|e| {
             anyhow::anyhow!(
-                "{origin}: {e}\nhint: see README.md (Configuration) for every key and its default"
+                "{origin}: {e}\nhint: see docs/configuration.md for every key and its default"
             )
         })
     }

@@ -1,20 +1,18 @@
-//! `horizon export`: a model's fp32 masters -> a Hugging Face directory that `transformers`
-//! loads: `config.json`, the weights as safetensors (fp32 or bf16, sharded with
-//! `model.safetensors.index.json` past a size limit), and the tokenizer files.
-//!
-//! Training writes `OUT/final/` through [`export_model`]; `horizon export` reads a resumable
-//! checkpoint (or a run directory's newest one, or a HF directory) through [`export_dir`].
+//! Writing a Hugging Face directory: a model's fp32 masters -> `config.json`, the weights as
+//! safetensors (fp32 or bf16, sharded with `model.safetensors.index.json` past a size limit),
+//! `generation_config.json` and the tokenizer files, as `transformers` loads them. Training writes
+//! `OUT/final/` through [`export_model`], and so does `horizon export` (`run::export`).
 
 use std::fs;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 
-use crate::config::RawConfig;
-pub use crate::config::{DEFAULT_MAX_SHARD_BYTES, ExportOptions};
 use crate::hf::checkpoint::write_safetensors;
 use crate::hf::config::ModelConfig;
 use crate::model::params::ParamStore;
+use crate::run::config::RawConfig;
+pub use crate::run::config::{DEFAULT_MAX_SHARD_BYTES, ExportOptions};
 use crate::tokenizer::byte::{BOS_ID, EOS_ID, PAD_ID};
 use crate::tokenizer::{ByteTokenizer, HfTokenizer, Tokenizer};
 
@@ -315,74 +313,6 @@ fn write_tokenizer(dir: &Path, source: &TokenizerSource) -> Result<Vec<String>> 
         TokenizerSource::None => {}
     }
     Ok(written)
-}
-
-/// What `horizon export SRC` reads: a resumable checkpoint (`state.json`), a run's output
-/// directory (its newest checkpoint), or a HF directory (`config.json`; to change dtype or
-/// sharding).
-pub fn export_dir(src: &Path, out: &Path, opts: ExportOptions) -> Result<Exported> {
-    let (model_cfg, params, source) = load_source(src)?;
-    if out.exists() && !out.is_dir() {
-        bail!("--out {}: exists and is not a directory", out.display());
-    }
-    export_model(&model_cfg, &params, out, opts, &source)
-}
-
-fn load_source(src: &Path) -> Result<(ModelConfig, ParamStore, ExportSource)> {
-    if !src.is_dir() {
-        bail!(
-            "{}: no such directory\nhint: give a checkpoint (OUT/checkpoints/step-N), a run's output directory, or a HF model directory",
-            src.display()
-        );
-    }
-    if src.join("adapter_config.json").is_file() || src.join("final/adapter_config.json").is_file()
-    {
-        bail!(
-            "{}: an adapter run (a PEFT adapter, not a model)\nhint: add --merge to write the base with the adapter merged in",
-            src.display()
-        );
-    }
-    if src.join("state.json").is_file() {
-        let state = crate::resume::read_state(src)?;
-        let origin = src.join("state.json").display().to_string();
-        if RawConfig::from_yaml(&state.config, &origin)
-            .and_then(|raw| raw.resolve(&origin))
-            .is_ok_and(|c| c.adapter.is_some())
-        {
-            bail!(
-                "{}: a checkpoint of an adapter run\nhint: export the run's final/ with --merge",
-                src.display()
-            );
-        }
-        let model_cfg = ModelConfig::from_json(&state.model, &origin)?;
-        let params = ParamStore::load_hf(
-            &crate::model::describe(&model_cfg),
-            &src.join(crate::resume::PARAMS),
-        )?;
-        let source = RawConfig::from_yaml(&state.config, &origin)
-            .map(|raw| ExportSource::of_config(&raw))
-            .unwrap_or_else(|_| ExportSource::none());
-        return Ok((model_cfg, params, source));
-    }
-    if crate::resume::checkpoints_dir(src).is_dir() {
-        let ckpt = crate::resume::resolve("latest", src)?;
-        println!("exporting the newest checkpoint, {}", ckpt.display());
-        return load_source(&ckpt);
-    }
-    if src.join("config.json").is_file() {
-        let model_cfg = ModelConfig::from_file(&src.join("config.json"))?;
-        let params = ParamStore::load_hf(&crate::model::describe(&model_cfg), src)?;
-        let tokenizer = if src.join("tokenizer.json").is_file() {
-            TokenizerSource::Dir(src.to_path_buf())
-        } else {
-            TokenizerSource::None
-        };
-        return Ok((model_cfg, params, ExportSource { tokenizer, model_dir: Some(src.into()) }));
-    }
-    bail!(
-        "{}: neither a checkpoint (state.json), a run directory (checkpoints/) nor a HF directory (config.json)",
-        src.display()
-    )
 }
 
 #[cfg(test)]

@@ -1,6 +1,8 @@
 //! What a run reports at the end (`OUT/summary.json`): read by `horizon bench` and the report,
 //! written by the training loop; a plain record, so that neither depends on the other.
 
+use std::time::Instant;
+
 use serde::Serialize;
 
 use crate::engine::phases::{PhaseSeconds, StepFlops};
@@ -69,4 +71,47 @@ pub struct Summary {
     /// How the CPU device's compute and host queues waited (`device.wait` resolved): block or
     /// spin.
     pub device_wait: String,
+}
+
+/// One line of `metrics.jsonl`.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct StepMetrics {
+    /// 1-based optimizer step.
+    pub step: usize,
+    /// Mean loss over the batch's loss-carrying positions.
+    pub loss: f64,
+    /// Global L2 norm of the gradient, before clipping.
+    pub grad_norm: f64,
+    /// Learning rate used for this step.
+    pub lr: f64,
+    /// Tokens (non-padding positions) in the batch.
+    pub tokens: usize,
+    /// Wall time of the step in seconds.
+    pub step_s: f64,
+    /// The update was skipped: the loss or the gradient norm was not finite, or (`no_loss`) no
+    /// position of the batch carries a loss.
+    pub skipped: bool,
+    /// No position of the batch carries a loss: nothing ran (`loss` and `grad_norm` are NaN).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub no_loss: bool,
+    /// Mean loss over the held-out rows after this step's update, on steps that evaluate.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eval_loss: Option<f64>,
+}
+
+impl StepMetrics {
+    /// Step `k` (0-based), skipped because no position of its batch carries a loss.
+    pub fn no_loss(k: usize, lr: f64, tokens: usize, t0: Instant) -> Self {
+        StepMetrics {
+            step: k + 1,
+            loss: f64::NAN,
+            grad_norm: f64::NAN,
+            lr,
+            tokens,
+            step_s: t0.elapsed().as_secs_f64(),
+            skipped: true,
+            no_loss: true,
+            eval_loss: None,
+        }
+    }
 }

@@ -10,11 +10,11 @@ use anyhow::{Context, Result, anyhow};
 use plotters::prelude::*;
 
 use crate::engine::memory::gib;
-use crate::summary::Summary;
+use crate::run::summary::Summary;
 
 /// The font every label is drawn with, embedded so that plots need no system fonts
 /// (DejaVu Sans Mono; licence in `assets/fonts/LICENSE-DejaVu.txt`).
-static FONT: &[u8] = include_bytes!("../assets/fonts/DejaVuSansMono.ttf");
+static FONT: &[u8] = include_bytes!("../../assets/fonts/DejaVuSansMono.ttf");
 const FAMILY: &str = "horizon-mono";
 
 /// One step read back from `metrics.jsonl`.

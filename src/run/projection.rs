@@ -9,13 +9,16 @@ use std::rc::Rc;
 use anyhow::{Result, bail};
 use horizon_backend::Queue;
 
-use crate::config::{BackendKind, DeviceAttention, RunConfig, WeightPath};
 use crate::engine::exec::plan_shape;
 use crate::engine::memory::gib;
 use crate::engine::options::EngineConfig;
 use crate::engine::plan::Schedule;
 use crate::engine::resolve::{Machine, most_kept, resolve};
 use crate::engine::sizes::Sizes;
+use crate::run::config::{BackendKind, DeviceAttention, RunConfig, WeightPath};
+use crate::run::data::{SeqLen, load_datasets};
+use crate::run::load::{model_config, run_layout};
+use crate::run::trainer::recompute_words;
 use crate::sim::calibrate::{CpuMeasured, HostMeasured, this_cpu};
 use crate::sim::cost::{CostModel, DeviceModel, HostByRates, HostModel, UploadPath};
 use crate::sim::hardware::{
@@ -23,9 +26,6 @@ use crate::sim::hardware::{
     attention_efficiency_at, fp32_attention_efficiency,
 };
 use crate::sim::{Projection, project};
-use crate::train::{
-    SeqLen, engine_config, load_datasets, model_config, recompute_words, run_layout,
-};
 
 /// A profile by name: built in, `this-cpu` (the CPU device at `link_gbps`), or a YAML file.
 pub fn hardware(name: &str, link_gbps: f64) -> Result<Hardware> {
@@ -71,7 +71,7 @@ pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
     };
     let cpu = hw.name == "this-cpu";
     let backend = if cpu { BackendKind::Cpu } else { BackendKind::Cuda };
-    let ecfg = EngineConfig { seq_len: seq.len, backend, ..engine_config(raw) };
+    let ecfg = EngineConfig { seq_len: seq.len, backend, ..raw.engine_config() };
     // engine.recompute and engine.weight_upload as `horizon train` resolves them, on the
     // profile's device and host memory (the CPU device: device.memory, as train does).
     let layout = run_layout(raw, &model, cfg.adapter.as_ref())?;
@@ -84,8 +84,8 @@ pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
     hw.gpu.attention_efficiency = hw.gpu.attention_efficiency.min(asked);
     let budget = match (cpu, raw.device.memory) {
         (false, _) => Some(hw.device_bytes()),
-        (true, crate::config::ByteSize::Bytes(b)) => Some(b),
-        (true, crate::config::ByteSize::Auto) => None,
+        (true, crate::run::config::ByteSize::Bytes(b)) => Some(b),
+        (true, crate::run::config::ByteSize::Auto) => None,
     };
     let machine = Machine::new(backend, budget, Some(hw.host_bytes()));
     let ecfg = resolve(&layout, ecfg, raw.engine.recompute, raw.engine.weight_upload, &machine);

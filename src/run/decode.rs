@@ -115,7 +115,7 @@ impl Generator {
             bail!("--model {}: no config.json, not a Hugging Face model directory", dir.display());
         }
         let auto = crate::adapter::BaseDtype::Auto;
-        let (run, _) = crate::merge::load_adapter_run(adapter, Some(dir), auto)?;
+        let (run, _) = crate::run::load::load_adapter_run(adapter, Some(dir), auto)?;
         let tok = HfTokenizer::from_dir(dir)
             .with_context(|| format!("--model {}: no tokenizer (tokenizer.json)", dir.display()))?;
         let mut g = Generator::new(&run.cfg, run.params, Box::new(tok));

@@ -1,0 +1,276 @@
+//! A run's data: the training and held-out rows a config names (loaded, tokenised, split, packed),
+//! the row length every buffer is sized for, and the order and shape steps take them in.
+
+use crate::data::pretokenized::{Batch, PretokenizedDataset, Row, make_batch};
+use crate::data::{
+    LoadReport, Source, carries_loss, load_alpaca, load_chat, load_pretokenized_rows,
+    load_sharegpt, load_text, pack, shuffled_order, split_eval,
+};
+use crate::engine::exec::MicroBatch;
+use crate::model::transformer::Tokens;
+use crate::rng::SplitMix64;
+use crate::run::config::{DataFormat, RawConfig, RunConfig};
+use crate::run::load::load_tokenizer;
+use anyhow::{Context, Result, bail};
+use std::path::Path;
+use std::sync::Arc;
+
+/// Row indices of batch `k`: `[k*B, (k+1)*B)` cycling through the data; with `shuffle`, each
+/// epoch reads the rows in its own seeded permutation.
+pub fn batch_indices(len: usize, k: usize, b: usize, shuffle: bool, seed: u64) -> Vec<usize> {
+    let mut out = Vec::with_capacity(b);
+    BatchOrder::new(len, b, shuffle, seed).indices(k, &mut out);
+    out
+}
+
+/// The order batches read rows in ([`batch_indices`]), keeping the current epoch's permutation
+/// so that a step costs O(batch), not O(rows).
+#[derive(Clone, Debug)]
+pub struct BatchOrder {
+    len: usize,
+    b: usize,
+    shuffle: bool,
+    seed: u64,
+    /// The permutation of epoch `epoch` (shuffling only).
+    perm: Vec<usize>,
+    epoch: Option<usize>,
+}
+
+impl BatchOrder {
+    pub fn new(len: usize, b: usize, shuffle: bool, seed: u64) -> Self {
+        BatchOrder { len, b, shuffle, seed, perm: Vec::new(), epoch: None }
+    }
+
+    /// The row indices of batch `k` into `out` (cleared first).
+    pub fn indices(&mut self, k: usize, out: &mut Vec<usize>) {
+        out.clear();
+        for i in 0..self.b {
+            let g = k * self.b + i;
+            let (epoch, pos) = (g / self.len, g % self.len);
+            if !self.shuffle {
+                out.push(pos);
+                continue;
+            }
+            if self.epoch != Some(epoch) {
+                self.perm = shuffled_order(self.len, self.seed, epoch as u64);
+                self.epoch = Some(epoch);
+            }
+            out.push(self.perm[pos]);
+        }
+    }
+}
+
+/// The rows a config names (the training part, when a held-out split is configured).
+pub fn load_data(raw: &RawConfig, vocab_size: usize) -> Result<PretokenizedDataset> {
+    Ok(load_datasets(raw, vocab_size)?.train)
+}
+
+/// The training rows, the held-out rows if any, and what loading left out.
+pub struct Datasets {
+    pub train: PretokenizedDataset,
+    /// `data.eval_fraction` of the examples, or the rows of `data.eval_path`.
+    pub eval: Option<PretokenizedDataset>,
+    /// Records left out under `data.on_error: skip` (or whose prompt alone is too long), over
+    /// both files.
+    pub skipped_records: usize,
+    /// Examples cut at `train.max_seq_len`.
+    pub truncated_records: usize,
+}
+
+/// Load the training data and the held-out split the config names: split before packing, so
+/// that evaluation holds whole examples, then pack each part.
+pub fn load_datasets(raw: &RawConfig, vocab_size: usize) -> Result<Datasets> {
+    let d = &raw.data;
+    let t = &raw.train;
+    let path = d.path.clone().unwrap_or_else(|| "synthetic".into());
+    let (rows, report) = load_rows(raw, d.path.as_deref(), vocab_size)?;
+    let (mut skipped, mut truncated) = (report.skipped.len(), report.truncated);
+    let (rows, eval_rows) = match &d.eval_path {
+        Some(p) => {
+            let (eval, r) = load_rows(raw, Some(p), vocab_size)?;
+            skipped += r.skipped.len();
+            truncated += r.truncated;
+            (rows, Some((eval, p.clone())))
+        }
+        None if d.eval_fraction > 0.0 => {
+            let (train, eval) = split_eval(rows, d.eval_fraction, t.seed);
+            if eval.is_empty() {
+                bail!(
+                    "data.eval_fraction {}: {} has too few examples to hold any out\nhint: add data, or give data.eval_path",
+                    d.eval_fraction,
+                    path.display()
+                );
+            }
+            for (part, rows) in [("training", &train), ("held-out", &eval)] {
+                if !rows.iter().any(carries_loss) {
+                    bail!(
+                        "data.eval_fraction {}: no {part} row of {} carries a loss\nhint: change data.eval_fraction or train.seed, or give data.eval_path",
+                        d.eval_fraction,
+                        path.display()
+                    );
+                }
+            }
+            (train, Some((eval, path.clone())))
+        }
+        None => (rows, None),
+    };
+    let packed = |rows: Vec<Row>| if d.pack { pack(rows, t.max_seq_len) } else { rows };
+    let eval = eval_rows.map(|(rows, path)| PretokenizedDataset { rows: packed(rows), path });
+    if let Some(e) = &eval {
+        println!("eval: {} rows held out ({})", e.rows.len(), e.path.display());
+    }
+    Ok(Datasets {
+        train: PretokenizedDataset { rows: packed(rows), path },
+        eval,
+        skipped_records: skipped,
+        truncated_records: truncated,
+    })
+}
+
+/// The row length a run's buffers are sized for, and where it comes from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SeqLen {
+    pub len: usize,
+    /// For the plan: `the longest row of the data (...)`, or why `train.max_seq_len` was assumed.
+    pub why: String,
+}
+
+impl SeqLen {
+    /// The longest row of the training and held-out rows (after tokenisation and packing: packed
+    /// rows are up to `train.max_seq_len` long), at most `train.max_seq_len`. Every buffer the
+    /// engine allocates is sized by it, so short rows are not planned at `max_seq_len`.
+    pub fn of_data(raw: &RawConfig, sets: &Datasets) -> SeqLen {
+        let max = raw.train.max_seq_len;
+        let longest = |d: &PretokenizedDataset| d.rows.iter().map(|r| r.input_ids.len()).max();
+        let train = longest(&sets.train).unwrap_or(0);
+        let eval = sets.eval.as_ref().and_then(longest).unwrap_or(0);
+        let len = train.max(eval).clamp(1, max);
+        let packed = if raw.data.pack { "packed " } else { "" };
+        let of = if sets.eval.is_some() { "training and eval " } else { "" };
+        SeqLen {
+            len,
+            why: format!("the longest row of the {packed}{of}data (train.max_seq_len {max})"),
+        }
+    }
+
+    /// `train.max_seq_len`, assumed because the data's rows are not known (`why`).
+    pub fn assumed(raw: &RawConfig, why: &str) -> SeqLen {
+        let len = raw.train.max_seq_len;
+        SeqLen { len, why: format!("train.max_seq_len, assumed: {why}") }
+    }
+}
+
+/// The rows of one dataset (a JSONL or Parquet file, a directory or a glob of them) in the
+/// config's format (`None`: synthetic rows), unpacked.
+fn load_rows(
+    raw: &RawConfig,
+    path: Option<&Path>,
+    vocab_size: usize,
+) -> Result<(Vec<Row>, LoadReport)> {
+    let d = &raw.data;
+    let max = raw.train.max_seq_len;
+    let path = || path.context("data.path is missing");
+    let (rows, report) = match d.format {
+        DataFormat::Pretokenized => {
+            let src = Source::new(path()?, &d.columns);
+            load_pretokenized_rows(&src, max, vocab_size, d.on_error)?
+        }
+        DataFormat::Synthetic => {
+            let t = &raw.train;
+            let n = t.batch_size * t.steps.min(16);
+            let rows = synthetic_rows(n, max, vocab_size, t.seed);
+            let report = LoadReport { rows: rows.len(), records: rows.len(), ..Default::default() };
+            return Ok((rows, report));
+        }
+        DataFormat::Text | DataFormat::Alpaca | DataFormat::Chat | DataFormat::Sharegpt => {
+            let tok = load_tokenizer(raw)?;
+            if tok.vocab_size() > vocab_size {
+                bail!(
+                    "the tokenizer has {} ids but the model's vocab_size is {vocab_size}\nhint: the tokenizer and the model must match",
+                    tok.vocab_size()
+                );
+            }
+            let (p, tok, top) =
+                (&Source::new(path()?, &d.columns), tok.as_ref(), d.train_on_prompt);
+            match d.format {
+                DataFormat::Text => load_text(p, tok, max, d.on_error)?,
+                DataFormat::Alpaca => load_alpaca(p, tok, max, top, d.on_error)?,
+                DataFormat::Sharegpt => load_sharegpt(p, tok, max, top, d.on_error)?,
+                _ => load_chat(p, tok, max, top, d.on_error)?,
+            }
+        }
+    };
+    println!("data: {}: {}", path()?.display(), report.summary());
+    Ok((rows, report))
+}
+
+/// `n` rows of `len` uniformly random tokens.
+pub fn synthetic_rows(n: usize, len: usize, vocab: usize, seed: u64) -> Vec<Row> {
+    let mut rng = SplitMix64::new(seed ^ 0x5DEE_CE66_D1CE_4E5B);
+    (0..n)
+        .map(|_| {
+            let ids: Vec<i32> = (0..len).map(|_| rng.below(vocab as u64) as i32).collect();
+            Row { labels: ids.clone(), input_ids: ids }
+        })
+        .collect()
+}
+
+/// The rows of optimizer step `k`.
+pub fn step_rows<'a>(
+    order: &mut BatchOrder,
+    data: &'a PretokenizedDataset,
+    k: usize,
+) -> Vec<&'a Row> {
+    let mut idx = Vec::new();
+    order.indices(k, &mut idx);
+    idx.iter().map(|&i| &data.rows[i]).collect()
+}
+
+/// The batch order a config and dataset give.
+pub fn batch_order(cfg: &RunConfig, data: &PretokenizedDataset) -> BatchOrder {
+    let t = &cfg.raw.train;
+    BatchOrder::new(data.rows.len(), t.batch_size, cfg.raw.data.shuffle, t.seed)
+}
+
+/// A step's rows as the engine takes them: micro-batches of at most `size` rows, each
+/// right-padded with shifted targets.
+pub fn micro_batches(rows: &[&Row], size: usize) -> Vec<MicroBatch> {
+    rows.chunks(size.max(1))
+        .map(|chunk| {
+            let b = make_batch(chunk);
+            MicroBatch { b: b.b, t: b.t, ids: Arc::new(b.input_ids), targets: Arc::new(b.targets) }
+        })
+        .collect()
+}
+
+/// A data batch as the model takes it: its rows' token ids and shifted targets.
+pub fn tokens_of(batch: &Batch) -> Tokens<'_> {
+    Tokens { b: batch.b, t: batch.t, ids: &batch.input_ids, targets: &batch.targets }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batch_order_visits_each_row_once_per_epoch_and_matches_a_fresh_order() {
+        let (len, b) = (10, 4);
+        let mut order = BatchOrder::new(len, b, true, 7);
+        let mut seen = Vec::new();
+        let mut idx = Vec::new();
+        for k in 0..5 {
+            order.indices(k, &mut idx);
+            assert_eq!(idx, batch_indices(len, k, b, true, 7), "batch {k}");
+            seen.extend_from_slice(&idx);
+        }
+        for epoch in seen.chunks(len) {
+            let mut e = epoch.to_vec();
+            e.sort();
+            assert_eq!(e, (0..len).collect::<Vec<_>>());
+        }
+        assert_ne!(seen[..len], seen[len..], "each epoch has its own permutation");
+        let mut plain = BatchOrder::new(len, b, false, 7);
+        plain.indices(2, &mut idx);
+        assert_eq!(idx, [8, 9, 0, 1]);
+    }
+}

@@ -1,0 +1,284 @@
+//! A run's model in the host store: its config (a HF directory's `config.json` with the run's
+//! `model:` keys on top), its layout (with the run's adapters), and its weights: loaded from the
+//! checkpoint or drawn, and for an adapter run the frozen base (NF4 for QLoRA) and the adapters
+//! (PEFT's init, or an `adapter.init` directory). Also the adapter directories a run writes and
+//! reads, and the tokenizer a config names.
+
+use crate::adapter::{AdapterConfig, AdapterKind, BaseDtype as BaseChoice, peft};
+use crate::hf::checkpoint::NonFinite;
+use crate::hf::config::ModelConfig;
+use crate::model::base::FrozenBase;
+use crate::model::layout::ModelLayout;
+use crate::model::lora::BaseDtype;
+use crate::model::lora::{LoraSpec, adapter_suffix};
+use crate::model::params::ParamStore;
+use crate::run::config::{ModelInit, RawConfig};
+use crate::tokenizer::{ByteTokenizer, HfTokenizer, Tokenizer};
+use anyhow::{Context, Result, bail};
+use std::fs;
+use std::path::{Path, PathBuf};
+
+/// The model description a config names (no weights): a HF directory's `config.json` with
+/// the config's own keys on top.
+pub fn model_config(raw: &RawConfig) -> Result<ModelConfig> {
+    let m = &raw.model;
+    let mut json = serde_json::Map::new();
+    let mut origin = "config model".to_string();
+    if let Some(dir) = &m.path {
+        if !dir.is_dir() {
+            bail!(
+                "model.path {}: no such directory\nhint: point model.path at a Hugging Face model directory (config.json + model.safetensors)",
+                dir.display()
+            );
+        }
+        let path = dir.join("config.json");
+        let text =
+            fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .with_context(|| format!("{}: not valid JSON", path.display()))?;
+        if let serde_json::Value::Object(o) = v {
+            json = o;
+        }
+        origin = path.display().to_string();
+    }
+    for (k, v) in &m.hf {
+        json.insert(k.clone(), v.clone());
+    }
+    if let Some(arch) = &m.arch {
+        json.insert("model_type".into(), serde_json::Value::String(arch.clone()));
+    }
+    ModelConfig::from_json(&serde_json::Value::Object(json), &origin)
+}
+
+/// The model a config names, in full (no adapter): loaded from a HF directory, or randomly
+/// initialised.
+pub fn load_model(raw: &RawConfig) -> Result<(ModelConfig, ParamStore)> {
+    let cfg = model_config(raw)?;
+    let layout = crate::model::describe(&cfg);
+    let m = load_weights(raw, None, cfg, layout)?;
+    Ok((m.cfg, m.params))
+}
+
+/// A run's model: its layout (the full model, or with the run's adapters), the trained
+/// tensors, and an adapter run's frozen base.
+pub struct RunModel {
+    pub cfg: ModelConfig,
+    pub layout: ModelLayout,
+    pub params: ParamStore,
+    pub base: Option<FrozenBase>,
+}
+
+/// The layout of a run: the model's, with `adapter`'s LoRA on every layer when there is one
+/// (its base dtype resolved: `auto` is the checkpoint's). An adapter target the model does
+/// not have is an error naming it.
+pub fn run_layout(
+    raw: &RawConfig,
+    model_cfg: &ModelConfig,
+    adapter: Option<&AdapterConfig>,
+) -> Result<ModelLayout> {
+    let full = crate::model::describe(model_cfg);
+    let Some(a) = adapter else { return Ok(full) };
+    let base = match (a.base_dtype, raw.model.init, &raw.model.path) {
+        (BaseChoice::Bf16, ..) => BaseDtype::Bf16,
+        (BaseChoice::Fp32, ..) => BaseDtype::F32,
+        (BaseChoice::Auto, None, Some(dir)) => checkpoint_dtype(dir)?,
+        (BaseChoice::Auto, ..) => BaseDtype::Bf16,
+    };
+    let lora = LoraSpec {
+        r: a.r,
+        scale: a.scale(),
+        targets: a.targets.clone(),
+        nf4: a.kind == AdapterKind::Qlora,
+        base,
+    };
+    full.with_lora(&lora).map_err(|e| {
+        anyhow::anyhow!(
+            "{e}\nhint: adapter.targets lists the projections to adapt; list only ones this model has"
+        )
+    })
+}
+
+/// Load (or draw) a run's model. In an adapter run the base is frozen in its dtype (quantised
+/// to NF4 for `qlora`) and the adapters start from `adapter.init` or as PEFT starts them
+/// (A Kaiming-uniform, B zero: step 0 computes the base model).
+pub fn load_run_model(raw: &RawConfig, adapter: Option<&AdapterConfig>) -> Result<RunModel> {
+    let cfg = model_config(raw)?;
+    let layout = run_layout(raw, &cfg, adapter)?;
+    load_weights(raw, adapter, cfg, layout)
+}
+
+/// The weights of the model `cfg` and `layout` describe ([`model_config`], [`run_layout`]): a
+/// run describes its model once, plans with the description, then loads into it.
+pub fn load_weights(
+    raw: &RawConfig,
+    adapter: Option<&AdapterConfig>,
+    cfg: ModelConfig,
+    layout: ModelLayout,
+) -> Result<RunModel> {
+    let m = &raw.model;
+    let std = m.hf.get("initializer_range").and_then(|v| v.as_f64()).unwrap_or(0.02) as f32;
+    let nf = NonFinite::allowed_if(m.allow_non_finite);
+    let Some(a) = adapter else {
+        let params = match (m.init, &m.path) {
+            (Some(ModelInit::Random), _) => ParamStore::random(&layout, m.seed, std),
+            (None, Some(dir)) => ParamStore::load_hf_with(&layout, dir, nf)?,
+            (None, None) => bail!("model.path is missing"),
+        };
+        return Ok(RunModel { cfg, layout, params, base: None });
+    };
+    let dtype = layout.adapter.as_ref().expect("an adapter layout").base;
+    let base = match (m.init, &m.path) {
+        (Some(ModelInit::Random), _) => FrozenBase::random(&layout, dtype, m.seed, std),
+        (None, Some(dir)) => FrozenBase::load_hf(&layout, dir, dtype, nf)?,
+        (None, None) => bail!("model.path is missing"),
+    };
+    let mut params = ParamStore::random(&layout, m.seed, std);
+    if let Some(dir) = &a.init {
+        init_from_peft(&layout, a, dir, &mut params)?;
+    }
+    Ok(RunModel { cfg, layout, params, base: Some(base) })
+}
+
+/// `auto` base dtype: bf16 when the checkpoint stores every tensor as bf16, else fp32 (f16 and
+/// f64 convert to fp32 exactly or nearly).
+fn checkpoint_dtype(dir: &Path) -> Result<BaseDtype> {
+    let ckpt = crate::hf::checkpoint::Checkpoint::open(dir)?;
+    let all_bf16 = ckpt.names().iter().all(|n| ckpt.dtype(n) == Some("BF16"));
+    Ok(if all_bf16 { BaseDtype::Bf16 } else { BaseDtype::F32 })
+}
+
+/// The adapters of `params` from the PEFT adapter directory `dir`, checked against the run
+/// (r, alpha, targets, shapes).
+fn init_from_peft(
+    layout: &ModelLayout,
+    a: &AdapterConfig,
+    dir: &Path,
+    params: &mut ParamStore,
+) -> Result<()> {
+    let adapter = peft::read(dir)?;
+    let shapes = |layer: usize, target: &str| {
+        let spec = layout.layer(layer);
+        let a_name = adapter_suffix(peft::module_path(target)?, false);
+        let b_name = adapter_suffix(peft::module_path(target)?, true);
+        let at = spec.tensors.iter().find(|t| t.name == a_name)?;
+        let bt = spec.tensors.iter().find(|t| t.name == b_name)?;
+        Some((bt.shape[0], at.shape[1]))
+    };
+    peft::check_against(&adapter, a, shapes, layout.dims.layers)?;
+    for (name, (_, values)) in &adapter.tensors {
+        let ours = name.strip_prefix(PEFT_PREFIX).unwrap_or(name);
+        let dst = params.tensor_mut(layout, ours).with_context(|| {
+            format!("{}: tensor '{name}' is not one the run trains", dir.display())
+        })?;
+        dst.copy_from_slice(values);
+    }
+    Ok(())
+}
+
+/// The adapters of `params` as a PEFT adapter directory `dir` (`adapter_config.json`,
+/// `adapter_model.safetensors` with PEFT's names), which `PeftModel.from_pretrained` loads.
+pub fn write_adapter(
+    layout: &ModelLayout,
+    params: &ParamStore,
+    a: &AdapterConfig,
+    base_model: Option<&str>,
+    dir: &Path,
+) -> Result<()> {
+    let tensors: Vec<(String, Vec<usize>, &[f32])> = layout
+        .hf_tensors()
+        .into_iter()
+        .map(|(name, shape)| {
+            let data = params.tensor(layout, &name).expect("the layout names its own tensors");
+            (format!("{PEFT_PREFIX}{name}"), shape, data)
+        })
+        .collect();
+    peft::write(dir, a, base_model, &tensors)?;
+    peft::write_sidecar(dir, a, base_model.map(Path::new))
+}
+
+/// What PEFT puts before a model's own tensor names.
+pub const PEFT_PREFIX: &str = "base_model.model.";
+
+/// The tokenizer a config names for its text formats.
+pub fn load_tokenizer(raw: &RawConfig) -> Result<Box<dyn Tokenizer>> {
+    let dir = match (&raw.data.tokenizer, &raw.model.path) {
+        (Some(t), _) if t == "byte" => return Ok(Box::new(ByteTokenizer::new())),
+        (Some(t), _) => PathBuf::from(t),
+        (None, Some(p)) => p.clone(),
+        (None, None) => bail!(
+            "data.format {:?} needs a tokenizer\nhint: set data.tokenizer to `byte` or to a directory with tokenizer.json",
+            raw.data.format
+        ),
+    };
+    Ok(Box::new(HfTokenizer::from_dir(&dir)?))
+}
+
+/// The adapter directory `src` names: itself, or a run directory's `final/`.
+fn adapter_dir(src: &Path) -> Result<PathBuf> {
+    for d in [src.to_path_buf(), src.join("final")] {
+        if d.join("adapter_config.json").is_file() {
+            return Ok(d);
+        }
+    }
+    if src.join("config.json").is_file() || src.join("final/config.json").is_file() {
+        bail!(
+            "{}: a model, not an adapter: --merge needs an adapter run's OUT/final (or a PEFT adapter directory)\nhint: export without --merge to convert a model",
+            src.display()
+        );
+    }
+    bail!(
+        "{}: no adapter_config.json here or in final/\nhint: --merge needs an adapter run's output directory, its final/, or a PEFT adapter directory",
+        src.display()
+    )
+}
+
+/// The base model directory of adapter `src`: `base`, else the one Horizon's note or the
+/// adapter's `base_model_name_or_path` names (it must be a local directory).
+fn run_base_dir(
+    dir: &Path,
+    adapter: &peft::PeftAdapter,
+    sidecar: Option<&peft::Sidecar>,
+    base: Option<&Path>,
+) -> Result<PathBuf> {
+    base.map(Path::to_path_buf)
+        .or_else(|| sidecar.and_then(|s| s.base_model.clone()))
+        .or_else(|| adapter.base_model.as_ref().map(PathBuf::from))
+        .filter(|p| p.is_dir())
+        .with_context(|| {
+            format!(
+                "{}: the base model is not a local directory ({})\nhint: pass --base DIR, the model the adapter was trained on",
+                dir.display(),
+                adapter.base_model.as_deref().unwrap_or("not named")
+            )
+        })
+}
+
+/// The model of adapter `src` over its base (`base`, or the one it names): the base frozen in
+/// `base_dtype` (NF4 where the adapter was trained with QLoRA), the adapters from the
+/// directory; and the base's directory.
+pub fn load_adapter_run(
+    src: &Path,
+    base: Option<&Path>,
+    base_dtype: BaseChoice,
+) -> Result<(RunModel, PathBuf)> {
+    let dir = adapter_dir(src)?;
+    let adapter = peft::read(&dir)?;
+    let sidecar = peft::read_sidecar(&dir)?;
+    let base_dir = run_base_dir(&dir, &adapter, sidecar.as_ref(), base)?;
+    let kind = match sidecar.as_ref().map(|s| s.kind.as_str()) {
+        Some("qlora") => AdapterKind::Qlora,
+        _ => AdapterKind::Lora,
+    };
+    let a = AdapterConfig {
+        kind,
+        r: adapter.r,
+        alpha: adapter.alpha,
+        rslora: adapter.rslora,
+        targets: adapter.targets.clone(),
+        init: Some(dir.clone()),
+        base_dtype,
+    };
+    let yaml = format!("model: {{ path: '{}' }}\ndata: {{ path: unused }}\n", base_dir.display());
+    let raw = RawConfig::from_yaml(&yaml, &dir.display().to_string())?;
+    Ok((load_run_model(&raw, Some(&a))?, base_dir))
+}

@@ -1,0 +1,88 @@
+//! What a person watching a run sees: on a terminal, a progress bar (loss, tokens/s, peak
+//! memory, ETA) with a step line every few percent; otherwise (a log file, a pipe) one line per
+//! step.
+
+use crate::engine::memory::{gib, peak_rss_bytes};
+use crate::run::summary::StepMetrics;
+use std::io::Write;
+
+/// What a person watching a run sees: on a terminal, a progress bar (loss, tokens/s, peak
+/// memory, ETA) with a step line every few percent; otherwise (a log file, a pipe) one line per
+/// step.
+pub struct Progress {
+    bar: Option<indicatif::ProgressBar>,
+    /// On a terminal, print a step line every this many steps.
+    every: usize,
+}
+
+impl Progress {
+    pub fn new(start: usize, steps: usize) -> Self {
+        use std::io::IsTerminal;
+        if !std::io::stderr().is_terminal() {
+            return Progress { bar: None, every: 1 };
+        }
+        let bar = indicatif::ProgressBar::new(steps as u64);
+        let style = indicatif::ProgressStyle::with_template(
+            "{elapsed_precise} [{bar:30.cyan/blue}] {pos}/{len} {msg} eta {eta}",
+        )
+        .expect("the template is valid")
+        .progress_chars("=> ");
+        bar.set_style(style);
+        bar.set_position(start as u64);
+        Progress { bar: Some(bar), every: steps.div_ceil(25).max(1) }
+    }
+
+    pub fn step(&mut self, m: &StepMetrics, steps: usize, eta_s: f64) {
+        let tps = m.tokens as f64 / m.step_s.max(1e-9);
+        let rss = peak_rss_bytes().map_or(String::new(), |b| format!("  peak RSS {}", gib(b)));
+        let eval = m.eval_loss.map_or(String::new(), |e| format!("  eval_loss {e:.6}"));
+        let line = format!(
+            "step {:>5}/{steps}  loss {:.6}  grad_norm {:.4}  lr {:.3e}  {:.0} tok/s{eval}  eta {}{rss}",
+            m.step,
+            m.loss,
+            m.grad_norm,
+            m.lr,
+            tps,
+            hms(eta_s)
+        );
+        match &self.bar {
+            Some(bar) => {
+                bar.set_message(format!("loss {:.4}  {tps:.0} tok/s{rss}", m.loss));
+                bar.inc(1);
+                if m.step.is_multiple_of(self.every) || m.step == steps || m.eval_loss.is_some() {
+                    bar.println(line);
+                }
+            }
+            None => {
+                println!("{line}");
+                let _ = std::io::stdout().flush();
+            }
+        }
+    }
+
+    pub fn println(&self, line: &str) {
+        match &self.bar {
+            Some(bar) => bar.println(line),
+            None => {
+                println!("{line}");
+                let _ = std::io::stdout().flush();
+            }
+        }
+    }
+
+    pub fn finish(&mut self) {
+        if let Some(bar) = self.bar.take() {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+/// `1h02m03s`, `4m05s`, `6s`.
+fn hms(s: f64) -> String {
+    let s = s.max(0.0).round() as u64;
+    match (s / 3600, s / 60 % 60, s % 60) {
+        (0, 0, sec) => format!("{sec}s"),
+        (0, m, sec) => format!("{m}m{sec:02}s"),
+        (h, m, sec) => format!("{h}h{m:02}m{sec:02}s"),
+    }
+}

@@ -1,0 +1,617 @@
+//! The streaming trainer: a run's model, data and memory plan, the engine on its device, and the
+//! step loop that drives it (metrics, evaluation, checkpoints, signals), then the summary and the
+//! final export. `horizon train`, `horizon bench` and the default job all run it.
+
+use crate::data::carries_loss;
+use crate::data::pretokenized::{PretokenizedDataset, Row};
+use crate::engine::exec::{Engine, MicroBatch, StepParams};
+use crate::engine::memory::{MemoryPlan, peak_rss_bytes};
+use crate::engine::options::EngineConfig;
+use crate::engine::phases::{PhaseSeconds, StepFlops, step_flops};
+use crate::engine::resolve::{Machine, resolve};
+use crate::hf::config::ModelConfig;
+use crate::model::base::FrozenBase;
+use crate::model::layout::ModelLayout;
+use crate::run::config::{BackendKind, ByteSize, RawConfig, RunConfig, WeightPath};
+use crate::run::data::{BatchOrder, SeqLen, batch_order, load_datasets, micro_batches, step_rows};
+use crate::run::load::{load_weights, model_config, run_layout, write_adapter};
+use crate::run::progress::Progress;
+use crate::run::summary::StepMetrics;
+use crate::run::summary::Summary;
+use crate::store::TrainState;
+use anyhow::{Context, Result, bail};
+use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig};
+use horizon_backend::cuda::{CudaDevice, CudaDeviceConfig};
+use horizon_backend::{Device, DeviceStats};
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+/// A run on the streaming engine: the model in host RAM, the CPU device borrowing one layer at
+/// a time.
+pub struct Trainer<D: Device = CpuDevice> {
+    pub cfg: RunConfig,
+    pub model_cfg: ModelConfig,
+    /// The model's layout, with the run's adapters (`adapter:`) when it has them.
+    pub layout: ModelLayout,
+    pub data: PretokenizedDataset,
+    /// The order batches read `data`'s rows in.
+    order: BatchOrder,
+    /// The held-out rows (`data.eval_fraction` / `data.eval_path`).
+    pub eval: Option<PretokenizedDataset>,
+    /// Records the data loaders left out (`data.on_error: skip`, or prompt too long).
+    pub skipped_records: usize,
+    pub plan: MemoryPlan,
+    pub engine: Engine<D>,
+    /// Fault injection for tests: steps (0-based) whose gradient gets a NaN.
+    pub inject_nan_at: Vec<usize>,
+    /// The micro-batches of the batch after the last step's (its index and them): built for
+    /// their token ids, which that step took, and used again when that batch's step comes.
+    ahead: Option<(usize, Vec<MicroBatch>)>,
+}
+
+impl Trainer {
+    /// Load, plan (refusing what does not fit, before allocating), allocate.
+    pub fn new(cfg: RunConfig) -> Result<Self> {
+        Self::with_resume(cfg, None)
+    }
+
+    /// As [`Trainer::new`], continuing from a resumable checkpoint directory.
+    pub fn with_resume(cfg: RunConfig, resume: Option<&Path>) -> Result<Self> {
+        Trainer::on_device(cfg, resume, |raw, plan| {
+            Ok(CpuDevice::new(CpuDeviceConfig {
+                capacity_bytes: plan.device_capacity() as usize,
+                link_gbps: raw.device.link_gbps,
+                copy_jitter_us: 0,
+                jitter_seed: 0,
+                wait: raw.device.wait.mode(raw.device.link_gbps),
+                pin_threads: raw.engine.pin_threads,
+            }))
+        })
+    }
+}
+
+impl<D: Device> Trainer<D>
+where
+    D::Backend: 'static,
+{
+    /// As [`Trainer::with_resume`], on the device `make_dev` builds once the memory plan
+    /// is known (and checked).
+    pub fn on_device(
+        cfg: RunConfig,
+        resume: Option<&Path>,
+        make_dev: impl FnOnce(&RawConfig, &MemoryPlan) -> Result<D>,
+    ) -> Result<Self> {
+        let raw = &cfg.raw;
+        let model_cfg = model_config(raw)?;
+        let layout = run_layout(raw, &model_cfg, cfg.adapter.as_ref())?;
+        // The data first: its longest row sizes every buffer of the plan.
+        let sets = load_datasets(raw, model_cfg.vocab_size)?;
+        let (ecfg, plan) = plan_run(raw, &layout, &SeqLen::of_data(raw, &sets))?;
+        let (state, base) = host_state(&cfg, &model_cfg, &layout, resume)?;
+        let dev = make_dev(raw, &plan)?;
+        let engine = Engine::with_layout(dev, layout.clone(), base, state, ecfg)?;
+        let order = batch_order(&cfg, &sets.train);
+        Ok(Trainer {
+            cfg,
+            model_cfg,
+            layout,
+            order,
+            data: sets.train,
+            eval: sets.eval,
+            skipped_records: sets.skipped_records,
+            plan,
+            engine,
+            inject_nan_at: Vec::new(),
+            ahead: None,
+        })
+    }
+
+    /// One optimizer step on batch `k` (0-based).
+    pub fn step(&mut self, k: usize) -> Result<StepMetrics> {
+        let t0 = Instant::now();
+        let rows = step_rows(&mut self.order, &self.data, k);
+        let tokens = rows.iter().map(|r| r.input_ids.len()).sum();
+        let lr = self.cfg.raw.lr_schedule().lr_at(k + 1);
+        let inject_nan = self.inject_nan_at.contains(&k);
+        if !rows.iter().any(|r| carries_loss(r)) {
+            // Nothing to learn from, and nothing to divide the loss by: the step is counted
+            // and skipped.
+            self.engine.skip_step();
+            return Ok(StepMetrics::no_loss(k, lr, tokens, t0));
+        }
+        let size = self.engine.config().micro_batch_size;
+        let mbs = match self.ahead.take() {
+            Some((j, mbs)) if j == k => mbs,
+            _ => micro_batches(&rows, size),
+        };
+        // The next batch's token ids (padding included): the engine updates the embedding rows
+        // they gather first, so that the next forward need not wait for the whole embedding.
+        let next = micro_batches(&step_rows(&mut self.order, &self.data, k + 1), size);
+        let next_ids = next.iter().map(|mb| mb.ids.clone()).collect();
+        self.ahead = Some((k + 1, next));
+        let out = self.engine.step_ahead(mbs, StepParams { lr, inject_nan }, next_ids)?;
+        Ok(StepMetrics {
+            step: k + 1,
+            loss: out.loss(),
+            grad_norm: out.grad_norm,
+            lr,
+            tokens,
+            step_s: t0.elapsed().as_secs_f64(),
+            skipped: out.skipped,
+            no_loss: false,
+            eval_loss: None,
+        })
+    }
+
+    /// Mean loss over the held-out rows with the current weights (`None` without a held-out
+    /// split). Runs forward only, micro-batch by micro-batch, on the run's device through the
+    /// engine (`Engine::eval`, in the step's planned buffers), after the queued updates.
+    pub fn evaluate(&mut self) -> Result<Option<f64>> {
+        let Some(eval) = &self.eval else {
+            return Ok(None);
+        };
+        let rows: Vec<&Row> = eval.rows.iter().collect();
+        let mbs = micro_batches(&rows, self.engine.config().micro_batch_size);
+        Ok(Some(self.engine.eval(mbs)?.loss()))
+    }
+}
+
+/// The engine configuration `raw` resolves to on this machine for `layout` and rows of
+/// `seq_len`, and its memory plan: printed, and refused before anything is allocated when it
+/// does not fit (or the CUDA kernels cannot run the model).
+fn plan_run(
+    raw: &RawConfig,
+    layout: &ModelLayout,
+    seq_len: &SeqLen,
+) -> Result<(EngineConfig, MemoryPlan)> {
+    let ecfg = EngineConfig { seq_len: seq_len.len, ..raw.engine_config() };
+    let budget = match raw.device.memory {
+        ByteSize::Auto => None,
+        ByteSize::Bytes(b) => Some(b),
+    };
+    let host = crate::engine::memory::host_available_bytes();
+    let machine = Machine::new(raw.device.backend, budget, host);
+    let (recompute, upload) = (raw.engine.recompute, raw.engine.weight_upload);
+    let ecfg = resolve(layout, ecfg, recompute, upload, &machine);
+    let plan = machine.plan(layout, &ecfg).sized_for(&seq_len.why);
+    let upload_words = match ecfg.weights {
+        WeightPath::Image => {
+            "a page-locked bf16 image of the trained weights, written by the optimizer"
+        }
+        WeightPath::Staged => {
+            "two page-locked bf16 stages, rounded from the masters by the host queue ahead of each upload"
+        }
+        WeightPath::Masters => {
+            "the fp32 masters, rounded inside each upload when the device is bf16"
+        }
+    };
+    println!("engine.weight_upload: {:?} -> {upload_words}", raw.engine.weight_upload);
+    println!(
+        "engine.recompute: {:?} -> {}",
+        raw.engine.recompute,
+        recompute_words(ecfg.kept_layers, layout.dims.layers)
+    );
+    print!("{plan}");
+    plan.check()?;
+    if raw.device.backend == BackendKind::Cuda {
+        cuda_kernel_limits(layout, raw, ecfg.seq_len)?;
+    }
+    Ok((ecfg, plan))
+}
+
+/// The host state a run starts from, in the described model: a resumed full fine-tuning run
+/// reads everything from its checkpoint; otherwise the weights are loaded (an adapter run
+/// reloads its frozen base from `model.path` even when resuming its adapters).
+fn host_state(
+    cfg: &RunConfig,
+    model_cfg: &ModelConfig,
+    layout: &ModelLayout,
+    resume: Option<&Path>,
+) -> Result<(TrainState, Option<Arc<FrozenBase>>)> {
+    let mode = cfg.raw.optimizer.memory;
+    let resumed = |dir| crate::run::resume::load_for(dir, model_cfg, layout, mode);
+    if let (Some(dir), None) = (resume, &cfg.adapter) {
+        return Ok((resumed(dir)?, None));
+    }
+    let rm = load_weights(&cfg.raw, cfg.adapter.as_ref(), model_cfg.clone(), layout.clone())?;
+    let state = match resume {
+        Some(dir) => resumed(dir)?,
+        None => TrainState::for_memory(rm.params, layout, mode),
+    };
+    Ok((state, rm.base.map(Arc::new)))
+}
+
+/// What the resolved `engine.recompute` does, for the start-up line: `kept` of `layers` layers
+/// keep their internals.
+pub(crate) fn recompute_words(kept: usize, layers: usize) -> String {
+    match kept {
+        0 => "the backward recomputes each block's inputs and each layer's internals".to_string(),
+        k if k == layers => {
+            "every layer's internals kept for its backward (no recompute)".to_string()
+        }
+        k => format!(
+            "{k} of {layers} layers keep their internals for their backward (spread evenly, K = 1); the others recompute theirs"
+        ),
+    }
+}
+
+/// Run a job on the streaming engine: steps, `metrics.jsonl`, `summary.json`, and (unless
+/// `export` is false, as for benchmarks) the final HF directory. `warmup` steps are excluded
+/// from the summary's timings.
+pub fn run_streaming(
+    cfg: RunConfig,
+    export_final: bool,
+    warmup: usize,
+    resume: Option<&str>,
+) -> Result<Summary> {
+    let out_dir = cfg.raw.output.dir.clone();
+    fs::create_dir_all(&out_dir).with_context(|| {
+        format!(
+            "output.dir {}: cannot create the directory\nhint: choose a writable output.dir",
+            out_dir.display()
+        )
+    })?;
+    // Held until this function returns (the OS releases it if the process dies first): a
+    // second run into the same directory is refused before it writes anything there.
+    let _lock = crate::run::lock::RunLock::acquire(&out_dir)?;
+    let yaml = cfg.raw.to_yaml();
+    println!("# resolved config ({})\n{yaml}", cfg.origin);
+    fs::write(out_dir.join("config.yaml"), &yaml)
+        .with_context(|| format!("output.dir {}: cannot write config.yaml", out_dir.display()))?;
+
+    let resume_dir = resume.map(|r| crate::run::resume::resolve(r, &out_dir)).transpose()?;
+    match cfg.raw.device.backend {
+        BackendKind::Cpu => {
+            let tr = Trainer::with_resume(cfg, resume_dir.as_deref())?;
+            drive(tr, out_dir, yaml, resume_dir, export_final, warmup)
+        }
+        BackendKind::Cuda => {
+            let tr = Trainer::on_device(cfg, resume_dir.as_deref(), cuda_device)?;
+            drive(tr, out_dir, yaml, resume_dir, export_final, warmup)
+        }
+    }
+}
+
+/// Refuses a model the CUDA kernels cannot run (a head dim over the attention kernel's limit,
+/// sizes beyond its int range) when the plan is made, naming the limit and the value; rows
+/// are at most `seq_len` long.
+pub fn cuda_kernel_limits(layout: &ModelLayout, raw: &RawConfig, seq_len: usize) -> Result<()> {
+    let d = &layout.dims;
+    let shape = horizon_backend::cuda::KernelShape {
+        c: d.c,
+        h: d.h,
+        kvh: d.kvh,
+        d: d.d,
+        f: d.f,
+        v: d.v,
+        b: raw.train.micro_batch_rows(),
+        t: seq_len,
+    };
+    horizon_backend::cuda::check_kernel_limits(&shape).context("device.backend = cuda")?;
+    Ok(())
+}
+
+/// The CUDA device of a run (`device.backend: cuda`): GPU 0, a pool of the plan's device bytes,
+/// bf16 weights on the wire and in the slots, bf16 tensor-core matmuls with fp32 accumulation,
+/// attention on the kernels `device.attention` picks. In a binary built without the `cuda`
+/// feature this is an error saying so.
+fn cuda_device(raw: &RawConfig, plan: &MemoryPlan) -> Result<CudaDevice> {
+    let mut cfg = CudaDeviceConfig::with_capacity(plan.device_capacity() as usize);
+    cfg.attention = raw.device.attention.kernels();
+    CudaDevice::new(cfg).context("device.backend = cuda")
+}
+
+/// The step loop of [`run_streaming`], on any device.
+fn drive<D: Device>(
+    mut tr: Trainer<D>,
+    out_dir: PathBuf,
+    yaml: String,
+    resume_dir: Option<PathBuf>,
+    export_final: bool,
+    warmup: usize,
+) -> Result<Summary>
+where
+    D::Backend: 'static,
+{
+    let steps = tr.cfg.raw.train.steps;
+    let start = tr.engine.state().step as usize;
+    if let Some(d) = &resume_dir {
+        println!("resuming from {} at step {start}", d.display());
+    }
+    // SIGINT / SIGTERM: finish the step in flight, write a checkpoint, stop.
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, stop.clone())
+            .context("cannot install the signal handler")?;
+    }
+    let t = tr.cfg.raw.train.clone();
+    let mut last_ckpt: Option<PathBuf> = resume_dir.clone();
+    let mut bad_run = 0usize;
+    // Test hook (test builds only): steps (0-based) whose gradient gets a NaN (exercises the
+    // non-finite path).
+    #[cfg(feature = "test-hooks")]
+    if let Ok(v) = std::env::var("HORIZON_TEST_NAN_STEPS") {
+        tr.inject_nan_at = v.split(',').filter_map(|x| x.trim().parse().ok()).collect();
+    }
+    println!(
+        "model: {} layers, hidden {}, {} params; data: {} rows; {} micro-batch(es) per step, checkpoint every {} layers; host threads: {} (engine.host_threads: {})",
+        tr.model_cfg.num_layers,
+        tr.model_cfg.hidden_size,
+        tr.engine.sizes().params,
+        tr.data.rows.len(),
+        tr.engine.sizes().micro_batches,
+        tr.cfg.raw.engine.checkpoint_every,
+        tr.engine.host_threads(),
+        tr.cfg.raw.engine.host_threads
+    );
+    let metrics_path = out_dir.join("metrics.jsonl");
+    let mut metrics_file = fs::OpenOptions::new()
+        .create(true)
+        .append(start > 0)
+        .write(true)
+        .truncate(start == 0)
+        .open(&metrics_path)
+        .with_context(|| format!("cannot create {}", metrics_path.display()))?;
+    let mut progress = Progress::new(start, steps);
+    if tr.cfg.trace.is_some() {
+        tr.engine.start_trace((steps - start).min(crate::engine::trace::MAX_STEPS));
+    }
+    let mut base = tr.engine.device().stats();
+    let mut base_phases = tr.engine.phase_seconds();
+    let mut t0 = Instant::now();
+    let run_t0 = Instant::now();
+    let (mut tokens, mut timed_steps, mut last_loss) = (0usize, 0usize, f64::NAN);
+    let (mut skipped_steps, mut eval_loss, mut ran) = (0usize, None, 0usize);
+    for k in start..steps {
+        if k == (start + warmup).min(steps - 1) && k > start {
+            // Timings start after the warm-up, once its queued work is done.
+            tr.engine.state();
+            base = tr.engine.device().stats();
+            base_phases = tr.engine.phase_seconds();
+            t0 = Instant::now();
+            tokens = 0;
+            timed_steps = 0;
+        }
+        let mut m = tr.step(k)?;
+        ran += 1;
+        let last = k + 1 == steps;
+        if tr.eval.is_some() && ((t.eval_every > 0 && (k + 1) % t.eval_every == 0) || last) {
+            m.eval_loss = tr.evaluate()?;
+            eval_loss = m.eval_loss;
+            if let Some(e) = m.eval_loss {
+                tracing::info!(step = m.step, eval_loss = e, "evaluated the held-out rows");
+            }
+        }
+        writeln!(metrics_file, "{}", serde_json::to_string(&m)?)
+            .with_context(|| format!("cannot write {}", metrics_path.display()))?;
+        let eta = run_t0.elapsed().as_secs_f64() / (k + 1 - start) as f64 * (steps - k - 1) as f64;
+        progress.step(&m, steps, eta);
+        tokens += m.tokens;
+        timed_steps += 1;
+        if m.no_loss {
+            skipped_steps += 1;
+            progress.println(&format!(
+                "step {}: no position of the batch carries a loss; step skipped",
+                m.step
+            ));
+        } else if m.skipped {
+            bad_run += 1;
+            skipped_steps += 1;
+            progress.println(&format!(
+                "step {}: non-finite loss or gradient norm; update skipped ({bad_run} in a row)",
+                m.step
+            ));
+            if bad_run >= t.max_bad_steps {
+                let last =
+                    last_ckpt.as_ref().map_or("none".to_string(), |p| p.display().to_string());
+                bail!(
+                    "stopping: {bad_run} consecutive steps with a non-finite loss or gradient norm (train.max_bad_steps = {}); last good checkpoint: {last}\nhint: lower optimizer.lr, or check the data of those steps",
+                    t.max_bad_steps
+                );
+            }
+        } else {
+            bad_run = 0;
+        }
+        if !m.no_loss {
+            last_loss = m.loss;
+        }
+        let signalled = stop.load(Ordering::Relaxed);
+        // Periodic checkpoints only after good steps: the last one stays the last good state.
+        if (t.save_every > 0 && (k + 1) % t.save_every == 0 && !m.skipped) || signalled {
+            let state = tr.engine.checked_state()?;
+            progress.println(&format!("saving checkpoint step-{:08}", state.step));
+            let dir = crate::run::resume::save(
+                &out_dir,
+                state,
+                &tr.layout,
+                &tr.model_cfg,
+                &yaml,
+                t.keep_checkpoints,
+            )?;
+            tracing::info!(dir = %dir.display(), "checkpoint written");
+            last_ckpt = Some(dir);
+        }
+        if signalled {
+            progress.finish();
+            println!(
+                "interrupted after step {}; resume with: horizon train --config {} --resume latest",
+                k + 1,
+                tr.cfg.origin
+            );
+            break;
+        }
+    }
+    progress.finish();
+    metrics_file.flush()?;
+    let state_step = tr.engine.checked_state()?.step;
+    let tally = Tally { tokens, timed_steps, skipped_steps, eval_loss, last_loss, state_step };
+    let summary = summarize(&mut tr, &tally, (&base, &base_phases), t0);
+    let summary_path = out_dir.join("summary.json");
+    fs::write(&summary_path, serde_json::to_string_pretty(&summary)?)
+        .with_context(|| format!("cannot write {}", summary_path.display()))?;
+    println!("{}", serde_json::to_string_pretty(&summary)?);
+    if let Some(path) = &tr.cfg.trace {
+        crate::engine::trace::write_chrome(path, "bench", &tr.engine.trace_spans())?;
+        println!("trace of the run's steps: {}", path.display());
+    }
+    // Nothing was applied: the weights are the ones the run started from, and exporting them
+    // as this run's result would pass a broken model on. metrics.jsonl and summary.json stay.
+    if ran > 0 && skipped_steps == ran {
+        bail!(
+            "every one of the {ran} steps of this run was skipped (a non-finite loss or gradient norm): no update was applied, so {} was not written\nhint: check the model's weights and the data, or lower optimizer.lr; {} has the losses",
+            out_dir.join("final").display(),
+            metrics_path.display()
+        );
+    }
+    if export_final {
+        write_final(&mut tr, &out_dir, &summary, &metrics_path, &summary_path, state_step)?;
+    }
+    Ok(summary)
+}
+
+/// What the step loop counted, for the summary.
+struct Tally {
+    tokens: usize,
+    timed_steps: usize,
+    skipped_steps: usize,
+    eval_loss: Option<f64>,
+    last_loss: f64,
+    state_step: u64,
+}
+
+/// The run's summary: the timed steps' throughput, FLOPs and memory against the device's
+/// counters at the end of the warm-up (`base`) and the clock started then (`t0`).
+fn summarize<D: Device>(
+    tr: &mut Trainer<D>,
+    tally: &Tally,
+    (base, base_phases): (&DeviceStats, &PhaseSeconds),
+    t0: Instant,
+) -> Summary
+where
+    D::Backend: 'static,
+{
+    let Tally { tokens, timed_steps, skipped_steps, eval_loss, last_loss, state_step } = *tally;
+    let wall_s = t0.elapsed().as_secs_f64();
+    let st = tr.engine.device().stats();
+    let compute = st.compute_busy_s - base.compute_busy_s;
+    let link = st.link_busy_s - base.link_busy_s;
+    let per_step = step_flops(
+        tr.engine.schedule(),
+        &tr.layout,
+        tr.cfg.raw.train.micro_batch_rows(),
+        tr.engine.config().seq_len,
+    );
+    let k = timed_steps as f64;
+    let flops = StepFlops {
+        schedule: per_step.schedule * k,
+        recompute: per_step.recompute * k,
+        model: per_step.model * k,
+    };
+    Summary {
+        steps: timed_steps,
+        total_steps: state_step as usize,
+        skipped_steps,
+        skipped_records: tr.skipped_records,
+        eval_loss,
+        eval_rows: tr.eval.as_ref().map_or(0, |e| e.rows.len()),
+        tokens,
+        wall_s,
+        tokens_per_s: tokens as f64 / wall_s.max(1e-9),
+        peak_rss_bytes: peak_rss_bytes().unwrap_or(0),
+        planned_host_bytes: tr.plan.host_total(),
+        peak_device_bytes: st.peak_bytes as u64,
+        planned_device_bytes: tr.plan.device_total(),
+        h2d_bytes: st.h2d_bytes - base.h2d_bytes,
+        d2h_bytes: st.d2h_bytes - base.d2h_bytes,
+        device_compute_s: compute,
+        link_busy_s: link,
+        overlap_ratio: wall_s / compute.max(link).max(1e-9),
+        final_loss: last_loss,
+        phase_s: tr.engine.phase_seconds().since(base_phases),
+        h2d_busy_s: st.h2d_busy_s - base.h2d_busy_s,
+        d2h_busy_s: st.d2h_busy_s - base.d2h_busy_s,
+        host_busy_s: st.host_busy_s - base.host_busy_s,
+        compute_idle_s: (wall_s - compute).max(0.0),
+        flops,
+        achieved_gflops: flops.schedule / wall_s.max(1e-9) * 1e-9,
+        model_gflops: flops.model / wall_s.max(1e-9) * 1e-9,
+        optimizer_memory: tr.cfg.raw.optimizer.memory.name().to_string(),
+        params: tr.plan.params,
+        planned_host_bytes_per_param: tr.plan.host_total() as f64 / tr.plan.params.max(1) as f64,
+        peak_rss_bytes_per_param: peak_rss_bytes().unwrap_or(0) as f64
+            / tr.plan.params.max(1) as f64,
+        pinned_bytes: st.pinned_bytes as u64,
+        planned_pinned_bytes: tr.plan.pinned,
+        host_threads: tr.engine.host_threads(),
+        weight_upload: tr.engine.config().weight_path().name().to_string(),
+        device_wait: tr.cfg.raw.device.wait.resolve(tr.cfg.raw.device.link_gbps).name().to_string(),
+    }
+}
+
+/// `OUT/training.png`, `OUT/report.md` and the exported `OUT/final/`.
+fn write_final<D: Device>(
+    tr: &mut Trainer<D>,
+    out_dir: &Path,
+    summary: &Summary,
+    metrics_path: &Path,
+    summary_path: &Path,
+    state_step: u64,
+) -> Result<()>
+where
+    D::Backend: 'static,
+{
+    let plot_path = out_dir.join("training.png");
+    let title = format!("{} ({} steps)", tr.cfg.origin, state_step);
+    // The plot is a convenience: failing to draw it does not fail the run.
+    let plotted = crate::run::plot::read_metrics(metrics_path)
+        .and_then(|pts| crate::run::plot::plot(&pts, &plot_path, &title));
+    if let Err(e) = &plotted {
+        eprintln!("warning: no plot: {e:#}");
+    }
+    let report = crate::run::plot::write_report(
+        out_dir,
+        &tr.cfg.origin,
+        summary,
+        plotted.is_ok().then_some(plot_path.as_path()),
+    )?;
+    let final_dir = out_dir.join("final");
+    if let Some(a) = tr.cfg.adapter.clone() {
+        let base = tr.cfg.raw.model.path.as_ref().map(|p| p.display().to_string());
+        write_adapter(&tr.layout, &tr.engine.state().params, &a, base.as_deref(), &final_dir)?;
+        println!(
+            "wrote {}, {}, {} and {} (a PEFT adapter)",
+            metrics_path.display(),
+            summary_path.display(),
+            report.display(),
+            final_dir.display()
+        );
+        return Ok(());
+    }
+    let params = &tr.engine.state().params;
+    let raw = &tr.cfg.raw;
+    let exported = crate::run::hf_out::export_model(
+        &tr.model_cfg,
+        params,
+        &final_dir,
+        raw.output.export_options(),
+        &crate::run::hf_out::ExportSource::of_config(raw),
+    )?;
+    tracing::info!(
+        shards = exported.shards.len(),
+        bytes = exported.total_bytes,
+        tokenizer_files = exported.tokenizer_files.len(),
+        "exported final/"
+    );
+    println!(
+        "wrote {}, {}, {} and {}",
+        metrics_path.display(),
+        summary_path.display(),
+        report.display(),
+        final_dir.display()
+    );
+    Ok(())
+}
