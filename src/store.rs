@@ -9,6 +9,7 @@ use crate::model::spec::Stored;
 use crate::optim::adamw::{AdamWConfig, AdamWStep, clip_coefficient, sum_squares};
 use crate::optim::moments::Moments;
 use crate::optim::state::{AdamW32, OptState, OptimizerMemory, OptimizerState};
+use crate::optim::step::update_seed;
 
 /// How a host tensor's elements are stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -172,7 +173,7 @@ impl TrainState {
         let coef = clip_coefficient(grad_norm, max_norm);
         let st = AdamWStep::new(cfg, self.updates, lr);
         for i in 0..self.grads.buffers().len() {
-            let seed = self.updates.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ i as u64;
+            let seed = update_seed(self.updates, i);
             let g = self.grads.buffer(i);
             self.opt.buffer(i).update(self.params.buffer_mut(i), g, &st, coef, seed, None);
         }

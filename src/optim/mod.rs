@@ -9,6 +9,7 @@ mod adamw8bit_avx512;
 pub mod lr;
 pub mod moments;
 pub mod state;
+pub mod step;
 
 pub use adamw::{
     AdamWConfig, AdamWStep, adamw_update, adamw_update_image, adamw_update_serial,

@@ -1,0 +1,584 @@
+//! Building the plan's ops: one optimizer step's, in submission order (inputs, forward, head,
+//! backward, embedding, optimizer: [`step_ops`], then the staged uploads' rounding placed by
+//! [`stage_uploads`]), and an evaluation's forward-only ops ([`eval_ops`]). Waits come later,
+//! from the resources each op declares ([`super::hazards::Scheduler`]).
+
+use horizon_backend::Queue;
+
+use super::types::{ActSource, GradTarget, Op, OpKind, ParamBuf, PlanShape, Res, SlotContent};
+
+/// Builds the operations of one step, in submission order, without waits.
+struct Builder {
+    shape: PlanShape,
+    ops: Vec<Op>,
+    slots: [Option<SlotContent>; 2],
+    /// Index of the last op that used each slot (for choosing the slot to overwrite).
+    slot_used: [usize; 2],
+    next_dw: usize,
+    next_slab: usize,
+    /// Streamed: (slab, layer) of the layers whose gradients wait in their slabs for the norm.
+    held: Vec<(usize, usize)>,
+}
+
+impl Builder {
+    fn new(shape: PlanShape) -> Self {
+        assert!(shape.layers > 0 && shape.micro_batches > 0 && shape.checkpoint_every > 0);
+        assert!(shape.grad_slabs > 0 && shape.head_tiles > 0);
+        assert!(shape.kept_layers == 0 || shape.checkpoint_every == 1, "kept internals need K = 1");
+        assert!(shape.kept_layers <= shape.layers, "more kept layers than layers");
+        Builder {
+            shape,
+            ops: Vec::new(),
+            slots: [None, None],
+            slot_used: [0, 0],
+            next_dw: 0,
+            next_slab: 0,
+            held: Vec::new(),
+        }
+    }
+
+    fn push(&mut self, kind: OpKind, queue: Queue, reads: Vec<Res>, writes: Vec<Res>) {
+        self.ops.push(Op { kind, queue, reads, writes, waits: Vec::new() });
+    }
+
+    /// The slot holding `what`, uploading it into the least recently used slot if needed.
+    fn ensure(&mut self, what: SlotContent) -> usize {
+        if let Some(s) = self.slots.iter().position(|c| *c == Some(what)) {
+            self.slot_used[s] = self.ops.len();
+            return s;
+        }
+        let s = if self.slots[0].is_none() {
+            0
+        } else if self.slots[1].is_none() {
+            1
+        } else if self.slot_used[0] <= self.slot_used[1] {
+            0
+        } else {
+            1
+        };
+        let reads = match what {
+            SlotContent::Layer(i) => vec![Res::Params(ParamBuf::Layer(i))],
+            SlotContent::Head | SlotContent::HeadTile(_) => {
+                vec![Res::Params(ParamBuf::FinalNorm), Res::Params(self.shape.head_buf())]
+            }
+        };
+        self.push(OpKind::UploadWeights { slot: s, what }, Queue::H2D, reads, vec![Res::Slot(s)]);
+        self.slots[s] = Some(what);
+        self.slot_used[s] = self.ops.len();
+        s
+    }
+
+    fn take_dw(&mut self) -> usize {
+        let d = self.next_dw;
+        self.next_dw = (self.next_dw + 1) % 2;
+        d
+    }
+
+    fn take_slab(&mut self) -> usize {
+        let s = self.next_slab;
+        self.next_slab = (self.next_slab + 1) % self.shape.grad_slabs;
+        s
+    }
+
+    /// Download a gradient accumulator and add it into the host gradients.
+    fn return_grads(&mut self, dw: usize, what: GradTarget) {
+        let slab = self.take_slab();
+        self.push(
+            OpKind::DownloadDw { dw, slab, what },
+            Queue::D2H,
+            vec![Res::Dw(dw)],
+            vec![Res::Slab(slab)],
+        );
+        let GradTarget::Layer(i) = what else { unreachable!("the head's gradient has no slab") };
+        if self.shape.streamed {
+            // Measuring the slab also checks the step's losses (the first measure does).
+            let mut reads = vec![Res::Slab(slab)];
+            reads.extend((0..self.shape.micro_batches).map(Res::LossHost));
+            if i < self.shape.grad_slabs {
+                // Layers i-1..0 come back in other slabs: this one can wait for the step's norm.
+                self.push(
+                    OpKind::MeasureSlab { slab, layer: i },
+                    Queue::Host,
+                    reads,
+                    vec![Res::StepStats],
+                );
+                self.held.push((slab, i));
+            } else {
+                self.push(
+                    OpKind::SlabUpdate { slab, layer: i },
+                    Queue::Host,
+                    reads,
+                    vec![
+                        Res::Params(ParamBuf::Layer(i)),
+                        Res::Moments(ParamBuf::Layer(i)),
+                        Res::StepStats,
+                    ],
+                );
+            }
+        } else {
+            self.push(
+                OpKind::AccumulateGrads { slab, what },
+                Queue::Host,
+                vec![Res::Slab(slab)],
+                vec![Res::Grads(ParamBuf::Layer(i))],
+            );
+            // Complete for the step: its squared norm now, under the backward, so that the
+            // step's norm is a sum of recorded numbers and not a pass over every gradient.
+            self.measure(ParamBuf::Layer(i));
+        }
+    }
+
+    /// The tests' fault injection into buffer `p`'s host gradient (see [`OpKind::PoisonGrad`]).
+    fn poison(&mut self, p: ParamBuf) {
+        self.push(OpKind::PoisonGrad { what: p }, Queue::Host, vec![], vec![Res::Grads(p)]);
+    }
+
+    /// Record the squared norm of buffer `p`'s complete host gradient (and check the step's
+    /// losses): in streamed modes before any layer is updated; in exact mode as each gradient
+    /// completes, the step's norm then summing them.
+    fn measure(&mut self, p: ParamBuf) {
+        let mut reads = vec![Res::Grads(p)];
+        reads.extend((0..self.shape.micro_batches).map(Res::LossHost));
+        self.push(OpKind::Measure { what: p }, Queue::Host, reads, vec![Res::StepStats]);
+    }
+
+    /// One part of the embedding's update ([`OpKind::EmbedUpdate`]): the first also writes the
+    /// rows the next step's gather reads.
+    fn update_embed(&mut self, next: bool) {
+        let p = ParamBuf::Embed;
+        let mut writes = vec![Res::Params(p), Res::Grads(p), Res::Moments(p)];
+        if next {
+            writes.push(Res::EmbedNext);
+        }
+        self.push(OpKind::EmbedUpdate { next }, Queue::Host, vec![Res::Norm], writes);
+    }
+
+    /// Clip by the step's norm and update buffer `p` from its host gradient.
+    fn update(&mut self, p: ParamBuf) {
+        self.push(
+            OpKind::Update { what: p },
+            Queue::Host,
+            vec![Res::Norm],
+            vec![Res::Params(p), Res::Grads(p), Res::Moments(p)],
+        );
+    }
+
+    /// Download micro-batch `m`'s losses.
+    fn download_losses(&mut self, m: usize) {
+        self.push(
+            OpKind::DownloadLosses { m },
+            Queue::D2H,
+            vec![Res::Losses(m)],
+            vec![Res::LossHost(m)],
+        );
+    }
+
+    /// The head in one slot: final norm + LM head + cross-entropy, forward and backward, per
+    /// micro-batch, then the gradients straight into their host buffers.
+    fn whole_head(&mut self) {
+        let slot = self.ensure(SlotContent::Head);
+        let dw = self.take_dw();
+        self.push(OpKind::ZeroDw { dw }, Queue::Compute, vec![], vec![Res::Dw(dw)]);
+        let src = self.shape.layers % 2;
+        for m in 0..self.shape.micro_batches {
+            self.push(
+                OpKind::Head { slot, m, src, dw },
+                Queue::Compute,
+                vec![Res::Slot(slot), Res::Act { set: src, m }, Res::Ids(m)],
+                vec![Res::Dw(dw), Res::Dres(m), Res::Losses(m), Res::Scratch],
+            );
+            self.download_losses(m);
+        }
+        // The head's gradient goes straight into its host gradient buffers: no slab the size
+        // of the LM head is needed.
+        self.push(
+            OpKind::DownloadHeadGrads { dw },
+            Queue::D2H,
+            vec![Res::Dw(dw)],
+            vec![Res::Grads(ParamBuf::FinalNorm), Res::Grads(self.shape.head_buf())],
+        );
+    }
+
+    /// Tiled head, pass 1 for tile `tile` (uploaded into a slot if it is not resident): every
+    /// micro-batch's softmax statistics over it (tile 0 also runs the final norm).
+    fn head_stats(&mut self, tile: usize) {
+        let (mbs, src) = (self.shape.micro_batches, self.shape.layers % 2);
+        let slot = self.ensure(SlotContent::HeadTile(tile));
+        for m in 0..mbs {
+            let mut reads = vec![Res::Slot(slot), Res::Ids(m)];
+            if tile == 0 {
+                reads.push(Res::Act { set: src, m });
+            }
+            self.push(
+                OpKind::HeadStats { tile, slot, m, src },
+                Queue::Compute,
+                reads,
+                vec![Res::HeadRows(m), Res::Scratch],
+            );
+        }
+    }
+
+    /// The head in vocabulary tiles, each uploaded into a weight slot beside the final norm
+    /// (the two slots double-buffer the tiles as they do layers). Pass 1, tiles in order:
+    /// every micro-batch's softmax statistics (tile 0 also runs the final norm). Pass 2, tiles
+    /// in reverse order (the last two tiles of pass 1 are still resident): the logits again,
+    /// dlogits, `dhf` and the tile's weight gradient in one of the two accumulators, which
+    /// downloads straight into the tile's rows of the host gradient while the next tile
+    /// computes. Then per micro-batch the losses and the final norm's backward (`dres`), and
+    /// the final norm's gradient from its own small accumulator.
+    fn tiled_head(&mut self) {
+        let (tiles, mbs, src) =
+            (self.shape.head_tiles, self.shape.micro_batches, self.shape.layers % 2);
+        for tile in 0..tiles {
+            self.head_stats(tile);
+        }
+        for tile in (0..tiles).rev() {
+            let slot = self.ensure(SlotContent::HeadTile(tile));
+            let dw = self.take_dw();
+            self.push(OpKind::ZeroDw { dw }, Queue::Compute, vec![], vec![Res::Dw(dw)]);
+            for m in 0..mbs {
+                self.push(
+                    OpKind::HeadGrad { tile, slot, m, dw, first: tile == tiles - 1 },
+                    Queue::Compute,
+                    vec![Res::Slot(slot), Res::Ids(m)],
+                    vec![Res::HeadRows(m), Res::Dw(dw), Res::Scratch],
+                );
+            }
+            self.push(
+                OpKind::DownloadHeadTileGrads { dw, tile },
+                Queue::D2H,
+                vec![Res::Dw(dw)],
+                vec![Res::Grads(self.shape.head_buf())],
+            );
+        }
+        // Tile 0 is the last of pass 2: its slot holds the final norm's weight.
+        let slot = self.ensure(SlotContent::HeadTile(0));
+        self.push(OpKind::ZeroDnorm, Queue::Compute, vec![], vec![Res::DnormW]);
+        for m in 0..mbs {
+            self.push(
+                OpKind::HeadFinish { slot, m, src },
+                Queue::Compute,
+                vec![Res::Slot(slot), Res::Act { set: src, m }, Res::Ids(m), Res::HeadRows(m)],
+                vec![Res::Losses(m), Res::Dres(m), Res::DnormW],
+            );
+            self.download_losses(m);
+        }
+        self.push(
+            OpKind::DownloadNormGrads,
+            Queue::D2H,
+            vec![Res::DnormW],
+            vec![Res::Grads(ParamBuf::FinalNorm)],
+        );
+    }
+
+    /// Where layer `layer`'s forward leaves its internals for micro-batch `m`, and where its
+    /// backward finds them: its kept buffers, or the compute queue's scratch.
+    fn internals(&self, layer: usize, m: usize) -> Res {
+        if self.shape.keeps(layer) { Res::Stash { layer, m } } else { Res::Scratch }
+    }
+
+    /// Inputs: token ids, and the embedding rows, gathered by the host-to-device queue itself
+    /// (as a host function on that queue), so that the next step's forward waits only for the
+    /// update of those rows, not for the whole optimizer on the host queue.
+    fn inputs(&mut self) {
+        for m in 0..self.shape.micro_batches {
+            self.push(OpKind::UploadIds { m }, Queue::H2D, vec![], vec![Res::Ids(m)]);
+            let (gather, stage) = (OpKind::EmbedGather { m }, Res::EmbStage(m));
+            self.push(gather, Queue::H2D, vec![Res::EmbedNext], vec![stage]);
+            self.push(
+                OpKind::UploadAct { m, set: 0, from: ActSource::Embedding },
+                Queue::H2D,
+                vec![Res::EmbStage(m)],
+                vec![Res::Act { set: 0, m }],
+            );
+        }
+    }
+
+    /// Forward, layer-major: every micro-batch passes layer i while its weights are resident;
+    /// with `checkpoints`, each block's input goes to its host checkpoint on the way.
+    fn forward(&mut self, checkpoints: bool) {
+        let k = self.shape.checkpoint_every;
+        for i in 0..self.shape.layers {
+            let slot = self.ensure(SlotContent::Layer(i));
+            let (src, dst) = (i % 2, (i + 1) % 2);
+            for m in 0..self.shape.micro_batches {
+                if checkpoints && i % k == 0 {
+                    self.push(
+                        OpKind::SaveCkpt { block: i / k, m, set: src },
+                        Queue::D2H,
+                        vec![Res::Act { set: src, m }],
+                        vec![Res::Ckpt { block: i / k, m }],
+                    );
+                }
+                // The scratch also holds the dequantisation workspace of a quantised base.
+                let mut writes = vec![Res::Act { set: dst, m }, self.internals(i, m)];
+                if self.shape.keeps(i) {
+                    writes.push(Res::Scratch);
+                }
+                self.push(
+                    OpKind::Forward { layer: i, slot, m, src, dst, recompute: false },
+                    Queue::Compute,
+                    vec![Res::Slot(slot), Res::Act { set: src, m }],
+                    writes,
+                );
+            }
+        }
+    }
+
+    /// Final norm + LM head + cross-entropy, forward and backward, per micro-batch. Then the
+    /// head's gradients are complete for the step: they stay in their host buffers until the
+    /// norm is known; in streamed modes the layer updates estimate the norm from these squared
+    /// norms onwards.
+    fn head(&mut self) {
+        if self.shape.head_tiles == 1 {
+            self.whole_head();
+        } else {
+            self.tiled_head();
+        }
+        if self.shape.streamed {
+            self.poison(ParamBuf::FinalNorm);
+        }
+        self.measure(ParamBuf::FinalNorm);
+        if !self.shape.tied {
+            self.measure(ParamBuf::Head);
+        }
+    }
+
+    /// Backward, block by block from the last: restore the block's checkpoint, recompute the
+    /// inputs of its layers, then walk its layers backwards, recomputing each layer's
+    /// internals (or reading them where it kept them), each layer's gradient returned to the
+    /// host as soon as it is complete.
+    fn backward(&mut self) {
+        for block in (0..self.shape.blocks()).rev() {
+            let k = self.shape.checkpoint_every;
+            let first = block * k;
+            let last = (first + k).min(self.shape.layers) - 1;
+            // The block's first weights go ahead of its checkpoint on the copy queue: the
+            // checkpoint must wait until an earlier backward is done with the buffer it lands
+            // in, the weights only until their slot is free, which is earlier.
+            self.ensure(SlotContent::Layer(if first < last { first } else { last }));
+            // With K = 1 the blocks alternate between the two sets the forward ping-pongs
+            // between, so a block's checkpoint lands while the block above it runs its backward
+            // from the other set, instead of after it.
+            let base = if k == 1 { block % 2 } else { 0 };
+            for m in 0..self.shape.micro_batches {
+                self.push(
+                    OpKind::UploadAct { m, set: base, from: ActSource::Ckpt(block) },
+                    Queue::H2D,
+                    vec![Res::Ckpt { block, m }],
+                    vec![Res::Act { set: base, m }],
+                );
+            }
+            self.recompute_block(first, last);
+            for i in (first..=last).rev() {
+                self.layer_backward(i, base + i - first);
+            }
+        }
+    }
+
+    /// The block recompute: layers `first..last` forward again from the block's checkpoint,
+    /// each input into its own set, internals into the scratch.
+    fn recompute_block(&mut self, first: usize, last: usize) {
+        for i in first..last {
+            let slot = self.ensure(SlotContent::Layer(i));
+            for m in 0..self.shape.micro_batches {
+                let (src, dst) = (i - first, i - first + 1);
+                self.push(
+                    OpKind::Forward { layer: i, slot, m, src, dst, recompute: true },
+                    Queue::Compute,
+                    vec![Res::Slot(slot), Res::Act { set: src, m }],
+                    vec![Res::Act { set: dst, m }, Res::Scratch],
+                );
+            }
+        }
+    }
+
+    /// Layer `i`'s backward for every micro-batch, from its input in set `set`, into a fresh
+    /// gradient accumulator, then the gradient back to the host.
+    fn layer_backward(&mut self, i: usize, set: usize) {
+        let slot = self.ensure(SlotContent::Layer(i));
+        let dw = self.take_dw();
+        self.push(OpKind::ZeroDw { dw }, Queue::Compute, vec![], vec![Res::Dw(dw)]);
+        for m in 0..self.shape.micro_batches {
+            let mut reads = vec![Res::Slot(slot), Res::Act { set, m }];
+            if self.shape.keeps(i) {
+                reads.push(self.internals(i, m));
+            }
+            self.push(
+                OpKind::Backward { layer: i, slot, m, set, dw },
+                Queue::Compute,
+                reads,
+                vec![Res::Dw(dw), Res::Dres(m), Res::Scratch],
+            );
+        }
+        self.return_grads(dw, GradTarget::Layer(i));
+    }
+
+    /// The embedding's gradient: only the rows the batch touched, scattered on the host.
+    fn embedding(&mut self) {
+        for m in 0..self.shape.micro_batches {
+            let (download, dx) = (OpKind::DownloadDres { m }, Res::DxStage(m));
+            self.push(download, Queue::D2H, vec![Res::Dres(m)], vec![dx]);
+            self.push(
+                OpKind::EmbedScatter { m },
+                Queue::Host,
+                vec![],
+                // It scales the staged rows in place (Gemma's embedding scale) first.
+                vec![Res::DxStage(m), Res::Grads(ParamBuf::Embed)],
+            );
+        }
+    }
+
+    /// The streamed optimizer's end of the step (`lean`/`compact`). The embedding's gradient is
+    /// complete once every micro-batch's rows are scattered (with a tied head, the head's part
+    /// came first). Then the step's norm, from the squared norms recorded so far and the
+    /// embedding's; on the run's first step it also corrects the moments of the layers updated
+    /// before the norm was known. Everything left waits for the norm, in the order the next
+    /// step needs it.
+    fn streamed_optimizer(&mut self) {
+        let (mbs, layers) = (self.shape.micro_batches, self.shape.layers);
+        let mut reads = vec![Res::StepStats, Res::Grads(ParamBuf::Embed)];
+        reads.extend((0..mbs).map(Res::LossHost));
+        let mut writes = vec![Res::Norm, Res::StepStats];
+        writes.extend((self.shape.grad_slabs..layers).map(|i| Res::Moments(ParamBuf::Layer(i))));
+        self.push(OpKind::GradNorm, Queue::Host, reads, writes);
+        self.update_embed(true);
+        for (slab, layer) in std::mem::take(&mut self.held).into_iter().rev() {
+            let p = ParamBuf::Layer(layer);
+            self.push(
+                OpKind::HeldSlabUpdate { slab, layer },
+                Queue::Host,
+                vec![Res::Slab(slab), Res::Norm],
+                vec![Res::Params(p), Res::Moments(p)],
+            );
+        }
+        self.update(ParamBuf::FinalNorm);
+        if !self.shape.tied {
+            self.update(ParamBuf::Head);
+        }
+        self.update_embed(false);
+    }
+
+    /// The exact optimizer: the global norm (the sum of the squared norms measured as each
+    /// gradient completed; the embedding's last), then each buffer's update in the order the
+    /// next step needs them, so the next forward of layer i waits only for layer i's update.
+    /// The norm op also checks the losses: a non-finite loss or norm skips every update.
+    fn exact_optimizer(&mut self) {
+        self.poison(ParamBuf::Embed);
+        self.measure(ParamBuf::Embed);
+        let mut reads = vec![Res::StepStats];
+        reads.extend((0..self.shape.micro_batches).map(Res::LossHost));
+        self.push(OpKind::GradNorm, Queue::Host, reads, vec![Res::Norm, Res::StepStats]);
+        for p in self.shape.param_bufs() {
+            if p == ParamBuf::Embed { self.update_embed(true) } else { self.update(p) }
+        }
+        self.update_embed(false);
+    }
+
+    /// An evaluation's head: micro-batch 0's losses, forward only (whole, or tile by tile: the
+    /// statistics of each tile, then the losses), and their download.
+    fn eval_head(&mut self) {
+        let src = self.shape.layers % 2;
+        let m = 0;
+        if self.shape.head_tiles == 1 {
+            let slot = self.ensure(SlotContent::Head);
+            self.push(
+                OpKind::HeadLoss { slot, m, src },
+                Queue::Compute,
+                vec![Res::Slot(slot), Res::Act { set: src, m }, Res::Ids(m)],
+                vec![Res::Losses(m), Res::Scratch],
+            );
+        } else {
+            for tile in 0..self.shape.head_tiles {
+                self.head_stats(tile);
+            }
+            let reads = vec![Res::HeadRows(m), Res::Ids(m)];
+            self.push(OpKind::TileLosses { m }, Queue::Compute, reads, vec![Res::Losses(m)]);
+        }
+        self.download_losses(m);
+    }
+}
+
+/// The operations of one optimizer step, in submission order, without waits.
+pub fn step_ops(shape: PlanShape) -> Vec<Op> {
+    let mut b = Builder::new(shape);
+    b.inputs();
+    b.forward(true);
+    b.head();
+    b.backward();
+    b.embedding();
+    if shape.streamed {
+        b.streamed_optimizer();
+    } else {
+        b.exact_optimizer();
+    }
+    if shape.staged { stage_uploads(b.ops) } else { b.ops }
+}
+
+/// The forward-only operations of an evaluation of one micro-batch (micro-batch 0's buffers),
+/// without waits: its inputs, every layer's forward (the weights through the two slots, as in a
+/// step, from the masters or images: never the stages, which hold the next step's first
+/// uploads), the head's losses, and the losses down. No checkpoint, gradient or update.
+pub fn eval_ops(shape: PlanShape) -> Vec<Op> {
+    let mut b = Builder::new(PlanShape { micro_batches: 1, staged: false, ..shape });
+    b.inputs();
+    b.forward(false);
+    b.eval_head();
+    b.ops
+}
+
+/// Staged uploads: each weight upload copies the page-locked stage of its slot, which a
+/// host-queue `StageWeights` op has rounded from the masters, placed in submission order as
+/// early as it can run: after the slot's previous upload (the stage's last reader) and after
+/// the last write of the weights it rounds. The first upload into a slot in a step is staged
+/// by the step before (at the end of its ops, after the optimizer's write of those weights),
+/// so a step begins with both stages filled; the engine fills them itself before its first
+/// step. The rounding thus runs on the host queue while the link carries the previous upload,
+/// and never inside an upload.
+fn stage_uploads(ops: Vec<Op>) -> Vec<Op> {
+    let uploads: Vec<(usize, usize, SlotContent)> = ops
+        .iter()
+        .enumerate()
+        .filter_map(|(j, op)| match op.kind {
+            OpKind::UploadWeights { slot, what } => Some((j, slot, what)),
+            _ => None,
+        })
+        .collect();
+    let last_write_before = |reads: &[Res], end: usize| {
+        ops[..end].iter().rposition(|op| op.writes.iter().any(|w| reads.contains(w)))
+    };
+    // (op index the stage follows, the stage op), in the uploads' order.
+    let mut stages: Vec<(usize, Op)> = Vec::new();
+    for (u, &(j, slot, what)) in uploads.iter().enumerate() {
+        let same_slot = |&&(_, s, _): &&(usize, usize, SlotContent)| s == slot;
+        let prev = uploads[..u].iter().rfind(same_slot);
+        // No earlier upload into this slot: staged by the previous step, after its last one.
+        let (after, end) = match prev {
+            Some(&(p, ..)) => (p, j),
+            None => (uploads.iter().rfind(same_slot).expect("this upload").0, ops.len()),
+        };
+        let reads = ops[j].reads.clone();
+        let after = last_write_before(&reads, end).map_or(after, |w| w.max(after));
+        let kind = OpKind::StageWeights { slot, what };
+        stages.push((
+            after,
+            Op {
+                kind,
+                queue: Queue::Host,
+                reads,
+                writes: vec![Res::WeightStage(slot)],
+                waits: vec![],
+            },
+        ));
+    }
+    let mut out = Vec::with_capacity(ops.len() + stages.len());
+    for (i, mut op) in ops.into_iter().enumerate() {
+        if let OpKind::UploadWeights { slot, .. } = op.kind {
+            op.reads = vec![Res::WeightStage(slot)];
+        }
+        out.push(op);
+        // Stable: stages following the same op keep the uploads' order.
+        out.extend(stages.iter().filter(|(a, _)| *a == i).map(|(_, s)| s.clone()));
+    }
+    out
+}
