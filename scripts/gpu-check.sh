@@ -168,7 +168,7 @@ DEVICE_MEMORY=${DEVICE_MEMORY:-auto}
 # (planned on the profile's GPU memory, where auto would keep internals) plans the same run.
 if [[ "$DEVICE_MEMORY" == auto ]]; then RECOMPUTE=always; else RECOMPUTE=auto; fi
 
-# optimizer.memory of the benchmarks: lean (the default, as the README's H200 projections) or exact.
+# optimizer.memory of the benchmarks: lean (the default, as docs/projection.md's H200 projections) or exact.
 OPT_MEMORY=${OPT_MEMORY:-lean}
 
 # The profile the projection of each benchmark is made for (`horizon plan --hardware`).
@@ -285,7 +285,7 @@ PY
 # Qwen2.5-7B per layer: hidden 3584, FFN 18944, 28 heads / 4 kv heads, vocab 152064; 28 layers
 # where host RAM holds fp32 masters, gradients and moments (16 bytes per parameter), fewer
 # otherwise (every layer is the same, so the per-layer figures stand). 4 x 4096 tokens a step in
-# one micro-batch, as bench/h200/qwen2.5-7b-16k.yaml (the README's H200 projection).
+# one micro-batch, as bench/h200/qwen2.5-7b-16k.yaml (docs/projection.md's H200 projection).
 if wanted qwen7b-shape; then
     L7=${LAYERS_7B:-$(layers_that_fit 3584 18944 152064 28 4)}
     L7=$(( L7 < 28 ? L7 : 28 ))

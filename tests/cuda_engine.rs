@@ -14,7 +14,6 @@ use common::*;
 use horizon::engine::exec::Engine;
 use horizon::engine::options::EngineConfig;
 use horizon::hf::config::ModelConfig;
-use horizon::model::layout::ModelLayout;
 use horizon::model::params::ParamStore;
 use horizon::run::config::{BackendKind, GradWire};
 use horizon::run::data::tokens_of;

@@ -715,8 +715,7 @@ mod tests {
 
     /// The scan's cost: converting 64M elements (f32 and bf16 sources) with the non-finite
     /// count against the same conversion without it, best of 5, on all cores. Measured on the
-    /// 2-core CI machine: see the figures in ARCHITECTURE.md's invariant "No non-finite weight
-    /// is loaded unasked". `cargo test --lib -- --ignored non_finite_scan_speed --nocapture`.
+    /// 2-core CI machine: see the figures in bench/RESULTS.md (`non_finite_scan_speed`). `cargo test --lib -- --ignored non_finite_scan_speed --nocapture`.
     #[test]
     #[ignore = "a measurement, not a check"]
     fn non_finite_scan_speed() {

@@ -508,8 +508,8 @@ impl DeviceWait {
     /// those waits on this project's 2-vCPU virtual machine, some runs' kernels took 2-10x
     /// their time now and then (20-104 ms against 4-11, with nothing else running beside
     /// them), never when spinning: `bench/overlap.yaml` at 0.026 GB/s measured 0.71-0.98 of its
-    /// compute queue's projection blocking, 0.97-1.01 spinning, at no cost to its step (README,
-    /// "How close is the projection?"). Without a simulated link the waits are short, and
+    /// compute queue's projection blocking, 0.97-1.01 spinning, at no cost to its step
+    /// (bench/validation/LOG.md, 2026-12-04 21:41). Without a simulated link the waits are short, and
     /// blocking leaves the cores to the host work.
     pub fn resolve(self, link_gbps: f64) -> DeviceWait {
         match self {

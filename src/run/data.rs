@@ -1,6 +1,11 @@
 //! A run's data: the training and held-out rows a config names (loaded, tokenised, split, packed),
 //! the row length every buffer is sized for, and the order and shape steps take them in.
 
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail};
+
 use crate::data::pretokenized::{Batch, PretokenizedDataset, Row, make_batch};
 use crate::data::{
     LoadReport, Source, carries_loss, load_alpaca, load_chat, load_pretokenized_rows,
@@ -11,9 +16,6 @@ use crate::model::transformer::Tokens;
 use crate::rng::SplitMix64;
 use crate::run::config::{DataFormat, RawConfig, RunConfig};
 use crate::run::load::load_tokenizer;
-use anyhow::{Context, Result, bail};
-use std::path::Path;
-use std::sync::Arc;
 
 /// Row indices of batch `k`: `[k*B, (k+1)*B)` cycling through the data; with `shuffle`, each
 /// epoch reads the rows in its own seeded permutation.

@@ -8,6 +8,8 @@ use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use anyhow::{Context, Result};
+
 use crate::data::pretokenized::Row;
 use crate::model::params::ParamStore;
 use crate::rng::SplitMix64;
@@ -16,7 +18,6 @@ use crate::run::decode::{Generator, SampleOptions};
 use crate::run::load::model_config;
 use crate::run::trainer::run_streaming;
 use crate::tokenizer::{ByteTokenizer, Tokenizer};
-use anyhow::{Context, Result};
 
 /// Optimizer steps of the default job: about 2.3 minutes on two cores, after which about 95% of
 /// the held-out problems are answered right (1200 steps: under a minute, 20-35%).

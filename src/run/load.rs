@@ -4,6 +4,11 @@
 //! (PEFT's init, or an `adapter.init` directory). Also the adapter directories a run writes and
 //! reads, and the tokenizer a config names.
 
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+
 use crate::adapter::{AdapterConfig, AdapterKind, BaseDtype as BaseChoice, peft};
 use crate::hf::checkpoint::NonFinite;
 use crate::hf::config::ModelConfig;
@@ -14,9 +19,6 @@ use crate::model::lora::{LoraSpec, adapter_suffix};
 use crate::model::params::ParamStore;
 use crate::run::config::{ModelInit, RawConfig};
 use crate::tokenizer::{ByteTokenizer, HfTokenizer, Tokenizer};
-use anyhow::{Context, Result, bail};
-use std::fs;
-use std::path::{Path, PathBuf};
 
 /// The model description a config names (no weights): a HF directory's `config.json` with
 /// the config's own keys on top.

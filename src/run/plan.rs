@@ -6,7 +6,6 @@
 //! `horizon train`, it reads the data to size the buffers for its longest row.
 
 use std::fmt::Write as _;
-
 use std::path::{Path, PathBuf};
 
 use anyhow::{Result, bail};

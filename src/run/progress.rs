@@ -2,9 +2,10 @@
 //! memory, ETA) with a step line every few percent; otherwise (a log file, a pipe) one line per
 //! step.
 
+use std::io::Write;
+
 use crate::engine::memory::{gib, peak_rss_bytes};
 use crate::run::summary::StepMetrics;
-use std::io::Write;
 
 /// What a person watching a run sees: on a terminal, a progress bar (loss, tokens/s, peak
 /// memory, ETA) with a step line every few percent; otherwise (a log file, a pipe) one line per

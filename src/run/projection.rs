@@ -42,7 +42,7 @@ pub fn hardware(name: &str, link_gbps: f64) -> Result<Hardware> {
     }
     let known: Vec<String> = BUILT_IN.iter().map(|(n, what)| format!("{n} ({what})")).collect();
     bail!(
-        "--hardware {name:?}: no such profile or file\nhint: one of {}, or a YAML file (see the README, \"How fast will it go?\")",
+        "--hardware {name:?}: no such profile or file\nhint: one of {}, or a YAML file (see docs/projection.md)",
         known.join("; ")
     )
 }

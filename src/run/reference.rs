@@ -2,6 +2,13 @@
 //! backend, with exact clipping and AdamW, step by step. The tests hold the streaming engine to
 //! it, and it to the Hugging Face fixtures.
 
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::Result;
+use horizon_backend::CpuBackend;
+
 use crate::data::pretokenized::{Batch, PretokenizedDataset, make_batch};
 use crate::hf::config::ModelConfig;
 use crate::model::params::ParamStore;
@@ -11,11 +18,6 @@ use crate::run::data::{BatchOrder, batch_order, load_data, step_rows, tokens_of}
 use crate::run::load::{RunModel, load_run_model};
 use crate::run::summary::StepMetrics;
 use crate::store::TrainState;
-use anyhow::Result;
-use horizon_backend::CpuBackend;
-use std::path::Path;
-use std::sync::Arc;
-use std::time::Instant;
 
 /// Everything a run needs, loaded and checked before the first step.
 pub struct ReferenceTrainer {

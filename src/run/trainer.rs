@@ -2,6 +2,18 @@
 //! step loop that drives it (metrics, evaluation, checkpoints, signals), then the summary and the
 //! final export. `horizon train`, `horizon bench` and the default job all run it.
 
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig};
+use horizon_backend::cuda::{CudaDevice, CudaDeviceConfig};
+use horizon_backend::{Device, DeviceStats};
+
 use crate::data::carries_loss;
 use crate::data::pretokenized::{PretokenizedDataset, Row};
 use crate::engine::exec::{Engine, MicroBatch, StepParams};
@@ -19,16 +31,6 @@ use crate::run::progress::Progress;
 use crate::run::summary::StepMetrics;
 use crate::run::summary::Summary;
 use crate::store::TrainState;
-use anyhow::{Context, Result, bail};
-use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig};
-use horizon_backend::cuda::{CudaDevice, CudaDeviceConfig};
-use horizon_backend::{Device, DeviceStats};
-use std::fs;
-use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Instant;
 
 /// A run on the streaming engine: the model in host RAM, the CPU device borrowing one layer at
 /// a time.
@@ -305,7 +307,8 @@ fn cuda_device(raw: &RawConfig, plan: &MemoryPlan) -> Result<CudaDevice> {
     CudaDevice::new(cfg).context("device.backend = cuda")
 }
 
-/// The step loop of [`run_streaming`], on any device.
+/// The step loop of [`run_streaming`], on any device: the steps from the state's step on, each
+/// logged and checked, checkpoints when due or signalled; then the summary and the final export.
 fn drive<D: Device>(
     mut tr: Trainer<D>,
     out_dir: PathBuf,
@@ -322,21 +325,241 @@ where
     if let Some(d) = &resume_dir {
         println!("resuming from {} at step {start}", d.display());
     }
-    // SIGINT / SIGTERM: finish the step in flight, write a checkpoint, stop.
-    let stop = Arc::new(AtomicBool::new(false));
-    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        signal_hook::flag::register(sig, stop.clone())
-            .context("cannot install the signal handler")?;
+    let mut lp = StepLoop::start(&mut tr, &out_dir, start, resume_dir)?;
+    for k in start..steps {
+        if k == (start + warmup).min(steps - 1) && k > start {
+            lp.restart_timing(&mut tr);
+        }
+        let mut m = tr.step(k)?;
+        let last = k + 1 == steps;
+        let every = tr.cfg.raw.train.eval_every;
+        if tr.eval.is_some() && ((every > 0 && (k + 1).is_multiple_of(every)) || last) {
+            m.eval_loss = tr.evaluate()?;
+            if let Some(e) = m.eval_loss {
+                tracing::info!(step = m.step, eval_loss = e, "evaluated the held-out rows");
+            }
+        }
+        lp.record(&tr, &m, (k, start, steps))?;
+        if lp.checkpoint(&mut tr, &m, k, (&out_dir, &yaml))? {
+            break;
+        }
     }
-    let t = tr.cfg.raw.train.clone();
-    let mut last_ckpt: Option<PathBuf> = resume_dir.clone();
-    let mut bad_run = 0usize;
-    // Test hook (test builds only): steps (0-based) whose gradient gets a NaN (exercises the
-    // non-finite path).
-    #[cfg(feature = "test-hooks")]
-    if let Ok(v) = std::env::var("HORIZON_TEST_NAN_STEPS") {
-        tr.inject_nan_at = v.split(',').filter_map(|x| x.trim().parse().ok()).collect();
+    lp.finish(tr, &out_dir, export_final)
+}
+
+/// What the step loop keeps between steps.
+struct StepLoop {
+    metrics_path: PathBuf,
+    metrics: fs::File,
+    progress: Progress,
+    /// Set by SIGINT / SIGTERM: finish the step in flight, write a checkpoint, stop.
+    stop: Arc<AtomicBool>,
+    last_ckpt: Option<PathBuf>,
+    /// Consecutive steps with a non-finite loss or gradient norm.
+    bad_run: usize,
+    tally: Tally,
+    /// Steps run by this process.
+    ran: usize,
+    /// The device's counters and the phases' seconds when the timings started (after the
+    /// warm-up), and the clock started then; the run's own clock, for the ETA.
+    base: (DeviceStats, PhaseSeconds),
+    t0: Instant,
+    run_t0: Instant,
+}
+
+impl StepLoop {
+    /// Signals caught, the metrics file opened (appended to on a resume), the progress shown,
+    /// a trace started if asked for.
+    fn start<D: Device>(
+        tr: &mut Trainer<D>,
+        out_dir: &Path,
+        start: usize,
+        resume_dir: Option<PathBuf>,
+    ) -> Result<Self>
+    where
+        D::Backend: 'static,
+    {
+        let stop = Arc::new(AtomicBool::new(false));
+        for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+            signal_hook::flag::register(sig, stop.clone())
+                .context("cannot install the signal handler")?;
+        }
+        // Test hook (test builds only): steps (0-based) whose gradient gets a NaN (exercises
+        // the non-finite path).
+        #[cfg(feature = "test-hooks")]
+        if let Ok(v) = std::env::var("HORIZON_TEST_NAN_STEPS") {
+            tr.inject_nan_at = v.split(',').filter_map(|x| x.trim().parse().ok()).collect();
+        }
+        announce(tr);
+        let steps = tr.cfg.raw.train.steps;
+        let metrics_path = out_dir.join("metrics.jsonl");
+        let metrics = fs::OpenOptions::new()
+            .create(true)
+            .append(start > 0)
+            .write(true)
+            .truncate(start == 0)
+            .open(&metrics_path)
+            .with_context(|| format!("cannot create {}", metrics_path.display()))?;
+        let progress = Progress::new(start, steps);
+        if tr.cfg.trace.is_some() {
+            tr.engine.start_trace((steps - start).min(crate::engine::trace::MAX_STEPS));
+        }
+        Ok(StepLoop {
+            metrics_path,
+            metrics,
+            progress,
+            stop,
+            last_ckpt: resume_dir,
+            bad_run: 0,
+            tally: Tally { last_loss: f64::NAN, ..Tally::default() },
+            ran: 0,
+            base: (tr.engine.device().stats(), tr.engine.phase_seconds()),
+            t0: Instant::now(),
+            run_t0: Instant::now(),
+        })
     }
+
+    /// Timings start after the warm-up, once its queued work is done.
+    fn restart_timing<D: Device>(&mut self, tr: &mut Trainer<D>)
+    where
+        D::Backend: 'static,
+    {
+        tr.engine.state();
+        self.base = (tr.engine.device().stats(), tr.engine.phase_seconds());
+        self.t0 = Instant::now();
+        self.tally.tokens = 0;
+        self.tally.timed_steps = 0;
+    }
+
+    /// Step `k`'s metrics logged and shown; a step without loss or a non-finite one counted,
+    /// and the run stopped after `train.max_bad_steps` non-finite ones in a row.
+    fn record<D: Device>(
+        &mut self,
+        tr: &Trainer<D>,
+        m: &StepMetrics,
+        (k, start, steps): (usize, usize, usize),
+    ) -> Result<()> {
+        self.ran += 1;
+        if m.eval_loss.is_some() {
+            self.tally.eval_loss = m.eval_loss;
+        }
+        writeln!(self.metrics, "{}", serde_json::to_string(m)?)
+            .with_context(|| format!("cannot write {}", self.metrics_path.display()))?;
+        let per_step = self.run_t0.elapsed().as_secs_f64() / (k + 1 - start) as f64;
+        self.progress.step(m, steps, per_step * (steps - k - 1) as f64);
+        self.tally.tokens += m.tokens;
+        self.tally.timed_steps += 1;
+        if m.no_loss {
+            self.tally.skipped_steps += 1;
+            let line =
+                format!("step {}: no position of the batch carries a loss; step skipped", m.step);
+            self.progress.println(&line);
+        } else if m.skipped {
+            self.bad_run += 1;
+            self.tally.skipped_steps += 1;
+            self.progress.println(&format!(
+                "step {}: non-finite loss or gradient norm; update skipped ({} in a row)",
+                m.step, self.bad_run
+            ));
+            let most = tr.cfg.raw.train.max_bad_steps;
+            if self.bad_run >= most {
+                let last = self.last_ckpt.as_ref();
+                let last = last.map_or("none".to_string(), |p| p.display().to_string());
+                bail!(
+                    "stopping: {} consecutive steps with a non-finite loss or gradient norm (train.max_bad_steps = {most}); last good checkpoint: {last}\nhint: lower optimizer.lr, or check the data of those steps",
+                    self.bad_run
+                );
+            }
+        } else {
+            self.bad_run = 0;
+        }
+        if !m.no_loss {
+            self.tally.last_loss = m.loss;
+        }
+        Ok(())
+    }
+
+    /// A checkpoint after step `k` when one is due (only after good steps: the last one stays
+    /// the last good state) or a signal asked for one; true when the run is to stop.
+    fn checkpoint<D: Device>(
+        &mut self,
+        tr: &mut Trainer<D>,
+        m: &StepMetrics,
+        k: usize,
+        (out_dir, yaml): (&Path, &str),
+    ) -> Result<bool>
+    where
+        D::Backend: 'static,
+    {
+        let t = &tr.cfg.raw.train;
+        let (every, keep) = (t.save_every, t.keep_checkpoints);
+        let signalled = self.stop.load(Ordering::Relaxed);
+        if (every > 0 && (k + 1).is_multiple_of(every) && !m.skipped) || signalled {
+            let state = tr.engine.checked_state()?;
+            self.progress.println(&format!("saving checkpoint step-{:08}", state.step));
+            let (layout, model) = (&tr.layout, &tr.model_cfg);
+            let dir = crate::run::resume::save(out_dir, state, layout, model, yaml, keep)?;
+            tracing::info!(dir = %dir.display(), "checkpoint written");
+            self.last_ckpt = Some(dir);
+        }
+        if signalled {
+            self.progress.finish();
+            println!(
+                "interrupted after step {}; resume with: horizon train --config {} --resume latest",
+                k + 1,
+                tr.cfg.origin
+            );
+        }
+        Ok(signalled)
+    }
+
+    /// After the last step: `summary.json` (printed too), the trace, and the final export,
+    /// unless every step was skipped (then nothing was learnt, and nothing is exported).
+    fn finish<D: Device>(
+        mut self,
+        mut tr: Trainer<D>,
+        out_dir: &Path,
+        export_final: bool,
+    ) -> Result<Summary>
+    where
+        D::Backend: 'static,
+    {
+        self.progress.finish();
+        self.metrics.flush()?;
+        self.tally.state_step = tr.engine.checked_state()?.step;
+        let summary = summarize(&mut tr, &self.tally, (&self.base.0, &self.base.1), self.t0);
+        let summary_path = out_dir.join("summary.json");
+        fs::write(&summary_path, serde_json::to_string_pretty(&summary)?)
+            .with_context(|| format!("cannot write {}", summary_path.display()))?;
+        println!("{}", serde_json::to_string_pretty(&summary)?);
+        if let Some(path) = &tr.cfg.trace {
+            crate::engine::trace::write_chrome(path, "bench", &tr.engine.trace_spans())?;
+            println!("trace of the run's steps: {}", path.display());
+        }
+        // Nothing was applied: the weights are the ones the run started from, and exporting
+        // them as this run's result would pass a broken model on. metrics.jsonl and
+        // summary.json stay.
+        let ran = self.ran;
+        if ran > 0 && self.tally.skipped_steps == ran {
+            bail!(
+                "every one of the {ran} steps of this run was skipped (a non-finite loss or gradient norm): no update was applied, so {} was not written\nhint: check the model's weights and the data, or lower optimizer.lr; {} has the losses",
+                out_dir.join("final").display(),
+                self.metrics_path.display()
+            );
+        }
+        if export_final {
+            let paths = (self.metrics_path.as_path(), summary_path.as_path());
+            write_final(&mut tr, out_dir, &summary, paths, self.tally.state_step)?;
+        }
+        Ok(summary)
+    }
+}
+
+/// The run's start-up line: the model, the data, the micro-batches, the host threads.
+fn announce<D: Device>(tr: &Trainer<D>)
+where
+    D::Backend: 'static,
+{
     println!(
         "model: {} layers, hidden {}, {} params; data: {} rows; {} micro-batch(es) per step, checkpoint every {} layers; host threads: {} (engine.host_threads: {})",
         tr.model_cfg.num_layers,
@@ -348,132 +571,10 @@ where
         tr.engine.host_threads(),
         tr.cfg.raw.engine.host_threads
     );
-    let metrics_path = out_dir.join("metrics.jsonl");
-    let mut metrics_file = fs::OpenOptions::new()
-        .create(true)
-        .append(start > 0)
-        .write(true)
-        .truncate(start == 0)
-        .open(&metrics_path)
-        .with_context(|| format!("cannot create {}", metrics_path.display()))?;
-    let mut progress = Progress::new(start, steps);
-    if tr.cfg.trace.is_some() {
-        tr.engine.start_trace((steps - start).min(crate::engine::trace::MAX_STEPS));
-    }
-    let mut base = tr.engine.device().stats();
-    let mut base_phases = tr.engine.phase_seconds();
-    let mut t0 = Instant::now();
-    let run_t0 = Instant::now();
-    let (mut tokens, mut timed_steps, mut last_loss) = (0usize, 0usize, f64::NAN);
-    let (mut skipped_steps, mut eval_loss, mut ran) = (0usize, None, 0usize);
-    for k in start..steps {
-        if k == (start + warmup).min(steps - 1) && k > start {
-            // Timings start after the warm-up, once its queued work is done.
-            tr.engine.state();
-            base = tr.engine.device().stats();
-            base_phases = tr.engine.phase_seconds();
-            t0 = Instant::now();
-            tokens = 0;
-            timed_steps = 0;
-        }
-        let mut m = tr.step(k)?;
-        ran += 1;
-        let last = k + 1 == steps;
-        if tr.eval.is_some() && ((t.eval_every > 0 && (k + 1) % t.eval_every == 0) || last) {
-            m.eval_loss = tr.evaluate()?;
-            eval_loss = m.eval_loss;
-            if let Some(e) = m.eval_loss {
-                tracing::info!(step = m.step, eval_loss = e, "evaluated the held-out rows");
-            }
-        }
-        writeln!(metrics_file, "{}", serde_json::to_string(&m)?)
-            .with_context(|| format!("cannot write {}", metrics_path.display()))?;
-        let eta = run_t0.elapsed().as_secs_f64() / (k + 1 - start) as f64 * (steps - k - 1) as f64;
-        progress.step(&m, steps, eta);
-        tokens += m.tokens;
-        timed_steps += 1;
-        if m.no_loss {
-            skipped_steps += 1;
-            progress.println(&format!(
-                "step {}: no position of the batch carries a loss; step skipped",
-                m.step
-            ));
-        } else if m.skipped {
-            bad_run += 1;
-            skipped_steps += 1;
-            progress.println(&format!(
-                "step {}: non-finite loss or gradient norm; update skipped ({bad_run} in a row)",
-                m.step
-            ));
-            if bad_run >= t.max_bad_steps {
-                let last =
-                    last_ckpt.as_ref().map_or("none".to_string(), |p| p.display().to_string());
-                bail!(
-                    "stopping: {bad_run} consecutive steps with a non-finite loss or gradient norm (train.max_bad_steps = {}); last good checkpoint: {last}\nhint: lower optimizer.lr, or check the data of those steps",
-                    t.max_bad_steps
-                );
-            }
-        } else {
-            bad_run = 0;
-        }
-        if !m.no_loss {
-            last_loss = m.loss;
-        }
-        let signalled = stop.load(Ordering::Relaxed);
-        // Periodic checkpoints only after good steps: the last one stays the last good state.
-        if (t.save_every > 0 && (k + 1) % t.save_every == 0 && !m.skipped) || signalled {
-            let state = tr.engine.checked_state()?;
-            progress.println(&format!("saving checkpoint step-{:08}", state.step));
-            let dir = crate::run::resume::save(
-                &out_dir,
-                state,
-                &tr.layout,
-                &tr.model_cfg,
-                &yaml,
-                t.keep_checkpoints,
-            )?;
-            tracing::info!(dir = %dir.display(), "checkpoint written");
-            last_ckpt = Some(dir);
-        }
-        if signalled {
-            progress.finish();
-            println!(
-                "interrupted after step {}; resume with: horizon train --config {} --resume latest",
-                k + 1,
-                tr.cfg.origin
-            );
-            break;
-        }
-    }
-    progress.finish();
-    metrics_file.flush()?;
-    let state_step = tr.engine.checked_state()?.step;
-    let tally = Tally { tokens, timed_steps, skipped_steps, eval_loss, last_loss, state_step };
-    let summary = summarize(&mut tr, &tally, (&base, &base_phases), t0);
-    let summary_path = out_dir.join("summary.json");
-    fs::write(&summary_path, serde_json::to_string_pretty(&summary)?)
-        .with_context(|| format!("cannot write {}", summary_path.display()))?;
-    println!("{}", serde_json::to_string_pretty(&summary)?);
-    if let Some(path) = &tr.cfg.trace {
-        crate::engine::trace::write_chrome(path, "bench", &tr.engine.trace_spans())?;
-        println!("trace of the run's steps: {}", path.display());
-    }
-    // Nothing was applied: the weights are the ones the run started from, and exporting them
-    // as this run's result would pass a broken model on. metrics.jsonl and summary.json stay.
-    if ran > 0 && skipped_steps == ran {
-        bail!(
-            "every one of the {ran} steps of this run was skipped (a non-finite loss or gradient norm): no update was applied, so {} was not written\nhint: check the model's weights and the data, or lower optimizer.lr; {} has the losses",
-            out_dir.join("final").display(),
-            metrics_path.display()
-        );
-    }
-    if export_final {
-        write_final(&mut tr, &out_dir, &summary, &metrics_path, &summary_path, state_step)?;
-    }
-    Ok(summary)
 }
 
 /// What the step loop counted, for the summary.
+#[derive(Default)]
 struct Tally {
     tokens: usize,
     timed_steps: usize,
@@ -557,8 +658,7 @@ fn write_final<D: Device>(
     tr: &mut Trainer<D>,
     out_dir: &Path,
     summary: &Summary,
-    metrics_path: &Path,
-    summary_path: &Path,
+    (metrics_path, summary_path): (&Path, &Path),
     state_step: u64,
 ) -> Result<()>
 where

@@ -128,7 +128,7 @@ impl CpuMeasured {
     /// larger than the caches). Timed on one set, hot, the compute queue of
     /// `bench/overlap.yaml` read 0.82-0.94 projected/measured (validation of 2026-12-04,
     /// 01:53 UTC, threads pinned); cycled, 0.91-1.02 and 0.93-1.01 in two validations, every
-    /// step within 3% (README, "How close is the projection?").
+    /// step within 3% (bench/validation/LOG.md, 2026-12-04 01:53).
     fn product(&self, m: usize, k: usize, n: usize, pass: u8) -> f64 {
         if m == 0 || k == 0 || n == 0 {
             return 0.0;
@@ -682,29 +682,14 @@ fn time_gather(layout: &ModelLayout, n: usize) -> f64 {
 /// Copy queue `q`'s memcpy of `bytes`, on this thread, between the two `arenas`: the host's
 /// (an upload's source, a download's destination) of [`COLD_BYTES`], whose windows it cycles
 /// through, as a step cycles through the host's state; and the device's, of an eighth of that,
-/// as the device's few buffers of a size (slots, activation sets) are used again and again:
-/// in the shared last-level cache, but not in the copying core's own, since the kernels that
-/// use them run on the other cores. Each timed copy follows a [`COPY_NAP`] sleep, as a copy
-/// queue's thread sleeps on its channel or an event before each copy: on the 2-core machine
-/// of the validation, a copy right after a sleep took 1.3-1.7x one back to back (3 MB: 260-340
-/// µs against 181-197, minutes apart on the same binary), and the runs' copies took the
-/// former (286-320 µs). The mean of [`COPY_REPS`] runs, after two untimed rounds over the
-/// host's arena, back to back: not their median, because a queue's busy time is the sum of its
-/// copies, and about one copy in ten waits for its core (in two traced runs of
-/// `bench/overlap.yaml` at link 0 a layer's upload took 345-355 µs at the median and 385-408
-/// on average; timed here 310-330 at the median, about 350 on average).
-///
-/// With `kernels` (the CPU device's kernel pool, which the caller keeps running products
-/// meanwhile: [`HostMeasured::beside`]), each copy's device side is first touched on that
-/// pool, each thread a part, as the kernels touched it in a run: a download's source written,
-/// as the kernel whose output it downloads wrote it; an upload's destination read, as the
-/// kernels read the weights or activations of the slot it reuses. On the validation machine
-/// (`examples/copy_probe`, medians of 21) a 3 MB download whose source the other CPU (or
-/// both, a half each) had just written took 1.1-1.25x one of a cold source (428-447 µs
-/// against 357-376), an upload whose destination the other CPU had just read 1.2-1.3x one
-/// into an unread destination (434-452 against 329-344); what the copying CPU itself touched
-/// costs nothing more. Timed so in projections interleaved with runs, the uploads moved by
-/// about 3% (paired medians, 20 pairs), the downloads by 1.5%.
+/// as the device's few buffers of a size are used again and again (in the shared last-level
+/// cache, not the copying core's own). Each timed copy follows a [`COPY_NAP`] sleep, as a copy
+/// queue's thread sleeps before each copy, and the result is the mean of [`COPY_REPS`] runs,
+/// not their median: a queue's busy time is the sum of its copies, and some wait for their
+/// core. With `kernels` (the CPU device's kernel pool, kept running products meanwhile:
+/// [`HostMeasured::beside`]), each copy's device side is first touched on that pool, as the
+/// kernels touched it in a run. The measurements behind each choice: `bench/validation/LOG.md`
+/// (2026-12-04, 20:28 and the rounds before it).
 fn time_memcpy(
     arenas: &mut (Vec<f32>, Vec<f32>),
     q: Queue,

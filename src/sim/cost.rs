@@ -1,5 +1,5 @@
 //! The cost model: how long each op of a plan takes on a [`Hardware`] profile (see
-//! ARCHITECTURE.md, "Projection"). Device ops by roofline (or, on `this-cpu`, by this machine's
+//! docs/projection.md, "The cost model"). Device ops by roofline (or, on `this-cpu`, by this machine's
 //! measured kernel times), copies by the link's bandwidth, host ops by a [`HostModel`] (their
 //! bytes and the host's rates, or on `this-cpu` the passes themselves timed here).
 
@@ -18,7 +18,8 @@ use crate::optim::state::OptimizerMemory;
 use crate::sim::des::{Cost, Sharing};
 use crate::sim::hardware::{Hardware, Host};
 
-/// How a layer's bf16 weights reach the link (see ARCHITECTURE.md, "Weight uploads").
+/// How a layer's bf16 weights reach the link (`engine.weight_upload`; docs/invariants.md on
+/// images and stages).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum UploadPath {
     /// fp32 weights as they are (the CPU device).

@@ -308,7 +308,7 @@ impl Hardware {
         Some(Hardware { name: name.to_string(), about: about.to_string(), gpu, link, host })
     }
 
-    /// A profile from a YAML file (the fields of [`Hardware`]; see the README).
+    /// A profile from a YAML file (the fields of [`Hardware`]; see docs/projection.md).
     pub fn from_file(path: &Path) -> Result<Hardware> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read hardware profile {}", path.display()))?;

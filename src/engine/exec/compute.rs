@@ -2,6 +2,11 @@
 //! whole or in tiles, a layer's backward with its recompute), each binding its buffers through
 //! the op's grant.
 
+use std::sync::Arc;
+
+use horizon_backend::NormDims;
+use horizon_backend::{Backend, DevBuf, Device, DeviceSlice, Kernel, Views};
+
 use super::ctx::*;
 use super::{Engine, StepData};
 use crate::engine::head_tiles::{STATS, TileDims, TileRows, tile_finish, tile_grad, tile_stats};
@@ -11,9 +16,6 @@ use crate::model::layer::{
     Rows, Slot, act_slots, grad_slots, layer_backward, layer_forward, layer_rebuild,
 };
 use crate::model::transformer::{HeadBufs, HeadDims, HeadGrads, head_forward_backward};
-use horizon_backend::NormDims;
-use horizon_backend::{Backend, DevBuf, Device, DeviceSlice, Kernel, Views};
-use std::sync::Arc;
 
 impl<D: Device> Engine<D>
 where

@@ -1,11 +1,13 @@
 //! The device-to-host queue's dispatcher: checkpoints, losses, gradient accumulators into the
 //! slabs or straight into the host gradients, the residual gradient.
 
+use std::sync::Arc;
+
+use horizon_backend::Device;
+
 use super::ctx::*;
 use super::{Engine, StepData};
 use crate::engine::plan::{GradTarget, OpKind, ParamBuf, Res};
-use horizon_backend::Device;
-use std::sync::Arc;
 
 impl<D: Device> Engine<D>
 where

@@ -7,10 +7,12 @@
 //! one dispatcher per queue ([`upload`], [`compute`], [`download`], [`host`]), and [`eval`] (the
 //! held-out loss).
 
+use alloc::HostOwned;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use anyhow::{Result, bail};
+use ctx::{Ctx, Grant};
 use horizon_backend::{Device, Event, KernelTimer, Queue};
 
 use crate::engine::options::{EngineConfig, WeightPath};
@@ -20,8 +22,6 @@ use crate::engine::sizes::Sizes;
 use crate::engine::trace::{OpMarks, Span};
 use crate::model::layout::ModelLayout;
 use crate::store::TrainState;
-use alloc::HostOwned;
-use ctx::{Ctx, Grant};
 
 mod alloc;
 mod compute;

@@ -1,8 +1,9 @@
 //! The plan's tests: every generated plan hazard-free, every derived wait needed, the
 //! schedule's steady state, and what each shape of plan contains.
 
-use super::*;
 use horizon_backend::Queue;
+
+use super::*;
 
 fn shape(layers: usize, mbs: usize, k: usize) -> PlanShape {
     PlanShape {
