@@ -153,3 +153,30 @@ mod layering {
         assert_eq!(names, [(1, "engine"), (1, "optim"), (4, "model")]);
     }
 }
+
+/// ARCHITECTURE.md stays true where a test can tell: every test its invariants name as
+/// `path/to/file.rs::...::name` exists in that file.
+#[cfg(test)]
+mod architecture_md {
+    #[test]
+    fn every_test_it_names_exists() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let doc = std::fs::read_to_string(root.join("ARCHITECTURE.md")).expect("ARCHITECTURE.md");
+        let (mut missing, mut named) = (Vec::new(), 0);
+        let token = |c: char| c == '`' || c == ',' || c == '(' || c == ')' || c.is_whitespace();
+        for quoted in doc.split(token).filter(|t| t.starts_with(['s', 't', 'c'])) {
+            let Some((path, item)) = quoted.split_once(".rs::") else { continue };
+            let name = item.rsplit("::").next().unwrap_or(item);
+            let file = format!("{path}.rs");
+            let found = std::fs::read_to_string(root.join(&file)).is_ok_and(|code| {
+                code.contains(&format!("fn {name}(")) || code.contains(&format!("mod {name} "))
+            });
+            named += 1;
+            if !found {
+                missing.push(format!("{file}::{item}"));
+            }
+        }
+        assert!(named > 30, "only {named} tests named: the scan lost them");
+        assert!(missing.is_empty(), "ARCHITECTURE.md names tests that do not exist:\n{missing:#?}");
+    }
+}
