@@ -32,18 +32,7 @@ where
                 let at = (layer, slot, m);
                 self.launch_layer_forward(phase, at, (inp, out), Some(layer), sd, grant);
             }
-            OpKind::ZeroDw { dw } => {
-                let acc = ctx.dev(grant, Res::Dw(dw), true);
-                self.launch_phase(
-                    Phase::Backward,
-                    sd.timed,
-                    Box::new(move |vw: &dyn Views<D::Backend>| {
-                        // SAFETY: the schedule orders this kernel after the accumulator's last
-                        // download.
-                        unsafe { vw.backend().zero(vw.buf_mut(acc)) };
-                    }),
-                );
-            }
+            OpKind::ZeroDw { dw } => self.zero(Phase::Backward, Res::Dw(dw), sd, grant),
             OpKind::HeadStats { tile, slot, m, src } => {
                 self.launch_head_stats((tile, slot, m, src), sd, grant)
             }
@@ -53,18 +42,7 @@ where
             OpKind::HeadFinish { slot, m, src } => {
                 self.launch_head_finish((slot, m, src), sd, grant)
             }
-            OpKind::ZeroDnorm => {
-                let acc = ctx.dev(grant, Res::DnormW, true);
-                self.launch_phase(
-                    Phase::Head,
-                    sd.timed,
-                    Box::new(move |vw: &dyn Views<D::Backend>| {
-                        // SAFETY: the schedule orders this kernel after the accumulator's last
-                        // download.
-                        unsafe { vw.backend().zero(vw.buf_mut(acc)) };
-                    }),
-                );
-            }
+            OpKind::ZeroDnorm => self.zero(Phase::Head, Res::DnormW, sd, grant),
             OpKind::Head { slot, m, src, dw } => {
                 self.launch_whole_head((slot, m, src, dw), sd, grant)
             }
@@ -85,6 +63,28 @@ where
         }
     }
 
+    /// Queue `f` as one compute task with the context, the step's data and the op's grant;
+    /// its device time counts to `phase` when the work is a step's.
+    fn kernel(
+        &self,
+        phase: Phase,
+        sd: &Arc<StepData>,
+        grant: &Grant,
+        f: impl FnOnce(&Ctx, &StepData, &Grant, &dyn Views<D::Backend>) + Send + 'static,
+    ) {
+        let (ctx, step, g) = (self.ctx.clone(), sd.clone(), grant.clone());
+        self.launch_phase(phase, sd.timed, Box::new(move |vw| f(&ctx, &step, &g, vw)));
+    }
+
+    /// Zero the gradient accumulator `acc` (a `Dw` or the final norm's).
+    fn zero(&self, phase: Phase, acc: Res, sd: &Arc<StepData>, grant: &Grant) {
+        self.kernel(phase, sd, grant, move |ctx, _, g, vw| {
+            let acc = ctx.dev(g, acc, true);
+            // SAFETY: the schedule orders this kernel after the accumulator's last download.
+            unsafe { vw.backend().zero(vw.buf_mut(acc)) };
+        });
+    }
+
     /// Enqueue kernels on the compute queue; their device time counts to `phase` (a compute
     /// phase) when `timed` (a step's work, not an evaluation's).
     fn launch_phase(&self, phase: Phase, timed: bool, k: Kernel<D::Backend>) {
@@ -97,7 +97,7 @@ where
     /// A layer's forward on micro-batch `m`, `inp` -> `out` (prefixes of the micro-batch's
     /// rows), with weights in `slot`; its internals go to the layer's kept buffers where
     /// `kept_of` names a layer that keeps them, else to the scratch.
-    pub(super) fn launch_layer_forward(
+    fn launch_layer_forward(
         &self,
         phase: Phase,
         (layer, slot, m): (usize, usize, usize),
@@ -106,36 +106,32 @@ where
         sd: &Arc<StepData>,
         grant: &Grant,
     ) {
-        let (ctx, sd, d, g) = (self.ctx.clone(), sd.clone(), self.ctx.layout.dims, grant.clone());
-        self.launch_phase(
-            phase,
-            sd.timed,
-            Box::new(move |vw: &dyn Views<D::Backend>| {
-                let mb = &sd.mbs[m];
-                let nc = mb.n() * d.c;
-                // SAFETY: the buffers viewed are distinct, and the schedule orders this kernel
-                // against every other queue's use of them (the scratch is the compute queue's).
-                unsafe {
-                    let kept = kept_of.and_then(|l| ctx.stash(&g, l, m, true));
-                    let own = match kept {
-                        Some(kept) => kept,
-                        None => &ctx.scratch(&g).acts,
-                    };
-                    let own = own.iter().map(|&b| vw.buf_mut(b));
-                    let out = Slot::W(vw.buf_mut(out.prefix(nc)));
-                    let mut slots = act_slots(vw.buf(inp.prefix(nc)), out, own);
-                    let spec = ctx.layout.layer(layer);
-                    let mut w = ctx.layer_weights(&g, vw, layer, slot);
-                    let rows = Rows { b: mb.b, t: mb.t };
-                    let ropes = ropes(vw, &ctx, mb.t);
-                    layer_forward(vw.backend(), spec, &mut slots, &mut w, &ropes, rows);
-                }
-            }),
-        );
+        self.kernel(phase, sd, grant, move |ctx, sd, g, vw| {
+            let d = ctx.layout.dims;
+            let mb = &sd.mbs[m];
+            let nc = mb.n() * d.c;
+            // SAFETY: the buffers viewed are distinct, and the schedule orders this kernel
+            // against every other queue's use of them (the scratch is the compute queue's).
+            unsafe {
+                let kept = kept_of.and_then(|l| ctx.stash(g, l, m, true));
+                let own = match kept {
+                    Some(kept) => kept,
+                    None => &ctx.scratch(g).acts,
+                };
+                let own = own.iter().map(|&b| vw.buf_mut(b));
+                let out = Slot::W(vw.buf_mut(out.prefix(nc)));
+                let mut slots = act_slots(vw.buf(inp.prefix(nc)), out, own);
+                let spec = ctx.layout.layer(layer);
+                let mut w = ctx.layer_weights(g, vw, layer, slot);
+                let rows = Rows { b: mb.b, t: mb.t };
+                let ropes = ropes(vw, ctx, mb.t);
+                layer_forward(vw.backend(), spec, &mut slots, &mut w, &ropes, rows);
+            }
+        });
     }
 
     /// Sizes of a tile pass over micro-batch `m`.
-    pub(super) fn tile_dims(ctx: &Ctx, sd: &StepData, tile: usize, m: usize) -> TileDims {
+    fn tile_dims(ctx: &Ctx, sd: &StepData, tile: usize, m: usize) -> TileDims {
         let r = ctx.tiled().tiling.range(tile);
         TileDims {
             n: sd.mbs[m].n(),
@@ -149,167 +145,147 @@ where
 
     /// Tiled head, pass 1: micro-batch `m`'s statistics over tile `tile` (in `slot`); tile 0
     /// first runs the final norm of `Act{src}`.
-    pub(super) fn launch_head_stats(
+    fn launch_head_stats(
         &self,
         (tile, slot, m, src): (usize, usize, usize, usize),
         sd: &Arc<StepData>,
         grant: &Grant,
     ) {
-        let (ctx, sd, d, g) = (self.ctx.clone(), sd.clone(), self.ctx.layout.dims, grant.clone());
-        self.launch_phase(
-            Phase::Head,
-            sd.timed,
-            Box::new(move |vw: &dyn Views<D::Backend>| {
-                let td = Self::tile_dims(&ctx, &sd, tile, m);
-                let (n, vt) = (td.n, td.vt);
-                // SAFETY: the buffers viewed are distinct, and the schedule orders this kernel
-                // against every other queue's use of them (the head's rows and chunk are the
-                // compute queue's).
-                unsafe {
-                    let x = (tile == 0).then(|| {
-                        vw.buf(ctx.dev(&g, Res::Act { set: src, m }, false).prefix(n * d.c))
-                    });
-                    let w = vw.wbuf(ctx.dev(&g, Res::Slot(slot), false));
-                    let (targets, scratch) = (ctx.ids(&g, m, false).1, ctx.tile_scratch(&g));
-                    tile_stats(
-                        vw.backend(),
-                        &mut tile_rows(vw, ctx.head_rows(&g, m, true)),
-                        vw.buf_mut(scratch.logits),
-                        x,
-                        w.slice(0..d.c),
-                        w.slice(d.c..d.c + vt * d.c),
-                        vw.ibuf(targets.prefix(n)),
-                        td,
-                    );
-                }
-            }),
-        );
+        self.kernel(Phase::Head, sd, grant, move |ctx, sd, g, vw| {
+            let d = ctx.layout.dims;
+            let td = Self::tile_dims(ctx, sd, tile, m);
+            let (n, vt) = (td.n, td.vt);
+            // SAFETY: the buffers viewed are distinct, and the schedule orders this kernel
+            // against every other queue's use of them (the head's rows and chunk are the
+            // compute queue's).
+            unsafe {
+                let x = (tile == 0)
+                    .then(|| vw.buf(ctx.dev(g, Res::Act { set: src, m }, false).prefix(n * d.c)));
+                let w = vw.wbuf(ctx.dev(g, Res::Slot(slot), false));
+                let (targets, scratch) = (ctx.ids(g, m, false).1, ctx.tile_scratch(g));
+                tile_stats(
+                    vw.backend(),
+                    &mut tile_rows(vw, ctx.head_rows(g, m, true)),
+                    vw.buf_mut(scratch.logits),
+                    x,
+                    w.slice(0..d.c),
+                    w.slice(d.c..d.c + vt * d.c),
+                    vw.ibuf(targets.prefix(n)),
+                    td,
+                );
+            }
+        });
     }
 
     /// Tiled head, pass 2: micro-batch `m`'s dlogits over tile `tile` (in `slot`), its part of
     /// `dhf` (`first`: overwrites) and the tile's gradient into `Dw{dw}`.
-    pub(super) fn launch_head_grad(
+    fn launch_head_grad(
         &self,
         (tile, slot, m, dw): (usize, usize, usize, usize),
         first: bool,
         sd: &Arc<StepData>,
         grant: &Grant,
     ) {
-        let (ctx, sd, d, g) = (self.ctx.clone(), sd.clone(), self.ctx.layout.dims, grant.clone());
-        self.launch_phase(
-            Phase::Head,
-            sd.timed,
-            Box::new(move |vw: &dyn Views<D::Backend>| {
-                let td = Self::tile_dims(&ctx, &sd, tile, m);
-                let vtc = td.vt * d.c;
-                // SAFETY: as for pass 1; the accumulator is ordered against its downloads.
-                unsafe {
-                    let scratch = ctx.tile_scratch(&g);
-                    tile_grad(
-                        vw.backend(),
-                        &mut tile_rows(vw, ctx.head_rows(&g, m, true)),
-                        vw.buf_mut(scratch.logits),
-                        vw.buf_mut(scratch.dhf_chunk),
-                        ctx.layout
-                            .trains_base()
-                            .then(|| vw.buf_mut(ctx.dev(&g, Res::Dw(dw), true).prefix(vtc))),
-                        vw.wbuf(ctx.dev(&g, Res::Slot(slot), false)).slice(d.c..d.c + vtc),
-                        vw.ibuf(ctx.ids(&g, m, false).1.prefix(td.n)),
-                        first,
-                        td,
-                    );
-                }
-            }),
-        );
+        self.kernel(Phase::Head, sd, grant, move |ctx, sd, g, vw| {
+            let d = ctx.layout.dims;
+            let td = Self::tile_dims(ctx, sd, tile, m);
+            let vtc = td.vt * d.c;
+            // SAFETY: as for pass 1; the accumulator is ordered against its downloads.
+            unsafe {
+                let scratch = ctx.tile_scratch(g);
+                tile_grad(
+                    vw.backend(),
+                    &mut tile_rows(vw, ctx.head_rows(g, m, true)),
+                    vw.buf_mut(scratch.logits),
+                    vw.buf_mut(scratch.dhf_chunk),
+                    ctx.layout
+                        .trains_base()
+                        .then(|| vw.buf_mut(ctx.dev(g, Res::Dw(dw), true).prefix(vtc))),
+                    vw.wbuf(ctx.dev(g, Res::Slot(slot), false)).slice(d.c..d.c + vtc),
+                    vw.ibuf(ctx.ids(g, m, false).1.prefix(td.n)),
+                    first,
+                    td,
+                );
+            }
+        });
     }
 
     /// Tiled head, after the last tile: micro-batch `m`'s losses and the final norm's
     /// backward (its weight read from `slot`) from `Act{src}`.
-    pub(super) fn launch_head_finish(
+    fn launch_head_finish(
         &self,
         (slot, m, src): (usize, usize, usize),
         sd: &Arc<StepData>,
         grant: &Grant,
     ) {
-        let (ctx, sd, d, g) = (self.ctx.clone(), sd.clone(), self.ctx.layout.dims, grant.clone());
-        self.launch_phase(
-            Phase::Head,
-            sd.timed,
-            Box::new(move |vw: &dyn Views<D::Backend>| {
-                let (n, nc) = (sd.mbs[m].n(), sd.mbs[m].n() * d.c);
-                // SAFETY: as for pass 1.
-                unsafe {
-                    tile_finish(
-                        vw.backend(),
-                        &tile_rows(vw, ctx.head_rows(&g, m, false)),
-                        vw.buf_mut(ctx.dev(&g, Res::Losses(m), true).prefix(n)),
-                        vw.buf_mut(ctx.dev(&g, Res::Dres(m), true).prefix(nc)),
-                        ctx.layout
-                            .trains_base()
-                            .then(|| vw.buf_mut(ctx.dev(&g, Res::DnormW, true))),
-                        vw.buf(ctx.dev(&g, Res::Act { set: src, m }, false).prefix(nc)),
-                        vw.wbuf(ctx.dev(&g, Res::Slot(slot), false)).slice(0..d.c),
-                        vw.ibuf(ctx.ids(&g, m, false).1.prefix(n)),
-                        n,
-                        ctx.layout.final_norm(),
-                    );
-                }
-            }),
-        );
+        self.kernel(Phase::Head, sd, grant, move |ctx, sd, g, vw| {
+            let d = ctx.layout.dims;
+            let (n, nc) = (sd.mbs[m].n(), sd.mbs[m].n() * d.c);
+            // SAFETY: as for pass 1.
+            unsafe {
+                tile_finish(
+                    vw.backend(),
+                    &tile_rows(vw, ctx.head_rows(g, m, false)),
+                    vw.buf_mut(ctx.dev(g, Res::Losses(m), true).prefix(n)),
+                    vw.buf_mut(ctx.dev(g, Res::Dres(m), true).prefix(nc)),
+                    ctx.layout.trains_base().then(|| vw.buf_mut(ctx.dev(g, Res::DnormW, true))),
+                    vw.buf(ctx.dev(g, Res::Act { set: src, m }, false).prefix(nc)),
+                    vw.wbuf(ctx.dev(g, Res::Slot(slot), false)).slice(0..d.c),
+                    vw.ibuf(ctx.ids(g, m, false).1.prefix(n)),
+                    n,
+                    ctx.layout.final_norm(),
+                );
+            }
+        });
     }
 
     /// The whole head on micro-batch `m`: final norm, LM head and cross-entropy, forward and
     /// backward, from `Act{src}` with the weights in `slot`, gradients into `Dw{dw}`.
-    pub(super) fn launch_whole_head(
+    fn launch_whole_head(
         &self,
         (slot, m, src, dw): (usize, usize, usize, usize),
         sd: &Arc<StepData>,
         grant: &Grant,
     ) {
-        let (ctx, sd, d, g) = (self.ctx.clone(), sd.clone(), self.ctx.layout.dims, grant.clone());
-        self.launch_phase(
-            Phase::Head,
-            sd.timed,
-            Box::new(move |vw: &dyn Views<D::Backend>| {
-                let mb = &sd.mbs[m];
-                let (n, nc, vc) = (mb.n(), mb.n() * d.c, d.v * d.c);
-                let h = ctx.scratch(&g).head.as_ref().expect("a whole head has its scratch");
-                let (acc, w) =
-                    (ctx.dev(&g, Res::Dw(dw), true), ctx.dev(&g, Res::Slot(slot), false));
-                // A frozen head and final norm get no gradient (an adapter run).
-                let trains = ctx.layout.trains_base();
-                // SAFETY: as for the forward kernel.
-                unsafe {
-                    let mut hb = HeadBufs {
-                        hf: vw.buf_mut(h.hf),
-                        dhf: vw.buf_mut(h.dhf),
-                        rstd: vw.buf_mut(h.rstd),
-                        logits: vw.buf_mut(h.logits),
-                    };
-                    head_forward_backward(
-                        vw.backend(),
-                        &mut hb,
-                        HeadGrads {
-                            losses: vw.buf_mut(ctx.dev(&g, Res::Losses(m), true).prefix(n)),
-                            dres: vw.buf_mut(ctx.dev(&g, Res::Dres(m), true).prefix(nc)),
-                            dnorm_w: trains.then(|| vw.buf_mut(acc.sub(0..d.c))),
-                            dhead_w: trains.then(|| vw.buf_mut(acc.sub(d.c..d.c + vc))),
-                        },
-                        vw.buf(ctx.dev(&g, Res::Act { set: src, m }, false).prefix(nc)),
-                        vw.wbuf(w).slice(0..d.c),
-                        vw.wbuf(w).slice(d.c..d.c + vc),
-                        vw.ibuf(ctx.ids(&g, m, false).1.prefix(n)),
-                        HeadDims {
-                            n,
-                            v: d.v,
-                            chunk: ctx.head_chunk,
-                            norm: ctx.layout.final_norm(),
-                            scale: sd.scale,
-                        },
-                    );
-                }
-            }),
-        );
+        self.kernel(Phase::Head, sd, grant, move |ctx, sd, g, vw| {
+            let d = ctx.layout.dims;
+            let mb = &sd.mbs[m];
+            let (n, nc, vc) = (mb.n(), mb.n() * d.c, d.v * d.c);
+            let h = ctx.scratch(g).head.as_ref().expect("a whole head has its scratch");
+            let (acc, w) = (ctx.dev(g, Res::Dw(dw), true), ctx.dev(g, Res::Slot(slot), false));
+            // A frozen head and final norm get no gradient (an adapter run).
+            let trains = ctx.layout.trains_base();
+            // SAFETY: as for the forward kernel.
+            unsafe {
+                let mut hb = HeadBufs {
+                    hf: vw.buf_mut(h.hf),
+                    dhf: vw.buf_mut(h.dhf),
+                    rstd: vw.buf_mut(h.rstd),
+                    logits: vw.buf_mut(h.logits),
+                };
+                head_forward_backward(
+                    vw.backend(),
+                    &mut hb,
+                    HeadGrads {
+                        losses: vw.buf_mut(ctx.dev(g, Res::Losses(m), true).prefix(n)),
+                        dres: vw.buf_mut(ctx.dev(g, Res::Dres(m), true).prefix(nc)),
+                        dnorm_w: trains.then(|| vw.buf_mut(acc.sub(0..d.c))),
+                        dhead_w: trains.then(|| vw.buf_mut(acc.sub(d.c..d.c + vc))),
+                    },
+                    vw.buf(ctx.dev(g, Res::Act { set: src, m }, false).prefix(nc)),
+                    vw.wbuf(w).slice(0..d.c),
+                    vw.wbuf(w).slice(d.c..d.c + vc),
+                    vw.ibuf(ctx.ids(g, m, false).1.prefix(n)),
+                    HeadDims {
+                        n,
+                        v: d.v,
+                        chunk: ctx.head_chunk,
+                        norm: ctx.layout.final_norm(),
+                        scale: sd.scale,
+                    },
+                );
+            }
+        });
     }
 
     /// An evaluation's whole head on micro-batch `m`, forward only: final norm, then per chunk
@@ -320,107 +296,94 @@ where
         sd: &Arc<StepData>,
         grant: &Grant,
     ) {
-        let (ctx, sd, d, g) = (self.ctx.clone(), sd.clone(), self.ctx.layout.dims, grant.clone());
-        self.launch_phase(
-            Phase::Head,
-            sd.timed,
-            Box::new(move |vw: &dyn Views<D::Backend>| {
-                let n = sd.mbs[m].n();
-                let h = ctx.scratch(&g).head.as_ref().expect("a whole head has its scratch");
-                let w = vw.wbuf(ctx.dev(&g, Res::Slot(slot), false));
-                // SAFETY: the buffers viewed are distinct, and the plan orders this kernel
-                // against every other queue's use of them (the head's scratch is the compute
-                // queue's).
-                unsafe {
-                    head_loss(
-                        vw.backend(),
-                        vw.buf_mut(ctx.dev(&g, Res::Losses(m), true).prefix(n)),
-                        HeadBufs {
-                            hf: vw.buf_mut(h.hf),
-                            dhf: vw.buf_mut(h.dhf),
-                            rstd: vw.buf_mut(h.rstd),
-                            logits: vw.buf_mut(h.logits),
-                        },
-                        vw.buf(ctx.dev(&g, Res::Act { set: src, m }, false).prefix(n * d.c)),
-                        (w.slice(0..d.c), w.slice(d.c..d.c + d.v * d.c)),
-                        vw.ibuf(ctx.ids(&g, m, false).1.prefix(n)),
-                        (n, d.v, ctx.head_chunk, ctx.layout.final_norm()),
-                    );
-                }
-            }),
-        );
+        self.kernel(Phase::Head, sd, grant, move |ctx, sd, g, vw| {
+            let d = ctx.layout.dims;
+            let n = sd.mbs[m].n();
+            let h = ctx.scratch(g).head.as_ref().expect("a whole head has its scratch");
+            let w = vw.wbuf(ctx.dev(g, Res::Slot(slot), false));
+            // SAFETY: the buffers viewed are distinct, and the plan orders this kernel
+            // against every other queue's use of them (the head's scratch is the compute
+            // queue's).
+            unsafe {
+                head_loss(
+                    vw.backend(),
+                    vw.buf_mut(ctx.dev(g, Res::Losses(m), true).prefix(n)),
+                    HeadBufs {
+                        hf: vw.buf_mut(h.hf),
+                        dhf: vw.buf_mut(h.dhf),
+                        rstd: vw.buf_mut(h.rstd),
+                        logits: vw.buf_mut(h.logits),
+                    },
+                    vw.buf(ctx.dev(g, Res::Act { set: src, m }, false).prefix(n * d.c)),
+                    (w.slice(0..d.c), w.slice(d.c..d.c + d.v * d.c)),
+                    vw.ibuf(ctx.ids(g, m, false).1.prefix(n)),
+                    (n, d.v, ctx.head_chunk, ctx.layout.final_norm()),
+                );
+            }
+        });
     }
 
     /// An evaluation's tiled head, after the last tile's statistics: micro-batch `m`'s losses.
     fn launch_tile_losses(&self, m: usize, sd: &Arc<StepData>, grant: &Grant) {
-        let (ctx, sd, g) = (self.ctx.clone(), sd.clone(), grant.clone());
-        self.launch_phase(
-            Phase::Head,
-            sd.timed,
-            Box::new(move |vw: &dyn Views<D::Backend>| {
-                let n = sd.mbs[m].n();
-                let [_, _, stats, _] = ctx.head_rows(&g, m, false);
-                // SAFETY: as for the head's other kernels.
-                unsafe {
-                    vw.backend().cross_entropy_tile_loss(
-                        vw.buf_mut(ctx.dev(&g, Res::Losses(m), true).prefix(n)),
-                        vw.buf(stats).slice(0..n * STATS),
-                        vw.ibuf(ctx.ids(&g, m, false).1.prefix(n)),
-                        n,
-                    );
-                }
-            }),
-        );
+        self.kernel(Phase::Head, sd, grant, move |ctx, sd, g, vw| {
+            let n = sd.mbs[m].n();
+            let [_, _, stats, _] = ctx.head_rows(g, m, false);
+            // SAFETY: as for the head's other kernels.
+            unsafe {
+                vw.backend().cross_entropy_tile_loss(
+                    vw.buf_mut(ctx.dev(g, Res::Losses(m), true).prefix(n)),
+                    vw.buf(stats).slice(0..n * STATS),
+                    vw.ibuf(ctx.ids(g, m, false).1.prefix(n)),
+                    n,
+                );
+            }
+        });
     }
 
     /// A layer's backward on micro-batch `m` from its input `Act{set}`, weights in `slot`,
     /// internals kept by its forward or rebuilt just before into the scratch; its weight
     /// gradients accumulate into `Dw{dw}`.
-    pub(super) fn launch_layer_backward(
+    fn launch_layer_backward(
         &self,
         (layer, slot, m, set, dw): (usize, usize, usize, usize, usize),
         sd: &Arc<StepData>,
         grant: &Grant,
     ) {
-        let (ctx, sd, d, g) = (self.ctx.clone(), sd.clone(), self.ctx.layout.dims, grant.clone());
-        self.launch_phase(
-            Phase::Backward,
-            sd.timed,
-            Box::new(move |vw: &dyn Views<D::Backend>| {
-                let mb = &sd.mbs[m];
-                let nc = mb.n() * d.c;
-                let spec = ctx.layout.layer(layer);
-                let scratch = ctx.scratch(&g);
-                // SAFETY: as for the forward kernel; the recompute (if any) was enqueued just
-                // before, on this queue.
-                unsafe {
-                    // Kept by this layer's forward (what it did not keep, in the scratch, is
-                    // rebuilt first), or rebuilt by the recompute just before.
-                    let kept = ctx.stash(&g, layer, m, false);
-                    let own = kept.unwrap_or(&scratch.acts);
-                    let x = vw.buf(ctx.dev(&g, Res::Act { set, m }, false).prefix(nc));
-                    let y = Slot::R(vw.buf(scratch.y));
-                    let mut acts = act_slots(x, y, own.iter().map(|&b| vw.buf_mut(b)));
-                    let mut w = ctx.layer_weights(&g, vw, layer, slot);
-                    let rows = Rows { b: mb.b, t: mb.t };
-                    if kept.is_some() {
-                        layer_rebuild(vw.backend(), spec, &mut acts, &mut w, rows);
-                    }
-                    let gs = scratch.grads.iter().map(|&b| vw.buf_mut(b));
-                    let mut grads = grad_slots(vw.buf_mut(ctx.dev(&g, Res::Dres(m), true)), gs);
-                    layer_backward(
-                        vw.backend(),
-                        spec,
-                        &mut grads,
-                        vw.buf_mut(ctx.dev(&g, Res::Dw(dw), true).prefix(spec.train_len())),
-                        &acts,
-                        &mut w,
-                        &ropes(vw, &ctx, mb.t),
-                        rows,
-                    );
+        self.kernel(Phase::Backward, sd, grant, move |ctx, sd, g, vw| {
+            let d = ctx.layout.dims;
+            let mb = &sd.mbs[m];
+            let nc = mb.n() * d.c;
+            let spec = ctx.layout.layer(layer);
+            let scratch = ctx.scratch(g);
+            // SAFETY: as for the forward kernel; the recompute (if any) was enqueued just
+            // before, on this queue.
+            unsafe {
+                // Kept by this layer's forward (what it did not keep, in the scratch, is
+                // rebuilt first), or rebuilt by the recompute just before.
+                let kept = ctx.stash(g, layer, m, false);
+                let own = kept.unwrap_or(&scratch.acts);
+                let x = vw.buf(ctx.dev(g, Res::Act { set, m }, false).prefix(nc));
+                let y = Slot::R(vw.buf(scratch.y));
+                let mut acts = act_slots(x, y, own.iter().map(|&b| vw.buf_mut(b)));
+                let mut w = ctx.layer_weights(g, vw, layer, slot);
+                let rows = Rows { b: mb.b, t: mb.t };
+                if kept.is_some() {
+                    layer_rebuild(vw.backend(), spec, &mut acts, &mut w, rows);
                 }
-            }),
-        );
+                let gs = scratch.grads.iter().map(|&b| vw.buf_mut(b));
+                let mut grads = grad_slots(vw.buf_mut(ctx.dev(g, Res::Dres(m), true)), gs);
+                layer_backward(
+                    vw.backend(),
+                    spec,
+                    &mut grads,
+                    vw.buf_mut(ctx.dev(g, Res::Dw(dw), true).prefix(spec.train_len())),
+                    &acts,
+                    &mut w,
+                    &ropes(vw, ctx, mb.t),
+                    rows,
+                );
+            }
+        });
     }
 }
 
@@ -428,7 +391,7 @@ where
 ///
 /// # Safety
 /// No other view of these buffers may be live.
-pub(super) unsafe fn tile_rows<'a, B: Backend + ?Sized>(
+unsafe fn tile_rows<'a, B: Backend + ?Sized>(
     vw: &'a dyn Views<B>,
     [hf, rstd, stats, dhf]: [DevBuf; 4],
 ) -> TileRows<'a, B> {
@@ -444,7 +407,7 @@ pub(super) unsafe fn tile_rows<'a, B: Backend + ?Sized>(
 }
 
 /// The rope tables' (cos, sin) for sequences of `t` positions.
-pub(super) fn ropes<'a, B: Backend + ?Sized>(
+fn ropes<'a, B: Backend + ?Sized>(
     vw: &'a dyn Views<B>,
     ctx: &Ctx,
     t: usize,

@@ -73,7 +73,7 @@ where
 }
 
 /// Elements of a gradient download.
-pub(super) fn grad_len(ctx: &Ctx, what: GradTarget) -> usize {
+fn grad_len(ctx: &Ctx, what: GradTarget) -> usize {
     match what {
         GradTarget::Layer(i) => ctx.layout.layer(i).train_len(),
         GradTarget::Head => ctx.layout.dims.c + ctx.layout.dims.v * ctx.layout.dims.c,
