@@ -94,9 +94,9 @@ where
             trace: None,
             dev,
         };
+        // The ropes' uploads end with a synchronize; the stages are filled on the host.
         engine.upload_ropes();
         engine.fill_stages();
-        engine.dev.synchronize();
         Ok(engine)
     }
 

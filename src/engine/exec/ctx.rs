@@ -467,9 +467,11 @@ impl Ctx {
     pub(super) fn head_param(&self) -> ParamBuf {
         self.shape.head_buf()
     }
-    /// Buffer `i`'s trained weights for an upload: its image if it has one, else its masters.
-    /// The caller must hold (or not need: an idle device) the buffer's `Params` grant.
-    pub(super) fn upload_src(&self, i: usize) -> Trained {
+    /// Buffer `p`'s trained weights for an upload, as the op's grant allows: its image if it
+    /// has one, else its masters.
+    pub(super) fn upload_src(&self, g: &Grant, p: ParamBuf) -> Trained {
+        g.check(Res::Params(p), false);
+        let i = self.param_index(p);
         match self.hostbufs.images[i] {
             Some(img) => Trained::Image(img.as_const()),
             None => Trained::Masters(self.hostbufs.params[i].as_const()),

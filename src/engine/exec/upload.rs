@@ -107,10 +107,7 @@ where
             match &region.src {
                 Source::Trained { buf, range } => {
                     let src = match from {
-                        TrainedFrom::Buffers => {
-                            grant.check(Res::Params(*buf), false);
-                            ctx.upload_src(ctx.param_index(*buf)).sub(range.clone())
-                        }
+                        TrainedFrom::Buffers => ctx.upload_src(grant, *buf).sub(range.clone()),
                         TrainedFrom::Stage(stage) => {
                             staged += range.len();
                             Trained::Image(stage.sub(staged - range.len()..staged))
