@@ -17,7 +17,7 @@ use crate::device::{
     DevBuf, Device, DeviceStats, Event, HostPtr, HostPtrMut, HostWork, Kernel, KernelTimer,
     OutOfDeviceMemory, Queue, StagingElem,
 };
-use crate::{AttnDims, Backend, Bf16, Dinp, NormDims, Precision};
+use crate::{AttnDims, Backend, Bf16, Dinp, MoeDims, NormDims, Precision};
 
 /// Whether this binary was built with the CUDA backend.
 pub const BUILT_WITH_CUDA: bool = false;
@@ -209,6 +209,51 @@ impl Backend for CudaBackend {
         match *self {}
     }
     fn attention_decode(&self, _: &mut [f32], _: &[f32], _: usize, _: AttnDims) {
+        match *self {}
+    }
+    fn moe_route_forward(
+        &self,
+        _: &mut [f32],
+        _: &mut [f32],
+        _: &mut [f32],
+        _: &[f32],
+        _: MoeDims,
+    ) {
+        match *self {}
+    }
+    fn moe_route_backward(
+        &self,
+        _: &mut [f32],
+        _: &[f32],
+        _: &[f32],
+        _: &[f32],
+        _: Option<(&[f32], &[f32])>,
+        _: MoeDims,
+    ) {
+        match *self {}
+    }
+    fn moe_aux_stats(&self, _: &mut [f32], _: &[f32], _: &[f32], _: &[f32], _: MoeDims) {
+        match *self {}
+    }
+    fn moe_gather(&self, _: &mut [f32], _: &[f32], _: &[f32], _: usize, _: usize) {
+        match *self {}
+    }
+    fn moe_combine(
+        &self,
+        _: &mut [f32],
+        _: &[f32],
+        _: &[f32],
+        _: Option<&[f32]>,
+        _: bool,
+        _: usize,
+        _: usize,
+    ) {
+        match *self {}
+    }
+    fn moe_scale_rows(&self, _: &mut [f32], _: &[f32], _: &[f32], _: usize) {
+        match *self {}
+    }
+    fn moe_row_dots(&self, _: &mut [f32], _: &[f32], _: &[f32], _: &[f32], _: usize) {
         match *self {}
     }
     fn swiglu_forward(&self, _: &mut [f32], _: &[f32], _: usize, _: usize) {

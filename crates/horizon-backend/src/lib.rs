@@ -119,6 +119,23 @@ pub struct NormDims {
     pub w_offset: f32,
 }
 
+/// Sizes of a mixture-of-experts routing call: N rows, E experts, k chosen per row (M = N*k
+/// (row, choice) pairs); `norm`: the k routing weights are divided by their sum.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MoeDims {
+    pub n: usize,
+    pub e: usize,
+    pub k: usize,
+    pub norm: bool,
+}
+
+impl MoeDims {
+    /// (row, choice) pairs: `N*k`.
+    pub fn m(&self) -> usize {
+        self.n * self.k
+    }
+}
+
 impl NormDims {
     /// `out = inp * rstd * w` over rows of `c`.
     pub fn new(c: usize, eps: f32) -> Self {
@@ -369,6 +386,69 @@ pub trait Backend: Send + Sync {
     /// rounded to the weight precision (exact on the CPU, bf16 nearest even on CUDA).
     /// out: (n), overwrites. packed: (`nf4::words(n)`).
     fn dequantize_nf4(&self, out: &mut Self::WBuf, packed: &Self::Buf, n: usize);
+
+    // ---- mixture of experts ([`cpu::moe`] has the data flow) -------------------------------
+
+    /// Routing: `probs = softmax(logits)` per row, `sel` its k largest (largest first, ties to
+    /// the lower expert) as f32 expert indices, `wts` their probabilities (divided by their sum
+    /// when `dims.norm`).
+    /// probs: (N, E), sel: (N, k), wts: (N, k), all overwrite. logits: (N, E).
+    fn moe_route_forward(
+        &self,
+        probs: &mut Self::Buf,
+        sel: &mut Self::Buf,
+        wts: &mut Self::Buf,
+        logits: &Self::Buf,
+        dims: MoeDims,
+    );
+    /// dlogits: (N, E), overwrites, from dwts: (N, k) and, with `aux = (g (E), mask (N))`, the
+    /// load-balancing gradient `dprobs[r, e] += mask[r] * g[e]`. probs, sel: as the forward
+    /// left them.
+    fn moe_route_backward(
+        &self,
+        dlogits: &mut Self::Buf,
+        dwts: &Self::Buf,
+        probs: &Self::Buf,
+        sel: &Self::Buf,
+        aux: Option<(&Self::Buf, &Self::Buf)>,
+        dims: MoeDims,
+    );
+    /// The pooled load-balancing statistics: stats (2E), accumulates: `[e] += sum_r mask[r]
+    /// [e in sel[r]]`, `[E + e] += sum_r mask[r] probs[r, e]`. mask: (N).
+    fn moe_aux_stats(
+        &self,
+        stats: &mut Self::Buf,
+        probs: &Self::Buf,
+        sel: &Self::Buf,
+        mask: &Self::Buf,
+        dims: MoeDims,
+    );
+    /// xs: (M, C), overwrites: `xs[i] = x[order[i] / k]`. x: (N, C). order: (M) pair indices.
+    fn moe_gather(&self, xs: &mut Self::Buf, x: &Self::Buf, order: &Self::Buf, k: usize, c: usize);
+    /// out: (N, C), overwrites (or accumulates): `out[r] = sum_j w[r*k + j] src[pos[r*k + j]]`,
+    /// j in order, w = 1 without `wts` (M). src: (M, C). pos: (M).
+    #[allow(clippy::too_many_arguments)]
+    fn moe_combine(
+        &self,
+        out: &mut Self::Buf,
+        src: &Self::Buf,
+        pos: &Self::Buf,
+        wts: Option<&Self::Buf>,
+        accumulate: bool,
+        k: usize,
+        c: usize,
+    );
+    /// buf: (M, W), in place: `buf[i] *= wts[order[i]]`. wts: (M). order: (M).
+    fn moe_scale_rows(&self, buf: &mut Self::Buf, wts: &Self::Buf, order: &Self::Buf, w: usize);
+    /// out: (M), overwrites: `out[p] = a[pos[p]] . b[pos[p]]`. a, b: (M, W). pos: (M).
+    fn moe_row_dots(
+        &self,
+        out: &mut Self::Buf,
+        a: &Self::Buf,
+        b: &Self::Buf,
+        pos: &Self::Buf,
+        w: usize,
+    );
 
     /// Residual add: out = a + b. All of one length; out overwrites.
     fn residual_forward(&self, out: &mut Self::Buf, a: &Self::Buf, b: &Self::Buf);

@@ -15,6 +15,7 @@ pub mod embedding;
 pub mod geglu;
 pub mod head_rmsnorm;
 pub mod matmul;
+pub mod moe;
 pub mod nf4;
 pub mod residual;
 pub mod rmsnorm;
@@ -40,13 +41,17 @@ pub use embedding::{
 pub use geglu::{geglu_backward, geglu_forward};
 pub use head_rmsnorm::{head_rmsnorm_backward, head_rmsnorm_forward};
 pub use matmul::{matmul_backward, matmul_forward};
+pub use moe::{
+    moe_aux_stats, moe_combine, moe_gather, moe_route_backward, moe_route_forward, moe_row_dots,
+    moe_scale_rows, moe_sort,
+};
 pub use nf4::dequantize_nf4;
 pub use residual::{add_inplace, residual_forward};
 pub use rmsnorm::{rmsnorm_backward, rmsnorm_forward};
 pub use rope::{rope_backward, rope_forward};
 pub use swiglu::{swiglu_backward, swiglu_forward};
 
-use crate::{AttnDims, Backend, Dinp, NormDims, Precision};
+use crate::{AttnDims, Backend, Dinp, MoeDims, NormDims, Precision};
 
 /// The CPU reference backend. Buffers are plain host slices; work runs on the current rayon
 /// pool (install a pool around calls to choose the thread count).
@@ -215,6 +220,65 @@ impl Backend for CpuBackend {
 
     fn attention_decode(&self, out: &mut [f32], qkv: &[f32], t_new: usize, dims: AttnDims) {
         attention_decode(out, qkv, t_new, dims);
+    }
+
+    fn moe_route_forward(
+        &self,
+        probs: &mut [f32],
+        sel: &mut [f32],
+        wts: &mut [f32],
+        logits: &[f32],
+        dims: MoeDims,
+    ) {
+        moe_route_forward(probs, sel, wts, logits, dims);
+    }
+
+    fn moe_route_backward(
+        &self,
+        dlogits: &mut [f32],
+        dwts: &[f32],
+        probs: &[f32],
+        sel: &[f32],
+        aux: Option<(&[f32], &[f32])>,
+        dims: MoeDims,
+    ) {
+        moe_route_backward(dlogits, dwts, probs, sel, aux, dims);
+    }
+
+    fn moe_aux_stats(
+        &self,
+        stats: &mut [f32],
+        probs: &[f32],
+        sel: &[f32],
+        mask: &[f32],
+        dims: MoeDims,
+    ) {
+        moe_aux_stats(stats, probs, sel, mask, dims);
+    }
+
+    fn moe_gather(&self, xs: &mut [f32], x: &[f32], order: &[f32], k: usize, c: usize) {
+        moe_gather(xs, x, order, k, c);
+    }
+
+    fn moe_combine(
+        &self,
+        out: &mut [f32],
+        src: &[f32],
+        pos: &[f32],
+        wts: Option<&[f32]>,
+        accumulate: bool,
+        k: usize,
+        c: usize,
+    ) {
+        moe_combine(out, src, pos, wts, accumulate, k, c);
+    }
+
+    fn moe_scale_rows(&self, buf: &mut [f32], wts: &[f32], order: &[f32], w: usize) {
+        moe_scale_rows(buf, wts, order, w);
+    }
+
+    fn moe_row_dots(&self, out: &mut [f32], a: &[f32], b: &[f32], pos: &[f32], w: usize) {
+        moe_row_dots(out, a, b, pos, w);
     }
 
     fn swiglu_forward(&self, out: &mut [f32], gate_up: &[f32], n: usize, f: usize) {
