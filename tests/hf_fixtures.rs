@@ -82,6 +82,16 @@ fn check_training(case: &str) {
         let m = t.step(k).unwrap();
         assert_rel(&format!("{case} loss step {k}"), m.loss, losses[k], 1e-5);
         assert_rel(&format!("{case} grad_norm step {k}"), m.grad_norm, norms[k], 1e-5);
+        if let Some(aux) = e.get("aux_loss_per_step") {
+            let (ce, want_ce) = (m.ce_loss.unwrap(), f64s(&e["ce_loss_per_step"])[k]);
+            assert_rel(&format!("{case} ce_loss step {k}"), ce, want_ce, 1e-5);
+            assert_rel(
+                &format!("{case} aux_loss step {k}"),
+                m.aux_loss.unwrap(),
+                f64s(aux)[k],
+                1e-5,
+            );
+        }
     }
     let layout = &t.engine.layout;
     for (name, _) in layout.hf_tensors() {
@@ -271,4 +281,35 @@ fn gemma3_multimodal_checkpoint_loads_its_language_model() {
     write_safetensors(&dir.path().join("model.safetensors"), &tensors, SaveDtype::F32).unwrap();
     let err = format!("{:#}", ParamStore::load_hf(&mm_layout, dir.path()).unwrap_err());
     assert!(err.contains("language_model.model.embed_tokens.weight"), "{err}");
+}
+
+#[test]
+fn qwen3_moe_step0_forward() {
+    check_step0_forward("qwen3_moe");
+}
+
+#[test]
+fn mixtral_step0_forward() {
+    check_step0_forward("mixtral");
+}
+
+#[test]
+fn qwen3_moe_step0_grads() {
+    check_step0_grads("qwen3_moe", 256);
+    check_step0_grads("qwen3_moe", 5);
+}
+
+#[test]
+fn mixtral_step0_grads() {
+    check_step0_grads("mixtral", 5);
+}
+
+#[test]
+fn qwen3_moe_training() {
+    check_training("qwen3_moe");
+}
+
+#[test]
+fn mixtral_training() {
+    check_training("mixtral");
 }

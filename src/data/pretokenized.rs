@@ -40,7 +40,7 @@ pub struct PretokenizedDataset {
 }
 
 /// One batch, row-major, padded to its longest row.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Batch {
     /// Rows (B).
     pub b: usize,
@@ -53,6 +53,8 @@ pub struct Batch {
     pub targets: Vec<i32>,
     /// Number of `targets` that are not -100: the loss is a mean over this many positions.
     pub num_targets: usize,
+    /// (B*T) 1 on a row's own tokens, 0 on padding (HF's attention mask).
+    pub mask: Vec<f32>,
 }
 
 /// One record as written; unknown keys are ignored. `i64` so that an id too large for `i32` is
@@ -193,8 +195,10 @@ pub fn make_batch(rows: &[&Row]) -> Batch {
     let t = rows.iter().map(|r| r.input_ids.len()).max().unwrap_or(0);
     let mut input_ids = vec![PAD_ID; b * t];
     let mut targets = vec![IGNORE_INDEX; b * t];
+    let mut mask = vec![0.0; b * t];
     for (i, row) in rows.iter().enumerate() {
         let n = row.input_ids.len();
+        mask[i * t..i * t + n].fill(1.0);
         assert_eq!(n, row.labels.len(), "row {i}: input_ids and labels lengths differ");
         input_ids[i * t..i * t + n].copy_from_slice(&row.input_ids);
         // Position p predicts label p + 1; positions from n - 1 on have no next label.
@@ -203,7 +207,7 @@ pub fn make_batch(rows: &[&Row]) -> Batch {
         }
     }
     let num_targets = targets.iter().filter(|&&x| x != IGNORE_INDEX).count();
-    Batch { b, t, input_ids, targets, num_targets }
+    Batch { b, t, input_ids, targets, num_targets, mask }
 }
 
 /// The rows of batch `k` of size `b`: row indices `(k*b + i) % len` for `i` in `0..b`, i.e. file

@@ -15,6 +15,9 @@ use std::path::Path;
 use anyhow::{Context, Result, bail};
 use serde_json::{Map, Value};
 
+pub use crate::hf::moe::MoeConfig;
+use crate::hf::moe::parse_moe;
+
 /// Decoder architecture, from `model_type`. Llama, Qwen2 and Mistral are the same pre-norm
 /// decoder (they differ in defaults, biases and the window); Qwen3 adds per-head q/k norms;
 /// Gemma 3 is its own family (see `model/families/`).
@@ -26,6 +29,12 @@ pub enum Arch {
     Qwen3,
     /// `gemma3_text`, or the `text_config` of a `gemma3` (multimodal) checkpoint.
     Gemma3,
+    /// Qwen3's attention with sparse MLPs.
+    Qwen3Moe,
+    /// Qwen2's attention with sparse MLPs and a shared expert.
+    Qwen2Moe,
+    /// Mistral's attention with sparse MLPs (`block_sparse_moe`).
+    Mixtral,
 }
 
 /// What a layer's attention sees (`layer_types`).
@@ -46,6 +55,9 @@ impl Arch {
             Arch::Mistral => "mistral",
             Arch::Qwen3 => "qwen3",
             Arch::Gemma3 => "gemma3_text",
+            Arch::Qwen3Moe => "qwen3_moe",
+            Arch::Qwen2Moe => "qwen2_moe",
+            Arch::Mixtral => "mixtral",
         }
     }
 
@@ -57,6 +69,9 @@ impl Arch {
             Arch::Mistral => "MistralForCausalLM",
             Arch::Qwen3 => "Qwen3ForCausalLM",
             Arch::Gemma3 => "Gemma3ForCausalLM",
+            Arch::Qwen3Moe => "Qwen3MoeForCausalLM",
+            Arch::Qwen2Moe => "Qwen2MoeForCausalLM",
+            Arch::Mixtral => "MixtralForCausalLM",
         }
     }
 
@@ -64,10 +79,26 @@ impl Arch {
     fn default_max_position_embeddings(self) -> usize {
         match self {
             Arch::Llama => 2048,
-            Arch::Qwen2 => 32768,
-            Arch::Mistral => 4096 * 32,
-            Arch::Qwen3 => 32768,
+            Arch::Qwen2 | Arch::Qwen2Moe => 32768,
+            Arch::Mistral | Arch::Mixtral => 4096 * 32,
+            Arch::Qwen3 | Arch::Qwen3Moe => 32768,
             Arch::Gemma3 => 131072,
+        }
+    }
+
+    /// A mixture-of-experts family.
+    pub fn is_moe(self) -> bool {
+        matches!(self, Arch::Qwen3Moe | Arch::Qwen2Moe | Arch::Mixtral)
+    }
+
+    /// The attention (and dense MLP) family it shares: Llama-style decoders by their own name,
+    /// the sparse families by their dense sibling's.
+    pub fn dense(self) -> Arch {
+        match self {
+            Arch::Qwen3Moe => Arch::Qwen3,
+            Arch::Qwen2Moe => Arch::Qwen2,
+            Arch::Mixtral => Arch::Mistral,
+            a => a,
         }
     }
 
@@ -149,11 +180,14 @@ pub struct ModelConfig {
     pub bos_token_id: Option<u32>,
     /// `eos_token_id`: HF writes an int or a list; empty when null or absent.
     pub eos_token_id: Vec<u32>,
+    /// The sparse MLPs of a mixture-of-experts family; `None` for a dense model.
+    pub moe: Option<MoeConfig>,
     /// The original JSON object, kept so export can write it back.
     pub raw: Value,
 }
 
-const SUPPORTED: &str = "llama, qwen2, mistral, qwen3, gemma3_text, gemma3";
+const SUPPORTED: &str =
+    "llama, qwen2, mistral, qwen3, gemma3_text, gemma3, qwen3_moe, qwen2_moe, mixtral";
 
 impl ModelConfig {
     /// Reads and validates a `config.json`; errors name the file.
@@ -199,6 +233,13 @@ impl ModelConfig {
             "mistral" => Arch::Mistral,
             "qwen3" => Arch::Qwen3,
             "gemma3_text" => Arch::Gemma3,
+            "qwen3_moe" => Arch::Qwen3Moe,
+            "qwen2_moe" => Arch::Qwen2Moe,
+            "mixtral" => Arch::Mixtral,
+            other if other.starts_with("deepseek") => bail!(
+                "{origin}: model_type '{other}' is not supported: DeepSeek's multi-head latent \
+                 attention (MLA) and grouped routing are not implemented; supported: {SUPPORTED}"
+            ),
             other => {
                 bail!("{origin}: model_type '{other}' is not supported; supported: {SUPPORTED}")
             }
@@ -232,6 +273,7 @@ impl ModelConfig {
         };
         let max_position_embeddings =
             o.size("max_position_embeddings")?.unwrap_or(arch.default_max_position_embeddings());
+        let moe = parse_moe(&o, arch, sizes.num_layers, sizes.intermediate_size)?;
         let Sizes { hidden_size, num_layers, num_heads, num_kv_heads, head_dim, .. } = sizes;
         Ok(ModelConfig {
             arch,
@@ -254,6 +296,7 @@ impl ModelConfig {
             max_position_embeddings,
             bos_token_id,
             eos_token_id,
+            moe,
             raw: v.clone(),
         })
     }
@@ -279,7 +322,7 @@ impl ModelConfig {
         set("max_position_embeddings", self.max_position_embeddings.into());
         let act = if self.arch == Arch::Gemma3 { "gelu_pytorch_tanh" } else { "silu" };
         set(self.arch.act_key(), act.into());
-        if self.arch != Arch::Qwen2 {
+        if self.arch.dense() != Arch::Qwen2 {
             set("attention_bias", self.qkv_bias.into());
         }
         set("bos_token_id", self.bos_token_id.map_or(Value::Null, Value::from));
@@ -441,15 +484,15 @@ fn parse_family_keys(o: &Keys, arch: Arch) -> Result<bool> {
         );
     }
     let attention_bias = o.bool("attention_bias")?.unwrap_or(false);
-    match arch {
-        Arch::Qwen2 => Ok(true),
+    match arch.dense() {
+        Arch::Qwen2 => Ok(o.bool("qkv_bias")?.unwrap_or(true)),
         Arch::Llama | Arch::Mistral => Ok(attention_bias),
         Arch::Qwen3 | Arch::Gemma3 if attention_bias => bail!(
             "{origin}: attention_bias true is not supported for {} (its projections have no \
              biases)",
             arch.model_type()
         ),
-        Arch::Qwen3 | Arch::Gemma3 => Ok(false),
+        _ => Ok(false),
     }
 }
 
@@ -463,6 +506,7 @@ fn parse_layer_types(
     layers: usize,
 ) -> Result<(Vec<LayerType>, Option<usize>)> {
     let origin = o.origin;
+    let arch = arch.dense();
     let window = match arch {
         Arch::Qwen2 | Arch::Qwen3 if o.bool("use_sliding_window")? != Some(true) => None,
         Arch::Gemma3 => Some(o.size("sliding_window")?.unwrap_or(4096)),
@@ -621,17 +665,17 @@ fn as_token_id(v: &Value) -> Option<u32> {
 }
 
 /// Typed access to the keys of one JSON object; `null` reads as absent.
-struct Keys<'a> {
+pub(crate) struct Keys<'a> {
     obj: &'a Map<String, Value>,
-    origin: &'a str,
+    pub(crate) origin: &'a str,
 }
 
 impl<'a> Keys<'a> {
-    fn get(&self, key: &str) -> Option<&'a Value> {
+    pub(crate) fn get(&self, key: &str) -> Option<&'a Value> {
         self.obj.get(key).filter(|v| !v.is_null())
     }
 
-    fn size(&self, key: &str) -> Result<Option<usize>> {
+    pub(crate) fn size(&self, key: &str) -> Result<Option<usize>> {
         let Some(v) = self.get(key) else {
             return Ok(None);
         };
@@ -644,11 +688,11 @@ impl<'a> Keys<'a> {
         Ok(Some(n))
     }
 
-    fn required_size(&self, key: &str) -> Result<usize> {
+    pub(crate) fn required_size(&self, key: &str) -> Result<usize> {
         self.size(key)?.with_context(|| format!("{}: missing required key '{key}'", self.origin))
     }
 
-    fn float(&self, key: &str) -> Result<Option<f64>> {
+    pub(crate) fn float(&self, key: &str) -> Result<Option<f64>> {
         let Some(v) = self.get(key) else {
             return Ok(None);
         };
@@ -658,7 +702,7 @@ impl<'a> Keys<'a> {
         Ok(Some(x))
     }
 
-    fn bool(&self, key: &str) -> Result<Option<bool>> {
+    pub(crate) fn bool(&self, key: &str) -> Result<Option<bool>> {
         let Some(v) = self.get(key) else {
             return Ok(None);
         };
@@ -668,7 +712,7 @@ impl<'a> Keys<'a> {
         Ok(Some(b))
     }
 
-    fn str(&self, key: &str) -> Result<Option<&'a str>> {
+    pub(crate) fn str(&self, key: &str) -> Result<Option<&'a str>> {
         let Some(v) = self.get(key) else {
             return Ok(None);
         };

@@ -9,6 +9,9 @@ use std::ops::Range;
 
 use horizon_backend::{Backend, DeviceSlice, Dinp, NormDims};
 
+use crate::model::moe::{
+    ExpertGrads, MoeIo, experts_backward, experts_forward, route_backward, route_forward,
+};
 use crate::model::spec::{Act, BwdOp, Glu, LayerSpec, Op, Weight};
 
 /// One activation or gradient buffer handed to a layer: read-only or writable.
@@ -19,16 +22,24 @@ pub enum Slot<'a, T: ?Sized> {
 
 impl<T: ?Sized + DeviceSlice> Slot<'_, T> {
     /// The first `len` elements.
-    fn r(&self, len: usize) -> &T {
+    pub(crate) fn r(&self, len: usize) -> &T {
         match self {
             Slot::R(x) => x.slice(0..len),
             Slot::W(x) => x.slice(0..len),
         }
     }
 
+    /// The whole buffer, writable.
+    pub(crate) fn whole(&mut self) -> &mut T {
+        match self {
+            Slot::W(x) => x,
+            Slot::R(_) => panic!("a layer op writes a read-only buffer"),
+        }
+    }
+
     /// The first `len` elements, writable. A read-only slot here is a bug in the description
     /// (`LayerBuilder::finish` refuses an op that writes the layer input).
-    fn w(&mut self, len: usize) -> &mut T {
+    pub(crate) fn w(&mut self, len: usize) -> &mut T {
         match self {
             Slot::W(x) => x.slice_mut(0..len),
             Slot::R(_) => panic!("a layer op writes a read-only buffer"),
@@ -73,6 +84,8 @@ fn two_mut<T: ?Sized + DeviceSlice>(
 pub struct Weights<'a, B: Backend + ?Sized> {
     pub slot: &'a B::WBuf,
     pub packed: Option<Packed<'a, B>>,
+    /// A sparse layer's dispatch scratch and load-balancing buffers (`None` for a dense one).
+    pub moe: Option<MoeIo<'a, B>>,
 }
 
 /// The packed part of [`Weights`].
@@ -86,7 +99,7 @@ pub struct Packed<'a, B: Backend + ?Sized> {
 impl<'a, B: Backend + ?Sized> Weights<'a, B> {
     /// Weights held in the slot alone (no packed tensor).
     pub fn slot(slot: &'a B::WBuf) -> Self {
-        Weights { slot, packed: None }
+        Weights { slot, packed: None, moe: None }
     }
 
     /// A product's weight: its slot range, or its packed tensors dequantised into the
@@ -247,6 +260,8 @@ fn forward_ops<B: Backend>(
                     Glu::GeluTanh => be.geglu_forward(o.w(n * f), g.r(n * 2 * f), n, f),
                 }
             }
+            Op::Route { .. } => route_forward(be, op, slots, wts.moe.as_mut(), n),
+            Op::Experts { .. } => experts_forward(be, op, slots, wts, n),
         }
     }
 }
@@ -311,7 +326,7 @@ pub fn layer_backward<B: Backend>(
                 let (gi, go) = (gi.w(len(inp)), go.r(len(inp)));
                 be.head_rmsnorm_backward(gi, dwr, go, act(inp), wr, act(rstd), ad, nd);
             }
-            BwdOp::Linear { op, dinp, dout } => {
+            BwdOp::Linear { op, dinp, dout, acc } => {
                 let Op::Linear { inp, w: ref r, ref bias, ic, oc, .. } = spec.ops[op] else {
                     unreachable!("the program names its op")
                 };
@@ -321,8 +336,8 @@ pub fn layer_backward<B: Backend>(
                     Weight::Packed(_) => None,
                 };
                 let (dweight, dbias) = two_mut(dw, dwr, bias.as_ref().and_then(gr));
-                let (gi, go) = (Dinp::Write(gi.w(n * ic)), go.r(n * oc));
-                let wt = wts.get(be, r);
+                let gi = if acc { Dinp::Add(gi.w(n * ic)) } else { Dinp::Write(gi.w(n * ic)) };
+                let (go, wt) = (go.r(n * oc), wts.get(be, r));
                 be.matmul_backward(Some(gi), dweight, dbias, go, act(inp), wt, n, ic, oc);
             }
             BwdOp::Lora { op, dinp, dout, g, du } => {
@@ -374,6 +389,21 @@ pub fn layer_backward<B: Backend>(
                     Glu::GeluTanh => be.geglu_backward(gg, go, act(gu), n, f),
                 }
             }
+            BwdOp::Route { op, dlogits, dwts } => {
+                let Op::Route { e, k, .. } = spec.ops[op] else { unreachable!() };
+                let [gl, gw] = pick(grads, [dlogits, dwts]);
+                let g = (gl.w(n * e), gw.r(n * k));
+                route_backward(be, &spec.ops[op], g, acts, wts.moe.as_ref(), n);
+            }
+            BwdOp::Experts { op, dinp, acc, dout, dwts, t } => {
+                let Op::Experts { k, c, .. } = spec.ops[op] else { unreachable!() };
+                let [gi, go, gw, t0, t1, t2, t3, t4, t5, t6] =
+                    pick(grads, [dinp, dout, dwts, t[0], t[1], t[2], t[3], t[4], t[5], t[6]]);
+                let gi = if acc { Dinp::Add(gi.w(n * c)) } else { Dinp::Write(gi.w(n * c)) };
+                let t = [t0, t1, t2, t3, t4, t5, t6].map(|s| s.whole());
+                let g = ExpertGrads { dinp: gi, dout: go.r(n * c), dwts: gw.w(n * k), t };
+                experts_backward(be, spec, &spec.ops[op], g, dw, acts, wts, n);
+            }
         }
     }
 }
@@ -421,7 +451,7 @@ mod tests {
         fn view(&mut self) -> Weights<'_, CpuBackend> {
             let packed = (!self.words.is_empty())
                 .then(|| Packed { words: &self.words[..], ws: &mut self.ws[..] });
-            Weights { slot: &self.w[..], packed }
+            Weights { slot: &self.w[..], packed, moe: None }
         }
     }
 

@@ -2,7 +2,7 @@
 //! each layer (names, shapes and offsets of every flat per-layer buffer: weights, gradients,
 //! AdamW moments), and the model-level tensors. The single source for every flat buffer.
 
-use crate::hf::config::ModelConfig;
+use crate::hf::config::{ModelConfig, MoeConfig};
 use crate::model::lora::LoraSpec;
 pub use crate::model::spec::TensorSpec;
 use crate::model::spec::{IO_SLOTS, Init, LayerSpec};
@@ -77,6 +77,8 @@ pub struct ModelLayout {
     /// An adapter run's adapters: the base (every tensor of the checkpoint) is frozen and the
     /// layers' adapters alone train. `None`: full fine-tuning.
     pub adapter: Option<LoraSpec>,
+    /// A mixture-of-experts model's routing and load-balancing loss (`None`: dense).
+    pub moe: Option<MoeConfig>,
 }
 
 pub const EMBED: &str = "model.embed_tokens.weight";
@@ -106,6 +108,7 @@ impl ModelLayout {
             final_norm_offset,
             prefix: cfg.tensor_prefix.clone(),
             adapter: None,
+            moe: cfg.moe.clone(),
         }
     }
 

@@ -9,6 +9,7 @@ pub mod kv_cache;
 pub mod layer;
 pub mod layout;
 pub mod lora;
+pub mod moe;
 pub mod params;
 pub mod spec;
 pub mod transformer;

@@ -169,6 +169,29 @@ pub enum Op {
     Add { a: Act, b: Act, out: Act },
     /// `out = act(gate) * up`, gate_up (N, 2F) -> (N, F).
     Glu { gu: Act, out: Act, act: Glu, f: usize },
+    /// Mixture-of-experts routing: `probs = softmax(logits)` (N, E), the top k experts `sel`
+    /// (N, k, f32 indices) and their weights `wts` (N, k), renormalised when `norm`. Adds the
+    /// rows' load-balancing statistics to the pass's pooled ones ([`crate::model::moe`]).
+    Route { logits: Act, probs: Act, sel: Act, wts: Act, e: usize, k: usize, norm: bool },
+    /// The routed experts: each row of `inp` (N, C) through its k experts (SwiGLU of width `i`),
+    /// their outputs summed with the routing weights into `out` (N, C). `gate_up` holds the E
+    /// experts' `[gate; up]` (2I, C) one after another, `down` their (C, I). `gu` (N, k*2I)
+    /// keeps the pairs' gate|up in expert order for the backward; `scratch` = (xs (N, k*C),
+    /// s (N, k*I), ys (N, k*C), idx (N, 2k)) is forward-only.
+    Experts {
+        inp: Act,
+        sel: Act,
+        wts: Act,
+        out: Act,
+        gu: Act,
+        scratch: [Act; 4],
+        gate_up: Range<usize>,
+        down: Range<usize>,
+        e: usize,
+        k: usize,
+        i: usize,
+        c: usize,
+    },
 }
 
 impl Op {
@@ -184,6 +207,11 @@ impl Op {
             Op::Add { a, b, out } => (vec![a, b], vec![out]),
             Op::Glu { gu, out, .. } => (vec![gu], vec![out]),
             Op::Lora { inp, out, u, tmp, .. } => (vec![inp, out], vec![out, u, tmp]),
+            Op::Route { logits, probs, sel, wts, .. } => (vec![logits], vec![probs, sel, wts]),
+            // `sel` is read too, as a statistic (it carries no gradient): see `saved`.
+            Op::Experts { inp, wts, out, gu, scratch, .. } => {
+                (vec![inp, wts], [&[out, gu][..], &scratch].concat())
+            }
         }
     }
 
@@ -196,6 +224,8 @@ impl Op {
             Op::Attention { qkv, out, lse } => vec![qkv, out, lse],
             Op::Glu { gu, .. } => vec![gu],
             Op::Lora { inp, u, .. } => vec![inp, u],
+            Op::Route { probs, sel, .. } => vec![probs, sel],
+            Op::Experts { inp, sel, wts, gu, .. } => vec![inp, sel, wts, gu],
         }
     }
 
@@ -204,6 +234,8 @@ impl Op {
         match *self {
             Op::Linear { ic, oc, .. } => 2.0 * (n * ic * oc) as f64,
             Op::Lora { ic, r, w, .. } => 2.0 * (n * r * (ic + w)) as f64,
+            // Active FLOPs: each row through its k experts.
+            Op::Experts { k, i, c, .. } => 2.0 * (n * k * 3 * i * c) as f64,
             _ => 0.0,
         }
     }
@@ -257,8 +289,9 @@ pub enum BwdOp {
     RmsNorm { op: usize, dinp: GradBuf, dout: GradBuf },
     /// Per-head RMSNorm backward: `dinp =` (overwrites), weight gradient `+=`.
     HeadNorm { op: usize, dinp: GradBuf, dout: GradBuf },
-    /// Linear backward: `dinp =` (overwrites), weight and bias gradients `+=`.
-    Linear { op: usize, dinp: GradBuf, dout: GradBuf },
+    /// Linear backward: `dinp =` (overwrites; `+=` when `acc`: the input has a later
+    /// consumer), weight and bias gradients `+=`.
+    Linear { op: usize, dinp: GradBuf, dout: GradBuf, acc: bool },
     /// Inverse rotation in place on `dqkv`.
     Rope { op: usize, dqkv: GradBuf },
     /// Attention backward: `dqkv =` (overwrites).
@@ -268,6 +301,12 @@ pub enum BwdOp {
     /// LoRA backward, after its product's: `g = scale * dout[:, cols]` (in `g`), `du = g b`
     /// (in `du`), `dinp +=` `du a`; the adapter gradients `+=`.
     Lora { op: usize, dinp: GradBuf, dout: GradBuf, g: GradBuf, du: GradBuf },
+    /// Routing backward: `dlogits =` (overwrites) from `dwts` and the load-balancing term.
+    Route { op: usize, dlogits: GradBuf, dwts: GradBuf },
+    /// Experts backward: `dinp =` (`+=` when `acc`), `dwts =`, expert weight gradients `+=`.
+    /// `t` = scratch (dy|dxs (k*C), sw (k*I), ds (k*I), dgu (k*2I), xs (k*C), s (k*I),
+    /// idx (2k)), each (N, width).
+    Experts { op: usize, dinp: GradBuf, acc: bool, dout: GradBuf, dwts: GradBuf, t: [GradBuf; 7] },
 }
 
 /// One decoder layer, described: tensors, activations, ops, and the derived backward.
@@ -636,8 +675,8 @@ fn derive_backward(spec: &LayerSpec, c: usize) -> (Vec<usize>, Vec<BwdOp>) {
             }
             Op::Linear { inp, out, .. } => {
                 let g = dout(&ga, out);
-                let dinp = fresh(&mut ga, inp);
-                prog.push(BwdOp::Linear { op: i, dinp, dout: g });
+                let (dinp, acc) = write_or_add(&mut ga, inp, width(inp));
+                prog.push(BwdOp::Linear { op: i, dinp, dout: g, acc });
                 // The product's adapters follow it in the forward; their backward follows its
                 // own, accumulating into the dinp it wrote, while `out`'s gradient is alive.
                 for j in (i + 1..spec.ops.len()).take_while(|&j| is_lora_of(&spec.ops[j], out)) {
@@ -668,6 +707,25 @@ fn derive_backward(spec: &LayerSpec, c: usize) -> (Vec<usize>, Vec<BwdOp>) {
                 ga.release(out);
                 prog.push(BwdOp::Glu { op: i, dgu, dout: g });
             }
+            Op::Route { logits, probs, sel, wts, .. } => {
+                let g = dout(&ga, wts);
+                let dlogits = fresh(&mut ga, logits);
+                prog.push(BwdOp::Route { op: i, dlogits, dwts: g });
+                ga.release(wts);
+                ga.release(probs);
+                ga.release(sel);
+            }
+            Op::Experts { inp, wts, out, gu, k, i: f, c: cw, .. } => {
+                let g = dout(&ga, out);
+                let dwts = fresh(&mut ga, wts);
+                let (dinp, acc) = write_or_add(&mut ga, inp, width(inp));
+                let widths = [k * cw, k * f, k * f, 2 * k * f, k * cw, k * f, 2 * k];
+                let t = widths.map(|w| ga.temp(w));
+                prog.push(BwdOp::Experts { op: i, dinp, acc, dout: g, dwts, t });
+                t.iter().for_each(|&b| ga.free(b));
+                ga.release(out);
+                ga.release(gu);
+            }
         }
         for a in op.forward_io().0 {
             assert!(differentiable(a), "op {i} reads statistic {a} as an input");
@@ -675,6 +733,15 @@ fn derive_backward(spec: &LayerSpec, c: usize) -> (Vec<usize>, Vec<BwdOp>) {
     }
     assert_eq!(ga.of[X], Some(DRES), "the layer input's gradient ends in dres");
     (ga.widths, prog)
+}
+
+/// The gradient buffer of an input an op writes or, when a later consumer already contributed,
+/// adds to: (buffer, accumulate).
+fn write_or_add(ga: &mut GradAlloc, a: Act, width: usize) -> (GradBuf, bool) {
+    match ga.of[a] {
+        Some(g) => (g, true),
+        None => (ga.take(width, a), false),
+    }
 }
 
 /// True when `op` is an adapter on the product that wrote `out`.

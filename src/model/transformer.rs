@@ -19,6 +19,7 @@ use crate::model::layer::{
     Packed, Rows, Slot, Weights, act_slots, grad_slots, layer_backward, layer_forward,
 };
 use crate::model::layout::ModelLayout;
+use crate::model::moe::{MoeHost, MoeIo, aux_loss};
 use crate::model::params::ParamStore;
 
 /// The rows of one pass as the model takes them: `b` rows of `t` positions, right-padded, with
@@ -33,6 +34,8 @@ pub struct Tokens<'a> {
     pub ids: &'a [i32],
     /// (B*T) the next token of each position, -100 where no loss is taken.
     pub targets: &'a [i32],
+    /// (B*T) 1 on real tokens, 0 on padding.
+    pub mask: &'a [f32],
 }
 
 impl Tokens<'_> {
@@ -49,11 +52,20 @@ pub struct PassOutput {
     pub loss_sum: f64,
     /// Number of loss-carrying positions.
     pub num_targets: usize,
+    /// A mixture of experts' load-balancing loss (unscaled), and the coefficient it carries in
+    /// the trained objective (0: reported only).
+    pub aux: Option<(f64, f64)>,
 }
 
 impl PassOutput {
-    /// The HF causal-LM loss: mean over loss-carrying positions.
+    /// The trained objective as HF reports it: the causal-LM loss (mean over loss-carrying
+    /// positions) plus the coefficient times the load-balancing loss.
     pub fn loss(&self) -> f64 {
+        self.ce_loss() + self.aux.map_or(0.0, |(aux, coef)| coef * aux)
+    }
+
+    /// The causal-LM loss alone.
+    pub fn ce_loss(&self) -> f64 {
         self.loss_sum / self.num_targets.max(1) as f64
     }
 }
@@ -122,6 +134,60 @@ pub struct Transformer<B: DeviceAlloc> {
     host_dw: Vec<f32>,
     host_dhead: Vec<f32>,
     host_losses: Vec<f32>,
+    /// A mixture of experts' pass buffers (`None`: dense).
+    moe: Option<MoeBufs<B>>,
+    /// The last forward's load-balancing loss and its trained coefficient.
+    aux: Option<(f64, f64)>,
+}
+
+/// A mixture of experts' buffers for one pass: the dispatch sort's host scratch, the rows' mask,
+/// the pooled load-balancing statistics and the gradient every sparse layer's routing adds.
+struct MoeBufs<B: DeviceAlloc> {
+    host: MoeHost,
+    /// (N) 1 on real rows.
+    mask: B::Mem,
+    /// (2E) pooled over the pass's sparse layers.
+    stats: B::Mem,
+    /// (E) per real row, when the loss is trained.
+    grad: B::Mem,
+    host_stats: Vec<f32>,
+    host_grad: Vec<f32>,
+}
+
+impl<B: DeviceAlloc> MoeBufs<B> {
+    fn new(be: &B, layout: &ModelLayout, n: usize) -> Option<Self> {
+        let m = layout.moe.as_ref()?;
+        let e = m.num_experts;
+        Some(MoeBufs {
+            host: MoeHost::new(n * m.top_k, e),
+            mask: be.alloc(n),
+            stats: be.alloc(2 * e),
+            grad: be.alloc(e),
+            host_stats: vec![0.0; 2 * e],
+            host_grad: vec![0.0; e],
+        })
+    }
+
+    /// The layer's view: statistics pooled (a first forward) or not, the gradient when given.
+    fn io(&mut self, n: usize, pool: bool, grad: bool) -> MoeIo<'_, B> {
+        MoeIo {
+            host: &mut self.host,
+            mask: Some(self.mask.slice(0..n)),
+            stats: pool.then_some(&mut *self.stats),
+            grad: grad.then_some(&*self.grad),
+        }
+    }
+
+    /// After a forward: the pass's aux loss; the gradient uploaded for the backward.
+    fn finish(&mut self, be: &B, layout: &ModelLayout, real_rows: f64) -> (f64, f64) {
+        let m = layout.moe.as_ref().expect("a sparse model");
+        be.download(&mut self.host_stats, &self.stats);
+        let sparse = (0..layout.dims.layers).filter(|&i| m.is_sparse(i)).count();
+        let coef = m.trained_coef();
+        let aux = aux_loss(&self.host_stats, sparse, real_rows, coef, Some(&mut self.host_grad));
+        be.upload(&mut self.grad, &self.host_grad);
+        (aux, coef)
+    }
 }
 
 /// A buffer's first `len` elements.
@@ -192,6 +258,8 @@ impl<B: DeviceAlloc> Transformer<B> {
             host_dw: vec![0.0; layer_len.max(d.c)],
             host_dhead: vec![0.0; d.v * d.c],
             host_losses: vec![0.0; n],
+            moe: MoeBufs::new(&be, &layout, n),
+            aux: None,
             ropes,
             acts,
             grads,
@@ -201,8 +269,9 @@ impl<B: DeviceAlloc> Transformer<B> {
         }
     }
 
-    /// Layer `l` forward on `rows`: `x -> y`, its internals in `acts`.
-    fn run_layer_forward(&mut self, l: usize, rows: Rows) {
+    /// Layer `l` forward on `rows`: `x -> y`, its internals in `acts`; a sparse layer adds to
+    /// the pass's load-balancing statistics when `pool` (not in a recompute).
+    fn run_layer_forward(&mut self, l: usize, rows: Rows, pool: bool) {
         let nc = rows.b * rows.t * self.layout.dims.c;
         let ropes = rope_views(&self.ropes, rows.t * self.layout.dims.d / 2);
         let spec = self.layout.layer(l);
@@ -212,6 +281,7 @@ impl<B: DeviceAlloc> Transformer<B> {
             self.acts.iter_mut().map(|m| &mut **m),
         );
         let mut w = layer_weights::<B>(spec, &self.w, &self.packed, &mut self.ws);
+        w.moe = self.moe.as_mut().map(|m| m.io(rows.b * rows.t, pool, false));
         layer_forward(&self.be, spec, &mut slots, &mut w, &ropes, rows);
     }
 
@@ -258,12 +328,18 @@ impl<B: DeviceAlloc> Transformer<B> {
         self.be.upload_i32(self.ids.slice_mut(0..n), batch.ids);
         self.be.upload_i32(self.targets.slice_mut(0..n), batch.targets);
         self.be.upload(vm(&mut self.x, nc), &self.ckpt[0][..nc]);
+        if let Some(m) = self.moe.as_mut() {
+            self.be.upload(vm(&mut m.mask, n), batch.mask);
+            self.be.zero(&mut m.stats);
+        }
         for l in 0..d.layers {
             self.upload_layer(params, l);
-            self.run_layer_forward(l, rows);
+            self.run_layer_forward(l, rows, true);
             std::mem::swap(&mut self.x, &mut self.y);
             self.be.download(&mut self.ckpt[l + 1][..nc], v(&self.x, nc));
         }
+        let real = batch.mask.iter().map(|&m| m as f64).sum();
+        self.aux = self.moe.as_mut().map(|m| m.finish(&self.be, &self.layout, real));
         self.upload_head(params);
         self.be.rmsnorm_forward(
             vm(&mut self.hf, nc),
@@ -360,7 +436,7 @@ impl<B: DeviceAlloc> Transformer<B> {
             self.be.download(&mut self.host_losses[..rows], v(&self.losses, rows));
             loss_sum += self.host_losses[..rows].iter().map(|&x| x as f64).sum::<f64>();
         }
-        Ok(PassOutput { loss_sum, num_targets: batch.num_targets() })
+        Ok(PassOutput { loss_sum, num_targets: batch.num_targets(), aux: self.aux })
     }
 
     /// One forward and backward pass over `batch`. Parameter gradients **accumulate** (+=) into
@@ -426,7 +502,7 @@ impl<B: DeviceAlloc> Transformer<B> {
             let len = params.layers[l].len();
             self.upload_layer(params, l);
             self.be.upload(vm(&mut self.x, nc), &self.ckpt[l][..nc]);
-            self.run_layer_forward(l, rows);
+            self.run_layer_forward(l, rows, false);
             self.be.zero(vm(&mut self.dw, len));
             let spec = self.layout.layer(l);
             let ropes = rope_views(&self.ropes, rows.t * d.d / 2);
@@ -438,6 +514,8 @@ impl<B: DeviceAlloc> Transformer<B> {
             let mut gslots =
                 grad_slots(vm(&mut self.dres, nc), self.grads.iter_mut().map(|m| &mut **m));
             let mut w = layer_weights::<B>(spec, &self.w, &self.packed, &mut self.ws);
+            let trained = self.aux.is_some_and(|(_, coef)| coef > 0.0);
+            w.moe = self.moe.as_mut().map(|m| m.io(n, false, trained));
             let dw = vm(&mut self.dw, len);
             layer_backward(&self.be, spec, &mut gslots, dw, &acts, &mut w, &ropes, rows);
             drop((acts, gslots));
@@ -452,7 +530,7 @@ impl<B: DeviceAlloc> Transformer<B> {
             embed_rows_backward(&mut grads.embed, batch.ids, dx, &self.layout);
         }
 
-        Ok(PassOutput { loss_sum, num_targets: batch.num_targets() })
+        Ok(PassOutput { loss_sum, num_targets: batch.num_targets(), aux: self.aux })
     }
 }
 
@@ -528,7 +606,7 @@ pub(crate) fn layer_weights<'a, B: DeviceAlloc>(
 ) -> Weights<'a, B> {
     let slot = v(w, spec.len);
     let packed = (spec.packed > 0).then(|| Packed { words: v(packed, spec.packed), ws: &mut **ws });
-    Weights { slot, packed }
+    Weights { slot, packed, moe: None }
 }
 
 /// `acc += x` on host buffers.

@@ -240,14 +240,22 @@ pub fn micro_batches(rows: &[&Row], size: usize) -> Vec<MicroBatch> {
     rows.chunks(size.max(1))
         .map(|chunk| {
             let b = make_batch(chunk);
-            MicroBatch { b: b.b, t: b.t, ids: Arc::new(b.input_ids), targets: Arc::new(b.targets) }
+            let (ids, targets, mask) =
+                (Arc::new(b.input_ids), Arc::new(b.targets), Arc::new(b.mask));
+            MicroBatch { b: b.b, t: b.t, ids, targets, mask }
         })
         .collect()
 }
 
 /// A data batch as the model takes it: its rows' token ids and shifted targets.
 pub fn tokens_of(batch: &Batch) -> Tokens<'_> {
-    Tokens { b: batch.b, t: batch.t, ids: &batch.input_ids, targets: &batch.targets }
+    Tokens {
+        b: batch.b,
+        t: batch.t,
+        ids: &batch.input_ids,
+        targets: &batch.targets,
+        mask: &batch.mask,
+    }
 }
 
 #[cfg(test)]

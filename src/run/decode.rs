@@ -254,8 +254,8 @@ impl Generator {
             match &mut self.runner {
                 Runner::Full(_, tr) => {
                     let t = seq.len();
-                    let targets = vec![-100; t];
-                    let tokens = Tokens { b: 1, t, ids: &seq, targets: &targets };
+                    let (targets, mask) = (vec![-100; t], vec![1.0; t]);
+                    let tokens = Tokens { b: 1, t, ids: &seq, targets: &targets, mask: &mask };
                     tr.last_logits(params, tokens, logits)?;
                 }
                 Runner::KvCpu(kv) => kv.step(params, fresh, logits)?,

@@ -92,6 +92,8 @@ impl ReferenceTrainer {
             skipped: false,
             no_loss: false,
             eval_loss: None,
+            ce_loss: out.aux.map(|_| out.ce_loss()),
+            aux_loss: out.aux.map(|(aux, _)| aux),
         })
     }
 

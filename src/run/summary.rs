@@ -78,8 +78,15 @@ pub struct Summary {
 pub struct StepMetrics {
     /// 1-based optimizer step.
     pub step: usize,
-    /// Mean loss over the batch's loss-carrying positions.
+    /// The trained objective: the mean loss over the batch's loss-carrying positions, plus a
+    /// mixture of experts' load-balancing term times its coefficient when it is trained.
     pub loss: f64,
+    /// A mixture of experts' cross-entropy alone.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ce_loss: Option<f64>,
+    /// A mixture of experts' load-balancing loss, unscaled (reported even when untrained).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub aux_loss: Option<f64>,
     /// Global L2 norm of the gradient, before clipping.
     pub grad_norm: f64,
     /// Learning rate used for this step.
@@ -112,6 +119,8 @@ impl StepMetrics {
             skipped: true,
             no_loss: true,
             eval_loss: None,
+            ce_loss: None,
+            aux_loss: None,
         }
     }
 }

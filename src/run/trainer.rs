@@ -146,6 +146,8 @@ where
             skipped: out.skipped,
             no_loss: false,
             eval_loss: None,
+            ce_loss: None,
+            aux_loss: None,
         })
     }
 

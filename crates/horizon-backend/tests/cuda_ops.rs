@@ -29,7 +29,7 @@ use horizon_backend::nf4;
 use horizon_backend::precision::GRAD_WIRE_CHUNK;
 use horizon_backend::{
     AttnDims, Backend, Bf16, CpuBackend, DevBuf, Device, DeviceAlloc, DeviceSlice, Dinp, Event,
-    HostPtr, HostPtrMut, NormDims, Precision, Queue,
+    HostPtr, HostPtrMut, MoeDims, NormDims, Precision, Queue,
 };
 
 const GUARD: usize = 37;
@@ -1020,6 +1020,162 @@ fn cross_entropy_tiles_compose_to_the_fused_kernel() {
             let want = tile_of(&dlogits, v, *v0, *vt);
             assert_close(&what(&format!("dlogits {v0}+{vt}")), &gtile.read(&be), &want, TOL);
         }
+    }
+}
+
+/// Routing shapes: one expert, top-2 of 8 renormalised, top-6 of 64, k = E, and top-8 of 128
+/// over more rows than a block of the kernels.
+const MOE_CASES: [MoeDims; 5] = [
+    MoeDims { n: 1, e: 1, k: 1, norm: false },
+    MoeDims { n: 37, e: 8, k: 2, norm: true },
+    MoeDims { n: 13, e: 64, k: 6, norm: false },
+    MoeDims { n: 5, e: 3, k: 3, norm: true },
+    MoeDims { n: 133, e: 128, k: 8, norm: true },
+];
+
+/// The routing forward on the CPU: `(probs, sel, wts)`.
+fn cpu_route(logits: &[f32], dims: MoeDims) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (mut probs, mut sel, mut wts) =
+        (vec![0.0; dims.n * dims.e], vec![0.0; dims.m()], vec![0.0; dims.m()]);
+    CpuBackend.moe_route_forward(&mut probs, &mut sel, &mut wts, logits, dims);
+    (probs, sel, wts)
+}
+
+/// Routing on the GPU against the CPU: probs and wts within `TOL` (expf may differ in its last
+/// bits), the same experts chosen in the same order (ties included: every third row repeats
+/// its largest logit at another expert), all three overwritten (prefilled with 5s). The
+/// backward, from the CPU's probs and sel, with and without `norm` and the aux term, overwrites
+/// dlogits; the aux statistics accumulate.
+#[test]
+fn moe_route_and_aux_stats_match_the_cpu() {
+    let be = gpu();
+    let mut rng = Rng::new(27);
+    for dims in MOE_CASES {
+        let MoeDims { n, e, .. } = dims;
+        let what = |t: &str| format!("{t} {dims:?}");
+        let mut logits = rng.vec(n * e, 3.0);
+        for row in logits.chunks_mut(e).step_by(3) {
+            let (top, _) = row
+                .iter()
+                .enumerate()
+                .fold((0, f32::MIN), |b, (i, &x)| if x > b.1 { (i, x) } else { b });
+            let other = (top + e / 2) % e;
+            row[other] = row[top];
+        }
+        let (probs, sel, wts) = cpu_route(&logits, dims);
+        let glogits = Guarded::new(&be, "logits", &logits);
+        let mut gprobs = Guarded::new(&be, "probs", &vec![5.0; n * e]);
+        let mut gsel = Guarded::new(&be, "sel", &vec![5.0; dims.m()]);
+        let mut gwts = Guarded::new(&be, "wts", &vec![5.0; dims.m()]);
+        be.moe_route_forward(
+            gprobs.view_mut(),
+            gsel.view_mut(),
+            gwts.view_mut(),
+            glogits.view(),
+            dims,
+        );
+        assert_close(&what("moe_route_forward probs"), &gprobs.read(&be), &probs, TOL);
+        assert_close(&what("moe_route_forward sel"), &gsel.read(&be), &sel, 0.0);
+        assert_close(&what("moe_route_forward wts"), &gwts.read(&be), &wts, TOL);
+
+        let (gprobs, gsel) = (Guarded::new(&be, "probs", &probs), Guarded::new(&be, "sel", &sel));
+        let dwts = rng.vec(dims.m(), 1.0);
+        let g = rng.vec(e, 1.0);
+        let mask: Vec<f32> = (0..n).map(|r| if r % 4 == 3 { 0.0 } else { 1.0 }).collect();
+        let (gdwts, gg, gmask) = (
+            Guarded::new(&be, "dwts", &dwts),
+            Guarded::new(&be, "g", &g),
+            Guarded::new(&be, "mask", &mask),
+        );
+        for (norm, with_aux) in [(false, false), (true, false), (false, true), (true, true)] {
+            let dims = MoeDims { norm, ..dims };
+            let mut dlogits = vec![0.0; n * e];
+            let aux = with_aux.then_some((&g[..], &mask[..]));
+            CpuBackend.moe_route_backward(&mut dlogits, &dwts, &probs, &sel, aux, dims);
+            let mut gdl = Guarded::new(&be, "dlogits", &vec![5.0; n * e]);
+            let gaux = with_aux.then_some((gg.view(), gmask.view()));
+            be.moe_route_backward(
+                gdl.view_mut(),
+                gdwts.view(),
+                gprobs.view(),
+                gsel.view(),
+                gaux,
+                dims,
+            );
+            let what = format!("moe_route_backward (overwrites) {dims:?} aux {with_aux}");
+            assert_close(&what, &gdl.read(&be), &dlogits, TOL);
+        }
+
+        let stats0 = rng.vec(2 * e, 1.0);
+        let mut stats = stats0.clone();
+        CpuBackend.moe_aux_stats(&mut stats, &probs, &sel, &mask, dims);
+        let mut gstats = Guarded::new(&be, "stats", &stats0);
+        be.moe_aux_stats(gstats.view_mut(), gprobs.view(), gsel.view(), gmask.view(), dims);
+        assert_close(&what("moe_aux_stats (+=)"), &gstats.read(&be), &stats, TOL);
+    }
+}
+
+/// The dispatch ops on a routed, sorted case: gather, combine (with and without weights,
+/// overwriting and accumulating) and scale_rows compute as the CPU does, in the same order,
+/// so bit for bit; the row dots sum in another order (a warp's lanes, then a tree): `TOL`.
+#[test]
+fn moe_dispatch_ops_match_the_cpu() {
+    let be = gpu();
+    let mut rng = Rng::new(28);
+    for (dims, c, w) in [
+        (MOE_CASES[0], 1, 1),
+        (MOE_CASES[1], 67, 131),
+        (MOE_CASES[2], 33, 45),
+        (MOE_CASES[4], 5, 300),
+    ] {
+        let MoeDims { n, k, .. } = dims;
+        let m = dims.m();
+        let what = |t: &str| format!("{t} {dims:?} C={c} W={w}");
+        let (_, sel, wts) = cpu_route(&rng.vec(n * dims.e, 3.0), dims);
+        let (mut counts, mut order, mut pos) = (Vec::new(), Vec::new(), Vec::new());
+        horizon_backend::cpu::moe_sort(&sel, dims.e, &mut counts, &mut order, &mut pos);
+        let (gorder, gpos, gwts) = (
+            Guarded::new(&be, "order", &order),
+            Guarded::new(&be, "pos", &pos),
+            Guarded::new(&be, "wts", &wts),
+        );
+
+        let x = rng.vec(n * c, 1.0);
+        let mut xs = vec![0.0; m * c];
+        CpuBackend.moe_gather(&mut xs, &x, &order, k, c);
+        let gx = Guarded::new(&be, "x", &x);
+        let mut gxs = Guarded::new(&be, "xs", &vec![5.0; m * c]);
+        be.moe_gather(gxs.view_mut(), gx.view(), gorder.view(), k, c);
+        assert_close(&what("moe_gather (overwrites)"), &gxs.read(&be), &xs, 0.0);
+
+        let src = rng.vec(m * c, 1.0);
+        let out0 = rng.vec(n * c, 1.0);
+        let gsrc = Guarded::new(&be, "src", &src);
+        for (weighted, accumulate) in [(false, false), (true, false), (true, true), (false, true)] {
+            let mut out = out0.clone();
+            let cw = weighted.then_some(&wts[..]);
+            CpuBackend.moe_combine(&mut out, &src, &pos, cw, accumulate, k, c);
+            let mut gout = Guarded::new(&be, "out", &out0);
+            let gw = weighted.then_some(gwts.view());
+            be.moe_combine(gout.view_mut(), gsrc.view(), gpos.view(), gw, accumulate, k, c);
+            let t = format!("moe_combine wts {weighted} accumulate {accumulate}");
+            assert_close(&what(&t), &gout.read(&be), &out, 0.0);
+        }
+
+        let buf0 = rng.vec(m * w, 1.0);
+        let mut buf = buf0.clone();
+        CpuBackend.moe_scale_rows(&mut buf, &wts, &order, w);
+        let mut gbuf = Guarded::new(&be, "buf", &buf0);
+        be.moe_scale_rows(gbuf.view_mut(), gwts.view(), gorder.view(), w);
+        assert_close(&what("moe_scale_rows (in place)"), &gbuf.read(&be), &buf, 0.0);
+
+        let (a, b) = (rng.vec(m * w, 1.0), rng.vec(m * w, 1.0));
+        let mut dots = vec![0.0; m];
+        CpuBackend.moe_row_dots(&mut dots, &a, &b, &pos, w);
+        let (ga, gb) = (Guarded::new(&be, "a", &a), Guarded::new(&be, "b", &b));
+        let mut gdots = Guarded::new(&be, "dots", &vec![5.0; m]);
+        be.moe_row_dots(gdots.view_mut(), ga.view(), gb.view(), gpos.view(), w);
+        assert_close(&what("moe_row_dots (overwrites)"), &gdots.read(&be), &dots, TOL);
     }
 }
 

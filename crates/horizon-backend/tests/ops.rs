@@ -3,17 +3,20 @@
 //! (parameter gradients double when a backward runs twice), attention causality, GQA, sliding
 //! windows and scales, RMSNorm's `(1 + w)`, the per-head norm as the plain norm of each head,
 //! and the cross-entropy and activation edge cases; the cross-entropy over vocabulary tiles
-//! (stats, grad, loss) composes to the fused op for every tile width.
+//! (stats, grad, loss) composes to the fused op for every tile width; the mixture-of-experts
+//! routing (top-k ties to the lower expert) and its backward with and without `norm` and the
+//! load-balancing term, the host's stable sort by expert, and the dispatch ops.
 //!
 //! Tolerances (criterion of `assert_close`: `|got - want| <= tol * max(1, |want|)`):
 //! - `FWD_TOL` = 1e-5: an f32 op against the f64 reference on O(1) data. f32 rounding over the
 //!   short sums here is observed at <= 3e-7 (matmul, attention with or without a window,
 //!   rmsnorm with or without `(1 + w)`, head_rmsnorm, CE, geglu), <= 7e-7 (swiglu with |gate|
-//!   up to 4): a margin of more than 10x.
+//!   up to 4), below 1e-6 (MoE routing, aux statistics, combine, row dots): a margin of more
+//!   than 10x.
 //! - `GRAD_TOL` = 1e-5: an f32 analytic backward against f64 central differences (step 1e-5,
 //!   their own error ~1e-10). The f32 backward is observed within 5e-7 (attention's `dP - dD`,
 //!   rmsnorm's and head_rmsnorm's `dout w - x r^2 s / C` cancellations and geglu's `1 - t^2`
-//!   included).
+//!   included; the MoE routing backward, with and without `norm` and the aux term, below 1e-6).
 //! - `TWICE_TOL` = 1e-6: a backward run twice against twice one run, where sums are added
 //!   straight into the gradient (embedding rows named by repeated ids). Matmul, rmsnorm and
 //!   head_rmsnorm form each sum before adding it once, so for them doubling is checked
@@ -26,7 +29,7 @@ mod common;
 use common::*;
 use horizon_backend::cpu::testing::{Rng, assert_close};
 use horizon_backend::cpu::*;
-use horizon_backend::{AttnDims, Dinp, NormDims};
+use horizon_backend::{AttnDims, Dinp, MoeDims, NormDims};
 
 const FWD_TOL: f64 = 1e-5;
 const GRAD_TOL: f64 = 1e-5;
@@ -1269,4 +1272,263 @@ fn cross_entropy_tile_stats_fold_exactly_as_stated() {
     let want_s = (1.0 + (-1.0f64).exp()) * (-2.0f64).exp() + 1.0 + (-5.0f64).exp();
     assert_close("s after tile 1", &stats[1..2], &[want_s], 1e-7);
     assert_eq!(stats[2], 3.0);
+}
+
+// ---- mixture of experts -------------------------------------------------------------------
+
+/// Routing shapes: top-1, top-2 with and without renormalisation, k = E (every expert), and
+/// E = 16 (more experts than a row of the other cases).
+const MOE_DIMS: [MoeDims; 5] = [
+    MoeDims { n: 7, e: 4, k: 1, norm: false },
+    MoeDims { n: 5, e: 8, k: 2, norm: true },
+    MoeDims { n: 6, e: 8, k: 2, norm: false },
+    MoeDims { n: 3, e: 5, k: 5, norm: true },
+    MoeDims { n: 4, e: 16, k: 4, norm: true },
+];
+
+/// Reference softmax of each row of E, in f64.
+fn softmax_ref(logits: &[f64], e: usize) -> Vec<f64> {
+    let mut probs = Vec::with_capacity(logits.len());
+    for row in logits.chunks(e) {
+        let max = row.iter().fold(f64::NEG_INFINITY, |m, &x| m.max(x));
+        let exps: Vec<f64> = row.iter().map(|x| (x - max).exp()).collect();
+        let sum: f64 = exps.iter().sum();
+        probs.extend(exps.iter().map(|x| x / sum));
+    }
+    probs
+}
+
+/// Reference top-k of each row: experts by decreasing probability, equal ones by increasing
+/// index (a stable sort).
+fn topk_ref(probs: &[f64], e: usize, k: usize) -> Vec<usize> {
+    let mut sel = Vec::new();
+    for row in probs.chunks(e) {
+        let mut idx: Vec<usize> = (0..e).collect();
+        idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
+        sel.extend_from_slice(&idx[..k]);
+    }
+    sel
+}
+
+/// Reference routing weights of the experts `sel` (N, k) names: their probabilities, divided
+/// by their sum when `norm`.
+fn route_wts_ref(probs: &[f64], sel: &[usize], dims: MoeDims) -> Vec<f64> {
+    let MoeDims { e, k, norm, .. } = dims;
+    let mut wts = Vec::with_capacity(sel.len());
+    for (r, s) in sel.chunks(k).enumerate() {
+        let w: Vec<f64> = s.iter().map(|&x| probs[r * e + x]).collect();
+        let total: f64 = if norm { w.iter().sum() } else { 1.0 };
+        wts.extend(w.iter().map(|w| w / total));
+    }
+    wts
+}
+
+fn as_indices(x: &[f32]) -> Vec<usize> {
+    x.iter().map(|&v| v as usize).collect()
+}
+
+/// Runs the routing forward: `(probs, sel, wts)`, prefilled with NaN (all overwrite).
+fn route(logits: &[f32], dims: MoeDims) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (ne, nk) = (dims.n * dims.e, dims.m());
+    let (mut probs, mut sel, mut wts) =
+        (vec![f32::NAN; ne], vec![f32::NAN; nk], vec![f32::NAN; nk]);
+    moe_route_forward(&mut probs, &mut sel, &mut wts, logits, dims);
+    (probs, sel, wts)
+}
+
+#[test]
+fn moe_route_forward_matches_reference() {
+    let mut rng = Rng::new(70);
+    for dims in MOE_DIMS {
+        let what = |t: &str| format!("moe_route {t} {dims:?}");
+        let logits = rng.vec(dims.n * dims.e, 3.0);
+        let (probs, sel, wts) = route(&logits, dims);
+        let want_probs = softmax_ref(&to64(&logits), dims.e);
+        let want_sel = topk_ref(&want_probs, dims.e, dims.k);
+        assert_close(&what("probs"), &probs, &want_probs, FWD_TOL);
+        assert!(sel.iter().all(|&s| s == s.trunc()), "{}: {sel:?}", what("sel not integers"));
+        assert_eq!(as_indices(&sel), want_sel, "{}", what("sel"));
+        assert_close(&what("wts"), &wts, &route_wts_ref(&want_probs, &want_sel, dims), FWD_TOL);
+    }
+}
+
+#[test]
+fn moe_route_ties_go_to_the_lower_expert() {
+    // Experts 1, 2 and 4 tie for first, 0 and 5 for fourth: exactly equal logits give exactly
+    // equal probabilities, so only the index decides.
+    let logits = [1.0, 3.0, 3.0, -2.0, 3.0, 1.0];
+    let dims = MoeDims { n: 1, e: 6, k: 5, norm: false };
+    let (probs, sel, wts) = route(&logits, dims);
+    assert_eq!(sel, [1.0, 2.0, 4.0, 0.0, 5.0]);
+    assert_eq!(wts, [probs[1], probs[2], probs[4], probs[0], probs[5]]);
+    // With a uniform row, top-k is the first k experts.
+    let (_, sel, wts) = route(&[0.5; 4], MoeDims { n: 1, e: 4, k: 2, norm: true });
+    assert_eq!(sel, [0.0, 1.0]);
+    assert_eq!(wts, [0.5, 0.5]);
+}
+
+/// The reference loss the routing backward differentiates: `L = sum(dwts * wts) +
+/// sum_r mask[r] sum_e g[e] probs[r, e]` (the aux term when given), with the experts held at
+/// `sel` (top-k is piecewise constant: the step never crosses a tie on these inputs).
+fn route_loss_ref(
+    logits: &[f64],
+    sel: &[usize],
+    dwts: &[f32],
+    aux: Option<(&[f32], &[f32])>,
+    dims: MoeDims,
+) -> f64 {
+    let probs = softmax_ref(logits, dims.e);
+    let mut loss = proj(&route_wts_ref(&probs, sel, dims), dwts);
+    if let Some((g, mask)) = aux {
+        for (r, row) in probs.chunks(dims.e).enumerate() {
+            loss += f64::from(mask[r]) * proj(row, g);
+        }
+    }
+    loss
+}
+
+#[test]
+fn moe_route_backward_matches_fd() {
+    let mut rng = Rng::new(71);
+    for dims in MOE_DIMS {
+        for (norm, with_aux) in [(false, false), (true, false), (false, true), (true, true)] {
+            let dims = MoeDims { norm, ..dims };
+            let what = format!("moe_route_backward dlogits {dims:?} aux {with_aux}");
+            let logits = rng.vec(dims.n * dims.e, 3.0);
+            let (probs, sel, _) = route(&logits, dims);
+            let dwts = rng.vec(dims.m(), 1.0);
+            let g = rng.vec(dims.e, 1.0);
+            let mask: Vec<f32> = (0..dims.n).map(|r| if r % 3 == 1 { 0.0 } else { 1.0 }).collect();
+            let aux = with_aux.then_some((&g[..], &mask[..]));
+            let mut dlogits = vec![f32::NAN; logits.len()]; // overwritten
+            moe_route_backward(&mut dlogits, &dwts, &probs, &sel, aux, dims);
+            let sel = as_indices(&sel);
+            let loss = |l: &[f64]| route_loss_ref(l, &sel, &dwts, aux, dims);
+            assert_close(&what, &dlogits, &fd_grad(&to64(&logits), FD_EPS, loss), GRAD_TOL);
+        }
+    }
+}
+
+#[test]
+fn moe_aux_stats_accumulate_counts_and_probability_sums() {
+    let mut rng = Rng::new(72);
+    for dims in MOE_DIMS {
+        let MoeDims { n, e, k, .. } = dims;
+        let (probs, sel, _) = route(&rng.vec(n * e, 3.0), dims);
+        let mask: Vec<f32> = (0..n).map(|r| if r % 4 == 2 { 0.0 } else { 1.0 }).collect();
+        let prefill = rng.vec(2 * e, 1.0);
+        let mut stats = prefill.clone();
+        moe_aux_stats(&mut stats, &probs, &sel, &mask, dims);
+        let mut want = to64(&prefill);
+        for r in 0..n {
+            let m = f64::from(mask[r]);
+            for &s in &sel[r * k..(r + 1) * k] {
+                want[s as usize] += m;
+            }
+            for x in 0..e {
+                want[e + x] += m * f64::from(probs[r * e + x]);
+            }
+        }
+        assert_close(&format!("moe_aux_stats (+=) {dims:?}"), &stats, &want, FWD_TOL);
+    }
+}
+
+#[test]
+fn moe_sort_is_a_stable_counting_sort_by_expert() {
+    // N = 4 rows, k = 2, E = 5: pair p = r*k + j chose sel[p]; expert 4 is chosen by none.
+    let sel = [2.0, 0.0, 1.0, 2.0, 2.0, 3.0, 0.0, 1.0];
+    // Junk in the buffers: moe_sort reuses them.
+    let (mut counts, mut order, mut pos) = (vec![9; 7], vec![-1.0; 3], vec![5.0; 11]);
+    moe_sort(&sel, 5, &mut counts, &mut order, &mut pos);
+    assert_eq!(counts, [2, 2, 3, 1, 0]);
+    assert_eq!(order, [1.0, 6.0, 2.0, 7.0, 0.0, 3.0, 4.0, 5.0]);
+    assert_eq!(pos, [4.0, 0.0, 2.0, 5.0, 6.0, 7.0, 1.0, 3.0]);
+
+    // Random selections: pos inverts order, each expert's segment holds its pairs in order.
+    let mut rng = Rng::new(73);
+    let dims = MoeDims { n: 23, e: 6, k: 3, norm: false };
+    let (_, sel, _) = route(&rng.vec(dims.n * dims.e, 3.0), dims);
+    moe_sort(&sel, dims.e, &mut counts, &mut order, &mut pos);
+    assert_eq!(counts.iter().sum::<usize>(), dims.m());
+    let mut start = 0;
+    for (x, &cnt) in counts.iter().enumerate() {
+        let seg = as_indices(&order[start..start + cnt]);
+        assert!(seg.iter().all(|&p| sel[p] as usize == x), "expert {x}'s segment: {seg:?}");
+        assert!(seg.windows(2).all(|w| w[0] < w[1]), "expert {x}'s segment is not stable");
+        start += cnt;
+    }
+    for (i, &p) in order.iter().enumerate() {
+        assert_eq!(pos[p as usize], i as f32, "pos is not the inverse of order at {i}");
+    }
+}
+
+/// A dispatch case: N rows of C, routed top-k over E, sorted by expert: `(x, wts, order, pos)`.
+fn dispatch_case(
+    rng: &mut Rng,
+    dims: MoeDims,
+    c: usize,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (_, sel, wts) = route(&rng.vec(dims.n * dims.e, 3.0), dims);
+    let (mut counts, mut order, mut pos) = (Vec::new(), Vec::new(), Vec::new());
+    moe_sort(&sel, dims.e, &mut counts, &mut order, &mut pos);
+    (rng.vec(dims.n * c, 1.0), wts, order, pos)
+}
+
+#[test]
+fn moe_gather_and_combine_match_naive_loops() {
+    let mut rng = Rng::new(74);
+    for (dims, c) in [(MOE_DIMS[1], 7), (MOE_DIMS[4], 13), (MOE_DIMS[0], 1)] {
+        let MoeDims { n, k, .. } = dims;
+        let m = dims.m();
+        let (x, wts, order, pos) = dispatch_case(&mut rng, dims, c);
+        let mut xs = vec![f32::NAN; m * c];
+        moe_gather(&mut xs, &x, &order, k, c);
+        let mut want = Vec::new();
+        for &p in &order {
+            want.extend_from_slice(&x[(p as usize / k) * c..][..c]);
+        }
+        assert_eq!(bits(&xs), bits(&want), "moe_gather {dims:?} C={c}");
+
+        let src = rng.vec(m * c, 1.0);
+        let prefill = rng.vec(n * c, 1.0);
+        for (weighted, accumulate) in [(false, false), (true, false), (true, true), (false, true)] {
+            let w = weighted.then_some(&wts[..]);
+            let mut out = if accumulate { prefill.clone() } else { vec![f32::NAN; n * c] };
+            moe_combine(&mut out, &src, &pos, w, accumulate, k, c);
+            let mut want = if accumulate { to64(&prefill) } else { vec![0.0; n * c] };
+            for r in 0..n {
+                for j in 0..k {
+                    let (at, wj) = (pos[r * k + j] as usize, w.map_or(1.0, |w| w[r * k + j]));
+                    for col in 0..c {
+                        want[r * c + col] += f64::from(wj) * f64::from(src[at * c + col]);
+                    }
+                }
+            }
+            let what = format!("moe_combine {dims:?} C={c} wts {weighted} accumulate {accumulate}");
+            assert_close(&what, &out, &want, FWD_TOL);
+        }
+    }
+}
+
+#[test]
+fn moe_scale_rows_and_row_dots_match_naive_loops() {
+    let mut rng = Rng::new(75);
+    for (dims, w) in [(MOE_DIMS[1], 9), (MOE_DIMS[4], 70), (MOE_DIMS[0], 1)] {
+        let m = dims.m();
+        let (_, wts, order, pos) = dispatch_case(&mut rng, dims, 1);
+        let buf0 = rng.vec(m * w, 1.0);
+        let mut buf = buf0.clone();
+        moe_scale_rows(&mut buf, &wts, &order, w);
+        let want: Vec<f32> = (0..m * w).map(|i| buf0[i] * wts[order[i / w] as usize]).collect();
+        assert_eq!(bits(&buf), bits(&want), "moe_scale_rows {dims:?} W={w}");
+
+        let (a, b) = (rng.vec(m * w, 1.0), rng.vec(m * w, 1.0));
+        let mut out = vec![f32::NAN; m];
+        moe_row_dots(&mut out, &a, &b, &pos, w);
+        let want: Vec<f64> = pos
+            .iter()
+            .map(|&p| dot64(&to64(&a[p as usize * w..][..w]), &to64(&b[p as usize * w..][..w])))
+            .collect();
+        assert_close(&format!("moe_row_dots {dims:?} W={w}"), &out, &want, FWD_TOL);
+    }
 }

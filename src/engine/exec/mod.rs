@@ -57,6 +57,8 @@ pub struct MicroBatch {
     pub ids: Arc<Vec<i32>>,
     /// (B*T) the next token of each position, -100 where no loss is taken.
     pub targets: Arc<Vec<i32>>,
+    /// (B*T) 1 on real tokens, 0 on padding (the load-balancing statistics' mask).
+    pub mask: Arc<Vec<f32>>,
 }
 
 impl MicroBatch {

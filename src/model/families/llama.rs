@@ -10,19 +10,25 @@
 //! head norms one `(2D)` vector.
 
 use crate::hf::config::{Arch, LayerType, ModelConfig};
-use crate::model::families::{kinds_by_type, rope_tables, type_name};
+use std::ops::Range;
+
+use crate::model::families::{kinds_by, moe, rope_tables, type_name};
 use crate::model::layout::{Dims, ModelLayout};
 use crate::model::spec::{AttnSpec, Glu, Init, LayerBuilder, LayerSpec, Op, X, Y};
 
-/// The model: one layer kind per layer type (full, sliding), plain embedding and final norm.
+/// The model: one layer kind per layer type (full, sliding) and MLP (dense, sparse), plain
+/// embedding and final norm.
 pub fn describe(cfg: &ModelConfig) -> ModelLayout {
     let (rope, table_of) = rope_tables(cfg);
-    let (kinds, kind_of) = kinds_by_type(cfg, |t| layer(cfg, t, table_of(t)));
+    let sparse = |i: usize| cfg.moe.as_ref().is_some_and(|m| m.is_sparse(i));
+    let key = |i: usize| (cfg.layer_type(i), sparse(i));
+    let (kinds, kind_of) = kinds_by(cfg, key, |i| layer(cfg, i, table_of(cfg.layer_type(i))));
     ModelLayout::from_parts(cfg, kinds, kind_of, rope, 1.0, 0.0)
 }
 
-/// One decoder layer of type `t`, rotating with rope table `table`.
-pub fn layer(cfg: &ModelConfig, t: LayerType, table: usize) -> LayerSpec {
+/// Decoder layer `layer_index` (its type and MLP), rotating with rope table `table`.
+pub fn layer(cfg: &ModelConfig, layer_index: usize, table: usize) -> LayerSpec {
+    let t = cfg.layer_type(layer_index);
     let d = Dims::of(cfg);
     let (c, hd, kvd, f) = (d.c, d.h * d.d, d.kvh * d.d, d.f);
     let qkv_w = d.qkv();
@@ -37,16 +43,22 @@ pub fn layer(cfg: &ModelConfig, t: LayerType, table: usize) -> LayerSpec {
         let bv = b.tensor("self_attn.v_proj.bias", &[kvd], Init::Zeros);
         bq.start..bv.end
     });
-    let qk_norm = (cfg.arch == Arch::Qwen3).then(|| {
+    let qk_norm = (cfg.arch.dense() == Arch::Qwen3).then(|| {
         let qn = b.tensor("self_attn.q_norm.weight", &[d.d], Init::Ones);
         let kn = b.tensor("self_attn.k_norm.weight", &[d.d], Init::Ones);
         qn.start..kn.end
     });
     let wo = b.tensor("self_attn.o_proj.weight", &[c, hd], Init::Normal);
     let ln2 = b.tensor("post_attention_layernorm.weight", &[c], Init::Ones);
-    let gate = b.tensor("mlp.gate_proj.weight", &[f, c], Init::Normal);
-    let up = b.tensor("mlp.up_proj.weight", &[f, c], Init::Normal);
-    let wdown = b.tensor("mlp.down_proj.weight", &[c, f], Init::Normal);
+    let sparse = cfg.moe.as_ref().filter(|m| m.is_sparse(layer_index));
+    let mlp = match sparse {
+        Some(m) => Mlp::Sparse(moe::tensors(&mut b, cfg, m)),
+        None => Mlp::Dense(
+            b.tensor("mlp.gate_proj.weight", &[f, c], Init::Normal),
+            b.tensor("mlp.up_proj.weight", &[f, c], Init::Normal),
+            b.tensor("mlp.down_proj.weight", &[c, f], Init::Normal),
+        ),
+    };
 
     let h1 = b.rmsnorm(X, ("h1", "rstd1"), ln1, 0.0);
     let qkv = match qk_norm {
@@ -86,20 +98,34 @@ pub fn layer(cfg: &ModelConfig, t: LayerType, table: usize) -> LayerSpec {
     let x2 = b.act("x2", c);
     b.op(Op::Add { a: X, b: tmp, out: x2 });
     let h2 = b.rmsnorm(x2, ("h2", "rstd2"), ln2, 0.0);
-    let gu = b.act("gu", 2 * f);
-    b.op(Op::Linear {
-        inp: h2,
-        out: gu,
-        w: (gate.start..up.end).into(),
-        bias: None,
-        ic: c,
-        oc: 2 * f,
-    });
-    let s = b.act("s", f);
-    b.op(Op::Glu { gu, out: s, act: Glu::Silu, f });
-    b.op(Op::Linear { inp: s, out: tmp, w: wdown.into(), bias: None, ic: f, oc: c });
+    match mlp {
+        Mlp::Dense(gate, up, wdown) => {
+            let gu = b.act("gu", 2 * f);
+            let wgu = (gate.start..up.end).into();
+            b.op(Op::Linear { inp: h2, out: gu, w: wgu, bias: None, ic: c, oc: 2 * f });
+            let s = b.act("s", f);
+            b.op(Op::Glu { gu, out: s, act: Glu::Silu, f });
+            b.op(Op::Linear { inp: s, out: tmp, w: wdown.into(), bias: None, ic: f, oc: c });
+        }
+        Mlp::Sparse(w) => moe::ops(&mut b, cfg, sparse.expect("sparse"), w, h2, tmp),
+    }
     b.op(Op::Add { a: x2, b: tmp, out: Y });
-    b.finish(type_name(t), attn_spec(cfg, t), cfg.rms_norm_eps as f32)
+    let kind = if sparse.is_some() { sparse_name(t) } else { type_name(t) };
+    b.finish(kind, attn_spec(cfg, t), cfg.rms_norm_eps as f32)
+}
+
+/// A layer's MLP: dense (gate, up, down) or sparse.
+enum Mlp {
+    Dense(Range<usize>, Range<usize>, Range<usize>),
+    Sparse(moe::SparseMlp),
+}
+
+/// The plan's name of a sparse layer of type `t`.
+fn sparse_name(t: LayerType) -> &'static str {
+    match t {
+        LayerType::Full => "full_attention_moe",
+        LayerType::Sliding => "sliding_attention_moe",
+    }
 }
 
 /// Heads, window and scale of a layer of type `t`.

@@ -6,9 +6,11 @@
 //! |---|---|---|
 //! | Llama-style pre-norm decoder | `llama.rs` | llama, qwen2, mistral, qwen3 (+ per-head q/k norm) |
 //! | Gemma 3 | `gemma3.rs` | gemma3_text, gemma3 (its language model) |
+//! | the sparse MLP of the mixture-of-experts families (in `llama.rs`'s layers) | `moe.rs` | qwen3_moe, qwen2_moe, mixtral |
 
 pub mod gemma3;
 pub mod llama;
+pub mod moe;
 
 use crate::hf::config::{Arch, LayerType, ModelConfig};
 use crate::model::layout::ModelLayout;
@@ -17,8 +19,8 @@ use crate::model::spec::LayerSpec;
 /// The description of `cfg`'s model.
 pub fn describe(cfg: &ModelConfig) -> ModelLayout {
     match cfg.arch {
-        Arch::Llama | Arch::Qwen2 | Arch::Mistral | Arch::Qwen3 => llama::describe(cfg),
         Arch::Gemma3 => gemma3::describe(cfg),
+        _ => llama::describe(cfg),
     }
 }
 
@@ -38,15 +40,24 @@ pub fn kinds_by_type(
     cfg: &ModelConfig,
     mut build: impl FnMut(LayerType) -> LayerSpec,
 ) -> (Vec<LayerSpec>, Vec<usize>) {
-    let mut types: Vec<LayerType> = Vec::new();
+    kinds_by(cfg, |i| cfg.layer_type(i), |i| build(cfg.layer_type(i)))
+}
+
+/// One layer spec per distinct `key` of the layers (built from the first layer with it), and
+/// each layer's kind.
+pub fn kinds_by<K: PartialEq>(
+    cfg: &ModelConfig,
+    key: impl Fn(usize) -> K,
+    mut build: impl FnMut(usize) -> LayerSpec,
+) -> (Vec<LayerSpec>, Vec<usize>) {
+    let mut keys: Vec<K> = Vec::new();
     let mut kinds = Vec::new();
     let kind_of = (0..cfg.num_layers)
-        .map(|i| cfg.layer_type(i))
-        .map(|t| match types.iter().position(|&u| u == t) {
+        .map(|i| match keys.iter().position(|u| *u == key(i)) {
             Some(k) => k,
             None => {
-                types.push(t);
-                kinds.push(build(t));
+                keys.push(key(i));
+                kinds.push(build(i));
                 kinds.len() - 1
             }
         })

@@ -20,7 +20,7 @@ use super::slice::DevSlice;
 use super::{AttentionKernels, CudaError, check};
 use crate::bf16::round_to_bf16;
 use crate::precision::{BLAS_WORKSPACE_BYTES, GRAD_WIRE_CHUNK, WORKSPACE_ALIGN};
-use crate::{AttnDims, Backend, Bf16, DeviceAlloc, Dinp, NormDims, Precision};
+use crate::{AttnDims, Backend, Bf16, DeviceAlloc, Dinp, MoeDims, NormDims, Precision};
 
 /// The CUDA backend: a context, the stream its ops run on, the compiled kernels, a cuBLAS handle
 /// and the workspace. Cloning shares all of them.
@@ -583,6 +583,85 @@ impl Backend for CudaBackend {
         dims: AttnDims,
     ) {
         super::attention_decode::attention_decode(self, out, qkv, t_new, dims);
+    }
+
+    fn moe_route_forward(
+        &self,
+        probs: &mut DevSlice<f32>,
+        sel: &mut DevSlice<f32>,
+        wts: &mut DevSlice<f32>,
+        logits: &DevSlice<f32>,
+        dims: MoeDims,
+    ) {
+        super::moe::moe_route_forward(self, probs, sel, wts, logits, dims);
+    }
+
+    fn moe_route_backward(
+        &self,
+        dlogits: &mut DevSlice<f32>,
+        dwts: &DevSlice<f32>,
+        probs: &DevSlice<f32>,
+        sel: &DevSlice<f32>,
+        aux: Option<(&DevSlice<f32>, &DevSlice<f32>)>,
+        dims: MoeDims,
+    ) {
+        super::moe::moe_route_backward(self, dlogits, dwts, probs, sel, aux, dims);
+    }
+
+    fn moe_aux_stats(
+        &self,
+        stats: &mut DevSlice<f32>,
+        probs: &DevSlice<f32>,
+        sel: &DevSlice<f32>,
+        mask: &DevSlice<f32>,
+        dims: MoeDims,
+    ) {
+        super::moe::moe_aux_stats(self, stats, probs, sel, mask, dims);
+    }
+
+    fn moe_gather(
+        &self,
+        xs: &mut DevSlice<f32>,
+        x: &DevSlice<f32>,
+        order: &DevSlice<f32>,
+        k: usize,
+        c: usize,
+    ) {
+        super::moe::moe_gather(self, xs, x, order, k, c);
+    }
+
+    fn moe_combine(
+        &self,
+        out: &mut DevSlice<f32>,
+        src: &DevSlice<f32>,
+        pos: &DevSlice<f32>,
+        wts: Option<&DevSlice<f32>>,
+        accumulate: bool,
+        k: usize,
+        c: usize,
+    ) {
+        super::moe::moe_combine(self, out, src, pos, wts, accumulate, k, c);
+    }
+
+    fn moe_scale_rows(
+        &self,
+        buf: &mut DevSlice<f32>,
+        wts: &DevSlice<f32>,
+        order: &DevSlice<f32>,
+        w: usize,
+    ) {
+        super::moe::moe_scale_rows(self, buf, wts, order, w);
+    }
+
+    fn moe_row_dots(
+        &self,
+        out: &mut DevSlice<f32>,
+        a: &DevSlice<f32>,
+        b: &DevSlice<f32>,
+        pos: &DevSlice<f32>,
+        w: usize,
+    ) {
+        super::moe::moe_row_dots(self, out, a, b, pos, w);
     }
 
     fn swiglu_forward(&self, out: &mut DevSlice<f32>, gate_up: &DevSlice<f32>, n: usize, f: usize) {

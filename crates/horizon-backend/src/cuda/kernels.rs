@@ -14,7 +14,7 @@ use cudarc::nvrtc;
 use super::CudaError;
 
 /// `(op, source)` of every kernel file, `kernels/<op>.cu`.
-pub const SOURCES: [(&str, &str); 17] = [
+pub const SOURCES: [(&str, &str); 18] = [
     ("attention", include_str!("../../kernels/attention.cu")),
     ("attention_decode", include_str!("../../kernels/attention_decode.cu")),
     ("attention_mma", include_str!("../../kernels/attention_mma.cu")),
@@ -27,6 +27,7 @@ pub const SOURCES: [(&str, &str); 17] = [
     ("grad_norm", include_str!("../../kernels/grad_norm.cu")),
     ("head_rmsnorm", include_str!("../../kernels/head_rmsnorm.cu")),
     ("matmul", include_str!("../../kernels/matmul.cu")),
+    ("moe", include_str!("../../kernels/moe.cu")),
     ("nf4", include_str!("../../kernels/nf4.cu")),
     ("residual", include_str!("../../kernels/residual.cu")),
     ("rmsnorm", include_str!("../../kernels/rmsnorm.cu")),
@@ -35,7 +36,7 @@ pub const SOURCES: [(&str, &str); 17] = [
 ];
 
 /// The `extern "C"` entry points of each source, loaded by name.
-pub const FUNCTIONS: [(&str, &[&str]); 17] = [
+pub const FUNCTIONS: [(&str, &[&str]); 18] = [
     (
         "attention",
         &[
@@ -77,6 +78,18 @@ pub const FUNCTIONS: [(&str, &[&str]); 17] = [
         &["head_rmsnorm_forward", "head_rmsnorm_backward_dinp", "head_rmsnorm_backward_dweight"],
     ),
     ("matmul", &["matmul_bias_forward", "matmul_bias_backward"]),
+    (
+        "moe",
+        &[
+            "moe_route_forward",
+            "moe_route_backward",
+            "moe_aux_stats",
+            "moe_gather",
+            "moe_combine",
+            "moe_scale_rows",
+            "moe_row_dots",
+        ],
+    ),
     ("nf4", &["dequantize_nf4"]),
     ("residual", &["residual_forward", "add_inplace"]),
     ("rmsnorm", &["rmsnorm_forward", "rmsnorm_backward_dinp", "rmsnorm_backward_dweight"]),

@@ -10,10 +10,10 @@
 //!
 //! Layout, one op per file as in `cpu/`: `embedding.rs`, `rmsnorm.rs`, `head_rmsnorm.rs`,
 //! `matmul.rs` (cuBLAS), `rope.rs`, `attention.rs`, `attention_decode.rs` (a KV cache's new
-//! rows), `glu.rs` (swiglu and geglu), `residual.rs`,
-//! `cross_entropy.rs`, `convert.rs`, `grad_norm.rs` launch `kernels/<op>.cu`; `backend.rs` is
-//! the trait impl, `device.rs` the device, `slice.rs` the device views, `pinned.rs` the staging
-//! memory, `probe.rs` the library checks.
+//! rows), `glu.rs` (swiglu and geglu), `moe.rs` (mixture-of-experts routing and dispatch),
+//! `residual.rs`, `cross_entropy.rs`, `convert.rs`, `grad_norm.rs` launch `kernels/<op>.cu`;
+//! `backend.rs` is the trait impl, `device.rs` the device, `slice.rs` the device views,
+//! `pinned.rs` the staging memory, `probe.rs` the library checks.
 
 mod attention;
 mod attention_decode;
@@ -29,6 +29,7 @@ mod grad_norm;
 mod head_rmsnorm;
 pub mod kernels;
 mod matmul;
+mod moe;
 mod nf4;
 mod pinned;
 pub mod probe;

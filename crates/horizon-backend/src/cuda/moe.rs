@@ -1,0 +1,278 @@
+//! Launchers of `kernels/moe.cu`: mixture-of-experts routing (top-k softmax and its backward),
+//! the pooled load-balancing statistics, and the dispatch ops (gather into expert order, the
+//! weighted combine back, row scaling, row dots). Reference, data flow and derivations:
+//! `cpu/moe.rs`.
+//!
+//! Index buffers (`sel`, `order`, `pos`) hold exact small integers as f32; the kernels trust
+//! them as the CPU does (`order` and `pos` come from the host's `moe_sort`, `sel` from the
+//! routing forward).
+
+use super::CudaBackend;
+use super::backend::{arg, blocks, expect_len, int};
+use super::slice::DevSlice;
+use crate::MoeDims;
+
+/// The sizes every routing kernel takes, as the kernels' ints: `(N, E, k, norm)`.
+fn route_ints(op: &str, dims: MoeDims) -> (i32, i32, i32, i32) {
+    let MoeDims { n, e, k, norm } = dims;
+    assert!(k > 0 && k <= e, "{op}: k = {k} must lie in 1..=E (E = {e})");
+    (int(n, "N"), int(e, "E"), int(k, "k"), i32::from(norm))
+}
+
+/// probs: (N, E), sel: (N, k), wts: (N, k), all overwrite. logits: (N, E).
+pub(crate) fn moe_route_forward(
+    be: &CudaBackend,
+    probs: &mut DevSlice<f32>,
+    sel: &mut DevSlice<f32>,
+    wts: &mut DevSlice<f32>,
+    logits: &DevSlice<f32>,
+    dims: MoeDims,
+) {
+    let op = "moe_route_forward";
+    let MoeDims { n, e, k, .. } = dims;
+    expect_len(op, "probs", probs.len(), n * e);
+    expect_len(op, "sel", sel.len(), n * k);
+    expect_len(op, "wts", wts.len(), n * k);
+    expect_len(op, "logits", logits.len(), n * e);
+    let (nn, ee, kk, norm) = route_ints(op, dims);
+    let (p, s, w, l) = (probs.addr(), sel.addr(), wts.addr(), logits.addr());
+    // SAFETY: argument types match (four pointers, four ints); one thread per row, each
+    // reading and writing only its own row of the (N, E) and (N, k) buffers, lengths checked.
+    unsafe {
+        be.launch(
+            op,
+            (blocks(n, 128), 1, 1),
+            (128, 1, 1),
+            0,
+            &mut [arg(&p), arg(&s), arg(&w), arg(&l), arg(&nn), arg(&ee), arg(&kk), arg(&norm)],
+        );
+    }
+}
+
+/// dlogits: (N, E), overwrites. dwts: (N, k). probs: (N, E), sel: (N, k) as the forward left
+/// them. aux: `(g (E), mask (N))`, the load-balancing gradient `dprobs[r, e] += mask[r] g[e]`.
+pub(crate) fn moe_route_backward(
+    be: &CudaBackend,
+    dlogits: &mut DevSlice<f32>,
+    dwts: &DevSlice<f32>,
+    probs: &DevSlice<f32>,
+    sel: &DevSlice<f32>,
+    aux: Option<(&DevSlice<f32>, &DevSlice<f32>)>,
+    dims: MoeDims,
+) {
+    let op = "moe_route_backward";
+    let MoeDims { n, e, k, .. } = dims;
+    expect_len(op, "dlogits", dlogits.len(), n * e);
+    expect_len(op, "dwts", dwts.len(), n * k);
+    expect_len(op, "probs", probs.len(), n * e);
+    expect_len(op, "sel", sel.len(), n * k);
+    // Without aux the kernel reads neither g nor mask: probs stands in for both (a launch
+    // takes no null pointer).
+    let (g, mask, has_aux) = match aux {
+        Some((g, mask)) => {
+            expect_len(op, "g", g.len(), e);
+            expect_len(op, "mask", mask.len(), n);
+            (g.addr(), mask.addr(), 1i32)
+        }
+        None => (probs.addr(), probs.addr(), 0i32),
+    };
+    let (nn, ee, kk, norm) = route_ints(op, dims);
+    let (dl, dw, p, s) = (dlogits.addr(), dwts.addr(), probs.addr(), sel.addr());
+    // SAFETY: argument types match (six pointers, five ints); one thread per row, reading its
+    // rows of dwts, probs, sel and mask, all of g, and writing its own row of dlogits, lengths
+    // checked (g and mask only read when given, and then checked).
+    unsafe {
+        be.launch(
+            op,
+            (blocks(n, 128), 1, 1),
+            (128, 1, 1),
+            0,
+            &mut [
+                arg(&dl),
+                arg(&dw),
+                arg(&p),
+                arg(&s),
+                arg(&g),
+                arg(&mask),
+                arg(&nn),
+                arg(&ee),
+                arg(&kk),
+                arg(&norm),
+                arg(&has_aux),
+            ],
+        );
+    }
+}
+
+/// stats: (2E), accumulates. probs: (N, E). sel: (N, k). mask: (N).
+pub(crate) fn moe_aux_stats(
+    be: &CudaBackend,
+    stats: &mut DevSlice<f32>,
+    probs: &DevSlice<f32>,
+    sel: &DevSlice<f32>,
+    mask: &DevSlice<f32>,
+    dims: MoeDims,
+) {
+    let op = "moe_aux_stats";
+    let MoeDims { n, e, k, .. } = dims;
+    expect_len(op, "stats", stats.len(), 2 * e);
+    expect_len(op, "probs", probs.len(), n * e);
+    expect_len(op, "sel", sel.len(), n * k);
+    expect_len(op, "mask", mask.len(), n);
+    let (nn, ee, kk) = (int(n, "N"), int(e, "E"), int(k, "k"));
+    let (st, p, s, m) = (stats.addr(), probs.addr(), sel.addr(), mask.addr());
+    // SAFETY: argument types match (four pointers, three ints); one thread per expert, writing
+    // only its two elements of stats (2E), reading every row of probs, sel and mask, lengths
+    // checked.
+    unsafe {
+        be.launch(
+            op,
+            (blocks(e, 64), 1, 1),
+            (64, 1, 1),
+            0,
+            &mut [arg(&st), arg(&p), arg(&s), arg(&m), arg(&nn), arg(&ee), arg(&kk)],
+        );
+    }
+}
+
+/// xs: (M, C), overwrites: `xs[i] = x[order[i] / k]`. x: (N, C). order: (M).
+pub(crate) fn moe_gather(
+    be: &CudaBackend,
+    xs: &mut DevSlice<f32>,
+    x: &DevSlice<f32>,
+    order: &DevSlice<f32>,
+    k: usize,
+    c: usize,
+) {
+    let op = "moe_gather";
+    assert!(k > 0, "{op}: k must be at least 1");
+    let m = order.len();
+    expect_len(op, "xs", xs.len(), m * c);
+    if c == 0 {
+        return;
+    }
+    assert!(x.len() % c == 0, "{op}: x has {} elements, not rows of C = {c}", x.len());
+    let (o, xx, ord) = (xs.addr(), x.addr(), order.addr());
+    let (mm, kk, cc) = (m as i64, k as i64, c as i64);
+    // SAFETY: argument types match (three pointers, three long longs); one thread per element
+    // of xs (M, C), lengths checked; the rows of x it reads are those `order` names (pair
+    // indices below N*k, the caller's contract, as on the CPU).
+    unsafe {
+        be.launch(
+            op,
+            (blocks(m * c, 256), 1, 1),
+            (256, 1, 1),
+            0,
+            &mut [arg(&o), arg(&xx), arg(&ord), arg(&mm), arg(&kk), arg(&cc)],
+        );
+    }
+}
+
+/// out: (N, C), overwrites, or accumulates when `accumulate`: `out[r] (+)= sum_j w[r*k + j]
+/// src[pos[r*k + j]]`. src: (M, C). pos: (M). wts: (M), or `None` for weights of 1.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn moe_combine(
+    be: &CudaBackend,
+    out: &mut DevSlice<f32>,
+    src: &DevSlice<f32>,
+    pos: &DevSlice<f32>,
+    wts: Option<&DevSlice<f32>>,
+    accumulate: bool,
+    k: usize,
+    c: usize,
+) {
+    let op = "moe_combine";
+    assert!(k > 0, "{op}: k must be at least 1");
+    let m = pos.len();
+    assert!(m % k == 0, "{op}: pos has {m} elements, not N rows of k = {k}");
+    let n = m / k;
+    expect_len(op, "out", out.len(), n * c);
+    expect_len(op, "src", src.len(), m * c);
+    // Without wts the kernel does not read it: pos stands in (a launch takes no null pointer).
+    let (w, has_wts) = match wts {
+        Some(w) => {
+            expect_len(op, "wts", w.len(), m);
+            (w.addr(), 1i32)
+        }
+        None => (pos.addr(), 0i32),
+    };
+    let (o, s, p) = (out.addr(), src.addr(), pos.addr());
+    let (nn, kk, cc, acc) = (n as i64, k as i64, c as i64, i32::from(accumulate));
+    // SAFETY: argument types match (four pointers, three long longs, two ints); one thread per
+    // element of out (N, C), reading its row's k entries of pos and wts (M) and the rows of
+    // src (M, C) they name (positions below M, from `moe_sort`), lengths checked.
+    unsafe {
+        be.launch(
+            op,
+            (blocks(n * c, 256), 1, 1),
+            (256, 1, 1),
+            0,
+            &mut [
+                arg(&o),
+                arg(&s),
+                arg(&p),
+                arg(&w),
+                arg(&nn),
+                arg(&kk),
+                arg(&cc),
+                arg(&has_wts),
+                arg(&acc),
+            ],
+        );
+    }
+}
+
+/// buf: (M, W), in place: `buf[i] *= wts[order[i]]`. wts: (M). order: (M).
+pub(crate) fn moe_scale_rows(
+    be: &CudaBackend,
+    buf: &mut DevSlice<f32>,
+    wts: &DevSlice<f32>,
+    order: &DevSlice<f32>,
+    w: usize,
+) {
+    let op = "moe_scale_rows";
+    let m = order.len();
+    expect_len(op, "buf", buf.len(), m * w);
+    let (b, ws, ord, mm, ww) = (buf.addr(), wts.addr(), order.addr(), m as i64, w as i64);
+    // SAFETY: argument types match (three pointers, two long longs); one thread per element
+    // of buf (M, W), lengths checked; the elements of wts it reads are those `order` names
+    // (pair indices, the caller's contract, as on the CPU).
+    unsafe {
+        be.launch(
+            op,
+            (blocks(m * w, 256), 1, 1),
+            (256, 1, 1),
+            0,
+            &mut [arg(&b), arg(&ws), arg(&ord), arg(&mm), arg(&ww)],
+        );
+    }
+}
+
+/// out: (M), overwrites: `out[p] = a[pos[p]] . b[pos[p]]`. a, b: (M, W). pos: (M).
+pub(crate) fn moe_row_dots(
+    be: &CudaBackend,
+    out: &mut DevSlice<f32>,
+    a: &DevSlice<f32>,
+    b: &DevSlice<f32>,
+    pos: &DevSlice<f32>,
+    w: usize,
+) {
+    let op = "moe_row_dots";
+    let m = pos.len();
+    expect_len(op, "out", out.len(), m);
+    expect_len(op, "a", a.len(), m * w);
+    expect_len(op, "b", b.len(), m * w);
+    let (o, aa, bb, p, mm, ww) = (out.addr(), a.addr(), b.addr(), pos.addr(), m as i64, w as i64);
+    // SAFETY: argument types match (four pointers, two long longs); one warp per pair (blocks
+    // of 8 whole warps), each writing its element of out (M) and reading the row of a and b
+    // (M, W) that pos names (a position below M, from `moe_sort`), lengths checked.
+    unsafe {
+        be.launch(
+            op,
+            (blocks(m, 8), 1, 1),
+            (256, 1, 1),
+            0,
+            &mut [arg(&o), arg(&aa), arg(&bb), arg(&p), arg(&mm), arg(&ww)],
+        );
+    }
+}

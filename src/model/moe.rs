@@ -1,0 +1,267 @@
+//! Mixture-of-experts layers as `model/layer.rs` runs them: the routing op and the experts op
+//! ([`Op::Route`], [`Op::Experts`]), and the model-level load-balancing loss.
+//!
+//! Data flow of a sparse MLP over N rows (M = N*k (row, choice) pairs):
+//! `h (N,C) -> router -> logits (N,E) -> route -> probs, sel, wts (N,k)`; then on the host, once
+//! per layer and pass, a stable counting sort of the pairs by expert (`sel` read back; the
+//! grouped products need each expert's row count); `h` gathered into expert order `xs (M,C)`;
+//! each expert's rows through `[gate; up]` -> `gu (M,2I)` -> SwiGLU -> `s (M,I)` -> down ->
+//! `ys (M,C)`; `out[r] = sum_j wts[r,j] ys[pos[r*k+j]]` in the fixed order `j = 0..k`.
+//!
+//! The backward recomputes what the forward did not keep (the sort, `xs`, `s`) and never
+//! needs the experts' outputs: with `dy` = dout in expert order (unweighted),
+//! `ds' = dy W_down` gives the routing weights' gradient `dwts = ds' . s` and, scaled by the
+//! pair's weight, the SwiGLU's; `W_down`'s gradient is `dy^T (w s)`.
+//!
+//! Load balancing (HF's `load_balancing_loss_func`, `../shared/fixtures/README.md`): every
+//! sparse layer's forward adds its real rows' expert counts and probabilities to the pass's
+//! pooled statistics (2E); after the forward, [`AuxLoss`] gives
+//! `aux = E sum_e f_e P_e` and, when it is trained, each probability's gradient `g_e` per real
+//! row, which every sparse layer's routing backward adds.
+
+use horizon_backend::cpu::moe_sort;
+use horizon_backend::{Backend, DeviceSlice, Dinp, MoeDims};
+
+use crate::model::layer::{Slot, Weights};
+use crate::model::spec::{Act, LayerSpec, Op};
+
+/// Host scratch of the dispatch sort, sized once ([`MoeHost::new`]) and reused.
+#[derive(Debug, Default)]
+pub struct MoeHost {
+    sel: Vec<f32>,
+    order: Vec<f32>,
+    pos: Vec<f32>,
+    counts: Vec<usize>,
+}
+
+impl MoeHost {
+    /// Room for `m` (row, choice) pairs over `e` experts.
+    pub fn new(m: usize, e: usize) -> Self {
+        MoeHost {
+            sel: Vec::with_capacity(m),
+            order: Vec::with_capacity(m),
+            pos: Vec::with_capacity(m),
+            counts: Vec::with_capacity(e + 1),
+        }
+    }
+
+    /// Reads `sel` (M) back and sorts the pairs by expert; uploads `order | pos` into `idx`
+    /// (2M).
+    fn sort<B: Backend>(&mut self, be: &B, sel: &B::Buf, idx: &mut B::Buf, m: usize, e: usize) {
+        self.sel.resize(m, 0.0);
+        be.download(&mut self.sel, sel.slice(0..m));
+        moe_sort(&self.sel, e, &mut self.counts, &mut self.order, &mut self.pos);
+        let (o, p) = idx.slice_mut(0..2 * m).split_at_mut(m);
+        be.upload(o, &self.order);
+        be.upload(p, &self.pos);
+    }
+
+    /// Each expert's first pair and pair count, in expert order (experts with no pair left out).
+    fn segments(&self) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
+        let starts = self.counts.iter().scan(0, |at, &c| {
+            let s = *at;
+            *at += c;
+            Some(s)
+        });
+        self.counts
+            .iter()
+            .zip(starts)
+            .enumerate()
+            .filter(|(_, (c, _))| **c > 0)
+            .map(|(e, (&c, s))| (e, s, c))
+    }
+}
+
+/// What a sparse layer needs beyond its weights: the host sort's scratch and the pass's
+/// load-balancing buffers.
+pub struct MoeIo<'a, B: Backend + ?Sized> {
+    pub host: &'a mut MoeHost,
+    /// (N) 1 on real rows, 0 on padding: the statistics' mask.
+    pub mask: Option<&'a B::Buf>,
+    /// (2E) the pooled statistics a first forward adds to; `None` in a recompute or decode.
+    pub stats: Option<&'a mut B::Buf>,
+    /// (E) the load-balancing gradient per real row, when the loss is trained.
+    pub grad: Option<&'a B::Buf>,
+}
+
+/// [`Op::Route`] forward, adding the rows' statistics when the pass pools them.
+pub(crate) fn route_forward<B: Backend>(
+    be: &B,
+    op: &Op,
+    slots: &mut [Slot<'_, B::Buf>],
+    moe: Option<&mut MoeIo<'_, B>>,
+    n: usize,
+) {
+    let Op::Route { logits, probs, sel, wts, e, k, norm } = *op else { unreachable!() };
+    let dims = MoeDims { n, e, k, norm };
+    let [l, p, s, w] = slots.get_disjoint_mut([logits, probs, sel, wts]).expect("distinct");
+    be.moe_route_forward(p.w(n * e), s.w(n * k), w.w(n * k), l.r(n * e), dims);
+    if let Some(MoeIo { mask: Some(mask), stats: Some(stats), .. }) = moe {
+        be.moe_aux_stats(stats, p.r(n * e), s.r(n * k), mask.slice(0..n), dims);
+    }
+}
+
+/// [`Op::Route`] backward: `dlogits` from `dwts` and, when trained, the load-balancing term.
+pub(crate) fn route_backward<B: Backend>(
+    be: &B,
+    op: &Op,
+    (dlogits, dwts): (&mut B::Buf, &B::Buf),
+    acts: &[Slot<'_, B::Buf>],
+    moe: Option<&MoeIo<'_, B>>,
+    n: usize,
+) {
+    let Op::Route { probs, sel, e, k, norm, .. } = *op else { unreachable!() };
+    let aux = moe.and_then(|m| Some((m.grad?, m.mask?.slice(0..n))));
+    let (p, s) = (acts[probs].r(n * e), acts[sel].r(n * k));
+    be.moe_route_backward(dlogits, dwts, p, s, aux, MoeDims { n, e, k, norm });
+}
+
+/// The expert matrices of `spec`'s op: (gate_up of expert `x`, down of expert `x`).
+fn expert_w<'w, B: Backend>(w: &'w B::WBuf, op: &Op, x: usize) -> (&'w B::WBuf, &'w B::WBuf) {
+    let Op::Experts { ref gate_up, ref down, i, c, .. } = *op else { unreachable!() };
+    let (gu, d) = (2 * i * c, c * i);
+    (
+        w.slice(gate_up.start + x * gu..gate_up.start + (x + 1) * gu),
+        w.slice(down.start + x * d..down.start + (x + 1) * d),
+    )
+}
+
+/// [`Op::Experts`] forward.
+pub(crate) fn experts_forward<B: Backend>(
+    be: &B,
+    op: &Op,
+    slots: &mut [Slot<'_, B::Buf>],
+    wts: &mut Weights<'_, B>,
+    n: usize,
+) {
+    let Op::Experts { inp, sel, wts: rw, out, gu, scratch, e, k, i, c, .. } = *op else {
+        unreachable!()
+    };
+    let m = n * k;
+    let [xs, s, ys, idx] = scratch;
+    let [h, sl, w, o, g, xs, s, ys, idx] =
+        slots.get_disjoint_mut([inp, sel, rw, out, gu, xs, s, ys, idx]).expect("distinct");
+    let host = &mut *wts.moe.as_mut().expect("a sparse layer runs with its MoeIo").host;
+    host.sort(be, sl.r(m), idx.w(2 * m), m, e);
+    let (order, pos) = (idx.r(2 * m).slice(0..m), idx.r(2 * m).slice(m..2 * m));
+    be.moe_gather(xs.w(m * c), h.r(n * c), order, k, c);
+    for (x, at, cnt) in host.segments() {
+        let (wgu, _) = expert_w::<B>(wts.slot, op, x);
+        let xin = xs.r(m * c).slice(at * c..(at + cnt) * c);
+        be.matmul_forward(
+            g.w(m * 2 * i).slice_mut(at * 2 * i..(at + cnt) * 2 * i),
+            xin,
+            wgu,
+            None,
+            cnt,
+            c,
+            2 * i,
+        );
+    }
+    be.swiglu_forward(s.w(m * i), g.r(m * 2 * i), m, i);
+    for (x, at, cnt) in host.segments() {
+        let (_, wd) = expert_w::<B>(wts.slot, op, x);
+        let sin = s.r(m * i).slice(at * i..(at + cnt) * i);
+        be.matmul_forward(ys.w(m * c).slice_mut(at * c..(at + cnt) * c), sin, wd, None, cnt, i, c);
+    }
+    be.moe_combine(o.w(n * c), ys.r(m * c), pos, Some(w.r(m)), false, k, c);
+}
+
+/// The gradient buffers of [`Op::Experts`]' backward (`BwdOp::Experts`): `dinp` (N, C),
+/// `dout` (N, C), `dwts` (N, k) and the scratch `t`.
+pub(crate) struct ExpertGrads<'g, T: ?Sized> {
+    pub dinp: Dinp<'g, T>,
+    pub dout: &'g T,
+    pub dwts: &'g mut T,
+    /// dy|dxs, sw, ds, dgu, xs, s, idx.
+    pub t: [&'g mut T; 7],
+}
+
+/// [`Op::Experts`] backward: `dinp` (written or added), `dwts` (written), and the expert
+/// weights' gradients added into `dw` (absent when they are frozen).
+pub(crate) fn experts_backward<B: Backend>(
+    be: &B,
+    spec: &LayerSpec,
+    op: &Op,
+    g: ExpertGrads<'_, B::Buf>,
+    dw: &mut B::Buf,
+    acts: &[Slot<'_, B::Buf>],
+    wts: &mut Weights<'_, B>,
+    n: usize,
+) {
+    let Op::Experts { inp, sel, wts: rw, gu, ref gate_up, ref down, e, k, i, c, .. } = *op else {
+        unreachable!()
+    };
+    let m = n * k;
+    let act = |a: Act, w: usize| acts[a].r(n * w);
+    let [dy, sw, ds, dgu, xs, s, idx] = g.t;
+    let host = &mut *wts.moe.as_mut().expect("a sparse layer runs with its MoeIo").host;
+    host.sort(be, act(sel, k), idx, m, e);
+    let (order, pos) = (idx.slice(0..m), idx.slice(m..2 * m));
+    let (dy, xs, s) = (dy.slice_mut(0..m * c), xs.slice_mut(0..m * c), s.slice_mut(0..m * i));
+    let (sw, ds, dgu) =
+        (sw.slice_mut(0..m * i), ds.slice_mut(0..m * i), dgu.slice_mut(0..m * 2 * i));
+    let (w, gu) = (act(rw, k), act(gu, 2 * k * i));
+    be.moe_gather(dy, g.dout, order, k, c);
+    be.moe_gather(xs, act(inp, c), order, k, c);
+    be.swiglu_forward(s, gu, m, i);
+    be.copy(sw, s);
+    be.moe_scale_rows(sw, w, order, i);
+    let (dgu_all, dd_all) = (spec.grad_range(gate_up), spec.grad_range(down));
+    for (x, at, cnt) in host.segments() {
+        let (_, wd) = expert_w::<B>(wts.slot, op, x);
+        let ddw =
+            dd_all.as_ref().map(|r| dw.slice_mut(r.start + x * c * i..r.start + (x + 1) * c * i));
+        let dsx = Dinp::Write(ds.slice_mut(at * i..(at + cnt) * i));
+        let (dyx, swx) = (dy.slice(at * c..(at + cnt) * c), sw.slice(at * i..(at + cnt) * i));
+        be.matmul_backward(Some(dsx), ddw, None, dyx, swx, wd, cnt, i, c);
+    }
+    be.moe_row_dots(g.dwts.slice_mut(0..m), ds, s, pos, i);
+    be.moe_scale_rows(ds, w, order, i);
+    be.swiglu_backward(dgu, ds, gu, m, i);
+    let dxs = dy;
+    for (x, at, cnt) in host.segments() {
+        let (wgu, _) = expert_w::<B>(wts.slot, op, x);
+        let span = 2 * i * c;
+        let dgw =
+            dgu_all.as_ref().map(|r| dw.slice_mut(r.start + x * span..r.start + (x + 1) * span));
+        let dxx = Dinp::Write(dxs.slice_mut(at * c..(at + cnt) * c));
+        let (dgx, xsx) =
+            (dgu.slice(at * 2 * i..(at + cnt) * 2 * i), xs.slice(at * c..(at + cnt) * c));
+        be.matmul_backward(Some(dxx), dgw, None, dgx, xsx, wgu, cnt, c, 2 * i);
+    }
+    match g.dinp {
+        Dinp::Write(d) => be.moe_combine(d, dxs, pos, None, false, k, c),
+        Dinp::Add(d) => be.moe_combine(d, dxs, pos, None, true, k, c),
+    }
+}
+
+/// HF's load-balancing loss from a pass's pooled statistics (`stats` (2E): real rows' expert
+/// counts, then their probability sums, over every sparse layer): `aux = E sum_e f_e P_e` with
+/// `f_e = counts_e / (L_s N)`, `P_e = psum_e / (L_s N)`, `N` the real rows, `L_s` the sparse
+/// layers. Writes into `grad` (E), when given, the gradient of `coef * aux` with respect to one
+/// real row's probability of expert e in one sparse layer: `coef E f_e / (L_s N)` (only P
+/// carries gradient). Returns aux (0 when the pass has no real row).
+pub fn aux_loss(
+    stats: &[f32],
+    sparse_layers: usize,
+    real_rows: f64,
+    coef: f64,
+    grad: Option<&mut [f32]>,
+) -> f64 {
+    let e = stats.len() / 2;
+    let denom = sparse_layers as f64 * real_rows;
+    if denom == 0.0 {
+        grad.into_iter().for_each(|g| g.fill(0.0));
+        return 0.0;
+    }
+    let (counts, psum) = stats.split_at(e);
+    let f = |x: usize| counts[x] as f64 / denom;
+    let aux = e as f64 * (0..e).map(|x| f(x) * psum[x] as f64 / denom).sum::<f64>();
+    if let Some(g) = grad {
+        for (x, g) in g.iter_mut().enumerate() {
+            *g = (coef * e as f64 * f(x) / denom) as f32;
+        }
+    }
+    aux
+}
