@@ -151,7 +151,7 @@ pub(crate) fn moe_gather(
     if c == 0 {
         return;
     }
-    assert!(x.len() % c == 0, "{op}: x has {} elements, not rows of C = {c}", x.len());
+    assert!(x.len().is_multiple_of(c), "{op}: x has {} elements, not rows of C = {c}", x.len());
     let (o, xx, ord) = (xs.addr(), x.addr(), order.addr());
     let (mm, kk, cc) = (m as i64, k as i64, c as i64);
     // SAFETY: argument types match (three pointers, three long longs); one thread per element
@@ -184,7 +184,7 @@ pub(crate) fn moe_combine(
     let op = "moe_combine";
     assert!(k > 0, "{op}: k must be at least 1");
     let m = pos.len();
-    assert!(m % k == 0, "{op}: pos has {m} elements, not N rows of k = {k}");
+    assert!(m.is_multiple_of(k), "{op}: pos has {m} elements, not N rows of k = {k}");
     let n = m / k;
     expect_len(op, "out", out.len(), n * c);
     expect_len(op, "src", src.len(), m * c);
