@@ -14,9 +14,10 @@
 //! for attention (sums of up to a few hundred products), 1e-4 for products against the CPU on
 //! the same bf16 inputs (exact products, fp32 tensor-core sums in another order), 2e-2 for
 //! products against the fp32 CPU (each input rounded to 8 significant bits, relative error up
-//! to 2^-8 each), bitwise for the bf16 roundings and the embedding scatter-add (same order as
-//! the CPU); attention on the tensor cores, against the CPU on the same bf16-rounded inputs,
-//! 1e-2 per element and 3e-3 relative over each output (P and dS rounded to bf16).
+//! to 2^-8 each), bitwise for the bf16 roundings, the embedding scatter-add and the MoE
+//! gather, combine and row scaling (same order as the CPU; MoE routing choices exact too);
+//! attention on the tensor cores, against the CPU on the same bf16-rounded inputs, 1e-2 per
+//! element and 3e-3 relative over each output (P and dS rounded to bf16).
 
 #![cfg(feature = "cuda")]
 
