@@ -76,6 +76,9 @@ pub struct Sizes {
     pub scratch: usize,
     /// Per micro-batch: ids + targets + losses (mb_rows each).
     pub per_mb_small: usize,
+    /// A mixture of experts' compute-queue buffers: a micro-batch's row mask (mb_rows), the
+    /// pooled load-balancing statistics (2E) and their gradient (E); 0 for a dense model.
+    pub moe: usize,
     /// Kept forward internals, every layer and micro-batch (0 when the backward recomputes).
     pub stash: usize,
     /// Sets of kept internals (layers x micro-batches; 0 when the backward recomputes), each
@@ -207,6 +210,7 @@ impl Sizes {
             grad_slabs: cfg.grad_slabs,
             scratch: layer_scratch + grad_scratch + head_scratch + rope,
             per_mb_small: 3 * n,
+            moe: layout.moe.as_ref().map_or(0, |m| n + 3 * m.num_experts),
             stash: cfg.kept_layers * cfg.micro_batches() * layer_kept,
             stash_sets: cfg.kept_layers * cfg.micro_batches(),
             act_buffers: kept_widths().count(),
@@ -259,7 +263,8 @@ impl Sizes {
             + self.scratch_buffers
             + usize::from(self.workspace_bytes > 0)
             + usize::from(tiled)
-            + self.stash_sets * self.act_buffers;
+            + self.stash_sets * self.act_buffers
+            + if self.moe > 0 { 3 } else { 0 };
         let slots = match self.precision {
             Precision::F32 => "weight slots (2, fp32)",
             Precision::Bf16 => "weight slots (2, bf16: half the bytes of fp32)",
@@ -286,6 +291,9 @@ impl Sizes {
             ),
             ("kept layer internals (engine.recompute)", self.stash * 4),
         ];
+        if self.moe > 0 {
+            lines.push(("mixture of experts: row mask, load-balancing statistics", self.moe * 4));
+        }
         if tiled {
             lines.extend([
                 (

@@ -458,18 +458,8 @@ mod tests {
         }
     }
 
-    /// Loss `sum(Y * r)` of one forward, in f64.
-    fn loss(
-        spec: &LayerSpec,
-        x: &[f32],
-        w: &mut TestWeights,
-        ropes: &[(Vec<f32>, Vec<f32>)],
-        r: &[f32],
-    ) -> f64 {
-        loss_routed(spec, x, w, ropes, r).0
-    }
-
-    /// [`loss`] and the experts a sparse layer chose (empty for a dense one).
+    /// Loss `sum(Y * r)` of one forward, in f64, and the experts a sparse layer chose (empty
+    /// for a dense one).
     fn loss_routed(
         spec: &LayerSpec,
         x: &[f32],

@@ -146,8 +146,8 @@ where
             skipped: out.skipped,
             no_loss: false,
             eval_loss: None,
-            ce_loss: None,
-            aux_loss: None,
+            ce_loss: out.aux.map(|_| out.ce_loss()),
+            aux_loss: out.aux.map(|(aux, _)| aux),
         })
     }
 

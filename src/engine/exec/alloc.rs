@@ -63,6 +63,7 @@ where
         let ctx = Arc::new(Ctx {
             regions: SlotRegions::new(&layout, shape.head_buf(), &sizes.head),
             step: StepState::new(&layout, state.params.buffers().len(), state.last_sq.clone()),
+            moe: super::moe::MoeState::new(&layout, sizes.mb_rows),
             weight_bytes: <D::Backend as Backend>::PRECISION.weight_bytes(),
             head_chunk: head_chunk(&cfg, &sizes),
             phases: Arc::new(PhaseClock::default()),
@@ -401,7 +402,12 @@ pub(super) fn alloc_device<D: Device>(
     let (acts_scratch, stash) = alloc_internals(&a, layout, sizes, cfg)?;
     let scratch = alloc_scratch(&a, layout, sizes, cfg, acts_scratch)?;
     let tiled = alloc_tiled(&a, layout, sizes, cfg)?;
+    let moe = match &layout.moe {
+        Some(m) => Some([a.one(n)?, a.one(2 * m.num_experts)?, a.one(m.num_experts)?]),
+        None => None,
+    };
     Ok(DeviceBuffers {
+        moe,
         slots,
         workspace,
         dws,

@@ -123,6 +123,11 @@ where
                 let mut slots = act_slots(vw.buf(inp.prefix(nc)), out, own);
                 let spec = ctx.layout.layer(layer);
                 let mut w = ctx.layer_weights(g, vw, layer, slot);
+                let mut moe = ctx.moe.as_ref().map(|s| s.lock().expect("moe state"));
+                if let (Some(st), Some(bufs)) = (moe.as_deref_mut(), ctx.devbufs.moe) {
+                    let pool = phase == Phase::Forward && sd.timed;
+                    w.moe = Some(st.forward(vw, bufs, sd, m, pool));
+                }
                 let rows = Rows { b: mb.b, t: mb.t };
                 let ropes = ropes(vw, ctx, mb.t);
                 layer_forward(vw.backend(), spec, &mut slots, &mut w, &ropes, rows);
@@ -366,6 +371,10 @@ where
                 let y = Slot::R(vw.buf(scratch.y));
                 let mut acts = act_slots(x, y, own.iter().map(|&b| vw.buf_mut(b)));
                 let mut w = ctx.layer_weights(g, vw, layer, slot);
+                let mut moe = ctx.moe.as_ref().map(|s| s.lock().expect("moe state"));
+                if let (Some(st), Some(bufs)) = (moe.as_deref_mut(), ctx.devbufs.moe) {
+                    w.moe = Some(st.backward(vw, bufs, sd, m, &ctx.layout));
+                }
                 let rows = Rows { b: mb.b, t: mb.t };
                 if kept.is_some() {
                     layer_rebuild(vw.backend(), spec, &mut acts, &mut w, rows);

@@ -93,6 +93,8 @@ pub(super) struct Ctx {
     pub(super) devbufs: DeviceBuffers,
     pub(super) hostbufs: HostBuffers,
     pub(super) step: StepState,
+    /// A mixture of experts' load-balancing state (the compute queue's).
+    pub(super) moe: Option<Mutex<super::moe::MoeState>>,
     /// Seconds of queue work by phase (shared with the engine's kernel timers).
     pub(super) phases: Arc<PhaseClock>,
 }
@@ -115,6 +117,9 @@ pub(super) struct DeviceBuffers {
     pub(super) stash: Vec<Option<Vec<Vec<DevBuf>>>>,
     /// The head's buffers when it is applied in tiles.
     pub(super) tiled: Option<TiledHead>,
+    /// A mixture of experts' (row mask (N), pooled statistics (2E), their gradient (E)):
+    /// the compute queue's alone ([`MoeState`]).
+    pub(super) moe: Option<[DevBuf; 3]>,
 }
 
 /// Handles to the host buffers queued work touches: the host store (owned by the engine's

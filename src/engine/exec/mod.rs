@@ -29,6 +29,7 @@ mod ctx;
 mod download;
 mod eval;
 mod host;
+mod moe;
 mod upload;
 
 pub use eval::EvalOutput;
@@ -102,10 +103,18 @@ pub struct StepOutput {
     pub grad_norm: f64,
     /// The update was skipped (non-finite loss or gradient norm): masters and moments untouched.
     pub skipped: bool,
+    /// A mixture of experts' load-balancing loss (unscaled) and its trained coefficient.
+    pub aux: Option<(f64, f64)>,
 }
 
 impl StepOutput {
+    /// The trained objective: the mean cross-entropy plus the coefficient times the aux loss.
     pub fn loss(&self) -> f64 {
+        self.ce_loss() + self.aux.map_or(0.0, |(aux, coef)| coef * aux)
+    }
+
+    /// The mean cross-entropy over the loss-carrying positions.
+    pub fn ce_loss(&self) -> f64 {
         self.loss_sum / self.num_targets.max(1) as f64
     }
 }
@@ -398,7 +407,8 @@ where
         if applied {
             self.updates += 1;
         }
-        Ok(StepOutput { loss_sum, num_targets, grad_norm, skipped })
+        let aux = self.ctx.moe.as_ref().and_then(|s| s.lock().expect("moe state").aux());
+        Ok(StepOutput { loss_sum, num_targets, grad_norm, skipped, aux })
     }
 
     /// Submit one operation to its queue.
