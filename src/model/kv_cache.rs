@@ -22,6 +22,7 @@ use std::sync::Arc;
 use crate::model::base::FrozenBase;
 use crate::model::layer::{KvStep, Rows, Slot, act_slots, layer_forward_cached};
 use crate::model::layout::ModelLayout;
+use crate::model::moe::{MoeHost, MoeIo};
 use crate::model::params::ParamStore;
 use crate::model::transformer::{
     LayerUpload, embed_rows_of, layer_weights, rope_tables, upload_head, upload_layer, v, vm,
@@ -73,6 +74,8 @@ pub struct KvDecoder<B: DeviceAlloc> {
     host_x: Vec<f32>,
     /// Positions in the cache.
     pos: usize,
+    /// A sparse model's dispatch sort scratch.
+    moe: MoeHost,
 }
 
 impl<B: DeviceAlloc> KvDecoder<B> {
@@ -96,6 +99,7 @@ impl<B: DeviceAlloc> KvDecoder<B> {
         residency: Residency,
     ) -> Self {
         let d = layout.dims;
+        let layout_moe = layout.moe.as_ref().map(|m| (m.top_k, m.num_experts));
         let (max_len, max_step) = (max_len.max(1), max_step.clamp(1, max_len.max(1)));
         let ropes = layout
             .rope
@@ -145,6 +149,10 @@ impl<B: DeviceAlloc> KvDecoder<B> {
             max_len,
             max_step,
             pos: 0,
+            moe: match &layout_moe {
+                Some((k, e)) => MoeHost::new(max_step * k, *e),
+                None => MoeHost::default(),
+            },
             be,
         }
     }
@@ -225,6 +233,8 @@ impl<B: DeviceAlloc> KvDecoder<B> {
             let kv = KvStep { cache: &mut *self.cache[l], pos };
             let mut w =
                 layer_weights::<B>(spec, &self.slots[slot], &self.packed[slot], &mut self.ws);
+            let host = &mut self.moe;
+            w.moe = Some(MoeIo { host, mask: None, stats: None, grad: None });
             layer_forward_cached(&self.be, spec, &mut slots, &mut w, &ropes, Rows { b: 1, t }, kv);
             drop(slots);
             std::mem::swap(&mut self.x, &mut self.y);

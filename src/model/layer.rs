@@ -402,7 +402,7 @@ pub fn layer_backward<B: Backend>(
                 let gi = if acc { Dinp::Add(gi.w(n * c)) } else { Dinp::Write(gi.w(n * c)) };
                 let t = [t0, t1, t2, t3, t4, t5, t6].map(|s| s.whole());
                 let g = ExpertGrads { dinp: gi, dout: go.r(n * c), dwts: gw.w(n * k), t };
-                experts_backward(be, spec, &spec.ops[op], g, dw, acts, wts, n);
+                experts_backward(be, (spec, &spec.ops[op]), g, dw, acts, wts, n);
             }
         }
     }

@@ -181,8 +181,7 @@ pub(crate) struct ExpertGrads<'g, T: ?Sized> {
 /// weights' gradients added into `dw` (absent when they are frozen).
 pub(crate) fn experts_backward<B: Backend>(
     be: &B,
-    spec: &LayerSpec,
-    op: &Op,
+    (spec, op): (&LayerSpec, &Op),
     g: ExpertGrads<'_, B::Buf>,
     dw: &mut B::Buf,
     acts: &[Slot<'_, B::Buf>],

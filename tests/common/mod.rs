@@ -12,14 +12,8 @@ use serde_json::Value;
 
 /// The fixture cases copied from ../shared/fixtures: the dense families, then the mixtures of
 /// experts.
-pub const CASES: [&str; 6] = [
-    "llama_gqa",
-    "qwen2_tied_padded",
-    "qwen3_qknorm",
-    "gemma3_sliding",
-    "qwen3_moe",
-    "mixtral",
-];
+pub const CASES: [&str; 6] =
+    ["llama_gqa", "qwen2_tied_padded", "qwen3_qknorm", "gemma3_sliding", "qwen3_moe", "mixtral"];
 
 pub fn case_dir(case: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(case)
