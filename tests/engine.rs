@@ -208,8 +208,12 @@ fn updating_the_next_steps_embedding_rows_first_changes_no_bit() {
 /// Step-0 loss of `model` (the llama_gqa weights) through the reference path and through the
 /// engine with K = 1 and 2 (one micro-batch: bit-identical).
 fn step0_losses(model: &ModelConfig) -> Vec<f64> {
+    step0_losses_of("llama_gqa", model)
+}
+
+/// [`step0_losses`] with `case`'s weights and rows.
+fn step0_losses_of(case: &str, model: &ModelConfig) -> Vec<f64> {
     use horizon::model::transformer::{Capacity, Transformer};
-    let case = "llama_gqa";
     let layout = horizon::model::describe(model);
     let params = ParamStore::load_hf(&layout, &case_dir(case).join("model")).unwrap();
     let rows = case_rows(case);
@@ -253,6 +257,28 @@ fn mistral_sliding_window_runs_through_the_windowed_kernels() {
     assert_eq!(bits(&wide), bits(&llama), "a window of the whole row is full attention");
     assert!(bits(&narrow).windows(2).all(|w| w[0] == w[1]), "engine == reference: {narrow:?}");
     assert!((narrow[0] - llama[0]).abs() > 1e-4, "the window changes the loss: {narrow:?}");
+}
+
+/// Mixtral's `sliding_window` makes every layer a sliding one, through the same windowed
+/// kernels: a window as wide as the rows changes nothing, a narrower one changes the loss; the
+/// engine equals the reference path.
+#[test]
+fn mixtral_sliding_window_runs_through_the_windowed_kernels() {
+    let path = case_dir("mixtral").join("model/config.json");
+    let mut raw: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    raw["sliding_window"] = serde_json::Value::Null;
+    let full = step0_losses_of("mixtral", &ModelConfig::from_json(&raw, "mixtral").unwrap());
+    raw["sliding_window"] = 64.into();
+    let wide = step0_losses_of("mixtral", &ModelConfig::from_json(&raw, "W=64").unwrap());
+    raw["sliding_window"] = 5.into();
+    let narrow = ModelConfig::from_json(&raw, "mixtral W=5").unwrap();
+    assert_eq!(narrow.layer_types, vec![horizon::hf::config::LayerType::Sliding; 2]);
+    let narrow = step0_losses_of("mixtral", &narrow);
+    let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&wide), bits(&full), "a window of the whole row is full attention");
+    assert!(bits(&narrow).windows(2).all(|w| w[0] == w[1]), "engine == reference: {narrow:?}");
+    assert!((narrow[0] - full[0]).abs() > 1e-4, "the window changes the loss: {narrow:?}");
 }
 
 /// The engine config of `case` with the LM head in tiles of `rows` vocabulary rows.

@@ -334,10 +334,14 @@ impl Checkpoint {
         if !unexpected.is_empty() {
             msg.push_str(&format!("; {} unexpected: {}", unexpected.len(), list(&unexpected)));
         }
-        msg.push_str(
+        let experts = missing.iter().chain(&unexpected).any(|n| n.contains(".experts."));
+        msg.push_str(if experts {
+            "; hint: check that config.json (num_experts or num_local_experts, mlp_only_layers, \
+             decoder_sparse_step, num_hidden_layers) describes this checkpoint's experts"
+        } else {
             "; hint: check that config.json (num_hidden_layers, tie_word_embeddings, biases) \
-             describes this checkpoint",
-        );
+             describes this checkpoint"
+        });
         bail!(msg)
     }
 }

@@ -256,6 +256,20 @@ impl Backend for CudaBackend {
     fn moe_row_dots(&self, _: &mut [f32], _: &[f32], _: &[f32], _: &[f32], _: usize) {
         match *self {}
     }
+    fn sigmoid_gate_forward(&self, _: &mut [f32], _: &[f32], _: &[f32], _: usize) {
+        match *self {}
+    }
+    fn sigmoid_gate_backward(
+        &self,
+        _: &mut [f32],
+        _: &mut [f32],
+        _: &[f32],
+        _: &[f32],
+        _: &[f32],
+        _: usize,
+    ) {
+        match *self {}
+    }
     fn swiglu_forward(&self, _: &mut [f32], _: &[f32], _: usize, _: usize) {
         match *self {}
     }

@@ -449,6 +449,28 @@ pub trait Backend: Send + Sync {
         pos: &Self::Buf,
         w: usize,
     );
+    /// The shared expert's sigmoid gate (Qwen2-MoE), each row scaled by its own logit:
+    /// `out[r] = sigmoid(gate[r]) * inp[r]` ([`cpu::gate`] has the derivation).
+    /// out: (N, C), overwrites. gate: (N), one logit a row. inp: (N, C).
+    fn sigmoid_gate_forward(
+        &self,
+        out: &mut Self::Buf,
+        gate: &Self::Buf,
+        inp: &Self::Buf,
+        c: usize,
+    );
+    /// dinp: (N, C), overwrites: `sigmoid(gate[r]) * dout[r]`. dgate: (N), overwrites:
+    /// `s (1 - s) * sum_j dout[r, j] inp[r, j]`, s = sigmoid(gate[r]), the sum in a fixed order
+    /// (deterministic). dout, inp: (N, C). gate: (N).
+    fn sigmoid_gate_backward(
+        &self,
+        dinp: &mut Self::Buf,
+        dgate: &mut Self::Buf,
+        dout: &Self::Buf,
+        gate: &Self::Buf,
+        inp: &Self::Buf,
+        c: usize,
+    );
 
     /// Residual add: out = a + b. All of one length; out overwrites.
     fn residual_forward(&self, out: &mut Self::Buf, a: &Self::Buf, b: &Self::Buf);

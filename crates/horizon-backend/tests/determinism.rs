@@ -135,6 +135,14 @@ fn all_ops() -> Vec<f32> {
     geglu_backward(&mut dggu, &gh, &gu, n, f);
     all.extend(gh.iter().chain(&dggu));
 
+    // sigmoid gate (the shared expert's): one row sum per row.
+    let sg = rng.vec(n, 4.0);
+    let mut sy = vec![0.0; n * f];
+    sigmoid_gate_forward(&mut sy, &sg, &h, f);
+    let (mut dsx, mut dsg) = (vec![0.0; n * f], vec![0.0; n]);
+    sigmoid_gate_backward(&mut dsx, &mut dsg, &gh, &sg, &h, f);
+    all.extend(sy.iter().chain(&dsx).chain(&dsg));
+
     // cross-entropy
     let vocab = 301;
     let logits = rng.vec(n * vocab, 4.0);

@@ -5,7 +5,8 @@
 //! and the cross-entropy and activation edge cases; the cross-entropy over vocabulary tiles
 //! (stats, grad, loss) composes to the fused op for every tile width; the mixture-of-experts
 //! routing (top-k ties to the lower expert) and its backward with and without `norm` and the
-//! load-balancing term, the host's stable sort by expert, and the dispatch ops.
+//! load-balancing term, the host's stable sort by expert, and the dispatch ops; the shared
+//! expert's sigmoid gate (both gradients, saturation).
 //!
 //! Tolerances (criterion of `assert_close`: `|got - want| <= tol * max(1, |want|)`):
 //! - `FWD_TOL` = 1e-5: an f32 op against the f64 reference on O(1) data. f32 rounding over the
@@ -1531,4 +1532,61 @@ fn moe_scale_rows_and_row_dots_match_naive_loops() {
             .collect();
         assert_close(&format!("moe_row_dots {dims:?} W={w}"), &out, &want, FWD_TOL);
     }
+}
+
+// ---- sigmoid gate (the shared expert's) ---------------------------------------------------
+
+/// Rows of C: one, a few below a SIMD width, many with a width that is no multiple of 8.
+const GATE_SHAPES: [(usize, usize); 4] = [(1, 1), (3, 5), (9, 37), (4, 130)];
+
+/// Reference sigmoid gate: `out[r, j] = sigmoid(gate[r]) * inp[r, j]`.
+fn sigmoid_gate_ref(gate: &[f64], inp: &[f64], c: usize) -> Vec<f64> {
+    let mut out = Vec::with_capacity(inp.len());
+    for (x, &g) in inp.chunks(c).zip(gate) {
+        let s = 1.0 / (1.0 + (-g).exp());
+        out.extend(x.iter().map(|x| s * x));
+    }
+    out
+}
+
+#[test]
+fn sigmoid_gate_forward_matches_reference() {
+    let mut rng = Rng::new(76);
+    for (n, c) in GATE_SHAPES {
+        let (gate, inp) = (rng.vec(n, 4.0), rng.vec(n * c, 1.0));
+        let mut out = vec![f32::NAN; n * c]; // overwritten
+        sigmoid_gate_forward(&mut out, &gate, &inp, c);
+        let want = sigmoid_gate_ref(&to64(&gate), &to64(&inp), c);
+        assert_close(&format!("sigmoid_gate out N={n} C={c}"), &out, &want, FWD_TOL);
+    }
+}
+
+/// Both gradients against central differences of the reference loss `sum(out * R)`: dinp
+/// over every element of inp, dgate over every row's logit (gates out to +-4, where
+/// `s (1 - s)` is small); both overwrite (prefilled with NaN).
+#[test]
+fn sigmoid_gate_backward_matches_fd() {
+    let mut rng = Rng::new(77);
+    for (n, c) in GATE_SHAPES {
+        let (gate, inp, r) = (rng.vec(n, 4.0), rng.vec(n * c, 1.0), rng.vec(n * c, 1.0));
+        let (mut dinp, mut dgate) = (vec![f32::NAN; n * c], vec![f32::NAN; n]);
+        sigmoid_gate_backward(&mut dinp, &mut dgate, &r, &gate, &inp, c);
+        let (gate64, inp64) = (to64(&gate), to64(&inp));
+        let fd_inp = fd_grad(&inp64, FD_EPS, |x| proj(&sigmoid_gate_ref(&gate64, x, c), &r));
+        let fd_gate = fd_grad(&gate64, FD_EPS, |g| proj(&sigmoid_gate_ref(g, &inp64, c), &r));
+        assert_close(&format!("sigmoid_gate dinp N={n} C={c}"), &dinp, &fd_inp, GRAD_TOL);
+        assert_close(&format!("sigmoid_gate dgate N={n} C={c}"), &dgate, &fd_gate, GRAD_TOL);
+    }
+}
+
+#[test]
+fn sigmoid_gate_saturates_without_nan() {
+    let (gate, inp) = ([-200.0, 200.0], [3.0, -2.0, 3.0, -2.0]);
+    let mut out = [f32::NAN; 4];
+    sigmoid_gate_forward(&mut out, &gate, &inp, 2);
+    assert_eq!(out, [0.0, -0.0, 3.0, -2.0]);
+    let (mut dinp, mut dgate) = ([f32::NAN; 4], [f32::NAN; 2]);
+    sigmoid_gate_backward(&mut dinp, &mut dgate, &[1.0; 4], &gate, &inp, 2);
+    assert_eq!(dinp, [0.0, 0.0, 1.0, 1.0]);
+    assert_eq!(dgate, [0.0, 0.0]);
 }

@@ -934,6 +934,7 @@ static const std::vector<std::pair<const char*, std::vector<const char*>>> kProj
     {"convert", {"convert_f32_to_bf16"}},
     {"cross_entropy", {"cross_entropy_forward", "cross_entropy_fused"}},
     {"embedding", {"embedding_forward", "embedding_backward"}},
+    {"gate", {"sigmoid_gate_forward", "sigmoid_gate_backward"}},
     {"geglu", {"geglu_forward", "geglu_backward"}},
     {"grad_norm", {"grad_norm_partial"}},
     {"head_rmsnorm", {"head_rmsnorm_forward", "head_rmsnorm_backward_dinp", "head_rmsnorm_backward_dweight"}},

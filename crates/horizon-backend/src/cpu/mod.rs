@@ -12,6 +12,7 @@ pub mod cross_entropy;
 pub mod cross_entropy_tile;
 pub mod device;
 pub mod embedding;
+pub mod gate;
 pub mod geglu;
 pub mod head_rmsnorm;
 pub mod matmul;
@@ -38,6 +39,7 @@ pub use embedding::{
     GATHER_SERIAL_ELEMS, embedding_backward, embedding_forward, embedding_forward_rows,
     gathers_serially,
 };
+pub use gate::{sigmoid_gate_backward, sigmoid_gate_forward};
 pub use geglu::{geglu_backward, geglu_forward};
 pub use head_rmsnorm::{head_rmsnorm_backward, head_rmsnorm_forward};
 pub use matmul::{matmul_backward, matmul_forward};
@@ -279,6 +281,22 @@ impl Backend for CpuBackend {
 
     fn moe_row_dots(&self, out: &mut [f32], a: &[f32], b: &[f32], pos: &[f32], w: usize) {
         moe_row_dots(out, a, b, pos, w);
+    }
+
+    fn sigmoid_gate_forward(&self, out: &mut [f32], gate: &[f32], inp: &[f32], c: usize) {
+        sigmoid_gate_forward(out, gate, inp, c);
+    }
+
+    fn sigmoid_gate_backward(
+        &self,
+        dinp: &mut [f32],
+        dgate: &mut [f32],
+        dout: &[f32],
+        gate: &[f32],
+        inp: &[f32],
+        c: usize,
+    ) {
+        sigmoid_gate_backward(dinp, dgate, dout, gate, inp, c);
     }
 
     fn swiglu_forward(&self, out: &mut [f32], gate_up: &[f32], n: usize, f: usize) {

@@ -664,6 +664,28 @@ impl Backend for CudaBackend {
         super::moe::moe_row_dots(self, out, a, b, pos, w);
     }
 
+    fn sigmoid_gate_forward(
+        &self,
+        out: &mut DevSlice<f32>,
+        gate: &DevSlice<f32>,
+        inp: &DevSlice<f32>,
+        c: usize,
+    ) {
+        super::gate::sigmoid_gate_forward(self, out, gate, inp, c);
+    }
+
+    fn sigmoid_gate_backward(
+        &self,
+        dinp: &mut DevSlice<f32>,
+        dgate: &mut DevSlice<f32>,
+        dout: &DevSlice<f32>,
+        gate: &DevSlice<f32>,
+        inp: &DevSlice<f32>,
+        c: usize,
+    ) {
+        super::gate::sigmoid_gate_backward(self, dinp, dgate, dout, gate, inp, c);
+    }
+
     fn swiglu_forward(&self, out: &mut DevSlice<f32>, gate_up: &DevSlice<f32>, n: usize, f: usize) {
         super::glu::glu_forward(self, "swiglu_forward", out, gate_up, n, f);
     }

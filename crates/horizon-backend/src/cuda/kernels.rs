@@ -14,7 +14,7 @@ use cudarc::nvrtc;
 use super::CudaError;
 
 /// `(op, source)` of every kernel file, `kernels/<op>.cu`.
-pub const SOURCES: [(&str, &str); 18] = [
+pub const SOURCES: [(&str, &str); 19] = [
     ("attention", include_str!("../../kernels/attention.cu")),
     ("attention_decode", include_str!("../../kernels/attention_decode.cu")),
     ("attention_mma", include_str!("../../kernels/attention_mma.cu")),
@@ -23,6 +23,7 @@ pub const SOURCES: [(&str, &str); 18] = [
     ("convert", include_str!("../../kernels/convert.cu")),
     ("cross_entropy", include_str!("../../kernels/cross_entropy.cu")),
     ("embedding", include_str!("../../kernels/embedding.cu")),
+    ("gate", include_str!("../../kernels/gate.cu")),
     ("geglu", include_str!("../../kernels/geglu.cu")),
     ("grad_norm", include_str!("../../kernels/grad_norm.cu")),
     ("head_rmsnorm", include_str!("../../kernels/head_rmsnorm.cu")),
@@ -36,7 +37,7 @@ pub const SOURCES: [(&str, &str); 18] = [
 ];
 
 /// The `extern "C"` entry points of each source, loaded by name.
-pub const FUNCTIONS: [(&str, &[&str]); 18] = [
+pub const FUNCTIONS: [(&str, &[&str]); 19] = [
     (
         "attention",
         &[
@@ -71,6 +72,7 @@ pub const FUNCTIONS: [(&str, &[&str]); 18] = [
         ],
     ),
     ("embedding", &["embedding_forward", "embedding_backward"]),
+    ("gate", &["sigmoid_gate_forward", "sigmoid_gate_backward"]),
     ("geglu", &["geglu_forward", "geglu_backward"]),
     ("grad_norm", &["grad_norm_partial"]),
     (

@@ -11,9 +11,10 @@
 //! Layout, one op per file as in `cpu/`: `embedding.rs`, `rmsnorm.rs`, `head_rmsnorm.rs`,
 //! `matmul.rs` (cuBLAS), `rope.rs`, `attention.rs`, `attention_decode.rs` (a KV cache's new
 //! rows), `glu.rs` (swiglu and geglu), `moe.rs` (mixture-of-experts routing and dispatch),
-//! `residual.rs`, `cross_entropy.rs`, `convert.rs`, `grad_norm.rs` launch `kernels/<op>.cu`;
-//! `backend.rs` is the trait impl, `device.rs` the device, `slice.rs` the device views,
-//! `pinned.rs` the staging memory, `probe.rs` the library checks.
+//! `gate.rs` (the shared expert's sigmoid gate), `residual.rs`, `cross_entropy.rs`,
+//! `convert.rs`, `grad_norm.rs` launch `kernels/<op>.cu`; `backend.rs` is the trait impl,
+//! `device.rs` the device, `slice.rs` the device views, `pinned.rs` the staging memory,
+//! `probe.rs` the library checks.
 
 mod attention;
 mod attention_decode;
@@ -24,6 +25,7 @@ pub mod convert;
 mod cross_entropy;
 mod device;
 mod embedding;
+mod gate;
 mod glu;
 mod grad_norm;
 mod head_rmsnorm;

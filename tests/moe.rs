@@ -1,0 +1,116 @@
+//! Mixture-of-experts input checks: a config that disagrees with its checkpoint's experts, a
+//! missing expert tensor, top-k above the expert count and the variants Horizon does not run
+//! are refused with errors that name the key or tensor.
+
+mod common;
+
+use std::path::Path;
+
+use common::*;
+use horizon::hf::config::ModelConfig;
+use horizon::model::params::ParamStore;
+
+fn config(case: &str) -> serde_json::Value {
+    let text = std::fs::read_to_string(case_dir(case).join("model/config.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+fn refused(raw: &serde_json::Value) -> String {
+    ModelConfig::from_json(raw, "config.json").unwrap_err().to_string()
+}
+
+/// Loading the checkpoint in `dir` as `raw` describes it: the error.
+fn load_error(raw: &serde_json::Value, dir: &Path) -> String {
+    let cfg = ModelConfig::from_json(raw, "config.json").unwrap();
+    let layout = horizon::model::describe(&cfg);
+    ParamStore::load_hf(&layout, dir).map(|_| ()).unwrap_err().to_string()
+}
+
+#[test]
+fn an_expert_count_that_disagrees_with_the_checkpoint_is_refused() {
+    let mut raw = config("qwen3_moe");
+    raw["num_local_experts"] = 4.into();
+    let err = load_error(&raw, &case_dir("qwen3_moe").join("model"));
+    assert!(err.contains("unexpected: model.layers.0.mlp.experts.4"), "{err}");
+    assert!(err.contains("num_experts or num_local_experts"), "{err}");
+    let mut raw = config("mixtral");
+    raw["num_local_experts"] = 9.into();
+    let err = load_error(&raw, &case_dir("mixtral").join("model"));
+    assert!(err.contains("missing: model.layers.0.block_sparse_moe.experts.8.w1.weight"), "{err}");
+    // Both keys, disagreeing.
+    let mut raw = config("qwen3_moe");
+    raw["num_experts"] = 16.into();
+    let err = refused(&raw);
+    assert!(err.contains("num_experts (16) and num_local_experts (8) disagree"), "{err}");
+}
+
+#[test]
+fn a_missing_expert_tensor_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = case_dir("qwen3_moe").join("model");
+    let ckpt = horizon::hf::Checkpoint::open(&src).unwrap();
+    let gone = "model.layers.2.mlp.experts.5.up_proj.weight";
+    let tensors: Vec<(String, Vec<usize>, Vec<f32>)> = ckpt
+        .names()
+        .into_iter()
+        .filter(|n| n != gone)
+        .map(|n| {
+            let shape = ckpt.shape(&n).unwrap();
+            let mut data = vec![0.0; shape.iter().product()];
+            let nf = horizon::hf::checkpoint::NonFinite::Refuse;
+            ckpt.read_f32(&n, &shape, &mut data, nf).unwrap();
+            (n, shape, data)
+        })
+        .collect();
+    let views: Vec<(String, Vec<usize>, &[f32])> =
+        tensors.iter().map(|(n, s, d)| (n.clone(), s.clone(), &d[..])).collect();
+    let out = dir.path().join("model.safetensors");
+    horizon::hf::write_safetensors(&out, &views, horizon::hf::SaveDtype::F32).unwrap();
+    std::fs::copy(src.join("config.json"), dir.path().join("config.json")).unwrap();
+    let err = load_error(&config("qwen3_moe"), dir.path());
+    assert!(err.contains(&format!("1 missing: {gone}")), "{err}");
+}
+
+#[test]
+fn top_k_above_the_expert_count_is_refused() {
+    let mut raw = config("mixtral");
+    raw["num_experts_per_tok"] = 9.into();
+    let err = refused(&raw);
+    assert!(
+        err.contains("num_experts_per_tok (9) is larger than the number of experts (8)"),
+        "{err}"
+    );
+}
+
+#[test]
+fn unsupported_moe_variants_are_named() {
+    let mut raw = config("qwen3_moe");
+    raw["model_type"] = "deepseek_v3".into();
+    let err = refused(&raw);
+    assert!(err.contains("multi-head latent attention (MLA)"), "{err}");
+    for (key, what) in [
+        ("n_group", "grouped routing"),
+        ("kv_lora_rank", "multi-head latent attention"),
+        ("router_jitter_noise", "routing noise"),
+    ] {
+        let mut raw = config("qwen3_moe");
+        raw[key] = 4.into();
+        let err = refused(&raw);
+        assert!(err.contains(key) && err.contains(what), "{key}: {err}");
+    }
+}
+
+#[test]
+fn sparse_layers_follow_mlp_only_layers_and_decoder_sparse_step() {
+    let moe = |raw: &serde_json::Value| ModelConfig::from_json(raw, "c").unwrap().moe.unwrap();
+    let raw = config("qwen3_moe");
+    assert_eq!(moe(&raw).sparse, vec![true, false, true]);
+    let mut raw = config("qwen3_moe");
+    raw["mlp_only_layers"] = serde_json::json!([]);
+    raw["decoder_sparse_step"] = 2.into();
+    assert_eq!(moe(&raw).sparse, vec![false, true, false]);
+    raw["mlp_only_layers"] = serde_json::json!([7]);
+    assert!(refused(&raw).contains("mlp_only_layers names layer 7"));
+    assert_eq!(moe(&config("mixtral")).sparse, vec![true, true]);
+    assert!(moe(&config("mixtral")).norm_topk_prob);
+}
