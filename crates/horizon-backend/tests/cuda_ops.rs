@@ -1180,6 +1180,50 @@ fn moe_dispatch_ops_match_the_cpu() {
     }
 }
 
+/// The shared expert's sigmoid gate on the GPU against the CPU, gates out to +-8 and rows
+/// narrower and wider than the backward's block of 256: out, dinp and dgate overwrite
+/// (prefilled with 5s), within `TOL` (expf's last bits; dgate's row sum in the block's fixed
+/// shape, not the CPU's column order); a second backward is bit-identical (no atomics).
+#[test]
+fn sigmoid_gate_forward_and_backward() {
+    let be = gpu();
+    let mut rng = Rng::new(29);
+    for (n, c) in [(1, 1), (37, 131), (5, 1001), (3, 256)] {
+        let what = |t: &str| format!("{t} N={n} C={c}");
+        let (gate, inp) = (rng.vec(n, 8.0), rng.vec(n * c, 1.0));
+        let mut out = vec![0.0; n * c];
+        CpuBackend.sigmoid_gate_forward(&mut out, &gate, &inp, c);
+        let (ggate, ginp) = (Guarded::new(&be, "gate", &gate), Guarded::new(&be, "inp", &inp));
+        let mut gout = Guarded::new(&be, "out", &vec![5.0; n * c]);
+        be.sigmoid_gate_forward(gout.view_mut(), ggate.view(), ginp.view(), c);
+        assert_close(&what("sigmoid_gate_forward (overwrites)"), &gout.read(&be), &out, TOL);
+
+        let dout = rng.vec(n * c, 1.0);
+        let (mut dinp, mut dgate) = (vec![0.0; n * c], vec![0.0; n]);
+        CpuBackend.sigmoid_gate_backward(&mut dinp, &mut dgate, &dout, &gate, &inp, c);
+        let gdout = Guarded::new(&be, "dout", &dout);
+        let mut runs = Vec::new();
+        for _ in 0..2 {
+            let mut gdinp = Guarded::new(&be, "dinp", &vec![5.0; n * c]);
+            let mut gdgate = Guarded::new(&be, "dgate", &vec![5.0; n]);
+            be.sigmoid_gate_backward(
+                gdinp.view_mut(),
+                gdgate.view_mut(),
+                gdout.view(),
+                ggate.view(),
+                ginp.view(),
+                c,
+            );
+            runs.push((gdinp.read(&be), gdgate.read(&be)));
+        }
+        let (gdinp, gdgate) = &runs[0];
+        assert_close(&what("sigmoid_gate_backward dinp (overwrites)"), gdinp, &dinp, TOL);
+        assert_close(&what("sigmoid_gate_backward dgate (overwrites)"), gdgate, &dgate, TOL);
+        assert_close(&what("sigmoid_gate_backward dinp, again"), &runs[1].0, gdinp, 0.0);
+        assert_close(&what("sigmoid_gate_backward dgate, again"), &runs[1].1, gdgate, 0.0);
+    }
+}
+
 #[test]
 fn bf16_roundings_match_the_host_bit_for_bit() {
     let be = gpu();

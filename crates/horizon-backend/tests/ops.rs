@@ -11,13 +11,14 @@
 //! Tolerances (criterion of `assert_close`: `|got - want| <= tol * max(1, |want|)`):
 //! - `FWD_TOL` = 1e-5: an f32 op against the f64 reference on O(1) data. f32 rounding over the
 //!   short sums here is observed at <= 3e-7 (matmul, attention with or without a window,
-//!   rmsnorm with or without `(1 + w)`, head_rmsnorm, CE, geglu), <= 7e-7 (swiglu with |gate|
-//!   up to 4), below 1e-6 (MoE routing, aux statistics, combine, row dots): a margin of more
-//!   than 10x.
+//!   rmsnorm with or without `(1 + w)`, head_rmsnorm, CE, geglu, the sigmoid gate), <= 7e-7
+//!   (swiglu with |gate| up to 4), below 1e-6 (MoE routing, aux statistics, combine, row
+//!   dots): a margin of more than 10x.
 //! - `GRAD_TOL` = 1e-5: an f32 analytic backward against f64 central differences (step 1e-5,
 //!   their own error ~1e-10). The f32 backward is observed within 5e-7 (attention's `dP - dD`,
 //!   rmsnorm's and head_rmsnorm's `dout w - x r^2 s / C` cancellations and geglu's `1 - t^2`
-//!   included; the MoE routing backward, with and without `norm` and the aux term, below 1e-6).
+//!   included; the MoE routing backward, with and without `norm` and the aux term, below 1e-6;
+//!   the sigmoid gate's dinp and its dgate, a row sum of up to 130 products, below 3e-7).
 //! - `TWICE_TOL` = 1e-6: a backward run twice against twice one run, where sums are added
 //!   straight into the gradient (embedding rows named by repeated ids). Matmul, rmsnorm and
 //!   head_rmsnorm form each sum before adding it once, so for them doubling is checked
