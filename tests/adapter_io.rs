@@ -103,7 +103,7 @@ fn reads_the_llama_fixture() {
         }
     }
     let cfg = lora(4, 8.0, &TARGETS, Some(&fixture("llama_lora")));
-    peft::check_against(&a, &cfg, llama_shapes, 2).unwrap();
+    peft::check_against(&a, &cfg, &trained(&cfg), llama_shapes, &Default::default(), 2).unwrap();
 }
 
 #[test]
@@ -120,7 +120,7 @@ fn reads_the_qwen2_fixture() {
     }
     let mut cfg = lora(8, 16.0, &["v_proj", "q_proj"], Some(&fixture("qwen2_qlora_nf4")));
     cfg.kind = AdapterKind::Qlora;
-    peft::check_against(&a, &cfg, qwen2_shapes, 2).unwrap();
+    peft::check_against(&a, &cfg, &trained(&cfg), qwen2_shapes, &Default::default(), 2).unwrap();
 }
 
 /// The tensors of `a` in the form `peft::write` takes.
@@ -151,7 +151,7 @@ fn write_then_read_is_bit_exact() {
     let mut cfg = lora(r, 12.5, &targets, None);
     cfg.rslora = true;
     let dir = tmp.path().join("final");
-    peft::write(&dir, &cfg, Some("my/base-model"), &refs).unwrap();
+    peft::write(&dir, &cfg, &trained(&cfg), Some("my/base-model"), &refs).unwrap();
     let back = peft::read(&dir).unwrap();
     assert_eq!((back.r, back.alpha, back.rslora), (3, 12.5, true));
     assert_eq!(back.targets, targets);
@@ -193,7 +193,7 @@ fn a_fixture_written_again_reads_back_equal() {
     let tmp = tempfile::tempdir().unwrap();
     let a = peft::read(&fixture("llama_lora")).unwrap();
     let cfg = lora(4, 8.0, &TARGETS, None);
-    peft::write(tmp.path(), &cfg, None, &tensors_of(&a)).unwrap();
+    peft::write(tmp.path(), &cfg, &trained(&cfg), None, &tensors_of(&a)).unwrap();
     let json: Value =
         serde_json::from_str(&std::fs::read_to_string(tmp.path().join(peft::CONFIG_FILE)).unwrap())
             .unwrap();
@@ -215,9 +215,10 @@ fn write_refuses_tensors_that_are_not_the_adapters() {
         (&*tensor_name(0, "v_proj", false), vec![2, 4], "not a LoRA tensor"),
         (&*tensor_name(0, "q_proj", false), vec![4, 2], "lora_A is (r, in)"),
     ] {
-        let e = peft::write(tmp.path(), &cfg, None, &[(name.to_string(), shape, &v)])
-            .unwrap_err()
-            .to_string();
+        let e =
+            peft::write(tmp.path(), &cfg, &trained(&cfg), None, &[(name.to_string(), shape, &v)])
+                .unwrap_err()
+                .to_string();
         assert!(e.contains(name) && e.contains(want), "{e}");
     }
 }
@@ -397,7 +398,11 @@ fn an_init_adapter_that_does_not_fit_the_run_is_refused() {
     let config = dir.join("adapter_config.json").display().to_string();
     let weights = dir.join("adapter_model.safetensors").display().to_string();
     let check = |cfg: AdapterConfig, shapes: fn(usize, &str) -> Option<(usize, usize)>, layers| {
-        format!("{:#}", peft::check_against(&a, &cfg, shapes, layers).unwrap_err())
+        format!(
+            "{:#}",
+            peft::check_against(&a, &cfg, &trained(&cfg), shapes, &Default::default(), layers)
+                .unwrap_err()
+        )
     };
     let e = check(lora(16, 8.0, &TARGETS, Some(&dir)), llama_shapes, 2);
     assert!(
@@ -430,7 +435,10 @@ fn an_init_adapter_that_does_not_fit_the_run_is_refused() {
     // A model without one of the targets.
     let no_gate = |l: usize, t: &str| if t == "gate_proj" { None } else { llama_shapes(l, t) };
     let cfg = lora(4, 8.0, &TARGETS, Some(&dir));
-    let e = format!("{:#}", peft::check_against(&a, &cfg, no_gate, 2).unwrap_err());
+    let e = format!(
+        "{:#}",
+        peft::check_against(&a, &cfg, &trained(&cfg), no_gate, &Default::default(), 2).unwrap_err()
+    );
     assert!(e.contains("no gate_proj in layer 0"), "{e}");
 }
 
@@ -545,4 +553,9 @@ fn scale_with_and_without_rslora() {
     let mut b = lora(16, 32.0, &["q_proj"], None);
     b.rslora = true;
     assert_eq!(b.scale(), 8.0);
+}
+
+/// The run's adapters as PEFT names them: `cfg`'s target modules, no expert parameters.
+fn trained(cfg: &horizon::adapter::config::AdapterConfig) -> peft::Trained {
+    peft::Trained { modules: cfg.targets.clone(), ..Default::default() }
 }

@@ -328,7 +328,12 @@ fn kv_cache_generation_on_the_gpu_tracks_the_cpu_tokens() {
     use horizon_backend::{CpuBackend, Precision};
     let prompt = [3u32, 17, 5, 42, 9];
     let new = 32;
-    for case in CASES {
+    // Dense cases only: on an arbitrary prompt a router may hold two experts within the bf16
+    // products' rounding of each other, and then the GPU may rightly choose the other one (a
+    // different function from there on). The sparse cases' CUDA path is held to the fixtures,
+    // whose rows keep every routing margin, and their KV cache to the full recompute on the CPU
+    // (tests/export_generate.rs).
+    for case in CASES.into_iter().filter(|c| !is_moe(c)) {
         let dir = case_dir(case).join("model");
         let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
         let params = ParamStore::load_hf(&horizon::model::describe(&cfg), &dir).unwrap();

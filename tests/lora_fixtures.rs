@@ -13,7 +13,7 @@ use common::{assert_bit_identical, assert_rel, f64s, max_err_over, update_rel_er
 use horizon::hf::checkpoint::read_tensor_f64;
 use horizon::model::params::ParamStore;
 use horizon::run::data::tokens_of;
-use horizon::run::load::{RunModel, load_run_model};
+use horizon::run::load::{RunModel, load_run_model, peft_order};
 use horizon::run::reference::ReferenceTrainer;
 use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig};
 
@@ -40,8 +40,9 @@ fn reference_step0_adapter_gradients_match_peft() {
             names.iter().map(|(p, _)| fixture_tensor(case, "step0_grads.safetensors", p)).collect();
         let model_max = refs.iter().flatten().fold(0.0f64, |a, &x| a.max(x.abs()));
         for ((peft, ours), want) in names.iter().zip(&refs) {
-            let got = t.state.grads.tensor(&t.engine.layout, ours).unwrap();
-            let (err, at) = max_err_over(got, want, model_max);
+            let layout = &t.engine.layout;
+            let got = peft_order(layout, ours, t.state.grads.tensor(layout, ours).unwrap());
+            let (err, at) = max_err_over(&got, want, model_max);
             let pt =
                 e["pytorch_fp32"]["step0_grad_err_over_model_max_grad"][peft].as_f64().unwrap();
             println!("{case} grad {ours}: err/model_max {err:.2e} (pytorch fp32 {pt:.2e})");
@@ -69,8 +70,8 @@ fn assert_matches(
     for (peft, ours) in adapter_names(case) {
         let want = fixture_tensor(case, "final_adapter.safetensors", &peft);
         let err = update_rel_err(
-            end.tensor(layout, &ours).unwrap(),
-            init.tensor(layout, &ours).unwrap(),
+            &peft_order(layout, &ours, end.tensor(layout, &ours).unwrap()),
+            &peft_order(layout, &ours, init.tensor(layout, &ours).unwrap()),
             &want,
         );
         let pt = e["pytorch_fp32"]["update_rel_l2_err"][&peft].as_f64().unwrap();

@@ -70,6 +70,41 @@ fn parse_name(name: &str) -> Option<(usize, &'static str, bool)> {
     Some((layer_no, target, b))
 }
 
+/// PEFT's `target_parameters` Horizon trains: a sparse layer's routed experts (transformers 5's
+/// fused 3-D parameters), each with one rank-r adapter per expert.
+pub const EXPERT_PARAMS: [&str; 2] = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"];
+
+/// PEFT's `rank_pattern` / `alpha_pattern` key of the gate|up expert parameter (what PEFT adds
+/// when it rewrites `gate_proj` + `up_proj` into it: rank 2r, alpha 2 alpha).
+pub const GATE_UP_PATTERN: &str = ".*\\.gate_up_proj";
+
+/// `(layer, b)` of an expert adapter tensor name (`...layers.{l}.mlp.experts[.base_layer].
+/// lora_{A|B}.weight`); `None` for any other name.
+fn parse_expert_name(name: &str) -> Option<(usize, bool)> {
+    let (layer, rest) = name.strip_prefix(LAYERS_PREFIX)?.split_once('.')?;
+    let layer_no: usize = layer.parse().ok()?;
+    let ab = rest
+        .strip_prefix("mlp.experts.base_layer.")
+        .or_else(|| rest.strip_prefix("mlp.experts."))?
+        .strip_suffix(".weight")?;
+    let b = match ab {
+        "lora_A" => false,
+        "lora_B" => true,
+        _ => return None,
+    };
+    (layer_no.to_string() == layer).then_some((layer_no, b))
+}
+
+/// What a run trains, as PEFT's config says it: the target modules, the expert parameters
+/// (`EXPERT_PARAMS` entries) and the gate|up expert adapter's (rank, alpha) where it differs
+/// from the others'.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Trained {
+    pub modules: Vec<String>,
+    pub params: Vec<String>,
+    pub gate_up_pattern: Option<(usize, f64)>,
+}
+
 /// Adapter tensors by PEFT name: (shape, values).
 pub type Tensors = BTreeMap<String, (Vec<usize>, Vec<f32>)>;
 
@@ -83,6 +118,10 @@ pub struct PeftAdapter {
     pub rslora: bool,
     /// `target_modules`, in the file's order.
     pub targets: Vec<String>,
+    /// `target_parameters` (each one of [`EXPERT_PARAMS`]), and the gate|up one's rank and
+    /// alpha pattern.
+    pub params: Vec<String>,
+    pub gate_up_pattern: Option<(usize, f64)>,
     /// `base_model_name_or_path`.
     pub base_model: Option<String>,
     /// PEFT name -> (shape, values); read from F32, BF16, F16 or F64 (rounded to f32).
@@ -92,7 +131,9 @@ pub struct PeftAdapter {
 impl PeftAdapter {
     /// Decoder layers the adapter covers (one past the highest layer index of its tensors).
     pub fn layers(&self) -> usize {
-        self.tensors.keys().filter_map(|n| parse_name(n)).map(|(l, _, _)| l + 1).max().unwrap_or(0)
+        let layer =
+            |n: &String| parse_name(n).map(|(l, _, _)| l).or(parse_expert_name(n).map(|(l, _)| l));
+        self.tensors.keys().filter_map(layer).map(|l| l + 1).max().unwrap_or(0)
     }
 }
 
@@ -108,6 +149,8 @@ pub fn read(dir: &Path) -> Result<PeftAdapter> {
         alpha: keys.alpha,
         rslora: keys.rslora,
         targets: keys.targets,
+        params: keys.params,
+        gate_up_pattern: keys.gate_up_pattern,
         base_model: keys.base_model,
         tensors,
     })
@@ -119,6 +162,8 @@ struct LoraKeys {
     alpha: f64,
     rslora: bool,
     targets: Vec<String>,
+    params: Vec<String>,
+    gate_up_pattern: Option<(usize, f64)>,
     base_model: Option<String>,
 }
 
@@ -137,7 +182,8 @@ const UNSUPPORTED_FLAGS: [(&str, &str); 4] = [
     ("use_qalora", "QA-LoRA"),
 ];
 
-/// Keys that must be empty (`{}`, `[]` or null), and what a value would ask for.
+/// Keys that must be empty (`{}`, `[]` or null), and what a value would ask for
+/// (`rank_pattern` and `alpha_pattern` may hold the gate|up experts' entry alone).
 const UNSUPPORTED_NON_EMPTY: [(&str, &str); 4] = [
     ("rank_pattern", "a different r for some modules"),
     ("alpha_pattern", "a different lora_alpha for some modules"),
@@ -208,9 +254,69 @@ impl<'a> JsonConfig<'a> {
             return Err(self.err("lora_alpha", format!("is {alpha}, not a positive number")));
         }
         let rslora = self.bool("use_rslora", false)?;
-        let targets = self.targets()?;
+        let params = self.params()?;
+        let targets = self.targets(!params.is_empty())?;
+        let gate_up_pattern = self.gate_up_pattern(r, alpha)?;
         let base_model = self.string("base_model_name_or_path")?;
-        Ok(LoraKeys { r, alpha, rslora, targets, base_model })
+        Ok(LoraKeys { r, alpha, rslora, targets, params, gate_up_pattern, base_model })
+    }
+
+    /// `target_parameters`: a list of [`EXPERT_PARAMS`] entries (PEFT's matching: the path
+    /// equals the entry or ends with `.` + it).
+    fn params(&self) -> Result<Vec<String>> {
+        let list = match self.get("target_parameters") {
+            None => return Ok(Vec::new()),
+            Some(Value::Array(a)) => a,
+            Some(v) => return Err(self.err("target_parameters", format!("is {v}, not a list"))),
+        };
+        let mut params = Vec::new();
+        for v in list {
+            let entry = v.as_str().unwrap_or("");
+            let full = EXPERT_PARAMS
+                .into_iter()
+                .find(|p| !entry.is_empty() && (*p == entry || p.ends_with(&format!(".{entry}"))));
+            let Some(full) = full else {
+                return Err(self.err(
+                    "target_parameters",
+                    format!(
+                        "names {v}; supported: {} (the routed experts)",
+                        EXPERT_PARAMS.join(", ")
+                    ),
+                ));
+            };
+            if !params.iter().any(|p| p == full) {
+                params.push(full.to_string());
+            }
+        }
+        Ok(params)
+    }
+
+    /// The gate|up experts' `rank_pattern` / `alpha_pattern` entry (the only one accepted).
+    fn gate_up_pattern(&self, r: usize, alpha: f64) -> Result<Option<(usize, f64)>> {
+        let entry = |key: &str| -> Result<Option<f64>> {
+            match self.get(key) {
+                None => Ok(None),
+                Some(Value::Object(m)) if m.is_empty() => Ok(None),
+                Some(Value::Object(m)) if m.len() == 1 && m.contains_key(GATE_UP_PATTERN) => {
+                    let v = &m[GATE_UP_PATTERN];
+                    v.as_f64().filter(|x| *x > 0.0).map(Some).ok_or_else(|| {
+                        self.err(key, format!("gives {GATE_UP_PATTERN} {v}, not a positive number"))
+                    })
+                }
+                Some(v) => Err(self.err(
+                    key,
+                    format!(
+                        "is {v}: a different r or alpha per module is not supported (only \
+                         PEFT's {GATE_UP_PATTERN} entry, the gate|up experts')"
+                    ),
+                )),
+            }
+        };
+        let (rank, a) = (entry("rank_pattern")?, entry("alpha_pattern")?);
+        if rank.is_none() && a.is_none() {
+            return Ok(None);
+        }
+        Ok(Some((rank.map_or(r, |x| x as usize), a.unwrap_or(alpha))))
     }
 
     /// Refuses every variant Horizon does not train.
@@ -234,6 +340,9 @@ impl<'a> JsonConfig<'a> {
             ));
         }
         for (key, what) in UNSUPPORTED_NON_EMPTY {
+            if key.ends_with("_pattern") {
+                continue; // checked by `gate_up_pattern`
+            }
             let empty = match self.get(key) {
                 None => true,
                 Some(Value::Object(m)) => m.is_empty(),
@@ -248,9 +357,12 @@ impl<'a> JsonConfig<'a> {
         Ok(())
     }
 
-    fn targets(&self) -> Result<Vec<String>> {
+    /// `target_modules`; it may be absent or empty when `target_parameters` is not
+    /// (`has_params`).
+    fn targets(&self, has_params: bool) -> Result<Vec<String>> {
         let known = TARGETS.join(", ");
         let list = match self.get("target_modules") {
+            None if has_params => return Ok(Vec::new()),
             None => return Err(self.err("target_modules", "is missing")),
             Some(Value::String(s)) => {
                 return Err(self.err(
@@ -270,7 +382,7 @@ impl<'a> JsonConfig<'a> {
                 targets.push(t.to_string());
             }
         }
-        if targets.is_empty() {
+        if targets.is_empty() && !has_params {
             return Err(self.err("target_modules", "is empty"));
         }
         Ok(targets)
@@ -289,6 +401,12 @@ fn read_tensors(path: &Path, config: &Path, keys: &LoraKeys) -> Result<Tensors> 
     let names = list_tensors(path)?;
     let mut tensors = BTreeMap::new();
     for name in names {
+        if !keys.params.is_empty() && parse_expert_name(&name).is_some() {
+            // Its shape is checked against the model's experts (`check_against`).
+            let (shape, values) = read_tensor_f64(path, &name)?;
+            tensors.insert(name, (shape, values.into_iter().map(|x| x as f32).collect()));
+            continue;
+        }
         let Some((_, _, b)) =
             parse_name(&name).filter(|(_, t, _)| keys.targets.iter().any(|x| x.as_str() == *t))
         else {
@@ -297,7 +415,10 @@ fn read_tensors(path: &Path, config: &Path, keys: &LoraKeys) -> Result<Tensors> 
                 path.display(),
                 keys.targets.join(", "),
                 config.display(),
-                tensor_name(0, &keys.targets[0], false)
+                keys.targets.first().map_or(
+                    format!("{LAYERS_PREFIX}0.mlp.experts.lora_A.weight"),
+                    |t| tensor_name(0, t, false)
+                )
             );
         };
         let (shape, values) = read_tensor_f64(path, &name)?;
@@ -327,9 +448,12 @@ fn check_rank(shape: &[usize], r: usize, b: bool) -> std::result::Result<(), &'s
 
 /// Every target of every layer up to the highest one present has both its A and its B.
 fn check_complete(path: &Path, tensors: &Tensors, targets: &[String]) -> Result<()> {
+    if tensors.is_empty() {
+        bail!("{}: holds no LoRA tensors", path.display());
+    }
     let layers = tensors.keys().filter_map(|n| parse_name(n)).map(|(l, _, _)| l + 1).max();
     let Some(layers) = layers else {
-        bail!("{}: holds no LoRA tensors", path.display());
+        return Ok(()); // expert adapters alone
     };
     for layer in 0..layers {
         for t in targets {
@@ -347,18 +471,21 @@ fn check_complete(path: &Path, tensors: &Tensors, targets: &[String]) -> Result<
     Ok(())
 }
 
-/// Checks an `adapter.init` adapter against the run: its r, lora_alpha, use_rslora and targets
-/// against `cfg`, its layers against `layers`, and every tensor's shape against `shapes(layer,
-/// target)` = the model's `(out, in)` for that projection (`None`: the model has no such
-/// projection).
+/// Checks an `adapter.init` adapter against the run: its r, lora_alpha, use_rslora, targets and
+/// expert parameters against `cfg` and `want`, its layers against `layers`, every module
+/// tensor's shape against `shapes(layer, target)` = the model's `(out, in)` for that projection
+/// (`None`: the model has no such projection), and its expert tensors against `experts` (PEFT
+/// name -> shape, every one the run trains).
 pub fn check_against(
     adapter: &PeftAdapter,
     cfg: &AdapterConfig,
+    want: &Trained,
     shapes: impl Fn(usize, &str) -> Option<(usize, usize)>,
+    experts: &BTreeMap<String, Vec<usize>>,
     layers: usize,
 ) -> Result<()> {
     let dir = cfg.init.as_deref().unwrap_or(Path::new(""));
-    check_hyper(adapter, cfg, &dir.join(CONFIG_FILE))?;
+    check_hyper(adapter, cfg, want, &dir.join(CONFIG_FILE))?;
     let weights = dir.join(WEIGHTS_FILE);
     let base = match &adapter.base_model {
         Some(b) if !b.is_empty() => format!(" ({b})"),
@@ -376,25 +503,22 @@ pub fn check_against(
     }
     let mut expected = BTreeSet::new();
     for layer in 0..layers {
-        for t in &cfg.targets {
+        for t in &want.modules {
             let Some((out, inp)) = shapes(layer, t) else {
                 bail!(
                     "adapter.targets names '{t}' but the model has no {t} in layer {layer}\nhint: list only projections this model has"
                 );
             };
-            for (b, want) in [(false, [cfg.r, inp]), (true, [out, cfg.r])] {
+            for (b, shape) in [(false, [cfg.r, inp]), (true, [out, cfg.r])] {
                 let name = tensor_name(layer, t, b);
-                let got = adapter.tensors.get(&name).map(|(s, _)| s.as_slice());
-                if got != Some(want.as_slice()) {
-                    let got = got.map_or("no such tensor".to_string(), |s| format!("shape {s:?}"));
-                    bail!(
-                        "{}: tensor '{name}' has {got} but the model's layer {layer} {t} ({out} x {inp}) needs {want:?}\n{hint}",
-                        weights.display()
-                    );
-                }
+                check_shape(adapter, &name, &shape, &weights, &hint)?;
                 expected.insert(name);
             }
         }
+    }
+    for (name, shape) in experts {
+        check_shape(adapter, name, shape, &weights, &hint)?;
+        expected.insert(name.clone());
     }
     if let Some(extra) = adapter.tensors.keys().find(|n| !expected.contains(*n)) {
         bail!("{}: tensor '{extra}' is not one the run trains", weights.display());
@@ -402,8 +526,33 @@ pub fn check_against(
     Ok(())
 }
 
-/// r, lora_alpha, use_rslora and the targets (as a set) of `adapter` against the run's.
-fn check_hyper(adapter: &PeftAdapter, cfg: &AdapterConfig, config: &Path) -> Result<()> {
+/// The adapter holds tensor `name` with shape `want`.
+fn check_shape(
+    adapter: &PeftAdapter,
+    name: &str,
+    want: &[usize],
+    weights: &Path,
+    hint: &str,
+) -> Result<()> {
+    let got = adapter.tensors.get(name).map(|(s, _)| s.as_slice());
+    if got != Some(want) {
+        let got = got.map_or("no such tensor".to_string(), |s| format!("shape {s:?}"));
+        bail!(
+            "{}: tensor '{name}' has {got} but the model needs {want:?}\n{hint}",
+            weights.display()
+        );
+    }
+    Ok(())
+}
+
+/// r, lora_alpha, use_rslora, the targets and the expert parameters (as sets) of `adapter`
+/// against the run's.
+fn check_hyper(
+    adapter: &PeftAdapter,
+    cfg: &AdapterConfig,
+    want: &Trained,
+    config: &Path,
+) -> Result<()> {
     let src = config.display();
     let hint = "or start without adapter.init";
     if adapter.r != cfg.r {
@@ -430,18 +579,29 @@ fn check_hyper(adapter: &PeftAdapter, cfg: &AdapterConfig, config: &Path) -> Res
             adapter.rslora
         );
     }
-    if let Some(t) = cfg.targets.iter().find(|t| module_path(t).is_none()) {
+    if let Some(t) = want.modules.iter().find(|t| module_path(t).is_none()) {
         bail!("adapter.targets names '{t}', which is not a LoRA target ({})", TARGETS.join(", "));
     }
-    let want: BTreeSet<&str> = cfg.targets.iter().map(String::as_str).collect();
-    let got: BTreeSet<&str> = adapter.targets.iter().map(String::as_str).collect();
-    if want != got {
-        let got: Vec<&str> = got.into_iter().collect();
+    let set = |v: &[String]| -> BTreeSet<String> { v.iter().cloned().collect() };
+    if set(&want.modules) != set(&adapter.targets) || set(&want.params) != set(&adapter.params) {
+        let got: Vec<String> = set(&adapter.targets).into_iter().collect();
         bail!(
-            "adapter.targets is [{}] but {src} has target_modules [{}]\nhint: set adapter.targets: [{}] {hint}",
+            "adapter.targets is [{}] but {src} has target_modules [{}] and target_parameters [{}]\nhint: set adapter.targets: [{}] (`experts` for both expert parameters) {hint}",
             cfg.targets.join(", "),
             got.join(", "),
-            got.join(", ")
+            adapter.params.join(", "),
+            got.iter()
+                .cloned()
+                .chain(adapter.params.iter().cloned())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    if want.gate_up_pattern != adapter.gate_up_pattern {
+        bail!(
+            "{src}: the gate|up experts' rank and alpha ({:?}) differ from the run's ({:?})\nhint: PEFT gives them 2r and 2 alpha when gate_proj and up_proj are targeted: list gate_proj and up_proj, or `experts` for r and alpha {hint}",
+            adapter.gate_up_pattern,
+            want.gate_up_pattern
         );
     }
     Ok(())
@@ -454,17 +614,21 @@ fn check_hyper(adapter: &PeftAdapter, cfg: &AdapterConfig, config: &Path) -> Res
 pub fn write(
     dir: &Path,
     cfg: &AdapterConfig,
+    trained: &Trained,
     base_model: Option<&str>,
     tensors: &[(String, Vec<usize>, &[f32])],
 ) -> Result<()> {
     for (name, shape, _) in tensors {
+        if !trained.params.is_empty() && parse_expert_name(name).is_some() {
+            continue;
+        }
         let Some((_, t, b)) =
-            parse_name(name).filter(|(_, t, _)| cfg.targets.iter().any(|x| x.as_str() == *t))
+            parse_name(name).filter(|(_, t, _)| trained.modules.iter().any(|x| x.as_str() == *t))
         else {
             bail!(
                 "writing {}: '{name}' is not a LoRA tensor of adapter.targets ({})",
                 dir.display(),
-                cfg.targets.join(", ")
+                trained.modules.join(", ")
             );
         };
         check_rank(shape, cfg.r, b).map_err(|want| {
@@ -477,7 +641,7 @@ pub fn write(
     }
     fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     write_safetensors(&dir.join(WEIGHTS_FILE), tensors, SaveDtype::F32)?;
-    let mut text = serde_json::to_string_pretty(&peft_config(cfg, base_model))?;
+    let mut text = serde_json::to_string_pretty(&peft_config(cfg, trained, base_model))?;
     text.push('\n');
     write_atomic(&dir.join(CONFIG_FILE), text.as_bytes())?;
     let d = fs::File::open(dir).with_context(|| format!("cannot open {}", dir.display()))?;
@@ -485,15 +649,20 @@ pub fn write(
 }
 
 /// `adapter_config.json`: PEFT's own keys only, so that `PeftModel.from_pretrained` loads it.
-fn peft_config(cfg: &AdapterConfig, base_model: Option<&str>) -> Value {
+fn peft_config(cfg: &AdapterConfig, trained: &Trained, base_model: Option<&str>) -> Value {
     // PEFT writes an integral lora_alpha as an integer.
-    let alpha = if cfg.alpha.fract() == 0.0 && cfg.alpha.abs() < 2f64.powi(53) {
-        json!(cfg.alpha as i64)
-    } else {
-        json!(cfg.alpha)
+    let number = |x: f64| {
+        if x.fract() == 0.0 && x.abs() < 2f64.powi(53) { json!(x as i64) } else { json!(x) }
     };
+    let alpha = number(cfg.alpha);
+    let (mut ranks, mut alphas) = (Map::new(), Map::new());
+    if let Some((r, a)) = trained.gate_up_pattern {
+        ranks.insert(GATE_UP_PATTERN.into(), json!(r));
+        alphas.insert(GATE_UP_PATTERN.into(), number(a));
+    }
+    let params = (!trained.params.is_empty()).then(|| trained.params.clone());
     json!({
-        "alpha_pattern": {},
+        "alpha_pattern": alphas,
         "base_model_name_or_path": base_model,
         "bias": "none",
         "fan_in_fan_out": false,
@@ -508,9 +677,10 @@ fn peft_config(cfg: &AdapterConfig, base_model: Option<&str>) -> Value {
         "peft_type": "LORA",
         "peft_version": PEFT_VERSION,
         "r": cfg.r,
-        "rank_pattern": {},
+        "rank_pattern": ranks,
         "revision": null,
-        "target_modules": cfg.targets,
+        "target_modules": trained.modules,
+        "target_parameters": params,
         "task_type": "CAUSAL_LM",
         "use_dora": false,
         "use_rslora": cfg.rslora,

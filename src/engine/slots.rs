@@ -149,7 +149,14 @@ mod tests {
         assert_eq!(tile1.iter().map(Region::trained_len).sum::<usize>(), c + 100 * c);
 
         let targets = vec!["q_proj".to_string(), "down_proj".to_string()];
-        let lora = LoraSpec { r: 2, scale: 1.0, targets, nf4: true, base: BaseDtype::Bf16 };
+        let lora = LoraSpec {
+            r: 2,
+            scale: 1.0,
+            targets,
+            nf4: true,
+            base: BaseDtype::Bf16,
+            experts: Default::default(),
+        };
         let adapted = full.with_lora(&lora).unwrap();
         let r = SlotRegions::new(&adapted, ParamBuf::Head, &tiling);
         let spec = adapted.layer(0);

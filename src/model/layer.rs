@@ -57,7 +57,7 @@ fn pick<'s, 'a, T: ?Sized, const K: usize>(
 
 /// Two disjoint ranges of one buffer (a weight's and its bias's gradients), in either order;
 /// either may be absent (a frozen tensor has no gradient).
-fn two_mut<T: ?Sized + DeviceSlice>(
+pub(crate) fn two_mut<T: ?Sized + DeviceSlice>(
     buf: &mut T,
     a: Option<Range<usize>>,
     b: Option<Range<usize>>,
@@ -397,10 +397,12 @@ pub fn layer_backward<B: Backend>(
             }
             BwdOp::Experts { op, dinp, acc, dout, dwts, t } => {
                 let Op::Experts { k, c, .. } = spec.ops[op] else { unreachable!() };
-                let [gi, go, gw, t0, t1, t2, t3, t4, t5, t6] =
-                    pick(grads, [dinp, dout, dwts, t[0], t[1], t[2], t[3], t[4], t[5], t[6]]);
+                let [gi, go, gw, t0, t1, t2, t3, t4, t5, t6, t7, t8] = pick(
+                    grads,
+                    [dinp, dout, dwts, t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8]],
+                );
                 let gi = if acc { Dinp::Add(gi.w(n * c)) } else { Dinp::Write(gi.w(n * c)) };
-                let t = [t0, t1, t2, t3, t4, t5, t6].map(|s| s.whole());
+                let t = [t0, t1, t2, t3, t4, t5, t6, t7, t8].map(|s| s.whole());
                 let g = ExpertGrads { dinp: gi, dout: go.r(n * c), dwts: gw.w(n * k), t };
                 experts_backward(be, (spec, &spec.ops[op]), g, dw, acts, wts, n);
             }
@@ -655,7 +657,14 @@ mod tests {
         use crate::model::lora::BaseDtype;
         use crate::model::lora::LoraSpec;
         let targets = ["q_proj", "o_proj", "down_proj"].iter().map(|t| t.to_string()).collect();
-        let lora = LoraSpec { r: 3, scale: 1.7, targets, nf4: false, base: BaseDtype::F32 };
+        let lora = LoraSpec {
+            r: 3,
+            scale: 1.7,
+            targets,
+            nf4: false,
+            base: BaseDtype::F32,
+            experts: Default::default(),
+        };
         for (case, layout) in fixture_layouts() {
             let ropes = tables(&layout);
             // Adapters on a sparse layer's experts are not described yet.
@@ -741,6 +750,7 @@ mod tests {
                     targets: targets.clone(),
                     nf4,
                     base: BaseDtype::F32,
+                    experts: Default::default(),
                 };
                 let adapted = layout.with_lora(&lora).unwrap();
                 for spec in &adapted.kinds {

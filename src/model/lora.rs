@@ -10,7 +10,8 @@
 use std::ops::Range;
 
 use crate::model::spec::{
-    ActSpec, IO_SLOTS, Init, LayerSpec, Op, PackedPart, Stored, TensorSpec, Weight,
+    ActSpec, ExpertAdapters, ExpertLora, IO_SLOTS, Init, LayerSpec, Op, PackedPart, Stored,
+    TensorSpec, Weight,
 };
 use crate::rng::SplitMix64;
 
@@ -42,6 +43,52 @@ pub struct LoraSpec {
     pub nf4: bool,
     /// The dtype of the frozen tensors not stored as NF4.
     pub base: BaseDtype,
+    /// Adapters on the sparse layers' routed experts.
+    pub experts: ExpertTargets,
+}
+
+/// Adapters on a sparse layer's experts, PEFT's `target_parameters`: the rank and scale of the
+/// gate|up one (`mlp.experts.gate_up_proj`) and of the down one (`mlp.experts.down_proj`).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ExpertTargets {
+    pub gate_up: Option<(usize, f32)>,
+    pub down: Option<(usize, f32)>,
+}
+
+/// PEFT's names of a sparse layer's expert adapter tensors (A, B) for the gate|up (`gate_up`
+/// true) or down parameter: two wrappers on one module nest, the inner (gate_up) one's names
+/// carrying `base_layer.`; a lone wrapper has the plain names.
+pub fn expert_adapter_names(t: ExpertTargets, gate_up: bool) -> (String, String) {
+    let nested = gate_up && t.down.is_some();
+    let path = if nested { "mlp.experts.base_layer" } else { "mlp.experts" };
+    (format!("{path}.lora_A.weight"), format!("{path}.lora_B.weight"))
+}
+
+/// An expert adapter's B in PEFT's file order, (out, E*r) with column `j*E + e` expert e's
+/// rank j, from Horizon's expert-major one (E, out, r).
+pub fn expert_b_to_peft(ours: &[f32], e: usize, out: usize, r: usize) -> Vec<f32> {
+    let mut peft = vec![0.0; ours.len()];
+    for x in 0..e {
+        for o in 0..out {
+            for j in 0..r {
+                peft[o * e * r + j * e + x] = ours[(x * out + o) * r + j];
+            }
+        }
+    }
+    peft
+}
+
+/// The inverse of [`expert_b_to_peft`].
+pub fn expert_b_from_peft(peft: &[f32], e: usize, out: usize, r: usize) -> Vec<f32> {
+    let mut ours = vec![0.0; peft.len()];
+    for x in 0..e {
+        for o in 0..out {
+            for j in 0..r {
+                ours[(x * out + o) * r + j] = peft[o * e * r + j * e + x];
+            }
+        }
+    }
+    ours
 }
 
 /// One targeted module of a layer, found in its description.
@@ -74,6 +121,7 @@ impl LayerSpec {
             remap(op, &moved);
         }
         add_adapters(&mut out, &targets, lora);
+        add_expert_adapters(&mut out, lora.experts);
         out.workspace = out
             .ops
             .iter()
@@ -212,8 +260,41 @@ fn remap(op: &mut Op, moved: &Moved) {
                 Weight::Slot(slot_range(moved, r))
             };
         }
+        Op::Experts { gate_up, down, .. } => {
+            *gate_up = slot_range(moved, gate_up);
+            *down = slot_range(moved, down);
+        }
         _ => {}
     }
+}
+
+/// A sparse layer's expert adapters (`t`), appended to the trained part: per parameter A
+/// (E*r, in) and B (E, out, r), and the experts op's scratch for them.
+fn add_expert_adapters(spec: &mut LayerSpec, t: ExpertTargets) {
+    let Some(at) = spec.ops.iter().position(|op| matches!(op, Op::Experts { .. })) else {
+        return;
+    };
+    if t.gate_up.is_none() && t.down.is_none() {
+        return;
+    }
+    let Op::Experts { e, k, i, c, .. } = spec.ops[at] else { unreachable!() };
+    let mut adapter = |gate_up: bool, (r, scale): (usize, f32)| {
+        let (ic, oc) = if gate_up { (c, 2 * i) } else { (i, c) };
+        let (na, nb) = expert_adapter_names(t, gate_up);
+        let a = push_tensor(spec, na, vec![e * r, ic], Init::KaimingUniform);
+        let b = push_tensor(spec, nb, vec![oc, e * r], Init::Zeros);
+        ExpertLora { a, b, r, scale }
+    };
+    let gate_up = t.gate_up.map(|g| adapter(true, g));
+    let down = t.down.map(|d| adapter(false, d));
+    let mut lora = ExpertAdapters { gate_up, down, scratch: None };
+    let (wu, wt) = lora.widths(k, i, c);
+    spec.acts.push(ActSpec { name: "experts_lora_u", width: wu, differentiable: false });
+    spec.acts.push(ActSpec { name: "experts_lora_t", width: wt, differentiable: false });
+    let n = IO_SLOTS + spec.acts.len();
+    lora.scratch = Some([n - 2, n - 1]);
+    let Op::Experts { lora: l, .. } = &mut spec.ops[at] else { unreachable!() };
+    *l = lora;
 }
 
 /// Append each target's `A` and `B` to the slot (the trained part), its saved `u` and the
@@ -320,6 +401,7 @@ mod tests {
             targets: targets.iter().map(|t| t.to_string()).collect(),
             nf4,
             base: BaseDtype::F32,
+            experts: ExpertTargets::default(),
         }
     }
 

@@ -23,7 +23,9 @@ use horizon_backend::cpu::moe_sort;
 use horizon_backend::{Backend, DeviceSlice, Dinp, MoeDims};
 
 use crate::model::layer::{Slot, Weights};
-use crate::model::spec::{Act, LayerSpec, Op};
+use std::ops::Range;
+
+use crate::model::spec::{Act, ExpertLora, LayerSpec, Op};
 
 /// Host scratch of the dispatch sort, sized once ([`MoeHost::new`]) and reused.
 #[derive(Debug, Default)]
@@ -126,6 +128,43 @@ fn expert_w<'w, B: Backend>(w: &'w B::WBuf, op: &Op, x: usize) -> (&'w B::WBuf, 
     )
 }
 
+/// Expert `x`'s adapter of a projection `ic -> oc`: its `A_e` (r, ic) and `B_e` (oc, r) ranges.
+fn adapter_ranges(l: &ExpertLora, x: usize, ic: usize, oc: usize) -> (Range<usize>, Range<usize>) {
+    let (na, nb) = (l.r * ic, oc * l.r);
+    (l.a.start + x * na..l.a.start + (x + 1) * na, l.b.start + x * nb..l.b.start + (x + 1) * nb)
+}
+
+/// Rows `at..at + cnt` of a buffer of rows of `w`.
+fn rows<T: ?Sized + DeviceSlice>(buf: &T, (at, cnt): (usize, usize), w: usize) -> &T {
+    buf.slice(at * w..(at + cnt) * w)
+}
+
+fn rows_mut<T: ?Sized + DeviceSlice>(buf: &mut T, (at, cnt): (usize, usize), w: usize) -> &mut T {
+    buf.slice_mut(at * w..(at + cnt) * w)
+}
+
+/// One expert's rows through a projection `ic -> oc`: `out = inp W^T`, plus its adapter's
+/// `scale (inp A_e^T) B_e^T` (through the scratch `u`, `t`) when it has one.
+#[allow(clippy::too_many_arguments)]
+fn project<B: Backend>(
+    be: &B,
+    (out, inp): (&mut B::Buf, &B::Buf),
+    w: &B::WBuf,
+    adapter: Option<(&B::WBuf, &B::WBuf, &ExpertLora)>,
+    scratch: Option<(&mut B::Buf, &mut B::Buf)>,
+    cnt: usize,
+    ic: usize,
+    oc: usize,
+) {
+    be.matmul_forward(out, inp, w, None, cnt, ic, oc);
+    if let (Some((a, b, l)), Some((u, t))) = (adapter, scratch) {
+        let (u, t) = (u.slice_mut(0..cnt * l.r), t.slice_mut(0..cnt * oc));
+        be.matmul_forward(u, inp, a, None, cnt, ic, l.r);
+        be.matmul_forward(t, u, b, None, cnt, l.r, oc);
+        be.add_cols(out, t, cnt, oc, 0, oc, l.scale);
+    }
+}
+
 /// [`Op::Experts`] forward.
 pub(crate) fn experts_forward<B: Backend>(
     be: &B,
@@ -134,35 +173,61 @@ pub(crate) fn experts_forward<B: Backend>(
     wts: &mut Weights<'_, B>,
     n: usize,
 ) {
-    let Op::Experts { inp, sel, wts: rw, out, gu, scratch, e, k, i, c, .. } = *op else {
+    let Op::Experts { inp, sel, wts: rw, out, gu, scratch, ref lora, .. } = *op else {
         unreachable!()
     };
-    let m = n * k;
     let [xs, s, ys, idx] = scratch;
-    let [h, sl, w, o, g, xs, s, ys, idx] =
-        slots.get_disjoint_mut([inp, sel, rw, out, gu, xs, s, ys, idx]).expect("distinct");
+    let io = [inp, sel, rw, out, gu, xs, s, ys, idx];
+    match lora.scratch {
+        None => {
+            let b = slots.get_disjoint_mut(io).expect("distinct");
+            experts_forward_in(be, op, b, None, wts, n);
+        }
+        Some([u, t]) => {
+            let idx = [io[0], io[1], io[2], io[3], io[4], io[5], io[6], io[7], io[8], u, t];
+            let [b0, b1, b2, b3, b4, b5, b6, b7, b8, u, t] =
+                slots.get_disjoint_mut(idx).expect("distinct");
+            let b = [b0, b1, b2, b3, b4, b5, b6, b7, b8];
+            experts_forward_in(be, op, b, Some((u.whole(), t.whole())), wts, n);
+        }
+    }
+}
+
+/// [`experts_forward`] over its slots (inp, sel, wts, out, gu, xs, s, ys, idx) and the
+/// adapters' scratch.
+fn experts_forward_in<'o, B: Backend>(
+    be: &B,
+    op: &'o Op,
+    [h, sl, w, o, g, xs, s, ys, idx]: [&mut Slot<'_, B::Buf>; 9],
+    mut scratch: Option<(&mut B::Buf, &mut B::Buf)>,
+    wts: &mut Weights<'_, B>,
+    n: usize,
+) {
+    let Op::Experts { e, k, i, c, ref lora, .. } = *op else { unreachable!() };
+    let m = n * k;
     let host = &mut *wts.moe.as_mut().expect("a sparse layer runs with its MoeIo").host;
     host.sort(be, sl.r(m), idx.w(2 * m), m, e);
     let (order, pos) = (idx.r(2 * m).slice(0..m), idx.r(2 * m).slice(m..2 * m));
+    let slot = wts.slot;
+    let adapter = |l: Option<&'o ExpertLora>, x, ic, oc| {
+        l.map(|l| {
+            let (a, b) = adapter_ranges(l, x, ic, oc);
+            (slot.slice(a), slot.slice(b), l)
+        })
+    };
     be.moe_gather(xs.w(m * c), h.r(n * c), order, k, c);
     for (x, at, cnt) in host.segments() {
-        let (wgu, _) = expert_w::<B>(wts.slot, op, x);
-        let xin = xs.r(m * c).slice(at * c..(at + cnt) * c);
-        be.matmul_forward(
-            g.w(m * 2 * i).slice_mut(at * 2 * i..(at + cnt) * 2 * i),
-            xin,
-            wgu,
-            None,
-            cnt,
-            c,
-            2 * i,
-        );
+        let (wgu, _) = expert_w::<B>(slot, op, x);
+        let io = (rows_mut(g.w(m * 2 * i), (at, cnt), 2 * i), rows(xs.r(m * c), (at, cnt), c));
+        let sc = scratch.as_mut().map(|(u, t)| (&mut **u, &mut **t));
+        project(be, io, wgu, adapter(lora.gate_up.as_ref(), x, c, 2 * i), sc, cnt, c, 2 * i);
     }
     be.swiglu_forward(s.w(m * i), g.r(m * 2 * i), m, i);
     for (x, at, cnt) in host.segments() {
-        let (_, wd) = expert_w::<B>(wts.slot, op, x);
-        let sin = s.r(m * i).slice(at * i..(at + cnt) * i);
-        be.matmul_forward(ys.w(m * c).slice_mut(at * c..(at + cnt) * c), sin, wd, None, cnt, i, c);
+        let (_, wd) = expert_w::<B>(slot, op, x);
+        let io = (rows_mut(ys.w(m * c), (at, cnt), c), rows(s.r(m * i), (at, cnt), i));
+        let sc = scratch.as_mut().map(|(u, t)| (&mut **u, &mut **t));
+        project(be, io, wd, adapter(lora.down.as_ref(), x, i, c), sc, cnt, i, c);
     }
     be.moe_combine(o.w(n * c), ys.r(m * c), pos, Some(w.r(m)), false, k, c);
 }
@@ -173,12 +238,43 @@ pub(crate) struct ExpertGrads<'g, T: ?Sized> {
     pub dinp: Dinp<'g, T>,
     pub dout: &'g T,
     pub dwts: &'g mut T,
-    /// dy|dxs, sw, ds, dgu, xs, s, idx.
-    pub t: [&'g mut T; 7],
+    /// dy|dxs, sw, ds, dgu, xs, s, idx, u|du, g.
+    pub t: [&'g mut T; 9],
+}
+
+/// An expert adapter's backward over `cnt` rows of a projection `ic -> oc` whose output
+/// gradient is `dout` and input `inp`: `g = scale dout`, `du = g B_e`, `dinp += du A_e`,
+/// `dB_e += g^T u`, `dA_e += du^T inp` with `u = inp A_e^T` (recomputed; with `u_in`, `u`
+/// from that input instead: the down projection's weighted rows).
+struct AdapterGrad<'a, T: ?Sized> {
+    dinp: &'a mut T,
+    dout: &'a T,
+    inp: &'a T,
+    u_in: &'a T,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn adapter_backward<B: Backend>(
+    be: &B,
+    g: AdapterGrad<'_, B::Buf>,
+    (a, b, l): (&B::WBuf, &B::WBuf, &ExpertLora),
+    (da, db): (Option<&mut B::Buf>, Option<&mut B::Buf>),
+    (ubuf, gbuf): (&mut B::Buf, &mut B::Buf),
+    cnt: usize,
+    ic: usize,
+    oc: usize,
+) {
+    let r = l.r;
+    let (u, du) = ubuf.slice_mut(0..2 * cnt * r).split_at_mut(cnt * r);
+    let gg = gbuf.slice_mut(0..cnt * oc);
+    be.matmul_forward(u, g.u_in, a, None, cnt, ic, r);
+    be.scaled_cols(gg, g.dout, cnt, oc, 0, oc, l.scale);
+    be.matmul_backward(Some(Dinp::Write(du)), db, None, gg, u, b, cnt, r, oc);
+    be.matmul_backward(Some(Dinp::Add(g.dinp)), da, None, du, g.inp, a, cnt, ic, r);
 }
 
 /// [`Op::Experts`] backward: `dinp` (written or added), `dwts` (written), and the expert
-/// weights' gradients added into `dw` (absent when they are frozen).
+/// weights' (or their adapters') gradients added into `dw` (absent when they are frozen).
 pub(crate) fn experts_backward<B: Backend>(
     be: &B,
     (spec, op): (&LayerSpec, &Op),
@@ -188,51 +284,80 @@ pub(crate) fn experts_backward<B: Backend>(
     wts: &mut Weights<'_, B>,
     n: usize,
 ) {
-    let Op::Experts { inp, sel, wts: rw, gu, ref gate_up, ref down, e, k, i, c, .. } = *op else {
+    let Op::Experts { inp, sel, wts: rw, gu, ref gate_up, ref down, e, k, i, c, ref lora, .. } =
+        *op
+    else {
         unreachable!()
     };
     let m = n * k;
     let act = |a: Act, w: usize| acts[a].r(n * w);
-    let [dy, sw, ds, dgu, xs, s, idx] = g.t;
+    let [dy, sw, ds, dgu, xs, s, idx, ubuf, gbuf] = g.t;
     let host = &mut *wts.moe.as_mut().expect("a sparse layer runs with its MoeIo").host;
     host.sort(be, act(sel, k), idx, m, e);
     let (order, pos) = (idx.slice(0..m), idx.slice(m..2 * m));
     let (dy, xs, s) = (dy.slice_mut(0..m * c), xs.slice_mut(0..m * c), s.slice_mut(0..m * i));
-    let (sw, ds, dgu) =
-        (sw.slice_mut(0..m * i), ds.slice_mut(0..m * i), dgu.slice_mut(0..m * 2 * i));
+    let (sw, ds) = (sw.slice_mut(0..m * i), ds.slice_mut(0..m * i));
+    let dgu = dgu.slice_mut(0..m * 2 * i);
     let (w, gu) = (act(rw, k), act(gu, 2 * k * i));
     be.moe_gather(dy, g.dout, order, k, c);
     be.moe_gather(xs, act(inp, c), order, k, c);
     be.swiglu_forward(s, gu, m, i);
     be.copy(sw, s);
     be.moe_scale_rows(sw, w, order, i);
-    let (dgu_all, dd_all) = (spec.grad_range(gate_up), spec.grad_range(down));
+    let slot = wts.slot;
+    let part = |r: &Range<usize>, x: usize, len: usize| r.start + x * len..r.start + (x + 1) * len;
+    let grad = |r: &Range<usize>| spec.grad_range(r);
+    let (dgu_all, dd_all) = (grad(gate_up), grad(down));
+    // Down: ds' = dy W_d (unweighted), dW_d += dy^T (w s); its adapter joins ds'.
     for (x, at, cnt) in host.segments() {
-        let (_, wd) = expert_w::<B>(wts.slot, op, x);
-        let ddw =
-            dd_all.as_ref().map(|r| dw.slice_mut(r.start + x * c * i..r.start + (x + 1) * c * i));
-        let dsx = Dinp::Write(ds.slice_mut(at * i..(at + cnt) * i));
-        let (dyx, swx) = (dy.slice(at * c..(at + cnt) * c), sw.slice(at * i..(at + cnt) * i));
+        let (_, wd) = expert_w::<B>(slot, op, x);
+        let ddw = dd_all.as_ref().map(|r| dw.slice_mut(part(r, x, c * i)));
+        let dsx = Dinp::Write(rows_mut(ds, (at, cnt), i));
+        let (dyx, swx) = (rows(dy, (at, cnt), c), rows(sw, (at, cnt), i));
         be.matmul_backward(Some(dsx), ddw, None, dyx, swx, wd, cnt, i, c);
+        if let Some(l) = &lora.down {
+            let (ra, rb) = adapter_ranges(l, x, i, c);
+            let (da, db) = two_grads(spec, dw, &ra, &rb);
+            let ag =
+                AdapterGrad { dinp: rows_mut(ds, (at, cnt), i), dout: dyx, inp: swx, u_in: swx };
+            let ws = (slot.slice(ra), slot.slice(rb), l);
+            adapter_backward(be, ag, ws, (da, db), (&mut *ubuf, &mut *gbuf), cnt, i, c);
+        }
     }
     be.moe_row_dots(g.dwts.slice_mut(0..m), ds, s, pos, i);
     be.moe_scale_rows(ds, w, order, i);
     be.swiglu_backward(dgu, ds, gu, m, i);
     let dxs = dy;
     for (x, at, cnt) in host.segments() {
-        let (wgu, _) = expert_w::<B>(wts.slot, op, x);
-        let span = 2 * i * c;
-        let dgw =
-            dgu_all.as_ref().map(|r| dw.slice_mut(r.start + x * span..r.start + (x + 1) * span));
-        let dxx = Dinp::Write(dxs.slice_mut(at * c..(at + cnt) * c));
-        let (dgx, xsx) =
-            (dgu.slice(at * 2 * i..(at + cnt) * 2 * i), xs.slice(at * c..(at + cnt) * c));
+        let (wgu, _) = expert_w::<B>(slot, op, x);
+        let dgw = dgu_all.as_ref().map(|r| dw.slice_mut(part(r, x, 2 * i * c)));
+        let dxx = Dinp::Write(rows_mut(dxs, (at, cnt), c));
+        let (dgx, xsx) = (rows(dgu, (at, cnt), 2 * i), rows(xs, (at, cnt), c));
         be.matmul_backward(Some(dxx), dgw, None, dgx, xsx, wgu, cnt, c, 2 * i);
+        if let Some(l) = &lora.gate_up {
+            let (ra, rb) = adapter_ranges(l, x, c, 2 * i);
+            let (da, db) = two_grads(spec, dw, &ra, &rb);
+            let ag =
+                AdapterGrad { dinp: rows_mut(dxs, (at, cnt), c), dout: dgx, inp: xsx, u_in: xsx };
+            let ws = (slot.slice(ra), slot.slice(rb), l);
+            adapter_backward(be, ag, ws, (da, db), (&mut *ubuf, &mut *gbuf), cnt, c, 2 * i);
+        }
     }
     match g.dinp {
         Dinp::Write(d) => be.moe_combine(d, dxs, pos, None, false, k, c),
         Dinp::Add(d) => be.moe_combine(d, dxs, pos, None, true, k, c),
     }
+}
+
+/// The gradients of two disjoint trained ranges (an adapter's A and B) of `dw`.
+fn two_grads<'d, T: ?Sized + DeviceSlice>(
+    spec: &LayerSpec,
+    dw: &'d mut T,
+    a: &Range<usize>,
+    b: &Range<usize>,
+) -> (Option<&'d mut T>, Option<&'d mut T>) {
+    let (ga, gb) = (spec.grad_range(a), spec.grad_range(b));
+    crate::model::layer::two_mut(dw, ga, gb)
 }
 
 /// HF's load-balancing loss from a pass's pooled statistics (`stats` (2E): real rows' expert

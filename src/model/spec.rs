@@ -177,7 +177,8 @@ pub enum Op {
     /// their outputs summed with the routing weights into `out` (N, C). `gate_up` holds the E
     /// experts' `[gate; up]` (2I, C) one after another, `down` their (C, I). `gu` (N, k*2I)
     /// keeps the pairs' gate|up in expert order for the backward; `scratch` = (xs (N, k*C),
-    /// s (N, k*I), ys (N, k*C), idx (N, 2k)) is forward-only.
+    /// s (N, k*I), ys (N, k*C), idx (N, 2k)) is forward-only. `lora`: the adapters of the
+    /// gate|up and the down projections (PEFT's `target_parameters`), with their scratch.
     Experts {
         inp: Act,
         sel: Act,
@@ -191,7 +192,29 @@ pub enum Op {
         k: usize,
         i: usize,
         c: usize,
+        lora: ExpertAdapters,
     },
+}
+
+/// One rank-r adapter per expert on a 3-D expert parameter (PEFT's `ParamWrapper`): expert e's
+/// update is `scale * B_e A_e`, `A_e` (r, in) at `a.start + e*r*in`, `B_e` (out, r) at
+/// `b.start + e*out*r` (expert-major; PEFT's file stores B as (out, E*r), rank-major columns:
+/// [`crate::model::lora::expert_b_to_peft`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ExpertLora {
+    pub a: Range<usize>,
+    pub b: Range<usize>,
+    pub r: usize,
+    pub scale: f32,
+}
+
+/// The adapters of a sparse layer's experts and their scratch: `u` (N, 2k*r) and `t`
+/// (N, k*max(2I, C)).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ExpertAdapters {
+    pub gate_up: Option<ExpertLora>,
+    pub down: Option<ExpertLora>,
+    pub scratch: Option<[Act; 2]>,
 }
 
 impl Op {
@@ -209,8 +232,9 @@ impl Op {
             Op::Lora { inp, out, u, tmp, .. } => (vec![inp, out], vec![out, u, tmp]),
             Op::Route { logits, probs, sel, wts, .. } => (vec![logits], vec![probs, sel, wts]),
             // `sel` is read too, as a statistic (it carries no gradient): see `saved`.
-            Op::Experts { inp, wts, out, gu, scratch, .. } => {
-                (vec![inp, wts], [&[out, gu][..], &scratch].concat())
+            Op::Experts { inp, wts, out, gu, scratch, ref lora, .. } => {
+                let extra = lora.scratch.map_or(vec![], |s| s.to_vec());
+                (vec![inp, wts], [&[out, gu][..], &scratch, &extra].concat())
             }
         }
     }
@@ -234,8 +258,14 @@ impl Op {
         match *self {
             Op::Linear { ic, oc, .. } => 2.0 * (n * ic * oc) as f64,
             Op::Lora { ic, r, w, .. } => 2.0 * (n * r * (ic + w)) as f64,
-            // Active FLOPs: each row through its k experts.
-            Op::Experts { k, i, c, .. } => 2.0 * (n * k * 3 * i * c) as f64,
+            // Active FLOPs: each row through its k experts (and their adapters).
+            Op::Experts { k, i, c, ref lora, .. } => {
+                let r = |l: &Option<ExpertLora>, ic: usize, oc: usize| {
+                    l.as_ref().map_or(0, |l| l.r * (ic + oc))
+                };
+                let adapters = r(&lora.gate_up, c, 2 * i) + r(&lora.down, i, c);
+                2.0 * (n * k * (3 * i * c + adapters)) as f64
+            }
             _ => 0.0,
         }
     }
@@ -305,8 +335,16 @@ pub enum BwdOp {
     Route { op: usize, dlogits: GradBuf, dwts: GradBuf },
     /// Experts backward: `dinp =` (`+=` when `acc`), `dwts =`, expert weight gradients `+=`.
     /// `t` = scratch (dy|dxs (k*C), sw (k*I), ds (k*I), dgu (k*2I), xs (k*C), s (k*I),
-    /// idx (2k)), each (N, width).
-    Experts { op: usize, dinp: GradBuf, acc: bool, dout: GradBuf, dwts: GradBuf, t: [GradBuf; 7] },
+    /// idx (2k), and for adapters u (k*r), g (k*max(2I, C))), each (N, width).
+    Experts { op: usize, dinp: GradBuf, acc: bool, dout: GradBuf, dwts: GradBuf, t: [GradBuf; 9] },
+}
+
+impl ExpertAdapters {
+    /// Widths of the adapters' scratch over N rows: (u|du, t); (0, 0) without adapters.
+    pub fn widths(&self, k: usize, i: usize, c: usize) -> (usize, usize) {
+        let r = [&self.gate_up, &self.down].iter().filter_map(|l| l.as_ref()).map(|l| l.r).max();
+        r.map_or((0, 0), |r| (2 * k * r, k * (2 * i).max(c)))
+    }
 }
 
 /// One decoder layer, described: tensors, activations, ops, and the derived backward.
@@ -715,11 +753,12 @@ fn derive_backward(spec: &LayerSpec, c: usize) -> (Vec<usize>, Vec<BwdOp>) {
                 ga.release(probs);
                 ga.release(sel);
             }
-            Op::Experts { inp, wts, out, gu, k, i: f, c: cw, .. } => {
+            Op::Experts { inp, wts, out, gu, k, i: f, c: cw, ref lora, .. } => {
                 let g = dout(&ga, out);
                 let dwts = fresh(&mut ga, wts);
                 let (dinp, acc) = write_or_add(&mut ga, inp, width(inp));
-                let widths = [k * cw, k * f, k * f, 2 * k * f, k * cw, k * f, 2 * k];
+                let (u, t) = lora.widths(k, f, cw);
+                let widths = [k * cw, k * f, k * f, 2 * k * f, k * cw, k * f, 2 * k, u, t];
                 let t = widths.map(|w| ga.temp(w));
                 prog.push(BwdOp::Experts { op: i, dinp, acc, dout: g, dwts, t });
                 t.iter().for_each(|&b| ga.free(b));

@@ -4,6 +4,7 @@
 //! (PEFT's init, or an `adapter.init` directory). Also the adapter directories a run writes and
 //! reads, and the tokenizer a config names.
 
+use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 
@@ -11,11 +12,14 @@ use anyhow::{Context, Result, bail};
 
 use crate::adapter::{AdapterConfig, AdapterKind, BaseDtype as BaseChoice, peft};
 use crate::hf::checkpoint::NonFinite;
+use crate::hf::config::Arch;
 use crate::hf::config::ModelConfig;
 use crate::model::base::FrozenBase;
 use crate::model::layout::ModelLayout;
 use crate::model::lora::BaseDtype;
-use crate::model::lora::{LoraSpec, adapter_suffix};
+use crate::model::lora::{
+    ExpertTargets, LoraSpec, adapter_suffix, expert_b_from_peft, expert_b_to_peft,
+};
 use crate::model::params::ParamStore;
 use crate::run::config::{ModelInit, RawConfig};
 use crate::tokenizer::{ByteTokenizer, HfTokenizer, Tokenizer};
@@ -86,18 +90,81 @@ pub fn run_layout(
         (BaseChoice::Auto, None, Some(dir)) => checkpoint_dtype(dir)?,
         (BaseChoice::Auto, ..) => BaseDtype::Bf16,
     };
+    let (targets, experts) = split_targets(a, model_cfg)?;
     let lora = LoraSpec {
         r: a.r,
         scale: a.scale(),
-        targets: a.targets.clone(),
+        targets,
         nf4: a.kind == AdapterKind::Qlora,
         base,
+        experts,
     };
     full.with_lora(&lora).map_err(|e| {
         anyhow::anyhow!(
             "{e}\nhint: adapter.targets lists the projections to adapt; list only ones this model has"
         )
     })
+}
+
+/// `adapter.targets` as module targets and expert targets, as PEFT reads them on a mixture of
+/// experts: `experts` (or PEFT's `mlp.experts.gate_up_proj` / `mlp.experts.down_proj`) adapts
+/// the routed experts; on Qwen3-MoE and Mixtral the per-expert names (`gate_proj` + `up_proj`,
+/// `w1` + `w3`: one gate|up adapter of rank 2r and alpha 2 alpha; `down_proj`, `w2`) mean the
+/// experts too, and no dense MLP (PEFT's rewrite of `target_modules`).
+pub fn split_targets(a: &AdapterConfig, cfg: &ModelConfig) -> Result<(Vec<String>, ExpertTargets)> {
+    let scale = |r: usize, alpha: f64| {
+        let r = r as f64;
+        (if a.rslora { alpha / r.sqrt() } else { alpha / r }) as f32
+    };
+    let plain = (a.r, scale(a.r, a.alpha));
+    let rewrites = matches!(cfg.arch, Arch::Qwen3Moe | Arch::Mixtral);
+    let has = |names: &[&str]| a.targets.iter().any(|t| names.contains(&t.as_str()));
+    let (gate, up) = (has(&["gate_proj", "w1"]), has(&["up_proj", "w3"]));
+    let mut ex = ExpertTargets::default();
+    if has(&["experts"]) || has(&["mlp.experts.gate_up_proj", "gate_up_proj"]) {
+        ex.gate_up = Some(plain);
+    }
+    if has(&["experts", "mlp.experts.down_proj"]) || (rewrites && has(&["down_proj", "w2"])) {
+        ex.down = Some(plain);
+    }
+    if rewrites && (gate || up) {
+        if gate != up {
+            bail!(
+                "adapter.targets names one of a sparse layer's gate and up projections without the other\nhint: an expert's gate and up are one fused parameter (PEFT's mlp.experts.gate_up_proj): list both, or `experts`"
+            );
+        }
+        ex.gate_up = Some((2 * a.r, scale(2 * a.r, 2.0 * a.alpha)));
+    }
+    if has(&["router", "mlp.gate.weight"]) {
+        bail!(
+            "adapter.targets: adapters on the router are not implemented yet\nhint: leave `router` out (the router stays frozen)"
+        );
+    }
+    if !cfg.arch.is_moe() && (ex.gate_up.is_some() || ex.down.is_some()) {
+        bail!(
+            "adapter.targets names the routed experts, but {} is not a mixture of experts",
+            cfg.arch.model_type()
+        );
+    }
+    let expert_names: &[&str] = if rewrites {
+        &[
+            "experts",
+            "mlp.experts.gate_up_proj",
+            "gate_up_proj",
+            "mlp.experts.down_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+            "w1",
+            "w2",
+            "w3",
+        ]
+    } else {
+        &["experts", "mlp.experts.gate_up_proj", "gate_up_proj", "mlp.experts.down_proj"]
+    };
+    let modules =
+        a.targets.iter().filter(|t| !expert_names.contains(&t.as_str())).cloned().collect();
+    Ok((modules, ex))
 }
 
 /// Load (or draw) a run's model. In an adapter run the base is frozen in its dtype (quantised
@@ -166,15 +233,62 @@ fn init_from_peft(
         let bt = spec.tensors.iter().find(|t| t.name == b_name)?;
         Some((bt.shape[0], at.shape[1]))
     };
-    peft::check_against(&adapter, a, shapes, layout.dims.layers)?;
-    for (name, (_, values)) in &adapter.tensors {
+    let experts: BTreeMap<String, Vec<usize>> = layout
+        .hf_tensors()
+        .into_iter()
+        .filter(|(n, _)| is_expert_adapter(n))
+        .map(|(n, shape)| (format!("{PEFT_PREFIX}{n}"), shape))
+        .collect();
+    peft::check_against(&adapter, a, &trained_of(layout, a), shapes, &experts, layout.dims.layers)?;
+    for (name, (shape, values)) in &adapter.tensors {
         let ours = name.strip_prefix(PEFT_PREFIX).unwrap_or(name);
         let dst = params.tensor_mut(layout, ours).with_context(|| {
             format!("{}: tensor '{name}' is not one the run trains", dir.display())
         })?;
-        dst.copy_from_slice(values);
+        match expert_b(layout, ours, shape) {
+            Some((e, out, r)) => dst.copy_from_slice(&expert_b_from_peft(values, e, out, r)),
+            None => dst.copy_from_slice(values),
+        }
     }
     Ok(())
+}
+
+/// Trained tensor `name`'s values (`data`) in PEFT's file order: an expert adapter's B
+/// reordered, every other tensor as it is.
+pub fn peft_order(layout: &ModelLayout, name: &str, data: &[f32]) -> Vec<f32> {
+    let shape = layout.hf_tensors().into_iter().find(|(n, _)| n == name).map(|(_, s)| s);
+    match shape.and_then(|s| expert_b(layout, name, &s)) {
+        Some((e, out, r)) => expert_b_to_peft(data, e, out, r),
+        None => data.to_vec(),
+    }
+}
+
+/// Whether `name` is an adapter tensor of a sparse layer's experts.
+fn is_expert_adapter(name: &str) -> bool {
+    name.contains(".mlp.experts.") && name.contains(".lora_")
+}
+
+/// `(E, out, r)` of an expert adapter's B of shape (out, E*r): PEFT stores its columns
+/// rank-major, Horizon expert-major ([`expert_b_to_peft`]); `None` for any other tensor.
+fn expert_b(layout: &ModelLayout, name: &str, shape: &[usize]) -> Option<(usize, usize, usize)> {
+    let e = layout.moe.as_ref()?.num_experts;
+    (is_expert_adapter(name) && name.ends_with("lora_B.weight"))
+        .then(|| (e, shape[0], shape[1] / e))
+}
+
+/// What the run's adapters are, as PEFT's config says it.
+pub fn trained_of(layout: &ModelLayout, a: &AdapterConfig) -> peft::Trained {
+    let lora = layout.adapter.as_ref().expect("an adapter layout");
+    let ex = lora.experts;
+    let params = [ex.gate_up.is_some(), ex.down.is_some()]
+        .into_iter()
+        .zip(peft::EXPERT_PARAMS)
+        .filter(|(on, _)| *on)
+        .map(|(_, p)| p.to_string())
+        .collect();
+    let gate_up_pattern =
+        ex.gate_up.filter(|&(r, _)| r != a.r).map(|(r, _)| (r, a.alpha * r as f64 / a.r as f64));
+    peft::Trained { modules: lora.targets.clone(), params, gate_up_pattern }
 }
 
 /// The adapters of `params` as a PEFT adapter directory `dir` (`adapter_config.json`,
@@ -186,15 +300,21 @@ pub fn write_adapter(
     base_model: Option<&str>,
     dir: &Path,
 ) -> Result<()> {
-    let tensors: Vec<(String, Vec<usize>, &[f32])> = layout
+    let owned: Vec<(String, Vec<usize>, Vec<f32>)> = layout
         .hf_tensors()
         .into_iter()
         .map(|(name, shape)| {
             let data = params.tensor(layout, &name).expect("the layout names its own tensors");
+            let data = match expert_b(layout, &name, &shape) {
+                Some((e, out, r)) => expert_b_to_peft(data, e, out, r),
+                None => data.to_vec(),
+            };
             (format!("{PEFT_PREFIX}{name}"), shape, data)
         })
         .collect();
-    peft::write(dir, a, base_model, &tensors)?;
+    let tensors: Vec<(String, Vec<usize>, &[f32])> =
+        owned.iter().map(|(n, s, d)| (n.clone(), s.clone(), &d[..])).collect();
+    peft::write(dir, a, &trained_of(layout, a), base_model, &tensors)?;
     peft::write_sidecar(dir, a, base_model.map(Path::new))
 }
 
@@ -271,12 +391,21 @@ pub fn load_adapter_run(
         Some("qlora") => AdapterKind::Qlora,
         _ => AdapterKind::Lora,
     };
+    // Expert parameters as the run's targets name them: PEFT's own names at r, or (its
+    // rewrite, rank 2r) the gate and up projections.
+    let mut targets = adapter.targets.clone();
+    for p in &adapter.params {
+        match (p.ends_with("gate_up_proj"), adapter.gate_up_pattern) {
+            (true, Some(_)) => targets.extend(["gate_proj".into(), "up_proj".into()]),
+            _ => targets.push(p.clone()),
+        }
+    }
     let a = AdapterConfig {
         kind,
         r: adapter.r,
         alpha: adapter.alpha,
         rslora: adapter.rslora,
-        targets: adapter.targets.clone(),
+        targets,
         init: Some(dir.clone()),
         base_dtype,
     };

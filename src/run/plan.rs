@@ -215,7 +215,14 @@ fn adapter_of(kind: Option<AdapterKind>, run: Option<&AdapterConfig>) -> Option<
         Some(a) => (a.r, a.scale(), a.targets.clone()),
         None => (16, 2.0, crate::adapter::config::TARGETS.iter().map(|t| t.to_string()).collect()),
     };
-    Some(LoraSpec { r, scale, targets, nf4: kind == AdapterKind::Qlora, base: BaseDtype::Bf16 })
+    Some(LoraSpec {
+        r,
+        scale,
+        targets,
+        nf4: kind == AdapterKind::Qlora,
+        base: BaseDtype::Bf16,
+        experts: Default::default(),
+    })
 }
 
 /// Per `adapter.type`: host bytes, bytes per parameter, and the deepest model of this shape

@@ -16,7 +16,7 @@ use serde_json::Value;
 
 use super::f64s;
 
-pub const CASES: [&str; 2] = ["llama_lora", "qwen2_qlora_nf4"];
+pub const CASES: [&str; 3] = ["llama_lora", "qwen2_qlora_nf4", "qwen3_moe_lora"];
 
 pub fn dir(case: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/lora").join(case)
@@ -36,8 +36,11 @@ pub fn yaml(case: &str, extra: &str) -> String {
 pub fn yaml_with(case: &str, base_dtype: &str, extra: &str) -> String {
     let e = expected(case);
     let d = dir(case);
-    let targets: Vec<&str> =
+    let mut targets: Vec<&str> =
         e["targets"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+    // A mixture of experts' adapters on the expert parameters, by PEFT's names.
+    let params = e.get("target_parameters").and_then(|p| p.as_array());
+    targets.extend(params.into_iter().flatten().map(|t| t.as_str().unwrap()));
     let kind = if e["quant"].is_null() { "lora" } else { "qlora" };
     let betas = f64s(&e["betas"]);
     format!(

@@ -15,6 +15,11 @@ use serde_json::Value;
 pub const CASES: [&str; 6] =
     ["llama_gqa", "qwen2_tied_padded", "qwen3_qknorm", "gemma3_sliding", "qwen3_moe", "mixtral"];
 
+/// Whether fixture `case` is a mixture of experts.
+pub fn is_moe(case: &str) -> bool {
+    matches!(case, "qwen3_moe" | "mixtral")
+}
+
 pub fn case_dir(case: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(case)
 }

@@ -82,5 +82,6 @@ pub fn ops(
         k,
         i,
         c,
+        lora: Default::default(),
     });
 }
