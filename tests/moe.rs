@@ -114,3 +114,43 @@ fn sparse_layers_follow_mlp_only_layers_and_decoder_sparse_step() {
     assert_eq!(moe(&config("mixtral")).sparse, vec![true, true]);
     assert!(moe(&config("mixtral")).norm_topk_prob);
 }
+
+/// Qwen2-MoE (no fixture): the qwen3_moe fixture's shape as Qwen2-MoE with a shared expert,
+/// randomly initialised; the streamed engine (K = 1 and 2, one micro-batch) gives the reference
+/// path's step-0 loss to the bit, and training moves it.
+#[test]
+fn qwen2_moe_with_a_shared_expert_streams_as_the_reference_computes() {
+    use horizon::engine::exec::{Engine, StepParams};
+    use horizon::model::transformer::{Capacity, Transformer};
+    use horizon::store::TrainState;
+    use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig};
+    let mut raw = config("qwen3_moe");
+    raw["model_type"] = "qwen2_moe".into();
+    raw["shared_expert_intermediate_size"] = 16.into();
+    let model = ModelConfig::from_json(&raw, "qwen2_moe").unwrap();
+    let layout = horizon::model::describe(&model);
+    assert!(layout.hf_tensors().iter().any(|(n, _)| n.ends_with("mlp.shared_expert_gate.weight")));
+    let params = ParamStore::random(&layout, 5, 0.1);
+    let rows = case_rows("qwen3_moe");
+    let batch = 3;
+    let rows: Vec<_> = rows[..batch].iter().collect();
+    let b = horizon::data::pretokenized::make_batch(&rows);
+    let cap = Capacity { batch, seq_len: 32, head_chunk_rows: 7 };
+    let mut t = Transformer::new(horizon_backend::CpuBackend, &model, cap);
+    let mut grads = params.clone();
+    grads.fill_zero();
+    let tokens = horizon::run::data::tokens_of(&b);
+    let want = t.forward_backward(&params, &mut grads, tokens, b.num_targets).unwrap().loss();
+    for k in [1, 2] {
+        let dev = CpuDevice::new(CpuDeviceConfig::with_capacity(64 << 20));
+        let cfg = case_engine_config("qwen3_moe", k, batch);
+        let mut e = Engine::new(dev, &model, TrainState::new(params.clone()), cfg).unwrap();
+        let mbs = || horizon::run::data::micro_batches(&rows, batch);
+        let sp = StepParams { lr: 1e-2, inject_nan: false };
+        let out = e.step(mbs(), sp).unwrap();
+        assert_eq!(out.loss().to_bits(), want.to_bits(), "K={k}: {} vs {want}", out.loss());
+        assert!(out.aux.is_some_and(|(aux, coef)| aux > 0.0 && coef == 0.02), "{:?}", out.aux);
+        let next = e.step(mbs(), sp).unwrap().loss();
+        assert!(next < want, "K={k}: a step on the same batch lowers the loss: {next} vs {want}");
+    }
+}

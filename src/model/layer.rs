@@ -260,6 +260,10 @@ fn forward_ops<B: Backend>(
                     Glu::GeluTanh => be.geglu_forward(o.w(n * f), g.r(n * 2 * f), n, f),
                 }
             }
+            Op::SigmoidGate { gate, inp, out, c } => {
+                let [g, i, o] = pick(slots, [gate, inp, out]);
+                be.sigmoid_gate_forward(o.w(n * c), g.r(n), i.r(n * c), c);
+            }
             Op::Route { .. } => route_forward(be, op, slots, wts.moe.as_mut(), n),
             Op::Experts { .. } => experts_forward(be, op, slots, wts, n),
         }
@@ -388,6 +392,12 @@ pub fn layer_backward<B: Backend>(
                     Glu::Silu => be.swiglu_backward(gg, go, act(gu), n, f),
                     Glu::GeluTanh => be.geglu_backward(gg, go, act(gu), n, f),
                 }
+            }
+            BwdOp::SigmoidGate { op, dgate, dinp, dout } => {
+                let Op::SigmoidGate { gate, inp, c, .. } = spec.ops[op] else { unreachable!() };
+                let [gg, gi, go] = pick(grads, [dgate, dinp, dout]);
+                let (gg, gi) = (gg.w(n), gi.w(n * c));
+                be.sigmoid_gate_backward(gi, gg, go.r(n * c), act(gate), act(inp), c);
             }
             BwdOp::Route { op, dlogits, dwts } => {
                 let Op::Route { e, k, .. } = spec.ops[op] else { unreachable!() };
@@ -632,7 +642,23 @@ mod tests {
                 }
                 (case, layout)
             })
+            .chain(std::iter::once(("qwen2_moe", qwen2_moe_layout())))
             .collect()
+    }
+
+    /// A Qwen2-MoE layout (no fixture: the qwen3_moe fixture's shape as Qwen2-MoE, with q/k/v
+    /// biases, raw top-k probabilities and a shared expert of 16).
+    fn qwen2_moe_layout() -> ModelLayout {
+        let dir = env!("CARGO_MANIFEST_DIR");
+        let path = format!("{dir}/tests/fixtures/qwen3_moe/model/config.json");
+        let mut raw: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        raw["model_type"] = "qwen2_moe".into();
+        raw["shared_expert_intermediate_size"] = 16.into();
+        raw["norm_topk_prob"] = serde_json::Value::Null;
+        let cfg = ModelConfig::from_json(&raw, "qwen2_moe").unwrap();
+        assert!(cfg.qkv_bias && !cfg.moe.as_ref().unwrap().norm_topk_prob);
+        crate::model::describe(&cfg)
     }
 
     /// Each fixture family's layer kinds (Llama with GQA, Qwen2 with biases, Qwen3's q/k norm,

@@ -169,6 +169,9 @@ pub enum Op {
     Add { a: Act, b: Act, out: Act },
     /// `out = act(gate) * up`, gate_up (N, 2F) -> (N, F).
     Glu { gu: Act, out: Act, act: Glu, f: usize },
+    /// `out = sigmoid(gate) * inp` per row: gate (N, 1), inp and out (N, C) (Qwen2-MoE's shared
+    /// expert gate).
+    SigmoidGate { gate: Act, inp: Act, out: Act, c: usize },
     /// Mixture-of-experts routing: `probs = softmax(logits)` (N, E), the top k experts `sel`
     /// (N, k, f32 indices) and their weights `wts` (N, k), renormalised when `norm`. Adds the
     /// rows' load-balancing statistics to the pass's pooled ones ([`crate::model::moe`]).
@@ -231,6 +234,7 @@ impl Op {
             Op::Glu { gu, out, .. } => (vec![gu], vec![out]),
             Op::Lora { inp, out, u, tmp, .. } => (vec![inp, out], vec![out, u, tmp]),
             Op::Route { logits, probs, sel, wts, .. } => (vec![logits], vec![probs, sel, wts]),
+            Op::SigmoidGate { gate, inp, out, .. } => (vec![gate, inp], vec![out]),
             // `sel` is read too, as a statistic (it carries no gradient): see `saved`.
             Op::Experts { inp, wts, out, gu, scratch, ref lora, .. } => {
                 let extra = lora.scratch.map_or(vec![], |s| s.to_vec());
@@ -249,6 +253,7 @@ impl Op {
             Op::Glu { gu, .. } => vec![gu],
             Op::Lora { inp, u, .. } => vec![inp, u],
             Op::Route { probs, sel, .. } => vec![probs, sel],
+            Op::SigmoidGate { gate, inp, .. } => vec![gate, inp],
             Op::Experts { inp, sel, wts, gu, .. } => vec![inp, sel, wts, gu],
         }
     }
@@ -331,6 +336,8 @@ pub enum BwdOp {
     /// LoRA backward, after its product's: `g = scale * dout[:, cols]` (in `g`), `du = g b`
     /// (in `du`), `dinp +=` `du a`; the adapter gradients `+=`.
     Lora { op: usize, dinp: GradBuf, dout: GradBuf, g: GradBuf, du: GradBuf },
+    /// Sigmoid gate backward: `dgate =`, `dinp =` (both overwrite).
+    SigmoidGate { op: usize, dgate: GradBuf, dinp: GradBuf, dout: GradBuf },
     /// Routing backward: `dlogits =` (overwrites) from `dwts` and the load-balancing term.
     Route { op: usize, dlogits: GradBuf, dwts: GradBuf },
     /// Experts backward: `dinp =` (`+=` when `acc`), `dwts =`, expert weight gradients `+=`.
@@ -744,6 +751,13 @@ fn derive_backward(spec: &LayerSpec, c: usize) -> (Vec<usize>, Vec<BwdOp>) {
                 let dgu = fresh(&mut ga, gu);
                 ga.release(out);
                 prog.push(BwdOp::Glu { op: i, dgu, dout: g });
+            }
+            Op::SigmoidGate { gate, inp, out, .. } => {
+                let g = dout(&ga, out);
+                let dgate = fresh(&mut ga, gate);
+                let dinp = fresh(&mut ga, inp);
+                prog.push(BwdOp::SigmoidGate { op: i, dgate, dinp, dout: g });
+                ga.release(out);
             }
             Op::Route { logits, probs, sel, wts, .. } => {
                 let g = dout(&ga, wts);

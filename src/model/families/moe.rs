@@ -5,19 +5,25 @@
 //! ([`crate::model::moe`] has the data flow inside the experts op).
 //!
 //! Buffer order: `router (E,C) | [gate_e; up_e] (2I,C) for e in 0..E | down_e (C,I) for e in
-//! 0..E`: each expert's gate|up is one matrix, and the fused checkpoint layout's
-//! `gate_up_proj` (E, 2I, C) and `down_proj` (E, C, I) are two contiguous ranges.
+//! 0..E | [Qwen2-MoE: shared gate | up | down | shared_expert_gate (1,C)]`: each expert's
+//! gate|up is one matrix, and the fused checkpoint layout's `gate_up_proj` (E, 2I, C) and
+//! `down_proj` (E, C, I) are two contiguous ranges.
+//!
+//! Qwen2-MoE adds a shared expert to every row: `out = experts(h) + sigmoid(w_g . h) S(h)`, S a
+//! SwiGLU MLP of `shared_expert_intermediate_size`.
 
 use std::ops::Range;
 
 use crate::hf::config::{Arch, ModelConfig, MoeConfig};
-use crate::model::spec::{Act, Init, LayerBuilder, Op};
+use crate::model::spec::{Act, Glu, Init, LayerBuilder, Op};
 
 /// A sparse MLP's ranges in the layer's buffer.
 pub struct SparseMlp {
     router: Range<usize>,
     gate_up: Range<usize>,
     down: Range<usize>,
+    /// Qwen2-MoE's shared expert: its gate|up, its down and its (1, C) gate.
+    shared: Option<[Range<usize>; 3]>,
 }
 
 /// The HF names of a family's sparse MLP (Hub layout): the block prefix, and the per-expert
@@ -44,7 +50,14 @@ pub fn tensors(b: &mut LayerBuilder, cfg: &ModelConfig, moe: &MoeConfig) -> Spar
     for x in 0..e {
         dn.end = b.tensor(&format!("{block}.experts.{x}.{down}.weight"), &[c, i], Init::Normal).end;
     }
-    SparseMlp { router, gate_up, down: dn }
+    let shared = moe.shared_expert.map(|s| {
+        let g = b.tensor("mlp.shared_expert.gate_proj.weight", &[s, c], Init::Normal);
+        let u = b.tensor("mlp.shared_expert.up_proj.weight", &[s, c], Init::Normal);
+        let d = b.tensor("mlp.shared_expert.down_proj.weight", &[c, s], Init::Normal);
+        let gate = b.tensor("mlp.shared_expert_gate.weight", &[1, c], Init::Normal);
+        [g.start..u.end, d, gate]
+    });
+    SparseMlp { router, gate_up, down: dn, shared }
 }
 
 /// The sparse MLP's ops from `h` (N, C) into `out` (N, C).
@@ -69,11 +82,13 @@ pub fn ops(
         b.stat("experts_ys", k * c),
         b.stat("experts_idx", 2 * k),
     ];
+    // With a shared expert the routed experts' sum goes to its own buffer first.
+    let routed = if w.shared.is_some() { b.act("experts_out", c) } else { out };
     b.op(Op::Experts {
         inp: h,
         sel,
         wts,
-        out,
+        out: routed,
         gu,
         scratch,
         gate_up: w.gate_up,
@@ -84,4 +99,17 @@ pub fn ops(
         c,
         lora: Default::default(),
     });
+    if let (Some([gu, down, gate]), Some(f)) = (w.shared, moe.shared_expert) {
+        let sgu = b.act("shared_gu", 2 * f);
+        b.op(Op::Linear { inp: h, out: sgu, w: gu.into(), bias: None, ic: c, oc: 2 * f });
+        let ss = b.act("shared_s", f);
+        b.op(Op::Glu { gu: sgu, out: ss, act: Glu::Silu, f });
+        let sout = b.act("shared_out", c);
+        b.op(Op::Linear { inp: ss, out: sout, w: down.into(), bias: None, ic: f, oc: c });
+        let sg = b.act("shared_gate", 1);
+        b.op(Op::Linear { inp: h, out: sg, w: gate.into(), bias: None, ic: c, oc: 1 });
+        let sh = b.act("shared_gated", c);
+        b.op(Op::SigmoidGate { gate: sg, inp: sout, out: sh, c });
+        b.op(Op::Add { a: routed, b: sh, out });
+    }
 }
