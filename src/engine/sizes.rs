@@ -172,9 +172,11 @@ impl Sizes {
             .kinds
             .iter()
             .flat_map(|k| k.ops.iter())
-            .filter_map(|op| match *op {
-                Op::Linear { ic, oc, .. } => Some((n, ic, oc)),
-                _ => None,
+            .flat_map(|op| match *op {
+                Op::Linear { ic, oc, .. } => vec![(n, ic, oc)],
+                // An expert takes each row at most once: at most N rows a product.
+                Op::Experts { i, c, .. } => vec![(n, c, 2 * i), (n, i, c)],
+                _ => vec![],
             })
             .chain(std::iter::once((chunk, d.c, head.rows)))
             .map(|(n, ic, oc)| cfg.backend.precision().product_bytes(n, ic, oc))

@@ -693,10 +693,17 @@ mod tests {
         };
         for (case, layout) in fixture_layouts() {
             let ropes = tables(&layout);
-            // Adapters on a sparse layer's experts are not described yet.
+            // A sparse layer's: its attention's and its experts'.
             let adapted = match layout.moe {
                 None => layout.with_lora(&lora).unwrap(),
-                Some(_) => layout.clone(),
+                Some(_) => {
+                    let experts = crate::model::lora::ExpertTargets {
+                        gate_up: Some((2, 0.8)),
+                        down: Some((3, 1.7)),
+                    };
+                    let targets = ["q_proj", "o_proj"].map(String::from).to_vec();
+                    layout.with_lora(&LoraSpec { targets, experts, ..lora.clone() }).unwrap()
+                }
             };
             for spec in layout.kinds.iter().chain(&adapted.kinds) {
                 let n = ROWS.b * ROWS.t;
@@ -767,16 +774,22 @@ mod tests {
                 .iter()
                 .map(|t| t.to_string())
                 .collect();
-        for (case, layout) in fixture_layouts().into_iter().filter(|(_, l)| l.moe.is_none()) {
+        // A mixture of experts: attention modules, and the routed experts' parameters (as
+        // PEFT's rewrite of gate/up/down: gate|up at another rank and scale).
+        let experts =
+            crate::model::lora::ExpertTargets { gate_up: Some((2, 0.8)), down: Some((3, 1.7)) };
+        let moe_targets: Vec<String> = ["q_proj", "o_proj"].map(String::from).to_vec();
+        for (case, layout) in fixture_layouts() {
             let ropes = tables(&layout);
+            let sparse = layout.moe.is_some();
             for nf4 in [false, true] {
                 let lora = LoraSpec {
                     r: 3,
                     scale: 1.7,
-                    targets: targets.clone(),
+                    targets: if sparse { moe_targets.clone() } else { targets.clone() },
                     nf4,
                     base: BaseDtype::F32,
-                    experts: Default::default(),
+                    experts: if sparse { experts } else { Default::default() },
                 };
                 let adapted = layout.with_lora(&lora).unwrap();
                 for spec in &adapted.kinds {

@@ -127,6 +127,7 @@ impl LayerSpec {
             .iter()
             .filter_map(|op| match op {
                 Op::Linear { w: w @ Weight::Packed(_), .. } => Some(w.numel()),
+                Op::Experts { packed: Some(_), i, c, .. } => Some(2 * i * c),
                 _ => None,
             })
             .max()
@@ -192,9 +193,10 @@ fn relayout(spec: &mut LayerSpec, nf4: bool) -> Moved {
     let matrices: Vec<Range<usize>> = spec
         .ops
         .iter()
-        .filter_map(|op| match op {
-            Op::Linear { w: Weight::Slot(r), .. } => Some(r.clone()),
-            _ => None,
+        .flat_map(|op| match op {
+            Op::Linear { w: Weight::Slot(r), .. } => vec![r.clone()],
+            Op::Experts { gate_up, down, .. } => vec![gate_up.clone(), down.clone()],
+            _ => vec![],
         })
         .collect();
     let packed =
@@ -260,9 +262,17 @@ fn remap(op: &mut Op, moved: &Moved) {
                 Weight::Slot(slot_range(moved, r))
             };
         }
-        Op::Experts { gate_up, down, .. } => {
-            *gate_up = slot_range(moved, gate_up);
-            *down = slot_range(moved, down);
+        Op::Experts { gate_up, down, packed, .. } => {
+            let (gu, dn) = (parts_of(moved, gate_up), parts_of(moved, down));
+            if gu[0].stored == Stored::Nf4 {
+                let words =
+                    gu.chunks(2).zip(&dn).map(|(g, d)| [g[0].range(), g[1].range(), d.range()]);
+                *packed = Some(words.collect());
+                (*gate_up, *down) = (0..0, 0..0);
+            } else {
+                *gate_up = slot_range(moved, gate_up);
+                *down = slot_range(moved, down);
+            }
         }
         _ => {}
     }

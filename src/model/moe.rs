@@ -22,7 +22,7 @@
 use horizon_backend::cpu::moe_sort;
 use horizon_backend::{Backend, DeviceSlice, Dinp, MoeDims};
 
-use crate::model::layer::{Slot, Weights};
+use crate::model::layer::{Packed, Slot, Weights};
 use std::ops::Range;
 
 use crate::model::spec::{Act, ExpertLora, LayerSpec, Op};
@@ -118,14 +118,29 @@ pub(crate) fn route_backward<B: Backend>(
     be.moe_route_backward(dlogits, dwts, p, s, aux, MoeDims { n, e, k, norm });
 }
 
-/// The expert matrices of `spec`'s op: (gate_up of expert `x`, down of expert `x`).
-fn expert_w<'w, B: Backend>(w: &'w B::WBuf, op: &Op, x: usize) -> (&'w B::WBuf, &'w B::WBuf) {
-    let Op::Experts { ref gate_up, ref down, i, c, .. } = *op else { unreachable!() };
-    let (gu, d) = (2 * i * c, c * i);
-    (
-        w.slice(gate_up.start + x * gu..gate_up.start + (x + 1) * gu),
-        w.slice(down.start + x * d..down.start + (x + 1) * d),
-    )
+/// Expert `x`'s gate|up (2I, C) or, with `down`, its down (C, I) matrix: a range of the slot,
+/// or (QLoRA) its NF4 tensors dequantised into the workspace.
+fn expert_mat<'w, B: Backend>(
+    be: &B,
+    (slot, packed): (&'w B::WBuf, &'w mut Option<Packed<'_, B>>),
+    op: &Op,
+    x: usize,
+    down: bool,
+) -> &'w B::WBuf {
+    let Op::Experts { ref gate_up, down: ref dn, i, c, packed: ref words, .. } = *op else {
+        unreachable!()
+    };
+    let Some(words) = words else {
+        let (r, len) = if down { (dn, c * i) } else { (gate_up, 2 * i * c) };
+        return slot.slice(r.start + x * len..r.start + (x + 1) * len);
+    };
+    let p = packed.as_mut().expect("packed experts come with their words");
+    let [g, u, d] = &words[x];
+    let parts: &[(&Range<usize>, usize)] = if down { &[(d, 0)] } else { &[(g, 0), (u, i * c)] };
+    for &(w, at) in parts {
+        be.dequantize_nf4(p.ws.slice_mut(at..at + i * c), p.words.slice(w.clone()), i * c);
+    }
+    p.ws.slice(0..parts.len() * i * c)
 }
 
 /// Expert `x`'s adapter of a projection `ic -> oc`: its `A_e` (r, ic) and `B_e` (oc, r) ranges.
@@ -208,7 +223,7 @@ fn experts_forward_in<'o, B: Backend>(
     let host = &mut *wts.moe.as_mut().expect("a sparse layer runs with its MoeIo").host;
     host.sort(be, sl.r(m), idx.w(2 * m), m, e);
     let (order, pos) = (idx.r(2 * m).slice(0..m), idx.r(2 * m).slice(m..2 * m));
-    let slot = wts.slot;
+    let (slot, packed) = (wts.slot, &mut wts.packed);
     let adapter = |l: Option<&'o ExpertLora>, x, ic, oc| {
         l.map(|l| {
             let (a, b) = adapter_ranges(l, x, ic, oc);
@@ -217,14 +232,14 @@ fn experts_forward_in<'o, B: Backend>(
     };
     be.moe_gather(xs.w(m * c), h.r(n * c), order, k, c);
     for (x, at, cnt) in host.segments() {
-        let (wgu, _) = expert_w::<B>(slot, op, x);
+        let wgu = expert_mat(be, (slot, &mut *packed), op, x, false);
         let io = (rows_mut(g.w(m * 2 * i), (at, cnt), 2 * i), rows(xs.r(m * c), (at, cnt), c));
         let sc = scratch.as_mut().map(|(u, t)| (&mut **u, &mut **t));
         project(be, io, wgu, adapter(lora.gate_up.as_ref(), x, c, 2 * i), sc, cnt, c, 2 * i);
     }
     be.swiglu_forward(s.w(m * i), g.r(m * 2 * i), m, i);
     for (x, at, cnt) in host.segments() {
-        let (_, wd) = expert_w::<B>(slot, op, x);
+        let wd = expert_mat(be, (slot, &mut *packed), op, x, true);
         let io = (rows_mut(ys.w(m * c), (at, cnt), c), rows(s.r(m * i), (at, cnt), i));
         let sc = scratch.as_mut().map(|(u, t)| (&mut **u, &mut **t));
         project(be, io, wd, adapter(lora.down.as_ref(), x, i, c), sc, cnt, i, c);
@@ -304,13 +319,13 @@ pub(crate) fn experts_backward<B: Backend>(
     be.swiglu_forward(s, gu, m, i);
     be.copy(sw, s);
     be.moe_scale_rows(sw, w, order, i);
-    let slot = wts.slot;
+    let (slot, packed) = (wts.slot, &mut wts.packed);
     let part = |r: &Range<usize>, x: usize, len: usize| r.start + x * len..r.start + (x + 1) * len;
     let grad = |r: &Range<usize>| spec.grad_range(r);
     let (dgu_all, dd_all) = (grad(gate_up), grad(down));
     // Down: ds' = dy W_d (unweighted), dW_d += dy^T (w s); its adapter joins ds'.
     for (x, at, cnt) in host.segments() {
-        let (_, wd) = expert_w::<B>(slot, op, x);
+        let wd = expert_mat(be, (slot, &mut *packed), op, x, true);
         let ddw = dd_all.as_ref().map(|r| dw.slice_mut(part(r, x, c * i)));
         let dsx = Dinp::Write(rows_mut(ds, (at, cnt), i));
         let (dyx, swx) = (rows(dy, (at, cnt), c), rows(sw, (at, cnt), i));
@@ -329,7 +344,7 @@ pub(crate) fn experts_backward<B: Backend>(
     be.swiglu_backward(dgu, ds, gu, m, i);
     let dxs = dy;
     for (x, at, cnt) in host.segments() {
-        let (wgu, _) = expert_w::<B>(slot, op, x);
+        let wgu = expert_mat(be, (slot, &mut *packed), op, x, false);
         let dgw = dgu_all.as_ref().map(|r| dw.slice_mut(part(r, x, 2 * i * c)));
         let dxx = Dinp::Write(rows_mut(dxs, (at, cnt), c));
         let (dgx, xsx) = (rows(dgu, (at, cnt), 2 * i), rows(xs, (at, cnt), c));

@@ -356,9 +356,12 @@ fn rebuilt<B: DeviceAlloc>(
 /// products and attention over `rows`, the head's product over one row.
 fn decode_product_bytes(layout: &ModelLayout, rows: usize) -> usize {
     let d = layout.dims;
-    let layers = layout.kinds.iter().flat_map(|k| &k.ops).filter_map(|op| match *op {
-        Op::Linear { ic, oc, .. } => Some(Precision::Bf16.product_bytes(rows, ic, oc)),
-        _ => None,
+    let layers = layout.kinds.iter().flat_map(|k| &k.ops).flat_map(|op| match *op {
+        Op::Linear { ic, oc, .. } => vec![Precision::Bf16.product_bytes(rows, ic, oc)],
+        Op::Experts { i, c, .. } => [(c, 2 * i), (i, c)]
+            .map(|(ic, oc)| Precision::Bf16.product_bytes(rows, ic, oc))
+            .to_vec(),
+        _ => vec![],
     });
     let attention = crate::engine::sizes::attention_bytes(layout, rows, Precision::Bf16);
     layers.chain([Precision::Bf16.product_bytes(1, d.c, d.v)]).chain(attention).max().unwrap_or(0)

@@ -111,8 +111,21 @@ pub fn streamed_in<D: Device>(
 where
     D::Backend: 'static,
 {
-    let yaml = yaml_with(case, base_dtype, "");
-    let cfg = RawConfig::from_yaml(&yaml, case).unwrap().resolve(case).unwrap();
+    streamed_yaml(dev, case, &yaml_with(case, base_dtype, ""), (k, mbs), memory)
+}
+
+/// [`streamed_in`] of the run config `yaml` over `case`'s rows and hyper-parameters.
+pub fn streamed_yaml<D: Device>(
+    dev: D,
+    case: &str,
+    yaml: &str,
+    (k, mbs): (usize, usize),
+    memory: horizon::run::config::OptimizerMemory,
+) -> Streamed
+where
+    D::Backend: 'static,
+{
+    let cfg = RawConfig::from_yaml(yaml, case).unwrap().resolve(case).unwrap();
     let RunModel { layout, params, base, .. } =
         load_run_model(&cfg.raw, cfg.adapter.as_ref()).unwrap();
     let init = params.clone();

@@ -98,6 +98,7 @@ pub fn ops(
         i,
         c,
         lora: Default::default(),
+        packed: None,
     });
     if let (Some([gu, down, gate]), Some(f)) = (w.shared, moe.shared_expert) {
         let sgu = b.act("shared_gu", 2 * f);
