@@ -34,8 +34,10 @@ fn config(tmp: &Path, case: &str, adapter: Option<&str>, extra: &str) -> PathBuf
     let e = expected(case);
     let d = dir(case);
     let kind = if e["quant"].is_null() { "lora" } else { "qlora" };
-    let targets: Vec<&str> =
+    let mut targets: Vec<&str> =
         e["targets"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+    let params = e.get("target_parameters").and_then(|p| p.as_array());
+    targets.extend(params.into_iter().flatten().map(|t| t.as_str().unwrap()));
     let init = d.join("adapter_init");
     let own = format!(
         "type: {kind}, r: {}, alpha: {}, targets: [{}], init: '{}'",
@@ -349,5 +351,60 @@ fn generate_with_an_unmerged_adapter_matches_the_merged_model() {
             "8",
         ]);
         assert!(o.status.success(), "{case}: {}", stderr(&o));
+    }
+}
+
+/// A mixture of experts through the binary: the adapter directory holds PEFT's expert tensors
+/// and `target_parameters`, and `export --merge` adds each expert's `s B_e A_e` (B_e the
+/// columns `j E + e` of PEFT's B) to its gate, up and down.
+#[test]
+fn moe_adapters_are_written_as_peft_and_merge_expert_by_expert() {
+    let case = "qwen3_moe_lora";
+    let tmp = tempfile::tempdir().unwrap();
+    let o = train(&config(tmp.path(), case, None, ""), &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let fin = tmp.path().join("out/final");
+    let c: Value =
+        serde_json::from_str(&fs::read_to_string(fin.join("adapter_config.json")).unwrap())
+            .unwrap();
+    let mut params: Vec<&str> =
+        c["target_parameters"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+    params.sort();
+    assert_eq!(params, ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]);
+    let mut names = list_tensors(&fin.join("adapter_model.safetensors")).unwrap();
+    let e = expected(case);
+    let mut want: Vec<String> =
+        e["adapter_names"].as_array().unwrap().iter().map(|n| n.as_str().unwrap().into()).collect();
+    names.sort();
+    want.sort();
+    assert_eq!(names, want);
+    let merged = tmp.path().join("merged");
+    let out = tmp.path().join("out");
+    let o =
+        horizon(&["export", out.to_str().unwrap(), "--merge", "--out", merged.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (r, s, experts) = (4, 2.0, 8);
+    let adapter = fin.join("adapter_model.safetensors");
+    let pre = "base_model.model.model.layers.0.mlp.experts";
+    let a = read_tensor_f64(&adapter, &format!("{pre}.base_layer.lora_A.weight")).unwrap().1;
+    let b = read_tensor_f64(&adapter, &format!("{pre}.base_layer.lora_B.weight")).unwrap().1;
+    let (c_in, i_f) = (32, 24);
+    for (x, proj, row0) in [(3, "gate_proj", 0), (5, "up_proj", 24)] {
+        let name = format!("model.layers.0.mlp.experts.{x}.{proj}.weight");
+        let base = read_tensor_f64(&dir(case).join("model/model.safetensors"), &name).unwrap().1;
+        let got = read_tensor_f64(&merged.join("model.safetensors"), &name).unwrap().1;
+        let scale = base.iter().fold(0f64, |m, v| m.max(v.abs()));
+        for o in 0..i_f {
+            for i in 0..c_in {
+                let ba: f64 = (0..r)
+                    .map(|j| {
+                        b[(row0 + o) * experts * r + j * experts + x] * a[(x * r + j) * c_in + i]
+                    })
+                    .sum();
+                let want = base[o * c_in + i] + s * ba;
+                let err = (got[o * c_in + i] - want).abs() / scale;
+                assert!(err < 1e-6, "{name}[{o},{i}]: {} vs {want}", got[o * c_in + i]);
+            }
+        }
     }
 }

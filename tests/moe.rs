@@ -154,3 +154,46 @@ fn qwen2_moe_with_a_shared_expert_streams_as_the_reference_computes() {
         assert!(next < want, "K={k}: a step on the same batch lowers the loss: {next} vs {want}");
     }
 }
+
+/// transformers 5's fused expert layout, read and written: a fixture exported fused holds
+/// `mlp.experts.gate_up_proj` (E, 2I, C), `mlp.experts.down_proj` (E, C, I) and the router as
+/// `mlp.gate.weight`, no per-expert tensor; it loads to the Hub checkpoint's parameters bit for
+/// bit, a run from it knows its layout (and exports it fused again), and it trains to the same
+/// losses.
+#[test]
+fn the_fused_expert_layout_reads_and_writes_as_the_hub_one() {
+    use horizon::run::config::RawConfig;
+    use horizon::run::load::model_config;
+    use horizon::run::reference::{ReferenceTrainer, export};
+    for case in ["qwen3_moe", "mixtral"] {
+        let hub = case_dir(case).join("model");
+        let mut model = ModelConfig::from_file(&hub.join("config.json")).unwrap();
+        let layout = horizon::model::describe(&model);
+        let params = ParamStore::load_hf(&layout, &hub).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        model.moe.as_mut().unwrap().fused = true;
+        export(&model, &params, dir.path()).unwrap();
+        let ckpt = horizon::hf::Checkpoint::open(dir.path()).unwrap();
+        let names = ckpt.names();
+        assert!(!names.iter().any(|n| n.contains("experts.0.")), "{case}: {names:?}");
+        let l0 = "model.layers.0.mlp";
+        assert_eq!(ckpt.shape(&format!("{l0}.experts.gate_up_proj")), Some(vec![8, 48, 32]));
+        assert!(ckpt.contains(&format!("{l0}.gate.weight")), "{case}: {names:?}");
+        let fused = ParamStore::load_hf(&layout, dir.path()).unwrap();
+        assert_bit_identical(&format!("{case} fused"), &fused, &params);
+        // A run from it knows its layout, and its export keeps it.
+        let yaml = |dir: &std::path::Path| {
+            fixture_yaml(case, dir, &case_dir(case).join("data.jsonl"), Path::new("unused"), "")
+        };
+        let raw = RawConfig::from_yaml(&yaml(dir.path()), case).unwrap();
+        assert!(model_config(&raw).unwrap().moe.unwrap().fused, "{case}");
+        let raw = RawConfig::from_yaml(&yaml(&hub), case).unwrap();
+        assert!(!model_config(&raw).unwrap().moe.unwrap().fused, "{case}");
+        let steps = |dir: &std::path::Path| -> Vec<u64> {
+            let cfg = RawConfig::from_yaml(&yaml(dir), case).unwrap().resolve(case).unwrap();
+            let mut t = ReferenceTrainer::new(cfg).unwrap();
+            (0..2).map(|k| t.step(k).unwrap().loss.to_bits()).collect()
+        };
+        assert_eq!(steps(dir.path()), steps(&hub), "{case}");
+    }
+}

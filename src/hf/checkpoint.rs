@@ -104,6 +104,11 @@ pub struct Checkpoint {
     files: Vec<MappedFile>,
     /// Tensor name -> index into `files`.
     tensors: BTreeMap<String, usize>,
+    /// Tensors read as parts of stored ones (a fused expert tensor's per-expert matrices):
+    /// name -> (stored name, first element, shape).
+    views: BTreeMap<String, (String, usize, Vec<usize>)>,
+    /// Stored tensors read only through views: not listed.
+    hidden: std::collections::BTreeSet<String>,
 }
 
 impl Checkpoint {
@@ -137,7 +142,13 @@ impl Checkpoint {
     fn open_single(path: &Path) -> Result<Self> {
         let file = MappedFile::open(path)?;
         let tensors = file.meta.tensors().into_keys().map(|name| (name, 0)).collect();
-        Ok(Checkpoint { source: path.to_path_buf(), files: vec![file], tensors })
+        Ok(Checkpoint {
+            source: path.to_path_buf(),
+            files: vec![file],
+            tensors,
+            views: BTreeMap::new(),
+            hidden: Default::default(),
+        })
     }
 
     fn open_sharded(dir: &Path, index: &Path) -> Result<Self> {
@@ -194,7 +205,13 @@ impl Checkpoint {
                 );
             }
         }
-        Ok(Checkpoint { source: index.to_path_buf(), files, tensors })
+        Ok(Checkpoint {
+            source: index.to_path_buf(),
+            files,
+            tensors,
+            views: BTreeMap::new(),
+            hidden: Default::default(),
+        })
     }
 
     /// `model.safetensors` or the index file this checkpoint was opened from.
@@ -202,19 +219,46 @@ impl Checkpoint {
         &self.source
     }
 
-    /// Every tensor name, sorted.
+    /// Every tensor name, sorted (views included, the stored tensors they cover not).
     pub fn names(&self) -> Vec<String> {
-        self.tensors.keys().cloned().collect()
+        let stored = self.tensors.keys().filter(|n| !self.hidden.contains(*n));
+        let mut names: Vec<String> = stored.chain(self.views.keys()).cloned().collect();
+        names.sort_unstable();
+        names
+    }
+
+    /// Reads the stored tensor `source`'s elements `at..` of `shape` as tensor `name` from now
+    /// on, and lists `name` instead of `source` (a fused expert tensor read expert by expert).
+    /// Errors name the tensor when `source` is absent or too small.
+    pub fn add_view(&mut self, name: &str, source: &str, at: usize, shape: &[usize]) -> Result<()> {
+        let have: usize = self
+            .shape(source)
+            .with_context(|| format!("{}: no tensor '{source}'", self.source.display()))?
+            .iter()
+            .product();
+        let n: usize = shape.iter().product();
+        if at + n > have {
+            bail!("{}: tensor '{source}' has {have} values, not {}", self.source.display(), at + n);
+        }
+        self.views.insert(name.to_string(), (source.to_string(), at, shape.to_vec()));
+        self.hidden.insert(source.to_string());
+        Ok(())
     }
 
     /// Shape of tensor `name`, if present.
     pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        if let Some((_, _, shape)) = self.views.get(name) {
+            return Some(shape.clone());
+        }
         let &i = self.tensors.get(name)?;
         self.files[i].meta.info(name).map(|info| info.shape.clone())
     }
 
     /// The stored dtype of tensor `name` (`F32`, `BF16`, ...), if the checkpoint has it.
     pub fn dtype(&self, name: &str) -> Option<&'static str> {
+        if let Some((source, _, _)) = self.views.get(name) {
+            return self.dtype(source);
+        }
         let &i = self.tensors.get(name)?;
         let (_, dtype, _) = self.files[i].tensor(name)?;
         Some(match dtype {
@@ -226,9 +270,10 @@ impl Checkpoint {
         })
     }
 
-    /// Whether tensor `name` is present.
+    /// Whether tensor `name` is present (a view, or a stored tensor no view covers).
     pub fn contains(&self, name: &str) -> bool {
-        self.tensors.contains_key(name)
+        self.views.contains_key(name)
+            || (self.tensors.contains_key(name) && !self.hidden.contains(name))
     }
 
     /// Reads tensor `name`, which must have `shape`, converting f32, bf16, f16 or f64 to f32,
@@ -244,7 +289,9 @@ impl Checkpoint {
     ) -> Result<()> {
         let numel: usize = shape.iter().product();
         assert_eq!(dst.len(), numel, "read_f32('{name}'): dst length does not match {shape:?}");
-        let &i = self.tensors.get(name).with_context(|| {
+        let view = self.views.get(name);
+        let stored = view.map_or(name, |(source, _, _)| source.as_str());
+        let &i = self.tensors.get(stored).with_context(|| {
             format!(
                 "tensor '{name}' not found in {} ({} tensors); hint: does the checkpoint match \
                  config.json?",
@@ -253,7 +300,14 @@ impl Checkpoint {
             )
         })?;
         let file = &self.files[i];
-        let (bytes, dtype, got) = file.tensor(name).expect("tensor map and file agree");
+        let (bytes, dtype, got) = file.tensor(stored).expect("tensor map and file agree");
+        let (bytes, got) = match view {
+            None => (bytes, got.to_vec()),
+            Some((_, at, vshape)) => {
+                let size = bytes.len() / got.iter().product::<usize>().max(1);
+                (&bytes[at * size..(at + numel) * size], vshape.clone())
+            }
+        };
         if got != shape {
             bail!(
                 "tensor '{name}' in {} has shape {got:?}, expected {shape:?}; hint: does the \
@@ -311,9 +365,9 @@ impl Checkpoint {
         let missing: Vec<&str> = missing.iter().map(String::as_str).collect();
         let known: std::collections::HashSet<String> =
             expected.iter().chain(optional).map(|n| format!("{prefix}{n}")).collect();
-        let unexpected: Vec<&str> = self
-            .tensors
-            .keys()
+        let names = self.names();
+        let unexpected: Vec<&str> = names
+            .iter()
             .map(String::as_str)
             .filter(|n| n.starts_with(prefix) && !known.contains(*n))
             .collect();

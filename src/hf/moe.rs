@@ -4,12 +4,20 @@
 
 use anyhow::{Result, bail};
 
+use crate::hf::checkpoint::Checkpoint;
 use crate::hf::config::{Arch, Keys};
 
 /// A model's sparse MLPs, as `../shared/fixtures/README.md` ("Mixture-of-experts cases") states
 /// them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MoeConfig {
+    /// The family (its Hub names: Mixtral's `block_sparse_moe.experts.{e}.w1`, Qwen's
+    /// `mlp.experts.{e}.gate_proj`).
+    pub arch: Arch,
+    /// The checkpoint stores the experts fused (transformers 5: `mlp.experts.gate_up_proj`
+    /// (E, 2I, C), `mlp.experts.down_proj` (E, C, I)) rather than one tensor per expert; exports
+    /// keep the layout the run started from.
+    pub fused: bool,
     /// E: routed experts of each sparse layer (`num_experts` or `num_local_experts`).
     pub num_experts: usize,
     /// k: experts chosen per token (`num_experts_per_tok`).
@@ -31,6 +39,15 @@ pub struct MoeConfig {
 }
 
 impl MoeConfig {
+    /// The Hub layout's names of a sparse layer: the block prefix and the per-expert gate, up
+    /// and down names.
+    pub fn hub_names(&self) -> (&'static str, [&'static str; 3]) {
+        match self.arch {
+            Arch::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
+            _ => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+        }
+    }
+
     /// Whether layer `i` is sparse; past the end (a config made deeper) the pattern repeats.
     pub fn is_sparse(&self, i: usize) -> bool {
         self.sparse[i % self.sparse.len()]
@@ -112,6 +129,8 @@ pub(crate) fn parse_moe(
     }
     let output_router_logits = o.bool("output_router_logits")?.unwrap_or(false);
     Ok(Some(MoeConfig {
+        arch,
+        fused: false,
         num_experts,
         top_k,
         expert_size,
@@ -148,4 +167,78 @@ fn sparse_layers(o: &Keys, arch: Arch, layers: usize, experts: usize) -> Result<
         }
     }
     Ok((0..layers).map(|i| experts > 0 && !only.contains(&i) && (i + 1) % step == 0).collect())
+}
+
+/// transformers 5's fused names of sparse layer `l`'s tensors: (router, gate_up, down). Mixtral's
+/// are also found under `block_sparse_moe.` ([`fused_sources`]).
+pub fn fused_names(l: usize) -> [String; 3] {
+    let p = format!("model.layers.{l}.mlp");
+    [
+        format!("{p}.gate.weight"),
+        format!("{p}.experts.gate_up_proj"),
+        format!("{p}.experts.down_proj"),
+    ]
+}
+
+/// Where a checkpoint stores sparse layer `l`'s fused tensors, if it does: (router, gate_up,
+/// down) as named in `ckpt` under `prefix`.
+fn fused_sources(ckpt: &Checkpoint, prefix: &str, l: usize) -> Option<[String; 3]> {
+    let blocks = [format!("model.layers.{l}.mlp"), format!("model.layers.{l}.block_sparse_moe")];
+    for b in &blocks {
+        let gu = format!("{prefix}{b}.experts.gate_up_proj");
+        if ckpt.contains(&gu) {
+            let router =
+                [format!("{prefix}{b}.gate.weight"), format!("{prefix}{}.gate.weight", blocks[0])]
+                    .into_iter()
+                    .find(|r| ckpt.contains(r))?;
+            return Some([router, gu, format!("{prefix}{b}.experts.down_proj")]);
+        }
+    }
+    None
+}
+
+/// A fused checkpoint read as the Hub layout: every sparse layer's fused expert tensors become
+/// per-expert views under the Hub names (expert e's gate and up are rows `0..I` and `I..2I` of
+/// `gate_up_proj[e]`, its down `down_proj[e]`), the router under the Hub name. Returns whether
+/// the checkpoint is fused; an error names a fused tensor whose expert count or shape
+/// disagrees with the config.
+pub fn read_fused_as_hub(
+    ckpt: &mut Checkpoint,
+    moe: &MoeConfig,
+    (prefix, layers, c): (&str, usize, usize),
+) -> Result<bool> {
+    let (e, i) = (moe.num_experts, moe.expert_size);
+    let (block, [gate, up, down]) = moe.hub_names();
+    let mut fused = false;
+    for l in (0..layers).filter(|&l| moe.is_sparse(l)) {
+        let Some([router, gu, dn]) = fused_sources(ckpt, prefix, l) else { continue };
+        fused = true;
+        for (name, want) in [(&gu, [e, 2 * i, c]), (&dn, [e, c, i])] {
+            let got = ckpt.shape(name).unwrap_or_default();
+            if got != want {
+                bail!(
+                    "{}: tensor '{name}' has shape {got:?}, but config.json's {e} experts of {i} (hidden {c}) need {want:?}\nhint: check num_experts (or num_local_experts) and moe_intermediate_size",
+                    ckpt.source().display()
+                );
+            }
+        }
+        let hub = |s: &str| format!("{prefix}model.layers.{l}.{block}.{s}");
+        ckpt.add_view(&hub("gate.weight"), &router, 0, &[e, c])?;
+        for x in 0..e {
+            ckpt.add_view(
+                &hub(&format!("experts.{x}.{gate}.weight")),
+                &gu,
+                x * 2 * i * c,
+                &[i, c],
+            )?;
+            ckpt.add_view(
+                &hub(&format!("experts.{x}.{up}.weight")),
+                &gu,
+                (2 * x + 1) * i * c,
+                &[i, c],
+            )?;
+            ckpt.add_view(&hub(&format!("experts.{x}.{down}.weight")), &dn, x * c * i, &[c, i])?;
+        }
+    }
+    Ok(fused)
 }

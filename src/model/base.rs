@@ -123,7 +123,11 @@ impl FrozenBase {
         dtype: BaseDtype,
         non_finite: NonFinite,
     ) -> Result<Self> {
-        let ckpt = Checkpoint::open(dir)?;
+        let mut ckpt = Checkpoint::open(dir)?;
+        if let Some(m) = &layout.moe {
+            let d = layout.dims;
+            crate::hf::moe::read_fused_as_hub(&mut ckpt, m, (&layout.prefix, d.layers, d.c))?;
+        }
         let names: Vec<String> = layout.base_tensors().into_iter().map(|(n, _)| n).collect();
         let optional: Vec<String> = if layout.tied { vec![LM_HEAD.to_string()] } else { vec![] };
         ckpt.check_names_under(&layout.prefix, &names, &optional)?;

@@ -156,7 +156,11 @@ impl ParamStore {
     /// [`ParamStore::load_hf`], with what to do about a NaN or ±inf weight
     /// (`model.allow_non_finite`; `load_hf` refuses one, naming the tensor and the index).
     pub fn load_hf_with(layout: &ModelLayout, dir: &Path, non_finite: NonFinite) -> Result<Self> {
-        let ckpt = Checkpoint::open(dir)?;
+        let mut ckpt = Checkpoint::open(dir)?;
+        if let Some(m) = &layout.moe {
+            let d = layout.dims;
+            crate::hf::moe::read_fused_as_hub(&mut ckpt, m, (&layout.prefix, d.layers, d.c))?;
+        }
         let tensors = layout.hf_tensors();
         let expected: Vec<String> = tensors.iter().map(|(n, _)| n.clone()).collect();
         let optional: Vec<String> = if layout.tied { vec![LM_HEAD.to_string()] } else { vec![] };

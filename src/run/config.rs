@@ -329,6 +329,9 @@ pub struct ExportOptions {
     /// A shard holds at most this many bytes of tensor data (a single larger tensor gets a
     /// shard of its own); everything in one `model.safetensors` when it all fits.
     pub max_shard_bytes: u64,
+    /// A mixture of experts' layout: fused (`Some(true)`), one tensor per expert (`Some(false)`),
+    /// or the model's own (`None`: the checkpoint the run started from).
+    pub fused_experts: Option<bool>,
 }
 
 impl Default for ExportOptions {
@@ -336,6 +339,7 @@ impl Default for ExportOptions {
         ExportOptions {
             dtype: crate::hf::checkpoint::SaveDtype::F32,
             max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
+            fused_experts: None,
         }
     }
 }
@@ -349,6 +353,7 @@ impl OutputSection {
                 ByteSize::Auto => DEFAULT_MAX_SHARD_BYTES,
                 ByteSize::Bytes(b) => b.max(1),
             },
+            fused_experts: None,
         }
     }
 }

@@ -20,7 +20,7 @@ use crate::model::params::ParamStore;
 use crate::model::spec::Op;
 use crate::run::config::{ByteSize, RawConfig, WeightDtype};
 use crate::run::hf_out::{ExportOptions, ExportSource, Exported, TokenizerSource, export_model};
-use crate::run::load::{RunModel, load_adapter_run};
+use crate::run::load::{RunModel, load_adapter_run, note_expert_layout};
 
 /// `horizon export`'s arguments.
 #[derive(clap::Args, Debug)]
@@ -43,6 +43,17 @@ pub struct Args {
     /// With --merge: the base model directory (default: the one the adapter names).
     #[arg(long)]
     pub base: Option<PathBuf>,
+    /// A mixture of experts' checkpoint layout: `hub` (one tensor per expert) or `fused`
+    /// (transformers 5's 3-D expert tensors). Default: the layout of the source.
+    #[arg(long, value_enum)]
+    pub layout: Option<ExpertLayout>,
+}
+
+/// `horizon export --layout`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertLayout {
+    Hub,
+    Fused,
 }
 
 /// Export (or merge) as `args` say, and print what was written.
@@ -52,7 +63,11 @@ pub fn run(args: &Args) -> Result<()> {
         Ok(_) => bail!("--max-shard-size must be a positive size such as 5GB"),
         Err(e) => bail!("--max-shard-size: {e}"),
     };
-    let opts = ExportOptions { dtype: args.dtype.save_dtype(), max_shard_bytes };
+    let opts = ExportOptions {
+        dtype: args.dtype.save_dtype(),
+        max_shard_bytes,
+        fused_experts: args.layout.map(|l| l == ExpertLayout::Fused),
+    };
     if args.base.is_some() && !args.merge {
         bail!("--base is for --merge: the base model an adapter is merged into");
     }
@@ -111,7 +126,12 @@ fn load_source(src: &Path) -> Result<(ModelConfig, ParamStore, ExportSource)> {
                 src.display()
             );
         }
-        let model_cfg = ModelConfig::from_json(&state.model, &origin)?;
+        let mut model_cfg = ModelConfig::from_json(&state.model, &origin)?;
+        // A mixture's experts keep the layout of the checkpoint the run started from.
+        let start = RawConfig::from_yaml(&state.config, &origin).ok().and_then(|r| r.model.path);
+        if let Some(dir) = start.filter(|d| d.is_dir()) {
+            note_expert_layout(&mut model_cfg, &dir)?;
+        }
         let params = ParamStore::load_hf(
             &crate::model::describe(&model_cfg),
             &src.join(crate::run::resume::PARAMS),
@@ -127,7 +147,8 @@ fn load_source(src: &Path) -> Result<(ModelConfig, ParamStore, ExportSource)> {
         return load_source(&ckpt);
     }
     if src.join("config.json").is_file() {
-        let model_cfg = ModelConfig::from_file(&src.join("config.json"))?;
+        let mut model_cfg = ModelConfig::from_file(&src.join("config.json"))?;
+        note_expert_layout(&mut model_cfg, src)?;
         let params = ParamStore::load_hf(&crate::model::describe(&model_cfg), src)?;
         let tokenizer = if src.join("tokenizer.json").is_file() {
             TokenizerSource::Dir(src.to_path_buf())
@@ -178,6 +199,7 @@ pub fn merged_params(run: &RunModel) -> ParamStore {
             let dst = out.tensor_mut(&full, &name).expect("the base names the model's tensors");
             dst.copy_from_slice(&base.tensor_f32(i, t));
         }
+        merge_experts(run, &full, i, &mut out);
         for op in &spec.ops {
             let Op::Lora { a, b, w, ic, r, scale, .. } = op else { continue };
             let a_w = &run.params.layers[i][a.start - spec.frozen..a.end - spec.frozen];
@@ -189,6 +211,34 @@ pub fn merged_params(run: &RunModel) -> ParamStore {
         }
     }
     out
+}
+
+/// Layer `i`'s expert adapters into the full model's experts: `W_e += s B_e A_e` for each expert
+/// of each adapted expert parameter.
+fn merge_experts(run: &RunModel, full: &ModelLayout, i: usize, out: &mut ParamStore) {
+    let spec = run.layout.layer(i);
+    let Some(Op::Experts { e, i: f, c, lora, .. }) =
+        spec.ops.iter().find(|op| matches!(op, Op::Experts { .. }))
+    else {
+        return;
+    };
+    let Some(Op::Experts { gate_up, down, .. }) =
+        full.layer(i).ops.iter().find(|op| matches!(op, Op::Experts { .. }))
+    else {
+        unreachable!("the full model has the adapted model's experts")
+    };
+    let trained = |r: &std::ops::Range<usize>| r.start - spec.frozen..r.end - spec.frozen;
+    let adapters = [(&lora.gate_up, gate_up, *c, 2 * f), (&lora.down, down, *f, *c)];
+    for (adapter, w, ic, oc) in adapters {
+        let Some(l) = adapter else { continue };
+        let (a, b) = (&run.params.layers[i][trained(&l.a)], &run.params.layers[i][trained(&l.b)]);
+        for x in 0..*e {
+            let dst = &mut out.layers[i][w.start + x * oc * ic..w.start + (x + 1) * oc * ic];
+            let (ax, bx) =
+                (&a[x * l.r * ic..(x + 1) * l.r * ic], &b[x * oc * l.r..(x + 1) * oc * l.r]);
+            add_ba(dst, (ax, bx), (oc, ic, l.r), l.scale);
+        }
+    }
 }
 
 /// The module (`self_attn.q_proj`) whose `A` starts at slot offset `a_start`.

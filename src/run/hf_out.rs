@@ -11,6 +11,7 @@ use anyhow::{Context, Result, bail};
 use crate::hf::checkpoint::write_safetensors;
 use crate::hf::config::ModelConfig;
 use crate::model::params::ParamStore;
+use crate::model::spec::Op;
 use crate::run::config::RawConfig;
 pub use crate::run::config::{DEFAULT_MAX_SHARD_BYTES, ExportOptions};
 use crate::tokenizer::byte::{BOS_ID, EOS_ID, PAD_ID};
@@ -203,7 +204,7 @@ pub fn export_model(
         .with_context(|| format!("cannot write {}", cfg_path.display()))?;
     remove_old_weights(dir)?;
 
-    let tensors: Vec<(String, Vec<usize>, &[f32])> = layout
+    let mut tensors: Vec<(String, Vec<usize>, &[f32])> = layout
         .hf_tensors()
         .into_iter()
         .map(|(name, shape)| {
@@ -211,6 +212,16 @@ pub fn export_model(
             (name, shape, data)
         })
         .collect();
+    if let Some(m) = &model_cfg.moe {
+        if opts.fused_experts.unwrap_or(m.fused) {
+            tensors = fuse_experts(tensors, m, &layout, params);
+        }
+    } else if opts.fused_experts == Some(true) {
+        bail!(
+            "--layout fused is for a mixture of experts; {} has no experts",
+            model_cfg.arch.model_type()
+        );
+    }
     let sizes: Vec<u64> = tensors.iter().map(|t| (t.2.len() * opts.dtype.size()) as u64).collect();
     let shards = plan_shards(&sizes, opts.max_shard_bytes);
     let total_bytes: u64 = sizes.iter().sum();
@@ -245,6 +256,52 @@ pub fn export_model(
         .with_context(|| format!("cannot write {}", path.display()))?;
     tokenizer_files.push(GENERATION_CONFIG.to_string());
     Ok(Exported { shards: files, total_bytes, tokenizer_files })
+}
+
+/// The Hub layout's per-expert tensors of every sparse layer as transformers 5's fused ones:
+/// `mlp.experts.gate_up_proj` (E, 2I, C) and `mlp.experts.down_proj` (E, C, I), each one
+/// contiguous run of the layer's buffer (its experts' `[gate; up]`, then their downs), in the
+/// place of the layer's first expert tensor of each, and the router as `mlp.gate.weight`; every
+/// other tensor as it was, in order.
+fn fuse_experts<'a>(
+    tensors: Vec<(String, Vec<usize>, &'a [f32])>,
+    m: &crate::hf::config::MoeConfig,
+    layout: &crate::model::layout::ModelLayout,
+    params: &'a ParamStore,
+) -> Vec<(String, Vec<usize>, &'a [f32])> {
+    let (e, i, c) = (m.num_experts, m.expert_size, layout.dims.c);
+    let (block, [gate, _, down]) = m.hub_names();
+    let mut out = Vec::with_capacity(tensors.len());
+    for (name, shape, data) in tensors {
+        let parsed = name
+            .strip_prefix("model.layers.")
+            .and_then(|r| r.split_once('.'))
+            .and_then(|(l, rest)| Some((l.parse::<usize>().ok()?, rest)));
+        let Some((l, rest)) = parsed else {
+            out.push((name, shape, data));
+            continue;
+        };
+        let experts = layout.layer(l).ops.iter().find_map(|op| match op {
+            Op::Experts { gate_up, down, .. } => Some((gate_up.clone(), down.clone())),
+            _ => None,
+        });
+        let [router, gu, dn] = crate::hf::moe::fused_names(l);
+        let Some((gu_range, dn_range)) = experts else {
+            out.push((name, shape, data));
+            continue;
+        };
+        let buf = &params.layers[l];
+        if rest == format!("{block}.gate.weight") {
+            out.push((router, shape, data));
+        } else if rest == format!("{block}.experts.0.{gate}.weight") {
+            out.push((gu, vec![e, 2 * i, c], &buf[gu_range]));
+        } else if rest == format!("{block}.experts.0.{down}.weight") {
+            out.push((dn, vec![e, c, i], &buf[dn_range]));
+        } else if !rest.starts_with(&format!("{block}.experts.")) {
+            out.push((name, shape, data));
+        }
+    }
+    out
 }
 
 /// Consecutive groups of tensors (by index) of at most `max` bytes each; a tensor larger than

@@ -53,7 +53,21 @@ pub fn model_config(raw: &RawConfig) -> Result<ModelConfig> {
     if let Some(arch) = &m.arch {
         json.insert("model_type".into(), serde_json::Value::String(arch.clone()));
     }
-    ModelConfig::from_json(&serde_json::Value::Object(json), &origin)
+    let mut cfg = ModelConfig::from_json(&serde_json::Value::Object(json), &origin)?;
+    if let Some(dir) = &m.path {
+        note_expert_layout(&mut cfg, dir)?;
+    }
+    Ok(cfg)
+}
+
+/// Whether the checkpoint in `dir` stores a mixture's experts fused (transformers 5) or one
+/// tensor per expert (the Hub): what its exports keep.
+pub fn note_expert_layout(cfg: &mut ModelConfig, dir: &Path) -> Result<()> {
+    let (layers, c, prefix) = (cfg.num_layers, cfg.hidden_size, cfg.tensor_prefix.clone());
+    let Some(moe) = cfg.moe.as_mut() else { return Ok(()) };
+    let mut ckpt = crate::hf::checkpoint::Checkpoint::open(dir)?;
+    moe.fused = crate::hf::moe::read_fused_as_hub(&mut ckpt, moe, (&prefix, layers, c))?;
+    Ok(())
 }
 
 /// The model a config names, in full (no adapter): loaded from a HF directory, or randomly

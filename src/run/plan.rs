@@ -21,7 +21,7 @@ use crate::model::lora::BaseDtype;
 use crate::model::lora::LoraSpec;
 use crate::run::config::{ByteSize, OptimizerMemory, RawConfig, RunConfig};
 use crate::run::data::{SeqLen, load_datasets};
-use crate::run::load::{model_config, run_layout};
+use crate::run::load::{model_config, run_layout, split_targets};
 
 /// The plan of `cfg` as run (its own mode), and the report `horizon plan` prints.
 pub struct PlanReport {
@@ -140,9 +140,10 @@ pub fn report(cfg: &RunConfig, host_memory: Option<u64>) -> Result<PlanReport> {
     if let Some(a) = &layout.adapter {
         writeln!(
             t,
-            "adapter: LoRA r {} on {} ({}); the base frozen in {}{}; optimizer.memory does not matter for adapters this small ({} trained parameters)",
+            "adapter: LoRA r {} on {}{} ({}); the base frozen in {}{}; optimizer.memory does not matter for adapters this small ({} trained parameters)",
             a.r,
             a.targets.join(", "),
+            expert_words(a.experts),
             if a.nf4 { "qlora" } else { "lora" },
             match a.base {
                 BaseDtype::F32 => "fp32",
@@ -151,6 +152,9 @@ pub fn report(cfg: &RunConfig, host_memory: Option<u64>) -> Result<PlanReport> {
             if a.nf4 { ", its products' matrices NF4" } else { "" },
             layout.trained_params()
         )?;
+    }
+    if let Some(line) = moe_line(&layout) {
+        writeln!(t, "{line}")?;
     }
     write!(t, "{plan}")?;
     let avail = host_memory.or_else(host_available_bytes);
@@ -208,21 +212,55 @@ fn fit_words(fit: Option<(usize, u64, u64)>, what: &str, avail: u64) -> String {
     }
 }
 
-/// The adapter (the run's, or r 16 on every projection) of each `adapter.type`.
-fn adapter_of(kind: Option<AdapterKind>, run: Option<&AdapterConfig>) -> Option<LoraSpec> {
+/// The adapter (the run's, or r 16 on every projection, a mixture's experts as PEFT rewrites
+/// the MLP's names) of each `adapter.type`.
+fn adapter_of(
+    kind: Option<AdapterKind>,
+    run: Option<&AdapterConfig>,
+    model: &ModelConfig,
+) -> Option<LoraSpec> {
     let kind = kind?;
-    let (r, scale, targets) = match run {
-        Some(a) => (a.r, a.scale(), a.targets.clone()),
-        None => (16, 2.0, crate::adapter::config::TARGETS.iter().map(|t| t.to_string()).collect()),
+    let default = AdapterConfig {
+        kind,
+        r: 16,
+        alpha: 32.0,
+        rslora: false,
+        targets: crate::adapter::config::TARGETS.iter().map(|t| t.to_string()).collect(),
+        init: None,
+        base_dtype: Default::default(),
     };
+    let a = run.unwrap_or(&default);
+    let (targets, experts) = split_targets(a, model).ok()?;
     Some(LoraSpec {
-        r,
-        scale,
+        r: a.r,
+        scale: a.scale(),
         targets,
         nf4: kind == AdapterKind::Qlora,
         base: BaseDtype::Bf16,
-        experts: Default::default(),
+        experts,
     })
+}
+
+/// A mixture of experts' line: experts, sparse layers, total and active parameters, and what
+/// the experts take of the host store.
+fn moe_line(layout: &ModelLayout) -> Option<String> {
+    let m = layout.moe.as_ref()?;
+    let l = layout.dims.layers;
+    let sparse = (0..l).filter(|&i| m.is_sparse(i)).count();
+    let c = layout.dims.c;
+    let expert = 3 * m.expert_size * c;
+    let total = layout.num_params();
+    let active = total - sparse * (m.num_experts - m.top_k) * expert;
+    Some(format!(
+        "mixture of experts: {} experts of {} (top {}) in {sparse} of {l} layers; {:.2}B parameters, {:.2}B active per token ({:.1}%); the routed experts are {:.1}% of the parameters",
+        m.num_experts,
+        m.expert_size,
+        m.top_k,
+        total as f64 / 1e9,
+        active as f64 / 1e9,
+        100.0 * active as f64 / total as f64,
+        100.0 * (sparse * m.num_experts * expert) as f64 / total as f64,
+    ))
 }
 
 /// Per `adapter.type`: host bytes, bytes per parameter, and the deepest model of this shape
@@ -238,7 +276,7 @@ fn by_adapter(
     let kinds =
         [("none", None), ("lora", Some(AdapterKind::Lora)), ("qlora", Some(AdapterKind::Qlora))];
     for (name, kind) in kinds {
-        let spec = adapter_of(kind, run);
+        let spec = adapter_of(kind, run, model);
         let layout_of = |m: &ModelConfig| -> Option<ModelLayout> {
             let full = crate::model::describe(m);
             match &spec {
@@ -347,4 +385,14 @@ fn pinning(threads: usize, pin: bool) -> String {
         _ if pin => "unpinned (this system cannot pin threads)".to_string(),
         _ => "unpinned (engine.pin_threads: false)".to_string(),
     }
+}
+
+/// The experts' adapters of an adapter line (empty without).
+fn expert_words(e: crate::model::lora::ExpertTargets) -> String {
+    let part = |name: &str, t: Option<(usize, f32)>| t.map(|(r, _)| format!("{name} (r {r})"));
+    let parts: Vec<String> = [part("experts' gate|up", e.gate_up), part("experts' down", e.down)]
+        .into_iter()
+        .flatten()
+        .collect();
+    if parts.is_empty() { String::new() } else { format!(" and the {}", parts.join(", ")) }
 }

@@ -214,6 +214,7 @@ impl CostModel<'_> {
                 Op::Linear { ic, oc, ref w, .. } => d.gemm(n, ic, oc) + self.dequant(w),
                 Op::Lora { ic, r, w, .. } => d.gemm(n, ic, r) + d.gemm(n, r, w),
                 Op::Attention { .. } => d.attention(&l.attn, self.seqs(), self.cfg.seq_len, false),
+                Op::Experts { .. } => self.experts(l, op, false),
                 _ => 0.0,
             })
             .sum();
@@ -240,6 +241,7 @@ impl CostModel<'_> {
                     }
                     // Its own kernel, in place of twice the forward's traffic below.
                     Op::Glu { f, .. } => d.glu(n, f, true) - 2.0 * d.glu(n, f, false),
+                    Op::Experts { .. } => self.experts(l, op, true),
                     _ => 0.0,
                 };
         }
@@ -274,6 +276,44 @@ impl CostModel<'_> {
             Op::Glu { f, .. } => d.glu(self.rows(), f, false),
             _ => 0.0,
         }
+    }
+
+    /// A sparse layer's experts over one micro-batch: the M = N*k (row, choice) pairs spread
+    /// evenly over the experts they are expected to reach (`E (1 - (1 - 1/E)^M)`), each active
+    /// expert's two products (and their adapters) on its share of the rows, one launch each,
+    /// its NF4 matrices dequantised first (QLoRA), and the dispatch's traffic: gather and
+    /// combine of (M, C), the SwiGLU of (M, I). The backward: each product's two, the SwiGLU's,
+    /// gather and combine again, and the forward's SwiGLU and dequantisation once more.
+    fn experts(&self, l: &LayerSpec, op: &Op, backward: bool) -> f64 {
+        let Op::Experts { e, k, i, c, ref lora, ref packed, ref gate_up, .. } = *op else {
+            unreachable!()
+        };
+        let (d, m) = (self.device, (self.rows() * k) as f64);
+        let active = e as f64 * (1.0 - (1.0 - 1.0 / e as f64).powf(m));
+        let rows = (m / active.max(1.0)).ceil() as usize;
+        let trained = !gate_up.is_empty() && gate_up.start >= l.frozen;
+        let product = |ic, oc, dw| match backward {
+            false => d.gemm(rows, ic, oc),
+            true => d.gemm_backward(rows, ic, oc, dw),
+        };
+        let gemm = |ic, oc| product(ic, oc, trained);
+        let adapter = |a: &Option<crate::model::spec::ExpertLora>, ic, oc| {
+            a.as_ref().map_or(0.0, |a| product(ic, a.r, true) + product(a.r, oc, true))
+        };
+        let per_expert = gemm(c, 2 * i)
+            + gemm(i, c)
+            + adapter(&lora.gate_up, c, 2 * i)
+            + adapter(&lora.down, i, c)
+            + if packed.is_some() {
+                d.stream((3 * i * c) as f64 * (0.5 + 2.0 + 4.0 / 64.0))
+            } else {
+                0.0
+            }
+            + 2.0 * d.launch();
+        let pairs = m as usize;
+        let traffic = d.stream(m * 3.0 * c as f64 * ACT_BYTES) + d.glu(pairs, i, false);
+        let glu_back = if backward { d.glu(pairs, i, true) } else { 0.0 };
+        active * per_expert + traffic * if backward { 2.0 } else { 1.0 } + glu_back
     }
 
     /// Dequantising a packed weight into the workspace before its product (bf16 out).
