@@ -140,7 +140,7 @@ pub fn report(cfg: &RunConfig, host_memory: Option<u64>) -> Result<PlanReport> {
     if let Some(a) = &layout.adapter {
         writeln!(
             t,
-            "adapter: LoRA r {} on {}{} ({}); the base frozen in {}{}; optimizer.memory does not matter for adapters this small ({} trained parameters)",
+            "adapter: LoRA r {} on {}{} ({}); the base frozen in {}{}; {} trained parameters{}",
             a.r,
             a.targets.join(", "),
             expert_words(a.experts),
@@ -150,7 +150,12 @@ pub fn report(cfg: &RunConfig, host_memory: Option<u64>) -> Result<PlanReport> {
                 BaseDtype::Bf16 => "bf16",
             },
             if a.nf4 { ", its products' matrices NF4" } else { "" },
-            layout.trained_params()
+            layout.trained_params(),
+            if layout.trained_params() * 100 < layout.num_params() {
+                " (optimizer.memory does not matter for adapters this small)"
+            } else {
+                ", whose masters and moments optimizer.memory holds"
+            }
         )?;
     }
     if let Some(line) = moe_line(&layout) {
