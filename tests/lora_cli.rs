@@ -408,3 +408,70 @@ fn moe_adapters_are_written_as_peft_and_merge_expert_by_expert() {
         }
     }
 }
+
+/// Mixtral with adapters on attention, the router and the experts, from scratch through the
+/// binary: PEFT's names (the router as `mlp.gate`, transformers 5's module path, although the
+/// checkpoint says `block_sparse_moe.gate`), `target_parameters` naming both, and a merge that
+/// adds `s B A` to the router and `s B_e A_e` to each expert's w1, w3 and w2.
+#[test]
+fn mixtral_router_and_expert_adapters_round_trip_and_merge() {
+    let tmp = tempfile::tempdir().unwrap();
+    let fx = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/mixtral");
+    let yaml = format!(
+        "model: {{ path: '{}' }}\ndata: {{ path: '{}', format: pretokenized }}\n\
+         train: {{ steps: 2, batch_size: 2, max_seq_len: 64 }}\noptimizer: {{ lr: 0.01 }}\n\
+         adapter: {{ type: lora, r: 2, alpha: 4, targets: [q_proj, router, experts] }}\n\
+         output: {{ dir: '{}' }}\n",
+        fx.join("model").display(),
+        fx.join("data.jsonl").display(),
+        tmp.path().join("out").display()
+    );
+    let cfg = tmp.path().join("config.yaml");
+    fs::write(&cfg, yaml).unwrap();
+    let o = train(&cfg, &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let fin = tmp.path().join("out/final");
+    let c: Value =
+        serde_json::from_str(&fs::read_to_string(fin.join("adapter_config.json")).unwrap())
+            .unwrap();
+    let mut params: Vec<&str> =
+        c["target_parameters"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+    params.sort();
+    assert_eq!(params, ["mlp.experts.down_proj", "mlp.experts.gate_up_proj", "mlp.gate.weight"]);
+    assert_eq!(c["target_modules"], serde_json::json!(["q_proj"]));
+    let adapter = fin.join("adapter_model.safetensors");
+    let pre = "base_model.model.model.layers.1.mlp";
+    let (ra, a) = read_tensor_f64(&adapter, &format!("{pre}.gate.lora_A.weight")).unwrap();
+    let (rb, b) = read_tensor_f64(&adapter, &format!("{pre}.gate.lora_B.weight")).unwrap();
+    assert_eq!((ra, rb.clone()), (vec![2, 32], vec![8, 2]));
+    assert!(b.iter().any(|&x| x != 0.0), "the router's B trained");
+    let merged = tmp.path().join("merged");
+    let out = tmp.path().join("out");
+    let o =
+        horizon(&["export", out.to_str().unwrap(), "--merge", "--out", merged.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let base_file = fx.join("model/model.safetensors");
+    let merged_file = merged.join("model.safetensors");
+    let check = |name: &str, ba: &dyn Fn(usize, usize) -> f64, (rows, cols): (usize, usize)| {
+        let base = read_tensor_f64(&base_file, name).unwrap().1;
+        let got = read_tensor_f64(&merged_file, name).unwrap().1;
+        let scale = base.iter().fold(0f64, |m, v| m.max(v.abs()));
+        for o in 0..rows {
+            for i in 0..cols {
+                let want = base[o * cols + i] + 2.0 * ba(o, i);
+                let err = (got[o * cols + i] - want).abs() / scale;
+                assert!(err < 1e-6, "{name}[{o},{i}]: {} vs {want}", got[o * cols + i]);
+            }
+        }
+    };
+    let router = |o: usize, i: usize| (0..2).map(|j| b[o * 2 + j] * a[j * 32 + i]).sum::<f64>();
+    check("model.layers.1.block_sparse_moe.gate.weight", &router, (8, 32));
+    let ea = read_tensor_f64(&adapter, &format!("{pre}.experts.lora_A.weight")).unwrap().1;
+    let eb = read_tensor_f64(&adapter, &format!("{pre}.experts.lora_B.weight")).unwrap().1;
+    let (x, e, r, i_f) = (6, 8, 2, 24);
+    // The down projection (w2: out C = 32, in I = 24), expert 6.
+    let down = |o: usize, i: usize| {
+        (0..r).map(|j| eb[o * e * r + j * e + x] * ea[(x * r + j) * i_f + i]).sum::<f64>()
+    };
+    check(&format!("model.layers.1.block_sparse_moe.experts.{x}.w2.weight"), &down, (32, i_f));
+}

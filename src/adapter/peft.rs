@@ -74,6 +74,10 @@ fn parse_name(name: &str) -> Option<(usize, &'static str, bool)> {
 /// fused 3-D parameters), each with one rank-r adapter per expert.
 pub const EXPERT_PARAMS: [&str; 2] = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"];
 
+/// PEFT's `target_parameters` entry of a sparse layer's router (a 2-D parameter: one adapter,
+/// tensors `mlp.gate.lora_A.weight` (r, C) and `mlp.gate.lora_B.weight` (E, r)).
+pub const ROUTER_PARAM: &str = "mlp.gate.weight";
+
 /// PEFT's `rank_pattern` / `alpha_pattern` key of the gate|up expert parameter (what PEFT adds
 /// when it rewrites `gate_proj` + `up_proj` into it: rank 2r, alpha 2 alpha).
 pub const GATE_UP_PATTERN: &str = ".*\\.gate_up_proj";
@@ -85,7 +89,8 @@ fn parse_expert_name(name: &str) -> Option<(usize, bool)> {
     let layer_no: usize = layer.parse().ok()?;
     let ab = rest
         .strip_prefix("mlp.experts.base_layer.")
-        .or_else(|| rest.strip_prefix("mlp.experts."))?
+        .or_else(|| rest.strip_prefix("mlp.experts."))
+        .or_else(|| rest.strip_prefix("mlp.gate."))?
         .strip_suffix(".weight")?;
     let b = match ab {
         "lora_A" => false,
@@ -261,8 +266,8 @@ impl<'a> JsonConfig<'a> {
         Ok(LoraKeys { r, alpha, rslora, targets, params, gate_up_pattern, base_model })
     }
 
-    /// `target_parameters`: a list of [`EXPERT_PARAMS`] entries (PEFT's matching: the path
-    /// equals the entry or ends with `.` + it).
+    /// `target_parameters`: a list of [`EXPERT_PARAMS`] and [`ROUTER_PARAM`] entries (PEFT's
+    /// matching: the path equals the entry or ends with `.` + it).
     fn params(&self) -> Result<Vec<String>> {
         let list = match self.get("target_parameters") {
             None => return Ok(Vec::new()),
@@ -274,12 +279,13 @@ impl<'a> JsonConfig<'a> {
             let entry = v.as_str().unwrap_or("");
             let full = EXPERT_PARAMS
                 .into_iter()
+                .chain([ROUTER_PARAM])
                 .find(|p| !entry.is_empty() && (*p == entry || p.ends_with(&format!(".{entry}"))));
             let Some(full) = full else {
                 return Err(self.err(
                     "target_parameters",
                     format!(
-                        "names {v}; supported: {} (the routed experts)",
+                        "names {v}; supported: {} (the routed experts), {ROUTER_PARAM} (the router)",
                         EXPERT_PARAMS.join(", ")
                     ),
                 ));

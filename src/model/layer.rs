@@ -778,7 +778,7 @@ mod tests {
         // PEFT's rewrite of gate/up/down: gate|up at another rank and scale).
         let experts =
             crate::model::lora::ExpertTargets { gate_up: Some((2, 0.8)), down: Some((3, 1.7)) };
-        let moe_targets: Vec<String> = ["q_proj", "o_proj"].map(String::from).to_vec();
+        let moe_targets: Vec<String> = ["q_proj", "o_proj", "router"].map(String::from).to_vec();
         for (case, layout) in fixture_layouts() {
             let ropes = tables(&layout);
             let sparse = layout.moe.is_some();

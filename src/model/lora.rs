@@ -102,6 +102,11 @@ struct Target {
     ic: usize,
 }
 
+/// The target naming a sparse layer's router (PEFT's `target_parameters` `mlp.gate.weight`):
+/// an adapter on the router's product, named `mlp.gate.lora_{A,B}.weight` in every family (the
+/// module path transformers 5 gives it, Mixtral's too); dense layers have none.
+pub const ROUTER: &str = "router";
+
 /// The HF suffix of a target's adapter tensor (`self_attn.q_proj.lora_A.weight`).
 pub fn adapter_suffix(module: &str, b: bool) -> String {
     format!("{module}.lora_{}.weight", if b { 'B' } else { 'A' })
@@ -111,7 +116,10 @@ impl LayerSpec {
     /// This layer with `lora`'s adapters. Errors (for the user) name a target the layer does
     /// not have, or a QLoRA layer with no product to quantise.
     pub fn with_lora(&self, lora: &LoraSpec) -> Result<LayerSpec, String> {
-        let targets = find_targets(self, &lora.targets)?;
+        let routed = self.ops.iter().any(|op| matches!(op, Op::Route { .. }));
+        let names: Vec<String> =
+            lora.targets.iter().filter(|t| routed || *t != ROUTER).cloned().collect();
+        let targets = find_targets(self, &names)?;
         if lora.nf4 && !self.ops.iter().any(|op| matches!(op, Op::Linear { .. })) {
             return Err(format!("layer kind {} has no Linear weight to quantise", self.kind));
         }
@@ -141,6 +149,10 @@ impl LayerSpec {
 fn find_targets(spec: &LayerSpec, names: &[String]) -> Result<Vec<Target>, String> {
     let mut found = Vec::new();
     for name in names {
+        if name == ROUTER {
+            found.push(router_target(spec));
+            continue;
+        }
         let suffix = format!(".{name}.weight");
         let Some(t) = spec.tensors.iter().find(|t| t.name.ends_with(&suffix)) else {
             let have: Vec<&str> = spec
@@ -181,6 +193,21 @@ fn find_targets(spec: &LayerSpec, names: &[String]) -> Result<Vec<Target>, Strin
     }
     found.sort_by_key(|t| (t.op, t.col));
     Ok(found)
+}
+
+/// The router's product of a sparse layer, as a target named as PEFT names it.
+fn router_target(spec: &LayerSpec) -> Target {
+    let logits = spec.ops.iter().find_map(|op| match op {
+        Op::Route { logits, .. } => Some(*logits),
+        _ => None,
+    });
+    let op = spec
+        .ops
+        .iter()
+        .position(|op| matches!(op, Op::Linear { out, .. } if Some(*out) == logits))
+        .expect("a router feeds the routing");
+    let Op::Linear { ic, oc, .. } = spec.ops[op] else { unreachable!() };
+    Target { name: "mlp.gate".to_string(), op, col: 0, w: oc, ic }
 }
 
 /// Where each tensor of the base went: old slot start -> its new tensor.

@@ -204,7 +204,11 @@ pub fn merged_params(run: &RunModel) -> ParamStore {
             let Op::Lora { a, b, w, ic, r, scale, .. } = op else { continue };
             let a_w = &run.params.layers[i][a.start - spec.frozen..a.end - spec.frozen];
             let b_w = &run.params.layers[i][b.start - spec.frozen..b.end - spec.frozen];
-            let module = target_of(spec, a.start);
+            let mut module = target_of(spec, a.start);
+            if let Some(m) = run.cfg.moe.as_ref().filter(|_| module == "mlp.gate") {
+                // The router's adapter carries PEFT's module path; the weight, its family's.
+                module = format!("{}.gate", m.hub_names().0);
+            }
             let name = ModelLayout::layer_name(i, &format!("{module}.weight"));
             let dst = out.tensor_mut(&full, &name).expect("an adapted module is a base tensor");
             add_ba(dst, (a_w, b_w), (*w, *ic, *r), *scale);

@@ -18,7 +18,7 @@ use crate::model::base::FrozenBase;
 use crate::model::layout::ModelLayout;
 use crate::model::lora::BaseDtype;
 use crate::model::lora::{
-    ExpertTargets, LoraSpec, adapter_suffix, expert_b_from_peft, expert_b_to_peft,
+    ExpertTargets, LoraSpec, ROUTER, adapter_suffix, expert_b_from_peft, expert_b_to_peft,
 };
 use crate::model::params::ParamStore;
 use crate::run::config::{ModelInit, RawConfig};
@@ -149,9 +149,11 @@ pub fn split_targets(a: &AdapterConfig, cfg: &ModelConfig) -> Result<(Vec<String
         }
         ex.gate_up = Some((2 * a.r, scale(2 * a.r, 2.0 * a.alpha)));
     }
-    if has(&["router", "mlp.gate.weight"]) {
+    let router = has(&["router", "mlp.gate.weight"]);
+    if router && !cfg.arch.is_moe() {
         bail!(
-            "adapter.targets: adapters on the router are not implemented yet\nhint: leave `router` out (the router stays frozen)"
+            "adapter.targets names the router, but {} is not a mixture of experts",
+            cfg.arch.model_type()
         );
     }
     if !cfg.arch.is_moe() && (ex.gate_up.is_some() || ex.down.is_some()) {
@@ -176,8 +178,16 @@ pub fn split_targets(a: &AdapterConfig, cfg: &ModelConfig) -> Result<(Vec<String
     } else {
         &["experts", "mlp.experts.gate_up_proj", "gate_up_proj", "mlp.experts.down_proj"]
     };
-    let modules =
-        a.targets.iter().filter(|t| !expert_names.contains(&t.as_str())).cloned().collect();
+    let routers = ["router", "mlp.gate.weight"];
+    let mut modules: Vec<String> = a
+        .targets
+        .iter()
+        .filter(|t| !expert_names.contains(&t.as_str()) && !routers.contains(&t.as_str()))
+        .cloned()
+        .collect();
+    if router {
+        modules.push(ROUTER.to_string());
+    }
     Ok((modules, ex))
 }
 
@@ -279,14 +289,14 @@ pub fn peft_order(layout: &ModelLayout, name: &str, data: &[f32]) -> Vec<f32> {
 
 /// Whether `name` is an adapter tensor of a sparse layer's experts.
 fn is_expert_adapter(name: &str) -> bool {
-    name.contains(".mlp.experts.") && name.contains(".lora_")
+    (name.contains(".mlp.experts.") || name.contains(".mlp.gate.")) && name.contains(".lora_")
 }
 
 /// `(E, out, r)` of an expert adapter's B of shape (out, E*r): PEFT stores its columns
 /// rank-major, Horizon expert-major ([`expert_b_to_peft`]); `None` for any other tensor.
 fn expert_b(layout: &ModelLayout, name: &str, shape: &[usize]) -> Option<(usize, usize, usize)> {
     let e = layout.moe.as_ref()?.num_experts;
-    (is_expert_adapter(name) && name.ends_with("lora_B.weight"))
+    (is_expert_adapter(name) && name.contains(".mlp.experts.") && name.ends_with("lora_B.weight"))
         .then(|| (e, shape[0], shape[1] / e))
 }
 
@@ -294,15 +304,17 @@ fn expert_b(layout: &ModelLayout, name: &str, shape: &[usize]) -> Option<(usize,
 pub fn trained_of(layout: &ModelLayout, a: &AdapterConfig) -> peft::Trained {
     let lora = layout.adapter.as_ref().expect("an adapter layout");
     let ex = lora.experts;
-    let params = [ex.gate_up.is_some(), ex.down.is_some()]
+    let router = lora.targets.iter().any(|t| t == ROUTER);
+    let params = [ex.gate_up.is_some(), ex.down.is_some(), router]
         .into_iter()
-        .zip(peft::EXPERT_PARAMS)
+        .zip(peft::EXPERT_PARAMS.into_iter().chain([peft::ROUTER_PARAM]))
         .filter(|(on, _)| *on)
         .map(|(_, p)| p.to_string())
         .collect();
     let gate_up_pattern =
         ex.gate_up.filter(|&(r, _)| r != a.r).map(|(r, _)| (r, a.alpha * r as f64 / a.r as f64));
-    peft::Trained { modules: lora.targets.clone(), params, gate_up_pattern }
+    let modules = lora.targets.iter().filter(|t| *t != ROUTER).cloned().collect();
+    peft::Trained { modules, params, gate_up_pattern }
 }
 
 /// The adapters of `params` as a PEFT adapter directory `dir` (`adapter_config.json`,
@@ -410,6 +422,7 @@ pub fn load_adapter_run(
     let mut targets = adapter.targets.clone();
     for p in &adapter.params {
         match (p.ends_with("gate_up_proj"), adapter.gate_up_pattern) {
+            _ if p == peft::ROUTER_PARAM => targets.push(ROUTER.into()),
             (true, Some(_)) => targets.extend(["gate_proj".into(), "up_proj".into()]),
             _ => targets.push(p.clone()),
         }
