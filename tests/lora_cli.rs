@@ -354,6 +354,20 @@ fn generate_with_an_unmerged_adapter_matches_the_merged_model() {
     }
 }
 
+/// The sorted `target_modules` and `target_parameters` of the adapter directory `fin`.
+fn written_targets(fin: &Path) -> (Vec<String>, Vec<String>) {
+    let c: Value =
+        serde_json::from_str(&fs::read_to_string(fin.join("adapter_config.json")).unwrap())
+            .unwrap();
+    let list = |key: &str| {
+        let mut v: Vec<String> =
+            c[key].as_array().into_iter().flatten().map(|t| t.as_str().unwrap().into()).collect();
+        v.sort();
+        v
+    };
+    (list("target_modules"), list("target_parameters"))
+}
+
 /// A mixture of experts through the binary: the adapter directory holds PEFT's expert tensors
 /// and `target_parameters`, and `export --merge` adds each expert's `s B_e A_e` (B_e the
 /// columns `j E + e` of PEFT's B) to its gate, up and down.
@@ -364,12 +378,7 @@ fn moe_adapters_are_written_as_peft_and_merge_expert_by_expert() {
     let o = train(&config(tmp.path(), case, None, ""), &[]);
     assert!(o.status.success(), "{}", stderr(&o));
     let fin = tmp.path().join("out/final");
-    let c: Value =
-        serde_json::from_str(&fs::read_to_string(fin.join("adapter_config.json")).unwrap())
-            .unwrap();
-    let mut params: Vec<&str> =
-        c["target_parameters"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
-    params.sort();
+    let (_, params) = written_targets(&fin);
     assert_eq!(params, ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]);
     let mut names = list_tensors(&fin.join("adapter_model.safetensors")).unwrap();
     let e = expected(case);
@@ -431,14 +440,9 @@ fn mixtral_router_and_expert_adapters_round_trip_and_merge() {
     let o = train(&cfg, &[]);
     assert!(o.status.success(), "{}", stderr(&o));
     let fin = tmp.path().join("out/final");
-    let c: Value =
-        serde_json::from_str(&fs::read_to_string(fin.join("adapter_config.json")).unwrap())
-            .unwrap();
-    let mut params: Vec<&str> =
-        c["target_parameters"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
-    params.sort();
+    let (modules, params) = written_targets(&fin);
     assert_eq!(params, ["mlp.experts.down_proj", "mlp.experts.gate_up_proj", "mlp.gate.weight"]);
-    assert_eq!(c["target_modules"], serde_json::json!(["q_proj"]));
+    assert_eq!(modules, ["q_proj"]);
     let adapter = fin.join("adapter_model.safetensors");
     let pre = "base_model.model.model.layers.1.mlp";
     let (ra, a) = read_tensor_f64(&adapter, &format!("{pre}.gate.lora_A.weight")).unwrap();
