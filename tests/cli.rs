@@ -78,6 +78,13 @@ fn train_reproduces_fixtures() {
                 norms[k],
                 1e-5,
             );
+            // A mixture of experts reports its objective's two parts beside it.
+            for key in ["ce_loss", "aux_loss"].into_iter().filter(|_| is_moe(case)) {
+                let want = f64s(&e[format!("{key}_per_step").as_str()])[k];
+                let got = m[key].as_f64().unwrap_or_else(|| panic!("{case}: no {key}"));
+                assert_rel(&format!("{case} {key} {k}"), got, want, 1e-5);
+            }
+            assert_eq!(m.get("aux_loss").is_some(), is_moe(case), "{case}: {m}");
         }
         // final/ is a HF directory with HF tensor names, compared by the update error.
         let final_dir = tmp.path().join("out/final");
