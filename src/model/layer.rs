@@ -407,12 +407,12 @@ pub fn layer_backward<B: Backend>(
             }
             BwdOp::Experts { op, dinp, acc, dout, dwts, t } => {
                 let Op::Experts { k, c, .. } = spec.ops[op] else { unreachable!() };
-                let [gi, go, gw, t0, t1, t2, t3, t4, t5, t6, t7, t8] = pick(
+                let [gi, go, gw, t0, t1, t2, t3, t4, t5, t6, t7, t8, t9] = pick(
                     grads,
-                    [dinp, dout, dwts, t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8]],
+                    [dinp, dout, dwts, t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9]],
                 );
                 let gi = if acc { Dinp::Add(gi.w(n * c)) } else { Dinp::Write(gi.w(n * c)) };
-                let t = [t0, t1, t2, t3, t4, t5, t6, t7, t8].map(|s| s.whole());
+                let t = [t0, t1, t2, t3, t4, t5, t6, t7, t8, t9].map(|s| s.whole());
                 let g = ExpertGrads { dinp: gi, dout: go.r(n * c), dwts: gw.w(n * k), t };
                 experts_backward(be, (spec, &spec.ops[op]), g, dw, acts, wts, n);
             }

@@ -314,7 +314,7 @@ fn add_expert_adapters(spec: &mut LayerSpec, t: ExpertTargets) {
     if t.gate_up.is_none() && t.down.is_none() {
         return;
     }
-    let Op::Experts { e, k, i, c, .. } = spec.ops[at] else { unreachable!() };
+    let Op::Experts { e, i, c, .. } = spec.ops[at] else { unreachable!() };
     let mut adapter = |gate_up: bool, (r, scale): (usize, f32)| {
         let (ic, oc) = if gate_up { (c, 2 * i) } else { (i, c) };
         let (na, nb) = expert_adapter_names(t, gate_up);
@@ -325,7 +325,7 @@ fn add_expert_adapters(spec: &mut LayerSpec, t: ExpertTargets) {
     let gate_up = t.gate_up.map(|g| adapter(true, g));
     let down = t.down.map(|d| adapter(false, d));
     let mut lora = ExpertAdapters { gate_up, down, scratch: None };
-    let (wu, wt) = lora.widths(k, i, c);
+    let (wu, wt) = lora.widths(i, c);
     spec.acts.push(ActSpec { name: "experts_lora_u", width: wu, differentiable: false });
     spec.acts.push(ActSpec { name: "experts_lora_t", width: wt, differentiable: false });
     let n = IO_SLOTS + spec.acts.len();

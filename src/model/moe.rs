@@ -4,12 +4,13 @@
 //! Data flow of a sparse MLP over N rows (M = N*k (row, choice) pairs):
 //! `h (N,C) -> router -> logits (N,E) -> route -> probs, sel, wts (N,k)`; then on the host, once
 //! per layer and pass, a stable counting sort of the pairs by expert (`sel` read back; the
-//! grouped products need each expert's row count); `h` gathered into expert order `xs (M,C)`;
-//! each expert's rows through `[gate; up]` -> `gu (M,2I)` -> SwiGLU -> `s (M,I)` -> down ->
-//! `ys (M,C)`; `out[r] = sum_j wts[r,j] ys[pos[r*k+j]]` in the fixed order `j = 0..k`.
+//! products need each expert's row count); then expert by expert (in expert order): its rows of
+//! `h` gathered, `xs (cnt,C)` -> `[gate; up]` -> `gu (cnt,2I)` -> SwiGLU -> `s (cnt,I)` -> down
+//! -> `ys (cnt,C)`, added back weighted: `out[row] += wts[pair] ys` (a row chooses an expert
+//! once, so `cnt <= N`: the scratch is O(N), not O(N k)).
 //!
-//! The backward recomputes what the forward did not keep (the sort, `xs`, `s`) and never
-//! needs the experts' outputs: with `dy` = dout in expert order (unweighted),
+//! The backward, expert by expert, recomputes what the forward did not keep (the sort, `xs`,
+//! `gu`, `s`) and never needs the experts' outputs: with `dy` = its rows of dout (unweighted),
 //! `ds' = dy W_down` gives the routing weights' gradient `dwts = ds' . s` and, scaled by the
 //! pair's weight, the SwiGLU's; `W_down`'s gradient is `dy^T (w s)`.
 //!
@@ -19,12 +20,12 @@
 //! `aux = E sum_e f_e P_e` and, when it is trained, each probability's gradient `g_e` per real
 //! row, which every sparse layer's routing backward adds.
 
+use std::ops::Range;
+
 use horizon_backend::cpu::moe_sort;
 use horizon_backend::{Backend, DeviceSlice, Dinp, MoeDims};
 
 use crate::model::layer::{Packed, Slot, Weights};
-use std::ops::Range;
-
 use crate::model::spec::{Act, ExpertLora, LayerSpec, Op};
 
 /// Host scratch of the dispatch sort, sized once ([`MoeHost::new`]) and reused.
@@ -149,15 +150,6 @@ fn adapter_ranges(l: &ExpertLora, x: usize, ic: usize, oc: usize) -> (Range<usiz
     (l.a.start + x * na..l.a.start + (x + 1) * na, l.b.start + x * nb..l.b.start + (x + 1) * nb)
 }
 
-/// Rows `at..at + cnt` of a buffer of rows of `w`.
-fn rows<T: ?Sized + DeviceSlice>(buf: &T, (at, cnt): (usize, usize), w: usize) -> &T {
-    buf.slice(at * w..(at + cnt) * w)
-}
-
-fn rows_mut<T: ?Sized + DeviceSlice>(buf: &mut T, (at, cnt): (usize, usize), w: usize) -> &mut T {
-    buf.slice_mut(at * w..(at + cnt) * w)
-}
-
 /// One expert's rows through a projection `ic -> oc`: `out = inp W^T`, plus its adapter's
 /// `scale (inp A_e^T) B_e^T` (through the scratch `u`, `t`) when it has one.
 #[allow(clippy::too_many_arguments)]
@@ -222,7 +214,7 @@ fn experts_forward_in<'o, B: Backend>(
     let m = n * k;
     let host = &mut *wts.moe.as_mut().expect("a sparse layer runs with its MoeIo").host;
     host.sort(be, sl.r(m), idx.w(2 * m), m, e);
-    let (order, pos) = (idx.r(2 * m).slice(0..m), idx.r(2 * m).slice(m..2 * m));
+    let order = idx.r(2 * m).slice(0..m);
     let (slot, packed) = (wts.slot, &mut wts.packed);
     let adapter = |l: Option<&'o ExpertLora>, x, ic, oc| {
         l.map(|l| {
@@ -230,31 +222,34 @@ fn experts_forward_in<'o, B: Backend>(
             (slot.slice(a), slot.slice(b), l)
         })
     };
-    be.moe_gather(xs.w(m * c), h.r(n * c), order, k, c);
+    let out = o.w(n * c);
+    be.zero(out);
+    // Expert by expert: its rows gathered, through gate|up, SwiGLU and down, added back.
     for (x, at, cnt) in host.segments() {
+        let ord = order.slice(at..at + cnt);
+        let (xs, g) = (xs.w(cnt * c), g.w(cnt * 2 * i));
+        be.moe_gather(xs, h.r(n * c), ord, k, c);
         let wgu = expert_mat(be, (slot, &mut *packed), op, x, false);
-        let io = (rows_mut(g.w(m * 2 * i), (at, cnt), 2 * i), rows(xs.r(m * c), (at, cnt), c));
         let sc = scratch.as_mut().map(|(u, t)| (&mut **u, &mut **t));
-        project(be, io, wgu, adapter(lora.gate_up.as_ref(), x, c, 2 * i), sc, cnt, c, 2 * i);
-    }
-    be.swiglu_forward(s.w(m * i), g.r(m * 2 * i), m, i);
-    for (x, at, cnt) in host.segments() {
+        let gate_up = adapter(lora.gate_up.as_ref(), x, c, 2 * i);
+        project(be, (&mut *g, &*xs), wgu, gate_up, sc, cnt, c, 2 * i);
+        let (s, ys) = (s.w(cnt * i), ys.w(cnt * c));
+        be.swiglu_forward(s, g, cnt, i);
         let wd = expert_mat(be, (slot, &mut *packed), op, x, true);
-        let io = (rows_mut(ys.w(m * c), (at, cnt), c), rows(s.r(m * i), (at, cnt), i));
         let sc = scratch.as_mut().map(|(u, t)| (&mut **u, &mut **t));
-        project(be, io, wd, adapter(lora.down.as_ref(), x, i, c), sc, cnt, i, c);
+        project(be, (&mut *ys, &*s), wd, adapter(lora.down.as_ref(), x, i, c), sc, cnt, i, c);
+        be.moe_scatter_add(out, ys, ord, Some(w.r(m)), k, c);
     }
-    be.moe_combine(o.w(n * c), ys.r(m * c), pos, Some(w.r(m)), false, k, c);
 }
 
 /// The gradient buffers of [`Op::Experts`]' backward (`BwdOp::Experts`): `dinp` (N, C),
-/// `dout` (N, C), `dwts` (N, k) and the scratch `t`.
+/// `dout` (N, C), `dwts` (N, k) and the scratch `t`, each at most N rows (one expert's).
 pub(crate) struct ExpertGrads<'g, T: ?Sized> {
     pub dinp: Dinp<'g, T>,
     pub dout: &'g T,
     pub dwts: &'g mut T,
-    /// dy|dxs, sw, ds, dgu, xs, s, idx, u|du, g.
-    pub t: [&'g mut T; 9],
+    /// dy|dxs, sw, ds, dgu, xs, s, idx, u|du, g, gu.
+    pub t: [&'g mut T; 10],
 }
 
 /// An expert adapter's backward over `cnt` rows of a projection `ic -> oc` whose output
@@ -290,6 +285,7 @@ fn adapter_backward<B: Backend>(
 
 /// [`Op::Experts`] backward: `dinp` (written or added), `dwts` (written), and the expert
 /// weights' (or their adapters') gradients added into `dw` (absent when they are frozen).
+/// Expert by expert, its forward recomputed from its gathered rows first.
 pub(crate) fn experts_backward<B: Backend>(
     be: &B,
     (spec, op): (&LayerSpec, &Op),
@@ -299,69 +295,121 @@ pub(crate) fn experts_backward<B: Backend>(
     wts: &mut Weights<'_, B>,
     n: usize,
 ) {
-    let Op::Experts { inp, sel, wts: rw, gu, ref gate_up, ref down, e, k, i, c, ref lora, .. } =
-        *op
-    else {
-        unreachable!()
-    };
+    let Op::Experts { inp, sel, wts: rw, e, k, c, .. } = *op else { unreachable!() };
     let m = n * k;
     let act = |a: Act, w: usize| acts[a].r(n * w);
-    let [dy, sw, ds, dgu, xs, s, idx, ubuf, gbuf] = g.t;
+    let [dy, sw, ds, dgu, xs, s, idx, ubuf, gbuf, gu] = g.t;
     let host = &mut *wts.moe.as_mut().expect("a sparse layer runs with its MoeIo").host;
     host.sort(be, act(sel, k), idx, m, e);
-    let (order, pos) = (idx.slice(0..m), idx.slice(m..2 * m));
-    let (dy, xs, s) = (dy.slice_mut(0..m * c), xs.slice_mut(0..m * c), s.slice_mut(0..m * i));
-    let (sw, ds) = (sw.slice_mut(0..m * i), ds.slice_mut(0..m * i));
-    let dgu = dgu.slice_mut(0..m * 2 * i);
-    let (w, gu) = (act(rw, k), act(gu, 2 * k * i));
-    be.moe_gather(dy, g.dout, order, k, c);
-    be.moe_gather(xs, act(inp, c), order, k, c);
-    be.swiglu_forward(s, gu, m, i);
+    let order = idx.slice(0..m);
+    let dinp = match g.dinp {
+        Dinp::Write(d) => {
+            be.zero(d);
+            d
+        }
+        Dinp::Add(d) => d,
+    };
+    let (w, h) = (act(rw, k), act(inp, c));
+    let ws = (wts.slot, &mut wts.packed);
+    let mut bufs = ExpertBufs { dy, sw, ds, dgu, xs, s, gu, u: ubuf, t: gbuf };
+    for (x, at, cnt) in host.segments() {
+        let ord = order.slice(at..at + cnt);
+        let seg = Segment { x, cnt, ord, w, h, dout: g.dout };
+        expert_backward(
+            be,
+            (spec, op),
+            seg,
+            &mut bufs,
+            (&mut *dinp, &mut *g.dwts, &mut *dw),
+            ws.0,
+            &mut *ws.1,
+        );
+    }
+}
+
+/// One expert's pairs in a backward: its index, its pairs' count and indices, the routing
+/// weights (M), the layer input (N, C) and the output's gradient (N, C).
+struct Segment<'a, T: ?Sized> {
+    x: usize,
+    cnt: usize,
+    ord: &'a T,
+    w: &'a T,
+    h: &'a T,
+    dout: &'a T,
+}
+
+/// The scratch of one expert's backward, each at least N rows.
+struct ExpertBufs<'a, T: ?Sized> {
+    dy: &'a mut T,
+    sw: &'a mut T,
+    ds: &'a mut T,
+    dgu: &'a mut T,
+    xs: &'a mut T,
+    s: &'a mut T,
+    gu: &'a mut T,
+    u: &'a mut T,
+    t: &'a mut T,
+}
+
+/// One expert's backward: recompute its gate|up and SwiGLU from its gathered rows; down:
+/// `ds' = dy W_d` (unweighted), `dW_d += dy^T (w s)`, its adapter joining `ds'`; `dwts = ds' . s`;
+/// gate|up through the weighted `ds`; its rows' input gradient added into `dinp`.
+#[allow(clippy::too_many_arguments)]
+fn expert_backward<'o, B: Backend>(
+    be: &B,
+    (spec, op): (&LayerSpec, &'o Op),
+    seg: Segment<'_, B::Buf>,
+    b: &mut ExpertBufs<'_, B::Buf>,
+    (dinp, dwts, dw): (&mut B::Buf, &mut B::Buf, &mut B::Buf),
+    slot: &B::WBuf,
+    packed: &mut Option<Packed<'_, B>>,
+) {
+    let Op::Experts { ref gate_up, ref down, k, i, c, ref lora, .. } = *op else { unreachable!() };
+    let Segment { x, cnt, ord, w, h, dout } = seg;
+    let part = |r: &Range<usize>, len: usize| r.start + x * len..r.start + (x + 1) * len;
+    let (xs, gu, s) =
+        (b.xs.slice_mut(0..cnt * c), b.gu.slice_mut(0..cnt * 2 * i), b.s.slice_mut(0..cnt * i));
+    let (dy, sw, ds) =
+        (b.dy.slice_mut(0..cnt * c), b.sw.slice_mut(0..cnt * i), b.ds.slice_mut(0..cnt * i));
+    let dgu = b.dgu.slice_mut(0..cnt * 2 * i);
+    let adapter = |l: Option<&'o ExpertLora>, ic, oc| {
+        l.map(|l| {
+            let (ra, rb) = adapter_ranges(l, x, ic, oc);
+            (ra, rb, l)
+        })
+    };
+    be.moe_gather(xs, h, ord, k, c);
+    let gate = adapter(lora.gate_up.as_ref(), c, 2 * i);
+    let wgu = expert_mat(be, (slot, &mut *packed), op, x, false);
+    let fwd = gate.as_ref().map(|(ra, rb, l)| (slot.slice(ra.clone()), slot.slice(rb.clone()), *l));
+    project(be, (&mut *gu, &*xs), wgu, fwd, Some((&mut *b.u, &mut *b.t)), cnt, c, 2 * i);
+    be.swiglu_forward(s, gu, cnt, i);
+    be.moe_gather(dy, dout, ord, k, c);
     be.copy(sw, s);
-    be.moe_scale_rows(sw, w, order, i);
-    let (slot, packed) = (wts.slot, &mut wts.packed);
-    let part = |r: &Range<usize>, x: usize, len: usize| r.start + x * len..r.start + (x + 1) * len;
-    let grad = |r: &Range<usize>| spec.grad_range(r);
-    let (dgu_all, dd_all) = (grad(gate_up), grad(down));
-    // Down: ds' = dy W_d (unweighted), dW_d += dy^T (w s); its adapter joins ds'.
-    for (x, at, cnt) in host.segments() {
-        let wd = expert_mat(be, (slot, &mut *packed), op, x, true);
-        let ddw = dd_all.as_ref().map(|r| dw.slice_mut(part(r, x, c * i)));
-        let dsx = Dinp::Write(rows_mut(ds, (at, cnt), i));
-        let (dyx, swx) = (rows(dy, (at, cnt), c), rows(sw, (at, cnt), i));
-        be.matmul_backward(Some(dsx), ddw, None, dyx, swx, wd, cnt, i, c);
-        if let Some(l) = &lora.down {
-            let (ra, rb) = adapter_ranges(l, x, i, c);
-            let (da, db) = two_grads(spec, dw, &ra, &rb);
-            let ag =
-                AdapterGrad { dinp: rows_mut(ds, (at, cnt), i), dout: dyx, inp: swx, u_in: swx };
-            let ws = (slot.slice(ra), slot.slice(rb), l);
-            adapter_backward(be, ag, ws, (da, db), (&mut *ubuf, &mut *gbuf), cnt, i, c);
-        }
+    be.moe_scale_rows(sw, w, ord, i);
+    let wd = expert_mat(be, (slot, &mut *packed), op, x, true);
+    let ddw = spec.grad_range(down).map(|r| dw.slice_mut(part(&r, c * i)));
+    be.matmul_backward(Some(Dinp::Write(&mut *ds)), ddw, None, dy, sw, wd, cnt, i, c);
+    if let Some((ra, rb, l)) = adapter(lora.down.as_ref(), i, c) {
+        let ag = AdapterGrad { dinp: &mut *ds, dout: dy, inp: sw, u_in: sw };
+        let grads = two_grads(spec, dw, &ra, &rb);
+        let ws = (slot.slice(ra), slot.slice(rb), l);
+        adapter_backward(be, ag, ws, grads, (&mut *b.u, &mut *b.t), cnt, i, c);
     }
-    be.moe_row_dots(g.dwts.slice_mut(0..m), ds, s, pos, i);
-    be.moe_scale_rows(ds, w, order, i);
-    be.swiglu_backward(dgu, ds, gu, m, i);
+    be.moe_row_dots(dwts, ds, s, ord, i);
+    be.moe_scale_rows(ds, w, ord, i);
+    be.swiglu_backward(dgu, ds, gu, cnt, i);
     let dxs = dy;
-    for (x, at, cnt) in host.segments() {
-        let wgu = expert_mat(be, (slot, &mut *packed), op, x, false);
-        let dgw = dgu_all.as_ref().map(|r| dw.slice_mut(part(r, x, 2 * i * c)));
-        let dxx = Dinp::Write(rows_mut(dxs, (at, cnt), c));
-        let (dgx, xsx) = (rows(dgu, (at, cnt), 2 * i), rows(xs, (at, cnt), c));
-        be.matmul_backward(Some(dxx), dgw, None, dgx, xsx, wgu, cnt, c, 2 * i);
-        if let Some(l) = &lora.gate_up {
-            let (ra, rb) = adapter_ranges(l, x, c, 2 * i);
-            let (da, db) = two_grads(spec, dw, &ra, &rb);
-            let ag =
-                AdapterGrad { dinp: rows_mut(dxs, (at, cnt), c), dout: dgx, inp: xsx, u_in: xsx };
-            let ws = (slot.slice(ra), slot.slice(rb), l);
-            adapter_backward(be, ag, ws, (da, db), (&mut *ubuf, &mut *gbuf), cnt, c, 2 * i);
-        }
+    let wgu = expert_mat(be, (slot, &mut *packed), op, x, false);
+    let dgw = spec.grad_range(gate_up).map(|r| dw.slice_mut(part(&r, 2 * i * c)));
+    be.matmul_backward(Some(Dinp::Write(&mut *dxs)), dgw, None, dgu, xs, wgu, cnt, c, 2 * i);
+    if let Some((ra, rb, l)) = gate {
+        let ag = AdapterGrad { dinp: &mut *dxs, dout: dgu, inp: xs, u_in: xs };
+        let grads = two_grads(spec, dw, &ra, &rb);
+        let ws = (slot.slice(ra), slot.slice(rb), l);
+        adapter_backward(be, ag, ws, grads, (&mut *b.u, &mut *b.t), cnt, c, 2 * i);
     }
-    match g.dinp {
-        Dinp::Write(d) => be.moe_combine(d, dxs, pos, None, false, k, c),
-        Dinp::Add(d) => be.moe_combine(d, dxs, pos, None, true, k, c),
-    }
+    be.moe_scatter_add(dinp, dxs, ord, None, k, c);
 }
 
 /// The gradients of two disjoint trained ranges (an adapter's A and B) of `dw`.

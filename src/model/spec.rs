@@ -178,9 +178,9 @@ pub enum Op {
     Route { logits: Act, probs: Act, sel: Act, wts: Act, e: usize, k: usize, norm: bool },
     /// The routed experts: each row of `inp` (N, C) through its k experts (SwiGLU of width `i`),
     /// their outputs summed with the routing weights into `out` (N, C). `gate_up` holds the E
-    /// experts' `[gate; up]` (2I, C) one after another, `down` their (C, I). `gu` (N, k*2I)
-    /// keeps the pairs' gate|up in expert order for the backward; `scratch` = (xs (N, k*C),
-    /// s (N, k*I), ys (N, k*C), idx (N, 2k)) is forward-only. `lora`: the adapters of the
+    /// experts' `[gate; up]` (2I, C) one after another, `down` their (C, I). Experts run one at
+    /// a time on their rows (at most N), so the scratch is O(N): `gu` (N, 2I) and `scratch` =
+    /// (xs (N, C), s (N, I), ys (N, C), idx (N, 2k): the pairs' sort); none is kept. `lora`: the adapters of the
     /// gate|up and the down projections (PEFT's `target_parameters`), with their scratch.
     Experts {
         inp: Act,
@@ -215,8 +215,8 @@ pub struct ExpertLora {
     pub scale: f32,
 }
 
-/// The adapters of a sparse layer's experts and their scratch: `u` (N, 2k*r) and `t`
-/// (N, k*max(2I, C)).
+/// The adapters of a sparse layer's experts and their scratch: `u` (N, 2r) and `t`
+/// (N, max(2I, C)).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct ExpertAdapters {
     pub gate_up: Option<ExpertLora>,
@@ -258,7 +258,7 @@ impl Op {
             Op::Lora { inp, u, .. } => vec![inp, u],
             Op::Route { probs, sel, .. } => vec![probs, sel],
             Op::SigmoidGate { gate, inp, .. } => vec![gate, inp],
-            Op::Experts { inp, sel, wts, gu, .. } => vec![inp, sel, wts, gu],
+            Op::Experts { inp, sel, wts, .. } => vec![inp, sel, wts],
         }
     }
 
@@ -345,16 +345,16 @@ pub enum BwdOp {
     /// Routing backward: `dlogits =` (overwrites) from `dwts` and the load-balancing term.
     Route { op: usize, dlogits: GradBuf, dwts: GradBuf },
     /// Experts backward: `dinp =` (`+=` when `acc`), `dwts =`, expert weight gradients `+=`.
-    /// `t` = scratch (dy|dxs (k*C), sw (k*I), ds (k*I), dgu (k*2I), xs (k*C), s (k*I),
-    /// idx (2k), and for adapters u (k*r), g (k*max(2I, C))), each (N, width).
-    Experts { op: usize, dinp: GradBuf, acc: bool, dout: GradBuf, dwts: GradBuf, t: [GradBuf; 9] },
+    /// `t` = scratch (dy|dxs (C), sw (I), ds (I), dgu (2I), xs (C), s (I), idx (2k), for
+    /// adapters u|du (2r) and g (max(2I, C)), gu (2I)), each (N, width).
+    Experts { op: usize, dinp: GradBuf, acc: bool, dout: GradBuf, dwts: GradBuf, t: [GradBuf; 10] },
 }
 
 impl ExpertAdapters {
     /// Widths of the adapters' scratch over N rows: (u|du, t); (0, 0) without adapters.
-    pub fn widths(&self, k: usize, i: usize, c: usize) -> (usize, usize) {
+    pub fn widths(&self, i: usize, c: usize) -> (usize, usize) {
         let r = [&self.gate_up, &self.down].iter().filter_map(|l| l.as_ref()).map(|l| l.r).max();
-        r.map_or((0, 0), |r| (2 * k * r, k * (2 * i).max(c)))
+        r.map_or((0, 0), |r| (2 * r, (2 * i).max(c)))
     }
 }
 
@@ -775,8 +775,8 @@ fn derive_backward(spec: &LayerSpec, c: usize) -> (Vec<usize>, Vec<BwdOp>) {
                 let g = dout(&ga, out);
                 let dwts = fresh(&mut ga, wts);
                 let (dinp, acc) = write_or_add(&mut ga, inp, width(inp));
-                let (u, t) = lora.widths(k, f, cw);
-                let widths = [k * cw, k * f, k * f, 2 * k * f, k * cw, k * f, 2 * k, u, t];
+                let (u, t) = lora.widths(f, cw);
+                let widths = [cw, f, f, 2 * f, cw, f, 2 * k, u, t, 2 * f];
                 let t = widths.map(|w| ga.temp(w));
                 prog.push(BwdOp::Experts { op: i, dinp, acc, dout: g, dwts, t });
                 t.iter().for_each(|&b| ga.free(b));

@@ -7,7 +7,7 @@
 //
 // Every reduction runs in one thread (or one warp, `moe_row_dots`) in a fixed order, with no
 // atomics: results are deterministic, and the same as the CPU's where the CPU sums in the same
-// order (gather, combine and scale_rows bit for bit; routing up to expf's last bits, which can
+// order (gather, scatter_add and scale_rows bit for bit; routing up to expf's last bits, which can
 // flip a top-k choice only between probabilities within an ulp or two of each other).
 // `__fmul_rn` keeps a product rounded on its own (no contraction into an FMA), as the CPU
 // computes it.
@@ -18,8 +18,8 @@
 //   kept in registers instead of re-read from `sel`;
 // - aux stats: a block per expert (or per expert and chunk of rows) with a fixed-shape tree
 //   reduction, instead of E threads walking all N rows;
-// - gather / combine / scale_rows: float4 accesses where C and W allow (rows 16-byte aligned),
-//   and a block per row reading its k pair indices once.
+// - gather / scatter_add / scale_rows: float4 accesses where C and W allow (rows 16-byte
+//   aligned).
 
 // One thread per row r: probs[r] = softmax(logits[r]) (max subtracted, summed over e in order,
 // scaled by 1/sum); sel[r] its k largest, largest first, equal probabilities to the lower expert
@@ -122,22 +122,20 @@ extern "C" __global__ void moe_gather(float* xs, const float* x, const float* or
     xs[i] = x[r * c + col];
 }
 
-// out[r, c] (= 0 or as it is) + sum_j w_j * src[pos[r*k + j], c], j in order, w_j = wts[r*k + j]
-// (1 when !has_wts; `wts` is then a stand-in and is not read). out (N, C) overwrites, or
-// accumulates when `accumulate`. One thread per element of out.
-extern "C" __global__ void moe_combine(float* out, const float* src, const float* pos,
-                                       const float* wts, long long n, long long k, long long c,
-                                       int has_wts, int accumulate) {
+// out[order[i] / k, c] += w_i * src[i, c], w_i = wts[order[i]] (1 when !has_wts; `wts` is then
+// a stand-in and is not read), for the S pairs of one expert: they name distinct rows (a row
+// chooses an expert at most once), so no two threads add to one element. One thread per
+// element of src (S, C).
+extern "C" __global__ void moe_scatter_add(float* out, const float* src, const float* order,
+                                           const float* wts, long long s, long long k,
+                                           long long c, int has_wts) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n * c) return;
-    long long r = i / c, col = i % c;
-    float acc = accumulate ? out[i] : 0.0f;
-    for (long long j = 0; j < k; j++) {
-        long long at = (long long)pos[r * k + j];
-        float w = has_wts ? wts[r * k + j] : 1.0f;
-        acc += __fmul_rn(w, src[at * c + col]);
-    }
-    out[i] = acc;
+    if (i >= s * c) return;
+    long long row = i / c, col = i % c;
+    long long p = (long long)order[row];
+    float w = has_wts ? wts[p] : 1.0f;
+    long long at = (p / k) * c + col;
+    out[at] = out[at] + __fmul_rn(w, src[i]);
 }
 
 // buf[i, c] *= wts[order[i]], in place. buf (M, W). One thread per element.
@@ -148,17 +146,18 @@ extern "C" __global__ void moe_scale_rows(float* buf, const float* wts, const fl
     buf[i] = __fmul_rn(buf[i], wts[(long long)order[i / w]]);
 }
 
-// out[p] = a[pos[p]] . b[pos[p]]; out (M) overwrites. One warp per pair (the block's warps take
-// consecutive pairs, whole warps leave together): lane l sums elements l, l + 32, ... in order,
-// then a fixed xor tree over the 32 lanes (every lane ends with the same sum; lane 0 writes).
+// out[order[i]] = a[i] . b[i] for the S pairs of one expert; out (M) in pair order, the entries
+// `order` names overwritten. One warp per pair (the block's warps take consecutive pairs, whole
+// warps leave together): lane l sums elements l, l + 32, ... in order, then a fixed xor tree
+// over the 32 lanes (every lane ends with the same sum; lane 0 writes).
 extern "C" __global__ void moe_row_dots(float* out, const float* a, const float* b,
-                                        const float* pos, long long m, long long w) {
-    long long p = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+                                        const float* order, long long s, long long w) {
+    long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
     int lane = threadIdx.x % 32;
-    if (p >= m) return;
-    long long at = (long long)pos[p] * w;
+    if (i >= s) return;
+    long long at = i * w;
     float sum = 0.0f;
     for (long long x = lane; x < w; x += 32) sum += __fmul_rn(a[at + x], b[at + x]);
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if (lane == 0) out[p] = sum;
+    if (lane == 0) out[(long long)order[i]] = sum;
 }

@@ -238,13 +238,12 @@ impl Backend for CudaBackend {
     fn moe_gather(&self, _: &mut [f32], _: &[f32], _: &[f32], _: usize, _: usize) {
         match *self {}
     }
-    fn moe_combine(
+    fn moe_scatter_add(
         &self,
         _: &mut [f32],
         _: &[f32],
         _: &[f32],
         _: Option<&[f32]>,
-        _: bool,
         _: usize,
         _: usize,
     ) {

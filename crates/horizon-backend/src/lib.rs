@@ -425,28 +425,29 @@ pub trait Backend: Send + Sync {
     );
     /// xs: (M, C), overwrites: `xs[i] = x[order[i] / k]`. x: (N, C). order: (M) pair indices.
     fn moe_gather(&self, xs: &mut Self::Buf, x: &Self::Buf, order: &Self::Buf, k: usize, c: usize);
-    /// out: (N, C), overwrites (or accumulates): `out[r] = sum_j w[r*k + j] src[pos[r*k + j]]`,
-    /// j in order, w = 1 without `wts` (M). src: (M, C). pos: (M).
-    #[allow(clippy::too_many_arguments)]
-    fn moe_combine(
+    /// One expert's rows added back to their rows of `out`: `out[order[i] / k] += w * src[i]`,
+    /// `w = wts[order[i]]` (1 without `wts` (M)), for each of `order`'s pairs. The caller's
+    /// contract: `order`'s pairs name distinct rows (an expert's segment: a row chooses an
+    /// expert at most once). out: (N, C), accumulates. src: (S, C). order: (S) pair indices.
+    fn moe_scatter_add(
         &self,
         out: &mut Self::Buf,
         src: &Self::Buf,
-        pos: &Self::Buf,
+        order: &Self::Buf,
         wts: Option<&Self::Buf>,
-        accumulate: bool,
         k: usize,
         c: usize,
     );
     /// buf: (M, W), in place: `buf[i] *= wts[order[i]]`. wts: (M). order: (M).
     fn moe_scale_rows(&self, buf: &mut Self::Buf, wts: &Self::Buf, order: &Self::Buf, w: usize);
-    /// out: (M), overwrites: `out[p] = a[pos[p]] . b[pos[p]]`. a, b: (M, W). pos: (M).
+    /// out: (M) in pair order, its entries `order[i]` overwritten: `out[order[i]] = a[i] . b[i]`.
+    /// a, b: (S, W). order: (S) pair indices.
     fn moe_row_dots(
         &self,
         out: &mut Self::Buf,
         a: &Self::Buf,
         b: &Self::Buf,
-        pos: &Self::Buf,
+        order: &Self::Buf,
         w: usize,
     );
     /// The shared expert's sigmoid gate (Qwen2-MoE), each row scaled by its own logit:

@@ -15,7 +15,7 @@
 //! the same bf16 inputs (exact products, fp32 tensor-core sums in another order), 2e-2 for
 //! products against the fp32 CPU (each input rounded to 8 significant bits, relative error up
 //! to 2^-8 each), bitwise for the bf16 roundings, the embedding scatter-add and the MoE
-//! gather, combine and row scaling (same order as the CPU; MoE routing choices exact too);
+//! gather, scatter-add and row scaling (same order as the CPU; MoE routing choices exact too);
 //! attention on the tensor cores, against the CPU on the same bf16-rounded inputs, 1e-2 per
 //! element and 3e-3 relative over each output (P and dS rounded to bf16).
 
@@ -1116,9 +1116,9 @@ fn moe_route_and_aux_stats_match_the_cpu() {
     }
 }
 
-/// The dispatch ops on a routed, sorted case: gather, combine (with and without weights,
-/// overwriting and accumulating) and scale_rows compute as the CPU does, in the same order,
-/// so bit for bit; the row dots sum in another order (a warp's lanes, then a tree): `TOL`.
+/// The dispatch ops on a routed, sorted case: gather, scatter_add expert by expert (with and
+/// without weights) and scale_rows compute as the CPU does, in the same order, so bit for bit;
+/// the row dots sum in another order (a warp's lanes, then a tree): `TOL`.
 #[test]
 fn moe_dispatch_ops_match_the_cpu() {
     let be = gpu();
@@ -1135,11 +1135,7 @@ fn moe_dispatch_ops_match_the_cpu() {
         let (_, sel, wts) = cpu_route(&rng.vec(n * dims.e, 3.0), dims);
         let (mut counts, mut order, mut pos) = (Vec::new(), Vec::new(), Vec::new());
         horizon_backend::cpu::moe_sort(&sel, dims.e, &mut counts, &mut order, &mut pos);
-        let (gorder, gpos, gwts) = (
-            Guarded::new(&be, "order", &order),
-            Guarded::new(&be, "pos", &pos),
-            Guarded::new(&be, "wts", &wts),
-        );
+        let (gorder, gwts) = (Guarded::new(&be, "order", &order), Guarded::new(&be, "wts", &wts));
 
         let x = rng.vec(n * c, 1.0);
         let mut xs = vec![0.0; m * c];
@@ -1152,14 +1148,25 @@ fn moe_dispatch_ops_match_the_cpu() {
         let src = rng.vec(m * c, 1.0);
         let out0 = rng.vec(n * c, 1.0);
         let gsrc = Guarded::new(&be, "src", &src);
-        for (weighted, accumulate) in [(false, false), (true, false), (true, true), (false, true)] {
+        // Expert by expert, as the experts op calls them (each call's pairs: distinct rows).
+        let mut segments = Vec::new();
+        counts.iter().fold(0, |at, &cnt| {
+            segments.push((at, cnt));
+            at + cnt
+        });
+        for weighted in [false, true] {
             let mut out = out0.clone();
-            let cw = weighted.then_some(&wts[..]);
-            CpuBackend.moe_combine(&mut out, &src, &pos, cw, accumulate, k, c);
             let mut gout = Guarded::new(&be, "out", &out0);
-            let gw = weighted.then_some(gwts.view());
-            be.moe_combine(gout.view_mut(), gsrc.view(), gpos.view(), gw, accumulate, k, c);
-            let t = format!("moe_combine wts {weighted} accumulate {accumulate}");
+            for &(at, cnt) in &segments {
+                let cw = weighted.then_some(&wts[..]);
+                let (o, sr) = (&order[at..at + cnt], &src[at * c..(at + cnt) * c]);
+                CpuBackend.moe_scatter_add(&mut out, sr, o, cw, k, c);
+                let gw = weighted.then_some(gwts.view());
+                let (go, gs) =
+                    (gorder.view().slice(at..at + cnt), gsrc.view().slice(at * c..(at + cnt) * c));
+                be.moe_scatter_add(gout.view_mut(), gs, go, gw, k, c);
+            }
+            let t = format!("moe_scatter_add wts {weighted}");
             assert_close(&what(&t), &gout.read(&be), &out, 0.0);
         }
 
@@ -1172,10 +1179,16 @@ fn moe_dispatch_ops_match_the_cpu() {
 
         let (a, b) = (rng.vec(m * w, 1.0), rng.vec(m * w, 1.0));
         let mut dots = vec![0.0; m];
-        CpuBackend.moe_row_dots(&mut dots, &a, &b, &pos, w);
         let (ga, gb) = (Guarded::new(&be, "a", &a), Guarded::new(&be, "b", &b));
         let mut gdots = Guarded::new(&be, "dots", &vec![5.0; m]);
-        be.moe_row_dots(gdots.view_mut(), ga.view(), gb.view(), gpos.view(), w);
+        for &(at, cnt) in &segments {
+            let (ax, bx, o) =
+                (&a[at * w..(at + cnt) * w], &b[at * w..(at + cnt) * w], &order[at..at + cnt]);
+            CpuBackend.moe_row_dots(&mut dots, ax, bx, o, w);
+            let (gax, gbx) =
+                (ga.view().slice(at * w..(at + cnt) * w), gb.view().slice(at * w..(at + cnt) * w));
+            be.moe_row_dots(gdots.view_mut(), gax, gbx, gorder.view().slice(at..at + cnt), w);
+        }
         assert_close(&what("moe_row_dots (overwrites)"), &gdots.read(&be), &dots, TOL);
     }
 }

@@ -12,7 +12,7 @@
 //! - `FWD_TOL` = 1e-5: an f32 op against the f64 reference on O(1) data. f32 rounding over the
 //!   short sums here is observed at <= 3e-7 (matmul, attention with or without a window,
 //!   rmsnorm with or without `(1 + w)`, head_rmsnorm, CE, geglu, the sigmoid gate), <= 7e-7
-//!   (swiglu with |gate| up to 4), below 1e-6 (MoE routing, aux statistics, combine, row
+//!   (swiglu with |gate| up to 4), below 1e-6 (MoE routing, aux statistics, scatter-add, row
 //!   dots): a margin of more than 10x.
 //! - `GRAD_TOL` = 1e-5: an f32 analytic backward against f64 central differences (step 1e-5,
 //!   their own error ~1e-10). The f32 backward is observed within 5e-7 (attention's `dP - dD`,
@@ -1464,25 +1464,38 @@ fn moe_sort_is_a_stable_counting_sort_by_expert() {
     }
 }
 
-/// A dispatch case: N rows of C, routed top-k over E, sorted by expert: `(x, wts, order, pos)`.
+/// A dispatch case: N rows of C, routed top-k over E, sorted by expert: `(x, wts, order, pos,
+/// counts)`.
 fn dispatch_case(
     rng: &mut Rng,
     dims: MoeDims,
     c: usize,
-) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<usize>) {
     let (_, sel, wts) = route(&rng.vec(dims.n * dims.e, 3.0), dims);
     let (mut counts, mut order, mut pos) = (Vec::new(), Vec::new(), Vec::new());
     moe_sort(&sel, dims.e, &mut counts, &mut order, &mut pos);
-    (rng.vec(dims.n * c, 1.0), wts, order, pos)
+    (rng.vec(dims.n * c, 1.0), wts, order, pos, counts)
+}
+
+/// `(first, count)` of each expert's run of the sorted pairs, from `moe_sort`'s counts.
+fn segments(counts: &[usize]) -> Vec<(usize, usize)> {
+    let mut at = 0;
+    counts
+        .iter()
+        .map(|&c| {
+            at += c;
+            (at - c, c)
+        })
+        .collect()
 }
 
 #[test]
-fn moe_gather_and_combine_match_naive_loops() {
+fn moe_gather_and_scatter_add_match_naive_loops() {
     let mut rng = Rng::new(74);
     for (dims, c) in [(MOE_DIMS[1], 7), (MOE_DIMS[4], 13), (MOE_DIMS[0], 1)] {
         let MoeDims { n, k, .. } = dims;
         let m = dims.m();
-        let (x, wts, order, pos) = dispatch_case(&mut rng, dims, c);
+        let (x, wts, order, pos, counts) = dispatch_case(&mut rng, dims, c);
         let mut xs = vec![f32::NAN; m * c];
         moe_gather(&mut xs, &x, &order, k, c);
         let mut want = Vec::new();
@@ -1493,11 +1506,15 @@ fn moe_gather_and_combine_match_naive_loops() {
 
         let src = rng.vec(m * c, 1.0);
         let prefill = rng.vec(n * c, 1.0);
-        for (weighted, accumulate) in [(false, false), (true, false), (true, true), (false, true)] {
+        for weighted in [false, true] {
             let w = weighted.then_some(&wts[..]);
-            let mut out = if accumulate { prefill.clone() } else { vec![f32::NAN; n * c] };
-            moe_combine(&mut out, &src, &pos, w, accumulate, k, c);
-            let mut want = if accumulate { to64(&prefill) } else { vec![0.0; n * c] };
+            let mut out = prefill.clone();
+            // Expert by expert (each call's pairs name distinct rows), as the experts op does.
+            for (at, cnt) in segments(&counts) {
+                let ord = &order[at..at + cnt];
+                moe_scatter_add(&mut out, &src[at * c..(at + cnt) * c], ord, w, k, c);
+            }
+            let mut want = to64(&prefill);
             for r in 0..n {
                 for j in 0..k {
                     let (at, wj) = (pos[r * k + j] as usize, w.map_or(1.0, |w| w[r * k + j]));
@@ -1506,7 +1523,7 @@ fn moe_gather_and_combine_match_naive_loops() {
                     }
                 }
             }
-            let what = format!("moe_combine {dims:?} C={c} wts {weighted} accumulate {accumulate}");
+            let what = format!("moe_scatter_add {dims:?} C={c} wts {weighted}");
             assert_close(&what, &out, &want, FWD_TOL);
         }
     }
@@ -1517,7 +1534,7 @@ fn moe_scale_rows_and_row_dots_match_naive_loops() {
     let mut rng = Rng::new(75);
     for (dims, w) in [(MOE_DIMS[1], 9), (MOE_DIMS[4], 70), (MOE_DIMS[0], 1)] {
         let m = dims.m();
-        let (_, wts, order, pos) = dispatch_case(&mut rng, dims, 1);
+        let (_, wts, order, pos, counts) = dispatch_case(&mut rng, dims, 1);
         let buf0 = rng.vec(m * w, 1.0);
         let mut buf = buf0.clone();
         moe_scale_rows(&mut buf, &wts, &order, w);
@@ -1526,7 +1543,10 @@ fn moe_scale_rows_and_row_dots_match_naive_loops() {
 
         let (a, b) = (rng.vec(m * w, 1.0), rng.vec(m * w, 1.0));
         let mut out = vec![f32::NAN; m];
-        moe_row_dots(&mut out, &a, &b, &pos, w);
+        for (at, cnt) in segments(&counts) {
+            let (ax, bx) = (&a[at * w..(at + cnt) * w], &b[at * w..(at + cnt) * w]);
+            moe_row_dots(&mut out, ax, bx, &order[at..at + cnt], w);
+        }
         let want: Vec<f64> = pos
             .iter()
             .map(|&p| dot64(&to64(&a[p as usize * w..][..w]), &to64(&b[p as usize * w..][..w])))

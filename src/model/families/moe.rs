@@ -75,11 +75,12 @@ pub fn ops(
     let (probs, sel, wts) =
         (b.stat("router_probs", e), b.stat("experts_sel", k), b.act("experts_wts", k));
     b.op(Op::Route { logits, probs, sel, wts, e, k, norm: moe.norm_topk_prob });
-    let gu = b.stat("experts_gu", 2 * k * i);
+    // One expert's rows at a time: at most N (a row chooses an expert once).
+    let gu = b.stat("experts_gu", 2 * i);
     let scratch = [
-        b.stat("experts_xs", k * c),
-        b.stat("experts_s", k * i),
-        b.stat("experts_ys", k * c),
+        b.stat("experts_xs", c),
+        b.stat("experts_s", i),
+        b.stat("experts_ys", c),
         b.stat("experts_idx", 2 * k),
     ];
     // With a shared expert the routed experts' sum goes to its own buffer first.

@@ -939,7 +939,7 @@ static const std::vector<std::pair<const char*, std::vector<const char*>>> kProj
     {"grad_norm", {"grad_norm_partial"}},
     {"head_rmsnorm", {"head_rmsnorm_forward", "head_rmsnorm_backward_dinp", "head_rmsnorm_backward_dweight"}},
     {"matmul", {"matmul_bias_forward", "matmul_bias_backward"}},
-    {"moe", {"moe_route_forward", "moe_route_backward", "moe_aux_stats", "moe_gather", "moe_combine",
+    {"moe", {"moe_route_forward", "moe_route_backward", "moe_aux_stats", "moe_gather", "moe_scatter_add",
              "moe_scale_rows", "moe_row_dots"}},
     {"residual", {"residual_forward", "add_inplace"}},
     {"rmsnorm", {"rmsnorm_forward", "rmsnorm_backward_dinp", "rmsnorm_backward_dweight"}},

@@ -44,8 +44,8 @@ pub use geglu::{geglu_backward, geglu_forward};
 pub use head_rmsnorm::{head_rmsnorm_backward, head_rmsnorm_forward};
 pub use matmul::{matmul_backward, matmul_forward};
 pub use moe::{
-    moe_aux_stats, moe_combine, moe_gather, moe_route_backward, moe_route_forward, moe_row_dots,
-    moe_scale_rows, moe_sort,
+    moe_aux_stats, moe_gather, moe_route_backward, moe_route_forward, moe_row_dots, moe_scale_rows,
+    moe_scatter_add, moe_sort,
 };
 pub use nf4::dequantize_nf4;
 pub use residual::{add_inplace, residual_forward};
@@ -262,25 +262,24 @@ impl Backend for CpuBackend {
         moe_gather(xs, x, order, k, c);
     }
 
-    fn moe_combine(
+    fn moe_scatter_add(
         &self,
         out: &mut [f32],
         src: &[f32],
-        pos: &[f32],
+        order: &[f32],
         wts: Option<&[f32]>,
-        accumulate: bool,
         k: usize,
         c: usize,
     ) {
-        moe_combine(out, src, pos, wts, accumulate, k, c);
+        moe_scatter_add(out, src, order, wts, k, c);
     }
 
     fn moe_scale_rows(&self, buf: &mut [f32], wts: &[f32], order: &[f32], w: usize) {
         moe_scale_rows(buf, wts, order, w);
     }
 
-    fn moe_row_dots(&self, out: &mut [f32], a: &[f32], b: &[f32], pos: &[f32], w: usize) {
-        moe_row_dots(out, a, b, pos, w);
+    fn moe_row_dots(&self, out: &mut [f32], a: &[f32], b: &[f32], order: &[f32], w: usize) {
+        moe_row_dots(out, a, b, order, w);
     }
 
     fn sigmoid_gate_forward(&self, out: &mut [f32], gate: &[f32], inp: &[f32], c: usize) {

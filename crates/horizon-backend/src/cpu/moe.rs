@@ -1,11 +1,11 @@
-//! Mixture-of-experts routing, dispatch and combine on the CPU.
+//! Mixture-of-experts routing, dispatch and scatter-add on the CPU.
 //!
 //! Data flow of a sparse MLP over N rows, k experts a row, M = N*k (row, choice) pairs:
 //! `logits (N,E) -> route -> probs (N,E), sel (N,k), wts (N,k)`; the caller sorts the pairs by
 //! expert (a stable counting sort on the host: `order` (M) lists pair indices `r*k + j` expert
-//! by expert, `pos` (M) is its inverse); `gather` copies each pair's input row into expert
-//! order, the experts run as grouped products over their segments, `combine` sums each row's k
-//! expert outputs back, weighted, in the fixed order `j = 0..k`.
+//! by expert, `pos` (M) is its inverse); expert by expert, `gather` copies its pairs' input
+//! rows, its products run on them, and `scatter_add` adds its outputs back to their rows,
+//! weighted (a row chooses an expert at most once: no two adds of one call meet).
 //!
 //! Expert indices travel in f32 buffers as exact small integers (E < 2^24).
 //!
@@ -155,37 +155,28 @@ pub fn moe_gather(xs: &mut [f32], x: &[f32], order: &[f32], k: usize, c: usize) 
     });
 }
 
-/// Each row's k pairs summed back: `out[r] (= or +=) sum_j w[r*k + j] * src[pos[r*k + j]]`,
-/// `j` in order, `w = 1` when `wts` is `None`.
+/// One expert's rows added back: `out[order[i] / k] += w * src[i]`, `w = wts[order[i]]` (1
+/// without `wts`). `order`'s pairs name distinct rows (an expert's segment), so the order of
+/// the adds within a call does not matter; across calls (experts) it is the callers'.
 ///
-/// out: (N, C), overwrites, or accumulates when `accumulate`. src: (M, C). pos: (M).
-/// wts: (M) in pair order.
-pub fn moe_combine(
+/// out: (N, C), accumulates. src: (S, C). order: (S). wts: (M) in pair order.
+pub fn moe_scatter_add(
     out: &mut [f32],
     src: &[f32],
-    pos: &[f32],
+    order: &[f32],
     wts: Option<&[f32]>,
-    accumulate: bool,
     k: usize,
     c: usize,
 ) {
-    assert_eq!(out.len() * k, pos.len() * c, "moe_combine: out must be (N, C), pos (N*k)");
-    assert_eq!(src.len(), pos.len() * c, "moe_combine: src must be (M, C)");
-    if c == 0 {
-        return;
+    assert_eq!(src.len(), order.len() * c, "moe_scatter_add: src must be (S, C)");
+    for (row, &o) in src.chunks_exact(c.max(1)).zip(order) {
+        let p = idx(o);
+        let w = wts.map_or(1.0, |w| w[p]);
+        let r = p / k;
+        for (x, &s) in out[r * c..(r + 1) * c].iter_mut().zip(row) {
+            *x += w * s;
+        }
     }
-    out.par_chunks_mut(c).enumerate().for_each(|(r, o)| {
-        if !accumulate {
-            o.fill(0.0);
-        }
-        for j in 0..k {
-            let at = idx(pos[r * k + j]);
-            let w = wts.map_or(1.0, |w| w[r * k + j]);
-            for (o, &s) in o.iter_mut().zip(&src[at * c..(at + 1) * c]) {
-                *o += w * s;
-            }
-        }
-    });
 }
 
 /// Rows scaled by their pair's weight, in place: `buf[i] *= wts[order[i]]`, rows of W.
@@ -202,18 +193,17 @@ pub fn moe_scale_rows(buf: &mut [f32], wts: &[f32], order: &[f32], w: usize) {
     });
 }
 
-/// Row dot products back into pair order: `out[p] = a[pos[p]] . b[pos[p]]`, rows of W (the
-/// routing weights' gradient).
+/// Row dot products into pair order: `out[order[i]] = a[i] . b[i]`, rows of W (the routing
+/// weights' gradient of one expert's pairs).
 ///
-/// out: (M), overwrites. a, b: (M, W) in expert order. pos: (M).
-pub fn moe_row_dots(out: &mut [f32], a: &[f32], b: &[f32], pos: &[f32], w: usize) {
-    let m = pos.len();
-    assert_eq!(out.len(), m, "moe_row_dots: out must be (M)");
-    assert!(a.len() == m * w && b.len() == m * w, "moe_row_dots: a and b must be (M, W)");
-    out.par_iter_mut().zip(pos.par_iter()).for_each(|(o, &p)| {
-        let i = idx(p);
-        *o = a[i * w..(i + 1) * w].iter().zip(&b[i * w..(i + 1) * w]).map(|(x, y)| x * y).sum();
-    });
+/// out: (M), the entries `order` names overwritten. a, b: (S, W). order: (S).
+pub fn moe_row_dots(out: &mut [f32], a: &[f32], b: &[f32], order: &[f32], w: usize) {
+    let s = order.len();
+    assert!(a.len() == s * w && b.len() == s * w, "moe_row_dots: a and b must be (S, W)");
+    for (i, &o) in order.iter().enumerate() {
+        let (x, y) = (&a[i * w..(i + 1) * w], &b[i * w..(i + 1) * w]);
+        out[idx(o)] = x.iter().zip(y).map(|(x, y)| x * y).sum();
+    }
 }
 
 /// The host side of dispatch: a stable counting sort of the (row, choice) pairs by expert.

@@ -630,17 +630,16 @@ impl Backend for CudaBackend {
         super::moe::moe_gather(self, xs, x, order, k, c);
     }
 
-    fn moe_combine(
+    fn moe_scatter_add(
         &self,
         out: &mut DevSlice<f32>,
         src: &DevSlice<f32>,
-        pos: &DevSlice<f32>,
+        order: &DevSlice<f32>,
         wts: Option<&DevSlice<f32>>,
-        accumulate: bool,
         k: usize,
         c: usize,
     ) {
-        super::moe::moe_combine(self, out, src, pos, wts, accumulate, k, c);
+        super::moe::moe_scatter_add(self, out, src, order, wts, k, c);
     }
 
     fn moe_scale_rows(
@@ -658,10 +657,10 @@ impl Backend for CudaBackend {
         out: &mut DevSlice<f32>,
         a: &DevSlice<f32>,
         b: &DevSlice<f32>,
-        pos: &DevSlice<f32>,
+        order: &DevSlice<f32>,
         w: usize,
     ) {
-        super::moe::moe_row_dots(self, out, a, b, pos, w);
+        super::moe::moe_row_dots(self, out, a, b, order, w);
     }
 
     fn sigmoid_gate_forward(

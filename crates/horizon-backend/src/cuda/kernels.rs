@@ -87,7 +87,7 @@ pub const FUNCTIONS: [(&str, &[&str]); 19] = [
             "moe_route_backward",
             "moe_aux_stats",
             "moe_gather",
-            "moe_combine",
+            "moe_scatter_add",
             "moe_scale_rows",
             "moe_row_dots",
         ],

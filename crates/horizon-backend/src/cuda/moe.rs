@@ -168,55 +168,49 @@ pub(crate) fn moe_gather(
     }
 }
 
-/// out: (N, C), overwrites, or accumulates when `accumulate`: `out[r] (+)= sum_j w[r*k + j]
-/// src[pos[r*k + j]]`. src: (M, C). pos: (M). wts: (M), or `None` for weights of 1.
+/// out: (N, C), accumulates: `out[order[i] / k] += wts[order[i]] * src[i]` (w = 1 without
+/// wts). src: (S, C). order: (S), pairs of distinct rows. wts: (M).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn moe_combine(
+pub(crate) fn moe_scatter_add(
     be: &CudaBackend,
     out: &mut DevSlice<f32>,
     src: &DevSlice<f32>,
-    pos: &DevSlice<f32>,
+    order: &DevSlice<f32>,
     wts: Option<&DevSlice<f32>>,
-    accumulate: bool,
     k: usize,
     c: usize,
 ) {
-    let op = "moe_combine";
+    let op = "moe_scatter_add";
     assert!(k > 0, "{op}: k must be at least 1");
-    let m = pos.len();
-    assert!(m.is_multiple_of(k), "{op}: pos has {m} elements, not N rows of k = {k}");
-    let n = m / k;
-    expect_len(op, "out", out.len(), n * c);
-    expect_len(op, "src", src.len(), m * c);
-    // Without wts the kernel does not read it: pos stands in (a launch takes no null pointer).
+    let s = order.len();
+    expect_len(op, "src", src.len(), s * c);
+    assert!(c == 0 || out.len().is_multiple_of(c), "{op}: out is not rows of C = {c}");
+    // Without wts the kernel does not read it: order stands in (a launch takes no null pointer).
     let (w, has_wts) = match wts {
-        Some(w) => {
-            expect_len(op, "wts", w.len(), m);
-            (w.addr(), 1i32)
-        }
-        None => (pos.addr(), 0i32),
+        Some(w) => (w.addr(), 1i32),
+        None => (order.addr(), 0i32),
     };
-    let (o, s, p) = (out.addr(), src.addr(), pos.addr());
-    let (nn, kk, cc, acc) = (n as i64, k as i64, c as i64, i32::from(accumulate));
-    // SAFETY: argument types match (four pointers, three long longs, two ints); one thread per
-    // element of out (N, C), reading its row's k entries of pos and wts (M) and the rows of
-    // src (M, C) they name (positions below M, from `moe_sort`), lengths checked.
+    let (o, sr, od) = (out.addr(), src.addr(), order.addr());
+    let (ss, kk, cc) = (s as i64, k as i64, c as i64);
+    // SAFETY: argument types match (four pointers, three long longs, an int); one thread per
+    // element of src (S, C), adding into the row of out (N, C) its pair names (a pair index
+    // below M = N k, from `moe_sort`, so a row below N), rows distinct (the caller's
+    // contract: one expert's pairs), lengths checked.
     unsafe {
         be.launch(
             op,
-            (blocks(n * c, 256), 1, 1),
+            (blocks(s * c, 256), 1, 1),
             (256, 1, 1),
             0,
             &mut [
                 arg(&o),
-                arg(&s),
-                arg(&p),
+                arg(&sr),
+                arg(&od),
                 arg(&w),
-                arg(&nn),
+                arg(&ss),
                 arg(&kk),
                 arg(&cc),
                 arg(&has_wts),
-                arg(&acc),
             ],
         );
     }
@@ -248,31 +242,31 @@ pub(crate) fn moe_scale_rows(
     }
 }
 
-/// out: (M), overwrites: `out[p] = a[pos[p]] . b[pos[p]]`. a, b: (M, W). pos: (M).
+/// out: (M), its entries `order[i]` overwritten with `a[i] . b[i]`. a, b: (S, W). order: (S).
 pub(crate) fn moe_row_dots(
     be: &CudaBackend,
     out: &mut DevSlice<f32>,
     a: &DevSlice<f32>,
     b: &DevSlice<f32>,
-    pos: &DevSlice<f32>,
+    order: &DevSlice<f32>,
     w: usize,
 ) {
     let op = "moe_row_dots";
-    let m = pos.len();
-    expect_len(op, "out", out.len(), m);
-    expect_len(op, "a", a.len(), m * w);
-    expect_len(op, "b", b.len(), m * w);
-    let (o, aa, bb, p, mm, ww) = (out.addr(), a.addr(), b.addr(), pos.addr(), m as i64, w as i64);
+    let s = order.len();
+    expect_len(op, "a", a.len(), s * w);
+    expect_len(op, "b", b.len(), s * w);
+    let (o, aa, bb, od, ss, ww) =
+        (out.addr(), a.addr(), b.addr(), order.addr(), s as i64, w as i64);
     // SAFETY: argument types match (four pointers, two long longs); one warp per pair (blocks
-    // of 8 whole warps), each writing its element of out (M) and reading the row of a and b
-    // (M, W) that pos names (a position below M, from `moe_sort`), lengths checked.
+    // of 8 whole warps), each reading its rows of a and b (S, W) and writing the element of out
+    // (M) its pair index names (below M, from `moe_sort`), lengths checked.
     unsafe {
         be.launch(
             op,
-            (blocks(m, 8), 1, 1),
+            (blocks(s, 8), 1, 1),
             (256, 1, 1),
             0,
-            &mut [arg(&o), arg(&aa), arg(&bb), arg(&p), arg(&mm), arg(&ww)],
+            &mut [arg(&o), arg(&aa), arg(&bb), arg(&od), arg(&ss), arg(&ww)],
         );
     }
 }
