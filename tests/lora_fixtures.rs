@@ -229,3 +229,20 @@ fn qlora_on_a_mixture_of_experts_streams_as_the_reference_computes() {
         assert_rel("qlora moe mbs=1 grad norm", *g, *wg, 1e-4);
     }
 }
+
+/// The experts chosen: at step 0 each expert's count of real tokens, summed over the sparse
+/// layers, is PyTorch's (`step0_real_tokens_per_expert`); a different expert for one token would
+/// move two counts.
+#[test]
+fn the_step0_routing_counts_are_pytorchs() {
+    let case = "qwen3_moe_lora";
+    let mut t = ReferenceTrainer::new(run_config(case, "")).unwrap();
+    let (batch, _) = t.batch(0);
+    t.engine.forward_loss(&t.state.params, tokens_of(&batch)).unwrap();
+    let stats = t.engine.pooled_stats().unwrap();
+    let per_layer = expected(case)["step0_real_tokens_per_expert"].clone();
+    let layers: Vec<Vec<f64>> = per_layer.as_array().unwrap().iter().map(f64s).collect();
+    let e = layers[0].len();
+    let want: Vec<f32> = (0..e).map(|x| layers.iter().map(|l| l[x]).sum::<f64>() as f32).collect();
+    assert_eq!(&stats[..e], &want[..]);
+}

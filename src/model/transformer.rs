@@ -385,6 +385,12 @@ impl<B: DeviceAlloc> Transformer<B> {
         Ok((hidden, logits))
     }
 
+    /// A mixture of experts' pooled routing statistics of the last forward (2E: each expert's
+    /// count of real (row, choice) pairs over every sparse layer, then its probability sums).
+    pub fn pooled_stats(&self) -> Option<&[f32]> {
+        self.moe.as_ref().map(|m| &m.host_stats[..])
+    }
+
     /// Forward only: the logits (V) of the batch's last position (generation).
     pub fn last_logits(
         &mut self,

@@ -1464,17 +1464,20 @@ fn moe_sort_is_a_stable_counting_sort_by_expert() {
     }
 }
 
-/// A dispatch case: N rows of C, routed top-k over E, sorted by expert: `(x, wts, order, pos,
-/// counts)`.
-fn dispatch_case(
-    rng: &mut Rng,
-    dims: MoeDims,
-    c: usize,
-) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<usize>) {
+/// A dispatch case: N rows of C, routed top-k over E, sorted by expert.
+struct Dispatch {
+    x: Vec<f32>,
+    wts: Vec<f32>,
+    order: Vec<f32>,
+    pos: Vec<f32>,
+    counts: Vec<usize>,
+}
+
+fn dispatch_case(rng: &mut Rng, dims: MoeDims, c: usize) -> Dispatch {
     let (_, sel, wts) = route(&rng.vec(dims.n * dims.e, 3.0), dims);
     let (mut counts, mut order, mut pos) = (Vec::new(), Vec::new(), Vec::new());
     moe_sort(&sel, dims.e, &mut counts, &mut order, &mut pos);
-    (rng.vec(dims.n * c, 1.0), wts, order, pos, counts)
+    Dispatch { x: rng.vec(dims.n * c, 1.0), wts, order, pos, counts }
 }
 
 /// `(first, count)` of each expert's run of the sorted pairs, from `moe_sort`'s counts.
@@ -1495,7 +1498,7 @@ fn moe_gather_and_scatter_add_match_naive_loops() {
     for (dims, c) in [(MOE_DIMS[1], 7), (MOE_DIMS[4], 13), (MOE_DIMS[0], 1)] {
         let MoeDims { n, k, .. } = dims;
         let m = dims.m();
-        let (x, wts, order, pos, counts) = dispatch_case(&mut rng, dims, c);
+        let Dispatch { x, wts, order, pos, counts } = dispatch_case(&mut rng, dims, c);
         let mut xs = vec![f32::NAN; m * c];
         moe_gather(&mut xs, &x, &order, k, c);
         let mut want = Vec::new();
@@ -1534,7 +1537,7 @@ fn moe_scale_rows_and_row_dots_match_naive_loops() {
     let mut rng = Rng::new(75);
     for (dims, w) in [(MOE_DIMS[1], 9), (MOE_DIMS[4], 70), (MOE_DIMS[0], 1)] {
         let m = dims.m();
-        let (_, wts, order, pos, counts) = dispatch_case(&mut rng, dims, 1);
+        let Dispatch { wts, order, pos, counts, .. } = dispatch_case(&mut rng, dims, 1);
         let buf0 = rng.vec(m * w, 1.0);
         let mut buf = buf0.clone();
         moe_scale_rows(&mut buf, &wts, &order, w);
