@@ -105,16 +105,26 @@ impl<'a, B: Backend + ?Sized> Weights<'a, B> {
     /// A product's weight: its slot range, or its packed tensors dequantised into the
     /// workspace.
     fn get(&mut self, be: &B, w: &Weight) -> &B::WBuf {
-        match w {
-            Weight::Slot(r) => self.slot.slice(r.clone()),
-            Weight::Packed(parts) => {
-                let p = self.packed.as_mut().expect("a packed weight comes with its words");
-                for part in parts {
-                    let dst = p.ws.slice_mut(part.at..part.at + part.n);
-                    be.dequantize_nf4(dst, p.words.slice(part.words.clone()), part.n);
-                }
-                p.ws.slice(0..w.numel())
+        weight_of(be, (self.slot, &mut self.packed), w)
+    }
+}
+
+/// A product's weight `w`: a range of `slot`, or its packed tensors dequantised into the
+/// workspace of `packed` (the fields of [`Weights`], borrowed apart from its `moe`).
+pub(crate) fn weight_of<'w, B: Backend + ?Sized>(
+    be: &B,
+    (slot, packed): (&'w B::WBuf, &'w mut Option<Packed<'_, B>>),
+    w: &Weight,
+) -> &'w B::WBuf {
+    match w {
+        Weight::Slot(r) => slot.slice(r.clone()),
+        Weight::Packed(parts) => {
+            let p = packed.as_mut().expect("a packed weight comes with its words");
+            for part in parts {
+                let dst = p.ws.slice_mut(part.at..part.at + part.n);
+                be.dequantize_nf4(dst, p.words.slice(part.words.clone()), part.n);
             }
+            p.ws.slice(0..w.numel())
         }
     }
 }

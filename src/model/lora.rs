@@ -68,27 +68,24 @@ pub fn expert_adapter_names(t: ExpertTargets, gate_up: bool) -> (String, String)
 /// rank j, from Horizon's expert-major one (E, out, r).
 pub fn expert_b_to_peft(ours: &[f32], e: usize, out: usize, r: usize) -> Vec<f32> {
     let mut peft = vec![0.0; ours.len()];
-    for x in 0..e {
-        for o in 0..out {
-            for j in 0..r {
-                peft[o * e * r + j * e + x] = ours[(x * out + o) * r + j];
-            }
-        }
-    }
+    b_indices(e, out, r).for_each(|(h, p)| peft[p] = ours[h]);
     peft
 }
 
 /// The inverse of [`expert_b_to_peft`].
 pub fn expert_b_from_peft(peft: &[f32], e: usize, out: usize, r: usize) -> Vec<f32> {
     let mut ours = vec![0.0; peft.len()];
-    for x in 0..e {
-        for o in 0..out {
-            for j in 0..r {
-                ours[(x * out + o) * r + j] = peft[o * e * r + j * e + x];
-            }
-        }
-    }
+    b_indices(e, out, r).for_each(|(h, p)| ours[h] = peft[p]);
     ours
+}
+
+/// Each element of an expert adapter's B: (its index in Horizon's (E, out, r), in PEFT's
+/// (out, E*r)).
+fn b_indices(e: usize, out: usize, r: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..e).flat_map(move |x| {
+        (0..out)
+            .flat_map(move |o| (0..r).map(move |j| ((x * out + o) * r + j, o * e * r + j * e + x)))
+    })
 }
 
 /// One targeted module of a layer, found in its description.
@@ -275,16 +272,7 @@ fn remap(op: &mut Op, moved: &Moved) {
             let Weight::Slot(r) = w else { unreachable!("a base weight starts in the slot") };
             let ts = parts_of(moved, r);
             *w = if ts[0].stored == Stored::Nf4 {
-                let mut at = 0;
-                Weight::Packed(
-                    ts.iter()
-                        .map(|t| {
-                            let p = PackedPart { words: t.range(), at, n: t.numel() };
-                            at += t.numel();
-                            p
-                        })
-                        .collect(),
-                )
+                packed_weight(&ts)
             } else {
                 Weight::Slot(slot_range(moved, r))
             };
@@ -292,9 +280,11 @@ fn remap(op: &mut Op, moved: &Moved) {
         Op::Experts { gate_up, down, packed, .. } => {
             let (gu, dn) = (parts_of(moved, gate_up), parts_of(moved, down));
             if gu[0].stored == Stored::Nf4 {
-                let words =
-                    gu.chunks(2).zip(&dn).map(|(g, d)| [g[0].range(), g[1].range(), d.range()]);
-                *packed = Some(words.collect());
+                let weights = gu
+                    .chunks(2)
+                    .zip(&dn)
+                    .map(|(g, d)| [packed_weight(g), packed_weight(std::slice::from_ref(d))]);
+                *packed = Some(weights.collect());
                 (*gate_up, *down) = (0..0, 0..0);
             } else {
                 *gate_up = slot_range(moved, gate_up);
@@ -303,6 +293,20 @@ fn remap(op: &mut Op, moved: &Moved) {
         }
         _ => {}
     }
+}
+
+/// NF4 tensors dequantised side by side into the workspace, as one matrix.
+fn packed_weight(ts: &[TensorSpec]) -> Weight {
+    let mut at = 0;
+    Weight::Packed(
+        ts.iter()
+            .map(|t| {
+                let p = PackedPart { words: t.range(), at, n: t.numel() };
+                at += t.numel();
+                p
+            })
+            .collect(),
+    )
 }
 
 /// A sparse layer's expert adapters (`t`), appended to the trained part: per parameter A

@@ -25,7 +25,8 @@ use std::ops::Range;
 use horizon_backend::cpu::moe_sort;
 use horizon_backend::{Backend, DeviceSlice, Dinp, MoeDims};
 
-use crate::model::layer::{Packed, Slot, Weights};
+use crate::model::layer::{Packed, Slot, Weights, weight_of};
+use crate::model::layout::ModelLayout;
 use crate::model::spec::{Act, ExpertLora, LayerSpec, Op};
 
 /// Host scratch of the dispatch sort, sized once ([`MoeHost::new`]) and reused.
@@ -128,20 +129,16 @@ fn expert_mat<'w, B: Backend>(
     x: usize,
     down: bool,
 ) -> &'w B::WBuf {
-    let Op::Experts { ref gate_up, down: ref dn, i, c, packed: ref words, .. } = *op else {
+    let Op::Experts { ref gate_up, down: ref dn, i, c, packed: ref nf4, .. } = *op else {
         unreachable!()
     };
-    let Some(words) = words else {
-        let (r, len) = if down { (dn, c * i) } else { (gate_up, 2 * i * c) };
-        return slot.slice(r.start + x * len..r.start + (x + 1) * len);
-    };
-    let p = packed.as_mut().expect("packed experts come with their words");
-    let [g, u, d] = &words[x];
-    let parts: &[(&Range<usize>, usize)] = if down { &[(d, 0)] } else { &[(g, 0), (u, i * c)] };
-    for &(w, at) in parts {
-        be.dequantize_nf4(p.ws.slice_mut(at..at + i * c), p.words.slice(w.clone()), i * c);
+    match nf4 {
+        Some(w) => weight_of(be, (slot, packed), &w[x][usize::from(down)]),
+        None => {
+            let (r, len) = if down { (dn, c * i) } else { (gate_up, 2 * i * c) };
+            slot.slice(r.start + x * len..r.start + (x + 1) * len)
+        }
     }
-    p.ws.slice(0..parts.len() * i * c)
 }
 
 /// Expert `x`'s adapter of a projection `ic -> oc`: its `A_e` (r, ic) and `B_e` (oc, r) ranges.
@@ -424,31 +421,32 @@ fn two_grads<'d, T: ?Sized + DeviceSlice>(
 }
 
 /// HF's load-balancing loss from a pass's pooled statistics (`stats` (2E): real rows' expert
-/// counts, then their probability sums, over every sparse layer): `aux = E sum_e f_e P_e` with
-/// `f_e = counts_e / (L_s N)`, `P_e = psum_e / (L_s N)`, `N` the real rows, `L_s` the sparse
-/// layers. Writes into `grad` (E), when given, the gradient of `coef * aux` with respect to one
-/// real row's probability of expert e in one sparse layer: `coef E f_e / (L_s N)` (only P
-/// carries gradient). Returns aux (0 when the pass has no real row).
+/// counts, then their probability sums, over every sparse layer of `layout`): `aux = E sum_e
+/// f_e P_e` with `f_e = counts_e / (L_s N)`, `P_e = psum_e / (L_s N)`, `N` the real rows, `L_s`
+/// the sparse layers. Writes into `grad` (E) the gradient of `coef * aux` (`coef` the trained
+/// coefficient: 0 unless `output_router_logits`) with respect to one real row's probability of
+/// expert e in one sparse layer: `coef E f_e / (L_s N)` (only P carries gradient). Returns
+/// (aux, coef); aux is 0 when the pass has no real row.
 pub fn aux_loss(
     stats: &[f32],
-    sparse_layers: usize,
+    layout: &ModelLayout,
     real_rows: f64,
-    coef: f64,
-    grad: Option<&mut [f32]>,
-) -> f64 {
+    grad: &mut [f32],
+) -> (f64, f64) {
+    let moe = layout.moe.as_ref().expect("a sparse model");
+    let coef = moe.trained_coef();
+    let sparse = (0..layout.dims.layers).filter(|&i| moe.is_sparse(i)).count();
     let e = stats.len() / 2;
-    let denom = sparse_layers as f64 * real_rows;
+    let denom = sparse as f64 * real_rows;
     if denom == 0.0 {
-        grad.into_iter().for_each(|g| g.fill(0.0));
-        return 0.0;
+        grad.fill(0.0);
+        return (0.0, coef);
     }
     let (counts, psum) = stats.split_at(e);
     let f = |x: usize| counts[x] as f64 / denom;
     let aux = e as f64 * (0..e).map(|x| f(x) * psum[x] as f64 / denom).sum::<f64>();
-    if let Some(g) = grad {
-        for (x, g) in g.iter_mut().enumerate() {
-            *g = (coef * e as f64 * f(x) / denom) as f32;
-        }
+    for (x, g) in grad.iter_mut().enumerate() {
+        *g = (coef * e as f64 * f(x) / denom) as f32;
     }
-    aux
+    (aux, coef)
 }

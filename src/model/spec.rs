@@ -196,10 +196,10 @@ pub enum Op {
         i: usize,
         c: usize,
         lora: ExpertAdapters,
-        /// QLoRA: the experts' matrices as NF4 words, per expert `[gate, up, down]` ranges of
-        /// the packed region (each its own 64-value blocks, as per-expert `Linear4bit`s); then
-        /// `gate_up` and `down` are empty.
-        packed: Option<Vec<[Range<usize>; 3]>>,
+        /// QLoRA: the experts' matrices as NF4, per expert its `[gate; up]` and its down as
+        /// packed weights (each tensor its own 64-value blocks, as per-expert `Linear4bit`s);
+        /// then `gate_up` and `down` are empty.
+        packed: Option<Vec<[Weight; 2]>>,
     },
 }
 

@@ -180,13 +180,10 @@ impl<B: DeviceAlloc> MoeBufs<B> {
 
     /// After a forward: the pass's aux loss; the gradient uploaded for the backward.
     fn finish(&mut self, be: &B, layout: &ModelLayout, real_rows: f64) -> (f64, f64) {
-        let m = layout.moe.as_ref().expect("a sparse model");
         be.download(&mut self.host_stats, &self.stats);
-        let sparse = (0..layout.dims.layers).filter(|&i| m.is_sparse(i)).count();
-        let coef = m.trained_coef();
-        let aux = aux_loss(&self.host_stats, sparse, real_rows, coef, Some(&mut self.host_grad));
+        let out = aux_loss(&self.host_stats, layout, real_rows, &mut self.host_grad);
         be.upload(&mut self.grad, &self.host_grad);
-        (aux, coef)
+        out
     }
 }
 

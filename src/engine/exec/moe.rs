@@ -58,13 +58,11 @@ impl MoeState {
         m: usize,
         pool: bool,
     ) -> MoeIo<'v, B> {
-        let n = sd.mbs[m].n();
-        // SAFETY: the caller's contract; no other view of the mask is live.
-        unsafe { vw.backend().upload(vw.buf_mut(mask).slice_mut(0..n), &sd.mbs[m].mask[..n]) };
         self.pending |= pool;
         MoeIo {
             host: &mut self.host,
-            mask: Some(vw.buf(mask).slice(0..n)),
+            // SAFETY: the caller's contract.
+            mask: Some(unsafe { upload_mask(vw, mask, sd, m) }),
             // SAFETY: the caller's contract; the statistics are viewed once here.
             stats: pool.then(|| unsafe { vw.buf_mut(stats) }),
             grad: None,
@@ -90,26 +88,37 @@ impl MoeState {
             // SAFETY: the caller's contract; these views end within this block.
             unsafe {
                 be.download(&mut self.host_stats, vw.buf(stats));
-                let moe = layout.moe.as_ref().expect("a sparse model");
-                let sparse = (0..layout.dims.layers).filter(|&i| moe.is_sparse(i)).count();
                 let real = sd.mbs.iter().flat_map(|mb| mb.mask.iter()).map(|&x| x as f64).sum();
-                let coef = moe.trained_coef();
-                let g = Some(&mut self.host_grad[..]);
-                self.aux = Some((aux_loss(&self.host_stats, sparse, real, coef, g), coef));
+                self.aux = Some(aux_loss(&self.host_stats, layout, real, &mut self.host_grad));
                 be.upload(vw.buf_mut(grad), &self.host_grad);
                 be.zero(vw.buf_mut(stats));
             }
             self.pending = false;
         }
-        let n = sd.mbs[m].n();
-        // SAFETY: the caller's contract; no other view of the mask is live.
-        unsafe { be.upload(vw.buf_mut(mask).slice_mut(0..n), &sd.mbs[m].mask[..n]) };
         let trained = self.aux.is_some_and(|(_, coef)| coef > 0.0);
         MoeIo {
             host: &mut self.host,
-            mask: Some(vw.buf(mask).slice(0..n)),
+            // SAFETY: the caller's contract.
+            mask: Some(unsafe { upload_mask(vw, mask, sd, m) }),
             stats: None,
             grad: trained.then(|| vw.buf(grad)),
         }
     }
+}
+
+/// Micro-batch `m`'s row mask uploaded into `mask`, and its view (N).
+///
+/// # Safety
+/// Only inside a compute kernel: the mask is the compute queue's, and no other view of it is
+/// live.
+unsafe fn upload_mask<'v, B: Backend + ?Sized>(
+    vw: &'v dyn Views<B>,
+    mask: DevBuf,
+    sd: &StepData,
+    m: usize,
+) -> &'v B::Buf {
+    let n = sd.mbs[m].n();
+    // SAFETY: the caller's contract; the writable view ends before the returned one.
+    unsafe { vw.backend().upload(vw.buf_mut(mask).slice_mut(0..n), &sd.mbs[m].mask[..n]) };
+    vw.buf(mask).slice(0..n)
 }

@@ -14,7 +14,7 @@
 
 use std::ops::Range;
 
-use crate::hf::config::{Arch, ModelConfig, MoeConfig};
+use crate::hf::config::{ModelConfig, MoeConfig};
 use crate::model::spec::{Act, Glu, Init, LayerBuilder, Op};
 
 /// A sparse MLP's ranges in the layer's buffer.
@@ -26,19 +26,10 @@ pub struct SparseMlp {
     shared: Option<[Range<usize>; 3]>,
 }
 
-/// The HF names of a family's sparse MLP (Hub layout): the block prefix, and the per-expert
-/// gate, up and down names.
-fn names(arch: Arch) -> (&'static str, [&'static str; 3]) {
-    match arch {
-        Arch::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
-        _ => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
-    }
-}
-
 /// The sparse MLP's tensors, next in the buffer.
 pub fn tensors(b: &mut LayerBuilder, cfg: &ModelConfig, moe: &MoeConfig) -> SparseMlp {
     let (c, e, i) = (cfg.hidden_size, moe.num_experts, moe.expert_size);
-    let (block, [gate, up, down]) = names(cfg.arch);
+    let (block, [gate, up, down]) = moe.hub_names();
     let router = b.tensor(&format!("{block}.gate.weight"), &[e, c], Init::Normal);
     let mut gate_up = router.end..router.end;
     for x in 0..e {
