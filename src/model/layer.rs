@@ -9,6 +9,7 @@ use std::ops::Range;
 
 use horizon_backend::{Backend, DeviceSlice, Dinp, NormDims};
 
+use crate::model::chunks::SlotMap;
 use crate::model::moe::{
     ExpertGrads, MoeIo, experts_backward, experts_forward, route_backward, route_forward,
 };
@@ -86,6 +87,10 @@ pub struct Weights<'a, B: Backend + ?Sized> {
     pub packed: Option<Packed<'a, B>>,
     /// A sparse layer's dispatch scratch and load-balancing buffers (`None` for a dense one).
     pub moe: Option<MoeIo<'a, B>>,
+    /// Where the description's weights and words are in `slot` and `packed` when the slot holds
+    /// part of a layer (a chunked sparse layer's trunk or expert chunk); `None`: all of it, as
+    /// the description lays it out.
+    pub map: Option<&'a SlotMap>,
 }
 
 /// The packed part of [`Weights`].
@@ -99,30 +104,36 @@ pub struct Packed<'a, B: Backend + ?Sized> {
 impl<'a, B: Backend + ?Sized> Weights<'a, B> {
     /// Weights held in the slot alone (no packed tensor).
     pub fn slot(slot: &'a B::WBuf) -> Self {
-        Weights { slot, packed: None, moe: None }
+        Weights { slot, packed: None, moe: None, map: None }
     }
 
     /// A product's weight: its slot range, or its packed tensors dequantised into the
     /// workspace.
     fn get(&mut self, be: &B, w: &Weight) -> &B::WBuf {
-        weight_of(be, (self.slot, &mut self.packed), w)
+        weight_of(be, (self.slot, &mut self.packed, self.map), w)
     }
+}
+
+/// Slot weights `r` of the description in a slot laid out by `map` (all of the layer: `None`).
+pub(crate) fn at(map: Option<&SlotMap>, r: &Range<usize>) -> Range<usize> {
+    map.map_or_else(|| r.clone(), |m| m.weight(r))
 }
 
 /// A product's weight `w`: a range of `slot`, or its packed tensors dequantised into the
 /// workspace of `packed` (the fields of [`Weights`], borrowed apart from its `moe`).
 pub(crate) fn weight_of<'w, B: Backend + ?Sized>(
     be: &B,
-    (slot, packed): (&'w B::WBuf, &'w mut Option<Packed<'_, B>>),
+    (slot, packed, map): (&'w B::WBuf, &'w mut Option<Packed<'_, B>>, Option<&SlotMap>),
     w: &Weight,
 ) -> &'w B::WBuf {
     match w {
-        Weight::Slot(r) => slot.slice(r.clone()),
+        Weight::Slot(r) => slot.slice(at(map, r)),
         Weight::Packed(parts) => {
             let p = packed.as_mut().expect("a packed weight comes with its words");
             for part in parts {
                 let dst = p.ws.slice_mut(part.at..part.at + part.n);
-                be.dequantize_nf4(dst, p.words.slice(part.words.clone()), part.n);
+                let words = map.map_or_else(|| part.words.clone(), |m| m.word(&part.words));
+                be.dequantize_nf4(dst, p.words.slice(words), part.n);
             }
             p.ws.slice(0..w.numel())
         }
@@ -146,7 +157,76 @@ pub fn layer_forward<B: Backend>(
     ropes: &[(&B::Buf, &B::Buf)],
     rows: Rows,
 ) {
-    forward_ops(be, spec, slots, w, ropes, rows, None, None);
+    forward_ops(be, spec, slots, w, ropes, rows, None, Select::All);
+}
+
+/// A chunk of a sparse layer's experts ([`crate::model::chunks`]): which experts, and whether
+/// it is the first of the layer's pass over its chunks (which sorts the rows by expert and
+/// overwrites the experts' output, or in the backward their input's gradient).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExpertChunk {
+    pub experts: Range<usize>,
+    pub first: bool,
+}
+
+/// Which part of a layer a call runs: all of it, or, for a sparse layer whose experts stream
+/// through the device in chunks, the ops before its experts op, one chunk of experts, the ops
+/// after it, or (the backward's recompute) every op but the experts.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Part {
+    Whole,
+    Before,
+    Experts(ExpertChunk),
+    After,
+    Trunk,
+}
+
+/// The forward ops a call runs.
+#[derive(Clone, Copy)]
+enum Select<'a> {
+    All,
+    Only(&'a [usize]),
+    /// A part of a layer whose experts op is op `x`.
+    Part(&'a Part, usize),
+}
+
+impl Select<'_> {
+    fn runs(&self, i: usize) -> bool {
+        match *self {
+            Select::All => true,
+            Select::Only(o) => o.contains(&i),
+            Select::Part(p, x) => match p {
+                Part::Whole => true,
+                Part::Before => i < x,
+                Part::Experts(_) => i == x,
+                Part::After => i > x,
+                Part::Trunk => i != x,
+            },
+        }
+    }
+}
+
+/// The index of `spec`'s experts op (a sparse layer's).
+fn experts_op(spec: &LayerSpec) -> usize {
+    spec.ops.iter().position(|op| matches!(op, Op::Experts { .. })).expect("a sparse layer")
+}
+
+/// [`layer_forward`] of one part of a layer (`Part::Whole`: all of it). A chunk's weights come
+/// through `w.map`.
+pub fn layer_forward_part<B: Backend>(
+    be: &B,
+    spec: &LayerSpec,
+    slots: &mut [Slot<'_, B::Buf>],
+    w: &mut Weights<'_, B>,
+    ropes: &[(&B::Buf, &B::Buf)],
+    rows: Rows,
+    part: &Part,
+) {
+    let sel = match part {
+        Part::Whole => Select::All,
+        p => Select::Part(p, experts_op(spec)),
+    };
+    forward_ops(be, spec, slots, w, ropes, rows, None, sel);
 }
 
 /// Before the backward of a layer that kept its internals: run its rebuild ops again
@@ -158,7 +238,7 @@ pub fn layer_rebuild<B: Backend>(
     w: &mut Weights<'_, B>,
     rows: Rows,
 ) {
-    forward_ops(be, spec, slots, w, &[], rows, None, Some(spec.rebuild_ops()));
+    forward_ops(be, spec, slots, w, &[], rows, None, Select::Only(spec.rebuild_ops()));
 }
 
 /// A layer's KV cache in a decode step: every position's fused q|k|v row so far and the
@@ -186,7 +266,7 @@ pub fn layer_forward_cached<B: Backend>(
     kv: KvStep<'_, B::Buf>,
 ) {
     assert_eq!(rows.b, 1, "a KV cache holds one sequence");
-    forward_ops(be, spec, slots, w, ropes, rows, Some(kv), None);
+    forward_ops(be, spec, slots, w, ropes, rows, Some(kv), Select::All);
 }
 
 /// The forward ops of a layer (those of `only` when given), attention over `kv`'s cache when
@@ -200,21 +280,21 @@ fn forward_ops<B: Backend>(
     ropes: &[(&B::Buf, &B::Buf)],
     rows: Rows,
     mut kv: Option<KvStep<'_, B::Buf>>,
-    only: Option<&[usize]>,
+    sel: Select<'_>,
 ) {
-    let w = wts.slot;
+    let (w, map) = (wts.slot, wts.map);
     let n = rows.b * rows.t;
     let len = |a: Act| n * spec.width(a);
     let ad = spec.attn.dims(rows.b, rows.t);
     let norm = |w_offset: f32, c: usize| NormDims { c, eps: spec.eps, w_offset };
     let ops = spec.ops.iter().enumerate();
-    for (_, op) in ops.filter(|(i, _)| only.is_none_or(|o| o.contains(i))) {
+    for (_, op) in ops.filter(|(i, _)| sel.runs(*i)) {
         match *op {
             Op::RmsNorm { inp, out, rstd, w: ref r, w_offset } => {
                 let [i, o, s] = pick(slots, [inp, out, rstd]);
                 let nd = norm(w_offset, spec.c);
 
-                be.rmsnorm_forward(o.w(len(out)), s.w(n), i.r(len(inp)), w.slice(r.clone()), nd);
+                be.rmsnorm_forward(o.w(len(out)), s.w(n), i.r(len(inp)), w.slice(at(map, r)), nd);
             }
             Op::HeadNorm { inp, out, rstd, w: ref r, w_offset } => {
                 let [i, o, s] = pick(slots, [inp, out, rstd]);
@@ -224,20 +304,20 @@ fn forward_ops<B: Backend>(
                     o.w(len(out)),
                     rs,
                     i.r(len(inp)),
-                    w.slice(r.clone()),
+                    w.slice(at(map, r)),
                     ad,
                     nd,
                 );
             }
             Op::Linear { inp, out, w: ref r, ref bias, ic, oc } => {
                 let [i, o] = pick(slots, [inp, out]);
-                let bias = bias.clone().map(|b| w.slice(b));
+                let bias = bias.as_ref().map(|b| w.slice(at(map, b)));
                 be.matmul_forward(o.w(n * oc), i.r(n * ic), wts.get(be, r), bias, n, ic, oc);
             }
             Op::Lora { inp, out, ref a, ref b, col, w: width, oc, ic, r, u, tmp, scale } => {
                 let [i, o, uu, t] = pick(slots, [inp, out, u, tmp]);
-                be.matmul_forward(uu.w(n * r), i.r(n * ic), w.slice(a.clone()), None, n, ic, r);
-                let (bw, nw) = (w.slice(b.clone()), n * width);
+                be.matmul_forward(uu.w(n * r), i.r(n * ic), w.slice(at(map, a)), None, n, ic, r);
+                let (bw, nw) = (w.slice(at(map, b)), n * width);
                 be.matmul_forward(t.w(nw), uu.r(n * r), bw, None, n, r, width);
                 be.add_cols(o.w(n * oc), t.r(nw), n, oc, col, width, scale);
             }
@@ -275,7 +355,13 @@ fn forward_ops<B: Backend>(
                 be.sigmoid_gate_forward(o.w(n * c), g.r(n), i.r(n * c), c);
             }
             Op::Route { .. } => route_forward(be, op, slots, wts.moe.as_mut(), n),
-            Op::Experts { .. } => experts_forward(be, op, slots, wts, n),
+            Op::Experts { .. } => {
+                let chunk = match sel {
+                    Select::Part(Part::Experts(ch), _) => Some(ch),
+                    _ => None,
+                };
+                experts_forward(be, op, slots, wts, n, chunk)
+            }
         }
     }
 }
@@ -296,13 +382,45 @@ pub fn layer_backward<B: Backend>(
     ropes: &[(&B::Buf, &B::Buf)],
     rows: Rows,
 ) {
-    let w = wts.slot;
+    layer_backward_part(be, spec, grads, dw, acts, wts, ropes, rows, &Part::Whole);
+}
+
+/// The backward program's steps of one part of a layer: `After` the steps before the experts'
+/// (the ops after the experts op, walked back), `Experts` that step, `Before` the rest.
+fn backward_steps<'s>(spec: &'s LayerSpec, part: &Part) -> &'s [BwdOp] {
+    let all = &spec.backward[..];
+    let x = || all.iter().position(|s| matches!(s, BwdOp::Experts { .. })).expect("a sparse layer");
+    match part {
+        Part::Whole => all,
+        Part::After => &all[..x()],
+        Part::Experts(_) => &all[x()..x() + 1],
+        Part::Before => &all[x() + 1..],
+        Part::Trunk => unreachable!("the trunk is a forward part"),
+    }
+}
+
+/// [`layer_backward`] of one part of a layer (`Part::Whole`: all of it): `After`, then each
+/// chunk of `Experts` (the first overwriting the experts' input gradient as the whole op
+/// would), then `Before`.
+#[allow(clippy::too_many_arguments)]
+pub fn layer_backward_part<B: Backend>(
+    be: &B,
+    spec: &LayerSpec,
+    grads: &mut [Slot<'_, B::Buf>],
+    dw: &mut B::Buf,
+    acts: &[Slot<'_, B::Buf>],
+    wts: &mut Weights<'_, B>,
+    ropes: &[(&B::Buf, &B::Buf)],
+    rows: Rows,
+    part: &Part,
+) {
+    let (w, map) = (wts.slot, wts.map);
     let gr = |r: &Range<usize>| spec.grad_range(r);
     let n = rows.b * rows.t;
     let len = |a: Act| n * spec.width(a);
     let act = |a: Act| acts[a].r(len(a));
     let ad = spec.attn.dims(rows.b, rows.t);
-    for step in &spec.backward {
+    for step in backward_steps(spec, part) {
         match *step {
             BwdOp::Copy { dst, src, width } => {
                 let [d, s] = pick(grads, [dst, src]);
@@ -319,7 +437,7 @@ pub fn layer_backward<B: Backend>(
                 };
                 let [gi, go] = pick(grads, [dinp, dout]);
                 let nd = NormDims { c: spec.c, eps: spec.eps, w_offset };
-                let (dwr, wr) = (gr(r).map(|g| dw.slice_mut(g)), w.slice(r.clone()));
+                let (dwr, wr) = (gr(r).map(|g| dw.slice_mut(g)), w.slice(at(map, r)));
                 be.rmsnorm_backward(
                     gi.w(len(inp)),
                     dwr,
@@ -336,7 +454,7 @@ pub fn layer_backward<B: Backend>(
                 };
                 let [gi, go] = pick(grads, [dinp, dout]);
                 let nd = NormDims { c: ad.d, eps: spec.eps, w_offset };
-                let (dwr, wr) = (gr(r).map(|g| dw.slice_mut(g)), w.slice(r.clone()));
+                let (dwr, wr) = (gr(r).map(|g| dw.slice_mut(g)), w.slice(at(map, r)));
                 let (gi, go) = (gi.w(len(inp)), go.r(len(inp)));
                 be.head_rmsnorm_backward(gi, dwr, go, act(inp), wr, act(rstd), ad, nd);
             }
@@ -365,7 +483,7 @@ pub fn layer_backward<B: Backend>(
                 let nw = n * width;
                 // g = scale * dL/d(out)[:, cols]; du = g b; dinp += du a; db += gᵀ u; da += duᵀ inp.
                 be.scaled_cols(gg.w(nw), go.r(n * oc), n, oc, col, width, scale);
-                let (wb, wa) = (w.slice(b.clone()), w.slice(a.clone()));
+                let (wb, wa) = (w.slice(at(map, b)), w.slice(at(map, a)));
                 let du = Dinp::Write(gu.w(n * r));
                 be.matmul_backward(Some(du), db, None, gg.r(nw), act(u), wb, n, r, width);
                 let dx = Dinp::Add(gi.w(n * ic));
@@ -421,10 +539,16 @@ pub fn layer_backward<B: Backend>(
                     grads,
                     [dinp, dout, dwts, t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9]],
                 );
+                let chunk = match part {
+                    Part::Experts(ch) => Some(ch),
+                    _ => None,
+                };
+                // A later chunk adds to what the first wrote.
+                let acc = acc || chunk.is_some_and(|ch| !ch.first);
                 let gi = if acc { Dinp::Add(gi.w(n * c)) } else { Dinp::Write(gi.w(n * c)) };
                 let t = [t0, t1, t2, t3, t4, t5, t6, t7, t8, t9].map(|s| s.whole());
                 let g = ExpertGrads { dinp: gi, dout: go.r(n * c), dwts: gw.w(n * k), t };
-                experts_backward(be, (spec, &spec.ops[op]), g, dw, acts, wts, n);
+                experts_backward(be, (spec, &spec.ops[op]), g, dw, acts, wts, (n, chunk));
             }
         }
     }
@@ -463,11 +587,14 @@ mod tests {
     const ROWS: Rows = Rows { b: 2, t: 5 };
 
     /// A layer's weights for the tests: its slot, and (quantised) its packed words.
+    #[derive(Default)]
     struct TestWeights {
         w: Vec<f32>,
         words: Vec<f32>,
         ws: Vec<f32>,
         host: crate::model::moe::MoeHost,
+        /// Part of a layer: where its weights and words are.
+        map: Option<SlotMap>,
     }
 
     impl TestWeights {
@@ -476,7 +603,21 @@ mod tests {
                 .then(|| Packed { words: &self.words[..], ws: &mut self.ws[..] });
             let host = &mut self.host;
             let moe = Some(MoeIo { host, mask: None, stats: None, grad: None });
-            Weights { slot: &self.w[..], packed, moe }
+            Weights { slot: &self.w[..], packed, moe, map: self.map.as_ref() }
+        }
+
+        /// Holds the part of `whole`'s weights and words that `map` lays out.
+        fn hold(&mut self, whole: &TestWeights, map: &SlotMap) {
+            self.w = vec![0.0; map.len];
+            for (r, at) in &map.weights {
+                self.w[*at..*at + r.len()].copy_from_slice(&whole.w[r.clone()]);
+            }
+            self.words = vec![0.0; map.packed];
+            for (r, at) in &map.words {
+                self.words[*at..*at + r.len()].copy_from_slice(&whole.words[r.clone()]);
+            }
+            self.ws.resize(whole.ws.len(), 0.0);
+            self.map = Some(map.clone());
         }
     }
 
@@ -576,7 +717,7 @@ mod tests {
             w,
             words: words.iter().map(|&b| f32::from_bits(b)).collect(),
             ws: vec![0.0; spec.workspace],
-            host: Default::default(),
+            ..Default::default()
         };
         let (dx, dw) = grads(spec, &x, &mut tw, ropes, &r);
         // A sparse layer's routing is piecewise constant: a smaller step, and a coordinate
@@ -724,12 +865,7 @@ mod tests {
                     v
                 };
                 let (x, r) = (normal(n * spec.c), normal(n * spec.c));
-                let mut tw = TestWeights {
-                    w: normal(spec.len),
-                    words: vec![],
-                    ws: vec![],
-                    host: Default::default(),
-                };
+                let mut tw = TestWeights { w: normal(spec.len), ..Default::default() };
                 let want = grads(spec, &x, &mut tw, &ropes, &r);
                 let got = grads_kept(spec, &x, &mut tw, &ropes, &r, true);
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
@@ -806,6 +942,147 @@ mod tests {
                     assert_eq!(spec.train_len(), spec.trained().map(|t| t.numel()).sum::<usize>());
                     assert!(spec.backward.iter().any(|op| matches!(op, BwdOp::Lora { .. })));
                     check(&format!("{case} {} lora nf4={nf4}", spec.kind), spec, &ropes);
+                }
+            }
+        }
+    }
+
+    /// A sparse layer whose frozen experts stream in chunks: its trunk (the ops before the
+    /// experts, each chunk of experts from a slot of its own, the ops after), forward and
+    /// backward (after the backward's recompute of every op but the experts), is the whole
+    /// layer bit for bit; with the base in NF4 too, for chunks of 1, 3 and every expert.
+    #[test]
+    fn a_chunked_sparse_layer_is_the_whole_layer_bit_for_bit() {
+        use crate::model::chunks::ExpertSplit;
+        use crate::model::lora::{BaseDtype, LoraSpec};
+        let targets = ["q_proj", "o_proj", "router"].map(String::from).to_vec();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let (be, n) = (CpuBackend::new(), ROWS.b * ROWS.t);
+        for (case, layout) in fixture_layouts().into_iter().filter(|(_, l)| l.moe.is_some()) {
+            let ropes = tables(&layout);
+            let views: Vec<(&[f32], &[f32])> =
+                ropes.iter().map(|(c, s)| (&c[..], &s[..])).collect();
+            for nf4 in [false, true] {
+                let lora = LoraSpec {
+                    r: 2,
+                    scale: 1.5,
+                    targets: targets.clone(),
+                    nf4,
+                    base: BaseDtype::F32,
+                    experts: Default::default(),
+                };
+                let adapted = layout.with_lora(&lora).unwrap();
+                let spec = adapted.kinds.iter().find(|s| ExpertSplit::new(s, 1).is_some()).unwrap();
+                let mut rng = SplitMix64::new(5);
+                let mut normal = |len: usize| {
+                    let mut v = vec![0.0; len];
+                    rng.fill_normal(&mut v, 0.5);
+                    v
+                };
+                let (x, r) = (normal(n * spec.c), normal(n * spec.c));
+                let mut words = vec![0u32; spec.packed];
+                for t in spec.tensors.iter().filter(|t| t.stored == crate::model::spec::Stored::Nf4)
+                {
+                    let q = horizon_backend::nf4::quantize(&normal(t.numel()));
+                    horizon_backend::nf4::to_words(&q, &mut words[t.range()]);
+                }
+                let mut whole = TestWeights {
+                    w: normal(spec.len),
+                    words: words.iter().map(|&b| f32::from_bits(b)).collect(),
+                    ws: vec![0.0; spec.workspace],
+                    ..Default::default()
+                };
+                let want = grads(spec, &x, &mut whole, &ropes, &r);
+                let mut y_want = vec![0.0; n * spec.c];
+                {
+                    let mut own: Vec<Vec<f32>> =
+                        spec.acts.iter().map(|a| vec![0.0; n * a.width]).collect();
+                    let mut slots = act_slots(
+                        &x[..],
+                        Slot::W(&mut y_want[..]),
+                        own.iter_mut().map(|v| &mut v[..]),
+                    );
+                    layer_forward(&be, spec, &mut slots, &mut whole.view(), &views, ROWS);
+                }
+                let e = ExpertSplit::new(spec, 1).unwrap().experts;
+                for per in [1, 3, e] {
+                    let split = ExpertSplit::new(spec, per).unwrap();
+                    let what = format!("{case} nf4={nf4}, {per} experts a chunk");
+                    let mut part = TestWeights::default();
+                    let run = |part: &mut TestWeights, slots: &mut [Slot<'_, [f32]>], p: Part| {
+                        match &p {
+                            Part::Experts(ch) => {
+                                part.hold(&whole, &split.chunks[ch.experts.start / per])
+                            }
+                            _ => part.hold(&whole, &split.trunk),
+                        }
+                        layer_forward_part(&be, spec, slots, &mut part.view(), &views, ROWS, &p);
+                    };
+                    let chunks: Vec<Part> = (0..split.chunks.len())
+                        .map(|k| {
+                            let experts = split.experts_of(k);
+                            Part::Experts(ExpertChunk { experts, first: k == 0 })
+                        })
+                        .collect();
+                    let mut y = vec![0.0; n * spec.c];
+                    let mut own: Vec<Vec<f32>> =
+                        spec.acts.iter().map(|a| vec![0.0; n * a.width]).collect();
+                    {
+                        let mut slots = act_slots(
+                            &x[..],
+                            Slot::W(&mut y[..]),
+                            own.iter_mut().map(|v| &mut v[..]),
+                        );
+                        run(&mut part, &mut slots, Part::Before);
+                        for ch in chunks.iter().cloned() {
+                            run(&mut part, &mut slots, ch);
+                        }
+                        run(&mut part, &mut slots, Part::After);
+                    }
+                    assert_eq!(bits(&y), bits(&y_want), "{what}: forward");
+                    // The backward's recompute leaves the experts' output as it was: poison it.
+                    own.iter_mut().for_each(|a| a.fill(f32::NAN));
+                    let mut slots =
+                        act_slots(&x[..], Slot::W(&mut y[..]), own.iter_mut().map(|v| &mut v[..]));
+                    run(&mut part, &mut slots, Part::Trunk);
+                    let mut dres = r.clone();
+                    let mut rest: Vec<Vec<f32>> =
+                        spec.grads[1..].iter().map(|&g| vec![0.0; n * g]).collect();
+                    let mut g = grad_slots(&mut dres[..], rest.iter_mut().map(|v| &mut v[..]));
+                    let mut dw = vec![0.0; spec.train_len()];
+                    let back = |part: &mut TestWeights,
+                                g: &mut [Slot<'_, [f32]>],
+                                dw: &mut [f32],
+                                p: Part| {
+                        match &p {
+                            Part::Experts(ch) => {
+                                part.hold(&whole, &split.chunks[ch.experts.start / per])
+                            }
+                            _ => part.hold(&whole, &split.trunk),
+                        }
+                        layer_backward_part(
+                            &be,
+                            spec,
+                            g,
+                            dw,
+                            &slots,
+                            &mut part.view(),
+                            &views,
+                            ROWS,
+                            &p,
+                        );
+                    };
+                    back(&mut part, &mut g, &mut dw, Part::After);
+                    for ch in chunks.iter().cloned() {
+                        back(&mut part, &mut g, &mut dw, ch);
+                    }
+                    back(&mut part, &mut g, &mut dw, Part::Before);
+                    drop(g);
+                    assert_eq!(
+                        (bits(&dres), bits(&dw)),
+                        (bits(&want.0), bits(&want.1)),
+                        "{what}: backward"
+                    );
                 }
             }
         }

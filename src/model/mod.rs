@@ -4,6 +4,7 @@
 //! decoder of generation.
 
 pub mod base;
+pub mod chunks;
 pub mod families;
 pub mod kv_cache;
 pub mod layer;

@@ -25,7 +25,8 @@ use std::ops::Range;
 use horizon_backend::cpu::moe_sort;
 use horizon_backend::{Backend, DeviceSlice, Dinp, MoeDims};
 
-use crate::model::layer::{Packed, Slot, Weights, weight_of};
+use crate::model::chunks::SlotMap;
+use crate::model::layer::{ExpertChunk, Packed, Slot, Weights, at, weight_of};
 use crate::model::layout::ModelLayout;
 use crate::model::spec::{Act, ExpertLora, LayerSpec, Op};
 
@@ -58,6 +59,14 @@ impl MoeHost {
         let (o, p) = idx.slice_mut(0..2 * m).split_at_mut(m);
         be.upload(o, &self.order);
         be.upload(p, &self.pos);
+    }
+
+    /// [`MoeHost::segments`] of the experts of `chunk` (all of them without one).
+    fn segments_in<'s>(
+        &'s self,
+        chunk: Option<&'s ExpertChunk>,
+    ) -> impl Iterator<Item = (usize, usize, usize)> + 's {
+        self.segments().filter(move |(x, _, _)| chunk.is_none_or(|ch| ch.experts.contains(x)))
     }
 
     /// Each expert's first pair and pair count, in expert order (experts with no pair left out).
@@ -124,7 +133,7 @@ pub(crate) fn route_backward<B: Backend>(
 /// or (QLoRA) its NF4 tensors dequantised into the workspace.
 fn expert_mat<'w, B: Backend>(
     be: &B,
-    (slot, packed): (&'w B::WBuf, &'w mut Option<Packed<'_, B>>),
+    (slot, packed, map): (&'w B::WBuf, &'w mut Option<Packed<'_, B>>, Option<&SlotMap>),
     op: &Op,
     x: usize,
     down: bool,
@@ -133,10 +142,10 @@ fn expert_mat<'w, B: Backend>(
         unreachable!()
     };
     match nf4 {
-        Some(w) => weight_of(be, (slot, packed), &w[x][usize::from(down)]),
+        Some(w) => weight_of(be, (slot, packed, map), &w[x][usize::from(down)]),
         None => {
             let (r, len) = if down { (dn, c * i) } else { (gate_up, 2 * i * c) };
-            slot.slice(r.start + x * len..r.start + (x + 1) * len)
+            slot.slice(at(map, &(r.start + x * len..r.start + (x + 1) * len)))
         }
     }
 }
@@ -176,6 +185,7 @@ pub(crate) fn experts_forward<B: Backend>(
     slots: &mut [Slot<'_, B::Buf>],
     wts: &mut Weights<'_, B>,
     n: usize,
+    chunk: Option<&ExpertChunk>,
 ) {
     let Op::Experts { inp, sel, wts: rw, out, gu, scratch, ref lora, .. } = *op else {
         unreachable!()
@@ -185,14 +195,14 @@ pub(crate) fn experts_forward<B: Backend>(
     match lora.scratch {
         None => {
             let b = slots.get_disjoint_mut(io).expect("distinct");
-            experts_forward_in(be, op, b, None, wts, n);
+            experts_forward_in(be, op, b, None, wts, (n, chunk));
         }
         Some([u, t]) => {
             let idx = [io[0], io[1], io[2], io[3], io[4], io[5], io[6], io[7], io[8], u, t];
             let [b0, b1, b2, b3, b4, b5, b6, b7, b8, u, t] =
                 slots.get_disjoint_mut(idx).expect("distinct");
             let b = [b0, b1, b2, b3, b4, b5, b6, b7, b8];
-            experts_forward_in(be, op, b, Some((u.whole(), t.whole())), wts, n);
+            experts_forward_in(be, op, b, Some((u.whole(), t.whole())), wts, (n, chunk));
         }
     }
 }
@@ -205,34 +215,39 @@ fn experts_forward_in<'o, B: Backend>(
     [h, sl, w, o, g, xs, s, ys, idx]: [&mut Slot<'_, B::Buf>; 9],
     mut scratch: Option<(&mut B::Buf, &mut B::Buf)>,
     wts: &mut Weights<'_, B>,
-    n: usize,
+    (n, chunk): (usize, Option<&ExpertChunk>),
 ) {
     let Op::Experts { e, k, i, c, ref lora, .. } = *op else { unreachable!() };
     let m = n * k;
     let host = &mut *wts.moe.as_mut().expect("a sparse layer runs with its MoeIo").host;
-    host.sort(be, sl.r(m), idx.w(2 * m), m, e);
+    let first = chunk.is_none_or(|ch| ch.first);
+    if first {
+        host.sort(be, sl.r(m), idx.w(2 * m), m, e);
+    }
     let order = idx.r(2 * m).slice(0..m);
-    let (slot, packed) = (wts.slot, &mut wts.packed);
+    let (slot, packed, map) = (wts.slot, &mut wts.packed, wts.map);
     let adapter = |l: Option<&'o ExpertLora>, x, ic, oc| {
         l.map(|l| {
             let (a, b) = adapter_ranges(l, x, ic, oc);
-            (slot.slice(a), slot.slice(b), l)
+            (slot.slice(at(map, &a)), slot.slice(at(map, &b)), l)
         })
     };
     let out = o.w(n * c);
-    be.zero(out);
+    if first {
+        be.zero(out);
+    }
     // Expert by expert: its rows gathered, through gate|up, SwiGLU and down, added back.
-    for (x, at, cnt) in host.segments() {
-        let ord = order.slice(at..at + cnt);
+    for (x, pos, cnt) in host.segments_in(chunk) {
+        let ord = order.slice(pos..pos + cnt);
         let (xs, g) = (xs.w(cnt * c), g.w(cnt * 2 * i));
         be.moe_gather(xs, h.r(n * c), ord, k, c);
-        let wgu = expert_mat(be, (slot, &mut *packed), op, x, false);
+        let wgu = expert_mat(be, (slot, &mut *packed, map), op, x, false);
         let sc = scratch.as_mut().map(|(u, t)| (&mut **u, &mut **t));
         let gate_up = adapter(lora.gate_up.as_ref(), x, c, 2 * i);
         project(be, (&mut *g, &*xs), wgu, gate_up, sc, cnt, c, 2 * i);
         let (s, ys) = (s.w(cnt * i), ys.w(cnt * c));
         be.swiglu_forward(s, g, cnt, i);
-        let wd = expert_mat(be, (slot, &mut *packed), op, x, true);
+        let wd = expert_mat(be, (slot, &mut *packed, map), op, x, true);
         let sc = scratch.as_mut().map(|(u, t)| (&mut **u, &mut **t));
         project(be, (&mut *ys, &*s), wd, adapter(lora.down.as_ref(), x, i, c), sc, cnt, i, c);
         be.moe_scatter_add(out, ys, ord, Some(w.r(m)), k, c);
@@ -290,14 +305,16 @@ pub(crate) fn experts_backward<B: Backend>(
     dw: &mut B::Buf,
     acts: &[Slot<'_, B::Buf>],
     wts: &mut Weights<'_, B>,
-    n: usize,
+    (n, chunk): (usize, Option<&ExpertChunk>),
 ) {
     let Op::Experts { inp, sel, wts: rw, e, k, c, .. } = *op else { unreachable!() };
     let m = n * k;
     let act = |a: Act, w: usize| acts[a].r(n * w);
     let [dy, sw, ds, dgu, xs, s, idx, ubuf, gbuf, gu] = g.t;
     let host = &mut *wts.moe.as_mut().expect("a sparse layer runs with its MoeIo").host;
-    host.sort(be, act(sel, k), idx, m, e);
+    if chunk.is_none_or(|ch| ch.first) {
+        host.sort(be, act(sel, k), idx, m, e);
+    }
     let order = idx.slice(0..m);
     let dinp = match g.dinp {
         Dinp::Write(d) => {
@@ -307,10 +324,10 @@ pub(crate) fn experts_backward<B: Backend>(
         Dinp::Add(d) => d,
     };
     let (w, h) = (act(rw, k), act(inp, c));
-    let ws = (wts.slot, &mut wts.packed);
+    let ws = (wts.slot, &mut wts.packed, wts.map);
     let mut bufs = ExpertBufs { dy, sw, ds, dgu, xs, s, gu, u: ubuf, t: gbuf };
-    for (x, at, cnt) in host.segments() {
-        let ord = order.slice(at..at + cnt);
+    for (x, pos, cnt) in host.segments_in(chunk) {
+        let ord = order.slice(pos..pos + cnt);
         let seg = Segment { x, cnt, ord, w, h, dout: g.dout };
         expert_backward(
             be,
@@ -318,8 +335,7 @@ pub(crate) fn experts_backward<B: Backend>(
             seg,
             &mut bufs,
             (&mut *dinp, &mut *g.dwts, &mut *dw),
-            ws.0,
-            &mut *ws.1,
+            (ws.0, &mut *ws.1, ws.2),
         );
     }
 }
@@ -358,8 +374,7 @@ fn expert_backward<'o, B: Backend>(
     seg: Segment<'_, B::Buf>,
     b: &mut ExpertBufs<'_, B::Buf>,
     (dinp, dwts, dw): (&mut B::Buf, &mut B::Buf, &mut B::Buf),
-    slot: &B::WBuf,
-    packed: &mut Option<Packed<'_, B>>,
+    (slot, packed, map): (&B::WBuf, &mut Option<Packed<'_, B>>, Option<&SlotMap>),
 ) {
     let Op::Experts { ref gate_up, ref down, k, i, c, ref lora, .. } = *op else { unreachable!() };
     let Segment { x, cnt, ord, w, h, dout } = seg;
@@ -377,33 +392,34 @@ fn expert_backward<'o, B: Backend>(
     };
     be.moe_gather(xs, h, ord, k, c);
     let gate = adapter(lora.gate_up.as_ref(), c, 2 * i);
-    let wgu = expert_mat(be, (slot, &mut *packed), op, x, false);
-    let fwd = gate.as_ref().map(|(ra, rb, l)| (slot.slice(ra.clone()), slot.slice(rb.clone()), *l));
+    let wgu = expert_mat(be, (slot, &mut *packed, map), op, x, false);
+    let fwd =
+        gate.as_ref().map(|(ra, rb, l)| (slot.slice(at(map, ra)), slot.slice(at(map, rb)), *l));
     project(be, (&mut *gu, &*xs), wgu, fwd, Some((&mut *b.u, &mut *b.t)), cnt, c, 2 * i);
     be.swiglu_forward(s, gu, cnt, i);
     be.moe_gather(dy, dout, ord, k, c);
     be.copy(sw, s);
     be.moe_scale_rows(sw, w, ord, i);
-    let wd = expert_mat(be, (slot, &mut *packed), op, x, true);
+    let wd = expert_mat(be, (slot, &mut *packed, map), op, x, true);
     let ddw = spec.grad_range(down).map(|r| dw.slice_mut(part(&r, c * i)));
     be.matmul_backward(Some(Dinp::Write(&mut *ds)), ddw, None, dy, sw, wd, cnt, i, c);
     if let Some((ra, rb, l)) = adapter(lora.down.as_ref(), i, c) {
         let ag = AdapterGrad { dinp: &mut *ds, dout: dy, inp: sw, u_in: sw };
         let grads = two_grads(spec, dw, &ra, &rb);
-        let ws = (slot.slice(ra), slot.slice(rb), l);
+        let ws = (slot.slice(at(map, &ra)), slot.slice(at(map, &rb)), l);
         adapter_backward(be, ag, ws, grads, (&mut *b.u, &mut *b.t), cnt, i, c);
     }
     be.moe_row_dots(dwts, ds, s, ord, i);
     be.moe_scale_rows(ds, w, ord, i);
     be.swiglu_backward(dgu, ds, gu, cnt, i);
     let dxs = dy;
-    let wgu = expert_mat(be, (slot, &mut *packed), op, x, false);
+    let wgu = expert_mat(be, (slot, &mut *packed, map), op, x, false);
     let dgw = spec.grad_range(gate_up).map(|r| dw.slice_mut(part(&r, 2 * i * c)));
     be.matmul_backward(Some(Dinp::Write(&mut *dxs)), dgw, None, dgu, xs, wgu, cnt, c, 2 * i);
     if let Some((ra, rb, l)) = gate {
         let ag = AdapterGrad { dinp: &mut *dxs, dout: dgu, inp: xs, u_in: xs };
         let grads = two_grads(spec, dw, &ra, &rb);
-        let ws = (slot.slice(ra), slot.slice(rb), l);
+        let ws = (slot.slice(at(map, &ra)), slot.slice(at(map, &rb)), l);
         adapter_backward(be, ag, ws, grads, (&mut *b.u, &mut *b.t), cnt, c, 2 * i);
     }
     be.moe_scatter_add(dinp, dxs, ord, None, k, c);

@@ -609,7 +609,7 @@ pub(crate) fn layer_weights<'a, B: DeviceAlloc>(
 ) -> Weights<'a, B> {
     let slot = v(w, spec.len);
     let packed = (spec.packed > 0).then(|| Packed { words: v(packed, spec.packed), ws: &mut **ws });
-    Weights { slot, packed, moe: None }
+    Weights { slot, packed, moe: None, map: None }
 }
 
 /// `acc += x` on host buffers.
