@@ -152,11 +152,9 @@ impl ExpertSplit {
             h.sort_by_key(|r| r.start);
             h
         };
-        let whole_w = vec![0..spec.len];
-        let whole_p = vec![0..spec.packed];
         let (tw, tp) = match p.words {
-            true => (whole_w, complement(0..spec.packed, &holes)),
-            false => (complement(0..spec.len, &holes), whole_p),
+            true => (complement(0..spec.len, &[]), complement(0..spec.packed, &holes)),
+            false => (complement(0..spec.len, &holes), complement(0..spec.packed, &[])),
         };
         let trunk = map_of(tw, tp);
         let chunks = (0..e.div_ceil(per_chunk))

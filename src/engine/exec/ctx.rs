@@ -452,7 +452,7 @@ impl Ctx {
             // contract); nothing else views the workspace while the layer runs.
             ws: unsafe { vw.wbuf_mut(dequant) },
         });
-        Weights { slot: vw.wbuf(sb).slice(0..spec.len), packed, moe: None }
+        Weights { slot: vw.wbuf(sb).slice(0..spec.len), packed, moe: None, map: None }
     }
 
     /// The buffer at `param_index` `i`.
