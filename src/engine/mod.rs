@@ -9,6 +9,7 @@
 //!
 //! [`Device`]: horizon_backend::Device
 
+pub mod chunking;
 pub mod exec;
 pub mod head_tiles;
 pub mod memory;

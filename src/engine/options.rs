@@ -241,6 +241,10 @@ pub struct EngineConfig {
     /// `engine.head_tile_rows`: vocabulary rows per LM-head tile, at most what fits in a weight
     /// slot ([`HeadTiling::new`](crate::engine::head_tiles::HeadTiling::new)); `None`: as many as fit.
     pub head_tile_rows: Option<usize>,
+    /// `engine.expert_chunk` resolved: a sparse layer with frozen experts is held as its trunk
+    /// in a weight slot and its experts in chunks of this many, streamed through two slots of
+    /// their own ([`crate::engine::chunking`]); `None`: whole layers.
+    pub expert_chunk: Option<usize>,
     /// AdamW and clipping (the learning rate comes with each step, from the schedule).
     pub adamw: AdamWConfig,
     pub grad_clip: f64,
@@ -293,6 +297,7 @@ impl EngineConfig {
             grad_slabs: 2,
             head_chunk_rows: 64,
             head_tile_rows: None,
+            expert_chunk: None,
             adamw: AdamWConfig { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 },
             grad_clip: 1.0,
             kept_layers: 0,

@@ -2,6 +2,7 @@
 //! machine. One rule for `horizon train` (on this machine) and `horizon plan --hardware` (on
 //! the profile's), so that a projection plans the run that would run.
 
+use crate::engine::chunking::Chunking;
 use crate::engine::memory::MemoryPlan;
 use crate::engine::options::EngineConfig;
 use crate::engine::options::Recompute;
@@ -63,6 +64,7 @@ pub fn resolve(
     m: &Machine,
 ) -> EngineConfig {
     let base = EngineConfig { weights: WeightPath::Masters, ..base };
+    let base = chunk_experts(layout, base, m);
     let e = match recompute {
         Recompute::Always => keeping(base, 0),
         Recompute::Never => keeping(base, layout.dims.layers),
@@ -81,6 +83,28 @@ pub fn resolve(
         }
         (true, WeightUpload::Auto) => e,
     }
+}
+
+/// `base` with `engine.expert_chunk` resolved: as it is when set or without an explicit device
+/// budget; else whole layers when their plan fits the budget, or the largest chunks of frozen
+/// experts whose plan does (a binary search: the plan grows with the chunk), or the smallest
+/// (one expert a chunk, which the plan's check then refuses) when none does.
+pub fn chunk_experts(layout: &ModelLayout, base: EngineConfig, m: &Machine) -> EngineConfig {
+    let experts = layout.moe.as_ref().map_or(0, |moe| moe.num_experts);
+    if base.expert_chunk.is_some() || m.device_budget.is_none() || m.fits(layout, &base) {
+        return base;
+    }
+    let with = |k: usize| EngineConfig { expert_chunk: Some(k), ..base };
+    if experts < 2 || !Chunking::new(layout, Some(1)).any() {
+        return base; // nothing to chunk: the plan's check says what does not fit
+    }
+    // `lo` experts a chunk fit (or nothing does); `hi` do not.
+    let (mut lo, mut hi) = (1, experts);
+    while hi - lo > 1 {
+        let mid = (lo + hi) / 2;
+        if m.fits(layout, &with(mid)) { lo = mid } else { hi = mid }
+    }
+    with(lo)
 }
 
 /// `base` with `kept` layers keeping their internals: a checkpoint every layer when any does,

@@ -5,6 +5,7 @@
 use horizon_backend::Precision;
 use horizon_backend::pool::ALIGN_ELEMS;
 
+use crate::engine::chunking::Chunking;
 use crate::engine::head_tiles::{HeadTiling, STATS};
 use crate::engine::options::EngineConfig;
 use crate::engine::options::{GradWire, WeightPath};
@@ -22,6 +23,11 @@ pub struct Sizes {
     /// then its packed NF4 words); the head is applied in tiles that fit beside the final
     /// norm, or whole where it fits.
     pub slot: usize,
+    /// One of the two expert slots, in weights: the largest chunk of a chunked layer's
+    /// experts (`engine.expert_chunk`; 0 when every layer is held whole).
+    pub chunk_slot: usize,
+    /// Chunks of each chunked layer's experts (1 when every layer is held whole).
+    pub expert_chunks: usize,
     /// One gradient accumulator (f32): the slot in full fine-tuning; in an adapter run the
     /// largest layer's adapters (the frozen head has no gradient).
     pub dw: usize,
@@ -125,13 +131,6 @@ pub fn stage_elems(layout: &ModelLayout, head: &HeadTiling) -> usize {
     layers.max(head)
 }
 
-/// Weights a slot needs for the largest layer: its weights in `weight_bytes` each, then its
-/// packed words (4 bytes each) from the next 4-byte boundary.
-fn layer_slot_weights(layout: &ModelLayout, weight_bytes: usize) -> usize {
-    let elems = |k: &crate::model::spec::LayerSpec| (k.len * weight_bytes).div_ceil(4) + k.packed;
-    layout.kinds.iter().map(|k| (elems(k) * 4).div_ceil(weight_bytes)).max().unwrap_or(0)
-}
-
 impl Sizes {
     pub fn new(layout: &ModelLayout, cfg: &EngineConfig) -> Self {
         let d = &layout.dims;
@@ -153,7 +152,10 @@ impl Sizes {
         let layer_scratch = scratch_acts + n * d.c; // y
         let grad_scratch = n * grad_widths[1..].iter().sum::<usize>();
         let precision = cfg.backend.precision();
-        let layer_slot = layer_slot_weights(layout, precision.weight_bytes());
+        // A slot holds the largest layer, or of a layer whose experts stream in chunks its
+        // trunk (`Chunking::layer_slot`).
+        let chunking = Chunking::new(layout, cfg.expert_chunk);
+        let layer_slot = chunking.layer_slot(layout, precision.weight_bytes());
         let head = HeadTiling::for_slot(layout, layer_slot, cfg.head_tile_rows);
         let whole = head.is_whole();
         let head_scratch = if whole { n * d.c * 2 + n + chunk * d.v } else { 0 };
@@ -186,6 +188,8 @@ impl Sizes {
         let slot = layer_slot.max(d.c + head.rows * d.c);
         Sizes {
             slot,
+            chunk_slot: chunking.chunk_slot(precision.weight_bytes()),
+            expert_chunks: chunking.chunks(),
             dw: if layout.trains_base() { slot } else { layout.max_train_len() },
             dequant: layout.max_workspace(),
             head,
@@ -240,6 +244,11 @@ impl Sizes {
         (self.slot * self.precision.weight_bytes()).div_ceil(4)
     }
 
+    /// f32 elements of pool memory one expert slot takes.
+    pub fn chunk_slot_elems(&self) -> usize {
+        (self.chunk_slot * self.precision.weight_bytes()).div_ceil(4)
+    }
+
     /// f32 elements of pool memory the dequantisation workspace takes.
     pub fn dequant_elems(&self) -> usize {
         (self.dequant * self.precision.weight_bytes()).div_ceil(4)
@@ -260,7 +269,9 @@ impl Sizes {
         // Buffers `Engine::new` allocates: slots and accumulators, per micro-batch the residual
         // streams, residual gradient, ids, targets, losses (and, tiled, the head's hf, dhf,
         // rstd, stats); the scratch; the workspace; the final norm's accumulator.
+        let chunked = self.chunk_slot > 0;
         let buffers = 5
+            + 2 * usize::from(chunked)
             + m * (self.act_sets + 4 + if tiled { 4 } else { 0 })
             + self.scratch_buffers
             + usize::from(self.workspace_bytes > 0)
@@ -295,6 +306,10 @@ impl Sizes {
         ];
         if self.moe > 0 {
             lines.push(("mixture of experts: row mask, load-balancing statistics", self.moe * 4));
+        }
+        if chunked {
+            let what = "expert slots (2: a chunk of a layer's experts each, engine.expert_chunk)";
+            lines.push((what, 2 * self.chunk_slot_elems() * 4));
         }
         if tiled {
             lines.extend([

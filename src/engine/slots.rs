@@ -13,8 +13,10 @@
 
 use std::ops::Range;
 
+use crate::engine::chunking::Chunking;
 use crate::engine::head_tiles::HeadTiling;
 use crate::engine::plan::{ParamBuf, SlotContent};
+use crate::model::chunks::SlotMap;
 use crate::model::layout::ModelLayout;
 
 /// A frozen base tensor a slot region copies from.
@@ -35,12 +37,13 @@ pub enum Source {
     Trained { buf: ParamBuf, range: Range<usize> },
     /// Weights `range` of a frozen base tensor, in the base's dtype.
     Frozen { tensor: FrozenTensor, range: Range<usize> },
-    /// Layer `layer`'s packed NF4 words, after the slot's weights.
-    Packed { layer: usize },
+    /// Words `words` of layer `layer`'s packed NF4 words, into the slot's words region (after
+    /// its first `slot_weights` weights; the region's `at` counts words from there).
+    Packed { layer: usize, words: Range<usize>, slot_weights: usize },
 }
 
-/// One region of a slot: its source, landing at weight `at` of the slot (a packed region lands
-/// after the layer's weights, wherever its description puts it).
+/// One region of a slot: its source, landing at weight `at` of the slot (a packed region at
+/// word `at` of the slot's words region, after its weights).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Region {
     pub at: usize,
@@ -64,16 +67,35 @@ pub struct SlotRegions {
     layers: Vec<Vec<Region>>,
     /// One list per head tile (one for a whole head).
     head: Vec<Vec<Region>>,
+    /// Per layer, one list per chunk of its experts (none for a layer held whole).
+    experts: Vec<Vec<Vec<Region>>>,
 }
 
 impl SlotRegions {
     /// The regions of `layout`'s slots, the head in `tiling`'s tiles, its trained weights in
     /// `head_buf` (the embedding when tied).
-    pub fn new(layout: &ModelLayout, head_buf: ParamBuf, tiling: &HeadTiling) -> Self {
-        let layers = (0..layout.dims.layers).map(|i| layer_regions(layout, i)).collect();
+    pub fn new(
+        layout: &ModelLayout,
+        head_buf: ParamBuf,
+        tiling: &HeadTiling,
+        chunking: &Chunking,
+    ) -> Self {
+        let l = layout.dims.layers;
+        let layers = (0..l)
+            .map(|i| match chunking.trunk(i) {
+                Some(map) => mapped_regions(layout, i, map),
+                None => layer_regions(layout, i),
+            })
+            .collect();
+        let experts = (0..l)
+            .map(|i| {
+                let chunks = chunking.split(i).map_or(&[][..], |s| &s.chunks[..]);
+                chunks.iter().map(|map| mapped_regions(layout, i, map)).collect()
+            })
+            .collect();
         let head =
             (0..tiling.tiles()).map(|k| head_regions(layout, head_buf, tiling.range(k))).collect();
-        SlotRegions { layers, head }
+        SlotRegions { layers, head, experts }
     }
 
     /// What a slot holding `what` receives, in upload order.
@@ -82,8 +104,34 @@ impl SlotRegions {
             SlotContent::Layer(i) => &self.layers[i],
             SlotContent::Head => &self.head[0],
             SlotContent::HeadTile(k) => &self.head[k],
+            SlotContent::Experts { layer, chunk } => &self.experts[layer][chunk],
         }
     }
+}
+
+/// Part of layer `i` (a chunked layer's trunk or expert chunk) laid out by `map`: each piece of
+/// its weights from the frozen base or the trained buffer (a piece is cut where the frozen part
+/// ends), each piece of its packed words as it is.
+fn mapped_regions(layout: &ModelLayout, i: usize, map: &SlotMap) -> Vec<Region> {
+    let frozen = layout.layer(i).frozen;
+    let mut out = Vec::new();
+    for (r, at) in &map.weights {
+        let cut = frozen.clamp(r.start, r.end);
+        if cut > r.start {
+            let src = Source::Frozen { tensor: FrozenTensor::Layer(i), range: r.start..cut };
+            out.push(Region { at: *at, src });
+        }
+        if r.end > cut {
+            let range = cut - frozen..r.end - frozen;
+            let src = Source::Trained { buf: ParamBuf::Layer(i), range };
+            out.push(Region { at: at + (cut - r.start), src });
+        }
+    }
+    for (r, at) in &map.words {
+        let src = Source::Packed { layer: i, words: r.clone(), slot_weights: map.len };
+        out.push(Region { at: *at, src });
+    }
+    out
 }
 
 /// Layer `i`: in full fine-tuning its trained weights; with adapters the frozen part, then the
@@ -102,7 +150,8 @@ fn layer_regions(layout: &ModelLayout, i: usize) -> Vec<Region> {
         Region { at: spec.frozen, src: trained },
     ];
     if spec.packed > 0 {
-        out.push(Region { at: spec.len, src: Source::Packed { layer: i } });
+        let src = Source::Packed { layer: i, words: 0..spec.packed, slot_weights: spec.len };
+        out.push(Region { at: 0, src });
     }
     out
 }
@@ -137,7 +186,7 @@ mod tests {
     fn a_slot_is_trained_weights_in_full_fine_tuning_and_mostly_frozen_with_adapters() {
         let full = crate::model::families::fixture_layout();
         let tiling = HeadTiling::new(&full, Some(100));
-        let r = SlotRegions::new(&full, ParamBuf::Head, &tiling);
+        let r = SlotRegions::new(&full, ParamBuf::Head, &tiling, &Chunking::default());
         let l0 = full.layer(0).len;
         assert_eq!(
             r.of(SlotContent::Layer(0)),
@@ -158,7 +207,7 @@ mod tests {
             experts: Default::default(),
         };
         let adapted = full.with_lora(&lora).unwrap();
-        let r = SlotRegions::new(&adapted, ParamBuf::Head, &tiling);
+        let r = SlotRegions::new(&adapted, ParamBuf::Head, &tiling, &Chunking::default());
         let spec = adapted.layer(0);
         let layer = r.of(SlotContent::Layer(0));
         assert_eq!(layer.len(), 3, "frozen, adapters, packed words");
@@ -169,7 +218,8 @@ mod tests {
                 src: Source::Trained { buf: ParamBuf::Layer(0), range: 0..spec.train_len() }
             }
         );
-        assert_eq!(layer[2].src, Source::Packed { layer: 0 });
+        let words = 0..spec.packed;
+        assert_eq!(layer[2].src, Source::Packed { layer: 0, words, slot_weights: spec.len });
         assert!(r.of(SlotContent::HeadTile(0)).iter().all(|g| g.trained_len() == 0));
     }
 }

@@ -375,6 +375,13 @@ pub struct EngineSection {
     /// in one slot is applied whole. A value here can only make tiles smaller (more of them);
     /// unset by default.
     pub head_tile_rows: Option<usize>,
+    /// Experts per chunk of a mixture of experts' sparse layer: the layer's trunk (attention,
+    /// router, shared expert, adapters) stays in a weight slot and its routed experts stream
+    /// through two slots of their own this many at a time, so device memory does not grow
+    /// with the number of experts. Unset (default): whole layers, unless an explicit
+    /// `device.memory` does not hold them, when the largest chunk that fits is taken. Only
+    /// frozen experts are chunked (LoRA or QLoRA whose targets leave the experts out).
+    pub expert_chunk: Option<usize>,
     /// Whether the backward recomputes layer internals: `auto` (default) keeps every layer's
     /// forward internals on the device when an explicit `device.memory` holds that plan, else
     /// recomputes (`device.memory: auto` is the smallest plan, so it recomputes); `always`
@@ -412,6 +419,7 @@ impl Default for EngineSection {
             grad_slabs: 4,
             head_chunk_rows: 256,
             head_tile_rows: None,
+            expert_chunk: None,
             recompute: Recompute::Auto,
             grad_wire: GradWire::Fp32,
             weight_upload: WeightUpload::Auto,
@@ -622,6 +630,7 @@ impl RawConfig {
             grad_slabs: self.engine.grad_slabs,
             head_chunk_rows: self.engine.head_chunk_rows,
             head_tile_rows: self.engine.head_tile_rows,
+            expert_chunk: self.engine.expert_chunk,
             adamw: self.adamw(),
             grad_clip: self.optimizer.grad_clip,
             memory: self.optimizer.memory,
@@ -710,6 +719,7 @@ impl RawConfig {
             ("train.max_seq_len", t.max_seq_len),
             ("engine.head_chunk_rows", self.engine.head_chunk_rows),
             ("engine.head_tile_rows", self.engine.head_tile_rows.unwrap_or(1)),
+            ("engine.expert_chunk", self.engine.expert_chunk.unwrap_or(1)),
             ("engine.checkpoint_every", self.engine.checkpoint_every),
             ("engine.grad_slabs", self.engine.grad_slabs),
             ("engine.host_threads", self.engine.host_threads.count().unwrap_or(1)),

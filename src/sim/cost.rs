@@ -7,6 +7,7 @@ use horizon_backend::Queue;
 use horizon_backend::cpu::GATHER_SERIAL_ELEMS;
 use horizon_backend::threads::QueueCpus;
 
+use crate::engine::chunking::Chunking;
 use crate::engine::options::EngineConfig;
 use crate::engine::options::{GradWire, WeightPath};
 use crate::engine::plan::{GradTarget, OpKind, ParamBuf, Res, SlotContent};
@@ -450,14 +451,43 @@ impl CostModel<'_> {
         self.pool(self.update(p, elems) + self.pass(HostPass::Zero, elems))
     }
 
-    /// A layer's weights on the wire, and the host work of getting them there.
-    fn upload_layer(&self, l: &LayerSpec) -> Cost {
+    /// The engine's chunking of experts, when it streams any.
+    fn chunking(&self) -> Option<Chunking> {
+        (self.sizes.chunk_slot > 0).then(|| Chunking::new(self.layout, self.cfg.expert_chunk))
+    }
+
+    /// Layer `layer`'s experts (forward, or backward), all of them.
+    fn experts_of(&self, layer: usize, backward: bool) -> f64 {
+        let l = self.layout.layer(layer);
+        let ops = l.ops.iter().filter(|op| matches!(op, Op::Experts { .. }));
+        ops.map(|op| self.experts(l, op, backward)).sum()
+    }
+
+    /// [`Self::experts_of`] when the layer streams its experts in chunks (their own ops then
+    /// run them), else 0.
+    fn chunked_experts(&self, layer: usize, backward: bool) -> f64 {
+        match self.chunking().is_some_and(|c| c.split(layer).is_some()) {
+            true => self.experts_of(layer, backward),
+            false => 0.0,
+        }
+    }
+
+    /// Chunk `chunk`'s share of its layer's experts.
+    fn chunk_share(&self, layer: usize, chunk: usize) -> f64 {
+        let c = self.chunking().expect("chunks come with chunking");
+        let s = c.split(layer).expect("a chunked layer");
+        s.experts_of(chunk).len() as f64 / s.experts as f64
+    }
+
+    /// A layer's weights on the wire (`held`: the weights and packed words its slot holds,
+    /// all of it or its trunk), and the host work of getting them there.
+    fn upload_layer(&self, l: &LayerSpec, (len, packed): (usize, usize)) -> Cost {
         let wb = self.sizes.precision.weight_bytes() as f64;
-        let bytes = l.len as f64 * wb + l.packed as f64 * 4.0;
+        let bytes = len as f64 * wb + packed as f64 * 4.0;
         let c = self.copy(Queue::H2D, bytes);
         let rounded = match self.layout.adapter.as_ref().map(|a| a.base) {
             Some(BaseDtype::Bf16) => l.train_len(),
-            _ => l.len,
+            _ => len,
         };
         if self.upload == UploadPath::Staged {
             // The stage holds the trained part; an fp32 frozen base is still rounded on the way.
@@ -475,6 +505,7 @@ impl CostModel<'_> {
             _ if !self.layout.trains_base() => 0,
             SlotContent::Head => d.c + d.v * d.c,
             SlotContent::HeadTile(t) => d.c + self.tile_rows(t) * d.c,
+            SlotContent::Experts { .. } => 0,
         };
         self.pool(self.pass(HostPass::Round, elems))
     }
@@ -520,7 +551,20 @@ impl CostModel<'_> {
             }
             OpKind::UploadAct { .. } => self.copy(Queue::H2D, act),
             OpKind::UploadWeights { what, .. } => match what {
-                SlotContent::Layer(i) => self.upload_layer(self.layout.layer(i)),
+                SlotContent::Layer(i) => {
+                    let l = self.layout.layer(i);
+                    let held = self.chunking().and_then(|c| c.trunk(i).map(|m| (m.len, m.packed)));
+                    self.upload_layer(l, held.unwrap_or((l.len, l.packed)))
+                }
+                SlotContent::Experts { layer, chunk } => {
+                    let c = self.chunking().expect("chunks come with chunking");
+                    let m = &c.split(layer).expect("a chunked layer").chunks[chunk];
+                    let bytes = m.len as f64 * wb + m.packed as f64 * 4.0;
+                    let fp32_base =
+                        self.layout.adapter.as_ref().map(|a| a.base) == Some(BaseDtype::F32);
+                    let c = self.copy(Queue::H2D, bytes);
+                    if fp32_base { self.rounded_in(c, m.len as f64) } else { c }
+                }
                 SlotContent::Head => {
                     let e = (d.c + d.v * d.c) as f64;
                     let c = self.copy(Queue::H2D, e * wb);
@@ -535,7 +579,17 @@ impl CostModel<'_> {
             OpKind::StageWeights { what, .. } => self.stage(what),
             OpKind::SaveCkpt { .. } | OpKind::DownloadDres { .. } => self.copy(Queue::D2H, act),
             OpKind::Forward { layer, .. } => {
-                self.kernel(self.layer_forward(self.layout.layer(layer)))
+                let l = self.layout.layer(layer);
+                self.kernel(self.layer_forward(l) - self.chunked_experts(layer, false))
+            }
+            OpKind::ForwardExperts { layer, chunk, .. } => {
+                self.kernel(self.chunk_share(layer, chunk) * self.experts_of(layer, false))
+            }
+            OpKind::BackwardExperts { layer, chunk, .. } => {
+                self.kernel(self.chunk_share(layer, chunk) * self.experts_of(layer, true))
+            }
+            OpKind::ForwardEnd { .. } | OpKind::BackwardEnd { .. } => {
+                self.kernel(self.device.launch())
             }
             OpKind::ZeroDw { .. } => self.kernel(self.device.stream(self.sizes.dw as f64 * 4.0)),
             // A host op that writes one element when a test asks it to.
@@ -557,7 +611,9 @@ impl CostModel<'_> {
                 let l = self.layout.layer(layer);
                 let kept = reads.iter().any(|r| matches!(r, Res::Stash { .. }));
                 let fwd = if kept { self.layer_rebuild(l) } else { self.layer_forward(l) };
-                self.kernel(fwd + self.layer_backward(l))
+                let experts =
+                    self.chunked_experts(layer, false) + self.chunked_experts(layer, true);
+                self.kernel(fwd + self.layer_backward(l) - experts)
             }
             OpKind::DownloadLosses { .. } => self.copy(Queue::D2H, n * 4.0),
             OpKind::DownloadDw { what, .. } => {

@@ -141,6 +141,7 @@ pub fn engine_config_for(
         grad_slabs: 2,
         head_chunk_rows: 7,
         head_tile_rows: None,
+        expert_chunk: None,
         adamw: horizon::optim::adamw::AdamWConfig {
             lr: e["lr"].as_f64().unwrap(),
             beta1: betas[0],

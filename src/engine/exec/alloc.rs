@@ -16,6 +16,7 @@ use super::ctx::{
 };
 use super::upload::{first_uploads, stage_weights};
 use super::{Engine, EvalRun, plan_shape};
+use crate::engine::chunking::Chunking;
 use crate::engine::head_tiles::STATS;
 use crate::engine::options::{EngineConfig, GradWire, WeightPath};
 use crate::engine::phases::{Phase, PhaseClock};
@@ -60,8 +61,10 @@ where
         let mut state = Box::new(state.into_memory(&layout, cfg.memory));
         let pinned_grads = pin_downloaded_grads(&dev, &mut state, &layout, shape.head_buf());
         let (host, hostbufs) = alloc_host(&dev, &mut state, &layout, &sizes, &cfg, shape);
+        let chunking = Chunking::new(&layout, cfg.expert_chunk);
         let ctx = Arc::new(Ctx {
-            regions: SlotRegions::new(&layout, shape.head_buf(), &sizes.head),
+            regions: SlotRegions::new(&layout, shape.head_buf(), &sizes.head, &chunking),
+            chunking,
             step: StepState::new(&layout, state.params.buffers().len(), state.last_sq.clone()),
             moe: super::moe::MoeState::new(&layout, sizes.mb_rows),
             weight_bytes: <D::Backend as Backend>::PRECISION.weight_bytes(),
@@ -393,7 +396,10 @@ pub(super) fn alloc_device<D: Device>(
 ) -> Result<DeviceBuffers> {
     let a = DeviceAlloc { dev, planned: sizes.device_total() };
     let (n, mbs) = (sizes.mb_rows, sizes.micro_batches);
-    let slots = [a.one(sizes.slot_elems())?, a.one(sizes.slot_elems())?];
+    // The two layer slots, then (experts in chunks) the two expert slots.
+    let expert_slots = if sizes.chunk_slot > 0 { 2 } else { 0 };
+    let mut slots = a.many(2, sizes.slot_elems())?;
+    slots.extend(a.many(expert_slots, sizes.chunk_slot_elems())?);
     let workspace = a.one(sizes.workspace_elems())?;
     let dws = [a.one(sizes.dw)?, a.one(sizes.dw)?];
     let acts = (0..sizes.act_sets).map(|_| a.many(mbs, sizes.act)).collect::<Result<_>>()?;

@@ -13,7 +13,8 @@ use crate::engine::head_tiles::{STATS, TileDims, TileRows, tile_finish, tile_gra
 use crate::engine::phases::Phase;
 use crate::engine::plan::{OpKind, Res};
 use crate::model::layer::{
-    Rows, Slot, act_slots, grad_slots, layer_backward, layer_forward, layer_rebuild,
+    ExpertChunk, Part, Rows, Slot, Weights, act_slots, grad_slots, layer_backward_part,
+    layer_forward_part, layer_rebuild,
 };
 use crate::model::transformer::{HeadBufs, HeadDims, HeadGrads, head_forward_backward};
 
@@ -28,9 +29,34 @@ where
             OpKind::Forward { layer, slot, m, src, dst, recompute } => {
                 let phase = if recompute { Phase::Recompute } else { Phase::Forward };
                 let inp = ctx.dev(grant, Res::Act { set: src, m }, false);
+                let at = (layer, slot, m);
+                // A chunked layer's forward runs the ops before its experts: no output yet.
+                let (out, part) = match ctx.chunking.split(layer) {
+                    Some(_) => (ctx.scratch(grant).y, Part::Before),
+                    None => (ctx.dev(grant, Res::Act { set: dst, m }, true), Part::Whole),
+                };
+                self.launch_layer_forward(phase, at, (inp, out), (Some(layer), part), sd, grant);
+            }
+            OpKind::ForwardExperts { layer, chunk, slot, m, src, first, recompute } => {
+                let phase = if recompute { Phase::Recompute } else { Phase::Forward };
+                let inp = ctx.dev(grant, Res::Act { set: src, m }, false);
+                let out = ctx.scratch(grant).y;
+                let part = self.chunk_part(layer, chunk, first);
+                self.launch_layer_forward(
+                    phase,
+                    (layer, slot, m),
+                    (inp, out),
+                    (None, part),
+                    sd,
+                    grant,
+                );
+            }
+            OpKind::ForwardEnd { layer, slot, m, src, dst, recompute } => {
+                let phase = if recompute { Phase::Recompute } else { Phase::Forward };
+                let inp = ctx.dev(grant, Res::Act { set: src, m }, false);
                 let out = ctx.dev(grant, Res::Act { set: dst, m }, true);
                 let at = (layer, slot, m);
-                self.launch_layer_forward(phase, at, (inp, out), Some(layer), sd, grant);
+                self.launch_layer_forward(phase, at, (inp, out), (None, Part::After), sd, grant);
             }
             OpKind::ZeroDw { dw } => self.zero(Phase::Backward, Res::Dw(dw), sd, grant),
             OpKind::HeadStats { tile, slot, m, src } => {
@@ -49,15 +75,27 @@ where
             OpKind::HeadLoss { slot, m, src } => self.launch_head_loss((slot, m, src), sd, grant),
             OpKind::TileLosses { m } => self.launch_tile_losses(m, sd, grant),
             OpKind::Backward { layer, slot, m, set, dw } => {
+                // A chunked layer's experts recompute in their own chunks' backwards.
+                let chunked = ctx.chunking.split(layer).is_some();
                 if ctx.devbufs.stash[layer].is_none() {
                     // Rebuild the layer's internals into the scratch first: its own task, so
                     // its time counts as recompute.
                     let inp = ctx.dev(grant, Res::Act { set, m }, false);
                     let at = (layer, slot, m);
                     let out = ctx.scratch(grant).y;
-                    self.launch_layer_forward(Phase::Recompute, at, (inp, out), None, sd, grant);
+                    let part = if chunked { Part::Trunk } else { Part::Whole };
+                    let io = (inp, out);
+                    self.launch_layer_forward(Phase::Recompute, at, io, (None, part), sd, grant);
                 }
-                self.launch_layer_backward((layer, slot, m, set, dw), sd, grant);
+                let part = if chunked { Part::After } else { Part::Whole };
+                self.launch_layer_backward((layer, slot, m, set, dw), part, sd, grant);
+            }
+            OpKind::BackwardExperts { layer, chunk, slot, m, set, dw, first } => {
+                let part = self.chunk_part(layer, chunk, first);
+                self.launch_layer_backward((layer, slot, m, set, dw), part, sd, grant);
+            }
+            OpKind::BackwardEnd { layer, slot, m, set, dw } => {
+                self.launch_layer_backward((layer, slot, m, set, dw), Part::Before, sd, grant);
             }
             _ => unreachable!("{kind:?} is not an op of this queue"),
         }
@@ -94,15 +132,45 @@ where
         }
     }
 
-    /// A layer's forward on micro-batch `m`, `inp` -> `out` (prefixes of the micro-batch's
-    /// rows), with weights in `slot`; its internals go to the layer's kept buffers where
-    /// `kept_of` names a layer that keeps them, else to the scratch.
+    /// Chunk `chunk` of layer `layer`'s experts as a part of its pass.
+    fn chunk_part(&self, layer: usize, chunk: usize, first: bool) -> Part {
+        let split = self.ctx.chunking.split(layer).expect("a chunked layer");
+        Part::Experts(ExpertChunk { experts: split.experts_of(chunk), first })
+    }
+
+    /// Layer `layer`'s weights in `slot` for `part`: a chunk of its experts from an expert
+    /// slot, else what its layer slot holds.
+    ///
+    /// # Safety
+    /// As [`Ctx::layer_weights`].
+    unsafe fn part_weights<'v>(
+        ctx: &'v Ctx,
+        g: &Grant,
+        vw: &'v dyn Views<D::Backend>,
+        (layer, slot): (usize, usize),
+        part: &Part,
+    ) -> Weights<'v, D::Backend> {
+        // SAFETY: the caller's contract.
+        unsafe {
+            match part {
+                Part::Experts(ch) => {
+                    let per = ctx.chunking.split(layer).expect("a chunked layer").per_chunk;
+                    ctx.chunk_weights(g, vw, (layer, ch.experts.start / per), slot)
+                }
+                _ => ctx.layer_weights(g, vw, layer, slot),
+            }
+        }
+    }
+
+    /// A layer's forward (`part` of it) on micro-batch `m`, `inp` -> `out` (prefixes of the
+    /// micro-batch's rows), with weights in `slot`; its internals go to the layer's kept
+    /// buffers where `kept_of` names a layer that keeps them, else to the scratch.
     fn launch_layer_forward(
         &self,
         phase: Phase,
         (layer, slot, m): (usize, usize, usize),
         (inp, out): (DevBuf, DevBuf),
-        kept_of: Option<usize>,
+        (kept_of, part): (Option<usize>, Part),
         sd: &Arc<StepData>,
         grant: &Grant,
     ) {
@@ -122,15 +190,17 @@ where
                 let out = Slot::W(vw.buf_mut(out.prefix(nc)));
                 let mut slots = act_slots(vw.buf(inp.prefix(nc)), out, own);
                 let spec = ctx.layout.layer(layer);
-                let mut w = ctx.layer_weights(g, vw, layer, slot);
+                let mut w = Self::part_weights(ctx, g, vw, (layer, slot), &part);
                 let mut moe = ctx.moe.as_ref().map(|s| s.lock().expect("moe state"));
                 if let (Some(st), Some(bufs)) = (moe.as_deref_mut(), ctx.devbufs.moe) {
-                    let pool = phase == Phase::Forward && sd.timed;
+                    // The routing (in the whole layer, or the part before the experts) pools.
+                    let routes = matches!(part, Part::Whole | Part::Before);
+                    let pool = phase == Phase::Forward && sd.timed && routes;
                     w.moe = Some(st.forward(vw, bufs, sd, m, pool));
                 }
                 let rows = Rows { b: mb.b, t: mb.t };
                 let ropes = ropes(vw, ctx, mb.t);
-                layer_forward(vw.backend(), spec, &mut slots, &mut w, &ropes, rows);
+                layer_forward_part(vw.backend(), spec, &mut slots, &mut w, &ropes, rows, &part);
             }
         });
     }
@@ -351,6 +421,7 @@ where
     fn launch_layer_backward(
         &self,
         (layer, slot, m, set, dw): (usize, usize, usize, usize, usize),
+        part: Part,
         sd: &Arc<StepData>,
         grant: &Grant,
     ) {
@@ -370,7 +441,7 @@ where
                 let x = vw.buf(ctx.dev(g, Res::Act { set, m }, false).prefix(nc));
                 let y = Slot::R(vw.buf(scratch.y));
                 let mut acts = act_slots(x, y, own.iter().map(|&b| vw.buf_mut(b)));
-                let mut w = ctx.layer_weights(g, vw, layer, slot);
+                let mut w = Self::part_weights(ctx, g, vw, (layer, slot), &part);
                 let mut moe = ctx.moe.as_ref().map(|s| s.lock().expect("moe state"));
                 if let (Some(st), Some(bufs)) = (moe.as_deref_mut(), ctx.devbufs.moe) {
                     w.moe = Some(st.backward(vw, bufs, sd, m, &ctx.layout));
@@ -381,7 +452,7 @@ where
                 }
                 let gs = scratch.grads.iter().map(|&b| vw.buf_mut(b));
                 let mut grads = grad_slots(vw.buf_mut(ctx.dev(g, Res::Dres(m), true)), gs);
-                layer_backward(
+                layer_backward_part(
                     vw.backend(),
                     spec,
                     &mut grads,
@@ -390,6 +461,7 @@ where
                     &mut w,
                     &ropes(vw, ctx, mb.t),
                     rows,
+                    &part,
                 );
             }
         });

@@ -8,14 +8,15 @@ use std::sync::{Arc, Mutex};
 use horizon_backend::bf16::expand_bf16;
 use horizon_backend::{Backend, Bf16, DevBuf, DeviceSlice, HostPtr, HostPtrMut, Views};
 
+use crate::engine::chunking::Chunking;
 use crate::engine::head_tiles::HeadTiling;
 use crate::engine::phases::PhaseClock;
 use crate::engine::plan::{Op, ParamBuf, PlanShape, Res};
 use crate::engine::slots::SlotRegions;
 use crate::model::base::FrozenBase;
+use crate::model::chunks::SlotMap;
 use crate::model::layer::{Packed, Weights};
 use crate::model::layout::ModelLayout;
-use crate::model::spec::LayerSpec;
 use crate::model::transformer::HeadBufs;
 use crate::optim::adamw::AdamWConfig;
 use crate::optim::adamw8bit::{Moments8, Moments8Mut};
@@ -90,6 +91,8 @@ pub(super) struct Ctx {
     pub(super) memory: OptimizerMemory,
     /// What each weight slot receives, region by region, for each thing it can hold.
     pub(super) regions: SlotRegions,
+    /// Which layers stream their experts in chunks, and where their parts sit in the slots.
+    pub(super) chunking: Chunking,
     pub(super) devbufs: DeviceBuffers,
     pub(super) hostbufs: HostBuffers,
     pub(super) step: StepState,
@@ -101,7 +104,8 @@ pub(super) struct Ctx {
 
 /// Every device buffer of the engine, allocated once ([`super::alloc::alloc_device`]).
 pub(super) struct DeviceBuffers {
-    pub(super) slots: [DevBuf; 2],
+    /// The two layer slots, then (experts in chunks) the two expert slots.
+    pub(super) slots: Vec<DevBuf>,
     /// The backend's workspace (set on the device once).
     pub(super) workspace: DevBuf,
     pub(super) dws: [DevBuf; 2],
@@ -424,11 +428,11 @@ impl Ctx {
         self.tiled().rows[m]
     }
 
-    /// Layer `spec`'s packed words in the slot `slot` (after its weights, as the upload put
-    /// them).
-    pub(super) fn packed_region(&self, slot: DevBuf, spec: &LayerSpec) -> DevBuf {
-        let at = (spec.len * self.weight_bytes).div_ceil(4);
-        slot.sub(at..at + spec.packed)
+    /// The words region of a slot holding `weights` weights and `words` packed words (after
+    /// its weights, as the upload put them).
+    pub(super) fn words_region(&self, slot: DevBuf, weights: usize, words: usize) -> DevBuf {
+        let at = (weights * self.weight_bytes).div_ceil(4);
+        slot.sub(at..at + words)
     }
 
     /// Layer `layer`'s weights in `slot`, as the layer ops read them; the dequantisation
@@ -437,22 +441,56 @@ impl Ctx {
     /// # Safety
     /// Only inside a compute kernel whose grant holds the slot and the scratch.
     pub(super) unsafe fn layer_weights<'v, B: Backend + ?Sized>(
-        &self,
+        &'v self,
         g: &Grant,
         vw: &'v dyn Views<B>,
         layer: usize,
         slot: usize,
     ) -> Weights<'v, B> {
+        // SAFETY: the caller's contract.
+        unsafe { self.part_weights(g, vw, slot, self.chunking.trunk(layer), layer) }
+    }
+
+    /// Chunk `chunk` of layer `layer`'s experts in expert slot `slot`, as the layer ops read
+    /// them.
+    ///
+    /// # Safety
+    /// As [`Ctx::layer_weights`].
+    pub(super) unsafe fn chunk_weights<'v, B: Backend + ?Sized>(
+        &'v self,
+        g: &Grant,
+        vw: &'v dyn Views<B>,
+        (layer, chunk): (usize, usize),
+        slot: usize,
+    ) -> Weights<'v, B> {
+        let split = self.chunking.split(layer).expect("a chunked layer");
+        // SAFETY: the caller's contract.
+        unsafe { self.part_weights(g, vw, slot, Some(&split.chunks[chunk]), layer) }
+    }
+
+    /// The weights in `slot` laid out by `map` (`None`: the whole of layer `layer`).
+    ///
+    /// # Safety
+    /// As [`Ctx::layer_weights`].
+    unsafe fn part_weights<'v, B: Backend + ?Sized>(
+        &'v self,
+        g: &Grant,
+        vw: &'v dyn Views<B>,
+        slot: usize,
+        map: Option<&'v SlotMap>,
+        layer: usize,
+    ) -> Weights<'v, B> {
         let sb = self.dev(g, Res::Slot(slot), false);
         let dequant = self.scratch(g).dequant;
         let spec = self.layout.layer(layer);
-        let packed = (spec.packed > 0).then(|| Packed {
-            words: vw.buf(self.packed_region(sb, spec)),
+        let (len, words) = map.map_or((spec.len, spec.packed), |m| (m.len, m.packed));
+        let packed = (words > 0).then(|| Packed {
+            words: vw.buf(self.words_region(sb, len, words)),
             // SAFETY: the scratch is the compute queue's, and this kernel's (the caller's
             // contract); nothing else views the workspace while the layer runs.
             ws: unsafe { vw.wbuf_mut(dequant) },
         });
-        Weights { slot: vw.wbuf(sb).slice(0..spec.len), packed, moe: None, map: None }
+        Weights { slot: vw.wbuf(sb).slice(0..len), packed, moe: None, map }
     }
 
     /// The buffer at `param_index` `i`.

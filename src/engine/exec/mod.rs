@@ -15,6 +15,7 @@ use anyhow::{Result, bail};
 use ctx::{Ctx, Grant};
 use horizon_backend::{Device, Event, KernelTimer, Queue};
 
+use crate::engine::chunking::Chunking;
 use crate::engine::options::{EngineConfig, WeightPath};
 use crate::engine::phases::PhaseSeconds;
 use crate::engine::plan::{Op, OpKind, PlanShape, Schedule, Wait, eval_plan};
@@ -46,6 +47,8 @@ pub fn plan_shape(layout: &ModelLayout, cfg: &EngineConfig, sizes: &Sizes) -> Pl
         kept_layers: cfg.kept_layers,
         streamed: cfg.memory.streams_updates(),
         staged: cfg.weight_path() == WeightPath::Staged,
+        chunked: Chunking::new(layout, cfg.expert_chunk).layers(),
+        expert_chunks: sizes.expert_chunks,
     }
 }
 

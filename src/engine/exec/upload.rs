@@ -118,12 +118,14 @@ where
                 Source::Frozen { tensor, range } => {
                     self.upload_frozen(dst, region.at, frozen(ctx, *tensor), range.clone())
                 }
-                Source::Packed { layer } => {
+                Source::Packed { layer, words, slot_weights } => {
                     let base = ctx.base.as_ref().expect("packed words are a frozen base's");
                     // SAFETY: the base lives in the context's Arc for the engine's whole life
                     // and is never written.
-                    let words = unsafe { HostPtr::new(words_as_f32(&base.packed[*layer])) };
-                    self.dev.upload(ctx.packed_region(dst, ctx.layout.layer(*layer)), words);
+                    let all = unsafe { HostPtr::new(words_as_f32(&base.packed[*layer])) };
+                    let (at, n) = (region.at, words.len());
+                    let into = ctx.words_region(dst, *slot_weights, at + n).sub(at..at + n);
+                    self.dev.upload(into, all.sub(words.clone()));
                 }
             }
         }

@@ -18,7 +18,16 @@ struct Builder {
     next_slab: usize,
     /// Streamed: (slab, layer) of the layers whose gradients wait in their slabs for the norm.
     held: Vec<(usize, usize)>,
+    /// What the two expert slots (slots 2 and 3) hold: (layer, chunk).
+    chunk_slots: [Option<(usize, usize)>; 2],
+    chunk_used: [usize; 2],
+    /// The direction of the next pass over a layer's chunks: each pass walks them the other
+    /// way from the last, so the two chunks still resident are used first.
+    chunks_reversed: bool,
 }
+
+/// The weight slots of chunked experts: after the two layer slots.
+pub const EXPERT_SLOTS: [usize; 2] = [2, 3];
 
 impl Builder {
     fn new(shape: PlanShape) -> Self {
@@ -34,7 +43,95 @@ impl Builder {
             next_dw: 0,
             next_slab: 0,
             held: Vec::new(),
+            chunk_slots: [None, None],
+            chunk_used: [0, 0],
+            chunks_reversed: false,
         }
+    }
+
+    /// The expert slot holding chunk `chunk` of layer `layer`, uploading it into the least
+    /// recently used one if needed (frozen experts: the upload reads no declared host buffer).
+    fn ensure_chunk(&mut self, layer: usize, chunk: usize) -> usize {
+        let s = match self.chunk_slots.iter().position(|c| *c == Some((layer, chunk))) {
+            Some(s) => s,
+            None => {
+                let s = usize::from(self.chunk_used[0] > self.chunk_used[1]);
+                let slot = EXPERT_SLOTS[s];
+                let what = SlotContent::Experts { layer, chunk };
+                let upload = OpKind::UploadWeights { slot, what };
+                self.push(upload, Queue::H2D, vec![], vec![Res::Slot(slot)]);
+                self.chunk_slots[s] = Some((layer, chunk));
+                s
+            }
+        };
+        self.chunk_used[s] = self.ops.len() + 1;
+        EXPERT_SLOTS[s]
+    }
+
+    /// The chunks of one pass over a chunked layer, in this pass's order (flipped for the
+    /// next), each with whether it is the pass's first.
+    fn chunk_order(&mut self) -> Vec<(usize, bool)> {
+        let n = self.shape.expert_chunks;
+        let order: Vec<usize> = match self.chunks_reversed {
+            false => (0..n).collect(),
+            true => (0..n).rev().collect(),
+        };
+        self.chunks_reversed = !self.chunks_reversed;
+        order.into_iter().enumerate().map(|(j, k)| (k, j == 0)).collect()
+    }
+
+    /// A chunked layer's forward of micro-batch `m` (`Act{src}` -> `Act{dst}`, its trunk in
+    /// `slot`): the ops before the experts, each chunk of experts, the ops after them; the
+    /// layer's internals stay in the scratch from the first to the last.
+    fn chunked_forward(
+        &mut self,
+        (layer, slot, m): (usize, usize, usize),
+        (src, dst): (usize, usize),
+        recompute: bool,
+    ) {
+        let act = |set| Res::Act { set, m };
+        self.push(
+            OpKind::Forward { layer, slot, m, src, dst, recompute },
+            Queue::Compute,
+            vec![Res::Slot(slot), act(src)],
+            vec![Res::Scratch],
+        );
+        for (chunk, first) in self.chunk_order() {
+            let cs = self.ensure_chunk(layer, chunk);
+            self.push(
+                OpKind::ForwardExperts { layer, chunk, slot: cs, m, src, first, recompute },
+                Queue::Compute,
+                vec![Res::Slot(cs), act(src)],
+                vec![Res::Scratch],
+            );
+        }
+        self.push(
+            OpKind::ForwardEnd { layer, slot, m, src, dst, recompute },
+            Queue::Compute,
+            vec![Res::Slot(slot), act(src)],
+            vec![act(dst), Res::Scratch],
+        );
+    }
+
+    /// A chunked layer's backward of micro-batch `m`: the recompute of every op but the
+    /// experts and the backward of the ops after them, each chunk's backward, then the
+    /// backward of the ops before them.
+    fn chunked_backward(&mut self, (layer, slot, m): (usize, usize, usize), set: usize, dw: usize) {
+        let writes = vec![Res::Dw(dw), Res::Dres(m), Res::Scratch];
+        let reads = vec![Res::Slot(slot), Res::Act { set, m }];
+        let start = OpKind::Backward { layer, slot, m, set, dw };
+        self.push(start, Queue::Compute, reads.clone(), writes.clone());
+        for (chunk, first) in self.chunk_order() {
+            let cs = self.ensure_chunk(layer, chunk);
+            self.push(
+                OpKind::BackwardExperts { layer, chunk, slot: cs, m, set, dw, first },
+                Queue::Compute,
+                vec![Res::Slot(cs), Res::Act { set, m }],
+                vec![Res::Dw(dw), Res::Dres(m), Res::Scratch],
+            );
+        }
+        let end = OpKind::BackwardEnd { layer, slot, m, set, dw };
+        self.push(end, Queue::Compute, reads, writes);
     }
 
     fn push(&mut self, kind: OpKind, queue: Queue, reads: Vec<Res>, writes: Vec<Res>) {
@@ -61,6 +158,7 @@ impl Builder {
             SlotContent::Head | SlotContent::HeadTile(_) => {
                 vec![Res::Params(ParamBuf::FinalNorm), Res::Params(self.shape.head_buf())]
             }
+            SlotContent::Experts { .. } => unreachable!("experts go to the expert slots"),
         };
         self.push(OpKind::UploadWeights { slot: s, what }, Queue::H2D, reads, vec![Res::Slot(s)]);
         self.slots[s] = Some(what);
@@ -310,6 +408,10 @@ impl Builder {
                         vec![Res::Ckpt { block: i / k, m }],
                     );
                 }
+                if self.shape.chunked.contains(i) {
+                    self.chunked_forward((i, slot, m), (src, dst), false);
+                    continue;
+                }
                 // The scratch also holds the dequantisation workspace of a quantised base.
                 let mut writes = vec![Res::Act { set: dst, m }, self.internals(i, m)];
                 if self.shape.keeps(i) {
@@ -383,6 +485,10 @@ impl Builder {
             let slot = self.ensure(SlotContent::Layer(i));
             for m in 0..self.shape.micro_batches {
                 let (src, dst) = (i - first, i - first + 1);
+                if self.shape.chunked.contains(i) {
+                    self.chunked_forward((i, slot, m), (src, dst), true);
+                    continue;
+                }
                 self.push(
                     OpKind::Forward { layer: i, slot, m, src, dst, recompute: true },
                     Queue::Compute,
@@ -400,6 +506,10 @@ impl Builder {
         let dw = self.take_dw();
         self.push(OpKind::ZeroDw { dw }, Queue::Compute, vec![], vec![Res::Dw(dw)]);
         for m in 0..self.shape.micro_batches {
+            if self.shape.chunked.contains(i) {
+                self.chunked_backward((i, slot, m), set, dw);
+                continue;
+            }
             let mut reads = vec![Res::Slot(slot), Res::Act { set, m }];
             if self.shape.keeps(i) {
                 reads.push(self.internals(i, m));
@@ -540,6 +650,8 @@ fn stage_uploads(ops: Vec<Op>) -> Vec<Op> {
         .iter()
         .enumerate()
         .filter_map(|(j, op)| match op.kind {
+            // Expert chunks are frozen: nothing to round.
+            OpKind::UploadWeights { what: SlotContent::Experts { .. }, .. } => None,
             OpKind::UploadWeights { slot, what } => Some((j, slot, what)),
             _ => None,
         })
@@ -573,7 +685,9 @@ fn stage_uploads(ops: Vec<Op>) -> Vec<Op> {
     }
     let mut out = Vec::with_capacity(ops.len() + stages.len());
     for (i, mut op) in ops.into_iter().enumerate() {
-        if let OpKind::UploadWeights { slot, .. } = op.kind {
+        if let OpKind::UploadWeights { slot, what } = op.kind
+            && !matches!(what, SlotContent::Experts { .. })
+        {
             op.reads = vec![Res::WeightStage(slot)];
         }
         out.push(op);

@@ -17,7 +17,8 @@ mod types;
 pub use build::{eval_ops, step_ops};
 pub use hazards::{Hazard, Scheduler, check};
 pub use types::{
-    ActSource, GradTarget, Op, OpKind, ParamBuf, PlanShape, Res, SlotContent, keeps_internals,
+    ActSource, GradTarget, LayerSet, Op, OpKind, ParamBuf, PlanShape, Res, SlotContent,
+    keeps_internals,
 };
 
 /// The plans a run executes: the first step's (from an idle device), then the steady state
@@ -178,6 +179,8 @@ mod doc_tests {
             kept_layers: 0,
             streamed,
             staged: false,
+            chunked: LayerSet::default(),
+            expert_chunks: 1,
         });
         let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/schedule.md"))
             .unwrap();

@@ -16,7 +16,84 @@ fn shape(layers: usize, mbs: usize, k: usize) -> PlanShape {
         kept_layers: 0,
         streamed: false,
         staged: false,
+        chunked: LayerSet::default(),
+        expert_chunks: 1,
     }
+}
+
+/// Layers `1, 3, 5, ...` of a `layers`-layer shape stream their experts in `chunks` chunks.
+fn chunked(base: PlanShape, chunks: usize) -> PlanShape {
+    let mut set = LayerSet::default();
+    (1..base.layers).step_by(2).for_each(|i| set.insert(i));
+    set.insert(0);
+    PlanShape { chunked: set, expert_chunks: chunks, ..base }
+}
+
+/// Plans whose sparse layers stream their experts in chunks are hazard-free (every depth,
+/// micro-batch count, checkpoint spacing and optimizer path); each chunked layer's every pass
+/// runs every chunk once per micro-batch, the two chunks resident from its last pass used
+/// again first; kept internals are never a chunked layer's.
+#[test]
+fn chunked_expert_plans_are_hazard_free() {
+    for layers in [1, 3, 4] {
+        for mbs in [1, 2, 3] {
+            for k in [1, 2, 3] {
+                for (streamed, staged) in [(false, false), (true, false), (false, true)] {
+                    for chunks in [2, 3, 5] {
+                        let base = PlanShape { streamed, staged, ..shape(layers, mbs, k) };
+                        let s = Schedule::new(chunked(base, chunks));
+                        let what = format!(
+                            "L{layers} M{mbs} K{k} streamed {streamed} staged {staged} chunks {chunks}"
+                        );
+                        check(&s.unrolled(3), 0).unwrap_or_else(|h| panic!("{what}: {h}"));
+                        let ops = s.ops(2);
+                        let count =
+                            |f: &dyn Fn(&OpKind) -> bool| ops.iter().filter(|o| f(&o.kind)).count();
+                        let passes = |l: usize| {
+                            if l >= layers {
+                                0
+                            } else {
+                                mbs * (1 + usize::from(l % k != k - 1 && l != layers - 1) + 1)
+                            }
+                        };
+                        let want: usize =
+                            (0..layers).filter(|&l| s.shape.chunked.contains(l)).map(passes).sum();
+                        let runs = count(&|k| {
+                            matches!(
+                                k,
+                                OpKind::ForwardExperts { .. } | OpKind::BackwardExperts { .. }
+                            )
+                        });
+                        assert_eq!(runs, want * chunks, "{what}: chunk runs");
+                        let uploads = count(&|k| {
+                            matches!(
+                                k,
+                                OpKind::UploadWeights { what: SlotContent::Experts { .. }, .. }
+                            )
+                        });
+                        let layers_chunked =
+                            (0..layers).filter(|&l| s.shape.chunked.contains(l)).count();
+                        assert!(
+                            uploads <= runs && uploads >= chunks * layers_chunked,
+                            "{what}: {uploads} expert uploads for {runs} chunk runs"
+                        );
+                    }
+                }
+            }
+        }
+    }
+    // One layer, two micro-batches, three chunks: the forward of micro-batch 0 uploads all
+    // three; each later pass walks them back and uploads only the one not resident.
+    let s = Schedule::new(chunked(shape(1, 2, 1), 3));
+    let uploads = s.ops(2).iter().filter(|o| {
+        matches!(o.kind, OpKind::UploadWeights { what: SlotContent::Experts { .. }, .. })
+    });
+    assert_eq!(uploads.count(), 3 + 1 + 1 + 1);
+    let s = Schedule::new(chunked(PlanShape { kept_layers: 4, ..shape(4, 2, 1) }, 3));
+    check(&s.unrolled(3), 0).unwrap();
+    let kept =
+        s.ops(2).iter().filter(|o| o.reads.iter().any(|r| matches!(r, Res::Stash { .. }))).count();
+    assert_eq!(kept, 2, "layer 2, the one held whole, alone keeps its internals");
 }
 
 #[test]

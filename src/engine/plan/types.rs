@@ -88,6 +88,12 @@ pub enum SlotContent {
     /// Final norm weight followed by tile `k` of the LM head: vocabulary rows
     /// `k * tile_rows .. min((k + 1) * tile_rows, V)` (a head too large for one slot).
     HeadTile(usize),
+    /// Chunk `chunk` of layer `layer`'s routed experts (`PlanShape::chunked`), in one of the
+    /// two expert slots; the layer's own slot then holds its trunk.
+    Experts {
+        layer: usize,
+        chunk: usize,
+    },
 }
 
 /// Where an uploaded residual-stream buffer comes from.
@@ -127,6 +133,37 @@ pub enum OpKind {
     /// Compute: one layer forward of micro-batch `m`, `Act{src}` -> `Act{dst}`; `recompute`:
     /// the backward's block recompute (from a checkpoint), not the step's forward.
     Forward { layer: usize, slot: usize, m: usize, src: usize, dst: usize, recompute: bool },
+    /// Compute, a layer whose experts stream in chunks: chunk `chunk` of its experts (in
+    /// expert slot `slot`) on micro-batch `m`, after its [`OpKind::Forward`] (which runs the
+    /// ops before the experts); `first`: the first chunk of the layer's pass (it sorts the
+    /// rows by expert and overwrites the experts' output, which the others add to).
+    ForwardExperts {
+        layer: usize,
+        chunk: usize,
+        slot: usize,
+        m: usize,
+        src: usize,
+        first: bool,
+        recompute: bool,
+    },
+    /// Compute, a layer whose experts stream in chunks: the ops after its experts, which
+    /// write `Act{dst}`.
+    ForwardEnd { layer: usize, slot: usize, m: usize, src: usize, dst: usize, recompute: bool },
+    /// Compute, a layer whose experts stream in chunks: the backward of chunk `chunk` of its
+    /// experts on micro-batch `m`, between its [`OpKind::Backward`] (the recompute of every op
+    /// but the experts, and the backward of the ops after them) and [`OpKind::BackwardEnd`].
+    BackwardExperts {
+        layer: usize,
+        chunk: usize,
+        slot: usize,
+        m: usize,
+        set: usize,
+        dw: usize,
+        first: bool,
+    },
+    /// Compute, a layer whose experts stream in chunks: the backward of the ops before its
+    /// experts.
+    BackwardEnd { layer: usize, slot: usize, m: usize, set: usize, dw: usize },
     /// Compute: zero a gradient accumulator.
     ZeroDw { dw: usize },
     /// Host: fault injection for the tests (`StepParams::inject_nan`): a NaN into element 0 of
@@ -251,6 +288,33 @@ pub struct PlanShape {
     /// trained weights into the page-locked stage of its slot ahead of the link, and the
     /// upload copies the stage (see `build::stage_uploads`).
     pub staged: bool,
+    /// Layers whose experts stream through the two expert slots in `expert_chunks` chunks
+    /// (their own slot holds their trunk; they never keep their internals).
+    pub chunked: LayerSet,
+    /// Chunks of each chunked layer's experts.
+    pub expert_chunks: usize,
+}
+
+/// A set of layer indices (up to [`LayerSet::CAPACITY`]), copyable as the plan's shape is.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LayerSet([u64; 4]);
+
+impl LayerSet {
+    /// The deepest model it holds layers of.
+    pub const CAPACITY: usize = 256;
+
+    pub fn insert(&mut self, i: usize) {
+        assert!(i < Self::CAPACITY, "layer {i}: chunked experts hold at most 256 layers");
+        self.0[i / 64] |= 1 << (i % 64);
+    }
+
+    pub fn contains(&self, i: usize) -> bool {
+        i < Self::CAPACITY && self.0[i / 64] & (1 << (i % 64)) != 0
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.iter().all(|w| *w == 0)
+    }
 }
 
 /// Whether layer `i` of `layers` is one of the `kept` layers that keep their internals: the
@@ -265,7 +329,7 @@ pub fn keeps_internals(layers: usize, kept: usize, i: usize) -> bool {
 impl PlanShape {
     /// Whether layer `i` keeps its internals ([`keeps_internals`]).
     pub fn keeps(&self, i: usize) -> bool {
-        keeps_internals(self.layers, self.kept_layers, i)
+        keeps_internals(self.layers, self.kept_layers, i) && !self.chunked.contains(i)
     }
 
     /// Residual-stream buffer sets per micro-batch: the forward ping-pongs between two, the
