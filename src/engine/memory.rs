@@ -26,6 +26,8 @@ pub struct MemoryPlan {
     pub pinned: u64,
     /// How the LM head is applied: whole, or in vocabulary tiles through the weight slots.
     pub head: HeadTiling,
+    /// Chunks each chunked sparse layer's experts stream in (1: every layer whole).
+    pub expert_chunks: usize,
     /// The row length the buffers are sized for.
     pub seq_len: usize,
     /// Where that length comes from, as the run says it (the data's longest row, or
@@ -44,6 +46,7 @@ impl MemoryPlan {
             device_in_host_ram,
             pinned: sizes.pinned_bytes() as u64,
             head: sizes.head,
+            expert_chunks: sizes.expert_chunks,
             seq_len: sizes.seq_len,
             seq_len_from: None,
         }
@@ -150,6 +153,14 @@ impl fmt::Display for MemoryPlan {
             )
         };
         writeln!(f, "    LM head: {head}")?;
+        if self.expert_chunks > 1 {
+            writeln!(
+                f,
+                "    routed experts: {} chunks a sparse layer, through two expert slots \
+                 (engine.expert_chunk); the layer slots hold the trunks",
+                self.expert_chunks
+            )?;
+        }
         writeln!(
             f,
             "    held-out eval: forward only, in micro-batch 0's buffers, the slots and the \
