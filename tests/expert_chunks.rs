@@ -7,41 +7,16 @@
 
 mod common;
 
-use std::sync::Arc;
-
-use common::{case_dir, case_engine_config, run_case_steps};
-use horizon::engine::exec::Engine;
+use common::lora::moe_adapter_run;
+use common::{case_dir, case_engine_config};
 use horizon::engine::options::EngineConfig;
 use horizon::engine::sizes::Sizes;
 use horizon::model::params::ParamStore;
-use horizon::run::config::RawConfig;
-use horizon::run::load::{RunModel, load_run_model};
-use horizon::store::TrainState;
 use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig};
 
-/// A run of fixture `case` with adapters of `kind` (lora, qlora) on its attention and router.
-fn adapter_yaml(case: &str, kind: &str) -> String {
-    common::case_yaml(
-        case,
-        &format!(
-            "adapter: {{ type: {kind}, r: 4, alpha: 8, \
-             targets: [q_proj, k_proj, v_proj, o_proj, router], base_dtype: fp32 }}\n"
-        ),
-    )
-}
-
-/// Its steps on the CPU engine with `ecfg`: per step (loss, grad norm, skipped), the trained
-/// parameters after, and the chunks of each chunked layer's experts.
+/// [`moe_adapter_run`] on the CPU device.
 fn train(case: &str, kind: &str, ecfg: EngineConfig) -> (Vec<(f64, f64, bool)>, ParamStore, usize) {
-    let cfg = RawConfig::from_yaml(&adapter_yaml(case, kind), case).unwrap().resolve(case).unwrap();
-    let RunModel { layout, params, base, .. } =
-        load_run_model(&cfg.raw, cfg.adapter.as_ref()).unwrap();
-    let dev = CpuDevice::new(CpuDeviceConfig::with_capacity(64 << 20));
-    let state = TrainState::new(params);
-    let mut e = Engine::with_layout(dev, layout, base.map(Arc::new), state, ecfg).unwrap();
-    let chunks = e.sizes().expert_chunks;
-    let steps = run_case_steps(&mut e, case);
-    (steps, e.into_state().params, chunks)
+    moe_adapter_run(CpuDevice::new(CpuDeviceConfig::with_capacity(64 << 20)), case, kind, ecfg)
 }
 
 /// Every chunking (one expert a chunk: 8 chunks; three: 3 chunks) of the fixtures' sparse

@@ -165,3 +165,31 @@ pub struct Streamed {
     pub end: ParamStore,
     pub head_tiles: usize,
 }
+
+/// Fixture `case` (a full-model fixture: `qwen3_moe`, `mixtral`) trained with adapters of
+/// `kind` (lora, qlora) on its attention and router, the experts frozen, on `dev` with `ecfg`:
+/// per step (loss, grad norm, skipped), the trained parameters after, and the chunks of each
+/// chunked layer's experts (`engine.expert_chunk`; 1 for whole layers).
+pub fn moe_adapter_run<D: Device>(
+    dev: D,
+    case: &str,
+    kind: &str,
+    ecfg: EngineConfig,
+) -> (Vec<(f64, f64, bool)>, ParamStore, usize)
+where
+    D::Backend: 'static,
+{
+    let adapter = format!(
+        "adapter: {{ type: {kind}, r: 4, alpha: 8, \
+         targets: [q_proj, k_proj, v_proj, o_proj, router], base_dtype: fp32 }}\n"
+    );
+    let yaml = super::case_yaml(case, &adapter);
+    let cfg = RawConfig::from_yaml(&yaml, case).unwrap().resolve(case).unwrap();
+    let RunModel { layout, params, base, .. } =
+        load_run_model(&cfg.raw, cfg.adapter.as_ref()).unwrap();
+    let state = TrainState::new(params);
+    let mut e = Engine::with_layout(dev, layout, base.map(Arc::new), state, ecfg).unwrap();
+    let chunks = e.sizes().expert_chunks;
+    let steps = super::run_case_steps(&mut e, case);
+    (steps, e.into_state().params, chunks)
+}
