@@ -50,6 +50,119 @@ fn chunked_experts_train_as_whole_layers_bit_for_bit() {
     }
 }
 
+/// Full fine-tuning of fixture `case` on the CPU engine with `ecfg`: per step (loss, grad norm,
+/// skipped), the parameters before and after, and the chunks of each chunked layer's experts.
+fn full(case: &str, ecfg: EngineConfig) -> (Vec<(f64, f64, bool)>, ParamStore, ParamStore, usize) {
+    use horizon::engine::exec::Engine;
+    let model =
+        horizon::hf::config::ModelConfig::from_file(&case_dir(case).join("model/config.json"))
+            .unwrap();
+    let layout = horizon::model::describe(&model);
+    let init = ParamStore::load_hf(&layout, &case_dir(case).join("model")).unwrap();
+    let dev = CpuDevice::new(CpuDeviceConfig::with_capacity(64 << 20));
+    let state = horizon::store::TrainState::new(init.clone());
+    let mut e = Engine::new(dev, &model, state, ecfg).unwrap();
+    let chunks = e.sizes().expert_chunks;
+    let steps = common::run_case_steps(&mut e, case);
+    (steps, init, e.into_state().params, chunks)
+}
+
+/// Full fine-tuning with the trained experts in chunks (their gradients back through the
+/// chunks' own accumulators, added into the host gradient chunk by chunk) is whole-layer
+/// training bit for bit, and both match the fixtures (losses, aux losses included, and
+/// gradient norms within 1e-5; every tensor's update within the tolerance table), at K 1, 2
+/// and 3, micro-batches of one row and of the whole batch, 1 and 3 experts a chunk.
+#[test]
+fn full_fine_tuning_with_experts_in_chunks_matches_the_fixtures() {
+    for case in ["qwen3_moe", "mixtral"] {
+        let batch = common::expected(case)["batch"].as_u64().unwrap() as usize;
+        for (k, mbs) in [(1, 1), (2, batch), (3, 1)] {
+            let base =
+                EngineConfig { head_tile_rows: Some(16), ..case_engine_config(case, k, mbs) };
+            let (want, _, want_params, _) = full(case, base);
+            for per in [1, 3] {
+                let what = format!("{case} full K={k} mbs={mbs}, {per} experts a chunk");
+                let (got, init, params, chunks) =
+                    full(case, EngineConfig { expert_chunk: Some(per), ..base });
+                assert!(chunks >= 3, "{what}: {chunks} chunks");
+                let bits = |s: &[(f64, f64, bool)]| {
+                    s.iter().map(|(l, g, _)| (l.to_bits(), g.to_bits())).collect::<Vec<_>>()
+                };
+                assert_eq!(bits(&got), bits(&want), "{what}: losses and norms");
+                common::assert_bit_identical(&what, &params, &want_params);
+                let steps: Vec<(f64, f64)> = got.iter().map(|(l, g, _)| (*l, *g)).collect();
+                common::assert_matches_fixture(case, &what, &steps, &init, &params);
+            }
+        }
+    }
+}
+
+/// The qwen3_moe_lora fixture (PEFT's adapters on the attention and on the experts' gate|up
+/// and down, from PEFT's init) with its experts and their adapters in chunks of 3 (3 chunks a
+/// sparse layer; the adapters' gradients back chunk by chunk) trains as with whole layers, bit
+/// for bit, with the base in fp32 and in NF4 (QLoRA), at K 1 and 2, micro-batches of one row
+/// and of the whole batch; and matches PEFT's losses and norms.
+#[test]
+fn expert_adapters_in_chunks_train_as_whole_layers() {
+    use common::lora::{expected, streamed_yaml, yaml};
+    use horizon::run::config::OptimizerMemory;
+    let case = "qwen3_moe_lora";
+    let e = expected(case);
+    let batch = e["batch"].as_u64().unwrap() as usize;
+    let losses = common::f64s(&e["loss_per_step"]);
+    for qlora in [false, true] {
+        for (k, mbs) in [(1, batch), (2, 1)] {
+            let run = |engine: &str| {
+                let mut y = yaml(case, &format!("engine: {{ head_tile_rows: 16{engine} }}\n"));
+                if qlora {
+                    y = y.replace("type: lora", "type: qlora");
+                }
+                let dev = CpuDevice::new(CpuDeviceConfig::with_capacity(64 << 20));
+                streamed_yaml(dev, case, &y, (k, mbs), OptimizerMemory::Exact)
+            };
+            let (want, got) = (run(""), run(", expert_chunk: 3"));
+            let what = format!("{case} qlora={qlora} K={k} mbs={mbs}");
+            assert_eq!((want.expert_chunks, got.expert_chunks), (1, 3), "{what}: chunks");
+            let bits = |s: &[(f64, f64)]| {
+                s.iter().map(|(l, g)| (l.to_bits(), g.to_bits())).collect::<Vec<_>>()
+            };
+            assert_eq!(bits(&got.steps), bits(&want.steps), "{what}: losses and norms");
+            common::assert_bit_identical(&what, &got.end, &want.end);
+            if !qlora {
+                for (s, (l, _)) in got.steps.iter().enumerate() {
+                    common::assert_rel(&format!("{what} loss {s}"), *l, losses[s], 1e-5);
+                }
+            }
+        }
+    }
+}
+
+/// Trained experts in chunks need the exact optimizer, which adds each chunk's gradient into a
+/// whole host gradient: a streamed mode with `engine.expert_chunk` set says so.
+#[test]
+fn trained_experts_in_chunks_with_a_streamed_optimizer_are_refused() {
+    use horizon::run::config::OptimizerMemory;
+    let cfg = EngineConfig {
+        expert_chunk: Some(2),
+        memory: OptimizerMemory::Lean,
+        ..case_engine_config("qwen3_moe", 1, 1)
+    };
+    let model = horizon::hf::config::ModelConfig::from_file(
+        &case_dir("qwen3_moe").join("model/config.json"),
+    )
+    .unwrap();
+    let layout = horizon::model::describe(&model);
+    let params = ParamStore::random(&layout, 1, 0.02);
+    let state = horizon::store::TrainState::for_memory(params, &layout, OptimizerMemory::Lean);
+    let dev = CpuDevice::new(CpuDeviceConfig::with_capacity(64 << 20));
+    let err = horizon::engine::exec::Engine::new(dev, &model, state, cfg).err().unwrap();
+    let msg = format!("{err:#}");
+    assert!(
+        msg.contains("engine.expert_chunk") && msg.contains("optimizer.memory: exact"),
+        "{msg}"
+    );
+}
+
 /// The qwen3_moe fixture's layout with `experts` experts (each as the fixture's) and QLoRA on
 /// its attention: the device bytes its plan needs with `per` experts a chunk.
 fn planned_device_bytes(experts: usize, per: Option<usize>) -> usize {

@@ -1,8 +1,11 @@
 //! Which layers the engine holds whole and which as a trunk plus chunks of experts
-//! (`engine.expert_chunk`, issue 44): a sparse layer's frozen routed experts stream through two
-//! slots of their own, a chunk at a time, so device memory holds the trunk and two chunks
-//! whatever the number of experts ([`crate::model::chunks`] says where each piece lands).
+//! (`engine.expert_chunk`, issue 44): a sparse layer's routed experts stream through two slots
+//! of their own, a chunk at a time, so device memory holds the trunk and two chunks whatever
+//! the number of experts ([`crate::model::chunks`] says where each piece lands). Trained
+//! experts' chunks bring their gradients back through two gradient accumulators of their own,
+//! added into the host gradient chunk by chunk (an exact-mode run).
 
+use crate::engine::options::EngineConfig;
 use crate::engine::plan::LayerSet;
 use crate::model::chunks::{ExpertSplit, SlotMap};
 use crate::model::layout::ModelLayout;
@@ -15,12 +18,20 @@ pub struct Chunking {
 }
 
 impl Chunking {
-    /// `layout`'s sparse kinds with frozen experts in chunks of `per_chunk` experts (none
-    /// without it, and none of a layer whose chunk would be the whole of its experts).
-    pub fn new(layout: &ModelLayout, per_chunk: Option<usize>) -> Self {
+    /// `layout`'s sparse kinds under `cfg` (`engine.expert_chunk`): in chunks in an exact-mode
+    /// run; in a streamed one (`optimizer.memory` lean or compact, whose layers update from a
+    /// whole slab) only where the experts are frozen.
+    pub fn of(layout: &ModelLayout, cfg: &EngineConfig) -> Self {
+        Self::new(layout, cfg.expert_chunk, !cfg.memory.streams_updates())
+    }
+
+    /// `layout`'s sparse kinds in chunks of `per_chunk` experts (none without it, and none of
+    /// a layer whose chunk would be the whole of its experts), those with trained experts (full
+    /// fine-tuning, expert adapters) only with `trained`.
+    pub fn new(layout: &ModelLayout, per_chunk: Option<usize>, trained: bool) -> Self {
         let split = |k| {
             let s = ExpertSplit::new(k, per_chunk?)?;
-            (s.chunks.len() > 1).then_some(s)
+            (s.chunks.len() > 1 && (trained || !s.trained())).then_some(s)
         };
         Chunking {
             kinds: layout.kinds.iter().map(split).collect(),
@@ -41,6 +52,22 @@ impl Chunking {
     /// Whether any layer streams its experts.
     pub fn any(&self) -> bool {
         self.kinds.iter().any(Option::is_some)
+    }
+
+    /// Whether chunks carry gradients (trained experts).
+    pub fn trained(&self) -> bool {
+        self.kinds.iter().flatten().any(ExpertSplit::trained)
+    }
+
+    /// Elements of the largest chunk's gradient (0 when the chunked experts are frozen).
+    pub fn chunk_grad(&self) -> usize {
+        self.kinds.iter().flatten().flat_map(|s| &s.chunks).map(|c| c.train_len).max().unwrap_or(0)
+    }
+
+    /// Elements of layer `i`'s gradient as its slot's part of it comes back: its trunk's, or
+    /// the whole layer's.
+    pub fn layer_grad(&self, layout: &ModelLayout, i: usize) -> usize {
+        self.trunk(i).map_or(layout.layer(i).train_len(), |m| m.train_len)
     }
 
     /// The chunks of each chunked layer (every chunked kind has the same experts), 1 without.

@@ -95,7 +95,7 @@ pub fn chunk_experts(layout: &ModelLayout, base: EngineConfig, m: &Machine) -> E
         return base;
     }
     let with = |k: usize| EngineConfig { expert_chunk: Some(k), ..base };
-    if experts < 2 || !Chunking::new(layout, Some(1)).any() {
+    if experts < 2 || !Chunking::of(layout, &with(1)).any() {
         return base; // nothing to chunk: the plan's check says what does not fit
     }
     // `lo` experts a chunk fit (or nothing does); `hi` do not.

@@ -28,6 +28,9 @@ pub struct Sizes {
     pub chunk_slot: usize,
     /// Chunks of each chunked layer's experts (1 when every layer is held whole).
     pub expert_chunks: usize,
+    /// One of the two gradient accumulators of trained chunks (f32; 0 when the chunked
+    /// experts are frozen or none are chunked).
+    pub chunk_dw: usize,
     /// One gradient accumulator (f32): the slot in full fine-tuning; in an adapter run the
     /// largest layer's adapters (the frozen head has no gradient).
     pub dw: usize,
@@ -154,7 +157,7 @@ impl Sizes {
         let precision = cfg.backend.precision();
         // A slot holds the largest layer, or of a layer whose experts stream in chunks its
         // trunk (`Chunking::layer_slot`).
-        let chunking = Chunking::new(layout, cfg.expert_chunk);
+        let chunking = Chunking::of(layout, cfg);
         let layer_slot = chunking.layer_slot(layout, precision.weight_bytes());
         let head = HeadTiling::for_slot(layout, layer_slot, cfg.head_tile_rows);
         let whole = head.is_whole();
@@ -190,7 +193,13 @@ impl Sizes {
             slot,
             chunk_slot: chunking.chunk_slot(precision.weight_bytes()),
             expert_chunks: chunking.chunks(),
-            dw: if layout.trains_base() { slot } else { layout.max_train_len() },
+            chunk_dw: chunking.chunk_grad(),
+            // A layer's trained part, or of a chunked layer its trunk's.
+            dw: if layout.trains_base() {
+                slot
+            } else {
+                (0..d.layers).map(|i| chunking.layer_grad(layout, i)).max().unwrap_or(0)
+            },
             dequant: layout.max_workspace(),
             head,
             head_rows: if whole { 0 } else { n * (2 * d.c + 1 + STATS) },
@@ -272,6 +281,7 @@ impl Sizes {
         let chunked = self.chunk_slot > 0;
         let buffers = 5
             + 2 * usize::from(chunked)
+            + 2 * usize::from(self.chunk_dw > 0)
             + m * (self.act_sets + 4 + if tiled { 4 } else { 0 })
             + self.scratch_buffers
             + usize::from(self.workspace_bytes > 0)
@@ -310,6 +320,10 @@ impl Sizes {
         if chunked {
             let what = "expert slots (2: a chunk of a layer's experts each, engine.expert_chunk)";
             lines.push((what, 2 * self.chunk_slot_elems() * 4));
+            if self.chunk_dw > 0 {
+                let what = "expert gradient accumulators (2: a trained chunk's each, fp32)";
+                lines.push((what, 2 * self.chunk_dw * 4));
+            }
         }
         if tiled {
             lines.extend([

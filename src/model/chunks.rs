@@ -6,8 +6,9 @@
 //! description lays them out and translate through the map, so one description runs whole or
 //! chunked.
 //!
-//! Only frozen experts are chunked (an adapter run without expert adapters: LoRA or QLoRA on
-//! the attention, router or shared expert); trained experts keep the whole layer in a slot.
+//! A chunk holds whole experts: their matrices (frozen, as the base's NF4 words or weights, or
+//! trained) and their adapters; its gradient is its trained weights', laid out as the slot
+//! holds them ([`SlotMap::grads`]).
 
 use std::ops::Range;
 
@@ -26,6 +27,11 @@ pub struct SlotMap {
     pub len: usize,
     /// Packed words of this slot.
     pub packed: usize,
+    /// (range of the layer's trained weights, counted from its first trained one, its first
+    /// element in this part's gradient): the gradient of what this slot holds.
+    pub grads: Vec<(Range<usize>, usize)>,
+    /// Trained weights of this slot: its gradient's length.
+    pub train_len: usize,
 }
 
 impl SlotMap {
@@ -54,6 +60,12 @@ impl SlotMap {
     /// Where the layer's packed words `r` are in this slot's words region.
     pub fn word(&self, r: &Range<usize>) -> Range<usize> {
         translate(&self.words, r)
+    }
+
+    /// Where the gradient of the layer's trained weights `r` (counted from its first trained
+    /// weight) is in this part's gradient.
+    pub fn grad(&self, r: &Range<usize>) -> Range<usize> {
+        translate(&self.grads, r)
     }
 }
 
@@ -91,45 +103,50 @@ pub struct ExpertSplit {
     pub chunks: Vec<SlotMap>,
 }
 
-/// A sparse layer's expert storage: per expert its gate|up and down pieces, in the slot
-/// (`words: false`) or in the packed words.
+/// A sparse layer's expert storage: groups of per-expert pieces (each group contiguous over
+/// the experts, in expert order) in the slot and in the packed words.
 struct ExpertPieces {
-    words: bool,
-    gate_up: Vec<Range<usize>>,
-    down: Vec<Range<usize>>,
+    experts: usize,
+    /// The experts' gate|up and down matrices (full fine-tuning, or a frozen full-precision
+    /// base), and their adapters' A and B.
+    slot: Vec<Vec<Range<usize>>>,
+    /// The experts' NF4 gate|up and down (QLoRA).
+    words: Vec<Vec<Range<usize>>>,
 }
 
-/// The pieces of `spec`'s routed experts, when it has them and they are frozen without
-/// adapters (the only experts that are chunked).
+/// Per expert, `len` elements from `r.start`.
+fn per_expert(r: &Range<usize>, e: usize, len: usize) -> Vec<Range<usize>> {
+    (0..e).map(|x| r.start + x * len..r.start + (x + 1) * len).collect()
+}
+
+/// The pieces of `spec`'s routed experts, when it has them.
 fn expert_pieces(spec: &LayerSpec) -> Option<ExpertPieces> {
     let op = spec.ops.iter().find(|op| matches!(op, Op::Experts { .. }))?;
     let Op::Experts { ref gate_up, ref down, e, i, c, ref lora, ref packed, .. } = *op else {
         unreachable!()
     };
-    if lora.gate_up.is_some() || lora.down.is_some() {
-        return None;
+    let (mut slot, mut words) = (Vec::new(), Vec::new());
+    match packed {
+        Some(w) => {
+            let span = |w: &Weight| match w {
+                Weight::Packed(parts) => parts[0].words.start..parts[parts.len() - 1].words.end,
+                Weight::Slot(_) => unreachable!("packed experts are NF4"),
+            };
+            words.push(w.iter().map(|x| span(&x[0])).collect());
+            words.push(w.iter().map(|x| span(&x[1])).collect());
+        }
+        None => {
+            slot.push(per_expert(gate_up, e, 2 * i * c));
+            slot.push(per_expert(down, e, c * i));
+        }
     }
-    if let Some(w) = packed {
-        let span = |w: &Weight| match w {
-            Weight::Packed(parts) => parts[0].words.start..parts[parts.len() - 1].words.end,
-            Weight::Slot(_) => unreachable!("packed experts are NF4"),
-        };
-        let gate_up = w.iter().map(|x| span(&x[0])).collect();
-        let down = w.iter().map(|x| span(&x[1])).collect();
-        return Some(ExpertPieces { words: true, gate_up, down });
+    for (l, ic, oc) in [(&lora.gate_up, c, 2 * i), (&lora.down, i, c)] {
+        if let Some(l) = l {
+            slot.push(per_expert(&l.a, e, l.r * ic));
+            slot.push(per_expert(&l.b, e, oc * l.r));
+        }
     }
-    if gate_up.end > spec.frozen || down.end > spec.frozen {
-        return None; // trained experts (full fine-tuning)
-    }
-    let per = |r: &Range<usize>, len: usize| {
-        let s = r.start;
-        (0..e).map(move |x| s + x * len..s + (x + 1) * len)
-    };
-    Some(ExpertPieces {
-        words: false,
-        gate_up: per(gate_up, 2 * i * c).collect(),
-        down: per(down, c * i).collect(),
-    })
+    Some(ExpertPieces { experts: e, slot, words })
 }
 
 /// The union of contiguous `ranges` (each starting where the one before ends).
@@ -141,33 +158,41 @@ fn joined(ranges: &[Range<usize>]) -> Range<usize> {
     ranges[0].start..ranges[ranges.len() - 1].end
 }
 
+/// Each group's pieces of experts `xs`, joined.
+fn chunk_of(groups: &[Vec<Range<usize>>], xs: Range<usize>) -> Vec<Range<usize>> {
+    groups.iter().map(|g| joined(&g[xs.clone()])).collect()
+}
+
+/// `whole` without every group's pieces.
+fn trunk_of(whole: Range<usize>, groups: &[Vec<Range<usize>>]) -> Vec<Range<usize>> {
+    let mut holes: Vec<Range<usize>> = groups.iter().map(|g| joined(g)).collect();
+    holes.sort_by_key(|r| r.start);
+    complement(whole, &holes)
+}
+
 impl ExpertSplit {
-    /// `spec`'s experts in chunks of `per_chunk`; `None` for a layer without frozen experts.
+    /// `spec`'s routed experts (their matrices, frozen or trained, and their adapters) in
+    /// chunks of `per_chunk`; `None` for a layer without experts.
     pub fn new(spec: &LayerSpec, per_chunk: usize) -> Option<Self> {
         assert!(per_chunk > 0, "a chunk holds at least one expert");
         let p = expert_pieces(spec)?;
-        let e = p.gate_up.len();
-        let holes = {
-            let mut h = vec![joined(&p.gate_up), joined(&p.down)];
-            h.sort_by_key(|r| r.start);
-            h
-        };
-        let (tw, tp) = match p.words {
-            true => (complement(0..spec.len, &[]), complement(0..spec.packed, &holes)),
-            false => (complement(0..spec.len, &holes), complement(0..spec.packed, &[])),
-        };
-        let trunk = map_of(tw, tp);
+        let e = p.experts;
+        let frozen = spec.frozen;
+        let trunk =
+            map_of(trunk_of(0..spec.len, &p.slot), trunk_of(0..spec.packed, &p.words), frozen);
         let chunks = (0..e.div_ceil(per_chunk))
             .map(|k| {
                 let xs = k * per_chunk..((k + 1) * per_chunk).min(e);
-                let parts = vec![joined(&p.gate_up[xs.clone()]), joined(&p.down[xs])];
-                match p.words {
-                    true => map_of(vec![], parts),
-                    false => map_of(parts, vec![]),
-                }
+                map_of(chunk_of(&p.slot, xs.clone()), chunk_of(&p.words, xs), frozen)
             })
             .collect();
         Some(ExpertSplit { per_chunk, experts: e, trunk, chunks })
+    }
+
+    /// Whether the experts carry trained weights (full fine-tuning, or expert adapters): their
+    /// chunks then have gradients of their own.
+    pub fn trained(&self) -> bool {
+        self.chunks.iter().any(|c| c.train_len > 0)
     }
 
     /// The experts of chunk `k`.
@@ -184,10 +209,14 @@ impl ExpertSplit {
     }
 }
 
-fn map_of(weights: Vec<Range<usize>>, words: Vec<Range<usize>>) -> SlotMap {
+/// The map of a slot holding `weights` of a layer's slot and `words` of its packed words, its
+/// gradient laid out as its trained weights (those past `frozen`) come, in order.
+fn map_of(weights: Vec<Range<usize>>, words: Vec<Range<usize>>, frozen: usize) -> SlotMap {
+    let trained = weights.iter().map(|r| r.start.max(frozen) - frozen..r.end.max(frozen) - frozen);
+    let (grads, train_len) = SlotMap::end_to_end(trained.collect::<Vec<_>>());
     let (weights, len) = SlotMap::end_to_end(weights);
     let (words, packed) = SlotMap::end_to_end(words);
-    SlotMap { weights, words, len, packed }
+    SlotMap { weights, words, grads, len, packed, train_len }
 }
 
 #[cfg(test)]
@@ -196,8 +225,9 @@ mod tests {
 
     #[test]
     fn translation_stays_inside_a_piece_and_complement_cuts_the_holes() {
-        let map = map_of(vec![0..10, 20..30], complement(5..9, &[]));
-        assert_eq!((map.len, map.packed), (20, 4));
+        let map = map_of(vec![0..10, 20..30], complement(5..9, &[]), 8);
+        assert_eq!((map.len, map.packed, map.train_len), (20, 4, 12));
+        assert_eq!(map.grad(&(13..16)), 3..6, "weights 21..24: trained 13..16");
         assert_eq!(map.weight(&(22..25)), 12..15);
         assert_eq!(map.weight(&(0..10)), 0..10);
         assert_eq!(map.word(&(6..8)), 1..3);

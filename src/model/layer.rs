@@ -114,6 +114,12 @@ impl<'a, B: Backend + ?Sized> Weights<'a, B> {
     }
 }
 
+/// Where the gradient of trained weights `g` (the description's, `LayerSpec::grad_range`) is in
+/// the gradient of a part laid out by `map` (all of the layer: `None`); `None` when frozen.
+pub(crate) fn grad_at(map: Option<&SlotMap>, g: Option<Range<usize>>) -> Option<Range<usize>> {
+    g.map(|g| map.map_or_else(|| g.clone(), |m| m.grad(&g)))
+}
+
 /// Slot weights `r` of the description in a slot laid out by `map` (all of the layer: `None`).
 pub(crate) fn at(map: Option<&SlotMap>, r: &Range<usize>) -> Range<usize> {
     map.map_or_else(|| r.clone(), |m| m.weight(r))
@@ -415,7 +421,7 @@ pub fn layer_backward_part<B: Backend>(
     part: &Part,
 ) {
     let (w, map) = (wts.slot, wts.map);
-    let gr = |r: &Range<usize>| spec.grad_range(r);
+    let gr = |r: &Range<usize>| grad_at(map, spec.grad_range(r));
     let n = rows.b * rows.t;
     let len = |a: Act| n * spec.width(a);
     let act = |a: Act| acts[a].r(len(a));
@@ -947,10 +953,12 @@ mod tests {
         }
     }
 
-    /// A sparse layer whose frozen experts stream in chunks: its trunk (the ops before the
-    /// experts, each chunk of experts from a slot of its own, the ops after), forward and
-    /// backward (after the backward's recompute of every op but the experts), is the whole
-    /// layer bit for bit; with the base in NF4 too, for chunks of 1, 3 and every expert.
+    /// A sparse layer whose experts stream in chunks: its trunk (the ops before the experts,
+    /// each chunk of experts from a slot of its own, the ops after), forward and backward
+    /// (after the backward's recompute of every op but the experts; each part's gradient its
+    /// own, added into the layer's by its map), is the whole layer bit for bit, for chunks of
+    /// 1, 3 and every expert: trained experts (full fine-tuning), frozen ones under adapters
+    /// on the attention and router, in full precision and in NF4, and with expert adapters.
     #[test]
     fn a_chunked_sparse_layer_is_the_whole_layer_bit_for_bit() {
         use crate::model::chunks::ExpertSplit;
@@ -958,20 +966,34 @@ mod tests {
         let targets = ["q_proj", "o_proj", "router"].map(String::from).to_vec();
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         let (be, n) = (CpuBackend::new(), ROWS.b * ROWS.t);
+        let experts =
+            crate::model::lora::ExpertTargets { gate_up: Some((2, 0.8)), down: Some((3, 1.7)) };
         for (case, layout) in fixture_layouts().into_iter().filter(|(_, l)| l.moe.is_some()) {
             let ropes = tables(&layout);
             let views: Vec<(&[f32], &[f32])> =
                 ropes.iter().map(|(c, s)| (&c[..], &s[..])).collect();
-            for nf4 in [false, true] {
-                let lora = LoraSpec {
-                    r: 2,
-                    scale: 1.5,
-                    targets: targets.clone(),
-                    nf4,
-                    base: BaseDtype::F32,
-                    experts: Default::default(),
+            let variants = [
+                (None, false),
+                (Some(Default::default()), false),
+                (Some(Default::default()), true),
+                (Some(experts), false),
+                (Some(experts), true),
+            ];
+            for (expert_lora, nf4) in variants {
+                let adapted = match expert_lora {
+                    None => layout.clone(),
+                    Some(experts) => {
+                        let lora = LoraSpec {
+                            r: 2,
+                            scale: 1.5,
+                            targets: targets.clone(),
+                            nf4,
+                            base: BaseDtype::F32,
+                            experts,
+                        };
+                        layout.with_lora(&lora).unwrap()
+                    }
                 };
-                let adapted = layout.with_lora(&lora).unwrap();
                 let spec = adapted.kinds.iter().find(|s| ExpertSplit::new(s, 1).is_some()).unwrap();
                 let mut rng = SplitMix64::new(5);
                 let mut normal = |len: usize| {
@@ -1007,7 +1029,13 @@ mod tests {
                 let e = ExpertSplit::new(spec, 1).unwrap().experts;
                 for per in [1, 3, e] {
                     let split = ExpertSplit::new(spec, per).unwrap();
-                    let what = format!("{case} nf4={nf4}, {per} experts a chunk");
+                    let what = format!(
+                        "{case} adapters {} nf4={nf4}, {per} experts a chunk",
+                        expert_lora.is_some()
+                    );
+                    let trained =
+                        spec.frozen == 0 || expert_lora.is_some_and(|e| e.gate_up.is_some());
+                    assert_eq!(split.trained(), trained, "{what}");
                     let mut part = TestWeights::default();
                     let run = |part: &mut TestWeights, slots: &mut [Slot<'_, [f32]>], p: Part| {
                         match &p {
@@ -1050,27 +1078,33 @@ mod tests {
                         spec.grads[1..].iter().map(|&g| vec![0.0; n * g]).collect();
                     let mut g = grad_slots(&mut dres[..], rest.iter_mut().map(|v| &mut v[..]));
                     let mut dw = vec![0.0; spec.train_len()];
+                    // Each part into a gradient of its own, added into the layer's by its map.
                     let back = |part: &mut TestWeights,
                                 g: &mut [Slot<'_, [f32]>],
                                 dw: &mut [f32],
                                 p: Part| {
-                        match &p {
-                            Part::Experts(ch) => {
-                                part.hold(&whole, &split.chunks[ch.experts.start / per])
-                            }
-                            _ => part.hold(&whole, &split.trunk),
-                        }
+                        let map = match &p {
+                            Part::Experts(ch) => &split.chunks[ch.experts.start / per],
+                            _ => &split.trunk,
+                        };
+                        part.hold(&whole, map);
+                        let mut own = vec![0.0; map.train_len];
                         layer_backward_part(
                             &be,
                             spec,
                             g,
-                            dw,
+                            &mut own,
                             &slots,
                             &mut part.view(),
                             &views,
                             ROWS,
                             &p,
                         );
+                        for (r, at) in &map.grads {
+                            for (d, o) in dw[r.clone()].iter_mut().zip(&own[*at..*at + r.len()]) {
+                                *d += o;
+                            }
+                        }
                     };
                     back(&mut part, &mut g, &mut dw, Part::After);
                     for ch in chunks.iter().cloned() {

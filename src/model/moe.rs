@@ -26,7 +26,7 @@ use horizon_backend::cpu::moe_sort;
 use horizon_backend::{Backend, DeviceSlice, Dinp, MoeDims};
 
 use crate::model::chunks::SlotMap;
-use crate::model::layer::{ExpertChunk, Packed, Slot, Weights, at, weight_of};
+use crate::model::layer::{ExpertChunk, Packed, Slot, Weights, at, grad_at, weight_of};
 use crate::model::layout::ModelLayout;
 use crate::model::spec::{Act, ExpertLora, LayerSpec, Op};
 
@@ -401,11 +401,16 @@ fn expert_backward<'o, B: Backend>(
     be.copy(sw, s);
     be.moe_scale_rows(sw, w, ord, i);
     let wd = expert_mat(be, (slot, &mut *packed, map), op, x, true);
-    let ddw = spec.grad_range(down).map(|r| dw.slice_mut(part(&r, c * i)));
+    // An expert matrix's gradient, where it is trained (NF4 experts have empty ranges).
+    let grad_of = |r: &Range<usize>, len| {
+        let g = (!r.is_empty()).then(|| part(r, len)).and_then(|p| spec.grad_range(&p));
+        grad_at(map, g)
+    };
+    let ddw = grad_of(down, c * i).map(|g| dw.slice_mut(g));
     be.matmul_backward(Some(Dinp::Write(&mut *ds)), ddw, None, dy, sw, wd, cnt, i, c);
     if let Some((ra, rb, l)) = adapter(lora.down.as_ref(), i, c) {
         let ag = AdapterGrad { dinp: &mut *ds, dout: dy, inp: sw, u_in: sw };
-        let grads = two_grads(spec, dw, &ra, &rb);
+        let grads = two_grads((spec, map), dw, &ra, &rb);
         let ws = (slot.slice(at(map, &ra)), slot.slice(at(map, &rb)), l);
         adapter_backward(be, ag, ws, grads, (&mut *b.u, &mut *b.t), cnt, i, c);
     }
@@ -414,11 +419,11 @@ fn expert_backward<'o, B: Backend>(
     be.swiglu_backward(dgu, ds, gu, cnt, i);
     let dxs = dy;
     let wgu = expert_mat(be, (slot, &mut *packed, map), op, x, false);
-    let dgw = spec.grad_range(gate_up).map(|r| dw.slice_mut(part(&r, 2 * i * c)));
+    let dgw = grad_of(gate_up, 2 * i * c).map(|g| dw.slice_mut(g));
     be.matmul_backward(Some(Dinp::Write(&mut *dxs)), dgw, None, dgu, xs, wgu, cnt, c, 2 * i);
     if let Some((ra, rb, l)) = gate {
         let ag = AdapterGrad { dinp: &mut *dxs, dout: dgu, inp: xs, u_in: xs };
-        let grads = two_grads(spec, dw, &ra, &rb);
+        let grads = two_grads((spec, map), dw, &ra, &rb);
         let ws = (slot.slice(at(map, &ra)), slot.slice(at(map, &rb)), l);
         adapter_backward(be, ag, ws, grads, (&mut *b.u, &mut *b.t), cnt, c, 2 * i);
     }
@@ -427,12 +432,12 @@ fn expert_backward<'o, B: Backend>(
 
 /// The gradients of two disjoint trained ranges (an adapter's A and B) of `dw`.
 fn two_grads<'d, T: ?Sized + DeviceSlice>(
-    spec: &LayerSpec,
+    (spec, map): (&LayerSpec, Option<&SlotMap>),
     dw: &'d mut T,
     a: &Range<usize>,
     b: &Range<usize>,
 ) -> (Option<&'d mut T>, Option<&'d mut T>) {
-    let (ga, gb) = (spec.grad_range(a), spec.grad_range(b));
+    let (ga, gb) = (grad_at(map, spec.grad_range(a)), grad_at(map, spec.grad_range(b)));
     crate::model::layer::two_mut(dw, ga, gb)
 }
 

@@ -453,7 +453,7 @@ impl CostModel<'_> {
 
     /// The engine's chunking of experts, when it streams any.
     fn chunking(&self) -> Option<Chunking> {
-        (self.sizes.chunk_slot > 0).then(|| Chunking::new(self.layout, self.cfg.expert_chunk))
+        (self.sizes.chunk_slot > 0).then(|| Chunking::of(self.layout, self.cfg))
     }
 
     /// Layer `layer`'s experts (forward, or backward), all of them.
@@ -469,6 +469,22 @@ impl CostModel<'_> {
         match self.chunking().is_some_and(|c| c.split(layer).is_some()) {
             true => self.experts_of(layer, backward),
             false => 0.0,
+        }
+    }
+
+    /// Elements of a gradient download (and its accumulation).
+    fn grad_len(&self, what: GradTarget) -> usize {
+        let d = &self.layout.dims;
+        match what {
+            GradTarget::Layer(i) => match self.chunking() {
+                Some(c) => c.layer_grad(self.layout, i),
+                None => self.layout.layer(i).train_len(),
+            },
+            GradTarget::Head => d.c + d.v * d.c,
+            GradTarget::Experts { layer, chunk } => {
+                let c = self.chunking().expect("chunks come with chunking");
+                c.split(layer).expect("a chunked layer").chunks[chunk].train_len
+            }
         }
     }
 
@@ -617,11 +633,8 @@ impl CostModel<'_> {
             }
             OpKind::DownloadLosses { .. } => self.copy(Queue::D2H, n * 4.0),
             OpKind::DownloadDw { what, .. } => {
-                let e = match what {
-                    GradTarget::Layer(i) => self.layout.layer(i).train_len(),
-                    GradTarget::Head => d.c + d.v * d.c,
-                } as f64;
-                let b = if matches!(what, GradTarget::Layer(_)) { grad_b } else { 4.0 };
+                let e = self.grad_len(what) as f64;
+                let b = if matches!(what, GradTarget::Head) { 4.0 } else { grad_b };
                 self.copy(Queue::D2H, e * b)
             }
             OpKind::DownloadHeadGrads { .. } => {
@@ -661,10 +674,7 @@ impl CostModel<'_> {
             }
             OpKind::GradNorm => self.pool(0.0),
             OpKind::AccumulateGrads { what, .. } => {
-                let e = match what {
-                    GradTarget::Layer(i) => self.layout.layer(i).train_len(),
-                    GradTarget::Head => d.c + d.v * d.c,
-                };
+                let e = self.grad_len(what);
                 let bf16_slab = self.cfg.grad_wire == GradWire::Bf16;
                 self.pool(self.pass(HostPass::Accumulate { bf16_slab }, e))
             }

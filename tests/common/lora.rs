@@ -140,10 +140,20 @@ where
         horizon::run::config::BackendKind::Cpu
     };
     let seq_len = rows.iter().map(|r| r.input_ids.len()).max().unwrap();
-    let ecfg = EngineConfig { backend, memory, ..super::engine_config_for(&e, seq_len, k, mbs) };
+    // The yaml's `engine.expert_chunk` and `engine.head_tile_rows` (unset: whole layers and
+    // the head in as few tiles as fit).
+    let (expert_chunk, head_tile_rows) =
+        (cfg.raw.engine.expert_chunk, cfg.raw.engine.head_tile_rows);
+    let ecfg = EngineConfig {
+        backend,
+        memory,
+        expert_chunk,
+        head_tile_rows,
+        ..super::engine_config_for(&e, seq_len, k, mbs)
+    };
     let state = TrainState::for_memory(params, &layout, memory);
     let mut engine = Engine::with_layout(dev, layout, base.map(Arc::new), state, ecfg).unwrap();
-    let head_tiles = engine.sizes().head.tiles();
+    let (head_tiles, expert_chunks) = (engine.sizes().head.tiles(), engine.sizes().expert_chunks);
     let batch = ecfg.batch_size;
     let lr = e["lr"].as_f64().unwrap();
     let out = (0..e["steps"].as_u64().unwrap() as usize)
@@ -154,7 +164,7 @@ where
             (o.loss(), o.grad_norm)
         })
         .collect();
-    Streamed { steps: out, init, end: engine.into_state().params, head_tiles }
+    Streamed { steps: out, init, end: engine.into_state().params, head_tiles, expert_chunks }
 }
 
 /// What a streamed run gives: per-step (loss, grad norm), the adapters before and after, and
@@ -164,6 +174,8 @@ pub struct Streamed {
     pub init: ParamStore,
     pub end: ParamStore,
     pub head_tiles: usize,
+    /// Chunks of each chunked layer's experts (1: whole layers).
+    pub expert_chunks: usize,
 }
 
 /// Fixture `case` (a full-model fixture: `qwen3_moe`, `mixtral`) trained with adapters of

@@ -61,7 +61,7 @@ where
         let mut state = Box::new(state.into_memory(&layout, cfg.memory));
         let pinned_grads = pin_downloaded_grads(&dev, &mut state, &layout, shape.head_buf());
         let (host, hostbufs) = alloc_host(&dev, &mut state, &layout, &sizes, &cfg, shape);
-        let chunking = Chunking::new(&layout, cfg.expert_chunk);
+        let chunking = Chunking::of(&layout, &cfg);
         let ctx = Arc::new(Ctx {
             regions: SlotRegions::new(&layout, shape.head_buf(), &sizes.head, &chunking),
             chunking,
@@ -144,6 +144,15 @@ fn validate<D: Device>(dev: &D, layout: &ModelLayout, cfg: &EngineConfig) -> Res
     }
     if cfg.kept_layers > layout.dims.layers {
         bail!("{} kept layers of a {}-layer model: {cfg:?}", cfg.kept_layers, layout.dims.layers);
+    }
+    if cfg.memory.streams_updates() && Chunking::new(layout, cfg.expert_chunk, true).trained() {
+        bail!(
+            "engine.expert_chunk: trained experts (full fine-tuning, or adapters on the experts) \
+             stream in chunks only with optimizer.memory: exact, which adds each chunk's \
+             gradient into a whole host gradient; this run's is {:?}\nhint: set \
+             optimizer.memory: exact, or leave engine.expert_chunk unset (whole layers)",
+            cfg.memory
+        );
     }
     let precision = <D::Backend as Backend>::PRECISION;
     if cfg.backend.precision() != precision {
@@ -401,7 +410,9 @@ pub(super) fn alloc_device<D: Device>(
     let mut slots = a.many(2, sizes.slot_elems())?;
     slots.extend(a.many(expert_slots, sizes.chunk_slot_elems())?);
     let workspace = a.one(sizes.workspace_elems())?;
-    let dws = [a.one(sizes.dw)?, a.one(sizes.dw)?];
+    // The layers' two accumulators, then (trained experts in chunks) the chunks' two.
+    let mut dws = a.many(2, sizes.dw)?;
+    dws.extend(a.many(if sizes.chunk_dw > 0 { 2 } else { 0 }, sizes.chunk_dw)?);
     let acts = (0..sizes.act_sets).map(|_| a.many(mbs, sizes.act)).collect::<Result<_>>()?;
     let dres = a.many(mbs, sizes.act)?;
     let (ids, targets, losses) = (a.many(mbs, n)?, a.many(mbs, n)?, a.many(mbs, n)?);

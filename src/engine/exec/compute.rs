@@ -456,7 +456,10 @@ where
                     vw.backend(),
                     spec,
                     &mut grads,
-                    vw.buf_mut(ctx.dev(g, Res::Dw(dw), true).prefix(spec.train_len())),
+                    vw.buf_mut(
+                        ctx.dev(g, Res::Dw(dw), true)
+                            .prefix(w.map.map_or(spec.train_len(), |m| m.train_len)),
+                    ),
                     &acts,
                     &mut w,
                     &ropes(vw, ctx, mb.t),

@@ -108,7 +108,8 @@ pub(super) struct DeviceBuffers {
     pub(super) slots: Vec<DevBuf>,
     /// The backend's workspace (set on the device once).
     pub(super) workspace: DevBuf,
-    pub(super) dws: [DevBuf; 2],
+    /// The layers' two gradient accumulators, then (trained experts in chunks) the chunks' two.
+    pub(super) dws: Vec<DevBuf>,
     /// [set][m]
     pub(super) acts: Vec<Vec<DevBuf>>,
     pub(super) dres: Vec<DevBuf>,

@@ -75,7 +75,10 @@ where
 /// Elements of a gradient download.
 fn grad_len(ctx: &Ctx, what: GradTarget) -> usize {
     match what {
-        GradTarget::Layer(i) => ctx.layout.layer(i).train_len(),
+        GradTarget::Layer(i) => ctx.chunking.layer_grad(&ctx.layout, i),
         GradTarget::Head => ctx.layout.dims.c + ctx.layout.dims.v * ctx.layout.dims.c,
+        GradTarget::Experts { layer, chunk } => {
+            ctx.chunking.split(layer).expect("a chunked layer").chunks[chunk].train_len
+        }
     }
 }

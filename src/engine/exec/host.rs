@@ -100,19 +100,28 @@ where
     }
 }
 
-/// `AccumulateGrads`: a slab into its layer's host gradient, in fp32 whatever the slab's format.
+/// `AccumulateGrads`: a slab into its layer's host gradient, in fp32 whatever the slab's format:
+/// the whole layer's, or a part's (a chunked layer's trunk, a chunk of its trained experts)
+/// piece by piece where its map puts them.
 fn accumulate(ctx: &Ctx, grant: &Grant, slab: usize, what: GradTarget) {
-    let GradTarget::Layer(i) = what else { unreachable!("the head's gradient has no slab") };
+    let (i, map) = match what {
+        GradTarget::Layer(i) => (i, ctx.chunking.trunk(i)),
+        GradTarget::Experts { layer, chunk } => {
+            (layer, ctx.chunking.split(layer).map(|s| &s.chunks[chunk]))
+        }
+        GradTarget::Head => unreachable!("the head's gradient has no slab"),
+    };
     let g = ctx.grads(grant, ParamBuf::Layer(i), true);
+    let whole = [(0..g.len(), 0)];
+    let pieces = map.map_or(&whole[..], |m| &m.grads[..]);
     // SAFETY: the schedule orders this after the slab's download and before its next one; the
     // gradients are only touched by the host queue.
     unsafe {
-        match ctx.slabs(grant, slab, false) {
-            Slabs::F32(s) => {
-                add_inplace(g.as_mut_slice(), s[slab].as_const().sub(0..g.len()).as_slice())
-            }
-            Slabs::Bf16(s, _) => {
-                add_bf16(g.as_mut_slice(), s[slab].as_const().sub(0..g.len()).as_slice())
+        for (r, at) in pieces {
+            let (dst, from) = (g.sub(r.clone()).as_mut_slice(), *at..*at + r.len());
+            match ctx.slabs(grant, slab, false) {
+                Slabs::F32(s) => add_inplace(dst, s[slab].as_const().sub(from).as_slice()),
+                Slabs::Bf16(s, _) => add_bf16(dst, s[slab].as_const().sub(from).as_slice()),
             }
         }
     }

@@ -47,7 +47,8 @@ pub fn plan_shape(layout: &ModelLayout, cfg: &EngineConfig, sizes: &Sizes) -> Pl
         kept_layers: cfg.kept_layers,
         streamed: cfg.memory.streams_updates(),
         staged: cfg.weight_path() == WeightPath::Staged,
-        chunked: Chunking::new(layout, cfg.expert_chunk).layers(),
+        chunked: Chunking::of(layout, cfg).layers(),
+        chunks_trained: Chunking::of(layout, cfg).trained(),
         expert_chunks: sizes.expert_chunks,
     }
 }

@@ -24,10 +24,14 @@ struct Builder {
     /// The direction of the next pass over a layer's chunks: each pass walks them the other
     /// way from the last, so the two chunks still resident are used first.
     chunks_reversed: bool,
+    /// The next of the trained chunks' two gradient accumulators.
+    next_chunk_dw: usize,
 }
 
 /// The weight slots of chunked experts: after the two layer slots.
 pub const EXPERT_SLOTS: [usize; 2] = [2, 3];
+/// The gradient accumulators of trained chunks: after the layers' two.
+pub const EXPERT_DWS: [usize; 2] = [2, 3];
 
 impl Builder {
     fn new(shape: PlanShape) -> Self {
@@ -46,6 +50,7 @@ impl Builder {
             chunk_slots: [None, None],
             chunk_used: [0, 0],
             chunks_reversed: false,
+            next_chunk_dw: 0,
         }
     }
 
@@ -59,7 +64,12 @@ impl Builder {
                 let slot = EXPERT_SLOTS[s];
                 let what = SlotContent::Experts { layer, chunk };
                 let upload = OpKind::UploadWeights { slot, what };
-                self.push(upload, Queue::H2D, vec![], vec![Res::Slot(slot)]);
+                // Trained experts are read from the layer's buffer, which its update writes.
+                let reads = match self.shape.chunks_trained {
+                    true => vec![Res::Params(ParamBuf::Layer(layer))],
+                    false => vec![],
+                };
+                self.push(upload, Queue::H2D, reads, vec![Res::Slot(slot)]);
                 self.chunk_slots[s] = Some((layer, chunk));
                 s
             }
@@ -115,7 +125,8 @@ impl Builder {
 
     /// A chunked layer's backward of micro-batch `m`: the recompute of every op but the
     /// experts and the backward of the ops after them, each chunk's backward, then the
-    /// backward of the ops before them.
+    /// backward of the ops before them. Trained chunks' gradients go into their own
+    /// accumulator, which is added into the host gradient at once.
     fn chunked_backward(&mut self, (layer, slot, m): (usize, usize, usize), set: usize, dw: usize) {
         let writes = vec![Res::Dw(dw), Res::Dres(m), Res::Scratch];
         let reads = vec![Res::Slot(slot), Res::Act { set, m }];
@@ -123,12 +134,24 @@ impl Builder {
         self.push(start, Queue::Compute, reads.clone(), writes.clone());
         for (chunk, first) in self.chunk_order() {
             let cs = self.ensure_chunk(layer, chunk);
+            let cdw = match self.shape.chunks_trained {
+                true => {
+                    let d = EXPERT_DWS[self.next_chunk_dw];
+                    self.next_chunk_dw = 1 - self.next_chunk_dw;
+                    self.push(OpKind::ZeroDw { dw: d }, Queue::Compute, vec![], vec![Res::Dw(d)]);
+                    d
+                }
+                false => dw,
+            };
             self.push(
-                OpKind::BackwardExperts { layer, chunk, slot: cs, m, set, dw, first },
+                OpKind::BackwardExperts { layer, chunk, slot: cs, m, set, dw: cdw, first },
                 Queue::Compute,
                 vec![Res::Slot(cs), Res::Act { set, m }],
-                vec![Res::Dw(dw), Res::Dres(m), Res::Scratch],
+                vec![Res::Dw(cdw), Res::Dres(m), Res::Scratch],
             );
+            if self.shape.chunks_trained {
+                self.return_chunk_grads(cdw, layer, chunk);
+            }
         }
         let end = OpKind::BackwardEnd { layer, slot, m, set, dw };
         self.push(end, Queue::Compute, reads, writes);
@@ -224,6 +247,23 @@ impl Builder {
             // step's norm is a sum of recorded numbers and not a pass over every gradient.
             self.measure(ParamBuf::Layer(i));
         }
+    }
+
+    /// A trained chunk's gradient accumulator down into a slab and added into its layer's host
+    /// gradient (exact mode: the layer's gradient is measured once its trunk's is in).
+    fn return_chunk_grads(&mut self, dw: usize, layer: usize, chunk: usize) {
+        assert!(!self.shape.streamed, "trained chunks need a whole host gradient");
+        let slab = self.take_slab();
+        let what = GradTarget::Experts { layer, chunk };
+        let download = OpKind::DownloadDw { dw, slab, what };
+        self.push(download, Queue::D2H, vec![Res::Dw(dw)], vec![Res::Slab(slab)]);
+        let grads = vec![Res::Grads(ParamBuf::Layer(layer))];
+        self.push(
+            OpKind::AccumulateGrads { slab, what },
+            Queue::Host,
+            vec![Res::Slab(slab)],
+            grads,
+        );
     }
 
     /// The tests' fault injection into buffer `p`'s host gradient (see [`OpKind::PoisonGrad`]).

@@ -181,6 +181,7 @@ mod doc_tests {
             staged: false,
             chunked: LayerSet::default(),
             expert_chunks: 1,
+            chunks_trained: false,
         });
         let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/schedule.md"))
             .unwrap();

@@ -18,6 +18,7 @@ fn shape(layers: usize, mbs: usize, k: usize) -> PlanShape {
         staged: false,
         chunked: LayerSet::default(),
         expert_chunks: 1,
+        chunks_trained: false,
     }
 }
 
@@ -38,12 +39,23 @@ fn chunked_expert_plans_are_hazard_free() {
     for layers in [1, 3, 4] {
         for mbs in [1, 2, 3] {
             for k in [1, 2, 3] {
-                for (streamed, staged) in [(false, false), (true, false), (false, true)] {
+                // Trained chunks (their own accumulators) only in exact mode.
+                for (streamed, staged, trained) in [
+                    (false, false, false),
+                    (true, false, false),
+                    (false, true, false),
+                    (false, false, true),
+                    (false, true, true),
+                ] {
                     for chunks in [2, 3, 5] {
                         let base = PlanShape { streamed, staged, ..shape(layers, mbs, k) };
-                        let s = Schedule::new(chunked(base, chunks));
+                        let s = Schedule::new(PlanShape {
+                            chunks_trained: trained,
+                            ..chunked(base, chunks)
+                        });
                         let what = format!(
-                            "L{layers} M{mbs} K{k} streamed {streamed} staged {staged} chunks {chunks}"
+                            "L{layers} M{mbs} K{k} streamed {streamed} staged {staged} trained \
+                             {trained} chunks {chunks}"
                         );
                         check(&s.unrolled(3), 0).unwrap_or_else(|h| panic!("{what}: {h}"));
                         let ops = s.ops(2);

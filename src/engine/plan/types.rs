@@ -111,6 +111,12 @@ pub enum GradTarget {
     Layer(usize),
     /// Final norm followed by the LM head.
     Head,
+    /// Chunk `chunk` of layer `layer`'s trained experts (their gradient, as the chunk's slot
+    /// holds them).
+    Experts {
+        layer: usize,
+        chunk: usize,
+    },
 }
 
 /// One operation of the step.
@@ -293,6 +299,10 @@ pub struct PlanShape {
     pub chunked: LayerSet,
     /// Chunks of each chunked layer's experts.
     pub expert_chunks: usize,
+    /// Whether the chunks are trained (full fine-tuning, expert adapters; exact mode only):
+    /// each chunk's backward then has a gradient accumulator of its own (`Dw(2)`, `Dw(3)`),
+    /// added into the host gradient as it comes back.
+    pub chunks_trained: bool,
 }
 
 /// A set of layer indices (up to [`LayerSet::CAPACITY`]), copyable as the plan's shape is.
