@@ -177,6 +177,37 @@ fn tiled_head_on_the_gpu_tracks_the_fixtures() {
     }
 }
 
+/// Experts streamed through the expert slots in chunks (`engine.expert_chunk`: 3 experts a
+/// chunk, 3 chunks a sparse layer; full fine-tuning, each chunk's gradient back through its own
+/// accumulator) on the GPU track the fixtures within the bounds above, at K 1 and 3 and
+/// micro-batches of one row and of the whole batch; random copy-stream delays (the next chunk's
+/// upload racing the last one's compute, a chunk's gradient download the next one's zeroing)
+/// change no bit.
+#[test]
+fn chunked_experts_on_the_gpu_track_the_fixtures() {
+    for case in CASES.into_iter().filter(|c| is_moe(c)) {
+        let e = expected(case);
+        let batch = e["batch"].as_u64().unwrap() as usize;
+        let (losses, norms) = (f64s(&e["loss_per_step"]), f64s(&e["grad_norm_per_step"]));
+        for (k, mbs) in [(1, 1), (3, batch)] {
+            let cfg = EngineConfig {
+                expert_chunk: Some(3),
+                head_tile_rows: Some(37),
+                ..cuda_config(case, k, mbs, GradWire::Bf16)
+            };
+            let (got, _, params) = streamed(cuda(0, 0), case, cfg);
+            let what = format!("{case} experts in chunks K={k} mbs={mbs}");
+            for (s, (l, g)) in got.iter().enumerate() {
+                assert_rel(&format!("{what} loss {s}"), *l, losses[s], 2e-2);
+                assert_rel(&format!("{what} grad norm {s}"), *g, norms[s], 5e-2);
+            }
+            let (jittered, _, jparams) = streamed(cuda(300, 5), case, cfg);
+            assert_eq!(jittered, got, "{what}: delays changed the losses");
+            assert_eq!(jparams, params, "{what}: delays changed the weights");
+        }
+    }
+}
+
 /// Random delays (up to 0.3 ms) before every copy on the H2D and D2H streams change the timing,
 /// never the numbers: the GPU kernels have fixed reduction orders, so results are bitwise equal.
 #[test]

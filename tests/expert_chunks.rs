@@ -204,3 +204,60 @@ fn device_memory_does_not_grow_with_the_number_of_experts() {
     let flat = (chunked[2] - router(256)) as f64 / (chunked[0] - router(64)) as f64;
     assert!(flat <= 1.01, "chunked: {chunked:?} (ratio {ratio:.3}, without the router {flat:.4})");
 }
+
+/// A device budget of a few MiB that whole layers exceed: `engine.expert_chunk` unset, the
+/// plan takes the largest chunks that fit (here at least three a layer), the engine runs in a
+/// device pool of exactly that budget, and trains as whole layers do, bit for bit.
+#[test]
+fn a_small_device_budget_streams_the_experts_in_chunks() {
+    use horizon::engine::exec::{Engine, StepParams};
+    use horizon::engine::options::{Recompute, WeightUpload};
+    use horizon::engine::resolve::{Machine, resolve};
+    let mut raw: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(case_dir("qwen3_moe").join("model/config.json")).unwrap(),
+    )
+    .unwrap();
+    raw["hidden_size"] = 64.into();
+    raw["moe_intermediate_size"] = 64.into();
+    raw["num_experts"] = 32.into();
+    raw["num_local_experts"] = 32.into();
+    raw["mlp_only_layers"] = serde_json::json!([]);
+    let model = horizon::hf::config::ModelConfig::from_json(&raw, "qwen3_moe").unwrap();
+    let layout = horizon::model::describe(&model);
+    let base = EngineConfig { head_tile_rows: Some(16), ..case_engine_config("qwen3_moe", 1, 3) };
+    let need = |per: Option<usize>| {
+        Sizes::new(&layout, &EngineConfig { expert_chunk: per, ..base }).device_total() as u64
+    };
+    let budget = need(Some(10));
+    assert!(need(None) > budget && budget < 8 << 20, "whole {} vs budget {budget}", need(None));
+    let machine = Machine {
+        device_budget: Some(budget),
+        host_bytes: None,
+        pool_in_host_ram: true,
+        bf16: false,
+    };
+    let ecfg = resolve(&layout, base, Recompute::Always, WeightUpload::Round, &machine);
+    let per = ecfg.expert_chunk.expect("chunks under the budget");
+    assert!((10..=11).contains(&per), "the largest chunk that fits: {per}");
+    let params = ParamStore::random(&layout, 3, 0.05);
+    let rows = common::case_rows("qwen3_moe");
+    let run = |cfg: EngineConfig, capacity: usize| {
+        let dev = CpuDevice::new(CpuDeviceConfig::with_capacity(capacity));
+        let state = horizon::store::TrainState::new(params.clone());
+        let mut e = Engine::new(dev, &model, state, cfg).unwrap();
+        let chunks = e.sizes().expert_chunks;
+        let losses: Vec<u64> = (0..2)
+            .map(|s| {
+                let rs: Vec<_> = rows[3 * s..3 * s + 3].iter().collect();
+                let mbs = horizon::run::data::micro_batches(&rs, 3);
+                e.step(mbs, StepParams { lr: 1e-2, inject_nan: false }).unwrap().loss().to_bits()
+            })
+            .collect();
+        (losses, e.into_state().params, chunks)
+    };
+    let (got, params_got, chunks) = run(ecfg, budget as usize);
+    assert!(chunks >= 3, "{chunks} chunks a layer");
+    let (want, params_want, _) = run(base, 64 << 20);
+    assert_eq!(got, want, "losses");
+    common::assert_bit_identical("a few MiB", &params_got, &params_want);
+}
