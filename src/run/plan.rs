@@ -324,13 +324,16 @@ pub struct Args {
     /// Chrome trace.
     #[arg(long, value_name = "FILE", requires = "hardware")]
     pub trace: Option<PathBuf>,
+    /// Override a config key: `--set engine.expert_chunk=16` (repeatable; the value is YAML).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
 }
 
 /// `horizon plan` as `args` say: the memory plan, or with `--hardware` the plan and the
 /// projection.
 pub fn run(args: &Args) -> Result<()> {
     let path = &args.config;
-    let cfg = RawConfig::from_file(path)?.resolve(&path.display().to_string())?;
+    let cfg = RawConfig::from_file_with(path, &args.set)?.resolve(&path.display().to_string())?;
     let host = match args.host_memory.as_deref().map(ByteSize::parse) {
         None => None,
         Some(Ok(ByteSize::Bytes(b))) if b > 0 => Some(b),
