@@ -67,3 +67,25 @@ fn chunked_experts_on_the_gpu_train_as_whole_layers() {
         }
     }
 }
+
+/// The qwen3_moe_lora fixture (adapters on the attention and on the experts) with its experts
+/// and their adapters in chunks of 3 on the GPU: each chunk's adapter gradients back through the
+/// expert accumulators; PEFT's losses and norms within bf16's bounds, at K 1 and 2.
+#[test]
+fn expert_adapters_in_chunks_on_the_gpu_track_peft() {
+    let case = "qwen3_moe_lora";
+    let e = expected(case);
+    let batch = e["batch"].as_u64().unwrap() as usize;
+    let (losses, norms) = (f64s(&e["loss_per_step"]), f64s(&e["grad_norm_per_step"]));
+    for (k, mbs) in [(1, batch), (2, 1)] {
+        let y = yaml(case, "engine: { head_tile_rows: 16, expert_chunk: 3 }\n");
+        let memory = horizon::run::config::OptimizerMemory::Exact;
+        let r = streamed_yaml(cuda(), case, &y, (k, mbs), memory);
+        let what = format!("{case} in chunks K={k} mbs={mbs}");
+        assert_eq!(r.expert_chunks, 3, "{what}: chunks");
+        for (s, (l, g)) in r.steps.iter().enumerate() {
+            assert_rel(&format!("{what} loss {s}"), *l, losses[s], 2e-2);
+            assert_rel(&format!("{what} grad norm {s}"), *g, norms[s], 5e-2);
+        }
+    }
+}
