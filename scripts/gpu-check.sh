@@ -14,7 +14,8 @@
 #                                           # machine without Rust
 #   DIR/gpu-check.sh                        # on the GPU machine: runs what DIR holds
 # Environment: HORIZON_BIN (the horizon binary), TEST_BIN_DIR (test executables cuda_*),
-# BENCHES (the benchmarks to run, of "qwen7b-shape deep"; default both), LAYERS_7B (the 7B
+# BENCHES (the benchmarks to run, of "qwen7b-shape deep moe"; default all), LAYERS_MOE (the
+# mixture of experts' depth, default 12 of 48), LAYERS_7B (the 7B
 # shape's depth; default as many of its 28 layers as host RAM holds), TEST_TIMEOUT (seconds for
 # each test executable, default 600), OP_SPEED_RUN (0 skips examples/cuda_op_speed, the
 # per-op times of a 7B layer), BENCH_TIMEOUT (seconds for each benchmark run, default
@@ -141,7 +142,7 @@ if [[ -x "$OP_SPEED" && "${OP_SPEED_RUN:-1}" == 1 ]]; then
     timeout "${BENCH_TIMEOUT:-3600}" "$OP_SPEED" 2>&1 | tee "$OUT/op_speed.txt" || echo "cuda_op_speed FAILED"
 fi
 status=${fail:-0}
-BENCHES=${BENCHES:-qwen7b-shape deep}
+BENCHES=${BENCHES:-qwen7b-shape deep moe}
 wanted() { [[ " $BENCHES " == *" $1 "* ]]; }
 avail_kb=$(awk '/MemAvailable/ {print $2}' /proc/meminfo)
 gpu_bytes=$( (nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null || true) | head -1 | awk '{print $1 * 1048576}')
@@ -305,6 +306,34 @@ if wanted deep; then
         bench deep-half 2048 8192 $((LD / 2)) 16 4 32000 8 4 2048 4
         bench deep 2048 8192 "$LD" 16 4 32000 8 4 2048 4
     fi
+fi
+# A mixture of experts (issue 44): QLoRA on a random Qwen3-30B-A3B shape (LAYERS_MOE of its 48
+# layers, default 12; 128 experts of 768, top 8; attention and experts NF4, r 8 on attention),
+# 4 x 2048 tokens a step, with whole layers and with the experts in chunks of 16: tokens/s, the
+# step, peak device memory against the plan.
+if wanted moe; then
+    for chunk in null 16; do
+        name="moe-chunk-$chunk"
+        cfg="$OUT/$name.yaml"
+        cat > "$cfg" <<YAML
+model: {init: random, arch: qwen3_moe, hidden_size: 2048, intermediate_size: 6144,
+        moe_intermediate_size: 768, num_experts: 128, num_experts_per_tok: 8, norm_topk_prob: true,
+        num_hidden_layers: ${LAYERS_MOE:-12}, num_attention_heads: 32, num_key_value_heads: 4,
+        head_dim: 128, vocab_size: 151936, tie_word_embeddings: false, output_router_logits: true}
+data: {format: synthetic}
+train: {steps: $((STEPS + 1)), batch_size: 4, max_seq_len: 2048}
+adapter: {type: qlora, r: 8, alpha: 16, targets: [q_proj, k_proj, v_proj, o_proj]}
+engine: {checkpoint_every: 4, head_chunk_rows: 2048, expert_chunk: $chunk}
+device: {backend: cuda}
+output: {dir: $OUT/$name}
+YAML
+        echo "== bench $name: ${LAYERS_MOE:-12} Qwen3-30B-A3B layers, QLoRA, 4 x 2048 tokens, expert_chunk $chunk"
+        if timeout "${BENCH_TIMEOUT:-3600}" "$HORIZON_BIN" bench --config "$cfg" --warmup 1 > "$OUT/$name.log" 2>&1; then
+            grep -E "^(bench:|  per step|  overlap)" "$OUT/$name.log" | tail -n 4
+        else
+            tail -n 20 "$OUT/$name.log"; echo "bench $name FAILED" >&2; status=1
+        fi
+    done
 fi
 echo "== done: summaries and logs under $OUT"
 exit "$status"
