@@ -303,3 +303,30 @@ fn a_batch_without_a_loss_position_is_skipped_and_counted() {
     assert_eq!(summary["total_steps"], 3, "{summary}");
     assert!(summary["final_loss"].as_f64().unwrap().is_finite(), "{summary}");
 }
+
+/// A shard that cannot be read (a dangling symlink, as a Hub snapshot with a blob missing) fails
+/// the load naming it, instead of the run training on the rest; `data.on_error: skip` skips it,
+/// listed with the reason among the skipped records (issue 45).
+#[test]
+fn an_unreadable_shard_is_an_error_naming_it_or_skipped_and_counted() {
+    let dir = tempfile::tempdir().unwrap();
+    let shards = dir.path().join("shards");
+    fs::create_dir(&shards).unwrap();
+    let recs: Vec<_> =
+        conversations().iter().map(|t| chat_record(t, "messages")).collect();
+    jsonl(&shards.join("train-00000-of-00002.jsonl"), &recs);
+    let missing = dir.path().join("blobs/0123abcd");
+    std::os::unix::fs::symlink(&missing, shards.join("train-00001-of-00002.jsonl")).unwrap();
+    let tok = ByteTokenizer::new();
+    for source in [src(&shards, &[]), src(&shards.join("train-*.jsonl"), &[])] {
+        let err = load_chat(&source, &tok, 4096, false, OnError::Fail).unwrap_err();
+        let msg = format!("{err:#}");
+        assert!(msg.contains("train-00001-of-00002.jsonl"), "{msg}");
+        assert!(msg.contains("on_error: skip"), "the hint names the way out: {msg}");
+        let (rows, report) = load_chat(&source, &tok, 4096, false, OnError::Skip).unwrap();
+        assert_eq!(rows.len(), recs.len(), "the readable shard's records");
+        assert_eq!(report.skipped.len(), 1, "the unreadable shard, counted");
+        assert!(report.skipped[0].0.file.ends_with("train-00001-of-00002.jsonl"));
+        assert!(report.skipped[0].1.contains("cannot read"), "{:?}", report.skipped[0]);
+    }
+}

@@ -55,7 +55,10 @@ impl Source {
                 let entry = entry.map_err(|e| anyhow!("cannot list {}: {e}", dir.display()))?;
                 let p = entry.path();
                 let n = entry.file_name().to_string_lossy().into_owned();
-                if p.is_file() && keep(&n) {
+                // A link whose target is gone (a Hub snapshot missing a blob) is a shard that
+                // cannot be read, not a file to pass over: reading it says so.
+                let dangling = entry.file_type().is_ok_and(|t| t.is_symlink()) && !p.exists();
+                if (p.is_file() || dangling) && keep(&n) {
                     paths.push(p);
                 }
             }
@@ -159,6 +162,8 @@ pub enum At {
     Line(usize),
     /// 0-based row of a Parquet file (as `datasets` and pandas count), and its row group.
     Row { row: usize, group: usize },
+    /// The whole file (one that cannot be read).
+    File,
 }
 
 impl Loc {
@@ -166,7 +171,7 @@ impl Loc {
     pub fn line(&self) -> Option<usize> {
         match self.at {
             At::Line(l) => Some(l),
-            At::Row { .. } => None,
+            At::Row { .. } | At::File => None,
         }
     }
 }
@@ -179,6 +184,7 @@ impl fmt::Display for Loc {
             At::Row { row, group } => {
                 write!(f, "{}: row {row} (row group {group})", self.file.display())
             }
+            At::File => write!(f, "{}", self.file.display()),
         }
     }
 }
@@ -255,6 +261,20 @@ pub fn read_records<T>(
     let mut kept = Vec::new();
     for (path, kind) in source.files()? {
         let file: Arc<Path> = Arc::from(path.as_path());
+        if let Err(e) = std::fs::File::open(&path) {
+            let loc = Loc { file: file.clone(), at: At::File };
+            let why = format!("cannot read the shard: {e}");
+            match on_error {
+                OnError::Fail => bail!(
+                    "dataset {loc}: {why}\nhint: restore the file (a dangling link points at a \
+                     missing download), or set data.on_error: skip to train without it (counted)"
+                ),
+                OnError::Skip => {
+                    report.skipped.push((loc, why));
+                    continue;
+                }
+            }
+        }
         let mut one = |at: At, obj: Result<JsonObject>| -> Result<()> {
             let loc = Loc { file: file.clone(), at };
             match obj.and_then(|obj| build(&obj, &loc)) {
