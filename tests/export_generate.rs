@@ -277,6 +277,16 @@ fn generate_streams_from_an_exported_model() {
     assert!(e.contains("--top-p"), "{e}");
     let e = err(horizon(&["generate", "--model", out.to_str().unwrap(), "--prompt", "x"]));
     assert!(e.contains("config.json"), "{e}");
+    // Nothing asked: nothing generated, and said so (issue 45); a huge budget runs to the
+    // model's length without overflowing.
+    let o = horizon(&["generate", "--model", m, "--prompt", "abc", "--max-new-tokens", "0"]);
+    let said = String::from_utf8_lossy(&o.stderr).to_string();
+    assert_eq!(ok(o), "abc", "only the prompt");
+    assert!(said.contains("--max-new-tokens 0"), "{said}");
+    let huge = usize::MAX.to_string();
+    let long =
+        ok(horizon(&["generate", "--model", m, "--prompt", "abc", "--max-new-tokens", &huge]));
+    assert!(long.starts_with("abc"), "{long:?}");
 }
 
 #[test]

@@ -233,7 +233,10 @@ impl Generator {
         if ids.is_empty() {
             bail!("the prompt is empty (no tokens to continue)");
         }
-        let max_len = (ids.len() + opts.max_new_tokens).min(self.max_len());
+        if opts.max_new_tokens == 0 {
+            return Ok(Vec::new());
+        }
+        let max_len = ids.len().saturating_add(opts.max_new_tokens).min(self.max_len());
         if ids.len() >= max_len {
             bail!(
                 "the prompt has {} tokens; the model takes at most {} in all\nhint: shorten the prompt",

@@ -75,6 +75,10 @@ pub fn run(args: &Args) -> Result<()> {
     if !args.chat {
         print!("{}", args.prompt);
     }
+    if args.max_new_tokens == 0 {
+        eprintln!("nothing generated: --max-new-tokens 0");
+        return Ok(());
+    }
     g.generate(&ids, opts, &mut |piece| {
         let _ = write!(stdout, "{piece}");
         let _ = stdout.flush();
