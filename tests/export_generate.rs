@@ -438,3 +438,35 @@ fn kv_cache_generates_the_full_recompute_tokens() {
     assert_eq!(full.len(), 32);
     assert_eq!(kv, full, "default job model: KV cache vs full recompute");
 }
+
+/// A `config.json` whose sizes disagree with its tensors (a vocabulary of 4e9 over small
+/// weights) is a clean error naming the tensor and both shapes, in `generate` and `export`,
+/// before anything is allocated from the config (it aborted allocating; issue 45).
+#[test]
+fn config_sizes_that_disagree_with_the_tensors_are_refused_before_allocating() {
+    use std::os::unix::process::ExitStatusExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    fs::create_dir(&model).unwrap();
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama_gqa/model");
+    for f in fs::read_dir(&src).unwrap() {
+        let f = f.unwrap().path();
+        fs::copy(&f, model.join(f.file_name().unwrap())).unwrap();
+    }
+    let mut cfg: Value =
+        serde_json::from_str(&fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
+    cfg["vocab_size"] = 4_000_000_000u64.into();
+    fs::write(model.join("config.json"), cfg.to_string()).unwrap();
+    let m = model.to_str().unwrap();
+    let out = tmp.path().join("out");
+    for args in [
+        vec!["generate", "--model", m, "--prompt", "hi", "--max-new-tokens", "2"],
+        vec!["export", m, "--out", out.to_str().unwrap()],
+    ] {
+        let o = horizon(&args);
+        assert_eq!(o.status.signal(), None, "{}: killed by a signal", args[0]);
+        let e = err(o);
+        assert!(e.contains("model.embed_tokens.weight"), "{}: {e}", args[0]);
+        assert!(e.contains("4000000000"), "{}: both shapes: {e}", args[0]);
+    }
+}

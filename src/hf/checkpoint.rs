@@ -353,6 +353,41 @@ impl Checkpoint {
     /// [`Checkpoint::check_names`] for names stored under `prefix` (the text model of a
     /// multimodal checkpoint, `language_model.`): `expected` and `optional` are given without
     /// it, and with a prefix, tensors outside it (a vision tower) are ignored.
+    /// Each of `expected` (names under `prefix`, with the shapes the config gives them) present
+    /// with that shape: checked from the headers before anything is allocated from the config,
+    /// so that sizes that disagree with the weights (a vocabulary of 4e9 over small tensors)
+    /// are an error naming the tensor and both shapes, not an allocation that aborts.
+    pub fn check_shapes_under(
+        &self,
+        prefix: &str,
+        expected: &[(String, Vec<usize>)],
+    ) -> Result<()> {
+        const SHOW: usize = 4;
+        let wrong: Vec<String> = expected
+            .iter()
+            .filter_map(|(n, want)| {
+                let have = self.shape(&format!("{prefix}{n}"))?;
+                (have != *want)
+                    .then(|| format!("{prefix}{n} is {have:?}, config.json makes it {want:?}"))
+            })
+            .collect();
+        if wrong.is_empty() {
+            return Ok(());
+        }
+        let more = if wrong.len() > SHOW {
+            format!("; ... ({} more)", wrong.len() - SHOW)
+        } else {
+            String::new()
+        };
+        bail!(
+            "{}: the tensors do not have the shapes config.json gives them: {}{more}\nhint: \
+             config.json's sizes (vocab_size, hidden_size, intermediate_size, heads, layers) must \
+             be the checkpoint's",
+            self.source.display(),
+            wrong[..wrong.len().min(SHOW)].join("; ")
+        )
+    }
+
     pub fn check_names_under(
         &self,
         prefix: &str,

@@ -128,9 +128,11 @@ impl FrozenBase {
             let d = layout.dims;
             crate::hf::moe::read_fused_as_hub(&mut ckpt, m, (&layout.prefix, d.layers, d.c))?;
         }
-        let names: Vec<String> = layout.base_tensors().into_iter().map(|(n, _)| n).collect();
+        let tensors = layout.base_tensors();
+        let names: Vec<String> = tensors.iter().map(|(n, _)| n.clone()).collect();
         let optional: Vec<String> = if layout.tied { vec![LM_HEAD.to_string()] } else { vec![] };
         ckpt.check_names_under(&layout.prefix, &names, &optional)?;
+        ckpt.check_shapes_under(&layout.prefix, &tensors)?;
         let mut base = FrozenBase::zeros(layout, dtype);
         let read = |name: &str, shape: &[usize]| -> Result<Vec<f32>> {
             let mut v = vec![0.0; shape.iter().product()];

@@ -165,6 +165,7 @@ impl ParamStore {
         let expected: Vec<String> = tensors.iter().map(|(n, _)| n.clone()).collect();
         let optional: Vec<String> = if layout.tied { vec![LM_HEAD.to_string()] } else { vec![] };
         ckpt.check_names_under(&layout.prefix, &expected, &optional)?;
+        ckpt.check_shapes_under(&layout.prefix, &tensors)?;
         let mut store = ParamStore::zeros(layout);
         for (name, shape) in &tensors {
             let dst = store.tensor_mut(layout, name).expect("layout names its own tensors");
