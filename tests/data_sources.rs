@@ -312,8 +312,7 @@ fn an_unreadable_shard_is_an_error_naming_it_or_skipped_and_counted() {
     let dir = tempfile::tempdir().unwrap();
     let shards = dir.path().join("shards");
     fs::create_dir(&shards).unwrap();
-    let recs: Vec<_> =
-        conversations().iter().map(|t| chat_record(t, "messages")).collect();
+    let recs: Vec<_> = conversations().iter().map(|t| chat_record(t, "messages")).collect();
     jsonl(&shards.join("train-00000-of-00002.jsonl"), &recs);
     let missing = dir.path().join("blobs/0123abcd");
     std::os::unix::fs::symlink(&missing, shards.join("train-00001-of-00002.jsonl")).unwrap();

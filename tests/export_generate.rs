@@ -470,3 +470,44 @@ fn config_sizes_that_disagree_with_the_tensors_are_refused_before_allocating() {
         assert!(e.contains("4000000000"), "{}: both shapes: {e}", args[0]);
     }
 }
+
+/// An export over an earlier one is atomic: interrupted after its first file (a test hook
+/// kills it there), the earlier export is intact and loads; the next export cleans the stale
+/// staging directory, replaces the weights and keeps the user's other files (issue 45).
+#[test]
+fn an_interrupted_export_leaves_the_previous_one_intact() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = trained_case(tmp.path(), "");
+    let ckpt = ckpt.join("checkpoints").read_dir().unwrap().next().unwrap().unwrap().path();
+    let out = tmp.path().join("exported");
+    let o = out.to_str().unwrap();
+    ok(horizon(&["export", ckpt.to_str().unwrap(), "--out", o]));
+    fs::write(out.join("NOTES.md"), "mine").unwrap();
+    let before = fs::read(out.join("model.safetensors")).unwrap();
+    let killed = Command::new(env!("CARGO_BIN_EXE_horizon"))
+        .args(["export", ckpt.to_str().unwrap(), "--out", o, "--dtype", "bf16"])
+        .env("HORIZON_TEST_EXPORT_EXIT_AFTER_FIRST_FILE", "1")
+        .output()
+        .unwrap();
+    assert!(!killed.status.success(), "the hook stops the export");
+    assert!(fs::read(out.join("model.safetensors")).unwrap() == before, "the old weights");
+    let listed = || -> Vec<String> {
+        let mut v: Vec<String> = fs::read_dir(tmp.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    };
+    assert!(listed().iter().any(|n| n.contains("horizon-export")), "staged aside: {:?}", listed());
+    ok(horizon(&["export", ckpt.to_str().unwrap(), "--out", o, "--dtype", "bf16"]));
+    assert!(
+        !listed().iter().any(|n| n.contains("horizon-")),
+        "stale staging cleaned: {:?}",
+        listed()
+    );
+    assert!(fs::read(out.join("model.safetensors")).unwrap() != before, "bf16 now");
+    assert_eq!(fs::read_to_string(out.join("NOTES.md")).unwrap(), "mine", "the user's file kept");
+    let cfg = ModelConfig::from_file(&out.join("config.json")).unwrap();
+    ParamStore::load_hf(&horizon::model::describe(&cfg), &out).unwrap();
+}

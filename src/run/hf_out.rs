@@ -176,9 +176,12 @@ pub struct Exported {
     pub tokenizer_files: Vec<String>,
 }
 
-/// Write `params` as a HF directory `dir`. Earlier weight files in `dir` are removed first, so
-/// that a directory exported twice (say, sharded then not) never mixes the two. `config.json`
-/// and `generation_config.json` carry the special-token ids ([`SpecialIds`]).
+/// Write `params` as a HF directory `dir`, atomically: everything is written into a staging
+/// directory beside it ([`Staging`]), which then takes `dir`'s place with the user's other files
+/// of `dir` linked in; the earlier weights go with the old directory, so a directory exported
+/// twice (say, sharded then not) never mixes the two, and an interrupted export leaves the
+/// earlier one as it was. `config.json` and `generation_config.json` carry the special-token
+/// ids ([`SpecialIds`]).
 pub fn export_model(
     model_cfg: &ModelConfig,
     params: &ParamStore,
@@ -188,9 +191,24 @@ pub fn export_model(
 ) -> Result<Exported> {
     // Read before anything is written: the source may be `dir` itself.
     let specials = SpecialIds::of_sources(model_cfg, source)?;
-    fs::create_dir_all(dir).with_context(|| {
-        format!("cannot create {}\nhint: choose a writable output directory", dir.display())
-    })?;
+    let staging = Staging::begin(dir)?;
+    let mut out = write_export(model_cfg, params, staging.path(), opts, source, &specials)?;
+    staging.commit(dir)?;
+    for p in &mut out.shards {
+        *p = dir.join(p.file_name().expect("a weight file"));
+    }
+    Ok(out)
+}
+
+/// [`export_model`]'s files, into the fresh directory `dir`.
+fn write_export(
+    model_cfg: &ModelConfig,
+    params: &ParamStore,
+    dir: &Path,
+    opts: ExportOptions,
+    source: &ExportSource,
+    specials: &SpecialIds,
+) -> Result<Exported> {
     let layout = crate::model::describe(model_cfg);
     let mut cfg_json = model_cfg.to_hf_json();
     if let Some(o) = cfg_json.as_object_mut() {
@@ -202,7 +220,6 @@ pub fn export_model(
     let cfg_path = dir.join("config.json");
     fs::write(&cfg_path, serde_json::to_string_pretty(&cfg_json)?)
         .with_context(|| format!("cannot write {}", cfg_path.display()))?;
-    remove_old_weights(dir)?;
 
     let mut tensors: Vec<(String, Vec<usize>, &[f32])> = layout
         .hf_tensors()
@@ -229,6 +246,7 @@ pub fn export_model(
     if shards.len() == 1 {
         let path = dir.join("model.safetensors");
         write_safetensors(&path, &tensors, opts.dtype)?;
+        test_exit_after_first_file();
         files.push(path);
     } else {
         let n = shards.len();
@@ -237,6 +255,7 @@ pub fn export_model(
             let name = format!("model-{:05}-of-{n:05}.safetensors", i + 1);
             let path = dir.join(&name);
             write_safetensors(&path, &tensors[range.clone()], opts.dtype)?;
+            test_exit_after_first_file();
             for t in &tensors[range.clone()] {
                 weight_map.insert(t.0.clone(), name.clone().into());
             }
@@ -320,17 +339,129 @@ fn plan_shards(sizes: &[u64], max: u64) -> Vec<std::ops::Range<usize>> {
     out
 }
 
-fn remove_old_weights(dir: &Path) -> Result<()> {
-    for e in fs::read_dir(dir).with_context(|| format!("cannot list {}", dir.display()))? {
-        let e = e?;
-        let name = e.file_name().to_string_lossy().into_owned();
-        let old = name == "model.safetensors"
-            || name == "model.safetensors.index.json"
-            || (name.starts_with("model-") && name.ends_with(".safetensors"));
-        if old {
-            fs::remove_file(e.path())
-                .with_context(|| format!("cannot remove the old {}", e.path().display()))?;
+/// The tests' interruption of an export after its first weight file
+/// (`HORIZON_TEST_EXPORT_EXIT_AFTER_FIRST_FILE`), as a kill there would.
+fn test_exit_after_first_file() {
+    if std::env::var_os("HORIZON_TEST_EXPORT_EXIT_AFTER_FIRST_FILE").is_some() {
+        eprintln!("HORIZON_TEST_EXPORT_EXIT_AFTER_FIRST_FILE: stopping the export here");
+        std::process::exit(9);
+    }
+}
+
+/// Whether `name` is a weight file of a HF directory (what an export replaces).
+fn is_weight_file(name: &str) -> bool {
+    name == "model.safetensors"
+        || name == "model.safetensors.index.json"
+        || (name.starts_with("model-") && name.ends_with(".safetensors"))
+}
+
+/// An export's staging directory, `.NAME.horizon-export-PID` beside the target `NAME` (the
+/// same filesystem, so that the swap is a rename): written whole, then swapped in by
+/// [`Staging::commit`]: the target renamed aside to `.NAME.horizon-old`, the staging renamed to
+/// the target, the old one removed. [`Staging::begin`] first finishes what an interrupted export
+/// left: a target renamed aside but not replaced is put back, stale staging directories of
+/// processes that are gone are removed.
+struct Staging {
+    path: PathBuf,
+}
+
+impl Staging {
+    fn begin(dir: &Path) -> Result<Self> {
+        let (parent, name) = split_dir(dir)?;
+        fs::create_dir_all(&parent).with_context(|| {
+            format!("cannot create {}\nhint: choose a writable output directory", parent.display())
+        })?;
+        let old = parent.join(format!(".{name}.horizon-old"));
+        if old.exists() {
+            if dir.exists() {
+                fs::remove_dir_all(&old)
+            } else {
+                fs::rename(&old, dir) // an earlier swap stopped halfway: the old one back
+            }
+            .with_context(|| format!("cannot tidy {}", old.display()))?;
         }
+        let prefix = format!(".{name}.horizon-export-");
+        for e in
+            fs::read_dir(&parent).with_context(|| format!("cannot list {}", parent.display()))?
+        {
+            let e = e?;
+            let n = e.file_name().to_string_lossy().into_owned();
+            let pid = n.strip_prefix(&prefix).and_then(|p| p.parse::<u32>().ok());
+            let alive =
+                |p: u32| p == std::process::id() || Path::new(&format!("/proc/{p}")).exists();
+            if pid.is_some_and(|p| !alive(p)) {
+                fs::remove_dir_all(e.path())
+                    .with_context(|| format!("cannot remove the stale {}", e.path().display()))?;
+            }
+        }
+        let path = parent.join(format!("{prefix}{}", std::process::id()));
+        if path.exists() {
+            fs::remove_dir_all(&path)?;
+        }
+        fs::create_dir(&path).with_context(|| {
+            format!("cannot create {}\nhint: choose a writable output directory", path.display())
+        })?;
+        Ok(Staging { path })
+    }
+
+    fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The staging directory in `dir`'s place, with every file of `dir` the export did not
+    /// write (and that is not an earlier weight file) linked in.
+    fn commit(self, dir: &Path) -> Result<()> {
+        let (parent, name) = split_dir(dir)?;
+        if dir.exists() {
+            for e in fs::read_dir(dir).with_context(|| format!("cannot list {}", dir.display()))? {
+                let e = e?;
+                let n = e.file_name();
+                let to = self.path.join(&n);
+                if !is_weight_file(&n.to_string_lossy()) && !to.exists() {
+                    link_tree(&e.path(), &to)?;
+                }
+            }
+            let old = parent.join(format!(".{name}.horizon-old"));
+            fs::rename(dir, &old)
+                .with_context(|| format!("cannot move {} aside", dir.display()))?;
+            fs::rename(&self.path, dir)
+                .with_context(|| format!("cannot move the export into {}", dir.display()))?;
+            fs::remove_dir_all(&old).with_context(|| format!("cannot remove {}", old.display()))
+        } else {
+            fs::rename(&self.path, dir)
+                .with_context(|| format!("cannot move the export into {}", dir.display()))
+        }
+    }
+}
+
+/// `dir`'s parent (`.` for a bare name) and its name.
+fn split_dir(dir: &Path) -> Result<(PathBuf, String)> {
+    let name = dir
+        .file_name()
+        .with_context(|| format!("{}: an export needs a directory name", dir.display()))?
+        .to_string_lossy()
+        .into_owned();
+    let parent = match dir.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    Ok((parent, name))
+}
+
+/// `from` (a file, link or directory tree) at `to`, files hard-linked (copied where a link is
+/// refused).
+fn link_tree(from: &Path, to: &Path) -> Result<()> {
+    let meta = fs::symlink_metadata(from)?;
+    if meta.file_type().is_symlink() {
+        std::os::unix::fs::symlink(fs::read_link(from)?, to)?;
+    } else if meta.is_dir() {
+        fs::create_dir(to)?;
+        for e in fs::read_dir(from)? {
+            let e = e?;
+            link_tree(&e.path(), &to.join(e.file_name()))?;
+        }
+    } else if fs::hard_link(from, to).is_err() {
+        fs::copy(from, to).with_context(|| format!("cannot carry over {}", from.display()))?;
     }
     Ok(())
 }
