@@ -42,6 +42,14 @@ fn main() -> ExitCode {
     match try_main(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
+            if let Some(i) = e.downcast_ref::<run::summary::Interrupted>() {
+                eprintln!("{i}");
+                return ExitCode::from((128 + i.signal) as u8);
+            }
+            if let Some(done) = e.downcast_ref::<run::summary::AlreadyFinished>() {
+                println!("{done}");
+                return ExitCode::SUCCESS;
+            }
             eprintln!("error: {e:#}");
             ExitCode::FAILURE
         }

@@ -441,3 +441,62 @@ fn a_second_run_into_the_same_output_dir_is_refused_and_the_first_is_unharmed() 
     let again = horizon(&["train", "--config", cfg.to_str().unwrap(), "--set", "train.steps=1"]);
     assert!(again.status.success(), "{}", stderr(&again));
 }
+
+/// An interrupted run tells the truth (issue 45): SIGINT (and SIGTERM) finish the step in
+/// flight and write a checkpoint, then the run exits 130 (143), writes no `final/`, its
+/// `summary.json` and `report.md` say where it stopped, and the resume command it prints
+/// carries the run's `--set` overrides. Resuming it runs to the end; resuming the finished run
+/// says there is nothing to do and leaves its files as they are.
+#[test]
+fn an_interrupted_run_says_so_and_exits_with_the_signal() {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    for (sig, code) in [("-INT", 130), ("-TERM", 143)] {
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("elsewhere");
+        let yaml = "model: { init: random, arch: llama, hidden_size: 32, intermediate_size: 64, \
+                    num_hidden_layers: 2, num_attention_heads: 2, num_key_value_heads: 1, \
+                    vocab_size: 64 }\ndata: { format: synthetic }\n\
+                    train: { steps: 6, batch_size: 2, max_seq_len: 8, save_every: 1 }\n\
+                    output: { dir: unused }\n";
+        let cfg = tmp.path().join("c.yaml");
+        fs::write(&cfg, yaml).unwrap();
+        let set = format!("output.dir={}", out.display());
+        let args = ["train", "--config", cfg.to_str().unwrap(), "--set", &set];
+        let mut run = Command::new(env!("CARGO_BIN_EXE_horizon"))
+            .args(args)
+            .env("HORIZON_TEST_SAVE_PAUSE_MS", "300")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(run.stdout.take().unwrap()).lines();
+        let _ =
+            lines.find(|l| l.as_ref().unwrap().starts_with("saving checkpoint")).expect("a save");
+        let pid = run.id().to_string();
+        assert!(Command::new("kill").args([sig, &pid]).status().unwrap().success());
+        let said: Vec<String> = lines.map(|l| l.unwrap()).collect();
+        let status = run.wait().unwrap();
+        assert_eq!(status.code(), Some(code), "{sig}: {said:?}");
+        let resume = said.iter().find(|l| l.contains("--resume latest")).expect("a resume line");
+        assert!(resume.contains(&format!("--set {set}")), "{resume}");
+        assert!(!out.join("final").exists(), "{sig}: no final/ for an interrupted run");
+        let summary: Value =
+            serde_json::from_str(&fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+        let at = summary["interrupted_at_step"].as_u64().expect("interrupted_at_step");
+        assert!((1..6).contains(&at), "{summary}");
+        let report = fs::read_to_string(out.join("report.md")).unwrap();
+        assert!(report.contains(&format!("interrupted at step {at}")), "{report}");
+        assert!(!report.contains("final eval"), "{report}");
+        // Resumed: it runs to the end; resumed again: nothing to do, nothing rewritten.
+        let resumed = horizon(&[&args[..], &["--resume", "latest"]].concat());
+        assert!(resumed.status.success(), "{}", stderr(&resumed));
+        assert!(out.join("final").exists());
+        let report = fs::read_to_string(out.join("report.md")).unwrap();
+        let again = horizon(&[&args[..], &["--resume", "latest"]].concat());
+        assert!(again.status.success(), "{}", stderr(&again));
+        let text = String::from_utf8_lossy(&again.stdout);
+        assert!(text.contains("nothing to do"), "{text}");
+        assert_eq!(fs::read_to_string(out.join("report.md")).unwrap(), report, "report kept");
+    }
+}

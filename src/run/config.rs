@@ -666,6 +666,8 @@ pub struct RunConfig {
     pub adapter: Option<AdapterConfig>,
     /// Where to write a trace of the run's ops (`horizon bench --trace`; not a config key).
     pub trace: Option<std::path::PathBuf>,
+    /// The command line's `--set` overrides (for the resume command a run prints).
+    pub overrides: Vec<String>,
 }
 
 impl RawConfig {
@@ -812,7 +814,13 @@ impl RawConfig {
             .check(f.name(), &f.fields())
             .map_err(|e| anyhow::anyhow!("{origin}: {e}"))?;
         let adapter = self.adapter.resolve(origin)?;
-        Ok(RunConfig { raw: self, origin: origin.to_string(), adapter, trace: None })
+        Ok(RunConfig {
+            raw: self,
+            origin: origin.to_string(),
+            adapter,
+            trace: None,
+            overrides: Vec::new(),
+        })
     }
 
     /// The config as YAML (printed at start and saved beside the results).

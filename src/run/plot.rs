@@ -157,14 +157,25 @@ pub fn write_report(
     plot: Option<&Path>,
 ) -> Result<PathBuf> {
     let mut r = format!("# Training report\n\nconfig: `{origin}`\n\n");
+    // An interrupted run's last figures are not final ones.
+    let last = match s.interrupted_at_step {
+        Some(step) => {
+            r += &format!(
+                "**The run was interrupted at step {step}** (its checkpoint was written; no \
+                 `final/`): resume it with `--resume latest`.\n\n"
+            );
+            "last"
+        }
+        None => "final",
+    };
     r += "| | |\n|---|---|\n";
     r += &format!(
         "| steps | {} ({} skipped: non-finite loss or gradient) |\n",
         s.total_steps, s.skipped_steps
     );
-    r += &format!("| final training loss | {:.4} |\n", s.final_loss);
+    r += &format!("| {last} training loss | {:.4} |\n", s.final_loss);
     if let Some(e) = s.eval_loss {
-        r += &format!("| final eval loss | {e:.4} ({} held-out rows) |\n", s.eval_rows);
+        r += &format!("| {last} eval loss | {e:.4} ({} held-out rows) |\n", s.eval_rows);
     }
     r += &format!(
         "| throughput | {:.0} tokens/s over {} timed steps, {:.1} s |\n",

@@ -71,7 +71,48 @@ pub struct Summary {
     /// How the CPU device's compute and host queues waited (`device.wait` resolved): block or
     /// spin.
     pub device_wait: String,
+    /// The step after which a signal (SIGINT, SIGTERM) stopped the run, when one did: its
+    /// checkpoint was written, `final/` was not.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub interrupted_at_step: Option<u64>,
 }
+
+/// A run stopped by a signal after writing its checkpoint: the process exits `128 + signal`
+/// (130 for SIGINT, 143 for SIGTERM), as a shell reports a command the signal killed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Interrupted {
+    pub signal: i32,
+    pub step: u64,
+    /// The command that resumes it.
+    pub resume: String,
+}
+
+impl std::fmt::Display for Interrupted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let name = if self.signal == 2 { "SIGINT" } else { "SIGTERM" };
+        write!(f, "interrupted ({name}) after step {}; resume with: {}", self.step, self.resume)
+    }
+}
+
+impl std::error::Error for Interrupted {}
+
+/// A resumed run that had already taken all its steps: nothing was done (the process exits 0).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AlreadyFinished {
+    pub step: u64,
+}
+
+impl std::fmt::Display for AlreadyFinished {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the run has taken all its {} steps: nothing to do (raise train.steps to train on)",
+            self.step
+        )
+    }
+}
+
+impl std::error::Error for AlreadyFinished {}
 
 /// One line of `metrics.jsonl`.
 #[derive(Clone, Debug, Serialize, PartialEq)]

@@ -25,8 +25,9 @@ pub struct Args {
 
 /// Train as `config` (with `--set` overrides) says, resuming from `args.resume` if given.
 pub fn run(config: &std::path::Path, args: &Args) -> Result<()> {
-    let cfg =
+    let mut cfg =
         RawConfig::from_file_with(config, &args.set)?.resolve(&config.display().to_string())?;
+    cfg.overrides = args.set.clone();
     run_streaming(cfg, true, 0, args.resume.as_deref())?;
     Ok(())
 }

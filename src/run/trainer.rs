@@ -6,7 +6,7 @@ use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
@@ -30,6 +30,7 @@ use crate::run::load::{load_weights, model_config, run_layout, write_adapter};
 use crate::run::progress::Progress;
 use crate::run::summary::StepMetrics;
 use crate::run::summary::Summary;
+use crate::run::summary::{AlreadyFinished, Interrupted};
 use crate::store::TrainState;
 
 /// A run on the streaming engine: the model in host RAM, the CPU device borrowing one layer at
@@ -327,6 +328,10 @@ where
     if let Some(d) = &resume_dir {
         println!("resuming from {} at step {start}", d.display());
     }
+    // A finished run resumed: its metrics, summary, report and final/ stay as they are.
+    if start >= steps {
+        return Err(AlreadyFinished { step: start as u64 }.into());
+    }
     let mut lp = StepLoop::start(&mut tr, &out_dir, start, resume_dir)?;
     for k in start..steps {
         if k == (start + warmup).min(steps - 1) && k > start {
@@ -354,8 +359,11 @@ struct StepLoop {
     metrics_path: PathBuf,
     metrics: fs::File,
     progress: Progress,
-    /// Set by SIGINT / SIGTERM: finish the step in flight, write a checkpoint, stop.
-    stop: Arc<AtomicBool>,
+    /// Set to the signal's number by SIGINT / SIGTERM: finish the step in flight, write a
+    /// checkpoint, stop.
+    stop: Arc<AtomicUsize>,
+    /// The step after which a signal stopped the run.
+    interrupted: Option<u64>,
     last_ckpt: Option<PathBuf>,
     /// Consecutive steps with a non-finite loss or gradient norm.
     bad_run: usize,
@@ -381,9 +389,9 @@ impl StepLoop {
     where
         D::Backend: 'static,
     {
-        let stop = Arc::new(AtomicBool::new(false));
+        let stop = Arc::new(AtomicUsize::new(0));
         for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-            signal_hook::flag::register(sig, stop.clone())
+            signal_hook::flag::register_usize(sig, stop.clone(), sig as usize)
                 .context("cannot install the signal handler")?;
         }
         // Test hook (test builds only): steps (0-based) whose gradient gets a NaN (exercises
@@ -411,6 +419,7 @@ impl StepLoop {
             metrics,
             progress,
             stop,
+            interrupted: None,
             last_ckpt: resume_dir,
             bad_run: 0,
             tally: Tally { last_loss: f64::NAN, ..Tally::default() },
@@ -495,7 +504,7 @@ impl StepLoop {
     {
         let t = &tr.cfg.raw.train;
         let (every, keep) = (t.save_every, t.keep_checkpoints);
-        let signalled = self.stop.load(Ordering::Relaxed);
+        let signalled = self.stop.load(Ordering::Relaxed) != 0;
         if (every > 0 && (k + 1).is_multiple_of(every) && !m.skipped) || signalled {
             let state = tr.engine.checked_state()?;
             self.progress.println(&format!("saving checkpoint step-{:08}", state.step));
@@ -506,11 +515,8 @@ impl StepLoop {
         }
         if signalled {
             self.progress.finish();
-            println!(
-                "interrupted after step {}; resume with: horizon train --config {} --resume latest",
-                k + 1,
-                tr.cfg.origin
-            );
+            self.interrupted = Some(k as u64 + 1);
+            println!("interrupted after step {}; resume with: {}", k + 1, resume_command(&tr.cfg));
         }
         Ok(signalled)
     }
@@ -529,7 +535,8 @@ impl StepLoop {
         self.progress.finish();
         self.metrics.flush()?;
         self.tally.state_step = tr.engine.checked_state()?.step;
-        let summary = summarize(&mut tr, &self.tally, (&self.base.0, &self.base.1), self.t0);
+        let mut summary = summarize(&mut tr, &self.tally, (&self.base.0, &self.base.1), self.t0);
+        summary.interrupted_at_step = self.interrupted;
         let summary_path = out_dir.join("summary.json");
         fs::write(&summary_path, serde_json::to_string_pretty(&summary)?)
             .with_context(|| format!("cannot write {}", summary_path.display()))?;
@@ -548,6 +555,12 @@ impl StepLoop {
                 out_dir.join("final").display(),
                 self.metrics_path.display()
             );
+        }
+        if let Some(step) = self.interrupted {
+            // No final/: the run is not finished. The report says where it stopped.
+            crate::run::plot::write_report(out_dir, &tr.cfg.origin, &summary, None)?;
+            let signal = self.stop.load(Ordering::Relaxed) as i32;
+            return Err(Interrupted { signal, step, resume: resume_command(&tr.cfg) }.into());
         }
         if export_final {
             let paths = (self.metrics_path.as_path(), summary_path.as_path());
@@ -652,7 +665,17 @@ where
         host_threads: tr.engine.host_threads(),
         weight_upload: tr.engine.config().weight_path().name().to_string(),
         device_wait: tr.cfg.raw.device.wait.resolve(tr.cfg.raw.device.link_gbps).name().to_string(),
+        interrupted_at_step: None,
     }
+}
+
+/// The command that resumes the run of `cfg`: its config and `--set` overrides.
+fn resume_command(cfg: &RunConfig) -> String {
+    let mut c = format!("horizon train --config {}", cfg.origin);
+    for o in &cfg.overrides {
+        c += &format!(" --set {o}");
+    }
+    c + " --resume latest"
 }
 
 /// `OUT/training.png`, `OUT/report.md` and the exported `OUT/final/`.
