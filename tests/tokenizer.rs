@@ -516,3 +516,43 @@ const QWEN2_TEMPLATE: &str = r#"{%- if tools %}
     {{- '<|im_start|>assistant\n' }}
 {%- endif %}
 "#;
+
+/// A chat template that would loop for ever (here: ten thousand million iterations) is stopped
+/// by an instruction budget scaled by the conversation's size, with an error saying so
+/// (issue 45).
+#[test]
+fn a_runaway_chat_template_runs_out_of_its_budget() {
+    let chat = ChatTemplate::new(
+        "{% for i in range(100000) %}{% for j in range(100000) %}{{ messages[0].content }}{% endfor %}{% endfor %}",
+        "",
+        "",
+    )
+    .unwrap();
+    let messages = vec![Message { role: "user".into(), content: "hi".into() }];
+    let err = chat.render(&messages, false).unwrap_err().to_string();
+    assert!(err.contains("instruction budget"), "{err}");
+}
+
+/// The loss spans of a conversation of thousands of turns are searched only as far as the row
+/// is kept (`max_seq_len`): the spans found up to a cut are the full search's first ones,
+/// every one that starts before the cut and at most one more (issue 45; it re-rendered every
+/// prefix of the whole conversation, quadratic in its turns).
+#[test]
+fn the_span_search_stops_past_the_cut() {
+    let tok = ByteTokenizer::new();
+    let chat = tok.chat().unwrap();
+    let messages: Vec<Message> = (0..400)
+        .map(|i| Message {
+            role: if i % 2 == 0 { "user" } else { "assistant" }.into(),
+            content: format!("turn {i}"),
+        })
+        .collect();
+    let (text, all) = chat.render_with_assistant_spans(&messages).unwrap();
+    assert_eq!(all.len(), 200);
+    let cut = 300;
+    let (text_cut, some) = chat.render_with_assistant_spans_until(&messages, |_| cut).unwrap();
+    assert_eq!(text_cut, text);
+    let before = all.iter().filter(|s| s.start < cut).count();
+    assert!(some.len() >= before && some.len() <= before + 1, "{} of {}", some.len(), all.len());
+    assert_eq!(some[..], all[..some.len()]);
+}

@@ -89,7 +89,12 @@ pub fn load_conversations(
         if !messages.iter().any(|m| m.role == "assistant") {
             return Ok(Outcome::Skip("no assistant message: nothing to learn".to_string()));
         }
-        let (text, spans) = template.render_with_assistant_spans(&messages)?;
+        // Spans are searched only as far as the row is kept: where token max_seq_len starts.
+        let kept = |text: &str| match tok.encode_with_offsets(text) {
+            Ok((_, offsets)) if offsets.len() > max_seq_len => offsets[max_seq_len].start,
+            _ => usize::MAX,
+        };
+        let (text, spans) = template.render_with_assistant_spans_until(&messages, kept)?;
         let mut row = example_from_spans(tok, &text, &spans, train_on_prompt, false)?;
         if row.input_ids.len() > max_seq_len {
             row.input_ids.truncate(max_seq_len);

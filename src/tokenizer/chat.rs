@@ -102,6 +102,8 @@ impl ChatTemplate {
                 bail!("message {i}: role '{}' is not one of {}", message.role, ROLES.join(", "));
             }
         }
+        let count = messages.len();
+        let size: usize = count + messages.iter().map(|m| m.content.len() / 64).sum::<usize>();
         let messages: Vec<Value> = messages
             .iter()
             .map(|m| {
@@ -117,8 +119,20 @@ impl ChatTemplate {
             ("bos_token", Value::from(self.bos_token.as_str())),
             ("eos_token", Value::from(self.eos_token.as_str())),
         ]);
-        let template = self.env.get_template(NAME).expect("added in new");
-        template.render(ctx).map_err(|err| anyhow::anyhow!("rendering chat template: {err}"))
+        // A budget of template instructions scaled by the conversation, so that a template
+        // that loops without end (or a row of absurd size) stops with an error.
+        let budget = FUEL_BASE + FUEL_PER_MESSAGE * size as u64;
+        let mut env = self.env.clone();
+        env.set_fuel(Some(budget));
+        let template = env.get_template(NAME).expect("added in new");
+        template.render(ctx).map_err(|err| match err.kind() {
+            ErrorKind::OutOfFuel => anyhow::anyhow!(
+                "rendering chat template: it ran past its instruction budget ({budget} for {} \
+                 messages): a template that loops without end, or a conversation too large",
+                count
+            ),
+            _ => anyhow::anyhow!("rendering chat template: {err}"),
+        })
     }
 
     /// The rendered conversation and the byte ranges of the text that belongs to assistant turns
@@ -132,11 +146,27 @@ impl ChatTemplate {
         &self,
         messages: &[Message],
     ) -> Result<(String, Vec<Range<usize>>)> {
+        self.render_with_assistant_spans_until(messages, |_| usize::MAX)
+    }
+
+    /// [`ChatTemplate::render_with_assistant_spans`], searching spans only until one ends at or
+    /// past byte `cut(text)` of the rendered text (where a row is cut to `max_seq_len` tokens:
+    /// later spans are never kept): the prefixes rendered stay within the kept part of the row,
+    /// so a conversation of thousands of turns costs what its kept turns do.
+    pub fn render_with_assistant_spans_until(
+        &self,
+        messages: &[Message],
+        cut: impl Fn(&str) -> usize,
+    ) -> Result<(String, Vec<Range<usize>>)> {
         let text = self.render(messages, false)?;
-        let mut spans = Vec::new();
+        let cut = cut(&text);
+        let mut spans: Vec<Range<usize>> = Vec::new();
         for (i, message) in messages.iter().enumerate() {
             if message.role != "assistant" {
                 continue;
+            }
+            if spans.last().is_some_and(|s| s.end >= cut) {
+                break;
             }
             let prompt = self
                 .render(&messages[..i], true)
@@ -157,6 +187,11 @@ impl ChatTemplate {
         Ok((text, spans))
     }
 }
+
+/// Template instructions a render may run: a base, and so many per message (and per 64 bytes
+/// of content). HF's templates take tens to hundreds per message.
+const FUEL_BASE: u64 = 1_000_000;
+const FUEL_PER_MESSAGE: u64 = 20_000;
 
 /// `raise_exception(msg)`: the template rejects its input (HF's helper).
 fn raise_exception(msg: String) -> Result<Value, Error> {
