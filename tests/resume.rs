@@ -123,3 +123,64 @@ fn consecutive_bad_steps_stop_the_run_with_the_last_checkpoint_intact() {
     // The last good checkpoint (after step 2) is intact and resumable.
     assert!(out.join("checkpoints/step-00000002/state.json").is_file());
 }
+
+/// `--resume` compares what changes the math with the checkpoint's run (issue 45): a LoRA run
+/// resumed with another `adapter.alpha`, as `qlora`, or over base weights that are not the
+/// checkpoint's (same shapes, one value changed) is refused, naming each key and both values;
+/// the same base weights moved to another directory, and a longer run, resume.
+#[test]
+fn a_resume_that_changes_the_math_is_refused_naming_what_changed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama_gqa");
+    let copy = |to: &Path| {
+        std::fs::create_dir_all(to).unwrap();
+        for f in std::fs::read_dir(fixture.join("model")).unwrap() {
+            let f = f.unwrap().path();
+            std::fs::copy(&f, to.join(f.file_name().unwrap())).unwrap();
+        }
+    };
+    let (base, moved, other) =
+        (tmp.path().join("base"), tmp.path().join("moved"), tmp.path().join("other"));
+    copy(&base);
+    copy(&moved);
+    copy(&other);
+    // One weight of `other` changed: same names, shapes and size.
+    let st = other.join("model.safetensors");
+    let mut bytes = std::fs::read(&st).unwrap();
+    let n = bytes.len();
+    bytes[n - 3] ^= 0x40;
+    std::fs::write(&st, bytes).unwrap();
+    let out = tmp.path().join("out");
+    let yaml = |model: &Path, kind: &str, alpha: u32, steps: u32| {
+        format!(
+            "model: {{ path: '{}' }}\ndata: {{ path: '{}', format: pretokenized }}\n\
+             train: {{ steps: {steps}, batch_size: 3, max_seq_len: 64, save_every: 1 }}\n\
+             adapter: {{ type: {kind}, r: 4, alpha: {alpha}, targets: [q_proj, v_proj] }}\n\
+             output: {{ dir: '{}' }}\n",
+            model.display(),
+            fixture.join("data.jsonl").display(),
+            out.display()
+        )
+    };
+    let train = |y: String, resume: bool| {
+        let cfg = write(tmp.path(), &y);
+        let mut args = vec!["train", "--config", cfg.to_str().unwrap()];
+        if resume {
+            args.extend(["--resume", "latest"]);
+        }
+        Command::new(env!("CARGO_BIN_EXE_horizon")).args(args).output().unwrap()
+    };
+    assert!(train(yaml(&base, "lora", 8, 2), false).status.success());
+    let refused = |o: std::process::Output, what: &[&str]| {
+        let e = String::from_utf8_lossy(&o.stderr).to_string();
+        assert!(!o.status.success(), "resumed: {what:?}");
+        for w in what {
+            assert!(e.contains(w), "{w}: {e}");
+        }
+    };
+    refused(train(yaml(&base, "lora", 16, 3), true), &["adapter.alpha", "8", "16"]);
+    refused(train(yaml(&base, "qlora", 8, 3), true), &["adapter.type", "lora", "qlora"]);
+    refused(train(yaml(&other, "lora", 8, 3), true), &["base weights", "model.path"]);
+    let o = train(yaml(&moved, "lora", 8, 3), true);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}

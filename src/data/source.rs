@@ -264,12 +264,14 @@ pub fn read_records<T>(
         if let Err(e) = std::fs::File::open(&path) {
             let loc = Loc { file: file.clone(), at: At::File };
             let why = format!("cannot read the shard: {e}");
-            match on_error {
-                OnError::Fail => bail!(
+            // The one file `data.path` names is always needed; a shard of several may be
+            // skipped.
+            match (on_error, path == source.path) {
+                (OnError::Fail, _) | (_, true) => bail!(
                     "dataset {loc}: {why}\nhint: restore the file (a dangling link points at a \
                      missing download), or set data.on_error: skip to train without it (counted)"
                 ),
-                OnError::Skip => {
+                (OnError::Skip, false) => {
                     report.skipped.push((loc, why));
                     continue;
                 }

@@ -15,12 +15,14 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 
+use crate::adapter::config::AdapterType;
 use crate::hf::checkpoint::SaveDtype;
 use crate::hf::config::ModelConfig;
 use crate::model::layout::ModelLayout;
 use crate::model::params::ParamStore;
 use crate::optim::state::OptimizerMemory;
 use crate::optim::state::{OptState, OptimizerState};
+use crate::run::config::RawConfig;
 use crate::store::TrainState;
 
 /// The masters' file in a checkpoint.
@@ -46,6 +48,110 @@ pub struct CheckpointState {
     /// the next step's norm from them); empty: none yet.
     #[serde(default)]
     pub last_sq: Vec<f64>,
+    /// An adapter run's frozen base weights, fingerprinted ([`base_fingerprint`]): a resume
+    /// over other weights is refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base: Option<String>,
+}
+
+/// Keys of a run's config that change what it computes: a resume must keep them (the others,
+/// as `train.steps`, the save cadence, logging, the engine and the device, may change).
+const KEPT_ON_RESUME: [&str; 7] = [
+    "model",
+    "adapter",
+    "data",
+    "train.batch_size",
+    "train.max_seq_len",
+    "train.seed",
+    "optimizer.memory",
+];
+
+/// The keys under [`KEPT_ON_RESUME`] whose values differ between the checkpoint's config
+/// (`theirs`, YAML) and this run's, as `key: checkpoint A, this run B` (`model.path` is left to
+/// the weights' fingerprint: the same weights may move).
+pub fn changed_on_resume(theirs: &str, mine: &RawConfig) -> Result<Vec<String>> {
+    let theirs = RawConfig::from_yaml(theirs, "the checkpoint's config")?;
+    let (a, b) = (serde_json::to_value(&theirs)?, serde_json::to_value(mine)?);
+    let mut out = Vec::new();
+    for key in KEPT_ON_RESUME {
+        let at = |v: &serde_json::Value| key.split('.').fold(v.clone(), |v, k| v[k].clone());
+        let (mut flat_a, mut flat_b) = (Vec::new(), Vec::new());
+        flatten(key, &at(&a), &mut flat_a);
+        flatten(key, &at(&b), &mut flat_b);
+        let keys: std::collections::BTreeSet<&String> =
+            flat_a.iter().chain(&flat_b).map(|(k, _)| k).collect();
+        for k in keys.into_iter().filter(|k| k.as_str() != "model.path") {
+            let find = |f: &[(String, String)]| {
+                f.iter().find(|(x, _)| x == k).map_or("unset".to_string(), |(_, v)| v.clone())
+            };
+            let (x, y) = (find(&flat_a), find(&flat_b));
+            if x != y {
+                out.push(format!("{k}: checkpoint {x}, this run {y}"));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// `v`'s leaves under dotted `key`, each as its JSON text.
+fn flatten(key: &str, v: &serde_json::Value, out: &mut Vec<(String, String)>) {
+    match v {
+        serde_json::Value::Object(m) => {
+            m.iter().for_each(|(k, x)| flatten(&format!("{key}.{k}"), x, out))
+        }
+        serde_json::Value::Null => {}
+        x => out.push((key.to_string(), x.to_string())),
+    }
+}
+
+/// A fingerprint of the weights in HF directory `dir`: FNV-1a over each `.safetensors` file's
+/// name, size and header (names, dtypes, shapes, offsets) and 64 samples of 256 bytes spread
+/// over its data. Two checkpoints of one architecture differ in their values, which the
+/// samples see; reading all of a base's bytes to fingerprint it would cost a load.
+pub fn base_fingerprint(dir: &Path) -> Result<String> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut files: Vec<PathBuf> = fs::read_dir(dir)
+        .with_context(|| format!("cannot list {}", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut feed = |bytes: &[u8]| {
+        for &b in bytes {
+            h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    };
+    for path in &files {
+        let mut f =
+            fs::File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
+        let size = f.metadata()?.len();
+        feed(path.file_name().unwrap_or_default().as_encoded_bytes());
+        feed(&size.to_le_bytes());
+        let mut len = [0u8; 8];
+        f.read_exact(&mut len)?;
+        let header = u64::from_le_bytes(len).min(size.saturating_sub(8));
+        let mut head = vec![0u8; header as usize];
+        f.read_exact(&mut head)?;
+        feed(&head);
+        let data = 8 + header;
+        let mut buf = [0u8; 256];
+        for k in 0..64u64 {
+            let at = data + (size.saturating_sub(data + 256)) * k / 63;
+            f.seek(SeekFrom::Start(at))?;
+            let n = f.read(&mut buf)?;
+            feed(&buf[..n]);
+        }
+    }
+    Ok(format!("{h:016x}"))
+}
+
+/// The fingerprint of the frozen base an adapter run of `config` (YAML) reads, if it is one.
+fn adapter_base(config: &RawConfig) -> Result<Option<String>> {
+    match (&config.adapter.kind, &config.model.path) {
+        (AdapterType::None, _) | (_, None) => Ok(None),
+        (_, Some(dir)) => base_fingerprint(dir).map(Some),
+    }
 }
 
 /// Where checkpoints of an output directory live.
@@ -86,6 +192,7 @@ pub fn save(
         config: config_yaml.to_string(),
         memory: state.memory(),
         last_sq: state.last_sq.clone(),
+        base: adapter_base(&RawConfig::from_yaml(config_yaml, "the run's config")?)?,
     };
     let path = tmp.join(STATE);
     let mut f =
@@ -169,9 +276,12 @@ pub fn load_for(
     dir: &Path,
     model_cfg: &ModelConfig,
     layout: &ModelLayout,
-    mode: OptimizerMemory,
+    raw: &RawConfig,
 ) -> Result<TrainState> {
+    let mode = raw.optimizer.memory;
     let meta = read_state(dir)?;
+    check_model(dir, &meta, model_cfg)?;
+    check_same_run(dir, &meta, raw)?;
     if meta.memory.moment_storage() != mode.moment_storage() {
         bail!(
             "--resume {}: the checkpoint holds optimizer.memory {} moments, this run is configured for {}\nhint: resume with optimizer.memory: {} (exact and lean resume each other; compact only compact)",
@@ -182,6 +292,64 @@ pub fn load_for(
         );
     }
     load_with(dir, model_cfg, layout, meta, mode)
+}
+
+/// Refuses to resume the checkpoint at `dir` (of `meta`) under a config that changes what the
+/// run computes, naming every key that differs and both values; and an adapter run over base
+/// weights that are not the ones it was trained on.
+fn check_same_run(dir: &Path, meta: &CheckpointState, raw: &RawConfig) -> Result<()> {
+    let mut changed = changed_on_resume(&meta.config, raw)?;
+    changed.retain(|c| !c.starts_with("optimizer.memory")); // said below, with its hint
+    if let (Some(theirs), Some(mine)) = (&meta.base, adapter_base(raw)?)
+        && *theirs != mine
+    {
+        changed.push(format!(
+            "the base weights (model.path): checkpoint {theirs}, this run {mine} (fingerprints)"
+        ));
+    }
+    if changed.is_empty() {
+        return Ok(());
+    }
+    bail!(
+        "--resume {}: this run's config changes what the checkpoint's run computes:\n  {}\n\
+         hint: resume with the checkpoint's config (in {}); what may change on resume: \
+         train.steps, the save cadence, logging, eval, engine and device settings, the learning \
+         rate",
+        dir.display(),
+        changed.join("\n  "),
+        dir.join(STATE).display()
+    )
+}
+
+/// Refuses a checkpoint (of `meta`, at `dir`) of another model than `model_cfg`, naming the
+/// size that differs.
+fn check_model(dir: &Path, meta: &CheckpointState, model_cfg: &ModelConfig) -> Result<()> {
+    let path = dir.join(STATE);
+    let theirs = ModelConfig::from_json(&meta.model, &path.display().to_string())?;
+    let mine = model_cfg;
+    let fields: [(&str, usize, usize); 8] = [
+        ("hidden_size", theirs.hidden_size, mine.hidden_size),
+        ("num_hidden_layers", theirs.num_layers, mine.num_layers),
+        ("num_attention_heads", theirs.num_heads, mine.num_heads),
+        ("num_key_value_heads", theirs.num_kv_heads, mine.num_kv_heads),
+        ("head_dim", theirs.head_dim, mine.head_dim),
+        ("intermediate_size", theirs.intermediate_size, mine.intermediate_size),
+        ("vocab_size", theirs.vocab_size, mine.vocab_size),
+        (
+            "tie_word_embeddings",
+            theirs.tie_word_embeddings as usize,
+            mine.tie_word_embeddings as usize,
+        ),
+    ];
+    for (key, a, b) in fields {
+        if a != b {
+            bail!(
+                "--resume {}: the checkpoint is of a different model ({key} {a}, this run's model has {b})\nhint: resume with the config the checkpoint was written with",
+                dir.display()
+            );
+        }
+    }
+    Ok(())
 }
 
 /// A checkpoint's `state.json`.
@@ -208,31 +376,7 @@ fn load_with(
     meta: CheckpointState,
     mode: OptimizerMemory,
 ) -> Result<TrainState> {
-    let path = dir.join(STATE);
-    let theirs = ModelConfig::from_json(&meta.model, &path.display().to_string())?;
-    let mine = model_cfg;
-    let fields: [(&str, usize, usize); 8] = [
-        ("hidden_size", theirs.hidden_size, mine.hidden_size),
-        ("num_hidden_layers", theirs.num_layers, mine.num_layers),
-        ("num_attention_heads", theirs.num_heads, mine.num_heads),
-        ("num_key_value_heads", theirs.num_kv_heads, mine.num_kv_heads),
-        ("head_dim", theirs.head_dim, mine.head_dim),
-        ("intermediate_size", theirs.intermediate_size, mine.intermediate_size),
-        ("vocab_size", theirs.vocab_size, mine.vocab_size),
-        (
-            "tie_word_embeddings",
-            theirs.tie_word_embeddings as usize,
-            mine.tie_word_embeddings as usize,
-        ),
-    ];
-    for (key, a, b) in fields {
-        if a != b {
-            bail!(
-                "--resume {}: the checkpoint is of a different model ({key} {a}, this run's model has {b})\nhint: resume with the config the checkpoint was written with",
-                dir.display()
-            );
-        }
-    }
+    check_model(dir, &meta, model_cfg)?;
     let params = ParamStore::load_hf(layout, &dir.join(PARAMS))?;
     // Only what the checkpoint's mode keeps is allocated, then filled from the files.
     let opt = OptState::load(meta.memory.moment_storage(), dir, layout)?;

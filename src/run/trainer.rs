@@ -218,7 +218,7 @@ fn host_state(
     resume: Option<&Path>,
 ) -> Result<(TrainState, Option<Arc<FrozenBase>>)> {
     let mode = cfg.raw.optimizer.memory;
-    let resumed = |dir| crate::run::resume::load_for(dir, model_cfg, layout, mode);
+    let resumed = |dir| crate::run::resume::load_for(dir, model_cfg, layout, &cfg.raw);
     if let (Some(dir), None) = (resume, &cfg.adapter) {
         return Ok((resumed(dir)?, None));
     }
