@@ -184,3 +184,52 @@ fn a_resume_that_changes_the_math_is_refused_naming_what_changed() {
     let o = train(yaml(&moved, "lora", 8, 3), true);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }
+
+/// A damaged optimizer state is refused before it is used, naming the file and the place
+/// (issue 45): a negative second moment (exact mode), an 8-bit moments file whose tensor count
+/// is absurd (it panicked allocating from it) or whose block scale is NaN (compact mode).
+#[test]
+fn a_damaged_optimizer_state_is_refused_naming_file_and_place() {
+    let resume_err = |memory: &str, damage: &dyn Fn(&Path)| -> String {
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("out");
+        let yaml = config(&out, 2, 0.0, "").replace(
+            "optimizer: { lr: 1.0e-3,",
+            &format!("optimizer: {{ memory: {memory}, lr: 1.0e-3,"),
+        );
+        let cfg = write(tmp.path(), &yaml);
+        assert!(!run_until(&cfg, false, None, 0));
+        let ckpt = out.join("checkpoints/step-00000002");
+        damage(&ckpt);
+        let more = write(tmp.path(), &yaml.replace("steps: 2,", "steps: 3,"));
+        let o = Command::new(env!("CARGO_BIN_EXE_horizon"))
+            .args(["train", "--config", more.to_str().unwrap(), "--resume", "latest"])
+            .output()
+            .unwrap();
+        let e = String::from_utf8_lossy(&o.stderr).to_string();
+        assert!(!o.status.success() && !e.contains("panicked"), "{e}");
+        e
+    };
+    let patch = |path: &Path, at: usize, bytes: &[u8]| {
+        let mut b = std::fs::read(path).unwrap();
+        let at = if at == usize::MAX { b.len() - bytes.len() } else { at };
+        b[at..at + bytes.len()].copy_from_slice(bytes);
+        std::fs::write(path, b).unwrap();
+    };
+    let e = resume_err("exact", &|c| {
+        let f = c.join("exp_avg_sq.safetensors");
+        let b = std::fs::read(&f).unwrap();
+        let data = 8 + u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
+        patch(&f, data, &(-1.0f32).to_le_bytes());
+    });
+    assert!(
+        e.contains("exp_avg_sq.safetensors") && e.contains("never") && e.contains("index"),
+        "{e}"
+    );
+    let e = resume_err("compact", &|c| patch(&c.join("moments8.bin"), 16, &u64::MAX.to_le_bytes()));
+    assert!(e.contains("moments8.bin") && e.contains("damaged"), "{e}");
+    let e = resume_err("compact", &|c| {
+        patch(&c.join("moments8.bin"), usize::MAX, &f32::NAN.to_le_bytes())
+    });
+    assert!(e.contains("moments8.bin") && e.contains("NaN"), "{e}");
+}

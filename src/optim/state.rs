@@ -105,8 +105,22 @@ impl OptimizerState for AdamW32 {
         self.v.save_safetensors(layout, &dir.join(EXP_AVG_SQ), SaveDtype::F32)
     }
     fn load(dir: &Path, layout: &ModelLayout) -> Result<Self> {
+        // Finite (the loader refuses NaN and inf), and second moments never negative: a
+        // damaged state would write NaN into the masters at the first update.
         let m = ParamStore::load_hf(layout, &dir.join(EXP_AVG))?;
         let v = ParamStore::load_hf(layout, &dir.join(EXP_AVG_SQ))?;
+        for (name, _) in layout.hf_tensors() {
+            let t = v.tensor(layout, &name).expect("the layout names its own tensors");
+            if let Some(i) = t.iter().position(|x| *x < 0.0) {
+                bail!(
+                    "{}: tensor {name}, index {i}: a second moment of {} (they are never \
+                     negative); the checkpoint is damaged\nhint: resume from an earlier \
+                     checkpoint (--resume DIR)",
+                    dir.join(EXP_AVG_SQ).display(),
+                    t[i]
+                );
+            }
+        }
         Ok(AdamW32 { m, v })
     }
 }
@@ -172,10 +186,33 @@ impl OptimizerState for AdamW8 {
             return Err(r.bad("not an 8-bit moments file"));
         }
         let tensors = layout.buffer_tensors();
+        // Its exact size first: nothing is allocated from a count read off a damaged file.
+        let want: u64 = 16
+            + tensors
+                .iter()
+                .map(|t| 8 + 8 * t.len() as u64 + Moments8::bytes(t) as u64)
+                .sum::<u64>();
+        let have = fs::metadata(&path)?.len();
+        if have != want {
+            return Err(r.bad(&format!("{have} bytes where this model's state takes {want}")));
+        }
         if r.u64()? != tensors.len() as u64 {
             return Err(r.bad("wrong number of buffers for this model"));
         }
-        let buffers = tensors.iter().map(|t| r.moments8(t)).collect::<Result<_>>()?;
+        let buffers: Vec<Moments8> =
+            tensors.iter().map(|t| r.moments8(t)).collect::<Result<_>>()?;
+        for (b, q) in buffers.iter().enumerate() {
+            let scales = q.m_absmax.iter().chain(&q.v_absmax).chain(&q.v32);
+            let bad = |x: &f32| !x.is_finite() || *x < 0.0;
+            if let Some(x) =
+                scales.clone().find(|x| bad(x)).or(q.m32.iter().find(|x| !x.is_finite()))
+            {
+                return Err(r.bad(&format!(
+                    "buffer {b}: a block scale or small-tensor moment of {x} (scales and second \
+                     moments are finite and never negative)"
+                )));
+            }
+        }
         Ok(AdamW8 { buffers })
     }
 }
@@ -203,7 +240,14 @@ impl Reader<'_> {
     }
     /// One buffer's moments, whose tensors must be `want`.
     fn moments8(&mut self, want: &[usize]) -> Result<Moments8> {
-        let mut theirs = vec![0usize; self.u64()? as usize];
+        let count = self.u64()?;
+        if count != want.len() as u64 {
+            return Err(self.bad(&format!(
+                "a buffer of {count} tensors where this model's has {}",
+                want.len()
+            )));
+        }
+        let mut theirs = vec![0usize; want.len()];
         for n in theirs.iter_mut() {
             *n = self.u64()? as usize;
         }
