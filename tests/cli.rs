@@ -500,3 +500,28 @@ fn an_interrupted_run_says_so_and_exits_with_the_signal() {
         assert_eq!(fs::read_to_string(out.join("report.md")).unwrap(), report, "report kept");
     }
 }
+
+/// `final/` is never written with a non-finite weight (issue 45): an update that overflows the
+/// masters (a learning rate past f32's range) on the last step, which no later step's checks
+/// see, stops the export, naming the tensor; the run fails.
+#[test]
+fn final_is_never_written_with_a_non_finite_weight() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let yaml = format!(
+        "model: {{ init: random, arch: llama, hidden_size: 32, intermediate_size: 64, \
+         num_hidden_layers: 1, num_attention_heads: 2, num_key_value_heads: 1, vocab_size: 64 }}\n\
+         data: {{ format: synthetic }}\n\
+         train: {{ steps: 1, batch_size: 2, max_seq_len: 8 }}\n\
+         optimizer: {{ lr: 1.0e+39, grad_clip: 0.0 }}\n\
+         output: {{ dir: '{}' }}\n",
+        out.display()
+    );
+    let cfg = tmp.path().join("c.yaml");
+    fs::write(&cfg, yaml).unwrap();
+    let o = train(&cfg);
+    let e = stderr(&o);
+    assert!(!o.status.success(), "{e}");
+    assert!(e.contains("was not written") && e.contains("after training"), "{e}");
+    assert!(!out.join("final").exists());
+}

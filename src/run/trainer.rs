@@ -24,6 +24,7 @@ use crate::engine::resolve::{Machine, resolve};
 use crate::hf::config::ModelConfig;
 use crate::model::base::FrozenBase;
 use crate::model::layout::ModelLayout;
+use crate::model::params::ParamStore;
 use crate::run::config::{BackendKind, ByteSize, RawConfig, RunConfig, WeightPath};
 use crate::run::data::{BatchOrder, SeqLen, batch_order, load_datasets, micro_batches, step_rows};
 use crate::run::load::{load_weights, model_config, run_layout, write_adapter};
@@ -669,6 +670,23 @@ where
     }
 }
 
+/// Refuses to write `final` from weights with a NaN or an infinity (a bad update the step's
+/// checks did not see), naming the tensor and the index: one pass over the trained weights.
+fn refuse_non_finite(layout: &ModelLayout, params: &ParamStore, final_dir: &Path) -> Result<()> {
+    for (name, _) in layout.hf_tensors() {
+        let Some(t) = params.tensor(layout, &name) else { continue };
+        if let Some(i) = t.iter().position(|x| !x.is_finite()) {
+            bail!(
+                "{name}[{i}] is {} after training: {} was not written\nhint: the checkpoints \
+                 under checkpoints/ hold earlier weights; lower optimizer.lr",
+                t[i],
+                final_dir.display()
+            );
+        }
+    }
+    Ok(())
+}
+
 /// The command that resumes the run of `cfg`: its config and `--set` overrides.
 fn resume_command(cfg: &RunConfig) -> String {
     let mut c = format!("horizon train --config {}", cfg.origin);
@@ -704,6 +722,7 @@ where
         plotted.is_ok().then_some(plot_path.as_path()),
     )?;
     let final_dir = out_dir.join("final");
+    refuse_non_finite(&tr.layout, &tr.engine.state().params, &final_dir)?;
     if let Some(a) = tr.cfg.adapter.clone() {
         let base = tr.cfg.raw.model.path.as_ref().map(|p| p.display().to_string());
         write_adapter(&tr.layout, &tr.engine.state().params, &a, base.as_deref(), &final_dir)?;
