@@ -437,8 +437,10 @@ fn a_second_run_into_the_same_output_dir_is_refused_and_the_first_is_unharmed() 
     assert!(fs::read_to_string(out.join("config.yaml")).unwrap().contains("steps: 4"));
     assert!(out.join("checkpoints/step-00000004/state.json").is_file());
     assert!(out.join("final/model.safetensors").is_file());
-    // Released on exit: the directory is free again.
-    let again = horizon(&["train", "--config", cfg.to_str().unwrap(), "--set", "train.steps=1"]);
+    // Released on exit: the directory is free again (a new run there starts over when asked:
+    // it holds the first run's checkpoints).
+    let c = cfg.to_str().unwrap();
+    let again = horizon(&["train", "--config", c, "--set", "train.steps=1", "--overwrite"]);
     assert!(again.status.success(), "{}", stderr(&again));
 }
 
@@ -524,4 +526,31 @@ fn final_is_never_written_with_a_non_finite_weight() {
     assert!(!o.status.success(), "{e}");
     assert!(e.contains("was not written") && e.contains("after training"), "{e}");
     assert!(!out.join("final").exists());
+}
+
+/// A new run into an `output.dir` that holds another run's checkpoints is refused (issue 45:
+/// it overwrote their files, and a later `--resume latest` picked the earlier run's), unless
+/// `--overwrite` says to start over (the earlier checkpoints removed) or `--resume` to go on.
+#[test]
+fn a_new_run_over_another_runs_checkpoints_is_refused_unless_asked() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let yaml = format!(
+        "model: {{ init: random, arch: llama, hidden_size: 32, intermediate_size: 64, \
+         num_hidden_layers: 1, num_attention_heads: 2, num_key_value_heads: 1, vocab_size: 64 }}\n\
+         data: {{ format: synthetic }}\n\
+         train: {{ steps: 2, batch_size: 2, max_seq_len: 8, save_every: 1 }}\n\
+         output: {{ dir: '{}' }}\n",
+        out.display()
+    );
+    let cfg = tmp.path().join("c.yaml");
+    fs::write(&cfg, yaml).unwrap();
+    assert!(train(&cfg).status.success());
+    let o = train(&cfg);
+    let e = stderr(&o);
+    assert!(!o.status.success() && e.contains("--overwrite") && e.contains("step-00000002"), "{e}");
+    let c = cfg.to_str().unwrap();
+    let o = horizon(&["train", "--config", c, "--overwrite"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("starting over"));
 }

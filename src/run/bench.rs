@@ -49,6 +49,8 @@ pub fn run(args: &Args) -> Result<()> {
         cfg.raw.engine.recompute = parse_recompute(r)?;
     }
     cfg.trace = args.trace.clone();
+    // A benchmark's output is its report: it starts over in its directory.
+    cfg.overwrite = true;
     let s = run_streaming(cfg, false, args.warmup, None)?;
     match args.json {
         true => println!("{}", serde_json::to_string(&s)?),

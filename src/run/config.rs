@@ -668,6 +668,9 @@ pub struct RunConfig {
     pub trace: Option<std::path::PathBuf>,
     /// The command line's `--set` overrides (for the resume command a run prints).
     pub overrides: Vec<String>,
+    /// `horizon train --overwrite`: start over in an `output.dir` that holds another run's
+    /// checkpoints (they are removed) instead of refusing to.
+    pub overwrite: bool,
 }
 
 impl RawConfig {
@@ -820,6 +823,7 @@ impl RawConfig {
             adapter,
             trace: None,
             overrides: Vec::new(),
+            overwrite: false,
         })
     }
 

@@ -13,7 +13,7 @@ use anyhow::{Context, Result};
 use crate::data::pretokenized::Row;
 use crate::model::params::ParamStore;
 use crate::rng::SplitMix64;
-use crate::run::config::RawConfig;
+use crate::run::config::{RawConfig, RunConfig};
 use crate::run::decode::{Generator, SampleOptions};
 use crate::run::load::model_config;
 use crate::run::trainer::run_streaming;
@@ -119,6 +119,9 @@ pub fn run_with(out: &Path, steps: usize, overrides: &[String]) -> Result<f64> {
         train.len(),
         held_out.len()
     );
+    // The built-in job always starts over (it says so when it removes an earlier one's
+    // checkpoints).
+    let cfg = RunConfig { overwrite: true, ..cfg };
     run_streaming(cfg, true, 0, None)?;
     evaluate(&raw, &raw.output.dir.join("final"), &tok, &held_out)
 }

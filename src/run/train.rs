@@ -21,6 +21,10 @@ pub struct Args {
     /// Override a config key: `--set train.steps=200` (repeatable; the value is YAML).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,
+    /// Start over in an output.dir that holds another run's checkpoints, removing them
+    /// (without it such a run is refused: resume it with --resume latest instead).
+    #[arg(long, conflicts_with = "resume")]
+    pub overwrite: bool,
 }
 
 /// Train as `config` (with `--set` overrides) says, resuming from `args.resume` if given.
@@ -28,6 +32,7 @@ pub fn run(config: &std::path::Path, args: &Args) -> Result<()> {
     let mut cfg =
         RawConfig::from_file_with(config, &args.set)?.resolve(&config.display().to_string())?;
     cfg.overrides = args.set.clone();
+    cfg.overwrite = args.overwrite;
     run_streaming(cfg, true, 0, args.resume.as_deref())?;
     Ok(())
 }

@@ -269,6 +269,9 @@ pub fn run_streaming(
     fs::write(out_dir.join("config.yaml"), &yaml)
         .with_context(|| format!("output.dir {}: cannot write config.yaml", out_dir.display()))?;
 
+    if resume.is_none() {
+        earlier_checkpoints(&out_dir, cfg.overwrite)?;
+    }
     let resume_dir = resume.map(|r| crate::run::resume::resolve(r, &out_dir)).transpose()?;
     match cfg.raw.device.backend {
         BackendKind::Cpu => {
@@ -280,6 +283,34 @@ pub fn run_streaming(
             drive(tr, out_dir, yaml, resume_dir, export_final, warmup)
         }
     }
+}
+
+/// A new run into `out_dir`, which may hold another run's checkpoints: refused (they would
+/// be mixed with this run's, and a later `--resume latest` could pick theirs), or with
+/// `overwrite` removed first, saying so.
+fn earlier_checkpoints(out_dir: &Path, overwrite: bool) -> Result<()> {
+    let root = crate::run::resume::checkpoints_dir(out_dir);
+    let Ok(entries) = fs::read_dir(&root) else { return Ok(()) };
+    let names: Vec<String> = entries
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("step-"))
+        .collect();
+    let Some(latest) = names.iter().max() else { return Ok(()) };
+    if !overwrite {
+        bail!(
+            "output.dir {} holds another run's checkpoints (the latest {latest})\nhint: resume \
+             that run with --resume latest, start over with --overwrite (its checkpoints are \
+             removed), or choose another output.dir",
+            out_dir.display()
+        );
+    }
+    println!(
+        "starting over: removing {} checkpoints of an earlier run in {}",
+        names.len(),
+        root.display()
+    );
+    fs::remove_dir_all(&root).with_context(|| format!("cannot remove {}", root.display()))
 }
 
 /// Refuses a model the CUDA kernels cannot run (a head dim over the attention kernel's limit,
