@@ -186,8 +186,9 @@ fn a_resume_that_changes_the_math_is_refused_naming_what_changed() {
 }
 
 /// A damaged optimizer state is refused before it is used, naming the file and the place
-/// (issue 45): a negative second moment (exact mode), an 8-bit moments file whose tensor count
-/// is absurd (it panicked allocating from it) or whose block scale is NaN (compact mode).
+/// (issue 45), even where no checksum was recorded (a checkpoint of an earlier version): a
+/// negative second moment (exact mode), an 8-bit moments file whose tensor count is absurd (it
+/// panicked allocating from it) or whose block scale is NaN (compact mode).
 #[test]
 fn a_damaged_optimizer_state_is_refused_naming_file_and_place() {
     let resume_err = |memory: &str, damage: &dyn Fn(&Path)| -> String {
@@ -201,6 +202,15 @@ fn a_damaged_optimizer_state_is_refused_naming_file_and_place() {
         assert!(!run_until(&cfg, false, None, 0));
         let ckpt = out.join("checkpoints/step-00000002");
         damage(&ckpt);
+        // As a checkpoint without checksums (written before they were recorded): its values
+        // are checked for what is possible.
+        let state = ckpt.join("state.json");
+        let mut v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&state).unwrap()).unwrap();
+        let o = v.as_object_mut().unwrap();
+        o.remove("checksums");
+        o.remove("sealed");
+        std::fs::write(&state, v.to_string()).unwrap();
         let more = write(tmp.path(), &yaml.replace("steps: 2,", "steps: 3,"));
         let o = Command::new(env!("CARGO_BIN_EXE_horizon"))
             .args(["train", "--config", more.to_str().unwrap(), "--resume", "latest"])
@@ -232,4 +242,76 @@ fn a_damaged_optimizer_state_is_refused_naming_file_and_place() {
         patch(&c.join("moments8.bin"), usize::MAX, &f32::NAN.to_le_bytes())
     });
     assert!(e.contains("moments8.bin") && e.contains("NaN"), "{e}");
+}
+
+/// Copies the tree at `from` to `to`.
+fn copy_tree(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        let (p, q) = (e.path(), to.join(e.file_name()));
+        if p.is_dir() { copy_tree(&p, &q) } else { std::fs::copy(&p, &q).map(|_| ()).unwrap() }
+    }
+}
+
+/// Checkpoint files damaged at random (a seeded loop: truncated, a byte flipped, the
+/// safetensors header's length rewritten) give a clean error naming the damage (and the newest
+/// sound checkpoint to resume instead), or a resume bit-identical to the uninterrupted run;
+/// never a panic, an abort, or training on damaged state (issue 45).
+#[test]
+fn damaged_checkpoints_are_clean_errors_or_identical_resumes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |out: &Path, steps: usize, resume: bool| {
+        let cfg = write(out.parent().unwrap(), &config(out, steps, 0.0, ""));
+        let mut args = vec!["train", "--config", cfg.to_str().unwrap()];
+        if resume {
+            args.extend(["--resume", "latest"]);
+        }
+        Command::new(env!("CARGO_BIN_EXE_horizon")).args(args).output().unwrap()
+    };
+    let reference = tmp.path().join("ref/out");
+    std::fs::create_dir_all(reference.parent().unwrap()).unwrap();
+    assert!(run(&reference, 3, false).status.success());
+    let want = std::fs::read(reference.join("final/model.safetensors")).unwrap();
+    let base = tmp.path().join("base/out");
+    std::fs::create_dir_all(base.parent().unwrap()).unwrap();
+    assert!(run(&base, 2, false).status.success());
+    let files =
+        ["params.safetensors", "exp_avg.safetensors", "exp_avg_sq.safetensors", "state.json"];
+    let mut seed = 0x2545_f491_4f6c_dd1du64;
+    let mut next = |n: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % n.max(1)
+    };
+    let (mut refused, mut resumed) = (0, 0);
+    for trial in 0..24 {
+        let out = tmp.path().join(format!("t{trial}/out"));
+        copy_tree(&base, &out);
+        let file = out.join("checkpoints/step-00000002").join(files[next(4) as usize]);
+        let mut b = std::fs::read(&file).unwrap();
+        let kind = next(3);
+        match kind {
+            0 => b.truncate(next(b.len() as u64) as usize),
+            1 => {
+                let at = next(b.len() as u64) as usize;
+                b[at] ^= 1 << next(8);
+            }
+            _ => b[..8].copy_from_slice(&(next(u64::MAX)).to_le_bytes()),
+        }
+        std::fs::write(&file, &b).unwrap();
+        let o = run(&out, 3, true);
+        let e = String::from_utf8_lossy(&o.stderr).to_string();
+        let what = format!("trial {trial}: {} damaged ({kind})", file.display());
+        assert!(o.status.code().is_some() && !e.contains("panicked"), "{what}: {e}");
+        if o.status.success() {
+            let got = std::fs::read(out.join("final/model.safetensors")).unwrap();
+            assert!(got == want, "{what}: resumed, but not to the uninterrupted run's weights");
+            resumed += 1;
+        } else {
+            refused += 1;
+        }
+    }
+    assert!(refused > 0, "{refused} refused, {resumed} resumed");
 }

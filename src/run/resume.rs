@@ -52,6 +52,95 @@ pub struct CheckpointState {
     /// over other weights is refused.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub base: Option<String>,
+    /// Each data file of the checkpoint with its checksum ([`file_checksum`]), verified before
+    /// the checkpoint is used; empty in checkpoints written before they were recorded.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub checksums: std::collections::BTreeMap<String, String>,
+    /// A checksum of everything above, as JSON ([`CheckpointState::seal`]): a damaged
+    /// `state.json` that still parses is refused, not resumed from.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub sealed: String,
+}
+
+impl CheckpointState {
+    /// The checksum of this state's fields but `sealed`, in their compact JSON.
+    fn seal(&self) -> Result<String> {
+        let text =
+            serde_json::to_string(&CheckpointState { sealed: String::new(), ..self.clone() })?;
+        Ok(words_hash(text.as_bytes()))
+    }
+}
+
+/// [`file_checksum`]'s hash of `bytes`.
+fn words_hash(bytes: &[u8]) -> String {
+    let mut h = 0x9e37_79b9_7f4a_7c15u64;
+    for chunk in bytes.chunks(8) {
+        let mut w = [0u8; 8];
+        w[..chunk.len()].copy_from_slice(chunk);
+        h = (h ^ u64::from_le_bytes(w)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        h ^= h >> 31;
+    }
+    format!("{}:{h:016x}", bytes.len())
+}
+
+/// A checksum of the file at `path`: its length and a 64-bit multiply-xorshift hash of its
+/// 8-byte words (the tail zero-padded), read in 8 MiB pieces. It finds damage (a truncated
+/// file, a flipped byte, a rewritten number), at memory speed; it is not a cryptographic hash.
+pub fn file_checksum(path: &Path) -> Result<String> {
+    use std::io::Read;
+    let mut f = fs::File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
+    // 8 MiB pieces (a multiple of 8: the words are the whole file's).
+    let mut buf = vec![0u8; 8 << 20];
+    let (mut h, mut len) = (0x9e37_79b9_7f4a_7c15u64, 0u64);
+    loop {
+        let mut n = 0;
+        while n < buf.len() {
+            let k =
+                f.read(&mut buf[n..]).with_context(|| format!("cannot read {}", path.display()))?;
+            if k == 0 {
+                break;
+            }
+            n += k;
+        }
+        if n == 0 {
+            break;
+        }
+        len += n as u64;
+        for chunk in buf[..n].chunks(8) {
+            let mut w = [0u8; 8];
+            w[..chunk.len()].copy_from_slice(chunk);
+            h = (h ^ u64::from_le_bytes(w)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            h ^= h >> 31;
+        }
+    }
+    Ok(format!("{len}:{h:016x}"))
+}
+
+/// Verifies the checksums `meta` records for the checkpoint at `dir`.
+fn verify_files(dir: &Path, meta: &CheckpointState) -> Result<()> {
+    for (name, want) in &meta.checksums {
+        let path = dir.join(name);
+        let got = file_checksum(&path)?;
+        if &got != want {
+            bail!(
+                "{}: its content does not match what the checkpoint recorded at save (checksum \
+                 {got}, recorded {want}): the checkpoint is damaged",
+                path.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The newest checkpoint older than `dir` beside it whose files verify, if any.
+fn newest_sound_before(dir: &Path) -> Option<PathBuf> {
+    let root = dir.parent()?;
+    let all = list(root).ok()?;
+    all.into_iter()
+        .rev()
+        .filter(|(_, p)| p != dir)
+        .find(|(_, p)| read_state(p).is_ok_and(|m| verify_files(p, &m).is_ok()))
+        .map(|(_, p)| p)
 }
 
 /// Keys of a run's config that change what it computes: a resume must keep them (the others,
@@ -154,6 +243,17 @@ fn adapter_base(config: &RawConfig) -> Result<Option<String>> {
     }
 }
 
+/// The data files of the checkpoint being written in `dir` (everything but its state).
+fn data_files(dir: &Path) -> Result<Vec<String>> {
+    let mut out: Vec<String> = fs::read_dir(dir)?
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n != STATE)
+        .collect();
+    out.sort();
+    Ok(out)
+}
+
 /// Where checkpoints of an output directory live.
 pub fn checkpoints_dir(out_dir: &Path) -> PathBuf {
     out_dir.join("checkpoints")
@@ -193,7 +293,13 @@ pub fn save(
         memory: state.memory(),
         last_sq: state.last_sq.clone(),
         base: adapter_base(&RawConfig::from_yaml(config_yaml, "the run's config")?)?,
+        checksums: data_files(&tmp)?
+            .into_iter()
+            .map(|n| Ok((n.clone(), file_checksum(&tmp.join(&n))?)))
+            .collect::<Result<_>>()?,
+        sealed: String::new(),
     };
+    let meta = CheckpointState { sealed: meta.seal()?, ..meta };
     let path = tmp.join(STATE);
     let mut f =
         fs::File::create(&path).with_context(|| format!("cannot create {}", path.display()))?;
@@ -279,7 +385,20 @@ pub fn load_for(
     raw: &RawConfig,
 ) -> Result<TrainState> {
     let mode = raw.optimizer.memory;
-    let meta = read_state(dir)?;
+    let sound = read_state(dir).and_then(|m| verify_files(dir, &m).map(|()| m));
+    let meta = match sound {
+        Ok(m) => m,
+        Err(e) => {
+            return Err(match newest_sound_before(dir) {
+                Some(p) => anyhow::anyhow!(
+                    "{e:#}\nhint: the newest sound checkpoint is {}: resume it with --resume {}",
+                    p.display(),
+                    p.display()
+                ),
+                None => e,
+            });
+        }
+    };
     check_model(dir, &meta, model_cfg)?;
     check_same_run(dir, &meta, raw)?;
     if meta.memory.moment_storage() != mode.moment_storage() {
@@ -357,14 +476,23 @@ pub fn read_state(dir: &Path) -> Result<CheckpointState> {
     let path = dir.join(STATE);
     let text =
         fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
-    serde_json::from_str(&text)
-        .with_context(|| format!("{}: not a checkpoint state", path.display()))
+    let meta: CheckpointState = serde_json::from_str(&text)
+        .with_context(|| format!("{}: not a checkpoint state", path.display()))?;
+    if !meta.sealed.is_empty() && meta.seal()? != meta.sealed {
+        bail!(
+            "{}: its fields do not match the checksum recorded with them: the checkpoint is \
+             damaged",
+            path.display()
+        );
+    }
+    Ok(meta)
 }
 
 /// Load a checkpoint for `model_cfg` in the memory mode it was written in; refuses one
 /// written for another model.
 pub fn load(dir: &Path, model_cfg: &ModelConfig) -> Result<TrainState> {
     let meta = read_state(dir)?;
+    verify_files(dir, &meta)?;
     let mode = meta.memory;
     load_with(dir, model_cfg, &crate::model::describe(model_cfg), meta, mode)
 }
