@@ -261,21 +261,28 @@ fn copy_tree(from: &Path, to: &Path) {
 #[test]
 fn damaged_checkpoints_are_clean_errors_or_identical_resumes() {
     let tmp = tempfile::tempdir().unwrap();
+    let config = |out: &Path, steps: usize| {
+        config(out, steps, 0.0, "").replace("keep_checkpoints: 2", "keep_checkpoints: 3")
+    };
     let run = |out: &Path, steps: usize, resume: bool| {
-        let cfg = write(out.parent().unwrap(), &config(out, steps, 0.0, ""));
+        let cfg = write(out.parent().unwrap(), &config(out, steps));
         let mut args = vec!["train", "--config", cfg.to_str().unwrap()];
         if resume {
             args.extend(["--resume", "latest"]);
         }
         Command::new(env!("CARGO_BIN_EXE_horizon")).args(args).output().unwrap()
     };
-    let reference = tmp.path().join("ref/out");
-    std::fs::create_dir_all(reference.parent().unwrap()).unwrap();
-    assert!(run(&reference, 3, false).status.success());
-    let want = std::fs::read(reference.join("final/model.safetensors")).unwrap();
+    // The run of 3 steps, whose last checkpoint and final/ each trial's copy drops: resuming
+    // its step-2 checkpoint ends where it did.
     let base = tmp.path().join("base/out");
     std::fs::create_dir_all(base.parent().unwrap()).unwrap();
-    assert!(run(&base, 2, false).status.success());
+    assert!(run(&base, 3, false).status.success());
+    let want = std::fs::read(base.join("final/model.safetensors")).unwrap();
+    let fresh = |out: &Path| {
+        copy_tree(&base, out);
+        std::fs::remove_dir_all(out.join("checkpoints/step-00000003")).unwrap();
+        std::fs::remove_dir_all(out.join("final")).unwrap();
+    };
     let files =
         ["params.safetensors", "exp_avg.safetensors", "exp_avg_sq.safetensors", "state.json"];
     let mut seed = 0x2545_f491_4f6c_dd1du64;
@@ -288,7 +295,7 @@ fn damaged_checkpoints_are_clean_errors_or_identical_resumes() {
     let (mut refused, mut resumed) = (0, 0);
     for trial in 0..24 {
         let out = tmp.path().join(format!("t{trial}/out"));
-        copy_tree(&base, &out);
+        fresh(&out);
         let file = out.join("checkpoints/step-00000002").join(files[next(4) as usize]);
         let mut b = std::fs::read(&file).unwrap();
         let kind = next(3);
@@ -314,4 +321,21 @@ fn damaged_checkpoints_are_clean_errors_or_identical_resumes() {
         }
     }
     assert!(refused > 0, "{refused} refused, {resumed} resumed");
+    // With the newest damaged, `--resume latest-sound` takes the one before and ends where the
+    // uninterrupted run does.
+    let out = tmp.path().join("sound/out");
+    fresh(&out);
+    let st = out.join("checkpoints/step-00000002/params.safetensors");
+    let mut b = std::fs::read(&st).unwrap();
+    let n = b.len();
+    b[n - 1] ^= 1;
+    std::fs::write(&st, b).unwrap();
+    let cfg = write(out.parent().unwrap(), &config(&out, 3));
+    let o = Command::new(env!("CARGO_BIN_EXE_horizon"))
+        .args(["train", "--config", cfg.to_str().unwrap(), "--resume", "latest-sound"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("passing over"));
+    assert!(std::fs::read(out.join("final/model.safetensors")).unwrap() == want);
 }

@@ -357,6 +357,17 @@ fn prune(root: &Path, keep: usize) -> Result<()> {
 
 /// The checkpoint `--resume` names: a directory, or `latest` (the newest under `out_dir`).
 pub fn resolve(arg: &str, out_dir: &Path) -> Result<PathBuf> {
+    if arg == "latest-sound" {
+        // The newest checkpoint whose files verify, passing over damaged newer ones.
+        let root = checkpoints_dir(out_dir);
+        for (_, p) in list(&root)?.into_iter().rev() {
+            match read_state(&p).and_then(|m| verify_files(&p, &m)) {
+                Ok(()) => return Ok(p),
+                Err(e) => println!("--resume latest-sound: passing over {}: {e:#}", p.display()),
+            }
+        }
+        bail!("--resume latest-sound: no sound checkpoint in {}", root.display());
+    }
     if arg == "latest" {
         let root = checkpoints_dir(out_dir);
         let all = list(&root)?;
@@ -391,7 +402,8 @@ pub fn load_for(
         Err(e) => {
             return Err(match newest_sound_before(dir) {
                 Some(p) => anyhow::anyhow!(
-                    "{e:#}\nhint: the newest sound checkpoint is {}: resume it with --resume {}",
+                    "{e:#}\nhint: the newest sound checkpoint is {}: resume it with --resume {} \
+                     (or --resume latest-sound)",
                     p.display(),
                     p.display()
                 ),

@@ -15,7 +15,8 @@ pub struct Args {
     /// The run configuration (YAML). See docs/configuration.md for every key.
     #[arg(long, short)]
     pub config: Option<PathBuf>,
-    /// Continue from a checkpoint directory, or `latest` (the newest in OUT/checkpoints).
+    /// Continue from a checkpoint directory, `latest` (the newest in OUT/checkpoints), or
+    /// `latest-sound` (the newest whose files verify, passing over damaged ones).
     #[arg(long)]
     pub resume: Option<String>,
     /// Override a config key: `--set train.steps=200` (repeatable; the value is YAML).
