@@ -503,6 +503,20 @@ fn an_interrupted_run_says_so_and_exits_with_the_signal() {
     }
 }
 
+/// A one-layer random Llama on synthetic data into `dir/out`, with `sections` (YAML lines,
+/// `train:` among them), written to `dir/c.yaml`.
+fn tiny_config(dir: &Path, sections: &str) -> std::path::PathBuf {
+    let yaml = format!(
+        "model: {{ init: random, arch: llama, hidden_size: 32, intermediate_size: 64, \
+         num_hidden_layers: 1, num_attention_heads: 2, num_key_value_heads: 1, vocab_size: 64 }}\n\
+         data: {{ format: synthetic }}\n{sections}\noutput: {{ dir: '{}' }}\n",
+        dir.join("out").display()
+    );
+    let cfg = dir.join("c.yaml");
+    fs::write(&cfg, yaml).unwrap();
+    cfg
+}
+
 /// `final/` is never written with a non-finite weight (issue 45): an update that overflows the
 /// masters (a learning rate past f32's range) on the last step, which no later step's checks
 /// see, stops the export, naming the tensor; the run fails.
@@ -510,17 +524,11 @@ fn an_interrupted_run_says_so_and_exits_with_the_signal() {
 fn final_is_never_written_with_a_non_finite_weight() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("out");
-    let yaml = format!(
-        "model: {{ init: random, arch: llama, hidden_size: 32, intermediate_size: 64, \
-         num_hidden_layers: 1, num_attention_heads: 2, num_key_value_heads: 1, vocab_size: 64 }}\n\
-         data: {{ format: synthetic }}\n\
-         train: {{ steps: 1, batch_size: 2, max_seq_len: 8 }}\n\
-         optimizer: {{ lr: 1.0e+39, grad_clip: 0.0 }}\n\
-         output: {{ dir: '{}' }}\n",
-        out.display()
+    let cfg = tiny_config(
+        tmp.path(),
+        "train: { steps: 1, batch_size: 2, max_seq_len: 8 }\n\
+         optimizer: { lr: 1.0e+39, grad_clip: 0.0 }",
     );
-    let cfg = tmp.path().join("c.yaml");
-    fs::write(&cfg, yaml).unwrap();
     let o = train(&cfg);
     let e = stderr(&o);
     assert!(!o.status.success(), "{e}");
@@ -534,17 +542,10 @@ fn final_is_never_written_with_a_non_finite_weight() {
 #[test]
 fn a_new_run_over_another_runs_checkpoints_is_refused_unless_asked() {
     let tmp = tempfile::tempdir().unwrap();
-    let out = tmp.path().join("out");
-    let yaml = format!(
-        "model: {{ init: random, arch: llama, hidden_size: 32, intermediate_size: 64, \
-         num_hidden_layers: 1, num_attention_heads: 2, num_key_value_heads: 1, vocab_size: 64 }}\n\
-         data: {{ format: synthetic }}\n\
-         train: {{ steps: 2, batch_size: 2, max_seq_len: 8, save_every: 1 }}\n\
-         output: {{ dir: '{}' }}\n",
-        out.display()
+    let cfg = tiny_config(
+        tmp.path(),
+        "train: { steps: 2, batch_size: 2, max_seq_len: 8, save_every: 1 }",
     );
-    let cfg = tmp.path().join("c.yaml");
-    fs::write(&cfg, yaml).unwrap();
     assert!(train(&cfg).status.success());
     let o = train(&cfg);
     let e = stderr(&o);
