@@ -9,6 +9,7 @@ use std::rc::Rc;
 use anyhow::{Result, bail};
 use horizon_backend::Queue;
 
+use crate::engine::chunking::Chunking;
 use crate::engine::exec::plan_shape;
 use crate::engine::memory::gib;
 use crate::engine::options::EngineConfig;
@@ -125,6 +126,7 @@ pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
         (&roofline, &HostByRates { host: &hw.host, threads: host_threads })
     };
     let tokens = ecfg.batch_size * ecfg.seq_len;
+    let chunking = Chunking::of(&layout, &ecfg);
     let base = CostModel {
         layout: &layout,
         sizes: &sizes,
@@ -134,6 +136,7 @@ pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
         host,
         upload,
         host_threads,
+        chunking: &chunking,
     };
     let chosen = project(&schedule, &base, tokens);
     let other = match upload {

@@ -12,6 +12,7 @@ use crate::engine::options::EngineConfig;
 use crate::engine::options::{GradWire, WeightPath};
 use crate::engine::plan::{GradTarget, OpKind, ParamBuf, Res, SlotContent};
 use crate::engine::sizes::Sizes;
+use crate::model::chunks::ExpertSplit;
 use crate::model::layout::ModelLayout;
 use crate::model::lora::BaseDtype;
 use crate::model::spec::{AttnSpec, LayerSpec, Op, Weight};
@@ -190,6 +191,9 @@ pub struct CostModel<'a> {
     pub upload: UploadPath,
     /// Threads of the host pool (the optimizer's).
     pub host_threads: usize,
+    /// Which layers stream their experts in chunks under `cfg` (`Chunking::of`; the same for
+    /// every variant a projection tries: none changes `expert_chunk` or the memory mode).
+    pub chunking: &'a Chunking,
 }
 
 /// Bytes per element of activations on the device (fp32 on every backend).
@@ -451,9 +455,9 @@ impl CostModel<'_> {
         self.pool(self.update(p, elems) + self.pass(HostPass::Zero, elems))
     }
 
-    /// The engine's chunking of experts, when it streams any.
-    fn chunking(&self) -> Option<Chunking> {
-        (self.sizes.chunk_slot > 0).then(|| Chunking::of(self.layout, self.cfg))
+    /// Chunked layer `layer`'s split (a chunk op names only such a layer).
+    fn split(&self, layer: usize) -> &ExpertSplit {
+        self.chunking.split(layer).expect("a chunk op's layer streams its experts in chunks")
     }
 
     /// Layer `layer`'s experts (forward, or backward), all of them.
@@ -466,7 +470,7 @@ impl CostModel<'_> {
     /// [`Self::experts_of`] when the layer streams its experts in chunks (their own ops then
     /// run them), else 0.
     fn chunked_experts(&self, layer: usize, backward: bool) -> f64 {
-        match self.chunking().is_some_and(|c| c.split(layer).is_some()) {
+        match self.chunking.split(layer).is_some() {
             true => self.experts_of(layer, backward),
             false => 0.0,
         }
@@ -476,22 +480,15 @@ impl CostModel<'_> {
     fn grad_len(&self, what: GradTarget) -> usize {
         let d = &self.layout.dims;
         match what {
-            GradTarget::Layer(i) => match self.chunking() {
-                Some(c) => c.layer_grad(self.layout, i),
-                None => self.layout.layer(i).train_len(),
-            },
+            GradTarget::Layer(i) => self.chunking.layer_grad(self.layout, i),
             GradTarget::Head => d.c + d.v * d.c,
-            GradTarget::Experts { layer, chunk } => {
-                let c = self.chunking().expect("chunks come with chunking");
-                c.split(layer).expect("a chunked layer").chunks[chunk].train_len
-            }
+            GradTarget::Experts { layer, chunk } => self.split(layer).chunks[chunk].train_len,
         }
     }
 
     /// Chunk `chunk`'s share of its layer's experts.
     fn chunk_share(&self, layer: usize, chunk: usize) -> f64 {
-        let c = self.chunking().expect("chunks come with chunking");
-        let s = c.split(layer).expect("a chunked layer");
+        let s = self.split(layer);
         s.experts_of(chunk).len() as f64 / s.experts as f64
     }
 
@@ -569,12 +566,11 @@ impl CostModel<'_> {
             OpKind::UploadWeights { what, .. } => match what {
                 SlotContent::Layer(i) => {
                     let l = self.layout.layer(i);
-                    let held = self.chunking().and_then(|c| c.trunk(i).map(|m| (m.len, m.packed)));
+                    let held = self.chunking.trunk(i).map(|m| (m.len, m.packed));
                     self.upload_layer(l, held.unwrap_or((l.len, l.packed)))
                 }
                 SlotContent::Experts { layer, chunk } => {
-                    let c = self.chunking().expect("chunks come with chunking");
-                    let m = &c.split(layer).expect("a chunked layer").chunks[chunk];
+                    let m = &self.split(layer).chunks[chunk];
                     let bytes = m.len as f64 * wb + m.packed as f64 * 4.0;
                     let fp32_base =
                         self.layout.adapter.as_ref().map(|a| a.base) == Some(BaseDtype::F32);

@@ -37,6 +37,7 @@ pub use eval::EvalOutput;
 
 /// The shape of the plan the engine runs for `layout` under `cfg` (sized by `sizes`).
 pub fn plan_shape(layout: &ModelLayout, cfg: &EngineConfig, sizes: &Sizes) -> PlanShape {
+    let chunking = Chunking::of(layout, cfg);
     PlanShape {
         layers: layout.dims.layers,
         micro_batches: cfg.micro_batches(),
@@ -47,8 +48,8 @@ pub fn plan_shape(layout: &ModelLayout, cfg: &EngineConfig, sizes: &Sizes) -> Pl
         kept_layers: cfg.kept_layers,
         streamed: cfg.memory.streams_updates(),
         staged: cfg.weight_path() == WeightPath::Staged,
-        chunked: Chunking::of(layout, cfg).layers(),
-        chunks_trained: Chunking::of(layout, cfg).trained(),
+        chunked: chunking.layers(),
+        chunks_trained: chunking.trained(),
         expert_chunks: sizes.expert_chunks,
     }
 }
