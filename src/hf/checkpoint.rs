@@ -350,9 +350,6 @@ impl Checkpoint {
         self.check_names_under("", expected, optional)
     }
 
-    /// [`Checkpoint::check_names`] for names stored under `prefix` (the text model of a
-    /// multimodal checkpoint, `language_model.`): `expected` and `optional` are given without
-    /// it, and with a prefix, tensors outside it (a vision tower) are ignored.
     /// Each of `expected` (names under `prefix`, with the shapes the config gives them) present
     /// with that shape: checked from the headers before anything is allocated from the config,
     /// so that sizes that disagree with the weights (a vocabulary of 4e9 over small tensors)
@@ -388,6 +385,9 @@ impl Checkpoint {
         )
     }
 
+    /// [`Checkpoint::check_names`] for names stored under `prefix` (the text model of a
+    /// multimodal checkpoint, `language_model.`): `expected` and `optional` are given without
+    /// it, and with a prefix, tensors outside it (a vision tower) are ignored.
     pub fn check_names_under(
         &self,
         prefix: &str,
