@@ -8,6 +8,7 @@
 //! position and every random choice follow from the step and `train.seed`, so resuming at step
 //! N continues bit-identically.
 
+use std::collections::BTreeMap;
 use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -54,8 +55,8 @@ pub struct CheckpointState {
     pub base: Option<String>,
     /// Each data file of the checkpoint with its checksum ([`file_checksum`]), verified before
     /// the checkpoint is used; empty in checkpoints written before they were recorded.
-    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
-    pub checksums: std::collections::BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub checksums: BTreeMap<String, String>,
     /// A checksum of everything above, as JSON ([`CheckpointState::seal`]): a damaged
     /// `state.json` that still parses is refused, not resumed from.
     #[serde(default, skip_serializing_if = "String::is_empty")]
@@ -71,27 +72,42 @@ impl CheckpointState {
     }
 }
 
-/// [`file_checksum`]'s hash of `bytes`.
-fn words_hash(bytes: &[u8]) -> String {
-    let mut h = 0x9e37_79b9_7f4a_7c15u64;
-    for chunk in bytes.chunks(8) {
-        let mut w = [0u8; 8];
-        w[..chunk.len()].copy_from_slice(chunk);
-        h = (h ^ u64::from_le_bytes(w)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        h ^= h >> 31;
+/// The checksums' hash: a 64-bit multiply-xorshift over 8-byte little-endian words, a
+/// piece's tail zero-padded. It finds damage (a truncated file, a flipped byte, a rewritten
+/// number) at memory speed; it is not a cryptographic hash.
+#[derive(Clone, Copy)]
+struct WordHash(u64);
+
+impl WordHash {
+    fn new() -> Self {
+        WordHash(0x9e37_79b9_7f4a_7c15)
     }
-    format!("{}:{h:016x}", bytes.len())
+
+    fn feed(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut w = [0u8; 8];
+            w[..chunk.len()].copy_from_slice(chunk);
+            self.0 = (self.0 ^ u64::from_le_bytes(w)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            self.0 ^= self.0 >> 31;
+        }
+    }
 }
 
-/// A checksum of the file at `path`: its length and a 64-bit multiply-xorshift hash of its
-/// 8-byte words (the tail zero-padded), read in 8 MiB pieces. It finds damage (a truncated
-/// file, a flipped byte, a rewritten number), at memory speed; it is not a cryptographic hash.
+/// [`file_checksum`]'s form of `bytes`: their length and hash.
+fn words_hash(bytes: &[u8]) -> String {
+    let mut h = WordHash::new();
+    h.feed(bytes);
+    format!("{}:{:016x}", bytes.len(), h.0)
+}
+
+/// A checksum of the file at `path`: its length and the [`WordHash`] of its bytes, read in
+/// 8 MiB pieces.
 pub fn file_checksum(path: &Path) -> Result<String> {
     use std::io::Read;
     let mut f = fs::File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
     // 8 MiB pieces (a multiple of 8: the words are the whole file's).
     let mut buf = vec![0u8; 8 << 20];
-    let (mut h, mut len) = (0x9e37_79b9_7f4a_7c15u64, 0u64);
+    let (mut h, mut len) = (WordHash::new(), 0u64);
     loop {
         let mut n = 0;
         while n < buf.len() {
@@ -106,14 +122,9 @@ pub fn file_checksum(path: &Path) -> Result<String> {
             break;
         }
         len += n as u64;
-        for chunk in buf[..n].chunks(8) {
-            let mut w = [0u8; 8];
-            w[..chunk.len()].copy_from_slice(chunk);
-            h = (h ^ u64::from_le_bytes(w)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            h ^= h >> 31;
-        }
+        h.feed(&buf[..n]);
     }
-    Ok(format!("{len}:{h:016x}"))
+    Ok(format!("{len}:{:016x}", h.0))
 }
 
 /// Verifies the checksums `meta` records for the checkpoint at `dir`.
@@ -161,41 +172,40 @@ const KEPT_ON_RESUME: [&str; 7] = [
 pub fn changed_on_resume(theirs: &str, mine: &RawConfig) -> Result<Vec<String>> {
     let theirs = RawConfig::from_yaml(theirs, "the checkpoint's config")?;
     let (a, b) = (serde_json::to_value(&theirs)?, serde_json::to_value(mine)?);
-    let mut out = Vec::new();
+    let (mut flat_a, mut flat_b) = (BTreeMap::new(), BTreeMap::new());
     for key in KEPT_ON_RESUME {
         let at = |v: &serde_json::Value| key.split('.').fold(v.clone(), |v, k| v[k].clone());
-        let (mut flat_a, mut flat_b) = (Vec::new(), Vec::new());
         flatten(key, &at(&a), &mut flat_a);
         flatten(key, &at(&b), &mut flat_b);
-        let keys: std::collections::BTreeSet<&String> =
-            flat_a.iter().chain(&flat_b).map(|(k, _)| k).collect();
-        for k in keys.into_iter().filter(|k| k.as_str() != "model.path") {
-            let find = |f: &[(String, String)]| {
-                f.iter().find(|(x, _)| x == k).map_or("unset".to_string(), |(_, v)| v.clone())
-            };
-            let (x, y) = (find(&flat_a), find(&flat_b));
-            if x != y {
-                out.push(format!("{k}: checkpoint {x}, this run {y}"));
-            }
-        }
     }
-    Ok(out)
+    let keys: std::collections::BTreeSet<&String> = flat_a.keys().chain(flat_b.keys()).collect();
+    let unset = String::from("unset");
+    Ok(keys
+        .into_iter()
+        .filter(|k| k.as_str() != "model.path")
+        .filter_map(|k| {
+            let (x, y) = (flat_a.get(k).unwrap_or(&unset), flat_b.get(k).unwrap_or(&unset));
+            (x != y).then(|| format!("{k}: checkpoint {x}, this run {y}"))
+        })
+        .collect())
 }
 
 /// `v`'s leaves under dotted `key`, each as its JSON text.
-fn flatten(key: &str, v: &serde_json::Value, out: &mut Vec<(String, String)>) {
+fn flatten(key: &str, v: &serde_json::Value, out: &mut BTreeMap<String, String>) {
     match v {
         serde_json::Value::Object(m) => {
             m.iter().for_each(|(k, x)| flatten(&format!("{key}.{k}"), x, out))
         }
         serde_json::Value::Null => {}
-        x => out.push((key.to_string(), x.to_string())),
+        x => {
+            out.insert(key.to_string(), x.to_string());
+        }
     }
 }
 
-/// A fingerprint of the weights in HF directory `dir`: FNV-1a over each `.safetensors` file's
-/// name, size and header (names, dtypes, shapes, offsets) and 64 samples of 256 bytes spread
-/// over its data. Two checkpoints of one architecture differ in their values, which the
+/// A fingerprint of the weights in HF directory `dir`: the [`WordHash`] of each `.safetensors`
+/// file's name, size and header (names, dtypes, shapes, offsets) and 64 samples of 256 bytes
+/// spread over its data. Two checkpoints of one architecture differ in their values, which the
 /// samples see; reading all of a base's bytes to fingerprint it would cost a load.
 pub fn base_fingerprint(dir: &Path) -> Result<String> {
     use std::io::{Read, Seek, SeekFrom};
@@ -205,12 +215,8 @@ pub fn base_fingerprint(dir: &Path) -> Result<String> {
         .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
         .collect();
     files.sort();
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    let mut feed = |bytes: &[u8]| {
-        for &b in bytes {
-            h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    };
+    let mut h = WordHash::new();
+    let mut feed = |bytes: &[u8]| h.feed(bytes);
     for path in &files {
         let mut f =
             fs::File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
@@ -232,7 +238,7 @@ pub fn base_fingerprint(dir: &Path) -> Result<String> {
             feed(&buf[..n]);
         }
     }
-    Ok(format!("{h:016x}"))
+    Ok(format!("{:016x}", h.0))
 }
 
 /// The fingerprint of the frozen base an adapter run of `config` (YAML) reads, if it is one.
@@ -422,7 +428,7 @@ pub fn load_for(
             meta.memory.name()
         );
     }
-    load_with(dir, model_cfg, layout, meta, mode)
+    load_with(dir, layout, meta, mode)
 }
 
 /// Refuses to resume the checkpoint at `dir` (of `meta`) under a config that changes what the
@@ -505,18 +511,18 @@ pub fn read_state(dir: &Path) -> Result<CheckpointState> {
 pub fn load(dir: &Path, model_cfg: &ModelConfig) -> Result<TrainState> {
     let meta = read_state(dir)?;
     verify_files(dir, &meta)?;
+    check_model(dir, &meta, model_cfg)?;
     let mode = meta.memory;
-    load_with(dir, model_cfg, &crate::model::describe(model_cfg), meta, mode)
+    load_with(dir, &crate::model::describe(model_cfg), meta, mode)
 }
 
+/// The state of the checkpoint at `dir` (of `meta`, checked by the caller), laid out for `mode`.
 fn load_with(
     dir: &Path,
-    model_cfg: &ModelConfig,
     layout: &ModelLayout,
     meta: CheckpointState,
     mode: OptimizerMemory,
 ) -> Result<TrainState> {
-    check_model(dir, &meta, model_cfg)?;
     let params = ParamStore::load_hf(layout, &dir.join(PARAMS))?;
     // Only what the checkpoint's mode keeps is allocated, then filled from the files.
     let opt = OptState::load(meta.memory.moment_storage(), dir, layout)?;
