@@ -8,8 +8,8 @@ use serde_json::Value;
 
 use crate::data::pretokenized::Row;
 use crate::data::records::{
-    JsonObject, LoadReport, OnError, Outcome, carries_loss, check_max_seq_len, example_from_spans,
-    finish_load, str_field,
+    JsonObject, LoadReport, OnError, Outcome, carries_loss, check_max_seq_len,
+    example_from_encoded, finish_load, str_field,
 };
 use crate::data::source::{Fields, Source, json_kind, read_records};
 use crate::tokenizer::{Message, Tokenizer};
@@ -90,12 +90,20 @@ pub fn load_conversations(
             return Ok(Outcome::Skip("no assistant message: nothing to learn".to_string()));
         }
         // Spans are searched only as far as the row is kept: where token max_seq_len starts.
-        let kept = |text: &str| match tok.encode_with_offsets(text) {
-            Ok((_, offsets)) if offsets.len() > max_seq_len => offsets[max_seq_len].start,
-            _ => usize::MAX,
+        // The rendered text is tokenized once, for that and for the row.
+        let mut encoded = None;
+        let kept = |text: &str| {
+            let e = tok.encode_with_offsets(text);
+            let cut = match &e {
+                Ok((_, offsets)) if offsets.len() > max_seq_len => offsets[max_seq_len].start,
+                _ => usize::MAX,
+            };
+            encoded = Some(e);
+            cut
         };
         let (text, spans) = template.render_with_assistant_spans_until(&messages, kept)?;
-        let mut row = example_from_spans(tok, &text, &spans, train_on_prompt, false)?;
+        let encoded = encoded.expect("the cut is asked for once")?;
+        let mut row = example_from_encoded(tok, (&text, encoded), &spans, train_on_prompt, false)?;
         if row.input_ids.len() > max_seq_len {
             row.input_ids.truncate(max_seq_len);
             row.labels.truncate(max_seq_len);

@@ -183,6 +183,19 @@ pub fn encode_spans(
     loss_spans: &[Range<usize>],
     add_bos: bool,
 ) -> Result<(Vec<i32>, Vec<bool>)> {
+    spans_of_encoded(tok, (text, tok.encode_with_offsets(text)?), loss_spans, add_bos)
+}
+
+/// A text's ids and each id's byte range in it (`Tokenizer::encode_with_offsets`).
+pub type Encoded = (Vec<u32>, Vec<Range<usize>>);
+
+/// [`encode_spans`] of `text` already encoded (`encoded`).
+pub fn spans_of_encoded(
+    tok: &dyn Tokenizer,
+    (text, (ids, offsets)): (&str, Encoded),
+    loss_spans: &[Range<usize>],
+    add_bos: bool,
+) -> Result<(Vec<i32>, Vec<bool>)> {
     for s in loss_spans {
         assert!(
             s.start <= s.end && s.end <= text.len(),
@@ -190,7 +203,6 @@ pub fn encode_spans(
             text.len()
         );
     }
-    let (ids, offsets) = tok.encode_with_offsets(text)?;
     if ids.len() != offsets.len() {
         bail!("the tokenizer returned {} ids but {} offsets", ids.len(), offsets.len());
     }
@@ -223,7 +235,19 @@ pub fn example_from_spans(
     train_on_prompt: bool,
     add_bos: bool,
 ) -> Result<Row> {
-    let (input_ids, in_span) = encode_spans(tok, text, loss_spans, add_bos)?;
+    let encoded = (text, tok.encode_with_offsets(text)?);
+    example_from_encoded(tok, encoded, loss_spans, train_on_prompt, add_bos)
+}
+
+/// [`example_from_spans`] of `text` already encoded.
+pub fn example_from_encoded(
+    tok: &dyn Tokenizer,
+    encoded: (&str, Encoded),
+    loss_spans: &[Range<usize>],
+    train_on_prompt: bool,
+    add_bos: bool,
+) -> Result<Row> {
+    let (input_ids, in_span) = spans_of_encoded(tok, encoded, loss_spans, add_bos)?;
     let has_bos = add_bos && tok.bos_id().is_some();
     let labels = masked_labels(&input_ids, &in_span, train_on_prompt, has_bos);
     Ok(Row { input_ids, labels })

@@ -156,7 +156,7 @@ impl ChatTemplate {
     pub fn render_with_assistant_spans_until(
         &self,
         messages: &[Message],
-        cut: impl Fn(&str) -> usize,
+        cut: impl FnOnce(&str) -> usize,
     ) -> Result<(String, Vec<Range<usize>>)> {
         let text = self.render(messages, false)?;
         let cut = cut(&text);
