@@ -340,8 +340,9 @@ fn plan_shards(sizes: &[u64], max: u64) -> Vec<std::ops::Range<usize>> {
 }
 
 /// The tests' interruption of an export after its first weight file
-/// (`HORIZON_TEST_EXPORT_EXIT_AFTER_FIRST_FILE`), as a kill there would.
+/// (`HORIZON_TEST_EXPORT_EXIT_AFTER_FIRST_FILE`, test builds only), as a kill there would.
 fn test_exit_after_first_file() {
+    #[cfg(feature = "test-hooks")]
     if std::env::var_os("HORIZON_TEST_EXPORT_EXIT_AFTER_FIRST_FILE").is_some() {
         eprintln!("HORIZON_TEST_EXPORT_EXIT_AFTER_FIRST_FILE: stopping the export here");
         std::process::exit(9);

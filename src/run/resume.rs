@@ -330,7 +330,7 @@ pub fn save(
 }
 
 /// Complete checkpoints under `root`, oldest first.
-fn list(root: &Path) -> Result<Vec<(u64, PathBuf)>> {
+pub(crate) fn list(root: &Path) -> Result<Vec<(u64, PathBuf)>> {
     let mut out = Vec::new();
     let Ok(entries) = fs::read_dir(root) else { return Ok(out) };
     for e in entries {

@@ -290,24 +290,20 @@ pub fn run_streaming(
 /// `overwrite` removed first, saying so.
 fn earlier_checkpoints(out_dir: &Path, overwrite: bool) -> Result<()> {
     let root = crate::run::resume::checkpoints_dir(out_dir);
-    let Ok(entries) = fs::read_dir(&root) else { return Ok(()) };
-    let names: Vec<String> = entries
-        .filter_map(|e| e.ok())
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with("step-"))
-        .collect();
-    let Some(latest) = names.iter().max() else { return Ok(()) };
+    let found = crate::run::resume::list(&root)?;
+    let Some((_, latest)) = found.last() else { return Ok(()) };
     if !overwrite {
         bail!(
-            "output.dir {} holds another run's checkpoints (the latest {latest})\nhint: resume \
+            "output.dir {} holds another run's checkpoints (the latest {})\nhint: resume \
              that run with --resume latest, start over with --overwrite (its checkpoints are \
              removed), or choose another output.dir",
-            out_dir.display()
+            out_dir.display(),
+            latest.display()
         );
     }
     println!(
         "starting over: removing {} checkpoints of an earlier run in {}",
-        names.len(),
+        found.len(),
         root.display()
     );
     fs::remove_dir_all(&root).with_context(|| format!("cannot remove {}", root.display()))
