@@ -87,21 +87,23 @@ impl Chunking {
     /// Weights of the slot a layer of kind `k` needs (`layout.kinds[k]`): whole, or its trunk;
     /// its weights in `weight_bytes` each, then its packed words from the next 4-byte boundary.
     pub fn layer_slot(&self, layout: &ModelLayout, weight_bytes: usize) -> usize {
-        let slot = |(len, packed): (usize, usize)| {
-            (((len * weight_bytes).div_ceil(4) + packed) * 4).div_ceil(weight_bytes)
-        };
         let held = |k: usize| match &self.kinds[k] {
             Some(s) => (s.trunk.len, s.trunk.packed),
             None => (layout.kinds[k].len, layout.kinds[k].packed),
         };
-        (0..layout.kinds.len()).map(|k| slot(held(k))).max().unwrap_or(0)
+        (0..layout.kinds.len()).map(|k| slot_weights(held(k), weight_bytes)).max().unwrap_or(0)
     }
 
     /// Weights of an expert chunk's slot (the largest chunk; 0 without chunks), laid out as a
     /// layer's slot.
     pub fn chunk_slot(&self, weight_bytes: usize) -> usize {
-        let elems = |(len, packed): (usize, usize)| (len * weight_bytes).div_ceil(4) + packed;
-        let most = self.kinds.iter().flatten().map(|s| elems(s.largest_chunk())).max();
-        most.map_or(0, |e| (e * 4).div_ceil(weight_bytes))
+        let chunks = self.kinds.iter().flatten();
+        chunks.map(|s| slot_weights(s.largest_chunk(), weight_bytes)).max().unwrap_or(0)
     }
+}
+
+/// Weights (of `weight_bytes` each) a slot takes for `len` weights, then `packed` words (4
+/// bytes each) from the next 4-byte boundary.
+fn slot_weights((len, packed): (usize, usize), weight_bytes: usize) -> usize {
+    (((len * weight_bytes).div_ceil(4) + packed) * 4).div_ceil(weight_bytes)
 }

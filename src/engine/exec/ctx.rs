@@ -449,7 +449,7 @@ impl Ctx {
         slot: usize,
     ) -> Weights<'v, B> {
         // SAFETY: the caller's contract.
-        unsafe { self.part_weights(g, vw, slot, self.chunking.trunk(layer), layer) }
+        unsafe { self.mapped_weights(g, vw, slot, self.chunking.trunk(layer), layer) }
     }
 
     /// Chunk `chunk` of layer `layer`'s experts in expert slot `slot`, as the layer ops read
@@ -466,14 +466,14 @@ impl Ctx {
     ) -> Weights<'v, B> {
         let split = self.chunking.split(layer).expect("a chunked layer");
         // SAFETY: the caller's contract.
-        unsafe { self.part_weights(g, vw, slot, Some(&split.chunks[chunk]), layer) }
+        unsafe { self.mapped_weights(g, vw, slot, Some(&split.chunks[chunk]), layer) }
     }
 
     /// The weights in `slot` laid out by `map` (`None`: the whole of layer `layer`).
     ///
     /// # Safety
     /// As [`Ctx::layer_weights`].
-    unsafe fn part_weights<'v, B: Backend + ?Sized>(
+    unsafe fn mapped_weights<'v, B: Backend + ?Sized>(
         &'v self,
         g: &Grant,
         vw: &'v dyn Views<B>,
