@@ -447,12 +447,7 @@ fn config_sizes_that_disagree_with_the_tensors_are_refused_before_allocating() {
     use std::os::unix::process::ExitStatusExt;
     let tmp = tempfile::tempdir().unwrap();
     let model = tmp.path().join("model");
-    fs::create_dir(&model).unwrap();
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama_gqa/model");
-    for f in fs::read_dir(&src).unwrap() {
-        let f = f.unwrap().path();
-        fs::copy(&f, model.join(f.file_name().unwrap())).unwrap();
-    }
+    copy_tree(&case_dir("llama_gqa").join("model"), &model);
     let mut cfg: Value =
         serde_json::from_str(&fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
     cfg["vocab_size"] = 4_000_000_000u64.into();
@@ -520,20 +515,11 @@ fn damaged_model_files_are_clean_errors() {
     use std::os::unix::process::ExitStatusExt;
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama_gqa/model");
     let tmp = tempfile::tempdir().unwrap();
-    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-    let mut next = |n: u64| {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        seed % n.max(1)
-    };
+    let mut rng = horizon::rng::SplitMix64::new(0x9e37_79b9_7f4a_7c15);
+    let mut next = |n: u64| rng.below(n.max(1));
     for trial in 0..16 {
         let model = tmp.path().join(format!("m{trial}"));
-        fs::create_dir(&model).unwrap();
-        for f in fs::read_dir(&src).unwrap() {
-            let f = f.unwrap().path();
-            fs::copy(&f, model.join(f.file_name().unwrap())).unwrap();
-        }
+        copy_tree(&src, &model);
         let st = model.join("model.safetensors");
         let mut b = fs::read(&st).unwrap();
         let header = 8 + u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;

@@ -2,10 +2,13 @@
 //! to bit-identical weights; a non-finite gradient skips the update (weights untouched) and
 //! enough of them in a row stop the run with its last good checkpoint intact.
 
+mod common;
+
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Command, Stdio};
 
+use common::copy_tree;
 use horizon::run::config::RawConfig;
 use horizon::run::trainer::Trainer;
 
@@ -132,13 +135,7 @@ fn consecutive_bad_steps_stop_the_run_with_the_last_checkpoint_intact() {
 fn a_resume_that_changes_the_math_is_refused_naming_what_changed() {
     let tmp = tempfile::tempdir().unwrap();
     let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama_gqa");
-    let copy = |to: &Path| {
-        std::fs::create_dir_all(to).unwrap();
-        for f in std::fs::read_dir(fixture.join("model")).unwrap() {
-            let f = f.unwrap().path();
-            std::fs::copy(&f, to.join(f.file_name().unwrap())).unwrap();
-        }
-    };
+    let copy = |to: &Path| copy_tree(&fixture.join("model"), to);
     let (base, moved, other) =
         (tmp.path().join("base"), tmp.path().join("moved"), tmp.path().join("other"));
     copy(&base);
@@ -244,16 +241,6 @@ fn a_damaged_optimizer_state_is_refused_naming_file_and_place() {
     assert!(e.contains("moments8.bin") && e.contains("NaN"), "{e}");
 }
 
-/// Copies the tree at `from` to `to`.
-fn copy_tree(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap() {
-        let e = e.unwrap();
-        let (p, q) = (e.path(), to.join(e.file_name()));
-        if p.is_dir() { copy_tree(&p, &q) } else { std::fs::copy(&p, &q).map(|_| ()).unwrap() }
-    }
-}
-
 /// Checkpoint files damaged at random (a seeded loop: truncated, a byte flipped, the
 /// safetensors header's length rewritten) give a clean error naming the damage (and the newest
 /// sound checkpoint to resume instead), or a resume bit-identical to the uninterrupted run;
@@ -285,13 +272,8 @@ fn damaged_checkpoints_are_clean_errors_or_identical_resumes() {
     };
     let files =
         ["params.safetensors", "exp_avg.safetensors", "exp_avg_sq.safetensors", "state.json"];
-    let mut seed = 0x2545_f491_4f6c_dd1du64;
-    let mut next = |n: u64| {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        seed % n.max(1)
-    };
+    let mut rng = horizon::rng::SplitMix64::new(0x2545_f491_4f6c_dd1d);
+    let mut next = |n: u64| rng.below(n.max(1));
     let (mut refused, mut resumed) = (0, 0);
     for trial in 0..24 {
         let out = tmp.path().join(format!("t{trial}/out"));

@@ -254,3 +254,13 @@ pub fn assert_bit_identical(
         assert!(diff.is_none(), "{what}: buffer {i} differs at {diff:?}");
     }
 }
+
+/// Copies the tree at `from` to `to` (a model directory, a run's output).
+pub fn copy_tree(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        let (p, q) = (e.path(), to.join(e.file_name()));
+        if p.is_dir() { copy_tree(&p, &q) } else { std::fs::copy(&p, &q).map(|_| ()).unwrap() }
+    }
+}
