@@ -7,20 +7,47 @@ use horizon_backend::Queue;
 
 use super::types::{ActSource, GradTarget, Op, OpKind, ParamBuf, PlanShape, Res, SlotContent};
 
+/// Two weight slots that double-buffer what goes through them: what each holds, and the last
+/// op that used it (the least recently used one takes the next upload).
+struct SlotPair {
+    /// The slots' indices (`Res::Slot`).
+    ids: [usize; 2],
+    held: [Option<SlotContent>; 2],
+    used: [usize; 2],
+}
+
+impl SlotPair {
+    fn new(ids: [usize; 2]) -> Self {
+        SlotPair { ids, held: [None, None], used: [0, 0] }
+    }
+
+    /// The pair's slot holding `what`, or the one to upload it into (a free one first, else
+    /// the least recently used); whether it holds it.
+    fn pick(&self, what: SlotContent) -> (usize, bool) {
+        if let Some(s) = self.held.iter().position(|c| *c == Some(what)) {
+            return (s, true);
+        }
+        let s = match self.held {
+            [None, _] => 0,
+            [_, None] => 1,
+            _ => usize::from(self.used[0] > self.used[1]),
+        };
+        (s, false)
+    }
+}
+
 /// Builds the operations of one step, in submission order, without waits.
 struct Builder {
     shape: PlanShape,
     ops: Vec<Op>,
-    slots: [Option<SlotContent>; 2],
-    /// Index of the last op that used each slot (for choosing the slot to overwrite).
-    slot_used: [usize; 2],
+    /// The layer slots (layers, or of a chunked layer its trunk, and the head).
+    slots: SlotPair,
     next_dw: usize,
     next_slab: usize,
     /// Streamed: (slab, layer) of the layers whose gradients wait in their slabs for the norm.
     held: Vec<(usize, usize)>,
-    /// What the two expert slots (slots 2 and 3) hold: (layer, chunk).
-    chunk_slots: [Option<(usize, usize)>; 2],
-    chunk_used: [usize; 2],
+    /// The expert slots (chunks of a chunked layer's experts).
+    expert_slots: SlotPair,
     /// The direction of the next pass over a layer's chunks: each pass walks them the other
     /// way from the last, so the two chunks still resident are used first.
     chunks_reversed: bool,
@@ -42,40 +69,19 @@ impl Builder {
         Builder {
             shape,
             ops: Vec::new(),
-            slots: [None, None],
-            slot_used: [0, 0],
+            slots: SlotPair::new([0, 1]),
             next_dw: 0,
             next_slab: 0,
             held: Vec::new(),
-            chunk_slots: [None, None],
-            chunk_used: [0, 0],
+            expert_slots: SlotPair::new(EXPERT_SLOTS),
             chunks_reversed: false,
             next_chunk_dw: 0,
         }
     }
 
-    /// The expert slot holding chunk `chunk` of layer `layer`, uploading it into the least
-    /// recently used one if needed (frozen experts: the upload reads no declared host buffer).
+    /// The expert slot holding chunk `chunk` of layer `layer` ([`Builder::ensure`]).
     fn ensure_chunk(&mut self, layer: usize, chunk: usize) -> usize {
-        let s = match self.chunk_slots.iter().position(|c| *c == Some((layer, chunk))) {
-            Some(s) => s,
-            None => {
-                let s = usize::from(self.chunk_used[0] > self.chunk_used[1]);
-                let slot = EXPERT_SLOTS[s];
-                let what = SlotContent::Experts { layer, chunk };
-                let upload = OpKind::UploadWeights { slot, what };
-                // Trained experts are read from the layer's buffer, which its update writes.
-                let reads = match self.shape.chunks_trained {
-                    true => vec![Res::Params(ParamBuf::Layer(layer))],
-                    false => vec![],
-                };
-                self.push(upload, Queue::H2D, reads, vec![Res::Slot(slot)]);
-                self.chunk_slots[s] = Some((layer, chunk));
-                s
-            }
-        };
-        self.chunk_used[s] = self.ops.len() + 1;
-        EXPERT_SLOTS[s]
+        self.ensure(SlotContent::Experts { layer, chunk })
     }
 
     /// The chunks of one pass over a chunked layer, in this pass's order (flipped for the
@@ -161,32 +167,33 @@ impl Builder {
         self.ops.push(Op { kind, queue, reads, writes, waits: Vec::new() });
     }
 
-    /// The slot holding `what`, uploading it into the least recently used slot if needed.
+    /// The slot holding `what` (an expert chunk in the expert slots, anything else in the
+    /// layer slots), uploading it into the least recently used slot of its pair if needed.
     fn ensure(&mut self, what: SlotContent) -> usize {
-        if let Some(s) = self.slots.iter().position(|c| *c == Some(what)) {
-            self.slot_used[s] = self.ops.len();
-            return s;
+        let experts = matches!(what, SlotContent::Experts { .. });
+        let pair = if experts { &self.expert_slots } else { &self.slots };
+        let (s, held) = pair.pick(what);
+        let slot = pair.ids[s];
+        if !held {
+            let reads = match what {
+                SlotContent::Layer(i) => vec![Res::Params(ParamBuf::Layer(i))],
+                SlotContent::Head | SlotContent::HeadTile(_) => {
+                    vec![Res::Params(ParamBuf::FinalNorm), Res::Params(self.shape.head_buf())]
+                }
+                // Trained experts are read from the layer's buffer, which its update writes;
+                // frozen ones from the base, which nothing writes.
+                SlotContent::Experts { layer, .. } => match self.shape.chunks_trained {
+                    true => vec![Res::Params(ParamBuf::Layer(layer))],
+                    false => vec![],
+                },
+            };
+            let upload = OpKind::UploadWeights { slot, what };
+            self.push(upload, Queue::H2D, reads, vec![Res::Slot(slot)]);
         }
-        let s = if self.slots[0].is_none() {
-            0
-        } else if self.slots[1].is_none() {
-            1
-        } else if self.slot_used[0] <= self.slot_used[1] {
-            0
-        } else {
-            1
-        };
-        let reads = match what {
-            SlotContent::Layer(i) => vec![Res::Params(ParamBuf::Layer(i))],
-            SlotContent::Head | SlotContent::HeadTile(_) => {
-                vec![Res::Params(ParamBuf::FinalNorm), Res::Params(self.shape.head_buf())]
-            }
-            SlotContent::Experts { .. } => unreachable!("experts go to the expert slots"),
-        };
-        self.push(OpKind::UploadWeights { slot: s, what }, Queue::H2D, reads, vec![Res::Slot(s)]);
-        self.slots[s] = Some(what);
-        self.slot_used[s] = self.ops.len();
-        s
+        let now = self.ops.len();
+        let pair = if experts { &mut self.expert_slots } else { &mut self.slots };
+        (pair.held[s], pair.used[s]) = (Some(what), now);
+        slot
     }
 
     fn take_dw(&mut self) -> usize {
