@@ -50,6 +50,28 @@ fn chunked_experts_train_as_whole_layers_bit_for_bit() {
     }
 }
 
+/// With every layer asked to keep its internals (`engine.recompute: never`), the sparse layers
+/// whose experts stream in chunks keep none (their passes hold each micro-batch's internals
+/// apart, and recompute them in the backward): only `qwen3_moe`'s dense middle layer keeps,
+/// and training is whole layers' bit for bit.
+#[test]
+fn chunked_layers_keep_no_internals_when_every_layer_is_asked_to() {
+    let case = "qwen3_moe";
+    let base =
+        EngineConfig { head_tile_rows: Some(16), kept_layers: 3, ..case_engine_config(case, 1, 1) };
+    let (want, want_params, _) = train(case, "lora", base);
+    let cfg = EngineConfig { expert_chunk: Some(3), ..base };
+    let (got, params, chunks) = train(case, "lora", cfg);
+    assert!(chunks >= 3);
+    assert_eq!(got, want, "losses and norms");
+    common::assert_bit_identical("kept layers, experts in chunks", &params, &want_params);
+    let model =
+        horizon::hf::config::ModelConfig::from_file(&case_dir(case).join("model/config.json"))
+            .unwrap();
+    let sizes = Sizes::new(&horizon::model::describe(&model), &cfg);
+    assert_eq!(sizes.stash_sets, sizes.micro_batches, "the dense layer alone keeps");
+}
+
 /// Full fine-tuning of fixture `case` on the CPU engine with `ecfg`: per step (loss, grad norm,
 /// skipped), the parameters before and after, and the chunks of each chunked layer's experts.
 fn full(case: &str, ecfg: EngineConfig) -> (Vec<(f64, f64, bool)>, ParamStore, ParamStore, usize) {

@@ -88,6 +88,11 @@ pub struct Sizes {
     /// A mixture of experts' compute-queue buffers: a micro-batch's row mask (mb_rows), the
     /// pooled load-balancing statistics (2E) and their gradient (E); 0 for a dense model.
     pub moe: usize,
+    /// A chunked layer's pass: the internals and gradients each micro-batch after the first
+    /// carries from its first part to its last (`Carried`; the first's are the scratch's).
+    pub expert_rows: usize,
+    /// Buffers of `expert_rows`.
+    pub expert_row_buffers: usize,
     /// Kept forward internals, every layer and micro-batch (0 when the backward recomputes).
     pub stash: usize,
     /// Sets of kept internals (layers x micro-batches; 0 when the backward recomputes), each
@@ -150,14 +155,17 @@ impl Sizes {
         let layer_kept = n * kept_widths().sum::<usize>();
         // When every layer keeps its internals, nothing recomputes into the scratch: it holds
         // only what they do not keep (the executor's `alloc_device`).
-        let keeps_all = cfg.kept_layers == d.layers;
+        // A chunked layer keeps nothing, and recomputes into the scratch.
+        let chunking = Chunking::of(layout, cfg);
+        let keepers = chunking.keepers(d.layers, cfg.kept_layers).into_iter().filter(|&k| k);
+        let kept_layers = keepers.count();
+        let keeps_all = kept_layers == d.layers;
         let scratch_acts = if keeps_all { layer_acts - layer_kept } else { layer_acts };
         let layer_scratch = scratch_acts + n * d.c; // y
         let grad_scratch = n * grad_widths[1..].iter().sum::<usize>();
         let precision = cfg.backend.precision();
         // A slot holds the largest layer, or of a layer whose experts stream in chunks its
         // trunk (`Chunking::layer_slot`).
-        let chunking = Chunking::of(layout, cfg);
         let layer_slot = chunking.layer_slot(layout, precision.weight_bytes());
         let head = HeadTiling::for_slot(layout, layer_slot, cfg.head_tile_rows);
         let whole = head.is_whole();
@@ -189,7 +197,14 @@ impl Sizes {
             .max()
             .unwrap_or(0);
         let slot = layer_slot.max(d.c + head.rows * d.c);
+        // Each micro-batch after the first carries its own copy of what a chunked layer's
+        // pass keeps between its parts.
+        let carried = chunking.carried(layout);
+        let carried_widths = || carried.acts.iter().chain(&carried.grads).filter(|&&w| w > 0);
+        let later_mbs = if chunking.any() { cfg.micro_batches() - 1 } else { 0 };
         Sizes {
+            expert_rows: later_mbs * n * carried_widths().sum::<usize>(),
+            expert_row_buffers: later_mbs * carried_widths().count(),
             slot,
             chunk_slot: chunking.chunk_slot(precision.weight_bytes()),
             expert_chunks: chunking.chunks(),
@@ -226,8 +241,8 @@ impl Sizes {
             scratch: layer_scratch + grad_scratch + head_scratch + rope,
             per_mb_small: 3 * n,
             moe: layout.moe.as_ref().map_or(0, |m| n + 3 * m.num_experts),
-            stash: cfg.kept_layers * cfg.micro_batches() * layer_kept,
-            stash_sets: cfg.kept_layers * cfg.micro_batches(),
+            stash: kept_layers * cfg.micro_batches() * layer_kept,
+            stash_sets: kept_layers * cfg.micro_batches(),
             act_buffers: kept_widths().count(),
             scratch_buffers: act_widths.len() - if keeps_all { kept_widths().count() } else { 0 }
                 + grad_widths.len()
@@ -287,6 +302,7 @@ impl Sizes {
             + usize::from(self.workspace_bytes > 0)
             + usize::from(tiled)
             + self.stash_sets * self.act_buffers
+            + self.expert_row_buffers
             + if self.moe > 0 { 3 } else { 0 };
         let slots = match self.precision {
             Precision::F32 => "weight slots (2, fp32)",
@@ -323,6 +339,10 @@ impl Sizes {
             if self.chunk_dw > 0 {
                 let what = "expert gradient accumulators (2: a trained chunk's each, fp32)";
                 lines.push((what, 2 * self.chunk_dw * 4));
+            }
+            if self.expert_rows > 0 {
+                let what = "later micro-batches' internals across a chunked layer's pass";
+                lines.push((what, self.expert_rows * 4));
             }
         }
         if tiled {

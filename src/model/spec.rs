@@ -248,7 +248,7 @@ impl Op {
     }
 
     /// The activations the op's backward reads (saved inputs and statistics).
-    fn saved(&self) -> Vec<Act> {
+    pub(crate) fn saved(&self) -> Vec<Act> {
         match *self {
             Op::RmsNorm { inp, rstd, .. } | Op::HeadNorm { inp, rstd, .. } => vec![inp, rstd],
             Op::Linear { inp, .. } => vec![inp],

@@ -210,10 +210,14 @@ impl CostModel<'_> {
 
     /// A layer's forward kernels on one micro-batch.
     pub fn layer_forward(&self, l: &LayerSpec) -> f64 {
+        self.ops_forward(l, l.ops.len())
+    }
+
+    /// The forward kernels of a layer's first `ops` ops on one micro-batch.
+    fn ops_forward(&self, l: &LayerSpec, ops: usize) -> f64 {
         let n = self.rows();
         let d = self.device;
-        let products: f64 = l
-            .ops
+        let products: f64 = l.ops[..ops]
             .iter()
             .map(|op| match *op {
                 Op::Linear { ic, oc, ref w, .. } => d.gemm(n, ic, oc) + self.dequant(w),
@@ -223,7 +227,8 @@ impl CostModel<'_> {
                 _ => 0.0,
             })
             .sum();
-        products + self.layer_forward_elementwise(l) + l.ops.len() as f64 * d.launch()
+        let elementwise: f64 = l.ops[..ops].iter().map(|op| self.elementwise_forward(l, op)).sum();
+        products + elementwise + ops as f64 * d.launch()
     }
 
     /// A layer's backward kernels on one micro-batch (without the recompute of its forward).
@@ -600,8 +605,15 @@ impl CostModel<'_> {
             OpKind::BackwardExperts { layer, chunk, .. } => {
                 self.kernel(self.chunk_share(layer, chunk) * self.experts_of(layer, true))
             }
-            OpKind::ForwardEnd { .. } | OpKind::BackwardEnd { .. } => {
-                self.kernel(self.device.launch())
+            OpKind::ForwardEnd { .. } => self.kernel(self.device.launch()),
+            // With more than one micro-batch, the ops before the experts are recomputed first.
+            OpKind::BackwardEnd { layer, .. } => {
+                let l = self.layout.layer(layer);
+                let x = l.ops.iter().position(|op| matches!(op, Op::Experts { .. }));
+                let before = x.expect("a chunked layer has experts");
+                let rebuild =
+                    if self.cfg.micro_batches() > 1 { self.ops_forward(l, before) } else { 0.0 };
+                self.kernel(self.device.launch() + rebuild)
             }
             OpKind::ZeroDw { .. } => self.kernel(self.device.stream(self.sizes.dw as f64 * 4.0)),
             // A host op that writes one element when a test asks it to.

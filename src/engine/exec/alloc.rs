@@ -11,8 +11,8 @@ use horizon_backend::threads::{self, Placement};
 use horizon_backend::{Backend, Bf16, DevBuf, Device, Event, HostPtr, KernelTimer, Queue};
 
 use super::ctx::{
-    Ctx, DeviceBuffers, Grant, HostBuffers, MomentHandle, Scratch, Slabs, StepState, TiledHead,
-    handle, param_index,
+    Ctx, DeviceBuffers, Grant, HostBuffers, Internals, MomentHandle, Scratch, Slabs, StepState,
+    TiledHead, handle, param_index,
 };
 use super::upload::{first_uploads, stage_weights};
 use super::{Engine, EvalRun, plan_shape};
@@ -20,7 +20,7 @@ use crate::engine::chunking::Chunking;
 use crate::engine::head_tiles::STATS;
 use crate::engine::options::{EngineConfig, GradWire, WeightPath};
 use crate::engine::phases::{Phase, PhaseClock};
-use crate::engine::plan::{ParamBuf, PlanShape, Schedule, keeps_internals};
+use crate::engine::plan::{ParamBuf, PlanShape, Schedule};
 use crate::engine::sizes::Sizes;
 use crate::engine::slots::SlotRegions;
 use crate::hf::config::ModelConfig;
@@ -66,7 +66,7 @@ where
             regions: SlotRegions::new(&layout, shape.head_buf(), &sizes.head, &chunking),
             chunking,
             step: StepState::new(&layout, state.params.buffers().len(), state.last_sq.clone()),
-            moe: super::moe::MoeState::new(&layout, sizes.mb_rows),
+            moe: super::moe::MoeState::new(&layout, sizes.mb_rows, sizes.micro_batches),
             weight_bytes: <D::Backend as Backend>::PRECISION.weight_bytes(),
             head_chunk: head_chunk(&cfg, &sizes),
             phases: Arc::new(PhaseClock::default()),
@@ -418,6 +418,7 @@ pub(super) fn alloc_device<D: Device>(
     let (ids, targets, losses) = (a.many(mbs, n)?, a.many(mbs, n)?, a.many(mbs, n)?);
     let (acts_scratch, stash) = alloc_internals(&a, layout, sizes, cfg)?;
     let scratch = alloc_scratch(&a, layout, sizes, cfg, acts_scratch)?;
+    let rows = alloc_expert_rows(&a, layout, sizes, cfg, &scratch)?;
     let tiled = alloc_tiled(&a, layout, sizes, cfg)?;
     let moe = match &layout.moe {
         Some(m) => Some([a.one(n)?, a.one(2 * m.num_experts)?, a.one(m.num_experts)?]),
@@ -435,8 +436,40 @@ pub(super) fn alloc_device<D: Device>(
         losses,
         scratch,
         stash,
+        rows,
         tiled,
     })
+}
+
+/// Each micro-batch's internals in a chunked layer's pass ([`Internals`]): micro-batch 0's
+/// are the scratch's buffers (nothing else runs on the compute queue inside a pass), the
+/// others' their own where the pass carries a buffer. Empty without chunked layers.
+fn alloc_expert_rows<D: Device>(
+    a: &DeviceAlloc<'_, D>,
+    layout: &ModelLayout,
+    sizes: &Sizes,
+    cfg: &EngineConfig,
+    scratch: &Scratch,
+) -> Result<Vec<Internals>> {
+    let chunking = Chunking::of(layout, cfg);
+    if !chunking.any() {
+        return Ok(Vec::new());
+    }
+    let carried = chunking.carried(layout);
+    let n = sizes.mb_rows;
+    // Carried: its own buffer of the chunked kinds' width; else the scratch's.
+    let own = |bufs: &[DevBuf], carried: &[usize]| -> Result<Vec<DevBuf>> {
+        let one = |(j, &w): (usize, &usize)| if w > 0 { a.one(n * w) } else { Ok(bufs[j]) };
+        carried.iter().enumerate().map(one).collect()
+    };
+    let mut rows = vec![Internals { acts: scratch.acts.clone(), grads: scratch.grads.clone() }];
+    for _ in 1..sizes.micro_batches {
+        rows.push(Internals {
+            acts: own(&scratch.acts, &carried.acts)?,
+            grads: own(&scratch.grads, &carried.grads)?,
+        });
+    }
+    Ok(rows)
 }
 
 /// The kept layers' internals per micro-batch (`None` for a layer that recomputes), and the
@@ -452,8 +485,10 @@ fn alloc_internals<D: Device>(
     let (act_widths, stashed) = (layout.max_act_widths(), layout.stashed_acts());
     // When every layer keeps its internals, no recompute writes the scratch's copies of what
     // they keep: those are not allocated (`Sizes::new`), and the scratch names the first
-    // layer's kept buffers instead (nothing reads them through it).
-    let keeps_all = cfg.kept_layers == layers;
+    // layer's kept buffers instead (nothing reads them through it). A chunked layer keeps
+    // nothing, and recomputes into the scratch.
+    let keepers = Chunking::of(layout, cfg).keepers(layers, cfg.kept_layers);
+    let keeps_all = keepers.iter().all(|&k| k);
     let own_scratch = |j: usize, w: usize| match keeps_all && stashed[j] {
         true => Ok(None),
         false => a.one(n * w).map(Some),
@@ -469,7 +504,7 @@ fn alloc_internals<D: Device>(
         act_widths.iter().enumerate().map(own).collect()
     };
     let stash = (0..layers)
-        .map(|i| match keeps_internals(layers, cfg.kept_layers, i) {
+        .map(|i| match keepers[i] {
             true => (0..mbs).map(|_| kept_acts()).collect::<Result<Vec<_>>>().map(Some),
             false => Ok(None),
         })

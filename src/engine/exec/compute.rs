@@ -95,6 +95,14 @@ where
                 self.launch_layer_backward((layer, slot, m, set, dw), part, sd, grant);
             }
             OpKind::BackwardEnd { layer, slot, m, set, dw } => {
+                if ctx.shape.micro_batches > 1 {
+                    // The other micro-batches' passes have used the scratch since this one's
+                    // recompute: rebuild the internals before the experts (`Carried`).
+                    let inp = ctx.dev(grant, Res::Act { set, m }, false);
+                    let (at, out) = ((layer, slot, m), ctx.scratch(grant).y);
+                    let part = (None, Part::Before);
+                    self.launch_layer_forward(Phase::Recompute, at, (inp, out), part, sd, grant);
+                }
                 self.launch_layer_backward((layer, slot, m, set, dw), Part::Before, sd, grant);
             }
             _ => unreachable!("{kind:?} is not an op of this queue"),
@@ -184,6 +192,8 @@ where
                 let kept = kept_of.and_then(|l| ctx.stash(g, l, m, true));
                 let own = match kept {
                     Some(kept) => kept,
+                    // A chunked layer's pass keeps each micro-batch's internals apart.
+                    None if ctx.chunking.split(layer).is_some() => &ctx.expert_rows(g, m).acts,
                     None => &ctx.scratch(g).acts,
                 };
                 let own = own.iter().map(|&b| vw.buf_mut(b));
@@ -437,7 +447,15 @@ where
                 // Kept by this layer's forward (what it did not keep, in the scratch, is
                 // rebuilt first), or rebuilt by the recompute just before.
                 let kept = ctx.stash(g, layer, m, false);
-                let own = kept.unwrap_or(&scratch.acts);
+                // A chunked layer's pass keeps each micro-batch's internals apart.
+                let (acts, grads) = match ctx.chunking.split(layer) {
+                    Some(_) => {
+                        let rows = ctx.expert_rows(g, m);
+                        (&rows.acts, &rows.grads)
+                    }
+                    None => (&scratch.acts, &scratch.grads),
+                };
+                let own = kept.map_or(&acts[..], |k| k);
                 let x = vw.buf(ctx.dev(g, Res::Act { set, m }, false).prefix(nc));
                 let y = Slot::R(vw.buf(scratch.y));
                 let mut acts = act_slots(x, y, own.iter().map(|&b| vw.buf_mut(b)));
@@ -450,7 +468,7 @@ where
                 if kept.is_some() {
                     layer_rebuild(vw.backend(), spec, &mut acts, &mut w, rows);
                 }
-                let gs = scratch.grads.iter().map(|&b| vw.buf_mut(b));
+                let gs = grads.iter().map(|&b| vw.buf_mut(b));
                 let mut grads = grad_slots(vw.buf_mut(ctx.dev(g, Res::Dres(m), true)), gs);
                 layer_backward_part(
                     vw.backend(),

@@ -58,6 +58,15 @@ pub(super) struct Scratch {
     pub(super) dequant: DevBuf,
 }
 
+/// One micro-batch's internals and gradient scratch in a chunked layer's pass
+/// ([`crate::engine::chunking::Carried`]): its own buffers where the pass carries them, the
+/// scratch's elsewhere.
+pub(super) struct Internals {
+    pub(super) acts: Vec<DevBuf>,
+    /// The backward program's gradient scratch (as [`Scratch::grads`]).
+    pub(super) grads: Vec<DevBuf>,
+}
+
 /// The tiled head's device buffers.
 pub(super) struct TiledHead {
     pub(super) tiling: HeadTiling,
@@ -120,6 +129,9 @@ pub(super) struct DeviceBuffers {
     /// [layer][m]: forward internals kept for the backward (`None` for a layer that recomputes
     /// them).
     pub(super) stash: Vec<Option<Vec<Vec<DevBuf>>>>,
+    /// Per micro-batch, its internals in a chunked layer's pass (`Res::ExpertRows`;
+    /// micro-batch 0's are the scratch's own; empty without chunked layers).
+    pub(super) rows: Vec<Internals>,
     /// The head's buffers when it is applied in tiles.
     pub(super) tiled: Option<TiledHead>,
     /// A mixture of experts' (row mask (N), pooled statistics (2E), their gradient (E)):
@@ -398,6 +410,13 @@ impl Ctx {
     pub(super) fn scratch(&self, g: &Grant) -> &Scratch {
         g.check(Res::Scratch, true);
         &self.devbufs.scratch
+    }
+
+    /// Micro-batch `m`'s internals in a chunked layer's pass, as the op's grant allows.
+    pub(super) fn expert_rows(&self, g: &Grant, m: usize) -> &Internals {
+        g.check(Res::Scratch, true);
+        g.check(Res::ExpertRows(m), true);
+        &self.devbufs.rows[m]
     }
 
     /// Layer `layer`'s kept internals for micro-batch `m`, if it keeps them, as the op's grant

@@ -17,7 +17,9 @@ use crate::model::moe::{MoeHost, MoeIo, aux_loss};
 
 /// The compute queue's host side of a sparse model's passes.
 pub(super) struct MoeState {
-    host: MoeHost,
+    /// Per micro-batch, the dispatch sort's host side: a chunked layer's pass sorts each
+    /// micro-batch's rows at its first chunk and reads the sort at the others.
+    host: Vec<MoeHost>,
     host_stats: Vec<f32>,
     host_grad: Vec<f32>,
     /// Statistics are pooled and not turned into the loss yet.
@@ -27,12 +29,12 @@ pub(super) struct MoeState {
 }
 
 impl MoeState {
-    /// Sized for micro-batches of `n` rows (`None` for a dense model).
-    pub(super) fn new(layout: &ModelLayout, n: usize) -> Option<Mutex<Self>> {
+    /// Sized for `mbs` micro-batches of `n` rows (`None` for a dense model).
+    pub(super) fn new(layout: &ModelLayout, n: usize, mbs: usize) -> Option<Mutex<Self>> {
         let m = layout.moe.as_ref()?;
         let e = m.num_experts;
         Some(Mutex::new(MoeState {
-            host: MoeHost::new(n * m.top_k, e),
+            host: (0..mbs).map(|_| MoeHost::new(n * m.top_k, e)).collect(),
             host_stats: vec![0.0; 2 * e],
             host_grad: vec![0.0; e],
             pending: false,
@@ -60,7 +62,7 @@ impl MoeState {
     ) -> MoeIo<'v, B> {
         self.pending |= pool;
         MoeIo {
-            host: &mut self.host,
+            host: &mut self.host[m],
             // SAFETY: the caller's contract.
             mask: Some(unsafe { upload_mask(vw, mask, sd, m) }),
             // SAFETY: the caller's contract; the statistics are viewed once here.
@@ -97,7 +99,7 @@ impl MoeState {
         }
         let trained = self.aux.is_some_and(|(_, coef)| coef > 0.0);
         MoeIo {
-            host: &mut self.host,
+            host: &mut self.host[m],
             // SAFETY: the caller's contract.
             mask: Some(unsafe { upload_mask(vw, mask, sd, m) }),
             stats: None,

@@ -96,48 +96,46 @@ impl Builder {
         order.into_iter().enumerate().map(|(j, k)| (k, j == 0)).collect()
     }
 
-    /// A chunked layer's forward of micro-batch `m` (`Act{src}` -> `Act{dst}`, its trunk in
-    /// `slot`): the ops before the experts, each chunk of experts, the ops after them; the
-    /// layer's internals stay in the scratch from the first to the last.
-    fn chunked_forward(
-        &mut self,
-        (layer, slot, m): (usize, usize, usize),
-        (src, dst): (usize, usize),
-        recompute: bool,
-    ) {
-        let act = |set| Res::Act { set, m };
-        self.push(
-            OpKind::Forward { layer, slot, m, src, dst, recompute },
-            Queue::Compute,
-            vec![Res::Slot(slot), act(src)],
-            vec![Res::Scratch],
-        );
+    /// A chunked layer's forward of every micro-batch (`Act{src}` -> `Act{dst}`, its trunk in
+    /// `slot`): each micro-batch's ops before the experts, then chunk by chunk every
+    /// micro-batch through it while it is resident, then each micro-batch's ops after them. A
+    /// micro-batch's internals live in its `ExpertRows` from its first op to its last.
+    fn chunked_forward(&mut self, (layer, slot): (usize, usize), io: (usize, usize), rc: bool) {
+        let (src, dst) = io;
+        let act = |m| Res::Act { set: src, m };
+        let rows = |m| [Res::Scratch, Res::ExpertRows(m)];
+        for m in 0..self.shape.micro_batches {
+            let kind = OpKind::Forward { layer, slot, m, src, dst, recompute: rc };
+            self.push(kind, Queue::Compute, vec![Res::Slot(slot), act(m)], rows(m).to_vec());
+        }
         for (chunk, first) in self.chunk_order() {
             let cs = self.ensure_chunk(layer, chunk);
-            self.push(
-                OpKind::ForwardExperts { layer, chunk, slot: cs, m, src, first, recompute },
-                Queue::Compute,
-                vec![Res::Slot(cs), act(src)],
-                vec![Res::Scratch],
-            );
+            for m in 0..self.shape.micro_batches {
+                let kind =
+                    OpKind::ForwardExperts { layer, chunk, slot: cs, m, src, first, recompute: rc };
+                self.push(kind, Queue::Compute, vec![Res::Slot(cs), act(m)], rows(m).to_vec());
+            }
         }
-        self.push(
-            OpKind::ForwardEnd { layer, slot, m, src, dst, recompute },
-            Queue::Compute,
-            vec![Res::Slot(slot), act(src)],
-            vec![act(dst), Res::Scratch],
-        );
+        for m in 0..self.shape.micro_batches {
+            let kind = OpKind::ForwardEnd { layer, slot, m, src, dst, recompute: rc };
+            let writes = [&rows(m)[..], &[Res::Act { set: dst, m }]].concat();
+            self.push(kind, Queue::Compute, vec![Res::Slot(slot), act(m)], writes);
+        }
     }
 
-    /// A chunked layer's backward of micro-batch `m`: the recompute of every op but the
-    /// experts and the backward of the ops after them, each chunk's backward, then the
-    /// backward of the ops before them. Trained chunks' gradients go into their own
-    /// accumulator, which is added into the host gradient at once.
-    fn chunked_backward(&mut self, (layer, slot, m): (usize, usize, usize), set: usize, dw: usize) {
-        let writes = vec![Res::Dw(dw), Res::Dres(m), Res::Scratch];
-        let reads = vec![Res::Slot(slot), Res::Act { set, m }];
-        let start = OpKind::Backward { layer, slot, m, set, dw };
-        self.push(start, Queue::Compute, reads.clone(), writes.clone());
+    /// A chunked layer's backward of every micro-batch into `Dw{dw}`, from inputs in set
+    /// `set`: each micro-batch's recompute of every op but the experts and backward of the ops
+    /// after them, then chunk by chunk every micro-batch's backward through it, then each
+    /// micro-batch's backward of the ops before them. A trained chunk's gradient goes into an
+    /// accumulator of its own, added into the host gradient once every micro-batch is in.
+    fn chunked_backward(&mut self, (layer, slot): (usize, usize), set: usize, dw: usize) {
+        let mbs = self.shape.micro_batches;
+        let reads = |s: usize, m| vec![Res::Slot(s), Res::Act { set, m }];
+        let writes = |d: usize, m| vec![Res::Dw(d), Res::Dres(m), Res::Scratch, Res::ExpertRows(m)];
+        for m in 0..mbs {
+            let start = OpKind::Backward { layer, slot, m, set, dw };
+            self.push(start, Queue::Compute, reads(slot, m), writes(dw, m));
+        }
         for (chunk, first) in self.chunk_order() {
             let cs = self.ensure_chunk(layer, chunk);
             let cdw = match self.shape.chunks_trained {
@@ -149,18 +147,19 @@ impl Builder {
                 }
                 false => dw,
             };
-            self.push(
-                OpKind::BackwardExperts { layer, chunk, slot: cs, m, set, dw: cdw, first },
-                Queue::Compute,
-                vec![Res::Slot(cs), Res::Act { set, m }],
-                vec![Res::Dw(cdw), Res::Dres(m), Res::Scratch],
-            );
+            for m in 0..mbs {
+                let kind =
+                    OpKind::BackwardExperts { layer, chunk, slot: cs, m, set, dw: cdw, first };
+                self.push(kind, Queue::Compute, reads(cs, m), writes(cdw, m));
+            }
             if self.shape.chunks_trained {
                 self.return_chunk_grads(cdw, layer, chunk);
             }
         }
-        let end = OpKind::BackwardEnd { layer, slot, m, set, dw };
-        self.push(end, Queue::Compute, reads, writes);
+        for m in 0..mbs {
+            let end = OpKind::BackwardEnd { layer, slot, m, set, dw };
+            self.push(end, Queue::Compute, reads(slot, m), writes(dw, m));
+        }
     }
 
     fn push(&mut self, kind: OpKind, queue: Queue, reads: Vec<Res>, writes: Vec<Res>) {
@@ -446,6 +445,7 @@ impl Builder {
         for i in 0..self.shape.layers {
             let slot = self.ensure(SlotContent::Layer(i));
             let (src, dst) = (i % 2, (i + 1) % 2);
+            let chunked = self.shape.chunked.contains(i);
             for m in 0..self.shape.micro_batches {
                 if checkpoints && i % k == 0 {
                     self.push(
@@ -455,8 +455,7 @@ impl Builder {
                         vec![Res::Ckpt { block: i / k, m }],
                     );
                 }
-                if self.shape.chunked.contains(i) {
-                    self.chunked_forward((i, slot, m), (src, dst), false);
+                if chunked {
                     continue;
                 }
                 // The scratch also holds the dequantisation workspace of a quantised base.
@@ -470,6 +469,9 @@ impl Builder {
                     vec![Res::Slot(slot), Res::Act { set: src, m }],
                     writes,
                 );
+            }
+            if chunked {
+                self.chunked_forward((i, slot), (src, dst), false);
             }
         }
     }
@@ -530,12 +532,12 @@ impl Builder {
     fn recompute_block(&mut self, first: usize, last: usize) {
         for i in first..last {
             let slot = self.ensure(SlotContent::Layer(i));
+            let (src, dst) = (i - first, i - first + 1);
+            if self.shape.chunked.contains(i) {
+                self.chunked_forward((i, slot), (src, dst), true);
+                continue;
+            }
             for m in 0..self.shape.micro_batches {
-                let (src, dst) = (i - first, i - first + 1);
-                if self.shape.chunked.contains(i) {
-                    self.chunked_forward((i, slot, m), (src, dst), true);
-                    continue;
-                }
                 self.push(
                     OpKind::Forward { layer: i, slot, m, src, dst, recompute: true },
                     Queue::Compute,
@@ -552,11 +554,11 @@ impl Builder {
         let slot = self.ensure(SlotContent::Layer(i));
         let dw = self.take_dw();
         self.push(OpKind::ZeroDw { dw }, Queue::Compute, vec![], vec![Res::Dw(dw)]);
+        if self.shape.chunked.contains(i) {
+            self.chunked_backward((i, slot), set, dw);
+            return self.return_grads(dw, GradTarget::Layer(i));
+        }
         for m in 0..self.shape.micro_batches {
-            if self.shape.chunked.contains(i) {
-                self.chunked_backward((i, slot, m), set, dw);
-                continue;
-            }
             let mut reads = vec![Res::Slot(slot), Res::Act { set, m }];
             if self.shape.keeps(i) {
                 reads.push(self.internals(i, m));

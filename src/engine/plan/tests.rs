@@ -61,11 +61,13 @@ fn chunked_expert_plans_are_hazard_free() {
                         let ops = s.ops(2);
                         let count =
                             |f: &dyn Fn(&OpKind) -> bool| ops.iter().filter(|o| f(&o.kind)).count();
+                        // Passes over a layer's chunks: forward, the block recompute (all
+                        // but a block's last layer), backward; each runs every micro-batch.
                         let passes = |l: usize| {
                             if l >= layers {
                                 0
                             } else {
-                                mbs * (1 + usize::from(l % k != k - 1 && l != layers - 1) + 1)
+                                1 + usize::from(l % k != k - 1 && l != layers - 1) + 1
                             }
                         };
                         let want: usize =
@@ -76,7 +78,7 @@ fn chunked_expert_plans_are_hazard_free() {
                                 OpKind::ForwardExperts { .. } | OpKind::BackwardExperts { .. }
                             )
                         });
-                        assert_eq!(runs, want * chunks, "{what}: chunk runs");
+                        assert_eq!(runs, want * chunks * mbs, "{what}: chunk runs");
                         let uploads = count(&|k| {
                             matches!(
                                 k,
@@ -85,22 +87,26 @@ fn chunked_expert_plans_are_hazard_free() {
                         });
                         let layers_chunked =
                             (0..layers).filter(|&l| s.shape.chunked.contains(l)).count();
+                        // A chunk goes up at most once a pass, whatever the micro-batches.
                         assert!(
-                            uploads <= runs && uploads >= chunks * layers_chunked,
-                            "{what}: {uploads} expert uploads for {runs} chunk runs"
+                            uploads <= want * chunks && uploads >= chunks * layers_chunked,
+                            "{what}: {uploads} expert uploads for {want} passes of {chunks}"
                         );
                     }
                 }
             }
         }
     }
-    // One layer, two micro-batches, three chunks: the forward of micro-batch 0 uploads all
-    // three; each later pass walks them back and uploads only the one not resident.
-    let s = Schedule::new(chunked(shape(1, 2, 1), 3));
-    let uploads = s.ops(2).iter().filter(|o| {
-        matches!(o.kind, OpKind::UploadWeights { what: SlotContent::Experts { .. }, .. })
-    });
-    assert_eq!(uploads.count(), 3 + 1 + 1 + 1);
+    // One layer, three chunks: the forward uploads all three, and both micro-batches (or all
+    // four) pass through each while it is resident; the backward walks them back and uploads
+    // only the one not resident. Per micro-batch passes would have moved them 3 + 1 + 1 + 1.
+    for mbs in [1, 2, 4] {
+        let s = Schedule::new(chunked(shape(1, mbs, 1), 3));
+        let uploads = s.ops(2).iter().filter(|o| {
+            matches!(o.kind, OpKind::UploadWeights { what: SlotContent::Experts { .. }, .. })
+        });
+        assert_eq!(uploads.count(), 3 + 1, "{mbs} micro-batches");
+    }
     let s = Schedule::new(chunked(PlanShape { kept_layers: 4, ..shape(4, 2, 1) }, 3));
     check(&s.unrolled(3), 0).unwrap();
     let kept =

@@ -31,6 +31,10 @@ pub enum Res {
     Dres(usize),
     /// Device scratch of the compute queue (one layer's internals, head scratch).
     Scratch,
+    /// Device, a chunked layer's pass: micro-batch `m`'s internals and gradients that live
+    /// from its first part to its last while the other micro-batches run theirs through each
+    /// chunk ([`crate::engine::chunking::Carried`]; micro-batch 0's are the scratch's).
+    ExpertRows(usize),
     /// Device token ids and targets of micro-batch `m`.
     Ids(usize),
     /// Device per-row losses of micro-batch `m`.
