@@ -10,6 +10,12 @@
 //! so does `dinp` when it is `Dinp::Add`. A frozen weight (`dweight: None`) skips the dW GEMM
 //! and the copy of `inp` only it reads.
 //!
+//! A mixture of experts' products are one `cublasGemmEx` per expert on the stream, not one
+//! `cublasGemmGroupedBatchedEx` (cuBLAS 12.5+): under `CUBLAS_COMPUTE_32F` that call pairs bf16
+//! A and B only with a bf16 C, so it can neither write these products' fp32 outputs nor
+//! accumulate their fp32 weight gradients (beta = 1); rounding every expert's output to bf16
+//! would change the numerics the fixtures check.
+//!
 //! Row-major (R, K) buffers are column-major (K, R) matrices to cuBLAS, so with
 //! `Wc` = weight as (IC, OC) col-major, `Xc` = inp as (IC, N), `Yc` = out / dout as (OC, N):
 //!   out:     Yc = Wc^T Xc              gemm(T, N, m=OC, n=N,  k=IC)
