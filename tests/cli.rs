@@ -555,3 +555,32 @@ fn a_new_run_over_another_runs_checkpoints_is_refused_unless_asked() {
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(String::from_utf8_lossy(&o.stdout).contains("starting over"));
 }
+
+/// `train.epochs` instead of `steps`: the run takes ceil(epochs x rows / batch) steps, says what
+/// an epoch is in steps, and logs each step's epoch as HF's Trainer does; both keys set is a
+/// clear error.
+#[test]
+fn epochs_set_the_steps_from_the_data() {
+    let tmp = tempfile::tempdir().unwrap();
+    let third = "{\"messages\": [{\"role\": \"user\", \"content\": \"yes?\"}, {\"role\": \"assistant\", \"content\": \"no\"}]}\n";
+    let config = chat_config(tmp.path(), &format!("{CHAT}{third}"), "");
+    let yaml = fs::read_to_string(&config).unwrap().replace("steps: 2,", "epochs: 2,");
+    fs::write(&config, &yaml).unwrap();
+    let o = train(&config);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    let line = "3 training rows in batches of 2: 1.5 steps an epoch; 3 steps = 2 epochs";
+    assert!(out.contains(line), "{out}");
+    let metrics = fs::read_to_string(tmp.path().join("out/metrics.jsonl")).unwrap();
+    let epochs: Vec<f64> = metrics
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap()["epoch"].as_f64().unwrap())
+        .collect();
+    let want = [2.0 / 3.0, 4.0 / 3.0, 2.0];
+    assert!(epochs.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-12), "{epochs:?}");
+    assert_eq!(epochs.len(), 3);
+    fs::write(&config, yaml.replace("epochs: 2,", "epochs: 2, steps: 5,")).unwrap();
+    expect_error(&config, &["train.steps (5) and train.epochs (2) are both set", "hint"]);
+    fs::write(&config, yaml.replace("epochs: 2,", "epochs: 0,")).unwrap();
+    expect_error(&config, &["train.epochs must be a positive number"]);
+}

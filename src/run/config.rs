@@ -185,8 +185,14 @@ fn is_empty_columns(c: &Columns) -> bool {
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TrainSection {
-    /// Optimizer steps. Default 100.
-    pub steps: usize,
+    /// Optimizer steps; default 100 (unless `epochs` is set: one or the other).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub steps: Option<usize>,
+    /// Passes over the training rows instead of `steps`: the run takes
+    /// `ceil(epochs x rows / batch_size)` steps (batches cycle through the rows without a
+    /// break, so an epoch may end inside a batch; shuffling draws each epoch's own order).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub epochs: Option<f64>,
     /// Rows per optimizer step. Default 8.
     pub batch_size: usize,
     /// Rows per micro-batch: the batch is split, every micro-batch passes a layer while its
@@ -211,7 +217,29 @@ pub struct TrainSection {
     pub eval_every: usize,
 }
 
+/// Optimizer steps of a run that sets neither `train.steps` nor `train.epochs`.
+pub const DEFAULT_STEPS: usize = 100;
+
 impl TrainSection {
+    /// The run's optimizer steps: `steps`, or the default. A run that sets `epochs` has them
+    /// turned into `steps` once its data is loaded ([`TrainSection::resolve_epochs`]).
+    pub fn total_steps(&self) -> usize {
+        self.steps.unwrap_or(DEFAULT_STEPS)
+    }
+
+    /// Optimizer steps an epoch over `rows` training rows takes (a fraction where the batch
+    /// does not divide the rows).
+    pub fn steps_per_epoch(&self, rows: usize) -> f64 {
+        rows as f64 / self.batch_size as f64
+    }
+
+    /// With `epochs` set, `steps` becomes `ceil(epochs x rows / batch_size)` (at least 1).
+    pub fn resolve_epochs(&mut self, rows: usize) {
+        if let Some(e) = self.epochs {
+            self.steps = Some(((e * self.steps_per_epoch(rows)).ceil() as usize).max(1));
+        }
+    }
+
     /// Rows per micro-batch: `micro_batch_size`, or the whole batch.
     pub fn micro_batch_rows(&self) -> usize {
         self.micro_batch_size.unwrap_or(self.batch_size)
@@ -221,7 +249,8 @@ impl TrainSection {
 impl Default for TrainSection {
     fn default() -> Self {
         TrainSection {
-            steps: 100,
+            steps: None,
+            epochs: None,
             batch_size: 8,
             micro_batch_size: None,
             max_seq_len: 2048,
@@ -614,7 +643,7 @@ impl RawConfig {
             lr: o.lr,
             min_lr: o.min_lr,
             warmup_steps: o.warmup_steps,
-            total_steps: self.train.steps,
+            total_steps: self.train.total_steps(),
         }
     }
 
@@ -719,7 +748,7 @@ impl RawConfig {
     pub fn resolve(self, origin: &str) -> Result<RunConfig> {
         let t = &self.train;
         for (key, val) in [
-            ("train.steps", t.steps),
+            ("train.steps", t.total_steps()),
             ("train.batch_size", t.batch_size),
             ("train.max_seq_len", t.max_seq_len),
             ("engine.head_chunk_rows", self.engine.head_chunk_rows),
@@ -741,6 +770,15 @@ impl RawConfig {
             }
             Ok(())
         };
+        if let Some(e) = t.epochs {
+            if let Some(s) = t.steps {
+                bail!(
+                    "{origin}: train.steps ({s}) and train.epochs ({e}) are both set: a run \
+                     takes one or the other\nhint: remove one of them"
+                );
+            }
+            positive("train.epochs", e)?;
+        }
         positive("optimizer.lr", o.lr)?;
         positive("optimizer.eps", o.eps)?;
         for (i, b) in o.betas.iter().enumerate() {
@@ -884,7 +922,7 @@ mod tests {
             ],
         )
         .unwrap();
-        assert_eq!(c.train.steps, 200);
+        assert_eq!(c.train.steps, Some(200));
         assert_eq!(c.optimizer.betas, [0.9, 0.95]);
         assert_eq!(c.model.hf["hidden_size"], 64);
         assert_eq!(c.data.path.as_deref(), Some(Path::new("other.jsonl")));
@@ -930,7 +968,7 @@ mod tests {
     fn defaults_fill_everything_but_paths() {
         let c =
             RawConfig::from_yaml("model: {path: m}\ndata: {path: d.jsonl}\n", "t.yaml").unwrap();
-        assert_eq!(c.train.steps, 100);
+        assert_eq!(c.train.total_steps(), 100);
         assert_eq!(c.optimizer.betas, [0.9, 0.999]);
         assert_eq!(c.data.format, DataFormat::Pretokenized);
         c.resolve("t.yaml").unwrap();

@@ -179,7 +179,7 @@ fn load_rows(
         }
         DataFormat::Synthetic => {
             let t = &raw.train;
-            let n = t.batch_size * t.steps.min(16);
+            let n = t.batch_size * t.total_steps().min(16);
             let rows = synthetic_rows(n, max, vocab_size, t.seed);
             let report = LoadReport { rows: rows.len(), records: rows.len(), ..Default::default() };
             return Ok((rows, report));

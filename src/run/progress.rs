@@ -33,13 +33,22 @@ impl Progress {
         Progress { bar: Some(bar), every: steps.div_ceil(25).max(1) }
     }
 
-    pub fn step(&mut self, m: &StepMetrics, steps: usize, eta_s: f64) {
+    /// Step `m` of `steps` shown, with the time left to the end of the run and (`epoch_eta_s`,
+    /// when the run takes more than one epoch) of the epoch.
+    pub fn step(
+        &mut self,
+        m: &StepMetrics,
+        steps: usize,
+        (eta_s, epoch_eta_s): (f64, Option<f64>),
+    ) {
         let tps = m.tokens as f64 / m.step_s.max(1e-9);
         let rss = peak_rss_bytes().map_or(String::new(), |b| format!("  peak RSS {}", gib(b)));
         let eval = m.eval_loss.map_or(String::new(), |e| format!("  eval_loss {e:.6}"));
+        let ends = epoch_eta_s.map_or(String::new(), |s| format!(" (epoch {})", hms(s)));
         let line = format!(
-            "step {:>5}/{steps}  loss {:.6}  grad_norm {:.4}  lr {:.3e}  {:.0} tok/s{eval}  eta {}{rss}",
+            "step {:>5}/{steps}  epoch {:.2}  loss {:.6}  grad_norm {:.4}  lr {:.3e}  {:.0} tok/s{eval}  eta {}{ends}{rss}",
             m.step,
+            m.epoch,
             m.loss,
             m.grad_norm,
             m.lr,
@@ -48,7 +57,8 @@ impl Progress {
         );
         match &self.bar {
             Some(bar) => {
-                bar.set_message(format!("loss {:.4}  {tps:.0} tok/s{rss}", m.loss));
+                let epoch = format!("epoch {}", m.epoch.ceil().max(1.0));
+                bar.set_message(format!("{epoch}  loss {:.4}  {tps:.0} tok/s{rss}", m.loss));
                 bar.inc(1);
                 if m.step.is_multiple_of(self.every) || m.step == steps || m.eval_loss.is_some() {
                     bar.println(line);

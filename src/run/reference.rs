@@ -94,6 +94,7 @@ impl ReferenceTrainer {
             eval_loss: None,
             ce_loss: out.aux.map(|_| out.ce_loss()),
             aux_loss: out.aux.map(|(aux, _)| aux),
+            epoch: 0.0,
         })
     }
 

@@ -145,6 +145,10 @@ pub struct StepMetrics {
     /// Mean loss over the held-out rows after this step's update, on steps that evaluate.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub eval_loss: Option<f64>,
+    /// Epochs over the training rows done after this step (HF Trainer's `epoch`):
+    /// `step x batch_size / rows`.
+    #[serde(default)]
+    pub epoch: f64,
 }
 
 impl StepMetrics {
@@ -162,6 +166,7 @@ impl StepMetrics {
             eval_loss: None,
             ce_loss: None,
             aux_loss: None,
+            epoch: 0.0,
         }
     }
 }

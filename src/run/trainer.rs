@@ -85,15 +85,17 @@ where
     /// As [`Trainer::with_resume`], on the device `make_dev` builds once the memory plan
     /// is known (and checked).
     pub fn on_device(
-        cfg: RunConfig,
+        mut cfg: RunConfig,
         resume: Option<&Path>,
         make_dev: impl FnOnce(&RawConfig, &MemoryPlan) -> Result<D>,
     ) -> Result<Self> {
+        let model_cfg = model_config(&cfg.raw)?;
+        let layout = run_layout(&cfg.raw, &model_cfg, cfg.adapter.as_ref())?;
+        // The data first: its longest row sizes every buffer of the plan, its rows an epoch.
+        let sets = load_datasets(&cfg.raw, model_cfg.vocab_size)?;
+        cfg.raw.train.resolve_epochs(sets.train.rows.len());
+        println!("{}", epochs_line(&cfg.raw.train, sets.train.rows.len()));
         let raw = &cfg.raw;
-        let model_cfg = model_config(raw)?;
-        let layout = run_layout(raw, &model_cfg, cfg.adapter.as_ref())?;
-        // The data first: its longest row sizes every buffer of the plan.
-        let sets = load_datasets(raw, model_cfg.vocab_size)?;
         let (ecfg, plan) = plan_run(raw, &layout, &SeqLen::of_data(raw, &sets))?;
         let (state, base) = host_state(&cfg, &model_cfg, &layout, resume)?;
         let dev = make_dev(raw, &plan)?;
@@ -150,6 +152,7 @@ where
             eval_loss: None,
             ce_loss: out.aux.map(|_| out.ce_loss()),
             aux_loss: out.aux.map(|(aux, _)| aux),
+            epoch: 0.0,
         })
     }
 
@@ -338,6 +341,22 @@ fn cuda_device(raw: &RawConfig, plan: &MemoryPlan) -> Result<CudaDevice> {
     CudaDevice::new(cfg).context("device.backend = cuda")
 }
 
+/// What an epoch is in steps: `400 training rows in batches of 8: 50 steps an epoch; 100
+/// steps = 2 epochs`.
+fn epochs_line(t: &crate::run::config::TrainSection, rows: usize) -> String {
+    let (per, steps) = (t.steps_per_epoch(rows), t.total_steps());
+    let fmt = |x: f64| {
+        let s = format!("{x:.2}");
+        s.trim_end_matches('0').trim_end_matches('.').to_string()
+    };
+    format!(
+        "{rows} training rows in batches of {}: {} steps an epoch; {steps} steps = {} epochs",
+        t.batch_size,
+        fmt(per),
+        fmt(steps as f64 / per.max(f64::MIN_POSITIVE))
+    )
+}
+
 /// The step loop of [`run_streaming`], on any device: the steps from the state's step on, each
 /// logged and checked, checkpoints when due or signalled; then the summary and the final export.
 fn drive<D: Device>(
@@ -351,7 +370,7 @@ fn drive<D: Device>(
 where
     D::Backend: 'static,
 {
-    let steps = tr.cfg.raw.train.steps;
+    let steps = tr.cfg.raw.train.total_steps();
     let start = tr.engine.state().step as usize;
     if let Some(d) = &resume_dir {
         println!("resuming from {} at step {start}", d.display());
@@ -366,6 +385,7 @@ where
             lp.restart_timing(&mut tr);
         }
         let mut m = tr.step(k)?;
+        m.epoch = (k + 1) as f64 / tr.cfg.raw.train.steps_per_epoch(tr.data.rows.len());
         let last = k + 1 == steps;
         let every = tr.cfg.raw.train.eval_every;
         if tr.eval.is_some() && ((every > 0 && (k + 1).is_multiple_of(every)) || last) {
@@ -429,7 +449,7 @@ impl StepLoop {
             tr.inject_nan_at = v.split(',').filter_map(|x| x.trim().parse().ok()).collect();
         }
         announce(tr);
-        let steps = tr.cfg.raw.train.steps;
+        let steps = tr.cfg.raw.train.total_steps();
         let metrics_path = out_dir.join("metrics.jsonl");
         let metrics = fs::OpenOptions::new()
             .create(true)
@@ -485,7 +505,11 @@ impl StepLoop {
         writeln!(self.metrics, "{}", serde_json::to_string(m)?)
             .with_context(|| format!("cannot write {}", self.metrics_path.display()))?;
         let per_step = self.run_t0.elapsed().as_secs_f64() / (k + 1 - start) as f64;
-        self.progress.step(m, steps, per_step * (steps - k - 1) as f64);
+        // Steps to the end of the epoch this step is in, when the run takes more than one.
+        let per_epoch = tr.cfg.raw.train.steps_per_epoch(tr.data.rows.len());
+        let epoch_end = (m.epoch.ceil() * per_epoch).ceil().min(steps as f64);
+        let epoch_eta = (steps as f64 > per_epoch).then(|| per_step * (epoch_end - (k + 1) as f64));
+        self.progress.step(m, steps, (per_step * (steps - k - 1) as f64, epoch_eta));
         self.tally.tokens += m.tokens;
         self.tally.timed_steps += 1;
         if m.no_loss {
