@@ -584,3 +584,38 @@ fn epochs_set_the_steps_from_the_data() {
     fs::write(&config, yaml.replace("epochs: 2,", "epochs: 0,")).unwrap();
     expect_error(&config, &["train.epochs must be a positive number"]);
 }
+
+/// Every step's metrics reach TensorBoard's event file under HF Trainer's tags (read back with
+/// the project's reader; `scripts/check-tensorboard.py` reads it with TensorBoard's own), with
+/// the config as text; `output.tensorboard: false` writes none.
+#[test]
+fn a_run_writes_tensorboard_events_unless_asked_not_to() {
+    let tmp = tempfile::tempdir().unwrap();
+    let o = train(&chat_config(tmp.path(), CHAT, ""));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let tb = tmp.path().join("out/tb");
+    let files: Vec<_> = fs::read_dir(&tb).unwrap().map(|e| e.unwrap().path()).collect();
+    assert_eq!(files.len(), 1, "{files:?}");
+    assert!(files[0].file_name().unwrap().to_str().unwrap().starts_with("events.out.tfevents."));
+    let events = horizon::run::tensorboard::read_events(&files[0]).unwrap();
+    assert!(events[0].texts[0].1.contains("batch_size: 2"), "{:?}", events[0]);
+    let metrics = fs::read_to_string(tmp.path().join("out/metrics.jsonl")).unwrap();
+    for (line, e) in metrics.lines().zip(&events[1..]) {
+        let m: Value = serde_json::from_str(line).unwrap();
+        assert_eq!(e.step, m["step"].as_u64().unwrap());
+        let loss = e.scalars.iter().find(|(t, _)| t == "train/loss").unwrap().1;
+        assert_eq!(loss, m["loss"].as_f64().unwrap() as f32);
+        for tag in ["train/learning_rate", "train/grad_norm", "train/epoch", "train/tokens"] {
+            assert!(e.scalars.iter().any(|(t, _)| t == tag), "{tag} at step {}", e.step);
+        }
+    }
+    assert_eq!(events.len(), 1 + metrics.lines().count());
+    let off = tempfile::tempdir().unwrap();
+    let config = chat_config(off.path(), CHAT, "");
+    let yaml =
+        fs::read_to_string(&config).unwrap().replace("output: {", "output: { tensorboard: false,");
+    fs::write(&config, yaml).unwrap();
+    let o = train(&config);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!off.path().join("out/tb").exists());
+}

@@ -318,6 +318,9 @@ pub struct OutputSection {
     /// Split the exported weights into shards of at most this size (with
     /// `model.safetensors.index.json`). Default 5GB, as `transformers`.
     pub max_shard_size: ByteSize,
+    /// Write TensorBoard event files into `OUT/tb/` (every `metrics.jsonl` field as a scalar,
+    /// the config as text). Default true.
+    pub tensorboard: bool,
 }
 
 impl Default for OutputSection {
@@ -326,6 +329,7 @@ impl Default for OutputSection {
             dir: PathBuf::from("out"),
             dtype: WeightDtype::Fp32,
             max_shard_size: ByteSize::Bytes(DEFAULT_MAX_SHARD_BYTES),
+            tensorboard: true,
         }
     }
 }

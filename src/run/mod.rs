@@ -33,5 +33,6 @@ pub mod projection;
 pub mod reference;
 pub mod resume;
 pub mod summary;
+pub mod tensorboard;
 pub mod train;
 pub mod trainer;

@@ -151,6 +151,32 @@ pub struct StepMetrics {
     pub epoch: f64,
 }
 
+impl Summary {
+    /// The run's closing lines on the console (`summary.json` has every figure): steps, losses,
+    /// speed, memory against the plan.
+    pub fn brief(&self) -> String {
+        use crate::engine::memory::gib;
+        let eval = self.eval_loss.map_or(String::new(), |e| format!(", eval loss {e:.4}"));
+        let skipped = match self.skipped_steps {
+            0 => String::new(),
+            n => format!(" ({n} skipped)"),
+        };
+        format!(
+            "done: step {}{skipped}, final loss {:.4}{eval}; {} steps timed in {:.1} s, {:.0} tokens/s\n\
+             memory: peak RSS {} (planned {}), peak device {} (planned {})",
+            self.total_steps,
+            self.final_loss,
+            self.steps,
+            self.wall_s,
+            self.tokens_per_s,
+            gib(self.peak_rss_bytes),
+            gib(self.planned_host_bytes),
+            gib(self.peak_device_bytes),
+            gib(self.planned_device_bytes),
+        )
+    }
+}
+
 impl StepMetrics {
     /// Step `k` (0-based), skipped because no position of its batch carries a loss.
     pub fn no_loss(k: usize, lr: f64, tokens: usize, t0: Instant) -> Self {

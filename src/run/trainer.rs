@@ -32,6 +32,7 @@ use crate::run::progress::Progress;
 use crate::run::summary::StepMetrics;
 use crate::run::summary::Summary;
 use crate::run::summary::{AlreadyFinished, Interrupted};
+use crate::run::tensorboard::EventWriter;
 use crate::store::TrainState;
 
 /// A run on the streaming engine: the model in host RAM, the CPU device borrowing one layer at
@@ -406,6 +407,8 @@ where
 struct StepLoop {
     metrics_path: PathBuf,
     metrics: fs::File,
+    /// `OUT/tb/`'s events file (`output.tensorboard`).
+    tb: Option<EventWriter>,
     progress: Progress,
     /// Set to the signal's number by SIGINT / SIGTERM: finish the step in flight, write a
     /// checkpoint, stop.
@@ -459,12 +462,21 @@ impl StepLoop {
             .open(&metrics_path)
             .with_context(|| format!("cannot create {}", metrics_path.display()))?;
         let progress = Progress::new(start, steps);
+        let tb = match tr.cfg.raw.output.tensorboard {
+            true => {
+                let mut w = EventWriter::create(&out_dir.join("tb"))?;
+                w.text(start as u64, "config", &tr.cfg.raw.to_yaml())?;
+                Some(w)
+            }
+            false => None,
+        };
         if tr.cfg.trace.is_some() {
             tr.engine.start_trace((steps - start).min(crate::engine::trace::MAX_STEPS));
         }
         Ok(StepLoop {
             metrics_path,
             metrics,
+            tb,
             progress,
             stop,
             interrupted: None,
@@ -504,6 +516,9 @@ impl StepLoop {
         }
         writeln!(self.metrics, "{}", serde_json::to_string(m)?)
             .with_context(|| format!("cannot write {}", self.metrics_path.display()))?;
+        if let Some(tb) = &mut self.tb {
+            tb.step(m)?;
+        }
         let per_step = self.run_t0.elapsed().as_secs_f64() / (k + 1 - start) as f64;
         // Steps to the end of the epoch this step is in, when the run takes more than one.
         let per_epoch = tr.cfg.raw.train.steps_per_epoch(tr.data.rows.len());
@@ -592,7 +607,7 @@ impl StepLoop {
         let summary_path = out_dir.join("summary.json");
         fs::write(&summary_path, serde_json::to_string_pretty(&summary)?)
             .with_context(|| format!("cannot write {}", summary_path.display()))?;
-        println!("{}", serde_json::to_string_pretty(&summary)?);
+        println!("{}", summary.brief());
         if let Some(path) = &tr.cfg.trace {
             crate::engine::trace::write_chrome(path, "bench", &tr.engine.trace_spans())?;
             println!("trace of the run's steps: {}", path.display());
@@ -772,18 +787,22 @@ where
         summary,
         plotted.is_ok().then_some(plot_path.as_path()),
     )?;
+    // Where everything is: the files written, the plot when it was drawn, the event files.
+    let mut wrote = vec![metrics_path.display().to_string(), summary_path.display().to_string()];
+    wrote.push(report.display().to_string());
+    if plotted.is_ok() {
+        wrote.push(plot_path.display().to_string());
+    }
+    if tr.cfg.raw.output.tensorboard {
+        wrote.push(format!("{}/ (tensorboard --logdir)", out_dir.join("tb").display()));
+    }
+    let wrote = wrote.join(", ");
     let final_dir = out_dir.join("final");
     refuse_non_finite(&tr.layout, &tr.engine.state().params, &final_dir)?;
     if let Some(a) = tr.cfg.adapter.clone() {
         let base = tr.cfg.raw.model.path.as_ref().map(|p| p.display().to_string());
         write_adapter(&tr.layout, &tr.engine.state().params, &a, base.as_deref(), &final_dir)?;
-        println!(
-            "wrote {}, {}, {} and {} (a PEFT adapter)",
-            metrics_path.display(),
-            summary_path.display(),
-            report.display(),
-            final_dir.display()
-        );
+        println!("wrote {wrote} and {} (a PEFT adapter)", final_dir.display());
         return Ok(());
     }
     let params = &tr.engine.state().params;
@@ -801,12 +820,6 @@ where
         tokenizer_files = exported.tokenizer_files.len(),
         "exported final/"
     );
-    println!(
-        "wrote {}, {}, {} and {}",
-        metrics_path.display(),
-        summary_path.display(),
-        report.display(),
-        final_dir.display()
-    );
+    println!("wrote {wrote} and {}", final_dir.display());
     Ok(())
 }
