@@ -12,10 +12,11 @@ use plotters::prelude::*;
 use crate::engine::memory::gib;
 use crate::run::summary::Summary;
 
-/// The font every label is drawn with, embedded so that plots need no system fonts
-/// (DejaVu Sans Mono; licence in `assets/fonts/LICENSE-DejaVu.txt`).
-static FONT: &[u8] = include_bytes!("../../assets/fonts/DejaVuSansMono.ttf");
-const FAMILY: &str = "horizon-mono";
+/// The font every label is drawn with, embedded so that plots need no system fonts (DejaVu
+/// Sans; licence in `assets/fonts/LICENSE-DejaVu.txt`). Proportional: a monospaced font gives
+/// the decimal point a whole cell, and tick labels read "5. 0".
+static FONT: &[u8] = include_bytes!("../../assets/fonts/DejaVuSans.ttf");
+const FAMILY: &str = "horizon-sans";
 
 /// One step read back from `metrics.jsonl`.
 #[derive(Clone, Debug, Default)]
@@ -25,6 +26,8 @@ pub struct Point {
     pub tokens_per_s: f64,
     pub eval_loss: Option<f64>,
     pub skipped: bool,
+    pub lr: f64,
+    pub grad_norm: f64,
 }
 
 /// The steps of a `metrics.jsonl` (a later line for the same step, as after a resume,
@@ -47,6 +50,8 @@ pub fn read_metrics(path: &Path) -> Result<Vec<Point>> {
             tokens_per_s: f("tokens").unwrap_or(0.0) / f("step_s").unwrap_or(f64::NAN),
             eval_loss: f("eval_loss"),
             skipped: v["skipped"].as_bool().unwrap_or(false),
+            lr: f("lr").unwrap_or(f64::NAN),
+            grad_norm: f("grad_norm").unwrap_or(f64::NAN),
         };
         points.retain(|q| q.step < p.step);
         points.push(p);
@@ -59,8 +64,9 @@ pub fn eval_series(points: &[Point]) -> Vec<(f64, f64)> {
     points.iter().filter_map(|p| p.eval_loss.map(|e| (p.step as f64, e))).collect()
 }
 
-/// Draw the loss (training, and eval where measured) and the throughput against the step into
-/// a PNG at `path`.
+/// Draw four panels against the step into a PNG at `path`: the loss (training, and eval where
+/// measured; on a log scale where it spans more than a decade), the learning rate, the
+/// gradient norm (before clipping) and the throughput.
 pub fn plot(points: &[Point], path: &Path, title: &str) -> Result<()> {
     static REGISTER: Once = Once::new();
     REGISTER.call_once(|| {
@@ -68,26 +74,58 @@ pub fn plot(points: &[Point], path: &Path, title: &str) -> Result<()> {
         let _ = plotters::style::register_font(FAMILY, FontStyle::Normal, FONT);
     });
     let err = |e: &dyn std::fmt::Display| anyhow!("drawing {}: {e}", path.display());
-    let root = BitMapBackend::new(path, (1000, 700)).into_drawing_area();
+    let root = BitMapBackend::new(path, (1200, 800)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;
     let root = root.titled(title, (FAMILY, 22)).map_err(|e| err(&e))?;
-    let (top, bottom) = root.split_vertically(420);
-    let good: Vec<&Point> = points.iter().filter(|p| p.loss.is_finite()).collect();
+    let panels = root.split_evenly((2, 2));
     let max_step = points.iter().map(|p| p.step).max().unwrap_or(1).max(2) as f64;
-    let evals = eval_series(points);
-    let losses = good.iter().map(|p| p.loss).chain(evals.iter().map(|e| e.1));
-    let (lo, hi) =
-        losses.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), x| (a.min(x), b.max(x)));
-    let (lo, hi) = if lo.is_finite() { (lo.min(hi - 1e-6), hi) } else { (0.0, 1.0) };
-    let pad = 0.05 * (hi - lo);
+    loss_panel(&panels[0], points, max_step, path)?;
+    let series = |f: &dyn Fn(&Point) -> f64| -> Vec<(f64, f64)> {
+        points.iter().map(|p| (p.step as f64, f(p))).filter(|(_, y)| y.is_finite()).collect()
+    };
+    let lines = [
+        ("learning rate", series(&|p| p.lr), MAGENTA),
+        ("gradient norm (before clipping)", series(&|p| p.grad_norm), BLACK),
+        ("throughput (tokens/s)", series(&|p| p.tokens_per_s), GREEN),
+    ];
+    for (area, (caption, xy, colour)) in panels[1..].iter().zip(lines) {
+        let top = xy.iter().map(|p| p.1).fold(0.0f64, f64::max);
+        let top = if top > 0.0 { top * 1.1 } else { 1.0 };
+        let mut chart = step_chart(area, caption, max_step, 0f64..top, false, path)?;
+        chart.draw_series(LineSeries::new(xy, colour.stroke_width(1))).map_err(|e| err(&e))?;
+    }
+    root.present().map_err(|e| err(&e))?;
+    Ok(())
+}
 
-    let mut chart = step_chart(&top, "loss", max_step, (lo - pad)..(hi + pad), path)?;
+/// The loss panel: training and eval losses, on a log scale (log10 drawn, labelled with the
+/// values) when they span more than a decade.
+fn loss_panel(
+    area: &DrawingArea<BitMapBackend<'_>, plotters::coord::Shift>,
+    points: &[Point],
+    max_step: f64,
+    path: &Path,
+) -> Result<()> {
+    let err = |e: &dyn std::fmt::Display| anyhow!("drawing {}: {e}", path.display());
+    let good: Vec<(f64, f64)> =
+        points.iter().filter(|p| p.loss.is_finite()).map(|p| (p.step as f64, p.loss)).collect();
+    let evals = eval_series(points);
+    let all = good.iter().chain(&evals).map(|p| p.1);
+    let (lo, hi) = all.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), x| (a.min(x), b.max(x)));
+    let log = lo > 0.0 && hi / lo > 10.0;
+    let y = |v: f64| if log { v.log10() } else { v };
+    let (lo, hi) = if lo.is_finite() { (y(lo).min(y(hi) - 1e-6), y(hi)) } else { (0.0, 1.0) };
+    let pad = 0.05 * (hi - lo);
+    let caption = if log { "loss (log scale)" } else { "loss" };
+    let mut chart = step_chart(area, caption, max_step, (lo - pad)..(hi + pad), log, path)?;
+    let scaled = |xy: &[(f64, f64)]| xy.iter().map(|&(x, v)| (x, y(v))).collect::<Vec<_>>();
     chart
-        .draw_series(LineSeries::new(good.iter().map(|p| (p.step as f64, p.loss)), &BLUE))
+        .draw_series(LineSeries::new(scaled(&good), &BLUE))
         .map_err(|e| err(&e))?
         .label("train")
         .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], BLUE));
     if !evals.is_empty() {
+        let evals = scaled(&evals);
         chart
             .draw_series(LineSeries::new(evals.iter().copied(), RED.stroke_width(2)))
             .map_err(|e| err(&e))?
@@ -103,26 +141,39 @@ pub fn plot(points: &[Point], path: &Path, title: &str) -> Result<()> {
         .border_style(BLACK)
         .background_style(WHITE.mix(0.8))
         .draw()
-        .map_err(|e| err(&e))?;
-
-    let tps: Vec<(f64, f64)> = points
-        .iter()
-        .filter(|p| p.tokens_per_s.is_finite())
-        .map(|p| (p.step as f64, p.tokens_per_s))
-        .collect();
-    let tmax = tps.iter().map(|p| p.1).fold(1.0f64, f64::max);
-    let mut chart = step_chart(&bottom, "throughput (tokens/s)", max_step, 0f64..tmax * 1.1, path)?;
-    chart.draw_series(LineSeries::new(tps, GREEN.stroke_width(1))).map_err(|e| err(&e))?;
-    root.present().map_err(|e| err(&e))?;
-    Ok(())
+        .map_err(|e| err(&e))
 }
 
-/// A chart of `y` against the step (1..`max_step`) on `area`, captioned, with its mesh drawn.
+/// A tick label: up to three significant digits, without trailing zeros; powers of ten as
+/// `1e−4` outside [0.01, 10000); minus signs as U+2212 (a hyphen at label size reads as a dot).
+pub fn tick(v: f64) -> String {
+    tick_ascii(v).replace('-', "\u{2212}")
+}
+
+fn tick_ascii(v: f64) -> String {
+    if v == 0.0 || !v.is_finite() {
+        return format!("{v}");
+    }
+    let a = v.abs();
+    if !(0.01..10_000.0).contains(&a) {
+        let s = format!("{v:.2e}");
+        let (m, e) = s.split_once('e').unwrap_or((&s, "0"));
+        let m = m.trim_end_matches('0').trim_end_matches('.');
+        return format!("{m}e{e}");
+    }
+    let decimals = (2 - a.log10().floor() as i32).max(0) as usize;
+    let s = format!("{v:.decimals$}");
+    if s.contains('.') { s.trim_end_matches('0').trim_end_matches('.').to_string() } else { s }
+}
+
+/// A chart of `y` against the step (1..`max_step`) on `area`, captioned, with its mesh drawn;
+/// `log`: `y` is log10 of the values, labelled with the values.
 fn step_chart<'a, 'b>(
     area: &'a DrawingArea<BitMapBackend<'b>, plotters::coord::Shift>,
     caption: &str,
     max_step: f64,
     y: std::ops::Range<f64>,
+    log: bool,
     path: &Path,
 ) -> Result<
     ChartContext<
@@ -139,14 +190,30 @@ fn step_chart<'a, 'b>(
         .caption(caption, (FAMILY, 18))
         .build_cartesian_2d(1f64..max_step, y)
         .map_err(|e| err(&e))?;
+    let y_label = move |v: &f64| tick(if log { 10f64.powf(*v) } else { *v });
     chart
         .configure_mesh()
         .x_desc("step")
         .x_label_formatter(&|x| format!("{x:.0}"))
+        .y_label_formatter(&y_label)
         .label_style((FAMILY, 13))
         .draw()
         .map_err(|e| err(&e))?;
     Ok(chart)
+}
+
+#[cfg(test)]
+mod tick_tests {
+    /// Tick labels read as numbers: no trailing zeros, no "5. 0", powers of ten compact.
+    #[test]
+    fn ticks_are_clean() {
+        let t = super::tick;
+        assert_eq!(
+            [t(5.0), t(5.25), t(0.5), t(12.0), t(1234.6)],
+            ["5", "5.25", "0.5", "12", "1235"]
+        );
+        assert_eq!([t(1e-4), t(2.5e-5), t(0.0), t(12345.0)], ["1e−4", "2.5e−5", "0", "1.23e4"]);
+    }
 }
 
 /// `OUT/report.md`: the run in a few lines, with the plot.
@@ -227,5 +294,21 @@ mod tests {
         plot(&pts, &png, "test").unwrap();
         let bytes = std::fs::read(&png).unwrap();
         assert_eq!(&bytes[1..4], b"PNG");
+    }
+}
+
+#[cfg(test)]
+mod look {
+    /// Draws `HORIZON_PLOT_METRICS` into `HORIZON_PLOT_OUT` (a person's look at the plot; a
+    /// no-op without them).
+    #[test]
+    fn draw_a_metrics_file_when_asked() {
+        let (Ok(m), Ok(out)) =
+            (std::env::var("HORIZON_PLOT_METRICS"), std::env::var("HORIZON_PLOT_OUT"))
+        else {
+            return;
+        };
+        let pts = super::read_metrics(m.as_ref()).unwrap();
+        super::plot(&pts, out.as_ref(), "look").unwrap();
     }
 }
