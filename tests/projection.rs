@@ -347,3 +347,42 @@ fn a_run_and_its_projection_trace_the_same_ops() {
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--hardware"));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Planning needs the model, the sizes and the projection, never a device: `horizon plan` of a
+/// `device.backend: cuda` config answers on any build (CI's has no `cuda` feature), memory plan
+/// and `--hardware` alike, with `--set`; running it is what needs the feature, and `horizon
+/// train` still refuses it there, pointing at `horizon plan`.
+#[test]
+fn a_cuda_config_plans_on_a_build_without_cuda() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("cuda.yaml");
+    std::fs::write(
+        &cfg,
+        "model: {init: random, arch: llama, hidden_size: 256, intermediate_size: 688, num_hidden_layers: 2, num_attention_heads: 2, num_key_value_heads: 2, vocab_size: 1000}\n\
+         data: {format: synthetic}\n\
+         train: {steps: 1, batch_size: 2, max_seq_len: 128}\n\
+         device: {backend: cuda}\n",
+    )
+    .unwrap();
+    let c = cfg.to_str().unwrap();
+    let run = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_horizon")).args(args).output().unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (out.status.success(), text)
+    };
+    let (ok, text) = run(&["plan", "--config", c, "--set", "train.batch_size=4"]);
+    assert!(ok && text.contains("fits"), "{text}");
+    let (ok, text) = run(&["plan", "--config", c, "--hardware", "h200-pcie5"]);
+    assert!(ok && text.contains("projected step") && text.contains("MFU"), "{text}");
+    if !horizon_backend::cuda::BUILT_WITH_CUDA {
+        let out = dir.path().join("out");
+        let set = format!("output.dir={}", out.display());
+        let (ok, text) = run(&["train", "--config", c, "--set", &set]);
+        assert!(!ok && text.contains("built without CUDA"), "{text}");
+        assert!(text.contains("horizon plan") && !out.exists(), "{text}");
+    }
+}

@@ -254,6 +254,7 @@ pub fn run_streaming(
     warmup: usize,
     resume: Option<&str>,
 ) -> Result<Summary> {
+    cfg.check_device_built()?;
     let out_dir = cfg.raw.output.dir.clone();
     fs::create_dir_all(&out_dir).with_context(|| {
         format!(
