@@ -361,6 +361,9 @@ fn flops_line(t: &mut String, trains_base: bool) -> Result<()> {
 fn tokens_words(p: &Projection, real: Option<f64>) -> String {
     let padded = format!("{} tokens per step: {:.0} tokens/s", p.tokens, p.tokens_per_s());
     match real {
+        Some(f) if f >= 0.9995 => {
+            format!("{padded} (no padding: every row is as long as the longest)")
+        }
         Some(f) => format!(
             "{padded} padded, {:.0} real tokens/s ({:.1}% of the positions are the data's tokens, the rest padding)",
             f * p.tokens_per_s(),
