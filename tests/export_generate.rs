@@ -541,3 +541,145 @@ fn damaged_model_files_are_clean_errors() {
         assert!(!e.contains("panicked"), "trial {trial}: {e}");
     }
 }
+
+/// What transformers 5.25.0 writes for a causal LM and its fast tokenizer,
+/// `model.save_pretrained(d)` then `tokenizer.save_pretrained(d)` (modeling_utils.py: the
+/// config, the generation config of a model that can generate, the weights; the tokenizer:
+/// `tests/fixtures/tokenizers/qwen2-transformers5`, no `special_tokens_map.json` since v5).
+const TRANSFORMERS_MODEL_FILES: [&str; 6] = [
+    "chat_template.jinja",
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+];
+
+/// An adapter run's `OUT/final/`: PEFT's `save_pretrained` of a LoRA adapter
+/// (`adapter_config.json`, `adapter_model.safetensors`; its `README.md` model card is not
+/// written), the tokenizer TRL's and axolotl's trainers save beside it, and Horizon's
+/// `horizon_adapter.json`.
+const ADAPTER_FILES: [&str; 6] = [
+    "adapter_config.json",
+    "adapter_model.safetensors",
+    "chat_template.jinja",
+    "horizon_adapter.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+];
+
+fn file_names(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> =
+        fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    names.sort();
+    names
+}
+
+/// `horizon generate --chat` on `model` (with `adapter`): the export's chat template renders.
+fn chats(model: &Path, adapter: Option<&Path>) {
+    let mut args = vec!["generate", "--model", model.to_str().unwrap()];
+    if let Some(a) = adapter {
+        args.extend(["--adapter", a.to_str().unwrap()]);
+    }
+    args.extend(["--prompt", "hi", "--chat", "--max-new-tokens", "3"]);
+    ok(horizon(&args));
+}
+
+/// `config.json`'s `dtype` and `torch_dtype` (transformers 5 reads the first, 4.x the second).
+fn dtypes(dir: &Path) -> (Value, Value) {
+    let c: Value =
+        serde_json::from_str(&fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    (c["dtype"].clone(), c["torch_dtype"].clone())
+}
+
+/// Every kind of export carries the source's tokenizer and generation files, as transformers
+/// writes them (the chat template in `chat_template.jinja`), so that each chats: a full
+/// fine-tune's `OUT/final/`, `horizon export` of its run in bf16, a LoRA run's `OUT/final/`
+/// (the adapter with the tokenizer beside it), and `horizon export --merge` of it; and
+/// `config.json` says the dtype written under both keys.
+#[test]
+fn every_export_chats_and_carries_the_files_transformers_writes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let tok = tmp.path().join("tokenizer");
+    copy_tree(&root.join("tests/fixtures/tokenizers/qwen2-transformers5"), &tok);
+    let generation = r#"{"eos_token_id": [502, 500], "temperature": 0.7}"#;
+    fs::write(tok.join("generation_config.json"), generation).unwrap();
+    let data = tmp.path().join("chat.jsonl");
+    fs::write(
+        &data,
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}, {\"role\": \"assistant\", \"content\": \"hello there\"}]}\n\
+         {\"messages\": [{\"role\": \"user\", \"content\": \"2+2?\"}, {\"role\": \"assistant\", \"content\": \"4\"}]}\n",
+    )
+    .unwrap();
+    let train = |name: &str, model: &str, extra: &str, adapter: &str| {
+        let out = tmp.path().join(name);
+        let cfg = tmp.path().join(format!("{name}.yaml"));
+        let yaml = format!(
+            "model: {model}\n\
+             data: {{ path: '{}', format: chat{extra} }}\n\
+             train: {{ steps: 2, batch_size: 2, max_seq_len: 64, save_every: 2 }}\n\
+             output: {{ dir: '{}' }}\n{adapter}",
+            data.display(),
+            out.display()
+        );
+        fs::write(&cfg, yaml).unwrap();
+        ok(horizon(&["train", "--config", cfg.to_str().unwrap()]));
+        out
+    };
+    let random = "{ init: random, arch: qwen2, hidden_size: 32, intermediate_size: 64, \
+                  num_hidden_layers: 2, num_attention_heads: 2, num_key_value_heads: 1, vocab_size: 512 }";
+    let full = train("full", random, &format!(", tokenizer: '{}'", tok.display()), "");
+    let final_dir = full.join("final");
+    assert_eq!(file_names(&final_dir), TRANSFORMERS_MODEL_FILES, "full fine-tune's final/");
+    assert_eq!(dtypes(&final_dir), (Value::from("float32"), Value::from("float32")));
+    let generation: Value = serde_json::from_str(
+        &fs::read_to_string(final_dir.join("generation_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        (generation["eos_token_id"].clone(), generation["temperature"].clone()),
+        (json_list(), 0.7.into())
+    );
+    chats(&final_dir, None);
+
+    let bf16 = tmp.path().join("bf16");
+    ok(horizon(&[
+        "export",
+        full.to_str().unwrap(),
+        "--out",
+        bf16.to_str().unwrap(),
+        "--dtype",
+        "bf16",
+    ]));
+    assert_eq!(file_names(&bf16), TRANSFORMERS_MODEL_FILES, "horizon export");
+    assert_eq!(dtypes(&bf16), (Value::from("bfloat16"), Value::from("bfloat16")));
+    chats(&bf16, None);
+
+    let base = format!("{{ path: '{}' }}", final_dir.display());
+    // The base's own tokenizer (model.path): the one final/ carries.
+    let lora_run = train("lora", &base, "", "adapter: { type: lora, r: 4 }\n");
+    let lora = lora_run.join("final");
+    assert_eq!(file_names(&lora), ADAPTER_FILES, "an adapter run's final/");
+    for f in ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"] {
+        assert_eq!(fs::read(lora.join(f)).unwrap(), fs::read(tok.join(f)).unwrap(), "{f}");
+    }
+    chats(&final_dir, Some(&lora));
+
+    let merged = tmp.path().join("merged");
+    ok(horizon(&[
+        "export",
+        lora_run.to_str().unwrap(),
+        "--merge",
+        "--out",
+        merged.to_str().unwrap(),
+    ]));
+    assert_eq!(file_names(&merged), TRANSFORMERS_MODEL_FILES, "horizon export --merge");
+    assert_eq!(dtypes(&merged), (Value::from("float32"), Value::from("float32")));
+    chats(&merged, None);
+}
+
+/// The generation config's EOS list as the fixture's source wrote it.
+fn json_list() -> Value {
+    serde_json::json!([502, 500])
+}

@@ -347,3 +347,96 @@ fn a_run_and_its_projection_trace_the_same_ops() {
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--hardware"));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Planning needs the model, the sizes and the projection, never a device: `horizon plan` of a
+/// `device.backend: cuda` config answers on any build (CI's has no `cuda` feature), memory plan
+/// and `--hardware` alike, with `--set`; running it is what needs the feature, and `horizon
+/// train` still refuses it there, pointing at `horizon plan`.
+#[test]
+fn a_cuda_config_plans_on_a_build_without_cuda() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("cuda.yaml");
+    std::fs::write(
+        &cfg,
+        "model: {init: random, arch: llama, hidden_size: 256, intermediate_size: 688, num_hidden_layers: 2, num_attention_heads: 2, num_key_value_heads: 2, vocab_size: 1000}\n\
+         data: {format: synthetic}\n\
+         train: {steps: 1, batch_size: 2, max_seq_len: 128}\n\
+         device: {backend: cuda}\n",
+    )
+    .unwrap();
+    let c = cfg.to_str().unwrap();
+    let run = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_horizon")).args(args).output().unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (out.status.success(), text)
+    };
+    let (ok, text) = run(&["plan", "--config", c, "--set", "train.batch_size=4"]);
+    assert!(ok && text.contains("fits"), "{text}");
+    let (ok, text) = run(&["plan", "--config", c, "--hardware", "h200-pcie5"]);
+    assert!(ok && text.contains("projected step") && text.contains("MFU"), "{text}");
+    if !horizon_backend::cuda::BUILT_WITH_CUDA {
+        let out = dir.path().join("out");
+        let set = format!("output.dir={}", out.display());
+        let (ok, text) = run(&["train", "--config", c, "--set", &set]);
+        assert!(!ok && text.contains("built without CUDA"), "{text}");
+        assert!(text.contains("horizon plan") && !out.exists(), "{text}");
+    }
+}
+
+/// An adapter step computes the frozen base's forward and input gradient but no weight
+/// gradient of it: its model FLOPs are `(4 x frozen + 6 x trained matrix parameters) x tokens +
+/// attention`, not full fine-tuning's `6 x`, and the plan says what it counts.
+#[test]
+fn adapter_mfu_counts_no_weight_gradient_of_the_frozen_base() {
+    let (c, layers, rows, t, v) = (512usize, 2usize, 2usize, 1024usize, 32000usize);
+    let f = c * 8 / 3;
+    let tokens = (rows * t) as f64;
+    // Per layer: q, k, v, o (C x C each, as many kv heads as heads), gate, up, down.
+    let frozen = (layers * (4 * c * c + 3 * c * f) + v * c) as f64;
+    let attention = 3.0 * layers as f64 * 4.0 * c as f64 * rows as f64 * (t * (t + 1) / 2) as f64;
+    let full = projection(&config_vocab(c, layers, rows, v, ""), "h200-pcie5").unwrap();
+    let rel = |got: f64, want: f64| (got - want).abs() / want;
+    let want = 6.0 * frozen * tokens + attention;
+    assert!(rel(full.chosen.model_flops, want) < 1e-12, "{} vs {want}", full.chosen.model_flops);
+    assert!(full.text.contains("6 x matrix parameters x tokens"), "{}", full.text);
+    for kind in ["lora", "qlora"] {
+        let extra = format!("adapter: {{type: {kind}, r: 8, targets: [q_proj, v_proj]}}\n");
+        let p = projection(&config_vocab(c, layers, rows, v, &extra), "h200-pcie5").unwrap();
+        let trained = (layers * 2 * 8 * (c + c)) as f64;
+        let want = (4.0 * frozen + 6.0 * trained) * tokens + attention;
+        let got = p.chosen.model_flops;
+        assert!(rel(got, want) < 1e-12, "{kind}: {got} vs {want}\n{}", p.text);
+        assert!(p.text.contains("no weight gradient of it"), "{}", p.text);
+    }
+}
+
+/// The projection's tokens/s are every position of a step (rows padded to the data's longest);
+/// beside them, the data's own tokens, from the rows the plan reads anyway; where the data
+/// cannot be read, the line says its figure counts padding.
+#[test]
+fn tokens_per_second_are_given_real_beside_padded() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("rows.jsonl");
+    // Rows of 16 and 48 tokens: padded to 48, 2/3 of the positions are real.
+    let row = |n: usize| {
+        let ids: Vec<String> = (0..n).map(|i| (i % 100 + 1).to_string()).collect();
+        format!("{{\"input_ids\": [{}]}}\n", ids.join(", "))
+    };
+    std::fs::write(&data, row(16) + &row(48)).unwrap();
+    let mut cfg = config(256, 2, 2, "");
+    cfg.raw.data.format = horizon::run::config::DataFormat::Pretokenized;
+    cfg.raw.data.path = Some(data.clone());
+    let p = projection(&cfg, "h200-pcie5").unwrap();
+    assert_eq!(p.chosen.tokens, 2 * 48);
+    assert!((p.real_fraction.unwrap() - 2.0 / 3.0).abs() < 1e-12, "{:?}", p.real_fraction);
+    let real = format!("{:.0} real tokens/s", p.chosen.tokens_per_s() * 2.0 / 3.0);
+    assert!(p.text.contains(&real) && p.text.contains("66.7% of the positions"), "{}", p.text);
+    cfg.raw.data.path = Some(dir.path().join("missing.jsonl"));
+    let p = projection(&cfg, "h200-pcie5").unwrap();
+    assert!(p.real_fraction.is_none(), "{}", p.text);
+    assert!(p.text.contains("tokens/s padded (the data could not be read"), "{}", p.text);
+}

@@ -90,16 +90,20 @@ impl PhaseSeconds {
 
 // FLOPs. A multiply-add is 2 FLOPs; elementwise work is not counted. For N = B*T rows:
 //   layer forward   = 2*N*IC*OC for each Linear op of the layer's description (Llama: q|k|v, o,
-//                     gate|up, down)
+//                     gate|up, down), 2*N*r*(IC+OC) for each adapter
 //                   + attention: per visible (query, key) pair and head, q.k and p*v, 4*D
 //                     -> 4*D*H*B*pairs(T): T(T+1)/2 causal, fewer within a sliding window
-//   layer backward  = 2x the forward's products (dinp and dweight of each); attention 2.5x the
+//   layer backward  = each product's dinp (1x its forward) and, where its weight is trained,
+//                     its dweight (1x): 2x the forward in full fine-tuning; an adapter run's
+//                     frozen base gets no dweight, its adapters both; attention 2.5x the
 //                     forward's (dq, dk, dv, dp, and the scores recomputed from lse)
-//   head            = 2*N*C*V forward, 4*N*C*V backward; in T vocabulary tiles, pass 1 runs the
-//                     forward (2*N*C*V / T per tile) and pass 2 the forward again (recompute)
-//                     and the backward ((2 + 4)*N*C*V / T per tile)
-// Model FLOPs per step: 6 * (parameters in matrix products: layers and head, not the embedding
-// gather) * tokens, plus the causal attention forward and backward (3x the forward's).
+//   head            = 2*N*C*V forward; backward dh 2*N*C*V, and dW 2*N*C*V when trained; in T
+//                     vocabulary tiles, pass 1 runs the forward (/ T per tile) and pass 2 the
+//                     forward again (recompute) and the backward (/ T per tile)
+// Model FLOPs per step: what the step computes, recompute left out: forward, dinp and the
+// trained weights' dweight of every product (6 * matrix parameters * tokens in full
+// fine-tuning; 4 * frozen + 6 * trained ones with an adapter), plus the causal attention
+// forward and backward (3x the forward's).
 
 /// FLOPs of one step: what the schedule performs, and the model's own.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
@@ -108,19 +112,26 @@ pub struct StepFlops {
     pub schedule: f64,
     /// Of which recompute (block recompute and rebuilt internals).
     pub recompute: f64,
-    /// `6 * N * tokens + attention`, the usual model FLOPs.
+    /// The model FLOPs: `6 * N * tokens + attention` in full fine-tuning; with an adapter,
+    /// `(4 * frozen + 6 * trained matrix parameters) * tokens + attention` (no weight
+    /// gradient of the frozen base).
     pub model: f64,
 }
 
 /// FLOPs of one step of `schedule`, every micro-batch `b` sequences of `t` positions; each
-/// layer's from its description (its products and its attention window).
+/// layer's from its description (its products, which of them are trained, its attention
+/// window).
 pub fn step_flops(schedule: &Schedule, layout: &ModelLayout, b: usize, t: usize) -> StepFlops {
     let d = &layout.dims;
+    // (forward, backward) of layer l, attention included.
     let fwd = |l: usize| {
-        let (mat, attn) = layout.layer(l).forward_flops(b, t);
-        (mat + attn, 2.0 * mat + 2.5 * attn)
+        let spec = layout.layer(l);
+        let (mat, attn) = spec.forward_flops(b, t);
+        (mat + attn, spec.backward_matmul_flops(b, t) + 2.5 * attn)
     };
-    let head = 6.0 * (b * t * d.c * d.v) as f64;
+    let head_fwd = 2.0 * (b * t * d.c * d.v) as f64;
+    let head_bwd = if layout.trains_base() { 2.0 * head_fwd } else { head_fwd };
+    let head = head_fwd + head_bwd;
     let mut f = StepFlops::default();
     let tiles = schedule.shape.head_tiles as f64;
     for op in schedule.ops(2) {
@@ -144,10 +155,10 @@ pub fn step_flops(schedule: &Schedule, layout: &ModelLayout, b: usize, t: usize)
             OpKind::Head { .. } => {
                 f.schedule += head;
             }
-            OpKind::HeadStats { .. } => f.schedule += head / 3.0 / tiles,
+            OpKind::HeadStats { .. } => f.schedule += head_fwd / tiles,
             OpKind::HeadGrad { .. } => {
                 f.schedule += head / tiles;
-                f.recompute += head / 3.0 / tiles;
+                f.recompute += head_fwd / tiles;
             }
             _ => {}
         }
@@ -157,7 +168,15 @@ pub fn step_flops(schedule: &Schedule, layout: &ModelLayout, b: usize, t: usize)
         .iter()
         .filter(|op| matches!(op.kind, OpKind::Head { .. } | OpKind::HeadFinish { .. }))
         .count();
-    let layers: f64 = (0..d.layers).map(|l| 3.0 * fwd(l).0).sum();
+    // The model's attention backward counts 2x its forward (the schedule's 2.5x includes the
+    // scores' recompute).
+    let layers: f64 = (0..d.layers)
+        .map(|l| {
+            let spec = layout.layer(l);
+            let (mat, attn) = spec.forward_flops(b, t);
+            mat + spec.backward_matmul_flops(b, t) + 3.0 * attn
+        })
+        .sum();
     f.model = micro_batches as f64 * (layers + head);
     f
 }
@@ -177,5 +196,36 @@ mod tests {
         assert_eq!(mat, 2.0 * 6.0 * params as f64);
         // 2 sequences x 6 causal pairs x 2 heads x 4*D.
         assert_eq!(attn, 2.0 * 6.0 * 2.0 * 16.0);
+    }
+
+    /// Full fine-tuning's backward is twice the forward's products (dinp and dweight); an
+    /// adapter run's is the base's dinp alone plus twice its adapters', with the base in bf16
+    /// or NF4 alike.
+    #[test]
+    fn an_adapter_run_counts_no_weight_gradient_of_the_frozen_base() {
+        use crate::model::lora::{BaseDtype, LoraSpec};
+        let cfg = serde_json::json!({"model_type": "llama", "hidden_size": 8,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "intermediate_size": 16, "vocab_size": 32});
+        let cfg = crate::hf::config::ModelConfig::from_json(&cfg, "test").unwrap();
+        let full = crate::model::describe(&cfg);
+        let (mat, _) = full.layer(0).forward_flops(2, 3);
+        assert_eq!(full.layer(0).backward_matmul_flops(2, 3), 2.0 * mat);
+        for nf4 in [false, true] {
+            let spec = LoraSpec {
+                r: 2,
+                scale: 1.0,
+                targets: vec!["q_proj".into(), "v_proj".into()],
+                nf4,
+                base: BaseDtype::Bf16,
+                experts: Default::default(),
+            };
+            let lora = full.with_lora(&spec).unwrap();
+            let (with_adapters, _) = lora.layer(0).forward_flops(2, 3);
+            // 6 rows through r 2 adapters: q (8 in, 8 out) and v (8 in, 4 out).
+            let adapters = 2.0 * 6.0 * (2 * (8 + 8) + 2 * (8 + 4)) as f64;
+            assert_eq!(with_adapters, mat + adapters);
+            assert_eq!(lora.layer(0).backward_matmul_flops(2, 3), mat + 2.0 * adapters, "{nf4}");
+        }
     }
 }

@@ -278,6 +278,27 @@ impl Op {
             _ => 0.0,
         }
     }
+
+    /// Backward FLOPs of the matrix products over `n` rows: every product's input gradient
+    /// (as many as its forward), and its weight gradient only where the weight is trained (a
+    /// weight below the layer's `frozen` prefix, or packed NF4, gets none: an adapter run's
+    /// base). An adapter's `A` and `B` are trained: twice its forward.
+    pub fn matmul_backward_flops(&self, n: usize, frozen: usize) -> f64 {
+        let fwd = self.matmul_flops(n);
+        match *self {
+            Op::Linear { w: Weight::Slot(ref r), .. } if r.start >= frozen => 2.0 * fwd,
+            Op::Linear { .. } => fwd,
+            Op::Lora { .. } => 2.0 * fwd,
+            Op::Experts { k, i, c, ref gate_up, ref packed, .. } => {
+                let base = 2.0 * (n * k * 3 * i * c) as f64;
+                let trained = packed.is_none() && gate_up.start >= frozen;
+                // The adapters' share of `fwd` (zero without) is trained.
+                let adapters = fwd - base;
+                if trained { 2.0 * fwd } else { base + 2.0 * adapters }
+            }
+            _ => 0.0,
+        }
+    }
 }
 
 /// A layer's attention: heads, head dim, window (0 = full) and score scale.
@@ -429,6 +450,13 @@ impl LayerSpec {
         let a = &self.attn;
         let attn = 4.0 * (a.d * a.h) as f64 * (b * a.pairs(t)) as f64;
         (mat, attn)
+    }
+
+    /// Backward FLOPs of the matrix products over `b` sequences of `t` positions: input
+    /// gradients everywhere, weight gradients of the trained weights only
+    /// ([`Op::matmul_backward_flops`]).
+    pub fn backward_matmul_flops(&self, b: usize, t: usize) -> f64 {
+        self.ops.iter().map(|op| op.matmul_backward_flops(b * t, self.frozen)).sum()
     }
 
     /// The range of HF tensor `suffix` in the layer's buffer.

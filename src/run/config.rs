@@ -706,6 +706,21 @@ pub struct RunConfig {
     pub overwrite: bool,
 }
 
+impl RunConfig {
+    /// Whether this binary can run on the config's device: `device.backend: cuda` needs a
+    /// binary built with the `cuda` feature to run, not to be planned (`horizon plan` plans any
+    /// backend on any build), so [`RawConfig::resolve`] accepts it and the run checks here.
+    pub fn check_device_built(&self) -> Result<()> {
+        if self.raw.device.backend == BackendKind::Cuda && !horizon_backend::cuda::BUILT_WITH_CUDA {
+            bail!(
+                "{}: device.backend = cuda: this binary was built without CUDA\nhint: rebuild with `cargo build --release --features cuda`, use device.backend = cpu, or plan the run with `horizon plan` (it needs no GPU)",
+                self.origin
+            );
+        }
+        Ok(())
+    }
+}
+
 impl RawConfig {
     /// Parse YAML text; `origin` names the file in errors.
     pub fn from_yaml(text: &str, origin: &str) -> Result<Self> {
@@ -816,11 +831,6 @@ impl RawConfig {
         if self.device.backend == BackendKind::Cuda && self.device.wait == DeviceWait::Spin {
             bail!(
                 "{origin}: device.wait = spin is the CPU device's\nhint: leave device.wait out with device.backend = cuda (the CUDA driver picks how the host waits)"
-            );
-        }
-        if self.device.backend == BackendKind::Cuda && !horizon_backend::cuda::BUILT_WITH_CUDA {
-            bail!(
-                "{origin}: device.backend = cuda: this binary was built without CUDA\nhint: rebuild with `cargo build --release --features cuda`, or use device.backend = cpu"
             );
         }
         match (&self.model.path, self.model.init) {

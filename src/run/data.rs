@@ -135,6 +135,9 @@ pub struct SeqLen {
     pub len: usize,
     /// For the plan: `the longest row of the data (...)`, or why `train.max_seq_len` was assumed.
     pub why: String,
+    /// The training rows' own tokens and their number (`None` when the data was not read): a
+    /// step pads every row to `len`, so `tokens / (rows * len)` of its positions are real.
+    pub train_tokens: Option<(usize, usize)>,
 }
 
 impl SeqLen {
@@ -149,16 +152,25 @@ impl SeqLen {
         let len = train.max(eval).clamp(1, max);
         let packed = if raw.data.pack { "packed " } else { "" };
         let of = if sets.eval.is_some() { "training and eval " } else { "" };
+        let rows = &sets.train.rows;
         SeqLen {
             len,
             why: format!("the longest row of the {packed}{of}data (train.max_seq_len {max})"),
+            train_tokens: Some((rows.iter().map(|r| r.input_ids.len()).sum(), rows.len())),
         }
+    }
+
+    /// The share of a step's positions that are the data's own tokens, not padding (`None`
+    /// when the data was not read).
+    pub fn real_fraction(&self) -> Option<f64> {
+        let (tokens, rows) = self.train_tokens?;
+        Some(tokens as f64 / (rows.max(1) * self.len) as f64)
     }
 
     /// `train.max_seq_len`, assumed because the data's rows are not known (`why`).
     pub fn assumed(raw: &RawConfig, why: &str) -> SeqLen {
         let len = raw.train.max_seq_len;
-        SeqLen { len, why: format!("train.max_seq_len, assumed: {why}") }
+        SeqLen { len, why: format!("train.max_seq_len, assumed: {why}"), train_tokens: None }
     }
 }
 

@@ -116,8 +116,16 @@ impl Generator {
         }
         let auto = crate::adapter::BaseDtype::Auto;
         let (run, _) = crate::run::load::load_adapter_run(adapter, Some(dir), auto)?;
-        let tok = HfTokenizer::from_dir(dir)
-            .with_context(|| format!("--model {}: no tokenizer (tokenizer.json)", dir.display()))?;
+        // The tokenizer the adapter was trained with when its directory carries one (an
+        // adapter run's final/ does), else the model's.
+        let adapter_dir = crate::run::load::adapter_dir(adapter)?;
+        let tok_dir = match adapter_dir.join("tokenizer.json").is_file() {
+            true => adapter_dir.as_path(),
+            false => dir,
+        };
+        let tok = HfTokenizer::from_dir(tok_dir).with_context(|| {
+            format!("--model {}: no tokenizer (tokenizer.json)", tok_dir.display())
+        })?;
         let mut g = Generator::new(&run.cfg, run.params, Box::new(tok));
         g.layout = run.layout;
         g.base = run.base.map(Arc::new);

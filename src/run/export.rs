@@ -19,8 +19,10 @@ use crate::model::layout::ModelLayout;
 use crate::model::params::ParamStore;
 use crate::model::spec::Op;
 use crate::run::config::{ByteSize, RawConfig, WeightDtype};
-use crate::run::hf_out::{ExportOptions, ExportSource, Exported, TokenizerSource, export_model};
-use crate::run::load::{RunModel, load_adapter_run, note_expert_layout};
+use crate::run::hf_out::{
+    ExportOptions, ExportSource, Exported, TokenizerSource, export_model, has_tokenizer,
+};
+use crate::run::load::{RunModel, adapter_dir, load_adapter_run, note_expert_layout};
 
 /// `horizon export`'s arguments.
 #[derive(clap::Args, Debug)]
@@ -150,7 +152,7 @@ fn load_source(src: &Path) -> Result<(ModelConfig, ParamStore, ExportSource)> {
         let mut model_cfg = ModelConfig::from_file(&src.join("config.json"))?;
         note_expert_layout(&mut model_cfg, src)?;
         let params = ParamStore::load_hf(&crate::model::describe(&model_cfg), src)?;
-        let tokenizer = if src.join("tokenizer.json").is_file() {
+        let tokenizer = if has_tokenizer(src) {
             TokenizerSource::Dir(src.to_path_buf())
         } else {
             TokenizerSource::None
@@ -172,10 +174,12 @@ pub fn merge_dir(
 ) -> Result<Exported> {
     let (run, base_dir) = load_adapter_run(src, base, BaseChoice::Fp32)?;
     let merged = merged_params(&run);
-    let tokenizer = if base_dir.join("tokenizer.json").is_file() {
-        TokenizerSource::Dir(base_dir.clone())
-    } else {
-        TokenizerSource::None
+    // The tokenizer the adapter was trained with (an adapter run's final/ carries it), else
+    // the base's; the generation config is the base model's.
+    let adapter = adapter_dir(src)?;
+    let tokenizer = match [adapter, base_dir.clone()].into_iter().find(|d| has_tokenizer(d)) {
+        Some(d) => TokenizerSource::Dir(d),
+        None => TokenizerSource::None,
     };
     let source = ExportSource { tokenizer, model_dir: Some(base_dir) };
     export_model(&run.cfg, &merged, out, opts, &source)

@@ -1,7 +1,10 @@
-//! Writing a Hugging Face directory: a model's fp32 masters -> `config.json`, the weights as
-//! safetensors (fp32 or bf16, sharded with `model.safetensors.index.json` past a size limit),
-//! `generation_config.json` and the tokenizer files, as `transformers` loads them. Training writes
-//! `OUT/final/` through [`export_model`], and so does `horizon export` (`run::export`).
+//! Writing a Hugging Face directory: a model's fp32 masters -> `config.json` (with `dtype` and
+//! `torch_dtype` of the weights written), the weights as safetensors (fp32 or bf16, sharded with
+//! `model.safetensors.index.json` past a size limit), `generation_config.json` and every
+//! tokenizer file of the source (`chat_template.jinja` included), as `transformers` loads them.
+//! Training writes `OUT/final/` through [`export_model`], and so does `horizon export`
+//! (`run::export`); an adapter run's `OUT/final/` gets the tokenizer files beside the adapter
+//! ([`write_tokenizer`]).
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -17,16 +20,30 @@ pub use crate::run::config::{DEFAULT_MAX_SHARD_BYTES, ExportOptions};
 use crate::tokenizer::byte::{BOS_ID, EOS_ID, PAD_ID};
 use crate::tokenizer::{ByteTokenizer, HfTokenizer, Tokenizer};
 
-/// The tokenizer files of a HF directory that an export carries along when they exist.
-/// (`generation_config.json` is written by the export itself: see [`SpecialIds`].)
-const TOKENIZER_FILES: [&str; 6] = [
+/// The tokenizer files of a HF directory that an export carries along when they exist: those
+/// `transformers`' tokenizer `save_pretrained` writes (`chat_template.jinja` is where
+/// transformers 5 keeps the chat template, which `apply_chat_template` and `horizon generate
+/// --chat` read), and a slow tokenizer's vocabulary files. (`generation_config.json` is written
+/// by the export itself: see [`SpecialIds`].)
+pub const TOKENIZER_FILES: [&str; 8] = [
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
+    "chat_template.jinja",
+    "added_tokens.json",
     "tokenizer.model",
     "vocab.json",
     "merges.txt",
 ];
+
+/// transformers 5's directory of a tokenizer's named chat templates beside the default one
+/// (`additional_chat_templates/NAME.jinja`), carried along as a whole.
+const CHAT_TEMPLATES_DIR: &str = "additional_chat_templates";
+
+/// Whether `dir` holds any tokenizer file an export would carry ([`TOKENIZER_FILES`]).
+pub fn has_tokenizer(dir: &Path) -> bool {
+    TOKENIZER_FILES.iter().any(|f| dir.join(f).is_file())
+}
 
 /// `generation_config.json`: what `transformers`' `generate` reads its stop id from.
 const GENERATION_CONFIG: &str = "generation_config.json";
@@ -51,9 +68,7 @@ impl TokenizerSource {
         match (&raw.data.tokenizer, &raw.model.path) {
             (Some(t), _) if t == "byte" => TokenizerSource::Byte,
             (Some(t), _) => TokenizerSource::Dir(PathBuf::from(t)),
-            (None, Some(p)) if p.join("tokenizer.json").is_file() => {
-                TokenizerSource::Dir(p.clone())
-            }
+            (None, Some(p)) if has_tokenizer(p) => TokenizerSource::Dir(p.clone()),
             _ => TokenizerSource::None,
         }
     }
@@ -212,6 +227,8 @@ fn write_export(
     let layout = crate::model::describe(model_cfg);
     let mut cfg_json = model_cfg.to_hf_json();
     if let Some(o) = cfg_json.as_object_mut() {
+        // What was written, under both keys: transformers 5 reads `dtype`, 4.x `torch_dtype`.
+        o.insert("dtype".into(), opts.dtype.torch_dtype().into());
         o.insert("torch_dtype".into(), opts.dtype.torch_dtype().into());
         for (key, v) in SPECIAL_KEYS.iter().zip(&specials.config) {
             o.insert(key.to_string(), v.clone());
@@ -467,7 +484,10 @@ fn link_tree(from: &Path, to: &Path) -> Result<()> {
     Ok(())
 }
 
-fn write_tokenizer(dir: &Path, source: &TokenizerSource) -> Result<Vec<String>> {
+/// The tokenizer files of `source` into `dir` (which exists): each of [`TOKENIZER_FILES`] the
+/// source directory has, and its [`CHAT_TEMPLATES_DIR`]; or the byte tokenizer's files. Returns
+/// their names. A source directory without any is an error naming it.
+pub fn write_tokenizer(dir: &Path, source: &TokenizerSource) -> Result<Vec<String>> {
     let mut written = Vec::new();
     match source {
         TokenizerSource::Dir(src) => {
@@ -482,6 +502,11 @@ fn write_tokenizer(dir: &Path, source: &TokenizerSource) -> Result<Vec<String>> 
                     })?;
                     written.push(f.to_string());
                 }
+            }
+            let templates = src.join(CHAT_TEMPLATES_DIR);
+            if templates.is_dir() && !written.is_empty() {
+                copy_dir(&templates, &dir.join(CHAT_TEMPLATES_DIR))?;
+                written.push(format!("{CHAT_TEMPLATES_DIR}/"));
             }
             if written.is_empty() {
                 bail!(
@@ -502,6 +527,20 @@ fn write_tokenizer(dir: &Path, source: &TokenizerSource) -> Result<Vec<String>> 
         TokenizerSource::None => {}
     }
     Ok(written)
+}
+
+/// The files of directory `from` (one level: transformers writes no deeper) copied into `to`.
+fn copy_dir(from: &Path, to: &Path) -> Result<()> {
+    fs::create_dir_all(to).with_context(|| format!("cannot create {}", to.display()))?;
+    for e in fs::read_dir(from).with_context(|| format!("cannot list {}", from.display()))? {
+        let e = e?;
+        if e.path().is_file() {
+            fs::copy(e.path(), to.join(e.file_name())).with_context(|| {
+                format!("cannot copy {} to {}", e.path().display(), to.display())
+            })?;
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -362,7 +362,7 @@ pub fn load_tokenizer(raw: &RawConfig) -> Result<Box<dyn Tokenizer>> {
 }
 
 /// The adapter directory `src` names: itself, or a run directory's `final/`.
-fn adapter_dir(src: &Path) -> Result<PathBuf> {
+pub fn adapter_dir(src: &Path) -> Result<PathBuf> {
     for d in [src.to_path_buf(), src.join("final")] {
         if d.join("adapter_config.json").is_file() {
             return Ok(d);

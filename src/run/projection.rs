@@ -58,6 +58,9 @@ pub struct ProjectionRun {
     pub other: Option<(UploadPath, Projection)>,
     /// Whether the run fits the machine's host and device memory.
     pub fits: bool,
+    /// The share of a step's positions that are the data's own tokens, not padding (`None`:
+    /// the data could not be read; the tokens/s count padding).
+    pub real_fraction: Option<f64>,
     pub text: String,
 }
 
@@ -160,7 +163,9 @@ pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
         recompute_words(ecfg.kept_layers, layout.dims.layers),
         ecfg.checkpoint_every
     )?;
-    render(&mut text, &hw, &chosen, cpu)?;
+    let real_fraction = seq.real_fraction();
+    render(&mut text, &hw, &chosen, cpu, real_fraction)?;
+    flops_line(&mut text, layout.trains_base())?;
     if !cpu
         && let Some((p, e)) = fastest_fit(&base, &machine, tokens)
         && (e.checkpoint_every, e.kept_layers) != (ecfg.checkpoint_every, ecfg.kept_layers)
@@ -199,7 +204,7 @@ pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
         )?;
     }
     let other = other.map(|(u, p, _)| (u, p));
-    Ok(ProjectionRun { hw, ecfg, upload, chosen, other, fits, text })
+    Ok(ProjectionRun { hw, ecfg, upload, chosen, other, fits, real_fraction, text })
 }
 
 /// The run projected with attention at [`FLASH_ATTENTION_EFFICIENCY`] of the peak, where the
@@ -335,7 +340,48 @@ fn secs(s: f64) -> String {
     format!("{s:.*}", decimals.clamp(3, 9) as usize)
 }
 
-fn render(t: &mut String, hw: &Hardware, p: &Projection, cpu: bool) -> Result<()> {
+/// What the projection's model FLOPs (its MFU) count.
+fn flops_line(t: &mut String, trains_base: bool) -> Result<()> {
+    let products = if trains_base {
+        "6 x matrix parameters x tokens (forward, input and weight gradients)"
+    } else {
+        "(4 x frozen + 6 x trained matrix parameters) x tokens (the frozen base's forward and \
+         input gradient, no weight gradient of it; the adapters' forward and both gradients)"
+    };
+    writeln!(
+        t,
+        "  model FLOPs (MFU): what the step computes, {products} + attention (3x its forward), \
+         over every position, padding included; recompute not counted"
+    )?;
+    Ok(())
+}
+
+/// The tokens of a step and their rate: every position (padded), and the data's own tokens
+/// where the data was read.
+fn tokens_words(p: &Projection, real: Option<f64>) -> String {
+    let padded = format!("{} tokens per step: {:.0} tokens/s", p.tokens, p.tokens_per_s());
+    match real {
+        Some(f) if f >= 0.9995 => {
+            format!("{padded} (no padding: every row is as long as the longest)")
+        }
+        Some(f) => format!(
+            "{padded} padded, {:.0} real tokens/s ({:.1}% of the positions are the data's tokens, the rest padding)",
+            f * p.tokens_per_s(),
+            100.0 * f
+        ),
+        None => {
+            format!("{padded} padded (the data could not be read: how many are padding is unknown)")
+        }
+    }
+}
+
+fn render(
+    t: &mut String,
+    hw: &Hardware,
+    p: &Projection,
+    cpu: bool,
+    real: Option<f64>,
+) -> Result<()> {
     let mfu = if cpu {
         format!("{:.1} GFLOP/s model", p.model_flops / p.step_s * 1e-9)
     } else {
@@ -343,11 +389,10 @@ fn render(t: &mut String, hw: &Hardware, p: &Projection, cpu: bool) -> Result<()
     };
     writeln!(
         t,
-        "  projected step {} s (first step {} s), {} tokens per step: {:.0} tokens/s, {mfu}",
+        "  projected step {} s (first step {} s), {}, {mfu}",
         secs(p.step_s),
         secs(p.first_step_s),
-        p.tokens,
-        p.tokens_per_s()
+        tokens_words(p, real)
     )?;
     let busy: Vec<String> = (0..4)
         .map(|q| {

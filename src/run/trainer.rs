@@ -258,6 +258,7 @@ pub fn run_streaming(
     warmup: usize,
     resume: Option<&str>,
 ) -> Result<Summary> {
+    cfg.check_device_built()?;
     let out_dir = cfg.raw.output.dir.clone();
     fs::create_dir_all(&out_dir).with_context(|| {
         format!(
@@ -801,6 +802,13 @@ where
     refuse_non_finite(&tr.layout, &tr.engine.state().params, &final_dir)?;
     if let Some(a) = tr.cfg.adapter.clone() {
         let base = tr.cfg.raw.model.path.as_ref().map(|p| p.display().to_string());
+        // The tokenizer the run trained with beside the adapter, as TRL's and axolotl's
+        // trainers save it (PEFT's save_pretrained alone writes none): first, so that a
+        // directory with adapter_config.json always has it.
+        fs::create_dir_all(&final_dir)
+            .with_context(|| format!("cannot create {}", final_dir.display()))?;
+        let source = crate::run::hf_out::TokenizerSource::of_config(&tr.cfg.raw);
+        crate::run::hf_out::write_tokenizer(&final_dir, &source)?;
         write_adapter(&tr.layout, &tr.engine.state().params, &a, base.as_deref(), &final_dir)?;
         println!("wrote {wrote} and {} (a PEFT adapter)", final_dir.display());
         return Ok(());

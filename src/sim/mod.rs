@@ -41,7 +41,9 @@ pub struct Projection {
     pub first_step_s: f64,
     pub step_s: f64,
     pub tokens: usize,
-    /// Model FLOPs of a step (6 x matrix parameters x tokens + attention).
+    /// Model FLOPs of a step ([`crate::engine::phases::StepFlops::model`]: 6 x matrix
+    /// parameters x tokens + attention; an adapter run's frozen base counts 4x, no weight
+    /// gradient).
     pub model_flops: f64,
     /// Busy seconds of each queue in the steady step ([`Queue::index`]).
     pub busy: [f64; 4],
