@@ -11,12 +11,12 @@ use horizon_backend::CpuBackend;
 
 use crate::data::pretokenized::{Batch, PretokenizedDataset, make_batch};
 use crate::hf::config::ModelConfig;
-use crate::model::params::ParamStore;
+use crate::model::params::{ParamStore, buffer_name};
 use crate::model::transformer::{Capacity, Transformer};
 use crate::run::config::RunConfig;
 use crate::run::data::{BatchOrder, batch_order, load_data, step_rows, tokens_of};
 use crate::run::load::{RunModel, load_run_model};
-use crate::run::summary::StepMetrics;
+use crate::run::summary::{HeldIn, StepMetrics};
 use crate::store::TrainState;
 
 /// Everything a run needs, loaded and checked before the first step.
@@ -81,7 +81,8 @@ impl ReferenceTrainer {
         )?;
         let grad_norm = self.state.grad_norm();
         let lr = self.cfg.raw.lr_schedule().lr_at(k + 1);
-        self.state.optimizer_step(&self.cfg.raw.adamw(), lr, grad_norm, o.grad_clip);
+        let held = self.state.optimizer_step(&self.cfg.raw.adamw(), lr, grad_norm, o.grad_clip);
+        let layers = self.state.params.layers.len();
         Ok(StepMetrics {
             step: k + 1,
             loss: out.loss(),
@@ -94,6 +95,7 @@ impl ReferenceTrainer {
             eval_loss: None,
             ce_loss: out.aux.map(|_| out.ce_loss()),
             aux_loss: out.aux.map(|(aux, _)| aux),
+            held: HeldIn::of(held.into_iter(), |i| buffer_name(layers, i)),
         })
     }
 
