@@ -813,15 +813,24 @@ pub(crate) fn update_elems<const SMALL_LERP: bool, const IMAGE: bool>(
         // The old sqrt(v) is kept as it is: sqrt(v[i]²) would not give it back where v[i]²
         // underflows.
         let h = held(pi, mi, vi);
-        p[i] = if h { p[i] } else { pi };
-        m[i] = if h { m[i] } else { mi };
-        v[i] = if h { v[i] } else { vi.sqrt() };
+        p[i] = keep_if(h, p[i], pi);
+        m[i] = keep_if(h, m[i], mi);
+        v[i] = keep_if(h, v[i], vi.sqrt());
         count += u32::from(h);
         if IMAGE {
             img[i] = Bf16::from_f32(p[i]);
         }
     }
     count as usize
+}
+
+/// `old` where `keep`, else `new`: a select on the bits (and, and-not, or), which the scalar
+/// body's baseline x86-64 build (SSE2, no blend) vectorises; with an `if` its loop ran 2.6x
+/// slower, with this 1.35x (the element update alone, against no test at all).
+#[inline(always)]
+fn keep_if(keep: bool, old: f32, new: f32) -> f32 {
+    let mask = u32::from(keep).wrapping_neg();
+    f32::from_bits((old.to_bits() & mask) | (new.to_bits() & !mask))
 }
 
 /// A SIMD encoder of `lanes` lanes against the scalar [`quantize_block_stochastic`] on the
