@@ -183,7 +183,9 @@ fn updates_that_would_go_non_finite_are_held_and_stop_the_run() {
 
 /// `--resume` compares what changes the math with the checkpoint's run (issue 45): a LoRA run
 /// resumed with another `adapter.alpha`, as `qlora`, or over base weights that are not the
-/// checkpoint's (same shapes, one value changed) is refused, naming each key and both values;
+/// checkpoint's (same shapes, one bit of one value changed, where a sampled fingerprint did not
+/// look: the base is compared by the content hash of every byte) is refused, naming each key
+/// and both values;
 /// the same base weights moved to another directory, and a longer run, resume.
 #[test]
 fn a_resume_that_changes_the_math_is_refused_naming_what_changed() {
@@ -195,11 +197,16 @@ fn a_resume_that_changes_the_math_is_refused_naming_what_changed() {
     copy(&base);
     copy(&moved);
     copy(&other);
-    // One weight of `other` changed: same names, shapes and size.
+    // One weight of `other` changed (its lowest bit): same names, shapes and size, and a byte
+    // between the 64 windows of 256 bytes that the sampled fingerprint read, which passed it.
     let st = other.join("model.safetensors");
     let mut bytes = std::fs::read(&st).unwrap();
-    let n = bytes.len();
-    bytes[n - 3] ^= 0x40;
+    let data = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let window = |k: usize| data + (bytes.len() - data - 256) * k / 63;
+    let gap = window(10) + 256..window(11);
+    assert!(gap.len() > 64, "the fixture is large enough to leave gaps: {gap:?}");
+    let at = data + (gap.start + gap.len() / 2 - data) / 4 * 4;
+    bytes[at] ^= 1;
     std::fs::write(&st, bytes).unwrap();
     let out = tmp.path().join("out");
     let yaml = |model: &Path, kind: &str, alpha: u32, steps: u32| {

@@ -34,7 +34,7 @@ impl ReferenceTrainer {
     /// Load model and data, and allocate every buffer the run needs.
     pub fn new(cfg: RunConfig) -> Result<Self> {
         let raw = &cfg.raw;
-        let RunModel { cfg: model_cfg, layout, params, base } =
+        let RunModel { cfg: model_cfg, layout, params, base, .. } =
             load_run_model(raw, cfg.adapter.as_ref())?;
         let data = load_data(raw, model_cfg.vocab_size)?;
         let engine = Transformer::with_layout(

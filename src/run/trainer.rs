@@ -50,6 +50,9 @@ pub struct Trainer<D: Device = CpuDevice> {
     pub skipped_records: usize,
     pub plan: MemoryPlan,
     pub engine: Engine<D>,
+    /// The frozen base's content hash, computed as it was loaded (`RunModel::base_hash`): each
+    /// checkpoint records it, and a resume compares it.
+    pub base_hash: Option<String>,
     /// Fault injection for tests: steps (0-based) whose gradient gets a NaN.
     pub inject_nan_at: Vec<usize>,
     /// The micro-batches of the batch after the last step's (its index and them): built for
@@ -95,7 +98,7 @@ where
         // The data first: its longest row sizes every buffer of the plan.
         let sets = load_datasets(raw, model_cfg.vocab_size)?;
         let (ecfg, plan) = plan_run(raw, &layout, &SeqLen::of_data(raw, &sets))?;
-        let (state, base) = host_state(&cfg, &model_cfg, &layout, resume)?;
+        let HostStart { state, base, base_hash } = host_state(&cfg, &model_cfg, &layout, resume)?;
         let dev = make_dev(raw, &plan)?;
         let engine = Engine::with_layout(dev, layout.clone(), base, state, ecfg)?;
         let order = batch_order(&cfg, &sets.train);
@@ -109,6 +112,7 @@ where
             skipped_records: sets.skipped_records,
             plan,
             engine,
+            base_hash,
             inject_nan_at: Vec::new(),
             ahead: None,
         })
@@ -217,26 +221,35 @@ fn plan_run(
     Ok((ecfg, plan))
 }
 
+/// What a run starts from in host RAM.
+struct HostStart {
+    state: TrainState,
+    /// An adapter run's frozen base, and its content hash (`RunModel::base_hash`).
+    base: Option<Arc<FrozenBase>>,
+    base_hash: Option<String>,
+}
+
 /// The host state a run starts from, in the described model: a resumed full fine-tuning run
 /// reads everything from its checkpoint; otherwise the weights are loaded (an adapter run
-/// reloads its frozen base from `model.path` even when resuming its adapters).
+/// reloads its frozen base from `model.path` even when resuming its adapters, and the resume
+/// compares the content hash that load computed with the one the checkpoint recorded).
 fn host_state(
     cfg: &RunConfig,
     model_cfg: &ModelConfig,
     layout: &ModelLayout,
     resume: Option<&Path>,
-) -> Result<(TrainState, Option<Arc<FrozenBase>>)> {
+) -> Result<HostStart> {
     let mode = cfg.raw.optimizer.memory;
-    let resumed = |dir| crate::run::resume::load_for(dir, model_cfg, layout, &cfg.raw);
+    let resumed = |dir, hash| crate::run::resume::load_for(dir, model_cfg, layout, &cfg.raw, hash);
     if let (Some(dir), None) = (resume, &cfg.adapter) {
-        return Ok((resumed(dir)?, None));
+        return Ok(HostStart { state: resumed(dir, None)?, base: None, base_hash: None });
     }
     let rm = load_weights(&cfg.raw, cfg.adapter.as_ref(), model_cfg.clone(), layout.clone())?;
     let state = match resume {
-        Some(dir) => resumed(dir)?,
+        Some(dir) => resumed(dir, rm.base_hash.as_deref())?,
         None => TrainState::for_memory(rm.params, layout, mode),
     };
-    Ok((state, rm.base.map(Arc::new)))
+    Ok(HostStart { state, base: rm.base.map(Arc::new), base_hash: rm.base_hash })
 }
 
 /// What the resolved `engine.recompute` does, for the start-up line: `kept` of `layers` layers
@@ -569,7 +582,8 @@ impl StepLoop {
             let state = tr.engine.checked_state()?;
             self.progress.println(&format!("saving checkpoint step-{:08}", state.step));
             let (layout, model) = (&tr.layout, &tr.model_cfg);
-            let dir = crate::run::resume::save(out_dir, state, layout, model, yaml, keep)?;
+            let base = tr.base_hash.as_deref();
+            let dir = crate::run::resume::save(out_dir, state, layout, model, yaml, keep, base)?;
             tracing::info!(dir = %dir.display(), "checkpoint written");
             self.last_ckpt = Some(dir);
         }
