@@ -57,10 +57,14 @@ fn step(t: u64) -> AdamWStep {
 /// The fp32 AdamW operations, on their own masters and moments.
 fn fp32_ops<'a>(n: usize, p0: &[f32], g: &'a [f32]) -> Vec<Op<'a>> {
     let (mut p, mut m, mut v) = (p0.to_vec(), vec![0f32; n], vec![0f32; n]);
-    let plain = move |t| adamw_update(&mut p, g, &mut m, &mut v, &step(t), 0.5);
+    let plain = move |t| {
+        adamw_update(&mut p, g, &mut m, &mut v, &step(t), 0.5);
+    };
     let (mut p, mut m, mut v) = (p0.to_vec(), vec![0f32; n], vec![0f32; n]);
     let mut img = vec![Bf16(0); n];
-    let image = move |t| adamw_update_image(&mut p, &mut img, g, &mut m, &mut v, &step(t), 0.5);
+    let image = move |t| {
+        adamw_update_image(&mut p, &mut img, g, &mut m, &mut v, &step(t), 0.5);
+    };
     vec![
         Op { key: "adamw", bytes: 28.0, json: true, run: Box::new(plain) },
         Op { key: "adamw_image", bytes: 30.0, json: true, run: Box::new(image) },

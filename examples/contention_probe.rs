@@ -56,7 +56,9 @@ fn main() {
         std::thread::sleep(Duration::from_micros(nap));
         let t = Instant::now();
         match kind {
-            0 => host.install(|| Moments32 { m: mm, v }.update(p, g, &st, 1.0, 7, None)),
+            0 => host.install(|| {
+                std::hint::black_box(Moments32 { m: mm, v }.update(p, g, &st, 1.0, 7, None));
+            }),
             1 => host.install(|| add_inplace(p, g)),
             2 => host.install(|| {
                 std::hint::black_box(sum_squares(g));

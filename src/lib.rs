@@ -4,11 +4,12 @@
 //! The modules are layers, and every import points down (`layering` keeps it so):
 //! `run` (the verbs and what they share) -> `sim` (the model of a machine) -> `engine` (the step
 //! as a plan, and its executor) -> `store` (the host state) -> `optim` -> `model` -> `data`,
-//! `adapter` -> `hf`, `tokenizer`, `rng`, and the backend crate below them all.
+//! `adapter` -> `hf`, `tokenizer`, `rng` -> `hash`, and the backend crate below them all.
 
 pub mod adapter;
 pub mod data;
 pub mod engine;
+pub mod hash;
 pub mod hf;
 pub mod model;
 pub mod optim;
@@ -36,6 +37,7 @@ mod layering {
             "optim" => 3,
             "model" | "data" | "adapter" => 2,
             "hf" | "tokenizer" | "rng" => 1,
+            "hash" => 0,
             other => panic!(
                 "src/{other}: a new top-level module needs its layer in `layering::layer` (and a \
                  line in ARCHITECTURE.md's code map)"
@@ -139,7 +141,7 @@ mod layering {
         assert!(
             wrong.is_empty(),
             "imports that do not point down (run -> sim -> engine -> store -> optim -> model, \
-             data, adapter -> hf, tokenizer, rng):\n{}",
+             data, adapter -> hf, tokenizer, rng -> hash):\n{}",
             wrong.join("\n")
         );
     }

@@ -167,15 +167,26 @@ impl TrainState {
     }
 
     /// Clip by the global norm (`max_norm` 0 = off) and take one AdamW step on every buffer.
-    pub fn optimizer_step(&mut self, cfg: &AdamWConfig, lr: f64, grad_norm: f64, max_norm: f64) {
+    /// Returns the elements each buffer's update held (`optim::adamw`'s "Held elements": their
+    /// new master or moment would not have been finite, so they kept their values).
+    pub fn optimizer_step(
+        &mut self,
+        cfg: &AdamWConfig,
+        lr: f64,
+        grad_norm: f64,
+        max_norm: f64,
+    ) -> Vec<u64> {
         self.step += 1;
         self.updates += 1;
         let coef = clip_coefficient(grad_norm, max_norm);
         let st = AdamWStep::new(cfg, self.updates, lr);
-        for i in 0..self.grads.buffers().len() {
-            let seed = update_seed(self.updates, i);
-            let g = self.grads.buffer(i);
-            self.opt.buffer(i).update(self.params.buffer_mut(i), g, &st, coef, seed, None);
-        }
+        (0..self.grads.buffers().len())
+            .map(|i| {
+                let seed = update_seed(self.updates, i);
+                let g = self.grads.buffer(i);
+                let w = self.params.buffer_mut(i);
+                self.opt.buffer(i).update(w, g, &st, coef, seed, None) as u64
+            })
+            .collect()
     }
 }

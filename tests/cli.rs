@@ -517,9 +517,11 @@ fn tiny_config(dir: &Path, sections: &str) -> std::path::PathBuf {
     cfg
 }
 
-/// `final/` is never written with a non-finite weight (issue 45): an update that overflows the
-/// masters (a learning rate past f32's range) on the last step, which no later step's checks
-/// see, stops the export, naming the tensor; the run fails.
+/// `final/` is never written with a non-finite weight (issue 45): an update that would overflow
+/// the masters (a learning rate past f32's range) on the last step is held back, element by
+/// element, so no weight goes non-finite; the step is reported bad, and a run none of whose
+/// steps trained cleanly writes no `final/`; the run fails. (Before the updates were held, the
+/// export's own scan of the weights stopped it, naming the tensor: it still stands behind.)
 #[test]
 fn final_is_never_written_with_a_non_finite_weight() {
     let tmp = tempfile::tempdir().unwrap();
@@ -534,6 +536,8 @@ fn final_is_never_written_with_a_non_finite_weight() {
     assert!(!o.status.success(), "{e}");
     assert!(e.contains("was not written") && e.contains("after training"), "{e}");
     assert!(!out.join("final").exists());
+    let metrics = fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    assert!(metrics.contains("\"held\"") && metrics.contains("model.layers.0"), "{metrics}");
 }
 
 /// A new run into an `output.dir` that holds another run's checkpoints is refused (issue 45:

@@ -287,6 +287,7 @@ fn compact_resumes_bit_identically_and_is_refused_across_modes() {
         &model_cfg,
         &yaml,
         2,
+        None,
     )
     .unwrap();
     assert!(dir.join("moments8.bin").is_file());
@@ -343,6 +344,7 @@ fn lean_and_exact_resume_each_other() {
         &model_cfg,
         &exact,
         2,
+        None,
     )
     .unwrap();
     drop(first);

@@ -261,13 +261,7 @@ impl Checkpoint {
         }
         let &i = self.tensors.get(name)?;
         let (_, dtype, _) = self.files[i].tensor(name)?;
-        Some(match dtype {
-            Dtype::F32 => "F32",
-            Dtype::BF16 => "BF16",
-            Dtype::F16 => "F16",
-            Dtype::F64 => "F64",
-            _ => "other",
-        })
+        Some(dtype_name(dtype))
     }
 
     /// Whether tensor `name` is present (a view, or a stored tensor no view covers).
@@ -287,6 +281,32 @@ impl Checkpoint {
         dst: &mut [f32],
         non_finite: NonFinite,
     ) -> Result<()> {
+        self.read_into(name, shape, dst, non_finite, false).map(|_| ())
+    }
+
+    /// [`Checkpoint::read_f32`], also returning the tensor's content hash ([`tensor_hash`]):
+    /// every stored byte, hashed tile by tile in the conversion's own pass (each tile while it
+    /// is in cache, the tiles in parallel, combined in order: the same hash on any thread
+    /// count, and whichever shard holds the tensor).
+    pub fn read_f32_hashed(
+        &self,
+        name: &str,
+        shape: &[usize],
+        dst: &mut [f32],
+        non_finite: NonFinite,
+    ) -> Result<u64> {
+        self.read_into(name, shape, dst, non_finite, true).map(|h| h.expect("hashed"))
+    }
+
+    /// [`Checkpoint::read_f32`], and with `hash` the tensor's content hash.
+    fn read_into(
+        &self,
+        name: &str,
+        shape: &[usize],
+        dst: &mut [f32],
+        non_finite: NonFinite,
+        hash: bool,
+    ) -> Result<Option<u64>> {
         let numel: usize = shape.iter().product();
         assert_eq!(dst.len(), numel, "read_f32('{name}'): dst length does not match {shape:?}");
         let view = self.views.get(name);
@@ -315,17 +335,18 @@ impl Checkpoint {
                 file.path.display()
             );
         }
-        let bad = match dtype {
-            Dtype::F32 => convert_f32(dst, bytes, f32::from_le_bytes),
-            Dtype::BF16 => convert_f32(dst, bytes, bf16_to_f32),
-            Dtype::F16 => convert_f32(dst, bytes, |b| half::f16::from_le_bytes(b).to_f32()),
-            Dtype::F64 => convert_f32(dst, bytes, |b| f64::from_le_bytes(b) as f32),
+        let (bad, tiles) = match dtype {
+            Dtype::F32 => convert_f32(dst, bytes, f32::from_le_bytes, hash),
+            Dtype::BF16 => convert_f32(dst, bytes, bf16_to_f32, hash),
+            Dtype::F16 => convert_f32(dst, bytes, |b| half::f16::from_le_bytes(b).to_f32(), hash),
+            Dtype::F64 => convert_f32(dst, bytes, |b| f64::from_le_bytes(b) as f32, hash),
             other => bail!(
                 "tensor '{name}' in {} has dtype {other:?}; supported: F32, BF16, F16, F64",
                 file.path.display()
             ),
         };
-        let Some(NonFiniteFound { first, count }) = bad else { return Ok(()) };
+        let content = hash.then(|| tensor_hash(name, dtype_name(dtype), shape, &tiles));
+        let Some(NonFiniteFound { first, count }) = bad else { return Ok(content) };
         let what = format!(
             "tensor '{name}' in {} holds {count} non-finite value(s) of {}; the first is {} at flat index {first} (index {:?} of shape {shape:?})",
             file.path.display(),
@@ -339,7 +360,7 @@ impl Checkpoint {
             ),
             NonFinite::Allow => {
                 tracing::warn!("{what} (loaded anyway: model.allow_non_finite)");
-                Ok(())
+                Ok(content)
             }
         }
     }
@@ -475,20 +496,52 @@ fn bf16_to_f32(b: [u8; 2]) -> f32 {
     f32::from_bits(u32::from(u16::from_le_bytes(b)) << 16)
 }
 
+/// A stored dtype's safetensors name (`F32`, `BF16`, `F16`, `F64`; `other` for the rest).
+fn dtype_name(dtype: Dtype) -> &'static str {
+    match dtype {
+        Dtype::F32 => "F32",
+        Dtype::BF16 => "BF16",
+        Dtype::F16 => "F16",
+        Dtype::F64 => "F64",
+        _ => "other",
+    }
+}
+
+/// Elements per tile of [`convert_f32`]: a tile's source bytes are hashed as one piece.
+const TILE: usize = 1 << 16;
+
+/// A tensor's content hash: [`crate::hash`] of its name, dtype and shape, then of the hash of
+/// each tile of [`TILE`] elements of its stored bytes, in order (`tiles`).
+pub fn tensor_hash(name: &str, dtype: &str, shape: &[usize], tiles: &[u64]) -> u64 {
+    let mut h = crate::hash::Stream::new();
+    h.feed(name.as_bytes());
+    h.feed(&[0]);
+    h.feed(dtype.as_bytes());
+    for &d in shape {
+        h.feed(&(d as u64).to_le_bytes());
+    }
+    for t in tiles {
+        h.feed(&t.to_le_bytes());
+    }
+    h.finish()
+}
+
 /// [`convert`] into f32, counting the non-finite values of each tile while it is still in
-/// cache (one pass over memory); `None` when every value is finite.
+/// cache (one pass over memory; `None` when every value is finite) and with `hash` hashing
+/// each tile's source bytes there too (the hashes in tile order; empty without `hash`).
 /// dst: (n,), overwritten; src: (n * N,) bytes.
 fn convert_f32<const N: usize>(
     dst: &mut [f32],
     src: &[u8],
     f: impl Fn([u8; N]) -> f32 + Sync,
-) -> Option<NonFiniteFound> {
-    const TILE: usize = 1 << 16;
+    hash: bool,
+) -> (Option<NonFiniteFound>, Vec<u64>) {
     assert_eq!(src.len(), dst.len() * N, "convert_f32: byte count does not match element count");
-    dst.par_chunks_mut(TILE)
+    let tiles: Vec<(Option<NonFiniteFound>, u64)> = dst
+        .par_chunks_mut(TILE)
         .zip(src.par_chunks(TILE * N))
         .enumerate()
-        .filter_map(|(t, (d, s))| {
+        .map(|(t, (d, s))| {
             // A branch-free flag in the conversion loop (it vectorises with it); the count and
             // the position only for a tile that has one.
             let mut any = false;
@@ -497,21 +550,23 @@ fn convert_f32<const N: usize>(
                 any |= !v.is_finite();
                 *x = v;
             }
-            any.then(|| NonFiniteFound {
+            let bad = any.then(|| NonFiniteFound {
                 first: t * TILE + d.iter().position(|x| !x.is_finite()).expect("one is"),
                 count: d.iter().filter(|x| !x.is_finite()).count(),
-            })
+            });
+            (bad, if hash { crate::hash::of(s) } else { 0 })
         })
-        .reduce_with(|a, b| NonFiniteFound {
-            first: a.first.min(b.first),
-            count: a.count + b.count,
-        })
+        .collect();
+    let bad = tiles
+        .iter()
+        .filter_map(|(b, _)| *b)
+        .reduce(|a, b| NonFiniteFound { first: a.first.min(b.first), count: a.count + b.count });
+    (bad, if hash { tiles.iter().map(|(_, h)| *h).collect() } else { Vec::new() })
 }
 
 /// Decodes little-endian elements of `N` bytes from `src` into `dst`, in parallel tiles.
 /// dst: (n,), overwritten; src: (n * N,) bytes.
 fn convert<T: Send, const N: usize>(dst: &mut [T], src: &[u8], f: impl Fn([u8; N]) -> T + Sync) {
-    const TILE: usize = 1 << 16;
     assert_eq!(src.len(), dst.len() * N, "convert: byte count does not match element count");
     dst.par_chunks_mut(TILE).zip(src.par_chunks(TILE * N)).for_each(|(d, s)| {
         for (x, b) in d.iter_mut().zip(s.chunks_exact(N)) {
@@ -830,24 +885,93 @@ mod tests {
         let gbs = |bytes: usize, s: f64| bytes as f64 / s / 1e9;
         let plain = best(&mut || convert(&mut dst, &f32_bytes, f32::from_le_bytes));
         let scanned = best(&mut || {
-            assert!(convert_f32(&mut dst, &f32_bytes, f32::from_le_bytes).is_none());
+            assert!(convert_f32(&mut dst, &f32_bytes, f32::from_le_bytes, false).0.is_none());
+        });
+        let hashed = best(&mut || {
+            assert!(convert_f32(&mut dst, &f32_bytes, f32::from_le_bytes, true).0.is_none());
         });
         eprintln!(
-            "f32 -> f32, 256 MiB: plain {:.1} GB/s, with the scan {:.1} GB/s ({:+.1}%)",
+            "f32 -> f32, 256 MiB: plain {:.1} GB/s, with the scan {:.1} GB/s ({:+.1}%), and the \
+             hash {:.1} GB/s ({:+.1}%)",
             gbs(4 * n, plain),
             gbs(4 * n, scanned),
-            (scanned / plain - 1.0) * 100.0
+            (scanned / plain - 1.0) * 100.0,
+            gbs(4 * n, hashed),
+            (hashed / plain - 1.0) * 100.0
         );
         let to_f32 = |b: [u8; 2]| half::bf16::from_le_bytes(b).to_f32();
         let plain = best(&mut || convert(&mut dst, &bf16_bytes, to_f32));
-        let scanned =
-            best(&mut || assert!(convert_f32(&mut dst, &bf16_bytes, bf16_to_f32).is_none()));
+        let scanned = best(&mut || {
+            assert!(convert_f32(&mut dst, &bf16_bytes, bf16_to_f32, false).0.is_none())
+        });
+        let hashed = best(&mut || {
+            assert!(convert_f32(&mut dst, &bf16_bytes, bf16_to_f32, true).0.is_none())
+        });
         eprintln!(
-            "bf16 -> f32, 128 MiB: plain (half) {:.1} GB/s, bit shift with the scan {:.1} GB/s ({:+.1}%)",
+            "bf16 -> f32, 128 MiB: plain (half) {:.1} GB/s, bit shift with the scan {:.1} GB/s \
+             ({:+.1}%), and the hash {:.1} GB/s ({:+.1}%)",
             gbs(2 * n, plain),
             gbs(2 * n, scanned),
-            (scanned / plain - 1.0) * 100.0
+            (scanned / plain - 1.0) * 100.0,
+            gbs(2 * n, hashed),
+            (hashed / plain - 1.0) * 100.0
         );
+    }
+
+    /// A tensor's content hash covers every stored byte, its dtype and shape: the same
+    /// tensors give the same hashes in one file or split over shards in any order, on one
+    /// thread or three (tensors of several tiles, a partial last one); a byte changed anywhere,
+    /// or another dtype of the same values, changes it. It reads what `read_f32` reads.
+    #[test]
+    fn a_tensors_content_hash_is_its_bytes_wherever_it_is_stored() {
+        let dir = tempfile::tempdir().unwrap();
+        let a: Vec<f32> = (0..3 * TILE + 18).map(|i| (i as f32 * 0.37).sin()).collect();
+        let b: Vec<f32> = (0..1000).map(|i| (i % 256) as f32).collect(); // exact in bf16
+        let single = dir.path().join("single");
+        std::fs::create_dir(&single).unwrap();
+        let tensors = [("a".to_string(), vec![3, TILE + 6], &a[..]), ("b".into(), vec![1000], &b)];
+        write_safetensors(&single.join(SINGLE_FILE), &tensors, SaveDtype::F32).unwrap();
+        let sharded = dir.path().join("sharded");
+        std::fs::create_dir(&sharded).unwrap();
+        for (file, t) in [("s2.safetensors", &tensors[..1]), ("s1.safetensors", &tensors[1..])] {
+            write_safetensors(&sharded.join(file), t, SaveDtype::F32).unwrap();
+        }
+        let index =
+            serde_json::json!({"weight_map": {"a": "s2.safetensors", "b": "s1.safetensors"}});
+        std::fs::write(sharded.join(INDEX_FILE), index.to_string()).unwrap();
+        let hashes = |dir: &Path, threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            let ckpt = Checkpoint::open(dir).unwrap();
+            pool.install(|| {
+                tensors.clone().map(|(name, shape, data)| {
+                    let mut got = vec![0.0f32; data.len()];
+                    let h = ckpt.read_f32_hashed(&name, &shape, &mut got, NonFinite::Refuse);
+                    let mut plain = vec![0.0f32; data.len()];
+                    ckpt.read_f32(&name, &shape, &mut plain, NonFinite::Refuse).unwrap();
+                    assert!(got == plain, "{name}: the values read_f32 reads");
+                    h.unwrap()
+                })
+            })
+        };
+        let want = hashes(&single, 1);
+        assert_ne!(want[0], want[1]);
+        for (d, threads) in [(&single, 3), (&sharded, 1), (&sharded, 3)] {
+            assert_eq!(hashes(d, threads), want, "{} on {threads} threads", d.display());
+        }
+        // One byte of `a`, in a middle tile, changed: its hash changes, `b`'s does not.
+        let path = single.join(SINGLE_FILE);
+        let mut bytes = std::fs::read(&path).unwrap();
+        let n = bytes.len();
+        bytes[n - 1000 * 4 - 4 * (TILE + 5)] ^= 1;
+        std::fs::write(&path, &bytes).unwrap();
+        let got = hashes(&single, 3);
+        assert!(got[0] != want[0] && got[1] == want[1], "{got:x?} {want:x?}");
+        // The same values as bf16: another content.
+        write_safetensors(&path, &tensors, SaveDtype::Bf16).unwrap();
+        let ckpt = Checkpoint::open(&single).unwrap();
+        let mut got = vec![0.0f32; 1000];
+        let h = ckpt.read_f32_hashed("b", &[1000], &mut got, NonFinite::Refuse).unwrap();
+        assert!(got == b && h != want[1]);
     }
 
     #[test]

@@ -8,6 +8,7 @@
 //! (`LayerSpec::frozen` weights, in slot order) and the layer's packed words
 //! (`LayerSpec::packed`).
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use anyhow::Result;
@@ -19,6 +20,19 @@ use crate::model::layout::{EMBED, FINAL_NORM, LM_HEAD, ModelLayout};
 use crate::model::lora::BaseDtype;
 use crate::model::spec::{Init, Stored, TensorSpec};
 use crate::rng::SplitMix64;
+
+/// A base's content hash: [`crate::hash`] over each tensor's name and content hash, in name
+/// order, as 16 hex digits. It depends on every stored byte, dtype and shape of the tensors,
+/// never on where the files are, how the tensors are split into shards, or the thread count.
+pub fn base_hash(tensors: &BTreeMap<String, u64>) -> String {
+    let mut h = crate::hash::Stream::new();
+    for (name, t) in tensors {
+        h.feed(name.as_bytes());
+        h.feed(&[0]);
+        h.feed(&t.to_le_bytes());
+    }
+    format!("{:016x}", h.finish())
+}
 
 /// Frozen values in their dtype.
 #[derive(Clone, Debug, PartialEq)]
@@ -115,14 +129,16 @@ impl FrozenBase {
     }
 
     /// The base of `layout` from a HF checkpoint: each tensor read (any supported dtype),
-    /// kept in `dtype`, the packed ones quantised to NF4 as bitsandbytes does. Missing or
-    /// misshapen tensors are errors naming them.
+    /// kept in `dtype`, the packed ones quantised to NF4 as bitsandbytes does; and its content
+    /// hash ([`base_hash`] of each tensor's [`Checkpoint::read_f32_hashed`], computed in the
+    /// read's own pass over the bytes: no second read). Missing or misshapen tensors are errors
+    /// naming them.
     pub fn load_hf(
         layout: &ModelLayout,
         dir: &Path,
         dtype: BaseDtype,
         non_finite: NonFinite,
-    ) -> Result<Self> {
+    ) -> Result<(Self, String)> {
         let mut ckpt = Checkpoint::open(dir)?;
         if let Some(m) = &layout.moe {
             let d = layout.dims;
@@ -134,9 +150,11 @@ impl FrozenBase {
         ckpt.check_names_under(&layout.prefix, &names, &optional)?;
         ckpt.check_shapes_under(&layout.prefix, &tensors)?;
         let mut base = FrozenBase::zeros(layout, dtype);
-        let read = |name: &str, shape: &[usize]| -> Result<Vec<f32>> {
-            let mut v = vec![0.0; shape.iter().product()];
-            ckpt.read_f32(&format!("{}{name}", layout.prefix), shape, &mut v, non_finite)?;
+        let mut hashes = BTreeMap::new();
+        let mut read = |name: &str, shape: &[usize]| -> Result<Vec<f32>> {
+            let (name, mut v) =
+                (format!("{}{name}", layout.prefix), vec![0.0; shape.iter().product()]);
+            hashes.insert(name.clone(), ckpt.read_f32_hashed(&name, shape, &mut v, non_finite)?);
             Ok(v)
         };
         let d = layout.dims;
@@ -151,7 +169,7 @@ impl FrozenBase {
                 base.put(i, t, &v);
             }
         }
-        Ok(base)
+        Ok((base, base_hash(&hashes)))
     }
 
     /// Layer `i`'s frozen tensor `t` from fp32 values (quantised when it is packed).

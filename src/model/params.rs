@@ -11,6 +11,18 @@ use crate::model::layout::{EMBED, FINAL_NORM, LM_HEAD, ModelLayout};
 use crate::model::spec::Init;
 use crate::rng::SplitMix64;
 
+/// The name of buffer `i` of a model of `layers` layers (the order of [`ParamStore::buffers`]):
+/// the HF module it holds, `model.embed_tokens`, `model.layers.{i}`, `model.norm` or `lm_head`.
+pub fn buffer_name(layers: usize, i: usize) -> String {
+    let module = |tensor: &str| tensor.trim_end_matches(".weight").to_string();
+    match i {
+        0 => module(EMBED),
+        i if i <= layers => ModelLayout::layer_name(i - 1, "").trim_end_matches('.').to_string(),
+        i if i == layers + 1 => module(FINAL_NORM),
+        _ => module(LM_HEAD),
+    }
+}
+
 /// A full set of model-shaped fp32 buffers in host RAM.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ParamStore {

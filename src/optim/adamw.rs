@@ -50,6 +50,17 @@
 //! bf16 weights, produced while the masters are in registers instead of in a second pass over
 //! them. The masters and moments are bit-identical with and without the image (tested); the
 //! plain functions are compiled without the image code.
+//!
+//! # Held elements
+//!
+//! An element whose new master, `m` or `v` would not be finite (an f32 overflow: `g * g` of a
+//! huge unclipped gradient in `v`, a master pushed past `f32::MAX` by a huge `lr`; or a NaN)
+//! is *held*: nothing new is written for it, its master and moments keep their old values
+//! (still in registers), and its image is `bf16` of that old master. Every update function
+//! returns how many elements it held, counted in the same pass (no second pass over the
+//! masters). The test is a select after the element's update, so the held count and every
+//! written bit are the same on the serial, parallel, SIMD and scalar paths (tested), and an
+//! update that holds nothing is bit-identical to one without the test.
 
 use horizon_backend::Bf16;
 use rayon::prelude::*;
@@ -160,8 +171,32 @@ pub(crate) fn update_one<const SMALL_LERP: bool, const RECIPROCAL: bool>(
     (p, m, v)
 }
 
+/// Whether an element's new `(param, m, v)` is held (see the module's "Held elements"): one of
+/// them is not finite. `&`, not `&&`: no branch, so the lane loops stay vectorised.
+#[inline(always)]
+pub(crate) fn held(p: f32, m: f32, v: f32) -> bool {
+    !(p.is_finite() & m.is_finite() & v.is_finite())
+}
+
+/// [`update_one`], or the element held: the new `(param, m, v)` where all three are finite,
+/// else the old ones; and whether it was held. A select, so the SIMD bodies keep it
+/// branch-free.
+#[inline(always)]
+fn update_or_hold<const SMALL_LERP: bool>(
+    p: f32,
+    grad: f32,
+    m: f32,
+    v: f32,
+    s: &AdamWStep,
+    grad_scale: f32,
+) -> (f32, f32, f32, bool) {
+    let (pn, mn, vn) = update_one::<SMALL_LERP, false>(p, grad, m, v, s, grad_scale);
+    let h = held(pn, mn, vn);
+    if h { (p, m, v, true) } else { (pn, mn, vn, false) }
+}
+
 /// Scalar loop over one slice; with `IMAGE`, also `image[i] = bf16(param[i])` of the new
-/// masters (`image` is empty without it).
+/// masters (`image` is empty without it). Returns the elements held.
 #[inline(always)]
 fn update_scalar<const SMALL_LERP: bool, const IMAGE: bool>(
     param: &mut [f32],
@@ -171,19 +206,24 @@ fn update_scalar<const SMALL_LERP: bool, const IMAGE: bool>(
     v: &mut [f32],
     s: &AdamWStep,
     grad_scale: f32,
-) {
+) -> usize {
+    let mut held = 0;
     for (i, (((p, &g), m), v)) in
         param.iter_mut().zip(grad).zip(m.iter_mut()).zip(v.iter_mut()).enumerate()
     {
-        (*p, *m, *v) = update_one::<SMALL_LERP, false>(*p, g, *m, *v, s, grad_scale);
+        let h;
+        (*p, *m, *v, h) = update_or_hold::<SMALL_LERP>(*p, g, *m, *v, s, grad_scale);
+        held += usize::from(h);
         if IMAGE {
             image[i] = Bf16::from_f32(*p);
         }
     }
+    held
 }
 
 /// Body over lanes of [`LANES`] (fixed-size arrays the compiler turns into vector instructions),
-/// then the scalar tail. Bit-identical to [`update_scalar`]: the same IEEE operations per element.
+/// then the scalar tail. Bit-identical to [`update_scalar`]: the same IEEE operations per element,
+/// the same elements held (returned: their count).
 #[inline(always)]
 fn update_lanes<const SMALL_LERP: bool, const IMAGE: bool>(
     param: &mut [f32],
@@ -193,12 +233,14 @@ fn update_lanes<const SMALL_LERP: bool, const IMAGE: bool>(
     v: &mut [f32],
     s: &AdamWStep,
     grad_scale: f32,
-) {
+) -> usize {
     let body = param.len() / LANES * LANES;
     let (p_body, p_tail) = param.split_at_mut(body);
     let (g_body, g_tail) = grad.split_at(body);
     let (m_body, m_tail) = m.split_at_mut(body);
     let (v_body, v_tail) = v.split_at_mut(body);
+    // Per lane, elements held (u32: a lane sees at most 2^32 elements of one call, 2^35 in all).
+    let mut held = [0u32; LANES];
     for (c, (((p, g), m), v)) in p_body
         .chunks_exact_mut(LANES)
         .zip(g_body.chunks_exact(LANES))
@@ -211,8 +253,10 @@ fn update_lanes<const SMALL_LERP: bool, const IMAGE: bool>(
         let m: &mut [f32; LANES] = m.try_into().unwrap();
         let v: &mut [f32; LANES] = v.try_into().unwrap();
         for l in 0..LANES {
-            (p[l], m[l], v[l]) =
-                update_one::<SMALL_LERP, false>(p[l], g[l], m[l], v[l], s, grad_scale);
+            let h;
+            (p[l], m[l], v[l], h) =
+                update_or_hold::<SMALL_LERP>(p[l], g[l], m[l], v[l], s, grad_scale);
+            held[l] += u32::from(h);
         }
         if IMAGE {
             let img: &mut [Bf16; LANES] = (&mut image[c * LANES..][..LANES]).try_into().unwrap();
@@ -222,7 +266,9 @@ fn update_lanes<const SMALL_LERP: bool, const IMAGE: bool>(
         }
     }
     let i_tail = if IMAGE { &mut image[body..] } else { &mut [] };
-    update_scalar::<SMALL_LERP, IMAGE>(p_tail, i_tail, g_tail, m_tail, v_tail, s, grad_scale);
+    let tail =
+        update_scalar::<SMALL_LERP, IMAGE>(p_tail, i_tail, g_tail, m_tail, v_tail, s, grad_scale);
+    held.iter().map(|&h| h as usize).sum::<usize>() + tail
 }
 
 /// [`update_lanes`] compiled with AVX2 enabled (8 f32 lanes per instruction). Enabling AVX2 does
@@ -240,11 +286,11 @@ unsafe fn update_lanes_avx2<const SMALL_LERP: bool, const IMAGE: bool>(
     v: &mut [f32],
     s: &AdamWStep,
     grad_scale: f32,
-) {
-    update_lanes::<SMALL_LERP, IMAGE>(param, image, grad, m, v, s, grad_scale);
+) -> usize {
+    update_lanes::<SMALL_LERP, IMAGE>(param, image, grad, m, v, s, grad_scale)
 }
 
-/// The fastest body this CPU runs, for one chunk.
+/// The fastest body this CPU runs, for one chunk; returns the elements held.
 fn update_chunk<const SMALL_LERP: bool, const IMAGE: bool>(
     param: &mut [f32],
     image: &mut [Bf16],
@@ -253,15 +299,16 @@ fn update_chunk<const SMALL_LERP: bool, const IMAGE: bool>(
     v: &mut [f32],
     s: &AdamWStep,
     grad_scale: f32,
-) {
+) -> usize {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: AVX2 support was just detected at run time, the only requirement of
         // `update_lanes_avx2`.
-        unsafe { update_lanes_avx2::<SMALL_LERP, IMAGE>(param, image, grad, m, v, s, grad_scale) };
-        return;
+        return unsafe {
+            update_lanes_avx2::<SMALL_LERP, IMAGE>(param, image, grad, m, v, s, grad_scale)
+        };
     }
-    update_lanes::<SMALL_LERP, IMAGE>(param, image, grad, m, v, s, grad_scale);
+    update_lanes::<SMALL_LERP, IMAGE>(param, image, grad, m, v, s, grad_scale)
 }
 
 /// [`update_chunk`] with the lerp formula of `s` picked.
@@ -273,11 +320,11 @@ fn update_chunk_any<const IMAGE: bool>(
     v: &mut [f32],
     s: &AdamWStep,
     grad_scale: f32,
-) {
+) -> usize {
     if s.lerp_weight_small() {
-        update_chunk::<true, IMAGE>(param, image, grad, m, v, s, grad_scale);
+        update_chunk::<true, IMAGE>(param, image, grad, m, v, s, grad_scale)
     } else {
-        update_chunk::<false, IMAGE>(param, image, grad, m, v, s, grad_scale);
+        update_chunk::<false, IMAGE>(param, image, grad, m, v, s, grad_scale)
     }
 }
 
@@ -311,7 +358,8 @@ fn check_image(param: &[f32], image: &[Bf16]) {
 /// - `step`: the scalars of this step, from [`AdamWStep::new`].
 /// - `grad_scale`: the clip coefficient ([`clip_coefficient`]); `1.0` leaves the gradient as is.
 ///
-/// Bit-identical to [`adamw_update_serial`].
+/// Returns the elements held (see the module's "Held elements": their master and moments are
+/// unchanged). Bit-identical to [`adamw_update_serial`], the same count.
 pub fn adamw_update(
     param: &mut [f32],
     grad: &[f32],
@@ -319,16 +367,15 @@ pub fn adamw_update(
     v: &mut [f32],
     step: &AdamWStep,
     grad_scale: f32,
-) {
+) -> usize {
     check_lengths(param, grad, m, v);
     param
         .par_chunks_mut(ADAMW_CHUNK)
         .zip(grad.par_chunks(ADAMW_CHUNK))
         .zip(m.par_chunks_mut(ADAMW_CHUNK))
         .zip(v.par_chunks_mut(ADAMW_CHUNK))
-        .for_each(|(((p, g), m), v)| {
-            update_chunk_any::<false>(p, &mut [], g, m, v, step, grad_scale)
-        });
+        .map(|(((p, g), m), v)| update_chunk_any::<false>(p, &mut [], g, m, v, step, grad_scale))
+        .sum()
 }
 
 /// [`adamw_update`] that also writes the bf16 image of the new masters in the same pass.
@@ -336,7 +383,8 @@ pub fn adamw_update(
 /// - `image`: (N) overwritten: `image[i] = Bf16::from_f32(param[i])` of the updated `param`
 ///   (round to nearest even), what the device's bf16 weights are.
 ///
-/// `param`, `m` and `v` end bit-identical to [`adamw_update`]'s.
+/// `param`, `m` and `v` end bit-identical to [`adamw_update`]'s, the same elements held (the
+/// count returned; a held element's image is `bf16` of its unchanged master).
 pub fn adamw_update_image(
     param: &mut [f32],
     image: &mut [Bf16],
@@ -345,7 +393,7 @@ pub fn adamw_update_image(
     v: &mut [f32],
     step: &AdamWStep,
     grad_scale: f32,
-) {
+) -> usize {
     check_lengths(param, grad, m, v);
     check_image(param, image);
     param
@@ -354,9 +402,8 @@ pub fn adamw_update_image(
         .zip(grad.par_chunks(ADAMW_CHUNK))
         .zip(m.par_chunks_mut(ADAMW_CHUNK))
         .zip(v.par_chunks_mut(ADAMW_CHUNK))
-        .for_each(|((((p, i), g), m), v)| {
-            update_chunk_any::<true>(p, i, g, m, v, step, grad_scale)
-        });
+        .map(|((((p, i), g), m), v)| update_chunk_any::<true>(p, i, g, m, v, step, grad_scale))
+        .sum()
 }
 
 /// Table rows per parallel task of a row-wise update ([`row_runs`]).
@@ -381,7 +428,8 @@ pub fn row_runs(rows: &[bool], want: bool) -> impl Iterator<Item = std::ops::Ran
 
 /// [`adamw_update`] (no `image`) or [`adamw_update_image`] of one stretch, vectorised, on the
 /// calling thread: the body of their parallel chunks, for callers that split a buffer their own
-/// way (the embedding's update in two parts of rows). Bit-identical to them on every element.
+/// way (the embedding's update in two parts of rows). Bit-identical to them on every element;
+/// returns the elements held.
 pub fn adamw_update_local(
     param: &mut [f32],
     image: Option<&mut [Bf16]>,
@@ -390,18 +438,19 @@ pub fn adamw_update_local(
     v: &mut [f32],
     step: &AdamWStep,
     grad_scale: f32,
-) {
+) -> usize {
     check_lengths(param, grad, m, v);
     match image {
         Some(image) => {
             check_image(param, image);
-            update_chunk_any::<true>(param, image, grad, m, v, step, grad_scale);
+            update_chunk_any::<true>(param, image, grad, m, v, step, grad_scale)
         }
         None => update_chunk_any::<false>(param, &mut [], grad, m, v, step, grad_scale),
     }
 }
 
 /// [`adamw_update`] as one plain scalar loop on the calling thread: the reference path.
+/// Returns the elements held.
 pub fn adamw_update_serial(
     param: &mut [f32],
     grad: &[f32],
@@ -409,16 +458,17 @@ pub fn adamw_update_serial(
     v: &mut [f32],
     step: &AdamWStep,
     grad_scale: f32,
-) {
+) -> usize {
     check_lengths(param, grad, m, v);
     if step.lerp_weight_small() {
-        update_scalar::<true, false>(param, &mut [], grad, m, v, step, grad_scale);
+        update_scalar::<true, false>(param, &mut [], grad, m, v, step, grad_scale)
     } else {
-        update_scalar::<false, false>(param, &mut [], grad, m, v, step, grad_scale);
+        update_scalar::<false, false>(param, &mut [], grad, m, v, step, grad_scale)
     }
 }
 
-/// [`adamw_update_image`] as one plain scalar loop on the calling thread.
+/// [`adamw_update_image`] as one plain scalar loop on the calling thread. Returns the elements
+/// held.
 pub fn adamw_update_serial_image(
     param: &mut [f32],
     image: &mut [Bf16],
@@ -427,13 +477,13 @@ pub fn adamw_update_serial_image(
     v: &mut [f32],
     step: &AdamWStep,
     grad_scale: f32,
-) {
+) -> usize {
     check_lengths(param, grad, m, v);
     check_image(param, image);
     if step.lerp_weight_small() {
-        update_scalar::<true, true>(param, image, grad, m, v, step, grad_scale);
+        update_scalar::<true, true>(param, image, grad, m, v, step, grad_scale)
     } else {
-        update_scalar::<false, true>(param, image, grad, m, v, step, grad_scale);
+        update_scalar::<false, true>(param, image, grad, m, v, step, grad_scale)
     }
 }
 
@@ -659,6 +709,111 @@ mod tests {
         }
     }
 
+    /// Three ways an update goes non-finite, on `n` elements: masters at `f32::MAX` pushed
+    /// outward by a large `lr` (every 5th), gradients whose `g²` overflows `v` with clipping
+    /// off (every 7th), and an `lr` so large that every step is infinite. Returns the config,
+    /// masters, gradients, moments and the elements that must be held.
+    #[allow(clippy::type_complexity)]
+    fn overflowing(
+        case: usize,
+        n: usize,
+    ) -> (AdamWConfig, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<usize>) {
+        let c = AdamWConfig { weight_decay: 0.0, ..cfg() };
+        let (mut p, mut g) = (values(n, 1), values(n, 2));
+        let (mut m, v) = (values(n, 3), values(n, 4).iter().map(|x| x * x).collect());
+        match case {
+            0 => {
+                let at: Vec<usize> = (0..n).step_by(5).collect();
+                for &i in &at {
+                    (p[i], g[i], m[i]) = (f32::MAX, -0.5, 0.0);
+                }
+                // Half an ulp of f32::MAX is 1.0e31; these steps are 8e31 or more outward.
+                (AdamWConfig { lr: 1e33, ..c }, p, g, m, v, at)
+            }
+            1 => {
+                let at: Vec<usize> = (0..n).step_by(7).collect();
+                at.iter().for_each(|&i| g[i] = 1e21);
+                (c, p, g, m, v, at)
+            }
+            _ => (AdamWConfig { lr: 1e39, ..c }, p, g, m, v, (0..n).collect()),
+        }
+    }
+
+    /// `update_one` element by element, written only where all three results are finite: what
+    /// every path must produce, and the count it must return.
+    fn held_reference(
+        p: &mut [f32],
+        g: &[f32],
+        m: &mut [f32],
+        v: &mut [f32],
+        s: &AdamWStep,
+    ) -> usize {
+        let mut held = 0;
+        for i in 0..p.len() {
+            let (pn, mn, vn) = if s.lerp_weight_small() {
+                update_one::<true, false>(p[i], g[i], m[i], v[i], s, 1.0)
+            } else {
+                update_one::<false, false>(p[i], g[i], m[i], v[i], s, 1.0)
+            };
+            if pn.is_finite() && mn.is_finite() && vn.is_finite() {
+                (p[i], m[i], v[i]) = (pn, mn, vn);
+            } else {
+                held += 1;
+            }
+        }
+        held
+    }
+
+    /// An element whose new master or moment would not be finite is held: its master and
+    /// moments keep their bits (and its image is bf16 of the kept master), every other element
+    /// is updated, and the count is returned; on every path (parallel, serial, image, local,
+    /// portable lanes, scalar), at sizes that are not multiples of the lane width, with the
+    /// same bits and count. A master at f32::MAX, a gradient whose square overflows v with no
+    /// clipping, an infinite step.
+    #[test]
+    fn an_element_that_would_go_non_finite_is_held_on_every_path() {
+        type Path =
+            fn(&mut [f32], &mut [Bf16], &[f32], &mut [f32], &mut [f32], &AdamWStep) -> usize;
+        let paths: [(&str, Path); 8] = [
+            ("parallel", |p, _, g, m, v, s| adamw_update(p, g, m, v, s, 1.0)),
+            ("serial", |p, _, g, m, v, s| adamw_update_serial(p, g, m, v, s, 1.0)),
+            ("image", |p, i, g, m, v, s| adamw_update_image(p, i, g, m, v, s, 1.0)),
+            ("serial image", |p, i, g, m, v, s| adamw_update_serial_image(p, i, g, m, v, s, 1.0)),
+            ("local", |p, _, g, m, v, s| adamw_update_local(p, None, g, m, v, s, 1.0)),
+            ("local image", |p, i, g, m, v, s| adamw_update_local(p, Some(i), g, m, v, s, 1.0)),
+            ("portable lanes", |p, i, g, m, v, s| {
+                update_lanes::<true, true>(p, i, g, m, v, s, 1.0)
+            }),
+            ("scalar", |p, i, g, m, v, s| update_scalar::<true, true>(p, i, g, m, v, s, 1.0)),
+        ];
+        for n in [43, ADAMW_CHUNK + 9] {
+            for case in 0..3 {
+                let (c, p0, g, m0, v0, must) = overflowing(case, n);
+                let s = AdamWStep::new(&c, 2, c.lr);
+                assert!(s.lerp_weight_small(), "the lane paths above are the small-lerp ones");
+                let (mut pw, mut mw, mut vw) = (p0.clone(), m0.clone(), v0.clone());
+                let want = held_reference(&mut pw, &g, &mut mw, &mut vw, &s);
+                assert!(must.iter().all(|&i| pw[i] == p0[i] && mw[i] == m0[i]), "case {case}");
+                assert!(want >= must.len() && (want < n || case == 2), "case {case}: {want}");
+                for (name, f) in paths {
+                    let (mut p, mut m, mut v) = (p0.clone(), m0.clone(), v0.clone());
+                    let mut img = vec![Bf16(0xdead); n];
+                    let held = f(&mut p, &mut img, &g, &mut m, &mut v, &s);
+                    let what = format!("{name}, case {case}, n {n}");
+                    assert_eq!(held, want, "{what}: held count");
+                    assert_eq!(bits(&p), bits(&pw), "{what}: masters");
+                    assert_eq!((bits(&m), bits(&v)), (bits(&mw), bits(&vw)), "{what}: moments");
+                    assert!(p.iter().chain(&m).chain(&v).all(|x| x.is_finite()), "{what}");
+                    if !name.contains("image") && !name.contains("lanes") && name != "scalar" {
+                        continue;
+                    }
+                    let rounded: Vec<Bf16> = p.iter().map(|&x| Bf16::from_f32(x)).collect();
+                    assert!(img == rounded, "{what}: image != bf16(masters)");
+                }
+            }
+        }
+    }
+
     #[test]
     fn portable_lanes_match_scalar() {
         // The non-AVX2 body (what a CPU without AVX2 runs) against the scalar loop.
@@ -679,7 +834,7 @@ mod tests {
     fn run_image(
         n: usize,
         beta1: f64,
-        f: impl Fn(&mut [f32], &mut [Bf16], &[f32], &mut [f32], &mut [f32], &AdamWStep, f32),
+        f: impl Fn(&mut [f32], &mut [Bf16], &[f32], &mut [f32], &mut [f32], &AdamWStep, f32) -> usize,
     ) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<Bf16>) {
         let c = AdamWConfig { beta1, ..cfg() };
         let (mut p, mut m, mut v) = (values(n, 1), vec![0.0; n], vec![0.0; n]);

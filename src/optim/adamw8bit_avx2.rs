@@ -20,7 +20,8 @@ use crate::optim::adamw8bit::{
 const LANES: usize = 8;
 
 /// One block of the 8-bit update (see `adamw8bit::block_scalar`, which this reproduces bit for
-/// bit). `scratch` holds the decoded m and sqrt(v).
+/// bit, the same elements held: their count is returned). `scratch` holds the decoded m and
+/// sqrt(v).
 ///
 /// # Safety
 /// The CPU must support AVX2.
@@ -31,14 +32,14 @@ pub(crate) unsafe fn update_block<const SMALL_LERP: bool, const IMAGE: bool>(
     s: &AdamWStep,
     grad_scale: f32,
     seed: u64,
-) {
+) -> usize {
     let (sc, uc) = (signed_code(), unsigned_code());
     let n = b.p.len();
     let [m, v] = scratch;
     let (m, v) = (&mut m[..n], &mut v[..n]);
     decode(m, b.mc, b.ma[0], sc);
     decode(v, b.vc, b.va[0], uc);
-    update_elems::<SMALL_LERP, IMAGE>(b.p, b.img, b.g, m, v, s, grad_scale);
+    let held = update_elems::<SMALL_LERP, IMAGE>(b.p, b.img, b.g, m, v, s, grad_scale);
     let (am, av) = (absmax(m), absmax(v));
     let usable = |a: f32| a != 0.0 && a.is_finite();
     if usable(am) && usable(av) {
@@ -49,6 +50,7 @@ pub(crate) unsafe fn update_block<const SMALL_LERP: bool, const IMAGE: bool>(
         b.ma[0] = encode(b.mc, m, sc, seed, Draw::M);
         b.va[0] = encode(b.vc, v, uc, seed, Draw::V);
     }
+    held
 }
 
 /// [`encode`] of m (signed code, [`Draw::M`]) and sqrt(v) (unsigned code, [`Draw::V`]) in one

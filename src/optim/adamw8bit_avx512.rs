@@ -29,7 +29,8 @@ use crate::optim::adamw8bit_avx2::INDEX_HASHES;
 const LANES: usize = 16;
 
 /// One block of the 8-bit update (see `adamw8bit::block_scalar`, which this reproduces bit for
-/// bit). `scratch` holds the decoded m and sqrt(v).
+/// bit, the same elements held: their count is returned). `scratch` holds the decoded m and
+/// sqrt(v).
 ///
 /// # Safety
 /// The CPU must support AVX-512 F, DQ, BW and VBMI.
@@ -40,7 +41,7 @@ pub(crate) unsafe fn update_block<const SMALL_LERP: bool, const IMAGE: bool>(
     s: &AdamWStep,
     grad_scale: f32,
     seed: u64,
-) {
+) -> usize {
     let (sc, uc) = (signed_code(), unsigned_code());
     let n = b.p.len();
     prefetch_next_block(&b);
@@ -48,7 +49,7 @@ pub(crate) unsafe fn update_block<const SMALL_LERP: bool, const IMAGE: bool>(
     let (m, v) = (&mut m[..n], &mut v[..n]);
     decode(m, b.mc, b.ma[0], sc);
     decode(v, b.vc, b.va[0], uc);
-    update_elems::<SMALL_LERP, IMAGE>(b.p, b.img, b.g, m, v, s, grad_scale);
+    let held = update_elems::<SMALL_LERP, IMAGE>(b.p, b.img, b.g, m, v, s, grad_scale);
     let (am, av) = (absmax(m), absmax(v));
     let usable = |a: f32| a != 0.0 && a.is_finite();
     if usable(am) && usable(av) {
@@ -59,6 +60,7 @@ pub(crate) unsafe fn update_block<const SMALL_LERP: bool, const IMAGE: bool>(
         b.ma[0] = encode(b.mc, m, sc, seed, Draw::M);
         b.va[0] = encode(b.vc, v, uc, seed, Draw::V);
     }
+    held
 }
 
 /// Asks for the cache lines of the block after `b` in the same buffers (masters, gradient,

@@ -15,6 +15,9 @@ pub trait Moments {
     /// stochastic rounding of the state (derived by the caller from the step and the buffer).
     /// `image` (N), if given, is overwritten in the same pass with the bf16 of the updated
     /// masters (`Bf16::from_f32(w[i])`); masters and state are the same with or without it.
+    /// Returns the elements held: those whose new master or moment would not be finite keep
+    /// their old master and moments (`optim::adamw`'s "Held elements").
+    #[must_use = "a held element is an update that did not apply: the step must report it"]
     fn update(
         &mut self,
         w: &mut [f32],
@@ -23,7 +26,7 @@ pub trait Moments {
         coef: f32,
         seed: u64,
         image: Option<&mut [Bf16]>,
-    );
+    ) -> usize;
     /// Scale the state as if its gradients had been multiplied by `r`: `m *= r`, `v *= r²`.
     fn rescale(&mut self, r: f32);
 }
@@ -43,7 +46,7 @@ impl Moments for Moments32<'_> {
         coef: f32,
         _seed: u64,
         image: Option<&mut [Bf16]>,
-    ) {
+    ) -> usize {
         match image {
             Some(image) => adamw_update_image(w, image, g, self.m, self.v, step, coef),
             None => adamw_update(w, g, self.m, self.v, step, coef),
@@ -64,9 +67,9 @@ impl Moments for Moments8Mut<'_> {
         coef: f32,
         seed: u64,
         image: Option<&mut [Bf16]>,
-    ) {
+    ) -> usize {
         let q = self.reborrow();
-        adamw8bit_update_with(Kernel::detect(), w, image, g, q, step, coef, seed);
+        adamw8bit_update_with(Kernel::detect(), w, image, g, q, step, coef, seed)
     }
     fn rescale(&mut self, r: f32) {
         rescale_moments8(self.reborrow(), r);
@@ -89,7 +92,7 @@ impl Moments for AnyMoments<'_> {
         coef: f32,
         seed: u64,
         image: Option<&mut [Bf16]>,
-    ) {
+    ) -> usize {
         match self {
             AnyMoments::F32(m) => m.update(w, g, step, coef, seed, image),
             AnyMoments::Q8(m) => m.update(w, g, step, coef, seed, image),
@@ -157,13 +160,13 @@ mod tests {
             (vec![0.0; n], vec![0.0; n], vec![0.0; n], vec![0.0; n]);
         adamw_update(&mut w1, &g, &mut m1, &mut v1, &st, 0.5);
         let mut s = Moments32 { m: &mut m2, v: &mut v2 };
-        s.update(&mut w2, &g, &st, 0.5, 0, None);
+        assert_eq!(s.update(&mut w2, &g, &st, 0.5, 0, None), 0);
         s.rescale(0.5);
         assert_eq!((w1, m1.iter().map(|m| m * 0.5).collect::<Vec<_>>()), (w2, m2));
         let (mut qa, mut qb) = (Moments8::zeros(&tensors), Moments8::zeros(&tensors));
         let (mut wa, mut wb) = (w0.clone(), w0);
         adamw8bit_update(&mut wa, &g, qa.view_mut(), &st, 0.5, 9);
-        qb.view_mut().update(&mut wb, &g, &st, 0.5, 9, None);
+        assert_eq!(qb.view_mut().update(&mut wb, &g, &st, 0.5, 9, None), 0);
         assert_eq!(wa, wb);
         assert_eq!(qa.decode(), qb.decode());
         assert_eq!(MomentStorage::F32.bytes(&tensors), n * 8);

@@ -7,8 +7,27 @@
 //!
 //! How `lean`/`compact` clip (the estimate, and why the first step's moments are rescaled) is
 //! written out in docs/configuration.md, "How lean clips".
+//!
+//! A step is *sound* when its loss and norm are finite and its clipped gradient is small enough
+//! that no second moment can overflow ([`MAX_CLIPPED_SQ`]): decided from the norm pass, before
+//! the updates it governs, so an unsound step applies none of them. Whatever else would make an
+//! element non-finite (a master pushed past `f32::MAX`) is found by the update pass itself,
+//! which holds the element (`optim::adamw`'s "Held elements") and counts it.
 
 use crate::optim::adamw::clip_coefficient;
+
+/// The largest squared clipped gradient norm a step's update may see: `f32::MAX / 4` (a norm of
+/// about 9.2e18). No element's `g²` exceeds its buffer's squared norm, and `v = β2 v + (1 − β2)
+/// g²` stays below the largest `g²` it has averaged, so below this no second moment overflows
+/// in f32 (the factor 4 leaves room for rounding and for a `v` a checkpoint brought). At or
+/// above it the update is not applied: decided from the norm pass, no pass over the moments.
+pub const MAX_CLIPPED_SQ: f64 = f32::MAX as f64 / 4.0;
+
+/// Whether a gradient of squared norm `sq`, clipped by `coef`, fits [`MAX_CLIPPED_SQ`].
+pub fn fits_moments(sq: f64, coef: f32) -> bool {
+    let c = f64::from(coef);
+    sq * c * c < MAX_CLIPPED_SQ
+}
 
 /// The seed of buffer `i`'s update at AdamW step `step` (1-based): what drives the stochastic
 /// rounding of 8-bit moments. The engine and the reference path take it from here, so their
@@ -32,7 +51,8 @@ pub struct StepStats {
     /// was updated with before the norm was known (0: none); the step's end corrects its
     /// moments.
     provisional: Vec<f32>,
-    /// The step has met a non-finite loss or gradient: no later update is applied.
+    /// The step has met a non-finite loss or gradient, or one too large for the moments
+    /// ([`fits_moments`]): no later update is applied.
     poisoned: bool,
     /// The losses have been checked this step.
     loss_checked: bool,
@@ -46,7 +66,8 @@ pub struct StepEnd {
     /// The global gradient norm: every buffer's squared norm, summed in buffer order (the same
     /// number a pass over the whole gradient gives).
     pub norm: f64,
-    /// The step's updates are skipped: a loss or the norm is not finite.
+    /// The step's updates are skipped: a loss or the norm is not finite, or the clipped norm
+    /// does not fit the moments ([`fits_moments`]).
     pub skip: bool,
     /// The step counts as an update for AdamW's bias correction.
     pub applied: bool,
@@ -110,19 +131,27 @@ impl StepStats {
         clip_coefficient(est.max(seen).sqrt(), grad_clip)
     }
 
-    /// The coefficient buffer `i` is updated with before the step's norm is known: 1 without
-    /// clipping, else [`StepStats::layer_clip_coefficient`]. On the run's first update
-    /// (`first_update`, and no earlier step to estimate from) the moments were zero, and the
-    /// coefficient is remembered for the step's end to correct ([`StepStats::finish_streamed`]).
-    pub fn streamed_coefficient(&mut self, i: usize, grad_clip: f64, first_update: bool) -> f32 {
-        if grad_clip <= 0.0 {
-            return 1.0;
+    /// The coefficient buffer `i` (whose squared norm is recorded) is updated with before the
+    /// step's norm is known: 1 without clipping, else [`StepStats::layer_clip_coefficient`]; or
+    /// `None`, poisoning the step, when its gradient so clipped does not fit the moments
+    /// ([`fits_moments`]). On the run's first update (`first_update`, and no earlier step to
+    /// estimate from) the moments were zero, and the coefficient is remembered for the step's
+    /// end to correct ([`StepStats::finish_streamed`]).
+    pub fn streamed_coefficient(
+        &mut self,
+        i: usize,
+        grad_clip: f64,
+        first_update: bool,
+    ) -> Option<f32> {
+        let coef = if grad_clip <= 0.0 { 1.0 } else { self.layer_clip_coefficient(grad_clip) };
+        if !fits_moments(self.sq[i], coef) {
+            self.poisoned = true;
+            return None;
         }
-        let coef = self.layer_clip_coefficient(grad_clip);
-        if self.prev_sq.is_empty() && first_update {
+        if grad_clip > 0.0 && self.prev_sq.is_empty() && first_update {
             self.provisional[i] = coef;
         }
-        coef
+        Some(coef)
     }
 
     /// A buffer was updated this step.
@@ -146,7 +175,7 @@ impl StepStats {
     }
 
     /// The end of a streamed step (`lean`/`compact`), once the last gradient (the embedding's)
-    /// is recorded: the norm, and whether the held updates that follow apply. A finite step's
+    /// is recorded: the norm, and whether the held updates that follow apply. A sound step's
     /// squared norms become the next step's estimate, and each buffer updated provisionally
     /// with a coefficient other than the step's has its moments scaled by `rescale(i, r)`:
     /// `r` = the step's coefficient over the one used.
@@ -156,28 +185,30 @@ impl StepStats {
         mut rescale: impl FnMut(usize, f32),
     ) -> StepEnd {
         let norm = self.norm();
-        let finite = norm.is_finite() && !self.poisoned;
-        if finite {
+        let coef = clip_coefficient(norm, grad_clip);
+        let sound = norm.is_finite() && !self.poisoned && fits_moments(norm * norm, coef);
+        if sound {
             self.prev_sq.clone_from(&self.sq);
-            let coef = clip_coefficient(norm, grad_clip);
             for (i, &used) in self.provisional.iter().enumerate() {
                 if used > 0.0 && used != coef {
                     rescale(i, coef / used);
                 }
             }
         }
-        let end = StepEnd { norm, skip: !finite, applied: self.applied || finite };
+        let end = StepEnd { norm, skip: !sound, applied: self.applied || sound };
         self.reset();
         end
     }
 
     /// The end of an exact step: the norm from the recorded squared norms, skipped unless it and
-    /// the step's summed `loss` are finite. Every update comes after it.
-    pub fn finish_exact(&mut self, loss: f64) -> StepEnd {
+    /// the step's summed `loss` are finite and the gradient clipped by `grad_clip` fits the
+    /// moments ([`fits_moments`]). Every update comes after it.
+    pub fn finish_exact(&mut self, loss: f64, grad_clip: f64) -> StepEnd {
         let norm = self.norm();
-        let skip = !(norm.is_finite() && loss.is_finite());
+        let coef = clip_coefficient(norm, grad_clip);
+        let sound = norm.is_finite() && loss.is_finite() && fits_moments(norm * norm, coef);
         self.reset();
-        StepEnd { norm, skip, applied: !skip }
+        StepEnd { norm, skip: !sound, applied: sound }
     }
 }
 
@@ -218,7 +249,7 @@ mod tests {
     fn the_first_provisional_update_is_corrected_at_the_end() {
         let mut st = StepStats::new(2, Vec::new());
         st.record(1, 9.0, || 0.0);
-        let used = st.streamed_coefficient(1, 1.0, true);
+        let used = st.streamed_coefficient(1, 1.0, true).unwrap();
         assert_eq!(used, clip_coefficient(3.0, 1.0));
         st.mark_applied();
         st.record(0, 16.0, || 0.0);
@@ -227,5 +258,31 @@ mod tests {
         assert_eq!(end, StepEnd { norm: 5.0, skip: false, applied: true });
         assert_eq!(seen, [(1, clip_coefficient(5.0, 1.0) / used)]);
         assert_eq!(st.prev_sq(), [16.0, 9.0]);
+    }
+
+    /// A gradient whose clipped squared norm reaches `MAX_CLIPPED_SQ` could overflow a second
+    /// moment: the step is unsound and skipped, decided from the norm alone (a finite norm, a
+    /// finite loss). Clipping brings the same gradient within bounds.
+    #[test]
+    fn a_gradient_too_large_for_the_moments_skips_the_step() {
+        let huge = MAX_CLIPPED_SQ * 1.5;
+        let mut st = StepStats::new(2, Vec::new());
+        st.record(0, huge, || 0.0);
+        st.record(1, 1.0, || 0.0);
+        let end = st.finish_exact(0.0, 0.0);
+        assert!(end.skip && !end.applied && end.norm.is_finite(), "{end:?}");
+        st.record(0, huge, || 0.0);
+        st.record(1, 1.0, || 0.0);
+        assert!(!st.finish_exact(0.0, 1.0).skip, "clipped to norm 1, it fits");
+        // Streamed: the layer's own update is refused before it runs, and the step ends skipped;
+        // the last sound step's norms stay the estimate.
+        let mut st = StepStats::new(2, vec![1.0, 1.0]);
+        assert!(st.record(1, huge, || 0.0));
+        assert_eq!(st.streamed_coefficient(1, 0.0, false), None);
+        assert!(!st.record(0, 1.0, || 0.0), "poisoned");
+        let end = st.finish_streamed(0.0, |_, _| panic!("no rescale in a skipped step"));
+        assert!(end.skip && !end.applied, "{end:?}");
+        assert_eq!(st.prev_sq(), [1.0, 1.0]);
+        assert!(fits_moments(MAX_CLIPPED_SQ * 0.99, 1.0) && !fits_moments(MAX_CLIPPED_SQ, 1.0));
     }
 }

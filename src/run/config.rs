@@ -209,8 +209,9 @@ pub struct TrainSection {
     pub save_every: usize,
     /// Resumable checkpoints kept in `OUT/checkpoints` (oldest removed first). Default 2.
     pub keep_checkpoints: usize,
-    /// Consecutive steps with a non-finite loss or gradient norm (each skipped, nothing
-    /// written) after which the run stops. Default 5.
+    /// Consecutive bad steps after which the run stops: a non-finite loss or gradient norm, or
+    /// a gradient too large for the moments (each skipped, nothing written), or updates that
+    /// held elements back (a new weight or moment would not have been finite). Default 5.
     pub max_bad_steps: usize,
     /// With a held-out split, report the eval loss every this many steps (and after the last
     /// step); 0 = only after the last step. Default 0.

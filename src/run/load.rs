@@ -86,6 +86,9 @@ pub struct RunModel {
     pub layout: ModelLayout,
     pub params: ParamStore,
     pub base: Option<FrozenBase>,
+    /// The frozen base's content hash (`model::base::base_hash`), computed as it was read; `None`
+    /// without a base read from `model.path` (full fine-tuning, a random base).
+    pub base_hash: Option<String>,
 }
 
 /// The layout of a run: the model's, with `adapter`'s LoRA on every layer when there is one
@@ -217,19 +220,22 @@ pub fn load_weights(
             (None, Some(dir)) => ParamStore::load_hf_with(&layout, dir, nf)?,
             (None, None) => bail!("model.path is missing"),
         };
-        return Ok(RunModel { cfg, layout, params, base: None });
+        return Ok(RunModel { cfg, layout, params, base: None, base_hash: None });
     };
     let dtype = layout.adapter.as_ref().expect("an adapter layout").base;
-    let base = match (m.init, &m.path) {
-        (Some(ModelInit::Random), _) => FrozenBase::random(&layout, dtype, m.seed, std),
-        (None, Some(dir)) => FrozenBase::load_hf(&layout, dir, dtype, nf)?,
+    let (base, base_hash) = match (m.init, &m.path) {
+        (Some(ModelInit::Random), _) => (FrozenBase::random(&layout, dtype, m.seed, std), None),
+        (None, Some(dir)) => {
+            let (base, hash) = FrozenBase::load_hf(&layout, dir, dtype, nf)?;
+            (base, Some(hash))
+        }
         (None, None) => bail!("model.path is missing"),
     };
     let mut params = ParamStore::random(&layout, m.seed, std);
     if let Some(dir) = &a.init {
         init_from_peft(&layout, a, dir, &mut params)?;
     }
-    Ok(RunModel { cfg, layout, params, base: Some(base) })
+    Ok(RunModel { cfg, layout, params, base: Some(base), base_hash })
 }
 
 /// `auto` base dtype: bf16 when the checkpoint stores every tensor as bf16, else fp32 (f16 and

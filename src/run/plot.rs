@@ -237,8 +237,8 @@ pub fn write_report(
     };
     r += "| | |\n|---|---|\n";
     r += &format!(
-        "| steps | {} ({} skipped: non-finite loss or gradient) |\n",
-        s.total_steps, s.skipped_steps
+        "| steps | {} ({} skipped: non-finite loss or gradient; {} held updates back) |\n",
+        s.total_steps, s.skipped_steps, s.held_steps
     );
     r += &format!("| {last} training loss | {:.4} |\n", s.final_loss);
     if let Some(e) = s.eval_loss {

@@ -11,12 +11,12 @@ use horizon_backend::CpuBackend;
 
 use crate::data::pretokenized::{Batch, PretokenizedDataset, make_batch};
 use crate::hf::config::ModelConfig;
-use crate::model::params::ParamStore;
+use crate::model::params::{ParamStore, buffer_name};
 use crate::model::transformer::{Capacity, Transformer};
 use crate::run::config::RunConfig;
 use crate::run::data::{BatchOrder, batch_order, load_data, step_rows, tokens_of};
 use crate::run::load::{RunModel, load_run_model};
-use crate::run::summary::StepMetrics;
+use crate::run::summary::{HeldIn, StepMetrics};
 use crate::store::TrainState;
 
 /// Everything a run needs, loaded and checked before the first step.
@@ -34,7 +34,7 @@ impl ReferenceTrainer {
     /// Load model and data, and allocate every buffer the run needs.
     pub fn new(cfg: RunConfig) -> Result<Self> {
         let raw = &cfg.raw;
-        let RunModel { cfg: model_cfg, layout, params, base } =
+        let RunModel { cfg: model_cfg, layout, params, base, .. } =
             load_run_model(raw, cfg.adapter.as_ref())?;
         let data = load_data(raw, model_cfg.vocab_size)?;
         let engine = Transformer::with_layout(
@@ -81,7 +81,8 @@ impl ReferenceTrainer {
         )?;
         let grad_norm = self.state.grad_norm();
         let lr = self.cfg.raw.lr_schedule().lr_at(k + 1);
-        self.state.optimizer_step(&self.cfg.raw.adamw(), lr, grad_norm, o.grad_clip);
+        let held = self.state.optimizer_step(&self.cfg.raw.adamw(), lr, grad_norm, o.grad_clip);
+        let layers = self.state.params.layers.len();
         Ok(StepMetrics {
             step: k + 1,
             loss: out.loss(),
@@ -95,6 +96,7 @@ impl ReferenceTrainer {
             ce_loss: out.aux.map(|_| out.ce_loss()),
             aux_loss: out.aux.map(|(aux, _)| aux),
             epoch: 0.0,
+            held: HeldIn::of(held.into_iter(), |i| buffer_name(layers, i)),
         })
     }
 

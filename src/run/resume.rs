@@ -16,7 +16,6 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 
-use crate::adapter::config::AdapterType;
 use crate::hf::checkpoint::SaveDtype;
 use crate::hf::config::ModelConfig;
 use crate::model::layout::ModelLayout;
@@ -29,6 +28,9 @@ use crate::store::TrainState;
 /// The masters' file in a checkpoint.
 pub const PARAMS: &str = "params.safetensors";
 const STATE: &str = "state.json";
+/// `state.json`'s `format`: 2 hashes with [`crate::hash`] (XXH3-64) and records the base's
+/// content hash; 1 (earlier checkpoints) hashed with [`WordHash`].
+const FORMAT: u32 = 2;
 
 /// `state.json`.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -49,10 +51,15 @@ pub struct CheckpointState {
     /// the next step's norm from them); empty: none yet.
     #[serde(default)]
     pub last_sq: Vec<f64>,
-    /// An adapter run's frozen base weights, fingerprinted ([`base_fingerprint`]): a resume
-    /// over other weights is refused.
+    /// Format 1 only: an adapter run's base weights by a sampled fingerprint of their files,
+    /// which a resume no longer computes (it says so); kept so that such a state still seals.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub base: Option<String>,
+    /// An adapter run's frozen base weights by content hash (`model::base::base_hash`: every
+    /// byte of every tensor, computed as the run loaded them): a resume over other weights is
+    /// refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_hash: Option<String>,
     /// Each data file of the checkpoint with its checksum ([`file_checksum`]), verified before
     /// the checkpoint is used; empty in checkpoints written before they were recorded.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
@@ -64,17 +71,20 @@ pub struct CheckpointState {
 }
 
 impl CheckpointState {
-    /// The checksum of this state's fields but `sealed`, in their compact JSON.
+    /// The checksum of this state's fields but `sealed`, in their compact JSON, in the hash of
+    /// its format.
     fn seal(&self) -> Result<String> {
         let text =
             serde_json::to_string(&CheckpointState { sealed: String::new(), ..self.clone() })?;
-        Ok(words_hash(text.as_bytes()))
+        let bytes = text.as_bytes();
+        let h = if self.format >= 2 { crate::hash::of(bytes) } else { legacy_hash(bytes) };
+        Ok(format!("{}:{h:016x}", bytes.len()))
     }
 }
 
-/// The checksums' hash: a 64-bit multiply-xorshift over 8-byte little-endian words, a
-/// piece's tail zero-padded. It finds damage (a truncated file, a flipped byte, a rewritten
-/// number) at memory speed; it is not a cryptographic hash.
+/// Format 1's hash (checkpoints written before [`crate::hash`] became the one hash, verified
+/// with it): a 64-bit multiply-xorshift over 8-byte little-endian words, a piece's tail
+/// zero-padded.
 #[derive(Clone, Copy)]
 struct WordHash(u64);
 
@@ -93,21 +103,21 @@ impl WordHash {
     }
 }
 
-/// [`file_checksum`]'s form of `bytes`: their length and hash.
-fn words_hash(bytes: &[u8]) -> String {
+/// [`WordHash`] of `bytes`.
+fn legacy_hash(bytes: &[u8]) -> u64 {
     let mut h = WordHash::new();
     h.feed(bytes);
-    format!("{}:{:016x}", bytes.len(), h.0)
+    h.0
 }
 
-/// A checksum of the file at `path`: its length and the [`WordHash`] of its bytes, read in
-/// 8 MiB pieces.
-pub fn file_checksum(path: &Path) -> Result<String> {
+/// A checksum of the file at `path`: its length and the [`crate::hash`] of its bytes (in
+/// `format` 1, their [`WordHash`]), read in 8 MiB pieces.
+pub fn file_checksum(path: &Path, format: u32) -> Result<String> {
     use std::io::Read;
     let mut f = fs::File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
     // 8 MiB pieces (a multiple of 8: the words are the whole file's).
     let mut buf = vec![0u8; 8 << 20];
-    let (mut h, mut len) = (WordHash::new(), 0u64);
+    let (mut h, mut legacy, mut len) = (crate::hash::Stream::new(), WordHash::new(), 0u64);
     loop {
         let mut n = 0;
         while n < buf.len() {
@@ -122,16 +132,17 @@ pub fn file_checksum(path: &Path) -> Result<String> {
             break;
         }
         len += n as u64;
-        h.feed(&buf[..n]);
+        if format >= 2 { h.feed(&buf[..n]) } else { legacy.feed(&buf[..n]) }
     }
-    Ok(format!("{len}:{:016x}", h.0))
+    let h = if format >= 2 { h.finish() } else { legacy.0 };
+    Ok(format!("{len}:{h:016x}"))
 }
 
 /// Verifies the checksums `meta` records for the checkpoint at `dir`.
 fn verify_files(dir: &Path, meta: &CheckpointState) -> Result<()> {
     for (name, want) in &meta.checksums {
         let path = dir.join(name);
-        let got = file_checksum(&path)?;
+        let got = file_checksum(&path, meta.format)?;
         if &got != want {
             bail!(
                 "{}: its content does not match what the checkpoint recorded at save (checksum \
@@ -168,7 +179,7 @@ const KEPT_ON_RESUME: [&str; 7] = [
 
 /// The keys under [`KEPT_ON_RESUME`] whose values differ between the checkpoint's config
 /// (`theirs`, YAML) and this run's, as `key: checkpoint A, this run B` (`model.path` is left to
-/// the weights' fingerprint: the same weights may move).
+/// the base's content hash: the same weights may move).
 pub fn changed_on_resume(theirs: &str, mine: &RawConfig) -> Result<Vec<String>> {
     let theirs = RawConfig::from_yaml(theirs, "the checkpoint's config")?;
     let (a, b) = (serde_json::to_value(&theirs)?, serde_json::to_value(mine)?);
@@ -203,52 +214,6 @@ fn flatten(key: &str, v: &serde_json::Value, out: &mut BTreeMap<String, String>)
     }
 }
 
-/// A fingerprint of the weights in HF directory `dir`: the [`WordHash`] of each `.safetensors`
-/// file's name, size and header (names, dtypes, shapes, offsets) and 64 samples of 256 bytes
-/// spread over its data. Two checkpoints of one architecture differ in their values, which the
-/// samples see; reading all of a base's bytes to fingerprint it would cost a load.
-pub fn base_fingerprint(dir: &Path) -> Result<String> {
-    use std::io::{Read, Seek, SeekFrom};
-    let mut files: Vec<PathBuf> = fs::read_dir(dir)
-        .with_context(|| format!("cannot list {}", dir.display()))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-        .collect();
-    files.sort();
-    let mut h = WordHash::new();
-    let mut feed = |bytes: &[u8]| h.feed(bytes);
-    for path in &files {
-        let mut f =
-            fs::File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
-        let size = f.metadata()?.len();
-        feed(path.file_name().unwrap_or_default().as_encoded_bytes());
-        feed(&size.to_le_bytes());
-        let mut len = [0u8; 8];
-        f.read_exact(&mut len)?;
-        let header = u64::from_le_bytes(len).min(size.saturating_sub(8));
-        let mut head = vec![0u8; header as usize];
-        f.read_exact(&mut head)?;
-        feed(&head);
-        let data = 8 + header;
-        let mut buf = [0u8; 256];
-        for k in 0..64u64 {
-            let at = data + (size.saturating_sub(data + 256)) * k / 63;
-            f.seek(SeekFrom::Start(at))?;
-            let n = f.read(&mut buf)?;
-            feed(&buf[..n]);
-        }
-    }
-    Ok(format!("{:016x}", h.0))
-}
-
-/// The fingerprint of the frozen base an adapter run of `config` (YAML) reads, if it is one.
-fn adapter_base(config: &RawConfig) -> Result<Option<String>> {
-    match (&config.adapter.kind, &config.model.path) {
-        (AdapterType::None, _) | (_, None) => Ok(None),
-        (_, Some(dir)) => base_fingerprint(dir).map(Some),
-    }
-}
-
 /// The data files of the checkpoint being written in `dir` (everything but its state).
 fn data_files(dir: &Path) -> Result<Vec<String>> {
     let mut out: Vec<String> = fs::read_dir(dir)?
@@ -270,7 +235,8 @@ fn fsync_dir(dir: &Path) -> Result<()> {
     f.sync_all().with_context(|| format!("cannot sync {}", dir.display()))
 }
 
-/// Write a checkpoint of `state` after step `state.step`; keep the newest `keep`. Returns its
+/// Write a checkpoint of `state` after step `state.step`, recording `base_hash`, the content
+/// hash of an adapter run's frozen base as it was loaded; keep the newest `keep`. Returns its
 /// directory.
 pub fn save(
     out_dir: &Path,
@@ -279,6 +245,7 @@ pub fn save(
     model_cfg: &ModelConfig,
     config_yaml: &str,
     keep: usize,
+    base_hash: Option<&str>,
 ) -> Result<PathBuf> {
     let root = checkpoints_dir(out_dir);
     fs::create_dir_all(&root).with_context(|| format!("cannot create {}", root.display()))?;
@@ -291,17 +258,18 @@ pub fn save(
     state.params.save_safetensors(layout, &tmp.join(PARAMS), SaveDtype::F32)?;
     state.opt.save(&tmp, layout)?;
     let meta = CheckpointState {
-        format: 1,
+        format: FORMAT,
         step: state.step,
         updates: state.updates,
         model: model_cfg.to_hf_json(),
         config: config_yaml.to_string(),
         memory: state.memory(),
         last_sq: state.last_sq.clone(),
-        base: adapter_base(&RawConfig::from_yaml(config_yaml, "the run's config")?)?,
+        base: None,
+        base_hash: base_hash.map(str::to_string),
         checksums: data_files(&tmp)?
             .into_iter()
-            .map(|n| Ok((n.clone(), file_checksum(&tmp.join(&n))?)))
+            .map(|n| Ok((n.clone(), file_checksum(&tmp.join(&n), FORMAT)?)))
             .collect::<Result<_>>()?,
         sealed: String::new(),
     };
@@ -395,11 +363,14 @@ pub fn resolve(arg: &str, out_dir: &Path) -> Result<PathBuf> {
 /// Load a checkpoint for `model_cfg`, laid out for `optimizer.memory` `mode`. `exact` and
 /// `lean` hold the same state and resume each other; `compact` stores 8-bit moments and is
 /// refused across modes (decoding would need the fp32 moments' memory, encoding loses bits).
+/// `base_hash` is the content hash of the frozen base this run loaded (an adapter run's), to
+/// compare with the checkpoint's.
 pub fn load_for(
     dir: &Path,
     model_cfg: &ModelConfig,
     layout: &ModelLayout,
     raw: &RawConfig,
+    base_hash: Option<&str>,
 ) -> Result<TrainState> {
     let mode = raw.optimizer.memory;
     let sound = read_state(dir).and_then(|m| verify_files(dir, &m).map(|()| m));
@@ -418,7 +389,7 @@ pub fn load_for(
         }
     };
     check_model(dir, &meta, model_cfg)?;
-    check_same_run(dir, &meta, raw)?;
+    check_same_run(dir, &meta, raw, base_hash)?;
     if meta.memory.moment_storage() != mode.moment_storage() {
         bail!(
             "--resume {}: the checkpoint holds optimizer.memory {} moments, this run is configured for {}\nhint: resume with optimizer.memory: {} (exact and lean resume each other; compact only compact)",
@@ -433,16 +404,30 @@ pub fn load_for(
 
 /// Refuses to resume the checkpoint at `dir` (of `meta`) under a config that changes what the
 /// run computes, naming every key that differs and both values; and an adapter run over base
-/// weights that are not the ones it was trained on.
-fn check_same_run(dir: &Path, meta: &CheckpointState, raw: &RawConfig) -> Result<()> {
+/// weights (of content hash `base_hash`, as this run loaded them) that are not the ones it was
+/// trained on.
+fn check_same_run(
+    dir: &Path,
+    meta: &CheckpointState,
+    raw: &RawConfig,
+    base_hash: Option<&str>,
+) -> Result<()> {
     let mut changed = changed_on_resume(&meta.config, raw)?;
     changed.retain(|c| !c.starts_with("optimizer.memory")); // said below, with its hint
-    if let (Some(theirs), Some(mine)) = (&meta.base, adapter_base(raw)?)
-        && *theirs != mine
+    if let (Some(theirs), Some(mine)) = (&meta.base_hash, base_hash)
+        && theirs != mine
     {
         changed.push(format!(
-            "the base weights (model.path): checkpoint {theirs}, this run {mine} (fingerprints)"
+            "the base weights (model.path): checkpoint {theirs}, this run {mine} (content hashes)"
         ));
+    }
+    if meta.base.is_some() && base_hash.is_some() {
+        println!(
+            "--resume {}: the checkpoint (format {}) recorded its base weights by a sampled \
+             fingerprint this version no longer computes: the base is not compared",
+            dir.display(),
+            meta.format
+        );
     }
     if changed.is_empty() {
         return Ok(());
@@ -497,9 +482,17 @@ pub fn read_state(dir: &Path) -> Result<CheckpointState> {
     let meta: CheckpointState = serde_json::from_str(&text)
         .with_context(|| format!("{}: not a checkpoint state", path.display()))?;
     if !meta.sealed.is_empty() && meta.seal()? != meta.sealed {
+        let newer = if meta.format > FORMAT {
+            format!(
+                " (or written by a newer Horizon: format {}, this one reads {FORMAT})",
+                meta.format
+            )
+        } else {
+            String::new()
+        };
         bail!(
             "{}: its fields do not match the checksum recorded with them: the checkpoint is \
-             damaged",
+             damaged{newer}",
             path.display()
         );
     }
@@ -536,4 +529,43 @@ fn load_with(
         memory: meta.memory,
     };
     Ok(state.into_memory(layout, mode))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A checkpoint of format 1 (written when the checksums were [`WordHash`]es) still verifies:
+    /// its file checksums and its seal in that hash (the value pinned from an independent
+    /// implementation of it), while the same state claiming format 2 does not.
+    #[test]
+    fn a_format_1_checkpoint_verifies_with_its_own_hash() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("f");
+        fs::write(&file, b"horizon checkpoint").unwrap();
+        assert_eq!(file_checksum(&file, 1).unwrap(), "18:3e9bcdb4f08e2755");
+        let two = file_checksum(&file, 2).unwrap();
+        assert_eq!(two, format!("18:{:016x}", crate::hash::of(b"horizon checkpoint")));
+        let mut meta = CheckpointState {
+            format: 1,
+            step: 3,
+            updates: 3,
+            model: serde_json::json!({}),
+            config: String::new(),
+            memory: OptimizerMemory::default(),
+            last_sq: Vec::new(),
+            base: Some("0123456789abcdef".into()),
+            base_hash: None,
+            checksums: [("f".to_string(), "18:3e9bcdb4f08e2755".to_string())].into(),
+            sealed: String::new(),
+        };
+        meta.sealed = meta.seal().unwrap();
+        fs::write(dir.path().join(STATE), serde_json::to_string(&meta).unwrap()).unwrap();
+        let read = read_state(dir.path()).unwrap();
+        verify_files(dir.path(), &read).unwrap();
+        let as_two = CheckpointState { format: 2, ..meta };
+        fs::write(dir.path().join(STATE), serde_json::to_string(&as_two).unwrap()).unwrap();
+        let e = format!("{:#}", read_state(dir.path()).unwrap_err());
+        assert!(e.contains("damaged"), "{e}");
+    }
 }

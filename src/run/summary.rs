@@ -17,6 +17,9 @@ pub struct Summary {
     /// Steps whose update was skipped for a non-finite loss or gradient norm, or because no
     /// position of their batch carries a loss (this process).
     pub skipped_steps: usize,
+    /// Steps whose updates held elements back (a new weight or moment would not have been
+    /// finite: those kept their values, the others were updated), this process.
+    pub held_steps: usize,
     /// Data records left out by the loaders (`data.on_error: skip`, or a prompt too long).
     pub skipped_records: usize,
     /// Mean loss over the held-out rows after the last step, when there are any.
@@ -149,6 +152,12 @@ pub struct StepMetrics {
     /// `step x batch_size / rows`.
     #[serde(default)]
     pub epoch: f64,
+    /// The elements this step's updates held, by buffer: their new master or moment would not
+    /// have been finite, so they kept their values (`optim::adamw`'s "Held elements"); the
+    /// step's other elements were updated. Absent when none was; a step that held any is a bad
+    /// step (it counts toward `train.max_bad_steps`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub held: Vec<HeldIn>,
 }
 
 impl Summary {
@@ -177,6 +186,33 @@ impl Summary {
     }
 }
 
+/// Elements one buffer's update held in a step (a line of `metrics.jsonl`'s `held`).
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct HeldIn {
+    /// The buffer: the HF module it holds (`model.layers.3`, `model.embed_tokens`, ...).
+    pub buffer: String,
+    pub elements: u64,
+}
+
+impl HeldIn {
+    /// The buffers of `counts` (elements held per buffer, in buffer order) that held any, named
+    /// by `name` (allocates only then).
+    pub fn of(counts: impl Iterator<Item = u64>, name: impl Fn(usize) -> String) -> Vec<HeldIn> {
+        counts
+            .enumerate()
+            .filter(|&(_, n)| n > 0)
+            .map(|(i, elements)| HeldIn { buffer: name(i), elements })
+            .collect()
+    }
+
+    /// `held` in words for a warning: `12 in model.layers.3, 1 in lm_head`.
+    pub fn words(held: &[HeldIn]) -> String {
+        let each: Vec<String> =
+            held.iter().map(|h| format!("{} in {}", h.elements, h.buffer)).collect();
+        each.join(", ")
+    }
+}
+
 impl StepMetrics {
     /// Step `k` (0-based), skipped because no position of its batch carries a loss.
     pub fn no_loss(k: usize, lr: f64, tokens: usize, t0: Instant) -> Self {
@@ -193,6 +229,13 @@ impl StepMetrics {
             ce_loss: None,
             aux_loss: None,
             epoch: 0.0,
+            held: Vec::new(),
         }
+    }
+
+    /// The step is bad: skipped for a non-finite (or too large) loss or gradient, or some of
+    /// its updates held (a step without loss is skipped, but not bad).
+    pub fn bad(&self) -> bool {
+        (self.skipped && !self.no_loss) || !self.held.is_empty()
     }
 }

@@ -24,14 +24,14 @@ use crate::engine::resolve::{Machine, resolve};
 use crate::hf::config::ModelConfig;
 use crate::model::base::FrozenBase;
 use crate::model::layout::ModelLayout;
-use crate::model::params::ParamStore;
+use crate::model::params::{ParamStore, buffer_name};
 use crate::run::config::{BackendKind, ByteSize, RawConfig, RunConfig, WeightPath};
 use crate::run::data::{BatchOrder, SeqLen, batch_order, load_datasets, micro_batches, step_rows};
 use crate::run::load::{load_weights, model_config, run_layout, write_adapter};
 use crate::run::progress::Progress;
-use crate::run::summary::StepMetrics;
 use crate::run::summary::Summary;
 use crate::run::summary::{AlreadyFinished, Interrupted};
+use crate::run::summary::{HeldIn, StepMetrics};
 use crate::run::tensorboard::EventWriter;
 use crate::store::TrainState;
 
@@ -51,6 +51,9 @@ pub struct Trainer<D: Device = CpuDevice> {
     pub skipped_records: usize,
     pub plan: MemoryPlan,
     pub engine: Engine<D>,
+    /// The frozen base's content hash, computed as it was loaded (`RunModel::base_hash`): each
+    /// checkpoint records it, and a resume compares it.
+    pub base_hash: Option<String>,
     /// Fault injection for tests: steps (0-based) whose gradient gets a NaN.
     pub inject_nan_at: Vec<usize>,
     /// The micro-batches of the batch after the last step's (its index and them): built for
@@ -98,7 +101,7 @@ where
         println!("{}", epochs_line(&cfg.raw.train, sets.train.rows.len()));
         let raw = &cfg.raw;
         let (ecfg, plan) = plan_run(raw, &layout, &SeqLen::of_data(raw, &sets))?;
-        let (state, base) = host_state(&cfg, &model_cfg, &layout, resume)?;
+        let HostStart { state, base, base_hash } = host_state(&cfg, &model_cfg, &layout, resume)?;
         let dev = make_dev(raw, &plan)?;
         let engine = Engine::with_layout(dev, layout.clone(), base, state, ecfg)?;
         let order = batch_order(&cfg, &sets.train);
@@ -112,6 +115,7 @@ where
             skipped_records: sets.skipped_records,
             plan,
             engine,
+            base_hash,
             inject_nan_at: Vec::new(),
             ahead: None,
         })
@@ -154,7 +158,15 @@ where
             ce_loss: out.aux.map(|_| out.ce_loss()),
             aux_loss: out.aux.map(|(aux, _)| aux),
             epoch: 0.0,
+            held: Vec::new(),
         })
+    }
+
+    /// Step `m`'s held elements, once its updates have run ([`Engine::held`]: no wait when a
+    /// later step has been taken, else a wait for the queued work), by buffer into `m.held`.
+    pub fn settle(&mut self, m: &mut StepMetrics) {
+        let (k, layers) = (m.step as u64 - 1, self.layout.dims.layers);
+        m.held = HeldIn::of(self.engine.held(k), |i| buffer_name(layers, i));
     }
 
     /// Mean loss over the held-out rows with the current weights (`None` without a held-out
@@ -213,26 +225,35 @@ fn plan_run(
     Ok((ecfg, plan))
 }
 
+/// What a run starts from in host RAM.
+struct HostStart {
+    state: TrainState,
+    /// An adapter run's frozen base, and its content hash (`RunModel::base_hash`).
+    base: Option<Arc<FrozenBase>>,
+    base_hash: Option<String>,
+}
+
 /// The host state a run starts from, in the described model: a resumed full fine-tuning run
 /// reads everything from its checkpoint; otherwise the weights are loaded (an adapter run
-/// reloads its frozen base from `model.path` even when resuming its adapters).
+/// reloads its frozen base from `model.path` even when resuming its adapters, and the resume
+/// compares the content hash that load computed with the one the checkpoint recorded).
 fn host_state(
     cfg: &RunConfig,
     model_cfg: &ModelConfig,
     layout: &ModelLayout,
     resume: Option<&Path>,
-) -> Result<(TrainState, Option<Arc<FrozenBase>>)> {
+) -> Result<HostStart> {
     let mode = cfg.raw.optimizer.memory;
-    let resumed = |dir| crate::run::resume::load_for(dir, model_cfg, layout, &cfg.raw);
+    let resumed = |dir, hash| crate::run::resume::load_for(dir, model_cfg, layout, &cfg.raw, hash);
     if let (Some(dir), None) = (resume, &cfg.adapter) {
-        return Ok((resumed(dir)?, None));
+        return Ok(HostStart { state: resumed(dir, None)?, base: None, base_hash: None });
     }
     let rm = load_weights(&cfg.raw, cfg.adapter.as_ref(), model_cfg.clone(), layout.clone())?;
     let state = match resume {
-        Some(dir) => resumed(dir)?,
+        Some(dir) => resumed(dir, rm.base_hash.as_deref())?,
         None => TrainState::for_memory(rm.params, layout, mode),
     };
-    Ok((state, rm.base.map(Arc::new)))
+    Ok(HostStart { state, base: rm.base.map(Arc::new), base_hash: rm.base_hash })
 }
 
 /// What the resolved `engine.recompute` does, for the start-up line: `kept` of `layers` layers
@@ -388,6 +409,13 @@ where
         }
         let mut m = tr.step(k)?;
         m.epoch = (k + 1) as f64 / tr.cfg.raw.train.steps_per_epoch(tr.data.rows.len());
+        // A step's updates run on beside the next step, so what they held is known once that
+        // step has run (the step before's: no wait), or by waiting where something needs it
+        // now: a checkpoint, a signal, the end.
+        if let Some(mut prev) = lp.pending.take() {
+            tr.settle(&mut prev);
+            lp.record(&tr, &prev, (start, steps))?;
+        }
         let last = k + 1 == steps;
         let every = tr.cfg.raw.train.eval_every;
         if tr.eval.is_some() && ((every > 0 && (k + 1).is_multiple_of(every)) || last) {
@@ -396,12 +424,24 @@ where
                 tracing::info!(step = m.step, eval_loss = e, "evaluated the held-out rows");
             }
         }
-        lp.record(&tr, &m, (k, start, steps))?;
-        if lp.checkpoint(&mut tr, &m, k, (&out_dir, &yaml))? {
+        let signalled = lp.stop.load(Ordering::Relaxed) != 0;
+        if !(last || signalled || save_due(&tr.cfg, k)) {
+            lp.pending = Some(m);
+            continue;
+        }
+        tr.settle(&mut m);
+        lp.record(&tr, &m, (start, steps))?;
+        if lp.checkpoint(&mut tr, &m, signalled, (&out_dir, &yaml))? {
             break;
         }
     }
     lp.finish(tr, &out_dir, export_final)
+}
+
+/// Whether a checkpoint is due after step `k` (0-based): every `train.save_every` steps.
+fn save_due(cfg: &RunConfig, k: usize) -> bool {
+    let every = cfg.raw.train.save_every;
+    every > 0 && (k + 1).is_multiple_of(every)
 }
 
 /// What the step loop keeps between steps.
@@ -417,8 +457,10 @@ struct StepLoop {
     /// The step after which a signal stopped the run.
     interrupted: Option<u64>,
     last_ckpt: Option<PathBuf>,
-    /// Consecutive steps with a non-finite loss or gradient norm.
+    /// Consecutive bad steps ([`StepMetrics::bad`]).
     bad_run: usize,
+    /// The last step taken, logged once its held elements are known ([`Trainer::settle`]).
+    pending: Option<StepMetrics>,
     tally: Tally,
     /// Steps run by this process.
     ran: usize,
@@ -483,6 +525,7 @@ impl StepLoop {
             interrupted: None,
             last_ckpt: resume_dir,
             bad_run: 0,
+            pending: None,
             tally: Tally { last_loss: f64::NAN, ..Tally::default() },
             ran: 0,
             base: (tr.engine.device().stats(), tr.engine.phase_seconds()),
@@ -503,14 +546,15 @@ impl StepLoop {
         self.tally.timed_steps = 0;
     }
 
-    /// Step `k`'s metrics logged and shown; a step without loss or a non-finite one counted,
-    /// and the run stopped after `train.max_bad_steps` non-finite ones in a row.
+    /// Step `m`'s metrics logged and shown; a step without loss or a bad one ([`StepMetrics::
+    /// bad`]) counted, and the run stopped after `train.max_bad_steps` bad ones in a row.
     fn record<D: Device>(
         &mut self,
         tr: &Trainer<D>,
         m: &StepMetrics,
-        (k, start, steps): (usize, usize, usize),
+        (start, steps): (usize, usize),
     ) -> Result<()> {
+        let k = m.step - 1;
         self.ran += 1;
         if m.eval_loss.is_some() {
             self.tally.eval_loss = m.eval_loss;
@@ -533,20 +577,20 @@ impl StepLoop {
             let line =
                 format!("step {}: no position of the batch carries a loss; step skipped", m.step);
             self.progress.println(&line);
-        } else if m.skipped {
+        } else if m.bad() {
             self.bad_run += 1;
-            self.tally.skipped_steps += 1;
-            self.progress.println(&format!(
-                "step {}: non-finite loss or gradient norm; update skipped ({} in a row)",
-                m.step, self.bad_run
-            ));
+            self.tally.skipped_steps += usize::from(m.skipped);
+            self.tally.held_steps += usize::from(!m.skipped);
+            let words = bad_step_words(m, tr.plan.params);
+            self.progress.println(&format!("warning: {words} ({} bad in a row)", self.bad_run));
             let most = tr.cfg.raw.train.max_bad_steps;
             if self.bad_run >= most {
                 let last = self.last_ckpt.as_ref();
                 let last = last.map_or("none".to_string(), |p| p.display().to_string());
                 bail!(
-                    "stopping: {} consecutive steps with a non-finite loss or gradient norm (train.max_bad_steps = {most}); last good checkpoint: {last}\nhint: lower optimizer.lr, or check the data of those steps",
-                    self.bad_run
+                    "stopping: {} consecutive steps with a non-finite loss or gradient norm, a gradient too large for the moments, or updates held back (train.max_bad_steps = {most}); last good checkpoint: {last}\nhint: lower optimizer.lr, set optimizer.grad_clip, or check the data of those steps; {} says what each step met",
+                    self.bad_run,
+                    self.metrics_path.display()
                 );
             }
         } else {
@@ -558,26 +602,28 @@ impl StepLoop {
         Ok(())
     }
 
-    /// A checkpoint after step `k` when one is due (only after good steps: the last one stays
-    /// the last good state) or a signal asked for one; true when the run is to stop.
+    /// A checkpoint after step `m` when one is due (only after good steps: the last one stays
+    /// the last good state) or a signal asked for one (`signalled`); true when the run is to
+    /// stop. `m` is settled ([`Trainer::settle`]).
     fn checkpoint<D: Device>(
         &mut self,
         tr: &mut Trainer<D>,
         m: &StepMetrics,
-        k: usize,
+        signalled: bool,
         (out_dir, yaml): (&Path, &str),
     ) -> Result<bool>
     where
         D::Backend: 'static,
     {
-        let t = &tr.cfg.raw.train;
-        let (every, keep) = (t.save_every, t.keep_checkpoints);
-        let signalled = self.stop.load(Ordering::Relaxed) != 0;
-        if (every > 0 && (k + 1).is_multiple_of(every) && !m.skipped) || signalled {
+        let k = m.step - 1;
+        let good = !m.skipped && m.held.is_empty();
+        if (save_due(&tr.cfg, k) && good) || signalled {
+            let keep = tr.cfg.raw.train.keep_checkpoints;
             let state = tr.engine.checked_state()?;
             self.progress.println(&format!("saving checkpoint step-{:08}", state.step));
             let (layout, model) = (&tr.layout, &tr.model_cfg);
-            let dir = crate::run::resume::save(out_dir, state, layout, model, yaml, keep)?;
+            let base = tr.base_hash.as_deref();
+            let dir = crate::run::resume::save(out_dir, state, layout, model, yaml, keep, base)?;
             tracing::info!(dir = %dir.display(), "checkpoint written");
             self.last_ckpt = Some(dir);
         }
@@ -613,13 +659,20 @@ impl StepLoop {
             crate::engine::trace::write_chrome(path, "bench", &tr.engine.trace_spans())?;
             println!("trace of the run's steps: {}", path.display());
         }
-        // Nothing was applied: the weights are the ones the run started from, and exporting
-        // them as this run's result would pass a broken model on. metrics.jsonl and
+        // No step trained cleanly: nothing was applied (or only what bad updates left), and
+        // exporting it as this run's result would pass a broken model on. metrics.jsonl and
         // summary.json stay.
-        let ran = self.ran;
-        if ran > 0 && self.tally.skipped_steps == ran {
+        let (ran, skipped, held) = (self.ran, self.tally.skipped_steps, self.tally.held_steps);
+        if ran > 0 && skipped == ran {
             bail!(
                 "every one of the {ran} steps of this run was skipped (a non-finite loss or gradient norm): no update was applied, so {} was not written\nhint: check the model's weights and the data, or lower optimizer.lr; {} has the losses",
+                out_dir.join("final").display(),
+                self.metrics_path.display()
+            );
+        }
+        if ran > 0 && skipped + held == ran {
+            bail!(
+                "every one of the {ran} steps of this run was bad ({skipped} skipped, {held} held back updates that would have made a weight or moment non-finite): {} was not written after training\nhint: lower optimizer.lr, set optimizer.grad_clip; {} says what each step held",
                 out_dir.join("final").display(),
                 self.metrics_path.display()
             );
@@ -636,6 +689,28 @@ impl StepLoop {
         }
         Ok(summary)
     }
+}
+
+/// What bad step `m` met, in words: a skipped step's cause, or the elements its updates held
+/// (of the model's `params` trained elements).
+fn bad_step_words(m: &StepMetrics, params: u64) -> String {
+    if !m.held.is_empty() {
+        let n: u64 = m.held.iter().map(|h| h.elements).sum();
+        return format!(
+            "step {}: {n} of {params} elements held back, their new weight or moment would not have been finite ({}): they kept their values, the rest of the step's update applied",
+            m.step,
+            HeldIn::words(&m.held)
+        );
+    }
+    if m.loss.is_finite() && m.grad_norm.is_finite() {
+        return format!(
+            "step {}: gradient norm {:.3e} too large for fp32 second moments (a clipped norm of {:.1e} or more); update skipped",
+            m.step,
+            m.grad_norm,
+            crate::optim::step::MAX_CLIPPED_SQ.sqrt()
+        );
+    }
+    format!("step {}: non-finite loss or gradient norm; update skipped", m.step)
 }
 
 /// The run's start-up line: the model, the data, the micro-batches, the host threads.
@@ -662,6 +737,8 @@ struct Tally {
     tokens: usize,
     timed_steps: usize,
     skipped_steps: usize,
+    /// Bad steps that were not skipped: their updates held elements back.
+    held_steps: usize,
     eval_loss: Option<f64>,
     last_loss: f64,
     state_step: u64,
@@ -678,7 +755,8 @@ fn summarize<D: Device>(
 where
     D::Backend: 'static,
 {
-    let Tally { tokens, timed_steps, skipped_steps, eval_loss, last_loss, state_step } = *tally;
+    let Tally { tokens, timed_steps, skipped_steps, held_steps, eval_loss, last_loss, state_step } =
+        *tally;
     let wall_s = t0.elapsed().as_secs_f64();
     let st = tr.engine.device().stats();
     let compute = st.compute_busy_s - base.compute_busy_s;
@@ -699,6 +777,7 @@ where
         steps: timed_steps,
         total_steps: state_step as usize,
         skipped_steps,
+        held_steps,
         skipped_records: tr.skipped_records,
         eval_loss,
         eval_rows: tr.eval.as_ref().map_or(0, |e| e.rows.len()),

@@ -220,6 +220,7 @@ impl StepState {
             applied: AtomicBool::new(false),
             norm: AtomicU64::new(0),
             skip: AtomicBool::new(false),
+            held: [(); 2].map(|()| (0..buffers).map(|_| AtomicU64::new(0)).collect()),
             embed_next: Mutex::new(vec![false; if layout.trains_base() { v } else { 0 }]),
             embed_touched: Mutex::new(vec![false; touched]),
         }

@@ -2,7 +2,7 @@
 //! executor queues, its handles to host and device buffers, and the grant through which an op
 //! reaches them, checked against the op's declaration in the plan.
 
-use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use horizon_backend::bf16::expand_bf16;
@@ -172,14 +172,40 @@ pub(super) struct StepState {
     pub(super) applied: AtomicBool,
     /// The step's global gradient norm (f64 bits).
     pub(super) norm: AtomicU64,
-    /// The step is skipped: its loss or gradient norm is not finite.
+    /// The step is skipped: its loss or gradient norm is not finite, or too large for the
+    /// moments (`optim::step::fits_moments`).
     pub(super) skip: AtomicBool,
+    /// Per step parity, per buffer: the elements the step's updates held (their new master or
+    /// moment would not have been finite: `optim::adamw`'s "Held elements"). Added to by the
+    /// host queue's updates, cleared when a step of that parity is submitted (every op of the
+    /// step two before has finished then), read once the step's updates have run.
+    pub(super) held: [Vec<AtomicU64>; 2],
     /// Per embedding row, whether the first part of the embedding's update takes it
     /// ([`OpKind::EmbedUpdate`]); only the host queue touches it, in order.
     pub(super) embed_next: Mutex<Vec<bool>>,
     /// Per embedding row, whether the step's tokens name it (`host::embed_sum_squares`); empty
     /// where every row can have a gradient (a tied head's) or none does (a frozen embedding).
     pub(super) embed_touched: Mutex<Vec<bool>>,
+}
+
+impl StepState {
+    /// Count `n` elements held by step `step`'s update of buffer `i`.
+    pub(super) fn add_held(&self, step: u64, i: usize, n: usize) {
+        if n > 0 {
+            self.held[(step % 2) as usize][i].fetch_add(n as u64, Ordering::Relaxed);
+        }
+    }
+
+    /// Forget what the steps of `step`'s parity held (before `step` runs).
+    pub(super) fn clear_held(&self, step: u64) {
+        self.held[(step % 2) as usize].iter().for_each(|h| h.store(0, Ordering::Relaxed));
+    }
+
+    /// The elements step `step` held, per buffer (in buffer order), once its updates have run
+    /// (the caller waited for them: that wait orders these loads after the adds).
+    pub(super) fn held(&self, step: u64) -> impl Iterator<Item = u64> + '_ {
+        self.held[(step % 2) as usize].iter().map(|h| h.load(Ordering::Relaxed))
+    }
 }
 
 /// The host gradient slabs, in the format layer gradients cross the link in (`engine.grad_wire`).

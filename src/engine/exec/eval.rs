@@ -63,6 +63,7 @@ where
             let sd = Arc::new(StepData {
                 mbs: vec![mb],
                 scale: 1.0,
+                step: self.steps,
                 adam_step: 0,
                 lr: 0.0,
                 inject_nan: false,

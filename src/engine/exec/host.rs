@@ -189,7 +189,8 @@ fn measure_slab(ctx: &Ctx, sd: &StepData, grant: &Grant, slab: usize, layer: usi
 
 /// `SlabUpdate`: a streamed update (`lean`/`compact`) of layer `layer` from its complete
 /// gradient, before the layers below it are back: record `|g|²`, then, unless the step has met
-/// a non-finite loss or gradient (this one's included), clip by the estimated norm
+/// a non-finite loss or gradient (this one's included) or this gradient so clipped is too large
+/// for the moments, clip by the estimated norm
 /// ([`crate::optim::step::StepStats::streamed_coefficient`]) and apply AdamW. A non-finite
 /// value never reaches masters or moments; buffers updated before it was met keep their update.
 fn slab_update(ctx: &Ctx, sd: &StepData, grant: &Grant, slab: usize, layer: usize) {
@@ -202,7 +203,9 @@ fn slab_update(ctx: &Ctx, sd: &StepData, grant: &Grant, slab: usize, layer: usiz
         if !st.record(i, sum_squares(g), || loss_sum(ctx, sd, grant)) {
             return;
         }
-        let coef = st.streamed_coefficient(i, ctx.grad_clip, sd.adam_step == 1);
+        let Some(coef) = st.streamed_coefficient(i, ctx.grad_clip, sd.adam_step == 1) else {
+            return;
+        };
         apply_update(ctx, sd, grant, i, g, coef);
     }
     st.mark_applied();
@@ -231,7 +234,7 @@ fn streamed_grad_norm(ctx: &Ctx, sd: &StepData, grant: &Grant) {
 /// step's losses and norm are finite. Ordered after every loss download.
 fn exact_grad_norm(ctx: &Ctx, sd: &StepData, grant: &Grant) {
     let mut st = ctx.step.stats.lock().expect("no update panicked");
-    let end = st.finish_exact(loss_sum(ctx, sd, grant));
+    let end = st.finish_exact(loss_sum(ctx, sd, grant), ctx.grad_clip);
     ctx.step.skip.store(end.skip, Ordering::Release);
     ctx.step.norm.store(end.norm.to_bits(), Ordering::Release);
 }
@@ -281,7 +284,8 @@ fn stage(ctx: &Ctx, grant: &Grant, slot: usize, what: SlotContent) {
     unsafe { stage_weights(ctx, slot, what) }
 }
 
-/// AdamW on buffer `i` with gradient `g` (clip coefficient `coef`), on fp32 or 8-bit moments.
+/// AdamW on buffer `i` with gradient `g` (clip coefficient `coef`), on fp32 or 8-bit moments;
+/// the elements it held are counted for the step ([`super::ctx::StepState::add_held`]).
 ///
 /// # Safety
 /// The schedule must give the caller exclusive use of buffer `i`'s masters and moments.
@@ -294,7 +298,8 @@ unsafe fn apply_update(ctx: &Ctx, sd: &StepData, grant: &Grant, i: usize, g: &[f
     unsafe {
         let image = ctx.hostbufs.images[i].map(|img| img.as_mut_slice());
         let w = ctx.hostbufs.params[i].as_mut_slice();
-        moments_of(ctx, i).update(w, g, &st, coef, seed, image)
+        let held = moments_of(ctx, i).update(w, g, &st, coef, seed, image);
+        ctx.step.add_held(sd.step, i, held);
     }
 }
 
@@ -415,7 +420,8 @@ unsafe fn update_embed_rows(ctx: &Ctx, sd: &StepData, grant: &Grant, pick: &[boo
     let coef = norm_clip(ctx);
     let st = AdamWStep::new(&ctx.adamw, sd.adam_step, sd.lr);
     let (c, img) = (ctx.layout.dims.c, ctx.hostbufs.images[i]);
-    pick.par_chunks(ROW_TASK).enumerate().for_each(|(t, rows)| {
+    let held = pick.par_chunks(ROW_TASK).enumerate().map(|(t, rows)| {
+        let mut held = 0;
         for run in row_runs(rows, want) {
             let e = (t * ROW_TASK + run.start) * c..(t * ROW_TASK + run.end) * c;
             // SAFETY: the caller's exclusivity over these rows; each task borrows its own.
@@ -425,12 +431,14 @@ unsafe fn update_embed_rows(ctx: &Ctx, sd: &StepData, grant: &Grant, pick: &[boo
                     let (p, m, v) = (p.sub(e.clone()), m.sub(e.clone()), v.sub(e.clone()));
                     let img = img.map(|x| x.sub(e.clone()).as_mut_slice());
                     let (p, m, v) = (p.as_mut_slice(), m.as_mut_slice(), v.as_mut_slice());
-                    adamw_update_local(p, img, g, m, v, &st, coef);
+                    held += adamw_update_local(p, img, g, m, v, &st, coef);
                 }
                 g.fill(0.0);
             }
         }
+        held
     });
+    ctx.step.add_held(sd.step, i, held.sum());
 }
 
 /// Scale buffer `i`'s moments as if its gradient had been multiplied by `r`: `m *= r`,

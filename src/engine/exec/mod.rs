@@ -78,6 +78,8 @@ pub(super) struct StepData {
     pub(super) mbs: Vec<MicroBatch>,
     /// 1 / (loss-carrying positions of the whole batch).
     pub(super) scale: f32,
+    /// The engine's step index (0-based; an evaluation's: the next step's).
+    pub(super) step: u64,
     /// AdamW's step count if this step's update is applied (1-based).
     pub(super) adam_step: u64,
     /// Learning rate of this step.
@@ -106,7 +108,9 @@ pub struct StepOutput {
     pub loss_sum: f64,
     pub num_targets: usize,
     pub grad_norm: f64,
-    /// The update was skipped (non-finite loss or gradient norm): masters and moments untouched.
+    /// The update was skipped (non-finite loss or gradient norm, or a gradient too large for
+    /// the moments: `optim::step::fits_moments`): masters and moments untouched (in `lean` and
+    /// `compact`, those of the layers updated before that was known keep their update).
     pub skipped: bool,
     /// A mixture of experts' load-balancing loss (unscaled) and its trained coefficient.
     pub aux: Option<(f64, f64)>,
@@ -294,7 +298,25 @@ where
     /// as it would after a resume (every event of the earlier steps reached).
     pub fn skip_step(&mut self) {
         self.dev.synchronize();
+        self.ctx.step.clear_held(self.steps);
         self.steps += 1;
+    }
+
+    /// The elements step `k`'s updates held, per buffer (in `ParamStore::buffers` order):
+    /// those whose new master or moment would not have been finite kept their old values
+    /// (`optim::adamw`'s "Held elements"). Step `k`'s updates run on after [`Engine::step`]
+    /// returns, so this waits for the queued work when `k` is the last step taken; the step
+    /// before it needs no wait (its updates ran before the last step's norm).
+    pub fn held(&mut self, k: u64) -> impl Iterator<Item = u64> + '_ {
+        assert!(
+            k + 2 >= self.steps && k < self.steps,
+            "step {k}'s held elements are gone: the engine is at step {}",
+            self.steps
+        );
+        if k + 1 == self.steps {
+            self.dev.synchronize();
+        }
+        self.ctx.step.held(k)
     }
 
     /// Run one optimizer step on the step's micro-batches (each at most
@@ -321,6 +343,7 @@ where
         let sd = Arc::new(StepData {
             mbs,
             scale: 1.0 / num_targets.max(1) as f32,
+            step: k,
             adam_step: self.updates + 1,
             lr: sp.lr,
             inject_nan: sp.inject_nan,
@@ -368,6 +391,8 @@ where
             e.wait_host();
             e.reset();
         }
+        // Step k - 2's updates are done: its slot of held counts is step k's.
+        self.ctx.step.clear_held(k);
         for (j, op) in self.schedule.ops(k).iter().enumerate() {
             for w in self.schedule.waits(k, j) {
                 let e = match w {
