@@ -219,3 +219,30 @@ fn the_plan_is_sized_for_the_longest_row_of_the_data() {
     assert!(out.contains("missing.jsonl"), "the plan names the data it could not read: {out}");
     assert!(err.contains("device.memory") && err.contains("GiB"), "{err}");
 }
+
+/// `horizon bench` times the steps after its warm-up only: with 3 steps and the default
+/// warm-up of 1, `summary.json` counts 2 timed steps and their tokens (the warm-up step, logged
+/// one step late, was once counted among them, doubling the reported speed of a 2-step bench).
+#[test]
+fn the_warm_up_step_is_not_timed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = tmp.path().join("c.yaml");
+    std::fs::write(&cfg, config(3, "auto", &tmp.path().join("out"))).unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_horizon"))
+        .args(["bench", "--config", cfg.to_str().unwrap(), "--set", "train.steps=3"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let s: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(tmp.path().join("out/summary.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(s["steps"], 2, "{s}");
+    assert_eq!(s["total_steps"], 3, "{s}");
+    let metrics = std::fs::read_to_string(tmp.path().join("out/metrics.jsonl")).unwrap();
+    let tokens: Vec<u64> = metrics
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["tokens"].as_u64().unwrap())
+        .collect();
+    assert_eq!(s["tokens"].as_u64().unwrap(), tokens[1..].iter().sum::<u64>(), "{s}");
+}

@@ -405,6 +405,12 @@ where
     let mut lp = StepLoop::start(&mut tr, &out_dir, start, resume_dir)?;
     for k in start..steps {
         if k == (start + warmup).min(steps - 1) && k > start {
+            // The warm-up's last step is logged before the timings start (it waits for its
+            // updates, which the restart waits for anyway): it must not count as timed.
+            if let Some(mut prev) = lp.pending.take() {
+                tr.settle(&mut prev);
+                lp.record(&tr, &prev, (start, steps))?;
+            }
             lp.restart_timing(&mut tr);
         }
         let mut m = tr.step(k)?;
