@@ -20,10 +20,10 @@ use crate::model::spec::{Act, BwdOp, DRES, IO_SLOTS, LayerSpec, Op};
 /// - Forward: an activation one part writes and a later part reads (the experts' input and
 ///   routing, their output and the pairs' sort, the residual the part after them adds to).
 /// - Backward: what the experts' backward reads of the forward (their input and routing,
-///   rebuilt by the recompute at the pass's start) and any activation the part before the
-///   experts reads that the part after writes; each gradient one part writes and a later
-///   part reads (the experts' output gradient, their input's and the routing weights', the
-///   sort). The part before the experts is recomputed at the pass's end for its backward
+///   rebuilt by the recompute at the pass's start: carried by the forward's rule, as the ops
+///   before them write them) and any activation the part before the experts reads that the
+///   part after writes; each gradient one part writes and a later part reads (the experts'
+///   output gradient, their input's and the routing weights', the sort). The part before the experts is recomputed at the pass's end for its backward
 ///   (with more than one micro-batch), so its internals need not wait.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Carried {
@@ -67,14 +67,15 @@ fn part_of(i: usize, x: usize) -> usize {
 fn carried_acts(spec: &LayerSpec) -> Vec<Act> {
     let x = spec.ops.iter().position(|op| matches!(op, Op::Experts { .. })).expect("experts");
     let reads = |op: &Op| [op.forward_io().0, op.saved()].concat();
+    let temporaries = expert_temporaries(spec).0;
     let mut out = Vec::new();
     for (i, op) in spec.ops.iter().enumerate() {
         for a in op.forward_io().1 {
-            let later = spec.ops.iter().enumerate().skip(i + 1);
+            let mut later = spec.ops.iter().enumerate().skip(i + 1);
             let read_later =
-                later.clone().any(|(j, o)| part_of(j, x) > part_of(i, x) && reads(o).contains(&a));
+                later.any(|(j, o)| part_of(j, x) > part_of(i, x) && reads(o).contains(&a));
             // The experts' output (added to chunk by chunk) and the sort (read by later chunks).
-            let across_chunks = i == x && !expert_temporaries(spec).0.contains(&a);
+            let across_chunks = i == x && !temporaries.contains(&a);
             // Written after the experts, read by the backward of an op before them.
             let before_reads = spec.ops[..x].iter().any(|o| o.saved().contains(&a));
             if read_later || across_chunks || (i > x && before_reads) {
@@ -82,7 +83,6 @@ fn carried_acts(spec: &LayerSpec) -> Vec<Act> {
             }
         }
     }
-    out.extend(spec.ops[x].saved());
     out
 }
 
@@ -92,13 +92,13 @@ fn carried_grads(spec: &LayerSpec) -> Vec<usize> {
     let x = spec.backward.iter().position(|b| matches!(b, BwdOp::Experts { .. })).expect("experts");
     // Steps before the experts' belong to the ops after them.
     let part = |j: usize| part_of(x, j);
+    let temporaries = expert_temporaries(spec).1;
     let mut out = Vec::new();
     for (i, step) in spec.backward.iter().enumerate() {
         for g in grad_io(step).1 {
-            let later = spec.backward.iter().enumerate().skip(i + 1);
-            let read_later =
-                later.clone().any(|(j, s)| part(j) < part(i) && grad_io(s).0.contains(&g));
-            let across_chunks = i == x && !expert_temporaries(spec).1.contains(&g);
+            let mut later = spec.backward.iter().enumerate().skip(i + 1);
+            let read_later = later.any(|(j, s)| part(j) < part(i) && grad_io(s).0.contains(&g));
+            let across_chunks = i == x && !temporaries.contains(&g);
             if read_later || across_chunks {
                 out.push(g);
             }

@@ -56,12 +56,12 @@ where
         // The host queue's threads, before anything is allocated or queued.
         let host_pool = start_host_pool(&dev, &cfg)?;
         let schedule = Schedule::new(shape);
-        let devbufs = alloc_device(&dev, &layout, &sizes, &cfg)?;
+        let chunking = Chunking::of(&layout, &cfg);
+        let devbufs = alloc_device(&dev, &layout, &sizes, &cfg, &chunking)?;
         dev.set_workspace(devbufs.workspace);
         let mut state = Box::new(state.into_memory(&layout, cfg.memory));
         let pinned_grads = pin_downloaded_grads(&dev, &mut state, &layout, shape.head_buf());
         let (host, hostbufs) = alloc_host(&dev, &mut state, &layout, &sizes, &cfg, shape);
-        let chunking = Chunking::of(&layout, &cfg);
         let ctx = Arc::new(Ctx {
             regions: SlotRegions::new(&layout, shape.head_buf(), &sizes.head, &chunking),
             chunking,
@@ -403,6 +403,7 @@ pub(super) fn alloc_device<D: Device>(
     layout: &ModelLayout,
     sizes: &Sizes,
     cfg: &EngineConfig,
+    chunking: &Chunking,
 ) -> Result<DeviceBuffers> {
     let a = DeviceAlloc { dev, planned: sizes.device_total() };
     let (n, mbs) = (sizes.mb_rows, sizes.micro_batches);
@@ -417,9 +418,9 @@ pub(super) fn alloc_device<D: Device>(
     let acts = (0..sizes.act_sets).map(|_| a.many(mbs, sizes.act)).collect::<Result<_>>()?;
     let dres = a.many(mbs, sizes.act)?;
     let (ids, targets, losses) = (a.many(mbs, n)?, a.many(mbs, n)?, a.many(mbs, n)?);
-    let (acts_scratch, stash) = alloc_internals(&a, layout, sizes, cfg)?;
+    let (acts_scratch, stash) = alloc_internals(&a, layout, sizes, cfg, chunking)?;
     let scratch = alloc_scratch(&a, layout, sizes, cfg, acts_scratch)?;
-    let rows = alloc_expert_rows(&a, layout, sizes, cfg, &scratch)?;
+    let rows = alloc_expert_rows(&a, layout, sizes, chunking, &scratch)?;
     let tiled = alloc_tiled(&a, layout, sizes, cfg)?;
     let moe = match &layout.moe {
         Some(m) => Some([a.one(n)?, a.one(2 * m.num_experts)?, a.one(m.num_experts)?]),
@@ -449,10 +450,9 @@ fn alloc_expert_rows<D: Device>(
     a: &DeviceAlloc<'_, D>,
     layout: &ModelLayout,
     sizes: &Sizes,
-    cfg: &EngineConfig,
+    chunking: &Chunking,
     scratch: &Scratch,
 ) -> Result<Vec<Internals>> {
-    let chunking = Chunking::of(layout, cfg);
     if !chunking.any() {
         return Ok(Vec::new());
     }
@@ -481,6 +481,7 @@ fn alloc_internals<D: Device>(
     layout: &ModelLayout,
     sizes: &Sizes,
     cfg: &EngineConfig,
+    chunking: &Chunking,
 ) -> Result<(Vec<DevBuf>, Vec<Option<Vec<Vec<DevBuf>>>>)> {
     let (n, mbs, layers) = (sizes.mb_rows, sizes.micro_batches, layout.dims.layers);
     let (act_widths, stashed) = (layout.max_act_widths(), layout.stashed_acts());
@@ -488,7 +489,7 @@ fn alloc_internals<D: Device>(
     // they keep: those are not allocated (`Sizes::new`), and the scratch names the first
     // layer's kept buffers instead (nothing reads them through it). A chunked layer keeps
     // nothing, and recomputes into the scratch.
-    let keepers = Chunking::of(layout, cfg).keepers(layers, cfg.kept_layers);
+    let keepers = chunking.keepers(layers, cfg.kept_layers);
     let keeps_all = keepers.iter().all(|&k| k);
     let own_scratch = |j: usize, w: usize| match keeps_all && stashed[j] {
         true => Ok(None),

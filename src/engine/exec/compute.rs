@@ -192,9 +192,7 @@ where
                 let kept = kept_of.and_then(|l| ctx.stash(g, l, m, true));
                 let own = match kept {
                     Some(kept) => kept,
-                    // A chunked layer's pass keeps each micro-batch's internals apart.
-                    None if ctx.chunking.split(layer).is_some() => &ctx.expert_rows(g, m).acts,
-                    None => &ctx.scratch(g).acts,
+                    None => ctx.internals(g, layer, m).0,
                 };
                 let own = own.iter().map(|&b| vw.buf_mut(b));
                 let out = Slot::W(vw.buf_mut(out.prefix(nc)));
@@ -447,15 +445,8 @@ where
                 // Kept by this layer's forward (what it did not keep, in the scratch, is
                 // rebuilt first), or rebuilt by the recompute just before.
                 let kept = ctx.stash(g, layer, m, false);
-                // A chunked layer's pass keeps each micro-batch's internals apart.
-                let (acts, grads) = match ctx.chunking.split(layer) {
-                    Some(_) => {
-                        let rows = ctx.expert_rows(g, m);
-                        (&rows.acts, &rows.grads)
-                    }
-                    None => (&scratch.acts, &scratch.grads),
-                };
-                let own = kept.map_or(&acts[..], |k| k);
+                let (acts, grads) = ctx.internals(g, layer, m);
+                let own = kept.unwrap_or(acts);
                 let x = vw.buf(ctx.dev(g, Res::Act { set, m }, false).prefix(nc));
                 let y = Slot::R(vw.buf(scratch.y));
                 let mut acts = act_slots(x, y, own.iter().map(|&b| vw.buf_mut(b)));

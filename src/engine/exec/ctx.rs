@@ -438,11 +438,17 @@ impl Ctx {
         &self.devbufs.scratch
     }
 
-    /// Micro-batch `m`'s internals in a chunked layer's pass, as the op's grant allows.
-    pub(super) fn expert_rows(&self, g: &Grant, m: usize) -> &Internals {
-        g.check(Res::Scratch, true);
+    /// The buffers layer `layer` runs micro-batch `m`'s internals and gradients in, as the
+    /// op's grant allows: the compute queue's scratch, or in a chunked layer's pass the
+    /// micro-batch's own (`Res::ExpertRows`), which it keeps apart from the others'.
+    pub(super) fn internals(&self, g: &Grant, layer: usize, m: usize) -> (&[DevBuf], &[DevBuf]) {
+        let scratch = self.scratch(g);
+        if self.chunking.split(layer).is_none() {
+            return (&scratch.acts, &scratch.grads);
+        }
         g.check(Res::ExpertRows(m), true);
-        &self.devbufs.rows[m]
+        let rows = &self.devbufs.rows[m];
+        (&rows.acts, &rows.grads)
     }
 
     /// Layer `layer`'s kept internals for micro-batch `m`, if it keeps them, as the op's grant
