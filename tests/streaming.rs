@@ -80,18 +80,7 @@ fn a_plan_that_does_not_fit_is_refused_before_allocating() {
 
 #[test]
 fn train_writes_a_summary() {
-    let tmp = tempfile::tempdir().unwrap();
-    let cfg = tmp.path().join("c.yaml");
-    std::fs::write(&cfg, config(4, "auto", &tmp.path().join("out"))).unwrap();
-    let o = Command::new(env!("CARGO_BIN_EXE_horizon"))
-        .args(["train", "--config", cfg.to_str().unwrap()])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let s: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(tmp.path().join("out/summary.json")).unwrap(),
-    )
-    .unwrap();
+    let (_tmp, s) = run_summary(&["train"], 4);
     for key in [
         "steps",
         "tokens",
@@ -225,18 +214,7 @@ fn the_plan_is_sized_for_the_longest_row_of_the_data() {
 /// one step late, was once counted among them, doubling the reported speed of a 2-step bench).
 #[test]
 fn the_warm_up_step_is_not_timed() {
-    let tmp = tempfile::tempdir().unwrap();
-    let cfg = tmp.path().join("c.yaml");
-    std::fs::write(&cfg, config(3, "auto", &tmp.path().join("out"))).unwrap();
-    let o = Command::new(env!("CARGO_BIN_EXE_horizon"))
-        .args(["bench", "--config", cfg.to_str().unwrap(), "--set", "train.steps=3"])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let s: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(tmp.path().join("out/summary.json")).unwrap(),
-    )
-    .unwrap();
+    let (tmp, s) = run_summary(&["bench", "--set", "train.steps=3"], 3);
     assert_eq!(s["steps"], 2, "{s}");
     assert_eq!(s["total_steps"], 3, "{s}");
     let metrics = std::fs::read_to_string(tmp.path().join("out/metrics.jsonl")).unwrap();
@@ -245,4 +223,20 @@ fn the_warm_up_step_is_not_timed() {
         .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["tokens"].as_u64().unwrap())
         .collect();
     assert_eq!(s["tokens"].as_u64().unwrap(), tokens[1..].iter().sum::<u64>(), "{s}");
+}
+
+/// `horizon VERB ARGS --config C` on [`config`] of `layers` layers in a fresh directory, which
+/// must succeed: the directory (`out/` holds the run) and its `summary.json`.
+fn run_summary(verb_args: &[&str], layers: usize) -> (tempfile::TempDir, serde_json::Value) {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = tmp.path().join("c.yaml");
+    std::fs::write(&cfg, config(layers, "auto", &tmp.path().join("out"))).unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_horizon"))
+        .args(verb_args)
+        .args(["--config", cfg.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let summary = std::fs::read_to_string(tmp.path().join("out/summary.json")).unwrap();
+    (tmp, serde_json::from_str(&summary).unwrap())
 }
