@@ -6,11 +6,63 @@ use std::ops::Range;
 
 use anyhow::{Result, bail};
 use horizon::data::{
-    IGNORE_INDEX, LoadReport, OnError, Row, alpaca_prompt, example_from_spans, load_alpaca,
-    load_chat, load_pretokenized, load_pretokenized_rows, load_sharegpt, load_text, make_batch,
-    pack, shuffled_order, split_eval,
+    IGNORE_INDEX, LoadReport, OnError, Row, RowStore, Source, alpaca_prompt, example_from_spans,
+    load_pretokenized, make_batch, pack, shuffled_order, split_eval,
 };
 use horizon::tokenizer::Tokenizer;
+
+/// The loaders stream their rows to a spill file; these read them back, for comparison.
+fn all_rows(got: Result<(RowStore, LoadReport)>) -> Result<(Vec<Row>, LoadReport)> {
+    got.map(|(store, report)| (store.to_rows().unwrap(), report))
+}
+
+fn load_alpaca(
+    src: &Source,
+    tok: &dyn Tokenizer,
+    max: usize,
+    on_prompt: bool,
+    on_error: OnError,
+) -> Result<(Vec<Row>, LoadReport)> {
+    all_rows(horizon::data::load_alpaca(src, tok, max, on_prompt, on_error))
+}
+
+fn load_chat(
+    src: &Source,
+    tok: &dyn Tokenizer,
+    max: usize,
+    on_prompt: bool,
+    on_error: OnError,
+) -> Result<(Vec<Row>, LoadReport)> {
+    all_rows(horizon::data::load_chat(src, tok, max, on_prompt, on_error))
+}
+
+fn load_sharegpt(
+    src: &Source,
+    tok: &dyn Tokenizer,
+    max: usize,
+    on_prompt: bool,
+    on_error: OnError,
+) -> Result<(Vec<Row>, LoadReport)> {
+    all_rows(horizon::data::load_sharegpt(src, tok, max, on_prompt, on_error))
+}
+
+fn load_text(
+    src: &Source,
+    tok: &dyn Tokenizer,
+    max: usize,
+    on_error: OnError,
+) -> Result<(Vec<Row>, LoadReport)> {
+    all_rows(horizon::data::load_text(src, tok, max, on_error))
+}
+
+fn load_pretokenized_rows(
+    src: &Source,
+    max: usize,
+    vocab: usize,
+    on_error: OnError,
+) -> Result<(Vec<Row>, LoadReport)> {
+    all_rows(horizon::data::load_pretokenized_rows(src, max, vocab, on_error))
+}
 
 /// One token per byte: id = byte + 3; PAD = 0, BOS = 1, EOS = 2 (BOS and EOS optional).
 struct Bytes {
@@ -355,7 +407,7 @@ fn byte_order_mark_crlf_and_blank_lines_are_accepted() {
     let (rows, _) = load_text(&f.path().into(), &BYTES, 8, OnError::Fail).unwrap();
     assert_eq!(rows[0].input_ids, [ids("abc"), vec![EOS]].concat());
     let f = write("\u{feff}{\"input_ids\": [5, 6]}\r\n");
-    assert_eq!(load_pretokenized(f.path(), 8, 100).unwrap().rows[0].input_ids, [5, 6]);
+    assert_eq!(load_pretokenized(f.path(), 8, 100).unwrap().row(0).unwrap().input_ids, [5, 6]);
     // Elsewhere than at the very start, it is an error naming the line.
     let f = write("{\"text\": \"abc\"}\n\u{feff}{\"text\": \"d\"}\n");
     let err = load_text(&f.path().into(), &BYTES, 8, OnError::Fail).unwrap_err().to_string();

@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use horizon::data::{
-    Columns, LoadReport, OnError, Row, Source, load_alpaca, load_chat, load_pretokenized_rows,
-    load_sharegpt, load_text,
+    Columns, LoadReport, OnError, Row, RowStore, Source, load_alpaca, load_chat,
+    load_pretokenized_rows, load_sharegpt, load_text,
 };
 use horizon::run::config::RawConfig;
 use horizon::tokenizer::ByteTokenizer;
@@ -67,8 +67,8 @@ fn src(path: &Path, columns: &[(&str, &str)]) -> Source {
     Source::new(path, &cols)
 }
 
-fn rows_of(got: anyhow::Result<(Vec<Row>, LoadReport)>) -> Vec<Row> {
-    got.unwrap_or_else(|e| panic!("{e:#}")).0
+fn rows_of(got: anyhow::Result<(RowStore, LoadReport)>) -> Vec<Row> {
+    got.unwrap_or_else(|e| panic!("{e:#}")).0.to_rows().unwrap()
 }
 
 #[test]
@@ -175,7 +175,7 @@ fn bad_parquet_is_a_clean_error_naming_file_row_and_column() {
     let path = d.join("bad.parquet");
     write(&path, &conv, &share, 2);
     let file = path.display().to_string();
-    let err = |r: anyhow::Result<(Vec<Row>, LoadReport)>| format!("{:#}", r.unwrap_err());
+    let err = |r: anyhow::Result<(RowStore, LoadReport)>| format!("{:#}", r.unwrap_err());
 
     // An unknown `from`: the file, the row and its row group, the turn.
     let e = err(load_sharegpt(&src(&path, &[]), &tok, 4096, false, OnError::Fail));

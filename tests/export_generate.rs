@@ -60,7 +60,7 @@ fn loss_of(dir: &Path, rows: &[Row]) -> f64 {
 
 fn fixture_rows() -> Vec<Row> {
     let path = case_dir("llama_gqa").join("data.jsonl");
-    horizon::data::load_pretokenized(&path, 64, 1 << 20).unwrap().rows
+    horizon::data::load_pretokenized(&path, 64, 1 << 20).unwrap().to_rows().unwrap()
 }
 
 /// bf16 round-to-nearest-even of a finite f32, by bit arithmetic (independent of `half`).
@@ -227,10 +227,11 @@ fn eval_loss_is_reported_and_is_the_held_out_loss() {
     let raw = horizon::run::config::RawConfig::from_file(&tmp.path().join("c.yaml")).unwrap();
     let sets = horizon::run::data::load_datasets(&raw, 259).unwrap();
     let eval = sets.eval.unwrap();
-    assert_eq!(eval.rows.len() as u64, summary["eval_rows"].as_u64().unwrap());
-    let train_rows = sets.train.rows.len();
-    assert!(train_rows > 0 && eval.rows.iter().all(|r| !sets.train.rows.contains(r)));
-    let want = loss_of(&out.join("final"), &eval.rows);
+    let (eval, train) = (eval.to_rows().unwrap(), sets.train.to_rows().unwrap());
+    assert_eq!(eval.len() as u64, summary["eval_rows"].as_u64().unwrap());
+    let train_rows = train.len();
+    assert!(train_rows > 0 && eval.iter().all(|r| !train.contains(r)));
+    let want = loss_of(&out.join("final"), &eval);
     assert!((want - last_eval).abs() <= 1e-9 * want, "eval {last_eval} vs recomputed {want}");
 }
 

@@ -20,7 +20,7 @@ fn trainer(case: &str, head_chunk_rows: usize) -> ReferenceTrainer {
 /// Hidden states and logits of the first batch.
 fn check_step0_forward(case: &str) {
     let mut t = trainer(case, 7);
-    let (batch, _) = t.batch(0);
+    let (batch, _) = t.batch(0).unwrap();
     let (hidden, logits) = t.engine.forward_inspect(&t.state.params, tokens_of(&batch)).unwrap();
     for (i, h) in hidden.iter().enumerate() {
         let want = tensor(case, "step0_logits.safetensors", &format!("hidden_states.{i}"));
@@ -42,7 +42,7 @@ fn check_step0_forward(case: &str) {
 /// Loss and every parameter's gradient of the first batch.
 fn check_step0_grads(case: &str, head_chunk_rows: usize) {
     let mut t = trainer(case, head_chunk_rows);
-    let (batch, _) = t.batch(0);
+    let (batch, _) = t.batch(0).unwrap();
     let out = t
         .engine
         .forward_backward(&t.state.params, &mut t.state.grads, tokens_of(&batch), batch.num_targets)
@@ -179,7 +179,7 @@ fn head_chunking_is_exact() {
     for case in CASES {
         let mut a = trainer(case, 1000);
         let mut b = trainer(case, 3);
-        let (batch, _) = a.batch(0);
+        let (batch, _) = a.batch(0).unwrap();
         let oa = a
             .engine
             .forward_backward(
@@ -212,7 +212,7 @@ fn head_chunking_is_exact() {
 fn backward_twice_doubles_gradients() {
     for case in CASES {
         let mut t = trainer(case, 256);
-        let (batch, _) = t.batch(0);
+        let (batch, _) = t.batch(0).unwrap();
         t.engine
             .forward_backward(
                 &t.state.params,

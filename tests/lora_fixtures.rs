@@ -23,7 +23,7 @@ fn reference_step0_adapter_gradients_match_peft() {
     for case in CASES {
         let mut t =
             ReferenceTrainer::new(run_config(case, "engine: { head_chunk_rows: 7 }\n")).unwrap();
-        let (batch, _) = t.batch(0);
+        let (batch, _) = t.batch(0).unwrap();
         let out = t
             .engine
             .forward_backward(
@@ -237,7 +237,7 @@ fn qlora_on_a_mixture_of_experts_streams_as_the_reference_computes() {
 fn the_step0_routing_counts_are_pytorchs() {
     let case = "qwen3_moe_lora";
     let mut t = ReferenceTrainer::new(run_config(case, "")).unwrap();
-    let (batch, _) = t.batch(0);
+    let (batch, _) = t.batch(0).unwrap();
     t.engine.forward_loss(&t.state.params, tokens_of(&batch)).unwrap();
     let stats = t.engine.pooled_stats().unwrap();
     let per_layer = expected(case)["step0_real_tokens_per_expert"].clone();

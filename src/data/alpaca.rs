@@ -14,7 +14,8 @@ use super::records::{
     LoadReport, OnError, Outcome, carries_loss, check_max_seq_len, encode_spans, finish_load,
     masked_labels, opt_str_field, require_eos, str_field,
 };
-use super::source::{Fields, Source, read_records};
+use super::source::{Fields, JsonObject, Loc, Source, read_records_into};
+use super::store::{RowStore, RowStoreWriter};
 use crate::tokenizer::Tokenizer;
 
 /// The Alpaca prompt for a record with an input.
@@ -60,13 +61,14 @@ pub fn load_alpaca(
     max_seq_len: usize,
     train_on_prompt: bool,
     on_error: OnError,
-) -> Result<(Vec<Row>, LoadReport)> {
+) -> Result<(RowStore, LoadReport)> {
     check_max_seq_len(max_seq_len)?;
     let eos = require_eos(tok, &src.path, "alpaca", "example")?;
     let mut report = LoadReport::default();
     let (mut truncated, mut no_loss) = (0, Vec::new());
     let cols = &src.columns;
-    let rows = read_records(src, &ALPACA_FIELDS, on_error, &mut report, |obj, loc| {
+    let mut out = RowStoreWriter::new()?;
+    let build = |obj: &JsonObject, loc: &Loc| -> Result<Outcome<Row>> {
         let instruction = str_field(obj, cols.name("instruction"))?;
         let input = opt_str_field(obj, cols.name("input"))?;
         let output = str_field(obj, cols.name("output"))?;
@@ -94,9 +96,10 @@ pub fn load_alpaca(
             no_loss.push(loc.clone());
         }
         Ok(Outcome::Keep(row))
-    })?;
+    };
+    read_records_into(src, &ALPACA_FIELDS, on_error, &mut report, build, |r| out.push(&r))?;
     report.no_loss = no_loss;
-    finish_load(src, rows, report, truncated)
+    finish_load(src, out.finish()?, report, truncated)
 }
 
 #[cfg(test)]
@@ -137,6 +140,7 @@ mod tests {
         for train_on_prompt in [false, true] {
             let (rows, report) =
                 load_alpaca(&f.path().into(), &tok, 512, train_on_prompt, OnError::Fail).unwrap();
+            let rows = rows.to_rows().unwrap();
             assert_eq!(report.rows, 2);
             for (row, (instruction, input, output)) in
                 rows.iter().zip([("Add.", Some("1 2"), "3 ."), ("Hi.", None, "Hello")])
@@ -174,6 +178,7 @@ mod tests {
         let max = prompt_tokens + 2;
         let (rows, report) =
             load_alpaca(&f.path().into(), &tok, max, false, OnError::Fail).unwrap();
+        let rows = rows.to_rows().unwrap();
         assert_eq!(rows.len(), 1);
         assert_eq!(rows[0].input_ids.len(), max);
         assert_eq!(rows[0].labels[prompt_tokens..], words("a b"));
@@ -188,6 +193,7 @@ mod tests {
         // One token of room: the first output token only, no EOS.
         let (rows, _) =
             load_alpaca(&f.path().into(), &tok, prompt_tokens + 1, false, OnError::Fail).unwrap();
+        let rows = rows.to_rows().unwrap();
         assert_eq!(*rows[0].labels.last().unwrap(), words("a")[0]);
     }
 
@@ -205,6 +211,7 @@ mod tests {
         assert_eq!(err.to_string(), want);
         let (rows, report) =
             load_alpaca(&f.path().into(), &tok, 512, false, OnError::Skip).unwrap();
+        let rows = rows.to_rows().unwrap();
         assert_eq!(rows.len(), 1);
         let skipped: Vec<_> = report.skipped.iter().map(|(l, r)| (l.line(), r.as_str())).collect();
         assert_eq!(
@@ -221,6 +228,7 @@ mod tests {
         let f = write("{\"instruction\": \"x\", \"output\": \"y\"}\n");
         let tok = WordTokenizer { bos: None, eos: Some(2), add_bos: false };
         let (rows, _) = load_alpaca(&f.path().into(), &tok, 512, false, OnError::Fail).unwrap();
+        let rows = rows.to_rows().unwrap();
         let prompt = words(&alpaca_prompt("x", None));
         assert_eq!(rows[0].input_ids[..prompt.len()], prompt);
         assert_eq!(rows[0].input_ids.len(), prompt.len() + 2);

@@ -11,7 +11,8 @@ use crate::data::records::{
     JsonObject, LoadReport, OnError, Outcome, carries_loss, check_max_seq_len,
     example_from_encoded, finish_load, str_field,
 };
-use crate::data::source::{Fields, Source, json_kind, read_records};
+use crate::data::source::{Fields, Loc, Source, json_kind, read_records_into};
+use crate::data::store::{RowStore, RowStoreWriter};
 use crate::tokenizer::{Message, Tokenizer};
 
 /// The fields of a chat record (`role` and `content` are those of each message).
@@ -25,7 +26,7 @@ pub fn load_chat(
     max_seq_len: usize,
     train_on_prompt: bool,
     on_error: OnError,
-) -> Result<(Vec<Row>, LoadReport)> {
+) -> Result<(RowStore, LoadReport)> {
     let c = &src.columns;
     let (list, role, content) = (c.name("messages"), c.name("role"), c.name("content"));
     let read = |obj: &JsonObject| -> Result<Vec<Message>> {
@@ -74,7 +75,7 @@ pub fn load_conversations(
     train_on_prompt: bool,
     on_error: OnError,
     read: impl Fn(&JsonObject) -> Result<Vec<Message>>,
-) -> Result<(Vec<Row>, LoadReport)> {
+) -> Result<(RowStore, LoadReport)> {
     check_max_seq_len(max_seq_len)?;
     let Some(template) = tok.chat() else {
         bail!(
@@ -84,7 +85,8 @@ pub fn load_conversations(
     };
     let mut report = LoadReport::default();
     let (mut truncated, mut no_loss) = (0, Vec::new());
-    let rows = read_records(src, fields, on_error, &mut report, |obj, loc| {
+    let mut out = RowStoreWriter::new()?;
+    let build = |obj: &JsonObject, loc: &Loc| -> Result<Outcome<Row>> {
         let messages = read(obj)?;
         if !messages.iter().any(|m| m.role == "assistant") {
             return Ok(Outcome::Skip("no assistant message: nothing to learn".to_string()));
@@ -113,7 +115,8 @@ pub fn load_conversations(
             no_loss.push(loc.clone());
         }
         Ok(Outcome::Keep(row))
-    })?;
+    };
+    read_records_into(src, fields, on_error, &mut report, build, |r| out.push(&r))?;
     report.no_loss = no_loss;
-    finish_load(src, rows, report, truncated)
+    finish_load(src, out.finish()?, report, truncated)
 }

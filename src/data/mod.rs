@@ -10,6 +10,7 @@
 
 pub mod alpaca;
 pub mod chat;
+pub mod dataset;
 pub mod pack;
 pub mod parquet;
 pub mod pretokenized;
@@ -17,6 +18,7 @@ pub mod records;
 pub mod sharegpt;
 pub mod source;
 pub mod split;
+pub mod store;
 pub mod text;
 
 pub use alpaca::{alpaca_prompt, load_alpaca};
@@ -28,6 +30,7 @@ pub use pretokenized::{
 };
 pub use records::{JsonObject, LoadReport, OnError, Outcome, carries_loss, example_from_spans};
 pub use sharegpt::load_sharegpt;
-pub use source::{At, Columns, Fields, Loc, Source, read_records};
+pub use source::{At, Columns, Fields, Loc, Source, read_records, read_records_into};
 pub use split::{shuffled_order, split_eval};
+pub use store::{RowStore, RowStoreWriter};
 pub use text::load_text;

@@ -30,13 +30,14 @@ pub fn pack(rows: Vec<Row>, max_seq_len: usize) -> Vec<Row> {
         assert_eq!(r.input_ids.len(), r.labels.len(), "row {i}: input_ids and labels differ");
     }
     let lens: Vec<usize> = rows.iter().map(|r| r.input_ids.len()).collect();
-    let bins = first_fit(&lens, max_seq_len);
+    let bins = Bins::of(&lens, max_seq_len);
     let mut rows: Vec<Option<Row>> = rows.into_iter().map(Some).collect();
-    bins.into_iter()
-        .map(|members| {
+    (0..bins.len())
+        .map(|b| {
             let mut packed = Row { input_ids: Vec::new(), labels: Vec::new() };
-            for i in members {
-                let Row { input_ids, mut labels } = rows[i].take().expect("each row packed once");
+            for &i in bins.members(b) {
+                let Row { input_ids, mut labels } =
+                    rows[i as usize].take().expect("each row packed once");
                 labels[0] = IGNORE_INDEX;
                 packed.input_ids.extend(input_ids);
                 packed.labels.extend(labels);
@@ -44,6 +45,55 @@ pub fn pack(rows: Vec<Row>, max_seq_len: usize) -> Vec<Row> {
             packed
         })
         .collect()
+}
+
+/// Examples packed per window of this many: the packer's working memory is that of one window.
+pub const PACK_WINDOW: usize = 1 << 16;
+
+/// Packed rows as lists of example indices (compressed: bin `b` holds
+/// `members[starts[b]..starts[b + 1]]`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Bins {
+    pub members: Vec<u32>,
+    pub starts: Vec<u32>,
+}
+
+impl Bins {
+    /// The examples of lengths `lens` (each `<= cap`) first-fit packed in windows of
+    /// [`PACK_WINDOW`] (see the module doc); examples of length 0 are left out.
+    pub fn of(lens: &[usize], cap: usize) -> Bins {
+        Bins::windowed(lens, cap, PACK_WINDOW)
+    }
+
+    fn windowed(lens: &[usize], cap: usize, window: usize) -> Bins {
+        let mut bins = Bins { members: Vec::new(), starts: vec![0] };
+        for (w, chunk) in lens.chunks(window.max(1)).enumerate() {
+            for bin in first_fit(chunk, cap) {
+                bins.members.extend(bin.iter().map(|&i| (w * window + i) as u32));
+                bins.starts.push(bins.members.len() as u32);
+            }
+        }
+        bins
+    }
+
+    /// One bin per example, in order (no packing).
+    pub fn singletons(n: usize) -> Bins {
+        Bins { members: (0..n as u32).collect(), starts: (0..=n as u32).collect() }
+    }
+
+    /// Number of bins.
+    pub fn len(&self) -> usize {
+        self.starts.len() - 1
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The examples of bin `b`, in order.
+    pub fn members(&self, b: usize) -> &[u32] {
+        &self.members[self.starts[b] as usize..self.starts[b + 1] as usize]
+    }
 }
 
 /// First-fit bin packing of items of sizes `lens` (each `<= cap`) in order: the items (indices)
@@ -148,6 +198,28 @@ mod tests {
             packed,
             vec![Row { input_ids: vec![1, 2, 3, 4, 5], labels: vec![-100, -100, 3, -100, 5] }]
         );
+    }
+
+    #[test]
+    fn windows_pack_each_window_alone_and_one_window_is_plain_first_fit() {
+        let mut rng = crate::rng::SplitMix64::new(3);
+        let lens: Vec<usize> = (0..50).map(|_| 1 + rng.below(6) as usize).collect();
+        let whole = Bins::windowed(&lens, 8, 1000);
+        let plain: Vec<Vec<u32>> = first_fit(&lens, 8)
+            .into_iter()
+            .map(|b| b.into_iter().map(|i| i as u32).collect())
+            .collect();
+        assert_eq!((0..whole.len()).map(|b| whole.members(b).to_vec()).collect::<Vec<_>>(), plain);
+        let windowed = Bins::windowed(&lens, 8, 16);
+        for b in 0..windowed.len() {
+            let m = windowed.members(b);
+            assert!(m.iter().all(|&i| i / 16 == m[0] / 16), "bin {b} crosses a window: {m:?}");
+            assert!(m.iter().map(|&i| lens[i as usize]).sum::<usize>() <= 8);
+        }
+        let mut all = windowed.members.clone();
+        all.sort();
+        assert_eq!(all, (0..50).collect::<Vec<u32>>(), "every example once");
+        assert_eq!(Bins::singletons(3).members(2), [2]);
     }
 
     #[test]

@@ -7,13 +7,15 @@
 //! next epoch; its rows are right-padded with id 0 and label -100 to its longest row, and
 //! [`make_batch`] shifts the labels so that `targets[b, t]` is the token predicted at position `t`.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
+use std::sync::Arc;
 
 use anyhow::{Result, anyhow, bail};
 use serde_json::Value;
 
 use super::records::{JsonObject, LoadReport, OnError, Outcome, carries_loss, finish_load};
-use super::source::{Fields, Source, json_kind, read_records};
+use super::source::{Fields, Loc, Source, json_kind, read_records_into};
+use super::store::{RowStore, RowStoreWriter};
 
 /// The label of a position that carries no loss (PyTorch's `ignore_index`).
 pub const IGNORE_INDEX: i32 = -100;
@@ -30,14 +32,7 @@ pub struct Row {
     pub labels: Vec<i32>,
 }
 
-/// Every row of a pretokenized JSONL file, in file order.
-#[derive(Debug, Clone)]
-pub struct PretokenizedDataset {
-    /// Rows in file order (blank lines skipped); never empty.
-    pub rows: Vec<Row>,
-    /// The file the rows came from.
-    pub path: PathBuf,
-}
+pub use super::dataset::PretokenizedDataset;
 
 /// One batch, row-major, padded to its longest row.
 #[derive(Debug, Clone, PartialEq)]
@@ -82,7 +77,7 @@ pub fn load_pretokenized(
     vocab_size: usize,
 ) -> Result<PretokenizedDataset> {
     let (rows, _) = load_pretokenized_rows(&path.into(), max_seq_len, vocab_size, OnError::Fail)?;
-    Ok(PretokenizedDataset { rows, path: path.to_path_buf() })
+    Ok(PretokenizedDataset::whole(Arc::new(rows), path))
 }
 
 /// The rows of a pretokenized dataset under the `on_error` policy (see [`load_pretokenized`]);
@@ -92,20 +87,22 @@ pub fn load_pretokenized_rows(
     max_seq_len: usize,
     vocab_size: usize,
     on_error: OnError,
-) -> Result<(Vec<Row>, LoadReport)> {
+) -> Result<(RowStore, LoadReport)> {
     let (ids_key, labels_key) = (src.columns.name("input_ids"), src.columns.name("labels"));
     let mut report = LoadReport::default();
     let mut no_loss = Vec::new();
-    let rows = read_records(src, &PRETOKENIZED_FIELDS, on_error, &mut report, |obj, loc| {
+    let mut out = RowStoreWriter::new()?;
+    let build = |obj: &JsonObject, loc: &Loc| {
         let raw = RawRow { input_ids: int_list(obj, ids_key)?, labels: int_list(obj, labels_key)? };
         let row = validate_row(raw, max_seq_len, vocab_size, ids_key, labels_key)?;
         if !carries_loss(&row) {
             no_loss.push(loc.clone());
         }
         Ok(Outcome::Keep(row))
-    })?;
+    };
+    read_records_into(src, &PRETOKENIZED_FIELDS, on_error, &mut report, build, |r| out.push(&r))?;
     report.no_loss = no_loss;
-    finish_load(src, rows, report, 0)
+    finish_load(src, out.finish()?, report, 0)
 }
 
 /// The optional list of integers `obj[key]` (absent or null: `None`).
@@ -212,12 +209,12 @@ pub fn make_batch(rows: &[&Row]) -> Batch {
 
 /// The rows of batch `k` of size `b`: row indices `(k*b + i) % len` for `i` in `0..b`, i.e. file
 /// order, cycling through the dataset in epochs. Panics if `b == 0`.
-pub fn batch_rows(ds: &PretokenizedDataset, k: usize, b: usize) -> Vec<&Row> {
+pub fn batch_rows(ds: &PretokenizedDataset, k: usize, b: usize) -> Result<Vec<Row>> {
     assert!(b > 0, "batch size must be positive");
-    let len = ds.rows.len();
+    let len = ds.len();
     // (k*b + i) % len without overflow for huge k.
     let start = ((k % len) * (b % len)) % len;
-    (0..b).map(|i| &ds.rows[(start + i % len) % len]).collect()
+    (0..b).map(|i| ds.row((start + i % len) % len)).collect()
 }
 
 #[cfg(test)]
@@ -260,7 +257,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            ds.rows,
+            ds.to_rows().unwrap(),
             vec![row(&[1, 2, 3], &[-100, 2, 3]), row(&[4, 5], &[4, 5]), row(&[99], &[99])]
         );
     }
@@ -367,11 +364,11 @@ mod tests {
 
     #[test]
     fn batch_rows_cycles_in_file_order() {
-        let ds = PretokenizedDataset {
-            rows: (0..5).map(|i| row(&[i], &[i])).collect(),
-            path: PathBuf::from("x.jsonl"),
+        let rows: Vec<Row> = (0..5).map(|i| row(&[i], &[i])).collect();
+        let ds = PretokenizedDataset::from_rows(&rows, Path::new("x.jsonl")).unwrap();
+        let ids = |k, b| {
+            batch_rows(&ds, k, b).unwrap().iter().map(|r| r.input_ids[0]).collect::<Vec<_>>()
         };
-        let ids = |k, b| batch_rows(&ds, k, b).iter().map(|r| r.input_ids[0]).collect::<Vec<_>>();
         assert_eq!(ids(0, 2), vec![0, 1]);
         assert_eq!(ids(1, 2), vec![2, 3]);
         assert_eq!(ids(2, 2), vec![4, 0]);

@@ -14,6 +14,7 @@ use serde_json::Value;
 use super::pretokenized::{IGNORE_INDEX, Row};
 pub use super::source::JsonObject;
 use super::source::{Loc, Source, json_kind};
+use super::store::RowStore;
 use crate::tokenizer::Tokenizer;
 
 /// What to do with a record that cannot be used (malformed JSON, missing field, wrong type, text
@@ -84,15 +85,15 @@ pub fn carries_loss(row: &Row) -> bool {
 /// row that carries a loss (naming the file and the rows).
 pub fn finish_load(
     source: &Source,
-    rows: Vec<Row>,
+    rows: RowStore,
     mut report: LoadReport,
     truncated: usize,
-) -> Result<(Vec<Row>, LoadReport)> {
+) -> Result<(RowStore, LoadReport)> {
     report.truncated = truncated;
     if rows.is_empty() {
         return Err(no_rows_error(&source.path, &report));
     }
-    if rows.iter().all(|r| !carries_loss(r)) {
+    if (0..rows.len()).all(|i| !rows.carries_loss(i)) {
         let file = source.path.display();
         let n = rows.len();
         let mut which: Vec<String> = report.no_loss.iter().take(4).map(|l| l.to_string()).collect();

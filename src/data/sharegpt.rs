@@ -6,9 +6,9 @@
 use anyhow::{Result, bail};
 
 use crate::data::chat::{load_conversations, turns};
-use crate::data::pretokenized::Row;
 use crate::data::records::{JsonObject, LoadReport, OnError};
 use crate::data::source::{Fields, Source};
+use crate::data::store::RowStore;
 use crate::tokenizer::{Message, Tokenizer};
 
 /// The fields of a ShareGPT record (`from` and `value` are those of each turn).
@@ -49,7 +49,7 @@ pub fn load_sharegpt(
     max_seq_len: usize,
     train_on_prompt: bool,
     on_error: OnError,
-) -> Result<(Vec<Row>, LoadReport)> {
+) -> Result<(RowStore, LoadReport)> {
     let read = |obj: &JsonObject| sharegpt_messages(obj, src);
     load_conversations(
         src,

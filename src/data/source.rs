@@ -256,9 +256,26 @@ pub fn read_records<T>(
     fields: &Fields,
     on_error: OnError,
     report: &mut LoadReport,
-    mut build: impl FnMut(&JsonObject, &Loc) -> Result<Outcome<T>>,
+    build: impl FnMut(&JsonObject, &Loc) -> Result<Outcome<T>>,
 ) -> Result<Vec<T>> {
     let mut kept = Vec::new();
+    read_records_into(source, fields, on_error, report, build, |x| {
+        kept.push(x);
+        Ok(())
+    })?;
+    Ok(kept)
+}
+
+/// [`read_records`], handing each kept value to `keep` as it is read (a loader that streams
+/// its rows to disk holds none of them).
+pub fn read_records_into<T>(
+    source: &Source,
+    fields: &Fields,
+    on_error: OnError,
+    report: &mut LoadReport,
+    mut build: impl FnMut(&JsonObject, &Loc) -> Result<Outcome<T>>,
+    mut keep: impl FnMut(T) -> Result<()>,
+) -> Result<()> {
     for (path, kind) in source.files()? {
         let file: Arc<Path> = Arc::from(path.as_path());
         if let Err(e) = std::fs::File::open(&path) {
@@ -281,7 +298,7 @@ pub fn read_records<T>(
             let loc = Loc { file: file.clone(), at };
             match obj.and_then(|obj| build(&obj, &loc)) {
                 Ok(Outcome::Keep(x)) => {
-                    kept.push(x);
+                    keep(x)?;
                     report.records += 1;
                 }
                 Ok(Outcome::Skip(reason)) => report.skipped.push((loc, reason)),
@@ -300,7 +317,7 @@ pub fn read_records<T>(
             }
         }
     }
-    Ok(kept)
+    Ok(())
 }
 
 /// The top-level columns a Parquet read projects onto, by the file's names.

@@ -5,7 +5,6 @@
 //! [`pack`](super::pack::pack) each part if packing, then visit the training rows in
 //! [`shuffled_order`] of each epoch.
 
-use super::pretokenized::Row;
 use crate::rng::SplitMix64;
 
 /// Separates the eval split's random stream from the shuffling streams of every epoch
@@ -36,13 +35,13 @@ fn permutation(len: usize, rng: &mut SplitMix64) -> Vec<usize> {
     order
 }
 
-/// `rows` split into `(train, eval)`, each in the original order.
+/// `rows` (examples, or their indices) split into `(train, eval)`, each in the original order.
 ///
 /// The eval part is `round(len * eval_fraction)` rows chosen at random from `seed` (a stream of
 /// its own, distinct from [`shuffled_order`]'s), at least 1 when `eval_fraction > 0` and there
 /// are at least 2 rows, and never all of them. With `eval_fraction <= 0` (or NaN) or fewer than
 /// 2 rows, eval is empty.
-pub fn split_eval(rows: Vec<Row>, eval_fraction: f64, seed: u64) -> (Vec<Row>, Vec<Row>) {
+pub fn split_eval<T>(rows: Vec<T>, eval_fraction: f64, seed: u64) -> (Vec<T>, Vec<T>) {
     let len = rows.len();
     if eval_fraction.is_nan() || eval_fraction <= 0.0 || len < 2 {
         return (rows, Vec::new());
@@ -63,6 +62,7 @@ pub fn split_eval(rows: Vec<Row>, eval_fraction: f64, seed: u64) -> (Vec<Row>, V
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::data::pretokenized::Row;
 
     fn rows(n: i32) -> Vec<Row> {
         (0..n).map(|i| Row { input_ids: vec![i, i], labels: vec![i, i] }).collect()

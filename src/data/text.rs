@@ -16,7 +16,8 @@ use super::records::{
     LoadReport, OnError, Outcome, check_max_seq_len, no_rows_error, require_eos, str_field,
     token_i32,
 };
-use super::source::{Fields, Source, read_records};
+use super::source::{Fields, JsonObject, Loc, Source, read_records_into};
+use super::store::{RowStore, RowStoreWriter};
 use crate::tokenizer::Tokenizer;
 
 /// The fields of a text record.
@@ -32,7 +33,7 @@ pub fn load_text(
     tok: &dyn Tokenizer,
     max_seq_len: usize,
     on_error: OnError,
-) -> Result<(Vec<Row>, LoadReport)> {
+) -> Result<(RowStore, LoadReport)> {
     check_max_seq_len(max_seq_len)?;
     let path = &src.path;
     let eos = require_eos(tok, path, "text", "record")?;
@@ -42,7 +43,7 @@ pub fn load_text(
     };
     let mut report = LoadReport::default();
     let key = src.columns.name("text");
-    let docs = read_records(src, &TEXT_FIELDS, on_error, &mut report, |obj, _| {
+    let build = |obj: &JsonObject, _: &Loc| -> Result<Outcome<Vec<i32>>> {
         let text = str_field(obj, key)?;
         let mut ids: Vec<i32> = bos.into_iter().collect();
         for id in tok.encode(text)? {
@@ -50,15 +51,15 @@ pub fn load_text(
         }
         ids.push(eos);
         Ok(Outcome::Keep(ids))
-    })?;
-    let stream: Vec<i32> = docs.concat();
-    let rows = windows(&stream, max_seq_len);
+    };
+    let mut windows = Windows::new(max_seq_len)?;
+    read_records_into(src, &TEXT_FIELDS, on_error, &mut report, build, |d| windows.add(&d))?;
+    let (rows, tokens) = windows.finish()?;
     if rows.is_empty() {
         if report.records > 0 {
             bail!(
-                "{}: no rows: the text is {} token long, a row needs at least 2",
+                "{}: no rows: the text is {tokens} token long, a row needs at least 2",
                 path.display(),
-                stream.len()
             );
         }
         return Err(no_rows_error(path, &report));
@@ -67,14 +68,46 @@ pub fn load_text(
     Ok((rows, report))
 }
 
-/// `stream` cut into consecutive windows of `max_seq_len` tokens, the last one kept if it has at
-/// least 2 tokens; labels = input_ids.
-fn windows(stream: &[i32], max_seq_len: usize) -> Vec<Row> {
-    stream
-        .chunks(max_seq_len)
-        .filter(|w| w.len() >= 2)
-        .map(|w| Row { input_ids: w.to_vec(), labels: w.to_vec() })
-        .collect()
+/// The token stream cut into consecutive windows of `max_seq_len` tokens as documents arrive,
+/// the last one kept if it has at least 2 tokens; labels = input_ids. Holds one window.
+struct Windows {
+    out: RowStoreWriter,
+    row: Row,
+    max_seq_len: usize,
+    tokens: usize,
+}
+
+impl Windows {
+    fn new(max_seq_len: usize) -> Result<Windows> {
+        let row = Row { input_ids: Vec::new(), labels: Vec::new() };
+        Ok(Windows { out: RowStoreWriter::new()?, row, max_seq_len, tokens: 0 })
+    }
+
+    fn add(&mut self, doc: &[i32]) -> Result<()> {
+        self.tokens += doc.len();
+        for &id in doc {
+            self.row.input_ids.push(id);
+            if self.row.input_ids.len() == self.max_seq_len {
+                self.flush()?;
+            }
+        }
+        Ok(())
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        self.row.labels.clone_from(&self.row.input_ids);
+        self.out.push(&self.row)?;
+        self.row.input_ids.clear();
+        Ok(())
+    }
+
+    /// The windows, and the stream's length in tokens.
+    fn finish(mut self) -> Result<(RowStore, usize)> {
+        if self.row.input_ids.len() >= 2 {
+            self.flush()?;
+        }
+        Ok((self.out.finish()?, self.tokens))
+    }
 }
 
 #[cfg(test)]
@@ -95,6 +128,7 @@ mod tests {
         let f = write("{\"text\": \"a b c\"}\n\n{\"text\": \"d\"}\n{\"text\": \"e f\"}\n");
         let tok = WordTokenizer::new();
         let (rows, report) = load_text(&f.path().into(), &tok, 4, OnError::Fail).unwrap();
+        let rows = rows.to_rows().unwrap();
         // Stream: a b c EOS d EOS e f EOS (9 tokens) -> 4 + 4 + 1 (dropped).
         let want = [vec![w("a"), w("b"), w("c"), 2], vec![w("d"), 2, w("e"), w("f")]];
         assert_eq!(rows.len(), 2);
@@ -105,6 +139,7 @@ mod tests {
         assert_eq!(report, LoadReport { rows: 2, records: 3, ..Default::default() });
         // With 5 tokens per window the last window (4 tokens) is kept.
         let (rows, _) = load_text(&f.path().into(), &tok, 5, OnError::Fail).unwrap();
+        let rows = rows.to_rows().unwrap();
         assert_eq!(rows[1].input_ids, vec![2, w("e"), w("f"), 2]);
     }
 
@@ -113,6 +148,7 @@ mod tests {
         let f = write("{\"text\": \"\"}\n{\"text\": \"\"}\n");
         let (rows, _) =
             load_text(&f.path().into(), &WordTokenizer::new(), 8, OnError::Fail).unwrap();
+        let rows = rows.to_rows().unwrap();
         assert_eq!(rows, vec![Row { input_ids: vec![2, 2], labels: vec![2, 2] }]);
     }
 
@@ -121,11 +157,13 @@ mod tests {
         let f = write("{\"text\": \"a b\"}\n{\"text\": \"c\"}\n");
         let tok = WordTokenizer { add_bos: true, ..WordTokenizer::new() };
         let (rows, _) = load_text(&f.path().into(), &tok, 16, OnError::Fail).unwrap();
+        let rows = rows.to_rows().unwrap();
         let want = vec![1, w("a"), w("b"), 2, 1, w("c"), 2];
         assert_eq!(rows, vec![Row { input_ids: want.clone(), labels: want }]);
         // Without a BOS token there is nothing to add.
         let tok = WordTokenizer { add_bos: true, bos: None, eos: Some(2) };
         let (rows, _) = load_text(&f.path().into(), &tok, 16, OnError::Fail).unwrap();
+        let rows = rows.to_rows().unwrap();
         assert_eq!(rows[0].input_ids, vec![w("a"), w("b"), 2, w("c"), 2]);
     }
 
@@ -165,6 +203,7 @@ mod tests {
         let err = load_text(&f.path().into(), &tok, 8, OnError::Fail).unwrap_err().to_string();
         assert!(err.starts_with(&format!("{}:2: cannot encode", f.path().display())), "{err}");
         let (rows, report) = load_text(&f.path().into(), &tok, 8, OnError::Skip).unwrap();
+        let rows = rows.to_rows().unwrap();
         assert_eq!(rows[0].input_ids, vec![w("a"), w("b"), 2, w("c"), 2]);
         assert_eq!(report.skipped.len(), 1);
         assert_eq!(report.skipped[0].0.line(), Some(2));

@@ -1,6 +1,7 @@
 //! A run's data: the training and held-out rows a config names (loaded, tokenised, split, packed),
 //! the row length every buffer is sized for, and the order and shape steps take them in.
 
+use std::borrow::Borrow;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -8,8 +9,8 @@ use anyhow::{Context, Result, bail};
 
 use crate::data::pretokenized::{Batch, PretokenizedDataset, Row, make_batch};
 use crate::data::{
-    LoadReport, Source, carries_loss, load_alpaca, load_chat, load_pretokenized_rows,
-    load_sharegpt, load_text, pack, shuffled_order, split_eval,
+    LoadReport, RowStore, Source, load_alpaca, load_chat, load_pretokenized_rows, load_sharegpt,
+    load_text, shuffled_order, split_eval,
 };
 use crate::engine::exec::MicroBatch;
 use crate::model::transformer::Tokens;
@@ -85,17 +86,24 @@ pub fn load_datasets(raw: &RawConfig, vocab_size: usize) -> Result<Datasets> {
     let d = &raw.data;
     let t = &raw.train;
     let path = d.path.clone().unwrap_or_else(|| "synthetic".into());
-    let (rows, report) = load_rows(raw, d.path.as_deref(), vocab_size)?;
+    let (store, report) = load_rows(raw, d.path.as_deref(), vocab_size)?;
     let (mut skipped, mut truncated) = (report.skipped.len(), report.truncated);
-    let (rows, eval_rows) = match &d.eval_path {
+    store.check_indexable()?;
+    let store = Arc::new(store);
+    let all = |s: &RowStore| (0..s.len() as u32).collect::<Vec<u32>>();
+    let pack = d.pack.then_some(t.max_seq_len);
+    let (rows, eval) = match &d.eval_path {
         Some(p) => {
             let (eval, r) = load_rows(raw, Some(p), vocab_size)?;
+            eval.check_indexable()?;
             skipped += r.skipped.len();
             truncated += r.truncated;
-            (rows, Some((eval, p.clone())))
+            let members = all(&eval);
+            let eval = PretokenizedDataset::new(Arc::new(eval), &members, pack, p);
+            (all(&store), Some(eval))
         }
         None if d.eval_fraction > 0.0 => {
-            let (train, eval) = split_eval(rows, d.eval_fraction, t.seed);
+            let (train, eval) = split_eval(all(&store), d.eval_fraction, t.seed);
             if eval.is_empty() {
                 bail!(
                     "data.eval_fraction {}: {} has too few examples to hold any out\nhint: add data, or give data.eval_path",
@@ -104,7 +112,7 @@ pub fn load_datasets(raw: &RawConfig, vocab_size: usize) -> Result<Datasets> {
                 );
             }
             for (part, rows) in [("training", &train), ("held-out", &eval)] {
-                if !rows.iter().any(carries_loss) {
+                if !rows.iter().any(|&i| store.carries_loss(i as usize)) {
                     bail!(
                         "data.eval_fraction {}: no {part} row of {} carries a loss\nhint: change data.eval_fraction or train.seed, or give data.eval_path",
                         d.eval_fraction,
@@ -112,17 +120,15 @@ pub fn load_datasets(raw: &RawConfig, vocab_size: usize) -> Result<Datasets> {
                     );
                 }
             }
-            (train, Some((eval, path.clone())))
+            (train, Some(PretokenizedDataset::new(store.clone(), &eval, pack, &path)))
         }
-        None => (rows, None),
+        None => (all(&store), None),
     };
-    let packed = |rows: Vec<Row>| if d.pack { pack(rows, t.max_seq_len) } else { rows };
-    let eval = eval_rows.map(|(rows, path)| PretokenizedDataset { rows: packed(rows), path });
     if let Some(e) = &eval {
-        println!("eval: {} rows held out ({})", e.rows.len(), e.path.display());
+        println!("eval: {} rows held out ({})", e.len(), e.path.display());
     }
     Ok(Datasets {
-        train: PretokenizedDataset { rows: packed(rows), path },
+        train: PretokenizedDataset::new(store, &rows, pack, &path),
         eval,
         skipped_records: skipped,
         truncated_records: truncated,
@@ -146,17 +152,15 @@ impl SeqLen {
     /// engine allocates is sized by it, so short rows are not planned at `max_seq_len`.
     pub fn of_data(raw: &RawConfig, sets: &Datasets) -> SeqLen {
         let max = raw.train.max_seq_len;
-        let longest = |d: &PretokenizedDataset| d.rows.iter().map(|r| r.input_ids.len()).max();
-        let train = longest(&sets.train).unwrap_or(0);
-        let eval = sets.eval.as_ref().and_then(longest).unwrap_or(0);
+        let train = sets.train.longest();
+        let eval = sets.eval.as_ref().map_or(0, PretokenizedDataset::longest);
         let len = train.max(eval).clamp(1, max);
         let packed = if raw.data.pack { "packed " } else { "" };
         let of = if sets.eval.is_some() { "training and eval " } else { "" };
-        let rows = &sets.train.rows;
         SeqLen {
             len,
             why: format!("the longest row of the {packed}{of}data (train.max_seq_len {max})"),
-            train_tokens: Some((rows.iter().map(|r| r.input_ids.len()).sum(), rows.len())),
+            train_tokens: Some((sets.train.tokens(), sets.train.len())),
         }
     }
 
@@ -180,7 +184,7 @@ fn load_rows(
     raw: &RawConfig,
     path: Option<&Path>,
     vocab_size: usize,
-) -> Result<(Vec<Row>, LoadReport)> {
+) -> Result<(RowStore, LoadReport)> {
     let d = &raw.data;
     let max = raw.train.max_seq_len;
     let path = || path.context("data.path is missing");
@@ -194,7 +198,7 @@ fn load_rows(
             let n = t.batch_size * t.total_steps().min(16);
             let rows = synthetic_rows(n, max, vocab_size, t.seed);
             let report = LoadReport { rows: rows.len(), records: rows.len(), ..Default::default() };
-            return Ok((rows, report));
+            return Ok((RowStore::from_rows(&rows)?, report));
         }
         DataFormat::Text | DataFormat::Alpaca | DataFormat::Chat | DataFormat::Sharegpt => {
             let tok = load_tokenizer(raw)?;
@@ -214,7 +218,12 @@ fn load_rows(
             }
         }
     };
-    println!("data: {}: {}", path()?.display(), report.summary());
+    let spilled = rows.disk_bytes() as f64 / (1u64 << 20) as f64;
+    println!(
+        "data: {}: {} (read from a {spilled:.1} MiB spill file, not held in RAM)",
+        path()?.display(),
+        report.summary()
+    );
     Ok((rows, report))
 }
 
@@ -229,29 +238,41 @@ pub fn synthetic_rows(n: usize, len: usize, vocab: usize, seed: u64) -> Vec<Row>
         .collect()
 }
 
-/// The rows of optimizer step `k`.
-pub fn step_rows<'a>(
-    order: &mut BatchOrder,
-    data: &'a PretokenizedDataset,
-    k: usize,
-) -> Vec<&'a Row> {
-    let mut idx = Vec::new();
-    order.indices(k, &mut idx);
-    idx.iter().map(|&i| &data.rows[i]).collect()
+/// Reads the rows of each step in the run's order, into buffers it keeps: a step holds its
+/// own rows, never the dataset.
+#[derive(Clone, Debug)]
+pub struct StepRows {
+    order: BatchOrder,
+    idx: Vec<usize>,
+    rows: Vec<Row>,
 }
 
-/// The batch order a config and dataset give.
-pub fn batch_order(cfg: &RunConfig, data: &PretokenizedDataset) -> BatchOrder {
-    let t = &cfg.raw.train;
-    BatchOrder::new(data.rows.len(), t.batch_size, cfg.raw.data.shuffle, t.seed)
+impl StepRows {
+    /// The reader of `data` in the order `cfg` gives.
+    pub fn new(cfg: &RunConfig, data: &PretokenizedDataset) -> StepRows {
+        let t = &cfg.raw.train;
+        let order = BatchOrder::new(data.len(), t.batch_size, cfg.raw.data.shuffle, t.seed);
+        StepRows { order, idx: Vec::new(), rows: Vec::new() }
+    }
+
+    /// The rows of optimizer step `k` (valid until the next call).
+    pub fn read(&mut self, data: &PretokenizedDataset, k: usize) -> Result<&[Row]> {
+        self.order.indices(k, &mut self.idx);
+        let empty = || Row { input_ids: Vec::new(), labels: Vec::new() };
+        self.rows.resize_with(self.idx.len(), empty);
+        for (&i, row) in self.idx.iter().zip(&mut self.rows) {
+            data.read_row(i, row)?;
+        }
+        Ok(&self.rows)
+    }
 }
 
 /// A step's rows as the engine takes them: micro-batches of at most `size` rows, each
 /// right-padded with shifted targets.
-pub fn micro_batches(rows: &[&Row], size: usize) -> Vec<MicroBatch> {
+pub fn micro_batches<R: Borrow<Row>>(rows: &[R], size: usize) -> Vec<MicroBatch> {
     rows.chunks(size.max(1))
         .map(|chunk| {
-            let b = make_batch(chunk);
+            let b = make_batch(&chunk.iter().map(Borrow::borrow).collect::<Vec<_>>());
             let (ids, targets, mask) =
                 (Arc::new(b.input_ids), Arc::new(b.targets), Arc::new(b.mask));
             MicroBatch { b: b.b, t: b.t, ids, targets, mask }

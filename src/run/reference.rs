@@ -14,7 +14,7 @@ use crate::hf::config::ModelConfig;
 use crate::model::params::{ParamStore, buffer_name};
 use crate::model::transformer::{Capacity, Transformer};
 use crate::run::config::RunConfig;
-use crate::run::data::{BatchOrder, batch_order, load_data, step_rows, tokens_of};
+use crate::run::data::{StepRows, load_data, tokens_of};
 use crate::run::load::{RunModel, load_run_model};
 use crate::run::summary::{HeldIn, StepMetrics};
 use crate::store::TrainState;
@@ -24,8 +24,8 @@ pub struct ReferenceTrainer {
     pub cfg: RunConfig,
     pub model_cfg: ModelConfig,
     pub data: PretokenizedDataset,
-    /// The order batches read `data`'s rows in.
-    order: BatchOrder,
+    /// Reads each step's rows of `data`, in the run's order.
+    rows: StepRows,
     pub state: TrainState,
     pub engine: Transformer<CpuBackend>,
 }
@@ -43,25 +43,25 @@ impl ReferenceTrainer {
             base.map(Arc::new),
             Capacity {
                 batch: raw.train.batch_size,
-                seq_len: data.rows.iter().map(|r| r.input_ids.len()).max().unwrap_or(1),
+                seq_len: data.longest().max(1),
                 head_chunk_rows: raw.engine.head_chunk_rows,
             },
         );
-        let order = batch_order(&cfg, &data);
-        Ok(ReferenceTrainer { state: TrainState::new(params), cfg, model_cfg, data, order, engine })
+        let rows = StepRows::new(&cfg, &data);
+        Ok(ReferenceTrainer { state: TrainState::new(params), cfg, model_cfg, data, rows, engine })
     }
 
     /// The batch of optimizer step `k` (0-based), and its count of real (non-padding) tokens.
-    pub fn batch(&mut self, k: usize) -> (Batch, usize) {
-        let rows = step_rows(&mut self.order, &self.data, k);
+    pub fn batch(&mut self, k: usize) -> Result<(Batch, usize)> {
+        let rows = self.rows.read(&self.data, k)?;
         let tokens = rows.iter().map(|r| r.input_ids.len()).sum();
-        (make_batch(&rows), tokens)
+        Ok((make_batch(&rows.iter().collect::<Vec<_>>()), tokens))
     }
 
     /// One optimizer step on batch `k`.
     pub fn step(&mut self, k: usize) -> Result<StepMetrics> {
         let t0 = Instant::now();
-        let (batch, tokens) = self.batch(k);
+        let (batch, tokens) = self.batch(k)?;
         if batch.num_targets == 0 {
             self.state.step += 1;
             return Ok(StepMetrics::no_loss(

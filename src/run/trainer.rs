@@ -15,8 +15,8 @@ use horizon_backend::cuda::{CudaDevice, CudaDeviceConfig};
 use horizon_backend::{Device, DeviceStats};
 
 use crate::data::carries_loss;
-use crate::data::pretokenized::{PretokenizedDataset, Row};
-use crate::engine::exec::{Engine, MicroBatch, StepParams};
+use crate::data::pretokenized::PretokenizedDataset;
+use crate::engine::exec::{Engine, EvalOutput, MicroBatch, StepParams};
 use crate::engine::memory::{MemoryPlan, peak_rss_bytes};
 use crate::engine::options::EngineConfig;
 use crate::engine::phases::{PhaseSeconds, StepFlops, step_flops};
@@ -26,7 +26,7 @@ use crate::model::base::FrozenBase;
 use crate::model::layout::ModelLayout;
 use crate::model::params::{ParamStore, buffer_name};
 use crate::run::config::{BackendKind, ByteSize, RawConfig, RunConfig, WeightPath};
-use crate::run::data::{BatchOrder, SeqLen, batch_order, load_datasets, micro_batches, step_rows};
+use crate::run::data::{SeqLen, StepRows, load_datasets, micro_batches};
 use crate::run::load::{load_weights, model_config, run_layout, write_adapter};
 use crate::run::progress::Progress;
 use crate::run::summary::Summary;
@@ -43,8 +43,8 @@ pub struct Trainer<D: Device = CpuDevice> {
     /// The model's layout, with the run's adapters (`adapter:`) when it has them.
     pub layout: ModelLayout,
     pub data: PretokenizedDataset,
-    /// The order batches read `data`'s rows in.
-    order: BatchOrder,
+    /// Reads each step's rows of `data`, in the run's order.
+    rows: StepRows,
     /// The held-out rows (`data.eval_fraction` / `data.eval_path`).
     pub eval: Option<PretokenizedDataset>,
     /// Records the data loaders left out (`data.on_error: skip`, or prompt too long).
@@ -97,19 +97,19 @@ where
         let layout = run_layout(&cfg.raw, &model_cfg, cfg.adapter.as_ref())?;
         // The data first: its longest row sizes every buffer of the plan, its rows an epoch.
         let sets = load_datasets(&cfg.raw, model_cfg.vocab_size)?;
-        cfg.raw.train.resolve_epochs(sets.train.rows.len());
-        println!("{}", epochs_line(&cfg.raw.train, sets.train.rows.len()));
+        cfg.raw.train.resolve_epochs(sets.train.len());
+        println!("{}", epochs_line(&cfg.raw.train, sets.train.len()));
         let raw = &cfg.raw;
         let (ecfg, plan) = plan_run(raw, &layout, &SeqLen::of_data(raw, &sets))?;
         let HostStart { state, base, base_hash } = host_state(&cfg, &model_cfg, &layout, resume)?;
         let dev = make_dev(raw, &plan)?;
         let engine = Engine::with_layout(dev, layout.clone(), base, state, ecfg)?;
-        let order = batch_order(&cfg, &sets.train);
+        let rows = StepRows::new(&cfg, &sets.train);
         Ok(Trainer {
             cfg,
             model_cfg,
             layout,
-            order,
+            rows,
             data: sets.train,
             eval: sets.eval,
             skipped_records: sets.skipped_records,
@@ -124,11 +124,11 @@ where
     /// One optimizer step on batch `k` (0-based).
     pub fn step(&mut self, k: usize) -> Result<StepMetrics> {
         let t0 = Instant::now();
-        let rows = step_rows(&mut self.order, &self.data, k);
+        let rows = self.rows.read(&self.data, k)?;
         let tokens = rows.iter().map(|r| r.input_ids.len()).sum();
         let lr = self.cfg.raw.lr_schedule().lr_at(k + 1);
         let inject_nan = self.inject_nan_at.contains(&k);
-        if !rows.iter().any(|r| carries_loss(r)) {
+        if !rows.iter().any(carries_loss) {
             // Nothing to learn from, and nothing to divide the loss by: the step is counted
             // and skipped.
             self.engine.skip_step();
@@ -137,11 +137,11 @@ where
         let size = self.engine.config().micro_batch_size;
         let mbs = match self.ahead.take() {
             Some((j, mbs)) if j == k => mbs,
-            _ => micro_batches(&rows, size),
+            _ => micro_batches(rows, size),
         };
         // The next batch's token ids (padding included): the engine updates the embedding rows
         // they gather first, so that the next forward need not wait for the whole embedding.
-        let next = micro_batches(&step_rows(&mut self.order, &self.data, k + 1), size);
+        let next = micro_batches(self.rows.read(&self.data, k + 1)?, size);
         let next_ids = next.iter().map(|mb| mb.ids.clone()).collect();
         self.ahead = Some((k + 1, next));
         let out = self.engine.step_ahead(mbs, StepParams { lr, inject_nan }, next_ids)?;
@@ -176,9 +176,20 @@ where
         let Some(eval) = &self.eval else {
             return Ok(None);
         };
-        let rows: Vec<&Row> = eval.rows.iter().collect();
-        let mbs = micro_batches(&rows, self.engine.config().micro_batch_size);
-        Ok(Some(self.engine.eval(mbs)?.loss()))
+        // A micro-batch's rows at a time: the held-out rows are read, not held.
+        let size = self.engine.config().micro_batch_size.max(1);
+        let mut sum = EvalOutput { loss_sum: 0.0, num_targets: 0 };
+        let mut rows = Vec::with_capacity(size);
+        for start in (0..eval.len()).step_by(size) {
+            rows.clear();
+            for r in start..(start + size).min(eval.len()) {
+                rows.push(eval.row(r)?);
+            }
+            let out = self.engine.eval(micro_batches(&rows, size))?;
+            sum.loss_sum += out.loss_sum;
+            sum.num_targets += out.num_targets;
+        }
+        Ok(Some(sum.loss()))
     }
 }
 
@@ -414,7 +425,7 @@ where
             lp.restart_timing(&mut tr);
         }
         let mut m = tr.step(k)?;
-        m.epoch = (k + 1) as f64 / tr.cfg.raw.train.steps_per_epoch(tr.data.rows.len());
+        m.epoch = (k + 1) as f64 / tr.cfg.raw.train.steps_per_epoch(tr.data.len());
         // A step's updates run on beside the next step, so what they held is known once that
         // step has run (the step before's: no wait), or by waiting where something needs it
         // now: a checkpoint, a signal, the end.
@@ -572,7 +583,7 @@ impl StepLoop {
         }
         let per_step = self.run_t0.elapsed().as_secs_f64() / (k + 1 - start) as f64;
         // Steps to the end of the epoch this step is in, when the run takes more than one.
-        let per_epoch = tr.cfg.raw.train.steps_per_epoch(tr.data.rows.len());
+        let per_epoch = tr.cfg.raw.train.steps_per_epoch(tr.data.len());
         let epoch_end = (m.epoch.ceil() * per_epoch).ceil().min(steps as f64);
         let epoch_eta = (steps as f64 > per_epoch).then(|| per_step * (epoch_end - (k + 1) as f64));
         self.progress.step(m, steps, (per_step * (steps - k - 1) as f64, epoch_eta));
@@ -729,7 +740,7 @@ where
         tr.model_cfg.num_layers,
         tr.model_cfg.hidden_size,
         tr.engine.sizes().params,
-        tr.data.rows.len(),
+        tr.data.len(),
         tr.engine.sizes().micro_batches,
         tr.cfg.raw.engine.checkpoint_every,
         tr.engine.host_threads(),
@@ -786,7 +797,7 @@ where
         held_steps,
         skipped_records: tr.skipped_records,
         eval_loss,
-        eval_rows: tr.eval.as_ref().map_or(0, |e| e.rows.len()),
+        eval_rows: tr.eval.as_ref().map_or(0, |e| e.len()),
         tokens,
         wall_s,
         tokens_per_s: tokens as f64 / wall_s.max(1e-9),

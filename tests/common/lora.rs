@@ -133,7 +133,8 @@ where
     let rows =
         horizon::data::pretokenized::load_pretokenized(&dir(case).join("data.jsonl"), 64, 100_000)
             .unwrap()
-            .rows;
+            .to_rows()
+            .unwrap();
     let backend = if D::Backend::PRECISION == horizon_backend::Precision::Bf16 {
         horizon::run::config::BackendKind::Cuda
     } else {

@@ -164,7 +164,8 @@ pub fn engine_config_for(
 pub fn case_rows(case: &str) -> Vec<horizon::data::pretokenized::Row> {
     horizon::data::pretokenized::load_pretokenized(&case_dir(case).join("data.jsonl"), 64, 100_000)
         .unwrap()
-        .rows
+        .to_rows()
+        .unwrap()
 }
 
 /// Runs fixture `case`'s steps (its batches, its learning rate) on `engine`; returns each
@@ -195,10 +196,8 @@ where
     let data = case_rows(case);
     let steps = e["steps"].as_u64().unwrap() as usize;
     let size = engine.config().micro_batch_size;
-    let mbs_of = |s: usize| {
-        let rows: Vec<_> = data[s * batch..(s + 1) * batch].iter().collect();
-        horizon::run::data::micro_batches(&rows, size)
-    };
+    let mbs_of =
+        |s: usize| horizon::run::data::micro_batches(&data[s * batch..(s + 1) * batch], size);
     (0..steps)
         .map(|s| {
             let sp = horizon::engine::exec::StepParams { lr, inject_nan: false };
