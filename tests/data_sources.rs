@@ -329,3 +329,70 @@ fn an_unreadable_shard_is_an_error_naming_it_or_skipped_and_counted() {
         assert!(report.skipped[0].1.contains("cannot read"), "{:?}", report.skipped[0]);
     }
 }
+
+/// A pretokenized Parquet file of `rows` rows of `len` tokens (ids from a seeded stream), in row
+/// groups of 1,000 rows, written a group at a time.
+fn pretokenized_parquet(path: &Path, rows: usize, len: usize) {
+    let mut w = parquet_writer::Writer::create(path, &[Col::Ints("input_ids")]);
+    let mut x = 12345u64;
+    for start in (0..rows).step_by(1000) {
+        let group: Vec<Map<String, Value>> = (start..(start + 1000).min(rows))
+            .map(|_| {
+                let ids: Vec<u64> = (0..len)
+                    .map(|_| {
+                        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                        (x >> 33) % 1000
+                    })
+                    .collect();
+                obj(json!({ "input_ids": ids }))
+            })
+            .collect();
+        w.row_group(&group);
+    }
+    w.close();
+}
+
+/// The data's share of host RAM, measured (issue 46): peak RSS of the same short run over a
+/// 100K-token and a 10M-token pretokenized Parquet file. Data streams from a spill file, so the
+/// two peaks differ by the index (~30 bytes a row), not the tokens (8 bytes each when held).
+/// `cargo test --release --test data_sources -- --ignored --nocapture data_rss`; set
+/// HORIZON_BIN to measure another build of the binary.
+#[test]
+#[ignore = "a benchmark: writes ~60 MB and runs two short trainings"]
+fn data_rss_is_bounded_by_the_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let bin = std::env::var("HORIZON_BIN").unwrap_or(env!("CARGO_BIN_EXE_horizon").to_string());
+    let mut peaks = Vec::new();
+    for tokens in [100_000usize, 10_000_000] {
+        let data = dir.path().join(format!("{tokens}.parquet"));
+        pretokenized_parquet(&data, tokens / 500, 500);
+        let out = dir.path().join(format!("out-{tokens}"));
+        let yaml = format!(
+            "model: {{ init: random, arch: llama, hidden_size: 64, intermediate_size: 128, \
+             num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 4, \
+             vocab_size: 1000 }}\n\
+             data: {{ format: pretokenized, path: '{}', shuffle: true }}\n\
+             train: {{ steps: 4, batch_size: 4, max_seq_len: 512 }}\n\
+             output: {{ dir: '{}', tensorboard: false }}\n",
+            data.display(),
+            out.display()
+        );
+        let cfg = dir.path().join(format!("{tokens}.yaml"));
+        fs::write(&cfg, yaml).unwrap();
+        let t0 = std::time::Instant::now();
+        let run = Command::new(&bin).args(["train", "--config"]).arg(&cfg).output().unwrap();
+        let secs = t0.elapsed().as_secs_f64();
+        assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+        let summary: Value =
+            serde_json::from_str(&fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+        let peak = summary["peak_rss_bytes"].as_u64().unwrap();
+        println!(
+            "{tokens:>10} tokens: peak RSS {:.1} MiB, run {secs:.1} s",
+            peak as f64 / 1048576.0
+        );
+        peaks.push(peak);
+    }
+    let grew = peaks[1].saturating_sub(peaks[0]) as f64 / 1048576.0;
+    println!("10M - 100K tokens: {grew:+.1} MiB (held whole, the tokens alone would be 76 MiB)");
+    assert!(grew < 16.0, "the data's RAM grew {grew:.1} MiB from 100K to 10M tokens");
+}
