@@ -38,6 +38,7 @@ pub fn add_snapshot(
         let link = snap.join(name);
         fs::create_dir_all(link.parent().unwrap()).unwrap();
         let up = "../".repeat(name.matches('/').count() + 2);
+        let _ = fs::remove_file(&link); // the same snapshot added again
         std::os::unix::fs::symlink(format!("{up}blobs/{blob}"), &link).unwrap();
     }
     fs::create_dir_all(&snap).unwrap();
