@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 
 use super::config::{AdapterConfig, AdapterKind, TARGETS};
 use crate::hf::checkpoint::{SaveDtype, list_tensors, read_tensor_f64, write_safetensors};
+use crate::hf::hub_cache;
 
 /// The adapter's configuration file.
 pub const CONFIG_FILE: &str = "adapter_config.json";
@@ -667,6 +668,12 @@ fn peft_config(cfg: &AdapterConfig, trained: &Trained, base_model: Option<&str>)
         alphas.insert(GATE_UP_PATTERN.into(), number(a));
     }
     let params = (!trained.params.is_empty()).then(|| trained.params.clone());
+    // A base in the Hugging Face cache is named as PEFT names it: its Hub id and commit.
+    let hub = base_model.and_then(|b| hub_cache::id_of_snapshot_dir(Path::new(b)));
+    let (base_model, revision) = match hub {
+        Some((repo, commit)) => (Some(repo), Some(commit)),
+        None => (base_model.map(str::to_string), None),
+    };
     json!({
         "alpha_pattern": alphas,
         "base_model_name_or_path": base_model,
@@ -684,7 +691,7 @@ fn peft_config(cfg: &AdapterConfig, trained: &Trained, base_model: Option<&str>)
         "peft_version": PEFT_VERSION,
         "r": cfg.r,
         "rank_pattern": ranks,
-        "revision": null,
+        "revision": revision,
         "target_modules": trained.modules,
         "target_parameters": params,
         "task_type": "CAUSAL_LM",

@@ -1,7 +1,9 @@
-//! Hugging Face interop: `config.json` parsing and safetensors checkpoints.
+//! Hugging Face interop: `config.json` parsing, safetensors checkpoints, and Hub ids found in
+//! the local Hugging Face cache.
 
 pub mod checkpoint;
 pub mod config;
+pub mod hub_cache;
 pub mod moe;
 
 pub use checkpoint::{Checkpoint, SaveDtype, list_tensors, read_tensor_f64, write_safetensors};

@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 use crate::adapter::{AdapterConfig, AdapterSection};
 use crate::data::{Columns, OnError};
 use crate::engine::options::EngineConfig;
+use crate::hf::hub_cache;
 use crate::optim::adamw::AdamWConfig;
 use crate::optim::lr::{LrSchedule, ScheduleKind};
 
@@ -53,8 +54,14 @@ pub struct RawConfig {
 pub struct ModelSection {
     /// A Hugging Face model directory: `config.json` + `model.safetensors` (or shards with
     /// `model.safetensors.index.json`). Relative paths are taken from the working directory.
+    /// Or a Hub id, `ORG/NAME` (`ORG/NAME@REV`), when no such path exists: its snapshot in the
+    /// local Hugging Face cache (docs/models.md); [`RawConfig::resolve`] puts the directory here.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub path: Option<PathBuf>,
+    /// The revision of a Hub id `path`: a branch, tag or commit hash. Default `main`. Cleared
+    /// once resolved (the snapshot's directory names its commit).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revision: Option<String>,
     /// `random`: initialise the weights HF-style (normal(0, `initializer_range`) matrices, unit
     /// norms, zero biases) instead of loading them. Default: load from `path`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -149,8 +156,9 @@ pub struct DataSection {
     /// k takes rows `[k*B, (k+1)*B)` in file order, cycling.
     #[serde(default)]
     pub shuffle: bool,
-    /// Tokenizer of the text formats: `byte`, or a directory with `tokenizer.json` (and
-    /// `tokenizer_config.json`). Default: `model.path`.
+    /// Tokenizer of the text formats: `byte`, a directory with `tokenizer.json` (and
+    /// `tokenizer_config.json`), or a Hub id (`ORG/NAME`, `ORG/NAME@REV`) in the local Hugging
+    /// Face cache. Default: `model.path`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokenizer: Option<String>,
     /// Also train on prompt tokens (alpaca, chat). Default false: loss on responses only.
@@ -698,6 +706,8 @@ pub struct RunConfig {
     pub origin: String,
     /// The validated `adapter:` section; `None` for full fine-tuning (`type: none`).
     pub adapter: Option<AdapterConfig>,
+    /// The keys given as Hub ids, and the snapshots `raw` now names instead.
+    pub hub: Vec<HubResolved>,
     /// Where to write a trace of the run's ops (`horizon bench --trace`; not a config key).
     pub trace: Option<std::path::PathBuf>,
     /// The command line's `--set` overrides (for the resume command a run prints).
@@ -707,7 +717,30 @@ pub struct RunConfig {
     pub overwrite: bool,
 }
 
+/// A config key given as a Hub id, and the snapshot of the local Hugging Face cache it named.
+#[derive(Clone, Debug)]
+pub struct HubResolved {
+    /// `model.path`, `data.tokenizer` or `adapter.init`.
+    pub key: &'static str,
+    pub snapshot: hub_cache::Snapshot,
+}
+
 impl RunConfig {
+    /// One line per key given as a Hub id: the id, its commit and the directory used.
+    pub fn hub_lines(&self) -> Vec<String> {
+        let line = |h: &HubResolved| {
+            let s = &h.snapshot;
+            format!(
+                "{} {}: commit {} in the local Hugging Face cache ({})",
+                h.key,
+                s.id,
+                s.commit,
+                s.dir.display()
+            )
+        };
+        self.hub.iter().map(line).collect()
+    }
+
     /// Whether this binary can run on the config's device: `device.backend: cuda` needs a
     /// binary built with the `cuda` feature to run, not to be planned (`horizon plan` plans any
     /// backend on any build), so [`RawConfig::resolve`] accepts it and the run checks here.
@@ -764,8 +797,18 @@ impl RawConfig {
         Self::from_yaml(&yaml, &format!("{origin} (with --set {})", overrides.join(" ")))
     }
 
-    /// Validate and derive.
+    /// Validate and derive, Hub ids looked up in the process's environment
+    /// ([`Self::resolve_with_env`]).
     pub fn resolve(self, origin: &str) -> Result<RunConfig> {
+        self.resolve_with_env(origin, &hub_cache::process_env)
+    }
+
+    /// Validate and derive. A Hub id in `model.path`, `data.tokenizer` or `adapter.init` is
+    /// replaced by its snapshot directory in the Hugging Face cache that `env` names (and
+    /// `model.revision` cleared), so that every command sees a directory and a resolved config
+    /// resolves to itself; [`RunConfig::hub`] keeps the ids.
+    pub fn resolve_with_env(mut self, origin: &str, env: hub_cache::Env) -> Result<RunConfig> {
+        let hub = self.resolve_hub_ids(origin, env)?;
         let t = &self.train;
         for (key, val) in [
             ("train.steps", t.total_steps()),
@@ -874,10 +917,54 @@ impl RawConfig {
             raw: self,
             origin: origin.to_string(),
             adapter,
+            hub,
             trace: None,
             overrides: Vec::new(),
             overwrite: false,
         })
+    }
+
+    /// Replace each Hub id of `model.path`, `data.tokenizer` and `adapter.init` by its
+    /// snapshot directory (each must hold `config.json`, `tokenizer.json`,
+    /// `adapter_config.json` respectively); `model.revision` applies to `model.path`.
+    fn resolve_hub_ids(&mut self, origin: &str, env: hub_cache::Env) -> Result<Vec<HubResolved>> {
+        let at = |e: anyhow::Error| anyhow::anyhow!("{origin}: {e}");
+        let mut found = Vec::new();
+        let mut lookup = |key: &'static str, value: &Path, rev: Option<&str>, needs: &str| {
+            let Some(text) = value.to_str() else { return Ok(None) };
+            let snap = hub_cache::resolve_value(key, text, rev, needs, env).map_err(at)?;
+            Ok::<_, anyhow::Error>(snap.map(|s| {
+                let dir = s.dir.clone();
+                found.push(HubResolved { key, snapshot: s });
+                dir
+            }))
+        };
+        let revision = self.model.revision.take();
+        match &self.model.path {
+            Some(p) => match lookup("model.path", p, revision.as_deref(), "config.json")? {
+                Some(dir) => self.model.path = Some(dir),
+                None if revision.is_some() => bail!(
+                    "{origin}: model.revision is set, but model.path {} is a local path, not a Hub id\nhint: remove model.revision, or name the model by its Hub id (ORG/NAME)",
+                    p.display()
+                ),
+                None => {}
+            },
+            None if revision.is_some() => bail!(
+                "{origin}: model.revision is set without model.path\nhint: model.revision picks the revision of a Hub id model.path"
+            ),
+            None => {}
+        }
+        if let Some(t) = self.data.tokenizer.clone().filter(|t| t != "byte")
+            && let Some(dir) = lookup("data.tokenizer", Path::new(&t), None, "tokenizer.json")?
+        {
+            self.data.tokenizer = Some(dir.display().to_string());
+        }
+        if let Some(init) = self.adapter.init.clone()
+            && let Some(dir) = lookup("adapter.init", &init, None, "adapter_config.json")?
+        {
+            self.adapter.init = Some(dir);
+        }
+        Ok(found)
     }
 
     /// The config as YAML (printed at start and saved beside the results).

@@ -128,6 +128,9 @@ pub fn report(cfg: &RunConfig, host_memory: Option<u64>) -> Result<PlanReport> {
         plan.host_available = host_memory;
     }
     let mut t = String::new();
+    for line in cfg.hub_lines() {
+        writeln!(t, "{line}")?;
+    }
     writeln!(t, "optimizer.memory: {}", raw.optimizer.memory.name())?;
     let threads = ecfg.host_threads.resolve(ecfg.backend);
     writeln!(

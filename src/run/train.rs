@@ -34,6 +34,9 @@ pub fn run(config: &std::path::Path, args: &Args) -> Result<()> {
         RawConfig::from_file_with(config, &args.set)?.resolve(&config.display().to_string())?;
     cfg.overrides = args.set.clone();
     cfg.overwrite = args.overwrite;
+    for line in cfg.hub_lines() {
+        println!("{line}");
+    }
     run_streaming(cfg, true, 0, args.resume.as_deref())?;
     Ok(())
 }
