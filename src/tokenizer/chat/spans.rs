@@ -4,7 +4,8 @@
 //! The definition (kept as [`prefix_spans`], the reference and the fallback): for assistant
 //! message i, the span runs from the end of `render(messages[..i], add_generation_prompt=true)`
 //! to the end of `render(messages[..=i])`. Rendering those prefixes for every turn is quadratic
-//! in the turns; the search below gets the same spans from one extra render:
+//! in the turns; the search below gets the same spans from one extra render of the whole
+//! conversation and a fixed number of prefix renders:
 //!
 //! - Templates with `{% generation %}` blocks: one render with each block's text wrapped in
 //!   markers gives the blocks' byte ranges, as `transformers`' `AssistantTracker` records them
@@ -20,6 +21,9 @@
 //!   from exact prefix renders of the first assistant turn after each role, checked in the text
 //!   at every turn, and the last derived span is compared with its exact prefix renders. Any
 //!   failed check, and any error, falls back to [`prefix_spans`] (which then gives the error).
+//!   This is exact for templates that render each message the same whatever follows it (all
+//!   the fixtures' families); a template that changed a middle turn only, with the first and
+//!   last turns and every turn's surroundings unchanged, would go unnoticed.
 
 use std::ops::Range;
 
