@@ -6,16 +6,34 @@
 //! `json.dumps(ensure_ascii=False)` does; `trim_blocks` and `lstrip_blocks` on; and the Python
 //! string and dict methods templates commonly call (`strip`, `startswith`, `split`, `items`, ...).
 
+mod spans;
+
 use std::fmt::Write as _;
 use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use minijinja::value::{Kwargs, Value, ValueKind, from_args};
 use minijinja::{AutoEscape, Environment, Error, ErrorKind, State};
 use serde::Deserialize;
 
 /// Name of the one template in a [`ChatTemplate`]'s environment; error messages show it.
 const NAME: &str = "chat_template";
+
+/// The filter that HF's `{% generation %}` blocks become (minijinja has no custom tags): a
+/// `{% filter %}` block is a block tag as `generation` is, so whitespace control is unchanged.
+/// It returns its body as is, or wrapped in markers when the span search renders.
+const GENERATION_FILTER: &str = "__horizon_generation";
+
+/// What a render wraps in marker characters (see [`spans`]).
+#[derive(Clone, Copy)]
+enum Marking<'a> {
+    Plain,
+    /// Each message's content, with its index.
+    Contents(&'a spans::Markers),
+    /// The text of each `{% generation %}` block.
+    Generation(&'a spans::Markers),
+}
 
 /// The roles a message may have.
 const ROLES: [&str; 3] = ["system", "user", "assistant"];
@@ -42,6 +60,10 @@ pub struct ChatTemplate {
     source: String,
     bos_token: String,
     eos_token: String,
+    /// Whether the source has `{% generation %}` blocks (rewritten to [`GENERATION_FILTER`]).
+    generation: bool,
+    /// Renders run so far (tests check the span search runs a constant number).
+    renders: AtomicUsize,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -68,7 +90,9 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_filter("tojson", tojson);
         env.set_unknown_method_callback(python_method);
-        if let Err(err) = env.add_template_owned(NAME, source.to_string()) {
+        env.add_filter(GENERATION_FILTER, |body: String| Value::from_safe_string(body));
+        let (compiled, generation) = spans::rewrite_generation_tags(source);
+        if let Err(err) = env.add_template_owned(NAME, compiled) {
             let what = match err.detail() {
                 Some(detail) => format!("{}: {detail}", err.kind()),
                 None => err.kind().to_string(),
@@ -86,6 +110,8 @@ impl ChatTemplate {
             source: source.to_string(),
             bos_token: bos_token.to_string(),
             eos_token: eos_token.to_string(),
+            generation,
+            renders: AtomicUsize::new(0),
         })
     }
 
@@ -97,6 +123,19 @@ impl ChatTemplate {
     /// The conversation as text. With `add_generation_prompt`, ends with the header that opens an
     /// assistant turn (what a model is given before it generates).
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
+        self.render_marked(messages, add_generation_prompt, Marking::Plain)
+    }
+
+    /// [`ChatTemplate::render`], with the contents or the generation blocks wrapped in marker
+    /// characters when `marking` says so (for the span search). The instruction budget is that
+    /// of the plain conversation.
+    fn render_marked(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+        marking: Marking,
+    ) -> Result<String> {
+        self.renders.fetch_add(1, Ordering::Relaxed);
         for (i, message) in messages.iter().enumerate() {
             if !ROLES.contains(&message.role.as_str()) {
                 bail!("message {i}: role '{}' is not one of {}", message.role, ROLES.join(", "));
@@ -106,11 +145,13 @@ impl ChatTemplate {
         let size: usize = count + messages.iter().map(|m| m.content.len() / 64).sum::<usize>();
         let messages: Vec<Value> = messages
             .iter()
-            .map(|m| {
-                Value::from_pairs([
-                    ("role", Value::from(m.role.as_str())),
-                    ("content", Value::from(m.content.as_str())),
-                ])
+            .enumerate()
+            .map(|(i, m)| {
+                let content = match marking {
+                    Marking::Contents(markers) => Value::from(markers.wrap_content(i, &m.content)),
+                    _ => Value::from(m.content.as_str()),
+                };
+                Value::from_pairs([("role", Value::from(m.role.as_str())), ("content", content)])
             })
             .collect();
         let ctx = Value::from_pairs([
@@ -124,6 +165,12 @@ impl ChatTemplate {
         let budget = FUEL_BASE + FUEL_PER_MESSAGE * size as u64;
         let mut env = self.env.clone();
         env.set_fuel(Some(budget));
+        if let Marking::Generation(markers) = marking {
+            let (open, close) = markers.generation();
+            env.add_filter(GENERATION_FILTER, move |body: String| {
+                Value::from_safe_string(format!("{open}{body}{close}"))
+            });
+        }
         let template = env.get_template(NAME).expect("added in new");
         template.render(ctx).map_err(|err| match err.kind() {
             ErrorKind::OutOfFuel => anyhow::anyhow!(
@@ -135,13 +182,24 @@ impl ChatTemplate {
         })
     }
 
+    /// How many renders this template has run (the span search's tests count them).
+    #[cfg(test)]
+    fn renders(&self) -> usize {
+        self.renders.load(Ordering::Relaxed)
+    }
+
     /// The rendered conversation and the byte ranges of the text that belongs to assistant turns
     /// (the content the model must learn to produce, plus the turn's end marker/EOS that the
-    /// template emits after it), computed by rendering growing prefixes of the conversation: for
-    /// assistant message i, `render(messages[..i], add_generation_prompt=true)` gives the prompt
-    /// prefix and `render(messages[..=i], false)` the text through the end of that turn; the
-    /// assistant span is the difference. Errors if a prefix render is not a prefix of the full
-    /// render (the template is not prefix-stable), naming the message index.
+    /// template emits after it). By definition, for assistant message i,
+    /// `render(messages[..i], add_generation_prompt=true)` gives the prompt prefix and
+    /// `render(messages[..=i], false)` the text through the end of that turn; the assistant span
+    /// is the difference. Errors if a prefix render is not a prefix of the full render (the
+    /// template is not prefix-stable), naming the message index.
+    ///
+    /// A template with `{% generation %}` blocks (as `transformers`' `return_assistant_tokens_mask`
+    /// and TRL's `assistant_only_loss` read them) gives instead the text of those blocks. Either
+    /// way the work is a constant number of renders (`chat/spans.rs` says how, and when it falls
+    /// back to rendering every prefix).
     pub fn render_with_assistant_spans(
         &self,
         messages: &[Message],
@@ -151,39 +209,13 @@ impl ChatTemplate {
 
     /// [`ChatTemplate::render_with_assistant_spans`], searching spans only until one ends at or
     /// past byte `cut(text)` of the rendered text (where a row is cut to `max_seq_len` tokens:
-    /// later spans are never kept): the prefixes rendered stay within the kept part of the row,
-    /// so a conversation of thousands of turns costs what its kept turns do.
+    /// later spans are never kept). `cut` is called once, with the rendered text.
     pub fn render_with_assistant_spans_until(
         &self,
         messages: &[Message],
         cut: impl FnOnce(&str) -> usize,
     ) -> Result<(String, Vec<Range<usize>>)> {
-        let text = self.render(messages, false)?;
-        let cut = cut(&text);
-        let mut spans: Vec<Range<usize>> = Vec::new();
-        for (i, message) in messages.iter().enumerate() {
-            if message.role != "assistant" {
-                continue;
-            }
-            if spans.last().is_some_and(|s| s.end >= cut) {
-                break;
-            }
-            let prompt = self
-                .render(&messages[..i], true)
-                .with_context(|| format!("message {i}: rendering the prompt before it"))?;
-            let through = self
-                .render(&messages[..=i], false)
-                .with_context(|| format!("message {i}: rendering the conversation through it"))?;
-            if !through.starts_with(&prompt) || !text.starts_with(&through) {
-                bail!(
-                    "message {i}: the chat template is not prefix-stable (rendering the \
-                     conversation up to this assistant turn, with the generation prompt, is not a \
-                     prefix of rendering it in full), so the assistant's text cannot be located \
-                     for the loss mask"
-                );
-            }
-            spans.push(prompt.len()..through.len());
-        }
+        let (text, spans, _) = spans::search(self, messages, cut, spans::MARKED_MIN_TURNS)?;
         Ok((text, spans))
     }
 }
