@@ -57,13 +57,13 @@ cat > sft.yaml <<EOF
 model: { path: acme/tiny-chat }
 data: { path: chat.jsonl, format: chat, shuffle: true }
 adapter: { type: lora, r: 8, alpha: 16 }
-train: { epochs: 2, batch_size: 8, max_seq_len: 64 }
-optimizer: { lr: 1.0e-3 }
+train: { epochs: 40, batch_size: 8, max_seq_len: 64 }
+optimizer: { lr: 5.0e-3 }
 output: { dir: sft-out }
 EOF
 say "cat sft.yaml"; cat sft.yaml
 say "horizon train --config sft.yaml   (last lines)"
-"$BIN" train --config sft.yaml 2>&1 | grep -v '^\s*$' | tail -14
+"$BIN" train --config sft.yaml 2>&1 | grep -v "^\s*$" | tail -6
 
 say "horizon export sft-out --merge --out merged"
 "$BIN" export sft-out --merge --out merged 2>&1 | tail -3
@@ -76,12 +76,13 @@ say "grep -E 'base_model_name_or_path|revision' sft-out/final/adapter_config.jso
 grep -E '"base_model_name_or_path"|"revision"' sft-out/final/adapter_config.json
 
 say "horizon generate --model merged --chat --prompt '3+4?' --max-new-tokens 4"
-"$BIN" generate --model merged --chat --prompt '3+4?' --max-new-tokens 4 2>&1 | tail -3
+"$BIN" generate --model merged --chat --prompt '3+4?' --max-new-tokens 4 --temperature 0 2>&1 | cat -A | tail -4
 
 say "TensorBoard events in sft-out/tb/"
 ls sft-out/tb
 if [[ -n "${PYTHON:-}" ]]; then
-    "$PYTHON" "$ROOT/scripts/check-tensorboard.py" sft-out/tb | tail -12
+    "$PYTHON" "$ROOT/scripts/check-tensorboard.py" sft-out/tb |
+        sed -E 's/steps \[([0-9]+), [^]]*, ([0-9]+)\]/steps \1..\2/' | tail -12
 fi
 
 # A CUDA config of a real model's shape, planned on this build (no GPU, maybe no cuda feature).

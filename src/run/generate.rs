@@ -79,10 +79,19 @@ pub fn run(args: &Args) -> Result<()> {
         eprintln!("nothing generated: --max-new-tokens 0");
         return Ok(());
     }
+    let mut printed = 0;
     g.generate(&ids, opts, &mut |piece| {
+        printed += piece.len();
         let _ = write!(stdout, "{piece}");
         let _ = stdout.flush();
     })?;
     println!();
+    if printed == 0 {
+        // Silence would read as a hang or a crash.
+        eprintln!(
+            "nothing generated: the model's first token ended the sequence (an EOS id of its \
+             generation_config.json or config.json), or decoded to no text"
+        );
+    }
     Ok(())
 }
