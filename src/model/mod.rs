@@ -5,6 +5,7 @@
 
 pub mod base;
 pub mod chunks;
+pub mod dpo;
 pub mod families;
 pub mod kv_cache;
 pub mod layer;
