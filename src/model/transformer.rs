@@ -452,12 +452,70 @@ impl<B: DeviceAlloc> Transformer<B> {
         batch: Tokens<'_>,
         loss_norm: usize,
     ) -> Result<PassOutput> {
+        let scale = 1.0 / loss_norm.max(1) as f32;
+        self.forward_backward_scaled(params, grads, batch, scale, None)
+    }
+
+    /// [`Transformer::forward_backward`] of an objective on each row's summed log-probability
+    /// (DPO): row `i`'s cross-entropy gradient is scaled by `row_scales[i]` (`-dL/dlogp_i`).
+    pub fn forward_backward_rows(
+        &mut self,
+        params: &ParamStore,
+        grads: &mut ParamStore,
+        batch: Tokens<'_>,
+        row_scales: &[f32],
+    ) -> Result<PassOutput> {
+        assert_eq!(row_scales.len(), batch.b, "one scale a row");
+        self.forward_backward_scaled(params, grads, batch, 0.0, Some(row_scales))
+    }
+
+    /// Each row's summed log-probability of its targets (`-Σ` of the per-position
+    /// cross-entropy, in f64), forward only.
+    pub fn row_logps(&mut self, params: &ParamStore, batch: Tokens<'_>) -> Result<Vec<f64>> {
+        self.forward_layers(params, batch)?;
+        let d = self.layout.dims;
+        let mut out = vec![0.0f64; batch.b];
+        for (i, logp) in out.iter_mut().enumerate() {
+            let r0 = i * batch.t;
+            for c0 in (0..batch.t).step_by(self.cap.head_chunk_rows.max(1)) {
+                let rows = self.cap.head_chunk_rows.max(1).min(batch.t - c0);
+                let r = r0 + c0;
+                self.be.matmul_forward(
+                    vm(&mut self.logits, rows * d.v),
+                    self.hf.slice(r * d.c..(r + rows) * d.c),
+                    &self.head_w,
+                    None,
+                    rows,
+                    d.c,
+                    d.v,
+                );
+                self.be.cross_entropy_forward(
+                    vm(&mut self.losses, rows),
+                    v(&self.logits, rows * d.v),
+                    self.targets.slice(r..r + rows),
+                    rows,
+                    d.v,
+                );
+                self.be.download(&mut self.host_losses[..rows], v(&self.losses, rows));
+                *logp -= self.host_losses[..rows].iter().map(|&x| x as f64).sum::<f64>();
+            }
+        }
+        Ok(out)
+    }
+
+    fn forward_backward_scaled(
+        &mut self,
+        params: &ParamStore,
+        grads: &mut ParamStore,
+        batch: Tokens<'_>,
+        scale: f32,
+        row_scales: Option<&[f32]>,
+    ) -> Result<PassOutput> {
         self.forward_layers(params, batch)?;
         let d = self.layout.dims;
         let n = batch.b * batch.t;
         let nc = n * d.c;
         let rows = Rows { b: batch.b, t: batch.t };
-        let scale = 1.0 / loss_norm.max(1) as f32;
         let trains_base = self.layout.trains_base();
 
         // Final norm, LM head and cross-entropy, forward and backward, chunk by chunk.
@@ -488,6 +546,7 @@ impl<B: DeviceAlloc> Transformer<B> {
                 chunk: self.cap.head_chunk_rows,
                 norm: self.layout.final_norm(),
                 scale,
+                row_scales: row_scales.map(|s| (batch.t, s)),
             },
         );
         self.be.download(&mut self.host_losses[..n], v(&self.losses, n));
@@ -688,7 +747,7 @@ pub fn embed_rows_backward(dtable: &mut [f32], ids: &[i32], dx: &mut [f32], layo
 
 /// Sizes of one head pass: `n` rows, chunks of `chunk` rows.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct HeadDims {
+pub(crate) struct HeadDims<'a> {
     pub n: usize,
     pub v: usize,
     pub chunk: usize,
@@ -696,6 +755,10 @@ pub(crate) struct HeadDims {
     pub norm: NormDims,
     /// 1 / (loss-carrying positions of the whole batch).
     pub scale: f32,
+    /// `Some((t, s))`: sequence `i` (positions `[i*t, (i+1)*t)`) scales its cross-entropy
+    /// gradient by `s[i]` instead of `scale` (DPO: `-dL/dlogp_i`); chunks then stop at
+    /// sequence ends.
+    pub row_scales: Option<(usize, &'a [f32])>,
 }
 
 /// Scratch of the head pass.
@@ -736,13 +799,17 @@ pub(crate) fn head_forward_backward<B: Backend, M: DerefMut<Target = B::Buf>>(
     targets: &B::IBuf,
     hd: HeadDims,
 ) {
-    let HeadDims { n, v: vocab, chunk, norm, scale } = hd;
+    let HeadDims { n, v: vocab, chunk, norm, scale, row_scales } = hd;
     let HeadGrads { losses, dres, dnorm_w, mut dhead_w } = out;
     let c = norm.c;
     let nc = n * c;
     be.rmsnorm_forward(vm(&mut hb.hf, nc), vm(&mut hb.rstd, n), x, norm_w, norm);
-    for r0 in (0..n).step_by(chunk) {
-        let rows = chunk.min(n - r0);
+    let mut r0 = 0;
+    while r0 < n {
+        let (rows, scale) = match row_scales {
+            None => (chunk.min(n - r0), scale),
+            Some((t, s)) => (chunk.min(t - r0 % t), s[r0 / t]),
+        };
         let hf_rows = r0 * c..(r0 + rows) * c;
         be.matmul_forward(
             vm(&mut hb.logits, rows * vocab),
@@ -772,6 +839,7 @@ pub(crate) fn head_forward_backward<B: Backend, M: DerefMut<Target = B::Buf>>(
             c,
             vocab,
         );
+        r0 += rows;
     }
     // The final norm's backward starts the residual-stream gradient.
     be.zero(&mut *dres);

@@ -21,6 +21,7 @@ pub mod config;
 pub mod data;
 pub mod decode;
 pub mod default_job;
+pub mod dpo_reference;
 pub mod export;
 pub mod generate;
 pub mod hf_out;

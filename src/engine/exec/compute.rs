@@ -365,6 +365,7 @@ where
                         chunk: ctx.head_chunk,
                         norm: ctx.layout.final_norm(),
                         scale: sd.scale,
+                        row_scales: None,
                     },
                 );
             }

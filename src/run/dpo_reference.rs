@@ -1,0 +1,191 @@
+//! DPO on the plain reference path (issue 47's first step): the step the streamed engine will
+//! be checked against, itself checked against TRL 1.16's float64 fixtures
+//! (`tests/dpo_fixtures.rs`).
+//!
+//! A micro-batch of `m` pairs is one batch of `2m` rows, every chosen sequence then every
+//! rejected one (TRL's `DataCollatorForPreference`), right-padded. Its rows' summed completion
+//! log-probs come from a forward pass ([`Transformer::row_logps`]); the objective
+//! ([`DpoObjective`]) gives the loss and `dL/dlogp` of each row; the forward and backward pass
+//! then scales each row's cross-entropy gradient by `-dL/dlogp / G`
+//! ([`Transformer::forward_backward_rows`]), `G` micro-batches a step (TRL averages the
+//! micro-batch means). The reference's log-probs are computed once, before step 0, with the
+//! initial weights (full fine-tuning) or with the adapters off (LoRA: every adapter tensor zero
+//! adds exactly nothing), the numbers TRL's reference model gives.
+
+use std::sync::Arc;
+
+use anyhow::{Result, bail};
+use horizon_backend::cpu::CpuBackend;
+
+use crate::data::pretokenized::{IGNORE_INDEX, Row, make_batch};
+use crate::model::dpo::{DpoMetrics, DpoObjective, PairLogps};
+use crate::model::params::ParamStore;
+use crate::model::transformer::{Capacity, Transformer};
+use crate::run::config::RunConfig;
+use crate::run::data::tokens_of;
+use crate::run::load::{RunModel, load_run_model};
+use crate::store::TrainState;
+
+/// One preference pair as rows: prompt + completion, labels -100 on the prompt.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PairRows {
+    pub chosen: Row,
+    pub rejected: Row,
+}
+
+impl PairRows {
+    /// The pair of `prompt` and the two completions.
+    pub fn new(prompt: &[i32], chosen: &[i32], rejected: &[i32]) -> PairRows {
+        let row = |c: &[i32]| Row {
+            input_ids: [prompt, c].concat(),
+            labels: [vec![IGNORE_INDEX; prompt.len()], c.to_vec()].concat(),
+        };
+        PairRows { chosen: row(chosen), rejected: row(rejected) }
+    }
+}
+
+/// Positions of `row` whose log-prob counts (labels past the first that are not -100).
+fn completion_tokens(row: &Row) -> usize {
+    row.labels.iter().skip(1).filter(|&&l| l != IGNORE_INDEX).count()
+}
+
+/// What one DPO step logged.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DpoStep {
+    /// The mean of the micro-batches' losses.
+    pub loss: f64,
+    /// The global L2 norm of the trained tensors' gradient, before clipping.
+    pub grad_norm: f64,
+    pub metrics: DpoMetrics,
+    /// Per pair of the step, in order.
+    pub pairs: Vec<PairLogps>,
+}
+
+/// DPO on the reference path.
+pub struct DpoReference {
+    pub cfg: RunConfig,
+    pub objective: DpoObjective,
+    pub state: TrainState,
+    pub engine: Transformer<CpuBackend>,
+    pairs: Vec<PairRows>,
+    /// The reference's (chosen, rejected) log-probs of each pair.
+    reference: Vec<(f64, f64)>,
+    /// Pairs a step, and a micro-batch.
+    batch: usize,
+    micro: usize,
+}
+
+impl DpoReference {
+    /// Load the model as `cfg` says, and compute the reference's log-probs of every pair.
+    pub fn new(
+        cfg: RunConfig,
+        objective: DpoObjective,
+        pairs: Vec<PairRows>,
+        (batch, micro): (usize, usize),
+    ) -> Result<DpoReference> {
+        objective.validate()?;
+        if pairs.is_empty() || micro == 0 || batch % micro != 0 {
+            bail!("DPO needs pairs, and a step of whole micro-batches ({batch} pairs by {micro})");
+        }
+        let raw = &cfg.raw;
+        let RunModel { layout, params, base, .. } = load_run_model(raw, cfg.adapter.as_ref())?;
+        let longest = pairs
+            .iter()
+            .flat_map(|p| [p.chosen.input_ids.len(), p.rejected.input_ids.len()])
+            .max()
+            .unwrap_or(1);
+        let cap = Capacity {
+            batch: 2 * micro,
+            seq_len: longest,
+            head_chunk_rows: raw.engine.head_chunk_rows,
+        };
+        let engine = Transformer::with_layout(CpuBackend, layout, base.map(Arc::new), cap);
+        let mut t = DpoReference {
+            cfg,
+            objective,
+            state: TrainState::new(params),
+            engine,
+            pairs,
+            reference: Vec::new(),
+            batch,
+            micro,
+        };
+        t.reference = t.reference_logps()?;
+        Ok(t)
+    }
+
+    /// The reference's log-probs of every pair, micro-batch by micro-batch: the initial
+    /// weights, or, with adapters, none of them (all zero: the base alone, exactly).
+    fn reference_logps(&mut self) -> Result<Vec<(f64, f64)>> {
+        let params = match self.engine.layout.trains_base() {
+            true => self.state.params.clone(),
+            false => ParamStore::zeros(&self.engine.layout),
+        };
+        let mut out = Vec::with_capacity(self.pairs.len());
+        for start in (0..self.pairs.len()).step_by(self.micro) {
+            let idx: Vec<usize> = (start..(start + self.micro).min(self.pairs.len())).collect();
+            let logps = self.micro_logps(&params, &idx)?;
+            let m = idx.len();
+            out.extend((0..m).map(|i| (logps[i], logps[m + i])));
+        }
+        Ok(out)
+    }
+
+    /// The rows of the pairs `idx`: every chosen, then every rejected.
+    fn rows(&self, idx: &[usize]) -> Vec<&Row> {
+        let chosen = idx.iter().map(|&i| &self.pairs[i].chosen);
+        chosen.chain(idx.iter().map(|&i| &self.pairs[i].rejected)).collect()
+    }
+
+    fn micro_logps(&mut self, params: &ParamStore, idx: &[usize]) -> Result<Vec<f64>> {
+        let batch = make_batch(&self.rows(idx));
+        self.engine.row_logps(params, tokens_of(&batch))
+    }
+
+    /// One optimizer step on pairs `[k*B, (k+1)*B)` (cycling through the data).
+    pub fn step(&mut self, k: usize) -> Result<DpoStep> {
+        let g = self.batch / self.micro;
+        self.state.grads.fill_zero();
+        let (mut loss, mut metrics, mut all) = (0.0, Vec::new(), Vec::new());
+        for mb in 0..g {
+            let first = k * self.batch + mb * self.micro;
+            let idx: Vec<usize> =
+                (first..first + self.micro).map(|i| i % self.pairs.len()).collect();
+            let params = self.state.params.clone();
+            let logps = self.micro_logps(&params, &idx)?;
+            let pairs = self.pair_logps(&idx, &logps);
+            let out = self.objective.micro_batch(&pairs);
+            let scale = |d: f64| (-d / g as f64) as f32;
+            let scales: Vec<f32> =
+                out.dchosen.iter().chain(&out.drejected).map(|&d| scale(d)).collect();
+            let batch = make_batch(&self.rows(&idx));
+            let (p, grads) = (&self.state.params, &mut self.state.grads);
+            self.engine.forward_backward_rows(p, grads, tokens_of(&batch), &scales)?;
+            loss += out.loss / g as f64;
+            metrics.push(out.metrics);
+            all.extend(pairs);
+        }
+        let grad_norm = self.state.grad_norm();
+        let o = &self.cfg.raw.optimizer;
+        let lr = self.cfg.raw.lr_schedule().lr_at(k + 1);
+        self.state.optimizer_step(&self.cfg.raw.adamw(), lr, grad_norm, o.grad_clip);
+        Ok(DpoStep { loss, grad_norm, metrics: DpoMetrics::mean(&metrics), pairs: all })
+    }
+
+    /// The pairs `idx` with the policy's log-probs `logps` (chosen then rejected) and the
+    /// reference's.
+    fn pair_logps(&self, idx: &[usize], logps: &[f64]) -> Vec<PairLogps> {
+        let m = idx.len();
+        idx.iter()
+            .enumerate()
+            .map(|(i, &p)| PairLogps {
+                policy_chosen: logps[i],
+                policy_rejected: logps[m + i],
+                ref_chosen: self.reference[p].0,
+                ref_rejected: self.reference[p].1,
+                chosen_tokens: completion_tokens(&self.pairs[p].chosen),
+                rejected_tokens: completion_tokens(&self.pairs[p].rejected),
+            })
+            .collect()
+    }
+}

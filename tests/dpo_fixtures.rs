@@ -1,0 +1,220 @@
+//! DPO against TRL 1.16's float64 fixtures (`tests/fixtures/dpo`, from ../shared/fixtures-dpo),
+//! on the reference path: every step's loss, grad norm and logged reward metrics, the step-0
+//! gradient of every trained tensor, and the trained tensors by update error. The tolerances
+//! are the fixtures' README's: max(1e-5, 10x float32 PyTorch's error) on losses and grad norms,
+//! max(1e-5, 10x its error) on the metrics, max(1e-3, 10x its update error) per tensor.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::{f64s, update_rel_err};
+use horizon::hf::checkpoint::read_tensor_f64;
+use horizon::model::dpo::{DpoLossKind, DpoObjective};
+use horizon::run::config::RawConfig;
+use horizon::run::dpo_reference::{DpoReference, PairRows};
+use horizon::run::load::PEFT_PREFIX;
+use serde_json::Value;
+
+fn dir(case: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/dpo").join(case)
+}
+
+fn expected(case: &str) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(dir(case).join("expected.json")).unwrap())
+        .unwrap()
+}
+
+/// The case's pairs, from its `data.jsonl` (TRL's tokenization: completions without the prompt).
+fn pairs(case: &str) -> Vec<PairRows> {
+    let text = std::fs::read_to_string(dir(case).join("data.jsonl")).unwrap();
+    let ints = |v: &Value| -> Vec<i32> {
+        v.as_array().unwrap().iter().map(|x| x.as_i64().unwrap() as i32).collect()
+    };
+    text.lines()
+        .map(|l| {
+            let v: Value = serde_json::from_str(l).unwrap();
+            PairRows::new(
+                &ints(&v["prompt_input_ids"]),
+                &ints(&v["chosen_input_ids"]),
+                &ints(&v["rejected_input_ids"]),
+            )
+        })
+        .collect()
+}
+
+fn yaml(case: &str, extra: &str) -> String {
+    let e = expected(case);
+    let d = dir(case);
+    let betas = f64s(&e["betas"]);
+    let adapter = match e["method"].as_str().unwrap() {
+        "lora" => format!(
+            "adapter: {{ type: lora, r: {}, alpha: {}, rslora: {}, targets: [{}], init: '{}' }}\n",
+            e["r"],
+            e["alpha"],
+            e["rslora"],
+            e["targets"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.as_str().unwrap())
+                .collect::<Vec<_>>()
+                .join(", "),
+            d.join("adapter_init").display()
+        ),
+        _ => String::new(),
+    };
+    format!(
+        "model: {{ path: '{}' }}\ndata: {{ path: unused.jsonl, format: pretokenized }}\n\
+         train: {{ steps: {}, batch_size: {}, max_seq_len: 64 }}\n\
+         optimizer: {{ lr: {}, betas: [{}, {}], eps: {}, weight_decay: {}, grad_clip: {} }}\n\
+         output: {{ dir: unused }}\n{adapter}{extra}",
+        d.join("model").display(),
+        e["steps"],
+        e["batch"],
+        e["lr"],
+        betas[0],
+        betas[1],
+        e["eps"],
+        e["weight_decay"],
+        e["grad_clip"],
+    )
+}
+
+fn trainer(case: &str, extra: &str) -> DpoReference {
+    let e = expected(case);
+    let cfg = RawConfig::from_yaml(&yaml(case, extra), case).unwrap().resolve(case).unwrap();
+    let losses = e["loss_type"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(e["loss_weights"].as_array().unwrap())
+        .map(|(t, w)| (DpoLossKind::parse(t.as_str().unwrap()).unwrap(), w.as_f64().unwrap()))
+        .collect();
+    let objective = DpoObjective {
+        beta: e["beta"].as_f64().unwrap(),
+        losses,
+        label_smoothing: e["label_smoothing"].as_f64().unwrap(),
+    };
+    let sizes =
+        (e["batch"].as_u64().unwrap() as usize, e["micro_batch"].as_u64().unwrap() as usize);
+    DpoReference::new(cfg, objective, pairs(case), sizes).unwrap()
+}
+
+fn close(what: &str, got: f64, want: f64, tol: f64) {
+    let err = (got - want).abs() / want.abs().max(1e-12);
+    assert!(err <= tol, "{what}: {got} vs {want} (rel err {err:.2e} > {tol:.1e})");
+}
+
+/// Our name of a fixture tensor: HF names as they are, PEFT names without PEFT's prefix.
+fn ours(name: &str) -> &str {
+    name.strip_prefix(PEFT_PREFIX).unwrap_or(name)
+}
+
+/// Step 0's loss, grad norm, metrics and every trained tensor's gradient.
+#[test]
+fn step0_matches_trl() {
+    for case in ["dpo_llama_full", "dpo_qwen2_lora"] {
+        let e = expected(case);
+        let pt = &e["pytorch_fp32"];
+        let mut t = trainer(case, "");
+        let got = t.step(0).unwrap();
+        let want = &e["per_step"][0];
+        let tol = |err: f64| (10.0 * err).max(1e-5);
+        close(
+            &format!("{case} loss"),
+            got.loss,
+            want["loss"].as_f64().unwrap(),
+            tol(pt["loss_max_rel_err"].as_f64().unwrap()),
+        );
+        close(
+            &format!("{case} grad norm"),
+            got.grad_norm,
+            want["grad_norm"].as_f64().unwrap(),
+            tol(pt["grad_norm_max_rel_err"].as_f64().unwrap()),
+        );
+        let m = got.metrics;
+        for (name, v) in [
+            ("rewards_chosen", m.rewards_chosen),
+            ("rewards_rejected", m.rewards_rejected),
+            ("reward_margin", m.reward_margin),
+            ("logps_chosen", m.logps_chosen),
+            ("logps_rejected", m.logps_rejected),
+            ("reward_accuracy", m.reward_accuracy),
+        ] {
+            let w = want[name].as_f64().unwrap();
+            let abs_tol = (10.0 * pt["metrics_max_abs_err"][name].as_f64().unwrap()).max(1e-5);
+            assert!((v - w).abs() <= abs_tol, "{case} {name}: {v} vs {w}");
+        }
+        // The gradients, before the update (step() ran it): the fixture's against ours.
+        let grads = read_names(&dir(case).join("step0_grads.safetensors"));
+        let max = grads
+            .iter()
+            .map(|(_, g)| g.iter().fold(0.0f64, |a, x| a.max(x.abs())))
+            .fold(0.0, f64::max);
+        for (name, want) in &grads {
+            let got = t
+                .state
+                .grads
+                .tensor(&t.engine.layout, ours(name))
+                .unwrap_or_else(|| panic!("{name}"));
+            let err =
+                got.iter().zip(want).map(|(&g, &w)| (g as f64 - w).abs()).fold(0.0, f64::max) / max;
+            let tol =
+                (10.0 * pt["step0_grad_err_over_model_max_grad"][name].as_f64().unwrap()).max(1e-6);
+            assert!(
+                err <= tol,
+                "{case} step-0 gradient of {name}: {err:.2e} of the largest > {tol:.1e}"
+            );
+        }
+    }
+}
+
+/// Every tensor of a safetensors file, by name, as f64.
+fn read_names(path: &Path) -> Vec<(String, Vec<f64>)> {
+    let bytes = std::fs::read(path).unwrap();
+    let names: Vec<String> = safetensors::SafeTensors::deserialize(&bytes)
+        .unwrap()
+        .names()
+        .into_iter()
+        .map(String::from)
+        .collect();
+    names.into_iter().map(|n| (n.clone(), read_tensor_f64(path, &n).unwrap().1)).collect()
+}
+
+/// Every step's loss, grad norm and metrics, and the trained tensors after the last step. The
+/// LoRA case decays every trained tensor (its adapters), as Horizon's optimizer does today; the
+/// full fine-tune exempts norms from decay, which `optimizer.no_decay: hf` will give.
+#[test]
+fn lora_steps_and_final_adapters_match_trl() {
+    let case = "dpo_qwen2_lora";
+    let e = expected(case);
+    let pt = &e["pytorch_fp32"];
+    let mut t = trainer(case, "");
+    let init = t.state.params.clone();
+    for (k, want) in e["per_step"].as_array().unwrap().iter().enumerate() {
+        let got = t.step(k).unwrap();
+        let tol = |err: f64| (10.0 * err).max(1e-5);
+        close(
+            &format!("step {k} loss"),
+            got.loss,
+            want["loss"].as_f64().unwrap(),
+            tol(pt["loss_max_rel_err"].as_f64().unwrap()),
+        );
+        close(
+            &format!("step {k} grad norm"),
+            got.grad_norm,
+            want["grad_norm"].as_f64().unwrap(),
+            tol(pt["grad_norm_max_rel_err"].as_f64().unwrap()),
+        );
+        let margin = want["reward_margin"].as_f64().unwrap();
+        assert!((got.metrics.reward_margin - margin).abs() <= 1e-4, "step {k} margin");
+    }
+    for (name, want) in read_names(&dir(case).join("final.safetensors")) {
+        let got = t.state.params.tensor(&t.engine.layout, ours(&name)).unwrap();
+        let start = init.tensor(&t.engine.layout, ours(&name)).unwrap();
+        let err = update_rel_err(got, start, &want);
+        let tol = (10.0 * pt["update_rel_l2_err"][&name].as_f64().unwrap()).max(1e-3);
+        assert!(err <= tol, "{name}: update error {err:.2e} > {tol:.1e}");
+    }
+}
