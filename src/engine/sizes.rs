@@ -180,31 +180,12 @@ impl Sizes {
             if layout.trains_base() { vc + d.c + if layout.tied { 0 } else { vc } } else { 0 };
         let host_grads =
             if cfg.memory.streams_updates() { model_level } else { layout.trained_params() };
-        // Every product the step runs: the layers', the head's per chunk.
-        let products = layout
-            .kinds
-            .iter()
-            .flat_map(|k| k.ops.iter())
-            .flat_map(|op| match *op {
-                Op::Linear { ic, oc, .. } => vec![(n, ic, oc)],
-                // An expert takes each row at most once: at most N rows a product.
-                Op::Experts { i, c, .. } => vec![(n, c, 2 * i), (n, i, c)],
-                _ => vec![],
-            })
-            .chain(std::iter::once((chunk, d.c, head.rows)))
-            .map(|(n, ic, oc)| cfg.backend.precision().product_bytes(n, ic, oc))
-            .chain(attention_bytes(layout, n, cfg.backend.precision()))
-            .max()
-            .unwrap_or(0);
+        let products = largest_product(layout, cfg, n, (chunk, head.rows));
         let slot = layer_slot.max(d.c + head.rows * d.c);
-        // Each micro-batch after the first carries its own copy of what a chunked layer's
-        // pass keeps between its parts.
-        let carried = chunking.carried(layout);
-        let carried_widths = || carried.acts.iter().chain(&carried.grads).filter(|&&w| w > 0);
-        let later_mbs = if chunking.any() { cfg.micro_batches() - 1 } else { 0 };
+        let (expert_rows, expert_row_buffers) = carried_rows(layout, cfg, &chunking, n);
         Sizes {
-            expert_rows: later_mbs * n * carried_widths().sum::<usize>(),
-            expert_row_buffers: later_mbs * carried_widths().count(),
+            expert_rows,
+            expert_row_buffers,
             slot,
             chunk_slot: chunking.chunk_slot(precision.weight_bytes()),
             expert_chunks: chunking.chunks(),
@@ -228,9 +209,7 @@ impl Sizes {
             host_grads,
             moment_bytes: cfg.memory.moment_storage().bytes(&layout.buffer_tensors().concat()),
             master_bytes: tensor_bytes(&trained),
-            base_bytes: [HostDtype::F32, HostDtype::Bf16, HostDtype::Nf4].map(|d| {
-                tensor_bytes(&frozen.iter().filter(|t| t.dtype == d).cloned().collect::<Vec<_>>())
-            }),
+            base_bytes: base_bytes(&frozen),
             seq_len: cfg.seq_len,
             mb_rows,
             act: n * d.c,
@@ -246,8 +225,6 @@ impl Sizes {
             act_buffers: kept_widths().count(),
             scratch_buffers: act_widths.len() - if keeps_all { kept_widths().count() } else { 0 }
                 + grad_widths.len()
-                - 1
-                + 1
                 + if whole { 4 } else { 2 }
                 + 2 * layout.rope.len(),
             params,
@@ -491,6 +468,52 @@ pub(crate) fn attention_bytes(
         .iter()
         .filter(|k| k.ops.iter().any(|op| matches!(op, Op::Attention { .. })))
         .map(move |k| precision.attention_bytes(n, k.attn.h, k.attn.kvh, k.attn.d))
+}
+
+/// The bytes of the largest product a step runs (its workspace): the layers' products on `n`
+/// rows (an expert takes each row at most once: at most N rows a product), the head's on a
+/// chunk of `chunk` rows by `head_rows` vocabulary rows, and attention's.
+fn largest_product(
+    layout: &ModelLayout,
+    cfg: &EngineConfig,
+    n: usize,
+    (chunk, head_rows): (usize, usize),
+) -> usize {
+    let precision = cfg.backend.precision();
+    layout
+        .kinds
+        .iter()
+        .flat_map(|k| k.ops.iter())
+        .flat_map(|op| match *op {
+            Op::Linear { ic, oc, .. } => vec![(n, ic, oc)],
+            Op::Experts { i, c, .. } => vec![(n, c, 2 * i), (n, i, c)],
+            _ => vec![],
+        })
+        .chain(std::iter::once((chunk, layout.dims.c, head_rows)))
+        .map(|(n, ic, oc)| precision.product_bytes(n, ic, oc))
+        .chain(attention_bytes(layout, n, precision))
+        .max()
+        .unwrap_or(0)
+}
+
+/// The elements and buffers of what the micro-batches after the first carry of a chunked
+/// layer's pass between its parts (each its own copy): `(elements, buffers)`.
+fn carried_rows(
+    layout: &ModelLayout,
+    cfg: &EngineConfig,
+    chunking: &Chunking,
+    n: usize,
+) -> (usize, usize) {
+    let carried = chunking.carried(layout);
+    let widths = || carried.acts.iter().chain(&carried.grads).filter(|&&w| w > 0);
+    let later_mbs = if chunking.any() { cfg.micro_batches() - 1 } else { 0 };
+    (later_mbs * n * widths().sum::<usize>(), later_mbs * widths().count())
+}
+
+/// Host bytes of the frozen tensors by dtype: fp32, bf16, NF4.
+fn base_bytes(frozen: &[crate::store::HostTensor]) -> [usize; 3] {
+    [HostDtype::F32, HostDtype::Bf16, HostDtype::Nf4]
+        .map(|d| tensor_bytes(&frozen.iter().filter(|t| t.dtype == d).cloned().collect::<Vec<_>>()))
 }
 
 #[cfg(test)]
