@@ -317,3 +317,38 @@ mod tests {
         assert_eq!(idx, [8, 9, 0, 1]);
     }
 }
+
+#[cfg(test)]
+mod step_rows_tests {
+    use super::*;
+    use crate::run::config::RawConfig;
+
+    /// A step reads from the spill file exactly the rows the seeded order names, packed as
+    /// packing in memory packs them, epoch after epoch.
+    #[test]
+    fn steps_read_the_rows_the_seeded_order_names() {
+        let rows: Vec<Row> = (0..23)
+            .map(|i| {
+                let ids: Vec<i32> = (0..1 + i % 5).map(|j| i * 10 + j).collect();
+                Row { labels: ids.clone(), input_ids: ids }
+            })
+            .collect();
+        let yaml = "model: { init: random, arch: llama, hidden_size: 8, intermediate_size: 16, \
+                    num_hidden_layers: 1, num_attention_heads: 2, num_key_value_heads: 2, \
+                    vocab_size: 300 }\ndata: { path: x.jsonl, shuffle: true, pack: true }\n\
+                    train: { batch_size: 3, max_seq_len: 8, seed: 5 }\n";
+        let cfg = RawConfig::from_yaml(yaml, "t").unwrap().resolve("t").unwrap();
+        let store = Arc::new(RowStore::from_rows(&rows).unwrap());
+        let all: Vec<u32> = (0..rows.len() as u32).collect();
+        let data = PretokenizedDataset::new(store, &all, Some(8), Path::new("x.jsonl"));
+        let packed = crate::data::pack(rows.clone(), 8);
+        let mut reader = StepRows::new(&cfg, &data);
+        for k in 0..20 {
+            let want: Vec<Row> = batch_indices(packed.len(), k, 3, true, 5)
+                .into_iter()
+                .map(|i| packed[i].clone())
+                .collect();
+            assert_eq!(reader.read(&data, k).unwrap(), want, "step {k}");
+        }
+    }
+}
