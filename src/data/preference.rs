@@ -553,3 +553,36 @@ fn implicit_chat<'a>(
     let (chosen_rest, rejected_rest) = (chosen.split_off(end), rejected.split_off(end));
     Ok(Pair::Chat { prompt: chosen, chosen: chosen_rest, rejected: rejected_rest })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn end(c: &str, r: &str) -> Option<usize> {
+        let (c, r): (Vec<char>, Vec<char>) = (c.chars().collect(), r.chars().collect());
+        implicit_prompt_end(&c, &r, |&ch| ch == ' ')
+    }
+
+    #[test]
+    fn implicit_prompt_is_trls_extract_prompt() {
+        assert_eq!(end("The sky is blue.", "The sky is green."), Some(10));
+        assert_eq!(end("ab", "ax"), Some(1));
+        // Python's loop variable after a loop without a difference: the last index.
+        assert_eq!(end("ab", "abc"), Some(1));
+        assert_eq!(end("same", "same"), Some(3));
+        // Different from the start: an empty prompt (TRL would look at chosen[-1]).
+        assert_eq!(end("x ", "y"), Some(0));
+        assert_eq!(end("", "y"), None);
+        // Characters, not bytes.
+        assert_eq!(end("é a", "é b"), Some(1));
+    }
+
+    #[test]
+    fn split_at_the_shorter_common_prefix() {
+        let (ids, moved) = split([vec![1, 2, 3], vec![1, 2, 3, 4], vec![1, 2, 5, 6]]).unwrap();
+        assert_eq!(ids, PairIds { prompt: vec![1, 2], chosen: vec![3, 4], rejected: vec![5, 6] });
+        assert!(moved);
+        let (ids, moved) = split([vec![1], vec![1, 4], vec![1, 5]]).unwrap();
+        assert_eq!((ids.prompt, moved), (vec![1], false));
+    }
+}
