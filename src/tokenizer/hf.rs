@@ -31,6 +31,10 @@ pub struct HfTokenizer {
     eos: Option<Special>,
     pad: Option<Special>,
     add_bos_token: bool,
+    /// `(add BOS, add EOS)` when `transformers` 5 rebuilds the post-processor from the config
+    /// (it sets `add_bos_token` or `add_eos_token`, or `tokenizer.json` has no post-processor);
+    /// `None`: `tokenizer.json`'s post-processor adds the special tokens.
+    rebuilt_specials: Option<(bool, bool)>,
     chat: Option<ChatTemplate>,
 }
 
@@ -42,6 +46,7 @@ impl std::fmt::Debug for HfTokenizer {
             .field("eos", &self.eos)
             .field("pad", &self.pad)
             .field("add_bos_token", &self.add_bos_token)
+            .field("rebuilt_specials", &self.rebuilt_specials)
             .field("chat", &self.chat)
             .finish_non_exhaustive()
     }
@@ -60,6 +65,8 @@ struct RawTokenizerConfig {
     chat_template: Option<RawChatTemplate>,
     #[serde(default)]
     add_bos_token: Option<bool>,
+    #[serde(default)]
+    add_eos_token: Option<bool>,
 }
 
 /// A special token as `tokenizer_config.json` writes it: a string, or an `AddedToken` object.
@@ -163,6 +170,15 @@ impl HfTokenizer {
             }
         };
 
+        // transformers 5 (`TokenizersBackend.__init__`) replaces the post-processor with
+        // `[BOS] $A [EOS]` per `add_bos_token` / `add_eos_token` (each default false) when the
+        // config names either, or when tokenizer.json has none.
+        let rebuild = config.add_bos_token.is_some()
+            || config.add_eos_token.is_some()
+            || inner.get_post_processor().is_none();
+        let rebuilt_specials = rebuild
+            .then(|| (config.add_bos_token == Some(true), config.add_eos_token == Some(true)));
+
         let jinja_file = dir.join("chat_template.jinja");
         let source = if jinja_file.is_file() {
             let source = std::fs::read_to_string(&jinja_file)
@@ -181,7 +197,7 @@ impl HfTokenizer {
         };
 
         let vocab_size = inner.get_vocab(true).values().max().map_or(0, |&id| id as usize + 1);
-        Ok(HfTokenizer { inner, vocab_size, bos, eos, pad, add_bos_token, chat })
+        Ok(HfTokenizer { inner, vocab_size, bos, eos, pad, add_bos_token, rebuilt_specials, chat })
     }
 
     /// The chat template's Jinja source, if the model ships one.
@@ -205,6 +221,17 @@ impl Tokenizer for HfTokenizer {
         let encoding =
             self.inner.encode_fast(text, false).map_err(|e| anyhow!("encoding text: {e}"))?;
         Ok(encoding.get_ids().to_vec())
+    }
+
+    fn encode_with_special_tokens(&self, text: &str) -> Result<Vec<u32>> {
+        let Some((add_bos, add_eos)) = self.rebuilt_specials else {
+            let encoding =
+                self.inner.encode_fast(text, true).map_err(|e| anyhow!("encoding text: {e}"))?;
+            return Ok(encoding.get_ids().to_vec());
+        };
+        let bos = self.bos_id().filter(|_| add_bos);
+        let eos = self.eos_id().filter(|_| add_eos);
+        Ok(bos.into_iter().chain(self.encode(text)?).chain(eos).collect())
     }
 
     fn encode_with_offsets(&self, text: &str) -> Result<(Vec<u32>, Vec<Range<usize>>)> {

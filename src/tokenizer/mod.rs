@@ -15,6 +15,13 @@ use anyhow::Result;
 pub trait Tokenizer: Send + Sync {
     /// Token ids of `text`, without adding BOS/EOS (datasets add them explicitly).
     fn encode(&self, text: &str) -> Result<Vec<u32>>;
+    /// Token ids of `text` as `transformers`' `tokenizer(text)` gives them
+    /// (`add_special_tokens=True`): with whatever the post-processor adds (Llama: BOS in front;
+    /// some configurations also EOS at the end). By default BOS when [`Tokenizer::add_bos_token`].
+    fn encode_with_special_tokens(&self, text: &str) -> Result<Vec<u32>> {
+        let bos = self.bos_id().filter(|_| self.add_bos_token());
+        Ok(bos.into_iter().chain(self.encode(text)?).collect())
+    }
     /// Token ids of `text` and, for each, the byte range of `text` it covers (for loss masks).
     fn encode_with_offsets(&self, text: &str) -> Result<(Vec<u32>, Vec<std::ops::Range<usize>>)>;
     /// Text of `ids` (special tokens skipped when `skip_special`).
