@@ -2,6 +2,7 @@
 
 pub mod adamw;
 pub mod adamw8bit;
+pub mod decay;
 #[cfg(target_arch = "x86_64")]
 mod adamw8bit_avx2;
 #[cfg(target_arch = "x86_64")]
@@ -12,6 +13,6 @@ pub mod state;
 pub mod step;
 
 pub use adamw::{
-    AdamWConfig, AdamWStep, adamw_update, adamw_update_image, adamw_update_serial,
+    AdamWConfig, AdamWStep, BufferStep, adamw_update, adamw_update_image, adamw_update_serial,
     adamw_update_serial_image, clip_coefficient, sum_squares,
 };
