@@ -57,7 +57,14 @@ fn main() {
         let t = Instant::now();
         match kind {
             0 => host.install(|| {
-                std::hint::black_box(Moments32 { m: mm, v }.update(p, g, &BufferStep::uniform(st), 1.0, 7, None));
+                std::hint::black_box(Moments32 { m: mm, v }.update(
+                    p,
+                    g,
+                    &BufferStep::uniform(st),
+                    1.0,
+                    7,
+                    None,
+                ));
             }),
             1 => host.install(|| add_inplace(p, g)),
             2 => host.install(|| {

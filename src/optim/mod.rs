@@ -2,11 +2,11 @@
 
 pub mod adamw;
 pub mod adamw8bit;
-pub mod decay;
 #[cfg(target_arch = "x86_64")]
 mod adamw8bit_avx2;
 #[cfg(target_arch = "x86_64")]
 mod adamw8bit_avx512;
+pub mod decay;
 pub mod lr;
 pub mod moments;
 pub mod state;
