@@ -1004,6 +1004,8 @@ mod tests {
         assert!(clip_coefficient(f64::NAN, 1.0).is_nan());
     }
 
+    // Lists of one range are what is meant: one exempt tensor.
+    #[allow(clippy::single_range_in_vec_init)]
     #[test]
     fn buffer_step_runs_alternate_the_groups() {
         let st = AdamWStep::new(&cfg(), 1, 1e-2);
@@ -1023,6 +1025,7 @@ mod tests {
         assert_eq!(BufferStep::uniform(st).of(0..5), st);
     }
 
+    #[allow(clippy::single_range_in_vec_init)]
     #[test]
     #[should_panic(expected = "straddles the no-decay range")]
     fn a_tensor_across_a_group_boundary_is_a_bug() {

@@ -211,6 +211,8 @@ mod tests {
     /// A buffer with no-decay ranges is updated, per element, exactly as a whole-buffer update
     /// with the group's scalars; a tensor with no gradient and no decay keeps its value, one
     /// that decays is multiplied by `1 - lr * weight_decay`.
+    // Lists of one range are what is meant: one exempt stretch.
+    #[allow(clippy::single_range_in_vec_init)]
     #[test]
     fn exempt_ranges_take_no_decay_in_either_storage() {
         let cfg = AdamWConfig { lr: 1e-2, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.1 };
