@@ -12,7 +12,7 @@
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use horizon::optim::adamw::{AdamWConfig, AdamWStep, sum_squares};
+use horizon::optim::adamw::{AdamWConfig, AdamWStep, BufferStep, sum_squares};
 use horizon::optim::moments::{Moments, Moments32};
 use horizon_backend::cpu::add_inplace;
 use horizon_backend::threads::{self, Placement};
@@ -57,7 +57,14 @@ fn main() {
         let t = Instant::now();
         match kind {
             0 => host.install(|| {
-                std::hint::black_box(Moments32 { m: mm, v }.update(p, g, &st, 1.0, 7, None));
+                std::hint::black_box(Moments32 { m: mm, v }.update(
+                    p,
+                    g,
+                    &BufferStep::uniform(st),
+                    1.0,
+                    7,
+                    None,
+                ));
             }),
             1 => host.install(|| add_inplace(p, g)),
             2 => host.install(|| {

@@ -6,7 +6,8 @@ use crate::model::layout::ModelLayout;
 use crate::model::lora::BaseDtype;
 use crate::model::params::ParamStore;
 use crate::model::spec::Stored;
-use crate::optim::adamw::{AdamWConfig, AdamWStep, clip_coefficient, sum_squares};
+use crate::optim::adamw::{AdamWConfig, AdamWStep, BufferStep, clip_coefficient, sum_squares};
+use crate::optim::decay::DecayGroups;
 use crate::optim::moments::Moments;
 use crate::optim::state::{AdamW32, OptState, OptimizerMemory, OptimizerState};
 use crate::optim::step::update_seed;
@@ -166,12 +167,13 @@ impl TrainState {
         self.grads.buffers().iter().map(|b| sum_squares(b)).sum::<f64>().sqrt()
     }
 
-    /// Clip by the global norm (`max_norm` 0 = off) and take one AdamW step on every buffer.
-    /// Returns the elements each buffer's update held (`optim::adamw`'s "Held elements": their
+    /// Clip by the global norm (`max_norm` 0 = off) and take one AdamW step on every buffer,
+    /// without weight decay on `decay`'s exempt ranges. Returns the elements each buffer's update held (`optim::adamw`'s "Held elements": their
     /// new master or moment would not have been finite, so they kept their values).
     pub fn optimizer_step(
         &mut self,
         cfg: &AdamWConfig,
+        decay: &DecayGroups,
         lr: f64,
         grad_norm: f64,
         max_norm: f64,
@@ -185,6 +187,7 @@ impl TrainState {
                 let seed = update_seed(self.updates, i);
                 let g = self.grads.buffer(i);
                 let w = self.params.buffer_mut(i);
+                let st = BufferStep::new(st, decay.exempt(i));
                 self.opt.buffer(i).update(w, g, &st, coef, seed, None) as u64
             })
             .collect()

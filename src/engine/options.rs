@@ -7,6 +7,7 @@ use horizon_backend::Precision;
 use serde::{Deserialize, Serialize};
 
 use crate::optim::adamw::AdamWConfig;
+use crate::optim::decay::NoDecay;
 use crate::optim::state::OptimizerMemory;
 
 /// `engine.recompute`.
@@ -247,6 +248,8 @@ pub struct EngineConfig {
     pub expert_chunk: Option<usize>,
     /// AdamW and clipping (the learning rate comes with each step, from the schedule).
     pub adamw: AdamWConfig,
+    /// `optimizer.no_decay`: which trained tensors take no weight decay.
+    pub no_decay: NoDecay,
     pub grad_clip: f64,
     /// Layers whose forward internals stay on the device for their backward instead of being
     /// recomputed (`engine.recompute` resolved: 0 recomputes all, the model's depth none),
@@ -299,6 +302,7 @@ impl EngineConfig {
             head_tile_rows: None,
             expert_chunk: None,
             adamw: AdamWConfig { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 },
+            no_decay: NoDecay::None,
             grad_clip: 1.0,
             kept_layers: 0,
             memory: Default::default(),

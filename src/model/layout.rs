@@ -2,6 +2,8 @@
 //! each layer (names, shapes and offsets of every flat per-layer buffer: weights, gradients,
 //! AdamW moments), and the model-level tensors. The single source for every flat buffer.
 
+use std::ops::Range;
+
 use crate::hf::config::{ModelConfig, MoeConfig};
 use crate::model::lora::LoraSpec;
 pub use crate::model::spec::TensorSpec;
@@ -238,20 +240,41 @@ impl ModelLayout {
         out
     }
 
+    /// `f(full HF name, elements in the buffer)` of every trained tensor of each flat buffer, in
+    /// `ParamStore::buffers` order (embedding, layers, final norm, untied head) and buffer
+    /// order within a layer; a frozen buffer has none. The one walk every per-buffer list
+    /// derives from.
+    fn per_buffer<T>(&self, f: impl Fn(&dyn Fn() -> String, Range<usize>) -> T) -> Vec<Vec<T>> {
+        let d = &self.dims;
+        let base = self.trains_base();
+        let whole = |name: &str, n: usize| -> Vec<T> {
+            if base { vec![f(&|| name.to_string(), 0..n)] } else { vec![] }
+        };
+        let mut out = vec![whole(EMBED, d.v * d.c)];
+        out.extend((0..d.layers).map(|i| {
+            let spec = self.layer(i);
+            let at = |t: &TensorSpec| t.offset - spec.frozen..t.offset - spec.frozen + t.numel();
+            spec.trained().map(|t| f(&|| Self::layer_name(i, &t.name), at(t))).collect()
+        }));
+        out.push(whole(FINAL_NORM, d.c));
+        if !self.tied {
+            out.push(whole(LM_HEAD, d.v * d.c));
+        }
+        out
+    }
+
+    /// Every trained tensor of each flat buffer, in `ParamStore::buffers` order: its full HF
+    /// name and its elements in the buffer (what the optimizer's weight-decay groups are
+    /// derived from, `optim::decay`).
+    pub fn buffer_tensor_ranges(&self) -> Vec<Vec<(String, Range<usize>)>> {
+        self.per_buffer(|name, r| (name(), r))
+    }
+
     /// Elements of each trained tensor of each flat buffer, in `ParamStore::buffers` order
     /// (embedding, layers, final norm, untied head) and buffer order within a layer; a frozen
     /// buffer has none.
     pub fn buffer_tensors(&self) -> Vec<Vec<usize>> {
-        let d = &self.dims;
-        let (vc, c) =
-            if self.trains_base() { (vec![d.v * d.c], vec![d.c]) } else { (vec![], vec![]) };
-        let mut out = vec![vc.clone()];
-        out.extend((0..d.layers).map(|i| self.layer(i).trained().map(|t| t.numel()).collect()));
-        out.push(c);
-        if !self.tied {
-            out.push(vc);
-        }
-        out
+        self.per_buffer(|_, r| r.len())
     }
 
     /// Total parameter count, frozen and trained.

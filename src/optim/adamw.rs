@@ -139,6 +139,77 @@ impl AdamWStep {
     pub(crate) fn lerp_weight_small(&self) -> bool {
         self.lerp_weight.abs() < 0.5
     }
+
+    /// The same step in a parameter group of `weight_decay` 0: `decay` is 1, and `p * 1` is
+    /// `p` bit for bit, as PyTorch's skipped `param.mul_`.
+    pub fn without_decay(&self) -> AdamWStep {
+        AdamWStep { decay: 1.0, ..*self }
+    }
+}
+
+/// One buffer's update scalars: the step's, and the element ranges of the buffer that take no
+/// weight decay (`optim::decay`'s groups: sorted, disjoint, whole tensors). An elementwise
+/// update splits the buffer into runs ([`BufferStep::runs`]); one that goes tensor by tensor
+/// asks for each tensor's scalars ([`BufferStep::of`]).
+#[derive(Clone, Copy, Debug)]
+pub struct BufferStep<'a> {
+    /// The step's scalars, with the run's weight decay.
+    pub step: AdamWStep,
+    /// The ranges that take `step.without_decay()`.
+    pub exempt: &'a [std::ops::Range<usize>],
+}
+
+impl<'a> BufferStep<'a> {
+    /// `step` on every element but those of `exempt`, which take no decay.
+    pub fn new(step: AdamWStep, exempt: &'a [std::ops::Range<usize>]) -> Self {
+        BufferStep { step, exempt }
+    }
+
+    /// `step` on every element.
+    pub fn uniform(step: AdamWStep) -> BufferStep<'static> {
+        BufferStep { step, exempt: &[] }
+    }
+
+    /// The scalars of the tensor at elements `r` (wholly inside an exempt range or outside all
+    /// of them: a range that straddles one is a caller's bug).
+    pub fn of(&self, r: std::ops::Range<usize>) -> AdamWStep {
+        match self.exempt.iter().find(|e| e.start < r.end && r.start < e.end) {
+            None => self.step,
+            Some(e) => {
+                assert!(
+                    e.start <= r.start && r.end <= e.end,
+                    "tensor {r:?} straddles the no-decay range {e:?}"
+                );
+                self.step.without_decay()
+            }
+        }
+    }
+
+    /// Elements `0..n` as consecutive runs, each with its scalars: the one run `(0..n, step)`
+    /// when nothing is exempt. No allocation.
+    pub fn runs(
+        &self,
+        n: usize,
+    ) -> impl Iterator<Item = (std::ops::Range<usize>, AdamWStep)> + use<'a> {
+        let (step, exempt, plain) = (self.step, self.exempt, self.step.without_decay());
+        let (mut at, mut next) = (0, 0);
+        std::iter::from_fn(move || {
+            if at >= n {
+                return None;
+            }
+            let (end, s) = match exempt.get(next) {
+                Some(e) if e.start <= at => {
+                    next += 1;
+                    (e.end.clamp(at, n), plain)
+                }
+                Some(e) => (e.start.min(n), step),
+                None => (n, step),
+            };
+            let r = at..end;
+            at = end;
+            Some((r, s))
+        })
+    }
 }
 
 /// One element of the update: returns the new `(param, m, v)`. Every operation rounds to f32,
@@ -931,5 +1002,34 @@ mod tests {
         assert_eq!(c, (1.0f32 / (4.0f32 + 1e-6f32)) * 1.0f32);
         assert!((c - 0.25).abs() < 1e-6);
         assert!(clip_coefficient(f64::NAN, 1.0).is_nan());
+    }
+
+    // Lists of one range are what is meant: one exempt tensor.
+    #[allow(clippy::single_range_in_vec_init)]
+    #[test]
+    fn buffer_step_runs_alternate_the_groups() {
+        let st = AdamWStep::new(&cfg(), 1, 1e-2);
+        let plain = st.without_decay();
+        assert_eq!(plain.decay, 1.0);
+        assert_eq!(AdamWStep { decay: st.decay, ..plain }, st, "only the decay differs");
+        let runs = |exempt: &[std::ops::Range<usize>], n| {
+            BufferStep::new(st, exempt).runs(n).map(|(r, s)| (r, s.decay)).collect::<Vec<_>>()
+        };
+        let (d, one) = (st.decay, 1.0);
+        assert_eq!(runs(&[], 10), vec![(0..10, d)]);
+        assert_eq!(runs(&[], 0), vec![]);
+        assert_eq!(runs(&[0..2, 5..6], 10), vec![(0..2, one), (2..5, d), (5..6, one), (6..10, d)]);
+        assert_eq!(runs(&[3..10], 10), vec![(0..3, d), (3..10, one)]);
+        let b = BufferStep::new(st, &[2..4]);
+        assert_eq!((b.of(0..2).decay, b.of(2..3).decay, b.of(4..9).decay), (d, one, d));
+        assert_eq!(BufferStep::uniform(st).of(0..5), st);
+    }
+
+    #[allow(clippy::single_range_in_vec_init)]
+    #[test]
+    #[should_panic(expected = "straddles the no-decay range")]
+    fn a_tensor_across_a_group_boundary_is_a_bug() {
+        let st = AdamWStep::new(&cfg(), 1, 1e-2);
+        BufferStep::new(st, &[2..4]).of(3..6);
     }
 }

@@ -40,7 +40,9 @@ use horizon_backend::Bf16;
 use rayon::iter::Either;
 use rayon::prelude::*;
 
-use crate::optim::adamw::{AdamWStep, adamw_update, adamw_update_image, held, update_one};
+use crate::optim::adamw::{
+    AdamWStep, BufferStep, adamw_update, adamw_update_image, held, update_one,
+};
 
 /// Elements per quantisation block (one fp32 scale each).
 pub const QBLOCK: usize = 256;
@@ -570,10 +572,27 @@ pub fn adamw8bit_update(
 pub fn adamw8bit_update_with(
     kernel: Kernel,
     param: &mut [f32],
-    mut image: Option<&mut [Bf16]>,
+    image: Option<&mut [Bf16]>,
     grad: &[f32],
     q: Moments8Mut<'_>,
     step: &AdamWStep,
+    grad_scale: f32,
+    seed: u64,
+) -> usize {
+    let step = BufferStep::uniform(*step);
+    adamw8bit_update_groups(kernel, param, image, grad, q, &step, grad_scale, seed)
+}
+
+/// [`adamw8bit_update_with`] with each tensor's scalars from `step` (those of its exempt ranges
+/// without weight decay: [`BufferStep::of`]).
+#[allow(clippy::too_many_arguments)]
+pub fn adamw8bit_update_groups(
+    kernel: Kernel,
+    param: &mut [f32],
+    mut image: Option<&mut [Bf16]>,
+    grad: &[f32],
+    q: Moments8Mut<'_>,
+    step: &BufferStep<'_>,
     grad_scale: f32,
     seed: u64,
 ) -> usize {
@@ -582,6 +601,7 @@ pub fn adamw8bit_update_with(
     let mut held = 0;
     for (t, seg) in segments(q.tensors).enumerate() {
         let r = seg.start..seg.start + seg.len;
+        let step = &step.of(r.clone());
         let (p, g) = (&mut param[r.clone()], &grad[r.clone()]);
         let img = image.as_deref_mut().map(|i| &mut i[r]);
         match seg.store {

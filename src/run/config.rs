@@ -17,6 +17,7 @@ use crate::optim::lr::{LrSchedule, ScheduleKind};
 pub use crate::engine::options::{
     BackendKind, GradWire, HostThreads, Recompute, WeightPath, WeightUpload,
 };
+pub use crate::optim::decay::NoDecay;
 pub use crate::optim::state::OptimizerMemory;
 
 /// The YAML file as written by the user. Every key except `model.path` and `data.path` has a
@@ -287,7 +288,8 @@ pub struct OptimizerSection {
     pub betas: [f64; 2],
     /// AdamW epsilon. Default 1e-8.
     pub eps: f64,
-    /// Decoupled weight decay, applied to every parameter. Default 0.01 (torch's).
+    /// Decoupled weight decay, applied to every trained tensor but those `no_decay` exempts.
+    /// Default 0.01 (torch's).
     pub weight_decay: f64,
     /// Global L2-norm gradient clipping threshold; 0 turns clipping off. Default 1.0.
     pub grad_clip: f64,
@@ -297,6 +299,10 @@ pub struct OptimizerSection {
     /// the step's norm, ~12 B/param) or `compact`
     /// (lean with blockwise 8-bit AdamW moments, ~6 B/param). Default exact.
     pub memory: OptimizerMemory,
+    /// Which trained tensors take no weight decay: `none` (every tensor decays, as
+    /// `torch.optim.AdamW(model.parameters())`) or `hf` (the Hugging Face Trainer's groups, as
+    /// TRL, axolotl and LLaMA-Factory runs: biases and norm weights take none). Default none.
+    pub no_decay: NoDecay,
 }
 
 impl Default for OptimizerSection {
@@ -311,6 +317,7 @@ impl Default for OptimizerSection {
             weight_decay: 0.01,
             grad_clip: 1.0,
             memory: OptimizerMemory::Exact,
+            no_decay: NoDecay::None,
         }
     }
 }
@@ -674,6 +681,7 @@ impl RawConfig {
             head_tile_rows: self.engine.head_tile_rows,
             expert_chunk: self.engine.expert_chunk,
             adamw: self.adamw(),
+            no_decay: self.optimizer.no_decay,
             grad_clip: self.optimizer.grad_clip,
             memory: self.optimizer.memory,
             kept_layers: 0,

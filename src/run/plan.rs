@@ -19,6 +19,7 @@ use crate::hf::config::ModelConfig;
 use crate::model::layout::ModelLayout;
 use crate::model::lora::BaseDtype;
 use crate::model::lora::LoraSpec;
+use crate::optim::decay::DecayGroups;
 use crate::run::config::{ByteSize, OptimizerMemory, RawConfig, RunConfig};
 use crate::run::data::{SeqLen, load_datasets};
 use crate::run::load::{model_config, run_layout, split_targets};
@@ -132,6 +133,7 @@ pub fn report(cfg: &RunConfig, host_memory: Option<u64>) -> Result<PlanReport> {
         writeln!(t, "{line}")?;
     }
     writeln!(t, "optimizer.memory: {}", raw.optimizer.memory.name())?;
+    writeln!(t, "{}", decay_line(raw, &layout))?;
     let threads = ecfg.host_threads.resolve(ecfg.backend);
     writeln!(
         t,
@@ -199,6 +201,13 @@ pub fn report(cfg: &RunConfig, host_memory: Option<u64>) -> Result<PlanReport> {
         )?,
     }
     Ok(PlanReport { plan, text: t, model, seq_len: ecfg.seq_len })
+}
+
+/// The weight-decay groups of `layout`'s trained tensors under `raw`'s optimizer:
+/// `weight decay W on N tensors (P params), none on M tensors (Q params) (optimizer.no_decay: R)`.
+pub fn decay_line(raw: &RawConfig, layout: &ModelLayout) -> String {
+    let o = &raw.optimizer;
+    DecayGroups::new(layout, o.no_decay).line(o.weight_decay)
 }
 
 /// `  NAME  host BYTES  B/param` of plan `p`.

@@ -13,6 +13,7 @@ use crate::data::pretokenized::{Batch, PretokenizedDataset, make_batch};
 use crate::hf::config::ModelConfig;
 use crate::model::params::{ParamStore, buffer_name};
 use crate::model::transformer::{Capacity, Transformer};
+use crate::optim::decay::DecayGroups;
 use crate::run::config::RunConfig;
 use crate::run::data::{StepRows, load_data, tokens_of};
 use crate::run::load::{RunModel, load_run_model};
@@ -28,6 +29,8 @@ pub struct ReferenceTrainer {
     rows: StepRows,
     pub state: TrainState,
     pub engine: Transformer<CpuBackend>,
+    /// The weight-decay groups of the trained tensors (`optimizer.no_decay`).
+    pub decay: DecayGroups,
 }
 
 impl ReferenceTrainer {
@@ -37,6 +40,7 @@ impl ReferenceTrainer {
         let RunModel { cfg: model_cfg, layout, params, base, .. } =
             load_run_model(raw, cfg.adapter.as_ref())?;
         let data = load_data(raw, model_cfg.vocab_size)?;
+        let decay = DecayGroups::new(&layout, raw.optimizer.no_decay);
         let engine = Transformer::with_layout(
             CpuBackend,
             layout,
@@ -48,7 +52,8 @@ impl ReferenceTrainer {
             },
         );
         let rows = StepRows::new(&cfg, &data);
-        Ok(ReferenceTrainer { state: TrainState::new(params), cfg, model_cfg, data, rows, engine })
+        let state = TrainState::new(params);
+        Ok(ReferenceTrainer { state, cfg, model_cfg, data, rows, engine, decay })
     }
 
     /// The batch of optimizer step `k` (0-based), and its count of real (non-padding) tokens.
@@ -81,7 +86,8 @@ impl ReferenceTrainer {
         )?;
         let grad_norm = self.state.grad_norm();
         let lr = self.cfg.raw.lr_schedule().lr_at(k + 1);
-        let held = self.state.optimizer_step(&self.cfg.raw.adamw(), lr, grad_norm, o.grad_clip);
+        let adamw = self.cfg.raw.adamw();
+        let held = self.state.optimizer_step(&adamw, &self.decay, lr, grad_norm, o.grad_clip);
         let layers = self.state.params.layers.len();
         Ok(StepMetrics {
             step: k + 1,

@@ -228,6 +228,7 @@ fn plan_run(
         raw.engine.recompute,
         recompute_words(ecfg.kept_layers, layout.dims.layers)
     );
+    println!("{}", crate::run::plan::decay_line(raw, layout));
     print!("{plan}");
     plan.check()?;
     if raw.device.backend == BackendKind::Cuda {

@@ -19,7 +19,8 @@ use crate::model::layout::ModelLayout;
 use crate::model::spec::AttnSpec;
 use crate::model::transformer::{embed_rows, embed_rows_backward};
 use crate::optim::adamw::{
-    AdamWConfig, AdamWStep, ROW_TASK, adamw_update_local, row_runs, sum_squares, sum_squares_rows,
+    AdamWConfig, AdamWStep, BufferStep, ROW_TASK, adamw_update_local, row_runs, sum_squares,
+    sum_squares_rows,
 };
 use crate::optim::adamw8bit::Moments8;
 use crate::optim::moments::{Moments, Moments32};
@@ -452,7 +453,7 @@ impl HostMeasured {
             self.on_pool(|| {
                 let t0 = Instant::now();
                 // Timed, not used: nothing is held in a calibration's finite data.
-                let _held = Moments32 { m, v }.update(p, g, &st, 1.0, 7, None);
+                let _held = Moments32 { m, v }.update(p, g, &BufferStep::uniform(st), 1.0, 7, None);
                 t0.elapsed().as_secs_f64()
             })
         };
@@ -558,14 +559,22 @@ fn time_update(n: usize, eight_bit: bool, image: bool) -> f64 {
             .map(|k| (filled(n, k), filled(n, k + 1), Moments8::zeros(&[n]), img(k)))
             .collect();
         median_cycling(&mut b, |(p, g, q, i)| {
-            let _held = q.view_mut().update(p, g, &st, 1.0, 7, image_of(i, image));
+            let _held =
+                q.view_mut().update(p, g, &BufferStep::uniform(st), 1.0, 7, image_of(i, image));
         })
     } else {
         let mut b: Vec<_> = (0..sets)
             .map(|k| (filled(n, k), filled(n, k + 1), vec![0.0f32; n], vec![0.0f32; n], img(k)))
             .collect();
         median_cycling(&mut b, |(p, g, m, v, i)| {
-            let _held = Moments32 { m, v }.update(p, g, &st, 1.0, 7, image_of(i, image));
+            let _held = Moments32 { m, v }.update(
+                p,
+                g,
+                &BufferStep::uniform(st),
+                1.0,
+                7,
+                image_of(i, image),
+            );
         })
     }
 }

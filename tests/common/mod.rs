@@ -143,6 +143,7 @@ pub fn engine_config_for(
         head_chunk_rows: 7,
         head_tile_rows: None,
         expert_chunk: None,
+        no_decay: horizon::optim::decay::NoDecay::None,
         adamw: horizon::optim::adamw::AdamWConfig {
             lr: e["lr"].as_f64().unwrap(),
             beta1: betas[0],

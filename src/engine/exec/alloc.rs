@@ -28,6 +28,7 @@ use crate::model::base::FrozenBase;
 use crate::model::layout::ModelLayout;
 use crate::model::params::ParamStore;
 use crate::model::transformer::{HeadBufs, rope_tables};
+use crate::optim::decay::DecayGroups;
 use crate::optim::step::StepStats;
 use crate::store::TrainState;
 
@@ -62,6 +63,7 @@ where
         let mut state = Box::new(state.into_memory(&layout, cfg.memory));
         let pinned_grads = pin_downloaded_grads(&dev, &mut state, &layout, shape.head_buf());
         let (host, hostbufs) = alloc_host(&dev, &mut state, &layout, &sizes, &cfg, shape);
+        let decay = DecayGroups::new(&layout, cfg.no_decay);
         let ctx = Arc::new(Ctx {
             regions: SlotRegions::new(&layout, shape.head_buf(), &sizes.head, &chunking),
             chunking,
@@ -74,6 +76,7 @@ where
             base,
             shape,
             adamw: cfg.adamw,
+            decay,
             grad_clip: cfg.grad_clip,
             memory: cfg.memory,
             devbufs,

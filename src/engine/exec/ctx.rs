@@ -20,6 +20,7 @@ use crate::model::layout::ModelLayout;
 use crate::model::transformer::HeadBufs;
 use crate::optim::adamw::AdamWConfig;
 use crate::optim::adamw8bit::{Moments8, Moments8Mut};
+use crate::optim::decay::DecayGroups;
 use crate::optim::moments::{AnyMoments, Moments32};
 use crate::optim::state::{OptState, OptimizerMemory};
 use crate::optim::step::StepStats;
@@ -95,6 +96,8 @@ pub(super) struct Ctx {
     /// Rows of a head chunk.
     pub(super) head_chunk: usize,
     pub(super) adamw: AdamWConfig,
+    /// Per host buffer, the element ranges that take no weight decay (`optimizer.no_decay`).
+    pub(super) decay: DecayGroups,
     pub(super) grad_clip: f64,
     /// `optimizer.memory`.
     pub(super) memory: OptimizerMemory,

@@ -18,7 +18,7 @@ use crate::engine::phases::Phase;
 use crate::engine::plan::{GradTarget, OpKind, ParamBuf, Res, SlotContent};
 use crate::model::transformer::embed_rows_backward;
 use crate::optim::adamw::{
-    AdamWStep, ROW_TASK, adamw_update_local, clip_coefficient, row_runs, sum_squares,
+    AdamWStep, BufferStep, ROW_TASK, adamw_update_local, clip_coefficient, row_runs, sum_squares,
     sum_squares_rows,
 };
 use crate::optim::moments::{AnyMoments, Moments};
@@ -291,7 +291,7 @@ fn stage(ctx: &Ctx, grant: &Grant, slot: usize, what: SlotContent) {
 /// The schedule must give the caller exclusive use of buffer `i`'s masters and moments.
 unsafe fn apply_update(ctx: &Ctx, sd: &StepData, grant: &Grant, i: usize, g: &[f32], coef: f32) {
     grant.moments(ctx.param_buf(i));
-    let st = AdamWStep::new(&ctx.adamw, sd.adam_step, sd.lr);
+    let st = buffer_step(ctx, sd, i);
     let seed = update_seed(sd.adam_step, i);
     // SAFETY: the caller's exclusivity (the image is part of the buffer's `Params`): the
     // masters and their image are written in the one pass.
@@ -301,6 +301,11 @@ unsafe fn apply_update(ctx: &Ctx, sd: &StepData, grant: &Grant, i: usize, g: &[f
         let held = moments_of(ctx, i).update(w, g, &st, coef, seed, image);
         ctx.step.add_held(sd.step, i, held);
     }
+}
+
+/// Buffer `i`'s update scalars for the step: its no-decay ranges without weight decay.
+fn buffer_step<'a>(ctx: &'a Ctx, sd: &StepData, i: usize) -> BufferStep<'a> {
+    BufferStep::new(AdamWStep::new(&ctx.adamw, sd.adam_step, sd.lr), ctx.decay.exempt(i))
 }
 
 /// Buffer `i`'s optimizer state, in its storage.
@@ -418,7 +423,8 @@ unsafe fn update_embed_rows(ctx: &Ctx, sd: &StepData, grant: &Grant, pick: &[boo
         return;
     };
     let coef = norm_clip(ctx);
-    let st = AdamWStep::new(&ctx.adamw, sd.adam_step, sd.lr);
+    // The embedding is one tensor: one group.
+    let st = buffer_step(ctx, sd, i).of(0..p.len());
     let (c, img) = (ctx.layout.dims.c, ctx.hostbufs.images[i]);
     let held = pick.par_chunks(ROW_TASK).enumerate().map(|(t, rows)| {
         let mut held = 0;
