@@ -67,7 +67,8 @@ fn yaml(case: &str, extra: &str) -> String {
     format!(
         "model: {{ path: '{}' }}\ndata: {{ path: unused.jsonl, format: pretokenized }}\n\
          train: {{ steps: {}, batch_size: {}, max_seq_len: 64 }}\n\
-         optimizer: {{ lr: {}, betas: [{}, {}], eps: {}, weight_decay: {}, grad_clip: {} }}\n\
+         optimizer: {{ lr: {}, betas: [{}, {}], eps: {}, weight_decay: {}, grad_clip: {}, \
+         no_decay: hf }}\n\
          output: {{ dir: unused }}\n{adapter}{extra}",
         d.join("model").display(),
         e["steps"],
@@ -182,12 +183,16 @@ fn read_names(path: &Path) -> Vec<(String, Vec<f64>)> {
     names.into_iter().map(|n| (n.clone(), read_tensor_f64(path, &n).unwrap().1)).collect()
 }
 
-/// Every step's loss, grad norm and metrics, and the trained tensors after the last step. The
-/// LoRA case decays every trained tensor (its adapters), as Horizon's optimizer does today; the
-/// full fine-tune exempts norms from decay, which `optimizer.no_decay: hf` will give.
+/// Every step's loss, grad norm and metrics, and the trained tensors after the last step, with
+/// the HF Trainer's weight-decay groups (`optimizer.no_decay: hf`: norms and biases undecayed).
 #[test]
-fn lora_steps_and_final_adapters_match_trl() {
-    let case = "dpo_qwen2_lora";
+fn every_step_and_the_trained_tensors_match_trl() {
+    for case in ["dpo_llama_full", "dpo_qwen2_lora"] {
+        every_step(case);
+    }
+}
+
+fn every_step(case: &str) {
     let e = expected(case);
     let pt = &e["pytorch_fp32"];
     let mut t = trainer(case, "");
@@ -196,25 +201,25 @@ fn lora_steps_and_final_adapters_match_trl() {
         let got = t.step(k).unwrap();
         let tol = |err: f64| (10.0 * err).max(1e-5);
         close(
-            &format!("step {k} loss"),
+            &format!("{case} step {k} loss"),
             got.loss,
             want["loss"].as_f64().unwrap(),
             tol(pt["loss_max_rel_err"].as_f64().unwrap()),
         );
         close(
-            &format!("step {k} grad norm"),
+            &format!("{case} step {k} grad norm"),
             got.grad_norm,
             want["grad_norm"].as_f64().unwrap(),
             tol(pt["grad_norm_max_rel_err"].as_f64().unwrap()),
         );
         let margin = want["reward_margin"].as_f64().unwrap();
-        assert!((got.metrics.reward_margin - margin).abs() <= 1e-4, "step {k} margin");
+        assert!((got.metrics.reward_margin - margin).abs() <= 1e-4, "{case} step {k} margin");
     }
     for (name, want) in read_names(&dir(case).join("final.safetensors")) {
         let got = t.state.params.tensor(&t.engine.layout, ours(&name)).unwrap();
         let start = init.tensor(&t.engine.layout, ours(&name)).unwrap();
         let err = update_rel_err(got, start, &want);
         let tol = (10.0 * pt["update_rel_l2_err"][&name].as_f64().unwrap()).max(1e-3);
-        assert!(err <= tol, "{name}: update error {err:.2e} > {tol:.1e}");
+        assert!(err <= tol, "{case} {name}: update error {err:.2e} > {tol:.1e}");
     }
 }

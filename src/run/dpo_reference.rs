@@ -21,6 +21,7 @@ use crate::data::pretokenized::{IGNORE_INDEX, Row, make_batch};
 use crate::model::dpo::{DpoMetrics, DpoObjective, PairLogps};
 use crate::model::params::ParamStore;
 use crate::model::transformer::{Capacity, Transformer};
+use crate::optim::decay::DecayGroups;
 use crate::run::config::RunConfig;
 use crate::run::data::tokens_of;
 use crate::run::load::{RunModel, load_run_model};
@@ -67,6 +68,8 @@ pub struct DpoReference {
     pub objective: DpoObjective,
     pub state: TrainState,
     pub engine: Transformer<CpuBackend>,
+    /// The weight-decay groups of the trained tensors (`optimizer.no_decay`).
+    pub decay: DecayGroups,
     pairs: Vec<PairRows>,
     /// The reference's (chosen, rejected) log-probs of each pair.
     reference: Vec<(f64, f64)>,
@@ -99,12 +102,14 @@ impl DpoReference {
             seq_len: longest,
             head_chunk_rows: raw.engine.head_chunk_rows,
         };
+        let decay = DecayGroups::new(&layout, raw.optimizer.no_decay);
         let engine = Transformer::with_layout(CpuBackend, layout, base.map(Arc::new), cap);
         let mut t = DpoReference {
             cfg,
             objective,
             state: TrainState::new(params),
             engine,
+            decay,
             pairs,
             reference: Vec::new(),
             batch,
@@ -168,7 +173,7 @@ impl DpoReference {
         let grad_norm = self.state.grad_norm();
         let o = &self.cfg.raw.optimizer;
         let lr = self.cfg.raw.lr_schedule().lr_at(k + 1);
-        self.state.optimizer_step(&self.cfg.raw.adamw(), lr, grad_norm, o.grad_clip);
+        self.state.optimizer_step(&self.cfg.raw.adamw(), &self.decay, lr, grad_norm, o.grad_clip);
         Ok(DpoStep { loss, grad_norm, metrics: DpoMetrics::mean(&metrics), pairs: all })
     }
 
