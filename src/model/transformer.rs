@@ -419,27 +419,33 @@ impl<B: DeviceAlloc> Transformer<B> {
         let chunk = self.cap.head_chunk_rows;
         let mut loss_sum = 0.0f64;
         for r0 in (0..n).step_by(chunk) {
-            let rows = chunk.min(n - r0);
-            self.be.matmul_forward(
-                vm(&mut self.logits, rows * d.v),
-                self.hf.slice(r0 * d.c..(r0 + rows) * d.c),
-                &self.head_w,
-                None,
-                rows,
-                d.c,
-                d.v,
-            );
-            self.be.cross_entropy_forward(
-                vm(&mut self.losses, rows),
-                v(&self.logits, rows * d.v),
-                self.targets.slice(r0..r0 + rows),
-                rows,
-                d.v,
-            );
-            self.be.download(&mut self.host_losses[..rows], v(&self.losses, rows));
-            loss_sum += self.host_losses[..rows].iter().map(|&x| x as f64).sum::<f64>();
+            loss_sum += self.head_losses(r0, chunk.min(n - r0));
         }
         Ok(PassOutput { loss_sum, num_targets: batch.num_targets(), aux: self.aux })
+    }
+
+    /// The head's forward over rows `[r0, r0 + rows)` of the last forward: logits, each row's
+    /// cross-entropy into `host_losses[..rows]`; returns their sum in f64.
+    fn head_losses(&mut self, r0: usize, rows: usize) -> f64 {
+        let d = self.layout.dims;
+        self.be.matmul_forward(
+            vm(&mut self.logits, rows * d.v),
+            self.hf.slice(r0 * d.c..(r0 + rows) * d.c),
+            &self.head_w,
+            None,
+            rows,
+            d.c,
+            d.v,
+        );
+        self.be.cross_entropy_forward(
+            vm(&mut self.losses, rows),
+            v(&self.logits, rows * d.v),
+            self.targets.slice(r0..r0 + rows),
+            rows,
+            d.v,
+        );
+        self.be.download(&mut self.host_losses[..rows], v(&self.losses, rows));
+        self.host_losses[..rows].iter().map(|&x| x as f64).sum::<f64>()
     }
 
     /// One forward and backward pass over `batch`. Parameter gradients **accumulate** (+=) into
@@ -473,31 +479,11 @@ impl<B: DeviceAlloc> Transformer<B> {
     /// cross-entropy, in f64), forward only.
     pub fn row_logps(&mut self, params: &ParamStore, batch: Tokens<'_>) -> Result<Vec<f64>> {
         self.forward_layers(params, batch)?;
-        let d = self.layout.dims;
+        let chunk = self.cap.head_chunk_rows.max(1);
         let mut out = vec![0.0f64; batch.b];
         for (i, logp) in out.iter_mut().enumerate() {
-            let r0 = i * batch.t;
-            for c0 in (0..batch.t).step_by(self.cap.head_chunk_rows.max(1)) {
-                let rows = self.cap.head_chunk_rows.max(1).min(batch.t - c0);
-                let r = r0 + c0;
-                self.be.matmul_forward(
-                    vm(&mut self.logits, rows * d.v),
-                    self.hf.slice(r * d.c..(r + rows) * d.c),
-                    &self.head_w,
-                    None,
-                    rows,
-                    d.c,
-                    d.v,
-                );
-                self.be.cross_entropy_forward(
-                    vm(&mut self.losses, rows),
-                    v(&self.logits, rows * d.v),
-                    self.targets.slice(r..r + rows),
-                    rows,
-                    d.v,
-                );
-                self.be.download(&mut self.host_losses[..rows], v(&self.losses, rows));
-                *logp -= self.host_losses[..rows].iter().map(|&x| x as f64).sum::<f64>();
+            for c0 in (0..batch.t).step_by(chunk) {
+                *logp -= self.head_losses(i * batch.t + c0, chunk.min(batch.t - c0));
             }
         }
         Ok(out)
