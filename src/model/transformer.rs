@@ -414,7 +414,6 @@ impl<B: DeviceAlloc> Transformer<B> {
     /// Forward only, loss of the batch (evaluation).
     pub fn forward_loss(&mut self, params: &ParamStore, batch: Tokens<'_>) -> Result<PassOutput> {
         self.forward_layers(params, batch)?;
-        let d = self.layout.dims;
         let n = batch.b * batch.t;
         let chunk = self.cap.head_chunk_rows;
         let mut loss_sum = 0.0f64;
