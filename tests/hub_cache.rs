@@ -290,4 +290,32 @@ fn an_adapter_trained_on_a_hub_id_names_it_as_peft_does() {
     // Horizon's own note keeps the directory, for `horizon export --merge`.
     let note = horizon::adapter::peft::read_sidecar(&fin).unwrap().unwrap();
     assert_eq!(note.base_model.as_deref(), Some(snap.as_path()));
+    // Without the note, `--merge` finds the base by PEFT's Hub id (and revision) in the
+    // cache, as `--base org/llama-gqa` does; `generate --model` takes a Hub id too.
+    fs::remove_file(fin.join("horizon_adapter.json")).unwrap();
+    for extra in [&[][..], &["--base", "org/llama-gqa"][..]] {
+        let out = tmp.path().join(format!("merged{}", extra.len()));
+        let mut args =
+            vec!["export", fin.to_str().unwrap(), "--merge", "--out", out.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        let o = horizon_in_cache(&args, &cache);
+        assert!(o.status.success(), "{:?}: {}", extra, String::from_utf8_lossy(&o.stderr));
+        assert!(out.join("model.safetensors").is_file());
+    }
+    let empty = tmp.path().join("empty-cache");
+    let o = horizon_in_cache(&["export", fin.to_str().unwrap(), "--merge", "--out", "x"], &empty);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("not in the local Hugging Face cache")
+            && err.contains("hf download org/llama-gqa"),
+        "{err}"
+    );
+    let o = horizon_in_cache(&["generate", "--model", "org/nope", "--prompt", "hi"], &cache);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success()
+            && err.contains("--model org/nope")
+            && err.contains("hf download org/nope"),
+        "{err}"
+    );
 }

@@ -130,6 +130,8 @@ pub struct PeftAdapter {
     pub gate_up_pattern: Option<(usize, f64)>,
     /// `base_model_name_or_path`.
     pub base_model: Option<String>,
+    /// `revision`: the base's revision when it is a Hub id.
+    pub revision: Option<String>,
     /// PEFT name -> (shape, values); read from F32, BF16, F16 or F64 (rounded to f32).
     pub tensors: Tensors,
 }
@@ -158,6 +160,7 @@ pub fn read(dir: &Path) -> Result<PeftAdapter> {
         params: keys.params,
         gate_up_pattern: keys.gate_up_pattern,
         base_model: keys.base_model,
+        revision: keys.revision,
         tensors,
     })
 }
@@ -171,6 +174,7 @@ struct LoraKeys {
     params: Vec<String>,
     gate_up_pattern: Option<(usize, f64)>,
     base_model: Option<String>,
+    revision: Option<String>,
 }
 
 /// `adapter_config.json`, parsed; its accessors name the file and key in errors. An absent or
@@ -264,7 +268,8 @@ impl<'a> JsonConfig<'a> {
         let targets = self.targets(!params.is_empty())?;
         let gate_up_pattern = self.gate_up_pattern(r, alpha)?;
         let base_model = self.string("base_model_name_or_path")?;
-        Ok(LoraKeys { r, alpha, rslora, targets, params, gate_up_pattern, base_model })
+        let revision = self.string("revision")?;
+        Ok(LoraKeys { r, alpha, rslora, targets, params, gate_up_pattern, base_model, revision })
     }
 
     /// `target_parameters`: a list of [`EXPERT_PARAMS`] and [`ROUTER_PARAM`] entries (PEFT's

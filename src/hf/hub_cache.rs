@@ -271,6 +271,16 @@ pub fn resolve_value(
     find_snapshot(&id, &cache_root(env), key, needs).map(Some)
 }
 
+/// A command-line path (`--model`, `--base`, `--adapter`): itself, or, when it names no file
+/// and parses as a Hub id, its snapshot in the local cache of the process's environment.
+pub fn local_path(key: &str, value: &Path, needs: &str) -> Result<PathBuf> {
+    let Some(text) = value.to_str() else { return Ok(value.to_path_buf()) };
+    Ok(match resolve_value(key, text, None, needs, &process_env)? {
+        Some(s) => s.dir,
+        None => value.to_path_buf(),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -42,7 +42,8 @@ pub struct Args {
     /// adapter directory): write the base with the adapter merged into its weights.
     #[arg(long)]
     pub merge: bool,
-    /// With --merge: the base model directory (default: the one the adapter names).
+    /// With --merge: the base model directory or Hub id (default: the one the adapter names,
+    /// a directory or a Hub id in the local Hugging Face cache).
     #[arg(long)]
     pub base: Option<PathBuf>,
     /// A mixture of experts' checkpoint layout: `hub` (one tensor per expert) or `fused`

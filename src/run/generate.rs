@@ -7,12 +7,14 @@ use std::path::PathBuf;
 use anyhow::{Result, bail};
 
 use crate::engine::options::BackendKind;
+use crate::hf::hub_cache::local_path;
 use crate::run::decode::{Decode, Generator, SampleOptions};
 
 /// `horizon generate`'s arguments.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// A HF model directory with its tokenizer (e.g. OUT/final).
+    /// A HF model directory with its tokenizer (e.g. OUT/final), or a Hub id (ORG/NAME) in the
+    /// local Hugging Face cache.
     #[arg(long)]
     pub model: PathBuf,
     /// The prompt.
@@ -65,9 +67,14 @@ pub fn run(args: &Args) -> Result<()> {
         ("cuda", true) => bail!("--full-recompute runs on the CPU only (no --device cuda)"),
         (other, _) => bail!("--device {other}: expected cpu or cuda"),
     };
+    // A model (and an adapter) may be named by Hub id, from the local Hugging Face cache.
+    let model = local_path("--model", &args.model, "config.json")?;
     let mut g = match &args.adapter {
-        None => Generator::load(&args.model)?,
-        Some(a) => Generator::load_with_adapter(&args.model, a)?,
+        None => Generator::load(&model)?,
+        Some(a) => {
+            let adapter = local_path("--adapter", a, "adapter_config.json")?;
+            Generator::load_with_adapter(&model, &adapter)?
+        }
     };
     g.set_decode(decode);
     let ids = g.prompt_ids(&args.prompt, args.chat, args.system.as_deref())?;

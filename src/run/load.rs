@@ -14,6 +14,7 @@ use crate::adapter::{AdapterConfig, AdapterKind, BaseDtype as BaseChoice, peft};
 use crate::hf::checkpoint::NonFinite;
 use crate::hf::config::Arch;
 use crate::hf::config::ModelConfig;
+use crate::hf::hub_cache;
 use crate::model::base::FrozenBase;
 use crate::model::layout::ModelLayout;
 use crate::model::lora::BaseDtype;
@@ -386,19 +387,32 @@ pub fn adapter_dir(src: &Path) -> Result<PathBuf> {
     )
 }
 
-/// The base model directory of adapter `src`: `base`, else the one Horizon's note or the
-/// adapter's `base_model_name_or_path` names (it must be a local directory).
+/// The key an adapter names its base by (PEFT's).
+const BASE_KEY: &str = "base_model_name_or_path";
+
+/// The base model directory of adapter `src`: `base` (a directory or a Hub id), else the
+/// directory Horizon's note names, else the adapter's `base_model_name_or_path` (a directory,
+/// or a Hub id in the local Hugging Face cache, at its `revision`).
 fn run_base_dir(
     dir: &Path,
     adapter: &peft::PeftAdapter,
     sidecar: Option<&peft::Sidecar>,
     base: Option<&Path>,
 ) -> Result<PathBuf> {
-    base.map(Path::to_path_buf)
-        .or_else(|| sidecar.and_then(|s| s.base_model.clone()))
-        .or_else(|| adapter.base_model.as_ref().map(PathBuf::from))
-        .filter(|p| p.is_dir())
-        .with_context(|| {
+    let named = match (base, sidecar.and_then(|s| s.base_model.clone())) {
+        (Some(b), _) => Some(hub_cache::local_path("--base", b, "config.json")?),
+        (None, Some(p)) if p.is_dir() => Some(p),
+        // PEFT's name: a directory, or a Hub id (with its revision) in the local cache.
+        _ => match adapter.base_model.as_deref() {
+            Some(b) => {
+                let (rev, env) = (adapter.revision.as_deref(), &hub_cache::process_env);
+                let hub = hub_cache::resolve_value(BASE_KEY, b, rev, "config.json", env)?;
+                Some(hub.map_or_else(|| PathBuf::from(b), |s| s.dir))
+            }
+            None => None,
+        },
+    };
+    named.filter(|p| p.is_dir()).with_context(|| {
             format!(
                 "{}: the base model is not a local directory ({})\nhint: pass --base DIR, the model the adapter was trained on",
                 dir.display(),
