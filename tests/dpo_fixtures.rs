@@ -223,3 +223,102 @@ fn every_step(case: &str) {
         assert!(err <= tol, "{case} {name}: update error {err:.2e} > {tol:.1e}");
     }
 }
+
+/// The reference path's head in the engine's chunks of 7 rows (`common::engine_config_for`).
+const SAME_CHUNKS: &str = "engine: { head_chunk_rows: 7 }\n";
+
+/// The case on the streaming engine (CPU device): checkpoint every `k` layers, engine
+/// micro-batches of `mbs` rows; the reference's log-probs from the reference path (LoRA:
+/// adapters off) or, in full fine-tuning, from the engine's initial weights (checked equal).
+fn streamed(
+    case: &str,
+    k: usize,
+    mbs: usize,
+    tile: Option<usize>,
+) -> (Vec<horizon::run::dpo_reference::DpoStep>, horizon::model::params::ParamStore) {
+    use horizon::engine::exec::Engine;
+    use horizon::run::dpo_streamed::DpoStreamed;
+    use horizon::run::load::{RunModel, load_run_model};
+    use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig};
+    let e = expected(case);
+    let reference = trainer(case, SAME_CHUNKS);
+    let cfg = reference.cfg.clone();
+    let RunModel { layout, params, base, .. } =
+        load_run_model(&cfg.raw, cfg.adapter.as_ref()).unwrap();
+    let (batch, micro) =
+        (e["batch"].as_u64().unwrap() as usize, e["micro_batch"].as_u64().unwrap() as usize);
+    let rows = pairs(case);
+    let seq_len = rows
+        .iter()
+        .flat_map(|p| [p.chosen.input_ids.len(), p.rejected.input_ids.len()])
+        .max()
+        .unwrap();
+    let ecfg = horizon::engine::options::EngineConfig {
+        batch_size: 2 * batch,
+        no_decay: horizon::optim::decay::NoDecay::Hf,
+        head_tile_rows: tile,
+        ..common::engine_config_for(&e, seq_len, k, mbs)
+    };
+    let state = horizon::store::TrainState::for_memory(params, &layout, ecfg.memory);
+    let dev = CpuDevice::new(CpuDeviceConfig::with_capacity(8 << 20));
+    let engine =
+        Engine::with_layout(dev, layout, base.map(std::sync::Arc::new), state, ecfg).unwrap();
+    let given = match e["method"].as_str().unwrap() {
+        "lora" => Some(reference.reference_logps().to_vec()),
+        _ => None,
+    };
+    let mut t =
+        DpoStreamed::new(engine, reference.objective.clone(), rows, (batch, micro), given).unwrap();
+    if e["method"] == "full" && mbs == 2 * batch {
+        assert_eq!(t.reference(), reference.reference_logps(), "the engine's initial log-probs");
+    }
+    let lr = e["lr"].as_f64().unwrap();
+    let steps =
+        (0..e["steps"].as_u64().unwrap() as usize).map(|s| t.step(s, lr).unwrap()).collect();
+    (steps, t.engine.into_state().params)
+}
+
+/// The streamed engine: with the whole batch as one micro-batch, bit for bit the reference path
+/// (losses, grad norms, metrics, trained tensors); with micro-batches of one row (K = 1, 2) and
+/// of three rows with the head in tiles, within the fixtures' tolerances of TRL.
+#[test]
+fn streamed_engine_matches_the_reference_path_and_trl() {
+    for case in ["dpo_llama_full", "dpo_qwen2_lora"] {
+        let e = expected(case);
+        let batch = e["batch"].as_u64().unwrap() as usize;
+        let mut reference = trainer(case, SAME_CHUNKS);
+        let want: Vec<_> = (0..e["steps"].as_u64().unwrap() as usize)
+            .map(|s| reference.step(s).unwrap())
+            .collect();
+        let (got, end) = streamed(case, 1, 2 * batch, None);
+        for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(
+                (g.loss, g.grad_norm, g.metrics),
+                (w.loss, w.grad_norm, w.metrics),
+                "{case} step {k}"
+            );
+        }
+        assert_eq!(end, reference.state.params, "{case}: the trained tensors");
+        let pt = &e["pytorch_fp32"];
+        // The head in tiles of 100 vocabulary rows (two passes) in the last.
+        for (k, mbs, tile) in [(1, 1, None), (2, 1, None), (2, 3, Some(100))] {
+            let (got, _) = streamed(case, k, mbs, tile);
+            for (s, (g, want)) in got.iter().zip(e["per_step"].as_array().unwrap()).enumerate() {
+                let tol = |err: f64| (10.0 * err).max(1e-5);
+                let what = format!("{case} K {k} micro-batches of {mbs}: step {s}");
+                close(
+                    &format!("{what} loss"),
+                    g.loss,
+                    want["loss"].as_f64().unwrap(),
+                    tol(pt["loss_max_rel_err"].as_f64().unwrap()),
+                );
+                close(
+                    &format!("{what} grad norm"),
+                    g.grad_norm,
+                    want["grad_norm"].as_f64().unwrap(),
+                    tol(pt["grad_norm_max_rel_err"].as_f64().unwrap()),
+                );
+            }
+        }
+    }
+}

@@ -77,7 +77,7 @@ impl HeadTiling {
 
 /// Sizes of one tile pass over one micro-batch.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct TileDims {
+pub(crate) struct TileDims<'a> {
     /// Rows of the micro-batch.
     pub n: usize,
     /// Rows per chunk.
@@ -90,12 +90,27 @@ pub(crate) struct TileDims {
     pub norm: NormDims,
     /// 1 / (loss-carrying positions of the whole batch).
     pub scale: f32,
+    /// `Some((t, s))`: sequence `i` (positions `[i*t, (i+1)*t)`) scales its gradient by `s[i]`
+    /// instead (DPO); chunks then stop at sequence ends.
+    pub row_scales: Option<(usize, &'a [f32])>,
 }
 
-impl TileDims {
-    /// The chunks of rows, each `r0..r1`.
-    fn chunks(&self) -> impl Iterator<Item = Range<usize>> + '_ {
-        (0..self.n).step_by(self.chunk).map(|r0| r0..(r0 + self.chunk).min(self.n))
+impl TileDims<'_> {
+    /// The chunks of positions, each `r0..r1`, and the gradient scale of each.
+    fn chunks(&self) -> impl Iterator<Item = (Range<usize>, f32)> + '_ {
+        let mut r0 = 0;
+        std::iter::from_fn(move || {
+            if r0 >= self.n {
+                return None;
+            }
+            let (end, scale) = match self.row_scales {
+                None => ((r0 + self.chunk).min(self.n), self.scale),
+                Some((t, s)) => ((r0 + self.chunk).min((r0 / t + 1) * t), s[r0 / t]),
+            };
+            let r = r0..end;
+            r0 = end;
+            Some((r, scale))
+        })
     }
 }
 
@@ -132,7 +147,7 @@ pub(crate) fn tile_stats<B: Backend>(
         let (hf, rstd) = (rows.hf.slice_mut(0..n * c), rows.rstd.slice_mut(0..n));
         be.rmsnorm_forward(hf, rstd, x, norm_w, td.norm);
     }
-    for r in td.chunks() {
+    for (r, _) in td.chunks() {
         let k = r.len();
         let l = logits.slice_mut(0..k * vt);
         be.matmul_forward(l, rows.hf.slice(r.start * c..r.end * c), tile_w, None, k, c, vt);
@@ -166,7 +181,7 @@ pub(crate) fn tile_grad<B: Backend>(
     td: TileDims,
 ) {
     let (c, vt, v0) = (td.norm.c, td.vt, td.v0);
-    for r in td.chunks() {
+    for (r, scale) in td.chunks() {
         let (k, cr) = (r.len(), r.start * c..r.end * c);
         let hf = rows.hf.slice(cr.clone());
         be.matmul_forward(logits.slice_mut(0..k * vt), hf, tile_w, None, k, c, vt);
@@ -177,7 +192,7 @@ pub(crate) fn tile_grad<B: Backend>(
             k,
             vt,
             v0,
-            td.scale,
+            scale,
         );
         let dl = logits.slice(0..k * vt);
         if first {

@@ -46,7 +46,7 @@ impl PairRows {
 }
 
 /// Positions of `row` whose log-prob counts (labels past the first that are not -100).
-fn completion_tokens(row: &Row) -> usize {
+pub fn completion_tokens(row: &Row) -> usize {
     row.labels.iter().skip(1).filter(|&&l| l != IGNORE_INDEX).count()
 }
 
@@ -115,13 +115,13 @@ impl DpoReference {
             batch,
             micro,
         };
-        t.reference = t.reference_logps()?;
+        t.reference = t.compute_reference()?;
         Ok(t)
     }
 
     /// The reference's log-probs of every pair, micro-batch by micro-batch: the initial
     /// weights, or, with adapters, none of them (all zero: the base alone, exactly).
-    fn reference_logps(&mut self) -> Result<Vec<(f64, f64)>> {
+    fn compute_reference(&mut self) -> Result<Vec<(f64, f64)>> {
         let params = match self.engine.layout.trains_base() {
             true => self.state.params.clone(),
             false => ParamStore::zeros(&self.engine.layout),
@@ -134,6 +134,11 @@ impl DpoReference {
             out.extend((0..m).map(|i| (logps[i], logps[m + i])));
         }
         Ok(out)
+    }
+
+    /// The reference's (chosen, rejected) log-probs of every pair.
+    pub fn reference_logps(&self) -> &[(f64, f64)] {
+        &self.reference
     }
 
     /// The rows of the pairs `idx`: every chosen, then every rejected.

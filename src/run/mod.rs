@@ -22,6 +22,7 @@ pub mod data;
 pub mod decode;
 pub mod default_job;
 pub mod dpo_reference;
+pub mod dpo_streamed;
 pub mod export;
 pub mod generate;
 pub mod hf_out;

@@ -214,7 +214,7 @@ where
     }
 
     /// Sizes of a tile pass over micro-batch `m`.
-    fn tile_dims(ctx: &Ctx, sd: &StepData, tile: usize, m: usize) -> TileDims {
+    fn tile_dims<'a>(ctx: &Ctx, sd: &'a StepData, tile: usize, m: usize) -> TileDims<'a> {
         let r = ctx.tiled().tiling.range(tile);
         TileDims {
             n: sd.mbs[m].n(),
@@ -223,6 +223,7 @@ where
             vt: r.len(),
             norm: ctx.layout.final_norm(),
             scale: sd.scale,
+            row_scales: sd.row_scales_of(m),
         }
     }
 
@@ -365,7 +366,7 @@ where
                         chunk: ctx.head_chunk,
                         norm: ctx.layout.final_norm(),
                         scale: sd.scale,
-                        row_scales: None,
+                        row_scales: sd.row_scales_of(m),
                     },
                 );
             }

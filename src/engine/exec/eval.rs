@@ -40,6 +40,43 @@ where
     /// with the current masters, forward only on the device. Waits for all queued work first
     /// (the optimizer's updates included), and returns with the device idle.
     pub fn eval(&mut self, mbs: Vec<MicroBatch>) -> Result<EvalOutput> {
+        self.check_eval(&mbs)?;
+        let mut out = EvalOutput { loss_sum: 0.0, num_targets: 0 };
+        for mb in mbs {
+            let targets = mb.targets.iter().filter(|&&t| t != -100).count();
+            if targets == 0 {
+                continue;
+            }
+            // Summed per head chunk, in f64, as the reference path sums them.
+            let chunk = self.ctx.head_chunk.max(1);
+            let losses = self.eval_losses(mb)?;
+            out.loss_sum +=
+                losses.chunks(chunk).map(|c| c.iter().map(|&x| x as f64).sum::<f64>()).sum::<f64>();
+            out.num_targets += targets;
+        }
+        Ok(out)
+    }
+
+    /// Each row's summed log-probability of its targets (`-Σ` of its positions' cross-entropy,
+    /// in f64, per head chunk as the reference path's `row_logps`), per micro-batch, with the
+    /// current masters; forward only, as [`Engine::eval`].
+    pub fn row_logps(&mut self, mbs: Vec<MicroBatch>) -> Result<Vec<Vec<f64>>> {
+        self.check_eval(&mbs)?;
+        let chunk = self.ctx.head_chunk.max(1);
+        let mut out = Vec::with_capacity(mbs.len());
+        for mb in mbs {
+            let t = mb.t;
+            let losses = self.eval_losses(mb)?;
+            let row = |r: &[f32]| -> f64 {
+                -r.chunks(chunk).map(|c| c.iter().map(|&x| x as f64).sum::<f64>()).sum::<f64>()
+            };
+            out.push(losses.chunks(t).map(row).collect());
+        }
+        Ok(out)
+    }
+
+    /// An error unless every micro-batch fits the plan; then waits for the queued work.
+    fn check_eval(&mut self, mbs: &[MicroBatch]) -> Result<()> {
         if let Some(mb) =
             mbs.iter().find(|mb| mb.b > self.cfg.micro_batch_size || mb.t > self.cfg.seq_len)
         {
@@ -52,39 +89,29 @@ where
             );
         }
         self.dev.synchronize();
+        self.check_device()
+    }
+
+    /// Micro-batch `mb`'s per-position losses (N), forward only; the device idle after.
+    fn eval_losses(&mut self, mb: MicroBatch) -> Result<&[f32]> {
+        let n = mb.n();
+        let sd = Arc::new(StepData {
+            mbs: vec![mb],
+            scale: 1.0,
+            row_scales: None,
+            step: self.steps,
+            adam_step: 0,
+            lr: 0.0,
+            inject_nan: false,
+            next_ids: Vec::new(),
+            timed: false,
+        });
+        self.run_eval_plan(&sd);
+        self.dev.synchronize();
         self.check_device()?;
-        let mut out = EvalOutput { loss_sum: 0.0, num_targets: 0 };
-        for mb in mbs {
-            let n = mb.n();
-            let targets = mb.targets.iter().filter(|&&t| t != -100).count();
-            if targets == 0 {
-                continue;
-            }
-            let sd = Arc::new(StepData {
-                mbs: vec![mb],
-                scale: 1.0,
-                step: self.steps,
-                adam_step: 0,
-                lr: 0.0,
-                inject_nan: false,
-                next_ids: Vec::new(),
-                timed: false,
-            });
-            self.run_eval_plan(&sd);
-            self.dev.synchronize();
-            self.check_device()?;
-            // SAFETY: the download into micro-batch 0's loss staging has finished (the device
-            // is idle) and nothing else writes it until the next step's download.
-            let losses = unsafe { self.ctx.hostbufs.loss_host[0].as_const().sub(0..n).as_slice() };
-            // Summed per head chunk, in f64, as the reference path sums them.
-            let mut sum = 0.0f64;
-            for chunk in losses.chunks(self.ctx.head_chunk.max(1)) {
-                sum += chunk.iter().map(|&x| x as f64).sum::<f64>();
-            }
-            out.loss_sum += sum;
-            out.num_targets += targets;
-        }
-        Ok(out)
+        // SAFETY: the download into micro-batch 0's loss staging has finished (the device is
+        // idle) and nothing else writes it until the next step's or evaluation's download.
+        Ok(unsafe { self.ctx.hostbufs.loss_host[0].as_const().sub(0..n).as_slice() })
     }
 
     /// Queue the evaluation plan on micro-batch `sd` (the device idle): each op after the

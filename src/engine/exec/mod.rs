@@ -56,6 +56,7 @@ pub fn plan_shape(layout: &ModelLayout, cfg: &EngineConfig, sizes: &Sizes) -> Pl
 
 /// One micro-batch, prepared by the caller (the engine takes token ids and shifted targets,
 /// not data records): `b` rows of `t` positions, right-padded.
+#[derive(Clone, Debug)]
 pub struct MicroBatch {
     pub b: usize,
     pub t: usize,
@@ -78,6 +79,9 @@ pub(super) struct StepData {
     pub(super) mbs: Vec<MicroBatch>,
     /// 1 / (loss-carrying positions of the whole batch).
     pub(super) scale: f32,
+    /// Per micro-batch, per row: the scale of that row's cross-entropy gradient in place of
+    /// `scale` (DPO: `-dL/dlogp` of the row, [`Engine::step_rows`]).
+    pub(super) row_scales: Option<Vec<Vec<f32>>>,
     /// The engine's step index (0-based; an evaluation's: the next step's).
     pub(super) step: u64,
     /// AdamW's step count if this step's update is applied (1-based).
@@ -92,6 +96,13 @@ pub(super) struct StepData {
     /// Whether its work counts in the phases' time: a step's does, an evaluation's (no step's
     /// work) does not.
     pub(super) timed: bool,
+}
+
+impl StepData {
+    /// Micro-batch `m`'s per-row gradient scales, with its row length, when the step has them.
+    pub(super) fn row_scales_of(&self, m: usize) -> Option<(usize, &[f32])> {
+        self.row_scales.as_ref().map(|s| (self.mbs[m].t, &s[m][..]))
+    }
 }
 
 /// Per-step inputs besides the rows.
@@ -336,6 +347,32 @@ where
         sp: StepParams,
         next_ids: Vec<Arc<Vec<i32>>>,
     ) -> Result<StepOutput> {
+        self.step_scaled(mbs, sp, next_ids, None)
+    }
+
+    /// [`Engine::step`] of an objective on each row's summed log-probability (DPO): row `i` of
+    /// micro-batch `m` scales its cross-entropy gradient by `row_scales[m][i]` (`-dL/dlogp`)
+    /// instead of `1 / targets`. The loss the output reports is still the mean cross-entropy.
+    pub fn step_rows(
+        &mut self,
+        mbs: Vec<MicroBatch>,
+        sp: StepParams,
+        row_scales: Vec<Vec<f32>>,
+    ) -> Result<StepOutput> {
+        if row_scales.len() != mbs.len() || mbs.iter().zip(&row_scales).any(|(m, s)| s.len() != m.b)
+        {
+            bail!("step_rows: one scale a row of every micro-batch");
+        }
+        self.step_scaled(mbs, sp, Vec::new(), Some(row_scales))
+    }
+
+    fn step_scaled(
+        &mut self,
+        mbs: Vec<MicroBatch>,
+        sp: StepParams,
+        next_ids: Vec<Arc<Vec<i32>>>,
+        row_scales: Option<Vec<Vec<f32>>>,
+    ) -> Result<StepOutput> {
         self.check_step(&mbs)?;
         let num_targets: usize =
             mbs.iter().map(|mb| mb.targets.iter().filter(|&&t| t != -100).count()).sum();
@@ -343,6 +380,7 @@ where
         let sd = Arc::new(StepData {
             mbs,
             scale: 1.0 / num_targets.max(1) as f32,
+            row_scales,
             step: k,
             adam_step: self.updates + 1,
             lr: sp.lr,
