@@ -322,3 +322,106 @@ fn streamed_engine_matches_the_reference_path_and_trl() {
         }
     }
 }
+
+/// A random-model engine for the benchmark: `adapter` is the YAML line of the adapter (or
+/// empty), rows of `t` tokens, `rows` a step.
+fn bench_engine(
+    adapter: &str,
+    rows: usize,
+    t: usize,
+) -> horizon::engine::exec::Engine<horizon_backend::cpu::CpuDevice> {
+    use horizon::engine::exec::Engine;
+    use horizon::run::load::{RunModel, load_run_model};
+    use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig};
+    let yaml = format!(
+        "model: {{ init: random, arch: llama, hidden_size: 512, intermediate_size: 1376, \
+         num_hidden_layers: 4, num_attention_heads: 8, num_key_value_heads: 8, vocab_size: 8000 }}\n\
+         data: {{ path: unused.jsonl }}\ntrain: {{ batch_size: {rows}, max_seq_len: {t} }}\n{adapter}"
+    );
+    let cfg = RawConfig::from_yaml(&yaml, "bench").unwrap().resolve("bench").unwrap();
+    let RunModel { layout, params, base, .. } =
+        load_run_model(&cfg.raw, cfg.adapter.as_ref()).unwrap();
+    let ecfg = horizon::engine::options::EngineConfig { seq_len: t, ..cfg.raw.engine_config() };
+    let state = horizon::store::TrainState::for_memory(params, &layout, ecfg.memory);
+    let dev = CpuDevice::new(CpuDeviceConfig::with_capacity(1 << 30));
+    Engine::with_layout(dev, layout, base.map(std::sync::Arc::new), state, ecfg).unwrap()
+}
+
+/// What a DPO step costs against an SFT step over the same rows, and the precomputed
+/// reference pass against an epoch (issue 47's benchmark): medians of interleaved runs on the
+/// CPU device. `cargo test --release --test dpo_fixtures -- --ignored --nocapture dpo_cost`.
+#[test]
+#[ignore = "a benchmark"]
+fn dpo_cost_against_sft() {
+    use horizon::run::dpo_streamed::DpoStreamed;
+    use std::time::Instant;
+    let (pairs_n, batch, t) = (16, 4, 128);
+    let mut x = 7u64;
+    let mut tok = |n: usize| -> Vec<i32> {
+        (0..n)
+            .map(|_| {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((x >> 33) % 8000) as i32
+            })
+            .collect()
+    };
+    let pairs: Vec<PairRows> =
+        (0..pairs_n).map(|_| PairRows::new(&tok(64), &tok(64), &tok(64))).collect();
+    let objective =
+        DpoObjective { beta: 0.1, losses: vec![(DpoLossKind::Sigmoid, 1.0)], label_smoothing: 0.0 };
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    for (name, adapter) in [("LoRA r 16", "adapter: { type: lora, r: 16 }\n"), ("full", "")] {
+        let sft_rows: Vec<&horizon::data::Row> =
+            pairs[..batch].iter().flat_map(|p| [&p.chosen, &p.rejected]).collect();
+        let mut sft = bench_engine(adapter, 2 * batch, t);
+        let mut dpo = DpoStreamed::new(
+            bench_engine(adapter, 2 * batch, t),
+            objective.clone(),
+            pairs.clone(),
+            (batch, batch),
+            Some(vec![(0.0, 0.0); pairs_n]),
+        )
+        .unwrap();
+        let (mut s_times, mut d_times) = (Vec::new(), Vec::new());
+        for k in 0..6 {
+            let mbs = horizon::run::data::micro_batches(&sft_rows, 2 * batch);
+            let t0 = Instant::now();
+            sft.step(mbs, horizon::engine::exec::StepParams { lr: 1e-4, inject_nan: false })
+                .unwrap();
+            sft.eval(Vec::new()).unwrap(); // waits for the step's queued updates
+            s_times.push(t0.elapsed().as_secs_f64());
+            let t0 = Instant::now();
+            dpo.step(k % (pairs_n / batch), 1e-4).unwrap();
+            dpo.engine.eval(Vec::new()).unwrap();
+            d_times.push(t0.elapsed().as_secs_f64());
+        }
+        let (s, d) = (median(s_times[1..].to_vec()), median(d_times[1..].to_vec()));
+        println!(
+            "{name}: SFT step {s:.3} s, DPO step {d:.3} s: {:.2}x (median of 5, rows of {t}, {} rows a step)",
+            d / s,
+            2 * batch
+        );
+        // The precomputed reference pass (full fine-tuning) against an epoch of DPO steps.
+        if adapter.is_empty() {
+            let t0 = Instant::now();
+            let _ = DpoStreamed::new(
+                bench_engine(adapter, 2 * batch, t),
+                objective.clone(),
+                pairs.clone(),
+                (batch, batch),
+                None,
+            )
+            .unwrap();
+            let pass = t0.elapsed().as_secs_f64();
+            let epoch = d * (pairs_n / batch) as f64;
+            println!(
+                "precomputed reference pass {pass:.3} s (engine set-up included) vs an epoch of {} DPO steps {epoch:.3} s: {:.2}x",
+                pairs_n / batch,
+                pass / epoch
+            );
+        }
+    }
+}
