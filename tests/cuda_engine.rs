@@ -628,3 +628,23 @@ fn pinned_host_memory_is_the_plans_figure() {
         }
     }
 }
+
+/// DPO (issue 47) on the CUDA device: each DPO fixture's steps (loss, grad norm) within the
+/// bf16 tolerances, with the whole batch as one micro-batch and with micro-batches of one row.
+#[test]
+fn dpo_on_the_cuda_engine_tracks_the_fixtures() {
+    for case in ["dpo_llama_full", "dpo_qwen2_lora"] {
+        let e = common::dpo::expected(case);
+        let batch = e["batch"].as_u64().unwrap() as usize;
+        for (k, mbs) in [(1, 2 * batch), (2, 1)] {
+            let (got, _) =
+                common::dpo::streamed(cuda(0, 0), case, (k, mbs, None), BackendKind::Cuda);
+            for (s, (g, want)) in got.iter().zip(e["per_step"].as_array().unwrap()).enumerate() {
+                let what = format!("{case} K={k} mbs={mbs} step {s}");
+                assert_rel(&format!("{what} loss"), g.loss, want["loss"].as_f64().unwrap(), 2e-2);
+                let norm = want["grad_norm"].as_f64().unwrap();
+                assert_rel(&format!("{what} grad norm"), g.grad_norm, norm, 5e-2);
+            }
+        }
+    }
+}

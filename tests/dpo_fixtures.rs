@@ -1,105 +1,26 @@
 //! DPO against TRL 1.16's float64 fixtures (`tests/fixtures/dpo`, from ../shared/fixtures-dpo),
-//! on the reference path: every step's loss, grad norm and logged reward metrics, the step-0
+//! on the reference path and the streaming engine (CPU device here; CUDA in
+//! `tests/cuda_engine.rs`): every step's loss, grad norm and logged reward metrics, the step-0
 //! gradient of every trained tensor, and the trained tensors by update error. The tolerances
 //! are the fixtures' README's: max(1e-5, 10x float32 PyTorch's error) on losses and grad norms,
 //! max(1e-5, 10x its error) on the metrics, max(1e-3, 10x its update error) per tensor.
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use common::{f64s, update_rel_err};
+use common::dpo::{SAME_CHUNKS, dir, expected, streamed, trainer};
+use common::update_rel_err;
 use horizon::hf::checkpoint::read_tensor_f64;
 use horizon::model::dpo::{DpoLossKind, DpoObjective};
-use horizon::run::config::RawConfig;
-use horizon::run::dpo_reference::{DpoReference, PairRows};
+use horizon::run::config::{BackendKind, RawConfig};
+use horizon::run::dpo_reference::PairRows;
 use horizon::run::load::PEFT_PREFIX;
-use serde_json::Value;
+use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig};
 
-fn dir(case: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/dpo").join(case)
-}
-
-fn expected(case: &str) -> Value {
-    serde_json::from_str(&std::fs::read_to_string(dir(case).join("expected.json")).unwrap())
-        .unwrap()
-}
-
-/// The case's pairs, from its `data.jsonl` (TRL's tokenization: completions without the prompt).
-fn pairs(case: &str) -> Vec<PairRows> {
-    let text = std::fs::read_to_string(dir(case).join("data.jsonl")).unwrap();
-    let ints = |v: &Value| -> Vec<i32> {
-        v.as_array().unwrap().iter().map(|x| x.as_i64().unwrap() as i32).collect()
-    };
-    text.lines()
-        .map(|l| {
-            let v: Value = serde_json::from_str(l).unwrap();
-            PairRows::new(
-                &ints(&v["prompt_input_ids"]),
-                &ints(&v["chosen_input_ids"]),
-                &ints(&v["rejected_input_ids"]),
-            )
-        })
-        .collect()
-}
-
-fn yaml(case: &str, extra: &str) -> String {
-    let e = expected(case);
-    let d = dir(case);
-    let betas = f64s(&e["betas"]);
-    let adapter = match e["method"].as_str().unwrap() {
-        "lora" => format!(
-            "adapter: {{ type: lora, r: {}, alpha: {}, rslora: {}, targets: [{}], init: '{}' }}\n",
-            e["r"],
-            e["alpha"],
-            e["rslora"],
-            e["targets"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|t| t.as_str().unwrap())
-                .collect::<Vec<_>>()
-                .join(", "),
-            d.join("adapter_init").display()
-        ),
-        _ => String::new(),
-    };
-    format!(
-        "model: {{ path: '{}' }}\ndata: {{ path: unused.jsonl, format: pretokenized }}\n\
-         train: {{ steps: {}, batch_size: {}, max_seq_len: 64 }}\n\
-         optimizer: {{ lr: {}, betas: [{}, {}], eps: {}, weight_decay: {}, grad_clip: {}, \
-         no_decay: hf }}\n\
-         output: {{ dir: unused }}\n{adapter}{extra}",
-        d.join("model").display(),
-        e["steps"],
-        e["batch"],
-        e["lr"],
-        betas[0],
-        betas[1],
-        e["eps"],
-        e["weight_decay"],
-        e["grad_clip"],
-    )
-}
-
-fn trainer(case: &str, extra: &str) -> DpoReference {
-    let e = expected(case);
-    let cfg = RawConfig::from_yaml(&yaml(case, extra), case).unwrap().resolve(case).unwrap();
-    let losses = e["loss_type"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .zip(e["loss_weights"].as_array().unwrap())
-        .map(|(t, w)| (DpoLossKind::parse(t.as_str().unwrap()).unwrap(), w.as_f64().unwrap()))
-        .collect();
-    let objective = DpoObjective {
-        beta: e["beta"].as_f64().unwrap(),
-        losses,
-        label_smoothing: e["label_smoothing"].as_f64().unwrap(),
-    };
-    let sizes =
-        (e["batch"].as_u64().unwrap() as usize, e["micro_batch"].as_u64().unwrap() as usize);
-    DpoReference::new(cfg, objective, pairs(case), sizes).unwrap()
+/// The CPU device with a few MiB.
+fn cpu() -> CpuDevice {
+    CpuDevice::new(CpuDeviceConfig::with_capacity(8 << 20))
 }
 
 fn close(what: &str, got: f64, want: f64, tol: f64) {
@@ -224,60 +145,6 @@ fn every_step(case: &str) {
     }
 }
 
-/// The reference path's head in the engine's chunks of 7 rows (`common::engine_config_for`).
-const SAME_CHUNKS: &str = "engine: { head_chunk_rows: 7 }\n";
-
-/// The case on the streaming engine (CPU device): checkpoint every `k` layers, engine
-/// micro-batches of `mbs` rows; the reference's log-probs from the reference path (LoRA:
-/// adapters off) or, in full fine-tuning, from the engine's initial weights (checked equal).
-fn streamed(
-    case: &str,
-    k: usize,
-    mbs: usize,
-    tile: Option<usize>,
-) -> (Vec<horizon::run::dpo_reference::DpoStep>, horizon::model::params::ParamStore) {
-    use horizon::engine::exec::Engine;
-    use horizon::run::dpo_streamed::DpoStreamed;
-    use horizon::run::load::{RunModel, load_run_model};
-    use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig};
-    let e = expected(case);
-    let reference = trainer(case, SAME_CHUNKS);
-    let cfg = reference.cfg.clone();
-    let RunModel { layout, params, base, .. } =
-        load_run_model(&cfg.raw, cfg.adapter.as_ref()).unwrap();
-    let (batch, micro) =
-        (e["batch"].as_u64().unwrap() as usize, e["micro_batch"].as_u64().unwrap() as usize);
-    let rows = pairs(case);
-    let seq_len = rows
-        .iter()
-        .flat_map(|p| [p.chosen.input_ids.len(), p.rejected.input_ids.len()])
-        .max()
-        .unwrap();
-    let ecfg = horizon::engine::options::EngineConfig {
-        batch_size: 2 * batch,
-        no_decay: horizon::optim::decay::NoDecay::Hf,
-        head_tile_rows: tile,
-        ..common::engine_config_for(&e, seq_len, k, mbs)
-    };
-    let state = horizon::store::TrainState::for_memory(params, &layout, ecfg.memory);
-    let dev = CpuDevice::new(CpuDeviceConfig::with_capacity(8 << 20));
-    let engine =
-        Engine::with_layout(dev, layout, base.map(std::sync::Arc::new), state, ecfg).unwrap();
-    let given = match e["method"].as_str().unwrap() {
-        "lora" => Some(reference.reference_logps().to_vec()),
-        _ => None,
-    };
-    let mut t =
-        DpoStreamed::new(engine, reference.objective.clone(), rows, (batch, micro), given).unwrap();
-    if e["method"] == "full" && mbs == 2 * batch {
-        assert_eq!(t.reference(), reference.reference_logps(), "the engine's initial log-probs");
-    }
-    let lr = e["lr"].as_f64().unwrap();
-    let steps =
-        (0..e["steps"].as_u64().unwrap() as usize).map(|s| t.step(s, lr).unwrap()).collect();
-    (steps, t.engine.into_state().params)
-}
-
 /// The streamed engine: with the whole batch as one micro-batch, bit for bit the reference path
 /// (losses, grad norms, metrics, trained tensors); with micro-batches of one row (K = 1, 2) and
 /// of three rows with the head in tiles, within the fixtures' tolerances of TRL.
@@ -290,7 +157,7 @@ fn streamed_engine_matches_the_reference_path_and_trl() {
         let want: Vec<_> = (0..e["steps"].as_u64().unwrap() as usize)
             .map(|s| reference.step(s).unwrap())
             .collect();
-        let (got, end) = streamed(case, 1, 2 * batch, None);
+        let (got, end) = streamed(cpu(), case, (1, 2 * batch, None), BackendKind::Cpu);
         for (k, (g, w)) in got.iter().zip(&want).enumerate() {
             assert_eq!(
                 (g.loss, g.grad_norm, g.metrics),
@@ -302,7 +169,7 @@ fn streamed_engine_matches_the_reference_path_and_trl() {
         let pt = &e["pytorch_fp32"];
         // The head in tiles of 100 vocabulary rows (two passes) in the last.
         for (k, mbs, tile) in [(1, 1, None), (2, 1, None), (2, 3, Some(100))] {
-            let (got, _) = streamed(case, k, mbs, tile);
+            let (got, _) = streamed(cpu(), case, (k, mbs, tile), BackendKind::Cpu);
             for (s, (g, want)) in got.iter().zip(e["per_step"].as_array().unwrap()).enumerate() {
                 let tol = |err: f64| (10.0 * err).max(1e-5);
                 let what = format!("{case} K {k} micro-batches of {mbs}: step {s}");

@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod dpo;
 pub mod hub;
 pub mod lora;
 

@@ -1,0 +1,156 @@
+//! The DPO fixtures (`tests/fixtures/dpo`): their pairs, run configs, and runs on the
+//! reference path and on the streaming engine of any device.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+use horizon::model::dpo::{DpoLossKind, DpoObjective};
+use horizon::run::config::{BackendKind, RawConfig};
+use horizon::run::dpo_reference::{DpoReference, DpoStep, PairRows};
+use horizon_backend::Device;
+use serde_json::Value;
+
+use super::f64s;
+
+pub fn dir(case: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/dpo").join(case)
+}
+
+pub fn expected(case: &str) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(dir(case).join("expected.json")).unwrap())
+        .unwrap()
+}
+
+/// The case's pairs, from its `data.jsonl` (TRL's tokenization: completions without the prompt).
+pub fn pairs(case: &str) -> Vec<PairRows> {
+    let text = std::fs::read_to_string(dir(case).join("data.jsonl")).unwrap();
+    let ints = |v: &Value| -> Vec<i32> {
+        v.as_array().unwrap().iter().map(|x| x.as_i64().unwrap() as i32).collect()
+    };
+    text.lines()
+        .map(|l| {
+            let v: Value = serde_json::from_str(l).unwrap();
+            PairRows::new(
+                &ints(&v["prompt_input_ids"]),
+                &ints(&v["chosen_input_ids"]),
+                &ints(&v["rejected_input_ids"]),
+            )
+        })
+        .collect()
+}
+
+pub fn yaml(case: &str, extra: &str) -> String {
+    let e = expected(case);
+    let d = dir(case);
+    let betas = f64s(&e["betas"]);
+    let adapter = match e["method"].as_str().unwrap() {
+        "lora" => format!(
+            "adapter: {{ type: lora, r: {}, alpha: {}, rslora: {}, targets: [{}], init: '{}' }}\n",
+            e["r"],
+            e["alpha"],
+            e["rslora"],
+            e["targets"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.as_str().unwrap())
+                .collect::<Vec<_>>()
+                .join(", "),
+            d.join("adapter_init").display()
+        ),
+        _ => String::new(),
+    };
+    format!(
+        "model: {{ path: '{}' }}\ndata: {{ path: unused.jsonl, format: pretokenized }}\n\
+         train: {{ steps: {}, batch_size: {}, max_seq_len: 64 }}\n\
+         optimizer: {{ lr: {}, betas: [{}, {}], eps: {}, weight_decay: {}, grad_clip: {}, \
+         no_decay: hf }}\n\
+         output: {{ dir: unused }}\n{adapter}{extra}",
+        d.join("model").display(),
+        e["steps"],
+        e["batch"],
+        e["lr"],
+        betas[0],
+        betas[1],
+        e["eps"],
+        e["weight_decay"],
+        e["grad_clip"],
+    )
+}
+
+pub fn trainer(case: &str, extra: &str) -> DpoReference {
+    let e = expected(case);
+    let cfg = RawConfig::from_yaml(&yaml(case, extra), case).unwrap().resolve(case).unwrap();
+    let losses = e["loss_type"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(e["loss_weights"].as_array().unwrap())
+        .map(|(t, w)| (DpoLossKind::parse(t.as_str().unwrap()).unwrap(), w.as_f64().unwrap()))
+        .collect();
+    let objective = DpoObjective {
+        beta: e["beta"].as_f64().unwrap(),
+        losses,
+        label_smoothing: e["label_smoothing"].as_f64().unwrap(),
+    };
+    let sizes =
+        (e["batch"].as_u64().unwrap() as usize, e["micro_batch"].as_u64().unwrap() as usize);
+    DpoReference::new(cfg, objective, pairs(case), sizes).unwrap()
+}
+
+/// The reference path's head in the engine's chunks of 7 rows (`common::engine_config_for`).
+pub const SAME_CHUNKS: &str = "engine: { head_chunk_rows: 7 }\n";
+
+/// The case on the streaming engine (CPU device): checkpoint every `k` layers, engine
+/// micro-batches of `mbs` rows; the reference's log-probs from the reference path (LoRA:
+/// adapters off) or, in full fine-tuning, from the engine's initial weights (checked equal).
+pub fn streamed<D: Device>(
+    dev: D,
+    case: &str,
+    (k, mbs, tile): (usize, usize, Option<usize>),
+    backend: BackendKind,
+) -> (Vec<DpoStep>, horizon::model::params::ParamStore)
+where
+    D::Backend: 'static,
+{
+    use horizon::engine::exec::Engine;
+    use horizon::run::dpo_streamed::DpoStreamed;
+    use horizon::run::load::{RunModel, load_run_model};
+    let e = expected(case);
+    let reference = trainer(case, SAME_CHUNKS);
+    let cfg = reference.cfg.clone();
+    let RunModel { layout, params, base, .. } =
+        load_run_model(&cfg.raw, cfg.adapter.as_ref()).unwrap();
+    let (batch, micro) =
+        (e["batch"].as_u64().unwrap() as usize, e["micro_batch"].as_u64().unwrap() as usize);
+    let rows = pairs(case);
+    let seq_len = rows
+        .iter()
+        .flat_map(|p| [p.chosen.input_ids.len(), p.rejected.input_ids.len()])
+        .max()
+        .unwrap();
+    let ecfg = horizon::engine::options::EngineConfig {
+        batch_size: 2 * batch,
+        no_decay: horizon::optim::decay::NoDecay::Hf,
+        head_tile_rows: tile,
+        backend,
+        ..super::engine_config_for(&e, seq_len, k, mbs)
+    };
+    let state = horizon::store::TrainState::for_memory(params, &layout, ecfg.memory);
+    let engine =
+        Engine::with_layout(dev, layout, base.map(std::sync::Arc::new), state, ecfg).unwrap();
+    let given = match e["method"].as_str().unwrap() {
+        "lora" => Some(reference.reference_logps().to_vec()),
+        _ => None,
+    };
+    let mut t =
+        DpoStreamed::new(engine, reference.objective.clone(), rows, (batch, micro), given).unwrap();
+    if e["method"] == "full" && mbs == 2 * batch && backend == BackendKind::Cpu {
+        assert_eq!(t.reference(), reference.reference_logps(), "the engine's initial log-probs");
+    }
+    let lr = e["lr"].as_f64().unwrap();
+    let steps =
+        (0..e["steps"].as_u64().unwrap() as usize).map(|s| t.step(s, lr).unwrap()).collect();
+    (steps, t.engine.into_state().params)
+}
