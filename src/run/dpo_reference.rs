@@ -163,7 +163,7 @@ impl DpoReference {
                 (first..first + self.micro).map(|i| i % self.pairs.len()).collect();
             let params = self.state.params.clone();
             let logps = self.micro_logps(&params, &idx)?;
-            let pairs = self.pair_logps(&idx, &logps);
+            let pairs = pair_logps(&self.pairs, &self.reference, &idx, &logps);
             let out = self.objective.micro_batch(&pairs);
             let scale = |d: f64| (-d / g as f64) as f32;
             let scales: Vec<f32> =
@@ -181,21 +181,26 @@ impl DpoReference {
         self.state.optimizer_step(&self.cfg.raw.adamw(), &self.decay, lr, grad_norm, o.grad_clip);
         Ok(DpoStep { loss, grad_norm, metrics: DpoMetrics::mean(&metrics), pairs: all })
     }
+}
 
-    /// The pairs `idx` with the policy's log-probs `logps` (chosen then rejected) and the
-    /// reference's.
-    fn pair_logps(&self, idx: &[usize], logps: &[f64]) -> Vec<PairLogps> {
-        let m = idx.len();
-        idx.iter()
-            .enumerate()
-            .map(|(i, &p)| PairLogps {
-                policy_chosen: logps[i],
-                policy_rejected: logps[m + i],
-                ref_chosen: self.reference[p].0,
-                ref_rejected: self.reference[p].1,
-                chosen_tokens: completion_tokens(&self.pairs[p].chosen),
-                rejected_tokens: completion_tokens(&self.pairs[p].rejected),
-            })
-            .collect()
-    }
+/// The pairs `idx` of `pairs` with the policy's log-probs `logps` (the pairs' chosen rows, then
+/// their rejected ones) and the reference's.
+pub fn pair_logps(
+    pairs: &[PairRows],
+    reference: &[(f64, f64)],
+    idx: &[usize],
+    logps: &[f64],
+) -> Vec<PairLogps> {
+    let m = idx.len();
+    idx.iter()
+        .enumerate()
+        .map(|(i, &p)| PairLogps {
+            policy_chosen: logps[i],
+            policy_rejected: logps[m + i],
+            ref_chosen: reference[p].0,
+            ref_rejected: reference[p].1,
+            chosen_tokens: completion_tokens(&pairs[p].chosen),
+            rejected_tokens: completion_tokens(&pairs[p].rejected),
+        })
+        .collect()
 }

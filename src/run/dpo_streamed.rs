@@ -10,9 +10,9 @@ use horizon_backend::Device;
 
 use crate::data::pretokenized::Row;
 use crate::engine::exec::{Engine, MicroBatch, StepParams};
-use crate::model::dpo::{DpoMetrics, DpoObjective, PairLogps};
+use crate::model::dpo::{DpoMetrics, DpoObjective};
 use crate::run::data::micro_batches;
-use crate::run::dpo_reference::{DpoStep, PairRows, completion_tokens};
+use crate::run::dpo_reference::{DpoStep, PairRows, pair_logps};
 
 /// DPO on the streaming engine.
 pub struct DpoStreamed<D: Device> {
@@ -101,7 +101,7 @@ where
             (0.0, Vec::new(), Vec::new(), Vec::new());
         for (j, idx) in groups.iter().enumerate() {
             let rows = &logps[j * 2 * self.micro..(j + 1) * 2 * self.micro];
-            let pairs = self.pair_logps(idx, rows);
+            let pairs = pair_logps(&self.pairs, &self.reference, idx, rows);
             let out = self.objective.micro_batch(&pairs);
             let scale = |d: f64| (-d / g as f64) as f32;
             scales.extend(out.dchosen.iter().chain(&out.drejected).map(|&d| scale(d)));
@@ -120,21 +120,5 @@ where
         let out = self.engine.step_rows(mbs, StepParams { lr, inject_nan: false }, row_scales)?;
         let metrics = DpoMetrics::mean(&metrics);
         Ok(DpoStep { loss, grad_norm: out.grad_norm, metrics, pairs: all })
-    }
-
-    /// The pairs `idx` with the policy's log-probs `logps` (chosen then rejected).
-    fn pair_logps(&self, idx: &[usize], logps: &[f64]) -> Vec<PairLogps> {
-        let m = idx.len();
-        idx.iter()
-            .enumerate()
-            .map(|(i, &p)| PairLogps {
-                policy_chosen: logps[i],
-                policy_rejected: logps[m + i],
-                ref_chosen: self.reference[p].0,
-                ref_rejected: self.reference[p].1,
-                chosen_tokens: completion_tokens(&self.pairs[p].chosen),
-                rejected_tokens: completion_tokens(&self.pairs[p].rejected),
-            })
-            .collect()
     }
 }
