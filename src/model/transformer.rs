@@ -368,15 +368,7 @@ impl<B: DeviceAlloc> Transformer<B> {
         let chunk = self.cap.head_chunk_rows;
         for r0 in (0..n).step_by(chunk) {
             let rows = chunk.min(n - r0);
-            self.be.matmul_forward(
-                vm(&mut self.logits, rows * d.v),
-                self.hf.slice(r0 * d.c..(r0 + rows) * d.c),
-                &self.head_w,
-                None,
-                rows,
-                d.c,
-                d.v,
-            );
+            self.head_logits(r0, rows);
             self.be.download(&mut logits[r0 * d.v..(r0 + rows) * d.v], v(&self.logits, rows * d.v));
         }
         Ok((hidden, logits))
@@ -396,18 +388,8 @@ impl<B: DeviceAlloc> Transformer<B> {
         out: &mut [f32],
     ) -> Result<()> {
         self.forward_layers(params, batch)?;
-        let d = self.layout.dims;
-        let r = batch.b * batch.t - 1;
-        self.be.matmul_forward(
-            vm(&mut self.logits, d.v),
-            self.hf.slice(r * d.c..(r + 1) * d.c),
-            &self.head_w,
-            None,
-            1,
-            d.c,
-            d.v,
-        );
-        self.be.download(out, v(&self.logits, d.v));
+        self.head_logits(batch.b * batch.t - 1, 1);
+        self.be.download(out, v(&self.logits, self.layout.dims.v));
         Ok(())
     }
 
@@ -423,9 +405,9 @@ impl<B: DeviceAlloc> Transformer<B> {
         Ok(PassOutput { loss_sum, num_targets: batch.num_targets(), aux: self.aux })
     }
 
-    /// The head's forward over rows `[r0, r0 + rows)` of the last forward: logits, each row's
-    /// cross-entropy into `host_losses[..rows]`; returns their sum in f64.
-    fn head_losses(&mut self, r0: usize, rows: usize) -> f64 {
+    /// The logits (rows, V) of rows `[r0, r0 + rows)` of the last forward's final-norm output,
+    /// into `self.logits`.
+    fn head_logits(&mut self, r0: usize, rows: usize) {
         let d = self.layout.dims;
         self.be.matmul_forward(
             vm(&mut self.logits, rows * d.v),
@@ -436,6 +418,13 @@ impl<B: DeviceAlloc> Transformer<B> {
             d.c,
             d.v,
         );
+    }
+
+    /// The head's forward over rows `[r0, r0 + rows)` of the last forward: logits, each row's
+    /// cross-entropy into `host_losses[..rows]`; returns their sum in f64.
+    fn head_losses(&mut self, r0: usize, rows: usize) -> f64 {
+        let d = self.layout.dims;
+        self.head_logits(r0, rows);
         self.be.cross_entropy_forward(
             vm(&mut self.losses, rows),
             v(&self.logits, rows * d.v),
