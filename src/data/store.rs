@@ -83,8 +83,11 @@ impl RowStoreWriter {
         Ok(())
     }
 
-    /// The store, ready to be read.
+    /// The store, ready to be read; refused past 4G examples (rows index them by `u32`).
     pub fn finish(self) -> Result<RowStore> {
+        if self.index.len() > u32::MAX as usize {
+            bail!("a dataset of more than 4G examples\nhint: split it into several runs");
+        }
         let file = self.out.into_inner().map_err(|e| e.into_error()).context(SPILL_WRITE)?;
         Ok(RowStore {
             file,
@@ -187,14 +190,6 @@ impl RowStore {
     /// Every example, in order (small stores and tests: this holds them all).
     pub fn to_rows(&self) -> Result<Vec<Row>> {
         (0..self.len()).map(|i| self.example(i)).collect()
-    }
-
-    /// Refuses a store too large to index by `u32`.
-    pub fn check_indexable(&self) -> Result<()> {
-        if self.index.len() > u32::MAX as usize {
-            bail!("a dataset of more than 4G examples\nhint: split it into several runs");
-        }
-        Ok(())
     }
 }
 

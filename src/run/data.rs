@@ -88,14 +88,12 @@ pub fn load_datasets(raw: &RawConfig, vocab_size: usize) -> Result<Datasets> {
     let path = d.path.clone().unwrap_or_else(|| "synthetic".into());
     let (store, report) = load_rows(raw, d.path.as_deref(), vocab_size)?;
     let (mut skipped, mut truncated) = (report.skipped.len(), report.truncated);
-    store.check_indexable()?;
     let store = Arc::new(store);
     let all = |s: &RowStore| (0..s.len() as u32).collect::<Vec<u32>>();
     let pack = d.pack.then_some(t.max_seq_len);
     let (rows, eval) = match &d.eval_path {
         Some(p) => {
             let (eval, r) = load_rows(raw, Some(p), vocab_size)?;
-            eval.check_indexable()?;
             skipped += r.skipped.len();
             truncated += r.truncated;
             let members = all(&eval);

@@ -122,14 +122,16 @@ impl DpoReference {
     /// The reference's log-probs of every pair, micro-batch by micro-batch: the initial
     /// weights, or, with adapters, none of them (all zero: the base alone, exactly).
     fn compute_reference(&mut self) -> Result<Vec<(f64, f64)>> {
-        let params = match self.engine.layout.trains_base() {
-            true => self.state.params.clone(),
-            false => ParamStore::zeros(&self.engine.layout),
+        let no_adapters = match self.engine.layout.trains_base() {
+            true => None,
+            false => Some(ParamStore::zeros(&self.engine.layout)),
         };
+        let params = no_adapters.as_ref().unwrap_or(&self.state.params);
         let mut out = Vec::with_capacity(self.pairs.len());
         for start in (0..self.pairs.len()).step_by(self.micro) {
             let idx: Vec<usize> = (start..(start + self.micro).min(self.pairs.len())).collect();
-            let logps = self.micro_logps(&params, &idx)?;
+            let batch = make_batch(&rows(&self.pairs, &idx));
+            let logps = self.engine.row_logps(params, tokens_of(&batch))?;
             let m = idx.len();
             out.extend((0..m).map(|i| (logps[i], logps[m + i])));
         }
@@ -141,17 +143,6 @@ impl DpoReference {
         &self.reference
     }
 
-    /// The rows of the pairs `idx`: every chosen, then every rejected.
-    fn rows(&self, idx: &[usize]) -> Vec<&Row> {
-        let chosen = idx.iter().map(|&i| &self.pairs[i].chosen);
-        chosen.chain(idx.iter().map(|&i| &self.pairs[i].rejected)).collect()
-    }
-
-    fn micro_logps(&mut self, params: &ParamStore, idx: &[usize]) -> Result<Vec<f64>> {
-        let batch = make_batch(&self.rows(idx));
-        self.engine.row_logps(params, tokens_of(&batch))
-    }
-
     /// One optimizer step on pairs `[k*B, (k+1)*B)` (cycling through the data).
     pub fn step(&mut self, k: usize) -> Result<DpoStep> {
         let g = self.batch / self.micro;
@@ -161,14 +152,14 @@ impl DpoReference {
             let first = k * self.batch + mb * self.micro;
             let idx: Vec<usize> =
                 (first..first + self.micro).map(|i| i % self.pairs.len()).collect();
-            let params = self.state.params.clone();
-            let logps = self.micro_logps(&params, &idx)?;
+            // One batch for both passes: the log-probs, then the scaled forward and backward.
+            let batch = make_batch(&rows(&self.pairs, &idx));
+            let logps = self.engine.row_logps(&self.state.params, tokens_of(&batch))?;
             let pairs = pair_logps(&self.pairs, &self.reference, &idx, &logps);
             let out = self.objective.micro_batch(&pairs);
             let scale = |d: f64| (-d / g as f64) as f32;
             let scales: Vec<f32> =
                 out.dchosen.iter().chain(&out.drejected).map(|&d| scale(d)).collect();
-            let batch = make_batch(&self.rows(&idx));
             let (p, grads) = (&self.state.params, &mut self.state.grads);
             self.engine.forward_backward_rows(p, grads, tokens_of(&batch), &scales)?;
             loss += out.loss / g as f64;
@@ -181,6 +172,12 @@ impl DpoReference {
         self.state.optimizer_step(&self.cfg.raw.adamw(), &self.decay, lr, grad_norm, o.grad_clip);
         Ok(DpoStep { loss, grad_norm, metrics: DpoMetrics::mean(&metrics), pairs: all })
     }
+}
+
+/// The rows of the pairs `idx`: every chosen, then every rejected (TRL's collator).
+pub fn rows<'a>(pairs: &'a [PairRows], idx: &[usize]) -> Vec<&'a Row> {
+    let chosen = idx.iter().map(|&i| &pairs[i].chosen);
+    chosen.chain(idx.iter().map(|&i| &pairs[i].rejected)).collect()
 }
 
 /// The pairs `idx` of `pairs` with the policy's log-probs `logps` (the pairs' chosen rows, then

@@ -12,7 +12,7 @@ use crate::data::pretokenized::Row;
 use crate::engine::exec::{Engine, MicroBatch, StepParams};
 use crate::model::dpo::{DpoMetrics, DpoObjective};
 use crate::run::data::micro_batches;
-use crate::run::dpo_reference::{DpoStep, PairRows, pair_logps};
+use crate::run::dpo_reference::{DpoStep, PairRows, pair_logps, rows};
 
 /// DPO on the streaming engine.
 pub struct DpoStreamed<D: Device> {
@@ -73,13 +73,7 @@ where
     /// The engine's micro-batches of the pairs `groups` (each a TRL micro-batch): every group's
     /// chosen rows, then its rejected ones, group after group.
     fn micro_batches(&self, groups: &[Vec<usize>]) -> Vec<MicroBatch> {
-        let rows: Vec<&Row> = groups
-            .iter()
-            .flat_map(|g| {
-                let chosen = g.iter().map(|&i| &self.pairs[i].chosen);
-                chosen.chain(g.iter().map(|&i| &self.pairs[i].rejected))
-            })
-            .collect();
+        let rows: Vec<&Row> = groups.iter().flat_map(|g| rows(&self.pairs, g)).collect();
         micro_batches(&rows, self.engine.config().micro_batch_size)
     }
 
