@@ -287,7 +287,7 @@ fn compact_resumes_bit_identically_and_is_refused_across_modes() {
         &model_cfg,
         &yaml,
         2,
-        None,
+        &Default::default(),
     )
     .unwrap();
     assert!(dir.join("moments8.bin").is_file());
@@ -344,7 +344,7 @@ fn lean_and_exact_resume_each_other() {
         &model_cfg,
         &exact,
         2,
-        None,
+        &Default::default(),
     )
     .unwrap();
     drop(first);

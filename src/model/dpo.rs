@@ -110,8 +110,8 @@ pub struct DpoOutput {
     pub metrics: DpoMetrics,
 }
 
-/// The means TRL logs (`rewards/chosen` ... `logps/rejected`).
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+/// The means TRL logs (`rewards/chosen` ... `logps/rejected`), as `metrics.jsonl` names them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
 pub struct DpoMetrics {
     pub rewards_chosen: f64,
     pub rewards_rejected: f64,
@@ -134,6 +134,21 @@ impl DpoMetrics {
             logps_chosen: sum(|m| m.logps_chosen),
             logps_rejected: sum(|m| m.logps_rejected),
         }
+    }
+
+    /// Each metric under its name (`rewards_chosen`, ...), with `prefix` before it.
+    pub fn named(&self, prefix: &str) -> Vec<(String, f64)> {
+        [
+            ("rewards_chosen", self.rewards_chosen),
+            ("rewards_rejected", self.rewards_rejected),
+            ("reward_accuracy", self.reward_accuracy),
+            ("reward_margin", self.reward_margin),
+            ("logps_chosen", self.logps_chosen),
+            ("logps_rejected", self.logps_rejected),
+        ]
+        .into_iter()
+        .map(|(k, v)| (format!("{prefix}{k}"), v))
+        .collect()
     }
 }
 

@@ -19,6 +19,7 @@ pub use crate::engine::options::{
 };
 pub use crate::optim::decay::NoDecay;
 pub use crate::optim::state::OptimizerMemory;
+pub use crate::run::dpo_config::{DpoSection, Objective, ReferenceMode};
 
 /// The YAML file as written by the user. Every key except `model.path` and `data.path` has a
 /// default.
@@ -47,6 +48,9 @@ pub struct RawConfig {
     /// LoRA / QLoRA fine-tuning instead of full fine-tuning. Default `type: none`.
     #[serde(default, skip_serializing_if = "AdapterSection::is_default")]
     pub adapter: AdapterSection,
+    /// Preference training (`train.objective: dpo`): the loss, its beta, the reference.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dpo: Option<DpoSection>,
 }
 
 /// Which model to train: a Hugging Face directory, or a randomly initialised one described by
@@ -108,6 +112,10 @@ pub enum DataFormat {
     /// `{"conversations": [{"from": human | gpt | system, "value"}, ...]}` (ShareGPT), trained
     /// as `chat`.
     Sharegpt,
+    /// Preference pairs for `train.objective: dpo`, in any form TRL takes: `prompt` / `chosen`
+    /// / `rejected` as text or as lists of messages, `chosen` / `rejected` alone (an implicit
+    /// prompt), or `prompt_input_ids` / `chosen_input_ids` / `rejected_input_ids`.
+    Preference,
 }
 
 impl DataFormat {
@@ -120,6 +128,7 @@ impl DataFormat {
             DataFormat::Alpaca => "alpaca",
             DataFormat::Chat => "chat",
             DataFormat::Sharegpt => "sharegpt",
+            DataFormat::Preference => "preference",
         }
     }
 
@@ -133,6 +142,7 @@ impl DataFormat {
             DataFormat::Alpaca => alpaca::ALPACA_FIELDS.all(),
             DataFormat::Chat => chat::CHAT_FIELDS.all(),
             DataFormat::Sharegpt => sharegpt::SHAREGPT_FIELDS.all(),
+            DataFormat::Preference => crate::data::preference::PREFERENCE_FIELDS.all(),
         }
     }
 }
@@ -225,6 +235,9 @@ pub struct TrainSection {
     /// With a held-out split, report the eval loss every this many steps (and after the last
     /// step); 0 = only after the last step. Default 0.
     pub eval_every: usize,
+    /// `sft` (default) or `dpo` (preference pairs, `dpo:`; `batch_size` and
+    /// `micro_batch_size` then count pairs, as TRL's).
+    pub objective: Objective,
 }
 
 /// Optimizer steps of a run that sets neither `train.steps` nor `train.epochs`.
@@ -269,6 +282,7 @@ impl Default for TrainSection {
             keep_checkpoints: 2,
             max_bad_steps: 5,
             eval_every: 0,
+            objective: Objective::Sft,
         }
     }
 }
@@ -672,8 +686,8 @@ impl RawConfig {
     pub fn engine_config(&self) -> EngineConfig {
         let t = &self.train;
         EngineConfig {
-            batch_size: t.batch_size,
-            micro_batch_size: t.micro_batch_rows(),
+            batch_size: self.rows_per_step(),
+            micro_batch_size: self.rows_per_micro_batch(),
             seq_len: t.max_seq_len,
             checkpoint_every: self.engine.checkpoint_every,
             grad_slabs: self.engine.grad_slabs,
@@ -920,6 +934,7 @@ impl RawConfig {
             .columns
             .check(f.name(), &f.fields())
             .map_err(|e| anyhow::anyhow!("{origin}: {e}"))?;
+        self.check_objective(origin)?;
         let adapter = self.adapter.resolve(origin)?;
         Ok(RunConfig {
             raw: self,

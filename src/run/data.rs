@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
 
+use crate::data::preference::load_preference;
 use crate::data::pretokenized::{Batch, PretokenizedDataset, Row, make_batch};
 use crate::data::{
     LoadReport, RowStore, Source, load_alpaca, load_chat, load_pretokenized_rows, load_sharegpt,
@@ -101,7 +102,7 @@ pub fn load_datasets(raw: &RawConfig, vocab_size: usize) -> Result<Datasets> {
             (all(&store), Some(eval))
         }
         None if d.eval_fraction > 0.0 => {
-            let (train, eval) = split_eval(all(&store), d.eval_fraction, t.seed);
+            let (train, eval) = split_examples(&store, d.eval_fraction, t.seed, raw);
             if eval.is_empty() {
                 bail!(
                     "data.eval_fraction {}: {} has too few examples to hold any out\nhint: add data, or give data.eval_path",
@@ -133,6 +134,17 @@ pub fn load_datasets(raw: &RawConfig, vocab_size: usize) -> Result<Datasets> {
     })
 }
 
+/// The rows of `store` split into training and held-out examples (a fraction `f` of them,
+/// drawn from `seed`): a preference pair's two rows stay together.
+fn split_examples(store: &RowStore, f: f64, seed: u64, raw: &RawConfig) -> (Vec<u32>, Vec<u32>) {
+    if raw.data.format != DataFormat::Preference {
+        return split_eval((0..store.len() as u32).collect(), f, seed);
+    }
+    let (train, eval) = split_eval((0..store.len() as u32 / 2).collect(), f, seed);
+    let rows = |pairs: Vec<u32>| pairs.into_iter().flat_map(|p| [2 * p, 2 * p + 1]).collect();
+    (rows(train), rows(eval))
+}
+
 /// The row length a run's buffers are sized for, and where it comes from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SeqLen {
@@ -149,7 +161,7 @@ impl SeqLen {
     /// rows are up to `train.max_seq_len` long), at most `train.max_seq_len`. Every buffer the
     /// engine allocates is sized by it, so short rows are not planned at `max_seq_len`.
     pub fn of_data(raw: &RawConfig, sets: &Datasets) -> SeqLen {
-        let max = raw.train.max_seq_len;
+        let max = raw.row_limit();
         let train = sets.train.longest();
         let eval = sets.eval.as_ref().map_or(0, PretokenizedDataset::longest);
         let len = train.max(eval).clamp(1, max);
@@ -157,7 +169,7 @@ impl SeqLen {
         let of = if sets.eval.is_some() { "training and eval " } else { "" };
         SeqLen {
             len,
-            why: format!("the longest row of the {packed}{of}data (train.max_seq_len {max})"),
+            why: format!("the longest row of the {packed}{of}data ({} {max})", limit_key(raw)),
             train_tokens: Some((sets.train.tokens(), sets.train.len())),
         }
     }
@@ -174,6 +186,11 @@ impl SeqLen {
         let len = raw.train.max_seq_len;
         SeqLen { len, why: format!("train.max_seq_len, assumed: {why}"), train_tokens: None }
     }
+}
+
+/// The key that bounds a run's rows: `dpo.max_length` or `train.max_seq_len`.
+fn limit_key(raw: &RawConfig) -> &'static str {
+    if raw.dpo().is_some() { "dpo.max_length" } else { "train.max_seq_len" }
 }
 
 /// The rows of one dataset (a JSONL or Parquet file, a directory or a glob of them) in the
@@ -198,6 +215,7 @@ fn load_rows(
             let report = LoadReport { rows: rows.len(), records: rows.len(), ..Default::default() };
             return Ok((RowStore::from_rows(&rows)?, report));
         }
+        DataFormat::Preference => load_pairs(raw, &Source::new(path()?, &d.columns), vocab_size)?,
         DataFormat::Text | DataFormat::Alpaca | DataFormat::Chat | DataFormat::Sharegpt => {
             let tok = load_tokenizer(raw)?;
             if tok.vocab_size() > vocab_size {
@@ -223,6 +241,44 @@ fn load_rows(
         report.summary()
     );
     Ok((rows, report))
+}
+
+/// A `preference` file's pairs as rows (pair `i`: rows `2i`, chosen, and `2i + 1`, rejected),
+/// tokenized as TRL's `DPOTrainer` does ([`load_preference`]) and cut at `dpo.max_length`; its
+/// report's warnings printed (equal completions, a moved prompt boundary).
+fn load_pairs(raw: &RawConfig, src: &Source, vocab: usize) -> Result<(RowStore, LoadReport)> {
+    // A tokenizer when the config names one (or the model directory has one): pretokenized
+    // pairs need none, and a text record without one is refused by the loader, by line.
+    let named = raw.data.tokenizer.is_some()
+        || raw.model.path.as_ref().is_some_and(|p| p.join("tokenizer.json").is_file());
+    let tok = named.then(|| load_tokenizer(raw)).transpose()?;
+    let max = raw.row_limit();
+    let (rows, rep) = load_preference(src, tok.as_deref(), max, raw.data.on_error)?;
+    for w in rep.warnings() {
+        println!("warning: data: {}: {w}", src.path.display());
+    }
+    if let Some(t) = &tok
+        && t.vocab_size() > vocab
+    {
+        bail!(
+            "the tokenizer has {} ids but the model's vocab_size is {vocab}\nhint: the \
+             tokenizer and the model must match",
+            t.vocab_size()
+        );
+    }
+    for r in 0..rows.len() {
+        if rows.example(r)?.input_ids.iter().all(|&t| (t as usize) < vocab) {
+            continue;
+        }
+        bail!(
+            "{}: pair {} holds a token id >= the model's vocab_size {vocab}\nhint: the data was \
+             tokenized for another model",
+            src.path.display(),
+            r / 2 + 1
+        );
+    }
+    println!("data: {}: {}", src.path.display(), rep.summary());
+    Ok((rows, rep.load))
 }
 
 /// `n` rows of `len` uniformly random tokens.

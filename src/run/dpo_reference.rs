@@ -60,6 +60,8 @@ pub struct DpoStep {
     pub metrics: DpoMetrics,
     /// Per pair of the step, in order.
     pub pairs: Vec<PairLogps>,
+    /// The update was skipped (a non-finite loss or gradient norm).
+    pub skipped: bool,
 }
 
 /// DPO on the reference path.
@@ -170,7 +172,9 @@ impl DpoReference {
         let o = &self.cfg.raw.optimizer;
         let lr = self.cfg.raw.lr_schedule().lr_at(k + 1);
         self.state.optimizer_step(&self.cfg.raw.adamw(), &self.decay, lr, grad_norm, o.grad_clip);
-        Ok(DpoStep { loss, grad_norm, metrics: DpoMetrics::mean(&metrics), pairs: all })
+        let metrics = DpoMetrics::mean(&metrics);
+        let skipped = !(loss.is_finite() && grad_norm.is_finite());
+        Ok(DpoStep { loss, grad_norm, metrics, pairs: all, skipped })
     }
 }
 

@@ -103,6 +103,8 @@ impl ReferenceTrainer {
             aux_loss: out.aux.map(|(aux, _)| aux),
             epoch: 0.0,
             held: HeldIn::of(held.into_iter(), |i| buffer_name(layers, i)),
+            dpo: None,
+            eval_dpo: None,
         })
     }
 

@@ -167,10 +167,12 @@ fn newest_sound_before(dir: &Path) -> Option<PathBuf> {
 
 /// Keys of a run's config that change what it computes: a resume must keep them (the others,
 /// as `train.steps`, the save cadence, logging, the engine and the device, may change).
-const KEPT_ON_RESUME: [&str; 7] = [
+const KEPT_ON_RESUME: [&str; 9] = [
     "model",
     "adapter",
     "data",
+    "dpo",
+    "train.objective",
     "train.batch_size",
     "train.max_seq_len",
     "train.seed",
@@ -235,9 +237,17 @@ fn fsync_dir(dir: &Path) -> Result<()> {
     f.sync_all().with_context(|| format!("cannot sync {}", dir.display()))
 }
 
-/// Write a checkpoint of `state` after step `state.step`, recording `base_hash`, the content
-/// hash of an adapter run's frozen base as it was loaded; keep the newest `keep`. Returns its
-/// directory.
+/// What a checkpoint carries beside the state.
+#[derive(Clone, Debug, Default)]
+pub struct Extras<'a> {
+    /// The content hash of an adapter run's frozen base as it was loaded.
+    pub base_hash: Option<&'a str>,
+    /// The run's own files (DPO's reference log-probs), under the checksums as the state's.
+    pub files: Vec<(&'static str, Vec<u8>)>,
+}
+
+/// Write a checkpoint of `state` after step `state.step`, with `extras`; keep the newest
+/// `keep`. Returns its directory.
 pub fn save(
     out_dir: &Path,
     state: &TrainState,
@@ -245,8 +255,9 @@ pub fn save(
     model_cfg: &ModelConfig,
     config_yaml: &str,
     keep: usize,
-    base_hash: Option<&str>,
+    extras: &Extras,
 ) -> Result<PathBuf> {
+    let base_hash = extras.base_hash;
     let root = checkpoints_dir(out_dir);
     fs::create_dir_all(&root).with_context(|| format!("cannot create {}", root.display()))?;
     let name = format!("step-{:08}", state.step);
@@ -257,6 +268,11 @@ pub fn save(
     fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
     state.params.save_safetensors(layout, &tmp.join(PARAMS), SaveDtype::F32)?;
     state.opt.save(&tmp, layout)?;
+    for (name, bytes) in &extras.files {
+        let path = tmp.join(name);
+        fs::write(&path, bytes).with_context(|| format!("cannot write {}", path.display()))?;
+        fs::File::open(&path)?.sync_all()?;
+    }
     let meta = CheckpointState {
         format: FORMAT,
         step: state.step,

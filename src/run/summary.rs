@@ -6,6 +6,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 use crate::engine::phases::{PhaseSeconds, StepFlops};
+use crate::model::dpo::DpoMetrics;
 
 /// What a run reports at the end (`OUT/summary.json`).
 #[derive(Clone, Debug, Serialize, PartialEq)]
@@ -158,6 +159,31 @@ pub struct StepMetrics {
     /// step (it counts toward `train.max_bad_steps`).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub held: Vec<HeldIn>,
+    /// A DPO step's reward metrics (TRL's `rewards/chosen` ... `logps/rejected`), as fields
+    /// of the line: `rewards_chosen`, `rewards_rejected`, `reward_accuracy`, `reward_margin`,
+    /// `logps_chosen`, `logps_rejected`.
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    pub dpo: Option<DpoMetrics>,
+    /// The held-out pairs' metrics on steps that evaluate a DPO run: the same fields with an
+    /// `eval_` prefix.
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    pub eval_dpo: Option<EvalDpo>,
+}
+
+/// A DPO run's held-out metrics, serialized as [`DpoMetrics`]' fields with an `eval_` prefix.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct EvalDpo(pub DpoMetrics);
+
+impl Serialize for EvalDpo {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let named = self.0.named("eval_");
+        let mut map = s.serialize_map(Some(named.len()))?;
+        for (k, v) in named {
+            map.serialize_entry(&k, &v)?;
+        }
+        map.end()
+    }
 }
 
 impl Summary {
@@ -230,6 +256,20 @@ impl StepMetrics {
             aux_loss: None,
             epoch: 0.0,
             held: Vec::new(),
+            dpo: None,
+            eval_dpo: None,
+        }
+    }
+
+    /// Step `k` (0-based) with its `(loss, grad_norm)`, its learning rate, its tokens, and
+    /// its clock `t0`; nothing skipped, held or evaluated.
+    pub fn of_loss(k: usize, loss: (f64, f64), lr: f64, tokens: usize, t0: Instant) -> Self {
+        StepMetrics {
+            loss: loss.0,
+            grad_norm: loss.1,
+            skipped: false,
+            no_loss: false,
+            ..StepMetrics::no_loss(k, lr, tokens, t0)
         }
     }
 

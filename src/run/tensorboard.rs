@@ -90,6 +90,11 @@ impl EventWriter {
         v.extend(m.ce_loss.map(|x| ("train/ce_loss", x)));
         v.extend(m.aux_loss.map(|x| ("train/aux_loss", x)));
         v.extend(m.eval_loss.map(|x| ("eval/loss", x)));
+        let mut tags = Vec::new();
+        for (split, metrics) in [("train", m.dpo), ("eval", m.eval_dpo.map(|e| e.0))] {
+            tags.extend(metrics.map(|d| trl_tags(split, &d)).unwrap_or_default());
+        }
+        v.extend(tags.iter().map(|(k, x)| (k.as_str(), *x)));
         self.scalars(m.step as u64, &v)
     }
 
@@ -119,6 +124,21 @@ impl EventWriter {
             .and_then(|()| self.out.flush())
             .with_context(|| format!("cannot write {}", self.path.display()))
     }
+}
+
+/// A DPO step's metrics under TRL's tags (`train/rewards/chosen`, ..., `train/logps/rejected`).
+fn trl_tags(split: &str, d: &crate::model::dpo::DpoMetrics) -> Vec<(String, f64)> {
+    [
+        ("rewards/chosen", d.rewards_chosen),
+        ("rewards/rejected", d.rewards_rejected),
+        ("rewards/accuracies", d.reward_accuracy),
+        ("rewards/margins", d.reward_margin),
+        ("logps/chosen", d.logps_chosen),
+        ("logps/rejected", d.logps_rejected),
+    ]
+    .into_iter()
+    .map(|(k, x)| (format!("{split}/{k}"), x))
+    .collect()
 }
 
 fn wall_time() -> f64 {

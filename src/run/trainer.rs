@@ -27,11 +27,12 @@ use crate::model::layout::ModelLayout;
 use crate::model::params::{ParamStore, buffer_name};
 use crate::run::config::{BackendKind, ByteSize, RawConfig, RunConfig, WeightPath};
 use crate::run::data::{SeqLen, StepRows, load_datasets, micro_batches};
+use crate::run::dpo_train::DpoRun;
 use crate::run::load::{load_weights, model_config, run_layout, write_adapter};
 use crate::run::progress::Progress;
 use crate::run::summary::Summary;
 use crate::run::summary::{AlreadyFinished, Interrupted};
-use crate::run::summary::{HeldIn, StepMetrics};
+use crate::run::summary::{EvalDpo, HeldIn, StepMetrics};
 use crate::run::tensorboard::EventWriter;
 use crate::store::TrainState;
 
@@ -59,6 +60,9 @@ pub struct Trainer<D: Device = CpuDevice> {
     /// The micro-batches of the batch after the last step's (its index and them): built for
     /// their token ids, which that step took, and used again when that batch's step comes.
     ahead: Option<(usize, Vec<MicroBatch>)>,
+    /// A DPO run's objective, reference and pair order (`train.objective: dpo`); `data` then
+    /// holds pair `i` as rows `2i` (chosen) and `2i + 1` (rejected).
+    pub dpo: Option<DpoRun>,
 }
 
 impl Trainer {
@@ -97,14 +101,22 @@ where
         let layout = run_layout(&cfg.raw, &model_cfg, cfg.adapter.as_ref())?;
         // The data first: its longest row sizes every buffer of the plan, its rows an epoch.
         let sets = load_datasets(&cfg.raw, model_cfg.vocab_size)?;
-        cfg.raw.train.resolve_epochs(sets.train.len());
-        println!("{}", epochs_line(&cfg.raw.train, sets.train.len()));
+        let (examples, unit) = examples_of(&cfg.raw, sets.train.len());
+        cfg.raw.train.resolve_epochs(examples);
+        println!("{}", epochs_line(&cfg.raw.train, examples, unit));
         let raw = &cfg.raw;
         let (ecfg, plan) = plan_run(raw, &layout, &SeqLen::of_data(raw, &sets))?;
         let HostStart { state, base, base_hash } = host_state(&cfg, &model_cfg, &layout, resume)?;
         let dev = make_dev(raw, &plan)?;
-        let engine = Engine::with_layout(dev, layout.clone(), base, state, ecfg)?;
+        let mut engine = Engine::with_layout(dev, layout.clone(), base, state, ecfg)?;
         let rows = StepRows::new(&cfg, &sets.train);
+        let dpo = match cfg.raw.dpo() {
+            Some(_) => {
+                let sets = (&sets.train, sets.eval.as_ref());
+                Some(DpoRun::new(&cfg, &mut engine, sets, resume)?)
+            }
+            None => None,
+        };
         Ok(Trainer {
             cfg,
             model_cfg,
@@ -118,11 +130,20 @@ where
             base_hash,
             inject_nan_at: Vec::new(),
             ahead: None,
+            dpo,
         })
+    }
+
+    /// The training examples an epoch goes through: rows, or a DPO run's pairs.
+    pub fn examples(&self) -> usize {
+        self.dpo.as_ref().map_or(self.data.len(), DpoRun::pairs)
     }
 
     /// One optimizer step on batch `k` (0-based).
     pub fn step(&mut self, k: usize) -> Result<StepMetrics> {
+        if self.dpo.is_some() {
+            return self.dpo_step(k);
+        }
         let t0 = Instant::now();
         let rows = self.rows.read(&self.data, k)?;
         let tokens = rows.iter().map(|r| r.input_ids.len()).sum();
@@ -159,7 +180,37 @@ where
             aux_loss: out.aux.map(|(aux, _)| aux),
             epoch: 0.0,
             held: Vec::new(),
+            dpo: None,
+            eval_dpo: None,
         })
+    }
+
+    /// One DPO step on the pairs of batch `k` ([`DpoRun::step`]).
+    fn dpo_step(&mut self, k: usize) -> Result<StepMetrics> {
+        let t0 = Instant::now();
+        let lr = self.cfg.raw.lr_schedule().lr_at(k + 1);
+        let sp = StepParams { lr, inject_nan: self.inject_nan_at.contains(&k) };
+        let dpo = self.dpo.as_mut().expect("a DPO run");
+        let (out, tokens) = dpo.step(&mut self.engine, &self.data, k, sp)?;
+        Ok(StepMetrics {
+            dpo: Some(out.metrics),
+            skipped: out.skipped,
+            ..StepMetrics::of_loss(k, (out.loss, out.grad_norm), lr, tokens, t0)
+        })
+    }
+
+    /// Evaluates the held-out data into `m` (nothing without a held-out split): the loss, and
+    /// a DPO run's reward metrics.
+    pub fn evaluate_into(&mut self, m: &mut StepMetrics) -> Result<()> {
+        match (&self.dpo, &self.eval) {
+            (Some(dpo), Some(eval)) => {
+                let e = dpo.evaluate(&mut self.engine, eval)?;
+                m.eval_loss = Some(e.loss);
+                m.eval_dpo = Some(EvalDpo(e.metrics));
+            }
+            _ => m.eval_loss = self.evaluate()?,
+        }
+        Ok(())
     }
 
     /// Step `m`'s held elements, once its updates have run ([`Engine::held`]: no wait when a
@@ -359,7 +410,7 @@ pub fn cuda_kernel_limits(layout: &ModelLayout, raw: &RawConfig, seq_len: usize)
         d: d.d,
         f: d.f,
         v: d.v,
-        b: raw.train.micro_batch_rows(),
+        b: raw.rows_per_micro_batch(),
         t: seq_len,
     };
     horizon_backend::cuda::check_kernel_limits(&shape).context("device.backend = cuda")?;
@@ -376,16 +427,25 @@ fn cuda_device(raw: &RawConfig, plan: &MemoryPlan) -> Result<CudaDevice> {
     CudaDevice::new(cfg).context("device.backend = cuda")
 }
 
+/// The training examples of a run with `rows` training rows, and their name: rows, or a DPO
+/// run's pairs (two rows each).
+fn examples_of(raw: &RawConfig, rows: usize) -> (usize, &'static str) {
+    match raw.dpo() {
+        Some(_) => (rows / 2, "pairs"),
+        None => (rows, "rows"),
+    }
+}
+
 /// What an epoch is in steps: `400 training rows in batches of 8: 50 steps an epoch; 100
 /// steps = 2 epochs`.
-fn epochs_line(t: &crate::run::config::TrainSection, rows: usize) -> String {
+fn epochs_line(t: &crate::run::config::TrainSection, rows: usize, unit: &str) -> String {
     let (per, steps) = (t.steps_per_epoch(rows), t.total_steps());
     let fmt = |x: f64| {
         let s = format!("{x:.2}");
         s.trim_end_matches('0').trim_end_matches('.').to_string()
     };
     format!(
-        "{rows} training rows in batches of {}: {} steps an epoch; {steps} steps = {} epochs",
+        "{rows} training {unit} in batches of {}: {} steps an epoch; {steps} steps = {} epochs",
         t.batch_size,
         fmt(per),
         fmt(steps as f64 / per.max(f64::MIN_POSITIVE))
@@ -426,7 +486,7 @@ where
             lp.restart_timing(&mut tr);
         }
         let mut m = tr.step(k)?;
-        m.epoch = (k + 1) as f64 / tr.cfg.raw.train.steps_per_epoch(tr.data.len());
+        m.epoch = (k + 1) as f64 / tr.cfg.raw.train.steps_per_epoch(tr.examples());
         // A step's updates run on beside the next step, so what they held is known once that
         // step has run (the step before's: no wait), or by waiting where something needs it
         // now: a checkpoint, a signal, the end.
@@ -437,7 +497,7 @@ where
         let last = k + 1 == steps;
         let every = tr.cfg.raw.train.eval_every;
         if tr.eval.is_some() && ((every > 0 && (k + 1).is_multiple_of(every)) || last) {
-            m.eval_loss = tr.evaluate()?;
+            tr.evaluate_into(&mut m)?;
             if let Some(e) = m.eval_loss {
                 tracing::info!(step = m.step, eval_loss = e, "evaluated the held-out rows");
             }
@@ -571,7 +631,10 @@ impl StepLoop {
         tr: &Trainer<D>,
         m: &StepMetrics,
         (start, steps): (usize, usize),
-    ) -> Result<()> {
+    ) -> Result<()>
+    where
+        D::Backend: 'static,
+    {
         let k = m.step - 1;
         self.ran += 1;
         if m.eval_loss.is_some() {
@@ -584,7 +647,7 @@ impl StepLoop {
         }
         let per_step = self.run_t0.elapsed().as_secs_f64() / (k + 1 - start) as f64;
         // Steps to the end of the epoch this step is in, when the run takes more than one.
-        let per_epoch = tr.cfg.raw.train.steps_per_epoch(tr.data.len());
+        let per_epoch = tr.cfg.raw.train.steps_per_epoch(tr.examples());
         let epoch_end = (m.epoch.ceil() * per_epoch).ceil().min(steps as f64);
         let epoch_eta = (steps as f64 > per_epoch).then(|| per_step * (epoch_end - (k + 1) as f64));
         self.progress.step(m, steps, (per_step * (steps - k - 1) as f64, epoch_eta));
@@ -640,8 +703,11 @@ impl StepLoop {
             let state = tr.engine.checked_state()?;
             self.progress.println(&format!("saving checkpoint step-{:08}", state.step));
             let (layout, model) = (&tr.layout, &tr.model_cfg);
-            let base = tr.base_hash.as_deref();
-            let dir = crate::run::resume::save(out_dir, state, layout, model, yaml, keep, base)?;
+            let extras = crate::run::resume::Extras {
+                base_hash: tr.base_hash.as_deref(),
+                files: tr.dpo.as_ref().map(|d| d.checkpoint_files()).unwrap_or_default(),
+            };
+            let dir = crate::run::resume::save(out_dir, state, layout, model, yaml, keep, &extras)?;
             tracing::info!(dir = %dir.display(), "checkpoint written");
             self.last_ckpt = Some(dir);
         }
@@ -782,7 +848,7 @@ where
     let per_step = step_flops(
         tr.engine.schedule(),
         &tr.layout,
-        tr.cfg.raw.train.micro_batch_rows(),
+        tr.cfg.raw.rows_per_micro_batch(),
         tr.engine.config().seq_len,
     );
     let k = timed_steps as f64;

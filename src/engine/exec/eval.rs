@@ -15,6 +15,7 @@ use std::sync::Arc;
 
 use anyhow::{Result, bail};
 use horizon_backend::Device;
+use horizon_backend::bf16::round_to_bf16;
 
 use super::{Engine, MicroBatch, StepData};
 
@@ -73,6 +74,43 @@ where
             out.push(losses.chunks(t).map(row).collect());
         }
         Ok(out)
+    }
+
+    /// Turns an adapter run's adapters off: every trained tensor zero (adds exactly nothing to
+    /// the frozen base: the model PEFT's `disable_adapter` gives, DPO's reference), until
+    /// [`Engine::adapters_on`] puts back the masters this returns. Between steps only.
+    pub fn adapters_off(&mut self) -> Result<Vec<Vec<f32>>> {
+        assert!(!self.ctx.layout.trains_base(), "adapters_off on a run without adapters");
+        self.dev.synchronize();
+        self.check_device()?;
+        let kept = self.state.params.buffers().iter().map(|b| b.to_vec()).collect();
+        self.state.params.fill_zero();
+        self.refresh_images();
+        Ok(kept)
+    }
+
+    /// Puts back the masters [`Engine::adapters_off`] kept, bit for bit (their bf16 images
+    /// too, so the stages staged before stay right).
+    pub fn adapters_on(&mut self, kept: Vec<Vec<f32>>) -> Result<()> {
+        self.dev.synchronize();
+        self.check_device()?;
+        for (b, k) in self.state.params.buffers_mut().into_iter().zip(&kept) {
+            b.copy_from_slice(k);
+        }
+        self.refresh_images();
+        Ok(())
+    }
+
+    /// The bf16 images (`WeightPath::Image`) rounded again from the masters.
+    fn refresh_images(&mut self) {
+        let images = &self.ctx.hostbufs.images;
+        for (img, p) in images.iter().zip(self.state.params.buffers()) {
+            if let Some(img) = *img {
+                // SAFETY: the device is idle (synchronised by the caller) and no host op runs:
+                // nothing else reads or writes the images.
+                unsafe { round_to_bf16(img.as_mut_slice(), p) };
+            }
+        }
     }
 
     /// An error unless every micro-batch fits the plan; then waits for the queued work.

@@ -1,0 +1,177 @@
+//! DPO as a user runs it (`train.objective: dpo`, `data.format: preference`, `horizon train`'s
+//! `run_streaming`): TRL 1.16's fixtures (`tests/fixtures/dpo`) step by step from
+//! `metrics.jsonl` (loss, grad norm, every reward metric), the conversational records through
+//! the chat template equal to the pretokenized ones, `final/` written, TensorBoard's tags, a
+//! resume that reads the reference back from the checkpoint (bit for bit the uninterrupted
+//! run) and refuses changed data naming the file, and the held-out pairs' metrics.
+
+mod common;
+
+use std::path::Path;
+
+use common::dpo::{dir, expected, yaml};
+use horizon::run::config::RawConfig;
+use horizon::run::trainer::run_streaming;
+use serde_json::Value;
+
+/// The case's run config: its data in `data` (a preference file), `out` for the outputs, and
+/// `extra` YAML lines.
+fn config(case: &str, data: &Path, out: &Path, extra: &str) -> String {
+    let e = expected(case);
+    let losses: Vec<String> =
+        e["loss_type"].as_array().unwrap().iter().map(|t| t.as_str().unwrap().into()).collect();
+    let dpo = format!(
+        "dpo: {{ beta: {}, loss: [{}], loss_weights: {}, label_smoothing: {} }}\n",
+        e["beta"],
+        losses.join(", "),
+        e["loss_weights"],
+        e["label_smoothing"]
+    );
+    let base = yaml(case, &format!("{dpo}{extra}"));
+    let train =
+        format!("train: {{ steps: {}, batch_size: {}, max_seq_len: 64 }}", e["steps"], e["batch"]);
+    assert!(base.contains(&train), "{base}");
+    base.replace(
+        "data: { path: unused.jsonl, format: pretokenized }",
+        &format!("data: {{ path: '{}', format: preference }}", data.display()),
+    )
+    .replace(
+        &train,
+        &format!(
+            "train: {{ steps: {}, batch_size: {}, micro_batch_size: {}, objective: dpo, \
+         save_every: 1 }}",
+            e["steps"], e["batch"], e["micro_batch"]
+        ),
+    )
+    .replace("output: { dir: unused }", &format!("output: {{ dir: '{}' }}", out.display()))
+}
+
+fn run(yaml: &str, resume: Option<&str>) -> anyhow::Result<()> {
+    let cfg = RawConfig::from_yaml(yaml, "dpo.yaml")?.resolve("dpo.yaml")?;
+    run_streaming(cfg, true, 0, resume).map(|_| ())
+}
+
+/// `OUT/metrics.jsonl`'s lines.
+fn metrics(out: &Path) -> Vec<Value> {
+    let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+/// Every logged step against the fixture, within its README's tolerances.
+fn assert_steps_match(case: &str, lines: &[Value]) {
+    let e = expected(case);
+    let pt = &e["pytorch_fp32"];
+    let want = e["per_step"].as_array().unwrap();
+    assert_eq!(lines.len(), want.len(), "{case}: one line a step");
+    for (k, (got, want)) in lines.iter().zip(want).enumerate() {
+        for (key, tol) in [("loss", "loss_max_rel_err"), ("grad_norm", "grad_norm_max_rel_err")] {
+            let (g, w) = (got[key].as_f64().unwrap(), want[key].as_f64().unwrap());
+            let tol = (10.0 * pt[tol].as_f64().unwrap()).max(1e-5);
+            let err = (g - w).abs() / w.abs().max(1e-12);
+            assert!(err <= tol, "{case} step {k} {key}: {g} vs {w} ({err:.1e} > {tol:.1e})");
+        }
+        for key in [
+            "rewards_chosen",
+            "rewards_rejected",
+            "reward_accuracy",
+            "reward_margin",
+            "logps_chosen",
+            "logps_rejected",
+        ] {
+            let (g, w) = (got[key].as_f64().unwrap(), want[key].as_f64().unwrap());
+            let tol = (10.0 * pt["metrics_max_abs_err"][key].as_f64().unwrap_or(1e-6)).max(1e-4);
+            assert!((g - w).abs() <= tol, "{case} step {k} {key}: {g} vs {w}");
+        }
+    }
+}
+
+#[test]
+fn dpo_runs_match_trl_from_the_config_to_final() {
+    for case in ["dpo_llama_full", "dpo_qwen2_lora"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("out");
+        run(&config(case, &dir(case).join("data.jsonl"), &out, ""), None).unwrap();
+        assert_steps_match(case, &metrics(&out));
+        let final_file = match case {
+            "dpo_qwen2_lora" => "adapter_config.json",
+            _ => "config.json",
+        };
+        assert!(out.join("final").join(final_file).is_file(), "{case}: final/{final_file}");
+        let ckpt = out.join("checkpoints/step-00000003/dpo_reference.bin");
+        assert!(ckpt.is_file(), "{case}: the checkpoint keeps the reference");
+        let tb = std::fs::read_dir(out.join("tb")).unwrap().next().unwrap().unwrap().path();
+        let events = horizon::run::tensorboard::read_events(&tb).unwrap();
+        let tags: Vec<&str> =
+            events.iter().flat_map(|e| e.scalars.iter().map(|(t, _)| t.as_str())).collect();
+        assert!(tags.contains(&"train/rewards/margins"), "{case}: {tags:?}");
+    }
+}
+
+/// The LoRA case's records as conversations, rendered by the model's chat template: the same
+/// steps as its pretokenized records (TRL's tokenization, token for token).
+#[test]
+fn conversational_records_train_as_their_tokens() {
+    let case = "dpo_qwen2_lora";
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("ids"), tmp.path().join("text"));
+    run(&config(case, &dir(case).join("data.jsonl"), &a, ""), None).unwrap();
+    run(&config(case, &dir(case).join("data_text.jsonl"), &b, ""), None).unwrap();
+    let strip = |mut v: Vec<Value>| {
+        v.iter_mut().for_each(|l| {
+            l.as_object_mut().unwrap().remove("step_s");
+        });
+        v
+    };
+    assert_eq!(strip(metrics(&a)), strip(metrics(&b)));
+}
+
+/// A run stopped after step 1 and resumed: the reference comes from the checkpoint, and the
+/// resumed steps are the uninterrupted run's, bit for bit. Changed data is refused, naming
+/// the checkpoint's reference file.
+#[test]
+fn resume_reads_the_reference_back_and_refuses_changed_data() {
+    let case = "dpo_llama_full";
+    let tmp = tempfile::tempdir().unwrap();
+    // A copy of the data, changed in place below (the path is a key a resume keeps).
+    let data = tmp.path().join("pairs.jsonl");
+    std::fs::copy(dir(case).join("data.jsonl"), &data).unwrap();
+    let whole = tmp.path().join("whole");
+    run(&config(case, &data, &whole, ""), None).unwrap();
+    let parted = tmp.path().join("parted");
+    let first = config(case, &data, &parted, "").replace("steps: 3,", "steps: 1,");
+    run(&first, None).unwrap();
+    run(&config(case, &data, &parted, ""), Some("latest")).unwrap();
+    let strip = |mut v: Vec<Value>| {
+        v.iter_mut().for_each(|l| {
+            l.as_object_mut().unwrap().remove("step_s");
+        });
+        v
+    };
+    assert_eq!(strip(metrics(&whole)), strip(metrics(&parted)));
+
+    // The same file, its pairs in another order: the stored reference no longer matches.
+    let text = std::fs::read_to_string(&data).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    std::fs::write(&data, lines[1..].join("\n") + "\n" + lines[0] + "\n").unwrap();
+    let more = config(case, &data, &parted, "").replace("steps: 3,", "steps: 5,");
+    let err = format!("{:#}", run(&more, Some("latest")).unwrap_err());
+    assert!(err.contains("dpo_reference.bin") && err.contains("other data"), "{err}");
+}
+
+/// Held-out pairs (`data.eval_path`): every DPO metric under `eval_`, after the last step.
+#[test]
+fn held_out_pairs_report_the_dpo_metrics() {
+    let case = "dpo_qwen2_lora";
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let data = dir(case).join("data.jsonl");
+    let yaml = config(case, &data, &out, "").replace(
+        "format: preference }",
+        &format!("format: preference, eval_path: '{}' }}", data.display()),
+    );
+    run(&yaml, None).unwrap();
+    let last = metrics(&out).pop().unwrap();
+    for key in ["eval_loss", "eval_reward_accuracy", "eval_reward_margin", "eval_logps_chosen"] {
+        assert!(last[key].as_f64().is_some_and(f64::is_finite), "{key}: {last}");
+    }
+}
