@@ -1,6 +1,6 @@
-//! What a run leaves for a person to look at: `OUT/training.png` (training and eval loss,
-//! throughput) and `OUT/report.md` (a short summary), both made from `OUT/metrics.jsonl`, so a
-//! resumed run's plot covers every step.
+//! What a run leaves for a person to look at: `OUT/training.png` (training and eval loss, a DPO
+//! run's reward margin and accuracy, throughput) and `OUT/report.md` (a short summary), both
+//! made from `OUT/metrics.jsonl`, so a resumed run's plot covers every step.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -28,6 +28,14 @@ pub struct Point {
     pub skipped: bool,
     pub lr: f64,
     pub grad_norm: f64,
+    /// DPO only: the mean over the step's pairs of the chosen reward less the rejected one.
+    pub reward_margin: Option<f64>,
+    /// DPO only: the fraction (0..1) of the step's pairs whose chosen reward is the higher.
+    pub reward_accuracy: Option<f64>,
+    /// DPO only, on steps that evaluate the held-out pairs: their reward margin.
+    pub eval_reward_margin: Option<f64>,
+    /// DPO only, on steps that evaluate the held-out pairs: their reward accuracy.
+    pub eval_reward_accuracy: Option<f64>,
 }
 
 /// The steps of a `metrics.jsonl` (a later line for the same step, as after a resume,
@@ -52,6 +60,10 @@ pub fn read_metrics(path: &Path) -> Result<Vec<Point>> {
             skipped: v["skipped"].as_bool().unwrap_or(false),
             lr: f("lr").unwrap_or(f64::NAN),
             grad_norm: f("grad_norm").unwrap_or(f64::NAN),
+            reward_margin: f("reward_margin"),
+            reward_accuracy: f("reward_accuracy"),
+            eval_reward_margin: f("eval_reward_margin"),
+            eval_reward_accuracy: f("eval_reward_accuracy"),
         };
         points.retain(|q| q.step < p.step);
         points.push(p);
@@ -61,12 +73,31 @@ pub fn read_metrics(path: &Path) -> Result<Vec<Point>> {
 
 /// The plot's eval series: `(step, eval_loss)` of the steps that evaluated.
 pub fn eval_series(points: &[Point]) -> Vec<(f64, f64)> {
-    points.iter().filter_map(|p| p.eval_loss.map(|e| (p.step as f64, e))).collect()
+    series(points, |p| p.eval_loss)
 }
 
-/// Draw four panels against the step into a PNG at `path`: the loss (training, and eval where
+/// `(step, y)` of the points where `y` is present and finite.
+fn series(points: &[Point], y: impl Fn(&Point) -> Option<f64>) -> Vec<(f64, f64)> {
+    points
+        .iter()
+        .filter_map(|p| y(p).map(|v| (p.step as f64, v)))
+        .filter(|p| p.1.is_finite())
+        .collect()
+}
+
+/// The chart every panel is: `f64` step against `f64` value, drawn into a bitmap.
+type StepChart<'a, 'b> = ChartContext<
+    'a,
+    BitMapBackend<'b>,
+    Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
+>;
+type Area<'b> = DrawingArea<BitMapBackend<'b>, plotters::coord::Shift>;
+
+/// Draw panels against the step into a PNG at `path`: the loss (training, and eval where
 /// measured; on a log scale where it spans more than a decade), the learning rate, the
-/// gradient norm (before clipping) and the throughput.
+/// gradient norm (before clipping) and the throughput, in a 2x2 grid of 600x400 panels. A DPO
+/// run (any point with a reward margin) adds the reward margin and the reward accuracy beside
+/// the loss, training and eval, in a 2x3 grid of panels the same size.
 pub fn plot(points: &[Point], path: &Path, title: &str) -> Result<()> {
     static REGISTER: Once = Once::new();
     REGISTER.call_once(|| {
@@ -74,21 +105,26 @@ pub fn plot(points: &[Point], path: &Path, title: &str) -> Result<()> {
         let _ = plotters::style::register_font(FAMILY, FontStyle::Normal, FONT);
     });
     let err = |e: &dyn std::fmt::Display| anyhow!("drawing {}: {e}", path.display());
-    let root = BitMapBackend::new(path, (1200, 800)).into_drawing_area();
+    let dpo = points.iter().any(|p| p.reward_margin.is_some());
+    let (size, grid) = if dpo { ((1800, 800), (2, 3)) } else { ((1200, 800), (2, 2)) };
+    let root = BitMapBackend::new(path, size).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;
     let root = root.titled(title, (FAMILY, 22)).map_err(|e| err(&e))?;
-    let panels = root.split_evenly((2, 2));
+    let panels = root.split_evenly(grid);
     let max_step = points.iter().map(|p| p.step).max().unwrap_or(1).max(2) as f64;
     loss_panel(&panels[0], points, max_step, path)?;
-    let series = |f: &dyn Fn(&Point) -> f64| -> Vec<(f64, f64)> {
-        points.iter().map(|p| (p.step as f64, f(p))).filter(|(_, y)| y.is_finite()).collect()
+    let rest = if dpo {
+        reward_panels(&panels[1..3], points, max_step, path)?;
+        &panels[3..]
+    } else {
+        &panels[1..]
     };
     let lines = [
-        ("learning rate", series(&|p| p.lr), MAGENTA),
-        ("gradient norm (before clipping)", series(&|p| p.grad_norm), BLACK),
-        ("throughput (tokens/s)", series(&|p| p.tokens_per_s), GREEN),
+        ("learning rate", series(points, |p| Some(p.lr)), MAGENTA),
+        ("gradient norm (before clipping)", series(points, |p| Some(p.grad_norm)), BLACK),
+        ("throughput (tokens/s)", series(points, |p| Some(p.tokens_per_s)), GREEN),
     ];
-    for (area, (caption, xy, colour)) in panels[1..].iter().zip(lines) {
+    for (area, (caption, xy, colour)) in rest.iter().zip(lines) {
         let top = xy.iter().map(|p| p.1).fold(0.0f64, f64::max);
         let top = if top > 0.0 { top * 1.1 } else { 1.0 };
         let mut chart = step_chart(area, caption, max_step, 0f64..top, false, path)?;
@@ -98,17 +134,29 @@ pub fn plot(points: &[Point], path: &Path, title: &str) -> Result<()> {
     Ok(())
 }
 
+/// The DPO panels, on `areas[0]` and `areas[1]`: the reward margin (its axis always holding
+/// zero, where chosen and rejected tie) and the reward accuracy (axis 0..1), training and eval.
+fn reward_panels(areas: &[Area<'_>], points: &[Point], max_step: f64, path: &Path) -> Result<()> {
+    let train = series(points, |p| p.reward_margin);
+    let evals = series(points, |p| p.eval_reward_margin);
+    let all = train.iter().chain(&evals).map(|p| p.1);
+    let (lo, hi) = all.fold((0.0f64, 0.0f64), |(a, b), x| (a.min(x), b.max(x)));
+    let pad = if hi > lo { 0.05 * (hi - lo) } else { 1.0 };
+    let caption = "reward margin (chosen \u{2212} rejected)";
+    let mut chart = step_chart(&areas[0], caption, max_step, (lo - pad)..(hi + pad), false, path)?;
+    train_and_eval(&mut chart, &train, &evals, path)?;
+    let train = series(points, |p| p.reward_accuracy);
+    let evals = series(points, |p| p.eval_reward_accuracy);
+    // A little room either side, so that points at 0 or 1 are drawn whole.
+    let caption = "reward accuracy (chosen > rejected)";
+    let mut chart = step_chart(&areas[1], caption, max_step, -0.02..1.02, false, path)?;
+    train_and_eval(&mut chart, &train, &evals, path)
+}
+
 /// The loss panel: training and eval losses, on a log scale (log10 drawn, labelled with the
 /// values) when they span more than a decade.
-fn loss_panel(
-    area: &DrawingArea<BitMapBackend<'_>, plotters::coord::Shift>,
-    points: &[Point],
-    max_step: f64,
-    path: &Path,
-) -> Result<()> {
-    let err = |e: &dyn std::fmt::Display| anyhow!("drawing {}: {e}", path.display());
-    let good: Vec<(f64, f64)> =
-        points.iter().filter(|p| p.loss.is_finite()).map(|p| (p.step as f64, p.loss)).collect();
+fn loss_panel(area: &Area<'_>, points: &[Point], max_step: f64, path: &Path) -> Result<()> {
+    let good = series(points, |p| Some(p.loss));
     let evals = eval_series(points);
     let all = good.iter().chain(&evals).map(|p| p.1);
     let (lo, hi) = all.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), x| (a.min(x), b.max(x)));
@@ -119,13 +167,24 @@ fn loss_panel(
     let caption = if log { "loss (log scale)" } else { "loss" };
     let mut chart = step_chart(area, caption, max_step, (lo - pad)..(hi + pad), log, path)?;
     let scaled = |xy: &[(f64, f64)]| xy.iter().map(|&(x, v)| (x, y(v))).collect::<Vec<_>>();
+    train_and_eval(&mut chart, &scaled(&good), &scaled(&evals), path)
+}
+
+/// Draw a training series (a blue line) and, where there is one, an eval series (a red line
+/// with a dot at each evaluation) on `chart`, with their legend.
+fn train_and_eval<'a, 'b: 'a>(
+    chart: &mut StepChart<'a, 'b>,
+    train: &[(f64, f64)],
+    evals: &[(f64, f64)],
+    path: &Path,
+) -> Result<()> {
+    let err = |e: &dyn std::fmt::Display| anyhow!("drawing {}: {e}", path.display());
     chart
-        .draw_series(LineSeries::new(scaled(&good), &BLUE))
+        .draw_series(LineSeries::new(train.iter().copied(), &BLUE))
         .map_err(|e| err(&e))?
         .label("train")
         .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], BLUE));
     if !evals.is_empty() {
-        let evals = scaled(&evals);
         chart
             .draw_series(LineSeries::new(evals.iter().copied(), RED.stroke_width(2)))
             .map_err(|e| err(&e))?
@@ -169,19 +228,13 @@ fn tick_ascii(v: f64) -> String {
 /// A chart of `y` against the step (1..`max_step`) on `area`, captioned, with its mesh drawn;
 /// `log`: `y` is log10 of the values, labelled with the values.
 fn step_chart<'a, 'b>(
-    area: &'a DrawingArea<BitMapBackend<'b>, plotters::coord::Shift>,
+    area: &'a Area<'b>,
     caption: &str,
     max_step: f64,
     y: std::ops::Range<f64>,
     log: bool,
     path: &Path,
-) -> Result<
-    ChartContext<
-        'a,
-        BitMapBackend<'b>,
-        Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
-    >,
-> {
+) -> Result<StepChart<'a, 'b>> {
     let err = |e: &dyn std::fmt::Display| anyhow!("drawing {}: {e}", path.display());
     let mut chart = ChartBuilder::on(area)
         .margin(12)
@@ -290,10 +343,58 @@ mod tests {
         assert_eq!(pts.len(), 21);
         assert_eq!(pts[20].eval_loss, Some(0.3));
         assert_eq!(pts[20].tokens_per_s, 400.0);
+        // An SFT run has no reward fields, and its plot keeps its four panels' size.
+        let dpo_fields = |p: &Point| {
+            [p.reward_margin, p.reward_accuracy, p.eval_reward_margin, p.eval_reward_accuracy]
+        };
+        assert!(pts.iter().all(|p| dpo_fields(p) == [None; 4]));
         let png = dir.path().join("training.png");
         plot(&pts, &png, "test").unwrap();
-        let bytes = std::fs::read(&png).unwrap();
-        assert_eq!(&bytes[1..4], b"PNG");
+        assert_eq!(png_size(&png), (1200, 800));
+    }
+
+    #[test]
+    fn plots_a_dpo_run_with_its_rewards() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = dir.path().join("metrics.jsonl");
+        let mut text = String::new();
+        for step in 1..=4 {
+            let (margin, acc) = (0.1 * step as f64 - 0.15, 0.25 * step as f64);
+            text += &format!(
+                "{{\"step\":{step},\"loss\":0.69,\"grad_norm\":1.5,\"lr\":1e-6,\"tokens\":100,\
+                 \"step_s\":0.5,\"skipped\":false,\"rewards_chosen\":0.02,\
+                 \"rewards_rejected\":-0.01,\"reward_accuracy\":{acc},\"reward_margin\":{margin},\
+                 \"logps_chosen\":-40.5,\"logps_rejected\":-42.25}}\n"
+            );
+        }
+        // Step 4 also evaluates the held-out pairs.
+        text.insert_str(
+            text.len() - 2,
+            ",\"eval_loss\":0.68,\"eval_reward_accuracy\":0.5,\"eval_reward_margin\":0.03,\
+             \"eval_rewards_chosen\":0.01,\"eval_rewards_rejected\":-0.02,\
+             \"eval_logps_chosen\":-41.0,\"eval_logps_rejected\":-43.0",
+        );
+        std::fs::write(&m, text).unwrap();
+        let pts = read_metrics(&m).unwrap();
+        assert_eq!(pts.len(), 4);
+        assert_eq!(pts[0].reward_margin, Some(0.1 - 0.15));
+        assert_eq!(pts[3].reward_accuracy, Some(1.0));
+        assert_eq!(pts[2].eval_reward_margin, None);
+        assert_eq!(pts[3].eval_reward_margin, Some(0.03));
+        assert_eq!(pts[3].eval_reward_accuracy, Some(0.5));
+        assert_eq!(pts[3].eval_loss, Some(0.68));
+        let png = dir.path().join("training.png");
+        plot(&pts, &png, "dpo").unwrap();
+        // Two more panels beside the loss: a 2x3 grid of panels the SFT plot's size.
+        assert_eq!(png_size(&png), (1800, 800));
+    }
+
+    /// A PNG's (width, height), from its header (signature, then the IHDR chunk).
+    fn png_size(path: &Path) -> (u32, u32) {
+        let bytes = std::fs::read(path).unwrap();
+        assert_eq!(&bytes[1..4], b"PNG", "{} is not a PNG", path.display());
+        let be = |i: usize| u32::from_be_bytes(bytes[i..i + 4].try_into().unwrap());
+        (be(16), be(20))
     }
 }
 
