@@ -629,6 +629,16 @@ fn pinned_host_memory_is_the_plans_figure() {
     }
 }
 
+/// DPO's live reference (`dpo.reference: live`) on the CUDA device, uploaded from the masters'
+/// path and beside a weight image: the starting weights in bf16, bit for bit.
+#[test]
+fn dpo_live_reference_on_the_cuda_engine() {
+    use horizon::run::config::WeightPath;
+    for weights in [WeightPath::Masters, WeightPath::Image] {
+        common::dpo::live_reference_check(|| cuda(0, 0), BackendKind::Cuda, weights);
+    }
+}
+
 /// DPO (issue 47) on the CUDA device: each DPO fixture's steps (loss, grad norm) within the
 /// bf16 tolerances, with the whole batch as one micro-batch and with micro-batches of one row.
 #[test]

@@ -10,7 +10,7 @@ mod common;
 use std::path::Path;
 
 use common::dpo::{dir, expected, yaml};
-use horizon::run::config::RawConfig;
+use horizon::run::config::{BackendKind, RawConfig};
 use horizon::run::trainer::run_streaming;
 use serde_json::Value;
 
@@ -174,4 +174,50 @@ fn held_out_pairs_report_the_dpo_metrics() {
     for key in ["eval_loss", "eval_reward_accuracy", "eval_reward_margin", "eval_logps_chosen"] {
         assert!(last[key].as_f64().is_some_and(f64::is_finite), "{key}: {last}");
     }
+}
+
+/// `dpo.reference: live`'s copy on the CPU device ([`common::dpo::live_reference_check`]).
+#[test]
+fn the_live_reference_is_the_starting_weights_in_bf16() {
+    use horizon::engine::options::WeightPath;
+    use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig};
+    let dev = || CpuDevice::new(CpuDeviceConfig::with_capacity(64 << 20));
+    common::dpo::live_reference_check(dev, BackendKind::Cpu, WeightPath::Masters);
+}
+
+/// A full fine-tune with `dpo.reference: live`: TRL's steps within the bf16 copy's rounding,
+/// no reference file in the checkpoints, and a resume (the copy read again from the model)
+/// bit for bit the uninterrupted run.
+#[test]
+fn a_live_reference_trains_and_resumes() {
+    let case = "dpo_llama_full";
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dir(case).join("data.jsonl");
+    let live = |out: &Path| {
+        config(case, &data, out, "")
+            .replace("label_smoothing: 0.0 }", "label_smoothing: 0.0, reference: live }")
+    };
+    let whole = tmp.path().join("whole");
+    assert!(live(&whole).contains("reference: live"), "{}", live(&whole));
+    run(&live(&whole), None).unwrap();
+    let e = expected(case);
+    for (k, (got, want)) in
+        metrics(&whole).iter().zip(e["per_step"].as_array().unwrap()).enumerate()
+    {
+        for (key, tol) in [("loss", 2e-2), ("grad_norm", 5e-2)] {
+            let (g, w) = (got[key].as_f64().unwrap(), want[key].as_f64().unwrap());
+            assert!((g - w).abs() <= tol * w.abs(), "step {k} {key}: {g} vs {w}");
+        }
+    }
+    assert!(!whole.join("checkpoints/step-00000003/dpo_reference.bin").exists());
+    let parted = tmp.path().join("parted");
+    run(&live(&parted).replace("steps: 3,", "steps: 1,"), None).unwrap();
+    run(&live(&parted), Some("latest")).unwrap();
+    let strip = |mut v: Vec<Value>| {
+        v.iter_mut().for_each(|l| {
+            l.as_object_mut().unwrap().remove("step_s");
+        });
+        v
+    };
+    assert_eq!(strip(metrics(&whole)), strip(metrics(&parted)));
 }

@@ -52,6 +52,12 @@ impl MemoryPlan {
         }
     }
 
+    /// The plan with a host line of the run's own (`None`: as it is).
+    pub fn with_host(mut self, line: Option<(&'static str, u64)>) -> Self {
+        self.host.extend(line);
+        self
+    }
+
     /// The plan, saying where its row length comes from.
     pub fn sized_for(mut self, why: impl Into<String>) -> Self {
         self.seq_len_from = Some(why.into());

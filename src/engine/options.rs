@@ -271,6 +271,9 @@ pub struct EngineConfig {
     pub host_threads: HostThreads,
     /// `engine.pin_threads`: the host pool's threads each pinned to one of the last CPUs.
     pub pin_threads: bool,
+    /// Keep a page-locked bf16 copy of the weights the engine starts from, which a reference
+    /// pass uploads instead of the masters (DPO's `dpo.reference: live`).
+    pub reference_copy: bool,
 }
 
 impl EngineConfig {
@@ -311,6 +314,7 @@ impl EngineConfig {
             weights: WeightPath::Masters,
             host_threads: Default::default(),
             pin_threads: true,
+            reference_copy: false,
         }
     }
 }

@@ -107,6 +107,9 @@ pub struct Sizes {
     pub params: usize,
     /// bf16 elements of the weight image (`WeightPath::Image`; 0 without one).
     pub image: usize,
+    /// bf16 elements of the reference copy of the starting weights (`reference_copy`: every
+    /// trained element; 0 without one).
+    pub reference: usize,
     /// bf16 elements of each of the two weight stages (`WeightPath::Staged`, one per slot: the
     /// largest upload's trained weights, [`stage_elems`]; 0 without them).
     pub stage: usize,
@@ -229,6 +232,7 @@ impl Sizes {
                 + 2 * layout.rope.len(),
             params,
             image: if cfg.weight_path() == WeightPath::Image { image_elems(layout) } else { 0 },
+            reference: if cfg.reference_copy { tensor_bytes(&trained) / 4 } else { 0 },
             stage: if cfg.weight_path() == WeightPath::Staged {
                 stage_elems(layout, &head)
             } else {
@@ -393,6 +397,7 @@ impl Sizes {
             self.staging_bytes()
                 + self.device_pinned
                 + self.image * 2
+                + self.reference * 2
                 + self.stage_bytes()
                 + self.pinned_grads * 4
         } else {
@@ -435,6 +440,10 @@ impl Sizes {
         ]);
         if self.image > 0 {
             lines.push(("bf16 weight image (page-locked; engine.weight_upload)", self.image * 2));
+        }
+        if self.reference > 0 {
+            let copy = "DPO reference: the starting weights, bf16 (page-locked; dpo.reference)";
+            lines.push((copy, self.reference * 2));
         }
         if self.stage > 0 {
             let stages = "bf16 weight stages (2 of the largest upload, page-locked)";

@@ -710,6 +710,21 @@ pub fn embed_rows_frozen(out: &mut [f32], ids: &[i32], table: &Frozen, layout: &
     scale_embedded(out, layout);
 }
 
+/// [`embed_rows_frozen`] of a bf16 `table` (V, C): DPO's live reference copy.
+pub fn embed_rows_bf16(
+    out: &mut [f32],
+    ids: &[i32],
+    table: &[horizon_backend::bf16::Bf16],
+    layout: &ModelLayout,
+) {
+    let c = layout.dims.c;
+    for (row, &id) in out.chunks_exact_mut(c).zip(ids) {
+        let at = id as usize * c;
+        horizon_backend::bf16::expand_bf16(row, &table[at..at + c]);
+    }
+    scale_embedded(out, layout);
+}
+
 /// The embedding's backward: `dtable[ids] += dx * scale`, in place of `dx` (N, C), which it
 /// scales first.
 pub fn embed_rows_backward(dtable: &mut [f32], ids: &[i32], dx: &mut [f32], layout: &ModelLayout) {

@@ -704,6 +704,7 @@ impl RawConfig {
             weights: WeightPath::Masters,
             host_threads: self.engine.host_threads,
             pin_threads: self.engine.pin_threads,
+            reference_copy: self.dpo().is_some_and(|d| d.reference == ReferenceMode::Live),
         }
     }
 

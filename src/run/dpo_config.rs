@@ -4,6 +4,7 @@
 use anyhow::{Result, bail};
 use serde::{Deserialize, Serialize};
 
+use crate::adapter::AdapterType;
 use crate::model::dpo::{DpoLossKind, DpoObjective};
 use crate::run::config::{DataFormat, RawConfig};
 
@@ -29,7 +30,9 @@ pub enum ReferenceMode {
     /// One forward-only pass over the data before step 0 (adapters off, or the initial
     /// weights), two floats a pair kept in host RAM and saved with every checkpoint.
     Precomputed,
-    /// The initial weights streamed beside the policy every step (not built yet: refused).
+    /// Full fine-tuning: the initial weights kept as a bf16 copy in host RAM (2 B a
+    /// parameter, page-locked) and streamed through the device for each step's pairs, beside
+    /// the policy: no pass before step 0, nothing stored per pair, one more forward a step.
     Live,
 }
 
@@ -177,11 +180,10 @@ impl RawConfig {
                  sequences one per row; remove data.pack"
             );
         }
-        if d.reference == ReferenceMode::Live {
+        if d.reference == ReferenceMode::Live && self.adapter.kind != AdapterType::None {
             bail!(
-                "{origin}: dpo.reference: live is not built yet\nhint: use auto or \
-                 precomputed: the same reference (adapters off, or the initial weights), \
-                 computed once before step 0 and kept as two floats a pair"
+                "{origin}: dpo.reference: live is for full fine-tuning\nhint: with an adapter \
+                 the reference is the frozen base itself (adapters off): use auto"
             );
         }
         Ok(())
@@ -239,8 +241,11 @@ mod tests {
         assert!(e.contains("unknown loss type \"kto\""), "{e}");
         let e = dpo("{ beta: 0 }");
         assert!(e.contains("dpo.beta"), "{e}");
-        let e = dpo("{ reference: live }");
-        assert!(e.contains("not built yet"), "{e}");
+        let e = err(&format!(
+            "{PREF}train: {{ objective: dpo }}\ndpo: {{ reference: live }}\n\
+             adapter: {{ type: lora, r: 2, alpha: 4, targets: [q_proj] }}\n"
+        ));
+        assert!(e.contains("live is for full fine-tuning"), "{e}");
         let e = dpo("{ max_length: 1 }");
         assert!(e.contains("dpo.max_length"), "{e}");
         let e = err(

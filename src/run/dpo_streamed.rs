@@ -56,7 +56,7 @@ where
     /// The reference's log-probs: the engine's current weights over every pair.
     fn reference_now(&mut self) -> Result<Vec<(f64, f64)>> {
         let rows: Vec<(&Row, &Row)> = self.pairs.iter().map(|p| (&p.chosen, &p.rejected)).collect();
-        engine_logps(&mut self.engine, &rows, self.micro, &mut |_| {})
+        engine_logps(&mut self.engine, &rows, (self.micro, false), &mut |_| {})
     }
 
     /// The reference's log-probs of every pair.

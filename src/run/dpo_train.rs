@@ -25,8 +25,8 @@ use horizon_backend::Device;
 use crate::data::pretokenized::{PretokenizedDataset, Row};
 use crate::engine::exec::{Engine, StepParams};
 use crate::model::dpo::{DpoMetrics, DpoObjective, PairLogps};
-use crate::run::config::RunConfig;
-use crate::run::data::{BatchOrder, micro_batches};
+use crate::run::config::{RawConfig, ReferenceMode, RunConfig};
+use crate::run::data::{BatchOrder, Datasets, micro_batches};
 use crate::run::dpo_reference::{DpoStep, completion_tokens};
 
 /// The checkpoint file of the reference's log-probs.
@@ -103,12 +103,13 @@ fn pair_logps(pairs: &[PairRef], logps: &[f64]) -> Vec<PairLogps> {
         .collect()
 }
 
-/// Each pair's (chosen, rejected) log-probs with the engine's current weights, `micro` pairs
-/// an engine pass; `done` is told how many pairs are done after each.
+/// Each pair's (chosen, rejected) log-probs with the engine's current weights (`reference`:
+/// its reference copy's, [`Engine::reference_row_logps`]), `micro` pairs an engine pass;
+/// `done` is told how many pairs are done after each.
 pub fn engine_logps<D: Device>(
     engine: &mut Engine<D>,
     pairs: &[(&Row, &Row)],
-    micro: usize,
+    (micro, reference): (usize, bool),
     done: &mut dyn FnMut(usize),
 ) -> Result<Vec<(f64, f64)>>
 where
@@ -118,7 +119,11 @@ where
     for group in pairs.chunks(micro.max(1)) {
         let rows: Vec<&Row> = group.iter().map(|p| p.0).chain(group.iter().map(|p| p.1)).collect();
         let mbs = micro_batches(&rows, engine.config().micro_batch_size);
-        let logps = engine.row_logps(mbs)?.concat();
+        let logps = match reference {
+            true => engine.reference_row_logps(mbs)?,
+            false => engine.row_logps(mbs)?,
+        };
+        let logps = logps.concat();
         let m = group.len();
         out.extend((0..m).map(|i| (logps[i], logps[m + i])));
         done(out.len());
@@ -138,6 +143,9 @@ pub struct DpoRun {
     order: BatchOrder,
     /// Pairs a TRL micro-batch.
     micro: usize,
+    /// `dpo.reference: live`: the reference's log-probs from the engine's reference copy,
+    /// step by step (`reference` stays empty).
+    live: bool,
     /// A step's pair indices and rows (read into, step after step).
     idx: Vec<usize>,
     rows: Vec<Row>,
@@ -166,8 +174,10 @@ impl DpoRun {
         let objective = raw.dpo().context("a DPO run without dpo settings")?.objective()?;
         let (t, micro) = (&raw.train, raw.train.micro_batch_rows());
         let train_pairs = train.len() / 2;
-        let fingerprint = fingerprint(train, eval)?;
+        let live = engine.config().reference_copy;
+        let fingerprint = if live { 0 } else { fingerprint(train, eval)? };
         let reference = match resume {
+            _ if live => Vec::new(),
             Some(dir) => read_reference(&dir.join(REFERENCE_FILE), fingerprint, train, eval)?,
             None => compute_reference(engine, (train, eval), micro, cfg.adapter.is_some())?,
         };
@@ -178,6 +188,7 @@ impl DpoRun {
             fingerprint,
             order: BatchOrder::new(train_pairs, t.batch_size, raw.data.shuffle, t.seed),
             micro,
+            live,
             idx: Vec::new(),
             rows: Vec::new(),
         })
@@ -208,12 +219,13 @@ impl DpoRun {
             data.read_row(2 * p + 1, &mut self.rows[2 * j + 1])?;
         }
         let tokens = self.rows.iter().map(|r| r.input_ids.len()).sum();
-        let pairs: Vec<PairRef> = (self.idx.iter().enumerate())
-            .map(|(j, &p)| PairRef {
-                chosen: &self.rows[2 * j],
-                rejected: &self.rows[2 * j + 1],
-                reference: self.reference[p],
-            })
+        let rows: Vec<(&Row, &Row)> = self.rows.chunks(2).map(|p| (&p[0], &p[1])).collect();
+        let reference = match self.live {
+            true => engine_logps(engine, &rows, (self.micro, true), &mut |_| {})?,
+            false => self.idx.iter().map(|&p| self.reference[p]).collect(),
+        };
+        let pairs: Vec<PairRef> = (rows.iter().zip(reference))
+            .map(|(&(chosen, rejected), reference)| PairRef { chosen, rejected, reference })
             .collect();
         let mut pairs = pairs.into_iter();
         let groups: Vec<Vec<PairRef>> = (0..self.idx.len().div_ceil(self.micro))
@@ -240,18 +252,19 @@ impl DpoRun {
                 .map(|&p| Ok((eval.row(2 * p)?, eval.row(2 * p + 1)?)))
                 .collect::<Result<Vec<_>>>()?;
             let refs: Vec<(&Row, &Row)> = rows.iter().map(|(c, r)| (c, r)).collect();
-            let logps = engine_logps(engine, &refs, self.micro, &mut |_| {})?;
-            let pairs: Vec<PairLogps> = (idx.iter().zip(&rows).zip(logps))
-                .map(|((&p, (c, r)), (pc, pr))| {
-                    let (rc, rr) = self.reference[self.train_pairs + p];
-                    PairLogps {
-                        policy_chosen: pc,
-                        policy_rejected: pr,
-                        ref_chosen: rc,
-                        ref_rejected: rr,
-                        chosen_tokens: completion_tokens(c),
-                        rejected_tokens: completion_tokens(r),
-                    }
+            let logps = engine_logps(engine, &refs, (self.micro, false), &mut |_| {})?;
+            let reference = match self.live {
+                true => engine_logps(engine, &refs, (self.micro, true), &mut |_| {})?,
+                false => idx.iter().map(|&p| self.reference[self.train_pairs + p]).collect(),
+            };
+            let pairs: Vec<PairLogps> = (rows.iter().zip(logps).zip(reference))
+                .map(|(((c, r), (pc, pr)), (rc, rr))| PairLogps {
+                    policy_chosen: pc,
+                    policy_rejected: pr,
+                    ref_chosen: rc,
+                    ref_rejected: rr,
+                    chosen_tokens: completion_tokens(c),
+                    rejected_tokens: completion_tokens(r),
                 })
                 .collect();
             let out = self.objective.micro_batch(&pairs);
@@ -264,6 +277,9 @@ impl DpoRun {
 
     /// The files a checkpoint carries: the reference's log-probs.
     pub fn checkpoint_files(&self) -> Vec<(&'static str, Vec<u8>)> {
+        if self.live {
+            return Vec::new();
+        }
         let mut b = Vec::with_capacity(32 + 16 * self.reference.len());
         b.extend_from_slice(MAGIC);
         b.extend_from_slice(&self.fingerprint.to_le_bytes());
@@ -304,7 +320,7 @@ where
                 .collect::<Result<Vec<_>>>()?;
             let refs: Vec<(&Row, &Row)> = rows.iter().map(|(c, r)| (c, r)).collect();
             let base = out.len();
-            out.extend(engine_logps(engine, &refs, micro, &mut |n| {
+            out.extend(engine_logps(engine, &refs, (micro, false), &mut |n| {
                 bar.set_position((base + n) as u64)
             })?);
         }
@@ -331,6 +347,17 @@ fn reference_bar(total: usize) -> indicatif::ProgressBar {
     .progress_chars("=> ");
     bar.set_style(style);
     bar
+}
+
+/// The plan's host line of a precomputed reference (`dpo.reference: auto | precomputed`): two
+/// f64 a pair, training and held-out. (A live reference's copy is the engine's own line.)
+pub fn reference_line(raw: &RawConfig, sets: &Datasets) -> Option<(&'static str, u64)> {
+    let d = raw.dpo()?;
+    if d.reference == ReferenceMode::Live {
+        return None;
+    }
+    let pairs = (sets.train.len() + sets.eval.as_ref().map_or(0, |e| e.len())) / 2;
+    Some(("DPO reference log-probs (precomputed, 16 B a pair)", 16 * pairs as u64))
 }
 
 /// A fingerprint of the training and held-out pairs, in order: every row's ids and labels.

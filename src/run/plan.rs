@@ -22,6 +22,7 @@ use crate::model::lora::LoraSpec;
 use crate::optim::decay::DecayGroups;
 use crate::run::config::{ByteSize, OptimizerMemory, RawConfig, RunConfig};
 use crate::run::data::{SeqLen, load_datasets};
+use crate::run::dpo_train::reference_line;
 use crate::run::load::{model_config, run_layout, split_targets};
 
 /// The plan of `cfg` as run (its own mode), and the report `horizon plan` prints.
@@ -114,9 +115,9 @@ pub fn report(cfg: &RunConfig, host_memory: Option<u64>) -> Result<PlanReport> {
     let model = model_config(raw)?;
     // Sized for the data's longest row, as `horizon train` sizes it; when the data cannot be
     // read (no data.path yet, say), for train.max_seq_len, and the plan says so.
-    let seq_len = match load_datasets(raw, model.vocab_size) {
-        Ok(sets) => SeqLen::of_data(raw, &sets),
-        Err(e) => SeqLen::assumed(raw, &format!("the data could not be read ({e:#})")),
+    let (seq_len, reference) = match load_datasets(raw, model.vocab_size) {
+        Ok(sets) => (SeqLen::of_data(raw, &sets), reference_line(raw, &sets)),
+        Err(e) => (SeqLen::assumed(raw, &format!("the data could not be read ({e:#})")), None),
     };
     let ecfg = EngineConfig { seq_len: seq_len.len, ..raw.engine_config() };
     let budget = match raw.device.memory {
@@ -124,7 +125,8 @@ pub fn report(cfg: &RunConfig, host_memory: Option<u64>) -> Result<PlanReport> {
         ByteSize::Bytes(b) => Some(b),
     };
     let layout = run_layout(raw, &model, cfg.adapter.as_ref())?;
-    let mut plan = plan_for_layout(&layout, &ecfg, budget).sized_for(&seq_len.why);
+    let plan = plan_for_layout(&layout, &ecfg, budget).sized_for(&seq_len.why);
+    let mut plan = plan.with_host(reference);
     if host_memory.is_some() {
         plan.host_available = host_memory;
     }

@@ -105,11 +105,17 @@ where
         cfg.raw.train.resolve_epochs(examples);
         println!("{}", epochs_line(&cfg.raw.train, examples, unit));
         let raw = &cfg.raw;
-        let (ecfg, plan) = plan_run(raw, &layout, &SeqLen::of_data(raw, &sets))?;
+        let reference = crate::run::dpo_train::reference_line(raw, &sets);
+        let (ecfg, plan) = plan_run(raw, &layout, &SeqLen::of_data(raw, &sets), reference)?;
         let HostStart { state, base, base_hash } = host_state(&cfg, &model_cfg, &layout, resume)?;
         let dev = make_dev(raw, &plan)?;
         let mut engine = Engine::with_layout(dev, layout.clone(), base, state, ecfg)?;
         let rows = StepRows::new(&cfg, &sets.train);
+        if engine.config().reference_copy && resume.is_some() {
+            // DPO's live reference is the starting weights; the checkpoint holds trained ones.
+            let rm = load_weights(&cfg.raw, None, model_cfg.clone(), layout.clone())?;
+            engine.set_reference(&rm.params)?;
+        }
         let dpo = match cfg.raw.dpo() {
             Some(_) => {
                 let sets = (&sets.train, sets.eval.as_ref());
@@ -251,6 +257,7 @@ fn plan_run(
     raw: &RawConfig,
     layout: &ModelLayout,
     seq_len: &SeqLen,
+    host_line: Option<(&'static str, u64)>,
 ) -> Result<(EngineConfig, MemoryPlan)> {
     let ecfg = EngineConfig { seq_len: seq_len.len, ..raw.engine_config() };
     let budget = match raw.device.memory {
@@ -261,7 +268,7 @@ fn plan_run(
     let machine = Machine::new(raw.device.backend, budget, host);
     let (recompute, upload) = (raw.engine.recompute, raw.engine.weight_upload);
     let ecfg = resolve(layout, ecfg, recompute, upload, &machine);
-    let plan = machine.plan(layout, &ecfg).sized_for(&seq_len.why);
+    let plan = machine.plan(layout, &ecfg).sized_for(&seq_len.why).with_host(host_line);
     let upload_words = match ecfg.weights {
         WeightPath::Image => {
             "a page-locked bf16 image of the trained weights, written by the optimizer"

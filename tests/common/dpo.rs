@@ -154,3 +154,56 @@ where
         (0..e["steps"].as_u64().unwrap() as usize).map(|s| t.step(s, lr).unwrap()).collect();
     (steps, t.engine.into_state().params)
 }
+
+/// `dpo.reference: live`'s copy on `dev()`'s device: a reference pass gives, bit for bit, the
+/// log-probs of an engine whose masters are the starting weights rounded to bf16, before and
+/// after a step changes the masters.
+pub fn live_reference_check<D: Device>(
+    dev: impl Fn() -> D,
+    backend: BackendKind,
+    weights: horizon::engine::options::WeightPath,
+) where
+    D::Backend: 'static,
+{
+    use horizon::engine::exec::{Engine, StepParams};
+    use horizon::engine::options::EngineConfig;
+    use horizon::model::params::ParamStore;
+    use horizon::run::config::OptimizerMemory;
+    use horizon::run::data::micro_batches;
+    use horizon::run::load::{RunModel, load_run_model};
+    use horizon::store::TrainState;
+    use horizon_backend::bf16::{Bf16, expand_bf16, round_to_bf16};
+
+    let case = "dpo_llama_full";
+    let e = expected(case);
+    let cfg = RawConfig::from_yaml(&yaml(case, ""), case).unwrap().resolve(case).unwrap();
+    let RunModel { layout, params, .. } = load_run_model(&cfg.raw, None).unwrap();
+    let pairs = pairs(case);
+    let rows: Vec<_> = pairs.iter().flat_map(|p| [&p.chosen, &p.rejected]).collect();
+    let seq = rows.iter().map(|r| r.input_ids.len()).max().unwrap();
+    let engine = |p: ParamStore, copy: bool| {
+        let ecfg = EngineConfig {
+            batch_size: 8,
+            micro_batch_size: 4,
+            reference_copy: copy,
+            backend,
+            weights,
+            ..super::engine_config_for(&e, seq, 1, 4)
+        };
+        let state = TrainState::for_memory(p, &layout, OptimizerMemory::Exact);
+        Engine::with_layout(dev(), layout.clone(), None, state, ecfg).unwrap()
+    };
+    let mbs = micro_batches(&rows[..8], 4);
+    let mut rounded = params.clone();
+    for b in rounded.buffers_mut() {
+        let mut half = vec![Bf16::default(); b.len()];
+        round_to_bf16(&mut half, b);
+        expand_bf16(b, &half);
+    }
+    let want = engine(rounded, false).row_logps(mbs.clone()).unwrap();
+    let mut live = engine(params, true);
+    assert_eq!(live.reference_row_logps(mbs.clone()).unwrap(), want, "{backend:?} {weights:?}");
+    live.step(mbs.clone(), StepParams { lr: 1e-2, inject_nan: false }).unwrap();
+    assert_ne!(live.row_logps(mbs.clone()).unwrap(), want, "the step changed the masters");
+    assert_eq!(live.reference_row_logps(mbs).unwrap(), want, "a step leaves the copy");
+}

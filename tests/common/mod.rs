@@ -160,6 +160,7 @@ pub fn engine_config_for(
         weights: horizon::engine::options::WeightPath::Masters,
         host_threads: horizon::run::config::HostThreads::Auto,
         pin_threads: true,
+        reference_copy: false,
     }
 }
 

@@ -81,6 +81,7 @@ where
             memory: cfg.memory,
             devbufs,
             hostbufs,
+            reference_pass: Default::default(),
         });
         let events = [reached(schedule.len()), reached(schedule.len())];
         let engine = Engine {
@@ -241,6 +242,7 @@ pub(super) struct HostOwned<D: Device> {
     _dx_stage: Vec<D::Staging<f32>>,
     _loss_host: Vec<D::Staging<f32>>,
     _images: Vec<Option<D::Staging<Bf16>>>,
+    _reference: Vec<Option<D::Staging<Bf16>>>,
     _stages: Vec<D::Staging<Bf16>>,
 }
 
@@ -271,6 +273,7 @@ fn alloc_host<D: Device>(
         _dx_stage: per_mb(sizes.act),
         _loss_host: per_mb(n),
         _images: weight_images(dev, &state.params, layout, cfg),
+        _reference: reference_copy(dev, &state.params, cfg),
         _stages: (0..n_stages).map(|_| dev.alloc_staging::<Bf16>(sizes.stage)).collect(),
     };
     let bufs = |ps: &mut ParamStore| ps.buffers_mut().into_iter().map(handle).collect();
@@ -287,6 +290,7 @@ fn alloc_host<D: Device>(
         grads: bufs(&mut state.grads),
         moments: MomentHandle::all(&mut state.opt),
         images: h._images.iter_mut().map(|i| i.as_mut().map(|s| handle(s))).collect(),
+        reference: h._reference.iter_mut().map(|i| i.as_mut().map(|s| handle(s))).collect(),
         stages: h._stages.iter_mut().map(|s| handle(s)).collect(),
         ckpt: h._ckpt.iter_mut().map(handles).collect(),
         slabs,
@@ -295,6 +299,22 @@ fn alloc_host<D: Device>(
         loss_host: handles(&mut h._loss_host),
     };
     (h, b)
+}
+
+/// The reference copy (`EngineConfig::reference_copy`): every non-empty buffer of `params`
+/// rounded to bf16, page-locked; none without one.
+fn reference_copy<D: Device>(
+    dev: &D,
+    params: &ParamStore,
+    cfg: &EngineConfig,
+) -> Vec<Option<D::Staging<Bf16>>> {
+    let copy = |p: &[f32]| {
+        let mut s = dev.alloc_staging::<Bf16>(p.len());
+        round_to_bf16(&mut s, p);
+        s
+    };
+    let bufs = params.buffers().into_iter();
+    bufs.map(|p| (cfg.reference_copy && !p.is_empty()).then(|| copy(p))).collect()
 }
 
 /// The page-locked bf16 images of `params` the engine uploads from (`WeightPath::Image` on a

@@ -112,6 +112,9 @@ pub(super) struct Ctx {
     pub(super) moe: Option<Mutex<super::moe::MoeState>>,
     /// Seconds of queue work by phase (shared with the engine's kernel timers).
     pub(super) phases: Arc<PhaseClock>,
+    /// Set while a reference pass runs (between two steps, the device idle before and after):
+    /// uploads and the embedding gather read the reference copy instead of the masters.
+    pub(super) reference_pass: std::sync::atomic::AtomicBool,
 }
 
 /// Every device buffer of the engine, allocated once ([`super::alloc::alloc_device`]).
@@ -155,6 +158,9 @@ pub(super) struct HostBuffers {
     /// Image`): written with the masters by every update, uploaded as it is. Declared
     /// by the plan as part of `Res::Params` (the same writers and readers).
     pub(super) images: Vec<Option<HostPtrMut<Bf16>>>,
+    /// Per param buffer, its page-locked bf16 reference copy (`EngineConfig::reference_copy`):
+    /// the starting weights, read by reference passes only.
+    pub(super) reference: Vec<Option<HostPtrMut<Bf16>>>,
     /// Staged uploads (`WeightPath::Staged`): per weight slot, its page-locked bf16 stage
     /// (`Res::WeightStage`), rounded from the masters by `StageWeights`; empty otherwise.
     pub(super) stages: Vec<HostPtrMut<Bf16>>,
@@ -570,10 +576,22 @@ impl Ctx {
     pub(super) fn upload_src(&self, g: &Grant, p: ParamBuf) -> Trained {
         g.check(Res::Params(p), false);
         let i = self.param_index(p);
+        if let Some(r) = self.reference_copy(i) {
+            return Trained::Image(r);
+        }
         match self.hostbufs.images[i] {
             Some(img) => Trained::Image(img.as_const()),
             None => Trained::Masters(self.hostbufs.params[i].as_const()),
         }
+    }
+    /// Buffer `i`'s reference copy while a reference pass runs.
+    pub(super) fn reference_copy(&self, i: usize) -> Option<HostPtr<Bf16>> {
+        let on = self.reference_pass.load(std::sync::atomic::Ordering::Acquire);
+        if !on {
+            return None;
+        }
+        let copy = self.hostbufs.reference[i].expect("a reference pass needs the copy");
+        Some(copy.as_const())
     }
     pub(super) fn tiled(&self) -> &TiledHead {
         self.devbufs.tiled.as_ref().expect("the plan tiles the head only when the engine does")

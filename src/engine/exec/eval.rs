@@ -12,12 +12,14 @@
 //! same order: on the CPU device the losses are the same bits.
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use anyhow::{Result, bail};
 use horizon_backend::Device;
 use horizon_backend::bf16::round_to_bf16;
 
 use super::{Engine, MicroBatch, StepData};
+use crate::model::params::ParamStore;
 
 /// What an eval pass measured: the summed loss and the loss-carrying positions.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -74,6 +76,34 @@ where
             out.push(losses.chunks(t).map(row).collect());
         }
         Ok(out)
+    }
+
+    /// As [`Engine::row_logps`], with the reference copy (`EngineConfig::reference_copy`: the
+    /// starting weights in bf16, DPO's `dpo.reference: live`) uploaded in place of the masters.
+    pub fn reference_row_logps(&mut self, mbs: Vec<MicroBatch>) -> Result<Vec<Vec<f64>>> {
+        assert!(self.cfg.reference_copy, "a reference pass without the reference copy");
+        self.dev.synchronize();
+        self.ctx.reference_pass.store(true, Ordering::Release);
+        let out = self.row_logps(mbs);
+        self.dev.synchronize();
+        self.ctx.reference_pass.store(false, Ordering::Release);
+        out
+    }
+
+    /// Rounds `params` (the model's layout) into the reference copy: a resumed run's starting
+    /// weights, read again from the model. Between steps.
+    pub fn set_reference(&mut self, params: &ParamStore) -> Result<()> {
+        assert!(self.cfg.reference_copy, "set_reference without the reference copy");
+        self.dev.synchronize();
+        self.check_device()?;
+        for (copy, p) in self.ctx.hostbufs.reference.iter().zip(params.buffers()) {
+            if let Some(copy) = *copy {
+                assert_eq!(copy.len(), p.len(), "the reference's buffers are the model's");
+                // SAFETY: the device is idle and no host op runs: nothing reads the copy.
+                unsafe { round_to_bf16(copy.as_mut_slice(), p) };
+            }
+        }
+        Ok(())
     }
 
     /// Turns an adapter run's adapters off: every trained tensor zero (adds exactly nothing to

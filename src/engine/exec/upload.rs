@@ -15,7 +15,7 @@ use crate::engine::phases::Phase;
 use crate::engine::plan::{ActSource, Op, OpKind, ParamBuf, Res, SlotContent};
 use crate::engine::slots::{FrozenTensor, Source};
 use crate::model::base::{Frozen, words_as_f32};
-use crate::model::transformer::{embed_rows_by, embed_rows_frozen};
+use crate::model::transformer::{embed_rows_bf16, embed_rows_by, embed_rows_frozen};
 
 /// Where an upload takes a slot's trained weights from.
 #[derive(Clone, Copy)]
@@ -71,6 +71,8 @@ where
         grant.check(Res::EmbedNext, false);
         let ctx = &self.ctx;
         let table = ctx.hostbufs.params[ctx.param_index(ParamBuf::Embed)].as_const();
+        // A reference pass gathers from the reference copy (decided now, as the op is queued).
+        let reference = ctx.reference_copy(ctx.param_index(ParamBuf::Embed));
         let stage = ctx.staging(grant, Res::EmbStage(m), true);
         let (ctx, sd) = (ctx.clone(), sd.clone());
         self.dev.host_on(
@@ -86,9 +88,14 @@ where
                 let out = unsafe { stage.sub(0..nc).as_mut_slice() };
                 // SAFETY: as above, for each row gathered.
                 let row = |r: usize| unsafe { table.sub(r * c..(r + 1) * c).as_slice() };
-                match &ctx.base {
-                    None => embed_rows_by(out, &sd.mbs[m].ids, row, &ctx.layout),
-                    Some(b) => embed_rows_frozen(out, &sd.mbs[m].ids, &b.embed, &ctx.layout),
+                let ids = &sd.mbs[m].ids;
+                match (&ctx.base, reference) {
+                    // SAFETY: the reference copy is written only while the device is idle.
+                    (None, Some(r)) => {
+                        embed_rows_bf16(out, ids, unsafe { r.as_slice() }, &ctx.layout)
+                    }
+                    (None, None) => embed_rows_by(out, ids, row, &ctx.layout),
+                    (Some(b), _) => embed_rows_frozen(out, ids, &b.embed, &ctx.layout),
                 }
                 if sd.timed {
                     ctx.phases.add(Phase::Embedding, t0);
