@@ -221,3 +221,31 @@ fn a_live_reference_trains_and_resumes() {
     };
     assert_eq!(strip(metrics(&whole)), strip(metrics(&parted)));
 }
+
+/// `horizon plan` of a DPO run counts its reference: a precomputed reference's two f64 a
+/// training and held-out pair, or a live reference's bf16 copy of the trained weights (and
+/// nothing per pair).
+#[test]
+fn the_plan_counts_the_reference() {
+    let case = "dpo_llama_full";
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dir(case).join("data.jsonl");
+    let plan = |extra: &str, live: bool| {
+        let mut yaml = config(case, &data, &tmp.path().join("out"), extra);
+        if live {
+            yaml =
+                yaml.replace("label_smoothing: 0.0 }", "label_smoothing: 0.0, reference: live }");
+        }
+        let cfg = RawConfig::from_yaml(&yaml, "dpo.yaml").unwrap().resolve("dpo.yaml").unwrap();
+        horizon::run::plan::report(&cfg, Some(1 << 30)).unwrap()
+    };
+    let pre = plan("", false);
+    let line = ("DPO reference log-probs (precomputed, 16 B a pair)", 16 * 12);
+    assert!(pre.plan.host.contains(&line), "{}", pre.text);
+    assert!(pre.text.contains("DPO reference log-probs"), "{}", pre.text);
+    let live = plan("", true);
+    let copy = live.plan.host.iter().find(|(k, _)| k.starts_with("DPO reference: the starting"));
+    assert_eq!(copy.map(|c| c.1), Some(2 * live.plan.params), "{}", live.text);
+    assert!(!live.text.contains("log-probs (precomputed"), "{}", live.text);
+    assert_eq!(live.plan.host_total() - pre.plan.host_total(), 2 * live.plan.params - 16 * 12);
+}

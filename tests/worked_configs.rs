@@ -41,7 +41,7 @@ fn hub_model(raw: &RawConfig) -> Option<HubId> {
 #[test]
 fn every_worked_config_parses() {
     let all = configs();
-    assert!(all.len() >= 7, "{all:?}");
+    assert!(all.len() >= 9, "{all:?}");
     for path in all {
         RawConfig::from_file(&path).unwrap_or_else(|e| panic!("{}: {e:#}", path.display()));
     }
@@ -75,16 +75,22 @@ fn every_hub_config_plans_against_its_real_shape() {
         let line = format!("model.path {id}: commit {}", commit(1));
         assert!(out.contains(&line), "{}: {line:?} in\n{out}", path.display());
         assert!(out.contains("memory plan (") && out.contains(" parameters)"), "{out}");
-        assert!(out.contains("train.max_seq_len, assumed"), "{}: {out}", path.display());
+        let key = if raw.dpo().is_some() { "dpo.max_length" } else { "train.max_seq_len" };
+        assert!(out.contains(&format!("{key}, assumed")), "{}: {out}", path.display());
+        if raw.dpo().is_some() {
+            assert!(out.contains("DPO reference log-probs"), "{}: {out}", path.display());
+        }
         assert!(out.ends_with("fits\n"), "{}: {out}", path.display());
         let layers = cfg["num_hidden_layers"].as_u64().unwrap();
         assert!(out.contains(&format!("this model ({layers} layers)")), "{out}");
         planned.push(path.file_name().unwrap().to_str().unwrap().to_string());
     }
     for want in [
+        "llama-3.1-8b-dpo-lora.yaml",
         "llama-3.1-8b-lora.yaml",
         "llama-3.1-8b-qlora.yaml",
         "qwen3-0.6b-chat-sft.yaml",
+        "qwen3-0.6b-dpo-full.yaml",
         "qwen3-0.6b-full.yaml",
         "qwen3-32b-qlora.yaml",
     ] {

@@ -124,7 +124,11 @@ pub fn load_datasets(raw: &RawConfig, vocab_size: usize) -> Result<Datasets> {
         None => (all(&store), None),
     };
     if let Some(e) = &eval {
-        println!("eval: {} rows held out ({})", e.len(), e.path.display());
+        let what = match d.format {
+            DataFormat::Preference => format!("{} pairs", e.len() / 2),
+            _ => format!("{} rows", e.len()),
+        };
+        println!("eval: {what} held out ({})", e.path.display());
     }
     Ok(Datasets {
         train: PretokenizedDataset::new(store, &rows, pack, &path),
@@ -183,8 +187,8 @@ impl SeqLen {
 
     /// `train.max_seq_len`, assumed because the data's rows are not known (`why`).
     pub fn assumed(raw: &RawConfig, why: &str) -> SeqLen {
-        let len = raw.train.max_seq_len;
-        SeqLen { len, why: format!("train.max_seq_len, assumed: {why}"), train_tokens: None }
+        let (len, key) = (raw.row_limit(), limit_key(raw));
+        SeqLen { len, why: format!("{key}, assumed: {why}"), train_tokens: None }
     }
 }
 

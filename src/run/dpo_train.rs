@@ -351,11 +351,15 @@ fn reference_bar(total: usize) -> indicatif::ProgressBar {
 
 /// The plan's host line of a precomputed reference (`dpo.reference: auto | precomputed`): two
 /// f64 a pair, training and held-out. (A live reference's copy is the engine's own line.)
-pub fn reference_line(raw: &RawConfig, sets: &Datasets) -> Option<(&'static str, u64)> {
+/// `sets`: `None` when the data could not be read (the line says it is not counted).
+pub fn reference_line(raw: &RawConfig, sets: Option<&Datasets>) -> Option<(&'static str, u64)> {
     let d = raw.dpo()?;
     if d.reference == ReferenceMode::Live {
         return None;
     }
+    let Some(sets) = sets else {
+        return Some(("DPO reference log-probs (16 B a pair; the data unread, not counted)", 0));
+    };
     let pairs = (sets.train.len() + sets.eval.as_ref().map_or(0, |e| e.len())) / 2;
     Some(("DPO reference log-probs (precomputed, 16 B a pair)", 16 * pairs as u64))
 }

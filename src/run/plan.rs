@@ -116,8 +116,11 @@ pub fn report(cfg: &RunConfig, host_memory: Option<u64>) -> Result<PlanReport> {
     // Sized for the data's longest row, as `horizon train` sizes it; when the data cannot be
     // read (no data.path yet, say), for train.max_seq_len, and the plan says so.
     let (seq_len, reference) = match load_datasets(raw, model.vocab_size) {
-        Ok(sets) => (SeqLen::of_data(raw, &sets), reference_line(raw, &sets)),
-        Err(e) => (SeqLen::assumed(raw, &format!("the data could not be read ({e:#})")), None),
+        Ok(sets) => (SeqLen::of_data(raw, &sets), reference_line(raw, Some(&sets))),
+        Err(e) => {
+            let why = format!("the data could not be read ({e:#})");
+            (SeqLen::assumed(raw, &why), reference_line(raw, None))
+        }
     };
     let ecfg = EngineConfig { seq_len: seq_len.len, ..raw.engine_config() };
     let budget = match raw.device.memory {

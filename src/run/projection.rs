@@ -165,6 +165,16 @@ pub fn projection(cfg: &RunConfig, name: &str) -> Result<ProjectionRun> {
     )?;
     let real_fraction = seq.real_fraction();
     render(&mut text, &hw, &chosen, cpu, real_fraction)?;
+    if let Some(d) = raw.dpo() {
+        let live = d.reference == crate::run::config::ReferenceMode::Live;
+        writeln!(
+            text,
+            "  train.objective: dpo: a step also runs forward-only passes over its rows (the \
+             policy's log-probs{}), not in these figures: about +{}% of a step's compute",
+            if live { ", and the live reference's" } else { "" },
+            if live { 67 } else { 33 }
+        )?;
+    }
     flops_line(&mut text, layout.trains_base())?;
     if !cpu
         && let Some((p, e)) = fastest_fit(&base, &machine, tokens)

@@ -105,7 +105,7 @@ where
         cfg.raw.train.resolve_epochs(examples);
         println!("{}", epochs_line(&cfg.raw.train, examples, unit));
         let raw = &cfg.raw;
-        let reference = crate::run::dpo_train::reference_line(raw, &sets);
+        let reference = crate::run::dpo_train::reference_line(raw, Some(&sets));
         let (ecfg, plan) = plan_run(raw, &layout, &SeqLen::of_data(raw, &sets), reference)?;
         let HostStart { state, base, base_hash } = host_state(&cfg, &model_cfg, &layout, resume)?;
         let dev = make_dev(raw, &plan)?;
@@ -810,11 +810,12 @@ where
     D::Backend: 'static,
 {
     println!(
-        "model: {} layers, hidden {}, {} params; data: {} rows; {} micro-batch(es) per step, checkpoint every {} layers; host threads: {} (engine.host_threads: {})",
+        "model: {} layers, hidden {}, {} params; data: {} {}; {} micro-batch(es) per step, checkpoint every {} layers; host threads: {} (engine.host_threads: {})",
         tr.model_cfg.num_layers,
         tr.model_cfg.hidden_size,
         tr.engine.sizes().params,
-        tr.data.len(),
+        tr.examples(),
+        examples_of(&tr.cfg.raw, 0).1,
         tr.engine.sizes().micro_batches,
         tr.cfg.raw.engine.checkpoint_every,
         tr.engine.host_threads(),
