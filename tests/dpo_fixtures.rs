@@ -191,7 +191,7 @@ fn streamed_engine_matches_the_reference_path_and_trl() {
 }
 
 /// A random-model engine for the benchmark: `adapter` is the YAML line of the adapter (or
-/// empty), rows of `t` tokens, `rows` a step.
+/// empty; `# live`: with the live reference's copy), rows of `t` tokens, `rows` a step.
 fn bench_engine(
     adapter: &str,
     rows: usize,
@@ -208,15 +208,20 @@ fn bench_engine(
     let cfg = RawConfig::from_yaml(&yaml, "bench").unwrap().resolve("bench").unwrap();
     let RunModel { layout, params, base, .. } =
         load_run_model(&cfg.raw, cfg.adapter.as_ref()).unwrap();
-    let ecfg = horizon::engine::options::EngineConfig { seq_len: t, ..cfg.raw.engine_config() };
+    let live = adapter.contains("live");
+    let ecfg = horizon::engine::options::EngineConfig {
+        seq_len: t,
+        reference_copy: live,
+        ..cfg.raw.engine_config()
+    };
     let state = horizon::store::TrainState::for_memory(params, &layout, ecfg.memory);
     let dev = CpuDevice::new(CpuDeviceConfig::with_capacity(1 << 30));
     Engine::with_layout(dev, layout, base.map(std::sync::Arc::new), state, ecfg).unwrap()
 }
 
-/// What a DPO step costs against an SFT step over the same rows, and the precomputed
-/// reference pass against an epoch (issue 47's benchmark): medians of interleaved runs on the
-/// CPU device. `cargo test --release --test dpo_fixtures -- --ignored --nocapture dpo_cost`.
+/// What a DPO step costs against an SFT step over the same rows (a live reference's step: its
+/// reference pass and the step, as `DpoRun` takes them), and the precomputed reference pass
+/// against an epoch (issue 47's benchmark): medians of interleaved runs on the CPU device. `cargo test --release --test dpo_fixtures -- --ignored --nocapture dpo_cost`.
 #[test]
 #[ignore = "a benchmark"]
 fn dpo_cost_against_sft() {
@@ -240,7 +245,12 @@ fn dpo_cost_against_sft() {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
-    for (name, adapter) in [("LoRA r 16", "adapter: { type: lora, r: 16 }\n"), ("full", "")] {
+    let variants = [
+        ("LoRA r 16", "adapter: { type: lora, r: 16 }\n"),
+        ("full", ""),
+        ("full, live reference", "# live\n"),
+    ];
+    for (name, adapter) in variants {
         let sft_rows: Vec<&horizon::data::Row> =
             pairs[..batch].iter().flat_map(|p| [&p.chosen, &p.rejected]).collect();
         let mut sft = bench_engine(adapter, 2 * batch, t);
@@ -261,6 +271,10 @@ fn dpo_cost_against_sft() {
             sft.eval(Vec::new()).unwrap(); // waits for the step's queued updates
             s_times.push(t0.elapsed().as_secs_f64());
             let t0 = Instant::now();
+            if adapter.contains("live") {
+                let mbs = horizon::run::data::micro_batches(&sft_rows, 2 * batch);
+                dpo.engine.reference_row_logps(mbs).unwrap();
+            }
             dpo.step(k % (pairs_n / batch), 1e-4).unwrap();
             dpo.engine.eval(Vec::new()).unwrap();
             d_times.push(t0.elapsed().as_secs_f64());

@@ -174,6 +174,12 @@ impl RawConfig {
         if d.max_length < 2 {
             bail!("{origin}: dpo.max_length must be at least 2 (got {})", d.max_length);
         }
+        if self.data.train_on_prompt {
+            bail!(
+                "{origin}: data.train_on_prompt with train.objective: dpo\nhint: DPO scores \
+                 the completions only, as TRL; remove data.train_on_prompt"
+            );
+        }
         if self.data.pack {
             bail!(
                 "{origin}: data.pack with train.objective: dpo\nhint: DPO scores whole \
