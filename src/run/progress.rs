@@ -43,10 +43,16 @@ impl Progress {
     ) {
         let tps = m.tokens as f64 / m.step_s.max(1e-9);
         let rss = peak_rss_bytes().map_or(String::new(), |b| format!("  peak RSS {}", gib(b)));
-        let eval = m.eval_loss.map_or(String::new(), |e| format!("  eval_loss {e:.6}"));
+        let mut eval = m.eval_loss.map_or(String::new(), |e| format!("  eval_loss {e:.6}"));
+        // A DPO step: its reward accuracy and margin (held-out ones too, when it evaluated).
+        let rewards = |d: &crate::model::dpo::DpoMetrics, p: &str| {
+            format!("  {p}acc {:.2}  {p}margin {:.4}", d.reward_accuracy, d.reward_margin)
+        };
+        eval += &m.eval_dpo.map_or(String::new(), |e| rewards(&e.0, "eval_"));
+        let dpo = m.dpo.as_ref().map_or(String::new(), |d| rewards(d, ""));
         let ends = epoch_eta_s.map_or(String::new(), |s| format!(" (epoch {})", hms(s)));
         let line = format!(
-            "step {:>5}/{steps}  epoch {:.2}  loss {:.6}  grad_norm {:.4}  lr {:.3e}  {:.0} tok/s{eval}  eta {}{ends}{rss}",
+            "step {:>5}/{steps}  epoch {:.2}  loss {:.6}{dpo}  grad_norm {:.4}  lr {:.3e}  {:.0} tok/s{eval}  eta {}{ends}{rss}",
             m.step,
             m.epoch,
             m.loss,
