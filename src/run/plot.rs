@@ -214,7 +214,8 @@ fn tick_ascii(v: f64) -> String {
         return format!("{v}");
     }
     let a = v.abs();
-    if !(0.01..10_000.0).contains(&a) {
+    // 0.01 itself reads 0.01 even when the mesh lands a rounding below it.
+    if !(0.01 * (1.0 - 1e-9)..10_000.0).contains(&a) {
         let s = format!("{v:.2e}");
         let (m, e) = s.split_once('e').unwrap_or((&s, "0"));
         let m = m.trim_end_matches('0').trim_end_matches('.');
@@ -236,6 +237,7 @@ fn step_chart<'a, 'b>(
     path: &Path,
 ) -> Result<StepChart<'a, 'b>> {
     let err = |e: &dyn std::fmt::Display| anyhow!("drawing {}: {e}", path.display());
+    let span = y.end - y.start;
     let mut chart = ChartBuilder::on(area)
         .margin(12)
         .x_label_area_size(36)
@@ -243,16 +245,27 @@ fn step_chart<'a, 'b>(
         .caption(caption, (FAMILY, 18))
         .build_cartesian_2d(1f64..max_step, y)
         .map_err(|e| err(&e))?;
-    let y_label = move |v: &f64| tick(if log { 10f64.powf(*v) } else { *v });
+    let y_label = move |v: &f64| if log { tick(10f64.powf(*v)) } else { axis_tick(*v, span) };
     chart
         .configure_mesh()
         .x_desc("step")
-        .x_label_formatter(&|x| format!("{x:.0}"))
+        .x_label_formatter(&step_tick)
         .y_label_formatter(&y_label)
         .label_style((FAMILY, 13))
         .draw()
         .map_err(|e| err(&e))?;
     Ok(chart)
+}
+
+/// A linear axis's label of `v` on an axis `span` wide: a value within rounding of zero (the
+/// mesh's steps land at 3.5e-18 rather than 0) reads 0.
+fn axis_tick(v: f64, span: f64) -> String {
+    tick(if v.abs() <= span.abs() * 1e-9 { 0.0 } else { v })
+}
+
+/// The step axis's label of `x`: whole steps only (a short run's mesh also lands between them).
+fn step_tick(x: &f64) -> String {
+    if (x - x.round()).abs() < 1e-6 { format!("{x:.0}") } else { String::new() }
 }
 
 #[cfg(test)]
@@ -266,6 +279,9 @@ mod tick_tests {
             ["5", "5.25", "0.5", "12", "1235"]
         );
         assert_eq!([t(1e-4), t(2.5e-5), t(0.0), t(12345.0)], ["1e−4", "2.5e−5", "0", "1.23e4"]);
+        assert_eq!([super::axis_tick(3.47e-18, 0.06), super::axis_tick(1e-4, 1e-3)], ["0", "1e−4"]);
+        assert_eq!([super::step_tick(&2.0), super::step_tick(&2.5)], ["2", ""]);
+        assert_eq!(t(-0.009_999_999_999_999_9), "−0.01");
     }
 }
 
