@@ -639,6 +639,29 @@ fn dpo_live_reference_on_the_cuda_engine() {
     }
 }
 
+/// A DPO run from its config on the CUDA device (`device.backend: cuda`, `run_streaming`): the
+/// LoRA case's reference with the adapters off through a weight image, then its steps within
+/// the bf16 tolerances; `final/` a PEFT adapter.
+#[test]
+fn a_dpo_run_on_the_cuda_device_tracks_the_fixture() {
+    let case = "dpo_qwen2_lora";
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let data = common::dpo::dir(case).join("data.jsonl");
+    let extra = "device: { backend: cuda }\nengine: { weight_upload: image }\n";
+    common::dpo::run(&common::dpo::config(case, &data, &out, extra), None).unwrap();
+    let e = common::dpo::expected(case);
+    let lines = common::dpo::metrics(&out);
+    assert_eq!(lines.len(), e["per_step"].as_array().unwrap().len());
+    for (k, (got, want)) in lines.iter().zip(e["per_step"].as_array().unwrap()).enumerate() {
+        for (key, tol) in [("loss", 2e-2), ("grad_norm", 5e-2)] {
+            let (g, w) = (got[key].as_f64().unwrap(), want[key].as_f64().unwrap());
+            assert_rel(&format!("step {k} {key}"), g, w, tol);
+        }
+    }
+    assert!(out.join("final/adapter_config.json").is_file());
+}
+
 /// DPO (issue 47) on the CUDA device: each DPO fixture's steps (loss, grad norm) within the
 /// bf16 tolerances, with the whole batch as one micro-batch and with micro-batches of one row.
 #[test]

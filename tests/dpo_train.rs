@@ -9,53 +9,9 @@ mod common;
 
 use std::path::Path;
 
-use common::dpo::{dir, expected, yaml};
+use common::dpo::{config, dir, expected, metrics, run, yaml};
 use horizon::run::config::{BackendKind, RawConfig};
-use horizon::run::trainer::run_streaming;
 use serde_json::Value;
-
-/// The case's run config: its data in `data` (a preference file), `out` for the outputs, and
-/// `extra` YAML lines.
-fn config(case: &str, data: &Path, out: &Path, extra: &str) -> String {
-    let e = expected(case);
-    let losses: Vec<String> =
-        e["loss_type"].as_array().unwrap().iter().map(|t| t.as_str().unwrap().into()).collect();
-    let dpo = format!(
-        "dpo: {{ beta: {}, loss: [{}], loss_weights: {}, label_smoothing: {} }}\n",
-        e["beta"],
-        losses.join(", "),
-        e["loss_weights"],
-        e["label_smoothing"]
-    );
-    let base = yaml(case, &format!("{dpo}{extra}"));
-    let train =
-        format!("train: {{ steps: {}, batch_size: {}, max_seq_len: 64 }}", e["steps"], e["batch"]);
-    assert!(base.contains(&train), "{base}");
-    base.replace(
-        "data: { path: unused.jsonl, format: pretokenized }",
-        &format!("data: {{ path: '{}', format: preference }}", data.display()),
-    )
-    .replace(
-        &train,
-        &format!(
-            "train: {{ steps: {}, batch_size: {}, micro_batch_size: {}, objective: dpo, \
-         save_every: 1 }}",
-            e["steps"], e["batch"], e["micro_batch"]
-        ),
-    )
-    .replace("output: { dir: unused }", &format!("output: {{ dir: '{}' }}", out.display()))
-}
-
-fn run(yaml: &str, resume: Option<&str>) -> anyhow::Result<()> {
-    let cfg = RawConfig::from_yaml(yaml, "dpo.yaml")?.resolve("dpo.yaml")?;
-    run_streaming(cfg, true, 0, resume).map(|_| ())
-}
-
-/// `OUT/metrics.jsonl`'s lines.
-fn metrics(out: &Path) -> Vec<Value> {
-    let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
-    text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
-}
 
 /// Every logged step against the fixture, within its README's tolerances.
 fn assert_steps_match(case: &str, lines: &[Value]) {

@@ -174,6 +174,14 @@ impl RawConfig {
         if d.max_length < 2 {
             bail!("{origin}: dpo.max_length must be at least 2 (got {})", d.max_length);
         }
+        let (b, m) = (self.train.batch_size, self.train.micro_batch_rows());
+        if b % m != 0 {
+            bail!(
+                "{origin}: train.batch_size {b} is not a multiple of train.micro_batch_size {m}: \
+                 a DPO step averages whole micro-batches of pairs, as TRL's gradient \
+                 accumulation\nhint: make batch_size a multiple of micro_batch_size"
+            );
+        }
         if self.data.train_on_prompt {
             bail!(
                 "{origin}: data.train_on_prompt with train.objective: dpo\nhint: DPO scores \
@@ -252,6 +260,10 @@ mod tests {
              adapter: {{ type: lora, r: 2, alpha: 4, targets: [q_proj] }}\n"
         ));
         assert!(e.contains("live is for full fine-tuning"), "{e}");
+        let e = err(&format!(
+            "{PREF}train: {{ objective: dpo, batch_size: 5, micro_batch_size: 2 }}\n"
+        ));
+        assert!(e.contains("not a multiple"), "{e}");
         let e = dpo("{ max_length: 1 }");
         assert!(e.contains("dpo.max_length"), "{e}");
         let e = err(

@@ -207,3 +207,46 @@ pub fn live_reference_check<D: Device>(
     assert_ne!(live.row_logps(mbs.clone()).unwrap(), want, "the step changed the masters");
     assert_eq!(live.reference_row_logps(mbs).unwrap(), want, "a step leaves the copy");
 }
+
+/// The case's run config: its data in `data` (a preference file), `out` for the outputs, and
+/// `extra` YAML lines.
+pub fn config(case: &str, data: &Path, out: &Path, extra: &str) -> String {
+    let e = expected(case);
+    let losses: Vec<String> =
+        e["loss_type"].as_array().unwrap().iter().map(|t| t.as_str().unwrap().into()).collect();
+    let dpo = format!(
+        "dpo: {{ beta: {}, loss: [{}], loss_weights: {}, label_smoothing: {} }}\n",
+        e["beta"],
+        losses.join(", "),
+        e["loss_weights"],
+        e["label_smoothing"]
+    );
+    let base = yaml(case, &format!("{dpo}{extra}"));
+    let train =
+        format!("train: {{ steps: {}, batch_size: {}, max_seq_len: 64 }}", e["steps"], e["batch"]);
+    assert!(base.contains(&train), "{base}");
+    base.replace(
+        "data: { path: unused.jsonl, format: pretokenized }",
+        &format!("data: {{ path: '{}', format: preference }}", data.display()),
+    )
+    .replace(
+        &train,
+        &format!(
+            "train: {{ steps: {}, batch_size: {}, micro_batch_size: {}, objective: dpo, \
+         save_every: 1 }}",
+            e["steps"], e["batch"], e["micro_batch"]
+        ),
+    )
+    .replace("output: { dir: unused }", &format!("output: {{ dir: '{}' }}", out.display()))
+}
+
+pub fn run(yaml: &str, resume: Option<&str>) -> anyhow::Result<()> {
+    let cfg = RawConfig::from_yaml(yaml, "dpo.yaml")?.resolve("dpo.yaml")?;
+    horizon::run::trainer::run_streaming(cfg, true, 0, resume).map(|_| ())
+}
+
+/// `OUT/metrics.jsonl`'s lines.
+pub fn metrics(out: &Path) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
