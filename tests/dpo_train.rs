@@ -9,7 +9,7 @@ mod common;
 
 use std::path::Path;
 
-use common::dpo::{config, dir, expected, metrics, run, yaml};
+use common::dpo::{config, dir, expected, metrics, run};
 use horizon::run::config::{BackendKind, RawConfig};
 use serde_json::Value;
 
