@@ -130,6 +130,12 @@ fn held_out_pairs_report_the_dpo_metrics() {
     for key in ["eval_loss", "eval_reward_accuracy", "eval_reward_margin", "eval_logps_chosen"] {
         assert!(last[key].as_f64().is_some_and(f64::is_finite), "{key}: {last}");
     }
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["eval_rewards"]["reward_margin"], last["eval_reward_margin"]);
+    assert_eq!(summary["final_rewards"]["reward_accuracy"], last["reward_accuracy"]);
+    let report = std::fs::read_to_string(out.join("report.md")).unwrap();
+    assert!(report.contains("final eval reward accuracy, margin"), "{report}");
 }
 
 /// `dpo.reference: live`'s copy on the CPU device ([`common::dpo::live_reference_check`]).

@@ -313,6 +313,13 @@ pub fn write_report(
     if let Some(e) = s.eval_loss {
         r += &format!("| {last} eval loss | {e:.4} ({} held-out rows) |\n", s.eval_rows);
     }
+    let rewards = [("training", &s.final_rewards), ("eval", &s.eval_rewards)];
+    for (what, d) in rewards.iter().filter_map(|(w, d)| d.as_ref().map(|d| (w, d))) {
+        r += &format!(
+            "| {last} {what} reward accuracy, margin | {:.3}, {:.4} |\n",
+            d.reward_accuracy, d.reward_margin
+        );
+    }
     r += &format!(
         "| throughput | {:.0} tokens/s over {} timed steps, {:.1} s |\n",
         s.tokens_per_s, s.steps, s.wall_s

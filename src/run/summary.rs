@@ -27,6 +27,12 @@ pub struct Summary {
     pub eval_loss: Option<f64>,
     /// Held-out rows.
     pub eval_rows: usize,
+    /// A DPO run's reward metrics at its last step (`rewards_chosen`, ..., as `metrics.jsonl`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub final_rewards: Option<DpoMetrics>,
+    /// A DPO run's held-out reward metrics at its last evaluation.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eval_rewards: Option<DpoMetrics>,
     pub tokens: usize,
     pub wall_s: f64,
     pub tokens_per_s: f64,
@@ -191,7 +197,9 @@ impl Summary {
     /// speed, memory against the plan.
     pub fn brief(&self) -> String {
         use crate::engine::memory::gib;
-        let eval = self.eval_loss.map_or(String::new(), |e| format!(", eval loss {e:.4}"));
+        let mut eval = self.eval_loss.map_or(String::new(), |e| format!(", eval loss {e:.4}"));
+        let acc = |d: &DpoMetrics| format!(" (reward accuracy {:.3})", d.reward_accuracy);
+        eval += &self.eval_rewards.as_ref().map_or(String::new(), acc);
         let skipped = match self.skipped_steps {
             0 => String::new(),
             n => format!(" ({n} skipped)"),

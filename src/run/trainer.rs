@@ -646,7 +646,9 @@ impl StepLoop {
         self.ran += 1;
         if m.eval_loss.is_some() {
             self.tally.eval_loss = m.eval_loss;
+            self.tally.rewards.1 = m.eval_dpo.map(|e| e.0).or(self.tally.rewards.1);
         }
+        self.tally.rewards.0 = m.dpo.or(self.tally.rewards.0);
         writeln!(self.metrics, "{}", serde_json::to_string(m)?)
             .with_context(|| format!("cannot write {}", self.metrics_path.display()))?;
         if let Some(tb) = &mut self.tb {
@@ -834,6 +836,8 @@ struct Tally {
     eval_loss: Option<f64>,
     last_loss: f64,
     state_step: u64,
+    /// A DPO run's last step's and last evaluation's reward metrics.
+    rewards: (Option<crate::model::dpo::DpoMetrics>, Option<crate::model::dpo::DpoMetrics>),
 }
 
 /// The run's summary: the timed steps' throughput, FLOPs and memory against the device's
@@ -847,8 +851,16 @@ fn summarize<D: Device>(
 where
     D::Backend: 'static,
 {
-    let Tally { tokens, timed_steps, skipped_steps, held_steps, eval_loss, last_loss, state_step } =
-        *tally;
+    let Tally {
+        tokens,
+        timed_steps,
+        skipped_steps,
+        held_steps,
+        eval_loss,
+        last_loss,
+        state_step,
+        rewards: (final_rewards, eval_rewards),
+    } = *tally;
     let wall_s = t0.elapsed().as_secs_f64();
     let st = tr.engine.device().stats();
     let compute = st.compute_busy_s - base.compute_busy_s;
@@ -873,6 +885,8 @@ where
         skipped_records: tr.skipped_records,
         eval_loss,
         eval_rows: tr.eval.as_ref().map_or(0, |e| e.len()),
+        final_rewards,
+        eval_rewards,
         tokens,
         wall_s,
         tokens_per_s: tokens as f64 / wall_s.max(1e-9),
