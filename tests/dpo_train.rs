@@ -13,6 +13,15 @@ use common::dpo::{config, dir, expected, metrics, run};
 use horizon::run::config::{BackendKind, RawConfig};
 use serde_json::Value;
 
+/// `OUT/metrics.jsonl`'s lines without their wall times.
+fn untimed(out: &Path) -> Vec<Value> {
+    let mut v = metrics(out);
+    v.iter_mut().for_each(|l| {
+        l.as_object_mut().unwrap().remove("step_s");
+    });
+    v
+}
+
 /// Every logged step against the fixture, within its README's tolerances.
 fn assert_steps_match(case: &str, lines: &[Value]) {
     let e = expected(case);
@@ -72,13 +81,7 @@ fn conversational_records_train_as_their_tokens() {
     let (a, b) = (tmp.path().join("ids"), tmp.path().join("text"));
     run(&config(case, &dir(case).join("data.jsonl"), &a, ""), None).unwrap();
     run(&config(case, &dir(case).join("data_text.jsonl"), &b, ""), None).unwrap();
-    let strip = |mut v: Vec<Value>| {
-        v.iter_mut().for_each(|l| {
-            l.as_object_mut().unwrap().remove("step_s");
-        });
-        v
-    };
-    assert_eq!(strip(metrics(&a)), strip(metrics(&b)));
+    assert_eq!(untimed(&a), untimed(&b));
 }
 
 /// A run stopped after step 1 and resumed: the reference comes from the checkpoint, and the
@@ -97,13 +100,7 @@ fn resume_reads_the_reference_back_and_refuses_changed_data() {
     let first = config(case, &data, &parted, "").replace("steps: 3,", "steps: 1,");
     run(&first, None).unwrap();
     run(&config(case, &data, &parted, ""), Some("latest")).unwrap();
-    let strip = |mut v: Vec<Value>| {
-        v.iter_mut().for_each(|l| {
-            l.as_object_mut().unwrap().remove("step_s");
-        });
-        v
-    };
-    assert_eq!(strip(metrics(&whole)), strip(metrics(&parted)));
+    assert_eq!(untimed(&whole), untimed(&parted));
 
     // The same file, its pairs in another order: the stored reference no longer matches.
     let text = std::fs::read_to_string(&data).unwrap();
@@ -175,13 +172,7 @@ fn a_live_reference_trains_and_resumes() {
     let parted = tmp.path().join("parted");
     run(&live(&parted).replace("steps: 3,", "steps: 1,"), None).unwrap();
     run(&live(&parted), Some("latest")).unwrap();
-    let strip = |mut v: Vec<Value>| {
-        v.iter_mut().for_each(|l| {
-            l.as_object_mut().unwrap().remove("step_s");
-        });
-        v
-    };
-    assert_eq!(strip(metrics(&whole)), strip(metrics(&parted)));
+    assert_eq!(untimed(&whole), untimed(&parted));
 }
 
 /// `horizon plan` of a DPO run counts its reference: a precomputed reference's two f64 a
