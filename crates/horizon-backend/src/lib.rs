@@ -22,6 +22,7 @@ pub mod cuda;
 #[path = "cuda_stub.rs"]
 pub mod cuda;
 pub mod device;
+pub mod mxfp4;
 pub mod nf4;
 pub mod pool;
 pub mod precision;
