@@ -122,6 +122,20 @@ pub enum RopeKind {
         high_freq_factor: f64,
         original_max_position_embeddings: f64,
     },
+    /// YaRN (`_compute_yarn_parameters`; gpt-oss, Qwen's long-context configs): frequencies
+    /// ramped between extrapolation and interpolation by `factor` over the dimensions whose
+    /// rotations at `original_max_position_embeddings` fall between `beta_slow` and
+    /// `beta_fast`, and cos/sin scaled by `attention_factor`.
+    Yarn {
+        factor: f64,
+        original_max_position_embeddings: f64,
+        beta_fast: f64,
+        beta_slow: f64,
+        /// Round the ramp's ends to whole dimensions (transformers' default when the key is
+        /// absent; gpt-oss's configs write false).
+        truncate: bool,
+        attention_factor: f64,
+    },
 }
 
 /// Rotary position embedding parameters.
@@ -345,6 +359,15 @@ impl ModelConfig {
         }
     }
 
+    /// The factor cos and sin are multiplied by (YaRN's `attention_factor`; 1 for the others),
+    /// as transformers multiplies its f32 tables by it.
+    pub fn rope_attention_factor_of(rope: &RopeConfig) -> f32 {
+        match rope.kind {
+            RopeKind::Yarn { attention_factor, .. } => attention_factor as f32,
+            _ => 1.0,
+        }
+    }
+
     /// RoPE inverse frequencies, length D/2, bit-for-bit as transformers computes them in float32
     /// (`_compute_default_rope_parameters`, `_compute_linear_scaling_rope_parameters`,
     /// `_compute_llama3_parameters`). torch casts Python scalars to float32 before each op and
@@ -390,8 +413,68 @@ impl ModelConfig {
                     })
                     .collect()
             }
+            RopeKind::Yarn {
+                factor,
+                original_max_position_embeddings,
+                beta_fast,
+                beta_slow,
+                truncate,
+                ..
+            } => {
+                let (low, high) = yarn_range(
+                    d,
+                    rope.theta,
+                    original_max_position_embeddings,
+                    (beta_fast, beta_slow),
+                    truncate,
+                );
+                let span = (high - low) as f32;
+                let factor32 = factor as f32;
+                (0..d / 2)
+                    .map(|i| {
+                        // pos_freqs = base ** (arange(0, d, 2) / d), f32; both ends from it.
+                        let pos_freq = theta.powf(((2 * i) as f32 / d as f32) as f64) as f32;
+                        let extrapolation = 1.0 / pos_freq;
+                        let interpolation = 1.0 / (factor32 * pos_freq);
+                        let ramp = ((i as f32 - low as f32) / span).clamp(0.0, 1.0);
+                        let extrapolation_factor = 1.0 - ramp;
+                        interpolation * (1.0 - extrapolation_factor)
+                            + extrapolation * extrapolation_factor
+                    })
+                    .collect()
+            }
         }
     }
+}
+
+/// YaRN's ramp ends over a head of `d` dimensions (`find_correction_range`, f64 as Python
+/// computes them): the dimensions whose rotations over `original` positions are `beta_fast` and
+/// `beta_slow`, rounded outward when `truncate`, clamped to `[0, d - 1]`, and 0.001 apart at least.
+pub fn yarn_range(
+    d: usize,
+    theta: f64,
+    original: f64,
+    (beta_fast, beta_slow): (f64, f64),
+    truncate: bool,
+) -> (f64, f64) {
+    let dim = |rotations: f64| {
+        d as f64 * (original / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * theta.ln())
+    };
+    let (mut low, mut high) = (dim(beta_fast), dim(beta_slow));
+    if truncate {
+        (low, high) = (low.floor(), high.ceil());
+    }
+    let (low, mut high) = (low.max(0.0), high.min(d as f64 - 1.0));
+    if low == high {
+        high += 0.001;
+    }
+    (low, high)
+}
+
+/// YaRN's default attention factor (`get_mscale`): `0.1 mscale ln(factor) + 1` for a factor
+/// over 1.
+fn yarn_mscale(factor: f64, mscale: f64) -> f64 {
+    if factor <= 1.0 { 1.0 } else { 0.1 * mscale * factor.ln() + 1.0 }
 }
 
 /// The sizes of a config, with the family's defaults where transformers has them.
@@ -641,12 +724,58 @@ fn parse_rope(o: &Keys, layer_type: &str) -> Result<RopeConfig> {
                 original_max_position_embeddings,
             }
         }
+        "yarn" => parse_yarn(&p, o, prefix, need("factor")?)?,
         other => bail!(
             "{origin}: {prefix}{type_key} '{other}' is not supported; supported: default, linear, \
-             llama3"
+             llama3, yarn"
         ),
     };
     Ok(RopeConfig { theta, kind })
+}
+
+/// YaRN's keys (`p`, under `prefix`), as `_compute_yarn_parameters` reads them:
+/// `original_max_position_embeddings` (else the model's `max_position_embeddings`), `beta_fast`
+/// 32 and `beta_slow` 1 by default, `truncate` true by default, `attention_factor` else
+/// `get_mscale(factor)` (with `mscale` and `mscale_all_dim`, their ratio).
+fn parse_yarn(p: &Keys, o: &Keys, prefix: &str, factor: f64) -> Result<RopeKind> {
+    let origin = o.origin;
+    let positive = |key: &str, x: f64| check_positive(origin, &format!("{prefix}{key}"), x);
+    let original = match p.float("original_max_position_embeddings")? {
+        Some(x) => x,
+        None => o.float("max_position_embeddings")?.with_context(|| {
+            format!(
+                "{origin}: rope_type 'yarn' needs {prefix}original_max_position_embeddings (or \
+                 max_position_embeddings)"
+            )
+        })?,
+    };
+    positive("original_max_position_embeddings", original)?;
+    let beta_fast = p.float("beta_fast")?.unwrap_or(32.0);
+    let beta_slow = p.float("beta_slow")?.unwrap_or(1.0);
+    positive("beta_fast", beta_fast)?;
+    positive("beta_slow", beta_slow)?;
+    let truncate = match p.get("truncate") {
+        None => true,
+        Some(Value::Bool(b)) => *b,
+        Some(v) => bail!("{origin}: {prefix}truncate must be true or false, got {v}"),
+    };
+    let attention_factor =
+        match (p.float("attention_factor")?, p.float("mscale")?, p.float("mscale_all_dim")?) {
+            (Some(a), _, _) => a,
+            (None, Some(m), Some(all)) if m != 0.0 && all != 0.0 => {
+                yarn_mscale(factor, m) / yarn_mscale(factor, all)
+            }
+            _ => yarn_mscale(factor, 1.0),
+        };
+    positive("attention_factor", attention_factor)?;
+    Ok(RopeKind::Yarn {
+        factor,
+        original_max_position_embeddings: original,
+        beta_fast,
+        beta_slow,
+        truncate,
+        attention_factor,
+    })
 }
 
 fn check_positive(origin: &str, key: &str, x: f64) -> Result<()> {
@@ -850,6 +979,55 @@ mod tests {
     /// float32 tensor with python-scalar operands, `scalar / t` as `t.reciprocal() * scalar`),
     /// for Llama 3.1's theta 5e5, D 128, factor 8, low 1, high 4, original context 8192. Indices
     /// 0 and 20 are high frequency (unchanged), 29..=34 medium (smoothed), 35.. low (divided).
+    /// gpt-oss's YaRN (head dim 16, theta 150000, factor 8 over 256 positions, no truncation),
+    /// with the numbers `../shared/fixtures/README.md` states (ramp ends 0.162 and 2.488, ramp
+    /// 0, 0.36, 0.79, 1, attention factor 1.2079), against the formula in f64; and the
+    /// defaults: truncation on, betas 32 and 1, the original length from max_position_embeddings.
+    #[test]
+    fn yarn_rope_matches_its_definition() {
+        let mut v = base();
+        v["rope_theta"] = json!(150000.0);
+        v["rope_scaling"] = json!({"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0,
+            "beta_slow": 1.0, "truncate": false, "original_max_position_embeddings": 256});
+        let c = parse(&v).unwrap();
+        let (low, high) = yarn_range(16, 150000.0, 256.0, (32.0, 1.0), false);
+        assert!((low - 0.162).abs() < 1e-3 && (high - 2.488).abs() < 1e-3, "{low} {high}");
+        let attention = ModelConfig::rope_attention_factor_of(&c.rope);
+        assert!((attention as f64 - 1.2079).abs() < 1e-4, "{attention}");
+        let f = c.rope_inv_freq();
+        for (i, &got) in f.iter().enumerate() {
+            let pos = 150000f64.powf(2.0 * i as f64 / 16.0);
+            let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+            let want = (1.0 / (8.0 * pos)) * ramp + (1.0 / pos) * (1.0 - ramp);
+            assert!((got as f64 - want).abs() <= 1e-6 * want, "inv_freq[{i}] {got} vs {want}");
+        }
+        assert_eq!(f[0], 1.0, "ramp 0: extrapolation exactly");
+        let pos3 = 150000f64.powf((6.0f32 / 16.0) as f64) as f32;
+        assert_eq!(f[3], 1.0 / (8.0 * pos3), "ramp 1: interpolation exactly");
+        // The defaults: truncation on (the ends floored and ceiled), betas 32 and 1, the
+        // original length from max_position_embeddings; neither is refused by name.
+        v["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0});
+        let e = format!("{:#}", parse(&v).unwrap_err());
+        assert!(e.contains("rope_scaling.original_max_position_embeddings"), "{e}");
+        v["max_position_embeddings"] = json!(128);
+        let d = parse(&v).unwrap();
+        let RopeKind::Yarn {
+            truncate, beta_fast, beta_slow, original_max_position_embeddings, ..
+        } = d.rope.kind
+        else {
+            panic!("{:?}", d.rope.kind)
+        };
+        let got = (truncate, beta_fast, beta_slow, original_max_position_embeddings);
+        assert_eq!(got, (true, 32.0, 1.0, 128.0));
+        assert_eq!(yarn_range(16, 150000.0, 128.0, (32.0, 1.0), true), (0.0, 3.0));
+        // Explicit attention_factor; a bad truncate is refused by name.
+        v["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0, "attention_factor": 1.5});
+        assert_eq!(ModelConfig::rope_attention_factor_of(&parse(&v).unwrap().rope), 1.5);
+        v["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0, "truncate": "no"});
+        let e = format!("{:#}", parse(&v).unwrap_err());
+        assert!(e.contains("rope_scaling.truncate"), "{e}");
+    }
+
     #[test]
     fn llama3_rope_matches_reference() {
         let mut v = base();
@@ -911,9 +1089,9 @@ mod tests {
                 "config.json: model_type 'gpt2' is not supported; supported: llama, qwen2, mistral",
             ),
             (
-                "yarn",
-                Box::new(|v| v["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0})),
-                "rope_scaling.rope_type 'yarn' is not supported",
+                "dynamic",
+                Box::new(|v| v["rope_scaling"] = json!({"rope_type": "dynamic", "factor": 4.0})),
+                "rope_scaling.rope_type 'dynamic' is not supported",
             ),
             (
                 "dynamic in rope_parameters",

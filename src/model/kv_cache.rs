@@ -104,8 +104,8 @@ impl<B: DeviceAlloc> KvDecoder<B> {
         let ropes = layout
             .rope
             .iter()
-            .map(|inv_freq| {
-                let (cos_h, sin_h) = rope_tables(inv_freq, max_len);
+            .map(|table| {
+                let (cos_h, sin_h) = rope_tables(table, max_len);
                 let (mut cos, mut sin) = (be.alloc(cos_h.len()), be.alloc(sin_h.len()));
                 be.upload(&mut cos, &cos_h);
                 be.upload(&mut sin, &sin_h);

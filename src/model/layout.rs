@@ -67,8 +67,8 @@ pub struct ModelLayout {
     pub kind_of: Vec<usize>,
     pub tied: bool,
     pub eps: f32,
-    /// RoPE inverse frequencies, (D/2) per table; `Op::Rope`'s `table` indexes them.
-    pub rope: Vec<Vec<f32>>,
+    /// RoPE tables' frequencies and scales; `Op::Rope`'s `table` indexes them.
+    pub rope: Vec<RopeTable>,
     /// The embedding output is multiplied by this (Gemma: `sqrt(C)`; else 1).
     pub embed_scale: f32,
     /// The final norm applies its weight as `(final_norm_offset + w)` (Gemma: 1).
@@ -83,6 +83,14 @@ pub struct ModelLayout {
     pub moe: Option<MoeConfig>,
 }
 
+/// One RoPE table: its inverse frequencies (D/2) and the factor its cos and sin are multiplied
+/// by (YaRN's attention factor; else 1).
+#[derive(Clone, Debug, PartialEq)]
+pub struct RopeTable {
+    pub inv_freq: Vec<f32>,
+    pub scale: f32,
+}
+
 pub const EMBED: &str = "model.embed_tokens.weight";
 pub const FINAL_NORM: &str = "model.norm.weight";
 pub const LM_HEAD: &str = "lm_head.weight";
@@ -94,7 +102,7 @@ impl ModelLayout {
         cfg: &ModelConfig,
         kinds: Vec<LayerSpec>,
         kind_of: Vec<usize>,
-        rope: Vec<Vec<f32>>,
+        rope: Vec<RopeTable>,
         embed_scale: f32,
         final_norm_offset: f32,
     ) -> Self {

@@ -18,7 +18,7 @@ use crate::model::base::{Frozen, FrozenBase, words_as_f32};
 use crate::model::layer::{
     Packed, Rows, Slot, Weights, act_slots, grad_slots, layer_backward, layer_forward,
 };
-use crate::model::layout::ModelLayout;
+use crate::model::layout::{ModelLayout, RopeTable};
 use crate::model::moe::{MoeHost, MoeIo, aux_loss};
 use crate::model::params::ParamStore;
 
@@ -220,8 +220,8 @@ impl<B: DeviceAlloc> Transformer<B> {
         let ropes = layout
             .rope
             .iter()
-            .map(|inv_freq| {
-                let (cos_h, sin_h) = rope_tables(inv_freq, cap.seq_len);
+            .map(|table| {
+                let (cos_h, sin_h) = rope_tables(table, cap.seq_len);
                 let (mut cos, mut sin) = (be.alloc(cos_h.len()), be.alloc(sin_h.len()));
                 be.upload(&mut cos, &cos_h);
                 be.upload(&mut sin, &sin_h);
@@ -660,16 +660,18 @@ fn rope_views<T: ?Sized + DeviceSlice, M: Deref<Target = T>>(
 }
 
 /// cos/sin tables (T, D/2) exactly as HF computes them: `angle = f32(t) * inv_freq` in f32,
-/// then cos/sin of that f32 angle, rounded to f32.
-pub fn rope_tables(inv_freq: &[f32], t_max: usize) -> (Vec<f32>, Vec<f32>) {
+/// then cos/sin of that f32 angle, rounded to f32, times the table's scale in f32 (YaRN's
+/// attention factor; a scale of 1 changes no bit).
+pub fn rope_tables(table: &RopeTable, t_max: usize) -> (Vec<f32>, Vec<f32>) {
+    let (inv_freq, scale) = (&table.inv_freq, table.scale);
     let half = inv_freq.len();
     let mut cos = vec![0.0f32; t_max * half];
     let mut sin = vec![0.0f32; t_max * half];
     for t in 0..t_max {
         for (j, &f) in inv_freq.iter().enumerate() {
             let angle = (t as f32 * f) as f64;
-            cos[t * half + j] = angle.cos() as f32;
-            sin[t * half + j] = angle.sin() as f32;
+            cos[t * half + j] = angle.cos() as f32 * scale;
+            sin[t * half + j] = angle.sin() as f32 * scale;
         }
     }
     (cos, sin)

@@ -12,8 +12,8 @@ pub mod gemma3;
 pub mod llama;
 pub mod moe;
 
-use crate::hf::config::{Arch, LayerType, ModelConfig};
-use crate::model::layout::ModelLayout;
+use crate::hf::config::{Arch, LayerType, ModelConfig, RopeConfig};
+use crate::model::layout::{ModelLayout, RopeTable};
 use crate::model::spec::LayerSpec;
 
 /// The description of `cfg`'s model.
@@ -26,9 +26,13 @@ pub fn describe(cfg: &ModelConfig) -> ModelLayout {
 
 /// The RoPE tables a model needs (table 0: full-attention layers; table 1: the sliding layers'
 /// own, when they have one) and the table of each layer type.
-pub fn rope_tables(cfg: &ModelConfig) -> (Vec<Vec<f32>>, impl Fn(LayerType) -> usize) {
-    let mut tables = vec![cfg.rope_inv_freq()];
-    let local = cfg.rope_local.as_ref().map(|r| cfg.rope_inv_freq_of(r));
+pub fn rope_tables(cfg: &ModelConfig) -> (Vec<RopeTable>, impl Fn(LayerType) -> usize) {
+    let table = |r: &RopeConfig| RopeTable {
+        inv_freq: cfg.rope_inv_freq_of(r),
+        scale: ModelConfig::rope_attention_factor_of(r),
+    };
+    let mut tables = vec![table(&cfg.rope)];
+    let local = cfg.rope_local.as_ref().map(table);
     let has_local = local.is_some();
     tables.extend(local);
     (tables, move |t| usize::from(t == LayerType::Sliding && has_local))
@@ -111,5 +115,29 @@ mod tests {
                 ckpt.names().iter().map(|n| ckpt.shape(n).unwrap().iter().product::<usize>()).sum();
             assert_eq!(num_params(&c), numel, "{case}");
         }
+    }
+
+    /// A YaRN model's table carries its attention factor, and its cos/sin are the plain
+    /// tables times it; every other model's scale is 1 and changes no bit.
+    #[test]
+    fn yarn_tables_carry_the_attention_factor() {
+        let mut c = ModelConfig::from_file(&fixture("llama_gqa")).unwrap();
+        let plain = describe(&c).rope[0].clone();
+        assert_eq!(plain.scale, 1.0);
+        c.rope.kind = crate::hf::config::RopeKind::Yarn {
+            factor: 8.0,
+            original_max_position_embeddings: 64.0,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            truncate: false,
+            attention_factor: 1.25,
+        };
+        let yarn = describe(&c).rope[0].clone();
+        assert_eq!(yarn.scale, 1.25);
+        let t = |table: &RopeTable| crate::model::transformer::rope_tables(table, 9);
+        let (cos, sin) = t(&yarn);
+        let unscaled = t(&RopeTable { scale: 1.0, ..yarn.clone() });
+        assert_eq!(cos, unscaled.0.iter().map(|x| x * 1.25).collect::<Vec<_>>());
+        assert_eq!(sin, unscaled.1.iter().map(|x| x * 1.25).collect::<Vec<_>>());
     }
 }
