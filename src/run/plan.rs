@@ -81,8 +81,17 @@ pub fn deepest_fit_as(
     if at(1).1 > avail {
         return None;
     }
-    // Host bytes grow with depth: the largest L with total(L) <= avail, by doubling then
-    // bisection.
+    // Each probe costs O(its layers), and a small model fits hundreds of thousands of them:
+    // past a few times the model's depth the bytes grow by the same amount per period of
+    // layers (their kinds and checkpoint blocks repeat), so two cheap probes place the answer
+    // and a few confirm it; else the search over every depth.
+    let period = model.num_layers.max(1) * ecfg.checkpoint_every.max(1) * 4;
+    extrapolated(&at, period, avail).or_else(|| Some(searched(&at, avail)))
+}
+
+/// The largest L with `at(L)` within `avail` (host bytes grow with depth; `at(1)` fits), by
+/// doubling then bisection.
+fn searched(at: &dyn Fn(usize) -> (u64, u64), avail: u64) -> (usize, u64, u64) {
     let (mut lo, mut hi) = (1usize, 2usize);
     while at(hi).1 <= avail {
         lo = hi;
@@ -90,6 +99,33 @@ pub fn deepest_fit_as(
         if hi > 1 << 24 {
             break;
         }
+    }
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if at(mid).1 <= avail { lo = mid } else { hi = mid }
+    }
+    let (p, b) = at(lo);
+    (lo, p, b)
+}
+
+/// [`deepest_fit_as`]'s answer from the bytes a layer adds on average past the model's depth:
+/// measured over `period` layers (a multiple of the layer pattern and of the checkpoint
+/// blocks, where host bytes step), it lands within a period of the answer, which a bisection
+/// of that window confirms (`None`: the bytes did not grow as measured).
+fn extrapolated(
+    at: &dyn Fn(usize) -> (u64, u64),
+    period: usize,
+    avail: u64,
+) -> Option<(usize, u64, u64)> {
+    let (t1, t2) = (at(period).1, at(2 * period).1);
+    if t1 > avail || t2 <= t1 {
+        return None;
+    }
+    let per_layer = (t2 - t1) as f64 / period as f64;
+    let guess = period + ((avail - t1) as f64 / per_layer) as usize;
+    let (mut lo, mut hi) = (guess.saturating_sub(period + 1).max(period), guess + period + 1);
+    if hi >= 1 << 24 || at(lo).1 > avail || at(hi).1 <= avail {
+        return None;
     }
     while hi - lo > 1 {
         let mid = lo + (hi - lo) / 2;
@@ -420,4 +456,40 @@ fn expert_words(e: crate::model::lora::ExpertTargets) -> String {
         .flatten()
         .collect();
     if parts.is_empty() { String::new() } else { format!(" and the {}", parts.join(", ")) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The extrapolated deepest fit is the search's, for dense, windowed and sparse fixture
+    /// models in each memory mode: confirmed, or not tried (a model shallower than two periods;
+    /// the MoE case's sparse layers, which do not repeat with its depth).
+    #[test]
+    fn the_extrapolated_deepest_fit_is_the_searched_one() {
+        for case in ["llama_gqa", "gemma3_sliding", "qwen3_moe"] {
+            let path =
+                format!("{}/tests/fixtures/{case}/model/config.json", env!("CARGO_MANIFEST_DIR"));
+            let model = ModelConfig::from_file(Path::new(&path)).unwrap();
+            for memory in OptimizerMemory::ALL {
+                let cpu = crate::run::config::BackendKind::Cpu;
+                let ecfg = EngineConfig { memory, ..EngineConfig::small(cpu) };
+                let at = |layers: usize| {
+                    let mut m = model.clone();
+                    m.num_layers = layers;
+                    let p = plan_for(&m, &ecfg, None);
+                    (p.params, p.host_total())
+                };
+                for avail in [at(7).1 + 5, 48 << 20, 300 << 20] {
+                    let want = searched(&at, avail);
+                    let period = model.num_layers * ecfg.checkpoint_every * 4;
+                    let got = extrapolated(&at, period, avail);
+                    assert!(got.is_none() || got == Some(want), "{case} {memory:?} {avail}");
+                    let deep = want.0 >= 2 * period;
+                    assert!(got.is_some() || !deep || case == "qwen3_moe", "{case} {memory:?}");
+                    assert_eq!(deepest_fit(&model, &ecfg, avail), Some(want));
+                }
+            }
+        }
+    }
 }
