@@ -264,6 +264,24 @@ impl Checkpoint {
         Some(dtype_name(dtype))
     }
 
+    /// The stored bytes of tensor `name`, which must be `U8` (MXFP4's blocks and scales), and
+    /// its shape; an error naming the tensor otherwise.
+    pub fn read_u8(&self, name: &str) -> Result<(&[u8], Vec<usize>)> {
+        let at = self.tensors.get(name).filter(|_| !self.views.contains_key(name));
+        let Some(&i) = at else {
+            bail!("{}: no tensor {name}", self.source.display());
+        };
+        let (bytes, dtype, shape) = self.files[i].tensor(name).expect("indexed names exist");
+        if dtype != Dtype::U8 {
+            bail!(
+                "{}: {name} is {}, not U8\nhint: MXFP4 blocks and scales are stored as uint8",
+                self.source.display(),
+                dtype_name(dtype)
+            );
+        }
+        Ok((bytes, shape.to_vec()))
+    }
+
     /// Whether tensor `name` is present (a view, or a stored tensor no view covers).
     pub fn contains(&self, name: &str) -> bool {
         self.views.contains_key(name)
@@ -503,6 +521,7 @@ fn dtype_name(dtype: Dtype) -> &'static str {
         Dtype::BF16 => "BF16",
         Dtype::F16 => "F16",
         Dtype::F64 => "F64",
+        Dtype::U8 => "U8",
         _ => "other",
     }
 }

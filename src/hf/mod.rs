@@ -5,6 +5,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod hub_cache;
 pub mod moe;
+pub mod mxfp4;
 
 pub use checkpoint::{Checkpoint, SaveDtype, list_tensors, read_tensor_f64, write_safetensors};
 pub use config::{Arch, ModelConfig, RopeConfig, RopeKind};
