@@ -17,7 +17,7 @@ use crate::device::{
     DevBuf, Device, DeviceStats, Event, HostPtr, HostPtrMut, HostWork, Kernel, KernelTimer,
     OutOfDeviceMemory, Queue, StagingElem,
 };
-use crate::{AttnDims, Backend, Bf16, Dinp, MoeDims, NormDims, Precision};
+use crate::{AttnDims, Backend, Bf16, Dinp, GluClamp, MoeDims, NormDims, Precision};
 
 /// Whether this binary was built with the CUDA backend.
 pub const BUILT_WITH_CUDA: bool = false;
@@ -273,6 +273,19 @@ impl Backend for CudaBackend {
         match *self {}
     }
     fn swiglu_backward(&self, _: &mut [f32], _: &[f32], _: &[f32], _: usize, _: usize) {
+        match *self {}
+    }
+    fn clamped_swiglu_forward(&self, _: &mut [f32], _: &[f32], _: usize, _: usize, _: GluClamp) {
+        match *self {}
+    }
+    fn clamped_swiglu_backward(
+        &self,
+        _: &mut [f32],
+        _: &[f32],
+        _: &[f32],
+        _: (usize, usize),
+        _: GluClamp,
+    ) {
         match *self {}
     }
     fn residual_forward(&self, _: &mut [f32], _: &[f32], _: &[f32]) {

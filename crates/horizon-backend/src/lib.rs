@@ -79,6 +79,15 @@ pub enum Dinp<'a, T: ?Sized> {
     Add(&'a mut T),
 }
 
+/// gpt-oss's clamped SwiGLU: the gate clamped above at `limit`, the up projection to
+/// `[-limit, limit]`, `out = (up + 1) * gate * sigmoid(alpha * gate)` (`swiglu_alpha`,
+/// `swiglu_limit`: 1.702 and 7.0 by default).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GluClamp {
+    pub alpha: f32,
+    pub limit: f32,
+}
+
 /// Sizes of one attention call: `B` sequences of `T` positions, `H` query heads sharing `KVH`
 /// key/value heads (GQA; `H % KVH == 0`), head dim `D`; the causal window and the score scale.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -335,6 +344,27 @@ pub trait Backend: Send + Sync {
         gate_up: &Self::Buf,
         n: usize,
         f: usize,
+    );
+
+    /// gpt-oss's clamped SwiGLU ([`GluClamp`]) over a `[gate | up]` row: a clamped entry
+    /// passes no gradient.
+    /// out: (N, F), overwrites. gate_up: (N, 2F), row = `[gate (F) | up (F)]`.
+    fn clamped_swiglu_forward(
+        &self,
+        out: &mut Self::Buf,
+        gate_up: &Self::Buf,
+        n: usize,
+        f: usize,
+        clamp: GluClamp,
+    );
+    /// dgate_up: (N, 2F), overwrites. dout: (N, F). gate_up: (N, 2F).
+    fn clamped_swiglu_backward(
+        &self,
+        dgate_up: &mut Self::Buf,
+        dout: &Self::Buf,
+        gate_up: &Self::Buf,
+        nf: (usize, usize),
+        clamp: GluClamp,
     );
 
     /// GeGLU (Gemma): `out = gelu_tanh(gate) * up`, with transformers' `gelu_pytorch_tanh`:

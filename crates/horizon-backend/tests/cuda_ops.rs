@@ -811,6 +811,33 @@ fn geglu_forward_and_backward() {
     }
 }
 
+/// gpt-oss's clamped SwiGLU, inputs out to +-4 against a limit of 1.5: out and dgate_up
+/// (prefilled with 5s) overwrite.
+#[test]
+fn clamped_swiglu_forward_and_backward() {
+    let be = gpu();
+    let mut rng = Rng::new(93);
+    let clamp = horizon_backend::GluClamp { alpha: 1.702, limit: 1.5 };
+    for (n, f) in [(1, 1), (37, 131)] {
+        let gu = rng.vec(n * 2 * f, 4.0);
+        let mut want = vec![0.0; n * f];
+        CpuBackend.clamped_swiglu_forward(&mut want, &gu, n, f, clamp);
+        let ggu = Guarded::new(&be, "gate_up", &gu);
+        let mut gout = Guarded::new(&be, "out", &vec![0.0; n * f]);
+        be.clamped_swiglu_forward(gout.view_mut(), ggu.view(), n, f, clamp);
+        assert_close(&format!("clamped_swiglu_forward {n}x{f}"), &gout.read(&be), &want, TOL);
+
+        let dout = rng.vec(n * f, 1.0);
+        let mut dgu = vec![0.0; n * 2 * f];
+        CpuBackend.clamped_swiglu_backward(&mut dgu, &dout, &gu, (n, f), clamp);
+        let gdout = Guarded::new(&be, "dout", &dout);
+        let mut gdgu = Guarded::new(&be, "dgate_up", &vec![5.0; n * 2 * f]);
+        be.clamped_swiglu_backward(gdgu.view_mut(), gdout.view(), ggu.view(), (n, f), clamp);
+        let what = format!("clamped_swiglu_backward (overwrites) {n}x{f}");
+        assert_close(&what, &gdgu.read(&be), &dgu, TOL);
+    }
+}
+
 #[test]
 fn swiglu_residual_and_add() {
     let be = gpu();

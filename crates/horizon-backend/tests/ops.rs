@@ -1013,6 +1013,68 @@ fn swiglu_saturates_without_nan() {
     assert!(dgu.iter().all(|x| x.is_finite()), "{dgu:?}");
 }
 
+// ---- clamped swiglu (gpt-oss) ---------------------------------------------------------------
+
+/// gpt-oss's clamped SwiGLU in f64: g = min(gate, limit), u = clamp(up, -limit, limit),
+/// out = (u + 1) g sigmoid(alpha g).
+fn clamped_swiglu_ref(gate_up: &[f64], f: usize, (alpha, limit): (f64, f64)) -> Vec<f64> {
+    gate_up
+        .chunks(2 * f)
+        .flat_map(|row| {
+            let (gate, up) = row.split_at(f);
+            gate.iter().zip(up).map(move |(&g, &u)| {
+                let (g, u) = (g.min(limit), u.clamp(-limit, limit));
+                (u + 1.0) * g / (1.0 + (-alpha * g).exp())
+            })
+        })
+        .collect()
+}
+
+/// Inputs out to +-4 against a limit of 1.5 (about a third of them clamped), none within 1e-3
+/// of a bound (where the finite differences would straddle it).
+fn clamped_inputs(rng: &mut Rng, len: usize) -> Vec<f32> {
+    let mut v = rng.vec(len, 4.0);
+    for x in &mut v {
+        if (x.abs() - 1.5).abs() < 1e-3 {
+            *x += 0.01;
+        }
+    }
+    v
+}
+
+const CLAMP: horizon_backend::GluClamp = horizon_backend::GluClamp { alpha: 1.702, limit: 1.5 };
+
+#[test]
+fn clamped_swiglu_forward_matches_reference() {
+    let mut rng = Rng::new(91);
+    let (n, f) = (14, 10);
+    let gate_up = clamped_inputs(&mut rng, n * 2 * f);
+    assert!(gate_up.iter().filter(|x| x.abs() > 1.5).count() > n * f / 2, "the clamp is exercised");
+    let mut out = vec![f32::NAN; n * f];
+    clamped_swiglu_forward(&mut out, &gate_up, n, f, CLAMP);
+    let want = clamped_swiglu_ref(&to64(&gate_up), f, (1.702f32 as f64, 1.5));
+    assert_close("clamped swiglu out", &out, &want, FWD_TOL);
+}
+
+#[test]
+fn clamped_swiglu_backward_matches_fd_and_passes_nothing_through_a_clamp() {
+    let mut rng = Rng::new(92);
+    let (n, f) = (14, 10);
+    let gate_up = clamped_inputs(&mut rng, n * 2 * f);
+    let r = rng.vec(n * f, 1.0);
+    let mut dgu = vec![f32::NAN; gate_up.len()]; // overwritten
+    clamped_swiglu_backward(&mut dgu, &r, &gate_up, (n, f), CLAMP);
+    let c = (1.702f32 as f64, 1.5);
+    let fd = fd_grad(&to64(&gate_up), FD_EPS, |x| proj(&clamped_swiglu_ref(x, f, c), &r));
+    assert_close("clamped swiglu dgate_up", &dgu, &fd, GRAD_TOL);
+    for (row, drow) in gate_up.chunks(2 * f).zip(dgu.chunks(2 * f)) {
+        for j in 0..f {
+            assert!(row[j] <= 1.5 || drow[j] == 0.0, "a clamped gate passed a gradient");
+            assert!(row[f + j].abs() <= 1.5 || drow[f + j] == 0.0, "a clamped up passed one");
+        }
+    }
+}
+
 // ---- geglu --------------------------------------------------------------------------------
 
 #[test]

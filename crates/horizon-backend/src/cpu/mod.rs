@@ -51,7 +51,9 @@ pub use nf4::dequantize_nf4;
 pub use residual::{add_inplace, residual_forward};
 pub use rmsnorm::{rmsnorm_backward, rmsnorm_forward};
 pub use rope::{rope_backward, rope_forward};
-pub use swiglu::{swiglu_backward, swiglu_forward};
+pub use swiglu::{
+    clamped_swiglu_backward, clamped_swiglu_forward, swiglu_backward, swiglu_forward,
+};
 
 use crate::{AttnDims, Backend, Dinp, MoeDims, NormDims, Precision};
 
@@ -311,6 +313,28 @@ impl Backend for CpuBackend {
         f: usize,
     ) {
         swiglu_backward(dgate_up, dout, gate_up, n, f);
+    }
+
+    fn clamped_swiglu_forward(
+        &self,
+        out: &mut [f32],
+        gate_up: &[f32],
+        n: usize,
+        f: usize,
+        clamp: crate::GluClamp,
+    ) {
+        clamped_swiglu_forward(out, gate_up, n, f, clamp);
+    }
+
+    fn clamped_swiglu_backward(
+        &self,
+        dgate_up: &mut [f32],
+        dout: &[f32],
+        gate_up: &[f32],
+        nf: (usize, usize),
+        clamp: crate::GluClamp,
+    ) {
+        clamped_swiglu_backward(dgate_up, dout, gate_up, nf, clamp);
     }
 
     fn geglu_forward(&self, out: &mut [f32], gate_up: &[f32], n: usize, f: usize) {

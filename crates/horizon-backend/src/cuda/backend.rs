@@ -700,6 +700,28 @@ impl Backend for CudaBackend {
         super::glu::glu_backward(self, "swiglu_backward", dgate_up, dout, gate_up, n, f);
     }
 
+    fn clamped_swiglu_forward(
+        &self,
+        out: &mut DevSlice<f32>,
+        gate_up: &DevSlice<f32>,
+        n: usize,
+        f: usize,
+        clamp: crate::GluClamp,
+    ) {
+        super::glu::clamped_forward(self, out, gate_up, (n, f), clamp);
+    }
+
+    fn clamped_swiglu_backward(
+        &self,
+        dgate_up: &mut DevSlice<f32>,
+        dout: &DevSlice<f32>,
+        gate_up: &DevSlice<f32>,
+        nf: (usize, usize),
+        clamp: crate::GluClamp,
+    ) {
+        super::glu::clamped_backward(self, dgate_up, (dout, gate_up), nf, clamp);
+    }
+
     fn add_cols(
         &self,
         out: &mut DevSlice<f32>,

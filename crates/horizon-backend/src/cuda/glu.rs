@@ -6,6 +6,7 @@
 use super::CudaBackend;
 use super::backend::{arg, blocks, expect_len, int};
 use super::slice::DevSlice;
+use crate::GluClamp;
 
 /// out: (N, F), overwrites. gate_up: (N, 2F).
 pub(crate) fn glu_forward(
@@ -54,6 +55,58 @@ pub(crate) fn glu_backward(
             (256, 1, 1),
             0,
             &mut [arg(&dg), arg(&dy), arg(&g), arg(&nn), arg(&ff)],
+        );
+    }
+}
+
+/// gpt-oss's clamped SwiGLU (`kernels/swiglu.cu`), forward: out (N, F), overwrites; gate_up
+/// (N, 2F).
+pub(crate) fn clamped_forward(
+    be: &CudaBackend,
+    out: &mut DevSlice<f32>,
+    gate_up: &DevSlice<f32>,
+    (n, f): (usize, usize),
+    c: GluClamp,
+) {
+    let kernel = "clamped_swiglu_forward";
+    expect_len(kernel, "out", out.len(), n * f);
+    expect_len(kernel, "gate_up", gate_up.len(), n * 2 * f);
+    let (o, g, nn, ff) = (out.addr(), gate_up.addr(), int(n, "N"), int(f, "F"));
+    // SAFETY: argument types match; one thread per element of out, lengths checked.
+    unsafe {
+        be.launch(
+            kernel,
+            (blocks(n * f, 256), 1, 1),
+            (256, 1, 1),
+            0,
+            &mut [arg(&o), arg(&g), arg(&nn), arg(&ff), arg(&c.alpha), arg(&c.limit)],
+        );
+    }
+}
+
+/// gpt-oss's clamped SwiGLU, backward: dgate_up (N, 2F), overwrites; dout (N, F); gate_up
+/// (N, 2F).
+pub(crate) fn clamped_backward(
+    be: &CudaBackend,
+    dgate_up: &mut DevSlice<f32>,
+    (dout, gate_up): (&DevSlice<f32>, &DevSlice<f32>),
+    (n, f): (usize, usize),
+    c: GluClamp,
+) {
+    let kernel = "clamped_swiglu_backward";
+    expect_len(kernel, "dgate_up", dgate_up.len(), n * 2 * f);
+    expect_len(kernel, "dout", dout.len(), n * f);
+    expect_len(kernel, "gate_up", gate_up.len(), n * 2 * f);
+    let (dg, dy, g) = (dgate_up.addr(), dout.addr(), gate_up.addr());
+    let (nn, ff) = (int(n, "N"), int(f, "F"));
+    // SAFETY: argument types match; one thread per element of dout, lengths checked.
+    unsafe {
+        be.launch(
+            kernel,
+            (blocks(n * f, 256), 1, 1),
+            (256, 1, 1),
+            0,
+            &mut [arg(&dg), arg(&dy), arg(&g), arg(&nn), arg(&ff), arg(&c.alpha), arg(&c.limit)],
         );
     }
 }

@@ -96,7 +96,10 @@ pub const FUNCTIONS: [(&str, &[&str]); 19] = [
     ("residual", &["residual_forward", "add_inplace"]),
     ("rmsnorm", &["rmsnorm_forward", "rmsnorm_backward_dinp", "rmsnorm_backward_dweight"]),
     ("rope", &["rope_rotate"]),
-    ("swiglu", &["swiglu_forward", "swiglu_backward"]),
+    (
+        "swiglu",
+        &["swiglu_forward", "swiglu_backward", "clamped_swiglu_forward", "clamped_swiglu_backward"],
+    ),
 ];
 
 /// Compiles `kernels/<op>.cu` to a CUBIN for `arch` (`sm_90`). The error carries NVRTC's log.
