@@ -132,7 +132,8 @@ impl DpoReference {
         let mut out = Vec::with_capacity(self.pairs.len());
         for start in (0..self.pairs.len()).step_by(self.micro) {
             let idx: Vec<usize> = (start..(start + self.micro).min(self.pairs.len())).collect();
-            let batch = make_batch(&rows(&self.pairs, &idx));
+            let pairs = idx.iter().map(|&i| (&self.pairs[i].chosen, &self.pairs[i].rejected));
+            let batch = make_batch(&collated(pairs));
             let logps = self.engine.row_logps(params, tokens_of(&batch))?;
             let m = idx.len();
             out.extend((0..m).map(|i| (logps[i], logps[m + i])));
@@ -149,59 +150,104 @@ impl DpoReference {
     pub fn step(&mut self, k: usize) -> Result<DpoStep> {
         let g = self.batch / self.micro;
         self.state.grads.fill_zero();
-        let (mut loss, mut metrics, mut all) = (0.0, Vec::new(), Vec::new());
+        let (pairs, reference) = (&self.pairs, &self.reference);
+        let pair = |i: usize| {
+            let p = i % pairs.len();
+            PairRef {
+                chosen: &pairs[p].chosen,
+                rejected: &pairs[p].rejected,
+                reference: reference[p],
+            }
+        };
+        let mut outs = Vec::with_capacity(g);
         for mb in 0..g {
             let first = k * self.batch + mb * self.micro;
-            let idx: Vec<usize> =
-                (first..first + self.micro).map(|i| i % self.pairs.len()).collect();
+            let group: Vec<PairRef> = (first..first + self.micro).map(pair).collect();
             // One batch for both passes: the log-probs, then the scaled forward and backward.
-            let batch = make_batch(&rows(&self.pairs, &idx));
+            let batch = make_batch(&group_rows(&group));
             let logps = self.engine.row_logps(&self.state.params, tokens_of(&batch))?;
-            let pairs = pair_logps(&self.pairs, &self.reference, &idx, &logps);
-            let out = self.objective.micro_batch(&pairs);
-            let scale = |d: f64| (-d / g as f64) as f32;
-            let scales: Vec<f32> =
-                out.dchosen.iter().chain(&out.drejected).map(|&d| scale(d)).collect();
+            let out = group_objective(&self.objective, &group, &logps, g);
             let (p, grads) = (&self.state.params, &mut self.state.grads);
-            self.engine.forward_backward_rows(p, grads, tokens_of(&batch), &scales)?;
-            loss += out.loss / g as f64;
-            metrics.push(out.metrics);
-            all.extend(pairs);
+            self.engine.forward_backward_rows(p, grads, tokens_of(&batch), &out.scales)?;
+            outs.push(out);
         }
         let grad_norm = self.state.grad_norm();
         let o = &self.cfg.raw.optimizer;
         let lr = self.cfg.raw.lr_schedule().lr_at(k + 1);
         self.state.optimizer_step(&self.cfg.raw.adamw(), &self.decay, lr, grad_norm, o.grad_clip);
-        let metrics = DpoMetrics::mean(&metrics);
-        let skipped = !(loss.is_finite() && grad_norm.is_finite());
-        Ok(DpoStep { loss, grad_norm, metrics, pairs: all, skipped })
+        let step = DpoStep::of(outs, grad_norm, false);
+        let skipped = !(step.loss.is_finite() && grad_norm.is_finite());
+        Ok(DpoStep { skipped, ..step })
     }
 }
 
-/// The rows of the pairs `idx`: every chosen, then every rejected (TRL's collator).
-pub fn rows<'a>(pairs: &'a [PairRows], idx: &[usize]) -> Vec<&'a Row> {
-    let chosen = idx.iter().map(|&i| &pairs[i].chosen);
-    chosen.chain(idx.iter().map(|&i| &pairs[i].rejected)).collect()
+/// Pairs' rows as TRL's collator lays a micro-batch out: every chosen, then every rejected.
+pub fn collated<'a, I>(pairs: I) -> Vec<&'a Row>
+where
+    I: Iterator<Item = (&'a Row, &'a Row)> + Clone,
+{
+    pairs.clone().map(|p| p.0).chain(pairs.map(|p| p.1)).collect()
 }
 
-/// The pairs `idx` of `pairs` with the policy's log-probs `logps` (the pairs' chosen rows, then
-/// their rejected ones) and the reference's.
-pub fn pair_logps(
-    pairs: &[PairRows],
-    reference: &[(f64, f64)],
-    idx: &[usize],
+/// A pair as a step takes it: its two rows and the reference's log-probs of them.
+#[derive(Clone, Copy)]
+pub struct PairRef<'a> {
+    pub chosen: &'a Row,
+    pub rejected: &'a Row,
+    pub reference: (f64, f64),
+}
+
+impl PairRef<'_> {
+    /// The pair with the policy's (chosen, rejected) log-probs.
+    pub fn logps(&self, (policy_chosen, policy_rejected): (f64, f64)) -> PairLogps {
+        PairLogps {
+            policy_chosen,
+            policy_rejected,
+            ref_chosen: self.reference.0,
+            ref_rejected: self.reference.1,
+            chosen_tokens: completion_tokens(self.chosen),
+            rejected_tokens: completion_tokens(self.rejected),
+        }
+    }
+}
+
+/// A TRL micro-batch's rows ([`collated`]).
+pub fn group_rows<'a>(group: &[PairRef<'a>]) -> Vec<&'a Row> {
+    collated(group.iter().map(|p| (p.chosen, p.rejected)))
+}
+
+/// What one TRL micro-batch of a step of `g` gives: its share of the step's loss, its metrics,
+/// its pairs, and each row's gradient scale `-dL/dlogp / g` (chosen rows, then rejected).
+pub struct GroupOut {
+    pub loss: f64,
+    pub metrics: DpoMetrics,
+    pub pairs: Vec<PairLogps>,
+    pub scales: Vec<f32>,
+}
+
+/// The objective of micro-batch `group` of a step of `g`, with its rows' policy log-probs
+/// `logps` ([`group_rows`]' order).
+pub fn group_objective(
+    objective: &DpoObjective,
+    group: &[PairRef],
     logps: &[f64],
-) -> Vec<PairLogps> {
-    let m = idx.len();
-    idx.iter()
-        .enumerate()
-        .map(|(i, &p)| PairLogps {
-            policy_chosen: logps[i],
-            policy_rejected: logps[m + i],
-            ref_chosen: reference[p].0,
-            ref_rejected: reference[p].1,
-            chosen_tokens: completion_tokens(&pairs[p].chosen),
-            rejected_tokens: completion_tokens(&pairs[p].rejected),
-        })
-        .collect()
+    g: usize,
+) -> GroupOut {
+    let m = group.len();
+    let pairs: Vec<PairLogps> =
+        group.iter().enumerate().map(|(i, p)| p.logps((logps[i], logps[m + i]))).collect();
+    let out = objective.micro_batch(&pairs);
+    let scale = |d: f64| (-d / g as f64) as f32;
+    let scales = out.dchosen.iter().chain(&out.drejected).map(|&d| scale(d)).collect();
+    GroupOut { loss: out.loss / g as f64, metrics: out.metrics, pairs, scales }
+}
+
+impl DpoStep {
+    /// The step of micro-batches `groups`, whose update had `grad_norm` (`skipped`: not applied).
+    pub fn of(groups: Vec<GroupOut>, grad_norm: f64, skipped: bool) -> DpoStep {
+        let loss = groups.iter().map(|o| o.loss).sum();
+        let metrics = DpoMetrics::mean(&groups.iter().map(|o| o.metrics).collect::<Vec<_>>());
+        let pairs = groups.into_iter().flat_map(|o| o.pairs).collect();
+        DpoStep { loss, grad_norm, metrics, pairs, skipped }
+    }
 }

@@ -11,8 +11,8 @@ use horizon_backend::Device;
 use crate::data::pretokenized::Row;
 use crate::engine::exec::{Engine, StepParams};
 use crate::model::dpo::DpoObjective;
-use crate::run::dpo_reference::{DpoStep, PairRows};
-use crate::run::dpo_train::{PairRef, engine_logps, engine_step};
+use crate::run::dpo_reference::{DpoStep, PairRef, PairRows};
+use crate::run::dpo_train::{engine_logps, engine_step};
 
 /// DPO on the streaming engine.
 pub struct DpoStreamed<D: Device> {

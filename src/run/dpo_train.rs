@@ -27,18 +27,13 @@ use crate::engine::exec::{Engine, StepParams};
 use crate::model::dpo::{DpoMetrics, DpoObjective, PairLogps};
 use crate::run::config::{RawConfig, ReferenceMode, RunConfig};
 use crate::run::data::{BatchOrder, Datasets, micro_batches};
-use crate::run::dpo_reference::{DpoStep, completion_tokens};
+use crate::run::dpo_reference::{
+    DpoStep, GroupOut, PairRef, collated, group_objective, group_rows,
+};
 
 /// The checkpoint file of the reference's log-probs.
 pub const REFERENCE_FILE: &str = "dpo_reference.bin";
 const MAGIC: &[u8; 8] = b"HZDPORF1";
-
-/// A pair as a step takes it: its two rows and the reference's log-probs of them.
-pub struct PairRef<'a> {
-    pub chosen: &'a Row,
-    pub rejected: &'a Row,
-    pub reference: (f64, f64),
-}
 
 /// One optimizer step on `groups` (TRL's micro-batches, each of the same number of pairs) on
 /// `engine`: the policy's log-probs, the objective, then the scaled forward and backward.
@@ -55,18 +50,15 @@ where
     let rows: Vec<&Row> = groups.iter().flat_map(|p| group_rows(p)).collect();
     let mbs = micro_batches(&rows, engine.config().micro_batch_size);
     let logps = engine.row_logps(mbs.clone())?.concat();
-    let (mut loss, mut metrics, mut all, mut scales) = (0.0, Vec::new(), Vec::new(), Vec::new());
     let mut at = 0;
-    for group in groups {
-        let pairs = pair_logps(group, &logps[at..at + 2 * group.len()]);
-        at += 2 * group.len();
-        let out = objective.micro_batch(&pairs);
-        let scale = |d: f64| (-d / g as f64) as f32;
-        scales.extend(out.dchosen.iter().chain(&out.drejected).map(|&d| scale(d)));
-        loss += out.loss / g as f64;
-        metrics.push(out.metrics);
-        all.extend(pairs);
-    }
+    let outs: Vec<GroupOut> = groups
+        .iter()
+        .map(|group| {
+            at += 2 * group.len();
+            group_objective(objective, group, &logps[at - 2 * group.len()..at], g)
+        })
+        .collect();
+    let scales: Vec<f32> = outs.iter().flat_map(|o| o.scales.iter().copied()).collect();
     let mut at = 0;
     let row_scales = mbs
         .iter()
@@ -76,31 +68,7 @@ where
         })
         .collect();
     let out = engine.step_rows(mbs, sp, row_scales)?;
-    let metrics = DpoMetrics::mean(&metrics);
-    Ok(DpoStep { loss, grad_norm: out.grad_norm, metrics, pairs: all, skipped: out.skipped })
-}
-
-/// A TRL micro-batch's rows: every chosen, then every rejected.
-fn group_rows<'a>(pairs: &[PairRef<'a>]) -> Vec<&'a Row> {
-    let chosen = pairs.iter().map(|p| p.chosen);
-    chosen.chain(pairs.iter().map(|p| p.rejected)).collect()
-}
-
-/// `pairs` with the policy's log-probs `logps` (their chosen rows', then their rejected ones').
-fn pair_logps(pairs: &[PairRef], logps: &[f64]) -> Vec<PairLogps> {
-    let m = pairs.len();
-    pairs
-        .iter()
-        .enumerate()
-        .map(|(i, p)| PairLogps {
-            policy_chosen: logps[i],
-            policy_rejected: logps[m + i],
-            ref_chosen: p.reference.0,
-            ref_rejected: p.reference.1,
-            chosen_tokens: completion_tokens(p.chosen),
-            rejected_tokens: completion_tokens(p.rejected),
-        })
-        .collect()
+    Ok(DpoStep::of(outs, out.grad_norm, out.skipped))
 }
 
 /// Each pair's (chosen, rejected) log-probs with the engine's current weights (`reference`:
@@ -117,7 +85,7 @@ where
 {
     let mut out = Vec::with_capacity(pairs.len());
     for group in pairs.chunks(micro.max(1)) {
-        let rows: Vec<&Row> = group.iter().map(|p| p.0).chain(group.iter().map(|p| p.1)).collect();
+        let rows = collated(group.iter().copied());
         let mbs = micro_batches(&rows, engine.config().micro_batch_size);
         let logps = match reference {
             true => engine.reference_row_logps(mbs)?,
@@ -257,14 +225,9 @@ impl DpoRun {
                 true => engine_logps(engine, &refs, (self.micro, true), &mut |_| {})?,
                 false => idx.iter().map(|&p| self.reference[self.train_pairs + p]).collect(),
             };
-            let pairs: Vec<PairLogps> = (rows.iter().zip(logps).zip(reference))
-                .map(|(((c, r), (pc, pr)), (rc, rr))| PairLogps {
-                    policy_chosen: pc,
-                    policy_rejected: pr,
-                    ref_chosen: rc,
-                    ref_rejected: rr,
-                    chosen_tokens: completion_tokens(c),
-                    rejected_tokens: completion_tokens(r),
+            let pairs: Vec<PairLogps> = (refs.iter().zip(reference).zip(logps))
+                .map(|((&(chosen, rejected), reference), l)| {
+                    PairRef { chosen, rejected, reference }.logps(l)
                 })
                 .collect();
             let out = self.objective.micro_batch(&pairs);
