@@ -491,7 +491,7 @@ impl Backend for CudaBackend {
     }
 
     fn geglu_forward(&self, out: &mut DevSlice<f32>, gate_up: &DevSlice<f32>, n: usize, f: usize) {
-        super::glu::glu_forward(self, "geglu_forward", out, gate_up, n, f);
+        super::glu::glu_forward(self, "geglu_forward", out, gate_up, (n, f), None);
     }
 
     fn geglu_backward(
@@ -502,7 +502,7 @@ impl Backend for CudaBackend {
         n: usize,
         f: usize,
     ) {
-        super::glu::glu_backward(self, "geglu_backward", dgate_up, dout, gate_up, n, f);
+        super::glu::glu_backward(self, "geglu_backward", dgate_up, (dout, gate_up), (n, f), None);
     }
 
     fn matmul_forward(
@@ -686,7 +686,7 @@ impl Backend for CudaBackend {
     }
 
     fn swiglu_forward(&self, out: &mut DevSlice<f32>, gate_up: &DevSlice<f32>, n: usize, f: usize) {
-        super::glu::glu_forward(self, "swiglu_forward", out, gate_up, n, f);
+        super::glu::glu_forward(self, "swiglu_forward", out, gate_up, (n, f), None);
     }
 
     fn swiglu_backward(
@@ -697,7 +697,7 @@ impl Backend for CudaBackend {
         n: usize,
         f: usize,
     ) {
-        super::glu::glu_backward(self, "swiglu_backward", dgate_up, dout, gate_up, n, f);
+        super::glu::glu_backward(self, "swiglu_backward", dgate_up, (dout, gate_up), (n, f), None);
     }
 
     fn clamped_swiglu_forward(
@@ -708,7 +708,7 @@ impl Backend for CudaBackend {
         f: usize,
         clamp: crate::GluClamp,
     ) {
-        super::glu::clamped_forward(self, out, gate_up, (n, f), clamp);
+        super::glu::glu_forward(self, "clamped_swiglu_forward", out, gate_up, (n, f), Some(clamp));
     }
 
     fn clamped_swiglu_backward(
@@ -719,7 +719,8 @@ impl Backend for CudaBackend {
         nf: (usize, usize),
         clamp: crate::GluClamp,
     ) {
-        super::glu::clamped_backward(self, dgate_up, (dout, gate_up), nf, clamp);
+        let kernel = "clamped_swiglu_backward";
+        super::glu::glu_backward(self, kernel, dgate_up, (dout, gate_up), nf, Some(clamp));
     }
 
     fn add_cols(
