@@ -100,6 +100,16 @@ fn searched(at: &dyn Fn(usize) -> (u64, u64), avail: u64) -> (usize, u64, u64) {
             break;
         }
     }
+    bisect(at, (lo, hi), avail)
+}
+
+/// The largest L in `lo..hi` with `at(L)` within `avail`, given `at(lo)` is and `at(hi)` is
+/// not (or `hi` is the search's end): (L, its parameters, its host bytes).
+fn bisect(
+    at: &dyn Fn(usize) -> (u64, u64),
+    (mut lo, mut hi): (usize, usize),
+    avail: u64,
+) -> (usize, u64, u64) {
     while hi - lo > 1 {
         let mid = lo + (hi - lo) / 2;
         if at(mid).1 <= avail { lo = mid } else { hi = mid }
@@ -123,16 +133,11 @@ fn extrapolated(
     }
     let per_layer = (t2 - t1) as f64 / period as f64;
     let guess = period + ((avail - t1) as f64 / per_layer) as usize;
-    let (mut lo, mut hi) = (guess.saturating_sub(period + 1).max(period), guess + period + 1);
+    let (lo, hi) = (guess.saturating_sub(period + 1).max(period), guess + period + 1);
     if hi >= 1 << 24 || at(lo).1 > avail || at(hi).1 <= avail {
         return None;
     }
-    while hi - lo > 1 {
-        let mid = lo + (hi - lo) / 2;
-        if at(mid).1 <= avail { lo = mid } else { hi = mid }
-    }
-    let (p, b) = at(lo);
-    Some((lo, p, b))
+    Some(bisect(at, (lo, hi), avail))
 }
 
 /// The largest micro-batch (rows) whose device plan fits `budget`, up to the batch size.
