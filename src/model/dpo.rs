@@ -136,19 +136,22 @@ impl DpoMetrics {
         }
     }
 
-    /// Each metric under its name (`rewards_chosen`, ...), with `prefix` before it.
-    pub fn named(&self, prefix: &str) -> Vec<(String, f64)> {
+    /// Each metric as (its `metrics.jsonl` name, TRL's log name, its value).
+    pub fn fields(&self) -> [(&'static str, &'static str, f64); 6] {
         [
-            ("rewards_chosen", self.rewards_chosen),
-            ("rewards_rejected", self.rewards_rejected),
-            ("reward_accuracy", self.reward_accuracy),
-            ("reward_margin", self.reward_margin),
-            ("logps_chosen", self.logps_chosen),
-            ("logps_rejected", self.logps_rejected),
+            ("rewards_chosen", "rewards/chosen", self.rewards_chosen),
+            ("rewards_rejected", "rewards/rejected", self.rewards_rejected),
+            ("reward_accuracy", "rewards/accuracies", self.reward_accuracy),
+            ("reward_margin", "rewards/margins", self.reward_margin),
+            ("logps_chosen", "logps/chosen", self.logps_chosen),
+            ("logps_rejected", "logps/rejected", self.logps_rejected),
         ]
-        .into_iter()
-        .map(|(k, v)| (format!("{prefix}{k}"), v))
-        .collect()
+    }
+
+    /// Each metric under its `metrics.jsonl` name (`rewards_chosen`, ...), with `prefix` before
+    /// it.
+    pub fn named(&self, prefix: &str) -> Vec<(String, f64)> {
+        self.fields().into_iter().map(|(k, _, v)| (format!("{prefix}{k}"), v)).collect()
     }
 }
 

@@ -128,17 +128,7 @@ impl EventWriter {
 
 /// A DPO step's metrics under TRL's tags (`train/rewards/chosen`, ..., `train/logps/rejected`).
 fn trl_tags(split: &str, d: &crate::model::dpo::DpoMetrics) -> Vec<(String, f64)> {
-    [
-        ("rewards/chosen", d.rewards_chosen),
-        ("rewards/rejected", d.rewards_rejected),
-        ("rewards/accuracies", d.reward_accuracy),
-        ("rewards/margins", d.reward_margin),
-        ("logps/chosen", d.logps_chosen),
-        ("logps/rejected", d.logps_rejected),
-    ]
-    .into_iter()
-    .map(|(k, x)| (format!("{split}/{k}"), x))
-    .collect()
+    d.fields().into_iter().map(|(_, tag, x)| (format!("{split}/{tag}"), x)).collect()
 }
 
 fn wall_time() -> f64 {
