@@ -202,3 +202,20 @@ fn the_plan_counts_the_reference() {
     assert!(!live.text.contains("log-probs (precomputed"), "{}", live.text);
     assert_eq!(live.plan.host_total() - pre.plan.host_total(), 2 * live.plan.params - 16 * 12);
 }
+
+/// A pair with a token id past the model's vocabulary is refused before anything is planned,
+/// naming its file and line.
+#[test]
+fn an_id_past_the_vocabulary_is_refused_by_line() {
+    let case = "dpo_llama_full";
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("pairs.jsonl");
+    let text = std::fs::read_to_string(dir(case).join("data.jsonl")).unwrap();
+    let mut lines: Vec<Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    lines[2]["chosen_input_ids"][0] = serde_json::json!(100_000);
+    let text: String = lines.iter().map(|l| l.to_string() + "\n").collect();
+    std::fs::write(&data, text).unwrap();
+    let err =
+        format!("{:#}", run(&config(case, &data, &tmp.path().join("out"), ""), None).unwrap_err());
+    assert!(err.contains("pairs.jsonl:3: token id 100000 is >= the model's vocab_size"), "{err}");
+}

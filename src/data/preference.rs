@@ -86,6 +86,9 @@ pub struct PreferenceReport {
     /// across the boundary, or the template renders the prompt alone differently): the
     /// completion starts where they diverge (TRL warns).
     pub split_moved: Vec<Loc>,
+    /// The largest token id of the kept rows, and the first record holding it (the caller
+    /// checks it against the model's vocabulary).
+    pub largest_id: Option<(i32, Loc)>,
 }
 
 impl PreferenceReport {
@@ -142,7 +145,8 @@ impl PreferenceReport {
 /// `tools` or `chat_template_kwargs` on a conversation, an empty completion, an id that is not
 /// a non-negative integer. Then: `max_length < 2`, no row at all, or no row that carries a
 /// loss. The field names are `src.columns`' mapping of these. Ids are not checked against a
-/// vocabulary here (the model's may be larger than the tokenizer's).
+/// vocabulary here (the model's may be larger than the tokenizer's): the report's `largest_id`
+/// says where the largest is.
 pub fn load_preference(
     src: &Source,
     tok: Option<&dyn Tokenizer>,
@@ -268,6 +272,12 @@ impl Loader<'_> {
             if flag {
                 list.push(loc.clone());
             }
+        }
+        let largest = rows.iter().flat_map(|r| r.input_ids.iter().copied()).max();
+        if let Some(id) = largest
+            && rep.largest_id.as_ref().is_none_or(|(top, _)| id > *top)
+        {
+            rep.largest_id = Some((id, loc.clone()));
         }
         Ok(Outcome::Keep(rows))
     }

@@ -18,6 +18,7 @@ use crate::model::transformer::Tokens;
 use crate::rng::SplitMix64;
 use crate::run::config::{DataFormat, RawConfig, RunConfig};
 use crate::run::load::load_tokenizer;
+use crate::tokenizer::Tokenizer;
 
 /// Row indices of batch `k`: `[k*B, (k+1)*B)` cycling through the data; with `shuffle`, each
 /// epoch reads the rows in its own seeded permutation.
@@ -222,12 +223,7 @@ fn load_rows(
         DataFormat::Preference => load_pairs(raw, &Source::new(path()?, &d.columns), vocab_size)?,
         DataFormat::Text | DataFormat::Alpaca | DataFormat::Chat | DataFormat::Sharegpt => {
             let tok = load_tokenizer(raw)?;
-            if tok.vocab_size() > vocab_size {
-                bail!(
-                    "the tokenizer has {} ids but the model's vocab_size is {vocab_size}\nhint: the tokenizer and the model must match",
-                    tok.vocab_size()
-                );
-            }
+            tokenizer_fits(tok.as_ref(), vocab_size)?;
             let (p, tok, top) =
                 (&Source::new(path()?, &d.columns), tok.as_ref(), d.train_on_prompt);
             match d.format {
@@ -247,6 +243,18 @@ fn load_rows(
     Ok((rows, report))
 }
 
+/// An error unless the tokenizer's ids all lie in the model's vocabulary of `vocab` ids.
+fn tokenizer_fits(tok: &dyn Tokenizer, vocab: usize) -> Result<()> {
+    if tok.vocab_size() > vocab {
+        bail!(
+            "the tokenizer has {} ids but the model's vocab_size is {vocab}\nhint: the tokenizer \
+             and the model must match",
+            tok.vocab_size()
+        );
+    }
+    Ok(())
+}
+
 /// A `preference` file's pairs as rows (pair `i`: rows `2i`, chosen, and `2i + 1`, rejected),
 /// tokenized as TRL's `DPOTrainer` does ([`load_preference`]) and cut at `dpo.max_length`; its
 /// report's warnings printed (equal completions, a moved prompt boundary).
@@ -256,29 +264,20 @@ fn load_pairs(raw: &RawConfig, src: &Source, vocab: usize) -> Result<(RowStore, 
     let named = raw.data.tokenizer.is_some()
         || raw.model.path.as_ref().is_some_and(|p| p.join("tokenizer.json").is_file());
     let tok = named.then(|| load_tokenizer(raw)).transpose()?;
+    if let Some(t) = &tok {
+        tokenizer_fits(t.as_ref(), vocab)?;
+    }
     let max = raw.row_limit();
     let (rows, rep) = load_preference(src, tok.as_deref(), max, raw.data.on_error)?;
     for w in rep.warnings() {
         println!("warning: data: {}: {w}", src.path.display());
     }
-    if let Some(t) = &tok
-        && t.vocab_size() > vocab
+    if let Some((id, loc)) = &rep.largest_id
+        && *id as usize >= vocab
     {
         bail!(
-            "the tokenizer has {} ids but the model's vocab_size is {vocab}\nhint: the \
-             tokenizer and the model must match",
-            t.vocab_size()
-        );
-    }
-    for r in 0..rows.len() {
-        if rows.example(r)?.input_ids.iter().all(|&t| (t as usize) < vocab) {
-            continue;
-        }
-        bail!(
-            "{}: pair {} holds a token id >= the model's vocab_size {vocab}\nhint: the data was \
-             tokenized for another model",
-            src.path.display(),
-            r / 2 + 1
+            "{loc}: token id {id} is >= the model's vocab_size {vocab}\nhint: the data was \
+             tokenized for another model"
         );
     }
     println!("data: {}: {}", src.path.display(), rep.summary());
