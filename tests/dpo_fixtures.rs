@@ -9,7 +9,7 @@ mod common;
 
 use std::path::Path;
 
-use common::dpo::{SAME_CHUNKS, dir, expected, streamed, trainer};
+use common::dpo::{SAME_CHUNKS, assert_loss_and_norm, dir, expected, streamed, trainer};
 use common::update_rel_err;
 use horizon::hf::checkpoint::read_tensor_f64;
 use horizon::model::dpo::{DpoLossKind, DpoObjective};
@@ -21,11 +21,6 @@ use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig};
 /// The CPU device with a few MiB.
 fn cpu() -> CpuDevice {
     CpuDevice::new(CpuDeviceConfig::with_capacity(8 << 20))
-}
-
-fn close(what: &str, got: f64, want: f64, tol: f64) {
-    let err = (got - want).abs() / want.abs().max(1e-12);
-    assert!(err <= tol, "{what}: {got} vs {want} (rel err {err:.2e} > {tol:.1e})");
 }
 
 /// Our name of a fixture tensor: HF names as they are, PEFT names without PEFT's prefix.
@@ -42,19 +37,7 @@ fn step0_matches_trl() {
         let mut t = trainer(case, "");
         let got = t.step(0).unwrap();
         let want = &e["per_step"][0];
-        let tol = |err: f64| (10.0 * err).max(1e-5);
-        close(
-            &format!("{case} loss"),
-            got.loss,
-            want["loss"].as_f64().unwrap(),
-            tol(pt["loss_max_rel_err"].as_f64().unwrap()),
-        );
-        close(
-            &format!("{case} grad norm"),
-            got.grad_norm,
-            want["grad_norm"].as_f64().unwrap(),
-            tol(pt["grad_norm_max_rel_err"].as_f64().unwrap()),
-        );
+        assert_loss_and_norm(case, (got.loss, got.grad_norm), want, pt);
         let m = got.metrics;
         for (name, v) in [
             ("rewards_chosen", m.rewards_chosen),
@@ -120,19 +103,7 @@ fn every_step(case: &str) {
     let init = t.state.params.clone();
     for (k, want) in e["per_step"].as_array().unwrap().iter().enumerate() {
         let got = t.step(k).unwrap();
-        let tol = |err: f64| (10.0 * err).max(1e-5);
-        close(
-            &format!("{case} step {k} loss"),
-            got.loss,
-            want["loss"].as_f64().unwrap(),
-            tol(pt["loss_max_rel_err"].as_f64().unwrap()),
-        );
-        close(
-            &format!("{case} step {k} grad norm"),
-            got.grad_norm,
-            want["grad_norm"].as_f64().unwrap(),
-            tol(pt["grad_norm_max_rel_err"].as_f64().unwrap()),
-        );
+        assert_loss_and_norm(&format!("{case} step {k}"), (got.loss, got.grad_norm), want, pt);
         let margin = want["reward_margin"].as_f64().unwrap();
         assert!((got.metrics.reward_margin - margin).abs() <= 1e-4, "{case} step {k} margin");
     }
@@ -171,20 +142,8 @@ fn streamed_engine_matches_the_reference_path_and_trl() {
         for (k, mbs, tile) in [(1, 1, None), (2, 1, None), (2, 3, Some(100))] {
             let (got, _) = streamed(cpu(), case, (k, mbs, tile), BackendKind::Cpu);
             for (s, (g, want)) in got.iter().zip(e["per_step"].as_array().unwrap()).enumerate() {
-                let tol = |err: f64| (10.0 * err).max(1e-5);
                 let what = format!("{case} K {k} micro-batches of {mbs}: step {s}");
-                close(
-                    &format!("{what} loss"),
-                    g.loss,
-                    want["loss"].as_f64().unwrap(),
-                    tol(pt["loss_max_rel_err"].as_f64().unwrap()),
-                );
-                close(
-                    &format!("{what} grad norm"),
-                    g.grad_norm,
-                    want["grad_norm"].as_f64().unwrap(),
-                    tol(pt["grad_norm_max_rel_err"].as_f64().unwrap()),
-                );
+                assert_loss_and_norm(&what, (g.loss, g.grad_norm), want, pt);
             }
         }
     }

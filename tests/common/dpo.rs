@@ -250,3 +250,16 @@ pub fn metrics(out: &Path) -> Vec<serde_json::Value> {
     let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
     text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
 }
+
+/// A step's loss and grad norm against the fixture's step `want`, within the README's
+/// tolerances: relative error at most max(1e-5, 10x PyTorch fp32's own, `pt`).
+pub fn assert_loss_and_norm(what: &str, (loss, grad_norm): (f64, f64), want: &Value, pt: &Value) {
+    let checks =
+        [("loss", loss, "loss_max_rel_err"), ("grad_norm", grad_norm, "grad_norm_max_rel_err")];
+    for (key, got, err) in checks {
+        let w = want[key].as_f64().unwrap();
+        let tol = (10.0 * pt[err].as_f64().unwrap()).max(1e-5);
+        let rel = (got - w).abs() / w.abs().max(1e-12);
+        assert!(rel <= tol, "{what} {key}: {got} vs {w} (rel err {rel:.2e} > {tol:.1e})");
+    }
+}
