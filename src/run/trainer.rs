@@ -101,9 +101,9 @@ where
         let layout = run_layout(&cfg.raw, &model_cfg, cfg.adapter.as_ref())?;
         // The data first: its longest row sizes every buffer of the plan, its rows an epoch.
         let sets = load_datasets(&cfg.raw, model_cfg.vocab_size)?;
-        let (examples, unit) = examples_of(&cfg.raw, sets.train.len());
+        let examples = examples_of(&cfg.raw, sets.train.len());
         cfg.raw.train.resolve_epochs(examples);
-        println!("{}", epochs_line(&cfg.raw.train, examples, unit));
+        println!("{}", epochs_line(&cfg.raw.train, examples, example_unit(&cfg.raw)));
         let raw = &cfg.raw;
         let reference = crate::run::dpo_train::reference_line(raw, Some(&sets));
         let (ecfg, plan) = plan_run(raw, &layout, &SeqLen::of_data(raw, &sets), reference)?;
@@ -434,13 +434,15 @@ fn cuda_device(raw: &RawConfig, plan: &MemoryPlan) -> Result<CudaDevice> {
     CudaDevice::new(cfg).context("device.backend = cuda")
 }
 
-/// The training examples of a run with `rows` training rows, and their name: rows, or a DPO
-/// run's pairs (two rows each).
-fn examples_of(raw: &RawConfig, rows: usize) -> (usize, &'static str) {
-    match raw.dpo() {
-        Some(_) => (rows / 2, "pairs"),
-        None => (rows, "rows"),
-    }
+/// The training examples of a run with `rows` training rows: rows, or a DPO run's pairs (two
+/// rows each).
+fn examples_of(raw: &RawConfig, rows: usize) -> usize {
+    if raw.dpo().is_some() { rows / 2 } else { rows }
+}
+
+/// What a run's training examples are called ([`examples_of`]).
+fn example_unit(raw: &RawConfig) -> &'static str {
+    if raw.dpo().is_some() { "pairs" } else { "rows" }
 }
 
 /// What an epoch is in steps: `400 training rows in batches of 8: 50 steps an epoch; 100
@@ -817,7 +819,7 @@ where
         tr.model_cfg.hidden_size,
         tr.engine.sizes().params,
         tr.examples(),
-        examples_of(&tr.cfg.raw, 0).1,
+        example_unit(&tr.cfg.raw),
         tr.engine.sizes().micro_batches,
         tr.cfg.raw.engine.checkpoint_every,
         tr.engine.host_threads(),
