@@ -28,3 +28,33 @@ extern "C" __global__ void dequantize_nf4(unsigned short* out, const unsigned in
     float absmax = __uint_as_float(packed[code_words + i / 64]);
     out[i] = nf4_to_bf16(__fmul_rn(NF4_CODE[q], absmax));
 }
+
+// MXFP4 weights to bf16 (gpt-oss's experts, packed as the frozen base). The packed form is
+// src/mxfp4.rs's device form: n/2 code bytes (value i in byte i/2, low nibble for even i),
+// little-endian four to a 32-bit word, then the n/32 scale bytes likewise, padded to a whole
+// word. out[i] = FP4[code] * 2^(scale - 127), the power of two applied as two normal factors
+// where one would leave float's normal exponents (scale 0 and 255), as src/mxfp4.rs's `scaled`;
+// every value is exact in bf16 for scales up to 252. Reference: src/cpu/nf4.rs.
+__constant__ float MXFP4_CODE[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                     -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+__device__ float mxfp4_pow2(int e) { return __uint_as_float((unsigned int)(e + 127) << 23); }
+
+extern "C" __global__ void dequantize_mxfp4(unsigned short* out, const unsigned int* packed,
+                                            long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    unsigned int code = (packed[i / 8] >> (8 * ((i / 2) % 4) + 4 * (i % 2))) & 15u;
+    long long k = i / 32;
+    int s = (int)((packed[n / 8 + k / 4] >> (8 * (k % 4))) & 0xffu);
+    float v = MXFP4_CODE[code];
+    float x;
+    if (s == 0) {
+        x = __fmul_rn(__fmul_rn(v, mxfp4_pow2(-126)), 0.5f);
+    } else if (s == 255) {
+        x = __fmul_rn(__fmul_rn(v, mxfp4_pow2(127)), 2.0f);
+    } else {
+        x = __fmul_rn(v, mxfp4_pow2(s - 127));
+    }
+    out[i] = nf4_to_bf16(x);
+}

@@ -355,6 +355,9 @@ impl Backend for CudaBackend {
     fn dequantize_nf4(&self, _: &mut [Bf16], _: &[f32], _: usize) {
         match *self {}
     }
+    fn dequantize_mxfp4(&self, _: &mut [Bf16], _: &[f32], _: usize) {
+        match *self {}
+    }
 }
 
 impl Device for CudaDevice {

@@ -417,6 +417,12 @@ pub trait Backend: Send + Sync {
     /// rounded to the weight precision (exact on the CPU, bf16 nearest even on CUDA).
     /// out: (n), overwrites. packed: (`nf4::words(n)`).
     fn dequantize_nf4(&self, out: &mut Self::WBuf, packed: &Self::Buf, n: usize);
+    /// MXFP4 weights (gpt-oss's experts, kept packed as the frozen base) to the backend's
+    /// precision: `packed` holds [`mxfp4::words`]`(n)` words of [`mxfp4`]'s device form (uploaded
+    /// bit-preserving with [`Backend::upload`]); `out[i] = FP4[code_i] * 2^(scale[i / 32] - 127)`,
+    /// exact in fp32 and in bf16 for scales up to 252 (the checkpoint's values bit for bit).
+    /// out: (n), overwrites; n a multiple of 32.
+    fn dequantize_mxfp4(&self, out: &mut Self::WBuf, packed: &Self::Buf, n: usize);
 
     // ---- mixture of experts ([`cpu::moe`] has the data flow) -------------------------------
 

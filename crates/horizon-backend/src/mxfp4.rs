@@ -89,9 +89,60 @@ pub fn decode_transposed(
     out
 }
 
+/// Words of the device form of `n` values (a multiple of 32): the `n / 2` code bytes (value
+/// `i` in byte `i / 2`, low nibble for even `i`, as the checkpoint stores them), then the
+/// `n / 32` scale bytes padded to a whole word, each four bytes little-endian in one 32-bit word
+/// (an f32 buffer element's bits on a device, as NF4's device form).
+pub fn words(n: usize) -> usize {
+    assert_eq!(n % BLOCK, 0, "MXFP4 holds whole blocks of 32");
+    n / 8 + (n / BLOCK).div_ceil(4)
+}
+
+/// The device form ([`words`]) of a tensor's blocks (`n / 2` bytes, rows of whole blocks in
+/// order) and scales (`n / 32` bytes). out: (`words(n)`), overwrites.
+pub fn to_words(blocks: &[u8], scales: &[u8], out: &mut [u32]) {
+    assert_eq!(blocks.len(), scales.len() * BLOCK / 2, "blocks and scales disagree");
+    let n = scales.len() * BLOCK;
+    assert_eq!(out.len(), words(n), "the device form of {n} values is words(n) words");
+    let (codes, sc) = out.split_at_mut(n / 8);
+    let pack = |bytes: &[u8], dst: &mut [u32]| {
+        for (w, b) in dst.iter_mut().zip(bytes.chunks(4)) {
+            let mut four = [0u8; 4];
+            four[..b.len()].copy_from_slice(b);
+            *w = u32::from_le_bytes(four);
+        }
+    };
+    pack(blocks, codes);
+    pack(scales, sc);
+}
+
+/// Value `i` of the device form of `n` values, whose word `w` is `word(w)`:
+/// `FP4[code] * 2^(scale - 127)`.
+#[inline]
+pub fn value_at(word: impl Fn(usize) -> u32, n: usize, i: usize) -> f32 {
+    let code = (word(i / 8) >> (8 * ((i / 2) % 4) + 4 * (i % 2))) & 15;
+    let k = i / BLOCK;
+    let scale = (word(n / 8 + k / 4) >> (8 * (k % 4))) & 0xff;
+    scaled(FP4[code as usize], scale as u8)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The device form decodes to what the checkpoint's bytes decode to, every value.
+    #[test]
+    fn the_device_form_decodes_as_the_blocks() {
+        let blocks: Vec<u8> = (0..4 * 16).map(|b| (b * 37 + 11) as u8).collect();
+        let scales = [0u8, 127, 130, 252];
+        let mut want = vec![0.0f32; 128];
+        decode(&blocks, &scales, &mut want);
+        let mut w = vec![0u32; words(128)];
+        to_words(&blocks, &scales, &mut w);
+        for (i, x) in want.iter().enumerate() {
+            assert_eq!(value_at(|k| w[k], 128, i).to_bits(), x.to_bits(), "value {i}");
+        }
+    }
 
     /// The table is E2M1 read field by field (sign, exponent with bias 1, mantissa).
     #[test]

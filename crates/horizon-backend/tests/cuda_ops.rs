@@ -431,6 +431,45 @@ fn add_cols_and_scaled_cols() {
     }
 }
 
+/// MXFP4 to bf16 weights: the CPU's fp32 values (`mxfp4::decode`'s, every one exact in bf16
+/// up to scale 252; beyond, rounded) bit for bit, signed zeros and the subnormal scale 0
+/// included; the weight guards are untouched.
+#[test]
+fn dequantize_mxfp4_is_the_cpu_value_in_bf16() {
+    use horizon_backend::mxfp4;
+    let be = gpu();
+    for blocks_n in [1usize, 3, 5, 64] {
+        let n = blocks_n * mxfp4::BLOCK;
+        let blocks: Vec<u8> = (0..n / 2).map(|b| (b * 73 + 5) as u8).collect();
+        let scales: Vec<u8> = (0..blocks_n).map(|k| [0u8, 1, 127, 100, 252, 255][k % 6]).collect();
+        let mut words = vec![0u32; mxfp4::words(n)];
+        mxfp4::to_words(&blocks, &scales, &mut words);
+        let packed: Vec<f32> = words.iter().map(|&u| f32::from_bits(u)).collect();
+        let mut cpu = vec![0.0; n];
+        CpuBackend.dequantize_mxfp4(&mut cpu, &packed, n);
+        let mut want = vec![0.0; n];
+        mxfp4::decode(&blocks, &scales, &mut want);
+        assert_eq!(
+            cpu.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            want.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
+        let want: Vec<Bf16> = cpu.iter().map(|&v| Bf16::from_f32(v)).collect();
+        let gpacked = Guarded::new(&be, "packed", &packed);
+        let sentinel = f32::from_bits(u32::from(SENTINEL_BF16) << 16);
+        let mut out = weights_on(&be, &vec![sentinel; n + 2 * GUARD]);
+        be.dequantize_mxfp4(out.slice_mut(GUARD..GUARD + n), gpacked.view(), n);
+        let mut got = vec![Bf16(0); n + 2 * GUARD];
+        be.download_weights(&mut got, &out);
+        let guard = Bf16::from_f32(sentinel);
+        assert!(
+            got[..GUARD].iter().chain(&got[GUARD + n..]).all(|g| *g == guard),
+            "n = {n}: a guard moved"
+        );
+        assert_eq!(&got[GUARD..GUARD + n], &want[..], "n = {n}");
+        gpacked.read(&be);
+    }
+}
+
 /// NF4 to bf16 weights: the CPU's fp32 values (`nf4::dequantize`'s) rounded to bf16 nearest
 /// even, bit for bit, for lengths with partial blocks, odd lengths and a padded last word;
 /// the weight guards are untouched.

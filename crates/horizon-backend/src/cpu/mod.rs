@@ -382,6 +382,10 @@ impl Backend for CpuBackend {
         dequantize_nf4(out, packed, n);
     }
 
+    fn dequantize_mxfp4(&self, out: &mut [f32], packed: &[f32], n: usize) {
+        nf4::dequantize_mxfp4(out, packed, n);
+    }
+
     fn residual_forward(&self, out: &mut [f32], a: &[f32], b: &[f32]) {
         residual_forward(out, a, b);
     }

@@ -3,6 +3,7 @@
 //! values.
 //!
 //! Data flow: packed words (`nf4::words(n)`) -> code nibble, block absmax -> CODE[q] * absmax.
+//! MXFP4 likewise (`mxfp4::words(n)`): code nibble, block scale -> FP4[q] * 2^(scale - 127).
 
 use rayon::prelude::*;
 
@@ -28,6 +29,22 @@ pub fn dequantize_nf4(out: &mut [f32], packed: &[f32], n: usize) {
         let am = f32::from_bits(am.to_bits());
         for (j, o) in o.iter_mut().enumerate() {
             *o = CODE[code_at(packed, b * BLOCK + j)] * am;
+        }
+    });
+}
+
+/// MXFP4 weights to fp32: `out[i] = FP4[code_i] * 2^(scale[i / 32] - 127)`, exactly
+/// [`crate::mxfp4::decode`]'s values.
+///
+/// out: (n), overwrites. packed: (`mxfp4::words(n)`), the device form as f32 bit patterns.
+pub fn dequantize_mxfp4(out: &mut [f32], packed: &[f32], n: usize) {
+    use crate::mxfp4::{BLOCK, value_at, words};
+    assert_eq!(out.len(), n, "dequantize_mxfp4: out must be (n)");
+    assert_eq!(packed.len(), words(n), "dequantize_mxfp4: packed must be mxfp4::words(n)");
+    let word = |w: usize| packed[w].to_bits();
+    out.par_chunks_mut(64 * BLOCK).enumerate().for_each(|(c, o)| {
+        for (j, o) in o.iter_mut().enumerate() {
+            *o = value_at(word, n, c * 64 * BLOCK + j);
         }
     });
 }

@@ -753,6 +753,10 @@ impl Backend for CudaBackend {
         super::nf4::dequantize_nf4(self, out, packed, n);
     }
 
+    fn dequantize_mxfp4(&self, out: &mut DevSlice<Bf16>, packed: &DevSlice<f32>, n: usize) {
+        super::nf4::dequantize_mxfp4(self, out, packed, n);
+    }
+
     fn residual_forward(&self, out: &mut DevSlice<f32>, a: &DevSlice<f32>, b: &DevSlice<f32>) {
         super::residual::residual_forward(self, out, a, b);
     }

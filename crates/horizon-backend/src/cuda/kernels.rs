@@ -92,7 +92,7 @@ pub const FUNCTIONS: [(&str, &[&str]); 19] = [
             "moe_row_dots",
         ],
     ),
-    ("nf4", &["dequantize_nf4"]),
+    ("nf4", &["dequantize_nf4", "dequantize_mxfp4"]),
     ("residual", &["residual_forward", "add_inplace"]),
     ("rmsnorm", &["rmsnorm_forward", "rmsnorm_backward_dinp", "rmsnorm_backward_dweight"]),
     ("rope", &["rope_rotate"]),
