@@ -342,7 +342,7 @@ fn forward_ops<B: Backend>(
                     let (width, total) = (spec.width(qkv), *pos + n);
                     be.copy(cache.slice_mut(*pos * width..total * width), q.r(len(qkv)));
                     let cd = spec.attn.dims(1, total);
-                    be.attention_decode(o.w(len(out)), cache.slice(0..total * width), n, cd);
+                    be.attention_decode(o.w(len(out)), cache.slice(0..total * width), None, n, cd);
                 }
             },
             Op::Add { a, b, out } => {

@@ -5,6 +5,9 @@
 // after rope; out (B*T_new, H*D), row bi*T_new + r = query position T - T_new + r. Query head h
 // reads kv head h / (H/KVH); scores are scale q.k; D <= 256. Sliding window W (`window`, 0 =
 // full causal; the launcher passes 0 for W >= T): query i sees keys max(0, i - W + 1)..=i.
+// sinks (H) where has_sinks: head h's sink logit, one more softmax column of each row that adds no value
+// (gpt-oss; as attention_sink_forward after the full forward): folded into the running max and
+// sum after the last key tile.
 // Launcher: src/cuda/attention_decode.rs. Reference: src/cpu/attention_decode.rs.
 //
 // Work split: one warp per new query row, ROWS warps per block sharing the tiles. Lane l
@@ -40,8 +43,9 @@ __device__ void load_tile(float* tile, const float* base, long long b_row0, int 
 
 // out (B*T_new, H*D): overwrites. grid (ceil(T_new/ROWS), H, B), block 32*ROWS threads, dynamic
 // shared memory (2*TILE*(D+1) + ROWS*D) floats.
-extern "C" __global__ void attention_decode(float* out, const float* qkv, int t, int t_new,
-                                            int h, int kvh, int d, int window, float scale) {
+extern "C" __global__ void attention_decode(float* out, const float* qkv, const float* sinks,
+                                            int has_sinks, int t, int t_new, int h, int kvh,
+                                            int d, int window, float scale) {
     extern __shared__ float smem[];
     float* ks = smem;
     float* vs = ks + TILE * (d + 1);
@@ -94,6 +98,13 @@ extern "C" __global__ void attention_decode(float* out, const float* qkv, int t,
             }
         }
         m = m_new;
+    }
+    if (live && has_sinks) {
+        float s = sinks[hi];
+        float m_new = fmaxf(m, s);
+        float corr = expf(m - m_new);
+        l = l * corr + expf(s - m_new);
+        for (int u = 0; u < MAXU; u++) o[u] *= corr;
     }
     if (live) {
         float inv = 1.0f / l;

@@ -208,7 +208,21 @@ impl Backend for CudaBackend {
     ) {
         match *self {}
     }
-    fn attention_decode(&self, _: &mut [f32], _: &[f32], _: usize, _: AttnDims) {
+    fn attention_sink_forward(&self, _: &mut [f32], _: &mut [f32], _: &[f32], _: AttnDims) {
+        match *self {}
+    }
+    fn attention_sink_backward(
+        &self,
+        _: &mut [f32],
+        _: &[f32],
+        _: &[f32],
+        _: &[f32],
+        _: &[f32],
+        _: AttnDims,
+    ) {
+        match *self {}
+    }
+    fn attention_decode(&self, _: &mut [f32], _: &[f32], _: Option<&[f32]>, _: usize, _: AttnDims) {
         match *self {}
     }
     fn moe_route_forward(

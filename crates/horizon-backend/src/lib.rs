@@ -325,13 +325,51 @@ pub trait Backend: Send + Sync {
         dims: AttnDims,
     );
 
+    /// Learned attention sinks (gpt-oss), as a step after [`Backend::attention_forward`]: head
+    /// `h`'s logit `sinks[h]` is one more column of each of its score rows, which takes
+    /// probability mass and adds no value ([`cpu::attention_sink`] has the derivation). Per row
+    /// `i` and head `h`: `lse'_i = logaddexp(lse_i, sinks[h])`, `out_i *= exp(lse_i - lse'_i)`;
+    /// afterwards `out` and `lse` are the sink attention's output and log-sum-exp over the T + 1
+    /// columns, and [`Backend::attention_backward`] on them gives its dqkv.
+    /// out: (N, H*D), in place. lse: (B, H, T), in place (overwritten with `lse'`); both as the
+    /// forward left them. sinks: (H).
+    fn attention_sink_forward(
+        &self,
+        out: &mut Self::Buf,
+        lse: &mut Self::Buf,
+        sinks: &Self::Buf,
+        dims: AttnDims,
+    );
+    /// The sinks' gradient: `dsinks[h] += -sum_i exp(sinks[h] - lse'_i) (dout_i . out_i)` over
+    /// every row `i` (all of B and T; `dout_i`, `out_i` head `h`'s D columns), summed in a fixed
+    /// order (deterministic).
+    /// dsinks: (H), accumulates (+=). dout: (N, H*D). out: (N, H*D), lse: (B, H, T): the
+    /// sink-adjusted ones [`Backend::attention_sink_forward`] left. sinks: (H).
+    fn attention_sink_backward(
+        &self,
+        dsinks: &mut Self::Buf,
+        dout: &Self::Buf,
+        out: &Self::Buf,
+        lse: &Self::Buf,
+        sinks: &Self::Buf,
+        dims: AttnDims,
+    );
+
     /// Attention of the last `t_new` positions of each sequence against every key before and at
     /// them, forward only (a KV cache's decode step): rows `T - T_new..T` of
-    /// [`Backend::attention_forward`]'s `out`, within `dims.window`, `dims` sizing the whole
-    /// cache (`dims.t` = T positions so far).
+    /// [`Backend::attention_forward`]'s `out` (followed by [`Backend::attention_sink_forward`]
+    /// with `sinks`), within `dims.window`, `dims` sizing the whole cache (`dims.t` = T
+    /// positions so far).
     /// out: (B*T_new, H*D), overwrites. qkv: (B*T, QKV) after rope: every position's k and v (the
-    /// cache), and the new positions' q.
-    fn attention_decode(&self, out: &mut Self::Buf, qkv: &Self::Buf, t_new: usize, dims: AttnDims);
+    /// cache), and the new positions' q. sinks: (H), each head's sink logit, or `None`.
+    fn attention_decode(
+        &self,
+        out: &mut Self::Buf,
+        qkv: &Self::Buf,
+        sinks: Option<&Self::Buf>,
+        t_new: usize,
+        dims: AttnDims,
+    );
 
     /// SwiGLU: `out = silu(gate) * up`.
     /// out: (N, F), overwrites. gate_up: (N, 2F), row = `[gate (F) | up (F)]`.

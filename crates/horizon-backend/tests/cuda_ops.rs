@@ -568,15 +568,27 @@ fn rope_forward_and_backward() {
 /// (wmma, then the default mma.sync), whose bf16 operands are held to the CPU on bf16-rounded
 /// inputs at [`TOL_TENSOR_ATTENTION`].
 fn check_attention(be: &CudaBackend, rng: &mut Rng, dims: AttnDims) -> [Vec<f32>; 3] {
+    check_attention_sets(be, rng, dims, false)
+}
+
+/// [`check_attention`], with gpt-oss's attention sinks when `sinks`: each set's forward is
+/// followed by `attention_sink_forward`, and its backward (on the sink-adjusted out and lse) by
+/// `attention_sink_backward`, whose dsinks (H) is held to the CPU's at the set's tolerance too.
+fn check_attention_sets(
+    be: &CudaBackend,
+    rng: &mut Rng,
+    dims: AttnDims,
+    sinks: bool,
+) -> [Vec<f32>; 3] {
     let seed = rng.next_u64();
     let aligned = 4 * GUARD.div_ceil(4);
     be.set_attention_kernels(AttentionKernels::Fp32);
-    check_attention_with(be, &mut Rng::new(seed), dims, GUARD, None);
-    let fp32 = check_attention_with(be, &mut Rng::new(seed), dims, aligned, None);
+    check_attention_with(be, &mut Rng::new(seed), dims, GUARD, None, sinks);
+    let fp32 = check_attention_with(be, &mut Rng::new(seed), dims, aligned, None, sinks);
     if dims.d.is_multiple_of(16) && dims.d <= 128 {
         for set in [AttentionKernels::Wmma, AttentionKernels::Tensor] {
             be.set_attention_kernels(set);
-            check_attention_with(be, &mut Rng::new(seed), dims, aligned, Some(set));
+            check_attention_with(be, &mut Rng::new(seed), dims, aligned, Some(set), sinks);
         }
     }
     be.set_attention_kernels(AttentionKernels::Tensor);
@@ -588,14 +600,15 @@ fn bf16_rounded(x: Vec<f32>) -> Vec<f32> {
     x.into_iter().map(|v| Bf16::from_f32(v).to_f32()).collect()
 }
 
-/// One run of [`check_attention`]'s: the inputs rounded to bf16 and the tensor cores'
-/// tolerance when `tensor` names the tensor-core set that runs.
+/// One run of [`check_attention_sets`]'s: the inputs rounded to bf16 and the tensor cores'
+/// tolerance when `tensor` names the tensor-core set that runs; with random sinks when `sinks`.
 fn check_attention_with(
     be: &CudaBackend,
     rng: &mut Rng,
     dims: AttnDims,
     guard: usize,
     tensor: Option<AttentionKernels>,
+    sinks: bool,
 ) -> [Vec<f32>; 3] {
     let (n, width, hd) = (dims.n(), dims.qkv_width(), dims.h * dims.d);
     let (round, tol) = match tensor.is_some() {
@@ -603,13 +616,20 @@ fn check_attention_with(
         false => ((|x| x) as fn(Vec<f32>) -> Vec<f32>, TOL_SUM),
     };
     let set = tensor.map_or("fp32".to_string(), |k| format!("tensor cores, {k:?}"));
+    let set = if sinks { format!("{set}, sinks") } else { set };
     let qkv = round(rng.vec(n * width, 1.0));
+    let sink = sinks.then(|| rng.vec(dims.h, 3.0));
     let (mut out, mut lse) = (vec![0.0; n * hd], vec![0.0; dims.b * dims.h * dims.t]);
     CpuBackend.attention_forward(&mut out, &mut lse, &qkv, dims);
     let gqkv = Guarded::with_guard(be, "qkv", &qkv, guard);
     let mut gout = Guarded::with_guard(be, "out", &vec![0.0; n * hd], guard);
     let mut glse = Guarded::with_guard(be, "lse", &vec![0.0; lse.len()], guard);
     be.attention_forward(gout.view_mut(), glse.view_mut(), gqkv.view(), dims);
+    let gsink = sink.as_ref().map(|s| Guarded::new(be, "sinks", s));
+    if let (Some(s), Some(gs)) = (&sink, &gsink) {
+        CpuBackend.attention_sink_forward(&mut out, &mut lse, s, dims);
+        be.attention_sink_forward(gout.view_mut(), glse.view_mut(), gs.view(), dims);
+    }
     let (got_out, got_lse) = (gout.read(be), glse.read(be));
     assert_close(&format!("attention_forward ({set}) out {dims:?}"), &got_out, &out, tol);
     assert_close(&format!("attention_forward ({set}) lse {dims:?}"), &got_lse, &lse, tol);
@@ -629,6 +649,19 @@ fn check_attention_with(
     );
     let got_dqkv = gdqkv.read(be);
     assert_close(&format!("attention_backward ({set}) dqkv {dims:?}"), &got_dqkv, &dqkv, tol);
+    if let (Some(s), Some(gs)) = (&sink, &gsink) {
+        let mut dsinks = vec![0.5; dims.h];
+        CpuBackend.attention_sink_backward(&mut dsinks, &dout, &out, &lse, s, dims);
+        let mut gds = Guarded::new(be, "dsinks", &vec![0.5; dims.h]);
+        let (o, l) = (gout.view(), glse.view());
+        be.attention_sink_backward(gds.view_mut(), gdout.view(), o, l, gs.view(), dims);
+        assert_close(
+            &format!("attention_sink_backward ({set}) {dims:?}"),
+            &gds.read(be),
+            &dsinks,
+            tol,
+        );
+    }
     if tensor.is_some() {
         let (q, kv) = (dims.h * dims.d, dims.kvh * dims.d);
         let part = |x: &[f32], cols: std::ops::Range<usize>| -> Vec<f32> {
@@ -710,9 +743,99 @@ fn attention_window_and_scale() {
     }
 }
 
+/// gpt-oss's attention sinks after every kernel set (`check_attention_sets`): GQA and MQA,
+/// sliding windows (not aligned to a tile), scales other than `1/sqrt(D)`, head dims that take
+/// the warp-per-row kernels only (6, 256), the tiled fp32 ones (40) and both tensor-core sets
+/// (48, 64, 128): out, lse, dqkv and dsinks against the CPU's chain.
+#[test]
+fn attention_with_sinks_on_every_kernel_set() {
+    let be = gpu();
+    let mut rng = Rng::new(13);
+    for dims in [
+        AttnDims::new(2, 37, 4, 2, 6),
+        windowed(AttnDims::new(1, 67, 3, 1, 40), 5, 0.3),
+        AttnDims::new(2, 70, 4, 2, 64),
+        windowed(AttnDims::new(2, 65, 6, 3, 48), 20, 0.2),
+        windowed(AttnDims::new(1, 129, 4, 1, 128), 37, 0.0625),
+        AttnDims::new(1, 45, 2, 1, 256),
+    ] {
+        check_attention_sets(&be, &mut rng, dims, true);
+    }
+}
+
+/// The sink ops alone on the same inputs as the CPU (any out and lse; sinks from -30 to +8):
+/// the forward in place within `TOL` (expf and log1pf's last bits), out and lse between
+/// guards; the backward accumulates (prefilled, then run twice) within `TOL_SUM` (sums over up
+/// to 900 rows in another order), and from zero two runs agree bit for bit (no atomics).
+#[test]
+fn attention_sink_ops_match_the_cpu() {
+    let be = gpu();
+    let mut rng = Rng::new(15);
+    for dims in [
+        AttnDims::new(1, 1, 1, 1, 2),
+        AttnDims::new(2, 37, 4, 2, 6),
+        AttnDims::new(3, 300, 5, 1, 64),
+    ] {
+        let (n, hd, what) = (dims.n(), dims.h * dims.d, format!("{dims:?}"));
+        let (out0, lse0) = (rng.vec(n * hd, 1.0), rng.vec(dims.b * dims.h * dims.t, 4.0));
+        let mut sinks = rng.vec(dims.h, 3.0);
+        sinks[0] = 8.0;
+        if dims.h > 2 {
+            sinks[2] = -30.0;
+        }
+        let (mut out, mut lse) = (out0.clone(), lse0.clone());
+        CpuBackend.attention_sink_forward(&mut out, &mut lse, &sinks, dims);
+        let (mut gout, mut glse) =
+            (Guarded::new(&be, "out", &out0), Guarded::new(&be, "lse", &lse0));
+        let gs = Guarded::new(&be, "sinks", &sinks);
+        be.attention_sink_forward(gout.view_mut(), glse.view_mut(), gs.view(), dims);
+        assert_close(&format!("attention_sink_forward out {what}"), &gout.read(&be), &out, TOL);
+        assert_close(&format!("attention_sink_forward lse {what}"), &glse.read(&be), &lse, TOL);
+
+        let dout = rng.vec(n * hd, 1.0);
+        let gdout = Guarded::new(&be, "dout", &dout);
+        let prefill = rng.vec(dims.h, 1.0);
+        let mut dsinks = prefill.clone();
+        let mut gds = Guarded::new(&be, "dsinks", &prefill);
+        let mut zero = [
+            Guarded::new(&be, "dsinks 0", &vec![0.0; dims.h]),
+            Guarded::new(&be, "dsinks 1", &vec![0.0; dims.h]),
+        ];
+        for _ in 0..2 {
+            CpuBackend.attention_sink_backward(&mut dsinks, &dout, &out, &lse, &sinks, dims);
+            be.attention_sink_backward(
+                gds.view_mut(),
+                gdout.view(),
+                gout.view(),
+                glse.view(),
+                gs.view(),
+                dims,
+            );
+        }
+        for z in &mut zero {
+            be.attention_sink_backward(
+                z.view_mut(),
+                gdout.view(),
+                gout.view(),
+                glse.view(),
+                gs.view(),
+                dims,
+            );
+        }
+        assert_close(
+            &format!("attention_sink_backward twice {what}"),
+            &gds.read(&be),
+            &dsinks,
+            TOL_SUM,
+        );
+        let [a, b] = zero.map(|z| z.read(&be));
+        assert_close(&format!("attention_sink_backward run to run {what}"), &a, &b, 0.0);
+    }
+}
+
 /// A KV cache's decode step: the last T_new query rows over every cached key (1, a few, all of
-/// T; with GQA, head dims up to 256, sliding windows shorter than T and not aligned to a tile),
-/// against the CPU reference; `out` between guards.
+/// T; with GQA, head dims up to 256, sliding windows shorter than T and not aligned to a tile;
+/// without and with attention sinks), against the CPU reference; `out` between guards.
 #[test]
 fn attention_decode_matches_cpu() {
     let be = gpu();
@@ -727,14 +850,25 @@ fn attention_decode_matches_cpu() {
     for dims in cases {
         let qkv = rng.vec(dims.n() * dims.qkv_width(), 1.5);
         let xd = Guarded::new(&be, "qkv", &qkv);
-        for t_new in [1, 9.min(dims.t), dims.t] {
+        let sinks = rng.vec(dims.h, 3.0);
+        let gsinks = Guarded::new(&be, "sinks", &sinks);
+        for (t_new, with) in
+            [1, 9.min(dims.t), dims.t].into_iter().flat_map(|t| [(t, false), (t, true)])
+        {
             let len = dims.b * t_new * dims.h * dims.d;
             let mut want = vec![0.0; len];
-            CpuBackend.attention_decode(&mut want, &qkv, t_new, dims);
+            let s = with.then_some(&sinks[..]);
+            CpuBackend.attention_decode(&mut want, &qkv, s, t_new, dims);
             let mut out = Guarded::new(&be, "out", &vec![f32::NAN; len]);
-            be.attention_decode(out.view_mut(), xd.view(), t_new, dims);
+            be.attention_decode(
+                out.view_mut(),
+                xd.view(),
+                with.then(|| gsinks.view()),
+                t_new,
+                dims,
+            );
             assert_close(
-                &format!("attention_decode {t_new} of {dims:?}"),
+                &format!("attention_decode {t_new} of {dims:?}, sinks {with}"),
                 &out.read(&be),
                 &want,
                 5e-5,

@@ -879,7 +879,7 @@ fn attention_decode_equals_the_rows_of_the_full_forward() {
         let hd = dims.h * dims.d;
         for t_new in [1, 3.min(dims.t), dims.t] {
             let mut got = vec![f32::NAN; dims.b * t_new * hd];
-            attention_decode(&mut got, &qkv, t_new, dims);
+            attention_decode(&mut got, &qkv, None, t_new, dims);
             let want: Vec<f32> = (0..dims.b)
                 .flat_map(|bi| &out[(bi * dims.t + dims.t - t_new) * hd..(bi + 1) * dims.t * hd])
                 .copied()
@@ -976,6 +976,119 @@ fn attention_window_ignores_keys_outside_it() {
     attention_backward(&mut dq2, &dout, &qkv2, &out2, &lse2, dims);
     assert!(dq1[j * width..][..width].iter().all(|&g| g == 0.0), "row j has a gradient");
     assert_eq!(bits(&dq2), bits(&dq1), "gradients depend on a row no live query sees");
+}
+
+// ---- attention sinks (gpt-oss) ------------------------------------------------------------
+
+/// Sink shapes: GQA with B > 1, MQA within a window, a scale other than `1/sqrt(D)` with and
+/// without a window, T over two query blocks, T = 1.
+fn sink_dims() -> [AttnDims; 6] {
+    [
+        AttnDims::new(2, 7, 4, 2, 4),
+        AttnDims { window: 3, ..AttnDims::new(2, 7, 3, 1, 4) },
+        AttnDims { scale: 0.3, ..AttnDims::new(2, 6, 4, 2, 6) },
+        AttnDims { scale: 0.7, window: 5, ..AttnDims::new(3, 9, 4, 1, 4) },
+        AttnDims { window: 37, ..AttnDims::new(1, 140, 2, 1, 4) },
+        AttnDims::new(3, 1, 2, 1, 2),
+    ]
+}
+
+/// One sink logit per head: random in [-3, 3), then a dominant one (8: most of each row's mass)
+/// and a negligible one (-30: the plain softmax within f32).
+fn sinks_for(rng: &mut Rng, h: usize) -> Vec<f32> {
+    let mut s = rng.vec(h, 3.0);
+    s[0] = 8.0;
+    if h > 2 {
+        s[2] = -30.0;
+    }
+    s
+}
+
+/// `attention_forward` then `attention_sink_forward`: the sink attention's `(out, lse)`.
+fn sink_forward(qkv: &[f32], sinks: &[f32], dims: AttnDims) -> (Vec<f32>, Vec<f32>) {
+    let mut out = vec![f32::NAN; dims.n() * dims.h * dims.d];
+    let mut lse = vec![f32::NAN; dims.b * dims.h * dims.t];
+    attention_forward(&mut out, &mut lse, qkv, dims);
+    attention_sink_forward(&mut out, &mut lse, sinks, dims);
+    (out, lse)
+}
+
+#[test]
+fn attention_sink_forward_matches_the_explicit_extra_column() {
+    let mut rng = Rng::new(35);
+    for dims in sink_dims() {
+        let qkv = rng.vec(dims.n() * dims.qkv_width(), 1.5);
+        let sinks = sinks_for(&mut rng, dims.h);
+        let (out, lse) = sink_forward(&qkv, &sinks, dims);
+        let (want_out, want_lse) = attention_sink_ref(&to64(&qkv), Some(&to64(&sinks)), dims);
+        assert_close(&format!("sink attention out {dims:?}"), &out, &want_out, FWD_TOL);
+        assert_close(&format!("sink attention lse {dims:?}"), &lse, &want_lse, FWD_TOL);
+    }
+}
+
+#[test]
+fn attention_sink_backward_chain_matches_fd() {
+    // attention_backward on the sink-adjusted out and lse gives dqkv; attention_sink_backward
+    // adds dsinks (prefilled: it accumulates). Both against central differences of
+    // L = sum(out * r) of the explicit reference.
+    let mut rng = Rng::new(36);
+    for dims in sink_dims() {
+        let qkv = rng.vec(dims.n() * dims.qkv_width(), 1.5);
+        let sinks = sinks_for(&mut rng, dims.h);
+        let (out, lse) = sink_forward(&qkv, &sinks, dims);
+        let r = rng.vec(out.len(), 1.0);
+        let mut dqkv = vec![f32::NAN; qkv.len()]; // overwritten
+        attention_backward(&mut dqkv, &r, &qkv, &out, &lse, dims);
+        let prefill = rng.vec(dims.h, 1.0);
+        let mut dsinks = prefill.clone();
+        attention_sink_backward(&mut dsinks, &r, &out, &lse, &sinks, dims);
+
+        let (q64, s64) = (to64(&qkv), to64(&sinks));
+        let fd_q = fd_grad(&q64, FD_EPS, |x| proj(&attention_sink_ref(x, Some(&s64), dims).0, &r));
+        assert_close(&format!("sink attention dqkv {dims:?}"), &dqkv, &fd_q, GRAD_TOL);
+        let fd_s = fd_grad(&s64, FD_EPS, |s| proj(&attention_sink_ref(&q64, Some(s), dims).0, &r));
+        let want: Vec<f64> = fd_s.iter().zip(&prefill).map(|(g, &p)| g + f64::from(p)).collect();
+        assert_close(&format!("sink attention dsinks {dims:?}"), &dsinks, &want, GRAD_TOL);
+    }
+}
+
+#[test]
+fn attention_sink_backward_twice_doubles_exactly() {
+    let mut rng = Rng::new(37);
+    let dims = sink_dims()[3];
+    let qkv = rng.vec(dims.n() * dims.qkv_width(), 1.5);
+    let sinks = sinks_for(&mut rng, dims.h);
+    let (out, lse) = sink_forward(&qkv, &sinks, dims);
+    let dout = rng.vec(out.len(), 1.0);
+    let mut once = vec![0.0; dims.h];
+    attention_sink_backward(&mut once, &dout, &out, &lse, &sinks, dims);
+    let mut twice = vec![0.0; dims.h];
+    attention_sink_backward(&mut twice, &dout, &out, &lse, &sinks, dims);
+    attention_sink_backward(&mut twice, &dout, &out, &lse, &sinks, dims);
+    let want: Vec<f32> = once.iter().map(|g| 2.0 * g).collect();
+    assert_eq!(bits(&twice), bits(&want), "dsinks of two calls is not twice one call's");
+}
+
+#[test]
+fn attention_decode_with_sinks_equals_the_rows_of_the_sink_forward() {
+    // The sink is one more column of each decoded row's softmax: the rows of attention_forward
+    // then attention_sink_forward, within f32 rounding (an exp of the sink against a rescale).
+    let mut rng = Rng::new(38);
+    for dims in sink_dims().into_iter().chain([AttnDims::new(1, 300, 2, 1, 8)]) {
+        let qkv = rng.vec(dims.n() * dims.qkv_width(), 1.5);
+        let sinks = sinks_for(&mut rng, dims.h);
+        let (out, _) = sink_forward(&qkv, &sinks, dims);
+        let hd = dims.h * dims.d;
+        for t_new in [1, 3.min(dims.t), dims.t] {
+            let mut got = vec![f32::NAN; dims.b * t_new * hd];
+            attention_decode(&mut got, &qkv, Some(&sinks), t_new, dims);
+            let want: Vec<f32> = (0..dims.b)
+                .flat_map(|bi| &out[(bi * dims.t + dims.t - t_new) * hd..(bi + 1) * dims.t * hd])
+                .copied()
+                .collect();
+            assert_close(&format!("decode with sinks T_new {t_new} {dims:?}"), &got, &want, 1e-6);
+        }
+    }
 }
 
 // ---- swiglu -------------------------------------------------------------------------------

@@ -4,7 +4,10 @@
 //!
 //! Data flow: qkv (B*T, QKV) after rope, the cache of every position so far; for each new row i
 //! (`T - T_new <= i < T`): s_ij = scale q_i.k_j (i - W < j <= i) -> softmax -> out (B*T_new,
-//! H*D).
+//! H*D). With sinks, head h's logit `sinks[h]` is one more column of each row's softmax (in
+//! its max and its sum; it adds no value): the rows of the forward followed by
+//! [`super::attention_sink_forward`], within fp32 rounding (one exp of the sink against a
+//! rescale by `exp(lse - lse')`).
 //!
 //! One parallel task per (b, h); per query row, the scores against the keys it sees are one
 //! product (`gemm_serial`, one row: the same sums as a row of the full forward's score block),
@@ -25,19 +28,29 @@ use crate::AttnDims;
 /// out: (B*T_new, H*D), overwrites: row `bi*T_new + r` is query position `T - T_new + r` of
 /// sequence `bi`, as row `bi*T + T - T_new + r` of `attention_forward`'s `out`.
 /// qkv: (B*T, QKV), row = `[q (H*D) | k (KVH*D) | v (KVH*D)]`, after rope; the q parts of the
-/// rows before `T - T_new` are not read.
-pub fn attention_decode(out: &mut [f32], qkv: &[f32], t_new: usize, dims: AttnDims) {
+/// rows before `T - T_new` are not read. sinks: (H), each head's sink logit, or `None`.
+pub fn attention_decode(
+    out: &mut [f32],
+    qkv: &[f32],
+    sinks: Option<&[f32]>,
+    t_new: usize,
+    dims: AttnDims,
+) {
     let AttnDims { b, t, h, kvh, d, window, scale } = dims;
     assert!(kvh > 0 && h % kvh == 0, "attention_decode: H = {h} must be a multiple of KVH = {kvh}");
     assert!(t_new <= t, "attention_decode: {t_new} new positions of {t}");
     assert_eq!(qkv.len(), b * t * dims.qkv_width(), "attention_decode: qkv must be (B*T, QKV)");
     assert_eq!(out.len(), b * t_new * h * d, "attention_decode: out must be (B*T_new, H*D)");
+    if let Some(s) = sinks {
+        assert_eq!(s.len(), h, "attention_decode: sinks must be (H)");
+    }
     let (width, group, hd) = (dims.qkv_width(), h / kvh, h * d);
     let out = DisjointMut::new(out);
     (0..b * h).into_par_iter().for_each(|bh| {
         let (bi, hi) = (bh / h, bh % h);
         let g = hi / group;
         let (q_col, k_col, v_col) = (hi * d, (h + g) * d, (h + kvh + g) * d);
+        let sink = sinks.map(|s| s[hi]);
         with_scratch(&SCRATCH, t + d, |scratch| {
             let (p, o) = scratch.split_at_mut(t);
             for r in 0..t_new {
@@ -46,13 +59,13 @@ pub fn attention_decode(out: &mut [f32], qkv: &[f32], t_new: usize, dims: AttnDi
                 let keys = i + 1 - k0;
                 let p = &mut p[..keys];
                 scores(p, qkv, width, d, q_col, k_col, bi * t + i, 1, bi * t + k0, keys);
-                let m = p.iter_mut().fold(f32::NEG_INFINITY, |m, x| {
+                let m = p.iter_mut().fold(sink.unwrap_or(f32::NEG_INFINITY), |m, x| {
                     *x *= scale;
                     m.max(*x)
                 });
                 p.iter_mut().for_each(|x| *x -= m);
                 exp_in_place(p);
-                let inv = 1.0 / sum(p);
+                let inv = 1.0 / (sum(p) + sink.map_or(0.0, |s| (s - m).exp()));
                 p.iter_mut().for_each(|x| *x *= inv);
                 // o (1, d) = P (1, keys) . V (keys, d).
                 let a = View { data: p, rs: keys, cs: 1 };

@@ -7,6 +7,7 @@
 
 pub mod attention;
 pub mod attention_decode;
+pub mod attention_sink;
 pub mod cols;
 pub mod cross_entropy;
 pub mod cross_entropy_tile;
@@ -29,6 +30,7 @@ const ZERO_PAR_ELEMS: usize = 1 << 16;
 
 pub use attention::{attention_backward, attention_forward};
 pub use attention_decode::attention_decode;
+pub use attention_sink::{attention_sink_backward, attention_sink_forward};
 pub use cols::{add_cols, scaled_cols};
 pub use cross_entropy::{IGNORE_INDEX, cross_entropy_forward, cross_entropy_fused};
 pub use cross_entropy_tile::{
@@ -222,8 +224,37 @@ impl Backend for CpuBackend {
         attention_backward(dqkv, dout, qkv, out, lse, dims);
     }
 
-    fn attention_decode(&self, out: &mut [f32], qkv: &[f32], t_new: usize, dims: AttnDims) {
-        attention_decode(out, qkv, t_new, dims);
+    fn attention_sink_forward(
+        &self,
+        out: &mut [f32],
+        lse: &mut [f32],
+        sinks: &[f32],
+        dims: AttnDims,
+    ) {
+        attention_sink_forward(out, lse, sinks, dims);
+    }
+
+    fn attention_sink_backward(
+        &self,
+        dsinks: &mut [f32],
+        dout: &[f32],
+        out: &[f32],
+        lse: &[f32],
+        sinks: &[f32],
+        dims: AttnDims,
+    ) {
+        attention_sink_backward(dsinks, dout, out, lse, sinks, dims);
+    }
+
+    fn attention_decode(
+        &self,
+        out: &mut [f32],
+        qkv: &[f32],
+        sinks: Option<&[f32]>,
+        t_new: usize,
+        dims: AttnDims,
+    ) {
+        attention_decode(out, qkv, sinks, t_new, dims);
     }
 
     fn moe_route_forward(

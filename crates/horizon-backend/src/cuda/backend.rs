@@ -575,14 +575,37 @@ impl Backend for CudaBackend {
         super::attention::attention_backward(self, dqkv, dout, qkv, out, lse, dims);
     }
 
+    fn attention_sink_forward(
+        &self,
+        out: &mut DevSlice<f32>,
+        lse: &mut DevSlice<f32>,
+        sinks: &DevSlice<f32>,
+        dims: AttnDims,
+    ) {
+        super::attention_sink::attention_sink_forward(self, out, lse, sinks, dims);
+    }
+
+    fn attention_sink_backward(
+        &self,
+        dsinks: &mut DevSlice<f32>,
+        dout: &DevSlice<f32>,
+        out: &DevSlice<f32>,
+        lse: &DevSlice<f32>,
+        sinks: &DevSlice<f32>,
+        dims: AttnDims,
+    ) {
+        super::attention_sink::attention_sink_backward(self, dsinks, dout, out, lse, sinks, dims);
+    }
+
     fn attention_decode(
         &self,
         out: &mut DevSlice<f32>,
         qkv: &DevSlice<f32>,
+        sinks: Option<&DevSlice<f32>>,
         t_new: usize,
         dims: AttnDims,
     ) {
-        super::attention_decode::attention_decode(self, out, qkv, t_new, dims);
+        super::attention_decode::attention_decode(self, out, qkv, sinks, t_new, dims);
     }
 
     fn moe_route_forward(

@@ -14,10 +14,11 @@ use cudarc::nvrtc;
 use super::CudaError;
 
 /// `(op, source)` of every kernel file, `kernels/<op>.cu`.
-pub const SOURCES: [(&str, &str); 19] = [
+pub const SOURCES: [(&str, &str); 20] = [
     ("attention", include_str!("../../kernels/attention.cu")),
     ("attention_decode", include_str!("../../kernels/attention_decode.cu")),
     ("attention_mma", include_str!("../../kernels/attention_mma.cu")),
+    ("attention_sink", include_str!("../../kernels/attention_sink.cu")),
     ("attention_tc", include_str!("../../kernels/attention_tc.cu")),
     ("cols", include_str!("../../kernels/cols.cu")),
     ("convert", include_str!("../../kernels/convert.cu")),
@@ -37,7 +38,7 @@ pub const SOURCES: [(&str, &str); 19] = [
 ];
 
 /// The `extern "C"` entry points of each source, loaded by name.
-pub const FUNCTIONS: [(&str, &[&str]); 19] = [
+pub const FUNCTIONS: [(&str, &[&str]); 20] = [
     (
         "attention",
         &[
@@ -55,6 +56,7 @@ pub const FUNCTIONS: [(&str, &[&str]); 19] = [
         "attention_mma",
         &["attention_forward_mma", "attention_backward_dq_mma", "attention_backward_dkv_mma"],
     ),
+    ("attention_sink", &["attention_sink_forward", "attention_sink_backward"]),
     (
         "attention_tc",
         &["attention_forward_tc", "attention_backward_dq_tc", "attention_backward_dkv_tc"],

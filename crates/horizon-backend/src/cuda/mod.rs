@@ -10,7 +10,7 @@
 //!
 //! Layout, one op per file as in `cpu/`: `embedding.rs`, `rmsnorm.rs`, `head_rmsnorm.rs`,
 //! `matmul.rs` (cuBLAS), `rope.rs`, `attention.rs`, `attention_decode.rs` (a KV cache's new
-//! rows), `glu.rs` (swiglu and geglu), `moe.rs` (mixture-of-experts routing and dispatch),
+//! rows), `attention_sink.rs` (gpt-oss's learned sinks), `glu.rs` (swiglu and geglu), `moe.rs` (mixture-of-experts routing and dispatch),
 //! `gate.rs` (the shared expert's sigmoid gate), `residual.rs`, `cross_entropy.rs`,
 //! `convert.rs`, `grad_norm.rs` launch `kernels/<op>.cu`; `backend.rs` is the trait impl,
 //! `device.rs` the device, `slice.rs` the device views, `pinned.rs` the staging memory,
@@ -18,6 +18,7 @@
 
 mod attention;
 mod attention_decode;
+mod attention_sink;
 mod backend;
 mod cols;
 mod config;

@@ -171,6 +171,17 @@ pub fn rope_tables(t: usize, d: usize, theta: f64) -> (Vec<f32>, Vec<f32>) {
 /// `i - W < j <= i` (`j <= i` when `W = 0`), full softmax over them. Returns
 /// `(out (N, H*D), lse (B, H, T))`.
 pub fn attention_ref(qkv: &[f64], dims: AttnDims) -> (Vec<f64>, Vec<f64>) {
+    attention_sink_ref(qkv, None, dims)
+}
+
+/// [`attention_ref`] with gpt-oss's learned sinks (H) when given: head h's `sinks[h]` is one
+/// more column of every score row, in the softmax's max and sum, then dropped (no value). `lse`
+/// is over all T + 1 columns.
+pub fn attention_sink_ref(
+    qkv: &[f64],
+    sinks: Option<&[f64]>,
+    dims: AttnDims,
+) -> (Vec<f64>, Vec<f64>) {
     let AttnDims { b, t, h, kvh, d, window, .. } = dims;
     let width = dims.qkv_width();
     let scale = f64::from(dims.scale);
@@ -183,12 +194,14 @@ pub fn attention_ref(qkv: &[f64], dims: AttnDims) -> (Vec<f64>, Vec<f64>) {
             for i in 0..t {
                 let q = &qkv[(bi * t + i) * width + hi * d..][..d];
                 let first = if window == 0 { 0 } else { (i + 1).saturating_sub(window) };
-                let scores: Vec<f64> = (first..=i)
+                let mut scores: Vec<f64> = (first..=i)
                     .map(|j| {
                         let k = &qkv[(bi * t + j) * width + (h + g) * d..][..d];
                         dot64(q, k) * scale
                     })
                     .collect();
+                // The sink column, last: `zip` below pairs the keys only, so it adds no value.
+                scores.extend(sinks.map(|s| s[hi]));
                 let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                 let z: f64 = scores.iter().map(|s| (s - m).exp()).sum();
                 lse[(bi * h + hi) * t + i] = m + z.ln();
