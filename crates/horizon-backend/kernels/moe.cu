@@ -1,14 +1,16 @@
 // Mixture-of-experts routing, dispatch and combine. Shapes: N rows, E experts, k chosen per row,
 // M = N*k (row, choice) pairs, pair p = r*k + j; logits, probs, dlogits (N, E); sel, wts, dwts
-// (N, k); stats (2E); mask (N); order, pos (M); x, out (N, C); xs, src (M, C); buf, a, b (M, W).
+// (N, k); stats (2E); mask (N); order, pos (M); x, out (N, C); xs, src (M, C); buf, a, b (M, W);
+// dy (S, C), bias (C) bf16 (the device's weight format, as its 16 bits).
 // Expert and pair indices travel as f32 holding exact small integers (read by truncation, as
 // the CPU's `as usize`). Launcher: src/cuda/moe.rs. Reference, data flow and the routing
 // backward's derivation: src/cpu/moe.rs.
 //
-// Every reduction runs in one thread (or one warp, `moe_row_dots`) in a fixed order, with no
-// atomics: results are deterministic, and the same as the CPU's where the CPU sums in the same
-// order (gather, scatter_add and scale_rows bit for bit; routing up to expf's last bits, which can
-// flip a top-k choice only between probabilities within an ulp or two of each other).
+// Every reduction runs in one thread (or one warp, `moe_row_dots`, `moe_bias_dots`) in a fixed
+// order, with no atomics: results are deterministic, and the same as the CPU's where the CPU
+// sums in the same order (gather, scatter_add and scale_rows bit for bit; routing up to expf's
+// last bits, which can flip a top-k choice only between probabilities within an ulp or two of
+// each other).
 // `__fmul_rn` keeps a product rounded on its own (no contraction into an FMA), as the CPU
 // computes it.
 //
@@ -160,4 +162,23 @@ extern "C" __global__ void moe_row_dots(float* out, const float* a, const float*
     for (long long x = lane; x < w; x += 32) sum += __fmul_rn(a[at + x], b[at + x]);
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
     if (lane == 0) out[(long long)order[i]] = sum;
+}
+
+// The f32 of bf16 bits `h` (exact).
+__device__ float bf16_to_f32(unsigned short h) { return __uint_as_float(((unsigned int)h) << 16); }
+
+// out[order[i]] += dy[i] . bias for the S pairs of one expert (the down-projection bias's share
+// of the routing weights' gradient); out (M) in pair order, the entries `order` names
+// accumulate. One warp per pair, as moe_row_dots: lane l sums elements l, l + 32, ... in order,
+// then a fixed xor tree over the 32 lanes; lane 0 adds.
+extern "C" __global__ void moe_bias_dots(float* out, const float* dy, const unsigned short* bias,
+                                         const float* order, long long s, long long c) {
+    long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    int lane = threadIdx.x % 32;
+    if (i >= s) return;
+    long long at = i * c;
+    float sum = 0.0f;
+    for (long long x = lane; x < c; x += 32) sum += __fmul_rn(dy[at + x], bf16_to_f32(bias[x]));
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (lane == 0) out[(long long)order[i]] += sum;
 }

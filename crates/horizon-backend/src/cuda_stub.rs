@@ -269,6 +269,9 @@ impl Backend for CudaBackend {
     fn moe_row_dots(&self, _: &mut [f32], _: &[f32], _: &[f32], _: &[f32], _: usize) {
         match *self {}
     }
+    fn moe_bias_dots(&self, _: &mut [f32], _: &[f32], _: &[Bf16], _: &[f32], _: usize) {
+        match *self {}
+    }
     fn sigmoid_gate_forward(&self, _: &mut [f32], _: &[f32], _: &[f32], _: usize) {
         match *self {}
     }

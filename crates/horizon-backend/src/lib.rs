@@ -525,6 +525,20 @@ pub trait Backend: Send + Sync {
         order: &Self::Buf,
         w: usize,
     );
+    /// The routing weights' gradient share of an expert's down-projection bias (gpt-oss: the
+    /// bias is added before the routing weight scales the expert's output, so `dwts` of pair
+    /// `p` gains `dy . bias`): `out[order[i]] += dy[i] . bias`, each sum in a fixed order. The
+    /// caller's contract: `order`'s pairs are distinct (one expert's segment).
+    /// out: (M) in pair order, its entries `order[i]` accumulate (+=). dy: (S, C). bias: (C), a
+    /// weight. order: (S) pair indices.
+    fn moe_bias_dots(
+        &self,
+        out: &mut Self::Buf,
+        dy: &Self::Buf,
+        bias: &Self::WBuf,
+        order: &Self::Buf,
+        c: usize,
+    );
     /// The shared expert's sigmoid gate (Qwen2-MoE), each row scaled by its own logit:
     /// `out[r] = sigmoid(gate[r]) * inp[r]` ([`cpu::gate`] has the derivation).
     /// out: (N, C), overwrites. gate: (N), one logit a row. inp: (N, C).

@@ -1390,6 +1390,23 @@ fn moe_dispatch_ops_match_the_cpu() {
             be.moe_row_dots(gdots.view_mut(), gax, gbx, gorder.view().slice(at..at + cnt), w);
         }
         assert_close(&what("moe_row_dots (overwrites)"), &gdots.read(&be), &dots, TOL);
+
+        // The down-projection bias (a bf16 weight on the GPU: the CPU takes it rounded) dotted
+        // with each pair's row of dy (W wide), added into pair order (prefilled: accumulates).
+        let dy = rng.vec(m * w, 1.0);
+        let biases: Vec<Vec<f32>> = counts.iter().map(|_| rng.vec(w, 1.0)).collect();
+        let gdy = Guarded::new(&be, "dy", &dy);
+        let out0 = rng.vec(m, 1.0);
+        let (mut bdots, mut gbdots) = (out0.clone(), Guarded::new(&be, "bias dots", &out0));
+        for (&(at, cnt), bias) in segments.iter().zip(&biases) {
+            let (y, o) = (&dy[at * w..(at + cnt) * w], &order[at..at + cnt]);
+            CpuBackend.moe_bias_dots(&mut bdots, y, &rounded(bias), o, w);
+            let gb = weights_on(&be, bias);
+            let (gy, go) =
+                (gdy.view().slice(at * w..(at + cnt) * w), gorder.view().slice(at..at + cnt));
+            be.moe_bias_dots(gbdots.view_mut(), gy, &gb, go, w);
+        }
+        assert_close(&what("moe_bias_dots (accumulates)"), &gbdots.read(&be), &bdots, TOL);
     }
 }
 

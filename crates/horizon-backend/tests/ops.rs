@@ -1733,6 +1733,32 @@ fn moe_scale_rows_and_row_dots_match_naive_loops() {
     }
 }
 
+#[test]
+fn moe_bias_dots_accumulate_into_pair_order() {
+    // An expert's down-projection bias dotted with each of its pairs' dy, added (+=) to the
+    // pair's entry of a prefilled out, expert by expert; the last expert's call is left out, so
+    // its pairs' entries must stay as they were.
+    let mut rng = Rng::new(76);
+    for (dims, c) in [(MOE_DIMS[1], 9), (MOE_DIMS[4], 70), (MOE_DIMS[0], 1)] {
+        let m = dims.m();
+        let Dispatch { order, counts, .. } = dispatch_case(&mut rng, dims, 1);
+        let dy = rng.vec(m * c, 1.0);
+        let biases: Vec<Vec<f32>> = (0..dims.e).map(|_| rng.vec(c, 1.0)).collect();
+        let prefill = rng.vec(m, 1.0);
+        let mut out = prefill.clone();
+        for ((at, cnt), bias) in segments(&counts[..dims.e - 1]).into_iter().zip(&biases) {
+            moe_bias_dots(&mut out, &dy[at * c..(at + cnt) * c], bias, &order[at..at + cnt], c);
+        }
+        let mut want = to64(&prefill);
+        for ((at, cnt), bias) in segments(&counts[..dims.e - 1]).into_iter().zip(&biases) {
+            for i in at..at + cnt {
+                want[order[i] as usize] += dot64(&to64(&dy[i * c..][..c]), &to64(bias));
+            }
+        }
+        assert_close(&format!("moe_bias_dots {dims:?} C={c}"), &out, &want, FWD_TOL);
+    }
+}
+
 // ---- sigmoid gate (the shared expert's) ---------------------------------------------------
 
 /// Rows of C: one, a few below a SIMD width, many with a width that is no multiple of 8.

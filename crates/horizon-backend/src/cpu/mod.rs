@@ -46,8 +46,8 @@ pub use geglu::{geglu_backward, geglu_forward};
 pub use head_rmsnorm::{head_rmsnorm_backward, head_rmsnorm_forward};
 pub use matmul::{matmul_backward, matmul_forward};
 pub use moe::{
-    moe_aux_stats, moe_gather, moe_route_backward, moe_route_forward, moe_row_dots, moe_scale_rows,
-    moe_scatter_add, moe_sort,
+    moe_aux_stats, moe_bias_dots, moe_gather, moe_route_backward, moe_route_forward, moe_row_dots,
+    moe_scale_rows, moe_scatter_add, moe_sort,
 };
 pub use nf4::dequantize_nf4;
 pub use residual::{add_inplace, residual_forward};
@@ -313,6 +313,10 @@ impl Backend for CpuBackend {
 
     fn moe_row_dots(&self, out: &mut [f32], a: &[f32], b: &[f32], order: &[f32], w: usize) {
         moe_row_dots(out, a, b, order, w);
+    }
+
+    fn moe_bias_dots(&self, out: &mut [f32], dy: &[f32], bias: &[f32], order: &[f32], c: usize) {
+        moe_bias_dots(out, dy, bias, order, c);
     }
 
     fn sigmoid_gate_forward(&self, out: &mut [f32], gate: &[f32], inp: &[f32], c: usize) {

@@ -14,6 +14,7 @@
 
 use rayon::prelude::*;
 
+use super::dot;
 use crate::MoeDims;
 
 /// The index an f32 buffer holds (an expert, or a pair index).
@@ -203,6 +204,19 @@ pub fn moe_row_dots(out: &mut [f32], a: &[f32], b: &[f32], order: &[f32], w: usi
     for (i, &o) in order.iter().enumerate() {
         let (x, y) = (&a[i * w..(i + 1) * w], &b[i * w..(i + 1) * w]);
         out[idx(o)] = x.iter().zip(y).map(|(x, y)| x * y).sum();
+    }
+}
+
+/// An expert's down-projection bias dotted with its pairs' output gradient, added into pair
+/// order: `out[order[i]] += dy[i] . bias`, rows of C (the bias's share of the routing weights'
+/// gradient, gpt-oss). `order`'s pairs are distinct (an expert's segment).
+///
+/// out: (M), the entries `order` names accumulate (+=). dy: (S, C). bias: (C). order: (S).
+pub fn moe_bias_dots(out: &mut [f32], dy: &[f32], bias: &[f32], order: &[f32], c: usize) {
+    assert_eq!(dy.len(), order.len() * c, "moe_bias_dots: dy must be (S, C)");
+    assert_eq!(bias.len(), c, "moe_bias_dots: bias must be (C)");
+    for (i, &o) in order.iter().enumerate() {
+        out[idx(o)] += dot(&dy[i * c..(i + 1) * c], bias);
     }
 }
 

@@ -686,6 +686,17 @@ impl Backend for CudaBackend {
         super::moe::moe_row_dots(self, out, a, b, order, w);
     }
 
+    fn moe_bias_dots(
+        &self,
+        out: &mut DevSlice<f32>,
+        dy: &DevSlice<f32>,
+        bias: &DevSlice<Bf16>,
+        order: &DevSlice<f32>,
+        c: usize,
+    ) {
+        super::moe::moe_bias_dots(self, out, dy, bias, order, c);
+    }
+
     fn sigmoid_gate_forward(
         &self,
         out: &mut DevSlice<f32>,

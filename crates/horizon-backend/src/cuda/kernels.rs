@@ -92,6 +92,7 @@ pub const FUNCTIONS: [(&str, &[&str]); 20] = [
             "moe_scatter_add",
             "moe_scale_rows",
             "moe_row_dots",
+            "moe_bias_dots",
         ],
     ),
     ("nf4", &["dequantize_nf4", "dequantize_mxfp4"]),

@@ -1,7 +1,7 @@
 //! Launchers of `kernels/moe.cu`: mixture-of-experts routing (top-k softmax and its backward),
 //! the pooled load-balancing statistics, and the dispatch ops (gather into expert order, the
-//! weighted combine back, row scaling, row dots). Reference, data flow and derivations:
-//! `cpu/moe.rs`.
+//! weighted combine back, row scaling, row dots, bias dots). Reference, data flow and
+//! derivations: `cpu/moe.rs`.
 //!
 //! Index buffers (`sel`, `order`, `pos`) hold exact small integers as f32; the kernels trust
 //! them as the CPU does (`order` and `pos` come from the host's `moe_sort`, `sel` from the
@@ -10,7 +10,7 @@
 use super::CudaBackend;
 use super::backend::{arg, blocks, expect_len, int};
 use super::slice::DevSlice;
-use crate::MoeDims;
+use crate::{Bf16, MoeDims};
 
 /// The sizes every routing kernel takes, as the kernels' ints: `(N, E, k, norm)`.
 fn route_ints(op: &str, dims: MoeDims) -> (i32, i32, i32, i32) {
@@ -267,6 +267,40 @@ pub(crate) fn moe_row_dots(
             (256, 1, 1),
             0,
             &mut [arg(&o), arg(&aa), arg(&bb), arg(&od), arg(&ss), arg(&ww)],
+        );
+    }
+}
+
+/// out: (M), its entries `order[i]` accumulate (+=) `dy[i] . bias`. dy: (S, C). bias: (C), bf16.
+/// order: (S).
+pub(crate) fn moe_bias_dots(
+    be: &CudaBackend,
+    out: &mut DevSlice<f32>,
+    dy: &DevSlice<f32>,
+    bias: &DevSlice<Bf16>,
+    order: &DevSlice<f32>,
+    c: usize,
+) {
+    let op = "moe_bias_dots";
+    let s = order.len();
+    expect_len(op, "dy", dy.len(), s * c);
+    expect_len(op, "bias", bias.len(), c);
+    if s == 0 {
+        return;
+    }
+    let (o, y, b, od, ss, cc) =
+        (out.addr(), dy.addr(), bias.addr(), order.addr(), s as i64, c as i64);
+    // SAFETY: argument types match (four pointers, bias as bf16 bits; two long longs); one warp
+    // per pair (blocks of 8 whole warps), each reading its row of dy (S, C) and all of bias (C)
+    // and adding into the element of out (M) its pair index names (below M, from `moe_sort`;
+    // distinct within a call), lengths checked.
+    unsafe {
+        be.launch(
+            op,
+            (blocks(s, 8), 1, 1),
+            (256, 1, 1),
+            0,
+            &mut [arg(&o), arg(&y), arg(&b), arg(&od), arg(&ss), arg(&cc)],
         );
     }
 }
