@@ -5,24 +5,32 @@
 //! and the cross-entropy and activation edge cases; the cross-entropy over vocabulary tiles
 //! (stats, grad, loss) composes to the fused op for every tile width; the mixture-of-experts
 //! routing (top-k ties to the lower expert) and its backward with and without `norm` and the
-//! load-balancing term, the host's stable sort by expert, and the dispatch ops; the shared
-//! expert's sigmoid gate (both gradients, saturation).
+//! load-balancing term, the host's stable sort by expert, and the dispatch ops (the
+//! down-projection bias dots included); the shared expert's sigmoid gate (both gradients,
+//! saturation); gpt-oss's attention sinks (forward against an explicit extra softmax column,
+//! the backward chain against finite differences in qkv and the sinks, decode with sinks).
 //!
 //! Tolerances (criterion of `assert_close`: `|got - want| <= tol * max(1, |want|)`):
 //! - `FWD_TOL` = 1e-5: an f32 op against the f64 reference on O(1) data. f32 rounding over the
 //!   short sums here is observed at <= 3e-7 (matmul, attention with or without a window,
 //!   rmsnorm with or without `(1 + w)`, head_rmsnorm, CE, geglu, the sigmoid gate), <= 7e-7
 //!   (swiglu with |gate| up to 4), below 1e-6 (MoE routing, aux statistics, scatter-add, row
-//!   dots): a margin of more than 10x.
+//!   dots, bias dots: 3.1e-7), <= 2.7e-7 (attention then the sinks' rescale, out and lse, with
+//!   sinks from -30 to +8): a margin of more than 10x.
 //! - `GRAD_TOL` = 1e-5: an f32 analytic backward against f64 central differences (step 1e-5,
 //!   their own error ~1e-10). The f32 backward is observed within 5e-7 (attention's `dP - dD`,
 //!   rmsnorm's and head_rmsnorm's `dout w - x r^2 s / C` cancellations and geglu's `1 - t^2`
 //!   included; the MoE routing backward, with and without `norm` and the aux term, below 1e-6;
-//!   the sigmoid gate's dinp and its dgate, a row sum of up to 130 products, below 3e-7).
+//!   the sigmoid gate's dinp and its dgate, a row sum of up to 130 products, below 3e-7; the
+//!   sink attention's dqkv (attention_backward on the adjusted out and lse) within 2.7e-7 and
+//!   its dsinks, a sum over every row, within 1.7e-7).
 //! - `TWICE_TOL` = 1e-6: a backward run twice against twice one run, where sums are added
 //!   straight into the gradient (embedding rows named by repeated ids). Matmul, rmsnorm and
 //!   head_rmsnorm form each sum before adding it once, so for them doubling is checked
-//!   bit-exactly.
+//!   bit-exactly; so do the attention sinks' dsinks.
+//! - 1e-6: `attention_decode` with sinks against the rows of the forward and the sinks'
+//!   rescale (the sink's exp within the row's softmax against `exp(lse - lse')` after it, and
+//!   within a window the same sums grouped differently); observed <= 2.4e-7.
 //! - 1e-6: the tiled cross-entropy against the fused one; the same f32 exponentials, only the
 //!   f64 sums of a row are combined over the tiles (and the running sum is stored as f32).
 
