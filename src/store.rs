@@ -21,6 +21,9 @@ pub enum HostDtype {
     Bf16,
     /// NF4: a QLoRA base's product matrices, 4 bits a value and one fp32 absmax per 64.
     Nf4,
+    /// MXFP4: gpt-oss's experts as its checkpoint packs them, 4 bits a value and one byte of
+    /// scale per 32 (4.25 bits).
+    Mxfp4,
 }
 
 impl HostDtype {
@@ -30,6 +33,7 @@ impl HostDtype {
             HostDtype::F32 => 4 * elems,
             HostDtype::Bf16 => 2 * elems,
             HostDtype::Nf4 => 4 * horizon_backend::nf4::words(elems),
+            HostDtype::Mxfp4 => 4 * horizon_backend::mxfp4::words(elems),
         }
     }
 }
@@ -65,18 +69,24 @@ pub fn host_tensors(layout: &ModelLayout) -> Vec<HostTensor> {
         BaseDtype::F32 => HostDtype::F32,
         BaseDtype::Bf16 => HostDtype::Bf16,
     };
-    let packed: std::collections::HashSet<String> = (0..layout.dims.layers)
+    let packed: std::collections::HashMap<String, HostDtype> = (0..layout.dims.layers)
         .flat_map(|i| {
             let spec = layout.layer(i);
             spec.tensors
                 .iter()
-                .filter(|t| t.stored == Stored::Nf4)
-                .map(move |t| ModelLayout::layer_name(i, &t.name))
+                .filter_map(move |t| {
+                    let dtype = match t.stored {
+                        Stored::Slot => return None,
+                        Stored::Nf4 => HostDtype::Nf4,
+                        Stored::Mxfp4 => HostDtype::Mxfp4,
+                    };
+                    Some((ModelLayout::layer_name(i, &t.name), dtype))
+                })
                 .collect::<Vec<_>>()
         })
         .collect();
     let frozen = layout.base_tensors().into_iter().map(|t| {
-        let dtype = if packed.contains(&t.0) { HostDtype::Nf4 } else { base };
+        let dtype = packed.get(&t.0).copied().unwrap_or(base);
         tensor(t, dtype, false)
     });
     trained.chain(frozen).collect()

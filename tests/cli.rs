@@ -102,9 +102,7 @@ fn train_reproduces_fixtures() {
         for name in names.iter().map(|n| n.as_str().unwrap()) {
             let (_, got) = read_tensor_f64(&final_dir.join("model.safetensors"), name).unwrap();
             let got: Vec<f32> = got.iter().map(|&x| x as f32).collect();
-            let (_, init) =
-                read_tensor_f64(&case_dir(case).join("model/model.safetensors"), name).unwrap();
-            let init: Vec<f32> = init.iter().map(|&x| x as f32).collect();
+            let init: Vec<f32> = initial(case, name).iter().map(|&x| x as f32).collect();
             let want = tensor(case, "final.safetensors", name);
             let err = update_rel_err(&got, &init, &want);
             let tol = update_tol(e["pytorch_fp32"]["update_rel_l2_err"][name].as_f64().unwrap());

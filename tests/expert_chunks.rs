@@ -1,7 +1,8 @@
 //! Experts streamed in chunks (issue 44, `engine.expert_chunk`): a sparse layer's frozen routed
 //! experts go through two expert slots a chunk at a time while its trunk stays in its layer
-//! slot. On the fixtures' mixtures of experts (`qwen3_moe`, whose middle layer is dense, and
-//! `mixtral`) with LoRA and QLoRA on the attention and the router, every chunking trains
+//! slot. On the fixtures' mixtures of experts (`qwen3_moe`, whose middle layer is dense,
+//! `mixtral`, `gpt_oss` and `gpt_oss_mxfp4`, whose adapter runs keep the experts MXFP4) with LoRA
+//! and QLoRA on the attention and the router, every chunking trains
 //! exactly as whole layers do, and the device memory it plans does not grow with the number
 //! of experts.
 
@@ -14,17 +15,51 @@ use horizon::engine::sizes::Sizes;
 use horizon::model::params::ParamStore;
 use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig};
 
+/// A chunked run (`got`: steps, trained tensors) against the whole-layer one (`want`). A row's
+/// k expert outputs are summed in the order the pass meets their experts, and a chunked layer's
+/// passes go through its chunks in alternating directions (the resident chunk is reused), so:
+/// at top-2 (a sum of two terms onto zero, which commutes) bit for bit; at top-k >= 3 (gpt-oss,
+/// top-4) the rounding of a reordered four-term sum, which AdamW's normalised steps carry on
+/// (as between float32 and float64: the tolerance table's update errors): losses and norms
+/// within the fixtures' 1e-5 relative, each buffer within 1e-5 relative L2 of the other's.
+fn same_training(
+    case: &str,
+    what: &str,
+    (got, params): (&[(f64, f64, bool)], &ParamStore),
+    (want, want_params): (&[(f64, f64, bool)], &ParamStore),
+) {
+    let top_k = common::expected(case)["num_experts_per_tok"].as_u64().unwrap();
+    if top_k <= 2 {
+        let bits = |s: &[(f64, f64, bool)]| {
+            s.iter().map(|(l, g, _)| (l.to_bits(), g.to_bits())).collect::<Vec<_>>()
+        };
+        assert_eq!(bits(got), bits(want), "{what}: losses and norms");
+        common::assert_bit_identical(what, params, want_params);
+        return;
+    }
+    for (s, ((l, g, _), (wl, wg, _))) in got.iter().zip(want).enumerate() {
+        common::assert_rel(&format!("{what} loss {s}"), *l, *wl, 1e-5);
+        common::assert_rel(&format!("{what} grad norm {s}"), *g, *wg, 1e-5);
+    }
+    for (i, (x, y)) in params.buffers().iter().zip(want_params.buffers()).enumerate() {
+        let norm = |v: &mut dyn Iterator<Item = f64>| v.map(|d| d * d).sum::<f64>().sqrt();
+        let diff = norm(&mut x.iter().zip(y.iter()).map(|(a, b)| (a - b) as f64));
+        let rel = diff / norm(&mut y.iter().map(|&b| b as f64)).max(1e-30);
+        assert!(rel <= 1e-5, "{what}: buffer {i} differs by {rel:.2e} (relative L2)");
+    }
+}
+
 /// [`moe_adapter_run`] on the CPU device.
 fn train(case: &str, kind: &str, ecfg: EngineConfig) -> (Vec<(f64, f64, bool)>, ParamStore, usize) {
     moe_adapter_run(CpuDevice::new(CpuDeviceConfig::with_capacity(64 << 20)), case, kind, ecfg)
 }
 
 /// Every chunking (one expert a chunk: 8 chunks; three: 3 chunks) of the fixtures' sparse
-/// layers trains bit for bit as whole layers do, with LoRA and QLoRA, a checkpoint every 1, 2
-/// or 3 layers, micro-batches of one row and of the whole batch.
+/// layers trains as whole layers do ([`same_training`]: bit for bit at top-2), with LoRA and
+/// QLoRA, a checkpoint every 1, 2 or 3 layers, micro-batches of one row and of the whole batch.
 #[test]
 fn chunked_experts_train_as_whole_layers_bit_for_bit() {
-    for case in ["qwen3_moe", "mixtral"] {
+    for case in ["qwen3_moe", "mixtral", "gpt_oss", "gpt_oss_mxfp4"] {
         let batch = common::expected(case)["batch"].as_u64().unwrap() as usize;
         for kind in ["lora", "qlora"] {
             for (k, mbs) in [(1, 1), (2, batch), (3, 1), (1, batch)] {
@@ -39,11 +74,7 @@ fn chunked_experts_train_as_whole_layers_bit_for_bit() {
                     let cfg = EngineConfig { expert_chunk: Some(per), ..base };
                     let (got, params, chunks) = train(case, kind, cfg);
                     assert!(chunks >= 3, "{what}: {chunks} chunks");
-                    let bits = |s: &[(f64, f64, bool)]| {
-                        s.iter().map(|(l, g, _)| (l.to_bits(), g.to_bits())).collect::<Vec<_>>()
-                    };
-                    assert_eq!(bits(&got), bits(&want), "{what}: losses and norms");
-                    common::assert_bit_identical(&what, &params, &want_params);
+                    same_training(case, &what, (&got, &params), (&want, &want_params));
                 }
             }
         }
@@ -96,7 +127,7 @@ fn full(case: &str, ecfg: EngineConfig) -> (Vec<(f64, f64, bool)>, ParamStore, P
 /// and 3, micro-batches of one row and of the whole batch, 1 and 3 experts a chunk.
 #[test]
 fn full_fine_tuning_with_experts_in_chunks_matches_the_fixtures() {
-    for case in ["qwen3_moe", "mixtral"] {
+    for case in ["qwen3_moe", "mixtral", "gpt_oss", "gpt_oss_mxfp4"] {
         let batch = common::expected(case)["batch"].as_u64().unwrap() as usize;
         for (k, mbs) in [(1, 1), (2, batch), (3, 1)] {
             let base =
@@ -107,11 +138,7 @@ fn full_fine_tuning_with_experts_in_chunks_matches_the_fixtures() {
                 let (got, init, params, chunks) =
                     full(case, EngineConfig { expert_chunk: Some(per), ..base });
                 assert!(chunks >= 3, "{what}: {chunks} chunks");
-                let bits = |s: &[(f64, f64, bool)]| {
-                    s.iter().map(|(l, g, _)| (l.to_bits(), g.to_bits())).collect::<Vec<_>>()
-                };
-                assert_eq!(bits(&got), bits(&want), "{what}: losses and norms");
-                common::assert_bit_identical(&what, &params, &want_params);
+                same_training(case, &what, (&got, &params), (&want, &want_params));
                 let steps: Vec<(f64, f64)> = got.iter().map(|(l, g, _)| (*l, *g)).collect();
                 common::assert_matches_fixture(case, &what, &steps, &init, &params);
             }

@@ -60,8 +60,8 @@ fn check_step0_grads(case: &str, head_chunk_rows: usize) {
         names.iter().map(|n| tensor(case, "step0_grads.safetensors", n)).collect();
     let model_max = refs.iter().flatten().fold(0.0f64, |a, &x| a.max(x.abs()));
     for (name, want) in names.iter().zip(&refs) {
-        let got = t.state.grads.tensor(layout, name).unwrap_or_else(|| panic!("no tensor {name}"));
-        let (err, at) = max_err_over(got, want, model_max);
+        let got = named(layout, &t.state.grads, name);
+        let (err, at) = max_err_over(&got, want, model_max);
         let pt = e["pytorch_fp32"]["step0_grad_err_over_model_max_grad"][name].as_f64().unwrap();
         println!("{case} grad {name}: err/model_max {err:.2e} (pytorch fp32 {pt:.2e})");
         assert!(
@@ -94,11 +94,11 @@ fn check_training(case: &str) {
         }
     }
     let layout = &t.engine.layout;
-    for (name, _) in layout.hf_tensors() {
+    for name in param_names(case) {
         let want = tensor(case, "final.safetensors", &name);
-        let got = t.state.params.tensor(layout, &name).unwrap();
-        let w0 = init.tensor(layout, &name).unwrap();
-        let err = update_rel_err(got, w0, &want);
+        let got = named(layout, &t.state.params, &name);
+        let w0 = named(layout, &init, &name);
+        let err = update_rel_err(&got, &w0, &want);
         let pt = e["pytorch_fp32"]["update_rel_l2_err"][&name].as_f64().unwrap();
         let tol = update_tol(pt);
         println!("{case} update {name}: rel err {err:.2e} (pytorch fp32 {pt:.2e}, tol {tol:.1e})");
@@ -312,4 +312,22 @@ fn qwen3_moe_training() {
 #[test]
 fn mixtral_training() {
     check_training("mixtral");
+}
+
+#[test]
+fn gpt_oss_step0_forward() {
+    check_step0_forward("gpt_oss");
+    check_step0_forward("gpt_oss_mxfp4");
+}
+
+#[test]
+fn gpt_oss_step0_grads() {
+    check_step0_grads("gpt_oss", 5);
+    check_step0_grads("gpt_oss_mxfp4", 256);
+}
+
+#[test]
+fn gpt_oss_training() {
+    check_training("gpt_oss");
+    check_training("gpt_oss_mxfp4");
 }

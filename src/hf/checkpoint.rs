@@ -97,6 +97,44 @@ fn parse_header(buf: &[u8], path: &Path) -> Result<(usize, Metadata)> {
     Ok((data_start, meta))
 }
 
+/// A tensor read as part of a stored one: element `[i0, i1, ..]` of the view is element
+/// `at + sum_d i_d strides[d]` of `source` (row-major contiguous strides for a plain slice).
+/// With `mxfp4`, `source` names a packed parameter (`{source}_blocks` / `_scales`), read as
+/// transformers dequantizes it (E, in, out), one expert of `per_expert` values at a time.
+#[derive(Clone, Debug)]
+struct View {
+    source: String,
+    at: usize,
+    shape: Vec<usize>,
+    strides: Vec<usize>,
+    mxfp4: Option<usize>,
+}
+
+impl View {
+    /// Whether the view is one contiguous run of a stored tensor.
+    fn contiguous(&self) -> bool {
+        self.mxfp4.is_none() && self.strides == row_major(&self.shape)
+    }
+
+    /// The source offsets of the view's elements, in row-major order.
+    fn offsets(&self) -> Vec<usize> {
+        let mut out = vec![self.at];
+        for (&n, &st) in self.shape.iter().zip(&self.strides) {
+            out = out.iter().flat_map(|&o| (0..n).map(move |i| o + i * st)).collect();
+        }
+        out
+    }
+}
+
+/// Row-major strides of `shape`.
+fn row_major(shape: &[usize]) -> Vec<usize> {
+    let mut st = vec![1; shape.len()];
+    for d in (0..shape.len().saturating_sub(1)).rev() {
+        st[d] = st[d + 1] * shape[d + 1];
+    }
+    st
+}
+
 /// A Hugging Face checkpoint directory, every file memory-mapped.
 pub struct Checkpoint {
     /// `model.safetensors` or the index file: what error messages name.
@@ -104,9 +142,8 @@ pub struct Checkpoint {
     files: Vec<MappedFile>,
     /// Tensor name -> index into `files`.
     tensors: BTreeMap<String, usize>,
-    /// Tensors read as parts of stored ones (a fused expert tensor's per-expert matrices):
-    /// name -> (stored name, first element, shape).
-    views: BTreeMap<String, (String, usize, Vec<usize>)>,
+    /// Tensors read as parts of stored ones (a fused expert tensor's per-expert matrices).
+    views: BTreeMap<String, View>,
     /// Stored tensors read only through views: not listed.
     hidden: std::collections::BTreeSet<String>,
 }
@@ -231,24 +268,89 @@ impl Checkpoint {
     /// on, and lists `name` instead of `source` (a fused expert tensor read expert by expert).
     /// Errors name the tensor when `source` is absent or too small.
     pub fn add_view(&mut self, name: &str, source: &str, at: usize, shape: &[usize]) -> Result<()> {
+        self.add_strided_view(name, source, at, shape, &row_major(shape))
+    }
+
+    /// [`Checkpoint::add_view`] of elements `at + sum_d i_d strides[d]` (a transposed or
+    /// interleaved part: gpt-oss's in-to-out, gate/up-interleaved experts).
+    pub fn add_strided_view(
+        &mut self,
+        name: &str,
+        source: &str,
+        at: usize,
+        shape: &[usize],
+        strides: &[usize],
+    ) -> Result<()> {
         let have: usize = self
             .shape(source)
             .with_context(|| format!("{}: no tensor '{source}'", self.source.display()))?
             .iter()
             .product();
-        let n: usize = shape.iter().product();
-        if at + n > have {
-            bail!("{}: tensor '{source}' has {have} values, not {}", self.source.display(), at + n);
-        }
-        self.views.insert(name.to_string(), (source.to_string(), at, shape.to_vec()));
+        let view = View {
+            source: source.to_string(),
+            at,
+            shape: shape.to_vec(),
+            strides: strides.to_vec(),
+            mxfp4: None,
+        };
+        self.insert_view(name, view, have)?;
         self.hidden.insert(source.to_string());
+        Ok(())
+    }
+
+    /// [`Checkpoint::add_strided_view`] of an MXFP4 packed parameter `param` (its
+    /// `{param}_blocks` and `{param}_scales`, checked against each other), read as transformers
+    /// dequantizes it: (E, in, out) in-to-out, every value exact.
+    pub fn add_mxfp4_view(
+        &mut self,
+        name: &str,
+        param: &str,
+        at: usize,
+        shape: &[usize],
+        strides: &[usize],
+    ) -> Result<()> {
+        let p = super::mxfp4::packed(self, param)?;
+        let per_expert = p.rows * p.cols;
+        let view = View {
+            source: param.to_string(),
+            at,
+            shape: shape.to_vec(),
+            strides: strides.to_vec(),
+            mxfp4: Some(per_expert),
+        };
+        self.insert_view(name, view, p.experts * per_expert)?;
+        self.hidden.insert(format!("{param}_blocks"));
+        self.hidden.insert(format!("{param}_scales"));
+        Ok(())
+    }
+
+    /// Adds `view` as `name` after checking it stays inside its source's `have` values; a
+    /// packed view also inside one expert.
+    fn insert_view(&mut self, name: &str, view: View, have: usize) -> Result<()> {
+        let last = view.at
+            + view
+                .shape
+                .iter()
+                .zip(&view.strides)
+                .map(|(&n, &s)| (n.max(1) - 1) * s)
+                .sum::<usize>();
+        let one_expert = view.mxfp4.is_none_or(|per| view.at / per == last / per);
+        if last >= have || !one_expert {
+            bail!(
+                "{}: tensor '{}' has {have} values; view '{name}' reaches {}",
+                self.source.display(),
+                view.source,
+                last + 1
+            );
+        }
+        self.views.insert(name.to_string(), view);
         Ok(())
     }
 
     /// Shape of tensor `name`, if present.
     pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
-        if let Some((_, _, shape)) = self.views.get(name) {
-            return Some(shape.clone());
+        if let Some(v) = self.views.get(name) {
+            return Some(v.shape.clone());
         }
         let &i = self.tensors.get(name)?;
         self.files[i].meta.info(name).map(|info| info.shape.clone())
@@ -256,8 +358,8 @@ impl Checkpoint {
 
     /// The stored dtype of tensor `name` (`F32`, `BF16`, ...), if the checkpoint has it.
     pub fn dtype(&self, name: &str) -> Option<&'static str> {
-        if let Some((source, _, _)) = self.views.get(name) {
-            return self.dtype(source);
+        if let Some(v) = self.views.get(name) {
+            return if v.mxfp4.is_some() { Some("MXFP4") } else { self.dtype(&v.source) };
         }
         let &i = self.tensors.get(name)?;
         let (_, dtype, _) = self.files[i].tensor(name)?;
@@ -328,7 +430,21 @@ impl Checkpoint {
         let numel: usize = shape.iter().product();
         assert_eq!(dst.len(), numel, "read_f32('{name}'): dst length does not match {shape:?}");
         let view = self.views.get(name);
-        let stored = view.map_or(name, |(source, _, _)| source.as_str());
+        if let Some(v) = view.filter(|v| v.mxfp4.is_some()) {
+            let bytes: Vec<u8> =
+                self.mxfp4_values(v)?.iter().flat_map(|x| x.to_le_bytes()).collect();
+            let (path, got) = (self.source.clone(), v.shape.clone());
+            return Self::convert(
+                name,
+                shape,
+                dst,
+                (&bytes, Dtype::F32, got),
+                &path,
+                non_finite,
+                hash,
+            );
+        }
+        let stored = view.map_or(name, |v| v.source.as_str());
         let &i = self.tensors.get(stored).with_context(|| {
             format!(
                 "tensor '{name}' not found in {} ({} tensors); hint: does the checkpoint match \
@@ -339,18 +455,58 @@ impl Checkpoint {
         })?;
         let file = &self.files[i];
         let (bytes, dtype, got) = file.tensor(stored).expect("tensor map and file agree");
+        let size = bytes.len() / got.iter().product::<usize>().max(1);
+        let gathered: Vec<u8>;
         let (bytes, got) = match view {
             None => (bytes, got.to_vec()),
-            Some((_, at, vshape)) => {
-                let size = bytes.len() / got.iter().product::<usize>().max(1);
-                (&bytes[at * size..(at + numel) * size], vshape.clone())
+            Some(v) if v.contiguous() => {
+                (&bytes[v.at * size..(v.at + numel) * size], v.shape.clone())
+            }
+            Some(v) => {
+                gathered = v
+                    .offsets()
+                    .iter()
+                    .flat_map(|&o| &bytes[o * size..(o + 1) * size])
+                    .copied()
+                    .collect();
+                (&gathered[..], v.shape.clone())
             }
         };
+        Self::convert(name, shape, dst, (bytes, dtype, got), &file.path, non_finite, hash)
+    }
+
+    /// The values of packed view `v`: its expert decoded (in-to-out, as transformers
+    /// dequantizes it), its elements gathered.
+    fn mxfp4_values(&self, v: &View) -> Result<Vec<f32>> {
+        let per = v.mxfp4.expect("a packed view");
+        let p = super::mxfp4::packed(self, &v.source)?;
+        let x = v.at / per;
+        let (nb, ns) = (p.blocks.len() / p.experts, p.scales.len() / p.experts);
+        let one = horizon_backend::mxfp4::decode_transposed(
+            &p.blocks[x * nb..(x + 1) * nb],
+            &p.scales[x * ns..(x + 1) * ns],
+            (1, p.rows, p.cols),
+        );
+        Ok(v.offsets().iter().map(|&o| one[o - x * per]).collect())
+    }
+
+    /// Tensor `name`'s stored `bytes` of `dtype` and shape `got` (from `path`) converted into
+    /// `dst` as [`Checkpoint::read_f32`] states, and with `hash` their content hash.
+    #[allow(clippy::too_many_arguments)]
+    fn convert(
+        name: &str,
+        shape: &[usize],
+        dst: &mut [f32],
+        (bytes, dtype, got): (&[u8], Dtype, Vec<usize>),
+        path: &Path,
+        non_finite: NonFinite,
+        hash: bool,
+    ) -> Result<Option<u64>> {
         if got != shape {
             bail!(
                 "tensor '{name}' in {} has shape {got:?}, expected {shape:?}; hint: does the \
                  checkpoint match config.json?",
-                file.path.display()
+                path.display()
             );
         }
         let (bad, tiles) = match dtype {
@@ -360,14 +516,14 @@ impl Checkpoint {
             Dtype::F64 => convert_f32(dst, bytes, |b| f64::from_le_bytes(b) as f32, hash),
             other => bail!(
                 "tensor '{name}' in {} has dtype {other:?}; supported: F32, BF16, F16, F64",
-                file.path.display()
+                path.display()
             ),
         };
         let content = hash.then(|| tensor_hash(name, dtype_name(dtype), shape, &tiles));
         let Some(NonFiniteFound { first, count }) = bad else { return Ok(content) };
         let what = format!(
             "tensor '{name}' in {} holds {count} non-finite value(s) of {}; the first is {} at flat index {first} (index {:?} of shape {shape:?})",
-            file.path.display(),
+            path.display(),
             dst.len(),
             dst[first],
             unravel(first, shape),

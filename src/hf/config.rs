@@ -35,6 +35,9 @@ pub enum Arch {
     Qwen2Moe,
     /// Mistral's attention with sparse MLPs (`block_sparse_moe`).
     Mixtral,
+    /// gpt-oss: q/k/v/o biases, learned attention sinks, alternating sliding and full layers,
+    /// YaRN, a biased router and clamped-SwiGLU experts with biases (`model/families/gpt_oss.rs`).
+    GptOss,
 }
 
 /// What a layer's attention sees (`layer_types`).
@@ -58,6 +61,7 @@ impl Arch {
             Arch::Qwen3Moe => "qwen3_moe",
             Arch::Qwen2Moe => "qwen2_moe",
             Arch::Mixtral => "mixtral",
+            Arch::GptOss => "gpt_oss",
         }
     }
 
@@ -72,6 +76,7 @@ impl Arch {
             Arch::Qwen3Moe => "Qwen3MoeForCausalLM",
             Arch::Qwen2Moe => "Qwen2MoeForCausalLM",
             Arch::Mixtral => "MixtralForCausalLM",
+            Arch::GptOss => "GptOssForCausalLM",
         }
     }
 
@@ -82,13 +87,13 @@ impl Arch {
             Arch::Qwen2 | Arch::Qwen2Moe => 32768,
             Arch::Mistral | Arch::Mixtral => 4096 * 32,
             Arch::Qwen3 | Arch::Qwen3Moe => 32768,
-            Arch::Gemma3 => 131072,
+            Arch::Gemma3 | Arch::GptOss => 131072,
         }
     }
 
     /// A mixture-of-experts family.
     pub fn is_moe(self) -> bool {
-        matches!(self, Arch::Qwen3Moe | Arch::Qwen2Moe | Arch::Mixtral)
+        matches!(self, Arch::Qwen3Moe | Arch::Qwen2Moe | Arch::Mixtral | Arch::GptOss)
     }
 
     /// The attention (and dense MLP) family it shares: Llama-style decoders by their own name,
@@ -196,12 +201,14 @@ pub struct ModelConfig {
     pub eos_token_id: Vec<u32>,
     /// The sparse MLPs of a mixture-of-experts family; `None` for a dense model.
     pub moe: Option<MoeConfig>,
+    /// The checkpoint's `quantization_config`: MXFP4 experts (gpt-oss), or none.
+    pub quantization: Option<crate::hf::mxfp4::Mxfp4Config>,
     /// The original JSON object, kept so export can write it back.
     pub raw: Value,
 }
 
 const SUPPORTED: &str =
-    "llama, qwen2, mistral, qwen3, gemma3_text, gemma3, qwen3_moe, qwen2_moe, mixtral";
+    "llama, qwen2, mistral, qwen3, gemma3_text, gemma3, qwen3_moe, qwen2_moe, mixtral, gpt_oss";
 
 impl ModelConfig {
     /// Reads and validates a `config.json`; errors name the file.
@@ -250,6 +257,7 @@ impl ModelConfig {
             "qwen3_moe" => Arch::Qwen3Moe,
             "qwen2_moe" => Arch::Qwen2Moe,
             "mixtral" => Arch::Mixtral,
+            "gpt_oss" => Arch::GptOss,
             other if other.starts_with("deepseek") => bail!(
                 "{origin}: model_type '{other}' is not supported: DeepSeek's multi-head latent \
                  attention (MLA) and grouped routing are not implemented; supported: {SUPPORTED}"
@@ -288,6 +296,13 @@ impl ModelConfig {
         let max_position_embeddings =
             o.size("max_position_embeddings")?.unwrap_or(arch.default_max_position_embeddings());
         let moe = parse_moe(&o, arch, sizes.num_layers, sizes.intermediate_size)?;
+        let quantization = crate::hf::mxfp4::quantization(v, origin)?;
+        if quantization.is_some() && arch != Arch::GptOss {
+            bail!(
+                "{origin}: quantization_config mxfp4 is read for gpt_oss's experts, not for {}\nhint: load an unquantized checkpoint",
+                arch.model_type()
+            );
+        }
         let Sizes { hidden_size, num_layers, num_heads, num_kv_heads, head_dim, .. } = sizes;
         Ok(ModelConfig {
             arch,
@@ -311,6 +326,7 @@ impl ModelConfig {
             bos_token_id,
             eos_token_id,
             moe,
+            quantization,
             raw: v.clone(),
         })
     }
@@ -319,6 +335,9 @@ impl ModelConfig {
     /// Horizon understood it. The RoPE keys are kept in the layout they were given in.
     pub fn to_hf_json(&self) -> Value {
         let mut obj = self.raw.as_object().cloned().unwrap_or_default();
+        // Exports write the experts unpacked (bf16 or fp32), as transformers saves a model it
+        // loaded with `Mxfp4Config(dequantize=True)`.
+        obj.remove("quantization_config");
         let mut set = |k: &str, v: Value| {
             obj.insert(k.to_string(), v);
         };
@@ -570,6 +589,8 @@ fn parse_family_keys(o: &Keys, arch: Arch) -> Result<bool> {
     match arch.dense() {
         Arch::Qwen2 => Ok(o.bool("qkv_bias")?.unwrap_or(true)),
         Arch::Llama | Arch::Mistral => Ok(attention_bias),
+        // transformers' GptOssConfig: attention_bias true by default (q, k, v and o).
+        Arch::GptOss => Ok(o.bool("attention_bias")?.unwrap_or(true)),
         Arch::Qwen3 | Arch::Gemma3 if attention_bias => bail!(
             "{origin}: attention_bias true is not supported for {} (its projections have no \
              biases)",
@@ -593,6 +614,7 @@ fn parse_layer_types(
     let window = match arch {
         Arch::Qwen2 | Arch::Qwen3 if o.bool("use_sliding_window")? != Some(true) => None,
         Arch::Gemma3 => Some(o.size("sliding_window")?.unwrap_or(4096)),
+        Arch::GptOss => Some(o.size("sliding_window")?.unwrap_or(128)),
         _ => o.size("sliding_window")?,
     };
     let types: Vec<LayerType> =
@@ -625,6 +647,10 @@ fn parse_layer_types(
         } else {
             match arch {
                 Arch::Mistral if window.is_some() => vec![LayerType::Sliding; layers],
+                // transformers' GptOssConfig: sliding for even layers, full for odd ones.
+                Arch::GptOss => (0..layers)
+                    .map(|i| if i % 2 == 0 { LayerType::Sliding } else { LayerType::Full })
+                    .collect(),
                 Arch::Qwen2 | Arch::Qwen3 if window.is_some() => {
                     let from = o.size("max_window_layers")?.unwrap_or(28);
                     (0..layers)

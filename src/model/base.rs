@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use anyhow::Result;
-use horizon_backend::{Bf16, CpuBackend, nf4};
+use horizon_backend::{Bf16, CpuBackend, mxfp4, nf4};
 use rayon::prelude::*;
 
 use crate::hf::checkpoint::{Checkpoint, NonFinite};
@@ -163,12 +163,24 @@ impl FrozenBase {
         if let Some(h) = &mut base.lm_head {
             h.set(0, &read(LM_HEAD, &[d.v, d.c])?);
         }
+        let mut packed_hashes = Vec::new();
         for i in 0..d.layers {
             for t in layout.layer(i).frozen_tensors() {
-                let v = read(&ModelLayout::layer_name(i, &t.name), &t.shape)?;
+                let name = ModelLayout::layer_name(i, &t.name);
+                if t.stored == Stored::Mxfp4 {
+                    let packed = crate::hf::moe::gpt_oss_packed(&ckpt, &layout.prefix, i, &t.name)?;
+                    let (blocks, scales) = packed.expect("MXFP4 tensors are gpt-oss experts");
+                    let tiles = [crate::hash::of(&blocks), crate::hash::of(&scales)];
+                    let h = crate::hf::checkpoint::tensor_hash(&name, "MXFP4", &t.shape, &tiles);
+                    packed_hashes.push((format!("{}{name}", layout.prefix), h));
+                    mxfp4::to_words(&blocks, &scales, &mut base.packed[i][t.range()]);
+                    continue;
+                }
+                let v = read(&name, &t.shape)?;
                 base.put(i, t, &v);
             }
         }
+        hashes.extend(packed_hashes);
         Ok((base, base_hash(&hashes)))
     }
 
@@ -177,6 +189,10 @@ impl FrozenBase {
         match t.stored {
             Stored::Slot => self.layers[i].set(t.offset, v),
             Stored::Nf4 => nf4::to_words(&nf4::quantize(v), &mut self.packed[i][t.range()]),
+            Stored::Mxfp4 => {
+                let (blocks, scales) = mxfp4::quantize(v);
+                mxfp4::to_words(&blocks, &scales, &mut self.packed[i][t.range()])
+            }
         }
     }
 
@@ -188,6 +204,10 @@ impl FrozenBase {
             Stored::Nf4 => {
                 let words = words_as_f32(&self.packed[i][t.range()]);
                 horizon_backend::Backend::dequantize_nf4(&CpuBackend, &mut out, words, t.numel())
+            }
+            Stored::Mxfp4 => {
+                let words = words_as_f32(&self.packed[i][t.range()]);
+                horizon_backend::Backend::dequantize_mxfp4(&CpuBackend, &mut out, words, t.numel())
             }
         }
         out

@@ -108,7 +108,7 @@ pub struct ExpertSplit {
 struct ExpertPieces {
     experts: usize,
     /// The experts' gate|up and down matrices (full fine-tuning, or a frozen full-precision
-    /// base), and their adapters' A and B.
+    /// base), their biases (gpt-oss), and their adapters' A and B.
     slot: Vec<Vec<Range<usize>>>,
     /// The experts' NF4 gate|up and down (QLoRA).
     words: Vec<Vec<Range<usize>>>,
@@ -122,7 +122,8 @@ fn per_expert(r: &Range<usize>, e: usize, len: usize) -> Vec<Range<usize>> {
 /// The pieces of `spec`'s routed experts, when it has them.
 fn expert_pieces(spec: &LayerSpec) -> Option<ExpertPieces> {
     let op = spec.ops.iter().find(|op| matches!(op, Op::Experts { .. }))?;
-    let Op::Experts { ref gate_up, ref down, e, i, c, ref lora, ref packed, .. } = *op else {
+    let Op::Experts { ref gate_up, ref down, e, i, c, ref lora, ref packed, ref bias, .. } = *op
+    else {
         unreachable!()
     };
     let (mut slot, mut words) = (Vec::new(), Vec::new());
@@ -139,6 +140,10 @@ fn expert_pieces(spec: &LayerSpec) -> Option<ExpertPieces> {
             slot.push(per_expert(gate_up, e, 2 * i * c));
             slot.push(per_expert(down, e, c * i));
         }
+    }
+    if let Some([gu, dn]) = bias {
+        slot.push(per_expert(gu, e, 2 * i));
+        slot.push(per_expert(dn, e, c));
     }
     for (l, ic, oc) in [(&lora.gate_up, c, 2 * i), (&lora.down, i, c)] {
         if let Some(l) = l {

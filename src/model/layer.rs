@@ -13,7 +13,7 @@ use crate::model::chunks::SlotMap;
 use crate::model::moe::{
     ExpertGrads, MoeIo, experts_backward, experts_forward, route_backward, route_forward,
 };
-use crate::model::spec::{Act, BwdOp, Glu, LayerSpec, Op, Weight};
+use crate::model::spec::{Act, BwdOp, Glu, LayerSpec, Op, Stored, Weight};
 
 /// One activation or gradient buffer handed to a layer: read-only or writable.
 pub enum Slot<'a, T: ?Sized> {
@@ -139,7 +139,10 @@ pub(crate) fn weight_of<'w, B: Backend + ?Sized>(
             for part in parts {
                 let dst = p.ws.slice_mut(part.at..part.at + part.n);
                 let words = map.map_or_else(|| part.words.clone(), |m| m.word(&part.words));
-                be.dequantize_nf4(dst, p.words.slice(words), part.n);
+                match part.stored {
+                    Stored::Mxfp4 => be.dequantize_mxfp4(dst, p.words.slice(words), part.n),
+                    _ => be.dequantize_nf4(dst, p.words.slice(words), part.n),
+                }
             }
             p.ws.slice(0..w.numel())
         }
@@ -332,17 +335,22 @@ fn forward_ops<B: Backend>(
                 let (cos, sin) = ropes[table];
                 be.rope_forward(q.w(len(qkv)), cos, sin, ad);
             }
-            Op::Attention { qkv, out, lse } => match kv.as_mut() {
+            Op::Attention { qkv, out, lse, ref sinks } => match kv.as_mut() {
                 None => {
                     let [q, o, l] = pick(slots, [qkv, out, lse]);
-                    be.attention_forward(o.w(len(out)), l.w(len(lse)), q.r(len(qkv)), ad);
+                    let (o, l) = (o.w(len(out)), l.w(len(lse)));
+                    be.attention_forward(o, l, q.r(len(qkv)), ad);
+                    if let Some(s) = sinks {
+                        be.attention_sink_forward(o, l, w.slice(at(map, s)), ad);
+                    }
                 }
                 Some(KvStep { cache, pos }) => {
                     let [q, o] = pick(slots, [qkv, out]);
                     let (width, total) = (spec.width(qkv), *pos + n);
                     be.copy(cache.slice_mut(*pos * width..total * width), q.r(len(qkv)));
                     let cd = spec.attn.dims(1, total);
-                    be.attention_decode(o.w(len(out)), cache.slice(0..total * width), None, n, cd);
+                    let sk = sinks.as_ref().map(|s| w.slice(at(map, s)));
+                    be.attention_decode(o.w(len(out)), cache.slice(0..total * width), sk, n, cd);
                 }
             },
             Op::Add { a, b, out } => {
@@ -503,18 +511,17 @@ pub fn layer_backward_part<B: Backend>(
                 be.rope_backward(grads[dqkv].w(len(qkv)), cos, sin, ad);
             }
             BwdOp::Attention { op, dqkv, dout } => {
-                let Op::Attention { qkv, out, lse } = spec.ops[op] else {
+                let Op::Attention { qkv, out, lse, ref sinks } = spec.ops[op] else {
                     unreachable!("the program names its op")
                 };
                 let [gq, go] = pick(grads, [dqkv, dout]);
-                be.attention_backward(
-                    gq.w(len(qkv)),
-                    go.r(len(out)),
-                    act(qkv),
-                    act(out),
-                    act(lse),
-                    ad,
-                );
+                let go = go.r(len(out));
+                be.attention_backward(gq.w(len(qkv)), go, act(qkv), act(out), act(lse), ad);
+                // The sink's gradient, from the sink attention's out and lse.
+                if let Some((s, g)) = sinks.as_ref().and_then(|s| Some((s, gr(s)?))) {
+                    let sw = w.slice(at(map, s));
+                    be.attention_sink_backward(dw.slice_mut(g), go, act(out), act(lse), sw, ad);
+                }
             }
             BwdOp::Glu { op, dgu, dout } => {
                 let Op::Glu { gu, act: kind, f, .. } = spec.ops[op] else {

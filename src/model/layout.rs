@@ -81,6 +81,9 @@ pub struct ModelLayout {
     pub adapter: Option<LoraSpec>,
     /// A mixture-of-experts model's routing and load-balancing loss (`None`: dense).
     pub moe: Option<MoeConfig>,
+    /// The checkpoint packs the routed experts as MXFP4 (gpt-oss): an adapter run keeps them
+    /// so as its frozen base; full fine-tuning decodes them into its masters.
+    pub mxfp4_experts: bool,
 }
 
 /// One RoPE table: its inverse frequencies (D/2) and the factor its cos and sin are multiplied
@@ -119,13 +122,18 @@ impl ModelLayout {
             prefix: cfg.tensor_prefix.clone(),
             adapter: None,
             moe: cfg.moe.clone(),
+            mxfp4_experts: cfg.quantization.is_some(),
         }
     }
 
     /// This model with `lora`'s adapters on every layer. The error (for the user) names a
     /// target the layers do not have.
     pub fn with_lora(&self, lora: &LoraSpec) -> Result<ModelLayout, String> {
-        let kinds = self.kinds.iter().map(|k| k.with_lora(lora)).collect::<Result<_, _>>()?;
+        let kinds = self
+            .kinds
+            .iter()
+            .map(|k| k.with_lora_in(lora, self.mxfp4_experts))
+            .collect::<Result<_, _>>()?;
         Ok(ModelLayout { kinds, adapter: Some(lora.clone()), ..self.clone() })
     }
 

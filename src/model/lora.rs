@@ -101,7 +101,8 @@ struct Target {
 
 /// The target naming a sparse layer's router (PEFT's `target_parameters` `mlp.gate.weight`):
 /// an adapter on the router's product, named `mlp.gate.lora_{A,B}.weight` in every family (the
-/// module path transformers 5 gives it, Mixtral's too); dense layers have none.
+/// module path transformers 5 gives it, Mixtral's too; gpt-oss's `mlp.router`); dense layers
+/// have none.
 pub const ROUTER: &str = "router";
 
 /// The HF suffix of a target's adapter tensor (`self_attn.q_proj.lora_A.weight`).
@@ -113,6 +114,12 @@ impl LayerSpec {
     /// This layer with `lora`'s adapters. Errors (for the user) name a target the layer does
     /// not have, or a QLoRA layer with no product to quantise.
     pub fn with_lora(&self, lora: &LoraSpec) -> Result<LayerSpec, String> {
+        self.with_lora_in(lora, false)
+    }
+
+    /// [`LayerSpec::with_lora`]; with `mxfp4`, the routed experts stay MXFP4 as the checkpoint
+    /// packs them (gpt-oss).
+    pub fn with_lora_in(&self, lora: &LoraSpec, mxfp4: bool) -> Result<LayerSpec, String> {
         let routed = self.ops.iter().any(|op| matches!(op, Op::Route { .. }));
         let names: Vec<String> =
             lora.targets.iter().filter(|t| routed || *t != ROUTER).cloned().collect();
@@ -121,7 +128,7 @@ impl LayerSpec {
             return Err(format!("layer kind {} has no Linear weight to quantise", self.kind));
         }
         let mut out = self.clone();
-        let moved = relayout(&mut out, lora.nf4);
+        let moved = relayout(&mut out, (lora.nf4, mxfp4));
         for op in &mut out.ops {
             remap(op, &moved);
         }
@@ -203,34 +210,40 @@ fn router_target(spec: &LayerSpec) -> Target {
         .iter()
         .position(|op| matches!(op, Op::Linear { out, .. } if Some(*out) == logits))
         .expect("a router feeds the routing");
-    let Op::Linear { ic, oc, .. } = spec.ops[op] else { unreachable!() };
-    Target { name: "mlp.gate".to_string(), op, col: 0, w: oc, ic }
+    let Op::Linear { ic, oc, w: Weight::Slot(ref w), .. } = spec.ops[op] else { unreachable!() };
+    // gpt-oss's router is `mlp.router`; every other family's `mlp.gate` (Mixtral's too).
+    let gpt_oss = spec.tensors.iter().any(|t| t.offset == w.start && t.name == "mlp.router.weight");
+    let name = if gpt_oss { "mlp.router" } else { "mlp.gate" };
+    Target { name: name.to_string(), op, col: 0, w: oc, ic }
 }
 
 /// Where each tensor of the base went: old slot start -> its new tensor.
 type Moved = Vec<(usize, TensorSpec)>;
 
 /// Lay the base out again, every tensor frozen: the products' matrices packed (NF4) with
-/// `nf4`, the rest at the front of the slot. Returns the old start of each tensor with its
-/// new spec.
-fn relayout(spec: &mut LayerSpec, nf4: bool) -> Moved {
-    let matrices: Vec<Range<usize>> = spec
-        .ops
-        .iter()
-        .flat_map(|op| match op {
-            Op::Linear { w: Weight::Slot(r), .. } => vec![r.clone()],
-            Op::Experts { gate_up, down, .. } => vec![gate_up.clone(), down.clone()],
-            _ => vec![],
-        })
-        .collect();
-    let packed =
-        |t: &TensorSpec| nf4 && matrices.iter().any(|m| m.start <= t.offset && t.offset < m.end);
+/// `nf4`, the routed experts' as MXFP4 with `mxfp4` (whatever `nf4` says), the rest at the
+/// front of the slot. Returns the old start of each tensor with its new spec.
+fn relayout(spec: &mut LayerSpec, (nf4, mxfp4): (bool, bool)) -> Moved {
+    let (mut linear, mut experts) = (Vec::new(), Vec::new());
+    for op in &spec.ops {
+        match op {
+            Op::Linear { w: Weight::Slot(r), .. } => linear.push(r.clone()),
+            Op::Experts { gate_up, down, .. } => experts.extend([gate_up.clone(), down.clone()]),
+            _ => {}
+        }
+    }
+    let inside = |ms: &[Range<usize>], t: &TensorSpec| ms.iter().any(|m| m.contains(&t.offset));
+    let packed = |t: &TensorSpec| match () {
+        _ if mxfp4 && inside(&experts, t) => Some(Stored::Mxfp4),
+        _ if nf4 && (inside(&linear, t) || inside(&experts, t)) => Some(Stored::Nf4),
+        _ => None,
+    };
     let (mut slot, mut words) = (0, 0);
     let mut moved = Vec::new();
     for t in &spec.tensors {
         let mut n = t.clone();
-        if packed(t) {
-            n.stored = Stored::Nf4;
+        if let Some(stored) = packed(t) {
+            n.stored = stored;
             n.offset = words;
             words += n.stored_len();
         } else {
@@ -241,7 +254,7 @@ fn relayout(spec: &mut LayerSpec, nf4: bool) -> Moved {
     }
     spec.tensors = moved.iter().map(|(_, t)| t.clone()).collect();
     // Slot tensors first, then the packed ones (stable within each).
-    spec.tensors.sort_by_key(|t| (t.stored == Stored::Nf4, t.offset));
+    spec.tensors.sort_by_key(|t| (t.stored.is_packed(), t.offset));
     spec.len = slot;
     spec.frozen = slot;
     spec.packed = words;
@@ -271,15 +284,19 @@ fn remap(op: &mut Op, moved: &Moved) {
             }
             let Weight::Slot(r) = w else { unreachable!("a base weight starts in the slot") };
             let ts = parts_of(moved, r);
-            *w = if ts[0].stored == Stored::Nf4 {
+            *w = if ts[0].stored.is_packed() {
                 packed_weight(&ts)
             } else {
                 Weight::Slot(slot_range(moved, r))
             };
         }
-        Op::Experts { gate_up, down, packed, .. } => {
+        Op::Attention { sinks: Some(r), .. } => *r = slot_range(moved, r),
+        Op::Experts { gate_up, down, packed, bias, .. } => {
+            if let Some([gb, db]) = bias {
+                (*gb, *db) = (slot_range(moved, gb), slot_range(moved, db));
+            }
             let (gu, dn) = (parts_of(moved, gate_up), parts_of(moved, down));
-            if gu[0].stored == Stored::Nf4 {
+            if gu[0].stored.is_packed() {
                 let weights = gu
                     .chunks(2)
                     .zip(&dn)
@@ -301,7 +318,7 @@ fn packed_weight(ts: &[TensorSpec]) -> Weight {
     Weight::Packed(
         ts.iter()
             .map(|t| {
-                let p = PackedPart { words: t.range(), at, n: t.numel() };
+                let p = PackedPart { words: t.range(), stored: t.stored, at, n: t.numel() };
                 at += t.numel();
                 p
             })
@@ -335,7 +352,7 @@ fn add_expert_adapters(spec: &mut LayerSpec, t: ExpertTargets) {
     let n = IO_SLOTS + spec.acts.len();
     lora.scratch = Some([n - 2, n - 1]);
     let Op::Experts { lora: l, .. } = &mut spec.ops[at] else { unreachable!() };
-    *l = lora;
+    **l = lora;
 }
 
 /// Append each target's `A` and `B` to the slot (the trained part), its saved `u` and the

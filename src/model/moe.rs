@@ -156,20 +156,59 @@ fn adapter_ranges(l: &ExpertLora, x: usize, ic: usize, oc: usize) -> (Range<usiz
     (l.a.start + x * na..l.a.start + (x + 1) * na, l.b.start + x * nb..l.b.start + (x + 1) * nb)
 }
 
-/// One expert's rows through a projection `ic -> oc`: `out = inp W^T`, plus its adapter's
-/// `scale (inp A_e^T) B_e^T` (through the scratch `u`, `t`) when it has one.
+/// Expert `x`'s `[gate; up]` bias (2I) or, with `down`, its down bias (C): gpt-oss's, as the
+/// slot holds them.
+fn expert_bias<'w, B: Backend>(
+    (slot, map): (&'w B::WBuf, Option<&SlotMap>),
+    op: &Op,
+    x: usize,
+    down: bool,
+) -> Option<&'w B::WBuf> {
+    let Op::Experts { ref bias, i, c, .. } = *op else { unreachable!() };
+    let [gu, dn] = bias.as_ref()?;
+    let (r, len) = if down { (dn, c) } else { (gu, 2 * i) };
+    Some(slot.slice(at(map, &(r.start + x * len..r.start + (x + 1) * len))))
+}
+
+/// The gate|up activation of `cnt` rows: SwiGLU, or gpt-oss's clamped one.
+fn glu_forward<B: Backend>(be: &B, op: &Op, s: &mut B::Buf, gu: &B::Buf, cnt: usize) {
+    let Op::Experts { i, clamp, .. } = *op else { unreachable!() };
+    match clamp {
+        Some(cl) => be.clamped_swiglu_forward(s, gu, cnt, i, cl),
+        None => be.swiglu_forward(s, gu, cnt, i),
+    }
+}
+
+/// The backward of [`glu_forward`]: dgu (cnt, 2I) from ds (cnt, I) and the saved gu.
+fn glu_backward<B: Backend>(
+    be: &B,
+    op: &Op,
+    dgu: &mut B::Buf,
+    ds: &B::Buf,
+    gu: &B::Buf,
+    cnt: usize,
+) {
+    let Op::Experts { i, clamp, .. } = *op else { unreachable!() };
+    match clamp {
+        Some(cl) => be.clamped_swiglu_backward(dgu, ds, gu, (cnt, i), cl),
+        None => be.swiglu_backward(dgu, ds, gu, cnt, i),
+    }
+}
+
+/// One expert's rows through a projection `ic -> oc`: `out = inp W^T (+ bias)`, plus its
+/// adapter's `scale (inp A_e^T) B_e^T` (through the scratch `u`, `t`) when it has one.
 #[allow(clippy::too_many_arguments)]
 fn project<B: Backend>(
     be: &B,
     (out, inp): (&mut B::Buf, &B::Buf),
-    w: &B::WBuf,
+    (w, bias): (&B::WBuf, Option<&B::WBuf>),
     adapter: Option<(&B::WBuf, &B::WBuf, &ExpertLora)>,
     scratch: Option<(&mut B::Buf, &mut B::Buf)>,
     cnt: usize,
     ic: usize,
     oc: usize,
 ) {
-    be.matmul_forward(out, inp, w, None, cnt, ic, oc);
+    be.matmul_forward(out, inp, w, bias, cnt, ic, oc);
     if let (Some((a, b, l)), Some((u, t))) = (adapter, scratch) {
         let (u, t) = (u.slice_mut(0..cnt * l.r), t.slice_mut(0..cnt * oc));
         be.matmul_forward(u, inp, a, None, cnt, ic, l.r);
@@ -244,10 +283,14 @@ fn experts_forward_in<'o, B: Backend>(
         let wgu = expert_mat(be, (slot, &mut *packed, map), op, x, false);
         let sc = scratch.as_mut().map(|(u, t)| (&mut **u, &mut **t));
         let gate_up = adapter(lora.gate_up.as_ref(), x, c, 2 * i);
-        project(be, (&mut *g, &*xs), wgu, gate_up, sc, cnt, c, 2 * i);
+        let bgu = expert_bias::<B>((slot, map), op, x, false);
+        project(be, (&mut *g, &*xs), (wgu, bgu), gate_up, sc, cnt, c, 2 * i);
         let (s, ys) = (s.w(cnt * i), ys.w(cnt * c));
-        be.swiglu_forward(s, g, cnt, i);
-        let wd = expert_mat(be, (slot, &mut *packed, map), op, x, true);
+        glu_forward(be, op, s, g, cnt);
+        let wd = (
+            expert_mat(be, (slot, &mut *packed, map), op, x, true),
+            expert_bias::<B>((slot, map), op, x, true),
+        );
         let sc = scratch.as_mut().map(|(u, t)| (&mut **u, &mut **t));
         project(be, (&mut *ys, &*s), wd, adapter(lora.down.as_ref(), x, i, c), sc, cnt, i, c);
         be.moe_scatter_add(out, ys, ord, Some(w.r(m)), k, c);
@@ -376,7 +419,9 @@ fn expert_backward<'o, B: Backend>(
     (dinp, dwts, dw): (&mut B::Buf, &mut B::Buf, &mut B::Buf),
     (slot, packed, map): (&B::WBuf, &mut Option<Packed<'_, B>>, Option<&SlotMap>),
 ) {
-    let Op::Experts { ref gate_up, ref down, k, i, c, ref lora, .. } = *op else { unreachable!() };
+    let Op::Experts { ref gate_up, ref down, k, i, c, ref lora, ref bias, .. } = *op else {
+        unreachable!()
+    };
     let Segment { x, cnt, ord, w, h, dout } = seg;
     let part = |r: &Range<usize>, len: usize| r.start + x * len..r.start + (x + 1) * len;
     let (xs, gu, s) =
@@ -395,8 +440,9 @@ fn expert_backward<'o, B: Backend>(
     let wgu = expert_mat(be, (slot, &mut *packed, map), op, x, false);
     let fwd =
         gate.as_ref().map(|(ra, rb, l)| (slot.slice(at(map, ra)), slot.slice(at(map, rb)), *l));
+    let wgu = (wgu, expert_bias::<B>((slot, map), op, x, false));
     project(be, (&mut *gu, &*xs), wgu, fwd, Some((&mut *b.u, &mut *b.t)), cnt, c, 2 * i);
-    be.swiglu_forward(s, gu, cnt, i);
+    glu_forward(be, op, s, gu, cnt);
     be.moe_gather(dy, dout, ord, k, c);
     be.copy(sw, s);
     be.moe_scale_rows(sw, w, ord, i);
@@ -415,12 +461,23 @@ fn expert_backward<'o, B: Backend>(
         adapter_backward(be, ag, ws, grads, (&mut *b.u, &mut *b.t), cnt, i, c);
     }
     be.moe_row_dots(dwts, ds, s, ord, i);
+    let bias = bias.as_ref().map(|[gu, dn]| (part(gu, 2 * i), part(dn, c)));
+    if let Some((_, dn)) = &bias {
+        // gpt-oss: the weight scales the down bias too, `dwts += dy . d`, `dd += sum w dy`.
+        be.moe_bias_dots(dwts, dy, slot.slice(at(map, dn)), ord, c);
+        if let Some(g) = grad_at(map, spec.grad_range(dn)) {
+            be.moe_scale_rows(dy, w, ord, c);
+            be.matmul_backward(None, None, Some(dw.slice_mut(g)), dy, sw, wd, cnt, i, c);
+        }
+    }
     be.moe_scale_rows(ds, w, ord, i);
-    be.swiglu_backward(dgu, ds, gu, cnt, i);
+    glu_backward(be, op, dgu, ds, gu, cnt);
     let dxs = dy;
     let wgu = expert_mat(be, (slot, &mut *packed, map), op, x, false);
-    let dgw = grad_of(gate_up, 2 * i * c).map(|g| dw.slice_mut(g));
-    be.matmul_backward(Some(Dinp::Write(&mut *dxs)), dgw, None, dgu, xs, wgu, cnt, c, 2 * i);
+    let dgw = grad_of(gate_up, 2 * i * c);
+    let dgb = bias.and_then(|(gu, _)| grad_at(map, spec.grad_range(&gu)));
+    let (dgw, dgb) = crate::model::layer::two_mut(dw, dgw, dgb);
+    be.matmul_backward(Some(Dinp::Write(&mut *dxs)), dgw, dgb, dgu, xs, wgu, cnt, c, 2 * i);
     if let Some((ra, rb, l)) = gate {
         let ag = AdapterGrad { dinp: &mut *dxs, dout: dgu, inp: xs, u_in: xs };
         let grads = two_grads((spec, map), dw, &ra, &rb);

@@ -37,6 +37,16 @@ pub enum Stored {
     /// In the packed region, as NF4 words ([`horizon_backend::nf4`]): `offset` counts words;
     /// dequantised into the backend's workspace before each use.
     Nf4,
+    /// In the packed region as the checkpoint packs it, MXFP4 ([`horizon_backend::mxfp4`]'s
+    /// device form: gpt-oss's experts in an adapter run); dequantised as NF4 is.
+    Mxfp4,
+}
+
+impl Stored {
+    /// In the packed region (NF4 or MXFP4 words).
+    pub fn is_packed(self) -> bool {
+        self != Stored::Slot
+    }
 }
 
 /// One named tensor inside a flat buffer.
@@ -61,6 +71,7 @@ impl TensorSpec {
         match self.stored {
             Stored::Slot => self.numel(),
             Stored::Nf4 => horizon_backend::nf4::words(self.numel()),
+            Stored::Mxfp4 => horizon_backend::mxfp4::words(self.numel()),
         }
     }
     /// Its range in its region (the slot's weights, or the packed region's words).
@@ -69,11 +80,13 @@ impl TensorSpec {
     }
 }
 
-/// One NF4 tensor of a packed weight: its words in the packed region and where its
+/// One packed tensor of a weight: its words in the packed region and where its
 /// dequantised values go in the workspace.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PackedPart {
     pub words: Range<usize>,
+    /// NF4 or MXFP4.
+    pub stored: Stored,
     /// Offset of its first value in the workspace.
     pub at: usize,
     /// Values.
@@ -163,8 +176,10 @@ pub enum Op {
     },
     /// Rotary embedding in place on the q and k parts, with the model's rope table `table`.
     Rope { qkv: Act, table: usize },
-    /// Causal (windowed) attention as the layer's [`AttnSpec`] says.
-    Attention { qkv: Act, out: Act, lse: Act },
+    /// Causal (windowed) attention as the layer's [`AttnSpec`] says; with `sinks` (H, gpt-oss),
+    /// each head's learned logit joins every softmax row as one more column that adds no
+    /// value: `out` and `lse` are then the sink attention's.
+    Attention { qkv: Act, out: Act, lse: Act, sinks: Option<Range<usize>> },
     /// `out = a + b`.
     Add { a: Act, b: Act, out: Act },
     /// `out = act(gate) * up`, gate_up (N, 2F) -> (N, F).
@@ -195,11 +210,16 @@ pub enum Op {
         k: usize,
         i: usize,
         c: usize,
-        lora: ExpertAdapters,
+        lora: Box<ExpertAdapters>,
         /// QLoRA: the experts' matrices as NF4, per expert its `[gate; up]` and its down as
         /// packed weights (each tensor its own 64-value blocks, as per-expert `Linear4bit`s);
         /// then `gate_up` and `down` are empty.
         packed: Option<Vec<[Weight; 2]>>,
+        /// gpt-oss: each expert's `[gate; up]` bias (2I) and down bias (C), the E experts' one
+        /// after another. The routing weight scales the whole expert output, down bias included.
+        bias: Option<[Range<usize>; 2]>,
+        /// gpt-oss's clamped SwiGLU in place of the plain one.
+        clamp: Option<horizon_backend::GluClamp>,
     },
 }
 
@@ -233,7 +253,7 @@ impl Op {
             }
             Op::Linear { inp, out, .. } => (vec![inp], vec![out]),
             Op::Rope { qkv, .. } => (vec![qkv], vec![qkv]),
-            Op::Attention { qkv, out, lse } => (vec![qkv], vec![out, lse]),
+            Op::Attention { qkv, out, lse, .. } => (vec![qkv], vec![out, lse]),
             Op::Add { a, b, out } => (vec![a, b], vec![out]),
             Op::Glu { gu, out, .. } => (vec![gu], vec![out]),
             Op::Lora { inp, out, u, tmp, .. } => (vec![inp, out], vec![out, u, tmp]),
@@ -253,7 +273,7 @@ impl Op {
             Op::RmsNorm { inp, rstd, .. } | Op::HeadNorm { inp, rstd, .. } => vec![inp, rstd],
             Op::Linear { inp, .. } => vec![inp],
             Op::Rope { .. } | Op::Add { .. } => vec![],
-            Op::Attention { qkv, out, lse } => vec![qkv, out, lse],
+            Op::Attention { qkv, out, lse, .. } => vec![qkv, out, lse],
             Op::Glu { gu, .. } => vec![gu],
             Op::Lora { inp, u, .. } => vec![inp, u],
             Op::Route { probs, sel, .. } => vec![probs, sel],
@@ -486,7 +506,7 @@ impl LayerSpec {
 
     /// The frozen tensors of the slot (in slot order), and the packed ones.
     pub fn frozen_tensors(&self) -> impl Iterator<Item = &TensorSpec> {
-        self.tensors.iter().filter(|t| t.stored == Stored::Nf4 || t.offset < self.frozen)
+        self.tensors.iter().filter(|t| t.stored.is_packed() || t.offset < self.frozen)
     }
 }
 
@@ -506,6 +526,11 @@ impl LayerBuilder {
     }
 
     /// The next tensor of the flat buffer; returns its range.
+    /// Where the next tensor starts.
+    pub fn tensor_end(&self) -> usize {
+        self.len
+    }
+
     pub fn tensor(&mut self, name: &str, shape: &[usize], init: Init) -> Range<usize> {
         let spec = TensorSpec {
             name: name.to_string(),
@@ -771,7 +796,7 @@ fn derive_backward(spec: &LayerSpec, c: usize) -> (Vec<usize>, Vec<BwdOp>) {
                 let g = dout(&ga, qkv);
                 prog.push(BwdOp::Rope { op: i, dqkv: g });
             }
-            Op::Attention { qkv, out, lse } => {
+            Op::Attention { qkv, out, lse, .. } => {
                 let g = dout(&ga, out);
                 let dqkv = fresh(&mut ga, qkv);
                 ga.release(out);

@@ -238,6 +238,12 @@ fn write_export(
     fs::write(&cfg_path, serde_json::to_string_pretty(&cfg_json)?)
         .with_context(|| format!("cannot write {}", cfg_path.display()))?;
 
+    let gpt_oss: Vec<_> = match &model_cfg.moe {
+        Some(m) if m.arch == crate::hf::config::Arch::GptOss => (0..layout.dims.layers)
+            .flat_map(|l| gpt_oss_fused(&layout, &params.layers[l], l))
+            .collect(),
+        _ => Vec::new(),
+    };
     let mut tensors: Vec<(String, Vec<usize>, &[f32])> = layout
         .hf_tensors()
         .into_iter()
@@ -248,7 +254,7 @@ fn write_export(
         .collect();
     if let Some(m) = &model_cfg.moe {
         if opts.fused_experts.unwrap_or(m.fused) {
-            tensors = fuse_experts(tensors, m, &layout, params);
+            tensors = fuse_experts(tensors, m, &layout, (params, &gpt_oss));
         }
     } else if opts.fused_experts == Some(true) {
         bail!(
@@ -299,11 +305,12 @@ fn write_export(
 /// contiguous run of the layer's buffer (its experts' `[gate; up]`, then their downs), in the
 /// place of the layer's first expert tensor of each, and the router as `mlp.gate.weight`; every
 /// other tensor as it was, in order.
+/// gpt-oss's experts go in as [`gpt_oss_fused`] wrote them (`gpt_oss`: every layer's four).
 fn fuse_experts<'a>(
     tensors: Vec<(String, Vec<usize>, &'a [f32])>,
     m: &crate::hf::config::MoeConfig,
     layout: &crate::model::layout::ModelLayout,
-    params: &'a ParamStore,
+    (params, gpt_oss): (&'a ParamStore, &'a [OwnedTensor]),
 ) -> Vec<(String, Vec<usize>, &'a [f32])> {
     let (e, i, c) = (m.num_experts, m.expert_size, layout.dims.c);
     let (block, [gate, _, down]) = m.hub_names();
@@ -327,7 +334,14 @@ fn fuse_experts<'a>(
             continue;
         };
         let buf = &params.layers[l];
-        if rest == format!("{block}.gate.weight") {
+        if !gpt_oss.is_empty() {
+            if rest == format!("{block}.experts.0.{gate}.weight") {
+                let ours = gpt_oss[4 * l..4 * l + 4].iter();
+                out.extend(ours.map(|(n, s, v)| (n.clone(), s.clone(), &v[..])));
+            } else if !rest.starts_with(&format!("{block}.experts.")) {
+                out.push((name, shape, data));
+            }
+        } else if rest == format!("{block}.gate.weight") {
             out.push((router, shape, data));
         } else if rest == format!("{block}.experts.0.{gate}.weight") {
             out.push((gu, vec![e, 2 * i, c], &buf[gu_range]));
@@ -338,6 +352,53 @@ fn fuse_experts<'a>(
         }
     }
     out
+}
+
+/// A tensor to write: its name, shape and values.
+pub type OwnedTensor = (String, Vec<usize>, Vec<f32>);
+
+/// Layer `l`'s gpt-oss experts from its buffer `buf` (weights, or their gradients in full
+/// fine-tuning: the same layout) as transformers' fused parameters: `gate_up_proj` (E, C, 2I)
+/// in-to-out with gate and up interleaved (column 2j gate unit j, 2j+1 up unit j),
+/// `gate_up_proj_bias` (E, 2I) likewise, `down_proj` (E, I, C) in-to-out, `down_proj_bias`
+/// (E, C): the inverse of what `hf::moe::read_fused_as_hub` reads.
+pub fn gpt_oss_fused(
+    layout: &crate::model::layout::ModelLayout,
+    buf: &[f32],
+    l: usize,
+) -> Vec<OwnedTensor> {
+    let op = layout.layer(l).ops.iter().find(|op| matches!(op, Op::Experts { .. }));
+    let Some(Op::Experts { gate_up, down, bias: Some(bias), e, i, c, .. }) = op else {
+        return Vec::new();
+    };
+    let [gb, db] = bias;
+    let (e, i, c) = (*e, *i, *c);
+    let (wgu, wdn, bgu) = (&buf[gate_up.clone()], &buf[down.clone()], &buf[gb.clone()]);
+    let mut gu = vec![0.0; e * c * 2 * i];
+    let mut gub = vec![0.0; e * 2 * i];
+    let mut dn = vec![0.0; e * i * c];
+    for x in 0..e {
+        for j in 0..2 * i {
+            // Row j of expert x's [gate; up] is gate unit j (j < I) or up unit j - I.
+            let col = if j < i { 2 * j } else { 2 * (j - i) + 1 };
+            gub[x * 2 * i + col] = bgu[x * 2 * i + j];
+            for cc in 0..c {
+                gu[(x * c + cc) * 2 * i + col] = wgu[(x * 2 * i + j) * c + cc];
+            }
+        }
+        for cc in 0..c {
+            for j in 0..i {
+                dn[(x * i + j) * c + cc] = wdn[(x * c + cc) * i + j];
+            }
+        }
+    }
+    let p = format!("model.layers.{l}.mlp.experts");
+    vec![
+        (format!("{p}.gate_up_proj"), vec![e, c, 2 * i], gu),
+        (format!("{p}.gate_up_proj_bias"), vec![e, 2 * i], gub),
+        (format!("{p}.down_proj"), vec![e, i, c], dn),
+        (format!("{p}.down_proj_bias"), vec![e, c], buf[db.clone()].to_vec()),
+    ]
 }
 
 /// Consecutive groups of tensors (by index) of at most `max` bytes each; a tensor larger than

@@ -166,6 +166,11 @@ pub fn split_targets(a: &AdapterConfig, cfg: &ModelConfig) -> Result<(Vec<String
             cfg.arch.model_type()
         );
     }
+    if cfg.arch == Arch::GptOss && (ex.gate_up.is_some() || ex.down.is_some()) {
+        bail!(
+            "adapter.targets names gpt-oss's routed experts: adapters on its in-to-out, gate/up-interleaved expert parameters are not implemented yet\nhint: adapt the attention (q_proj, k_proj, v_proj, o_proj) and, if you like, the router; the experts stay the frozen base"
+        );
+    }
     let expert_names: &[&str] = if rewrites {
         &[
             "experts",

@@ -43,7 +43,7 @@ __device__ void load_tile(float* tile, const float* base, long long b_row0, int 
 
 // out (B*T_new, H*D): overwrites. grid (ceil(T_new/ROWS), H, B), block 32*ROWS threads, dynamic
 // shared memory (2*TILE*(D+1) + ROWS*D) floats.
-extern "C" __global__ void attention_decode(float* out, const float* qkv, const float* sinks,
+extern "C" __global__ void attention_decode(float* out, const float* qkv, const unsigned short* sinks,
                                             int has_sinks, int t, int t_new, int h, int kvh,
                                             int d, int window, float scale) {
     extern __shared__ float smem[];
@@ -100,7 +100,7 @@ extern "C" __global__ void attention_decode(float* out, const float* qkv, const 
         m = m_new;
     }
     if (live && has_sinks) {
-        float s = sinks[hi];
+        float s = __uint_as_float((unsigned int)sinks[hi] << 16);  // a bf16 weight
         float m_new = fmaxf(m, s);
         float corr = expf(m - m_new);
         l = l * corr + expf(s - m_new);

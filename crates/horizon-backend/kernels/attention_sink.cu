@@ -1,6 +1,6 @@
 // Learned attention sinks (gpt-oss) as a step after attention: head h's logit sinks[h] is one
 // more column of every score row (probability mass, no value). Shapes: out, dout (N, H*D), N =
-// B*T rows; lse (B, H, T); sinks, dsinks (H). Launcher: src/cuda/attention_sink.rs. Reference
+// B*T rows; lse (B, H, T); sinks (H) bf16 weights, dsinks (H). Launcher: src/cuda/attention_sink.rs. Reference
 // and derivation: src/cpu/attention_sink.rs (the attention backward kernels, given the adjusted
 // out and lse, need nothing more: their P = exp(s - lse') and delta = dout . out' are the sink
 // softmax's).
@@ -13,13 +13,18 @@
 
 #define SINK_THREADS 256
 
+// A bf16 weight (the sinks live in the layer's weight slot) as float.
+__device__ float sink_at(const unsigned short* sinks, int h) {
+    return __uint_as_float((unsigned int)sinks[h] << 16);
+}
+
 // log(exp(a) + exp(b)) without overflow, as the CPU's logaddexp.
 __device__ float logaddexp(float a, float b) { return fmaxf(a, b) + log1pf(expf(-fabsf(a - b))); }
 
 // out (N, H*D), lse (B, H, T): in place, lse overwritten with lse' = logaddexp(lse, sinks[h])
 // and out's head h columns scaled by exp(lse - lse'). One thread per (row, head); grid
 // (ceil(N*H/256)), block 256.
-extern "C" __global__ void attention_sink_forward(float* out, float* lse, const float* sinks,
+extern "C" __global__ void attention_sink_forward(float* out, float* lse, const unsigned short* sinks,
                                                   int n, int t, int h, int d) {
     long long w = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (w >= (long long)n * h) return;
@@ -27,7 +32,7 @@ extern "C" __global__ void attention_sink_forward(float* out, float* lse, const 
     int hi = (int)(w % h);
     long long at = ((row / t) * h + hi) * t + row % t;
     float l = lse[at];
-    float l2 = logaddexp(l, sinks[hi]);
+    float l2 = logaddexp(l, sink_at(sinks, hi));
     float f = expf(l - l2);
     float* o = out + row * h * d + hi * d;
     for (int k = 0; k < d; k++) o[k] *= f;
@@ -39,11 +44,11 @@ extern "C" __global__ void attention_sink_forward(float* out, float* lse, const 
 // (each row's dot over k in order), then a fixed tree over the block's 256 partial sums.
 extern "C" __global__ void attention_sink_backward(float* dsinks, const float* dout,
                                                    const float* out, const float* lse,
-                                                   const float* sinks, int n, int t, int h,
+                                                   const unsigned short* sinks, int n, int t, int h,
                                                    int d) {
     __shared__ float part[SINK_THREADS];
     int hi = blockIdx.x;
-    float s = sinks[hi], acc = 0.0f;
+    float s = sink_at(sinks, hi), acc = 0.0f;
     for (long long row = threadIdx.x; row < n; row += SINK_THREADS) {
         const float* dy = dout + row * h * d + hi * d;
         const float* y = out + row * h * d + hi * d;

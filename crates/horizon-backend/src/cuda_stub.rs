@@ -208,7 +208,7 @@ impl Backend for CudaBackend {
     ) {
         match *self {}
     }
-    fn attention_sink_forward(&self, _: &mut [f32], _: &mut [f32], _: &[f32], _: AttnDims) {
+    fn attention_sink_forward(&self, _: &mut [f32], _: &mut [f32], _: &[Bf16], _: AttnDims) {
         match *self {}
     }
     fn attention_sink_backward(
@@ -217,12 +217,19 @@ impl Backend for CudaBackend {
         _: &[f32],
         _: &[f32],
         _: &[f32],
-        _: &[f32],
+        _: &[Bf16],
         _: AttnDims,
     ) {
         match *self {}
     }
-    fn attention_decode(&self, _: &mut [f32], _: &[f32], _: Option<&[f32]>, _: usize, _: AttnDims) {
+    fn attention_decode(
+        &self,
+        _: &mut [f32],
+        _: &[f32],
+        _: Option<&[Bf16]>,
+        _: usize,
+        _: AttnDims,
+    ) {
         match *self {}
     }
     fn moe_route_forward(

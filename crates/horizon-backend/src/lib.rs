@@ -332,12 +332,12 @@ pub trait Backend: Send + Sync {
     /// afterwards `out` and `lse` are the sink attention's output and log-sum-exp over the T + 1
     /// columns, and [`Backend::attention_backward`] on them gives its dqkv.
     /// out: (N, H*D), in place. lse: (B, H, T), in place (overwritten with `lse'`); both as the
-    /// forward left them. sinks: (H).
+    /// forward left them. sinks: (H), weights (a layer's `self_attn.sinks`).
     fn attention_sink_forward(
         &self,
         out: &mut Self::Buf,
         lse: &mut Self::Buf,
-        sinks: &Self::Buf,
+        sinks: &Self::WBuf,
         dims: AttnDims,
     );
     /// The sinks' gradient: `dsinks[h] += -sum_i exp(sinks[h] - lse'_i) (dout_i . out_i)` over
@@ -351,7 +351,7 @@ pub trait Backend: Send + Sync {
         dout: &Self::Buf,
         out: &Self::Buf,
         lse: &Self::Buf,
-        sinks: &Self::Buf,
+        sinks: &Self::WBuf,
         dims: AttnDims,
     );
 
@@ -366,7 +366,7 @@ pub trait Backend: Send + Sync {
         &self,
         out: &mut Self::Buf,
         qkv: &Self::Buf,
-        sinks: Option<&Self::Buf>,
+        sinks: Option<&Self::WBuf>,
         t_new: usize,
         dims: AttnDims,
     );

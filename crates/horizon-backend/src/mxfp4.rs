@@ -89,6 +89,40 @@ pub fn decode_transposed(
     out
 }
 
+/// `v` (a multiple of 32 values, rows of whole blocks) as MXFP4 by the OCP MX v1.0 rule, as
+/// `tests/fixtures/make_mxfp4_fixture.py` quantizes: per block the shared exponent
+/// `floor(log2(amax)) - 2` clamped to [-127, 127], each value divided by its power of two and
+/// rounded to the nearest FP4 value (ties to the even code), saturating at +-6, the sign kept.
+/// Values decoded from MXFP4 come back to the same values. Returns (blocks, scales).
+pub fn quantize(v: &[f32]) -> (Vec<u8>, Vec<u8>) {
+    assert_eq!(v.len() % BLOCK, 0, "MXFP4 holds whole blocks of 32");
+    let mut blocks = vec![0u8; v.len() / 2];
+    let mut scales = vec![0u8; v.len() / BLOCK];
+    for ((x, b), s) in v.chunks_exact(BLOCK).zip(blocks.chunks_exact_mut(16)).zip(&mut scales) {
+        let amax = x.iter().fold(0.0f32, |m, y| m.max(y.abs()));
+        let e = if amax > 0.0 { (amax.log2().floor() as i32 - 2).clamp(-127, 127) } else { 0 };
+        *s = (e + 127) as u8;
+        let code = |y: f32| nearest_code(y / scaled(1.0, *s));
+        for (k, byte) in b.iter_mut().enumerate() {
+            *byte = code(x[2 * k]) | (code(x[2 * k + 1]) << 4);
+        }
+    }
+    (blocks, scales)
+}
+
+/// The FP4 code nearest `y` (ties to the even code), saturating at +-6; the sign kept.
+fn nearest_code(y: f32) -> u8 {
+    let a = y.abs();
+    let mut best = 0u8;
+    for c in 1..8u8 {
+        let (d, db) = ((FP4[c as usize] - a).abs(), (FP4[best as usize] - a).abs());
+        if d < db || (d == db && c % 2 == 0) {
+            best = c;
+        }
+    }
+    if y.is_sign_negative() { best | 8 } else { best }
+}
+
 /// Words of the device form of `n` values (a multiple of 32): the `n / 2` code bytes (value
 /// `i` in byte `i / 2`, low nibble for even `i`, as the checkpoint stores them), then the
 /// `n / 32` scale bytes padded to a whole word, each four bytes little-endian in one 32-bit word
@@ -142,6 +176,23 @@ mod tests {
         for (i, x) in want.iter().enumerate() {
             assert_eq!(value_at(|k| w[k], 128, i).to_bits(), x.to_bits(), "value {i}");
         }
+    }
+
+    /// Quantizing what MXFP4 decodes to gives back the same values (here with scales 100 to
+    /// 140 and every code).
+    #[test]
+    fn decoded_values_quantize_back_to_themselves() {
+        let blocks: Vec<u8> = (0..40 * 16).map(|b| (b * 29 + 3) as u8).collect();
+        let scales: Vec<u8> = (0..40).map(|k| 100 + k as u8).collect();
+        let mut v = vec![0.0f32; 40 * 32];
+        decode(&blocks, &scales, &mut v);
+        let (b2, s2) = quantize(&v);
+        let mut back = vec![0.0f32; v.len()];
+        decode(&b2, &s2, &mut back);
+        assert_eq!(
+            back.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            v.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
     }
 
     /// The table is E2M1 read field by field (sign, exponent with bias 1, mantissa).

@@ -628,17 +628,17 @@ fn check_attention_with(
     let set = tensor.map_or("fp32".to_string(), |k| format!("tensor cores, {k:?}"));
     let set = if sinks { format!("{set}, sinks") } else { set };
     let qkv = round(rng.vec(n * width, 1.0));
-    let sink = sinks.then(|| rng.vec(dims.h, 3.0));
+    let sink = sinks.then(|| rounded(&rng.vec(dims.h, 3.0)));
     let (mut out, mut lse) = (vec![0.0; n * hd], vec![0.0; dims.b * dims.h * dims.t]);
     CpuBackend.attention_forward(&mut out, &mut lse, &qkv, dims);
     let gqkv = Guarded::with_guard(be, "qkv", &qkv, guard);
     let mut gout = Guarded::with_guard(be, "out", &vec![0.0; n * hd], guard);
     let mut glse = Guarded::with_guard(be, "lse", &vec![0.0; lse.len()], guard);
     be.attention_forward(gout.view_mut(), glse.view_mut(), gqkv.view(), dims);
-    let gsink = sink.as_ref().map(|s| Guarded::new(be, "sinks", s));
+    let gsink = sink.as_ref().map(|s| weights_on(be, s));
     if let (Some(s), Some(gs)) = (&sink, &gsink) {
         CpuBackend.attention_sink_forward(&mut out, &mut lse, s, dims);
-        be.attention_sink_forward(gout.view_mut(), glse.view_mut(), gs.view(), dims);
+        be.attention_sink_forward(gout.view_mut(), glse.view_mut(), gs, dims);
     }
     let (got_out, got_lse) = (gout.read(be), glse.read(be));
     assert_close(&format!("attention_forward ({set}) out {dims:?}"), &got_out, &out, tol);
@@ -664,7 +664,7 @@ fn check_attention_with(
         CpuBackend.attention_sink_backward(&mut dsinks, &dout, &out, &lse, s, dims);
         let mut gds = Guarded::new(be, "dsinks", &vec![0.5; dims.h]);
         let (o, l) = (gout.view(), glse.view());
-        be.attention_sink_backward(gds.view_mut(), gdout.view(), o, l, gs.view(), dims);
+        be.attention_sink_backward(gds.view_mut(), gdout.view(), o, l, gs, dims);
         assert_close(
             &format!("attention_sink_backward ({set}) {dims:?}"),
             &gds.read(be),
@@ -788,7 +788,7 @@ fn attention_sink_ops_match_the_cpu() {
     ] {
         let (n, hd, what) = (dims.n(), dims.h * dims.d, format!("{dims:?}"));
         let (out0, lse0) = (rng.vec(n * hd, 1.0), rng.vec(dims.b * dims.h * dims.t, 4.0));
-        let mut sinks = rng.vec(dims.h, 3.0);
+        let mut sinks = rounded(&rng.vec(dims.h, 3.0));
         sinks[0] = 8.0;
         if dims.h > 2 {
             sinks[2] = -30.0;
@@ -797,8 +797,8 @@ fn attention_sink_ops_match_the_cpu() {
         CpuBackend.attention_sink_forward(&mut out, &mut lse, &sinks, dims);
         let (mut gout, mut glse) =
             (Guarded::new(&be, "out", &out0), Guarded::new(&be, "lse", &lse0));
-        let gs = Guarded::new(&be, "sinks", &sinks);
-        be.attention_sink_forward(gout.view_mut(), glse.view_mut(), gs.view(), dims);
+        let gs = weights_on(&be, &sinks);
+        be.attention_sink_forward(gout.view_mut(), glse.view_mut(), &gs, dims);
         assert_close(&format!("attention_sink_forward out {what}"), &gout.read(&be), &out, TOL);
         assert_close(&format!("attention_sink_forward lse {what}"), &glse.read(&be), &lse, TOL);
 
@@ -818,7 +818,7 @@ fn attention_sink_ops_match_the_cpu() {
                 gdout.view(),
                 gout.view(),
                 glse.view(),
-                gs.view(),
+                &gs,
                 dims,
             );
         }
@@ -828,7 +828,7 @@ fn attention_sink_ops_match_the_cpu() {
                 gdout.view(),
                 gout.view(),
                 glse.view(),
-                gs.view(),
+                &gs,
                 dims,
             );
         }
@@ -860,8 +860,8 @@ fn attention_decode_matches_cpu() {
     for dims in cases {
         let qkv = rng.vec(dims.n() * dims.qkv_width(), 1.5);
         let xd = Guarded::new(&be, "qkv", &qkv);
-        let sinks = rng.vec(dims.h, 3.0);
-        let gsinks = Guarded::new(&be, "sinks", &sinks);
+        let sinks = rounded(&rng.vec(dims.h, 3.0));
+        let gsinks = weights_on(&be, &sinks);
         for (t_new, with) in
             [1, 9.min(dims.t), dims.t].into_iter().flat_map(|t| [(t, false), (t, true)])
         {
@@ -870,13 +870,7 @@ fn attention_decode_matches_cpu() {
             let s = with.then_some(&sinks[..]);
             CpuBackend.attention_decode(&mut want, &qkv, s, t_new, dims);
             let mut out = Guarded::new(&be, "out", &vec![f32::NAN; len]);
-            be.attention_decode(
-                out.view_mut(),
-                xd.view(),
-                with.then(|| gsinks.view()),
-                t_new,
-                dims,
-            );
+            be.attention_decode(out.view_mut(), xd.view(), with.then_some(&*gsinks), t_new, dims);
             assert_close(
                 &format!("attention_decode {t_new} of {dims:?}, sinks {with}"),
                 &out.read(&be),

@@ -65,7 +65,7 @@ pub fn layer(cfg: &ModelConfig, t: LayerType, table: usize) -> LayerSpec {
     });
     b.op(Op::Rope { qkv, table });
     let (att, lse) = (b.act("att", hd), b.stat("lse", d.h));
-    b.op(Op::Attention { qkv, out: att, lse });
+    b.op(Op::Attention { qkv, out: att, lse, sinks: None });
     let o = b.act("o", c);
     b.op(Op::Linear { inp: att, out: o, w: wo.into(), bias: None, ic: hd, oc: c });
     let po = b.rmsnorm(o, ("po", "rstd_po"), ln_post_attn, W_OFFSET);

@@ -1,12 +1,13 @@
 //! The Llama-style pre-norm decoder: Llama, Qwen2 (q/k/v biases), Mistral (its sliding window is
-//! a layer type), and Qwen3, which adds a per-head RMSNorm of q and k before RoPE.
+//! a layer type), Qwen3, which adds a per-head RMSNorm of q and k before RoPE, and gpt-oss's
+//! attention (q/k/v/o biases, a learned sink per head) around its sparse MLP.
 //!
 //! One layer: `x (N,C) -> rmsnorm -> h1 -> qkv (N,QKV) -> [qwen3: per-head q/k norm] -> rope ->
 //! attention -> att (N,H*D) -> o_proj -> +x -> x2 -> rmsnorm -> h2 -> gate|up (N,2F) -> swiglu ->
 //! s (N,F) -> down -> +x2 -> y (N,C)`.
 //!
-//! Buffer order: `ln1 | q | k | v | [bq | bk | bv] | [q_norm | k_norm] | o | ln2 | gate | up |
-//! down`, so the fused products read one contiguous matrix (`wqkv`, `bqkv`, `wgu`) and the two
+//! Buffer order: `ln1 | q | k | v | [bq | bk | bv] | [q_norm | k_norm] | o | [bo | sinks] | ln2 |
+//! gate | up | down` (or the sparse MLP's tensors), so the fused products read one contiguous matrix (`wqkv`, `bqkv`, `wgu`) and the two
 //! head norms one `(2D)` vector.
 
 use crate::hf::config::{Arch, LayerType, ModelConfig};
@@ -49,6 +50,13 @@ pub fn layer(cfg: &ModelConfig, layer_index: usize, table: usize) -> LayerSpec {
         qn.start..kn.end
     });
     let wo = b.tensor("self_attn.o_proj.weight", &[c, hd], Init::Normal);
+    let (bo, sinks) = match cfg.arch {
+        Arch::GptOss => (
+            cfg.qkv_bias.then(|| b.tensor("self_attn.o_proj.bias", &[c], Init::Zeros)),
+            Some(b.tensor("self_attn.sinks", &[d.h], Init::Zeros)),
+        ),
+        _ => (None, None),
+    };
     let ln2 = b.tensor("post_attention_layernorm.weight", &[c], Init::Ones);
     let sparse = cfg.moe.as_ref().filter(|m| m.is_sparse(layer_index));
     let mlp = match sparse {
@@ -91,10 +99,10 @@ pub fn layer(cfg: &ModelConfig, layer_index: usize, table: usize) -> LayerSpec {
     };
     b.op(Op::Rope { qkv, table });
     let (att, lse) = (b.act("att", hd), b.stat("lse", d.h));
-    b.op(Op::Attention { qkv, out: att, lse });
+    b.op(Op::Attention { qkv, out: att, lse, sinks });
     // One scratch serves the o_proj and down_proj outputs: no backward reads either.
     let tmp = b.act("tmp", c);
-    b.op(Op::Linear { inp: att, out: tmp, w: wo.into(), bias: None, ic: hd, oc: c });
+    b.op(Op::Linear { inp: att, out: tmp, w: wo.into(), bias: bo, ic: hd, oc: c });
     let x2 = b.act("x2", c);
     b.op(Op::Add { a: X, b: tmp, out: x2 });
     let h2 = b.rmsnorm(x2, ("h2", "rstd2"), ln2, 0.0);

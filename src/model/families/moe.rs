@@ -1,5 +1,5 @@
-//! The sparse MLP of the mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral), as one
-//! decoder layer's tensors and ops; the attention around it is the Llama-style family's.
+//! The sparse MLP of the mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss),
+//! as one decoder layer's tensors and ops; the attention around it is the Llama-style family's.
 //!
 //! `h (N,C) -> router -> logits (N,E) -> route -> wts (N,k) -> experts -> out (N,C)`
 //! ([`crate::model::moe`] has the data flow inside the experts op).
@@ -11,6 +11,12 @@
 //!
 //! Qwen2-MoE adds a shared expert to every row: `out = experts(h) + sigmoid(w_g . h) S(h)`, S a
 //! SwiGLU MLP of `shared_expert_intermediate_size`.
+//!
+//! gpt-oss: the router has a bias (`mlp.router.weight`, `.bias`), each expert a `[gate; up]` bias
+//! (2I) and a down bias (C) after the matrices (`E x 2I`, then `E x C`), and the SwiGLU is clamped.
+//! Its checkpoints store the experts fused, in-to-out, gate and up interleaved
+//! ([`crate::hf::moe::read_fused_as_hub`] reads them into this order; the names inside Horizon
+//! are the per-expert ones below).
 
 use std::ops::Range;
 
@@ -20,18 +26,24 @@ use crate::model::spec::{Act, Glu, Init, LayerBuilder, Op};
 /// A sparse MLP's ranges in the layer's buffer.
 pub struct SparseMlp {
     router: Range<usize>,
+    router_bias: Option<Range<usize>>,
     gate_up: Range<usize>,
     down: Range<usize>,
     /// Qwen2-MoE's shared expert: its gate|up, its down and its (1, C) gate.
     shared: Option<[Range<usize>; 3]>,
+    /// gpt-oss: the experts' `[gate; up]` biases and down biases.
+    bias: Option<[Range<usize>; 2]>,
 }
 
 /// The sparse MLP's tensors, next in the buffer.
 pub fn tensors(b: &mut LayerBuilder, cfg: &ModelConfig, moe: &MoeConfig) -> SparseMlp {
     let (c, e, i) = (cfg.hidden_size, moe.num_experts, moe.expert_size);
     let (block, [gate, up, down]) = moe.hub_names();
-    let router = b.tensor(&format!("{block}.gate.weight"), &[e, c], Init::Normal);
-    let mut gate_up = router.end..router.end;
+    let gpt_oss = moe.arch == crate::hf::config::Arch::GptOss;
+    let router_name = if gpt_oss { "router" } else { "gate" };
+    let router = b.tensor(&format!("{block}.{router_name}.weight"), &[e, c], Init::Normal);
+    let router_bias = gpt_oss.then(|| b.tensor(&format!("{block}.router.bias"), &[e], Init::Zeros));
+    let mut gate_up = b.tensor_end()..b.tensor_end();
     for x in 0..e {
         b.tensor(&format!("{block}.experts.{x}.{gate}.weight"), &[i, c], Init::Normal);
         gate_up.end =
@@ -41,6 +53,18 @@ pub fn tensors(b: &mut LayerBuilder, cfg: &ModelConfig, moe: &MoeConfig) -> Spar
     for x in 0..e {
         dn.end = b.tensor(&format!("{block}.experts.{x}.{down}.weight"), &[c, i], Init::Normal).end;
     }
+    let bias = gpt_oss.then(|| {
+        let mut gu = b.tensor_end()..b.tensor_end();
+        for x in 0..e {
+            b.tensor(&format!("{block}.experts.{x}.{gate}.bias"), &[i], Init::Zeros);
+            gu.end = b.tensor(&format!("{block}.experts.{x}.{up}.bias"), &[i], Init::Zeros).end;
+        }
+        let mut db = gu.end..gu.end;
+        for x in 0..e {
+            db.end = b.tensor(&format!("{block}.experts.{x}.{down}.bias"), &[c], Init::Zeros).end;
+        }
+        [gu, db]
+    });
     let shared = moe.shared_expert.map(|s| {
         let g = b.tensor("mlp.shared_expert.gate_proj.weight", &[s, c], Init::Normal);
         let u = b.tensor("mlp.shared_expert.up_proj.weight", &[s, c], Init::Normal);
@@ -48,7 +72,7 @@ pub fn tensors(b: &mut LayerBuilder, cfg: &ModelConfig, moe: &MoeConfig) -> Spar
         let gate = b.tensor("mlp.shared_expert_gate.weight", &[1, c], Init::Normal);
         [g.start..u.end, d, gate]
     });
-    SparseMlp { router, gate_up, down: dn, shared }
+    SparseMlp { router, router_bias, gate_up, down: dn, shared, bias }
 }
 
 /// The sparse MLP's ops from `h` (N, C) into `out` (N, C).
@@ -62,7 +86,8 @@ pub fn ops(
 ) {
     let (c, e, k, i) = (cfg.hidden_size, moe.num_experts, moe.top_k, moe.expert_size);
     let logits = b.act("router_logits", e);
-    b.op(Op::Linear { inp: h, out: logits, w: w.router.into(), bias: None, ic: c, oc: e });
+    let bias = w.router_bias;
+    b.op(Op::Linear { inp: h, out: logits, w: w.router.into(), bias, ic: c, oc: e });
     let (probs, sel, wts) =
         (b.stat("router_probs", e), b.stat("experts_sel", k), b.act("experts_wts", k));
     b.op(Op::Route { logits, probs, sel, wts, e, k, norm: moe.norm_topk_prob });
@@ -91,6 +116,8 @@ pub fn ops(
         c,
         lora: Default::default(),
         packed: None,
+        bias: w.bias,
+        clamp: moe.clamp,
     });
     if let (Some([gu, down, gate]), Some(f)) = (w.shared, moe.shared_expert) {
         let sgu = b.act("shared_gu", 2 * f);

@@ -7,7 +7,7 @@ use super::CudaBackend;
 use super::attention::{ROWS, TILE, check_dims, shared, window_scale};
 use super::backend::{arg, expect_len, int};
 use super::slice::DevSlice;
-use crate::AttnDims;
+use crate::{AttnDims, Bf16};
 
 /// out: (B*T_new, H*D), overwrites. qkv: (B*T, QKV) after rope, the cache. sinks: (H), or
 /// `None`.
@@ -15,7 +15,7 @@ pub(crate) fn attention_decode(
     be: &CudaBackend,
     out: &mut DevSlice<f32>,
     qkv: &DevSlice<f32>,
-    sinks: Option<&DevSlice<f32>>,
+    sinks: Option<&DevSlice<Bf16>>,
     t_new: usize,
     dims: AttnDims,
 ) {

@@ -5,7 +5,7 @@
 use super::CudaBackend;
 use super::backend::{arg, blocks, expect_len, int};
 use super::slice::DevSlice;
-use crate::AttnDims;
+use crate::{AttnDims, Bf16};
 
 /// Threads a block of both kernels; must match the kernel's SINK_THREADS.
 const THREADS: u32 = 256;
@@ -23,7 +23,7 @@ pub(crate) fn attention_sink_forward(
     be: &CudaBackend,
     out: &mut DevSlice<f32>,
     lse: &mut DevSlice<f32>,
-    sinks: &DevSlice<f32>,
+    sinks: &DevSlice<Bf16>,
     dims: AttnDims,
 ) {
     let op = "attention_sink_forward";
@@ -54,7 +54,7 @@ pub(crate) fn attention_sink_backward(
     dout: &DevSlice<f32>,
     out: &DevSlice<f32>,
     lse: &DevSlice<f32>,
-    sinks: &DevSlice<f32>,
+    sinks: &DevSlice<Bf16>,
     dims: AttnDims,
 ) {
     let op = "attention_sink_backward";

@@ -579,7 +579,7 @@ impl Backend for CudaBackend {
         &self,
         out: &mut DevSlice<f32>,
         lse: &mut DevSlice<f32>,
-        sinks: &DevSlice<f32>,
+        sinks: &DevSlice<Bf16>,
         dims: AttnDims,
     ) {
         super::attention_sink::attention_sink_forward(self, out, lse, sinks, dims);
@@ -591,7 +591,7 @@ impl Backend for CudaBackend {
         dout: &DevSlice<f32>,
         out: &DevSlice<f32>,
         lse: &DevSlice<f32>,
-        sinks: &DevSlice<f32>,
+        sinks: &DevSlice<Bf16>,
         dims: AttnDims,
     ) {
         super::attention_sink::attention_sink_backward(self, dsinks, dout, out, lse, sinks, dims);
@@ -601,7 +601,7 @@ impl Backend for CudaBackend {
         &self,
         out: &mut DevSlice<f32>,
         qkv: &DevSlice<f32>,
-        sinks: Option<&DevSlice<f32>>,
+        sinks: Option<&DevSlice<Bf16>>,
         t_new: usize,
         dims: AttnDims,
     ) {
