@@ -8,6 +8,7 @@
 
 use std::path::{Path, PathBuf};
 
+use horizon::data::{OnError, Row, load_chat, load_preference};
 use horizon::tokenizer::{ChatTemplate, HfTokenizer, Message, Tokenizer};
 use serde_json::Value;
 
@@ -133,9 +134,12 @@ crab 🦀 rocket 🚀 sparkles ✨ check ✓";
     ];
 
     let mut tok = Bpe::new(BPE::default());
-    let split =
-        Split::new(SplitPattern::Regex(O200K_SPLIT.into()), SplitDelimiterBehavior::Isolated, false)
-            .unwrap();
+    let split = Split::new(
+        SplitPattern::Regex(O200K_SPLIT.into()),
+        SplitDelimiterBehavior::Isolated,
+        false,
+    )
+    .unwrap();
     tok.with_pre_tokenizer(Some(PreTokenizerWrapper::Sequence(
         tokenizers::pre_tokenizers::sequence::Sequence::new(vec![
             PreTokenizerWrapper::Split(split),
@@ -180,4 +184,182 @@ crab 🦀 rocket 🚀 sparkles ✨ check ✓";
     tok.save(dir.join("tokenizer.json"), true).unwrap();
     let config = serde_json::to_string_pretty(&config).unwrap() + "\n";
     std::fs::write(dir.join("tokenizer_config.json"), config).unwrap();
+}
+
+/// What each answer of `messages` trains on: its final channel and the token that closes it,
+/// `<|end|>` for an earlier answer and `<|return|>` for the conversation's last (as the template
+/// writes a training render).
+fn final_channels(messages: &[Message]) -> Vec<String> {
+    let last = messages.iter().rposition(|m| m.role == "assistant");
+    (messages.iter().enumerate())
+        .filter(|(_, m)| m.role == "assistant")
+        .map(|(i, m)| {
+            let close =
+                if Some(i) == last && i + 1 == messages.len() { "<|return|>" } else { "<|end|>" };
+            format!("{}{close}", m.content)
+        })
+        .collect()
+}
+
+/// The loss spans of every conversation are its answers' final channels with their closing
+/// tokens, in a text that is the plain render: never the headers, the analysis channel of the
+/// last answer, or anything of the prompt.
+#[test]
+fn spans_are_the_final_channels() {
+    let chat = fixed_now(&load());
+    for case in cases() {
+        let name = case["name"].as_str().unwrap();
+        let messages = messages(&case);
+        let (text, spans) = chat.render_with_assistant_spans(&messages).unwrap();
+        assert_eq!(text, case["render"].as_str().unwrap(), "{name}");
+        let got: Vec<&str> = spans.iter().map(|s| &text[s.clone()]).collect();
+        assert_eq!(got, final_channels(&messages), "{name}");
+        for span in &spans {
+            assert!(text[..span.start].ends_with("<|channel|>final<|message|>"), "{name}");
+        }
+    }
+}
+
+/// Positions trained (label = id) as runs of decoded text; checks every other label is -100.
+fn trained_runs(tok: &HfTokenizer, row: &Row) -> Vec<String> {
+    let mut runs: Vec<Vec<u32>> = Vec::new();
+    let mut inside = false;
+    for (&id, &label) in row.input_ids.iter().zip(&row.labels) {
+        if label == -100 {
+            inside = false;
+            continue;
+        }
+        assert_eq!(label, id, "a trained label is its own token");
+        if !inside {
+            runs.push(Vec::new());
+        }
+        runs.last_mut().unwrap().push(id as u32);
+        inside = true;
+    }
+    runs.iter().map(|ids| tok.decode(ids, false).unwrap()).collect()
+}
+
+fn jsonl(dir: &Path, name: &str, records: &[Value]) -> PathBuf {
+    let path = dir.join(name);
+    let text: String = records.iter().map(|r| r.to_string() + "\n").collect();
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// Chat SFT data through the template and the test tokenizer: each row trains exactly the
+/// tokens of its answers' final channels and their closing tokens (`<|end|>`, and `<|return|>`
+/// on the last), every prompt token masked; the row is the template's render; with
+/// `train_on_prompt` every token is trained.
+#[test]
+fn chat_sft_trains_the_final_channels_only() {
+    let tok = load();
+    let dir = tempfile::tempdir().unwrap();
+    let records: Vec<Value> = cases()
+        .iter()
+        .filter(|c| c["messages"].as_array().unwrap().iter().any(|m| m["role"] == "assistant"))
+        .map(|c| serde_json::json!({"messages": c["messages"]}))
+        .collect();
+    let path = jsonl(dir.path(), "chat.jsonl", &records);
+    let (store, report) =
+        load_chat(&path.as_path().into(), &tok, 4096, false, OnError::Fail).unwrap();
+    let rows = store.to_rows().unwrap();
+    assert_eq!(rows.len(), records.len(), "{report:?}");
+    let fixed = fixed_now(&tok);
+    for (row, record) in rows.iter().zip(&records) {
+        let messages = messages(record);
+        let render = fixed.render(&messages, false).unwrap();
+        let ids: Vec<u32> = row.input_ids.iter().map(|&id| id as u32).collect();
+        // The same text but for the date in the system message, today's here.
+        let text = tok.decode(&ids, false).unwrap();
+        let tail = |t: &str| t[t.find("<|end|>").unwrap()..].to_string();
+        assert_eq!(tail(&text), tail(&render));
+        let special = |t: &str| tok.token_to_id(t).unwrap() as i32;
+        for t in ["<|start|>", "<|message|>", "<|channel|>", "<|end|>"] {
+            assert!(row.input_ids.contains(&special(t)), "{t} is one token");
+        }
+        assert_eq!(trained_runs(&tok, row), final_channels(&messages), "{render}");
+    }
+    let (store, _) = load_chat(&path.as_path().into(), &tok, 4096, true, OnError::Fail).unwrap();
+    for row in store.to_rows().unwrap() {
+        assert_eq!(row.labels, row.input_ids);
+    }
+}
+
+/// What the template refuses is a load error naming the file, the line and the template's
+/// message, not a panic: an answer with harmony's channel tags in its content, a tool answer
+/// without a tool call before it; a role no template knows is refused before rendering.
+#[test]
+fn refused_conversations_are_errors_naming_the_line() {
+    let tok = load();
+    let dir = tempfile::tempdir().unwrap();
+    let q = serde_json::json!({"role": "user", "content": "q"});
+    let bad = [
+        (
+            serde_json::json!({"role": "assistant", "content": "<|channel|>final<|message|>x"}),
+            "passed a message containing <|channel|> tags in the content field",
+        ),
+        (
+            serde_json::json!({"role": "tool", "content": "42"}),
+            "no previous assistant message with a tool call",
+        ),
+        (serde_json::json!({"role": "bot", "content": "x"}), "role 'bot' is not one of"),
+    ];
+    for (n, (message, want)) in bad.into_iter().enumerate() {
+        let answer = serde_json::json!({"role": "assistant", "content": "a"});
+        let good = serde_json::json!({"messages": [q, answer]});
+        let record = serde_json::json!({"messages": [q, message, answer]});
+        let path = jsonl(dir.path(), &format!("bad{n}.jsonl"), &[good, record]);
+        let err = load_chat(&path.as_path().into(), &tok, 4096, false, OnError::Fail)
+            .map(|_| ())
+            .unwrap_err();
+        let err = format!("{err:#}");
+        assert!(err.contains(want), "{err}");
+        assert!(err.contains(&format!("bad{n}.jsonl:2")), "{err}");
+    }
+}
+
+/// Preference (DPO) data with conversations renders through the same template, as TRL
+/// tokenizes it: the prompt rendered with the generation prompt (`<|start|>assistant`) is
+/// masked; each completion is what follows it in the prompt + answer render, the answer's
+/// channel header, its final channel and `<|return|>` (and before them the analysis channel
+/// when the answer has `thinking`: the template writes it for the last answer).
+#[test]
+fn preference_pairs_render_through_the_template() {
+    let tok = load();
+    let dir = tempfile::tempdir().unwrap();
+    let record = serde_json::json!({
+        "prompt": [
+            {"role": "developer", "content": "Be brief."},
+            {"role": "user", "content": "What is 2+2?"},
+        ],
+        "chosen": [{"role": "assistant", "thinking": "2+2 = 4.", "content": "It is 4."}],
+        "rejected": [{"role": "assistant", "content": "It is 5."}],
+    });
+    let path = jsonl(dir.path(), "pref.jsonl", &[record]);
+    let (store, report) =
+        load_preference(&path.as_path().into(), Some(&tok), 4096, OnError::Fail).unwrap();
+    let rows = store.to_rows().unwrap();
+    assert_eq!((rows.len(), report.load.records), (2, 1));
+    let [chosen, rejected] = [&rows[0], &rows[1]];
+    assert_eq!(
+        trained_runs(&tok, chosen),
+        [
+            "<|channel|>analysis<|message|>2+2 = 4.<|end|><|start|>assistant<|channel|>final<|message|>It is 4.<|return|>"
+        ]
+    );
+    assert_eq!(trained_runs(&tok, rejected), ["<|channel|>final<|message|>It is 5.<|return|>"]);
+    // The prompt is the same tokens in both, and ends with the generation prompt.
+    let prompt_len = chosen.labels.iter().position(|&l| l != -100).unwrap();
+    assert_eq!(rejected.labels.iter().position(|&l| l != -100).unwrap(), prompt_len);
+    assert_eq!(chosen.input_ids[..prompt_len], rejected.input_ids[..prompt_len]);
+    let prompt: Vec<u32> = chosen.input_ids[..prompt_len].iter().map(|&id| id as u32).collect();
+    let prompt = tok.decode(&prompt, false).unwrap();
+    assert!(
+        prompt.ends_with("<|start|>user<|message|>What is 2+2?<|end|><|start|>assistant"),
+        "{prompt}"
+    );
+    assert!(
+        prompt.contains("<|start|>developer<|message|># Instructions\n\nBe brief.\n\n<|end|>"),
+        "{prompt}"
+    );
 }
