@@ -523,6 +523,42 @@ mod tests {
     }
 
     #[test]
+    fn strftime_now_formats_the_fixed_or_the_current_time() {
+        let source = "{{ strftime_now('%Y-%m-%d %H:%M') }}";
+        let fixed = ChatTemplate::new(source, "", "").unwrap().with_fixed_now(1_754_413_449);
+        assert_eq!(fixed.render(&[], false).unwrap(), "2025-08-05 17:04");
+        let now = ChatTemplate::new(source, "", "").unwrap().render(&[], false).unwrap();
+        assert!(now.len() == 16 && now.as_str() > "2025", "{now}");
+        let bad = ChatTemplate::new("{{ strftime_now('%Q') }}", "", "").unwrap();
+        let err = format!("{:#}", bad.render(&[], false).unwrap_err());
+        assert!(err.contains("%Q is not a directive"), "{err}");
+    }
+
+    /// `thinking` is in a message's map only when it has one (templates test
+    /// `"thinking" in message`); `developer` and `tool` are roles a template may take.
+    #[test]
+    fn thinking_only_when_given_and_every_role() {
+        let template = ChatTemplate::new(
+            "{% for m in messages %}{{ m.role }}:{{ 'thinking' in m }}:{{ m.thinking }};{% endfor %}",
+            "",
+            "",
+        )
+        .unwrap();
+        let messages = [
+            Message::new("developer", "d"),
+            Message::new("user", "u"),
+            Message::new("assistant", "a").with_thinking("hm"),
+            Message::new("tool", "t"),
+        ];
+        assert_eq!(
+            template.render(&messages, false).unwrap(),
+            "developer:False:;user:False:;assistant:True:hm;tool:False:;"
+        );
+        let err = template.render(&[Message::new("bot", "x")], false).unwrap_err().to_string();
+        assert!(err.contains("role 'bot' is not one of system, developer, user"), "{err}");
+    }
+
+    #[test]
     fn loop_controls_as_hf() {
         let got = render_one(
             "{% for x in [1, 2, 3] %}{% if x == 2 %}{% break %}{% endif %}{{ x }}{% endfor %}",

@@ -798,6 +798,50 @@ mod tests {
         assert_eq!((text.as_str(), spans.len(), spans[0].clone()), ("[x]", 1, 1..2));
     }
 
+    /// The harmony shape, small: an answer's final channel closes with `<|end|>`, or with
+    /// `<|return|>` when it ends the conversation; the analysis channel only on the last.
+    const HARMONY: &str = "{% for m in messages %}<|start|>{{ m.role }}{% if m.role == 'assistant' %}{% if loop.last and m.thinking %}<|channel|>analysis<|message|>{{ m.thinking }}<|end|><|start|>assistant{% endif %}<|channel|>final<|message|>{{ m.content }}{% if loop.last %}<|return|>{% else %}<|end|>{% endif %}{% else %}<|message|>{{ m.content }}<|end|>{% endif %}{% endfor %}{% if add_generation_prompt %}<|start|>assistant{% endif %}";
+
+    /// Harmony: one marked render gives each answer's final channel and closing token, a cut
+    /// keeps the spans up to the first past it, and a thinking that uses the first block of
+    /// markers moves them to the next.
+    #[test]
+    fn harmony_spans_are_the_final_channels() {
+        let template = ChatTemplate::new(HARMONY, "", "").unwrap();
+        let mut messages = conversations()[0].clone();
+        let last = messages.len() - 1;
+        messages[last].thinking = Some("why \u{100000}".to_string());
+        let before = template.renders();
+        let (text, spans, path) = search(&template, &messages, |_| usize::MAX, 1).unwrap();
+        assert_eq!((template.renders() - before, path), (2, Path::Harmony));
+        let pieces: Vec<&str> = spans.iter().map(|s| &text[s.clone()]).collect();
+        assert_eq!(pieces, ["turn 1<|end|>", "turn 3<|end|>", "turn 5<|return|>"]);
+        assert!(text.contains("<|channel|>analysis<|message|>why \u{100000}<|end|>"));
+        let cut = spans[1].start;
+        let (_, some) = template.render_with_assistant_spans_until(&messages, |_| cut).unwrap();
+        assert_eq!(some[..], spans[..2]);
+    }
+
+    /// A harmony template that writes an answer outside the final channel, or does not close
+    /// it with a harmony token, is an error naming the message.
+    #[test]
+    fn harmony_answers_outside_the_final_channel_are_errors() {
+        let messages = &conversations()[0];
+        let analysis = HARMONY.replace(
+            "{% endif %}<|channel|>final<|message|>{{ m.content }}",
+            "{% endif %}<|channel|>analysis<|message|>{{ m.content }}",
+        );
+        // Still a harmony template: it writes a final channel, but never for an answer.
+        let analysis = analysis + "{% if false %}<|channel|>final<|message|>{% endif %}";
+        let template = ChatTemplate::new(&analysis, "", "").unwrap();
+        let err = template.render_with_assistant_spans(messages).unwrap_err().to_string();
+        assert!(err.contains("message 1: ") && err.contains("final channel"), "{err}");
+        let unclosed = HARMONY.replace("{% if loop.last %}<|return|>", "{% if loop.last %}.");
+        let template = ChatTemplate::new(&unclosed, "", "").unwrap();
+        let err = template.render_with_assistant_spans(messages).unwrap_err().to_string();
+        assert!(err.contains("message 5: ") && err.contains("<|return|>"), "{err}");
+    }
+
     /// Contents using a character of every block of markers: the marked search cannot run and
     /// falls back; the generation search says why it cannot.
     #[test]
