@@ -230,9 +230,9 @@ fn bad_role_names_the_message_and_role() {
     let tok = load("qwen2");
     let messages = [msg("user", "hi"), msg("assistant", "hello"), msg("bot", "?")];
     let err = tok.chat().unwrap().render(&messages, false).unwrap_err().to_string();
-    assert_eq!(err, "message 2: role 'bot' is not one of system, user, assistant");
+    assert_eq!(err, "message 2: role 'bot' is not one of system, developer, user, assistant, tool");
     let err = tok.chat().unwrap().render_with_assistant_spans(&messages).unwrap_err().to_string();
-    assert_eq!(err, "message 2: role 'bot' is not one of system, user, assistant");
+    assert_eq!(err, "message 2: role 'bot' is not one of system, developer, user, assistant, tool");
 }
 
 #[test]
