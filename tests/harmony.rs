@@ -287,7 +287,8 @@ fn chat_sft_trains_the_final_channels_only() {
 
 /// What the template refuses is a load error naming the file, the line and the template's
 /// message, not a panic: an answer with harmony's channel tags in its content, a tool answer
-/// without a tool call before it; a role no template knows is refused before rendering.
+/// without a tool call before it; a role no template knows is refused before rendering, and a
+/// `thinking` that is not a string as the record is read.
 #[test]
 fn refused_conversations_are_errors_naming_the_line() {
     let tok = load();
@@ -303,6 +304,10 @@ fn refused_conversations_are_errors_naming_the_line() {
             "no previous assistant message with a tool call",
         ),
         (serde_json::json!({"role": "bot", "content": "x"}), "role 'bot' is not one of"),
+        (
+            serde_json::json!({"role": "assistant", "content": "x", "thinking": 7}),
+            "messages[1]: field \"thinking\" is a number, expected a string",
+        ),
     ];
     for (n, (message, want)) in bad.into_iter().enumerate() {
         let answer = serde_json::json!({"role": "assistant", "content": "a"});

@@ -45,18 +45,8 @@ pub fn turns<'a>(
     role: &str,
     content: &str,
 ) -> Result<Vec<(&'a str, &'a str)>> {
-    let items = match obj.get(list) {
-        None => bail!("missing field \"{list}\""),
-        Some(Value::Array(items)) => items,
-        Some(other) => bail!("field \"{list}\" is {}, expected a list of turns", json_kind(other)),
-    };
-    items
-        .iter()
-        .enumerate()
-        .map(|(i, item)| {
-            let Value::Object(turn) = item else {
-                bail!("{list}[{i}] is {}, expected an object", json_kind(item));
-            };
+    (turn_objects(obj, list)?.into_iter().enumerate())
+        .map(|(i, turn)| {
             let field =
                 |key: &str| str_field(turn, key).map_err(|e| anyhow::anyhow!("{list}[{i}]: {e}"));
             Ok((field(role)?, field(content)?))
@@ -71,19 +61,32 @@ pub fn messages(
     list: &str,
     [role, content, thinking]: [&str; 3],
 ) -> Result<Vec<Message>> {
-    let roles = turns(obj, list, role, content)?;
-    let Some(Value::Array(items)) = obj.get(list) else { unreachable!("turns read the list") };
-    roles
-        .into_iter()
-        .zip(items)
-        .enumerate()
-        .map(|(i, ((role, content), item))| {
-            let message = Message::new(role, content);
-            let turn = item.as_object().expect("turns read an object");
-            match opt_str_field(turn, thinking).map_err(|e| anyhow::anyhow!("{list}[{i}]: {e}"))? {
-                Some(thinking) => Ok(message.with_thinking(thinking)),
-                None => Ok(message),
-            }
+    (turn_objects(obj, list)?.into_iter().enumerate())
+        .map(|(i, turn)| {
+            let at = |e: anyhow::Error| anyhow::anyhow!("{list}[{i}]: {e}");
+            let message = Message::new(
+                str_field(turn, role).map_err(at)?,
+                str_field(turn, content).map_err(at)?,
+            );
+            Ok(match opt_str_field(turn, thinking).map_err(at)? {
+                Some(thinking) => message.with_thinking(thinking),
+                None => message,
+            })
+        })
+        .collect()
+}
+
+/// The elements of `obj[list]`, each an object; errors name the field and the element.
+fn turn_objects<'a>(obj: &'a JsonObject, list: &str) -> Result<Vec<&'a JsonObject>> {
+    let items = match obj.get(list) {
+        None => bail!("missing field \"{list}\""),
+        Some(Value::Array(items)) => items,
+        Some(other) => bail!("field \"{list}\" is {}, expected a list of turns", json_kind(other)),
+    };
+    (items.iter().enumerate())
+        .map(|(i, item)| match item {
+            Value::Object(turn) => Ok(turn),
+            _ => bail!("{list}[{i}] is {}, expected an object", json_kind(item)),
         })
         .collect()
 }

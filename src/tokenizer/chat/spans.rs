@@ -27,8 +27,8 @@
 //! - Harmony templates (gpt-oss; the source writes [`HARMONY_FINAL`]): one render with each
 //!   assistant content wrapped in markers. Each answer's span is its final channel: the content,
 //!   which must follow the final-channel header, and the token that closes it (`<|end|>` for an
-//!   earlier answer, `<|return|>` for the conversation's last, as the template writes them;
-//!   `<|call|>` for a tool call). Every prompt token is masked, the headers
+//!   earlier answer, `<|return|>` for the conversation's last, as the template writes them).
+//!   Every prompt token is masked, the headers
 //!   `<|start|>assistant<|channel|>final<|message|>` included, and so is the analysis channel
 //!   (`thinking`) that the template writes before the last answer only: issue 49 trains "the
 //!   assistant's final channel with the prompt masked", and every answer is trained alike,
@@ -44,9 +44,10 @@ use super::{ChatTemplate, Marking, Message, ROLES};
 
 /// The harmony format's final-channel header: an answer's text follows it.
 pub(super) const HARMONY_FINAL: &str = "<|channel|>final<|message|>";
-/// The tokens that close a harmony message: another message follows, the conversation ends
-/// (the last answer of a training render), a tool is called.
-const HARMONY_CLOSES: [&str; 3] = ["<|end|>", "<|return|>", "<|call|>"];
+/// The tokens that close an answer's final channel: another message follows, or the
+/// conversation ends (the last answer of a training render). (`<|call|>` closes a tool call,
+/// which is never in the final channel.)
+const HARMONY_CLOSES: [&str; 2] = ["<|end|>", "<|return|>"];
 
 /// Below this many assistant messages, rendering every prefix costs no more than the marked
 /// search (which renders twice plus twice per learned tail and twice to verify).
