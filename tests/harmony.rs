@@ -201,6 +201,26 @@ fn final_channels(messages: &[Message]) -> Vec<String> {
         .collect()
 }
 
+/// The test tokenizer gives `transformers`' ids for every training render, harmony's special
+/// tokens each one token.
+#[test]
+fn render_ids_match_transformers() {
+    let tok = load();
+    let specials = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>"];
+    for case in cases() {
+        let name = case["name"].as_str().unwrap();
+        let want: Vec<u32> = serde_json::from_value(case["render_ids"].clone()).unwrap();
+        let got = tok.encode(case["render"].as_str().unwrap()).unwrap();
+        assert_eq!(got, want, "{name}");
+        for special in specials {
+            let id = tok.token_to_id(special).unwrap();
+            let text = case["render"].as_str().unwrap();
+            let count = got.iter().filter(|&&t| t == id).count();
+            assert_eq!(count, text.matches(special).count(), "{name}: {special}");
+        }
+    }
+}
+
 /// The loss spans of every conversation are its answers' final channels with their closing
 /// tokens, in a text that is the plain render: never the headers, the analysis channel of the
 /// last answer, or anything of the prompt.
