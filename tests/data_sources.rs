@@ -232,7 +232,7 @@ fn data_columns_keys_are_checked_against_the_format() {
     let err = resolve("format: chat, columns: { conversations: conv }").unwrap_err();
     let err = format!("{err:#}");
     assert!(err.starts_with("c.yaml: data.columns.conversations: not a field of the chat format"));
-    assert!(err.contains("(messages, role, content)"), "{err}");
+    assert!(err.contains("(messages, role, content, thinking)"), "{err}");
     let err = format!("{:#}", resolve("format: synthetic, columns: { text: t }").unwrap_err());
     assert!(err.contains("the synthetic format reads no columns"), "{err}");
     assert!(resolve("format: sharegpt, colums: {}").is_err(), "unknown keys stay refused");

@@ -230,9 +230,9 @@ fn bad_role_names_the_message_and_role() {
     let tok = load("qwen2");
     let messages = [msg("user", "hi"), msg("assistant", "hello"), msg("bot", "?")];
     let err = tok.chat().unwrap().render(&messages, false).unwrap_err().to_string();
-    assert_eq!(err, "message 2: role 'bot' is not one of system, user, assistant");
+    assert_eq!(err, "message 2: role 'bot' is not one of system, developer, user, assistant, tool");
     let err = tok.chat().unwrap().render_with_assistant_spans(&messages).unwrap_err().to_string();
-    assert_eq!(err, "message 2: role 'bot' is not one of system, user, assistant");
+    assert_eq!(err, "message 2: role 'bot' is not one of system, developer, user, assistant, tool");
 }
 
 #[test]
@@ -528,7 +528,7 @@ fn a_runaway_chat_template_runs_out_of_its_budget() {
         "",
     )
     .unwrap();
-    let messages = vec![Message { role: "user".into(), content: "hi".into() }];
+    let messages = vec![Message::new("user", "hi")];
     let err = chat.render(&messages, false).unwrap_err().to_string();
     assert!(err.contains("instruction budget"), "{err}");
 }
@@ -542,10 +542,7 @@ fn the_span_search_stops_past_the_cut() {
     let tok = ByteTokenizer::new();
     let chat = tok.chat().unwrap();
     let messages: Vec<Message> = (0..400)
-        .map(|i| Message {
-            role: if i % 2 == 0 { "user" } else { "assistant" }.into(),
-            content: format!("turn {i}"),
-        })
+        .map(|i| Message::new(if i % 2 == 0 { "user" } else { "assistant" }, &format!("turn {i}")))
         .collect();
     let (text, all) = chat.render_with_assistant_spans(&messages).unwrap();
     assert_eq!(all.len(), 200);

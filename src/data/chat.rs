@@ -1,6 +1,8 @@
 //! The `chat` format: `{"messages": [{"role", "content"}, ...]}` records rendered with the
 //! model's own chat template; loss only on assistant turns (their content and the end marker
-//! the template writes after it) unless `train_on_prompt`. The `sharegpt` format
+//! the template writes after it; for gpt-oss's harmony template, each answer's final channel)
+//! unless `train_on_prompt`. A message may also have `thinking` (the reasoning before an
+//! answer, which the template places: gpt-oss's analysis channel). The `sharegpt` format
 //! ([`super::sharegpt`]) is the same once its turns are read.
 
 use anyhow::{Result, bail};
@@ -9,15 +11,16 @@ use serde_json::Value;
 use crate::data::pretokenized::Row;
 use crate::data::records::{
     JsonObject, LoadReport, OnError, Outcome, carries_loss, check_max_seq_len,
-    example_from_encoded, finish_load, str_field,
+    example_from_encoded, finish_load, opt_str_field, str_field,
 };
 use crate::data::source::{Fields, Loc, Source, json_kind, read_records_into};
 use crate::data::store::{RowStore, RowStoreWriter};
 use crate::tokenizer::{Message, Tokenizer};
 
-/// The fields of a chat record (`role` and `content` are those of each message).
+/// The fields of a chat record (`role`, `content` and the optional `thinking` are those of each
+/// message).
 pub const CHAT_FIELDS: Fields =
-    Fields { required: &["messages"], optional: &[], nested: &["role", "content"] };
+    Fields { required: &["messages"], optional: &[], nested: &["role", "content", "thinking"] };
 
 /// Load a chat dataset. Rows longer than `max_seq_len` are truncated (counted in the report).
 pub fn load_chat(
@@ -29,10 +32,8 @@ pub fn load_chat(
 ) -> Result<(RowStore, LoadReport)> {
     let c = &src.columns;
     let (list, role, content) = (c.name("messages"), c.name("role"), c.name("content"));
-    let read = |obj: &JsonObject| -> Result<Vec<Message>> {
-        let turns = turns(obj, list, role, content)?;
-        Ok(turns.into_iter().map(|(role, content)| Message::new(role, content)).collect())
-    };
+    let thinking = c.name("thinking");
+    let read = |obj: &JsonObject| messages(obj, list, [role, content, thinking]);
     load_conversations(src, &CHAT_FIELDS, "chat", tok, max_seq_len, train_on_prompt, on_error, read)
 }
 
@@ -44,18 +45,8 @@ pub fn turns<'a>(
     role: &str,
     content: &str,
 ) -> Result<Vec<(&'a str, &'a str)>> {
-    let items = match obj.get(list) {
-        None => bail!("missing field \"{list}\""),
-        Some(Value::Array(items)) => items,
-        Some(other) => bail!("field \"{list}\" is {}, expected a list of turns", json_kind(other)),
-    };
-    items
-        .iter()
-        .enumerate()
-        .map(|(i, item)| {
-            let Value::Object(turn) = item else {
-                bail!("{list}[{i}] is {}, expected an object", json_kind(item));
-            };
+    (turn_objects(obj, list)?.into_iter().enumerate())
+        .map(|(i, turn)| {
             let field =
                 |key: &str| str_field(turn, key).map_err(|e| anyhow::anyhow!("{list}[{i}]: {e}"));
             Ok((field(role)?, field(content)?))
@@ -63,8 +54,46 @@ pub fn turns<'a>(
         .collect()
 }
 
-/// Load conversations that `read` turns into messages (roles `system`, `user`, `assistant`, as
-/// the chat template knows them), rendered and masked as the chat format does.
+/// The messages of `obj[list]`: each element's `role`, `content` and, if present (and not
+/// null), `thinking`, under the names given; errors name the field and the turn.
+pub fn messages(
+    obj: &JsonObject,
+    list: &str,
+    [role, content, thinking]: [&str; 3],
+) -> Result<Vec<Message>> {
+    (turn_objects(obj, list)?.into_iter().enumerate())
+        .map(|(i, turn)| {
+            let at = |e: anyhow::Error| anyhow::anyhow!("{list}[{i}]: {e}");
+            let message = Message::new(
+                str_field(turn, role).map_err(at)?,
+                str_field(turn, content).map_err(at)?,
+            );
+            Ok(match opt_str_field(turn, thinking).map_err(at)? {
+                Some(thinking) => message.with_thinking(thinking),
+                None => message,
+            })
+        })
+        .collect()
+}
+
+/// The elements of `obj[list]`, each an object; errors name the field and the element.
+fn turn_objects<'a>(obj: &'a JsonObject, list: &str) -> Result<Vec<&'a JsonObject>> {
+    let items = match obj.get(list) {
+        None => bail!("missing field \"{list}\""),
+        Some(Value::Array(items)) => items,
+        Some(other) => bail!("field \"{list}\" is {}, expected a list of turns", json_kind(other)),
+    };
+    (items.iter().enumerate())
+        .map(|(i, item)| match item {
+            Value::Object(turn) => Ok(turn),
+            _ => bail!("{list}[{i}] is {}, expected an object", json_kind(item)),
+        })
+        .collect()
+}
+
+/// Load conversations that `read` turns into messages (roles as [`crate::tokenizer::chat::ROLES`]
+/// lists them; the chat template says which it accepts), rendered and masked as the chat format
+/// does.
 #[allow(clippy::too_many_arguments)]
 pub fn load_conversations(
     src: &Source,

@@ -11,7 +11,8 @@
 //!   `prompt + rejected` are tokenized with the special tokens the tokenizer adds
 //!   ([`Tokenizer::encode_with_special_tokens`]: Llama's BOS), each as one string, so a token
 //!   may straddle the prompt/completion boundary;
-//! - conversational: lists of `{role, content}` messages. The chat template renders the prompt
+//! - conversational: lists of `{role, content}` messages (`thinking` too, where the template
+//!   reads it). The chat template renders the prompt
 //!   (with the generation prompt), `prompt + chosen` and `prompt + rejected`, tokenized without
 //!   special tokens; no EOS is appended (the template closes the turn, and what it writes after
 //!   the end-of-turn token is part of the completion too);
@@ -40,15 +41,15 @@
 use anyhow::{Result, anyhow, bail};
 use serde_json::Value;
 
-use super::chat::turns;
+use super::chat::messages;
 use super::pretokenized::{IGNORE_INDEX, Row};
 use super::records::{LoadReport, OnError, Outcome, carries_loss, finish_load, token_i32};
 use super::source::{Columns, Fields, JsonObject, Loc, Source, json_kind, read_records_into};
 use super::store::{RowStore, RowStoreWriter};
 use crate::tokenizer::{ChatTemplate, Message, Tokenizer};
 
-/// The fields of a preference record (`role` and `content` are those of each message). None is
-/// required: which are needed depends on the record's form.
+/// The fields of a preference record (`role`, `content` and the optional `thinking` are those of
+/// each message). None is required: which are needed depends on the record's form.
 pub const PREFERENCE_FIELDS: Fields = Fields {
     required: &[],
     optional: &[
@@ -61,7 +62,7 @@ pub const PREFERENCE_FIELDS: Fields = Fields {
         "tools",
         "chat_template_kwargs",
     ],
-    nested: &["role", "content"],
+    nested: &["role", "content", "thinking"],
 };
 
 /// What loading a preference dataset made of its records.
@@ -187,6 +188,7 @@ struct Names<'a> {
     ids: [&'a str; 3],
     role: &'a str,
     content: &'a str,
+    thinking: &'a str,
     tools: &'a str,
     kwargs: &'a str,
 }
@@ -198,6 +200,7 @@ impl<'a> Names<'a> {
             ids: ["prompt_input_ids", "chosen_input_ids", "rejected_input_ids"].map(|f| c.name(f)),
             role: c.name("role"),
             content: c.name("content"),
+            thinking: c.name("thinking"),
             tools: c.name("tools"),
             kwargs: c.name("chat_template_kwargs"),
         }
@@ -411,8 +414,7 @@ fn field<'a>(obj: &'a JsonObject, key: &str, n: &Names) -> Result<Field<'a>> {
         None | Some(Value::Null) => Ok(Field::Absent),
         Some(Value::String(s)) => Ok(Field::Text(s)),
         Some(Value::Array(_)) => {
-            let turns = turns(obj, key, n.role, n.content)?;
-            Ok(Field::Chat(turns.into_iter().map(|(r, c)| Message::new(r, c)).collect()))
+            Ok(Field::Chat(messages(obj, key, [n.role, n.content, n.thinking])?))
         }
         Some(other) => bail!(
             "field \"{key}\" is {}, expected a string or a list of messages",

@@ -2,11 +2,15 @@
 //! (Jinja through `minijinja`), and find the byte ranges of the assistant turns for loss masks.
 //!
 //! HF conventions kept here: the variables `messages`, `add_generation_prompt`, `bos_token`,
-//! `eos_token`; the `raise_exception(msg)` function; a `tojson` filter that writes JSON as Python's
-//! `json.dumps(ensure_ascii=False)` does; `trim_blocks` and `lstrip_blocks` on; and the Python
-//! string and dict methods templates commonly call (`strip`, `startswith`, `split`, `items`, ...).
+//! `eos_token`; the `raise_exception(msg)` and `strftime_now(format)` functions; a `tojson` filter
+//! that writes JSON as Python's `json.dumps(ensure_ascii=False)` does; `trim_blocks` and
+//! `lstrip_blocks` on; and the Python string and dict methods templates commonly call (`strip`,
+//! `startswith`, `split`, `items`, ...). A message is a map with `role`, `content` and, where the
+//! data has it, `thinking` (the reasoning before the answer, as gpt-oss's harmony template reads
+//! it: its analysis channel).
 
 mod spans;
+mod strftime;
 
 use std::fmt::Write as _;
 use std::ops::Range;
@@ -31,26 +35,40 @@ enum Marking<'a> {
     Plain,
     /// Each message's content, with its index.
     Contents(&'a spans::Markers),
+    /// Each assistant message's content, with its index (the other messages as they are).
+    AssistantContents(&'a spans::Markers),
     /// The text of each `{% generation %}` block.
     Generation(&'a spans::Markers),
 }
 
-/// The roles a message may have.
-const ROLES: [&str; 3] = ["system", "user", "assistant"];
+/// The roles a message may have (`developer` is the harmony format's instructions, `tool` a
+/// tool's answer; a template that has no place for a role says so through `raise_exception`).
+pub const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
 
 /// One turn of a conversation, as in the OpenAI / HF `messages` format.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Message {
-    /// One of `system`, `user`, `assistant`.
+    /// One of [`ROLES`].
     pub role: String,
-    /// The text of the turn.
+    /// The text of the turn (for gpt-oss's harmony template, an answer's final channel).
     pub content: String,
+    /// The reasoning before an answer, given to the template as `thinking` when present (HF's
+    /// name; gpt-oss's template writes it in the analysis channel of the conversation's last
+    /// answer and drops it from earlier ones). Templates that do not read it ignore it.
+    #[serde(default)]
+    pub thinking: Option<String>,
 }
 
 impl Message {
     pub fn new(role: &str, content: &str) -> Self {
-        Self { role: role.to_string(), content: content.to_string() }
+        Self { role: role.to_string(), content: content.to_string(), thinking: None }
+    }
+
+    /// This message with `thinking` (the reasoning before the answer).
+    pub fn with_thinking(mut self, thinking: &str) -> Self {
+        self.thinking = Some(thinking.to_string());
+        self
     }
 }
 
@@ -62,6 +80,11 @@ pub struct ChatTemplate {
     eos_token: String,
     /// Whether the source has `{% generation %}` blocks (rewritten to [`GENERATION_FILTER`]).
     generation: bool,
+    /// Whether the template writes the harmony format (gpt-oss): answers in a final channel
+    /// (see [`spans`] for their loss spans).
+    harmony: bool,
+    /// The time `strftime_now` formats; `None`: the clock's, as HF's `datetime.now()`.
+    now: Option<i64>,
     /// Renders run so far (tests check the span search runs a constant number).
     renders: AtomicUsize,
 }
@@ -88,6 +111,7 @@ impl ChatTemplate {
         env.set_syntax(syntax);
         env.set_auto_escape_callback(|_| AutoEscape::None);
         env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", |format: &str| strftime::format(format, now_seconds()));
         env.add_filter("tojson", tojson);
         env.set_unknown_method_callback(python_method);
         env.add_filter(GENERATION_FILTER, |body: String| Value::from_safe_string(body));
@@ -111,8 +135,19 @@ impl ChatTemplate {
             bos_token: bos_token.to_string(),
             eos_token: eos_token.to_string(),
             generation,
+            harmony: source.contains(spans::HARMONY_FINAL),
+            now: None,
             renders: AtomicUsize::new(0),
         })
+    }
+
+    /// This template with `strftime_now` formatting `seconds` since the Unix epoch (UTC)
+    /// instead of the clock's time: renders that do not change with the day (tests, and data
+    /// that must tokenize the same whenever it is loaded). gpt-oss's template writes the date
+    /// in its system message.
+    pub fn with_fixed_now(mut self, seconds: i64) -> Self {
+        self.now = Some(seconds);
+        self
     }
 
     /// The Jinja source.
@@ -142,16 +177,28 @@ impl ChatTemplate {
             }
         }
         let count = messages.len();
-        let size: usize = count + messages.iter().map(|m| m.content.len() / 64).sum::<usize>();
+        let size: usize = count
+            + messages
+                .iter()
+                .map(|m| (m.content.len() + m.thinking.as_ref().map_or(0, String::len)) / 64)
+                .sum::<usize>();
         let messages: Vec<Value> = messages
             .iter()
             .enumerate()
             .map(|(i, m)| {
                 let content = match marking {
                     Marking::Contents(markers) => Value::from(markers.wrap_content(i, &m.content)),
+                    Marking::AssistantContents(markers) if m.role == "assistant" => {
+                        Value::from(markers.wrap_content(i, &m.content))
+                    }
                     _ => Value::from(m.content.as_str()),
                 };
-                Value::from_pairs([("role", Value::from(m.role.as_str())), ("content", content)])
+                let mut pairs = vec![("role", Value::from(m.role.as_str())), ("content", content)];
+                // Only when present: templates test `"thinking" in message`.
+                if let Some(thinking) = &m.thinking {
+                    pairs.push(("thinking", Value::from(thinking.as_str())));
+                }
+                Value::from_pairs(pairs)
             })
             .collect();
         let ctx = Value::from_pairs([
@@ -165,6 +212,9 @@ impl ChatTemplate {
         let budget = FUEL_BASE + FUEL_PER_MESSAGE * size as u64;
         let mut env = self.env.clone();
         env.set_fuel(Some(budget));
+        if let Some(seconds) = self.now {
+            env.add_function("strftime_now", move |format: &str| strftime::format(format, seconds));
+        }
         if let Marking::Generation(markers) = marking {
             let (open, close) = markers.generation();
             env.add_filter(GENERATION_FILTER, move |body: String| {
@@ -224,6 +274,12 @@ impl ChatTemplate {
 /// of content). HF's templates take tens to hundreds per message.
 const FUEL_BASE: u64 = 1_000_000;
 const FUEL_PER_MESSAGE: u64 = 20_000;
+
+/// Seconds since the Unix epoch now (0 if the clock is before it).
+fn now_seconds() -> i64 {
+    let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+    since.map_or(0, |d| d.as_secs() as i64)
+}
 
 /// `raise_exception(msg)`: the template rejects its input (HF's helper).
 fn raise_exception(msg: String) -> Result<Value, Error> {
@@ -464,6 +520,42 @@ mod tests {
             ChatTemplate::new("{{ raise_exception('roles must alternate') }}", "", "").unwrap();
         let err = template.render(&[], false).unwrap_err().to_string();
         assert!(err.contains("roles must alternate"), "{err}");
+    }
+
+    #[test]
+    fn strftime_now_formats_the_fixed_or_the_current_time() {
+        let source = "{{ strftime_now('%Y-%m-%d %H:%M') }}";
+        let fixed = ChatTemplate::new(source, "", "").unwrap().with_fixed_now(1_754_413_449);
+        assert_eq!(fixed.render(&[], false).unwrap(), "2025-08-05 17:04");
+        let now = ChatTemplate::new(source, "", "").unwrap().render(&[], false).unwrap();
+        assert!(now.len() == 16 && now.as_str() > "2025", "{now}");
+        let bad = ChatTemplate::new("{{ strftime_now('%Q') }}", "", "").unwrap();
+        let err = format!("{:#}", bad.render(&[], false).unwrap_err());
+        assert!(err.contains("%Q is not a directive"), "{err}");
+    }
+
+    /// `thinking` is in a message's map only when it has one (templates test
+    /// `"thinking" in message`); `developer` and `tool` are roles a template may take.
+    #[test]
+    fn thinking_only_when_given_and_every_role() {
+        let template = ChatTemplate::new(
+            "{% for m in messages %}{{ m.role }}:{{ 'thinking' in m }}:{{ m.thinking }};{% endfor %}",
+            "",
+            "",
+        )
+        .unwrap();
+        let messages = [
+            Message::new("developer", "d"),
+            Message::new("user", "u"),
+            Message::new("assistant", "a").with_thinking("hm"),
+            Message::new("tool", "t"),
+        ];
+        assert_eq!(
+            template.render(&messages, false).unwrap(),
+            "developer:False:;user:False:;assistant:True:hm;tool:False:;"
+        );
+        let err = template.render(&[Message::new("bot", "x")], false).unwrap_err().to_string();
+        assert!(err.contains("role 'bot' is not one of system, developer, user"), "{err}");
     }
 
     #[test]

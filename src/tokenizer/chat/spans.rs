@@ -24,12 +24,30 @@
 //!   This is exact for templates that render each message the same whatever follows it (all
 //!   the fixtures' families); a template that changed a middle turn only, with the first and
 //!   last turns and every turn's surroundings unchanged, would go unnoticed.
+//! - Harmony templates (gpt-oss; the source writes [`HARMONY_FINAL`]): one render with each
+//!   assistant content wrapped in markers. Each answer's span is its final channel: the content,
+//!   which must follow the final-channel header, and the token that closes it (`<|end|>` for an
+//!   earlier answer, `<|return|>` for the conversation's last, as the template writes them).
+//!   Every prompt token is masked, the headers
+//!   `<|start|>assistant<|channel|>final<|message|>` included, and so is the analysis channel
+//!   (`thinking`) that the template writes before the last answer only: issue 49 trains "the
+//!   assistant's final channel with the prompt masked", and every answer is trained alike,
+//!   whether or not it is the last. The prefix definition does not apply to these templates:
+//!   rendered as the last turn an answer ends in `<|return|>` and carries its analysis, rendered
+//!   before another turn it ends in `<|end|>` without it, so no earlier answer is a prefix.
 
 use std::ops::Range;
 
 use anyhow::{Context, Result, bail};
 
-use super::{ChatTemplate, Marking, Message};
+use super::{ChatTemplate, Marking, Message, ROLES};
+
+/// The harmony format's final-channel header: an answer's text follows it.
+pub(super) const HARMONY_FINAL: &str = "<|channel|>final<|message|>";
+/// The tokens that close an answer's final channel: another message follows, or the
+/// conversation ends (the last answer of a training render). (`<|call|>` closes a tool call,
+/// which is never in the final channel.)
+const HARMONY_CLOSES: [&str; 2] = ["<|end|>", "<|return|>"];
 
 /// Below this many assistant messages, rendering every prefix costs no more than the marked
 /// search (which renders twice plus twice per learned tail and twice to verify).
@@ -40,6 +58,8 @@ pub(super) const MARKED_MIN_TURNS: usize = 3;
 pub(super) enum Path {
     /// `{% generation %}` blocks (HF semantics).
     Generation,
+    /// Harmony's final channels.
+    Harmony,
     /// The marked render, a constant number of renders.
     Marked,
     /// Every prefix rendered (the definition): a short conversation, or a check failed.
@@ -59,6 +79,10 @@ pub(super) fn search(
     if template.generation {
         let spans = generation_spans(template, messages, &text, cut)?;
         return Ok((text, spans, Path::Generation));
+    }
+    if template.harmony {
+        let spans = harmony_spans(template, messages, &text, cut)?;
+        return Ok((text, spans, Path::Harmony));
     }
     let turns = messages.iter().filter(|m| m.role == "assistant").count();
     if turns >= min_turns
@@ -156,6 +180,54 @@ fn generation_spans(
     Ok(spans)
 }
 
+/// The final channel of each answer, with its closing token, until one ends at or past `cut`:
+/// one render with the assistant contents wrapped in markers (see the module doc).
+fn harmony_spans(
+    template: &ChatTemplate,
+    messages: &[Message],
+    text: &str,
+    cut: usize,
+) -> Result<Vec<Range<usize>>> {
+    let Some(markers) = Markers::choose(template, messages) else {
+        bail!(
+            "the conversation uses every private-use character the loss-mask search could mark \
+             the answers with"
+        );
+    };
+    let marked = template.render_marked(messages, false, Marking::AssistantContents(&markers))?;
+    let answers: Vec<bool> = messages.iter().map(|m| m.role == "assistant").collect();
+    let located = markers.parse_marked(&marked, &answers);
+    let Some((stripped, contents)) = located.filter(|(stripped, _)| stripped == text) else {
+        bail!(
+            "the chat template (harmony) does not write each answer's content once, as it is, \
+             so the final channels cannot be located for the loss mask"
+        );
+    };
+    let mut spans: Vec<Range<usize>> = Vec::new();
+    for (i, content) in contents.into_iter().enumerate() {
+        let Some(content) = content else { continue };
+        if spans.last().is_some_and(|s| s.end >= cut) {
+            break;
+        }
+        if !stripped[..content.start].ends_with(HARMONY_FINAL) {
+            bail!(
+                "message {i}: the chat template (harmony) does not write this answer in the final \
+                 channel (after {HARMONY_FINAL}), so there is no final channel to train on"
+            );
+        }
+        let after = &stripped[content.end..];
+        let Some(close) = HARMONY_CLOSES.iter().find(|c| after.starts_with(**c)) else {
+            bail!(
+                "message {i}: the chat template (harmony) does not close this answer with one of \
+                 {}",
+                HARMONY_CLOSES.join(", ")
+            );
+        };
+        spans.push(content.start..content.end + close.len());
+    }
+    Ok(spans)
+}
+
 /// The spans by the marked render (see the module doc), or `None` where a check fails and the
 /// caller falls back to [`prefix_spans`].
 fn marked_spans(
@@ -178,10 +250,8 @@ fn marked_spans(
             break;
         }
         let after = if i == 0 { None } else { Some(&messages[i - 1].role) };
-        let slot = ["system", "user", "assistant"]
-            .iter()
-            .position(|role| after.is_some_and(|r| r == role))
-            .map_or(0, |n| n + 1);
+        let slot =
+            ROLES.iter().position(|role| after.is_some_and(|r| r == role)).map_or(0, |n| n + 1);
         let before = if i == 0 { 0 } else { contents[i - 1].end };
         let span = if tails.prompt[slot].is_some() {
             last_derived = Some((i, spans.len()));
@@ -207,9 +277,9 @@ fn marked_spans(
 #[derive(Default)]
 struct Tails {
     /// After the content of the message before an assistant turn, through the generation
-    /// prompt, by that message's role: none (the turn is the first message), system, user,
-    /// assistant. For none, the whole prompt.
-    prompt: [Option<String>; 4],
+    /// prompt, by that message's role: none (the turn is the first message), then each of
+    /// [`ROLES`]. For none, the whole prompt.
+    prompt: [Option<String>; ROLES.len() + 1],
     /// After an assistant's content, through the end of the conversation (its end marker).
     turn: Option<String>,
 }
@@ -262,7 +332,8 @@ impl Markers {
     fn choose(template: &ChatTemplate, messages: &[Message]) -> Option<Markers> {
         let mut used = [false; BLOCKS];
         let specials = [template.source.as_str(), &template.bos_token, &template.eos_token];
-        let inputs = specials.into_iter().chain(messages.iter().map(|m| m.content.as_str()));
+        let texts = messages.iter().flat_map(|m| [Some(m.content.as_str()), m.thinking.as_deref()]);
+        let inputs = specials.into_iter().chain(texts.flatten());
         for c in inputs.flat_map(str::chars) {
             let block = (c as u32).checked_sub(MARKER_PLANE).map(|o| (o / BLOCK) as usize);
             if let Some(slot) = block.and_then(|b| used.get_mut(b)) {
@@ -301,6 +372,19 @@ impl Markers {
     /// The text without markers, and the byte range in it of each of `count` messages'
     /// content; `None` unless every content is there once, whole, in message order.
     fn parse_contents(&self, marked: &str, count: usize) -> Option<(String, Vec<Range<usize>>)> {
+        let (text, ranges) = self.parse_marked(marked, &vec![true; count])?;
+        Some((text, ranges.into_iter().collect::<Option<_>>()?))
+    }
+
+    /// The text without markers, and the byte range in it of the content of each message that
+    /// `wanted` says was marked (`None` for the others); `None` unless every marked content is
+    /// there once, whole, in message order, and no other is.
+    fn parse_marked(
+        &self,
+        marked: &str,
+        wanted: &[bool],
+    ) -> Option<(String, Vec<Option<Range<usize>>>)> {
+        let count = wanted.len();
         let mut text = String::with_capacity(marked.len());
         let (mut starts, mut ends) = (vec![None; count], vec![None; count]);
         let mut chars = marked.chars();
@@ -328,10 +412,16 @@ impl Markers {
                 return None;
             }
         }
-        let ranges: Vec<Range<usize>> =
-            starts.into_iter().zip(ends).map(|(s, e)| Some(s?..e?)).collect::<Option<_>>()?;
-        let ordered = ranges.iter().all(|r| r.start <= r.end)
-            && ranges.windows(2).all(|w| w[0].end <= w[1].start);
+        let ranges: Vec<Option<Range<usize>>> = (starts.into_iter().zip(ends).zip(wanted))
+            .map(|((s, e), &want)| match (s, e, want) {
+                (Some(s), Some(e), true) => Some(Some(s..e)),
+                (None, None, false) => Some(None),
+                _ => None,
+            })
+            .collect::<Option<_>>()?;
+        let present: Vec<&Range<usize>> = ranges.iter().flatten().collect();
+        let ordered = present.iter().all(|r| r.start <= r.end)
+            && present.windows(2).all(|w| w[0].end <= w[1].start);
         ordered.then_some((text, ranges))
     }
 
@@ -707,6 +797,50 @@ mod tests {
         assert_eq!(template.render(&messages, false).unwrap(), "[x]");
         let (text, spans) = template.render_with_assistant_spans(&messages).unwrap();
         assert_eq!((text.as_str(), spans.len(), spans[0].clone()), ("[x]", 1, 1..2));
+    }
+
+    /// The harmony shape, small: an answer's final channel closes with `<|end|>`, or with
+    /// `<|return|>` when it ends the conversation; the analysis channel only on the last.
+    const HARMONY: &str = "{% for m in messages %}<|start|>{{ m.role }}{% if m.role == 'assistant' %}{% if loop.last and m.thinking %}<|channel|>analysis<|message|>{{ m.thinking }}<|end|><|start|>assistant{% endif %}<|channel|>final<|message|>{{ m.content }}{% if loop.last %}<|return|>{% else %}<|end|>{% endif %}{% else %}<|message|>{{ m.content }}<|end|>{% endif %}{% endfor %}{% if add_generation_prompt %}<|start|>assistant{% endif %}";
+
+    /// Harmony: one marked render gives each answer's final channel and closing token, a cut
+    /// keeps the spans up to the first past it, and a thinking that uses the first block of
+    /// markers moves them to the next.
+    #[test]
+    fn harmony_spans_are_the_final_channels() {
+        let template = ChatTemplate::new(HARMONY, "", "").unwrap();
+        let mut messages = conversations()[0].clone();
+        let last = messages.len() - 1;
+        messages[last].thinking = Some("why \u{100000}".to_string());
+        let before = template.renders();
+        let (text, spans, path) = search(&template, &messages, |_| usize::MAX, 1).unwrap();
+        assert_eq!((template.renders() - before, path), (2, Path::Harmony));
+        let pieces: Vec<&str> = spans.iter().map(|s| &text[s.clone()]).collect();
+        assert_eq!(pieces, ["turn 1<|end|>", "turn 3<|end|>", "turn 5<|return|>"]);
+        assert!(text.contains("<|channel|>analysis<|message|>why \u{100000}<|end|>"));
+        let cut = spans[1].start;
+        let (_, some) = template.render_with_assistant_spans_until(&messages, |_| cut).unwrap();
+        assert_eq!(some[..], spans[..2]);
+    }
+
+    /// A harmony template that writes an answer outside the final channel, or does not close
+    /// it with a harmony token, is an error naming the message.
+    #[test]
+    fn harmony_answers_outside_the_final_channel_are_errors() {
+        let messages = &conversations()[0];
+        let analysis = HARMONY.replace(
+            "{% endif %}<|channel|>final<|message|>{{ m.content }}",
+            "{% endif %}<|channel|>analysis<|message|>{{ m.content }}",
+        );
+        // Still a harmony template: it writes a final channel, but never for an answer.
+        let analysis = analysis + "{% if false %}<|channel|>final<|message|>{% endif %}";
+        let template = ChatTemplate::new(&analysis, "", "").unwrap();
+        let err = template.render_with_assistant_spans(messages).unwrap_err().to_string();
+        assert!(err.contains("message 1: ") && err.contains("final channel"), "{err}");
+        let unclosed = HARMONY.replace("{% if loop.last %}<|return|>", "{% if loop.last %}.");
+        let template = ChatTemplate::new(&unclosed, "", "").unwrap();
+        let err = template.render_with_assistant_spans(messages).unwrap_err().to_string();
+        assert!(err.contains("message 5: ") && err.contains("<|return|>"), "{err}");
     }
 
     /// Contents using a character of every block of markers: the marked search cannot run and
