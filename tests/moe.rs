@@ -197,3 +197,46 @@ fn the_fused_expert_layout_reads_and_writes_as_the_hub_one() {
         assert_eq!(steps(dir.path()), steps(&hub), "{case}");
     }
 }
+
+/// Fixture `case`'s model directory copied into `dir`, its tensor `name` replaced by zeros of
+/// `dtype` and `shape` (the stored bytes as they are otherwise).
+fn with_tensor(case: &str, dir: &Path, (name, dtype, shape): (&str, safetensors::Dtype, &[usize])) {
+    use safetensors::tensor::TensorView;
+    let src = case_dir(case).join("model");
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let zeros = vec![0u8; shape.iter().product::<usize>() * dtype.size()];
+    let mut views: Vec<(String, TensorView)> =
+        st.tensors().into_iter().filter(|(n, _)| n != name).collect();
+    views.push((name.to_string(), TensorView::new(dtype, shape.to_vec(), &zeros).unwrap()));
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+    std::fs::copy(src.join("config.json"), dir.join("config.json")).unwrap();
+}
+
+/// gpt-oss's bad inputs, each named: an MXFP4 pair whose blocks and scales disagree in shape
+/// (both tensors), a `quantization_config` method Horizon does not read, and a sink tensor of
+/// the wrong length.
+#[test]
+fn gpt_oss_bad_inputs_are_named() {
+    use safetensors::Dtype;
+    let dir = tempfile::tempdir().unwrap();
+    let scales = "model.layers.1.mlp.experts.down_proj_scales";
+    with_tensor("gpt_oss_mxfp4", dir.path(), (scales, Dtype::U8, &[8, 32, 3]));
+    let err = load_error(&config("gpt_oss_mxfp4"), dir.path());
+    let blocks = "model.layers.1.mlp.experts.down_proj_blocks";
+    assert!(
+        err.contains(&format!("{blocks} [8, 32, 2, 16] and {scales} [8, 32, 3] disagree")),
+        "{err}"
+    );
+
+    let mut raw = config("gpt_oss_mxfp4");
+    raw["quantization_config"]["quant_method"] = "awq".into();
+    let err = refused(&raw);
+    assert!(err.contains("quantization_config.quant_method 'awq' is not read"), "{err}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let sinks = "model.layers.2.self_attn.sinks";
+    with_tensor("gpt_oss", dir.path(), (sinks, Dtype::BF16, &[3]));
+    let err = load_error(&config("gpt_oss"), dir.path());
+    assert!(err.contains(sinks) && err.contains("[3]") && err.contains("[4]"), "{err}");
+}

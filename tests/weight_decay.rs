@@ -26,10 +26,12 @@ use horizon_backend::cpu::{CpuDevice, CpuDeviceConfig};
 use serde_json::Value;
 
 /// The layer tensors the HF rule exempts in the fixture families, written out by hand: norm
-/// weights (Llama's two, Gemma 3's four, Qwen3's and Gemma 3's per-head q/k norms) and Qwen2's
-/// q/k/v biases. Every other layer tensor (projections, MoE routers and shared-expert gates,
-/// experts) decays; of the model-level tensors, only `model.norm.weight` is exempt.
-const EXEMPT_LAYER_TENSORS: [&str; 9] = [
+/// weights (Llama's two, Gemma 3's four, Qwen3's and Gemma 3's per-head q/k norms), Qwen2's and
+/// gpt-oss's q/k/v biases, gpt-oss's o_proj and router biases and its experts' biases (HF's
+/// `gate_up_proj_bias` and `down_proj_bias`, per expert here). Every other layer tensor
+/// (projections, MoE routers and shared-expert gates, experts, gpt-oss's sinks) decays; of the
+/// model-level tensors, only `model.norm.weight` is exempt.
+const EXEMPT_LAYER_TENSORS: [&str; 11] = [
     "input_layernorm.weight",
     "post_attention_layernorm.weight",
     "pre_feedforward_layernorm.weight",
@@ -39,14 +41,21 @@ const EXEMPT_LAYER_TENSORS: [&str; 9] = [
     "self_attn.q_proj.bias",
     "self_attn.k_proj.bias",
     "self_attn.v_proj.bias",
+    "self_attn.o_proj.bias",
+    "mlp.router.bias",
 ];
+
+/// gpt-oss's per-expert biases: `mlp.experts.{x}.{gate,up,down}_proj.bias`.
+fn expert_bias(suffix: &str) -> bool {
+    let rest = suffix.strip_prefix("mlp.experts.").and_then(|r| r.split_once('.'));
+    rest.is_some_and(|(_, p)| ["gate_proj.bias", "up_proj.bias", "down_proj.bias"].contains(&p))
+}
 
 fn hand_exempt(name: &str) -> bool {
     name == "model.norm.weight"
-        || name
-            .strip_prefix("model.layers.")
-            .and_then(|r| r.split_once('.'))
-            .is_some_and(|(_, suffix)| EXEMPT_LAYER_TENSORS.contains(&suffix))
+        || name.strip_prefix("model.layers.").and_then(|r| r.split_once('.')).is_some_and(
+            |(_, suffix)| EXEMPT_LAYER_TENSORS.contains(&suffix) || expert_bias(suffix),
+        )
 }
 
 /// Each trained tensor of `layout` with whether `groups` exempts it: a tensor must lie wholly
@@ -89,7 +98,8 @@ fn every_fixture_familys_groups_are_the_hf_trainers() {
         assert_eq!((groups.exempted.tensors, groups.exempted.params), exempted, "{case}");
         assert_eq!(decayed.1 + exempted.1, layout.trained_params(), "{case}");
         if is_moe(case) {
-            let router = tensors.iter().find(|(n, ..)| n.ends_with(".gate.weight"));
+            let is_router = |n: &str| n.ends_with(".gate.weight") || n.ends_with(".router.weight");
+            let router = tensors.iter().find(|(n, ..)| is_router(n));
             assert!(router.is_some_and(|r| !r.2), "{case}: the router decays");
         }
         // `none`: every tensor decays, no range is exempt.

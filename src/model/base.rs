@@ -236,12 +236,33 @@ impl FrozenBase {
         for i in 0..d.layers {
             let spec = layout.layer(i);
             for (k, t) in spec.frozen_tensors().enumerate() {
-                let v = draw(t.numel(), t.init, 1000 + (i * 64 + k) as u64);
+                let stream = 1000 + (i * 64 + k) as u64;
+                if t.stored == Stored::Mxfp4 {
+                    let words = &mut base.packed[i][t.range()];
+                    random_mxfp4(words, t.numel(), seed ^ stream.wrapping_mul(0x9E37_79B9), std);
+                    continue;
+                }
+                let v = draw(t.numel(), t.init, stream);
                 base.put(i, t, &v);
             }
         }
         base
     }
+}
+
+/// A random MXFP4 tensor of `n` values in its device form `words`: uniform random codes, every
+/// block's scale the power of two nearest `std / 2.93` (the codes' RMS), so the values have
+/// about the standard deviation `std` of `ParamStore::random`'s matrices. Drawn directly (no
+/// fp32 values to quantise): a gpt-oss-120b-sized base is 63 GB of codes.
+fn random_mxfp4(words: &mut [u32], n: usize, seed: u64, std: f32) {
+    let rms = (mxfp4::FP4.iter().map(|v| v * v).sum::<f32>() / 16.0).sqrt();
+    let scale = (127.0 + (std / rms).log2().round()).clamp(1.0, 252.0) as u32;
+    let (codes, scales) = words.split_at_mut(n / 8);
+    codes.par_chunks_mut(1 << 18).enumerate().for_each(|(k, c)| {
+        let mut rng = SplitMix64::new(seed ^ (k as u64).wrapping_mul(0xA24B_AED4_963E_E407));
+        c.iter_mut().for_each(|w| *w = rng.next_u64() as u32);
+    });
+    scales.fill(scale * 0x0101_0101);
 }
 
 /// normal(0, `std`) in parallel chunks of 1 Mi values, each from its own stream: deterministic

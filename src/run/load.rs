@@ -66,6 +66,13 @@ pub fn model_config(raw: &RawConfig) -> Result<ModelConfig> {
 pub fn note_expert_layout(cfg: &mut ModelConfig, dir: &Path) -> Result<()> {
     let (layers, c, prefix) = (cfg.num_layers, cfg.hidden_size, cfg.tensor_prefix.clone());
     let Some(moe) = cfg.moe.as_mut() else { return Ok(()) };
+    // gpt-oss has only the fused layout; a directory without weights (a plan from config.json
+    // alone) keeps the config's default, and a training run's load names what is missing.
+    let weights = ["model.safetensors", "model.safetensors.index.json"];
+    if moe.arch == Arch::GptOss || !(dir.is_file() || weights.iter().any(|w| dir.join(w).exists()))
+    {
+        return Ok(());
+    }
     let mut ckpt = crate::hf::checkpoint::Checkpoint::open(dir)?;
     moe.fused = crate::hf::moe::read_fused_as_hub(&mut ckpt, moe, (&prefix, layers, c))?;
     Ok(())
