@@ -205,7 +205,7 @@ fn with_tensor(case: &str, dir: &Path, (name, dtype, shape): (&str, safetensors:
     let src = case_dir(case).join("model");
     let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let zeros = vec![0u8; shape.iter().product::<usize>() * dtype.size()];
+    let zeros = vec![0u8; shape.iter().product::<usize>() * dtype.bitsize() / 8];
     let mut views: Vec<(String, TensorView)> =
         st.tensors().into_iter().filter(|(n, _)| n != name).collect();
     views.push((name.to_string(), TensorView::new(dtype, shape.to_vec(), &zeros).unwrap()));
