@@ -41,7 +41,7 @@ fn hub_model(raw: &RawConfig) -> Option<HubId> {
 #[test]
 fn every_worked_config_parses() {
     let all = configs();
-    assert!(all.len() >= 9, "{all:?}");
+    assert!(all.len() >= 12, "{all:?}");
     for path in all {
         RawConfig::from_file(&path).unwrap_or_else(|e| panic!("{}: {e:#}", path.display()));
     }
@@ -86,6 +86,9 @@ fn every_hub_config_plans_against_its_real_shape() {
         planned.push(path.file_name().unwrap().to_str().unwrap().to_string());
     }
     for want in [
+        "gpt-oss-120b-lora.yaml",
+        "gpt-oss-20b-full.yaml",
+        "gpt-oss-20b-lora.yaml",
         "llama-3.1-8b-dpo-lora.yaml",
         "llama-3.1-8b-lora.yaml",
         "llama-3.1-8b-qlora.yaml",
@@ -105,6 +108,8 @@ fn real_shapes_have_the_published_parameter_counts() {
         ("Qwen--Qwen3-0.6B", 596_049_920u64),
         ("Qwen--Qwen3-32B", 32_762_123_264),
         ("meta-llama--Llama-3.1-8B", 8_030_261_248),
+        ("openai--gpt-oss-20b", 20_914_757_184),
+        ("openai--gpt-oss-120b", 116_829_156_672),
     ] {
         let path = root().join("tests/fixtures/real-shapes").join(dir).join("config.json");
         let cfg = horizon::hf::ModelConfig::from_file(&path).unwrap();

@@ -65,9 +65,9 @@ pub struct Sizes {
     pub moment_bytes: usize,
     /// Host bytes of the trained masters (fp32).
     pub master_bytes: usize,
-    /// Host bytes of an adapter run's frozen base by dtype: fp32, bf16, NF4 words (0 in full
+    /// Host bytes of an adapter run's frozen base by dtype: fp32, bf16, NF4 and MXFP4 words (0 in full
     /// fine-tuning).
-    pub base_bytes: [usize; 3],
+    pub base_bytes: [usize; 4],
     /// The row length every buffer is sized for (`EngineConfig::seq_len`).
     pub seq_len: usize,
     /// Rows of a micro-batch at the longest row length.
@@ -292,7 +292,10 @@ impl Sizes {
         let mut lines = vec![
             (slots, 2 * self.slot_elems() * 4),
             ("gradient accumulators (2, fp32)", 2 * self.dw * 4),
-            ("NF4 dequantisation workspace (the largest packed weight)", self.dequant_elems() * 4),
+            (
+                "dequantisation workspace (the largest NF4 or MXFP4 weight)",
+                self.dequant_elems() * 4,
+            ),
             (
                 "activations (residual streams, checkpoint block, gradients, ids)",
                 (m * self.act_sets * self.act + m * self.act + m * self.per_mb_small) * 4,
@@ -427,6 +430,7 @@ impl Sizes {
             "frozen base, fp32",
             "frozen base, bf16",
             "frozen base, NF4 (4 bits a value + an fp32 absmax per 64)",
+            "frozen base, MXFP4 (4 bits a value + a scale byte per 32: gpt-oss's experts)",
         ];
         let mut lines: Vec<(&'static str, usize)> =
             base.into_iter().zip(self.base_bytes).filter(|&(_, b)| b > 0).collect();
@@ -519,9 +523,9 @@ fn carried_rows(
     (later_mbs * n * widths().sum::<usize>(), later_mbs * widths().count())
 }
 
-/// Host bytes of the frozen tensors by dtype: fp32, bf16, NF4.
-fn base_bytes(frozen: &[crate::store::HostTensor]) -> [usize; 3] {
-    [HostDtype::F32, HostDtype::Bf16, HostDtype::Nf4]
+/// Host bytes of the frozen tensors by dtype: fp32, bf16, NF4, MXFP4.
+fn base_bytes(frozen: &[crate::store::HostTensor]) -> [usize; 4] {
+    [HostDtype::F32, HostDtype::Bf16, HostDtype::Nf4, HostDtype::Mxfp4]
         .map(|d| tensor_bytes(&frozen.iter().filter(|t| t.dtype == d).cloned().collect::<Vec<_>>()))
 }
 

@@ -200,7 +200,12 @@ pub fn report(cfg: &RunConfig, host_memory: Option<u64>) -> Result<PlanReport> {
                 BaseDtype::F32 => "fp32",
                 BaseDtype::Bf16 => "bf16",
             },
-            if a.nf4 { ", its products' matrices NF4" } else { "" },
+            match (a.nf4, layout.mxfp4_experts) {
+                (true, true) => ", its products' matrices NF4, the routed experts MXFP4 as stored",
+                (true, false) => ", its products' matrices NF4",
+                (false, true) => ", the routed experts MXFP4 as the checkpoint packs them",
+                (false, false) => "",
+            },
             layout.trained_params(),
             if layout.trained_params() * 100 < layout.num_params() {
                 " (optimizer.memory does not matter for adapters this small)"

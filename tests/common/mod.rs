@@ -30,6 +30,16 @@ pub fn is_moe(case: &str) -> bool {
     matches!(case, "qwen3_moe" | "mixtral" | "gpt_oss" | "gpt_oss_mxfp4")
 }
 
+/// The bound on a bf16 engine's gradient norm at step `step` of fixture `case` against the
+/// float64 reference (the tolerance table's CUDA engine row): 5e-2, but 15% for gpt-oss past
+/// step 0. Its fixtures clamp about 13% of the SwiGLU inputs (limit 1.5) with margins of 1e-5 and
+/// route with logit margins of 1e-4: enough for float32, not for bf16's 2^-8. bf16 flips a few
+/// clamps and choices, so about 3% of step 0's update signs differ from float32's (1% for
+/// mixtral), at lr 2e-3 on weights near 0.2; step 0 itself stays within 1.1%.
+pub fn bf16_norm_tol(case: &str, step: usize) -> f64 {
+    if case.starts_with("gpt_oss") && step > 0 { 0.15 } else { 5e-2 }
+}
+
 /// The names fixture `case`'s `step0_grads` and `final` use (transformers' parameters).
 pub fn param_names(case: &str) -> Vec<String> {
     let e = expected(case);
