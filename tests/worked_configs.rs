@@ -64,7 +64,7 @@ fn every_hub_config_plans_against_its_real_shape() {
         let rev = id.revision_or_main();
         add_snapshot(tmp.path(), &id.repo, &commit(1), &[("config.json", json.clone())], &[rev]);
         let o = Command::new(env!("CARGO_BIN_EXE_horizon"))
-            .args(["plan", "--config", path.to_str().unwrap(), "--host-memory", "1TiB"])
+            .args(["plan", "--config", path.to_str().unwrap(), "--host-memory", "2TiB"])
             .env("HF_HUB_CACHE", tmp.path())
             .current_dir(root())
             .output()
@@ -86,6 +86,7 @@ fn every_hub_config_plans_against_its_real_shape() {
         planned.push(path.file_name().unwrap().to_str().unwrap().to_string());
     }
     for want in [
+        "gpt-oss-120b-full.yaml",
         "gpt-oss-120b-lora.yaml",
         "gpt-oss-20b-full.yaml",
         "gpt-oss-20b-lora.yaml",
