@@ -479,3 +479,58 @@ fn mixtral_router_and_expert_adapters_round_trip_and_merge() {
     };
     check(&format!("model.layers.1.block_sparse_moe.experts.{x}.w2.weight"), &down, (32, i_f));
 }
+
+/// gpt-oss from its MXFP4 checkpoint with adapters on attention and the router, through the
+/// binary: PEFT's names (`mlp.router`, `target_parameters` `mlp.router.weight`), and a merge that
+/// adds `s B A` to the router and writes the experts as transformers saves a dequantized load:
+/// fused, in-to-out, bit for bit `dequantized.safetensors`, without `quantization_config`.
+#[test]
+fn gpt_oss_router_adapters_round_trip_and_merge_over_the_mxfp4_base() {
+    let tmp = tempfile::tempdir().unwrap();
+    let fx = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gpt_oss_mxfp4");
+    let yaml = format!(
+        "model: {{ path: '{}' }}\ndata: {{ path: '{}', format: pretokenized }}\n\
+         train: {{ steps: 2, batch_size: 2, max_seq_len: 64 }}\noptimizer: {{ lr: 0.01 }}\n\
+         adapter: {{ type: lora, r: 2, alpha: 4, targets: [q_proj, router] }}\n\
+         output: {{ dir: '{}' }}\n",
+        fx.join("model").display(),
+        fx.join("data.jsonl").display(),
+        tmp.path().join("out").display()
+    );
+    let cfg = tmp.path().join("config.yaml");
+    fs::write(&cfg, yaml).unwrap();
+    let o = train(&cfg, &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let fin = tmp.path().join("out/final");
+    assert_eq!(written_targets(&fin), (vec!["q_proj".into()], vec!["mlp.router.weight".into()]));
+    let adapter = fin.join("adapter_model.safetensors");
+    let pre = "base_model.model.model.layers.1.mlp.router";
+    let (_, a) = read_tensor_f64(&adapter, &format!("{pre}.lora_A.weight")).unwrap();
+    let (_, b) = read_tensor_f64(&adapter, &format!("{pre}.lora_B.weight")).unwrap();
+    assert!(b.iter().any(|&x| x != 0.0), "the router's B trained");
+    let (merged, out) = (tmp.path().join("merged"), tmp.path().join("out"));
+    let o =
+        horizon(&["export", out.to_str().unwrap(), "--merge", "--out", merged.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let merged_file = merged.join("model.safetensors");
+    let name = "model.layers.1.mlp.router.weight";
+    let base = read_tensor_f64(&fx.join("model/model.safetensors"), name).unwrap().1;
+    let got = read_tensor_f64(&merged_file, name).unwrap().1;
+    let (e, c, r) = (8, 32, 2);
+    let scale = base.iter().fold(0f64, |m, v| m.max(v.abs()));
+    for o in 0..e {
+        for i in 0..c {
+            let ba: f64 = (0..r).map(|k| b[o * r + k] * a[k * c + i]).sum();
+            let err = (got[o * c + i] - base[o * c + i] - 2.0 * ba).abs() / scale;
+            assert!(err < 1e-6, "{name}[{o},{i}]");
+        }
+    }
+    for proj in ["gate_up_proj", "down_proj"] {
+        let name = format!("model.layers.0.mlp.experts.{proj}");
+        let want = read_tensor_f64(&fx.join("dequantized.safetensors"), &name).unwrap();
+        assert_eq!(read_tensor_f64(&merged_file, &name).unwrap(), want, "{name}");
+    }
+    let cfg: Value =
+        serde_json::from_str(&fs::read_to_string(merged.join("config.json")).unwrap()).unwrap();
+    assert!(cfg.get("quantization_config").is_none(), "{cfg}");
+}

@@ -78,6 +78,14 @@ pub const EXPERT_PARAMS: [&str; 2] = ["mlp.experts.gate_up_proj", "mlp.experts.d
 /// PEFT's `target_parameters` entry of a sparse layer's router (a 2-D parameter: one adapter,
 /// tensors `mlp.gate.lora_A.weight` (r, C) and `mlp.gate.lora_B.weight` (E, r)).
 pub const ROUTER_PARAM: &str = "mlp.gate.weight";
+/// gpt-oss's router parameter (`GptOssTopKRouter.weight`): tensors `mlp.router.lora_{A,B}.weight`.
+pub const GPT_OSS_ROUTER_PARAM: &str = "mlp.router.weight";
+
+/// The router parameter of a model whose layers hold `router_weight` (`mlp.router.weight` for
+/// gpt-oss, else [`ROUTER_PARAM`]).
+pub fn router_param(gpt_oss: bool) -> &'static str {
+    if gpt_oss { GPT_OSS_ROUTER_PARAM } else { ROUTER_PARAM }
+}
 
 /// PEFT's `rank_pattern` / `alpha_pattern` key of the gate|up expert parameter (what PEFT adds
 /// when it rewrites `gate_proj` + `up_proj` into it: rank 2r, alpha 2 alpha).
@@ -91,7 +99,8 @@ fn parse_expert_name(name: &str) -> Option<(usize, bool)> {
     let ab = rest
         .strip_prefix("mlp.experts.base_layer.")
         .or_else(|| rest.strip_prefix("mlp.experts."))
-        .or_else(|| rest.strip_prefix("mlp.gate."))?
+        .or_else(|| rest.strip_prefix("mlp.gate."))
+        .or_else(|| rest.strip_prefix("mlp.router."))?
         .strip_suffix(".weight")?;
     let b = match ab {
         "lora_A" => false,
@@ -285,13 +294,13 @@ impl<'a> JsonConfig<'a> {
             let entry = v.as_str().unwrap_or("");
             let full = EXPERT_PARAMS
                 .into_iter()
-                .chain([ROUTER_PARAM])
+                .chain([ROUTER_PARAM, GPT_OSS_ROUTER_PARAM])
                 .find(|p| !entry.is_empty() && (*p == entry || p.ends_with(&format!(".{entry}"))));
             let Some(full) = full else {
                 return Err(self.err(
                     "target_parameters",
                     format!(
-                        "names {v}; supported: {} (the routed experts), {ROUTER_PARAM} (the router)",
+                        "names {v}; supported: {} (the routed experts), {ROUTER_PARAM} or {GPT_OSS_ROUTER_PARAM} (the router)",
                         EXPERT_PARAMS.join(", ")
                     ),
                 ));

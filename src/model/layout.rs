@@ -137,6 +137,11 @@ impl ModelLayout {
         Ok(ModelLayout { kinds, adapter: Some(lora.clone()), ..self.clone() })
     }
 
+    /// A gpt-oss model (its router is `mlp.router`, its experts fused in-to-out).
+    pub fn is_gpt_oss(&self) -> bool {
+        self.moe.as_ref().is_some_and(|m| m.arch == crate::hf::config::Arch::GptOss)
+    }
+
     /// True in full fine-tuning: the embedding, final norm and head train too.
     pub fn trains_base(&self) -> bool {
         self.adapter.is_none()

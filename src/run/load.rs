@@ -160,7 +160,7 @@ pub fn split_targets(a: &AdapterConfig, cfg: &ModelConfig) -> Result<(Vec<String
         }
         ex.gate_up = Some((2 * a.r, scale(2 * a.r, 2.0 * a.alpha)));
     }
-    let router = has(&["router", "mlp.gate.weight"]);
+    let router = has(&["router", "mlp.gate.weight", "mlp.router.weight"]);
     if router && !cfg.arch.is_moe() {
         bail!(
             "adapter.targets names the router, but {} is not a mixture of experts",
@@ -194,7 +194,7 @@ pub fn split_targets(a: &AdapterConfig, cfg: &ModelConfig) -> Result<(Vec<String
     } else {
         &["experts", "mlp.experts.gate_up_proj", "gate_up_proj", "mlp.experts.down_proj"]
     };
-    let routers = ["router", "mlp.gate.weight"];
+    let routers = ["router", "mlp.gate.weight", "mlp.router.weight"];
     let mut modules: Vec<String> = a
         .targets
         .iter()
@@ -308,7 +308,8 @@ pub fn peft_order(layout: &ModelLayout, name: &str, data: &[f32]) -> Vec<f32> {
 
 /// Whether `name` is an adapter tensor of a sparse layer's experts.
 fn is_expert_adapter(name: &str) -> bool {
-    (name.contains(".mlp.experts.") || name.contains(".mlp.gate.")) && name.contains(".lora_")
+    let router = name.contains(".mlp.gate.") || name.contains(".mlp.router.");
+    (name.contains(".mlp.experts.") || router) && name.contains(".lora_")
 }
 
 /// `(E, out, r)` of an expert adapter's B of shape (out, E*r): PEFT stores its columns
@@ -326,7 +327,7 @@ pub fn trained_of(layout: &ModelLayout, a: &AdapterConfig) -> peft::Trained {
     let router = lora.targets.iter().any(|t| t == ROUTER);
     let params = [ex.gate_up.is_some(), ex.down.is_some(), router]
         .into_iter()
-        .zip(peft::EXPERT_PARAMS.into_iter().chain([peft::ROUTER_PARAM]))
+        .zip(peft::EXPERT_PARAMS.into_iter().chain([peft::router_param(layout.is_gpt_oss())]))
         .filter(|(on, _)| *on)
         .map(|(_, p)| p.to_string())
         .collect();
@@ -454,7 +455,9 @@ pub fn load_adapter_run(
     let mut targets = adapter.targets.clone();
     for p in &adapter.params {
         match (p.ends_with("gate_up_proj"), adapter.gate_up_pattern) {
-            _ if p == peft::ROUTER_PARAM => targets.push(ROUTER.into()),
+            _ if p == peft::ROUTER_PARAM || p == peft::GPT_OSS_ROUTER_PARAM => {
+                targets.push(ROUTER.into())
+            }
             (true, Some(_)) => targets.extend(["gate_proj".into(), "up_proj".into()]),
             _ => targets.push(p.clone()),
         }
