@@ -480,6 +480,54 @@ fn dequantize_mxfp4_is_the_cpu_value_in_bf16() {
     }
 }
 
+/// The `gpt_oss_mxfp4` fixture's packed experts, each expert's device form dequantized on the
+/// device, are bit for bit what transformers loads (`dequantized.safetensors`, bf16), transposed
+/// to Horizon's out-by-in rows.
+#[test]
+fn dequantize_mxfp4_gives_the_fixture_experts_bit_for_bit() {
+    use horizon_backend::mxfp4;
+    let be = gpu();
+    let dir =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/gpt_oss_mxfp4");
+    let (model, deq) = (
+        std::fs::read(dir.join("model/model.safetensors")).unwrap(),
+        std::fs::read(dir.join("dequantized.safetensors")).unwrap(),
+    );
+    let (model, deq) = (
+        safetensors::SafeTensors::deserialize(&model).unwrap(),
+        safetensors::SafeTensors::deserialize(&deq).unwrap(),
+    );
+    for name in ["model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"]
+    {
+        let blocks = model.tensor(&format!("{name}_blocks")).unwrap();
+        let scales = model.tensor(&format!("{name}_scales")).unwrap();
+        let want = deq.tensor(name).unwrap();
+        let [e, rows, g] = scales.shape()[..] else { panic!("{name}: scales") };
+        let (cols, n) = (g * 32, rows * g * 32);
+        for x in 0..e {
+            let b = &blocks.data()[x * n / 2..(x + 1) * n / 2];
+            let s = &scales.data()[x * n / 32..(x + 1) * n / 32];
+            let mut words = vec![0u32; mxfp4::words(n)];
+            mxfp4::to_words(b, s, &mut words);
+            let packed: Vec<f32> = words.iter().map(|&u| f32::from_bits(u)).collect();
+            let gpacked = Guarded::new(&be, "packed", &packed);
+            let mut out = weights_on(&be, &vec![0.0; n]);
+            be.dequantize_mxfp4(&mut out, gpacked.view(), n);
+            let mut got = vec![Bf16(0); n];
+            be.download_weights(&mut got, &out);
+            let bf16_at = |c: usize, r: usize| {
+                let k = 2 * ((x * cols + c) * rows + r);
+                u16::from_le_bytes([want.data()[k], want.data()[k + 1]])
+            };
+            for r in 0..rows {
+                for c in 0..cols {
+                    assert_eq!(got[r * cols + c].0, bf16_at(c, r), "{name} expert {x} [{r}, {c}]");
+                }
+            }
+        }
+    }
+}
+
 /// NF4 to bf16 weights: the CPU's fp32 values (`nf4::dequantize`'s) rounded to bf16 nearest
 /// even, bit for bit, for lengths with partial blocks, odd lengths and a padded last word;
 /// the weight guards are untouched.
