@@ -418,6 +418,23 @@ fn moe_adapters_are_written_as_peft_and_merge_expert_by_expert() {
     }
 }
 
+/// A config in `tmp` for two steps of LoRA r 2 (alpha 4) on `targets` over the fixture `fx`'s
+/// model and data, into `tmp/out`.
+fn two_steps(tmp: &Path, fx: &Path, targets: &str) -> PathBuf {
+    let yaml = format!(
+        "model: {{ path: '{}' }}\ndata: {{ path: '{}', format: pretokenized }}\n\
+         train: {{ steps: 2, batch_size: 2, max_seq_len: 64 }}\noptimizer: {{ lr: 0.01 }}\n\
+         adapter: {{ type: lora, r: 2, alpha: 4, targets: [{targets}] }}\n\
+         output: {{ dir: '{}' }}\n",
+        fx.join("model").display(),
+        fx.join("data.jsonl").display(),
+        tmp.join("out").display()
+    );
+    let cfg = tmp.join("config.yaml");
+    fs::write(&cfg, yaml).unwrap();
+    cfg
+}
+
 /// Mixtral with adapters on attention, the router and the experts, from scratch through the
 /// binary: PEFT's names (the router as `mlp.gate`, transformers 5's module path, although the
 /// checkpoint says `block_sparse_moe.gate`), `target_parameters` naming both, and a merge that
@@ -426,18 +443,7 @@ fn moe_adapters_are_written_as_peft_and_merge_expert_by_expert() {
 fn mixtral_router_and_expert_adapters_round_trip_and_merge() {
     let tmp = tempfile::tempdir().unwrap();
     let fx = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/mixtral");
-    let yaml = format!(
-        "model: {{ path: '{}' }}\ndata: {{ path: '{}', format: pretokenized }}\n\
-         train: {{ steps: 2, batch_size: 2, max_seq_len: 64 }}\noptimizer: {{ lr: 0.01 }}\n\
-         adapter: {{ type: lora, r: 2, alpha: 4, targets: [q_proj, router, experts] }}\n\
-         output: {{ dir: '{}' }}\n",
-        fx.join("model").display(),
-        fx.join("data.jsonl").display(),
-        tmp.path().join("out").display()
-    );
-    let cfg = tmp.path().join("config.yaml");
-    fs::write(&cfg, yaml).unwrap();
-    let o = train(&cfg, &[]);
+    let o = train(&two_steps(tmp.path(), &fx, "q_proj, router, experts"), &[]);
     assert!(o.status.success(), "{}", stderr(&o));
     let fin = tmp.path().join("out/final");
     let (modules, params) = written_targets(&fin);
@@ -488,18 +494,7 @@ fn mixtral_router_and_expert_adapters_round_trip_and_merge() {
 fn gpt_oss_router_adapters_round_trip_and_merge_over_the_mxfp4_base() {
     let tmp = tempfile::tempdir().unwrap();
     let fx = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gpt_oss_mxfp4");
-    let yaml = format!(
-        "model: {{ path: '{}' }}\ndata: {{ path: '{}', format: pretokenized }}\n\
-         train: {{ steps: 2, batch_size: 2, max_seq_len: 64 }}\noptimizer: {{ lr: 0.01 }}\n\
-         adapter: {{ type: lora, r: 2, alpha: 4, targets: [q_proj, router] }}\n\
-         output: {{ dir: '{}' }}\n",
-        fx.join("model").display(),
-        fx.join("data.jsonl").display(),
-        tmp.path().join("out").display()
-    );
-    let cfg = tmp.path().join("config.yaml");
-    fs::write(&cfg, yaml).unwrap();
-    let o = train(&cfg, &[]);
+    let o = train(&two_steps(tmp.path(), &fx, "q_proj, router"), &[]);
     assert!(o.status.success(), "{}", stderr(&o));
     let fin = tmp.path().join("out/final");
     assert_eq!(written_targets(&fin), (vec!["q_proj".into()], vec!["mlp.router.weight".into()]));

@@ -441,6 +441,27 @@ fn add_cols_and_scaled_cols() {
     }
 }
 
+/// `dequantize` (one of the backend's dequantize ops) of `packed` into `n` weights between
+/// guards: the weights, the guards checked untouched and `packed` unmoved.
+fn guarded_dequantize(
+    be: &CudaBackend,
+    packed: &[f32],
+    n: usize,
+    dequantize: fn(&CudaBackend, &mut DevSlice<Bf16>, &DevSlice<f32>, usize),
+) -> Vec<Bf16> {
+    let gpacked = Guarded::new(be, "packed", packed);
+    let sentinel = f32::from_bits(u32::from(SENTINEL_BF16) << 16);
+    let mut out = weights_on(be, &vec![sentinel; n + 2 * GUARD]);
+    dequantize(be, out.slice_mut(GUARD..GUARD + n), gpacked.view(), n);
+    let mut got = vec![Bf16(0); n + 2 * GUARD];
+    be.download_weights(&mut got, &out);
+    let guard = Bf16::from_f32(sentinel);
+    let guards = got[..GUARD].iter().chain(&got[GUARD + n..]);
+    assert!(guards.into_iter().all(|g| *g == guard), "n = {n}: a guard moved");
+    gpacked.read(be);
+    got[GUARD..GUARD + n].to_vec()
+}
+
 /// MXFP4 to bf16 weights: the CPU's fp32 values (`mxfp4::decode`'s, every one exact in bf16
 /// up to scale 252; beyond, rounded) bit for bit, signed zeros and the subnormal scale 0
 /// included; the weight guards are untouched.
@@ -464,19 +485,8 @@ fn dequantize_mxfp4_is_the_cpu_value_in_bf16() {
             want.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
         );
         let want: Vec<Bf16> = cpu.iter().map(|&v| Bf16::from_f32(v)).collect();
-        let gpacked = Guarded::new(&be, "packed", &packed);
-        let sentinel = f32::from_bits(u32::from(SENTINEL_BF16) << 16);
-        let mut out = weights_on(&be, &vec![sentinel; n + 2 * GUARD]);
-        be.dequantize_mxfp4(out.slice_mut(GUARD..GUARD + n), gpacked.view(), n);
-        let mut got = vec![Bf16(0); n + 2 * GUARD];
-        be.download_weights(&mut got, &out);
-        let guard = Bf16::from_f32(sentinel);
-        assert!(
-            got[..GUARD].iter().chain(&got[GUARD + n..]).all(|g| *g == guard),
-            "n = {n}: a guard moved"
-        );
-        assert_eq!(&got[GUARD..GUARD + n], &want[..], "n = {n}");
-        gpacked.read(&be);
+        let got = guarded_dequantize(&be, &packed, n, CudaBackend::dequantize_mxfp4);
+        assert_eq!(got, want, "n = {n}");
     }
 }
 
@@ -548,19 +558,8 @@ fn dequantize_nf4_is_the_cpu_value_rounded_to_bf16() {
         let mut cpu = vec![0.0; n];
         CpuBackend.dequantize_nf4(&mut cpu, &packed, n);
         let want: Vec<Bf16> = cpu.iter().map(|&v| Bf16::from_f32(v)).collect();
-        let gpacked = Guarded::new(&be, "packed", &packed);
-        let sentinel = f32::from_bits(u32::from(SENTINEL_BF16) << 16);
-        let mut out = weights_on(&be, &vec![sentinel; n + 2 * GUARD]);
-        be.dequantize_nf4(out.slice_mut(GUARD..GUARD + n), gpacked.view(), n);
-        let mut got = vec![Bf16(0); n + 2 * GUARD];
-        be.download_weights(&mut got, &out);
-        let guard = Bf16::from_f32(sentinel);
-        assert!(
-            got[..GUARD].iter().chain(&got[GUARD + n..]).all(|g| *g == guard),
-            "n = {n}: a guard moved"
-        );
-        assert_eq!(&got[GUARD..GUARD + n], &want[..], "n = {n}");
-        gpacked.read(&be);
+        let got = guarded_dequantize(&be, &packed, n, CudaBackend::dequantize_nf4);
+        assert_eq!(got, want, "n = {n}");
     }
 }
 

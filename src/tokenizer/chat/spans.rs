@@ -158,12 +158,7 @@ fn generation_spans(
     text: &str,
     cut: usize,
 ) -> Result<Vec<Range<usize>>> {
-    let Some(markers) = Markers::choose(template, messages) else {
-        bail!(
-            "the conversation uses every private-use character the loss-mask search could mark \
-             the chat template's generation blocks with"
-        );
-    };
+    let markers = Markers::chosen(template, messages, "the chat template's generation blocks")?;
     let marked = template.render_marked(messages, false, Marking::Generation(&markers))?;
     let Some((stripped, mut spans)) = markers.parse_generation(&marked) else {
         bail!("the chat template's {{% generation %}} blocks could not be located in its text");
@@ -188,12 +183,7 @@ fn harmony_spans(
     text: &str,
     cut: usize,
 ) -> Result<Vec<Range<usize>>> {
-    let Some(markers) = Markers::choose(template, messages) else {
-        bail!(
-            "the conversation uses every private-use character the loss-mask search could mark \
-             the answers with"
-        );
-    };
+    let markers = Markers::chosen(template, messages, "the answers")?;
     let marked = template.render_marked(messages, false, Marking::AssistantContents(&markers))?;
     let answers: Vec<bool> = messages.iter().map(|m| m.role == "assistant").collect();
     let located = markers.parse_marked(&marked, &answers);
@@ -328,6 +318,16 @@ pub(super) struct Markers {
 }
 
 impl Markers {
+    /// [`Markers::choose`], or an error saying the conversation leaves none to mark `what` with.
+    fn chosen(template: &ChatTemplate, messages: &[Message], what: &str) -> Result<Markers> {
+        Markers::choose(template, messages).with_context(|| {
+            format!(
+                "the conversation uses every private-use character the loss-mask search could \
+                 mark {what} with"
+            )
+        })
+    }
+
     /// The first block none of whose characters the inputs use; `None` if they use every one.
     fn choose(template: &ChatTemplate, messages: &[Message]) -> Option<Markers> {
         let mut used = [false; BLOCKS];
