@@ -793,6 +793,7 @@ mod tests {
             "gemma3_sliding",
             "qwen3_moe",
             "mixtral",
+            "gpt_oss",
         ];
         cases
             .into_iter()
@@ -1125,6 +1126,135 @@ mod tests {
                         "{what}: backward"
                     );
                 }
+            }
+        }
+    }
+
+    /// gpt-oss against transformers at step 0 (`tests/fixtures/gpt_oss`, `gpt_oss_mxfp4`): each
+    /// layer run on the fixture's own input (`hidden_states.{i}`) gives router logits within
+    /// 1e-5 of transformers' (`router_logits.{i}`), chooses on every real row the experts
+    /// transformers ranks first, and clamps exactly the entries float64 clamps: for each real
+    /// row and chosen expert, the gate (above the limit) and up (beyond +-limit) entries of
+    /// `h2 G^T + g` in f64 from this layer's `h2` are those from the fixture's `mlp_input.{i}`.
+    #[test]
+    fn gpt_oss_layers_route_and_clamp_as_transformers_at_step_0() {
+        use crate::hf::checkpoint::read_tensor_f64;
+        for case in ["gpt_oss", "gpt_oss_mxfp4"] {
+            let dir =
+                std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(case);
+            let cfg = ModelConfig::from_file(&dir.join("model/config.json")).unwrap();
+            let layout = crate::model::describe(&cfg);
+            let params =
+                crate::model::params::ParamStore::load_hf(&layout, &dir.join("model")).unwrap();
+            let fx =
+                |name: &str| read_tensor_f64(&dir.join("step0_logits.safetensors"), name).unwrap();
+            let bytes = std::fs::read(dir.join("step0_logits.safetensors")).unwrap();
+            let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+            let m = st.tensor("attention_mask").unwrap();
+            let mask: Vec<f64> = m
+                .data()
+                .chunks_exact(8)
+                .map(|b| i64::from_le_bytes(b.try_into().unwrap()) as f64)
+                .collect();
+            let mask_shape = m.shape().to_vec();
+            let rows = Rows { b: mask_shape[0], t: mask_shape[1] };
+            let moe = layout.moe.clone().unwrap();
+            let (e, k, i_f) = (moe.num_experts, moe.top_k, moe.expert_size);
+            let limit = moe.clamp.unwrap().limit as f64;
+            let ropes: Vec<_> = layout.rope.iter().map(|f| rope_tables(f, rows.t)).collect();
+            let views: Vec<(&[f32], &[f32])> =
+                ropes.iter().map(|(c, s)| (&c[..], &s[..])).collect();
+            for l in 0..layout.dims.layers {
+                let spec = layout.layer(l);
+                let n = rows.b * rows.t;
+                let x: Vec<f32> =
+                    fx(&format!("hidden_states.{l}")).1.iter().map(|&v| v as f32).collect();
+                let mut y = vec![0.0; n * spec.c];
+                let mut own: Vec<Vec<f32>> =
+                    spec.acts.iter().map(|a| vec![0.0; n * a.width]).collect();
+                let mut tw = TestWeights {
+                    w: params.layers[l].clone(),
+                    ws: vec![0.0; spec.workspace],
+                    host: crate::model::moe::MoeHost::new(n * k, e),
+                    ..Default::default()
+                };
+                {
+                    let mut slots =
+                        act_slots(&x[..], Slot::W(&mut y[..]), own.iter_mut().map(|v| &mut v[..]));
+                    layer_forward(
+                        &CpuBackend::new(),
+                        spec,
+                        &mut slots,
+                        &mut tw.view(),
+                        &views,
+                        rows,
+                    );
+                }
+                let act = |name: &str| &own[spec.acts.iter().position(|a| a.name == name).unwrap()];
+                let (logits, sel, h2) = (act("router_logits"), act("experts_sel"), act("h2"));
+                let (_, want) = fx(&format!("router_logits.{l}"));
+                let (_, mlp_in) = fx(&format!("mlp_input.{l}"));
+                let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
+                let (mut clamped, mut entries) = (0, 0);
+                for r in (0..n).filter(|&r| mask[r] == 1.0) {
+                    for x in 0..e {
+                        let err = (logits[r * e + x] as f64 - want[r * e + x]).abs() / scale;
+                        assert!(
+                            err < 1e-5,
+                            "{case} layer {l} row {r}: router logit {x} off by {err:.2e}"
+                        );
+                    }
+                    let mut rank: Vec<usize> = (0..e).collect();
+                    rank.sort_by(|&a, &b| want[r * e + b].total_cmp(&want[r * e + a]));
+                    let mut ours: Vec<usize> =
+                        sel[r * k..(r + 1) * k].iter().map(|&v| v as usize).collect();
+                    let mut theirs = rank[..k].to_vec();
+                    ours.sort_unstable();
+                    theirs.sort_unstable();
+                    assert_eq!(ours, theirs, "{case} layer {l} row {r}: experts chosen");
+                    for &x in &ours {
+                        let pre = |inp: &dyn Fn(usize) -> f64, name: &str, j: usize| -> f64 {
+                            let w = params
+                                .tensor(
+                                    &layout,
+                                    &format!("model.layers.{l}.mlp.experts.{x}.{name}.weight"),
+                                )
+                                .unwrap();
+                            let b = params
+                                .tensor(
+                                    &layout,
+                                    &format!("model.layers.{l}.mlp.experts.{x}.{name}.bias"),
+                                )
+                                .unwrap();
+                            (0..spec.c).map(|c| inp(c) * w[j * spec.c + c] as f64).sum::<f64>()
+                                + b[j] as f64
+                        };
+                        let ours_in = |c: usize| h2[r * spec.c + c] as f64;
+                        let fx_in = |c: usize| mlp_in[r * spec.c + c];
+                        for j in 0..i_f {
+                            let gate =
+                                |inp: &dyn Fn(usize) -> f64| pre(inp, "gate_proj", j) > limit;
+                            let up =
+                                |inp: &dyn Fn(usize) -> f64| pre(inp, "up_proj", j).abs() > limit;
+                            assert_eq!(
+                                gate(&ours_in),
+                                gate(&fx_in),
+                                "{case} layer {l} row {r} expert {x}: gate {j}"
+                            );
+                            assert_eq!(
+                                up(&ours_in),
+                                up(&fx_in),
+                                "{case} layer {l} row {r} expert {x}: up {j}"
+                            );
+                            clamped += usize::from(gate(&fx_in)) + usize::from(up(&fx_in));
+                            entries += 2;
+                        }
+                    }
+                }
+                assert!(
+                    clamped > 0 && clamped < entries,
+                    "{case} layer {l}: {clamped} of {entries} clamped"
+                );
             }
         }
     }
