@@ -15,7 +15,7 @@ use crate::engine::sizes::Sizes;
 use crate::model::chunks::ExpertSplit;
 use crate::model::layout::ModelLayout;
 use crate::model::lora::BaseDtype;
-use crate::model::spec::{AttnSpec, LayerSpec, Op, Weight};
+use crate::model::spec::{AttnSpec, LayerSpec, Op, Stored, Weight};
 use crate::optim::state::OptimizerMemory;
 use crate::sim::des::{Cost, Sharing};
 use crate::sim::hardware::{Hardware, Host};
@@ -291,7 +291,7 @@ impl CostModel<'_> {
     /// A sparse layer's experts over one micro-batch: the M = N*k (row, choice) pairs spread
     /// evenly over the experts they are expected to reach (`E (1 - (1 - 1/E)^M)`), each active
     /// expert's two products (and their adapters) on its share of the rows, one launch each,
-    /// its NF4 matrices dequantised first (QLoRA), and the dispatch's traffic: gather and
+    /// its packed matrices (NF4, MXFP4) dequantised first, and the dispatch's traffic: gather and
     /// combine of (M, C), the SwiGLU of (M, I). The backward: each product's two, the SwiGLU's,
     /// gather and combine again, and the forward's SwiGLU and dequantisation once more.
     fn experts(&self, l: &LayerSpec, op: &Op, backward: bool) -> f64 {
@@ -314,11 +314,10 @@ impl CostModel<'_> {
             + gemm(i, c)
             + adapter(&lora.gate_up, c, 2 * i)
             + adapter(&lora.down, i, c)
-            + if packed.is_some() {
-                d.stream((3 * i * c) as f64 * (0.5 + 2.0 + 4.0 / 64.0))
-            } else {
-                0.0
-            }
+            + packed.as_ref().map_or(0.0, |w| {
+                let bytes = packed_bytes(&w[0][0]);
+                d.stream((3 * i * c) as f64 * (bytes + 2.0))
+            })
             + 2.0 * d.launch();
         let pairs = m as usize;
         let traffic = d.stream(m * 3.0 * c as f64 * ACT_BYTES) + d.glu(pairs, i, false);
@@ -330,10 +329,7 @@ impl CostModel<'_> {
     fn dequant(&self, w: &Weight) -> f64 {
         match w {
             Weight::Slot(_) => 0.0,
-            Weight::Packed(_) => {
-                let n = w.numel() as f64;
-                self.device.stream(n * (0.5 + 2.0 + 4.0 / 64.0))
-            }
+            Weight::Packed(_) => self.device.stream(w.numel() as f64 * (packed_bytes(w) + 2.0)),
         }
     }
 
@@ -708,6 +704,17 @@ impl CostModel<'_> {
             }
             _ => Cost::default(),
         }
+    }
+}
+
+/// Bytes a value of packed weight `w` is read from: NF4's half byte and an fp32 absmax per 64,
+/// or MXFP4's half byte and a scale byte per 32.
+fn packed_bytes(w: &Weight) -> f64 {
+    match w {
+        Weight::Packed(parts) if parts.first().is_some_and(|p| p.stored == Stored::Mxfp4) => {
+            0.5 + 1.0 / 32.0
+        }
+        _ => 0.5 + 4.0 / 64.0,
     }
 }
 
