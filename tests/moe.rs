@@ -240,3 +240,30 @@ fn gpt_oss_bad_inputs_are_named() {
     let err = load_error(&config("gpt_oss"), dir.path());
     assert!(err.contains(sinks) && err.contains("[3]") && err.contains("[4]"), "{err}");
 }
+
+/// gpt-oss exported in shards (each shard's fused experts made as it is written) loads back
+/// bit for bit, from bf16 and from MXFP4; `--layout hub` is refused (gpt-oss has none).
+#[test]
+fn gpt_oss_exports_in_shards_and_refuses_a_hub_layout() {
+    let horizon = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_horizon")).args(args).output().unwrap()
+    };
+    for case in ["gpt_oss", "gpt_oss_mxfp4"] {
+        let src = case_dir(case).join("model");
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("out");
+        let (s, o) = (src.to_str().unwrap(), out.to_str().unwrap());
+        let run = horizon(&["export", s, "--out", o, "--max-shard-size", "100KB"]);
+        assert!(run.status.success(), "{case}: {}", String::from_utf8_lossy(&run.stderr));
+        assert!(out.join("model.safetensors.index.json").exists(), "{case}: shards");
+        let cfg = ModelConfig::from_file(&src.join("config.json")).unwrap();
+        let layout = horizon::model::describe(&cfg);
+        let (want, got) =
+            (ParamStore::load_hf(&layout, &src).unwrap(), ParamStore::load_hf(&layout, &out));
+        assert_bit_identical(case, &got.unwrap(), &want);
+        let hub = tmp.path().join("hub");
+        let run = horizon(&["export", s, "--out", hub.to_str().unwrap(), "--layout", "hub"]);
+        let err = String::from_utf8_lossy(&run.stderr);
+        assert!(!run.status.success() && err.contains("gpt-oss has no per-expert layout"), "{err}");
+    }
+}

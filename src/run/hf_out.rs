@@ -6,13 +6,14 @@
 //! (`run::export`); an adapter run's `OUT/final/` gets the tokenizer files beside the adapter
 //! ([`write_tokenizer`]).
 
+use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 
 use crate::hf::checkpoint::write_safetensors;
-use crate::hf::config::ModelConfig;
+use crate::hf::config::{Arch, ModelConfig};
 use crate::model::params::ParamStore;
 use crate::model::spec::Op;
 use crate::run::config::RawConfig;
@@ -238,23 +239,23 @@ fn write_export(
     fs::write(&cfg_path, serde_json::to_string_pretty(&cfg_json)?)
         .with_context(|| format!("cannot write {}", cfg_path.display()))?;
 
-    let gpt_oss: Vec<_> = match &model_cfg.moe {
-        Some(m) if m.arch == crate::hf::config::Arch::GptOss => (0..layout.dims.layers)
-            .flat_map(|l| gpt_oss_fused(&layout, &params.layers[l], l))
-            .collect(),
-        _ => Vec::new(),
-    };
-    let mut tensors: Vec<(String, Vec<usize>, &[f32])> = layout
+    let mut tensors: Vec<Entry> = layout
         .hf_tensors()
         .into_iter()
         .map(|(name, shape)| {
             let data = params.tensor(&layout, &name).expect("the layout names its own tensors");
-            (name, shape, data)
+            (name, shape, Values::Stored(data))
         })
         .collect();
     if let Some(m) = &model_cfg.moe {
+        if m.arch == Arch::GptOss && opts.fused_experts == Some(false) {
+            bail!(
+                "--layout hub: gpt-oss has no per-expert layout (its checkpoints store the \
+                 experts fused)\nhint: leave --layout out, or write --layout fused"
+            );
+        }
         if opts.fused_experts.unwrap_or(m.fused) {
-            tensors = fuse_experts(tensors, m, &layout, (params, &gpt_oss));
+            tensors = fuse_experts(tensors, m, &layout, params);
         }
     } else if opts.fused_experts == Some(true) {
         bail!(
@@ -262,13 +263,17 @@ fn write_export(
             model_cfg.arch.model_type()
         );
     }
-    let sizes: Vec<u64> = tensors.iter().map(|t| (t.2.len() * opts.dtype.size()) as u64).collect();
+    let numel = |t: &Entry| t.1.iter().product::<usize>();
+    let sizes: Vec<u64> = tensors.iter().map(|t| (numel(t) * opts.dtype.size()) as u64).collect();
+    let write = |path: &Path, entries: &[Entry]| {
+        write_entries(path, entries, (&layout, params), opts.dtype)
+    };
     let shards = plan_shards(&sizes, opts.max_shard_bytes);
     let total_bytes: u64 = sizes.iter().sum();
     let mut files = Vec::new();
     if shards.len() == 1 {
         let path = dir.join("model.safetensors");
-        write_safetensors(&path, &tensors, opts.dtype)?;
+        write(&path, &tensors)?;
         test_exit_after_first_file();
         files.push(path);
     } else {
@@ -277,7 +282,7 @@ fn write_export(
         for (i, range) in shards.iter().enumerate() {
             let name = format!("model-{:05}-of-{n:05}.safetensors", i + 1);
             let path = dir.join(&name);
-            write_safetensors(&path, &tensors[range.clone()], opts.dtype)?;
+            write(&path, &tensors[range.clone()])?;
             test_exit_after_first_file();
             for t in &tensors[range.clone()] {
                 weight_map.insert(t.0.clone(), name.clone().into());
@@ -305,13 +310,13 @@ fn write_export(
 /// contiguous run of the layer's buffer (its experts' `[gate; up]`, then their downs), in the
 /// place of the layer's first expert tensor of each, and the router as `mlp.gate.weight`; every
 /// other tensor as it was, in order.
-/// gpt-oss's experts go in as [`gpt_oss_fused`] wrote them (`gpt_oss`: every layer's four).
+/// gpt-oss's experts go in as [`gpt_oss_fused`]'s four tensors, made as their file is written.
 fn fuse_experts<'a>(
-    tensors: Vec<(String, Vec<usize>, &'a [f32])>,
+    tensors: Vec<Entry<'a>>,
     m: &crate::hf::config::MoeConfig,
     layout: &crate::model::layout::ModelLayout,
-    (params, gpt_oss): (&'a ParamStore, &'a [OwnedTensor]),
-) -> Vec<(String, Vec<usize>, &'a [f32])> {
+    params: &'a ParamStore,
+) -> Vec<Entry<'a>> {
     let (e, i, c) = (m.num_experts, m.expert_size, layout.dims.c);
     let (block, [gate, _, down]) = m.hub_names();
     let mut out = Vec::with_capacity(tensors.len());
@@ -334,19 +339,16 @@ fn fuse_experts<'a>(
             continue;
         };
         let buf = &params.layers[l];
-        if !gpt_oss.is_empty() {
-            if rest == format!("{block}.experts.0.{gate}.weight") {
-                let ours = gpt_oss[4 * l..4 * l + 4].iter();
-                out.extend(ours.map(|(n, s, v)| (n.clone(), s.clone(), &v[..])));
-            } else if !rest.starts_with(&format!("{block}.experts.")) {
-                out.push((name, shape, data));
-            }
-        } else if rest == format!("{block}.gate.weight") {
+        let gpt_oss = m.arch == Arch::GptOss;
+        if gpt_oss && rest == format!("{block}.experts.0.{gate}.weight") {
+            let fused = gpt_oss_fused_shapes(l, (e, i, c)).into_iter().enumerate();
+            out.extend(fused.map(|(k, (n, s))| (n, s, Values::GptOss(l, k))));
+        } else if !gpt_oss && rest == format!("{block}.gate.weight") {
             out.push((router, shape, data));
-        } else if rest == format!("{block}.experts.0.{gate}.weight") {
-            out.push((gu, vec![e, 2 * i, c], &buf[gu_range]));
-        } else if rest == format!("{block}.experts.0.{down}.weight") {
-            out.push((dn, vec![e, c, i], &buf[dn_range]));
+        } else if !gpt_oss && rest == format!("{block}.experts.0.{gate}.weight") {
+            out.push((gu, vec![e, 2 * i, c], Values::Stored(&buf[gu_range])));
+        } else if !gpt_oss && rest == format!("{block}.experts.0.{down}.weight") {
+            out.push((dn, vec![e, c, i], Values::Stored(&buf[dn_range])));
         } else if !rest.starts_with(&format!("{block}.experts.")) {
             out.push((name, shape, data));
         }
@@ -356,6 +358,56 @@ fn fuse_experts<'a>(
 
 /// A tensor to write: its name, shape and values.
 pub type OwnedTensor = (String, Vec<usize>, Vec<f32>);
+
+/// Where a written tensor's values come from: the store, or (gpt-oss) fused expert parameter
+/// `k` of layer `l` ([`gpt_oss_fused`]), made only while the file holding it is written, so an
+/// export holds at most one file's worth of them beside the store.
+#[derive(Clone, Copy)]
+enum Values<'a> {
+    Stored(&'a [f32]),
+    GptOss(usize, usize),
+}
+
+/// A tensor to write: its name, shape and where its values come from.
+type Entry<'a> = (String, Vec<usize>, Values<'a>);
+
+/// `entries` as one safetensors file at `path`, each gpt-oss layer's fused experts made for it.
+fn write_entries(
+    path: &Path,
+    entries: &[Entry],
+    (layout, params): (&crate::model::layout::ModelLayout, &ParamStore),
+    dtype: crate::hf::checkpoint::SaveDtype,
+) -> Result<()> {
+    let mut made: BTreeMap<usize, Vec<OwnedTensor>> = BTreeMap::new();
+    for (_, _, v) in entries {
+        if let Values::GptOss(l, _) = *v {
+            made.entry(l).or_insert_with(|| gpt_oss_fused(layout, &params.layers[l], l));
+        }
+    }
+    let tensors: Vec<(String, Vec<usize>, &[f32])> = entries
+        .iter()
+        .map(|(n, s, v)| {
+            let data = match *v {
+                Values::Stored(d) => d,
+                Values::GptOss(l, k) => &made[&l][k].2[..],
+            };
+            (n.clone(), s.clone(), data)
+        })
+        .collect();
+    write_safetensors(path, &tensors, dtype)
+}
+
+/// The names and shapes of layer `l`'s fused gpt-oss expert parameters, in [`gpt_oss_fused`]'s
+/// order, for E experts of I over a hidden size C.
+fn gpt_oss_fused_shapes(l: usize, (e, i, c): (usize, usize, usize)) -> [(String, Vec<usize>); 4] {
+    let p = format!("model.layers.{l}.mlp.experts");
+    [
+        (format!("{p}.gate_up_proj"), vec![e, c, 2 * i]),
+        (format!("{p}.gate_up_proj_bias"), vec![e, 2 * i]),
+        (format!("{p}.down_proj"), vec![e, i, c]),
+        (format!("{p}.down_proj_bias"), vec![e, c]),
+    ]
+}
 
 /// Layer `l`'s gpt-oss experts from its buffer `buf` (weights, or their gradients in full
 /// fine-tuning: the same layout) as transformers' fused parameters: `gate_up_proj` (E, C, 2I)
@@ -392,13 +444,9 @@ pub fn gpt_oss_fused(
             }
         }
     }
-    let p = format!("model.layers.{l}.mlp.experts");
-    vec![
-        (format!("{p}.gate_up_proj"), vec![e, c, 2 * i], gu),
-        (format!("{p}.gate_up_proj_bias"), vec![e, 2 * i], gub),
-        (format!("{p}.down_proj"), vec![e, i, c], dn),
-        (format!("{p}.down_proj_bias"), vec![e, c], buf[db.clone()].to_vec()),
-    ]
+    let values = [gu, gub, dn, buf[db.clone()].to_vec()];
+    let shapes = gpt_oss_fused_shapes(l, (e, i, c));
+    shapes.into_iter().zip(values).map(|((n, s), v)| (n, s, v)).collect()
 }
 
 /// Consecutive groups of tensors (by index) of at most `max` bytes each; a tensor larger than
