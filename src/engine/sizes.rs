@@ -65,7 +65,7 @@ pub struct Sizes {
     pub moment_bytes: usize,
     /// Host bytes of the trained masters (fp32).
     pub master_bytes: usize,
-    /// Host bytes of an adapter run's frozen base by dtype: fp32, bf16, NF4 and MXFP4 words (0 in full
+    /// Host bytes of an adapter run's frozen base by dtype ([`BASE_DTYPES`]; 0 in full
     /// fine-tuning).
     pub base_bytes: [usize; 4],
     /// The row length every buffer is sized for (`EngineConfig::seq_len`).
@@ -426,14 +426,9 @@ impl Sizes {
             (GradWire::Bf16, false) => "gradient slabs (bf16, engine.grad_wire)",
             (GradWire::Bf16, true) => "gradient slabs (bf16, engine.grad_wire; + one fp32 layer)",
         };
-        let base = [
-            "frozen base, fp32",
-            "frozen base, bf16",
-            "frozen base, NF4 (4 bits a value + an fp32 absmax per 64)",
-            "frozen base, MXFP4 (4 bits a value + a scale byte per 32: gpt-oss's experts)",
-        ];
+        let base = BASE_DTYPES.iter().map(|&(_, line)| line);
         let mut lines: Vec<(&'static str, usize)> =
-            base.into_iter().zip(self.base_bytes).filter(|&(_, b)| b > 0).collect();
+            base.zip(self.base_bytes).filter(|&(_, b)| b > 0).collect();
         lines.extend([
             ("master weights (fp32, the trained tensors)", self.master_bytes),
             (moments, self.moment_bytes),
@@ -523,10 +518,22 @@ fn carried_rows(
     (later_mbs * n * widths().sum::<usize>(), later_mbs * widths().count())
 }
 
-/// Host bytes of the frozen tensors by dtype: fp32, bf16, NF4, MXFP4.
+/// The frozen base's dtypes, each with its line in the host plan.
+const BASE_DTYPES: [(HostDtype, &str); 4] = [
+    (HostDtype::F32, "frozen base, fp32"),
+    (HostDtype::Bf16, "frozen base, bf16"),
+    (HostDtype::Nf4, "frozen base, NF4 (4 bits a value + an fp32 absmax per 64)"),
+    (
+        HostDtype::Mxfp4,
+        "frozen base, MXFP4 (4 bits a value + a scale byte per 32: gpt-oss's experts)",
+    ),
+];
+
+/// Host bytes of the frozen tensors by dtype, in [`BASE_DTYPES`]' order.
 fn base_bytes(frozen: &[crate::store::HostTensor]) -> [usize; 4] {
-    [HostDtype::F32, HostDtype::Bf16, HostDtype::Nf4, HostDtype::Mxfp4]
-        .map(|d| tensor_bytes(&frozen.iter().filter(|t| t.dtype == d).cloned().collect::<Vec<_>>()))
+    BASE_DTYPES.map(|(d, _)| {
+        tensor_bytes(&frozen.iter().filter(|t| t.dtype == d).cloned().collect::<Vec<_>>())
+    })
 }
 
 #[cfg(test)]

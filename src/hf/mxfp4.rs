@@ -6,7 +6,8 @@
 //!
 //! Data flow: `config.json` `quantization_config` -> [`quantization`]; checkpoint `{name}_blocks`
 //! (E, rows, G, 16) u8 + `{name}_scales` (E, rows, G) u8 -> [`packed`] (shapes checked, both
-//! named in errors) -> [`dequantized`]: (E, 32 G, rows) f32, every value exact (in bf16 too).
+//! named in errors) -> the checkpoint's MXFP4 views (`Checkpoint::add_mxfp4_view`): an expert
+//! decoded in-to-out, (32 G, rows) f32, every value exact (in bf16 too).
 
 use anyhow::{Result, bail};
 use serde_json::Value;
@@ -78,15 +79,6 @@ pub fn packed<'a>(ckpt: &'a Checkpoint, name: &str) -> Result<Packed<'a>> {
     Ok(Packed { blocks, scales, experts, rows, cols: groups * horizon_backend::mxfp4::BLOCK })
 }
 
-/// Parameter `name` decoded from its packed pair, in-to-out as transformers' fused parameter
-/// (E, cols, rows), and that shape.
-pub fn dequantized(ckpt: &Checkpoint, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
-    let p = packed(ckpt, name)?;
-    let values =
-        horizon_backend::mxfp4::decode_transposed(p.blocks, p.scales, (p.experts, p.rows, p.cols));
-    Ok((vec![p.experts, p.cols, p.rows], values))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -96,22 +88,29 @@ mod tests {
         Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gpt_oss_mxfp4")
     }
 
-    /// The fixture's packed experts, through the checkpoint, decode to what transformers loads
-    /// (bf16 there: every value exact), shapes included.
+    /// The fixture's packed experts, read through the checkpoint's MXFP4 views (one per
+    /// expert, in-to-out), are what transformers loads (bf16 there: every value exact).
     #[test]
     fn packed_experts_load_as_transformers_dequantizes_them() {
-        let ckpt = Checkpoint::open(&case().join("model")).unwrap();
+        use crate::hf::checkpoint::NonFinite::Refuse;
+        let mut ckpt = Checkpoint::open(&case().join("model")).unwrap();
         let want = Checkpoint::open(&case().join("dequantized.safetensors")).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         for l in 0..2 {
             for proj in ["gate_up_proj", "down_proj"] {
                 let name = format!("model.layers.{l}.mlp.experts.{proj}");
-                let (shape, got) = dequantized(&ckpt, &name).unwrap();
-                assert_eq!(Some(shape.clone()), want.shape(&name), "{name}");
-                let mut w = vec![0.0f32; got.len()];
-                want.read_f32(&name, &shape, &mut w, crate::hf::checkpoint::NonFinite::Refuse)
-                    .unwrap();
-                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&got), bits(&w), "{name}");
+                let p = packed(&ckpt, &name).unwrap();
+                let (e, per) = (p.experts, [p.cols, p.rows]);
+                assert_eq!(want.shape(&name), Some(vec![e, per[0], per[1]]), "{name}");
+                let mut all = vec![0.0f32; e * per[0] * per[1]];
+                want.read_f32(&name, &[e, per[0], per[1]], &mut all, Refuse).unwrap();
+                for (x, w) in all.chunks_exact(per[0] * per[1]).enumerate() {
+                    let view = format!("{name}.{x}");
+                    ckpt.add_mxfp4_view(&view, &name, x * w.len(), &per, &[per[1], 1]).unwrap();
+                    let mut got = vec![0.0f32; w.len()];
+                    ckpt.read_f32(&view, &per, &mut got, Refuse).unwrap();
+                    assert_eq!(bits(&got), bits(w), "{view}");
+                }
             }
         }
     }

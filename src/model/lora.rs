@@ -233,10 +233,14 @@ fn relayout(spec: &mut LayerSpec, (nf4, mxfp4): (bool, bool)) -> Moved {
         }
     }
     let inside = |ms: &[Range<usize>], t: &TensorSpec| ms.iter().any(|m| m.contains(&t.offset));
-    let packed = |t: &TensorSpec| match () {
-        _ if mxfp4 && inside(&experts, t) => Some(Stored::Mxfp4),
-        _ if nf4 && (inside(&linear, t) || inside(&experts, t)) => Some(Stored::Nf4),
-        _ => None,
+    let packed = |t: &TensorSpec| {
+        if mxfp4 && inside(&experts, t) {
+            Some(Stored::Mxfp4)
+        } else if nf4 && (inside(&linear, t) || inside(&experts, t)) {
+            Some(Stored::Nf4)
+        } else {
+            None
+        }
     };
     let (mut slot, mut words) = (0, 0);
     let mut moved = Vec::new();

@@ -131,6 +131,9 @@ pub fn run_layout(
     })
 }
 
+/// The names `adapter.targets` may give the router: Horizon's own and PEFT's parameters.
+const ROUTER_NAMES: [&str; 3] = [ROUTER, peft::ROUTER_PARAM, peft::GPT_OSS_ROUTER_PARAM];
+
 /// `adapter.targets` as module targets and expert targets, as PEFT reads them on a mixture of
 /// experts: `experts` (or PEFT's `mlp.experts.gate_up_proj` / `mlp.experts.down_proj`) adapts
 /// the routed experts; on Qwen3-MoE and Mixtral the per-expert names (`gate_proj` + `up_proj`,
@@ -160,7 +163,7 @@ pub fn split_targets(a: &AdapterConfig, cfg: &ModelConfig) -> Result<(Vec<String
         }
         ex.gate_up = Some((2 * a.r, scale(2 * a.r, 2.0 * a.alpha)));
     }
-    let router = has(&["router", "mlp.gate.weight", "mlp.router.weight"]);
+    let router = has(&ROUTER_NAMES);
     if router && !cfg.arch.is_moe() {
         bail!(
             "adapter.targets names the router, but {} is not a mixture of experts",
@@ -194,7 +197,7 @@ pub fn split_targets(a: &AdapterConfig, cfg: &ModelConfig) -> Result<(Vec<String
     } else {
         &["experts", "mlp.experts.gate_up_proj", "gate_up_proj", "mlp.experts.down_proj"]
     };
-    let routers = ["router", "mlp.gate.weight", "mlp.router.weight"];
+    let routers = ROUTER_NAMES;
     let mut modules: Vec<String> = a
         .targets
         .iter()
