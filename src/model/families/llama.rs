@@ -7,8 +7,8 @@
 //! s (N,F) -> down -> +x2 -> y (N,C)`.
 //!
 //! Buffer order: `ln1 | q | k | v | [bq | bk | bv] | [q_norm | k_norm] | o | [bo | sinks] | ln2 |
-//! gate | up | down` (or the sparse MLP's tensors), so the fused products read one contiguous matrix (`wqkv`, `bqkv`, `wgu`) and the two
-//! head norms one `(2D)` vector.
+//! gate | up | down` (or the sparse MLP's tensors), so the fused products read one contiguous
+//! matrix (`wqkv`, `bqkv`, `wgu`) and the two head norms one `(2D)` vector.
 
 use crate::hf::config::{Arch, LayerType, ModelConfig};
 use std::ops::Range;
